@@ -1,0 +1,1 @@
+"""The ext_proc gRPC adapter and the HTTP side (metrics, health)."""

@@ -1,0 +1,1 @@
+"""The vLLM-compatible replica simulator."""
