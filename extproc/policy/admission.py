@@ -1,0 +1,293 @@
+"""The admission decision (accept / queue / reject / shed) and the ticket closed exactly once."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+from .classify import Classification, Classifier
+from .limits import ClassLimiter, Outcome, Ticket, Waiter
+from .schema import Policy
+
+# Decision kinds
+ACCEPT, QUEUE, REJECT, SHED, INVALID = "accept", "queue", "reject", "shed", "invalid"
+
+# Reasons (also metric label values and troubleshooting keys in docs/)
+R_SLOT_FREE = "slot_free"
+R_DEQUEUED = "dequeued"
+R_CLASS_FULL = "class_full"
+R_QUEUE_FULL = "queue_full"
+R_QUEUE_TIMEOUT = "queue_timeout"
+R_CLIENT_GONE = "client_disconnected"
+R_HIGHER_SATURATED = "higher_class_saturated"
+R_UNKNOWN_MODEL = "unknown_model"
+R_CLASS_REMOVED = "class_removed"
+
+
+@dataclass(slots=True)
+class RequestFacts:
+    """What the adapter read off the request; no policy in here."""
+
+    api_key: str | None = None
+    header_class: str | None = None
+    body_class: str | None = None
+    model: str | None = None
+    max_tokens: int | None = None
+    stream: bool = False
+    request_id: str = ""
+
+
+class Decision:
+    """The core's answer for one request. Terminal unless kind is QUEUE (then `waiter` gets the final one)."""
+
+    __slots__ = ("kind", "reason", "cls", "tenant", "status", "retry_after", "message", "ticket", "waiter",
+                 "cluster", "classification", "waited_s")
+
+    def __init__(self, kind: str, reason: str, cls: str, tenant: str, *, status: int = 200, retry_after: int = 0,
+                 message: str = "", ticket: Ticket | None = None, waiter: Waiter | None = None,
+                 cluster: str | None = None, classification: Classification | None = None,
+                 waited_s: float = 0.0):
+        self.kind = kind
+        self.reason = reason
+        self.cls = cls
+        self.tenant = tenant
+        self.status = status
+        self.retry_after = retry_after
+        self.message = message
+        self.ticket = ticket
+        self.waiter = waiter
+        self.cluster = cluster
+        self.classification = classification
+        self.waited_s = waited_s
+
+    def __repr__(self) -> str:
+        return f"Decision({self.kind}, {self.reason}, cls={self.cls}, status={self.status})"
+
+
+class AdmissionEvents(Protocol):
+    """What the core tells the outside world (metrics, logs). Implementations must be cheap and never raise."""
+
+    def decided(self, decision: Decision) -> None: ...
+    def queued(self, waiter: Waiter) -> None: ...
+    def finished(self, ticket: Ticket, outcome: Outcome, duration_s: float) -> None: ...
+
+
+class NoEvents:
+    def decided(self, decision: Decision) -> None:
+        pass
+
+    def queued(self, waiter: Waiter) -> None:
+        pass
+
+    def finished(self, ticket: Ticket, outcome: Outcome, duration_s: float) -> None:
+        pass
+
+
+class AdmissionController:
+    """Sans-IO admission: call decide() per request, finish() once per ticket, abandon() for gone waiters."""
+
+    def __init__(self, policy: Policy, clock: Callable[[], float] = time.monotonic,
+                 events: AdmissionEvents | None = None):
+        self.clock = clock
+        self.events: AdmissionEvents = events or NoEvents()
+        self.limiters: dict[str, ClassLimiter] = {}
+        self.tickets: dict[int, Ticket] = {}   # open tickets, for the lease safety net
+        self._retired: list[ClassLimiter] = []
+        self.apply(policy)
+
+    # --- configuration ---
+
+    def apply(self, policy: Policy) -> None:
+        """Install a (validated) policy. Held slots stay with the limiter they were taken from."""
+        old = self.limiters
+        limiters: dict[str, ClassLimiter] = {}
+        for name, spec in policy.classes.items():
+            lim = old.get(name)
+            if lim is None:
+                lim = ClassLimiter(name, spec)
+            else:
+                lim.reconfigure(spec)
+            limiters[name] = lim
+        self.policy = policy
+        self.classifier = Classifier(policy)
+        self.limiters = limiters
+        self._lease_s = policy.lease_ms / 1000.0
+        self._retry_ceiling = policy.retry_after_max_s
+        self._clusters = {name: m.cluster for name, m in policy.models.items()}
+        # protected class -> the classes whose saturation sheds it
+        self._shed_by: dict[str, list[ClassLimiter]] = {}
+        self._sheds: dict[str, list[ClassLimiter]] = {}
+        for protector, shed in policy.shed_map().items():
+            self._sheds[protector] = [limiters[c] for c in shed]
+            for c in shed:
+                self._shed_by.setdefault(c, []).append(limiters[protector])
+        now = self.clock()
+        for name, lim in old.items():
+            if name not in limiters:
+                self._retire(lim, now)
+        for lim in limiters.values():
+            self._grant(lim, now)  # a raised cap may admit waiters at once
+
+    def _retire(self, lim: ClassLimiter, now: float) -> None:
+        while lim.queue:
+            w = lim.queue.popleft()
+            self._resolve(w, self._reject(w, 503, R_CLASS_REMOVED, f"class {lim.name!r} was removed from the "
+                                          "policy while this request waited", now))
+        if lim.inflight:
+            self._retired.append(lim)
+
+    # --- decisions ---
+
+    def decide(self, facts: RequestFacts, context: Any = None) -> Decision:
+        """Classify and admit, queue, shed or reject one request."""
+        now = self.clock()
+        c = self.classifier.classify(facts.api_key, facts.header_class, facts.body_class)
+        cluster = self._clusters.get(facts.model) if facts.model is not None else None
+        if cluster is None:
+            return self._emit(Decision(INVALID, R_UNKNOWN_MODEL, c.cls, c.tenant, status=404,
+                                       message=f"The model `{facts.model}` does not exist.", classification=c))
+        lim = self.limiters[c.cls]
+        protector = self._saturated_protector(c.cls)
+        if protector is not None:
+            return self._emit(Decision(
+                SHED, R_HIGHER_SATURATED, c.cls, c.tenant, status=503,
+                retry_after=protector.retry_after_s(now, self._retry_ceiling), classification=c, cluster=cluster,
+                message=f"class {c.cls!r} is shed while class {protector.name!r} is saturated"))
+        if lim.has_room() and not lim.queue:
+            ticket = self._admit(lim, c.tenant, now, 1.0, 0.0)
+            return self._emit(Decision(ACCEPT, R_SLOT_FREE, c.cls, c.tenant, ticket=ticket, cluster=cluster,
+                                       classification=c))
+        if lim.queue_has_room():
+            waiter = Waiter(lim, c.tenant, now, 1.0, context)
+            lim.queue.append(waiter)
+            self.events.queued(waiter)
+            return Decision(QUEUE, R_CLASS_FULL, c.cls, c.tenant, waiter=waiter, cluster=cluster, classification=c)
+        return self._emit(Decision(
+            REJECT, R_QUEUE_FULL, c.cls, c.tenant, status=429, classification=c, cluster=cluster,
+            retry_after=lim.retry_after_s(now, self._retry_ceiling),
+            message=f"class {c.cls!r} is at capacity ({lim.inflight} running, {len(lim.queue)} queued, "
+                    f"queue limit {lim.spec.max_queue})"))
+
+    def invalid(self, status: int, reason: str, message: str, facts: RequestFacts | None = None) -> Decision:
+        """A request refused before admission (bad body, bad headers): counted, never holding a slot."""
+        cls, tenant = "", ""
+        if facts is not None:
+            c = self.classifier.classify(facts.api_key, facts.header_class, facts.body_class)
+            cls, tenant = c.cls, c.tenant
+        return self._emit(Decision(INVALID, reason, cls, tenant, status=status, message=message))
+
+    def abandon(self, waiter: Waiter, timed_out: bool) -> Decision | None:
+        """The waiter's deadline passed or its client left. Returns its final decision, or None if it had one."""
+        if not waiter.pending:
+            return None
+        now = self.clock()
+        lim = waiter.limiter
+        try:
+            lim.queue.remove(waiter)
+        except ValueError:
+            pass
+        if timed_out:
+            d = self._reject(waiter, 429, R_QUEUE_TIMEOUT,
+                             f"class {lim.name!r} had no free slot within {lim.spec.max_wait_ms} ms", now)
+        else:
+            d = self._reject(waiter, 499, R_CLIENT_GONE, "client disconnected while queued", now)
+        self._resolve(waiter, d)
+        return d
+
+    # --- ending ---
+
+    def finish(self, ticket: Ticket, outcome: Outcome) -> bool:
+        """Release the ticket's slot. Idempotent: only the first call counts."""
+        if ticket.closed:
+            return False
+        ticket.closed = True
+        now = self.clock()
+        self.tickets.pop(ticket.id, None)
+        lim = ticket.limiter
+        lim.give_back(ticket.cost, now)
+        self.events.finished(ticket, outcome, now - ticket.admitted_at)
+        if lim in self._retired and lim.inflight == 0:
+            self._retired.remove(lim)
+        self._grant(lim, now)
+        return True
+
+    def renew(self, ticket: Ticket) -> None:
+        ticket.lease_until = self.clock() + self._lease_s
+
+    def reap(self) -> list[Ticket]:
+        """Close tickets whose lease ran out and reject waiters past their deadline (safety nets)."""
+        now = self.clock()
+        expired = [t for t in self.tickets.values() if t.lease_until <= now]
+        for t in expired:
+            self.finish(t, Outcome.LEASE_EXPIRED)
+        for lim in self.limiters.values():
+            while lim.queue and lim.queue[0].deadline <= now:
+                self.abandon(lim.queue[0], timed_out=True)
+        return expired
+
+    # --- internals ---
+
+    def _saturated_protector(self, cls: str) -> ClassLimiter | None:
+        for protector in self._shed_by.get(cls, ()):
+            if protector.saturated:
+                return protector
+        return None
+
+    def _admit(self, lim: ClassLimiter, tenant: str, now: float, cost: float, waited_s: float) -> Ticket:
+        lim.take(cost)
+        ticket = Ticket(lim, tenant, now, self._lease_s, cost, waited_s)
+        self.tickets[ticket.id] = ticket
+        if lim.saturated:
+            for shed in self._sheds.get(lim.name, ()):
+                self._shed_queue(shed, lim, now)
+        return ticket
+
+    def _shed_queue(self, lim: ClassLimiter, protector: ClassLimiter, now: float) -> None:
+        while lim.queue:
+            w = lim.queue.popleft()
+            self._resolve(w, Decision(
+                SHED, R_HIGHER_SATURATED, lim.name, w.tenant, status=503, waited_s=now - w.enqueued_at,
+                retry_after=protector.retry_after_s(now, self._retry_ceiling),
+                message=f"class {lim.name!r} is shed while class {protector.name!r} is saturated"))
+
+    def _grant(self, lim: ClassLimiter, now: float) -> None:
+        """Hand free slots to the queue head, in FIFO order, skipping waiters already past their deadline."""
+        while lim.queue and lim.has_room():
+            w = lim.queue[0]
+            if w.deadline <= now:
+                self.abandon(w, timed_out=True)
+                continue
+            protector = self._saturated_protector(lim.name)
+            if protector is not None:
+                self._shed_queue(lim, protector, now)
+                return
+            lim.queue.popleft()
+            waited = now - w.enqueued_at
+            ticket = self._admit(lim, w.tenant, now, w.cost, waited)
+            self._resolve(w, Decision(ACCEPT, R_DEQUEUED, lim.name, w.tenant, ticket=ticket, waited_s=waited))
+
+    def _reject(self, w: Waiter, status: int, reason: str, message: str, now: float) -> Decision:
+        return Decision(REJECT, reason, w.limiter.name, w.tenant, status=status, message=message,
+                        retry_after=w.limiter.retry_after_s(now, self._retry_ceiling),
+                        waited_s=now - w.enqueued_at)
+
+    def _resolve(self, w: Waiter, d: Decision) -> None:
+        w.result = d
+        self._emit(d)
+        if w.on_result is not None:
+            w.on_result(d)
+
+    def _emit(self, d: Decision) -> Decision:
+        self.events.decided(d)
+        return d
+
+    # --- introspection (metrics collectors read this at scrape time) ---
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        out = {name: {"inflight": lim.inflight, "queue": len(lim.queue), "limit": lim.limit,
+                      "inflight_cost": lim.inflight_cost} for name, lim in self.limiters.items()}
+        for lim in self._retired:
+            out.setdefault(lim.name, {"inflight": lim.inflight, "queue": 0, "limit": 0,
+                                      "inflight_cost": lim.inflight_cost})
+        return out

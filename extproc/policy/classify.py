@@ -1,0 +1,71 @@
+"""Request facts -> traffic class, with the claimed class capped by what the tenant may use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .schema import Policy
+
+ANONYMOUS = "anonymous"
+
+
+@dataclass(frozen=True, slots=True)
+class Classification:
+    cls: str
+    tenant: str            # tenant name from config, or "anonymous": safe as a metric label
+    demoted: bool = False  # claimed a class above the tenant's max_class
+    unknown: bool = False  # claimed a class name the policy does not define
+
+
+@dataclass(frozen=True, slots=True)
+class _TenantLimits:
+    name: str
+    max_rank: int
+    default_class: str
+
+
+class Classifier:
+    """Tenant (by API key) first, then the header, then the body field, then the default."""
+
+    def __init__(self, policy: Policy):
+        names = policy.class_names()
+        self._rank = {n: i for i, n in enumerate(names)}
+        self._names = names
+        self._by_key: dict[str, _TenantLimits] = {}
+        for t in policy.tenants:
+            limits = self._limits(t.name, t.max_class, t.default_class, policy)
+            for key in t.api_keys:
+                self._by_key[key] = limits
+        a = policy.anonymous
+        self._anonymous = self._limits(ANONYMOUS, a.max_class, a.default_class, policy)
+        self.tenant_names = [t.name for t in policy.tenants] + [ANONYMOUS]
+
+    def _limits(self, name: str, max_class: str | None, default: str | None, policy: Policy) -> _TenantLimits:
+        max_rank = self._rank[max_class] if max_class else 0
+        default = default or policy.fallback_class()
+        # A default above the cap (only possible through the global default) is capped too.
+        if self._rank[default] < max_rank:
+            default = self._names[max_rank]
+        return _TenantLimits(name, max_rank, default)
+
+    def tenant_for(self, api_key: str | None) -> _TenantLimits:
+        return self._by_key.get(api_key, self._anonymous) if api_key else self._anonymous
+
+    def classify(self, api_key: str | None, header_claim: str | None, body_claim: str | None) -> Classification:
+        tenant = self.tenant_for(api_key)
+        claim = header_claim or body_claim
+        if not claim:
+            return Classification(tenant.default_class, tenant.name)
+        rank = self._rank.get(claim)
+        if rank is None:
+            return Classification(tenant.default_class, tenant.name, unknown=True)
+        if rank < tenant.max_rank:
+            return Classification(self._names[tenant.max_rank], tenant.name, demoted=True)
+        return Classification(claim, tenant.name)
+
+
+def bearer_key(authorization: str | None) -> str | None:
+    """The key of an "Authorization: Bearer <key>" header, else None."""
+    if not authorization or len(authorization) < 8 or authorization[:7].lower() != "bearer ":
+        return None
+    return authorization[7:].strip() or None

@@ -1,0 +1,270 @@
+"""The policy YAML: types, defaults, docs and validation with key paths (the one source of truth)."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+class PolicyError(ValueError):
+    """A policy that does not validate; `errors` holds one "key.path: message" line per problem."""
+
+    def __init__(self, errors: list[str]):
+        self.errors = errors
+        super().__init__("invalid policy:\n  " + "\n  ".join(errors))
+
+
+def doc(text: str, default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING,
+        minimum: float | None = None, maximum: float | None = None) -> Any:
+    """A schema field: its documentation, default and numeric bounds travel together."""
+    meta = {"doc": text, "min": minimum, "max": maximum}
+    if factory is not dataclasses.MISSING:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# --- the policy ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ClassSpec:
+    """One traffic class: its concurrency cap and its bounded deadline queue."""
+
+    max_concurrency: int = doc("Requests of this class admitted at once (the cap).", minimum=1)
+    max_queue: int = doc("Requests that may wait for a slot; arrivals beyond it get 429.", 20, minimum=0)
+    max_wait_ms: int = doc("Longest a request waits in the queue before it gets 429.", 200, minimum=0,
+                           maximum=60_000)
+
+
+@dataclass(frozen=True)
+class ClassifySpec:
+    """Where a request may claim its class."""
+
+    header: str = doc("Request header holding the claimed class name (lower case).", "x-priority")
+    body_field: str = doc("Top-level JSON body field holding the claimed class name. Removed from the body "
+                          "before it reaches vLLM when it names a class (vLLM's own `priority` is an integer).",
+                          "priority")
+
+
+@dataclass(frozen=True)
+class TenantSpec:
+    """A tenant: who it is (its API keys) and which classes it may use."""
+
+    name: str = doc("Tenant name; used as a metric label, so it comes from config only.")
+    api_keys: list[str] = doc('Keys matched against "Authorization: Bearer <key>".', factory=list)
+    max_class: str | None = doc("Highest class this tenant may claim; higher claims are demoted to it. "
+                                "Default: the highest class.", None)
+    default_class: str | None = doc("Class of this tenant's requests that claim none. Default: the policy's "
+                                    "`default_class`, capped by `max_class`.", None)
+
+
+@dataclass(frozen=True)
+class AnonymousSpec:
+    """Requests with no API key, or a key no tenant owns."""
+
+    max_class: str | None = doc("Highest class an anonymous request may claim. Default: the highest class.",
+                                None)
+    default_class: str | None = doc("Class of anonymous requests that claim none. Default: `default_class`.",
+                                    None)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model name clients send in the body's `model`, and the Envoy cluster (pool) that serves it."""
+
+    cluster: str = doc("Envoy cluster name that serves this model (must exist in envoy.yaml).")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The admission policy."""
+
+    classes: dict[str, ClassSpec] = doc("Traffic classes, highest priority first (order matters for shedding "
+                                        "and tenant caps).")
+    models: dict[str, ModelSpec] = doc("Models by the name clients send; any other model gets 404.")
+    default_class: str | None = doc("Class of requests that claim none and have no tenant default. "
+                                    "Default: the first class.", None)
+    classify: ClassifySpec = doc("Where requests claim a class.", factory=ClassifySpec)
+    tenants: list[TenantSpec] = doc("Tenants and their class limits.", factory=list)
+    anonymous: AnonymousSpec = doc("Limits for requests without a known API key.", factory=AnonymousSpec)
+    shed: dict[str, list[str]] | None = doc(
+        "While the class named by a key is saturated (all its slots taken), new and queued requests of the "
+        "listed classes are shed with 503. Default: the first class protects every other class. `{}` disables "
+        "shedding.", None)
+    mode: Literal["enforce", "shadow"] = doc("`shadow` computes and counts every decision but rejects nothing.",
+                                             "enforce")
+    lease_ms: int = doc("Safety net: a slot whose request was never seen to end is freed after this long, "
+                        "unless its gRPC stream is still alive (live streams renew their lease).", 600_000,
+                        minimum=1_000)
+    retry_after_max_s: int = doc("Upper bound on the Retry-After seconds sent with 429/503.", 60, minimum=1)
+
+    # --- derived views (not part of the YAML) ---
+    def class_names(self) -> list[str]:
+        return list(self.classes)
+
+    def fallback_class(self) -> str:
+        """`default_class` with its default applied."""
+        return self.default_class or next(iter(self.classes))
+
+    def shed_map(self) -> dict[str, list[str]]:
+        """Protecting class -> classes shed while it is saturated, with the default applied."""
+        if self.shed is not None:
+            return self.shed
+        names = self.class_names()
+        return {names[0]: names[1:]} if len(names) > 1 else {}
+
+
+# --- loading and validation --------------------------------------------------------------------------------------
+
+def load_policy(data: Any) -> Policy:
+    """Build a Policy from parsed YAML, or raise PolicyError listing every problem with its key path."""
+    errors: list[str] = []
+    policy = _build(Policy, data, "", errors)
+    if policy is not None and not errors:
+        _check_references(policy, errors)
+    if errors or policy is None:
+        raise PolicyError(errors or ["(root): not a mapping"])
+    return policy
+
+
+def load_policy_file(path: str) -> Policy:
+    import yaml  # local: the core stays importable without YAML when policies are built in code
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise PolicyError([f"{path}: {e.strerror}"]) from e
+    except yaml.YAMLError as e:
+        raise PolicyError([f"{path}: not valid YAML: {e}"]) from e
+    return load_policy(data)
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _build(tp: Any, value: Any, path: str, errors: list[str]) -> Any:
+    """Convert `value` to type `tp`, appending "path: message" to errors on mismatch."""
+    where = path or "(root)"
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return None if value is None else _build(args[0], value, path, errors)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            errors.append(f"{where}: must be one of {', '.join(map(str, choices))}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            errors.append(f"{where}: must be a list, got {type(value).__name__}")
+            return []
+        (item,) = typing.get_args(tp)
+        return [_build(item, v, f"{path}[{i}]", errors) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            errors.append(f"{where}: must be a mapping, got {type(value).__name__}")
+            return {}
+        _, item = typing.get_args(tp)
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str) or not k:
+                errors.append(f"{where}: keys must be non-empty strings, got {k!r}")
+                continue
+            out[k] = _build(item, v, _join(path, k), errors)
+        return out
+    if dataclasses.is_dataclass(tp):
+        return _build_dataclass(tp, value, path, errors)
+    return _build_scalar(tp, value, where, errors)
+
+
+def _build_scalar(tp: type, value: Any, where: str, errors: list[str]) -> Any:
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        errors.append(f"{where}: must be {_type_name(tp)}, got {value!r}")
+        return None
+    return value
+
+
+def _type_name(tp: type) -> str:
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, tp.__name__)
+
+
+def _build_dataclass(cls: type, value: Any, path: str, errors: list[str]) -> Any:
+    where = path or "(root)"
+    if not isinstance(value, dict):
+        errors.append(f"{where}: must be a mapping, got {type(value).__name__}")
+        return None
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in value:
+        if key not in fields:
+            errors.append(f"{_join(path, str(key))}: unknown key (allowed: {', '.join(fields)})")
+    kwargs = {}
+    for name, f in fields.items():
+        key_path = _join(path, name)
+        if name not in value:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                errors.append(f"{key_path}: required")
+            continue
+        built = _build(hints[name], value[name], key_path, errors)
+        _check_bounds(f, built, key_path, errors)
+        kwargs[name] = built
+    try:
+        return cls(**kwargs)
+    except TypeError:
+        return None  # a required key was missing; already reported
+
+
+def _check_bounds(f: dataclasses.Field, value: Any, path: str, errors: list[str]) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return
+    lo, hi = f.metadata.get("min"), f.metadata.get("max")
+    if lo is not None and value < lo:
+        errors.append(f"{path}: must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        errors.append(f"{path}: must be <= {hi}, got {value}")
+
+
+def _check_references(p: Policy, errors: list[str]) -> None:
+    """Cross-field rules: every class name used anywhere must be defined; keys are unique."""
+    names = p.class_names()
+    rank = {n: i for i, n in enumerate(names)}
+    if not names:
+        errors.append("classes: at least one class is required")
+    if not p.models:
+        errors.append("models: at least one model is required")
+
+    def need_class(value: str | None, path: str) -> None:
+        if value is not None and value not in rank:
+            errors.append(f"{path}: unknown class {value!r} (classes: {', '.join(names)})")
+
+    need_class(p.default_class, "default_class")
+    need_class(p.anonymous.max_class, "anonymous.max_class")
+    need_class(p.anonymous.default_class, "anonymous.default_class")
+    seen_keys: dict[str, str] = {}
+    seen_names: set[str] = set()
+    for i, t in enumerate(p.tenants):
+        base = f"tenants[{i}]"
+        if t.name in seen_names:
+            errors.append(f"{base}.name: duplicate tenant {t.name!r}")
+        seen_names.add(t.name)
+        need_class(t.max_class, f"{base}.max_class")
+        need_class(t.default_class, f"{base}.default_class")
+        if t.max_class in rank and t.default_class in rank and rank[t.default_class] < rank[t.max_class]:
+            errors.append(f"{base}.default_class: {t.default_class!r} is above max_class {t.max_class!r}")
+        for j, key in enumerate(t.api_keys):
+            if key in seen_keys:
+                # Never echo the key itself: policy errors end up in logs.
+                errors.append(f"{base}.api_keys[{j}]: key already belongs to tenant {seen_keys[key]!r}")
+            seen_keys[key] = t.name
+    for protector, shed in p.shed_map().items():
+        need_class(protector, f"shed.{protector}")
+        for j, c in enumerate(shed):
+            need_class(c, f"shed.{protector}[{j}]")
+            if c == protector:
+                errors.append(f"shed.{protector}[{j}]: a class cannot shed itself")

@@ -1,0 +1,164 @@
+"""`extproc serve`: the gRPC ext_proc server, its HTTP side (/metrics, /healthz) and policy reloads."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+import grpc
+from aiohttp import web
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ..policy.admission import AdmissionController
+from ..policy.schema import Policy, PolicyError, load_policy_file
+from ..telemetry import Telemetry
+from .servicer import ExtProcServicer
+
+log = logging.getLogger("extproc")
+
+
+def _hostport(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    return host or "127.0.0.1", int(port)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--policy", required=True, help="policy YAML file (see `extproc check`)")
+    p.add_argument("--grpc", type=_hostport, default=("127.0.0.1", 50051), metavar="HOST:PORT",
+                   help="ext_proc gRPC listen address (default 127.0.0.1:50051)")
+    p.add_argument("--metrics", type=_hostport, default=("127.0.0.1", 9090), metavar="HOST:PORT",
+                   help="HTTP /metrics and /healthz address (default 127.0.0.1:9090; keep it off public interfaces)")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20,
+                   help="largest request body accepted (match Envoy's per_connection_buffer_limit_bytes)")
+    p.add_argument("--watch-interval", type=float, default=2.0,
+                   help="seconds between checks of the policy file for changes (0 disables; SIGHUP always works)")
+    p.add_argument("--log-level", default=os.environ.get("EXTPROC_LOG_LEVEL", "INFO"))
+
+
+class Server:
+    """Owns the core, the servicer and the endpoints; reloads the policy on SIGHUP or file change."""
+
+    def __init__(self, policy_path: str, policy: Policy, args: argparse.Namespace):
+        self.policy_path = policy_path
+        self.args = args
+        self.telemetry = Telemetry()
+        self.core = AdmissionController(policy, events=self.telemetry)
+        self.telemetry.watch(self.core.snapshot)
+        self.servicer = ExtProcServicer(self.core, max_body_bytes=args.max_body_bytes)
+        self._mtime = _mtime(policy_path)
+        self.ready = False
+
+    def reload(self) -> bool:
+        """Apply the policy file if it validates; otherwise keep serving the old one."""
+        self._mtime = _mtime(self.policy_path)
+        try:
+            policy = load_policy_file(self.policy_path)
+        except PolicyError as e:
+            self.telemetry.reloads.labels("invalid").inc()
+            log.error("policy reload refused, keeping the current policy:\n  %s", "\n  ".join(e.errors))
+            return False
+        self.core.apply(policy)
+        self.telemetry.reloads.labels("applied").inc()
+        log.info("policy reloaded from %s", self.policy_path)
+        return True
+
+    async def housekeeping(self) -> None:
+        """Renew live leases, reap expired ones, and pick up policy file changes."""
+        last_watch = 0.0
+        while True:
+            await asyncio.sleep(1.0)
+            self.servicer.renew_live()
+            self.core.reap()
+            now = self.core.clock()
+            if self.args.watch_interval and now - last_watch >= self.args.watch_interval:
+                last_watch = now
+                if _mtime(self.policy_path) != self._mtime:
+                    self.reload()
+
+    async def run(self) -> None:
+        grpc_server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", self.args.max_body_bytes * 2 + (64 << 10)),
+            ("grpc.max_send_message_length", self.args.max_body_bytes * 2 + (64 << 10)),
+            ("grpc.so_reuseport", 0),  # a second server must fail to bind, not silently share the port
+            ("grpc.max_concurrent_streams", 100000),
+        ])
+        pb_grpc.add_ExternalProcessorServicer_to_server(self.servicer, grpc_server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
+        host, port = self.args.grpc
+        bound = grpc_server.add_insecure_port(f"{host}:{port}")
+        if not bound:
+            raise SystemExit(f"cannot listen on {host}:{port} for gRPC")
+        await grpc_server.start()
+        runner = await self._start_http()
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set("envoy.service.ext_proc.v3.ExternalProcessor",
+                                  health_pb2.HealthCheckResponse.SERVING)
+        self.ready = True
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        loop.add_signal_handler(signal.SIGHUP, self.reload)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        housekeeping = asyncio.create_task(self.housekeeping())
+        log.info("extproc serving: grpc %s:%d, http %s:%d, policy %s", host, bound, *self.args.metrics,
+                 self.policy_path)
+        print(f"extproc ready grpc={host}:{bound} http={self.args.metrics[0]}:{self.args.metrics[1]}", flush=True)
+        await stop.wait()
+        # Drain: stop answering health as serving, let in-flight streams finish for a short grace period.
+        self.ready = False
+        await health_servicer.enter_graceful_shutdown()
+        housekeeping.cancel()
+        await grpc_server.stop(grace=5.0)
+        await runner.cleanup()
+
+    async def _start_http(self) -> web.AppRunner:
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/healthz", self._healthz)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        host, port = self.args.metrics
+        await web.TCPSite(runner, host, port).start()
+        return runner
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.telemetry.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        snap = self.core.snapshot()
+        body = {"status": "ok" if self.ready else "starting", "classes": snap,
+                "stream_errors": self.servicer.errors}
+        return web.json_response(body, status=200 if self.ready else 503)
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return 0.0
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s",
+                        stream=sys.stderr)
+    try:
+        policy = load_policy_file(args.policy)
+    except PolicyError as e:
+        print(f"extproc: refusing to start, {args.policy} is invalid:", file=sys.stderr)
+        for line in e.errors:
+            print(f"  {line}", file=sys.stderr)
+        return 1
+    server = Server(args.policy, policy, args)
+    try:
+        asyncio.run(server.run())
+    except KeyboardInterrupt:
+        pass
+    return 0

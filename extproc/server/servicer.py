@@ -1,0 +1,258 @@
+"""The ext_proc adapter: ProcessingRequest -> admission core calls -> ProcessingResponse."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import AsyncIterator
+
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import duration_pb2
+
+from ..policy.admission import ACCEPT, QUEUE, AdmissionController, Decision, RequestFacts
+from ..policy.classify import bearer_key
+from ..policy.limits import Outcome, Ticket, Waiter
+from .openai import GENERATION_PATHS, BadRequest, error_body, parse_generation_body
+
+log = logging.getLogger("extproc.server")
+
+CLUSTER_HEADER = "x-extproc-cluster"
+_Mode = processing_mode_pb2.ProcessingMode
+
+# Constant answers, built once (grpc serialises them on send; they are never mutated).
+CONTINUE = {
+    "request_headers": pb.ProcessingResponse(request_headers=pb.HeadersResponse()),
+    "request_body": pb.ProcessingResponse(request_body=pb.BodyResponse()),
+    "request_trailers": pb.ProcessingResponse(request_trailers=pb.TrailersResponse()),
+    "response_headers": pb.ProcessingResponse(response_headers=pb.HeadersResponse()),
+    "response_body": pb.ProcessingResponse(response_body=pb.BodyResponse()),
+    "response_trailers": pb.ProcessingResponse(response_trailers=pb.TrailersResponse()),
+}
+# Not ours to admit (GET /v1/models, /health, ...): skip every later phase of this request.
+PASS_THROUGH = pb.ProcessingResponse(
+    request_headers=pb.HeadersResponse(),
+    mode_override=_Mode(request_header_mode=_Mode.SKIP, response_header_mode=_Mode.SKIP,
+                        request_body_mode=_Mode.NONE, response_body_mode=_Mode.NONE,
+                        request_trailer_mode=_Mode.SKIP, response_trailer_mode=_Mode.SKIP))
+
+
+def _header(key: str, value: str | bytes) -> base_pb2.HeaderValueOption:
+    raw = value if isinstance(value, bytes) else value.encode()
+    # Envoy reads raw_value; `value` alone arrives as an empty header.
+    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=raw),
+                                      append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+
+
+def immediate(status: int, body: bytes, headers: list[tuple[str, str]], details: str) -> pb.ProcessingResponse:
+    hs = [_header("content-type", "application/json")] + [_header(k, v) for k, v in headers]
+    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=status), headers=pb.HeaderMutation(set_headers=hs), body=body,
+        details=details))
+
+
+def decision_response(d: Decision) -> pb.ProcessingResponse:
+    """A terminal non-accept decision as Envoy's immediate response with an OpenAI-style body."""
+    headers = [("x-extproc-class", d.cls), ("x-extproc-decision", d.kind), ("x-extproc-reason", d.reason)]
+    if d.retry_after:
+        headers.append(("retry-after", str(d.retry_after)))
+    return immediate(d.status, error_body(d.status, d.message, d.reason), headers, f"extproc_{d.reason}")
+
+
+def _wait_override(seconds: float) -> pb.ProcessingResponse:
+    whole = int(seconds)
+    return pb.ProcessingResponse(override_message_timeout=duration_pb2.Duration(
+        seconds=whole, nanos=int((seconds - whole) * 1e9)))
+
+
+class _Stream:
+    """Per-request state of one ext_proc stream."""
+
+    __slots__ = ("facts", "admitted", "ticket", "waiter", "cluster", "decision", "status", "queue_wait_ms")
+
+    def __init__(self) -> None:
+        self.facts: RequestFacts | None = None
+        self.admitted = False       # this request goes through admission (a generation endpoint)
+        self.ticket: Ticket | None = None
+        self.waiter: Waiter | None = None  # set while the request waits in a class queue
+        self.cluster = ""
+        self.decision = ""
+        self.status = 0
+        self.queue_wait_ms = -1
+
+
+class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
+    """One gRPC stream per HTTP request. Every message gets an answer of its own phase; slots are freed once."""
+
+    def __init__(self, core: AdmissionController, max_body_bytes: int = 4 << 20,
+                 queue_grace_s: float = 0.5) -> None:
+        self.core = core
+        self.max_body_bytes = max_body_bytes
+        self.queue_grace_s = queue_grace_s   # added to Envoy's timeout while a request waits in a queue
+        self.live: set[Ticket] = set()       # tickets whose stream is still open (their leases get renewed)
+        self.errors = 0
+
+    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest], context) -> AsyncIterator:
+        st = _Stream()
+        normal_end = False
+        try:
+            async for req in request_iterator:
+                phase = req.WhichOneof("request")
+                if phase == "request_headers":
+                    resp = self._on_request_headers(st, req.request_headers)
+                elif phase == "request_body":
+                    resp = self._on_request_body(st, req.request_body)
+                elif phase == "response_headers":
+                    resp = self._on_response_headers(st, req.response_headers)
+                else:
+                    resp = CONTINUE[phase]
+                if resp is None:  # queued: keep Envoy waiting, then answer with the final decision
+                    yield _wait_override(max(st.waiter.deadline - self.core.clock(), 0.0) + self.queue_grace_s)
+                    resp = await self._wait(st, st.waiter)
+                yield resp
+            normal_end = True
+        except Exception:  # a bug here must never take the stream's slot with it
+            self.errors += 1
+            log.exception("ext_proc stream failed")
+            raise
+        finally:
+            self._end(st, normal_end)
+
+    # --- phases ---
+
+    def _on_request_headers(self, st: _Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
+        path = method = authorization = claim = None
+        request_id = ""
+        class_header = self.core.policy.classify.header
+        for h in msg.headers.headers:
+            k = h.key
+            if k == ":path":
+                path = h.raw_value.decode("latin-1")
+            elif k == ":method":
+                method = h.raw_value
+            elif k == "authorization":
+                authorization = h.raw_value.decode("latin-1")
+            elif k == class_header:
+                claim = h.raw_value.decode("latin-1").strip().lower()
+            elif k == "x-request-id":
+                request_id = h.raw_value.decode("latin-1")
+        if path is None or method != b"POST" or path.split("?", 1)[0] not in GENERATION_PATHS:
+            return PASS_THROUGH
+        st.admitted = True
+        st.facts = RequestFacts(api_key=bearer_key(authorization), header_class=claim or None,
+                                request_id=request_id)
+        if msg.end_of_stream:  # a generation POST without a body
+            return self._refuse(st, BadRequest("The request body is empty; expected a JSON object."))
+        return CONTINUE["request_headers"]
+
+    def _on_request_body(self, st: _Stream, msg: pb.HttpBody) -> pb.ProcessingResponse | None:
+        if not st.admitted or st.ticket is not None or st.decision or st.waiter:
+            return CONTINUE["request_body"]  # not ours, or a second body message: nothing to decide
+        if len(msg.body) > self.max_body_bytes:
+            return self._refuse(st, BadRequest(f"The request body exceeds {self.max_body_bytes} bytes.",
+                                               code="body_too_large"), status=413)
+        try:
+            body = parse_generation_body(msg.body, self.core.policy.classify.body_field, self.core.limiters)
+        except BadRequest as e:
+            return self._refuse(st, e)
+        facts = st.facts
+        facts.model, facts.max_tokens, facts.stream = body.model, body.max_tokens, body.stream
+        facts.body_class = body.claimed_class
+        d = self.core.decide(facts, body)
+        if d.kind == QUEUE:
+            st.cluster = d.cluster
+            st.waiter = d.waiter
+            return None
+        return self._answer(st, d, body)
+
+    def _on_response_headers(self, st: _Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
+        for h in msg.headers.headers:
+            if h.key == ":status":
+                st.status = int(h.raw_value or b"0")
+                break
+        if st.ticket is not None:
+            st.ticket.status = st.status
+        if not st.decision:
+            return CONTINUE["response_headers"]
+        hs = [_header("x-extproc-class", st.ticket.cls if st.ticket else ""),
+              _header("x-extproc-decision", st.decision)]
+        if st.queue_wait_ms >= 0:
+            hs.append(_header("x-extproc-queue-wait-ms", str(st.queue_wait_ms)))
+        return pb.ProcessingResponse(response_headers=pb.HeadersResponse(
+            response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=hs))))
+
+    # --- decisions to responses ---
+
+    async def _wait(self, st: _Stream, waiter) -> pb.ProcessingResponse:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def deliver(d: Decision) -> None:
+            if not fut.done():
+                fut.set_result(d)
+
+        waiter.on_result = deliver
+        try:
+            d = await asyncio.wait_for(fut, max(waiter.deadline - self.core.clock(), 0.0))
+        except asyncio.TimeoutError:
+            d = self.core.abandon(waiter, timed_out=True) or waiter.result
+        st.waiter = None
+        if d.kind == ACCEPT:
+            d.cluster = st.cluster
+            st.queue_wait_ms = int(d.waited_s * 1000)
+        return self._answer(st, d, waiter.context)
+
+    def _answer(self, st: _Stream, d: Decision, body) -> pb.ProcessingResponse:
+        if d.kind != ACCEPT:
+            st.decision = d.kind
+            return decision_response(d)
+        st.ticket = d.ticket
+        st.decision = ACCEPT
+        self.live.add(d.ticket)
+        common = pb.CommonResponse(clear_route_cache=True)
+        headers = common.header_mutation.set_headers
+        headers.append(_header(CLUSTER_HEADER, d.cluster))
+        if body.rewrite:
+            raw = _dump(body.doc)
+            common.body_mutation.body = raw
+            headers.append(_header("content-length", str(len(raw))))
+        return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
+
+    def _refuse(self, st: _Stream, e: BadRequest, status: int = 400) -> pb.ProcessingResponse:
+        d = self.core.invalid(status, e.code, e.message, st.facts)
+        st.decision = d.kind
+        return immediate(status, error_body(status, e.message, e.code, e.param),
+                         [("x-extproc-class", d.cls), ("x-extproc-decision", d.kind)], f"extproc_{e.code}")
+
+    # --- the end, however it comes ---
+
+    def _end(self, st: _Stream, normal_end: bool) -> None:
+        w = st.waiter
+        if w is not None:  # still queued: the client left while waiting
+            if not self.core.abandon(w, timed_out=False) and w.result is not None and w.result.ticket:
+                self.core.finish(w.result.ticket, Outcome.CLIENT_ABORT)  # granted in the same instant
+            return
+        t = st.ticket
+        if t is None or t.closed:
+            return
+        self.live.discard(t)
+        if st.status >= 500:
+            outcome = Outcome.UPSTREAM_ERROR
+        elif normal_end and st.status:
+            outcome = Outcome.OK
+        else:
+            outcome = Outcome.CLIENT_ABORT
+        self.core.finish(t, outcome)
+
+    def renew_live(self) -> None:
+        """Renew the lease of every ticket whose stream is still open (called periodically)."""
+        for t in self.live:
+            self.core.renew(t)
+
+
+def _dump(doc) -> bytes:
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()

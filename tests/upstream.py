@@ -1,0 +1,98 @@
+"""A small OpenAI-compatible test upstream: controllable delays, SSE, and a count of requests in service.
+
+It exists so the core path can be tested without the simulator's engine model: each request takes
+`x-test-delay-ms` (or 0) before its first byte and `x-test-token-ms` per streamed token, and the server records the
+highest number of requests it had in service at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+from aiohttp import web
+
+
+class TestUpstream:
+    def __init__(self) -> None:
+        self.in_service = 0
+        self.max_in_service = 0
+        self.served = 0
+        self.aborted = 0
+        self.last_body: dict | None = None
+        self.last_headers: dict[str, str] = {}
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.chat)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", lambda r: web.Response())
+        app.router.add_get("/test/stats", self.stats)
+        app.router.add_post("/test/reset", self.reset)
+        return app
+
+    async def stats(self, request: web.Request) -> web.Response:
+        return web.json_response({"in_service": self.in_service, "max_in_service": self.max_in_service,
+                                  "served": self.served, "aborted": self.aborted, "last_body": self.last_body,
+                                  "last_headers": self.last_headers})
+
+    async def reset(self, request: web.Request) -> web.Response:
+        self.max_in_service = self.in_service
+        self.served = self.aborted = 0
+        return web.json_response({})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "llama-70b", "object": "model"}]})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.last_body = body
+        self.last_headers = dict(request.headers)
+        delay = float(request.headers.get("x-test-delay-ms", "0")) / 1000
+        token_s = float(request.headers.get("x-test-token-ms", "0")) / 1000
+        status = int(request.headers.get("x-test-status", "200"))
+        tokens = int(body.get("max_tokens") or 8)
+        self.in_service += 1
+        self.max_in_service = max(self.max_in_service, self.in_service)
+        try:
+            await asyncio.sleep(delay)
+            if status != 200:
+                return web.json_response({"error": {"message": "injected", "type": "test", "param": None,
+                                                    "code": status}}, status=status)
+            if not body.get("stream"):
+                await asyncio.sleep(token_s * tokens)
+                self.served += 1
+                return web.json_response({
+                    "id": "chatcmpl-test", "object": "chat.completion", "created": int(time.time()),
+                    "model": body["model"], "choices": [{"index": 0, "message": {"role": "assistant",
+                                                                                 "content": "x " * tokens},
+                                                         "finish_reason": "length"}],
+                    "usage": {"prompt_tokens": 5, "completion_tokens": tokens, "total_tokens": 5 + tokens}})
+            resp = web.StreamResponse(headers={"content-type": "text/event-stream; charset=utf-8"})
+            await resp.prepare(request)
+            for i in range(tokens):
+                chunk = {"id": "chatcmpl-test", "object": "chat.completion.chunk", "model": body["model"],
+                         "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}]}
+                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                await asyncio.sleep(token_s)
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            self.served += 1
+            return resp
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.aborted += 1
+            raise
+        finally:
+            self.in_service -= 1
+
+
+def main() -> None:
+    port = int(sys.argv[1])
+    web.run_app(TestUpstream().app(), host="127.0.0.1", port=port, print=None, access_log=None)
+
+
+if __name__ == "__main__":
+    main()
