@@ -60,11 +60,13 @@ def render(base: dict[str, Any], *, listen_port: int, admin_port: int, extproc: 
         hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != EXT_PROC]
         cfg["static_resources"]["clusters"] = [c for c in cfg["static_resources"]["clusters"]
                                                if c["name"] != "extproc"]
+        hcm.pop("access_log", None)  # the ext_proc's completion report; nothing receives it here
         # Without the ext_proc nothing sets the pool header: route everything to the first pool.
         for vh in hcm["route_config"]["virtual_hosts"]:
             vh["routes"] = [r for r in vh["routes"] if "cluster_header" not in r["route"]]
             for r in vh["routes"]:
                 r["route"]["cluster"] = next(iter(pools))
+                r.pop("typed_per_filter_config", None)
     if mode == "adaptive":
         hcm["http_filters"].insert(0, {"name": ADAPTIVE, "typed_config": adaptive_filter(**(adaptive or {}))})
     return cfg

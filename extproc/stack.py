@@ -26,10 +26,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def wait_http(url: str, timeout: float = 30.0, ok=(200,)) -> None:
+def wait_http(url: str, timeout: float = 30.0, ok=(200,), proc: subprocess.Popen | None = None) -> None:
+    """Poll `url` until it answers with an `ok` status; give up early if `proc` exits."""
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise TimeoutError(f"process exited with code {proc.returncode} before {url} was ready")
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status in ok:
@@ -118,7 +121,7 @@ class Stack:
                                       "--grpc", f"127.0.0.1:{self.grpc_port}",
                                       "--metrics", f"127.0.0.1:{self.metrics_port}", *self.extproc_args])
         try:
-            wait_http(f"{self.metrics_url}/healthz", timeout=30)
+            wait_http(f"{self.metrics_url}/healthz", timeout=30, proc=proc.popen)
         except TimeoutError:
             raise RuntimeError(f"ext_proc did not start:\n{proc.tail()}") from None
         return proc
@@ -135,7 +138,7 @@ class Stack:
                                     str(self.envoy_concurrency), "--log-level", "warning",
                                     "--base-id", str(self.admin_port), "--disable-hot-restart"])
         try:
-            wait_http(f"{self.admin_url}/ready", timeout=30)
+            wait_http(f"{self.admin_url}/ready", timeout=30, proc=proc.popen)
         except TimeoutError:
             raise RuntimeError(f"envoy did not start:\n{proc.tail()}") from None
         return proc

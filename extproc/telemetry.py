@@ -37,6 +37,10 @@ class Telemetry:
         self.duration = Histogram("extproc_request_duration_seconds",
                                   "Admission to end of response, by class and how the request ended.",
                                   ["class", "outcome"], buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("extproc_time_to_first_byte_seconds",
+                              "Request start to the first response byte sent to the client (for streams: the "
+                              "first token, as vLLM sends headers with it), from Envoy's access log.",
+                              ["class"], buckets=LATENCY_BUCKETS, registry=r)
         self.demotions = Counter("extproc_class_demotions", "Requests that claimed a class above their tenant's "
                                  "max_class and were demoted.", ["tenant"], registry=r)
         self.unknown_class = Counter("extproc_unknown_class_claims", "Requests that claimed a class the policy "
@@ -81,6 +85,9 @@ class Telemetry:
         if h is None:
             h = self._duration_children[key] = self.duration.labels(*key)
         h.observe(duration_s)
+        c = ticket.completion
+        if c is not None and c.first_byte_s is not None and outcome is Outcome.OK:
+            self.ttft.labels(ticket.cls).observe(c.first_byte_s)
 
     # --- scrape-time gauges ---
 

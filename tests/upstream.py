@@ -12,7 +12,7 @@ import json
 import sys
 import time
 
-from aiohttp import web
+from aiohttp import ClientConnectionResetError, web
 
 
 class TestUpstream:
@@ -82,7 +82,7 @@ class TestUpstream:
             await resp.write_eof()
             self.served += 1
             return resp
-        except (asyncio.CancelledError, ConnectionResetError):
+        except (asyncio.CancelledError, ConnectionResetError, ClientConnectionResetError):
             self.aborted += 1
             raise
         finally:

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from .classify import Classification, Classifier
-from .limits import ClassLimiter, Outcome, Ticket, Waiter
+from collections import OrderedDict
+
+from .limits import ClassLimiter, Completion, Outcome, Ticket, Waiter
 from .schema import Policy
 
 # Decision kinds
@@ -73,6 +75,10 @@ class AdmissionEvents(Protocol):
     def finished(self, ticket: Ticket, outcome: Outcome, duration_s: float) -> None: ...
 
 
+# How long a released ticket waits for the data plane's completion report before it is accounted without one.
+REPORT_WAIT_S = 5.0
+
+
 class NoEvents:
     def decided(self, decision: Decision) -> None:
         pass
@@ -93,6 +99,7 @@ class AdmissionController:
         self.events: AdmissionEvents = events or NoEvents()
         self.limiters: dict[str, ClassLimiter] = {}
         self.tickets: dict[int, Ticket] = {}   # open tickets, for the lease safety net
+        self._unreported: OrderedDict[int, Ticket] = OrderedDict()  # released, completion report pending
         self._retired: list[ClassLimiter] = []
         self.apply(policy)
 
@@ -197,20 +204,46 @@ class AdmissionController:
 
     # --- ending ---
 
-    def finish(self, ticket: Ticket, outcome: Outcome) -> bool:
-        """Release the ticket's slot. Idempotent: only the first call counts."""
+    def finish(self, ticket: Ticket, outcome: Outcome = Outcome.ENDED) -> bool:
+        """Release the ticket's slot now. Idempotent: only the first call counts.
+
+        `outcome` is what the adapter saw; a completion report (report()) may refine it, before or after.
+        """
         if ticket.closed:
             return False
         ticket.closed = True
         now = self.clock()
+        ticket.released_at = now
+        ticket.stream_outcome = outcome
         self.tickets.pop(ticket.id, None)
         lim = ticket.limiter
         lim.give_back(ticket.cost, now)
-        self.events.finished(ticket, outcome, now - ticket.admitted_at)
         if lim in self._retired and lim.inflight == 0:
             self._retired.remove(lim)
+        if ticket.completion is not None or outcome is Outcome.LEASE_EXPIRED:
+            self._account(ticket)
+        else:
+            self._unreported[ticket.id] = ticket
         self._grant(lim, now)
         return True
+
+    def report(self, ticket_id: int, completion: Completion) -> bool:
+        """The data plane's account of how an admitted request ended. Returns False for unknown tickets."""
+        ticket = self._unreported.pop(ticket_id, None)
+        if ticket is not None:
+            ticket.completion = completion
+            self._account(ticket)
+            return True
+        ticket = self.tickets.get(ticket_id)
+        if ticket is None:
+            return False
+        ticket.completion = completion  # the stream has not closed yet: finish() accounts it
+        return True
+
+    def _account(self, ticket: Ticket) -> None:
+        c = ticket.completion
+        outcome = c.outcome if c is not None else ticket.stream_outcome
+        self.events.finished(ticket, outcome, ticket.released_at - ticket.admitted_at)
 
     def renew(self, ticket: Ticket) -> None:
         ticket.lease_until = self.clock() + self._lease_s
@@ -221,6 +254,12 @@ class AdmissionController:
         expired = [t for t in self.tickets.values() if t.lease_until <= now]
         for t in expired:
             self.finish(t, Outcome.LEASE_EXPIRED)
+        while self._unreported:
+            t = next(iter(self._unreported.values()))
+            if now - t.released_at < REPORT_WAIT_S:
+                break
+            del self._unreported[t.id]
+            self._account(t)
         for lim in self.limiters.values():
             while lim.queue and lim.queue[0].deadline <= now:
                 self.abandon(lim.queue[0], timed_out=True)

@@ -12,12 +12,27 @@ from .schema import ClassSpec
 
 
 class Outcome(enum.Enum):
-    """How an admitted request ended; every ticket is closed with exactly one."""
+    """How an admitted request ended; every ticket is reported with exactly one."""
 
-    OK = "ok"                          # response completed with a status below 500
-    UPSTREAM_ERROR = "upstream_error"  # 5xx from upstream or Envoy (reset, timeout, no healthy host)
-    CLIENT_ABORT = "client_abort"      # the client went away before the response ended
+    OK = "ok"                          # the response completed with a status below 500
+    UPSTREAM_ERROR = "upstream_error"  # 5xx, upstream reset, connect failure or timeout
+    CLIENT_ABORT = "client_abort"      # the client went away before the response completed
     LEASE_EXPIRED = "lease_expired"    # never seen to end; freed by the safety net
+    # Only when no completion report arrives (Envoy's access log not configured): the gRPC stream closed after
+    # the request was admitted, which Envoy does the same way for a normal end and a client abort.
+    ENDED = "ended"
+
+
+class Completion:
+    """What the data plane reports about how an admitted request ended (Envoy's access log)."""
+
+    __slots__ = ("outcome", "status", "first_byte_s", "total_s")
+
+    def __init__(self, outcome: Outcome, status: int, first_byte_s: float | None, total_s: float | None):
+        self.outcome = outcome
+        self.status = status
+        self.first_byte_s = first_byte_s  # request start to the first response byte sent to the client
+        self.total_s = total_s            # request start to the last response byte sent to the client
 
 
 _ticket_ids = itertools.count(1)
@@ -26,7 +41,8 @@ _ticket_ids = itertools.count(1)
 class Ticket:
     """An admitted request's hold on a class slot. Closed exactly once via AdmissionController.finish."""
 
-    __slots__ = ("id", "limiter", "tenant", "admitted_at", "lease_until", "cost", "closed", "waited_s", "status")
+    __slots__ = ("id", "limiter", "tenant", "admitted_at", "lease_until", "cost", "closed", "waited_s",
+                 "released_at", "stream_outcome", "completion")
 
     def __init__(self, limiter: ClassLimiter, tenant: str, now: float, lease_s: float, cost: float,
                  waited_s: float):
@@ -38,7 +54,9 @@ class Ticket:
         self.cost = cost
         self.closed = False
         self.waited_s = waited_s
-        self.status = 0                 # upstream HTTP status once response headers are seen
+        self.released_at = 0.0
+        self.stream_outcome = Outcome.ENDED      # what the ext_proc stream saw, used if no report comes
+        self.completion: Completion | None = None  # the data plane's report, if it arrived
 
     @property
     def cls(self) -> str:
@@ -66,30 +84,32 @@ class Waiter:
 
 
 class DrainRate:
-    """Completions per second, as an exponentially weighted rate (for Retry-After estimates)."""
+    """Completions per second over roughly the last `tau_s` seconds (exponentially decayed count)."""
 
-    __slots__ = ("half_life_s", "_rate", "_last")
+    __slots__ = ("tau_s", "_count", "_first", "_last")
 
-    def __init__(self, half_life_s: float = 10.0):
-        self.half_life_s = half_life_s
-        self._rate = 0.0
-        self._last: float | None = None
+    def __init__(self, tau_s: float = 10.0):
+        self.tau_s = tau_s
+        self._count = 0.0
+        self._first: float | None = None
+        self._last = 0.0
 
-    def record(self, now: float, n: float = 1.0) -> None:
-        if self._last is None:
-            self._last = now
-            return
-        dt = max(now - self._last, 1e-6)
-        alpha = 1.0 - math.exp(-dt * math.log(2) / self.half_life_s)
-        self._rate += alpha * (n / dt - self._rate)
+    def record(self, now: float) -> None:
+        if self._first is None:
+            self._first = now
+        else:
+            self._count *= math.exp(-(now - self._last) / self.tau_s)
+        self._count += 1.0
         self._last = now
 
     def rate(self, now: float) -> float:
-        """The rate, decayed for the time since the last completion (a stalled class drains slowly)."""
-        if self._last is None:
+        """The decayed count over the decayed span it covers; a stalled class's rate falls towards 0."""
+        if self._first is None:
             return 0.0
-        idle = max(now - self._last, 0.0)
-        return self._rate * math.exp(-idle * math.log(2) / self.half_life_s)
+        count = self._count * math.exp(-max(now - self._last, 0.0) / self.tau_s)
+        # A steady rate r observed for `span` seconds leaves count = r * tau * (1 - exp(-span / tau)).
+        span = max(now - self._first, 0.05)
+        return count / (self.tau_s * (1.0 - math.exp(-span / self.tau_s)))
 
 
 class ClassLimiter:

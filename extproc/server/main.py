@@ -11,6 +11,7 @@ import sys
 
 import grpc
 from aiohttp import web
+from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -18,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ..policy.admission import AdmissionController
 from ..policy.schema import Policy, PolicyError, load_policy_file
 from ..telemetry import Telemetry
+from .accesslog import AccessLogReceiver
 from .servicer import ExtProcServicer
 
 log = logging.getLogger("extproc")
@@ -51,6 +53,7 @@ class Server:
         self.core = AdmissionController(policy, events=self.telemetry)
         self.telemetry.watch(self.core.snapshot)
         self.servicer = ExtProcServicer(self.core, max_body_bytes=args.max_body_bytes)
+        self.access_log = AccessLogReceiver(self.core)
         self._mtime = _mtime(policy_path)
         self.ready = False
 
@@ -89,6 +92,7 @@ class Server:
             ("grpc.max_concurrent_streams", 100000),
         ])
         pb_grpc.add_ExternalProcessorServicer_to_server(self.servicer, grpc_server)
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(self.access_log, grpc_server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
         host, port = self.args.grpc

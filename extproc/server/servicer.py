@@ -17,6 +17,7 @@ from google.protobuf import duration_pb2
 from ..policy.admission import ACCEPT, QUEUE, AdmissionController, Decision, RequestFacts
 from ..policy.classify import bearer_key
 from ..policy.limits import Outcome, Ticket, Waiter
+from .accesslog import TICKET_HEADER
 from .openai import GENERATION_PATHS, BadRequest, error_body, parse_generation_body
 
 log = logging.getLogger("extproc.server")
@@ -96,6 +97,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self.live: set[Ticket] = set()       # tickets whose stream is still open (their leases get renewed)
         self.errors = 0
 
+    @property
+    def _wanted_headers(self) -> frozenset[str]:
+        return frozenset({":path", ":method", "authorization", "x-request-id", self.core.policy.classify.header})
+
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest], context) -> AsyncIterator:
         st = _Stream()
         normal_end = False
@@ -105,7 +110,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 if phase == "request_headers":
                     resp = self._on_request_headers(st, req.request_headers)
                 elif phase == "request_body":
-                    resp = self._on_request_body(st, req.request_body)
+                    resp = self._on_request_body(st, req)
                 elif phase == "response_headers":
                     resp = self._on_response_headers(st, req.response_headers)
                 else:
@@ -125,31 +130,30 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     # --- phases ---
 
     def _on_request_headers(self, st: _Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
-        path = method = authorization = claim = None
-        request_id = ""
-        class_header = self.core.policy.classify.header
+        found = {}
+        wanted = self._wanted_headers
         for h in msg.headers.headers:
-            k = h.key
-            if k == ":path":
-                path = h.raw_value.decode("latin-1")
-            elif k == ":method":
-                method = h.raw_value
-            elif k == "authorization":
-                authorization = h.raw_value.decode("latin-1")
-            elif k == class_header:
-                claim = h.raw_value.decode("latin-1").strip().lower()
-            elif k == "x-request-id":
-                request_id = h.raw_value.decode("latin-1")
-        if path is None or method != b"POST" or path.split("?", 1)[0] not in GENERATION_PATHS:
+            if h.key in wanted:
+                found[h.key] = h.raw_value.decode("latin-1")
+        if not self._read_facts(st, found.get, found.get(":method", "POST")):
             return PASS_THROUGH
-        st.admitted = True
-        st.facts = RequestFacts(api_key=bearer_key(authorization), header_class=claim or None,
-                                request_id=request_id)
         if msg.end_of_stream:  # a generation POST without a body
             return self._refuse(st, BadRequest("The request body is empty; expected a JSON object."))
         return CONTINUE["request_headers"]
 
-    def _on_request_body(self, st: _Stream, msg: pb.HttpBody) -> pb.ProcessingResponse | None:
+    def _read_facts(self, st: _Stream, get, method: str) -> bool:
+        path = get(":path")
+        if path is None or method != "POST" or path.split("?", 1)[0] not in GENERATION_PATHS:
+            return False
+        claim = get(self.core.policy.classify.header)
+        st.admitted = True
+        st.facts = RequestFacts(api_key=bearer_key(get("authorization")),
+                                header_class=claim.strip().lower() or None if claim else None,
+                                request_id=get("x-request-id") or "")
+        return True
+
+    def _on_request_body(self, st: _Stream, req: pb.ProcessingRequest) -> pb.ProcessingResponse | None:
+        msg = req.request_body
         if not st.admitted or st.ticket is not None or st.decision or st.waiter:
             return CONTINUE["request_body"]  # not ours, or a second body message: nothing to decide
         if len(msg.body) > self.max_body_bytes:
@@ -170,20 +174,12 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         return self._answer(st, d, body)
 
     def _on_response_headers(self, st: _Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
+        """Only when envoy.yaml sends response headers (the shipped config learns the status from the access log)."""
         for h in msg.headers.headers:
             if h.key == ":status":
                 st.status = int(h.raw_value or b"0")
                 break
-        if st.ticket is not None:
-            st.ticket.status = st.status
-        if not st.decision:
-            return CONTINUE["response_headers"]
-        hs = [_header("x-extproc-class", st.ticket.cls if st.ticket else ""),
-              _header("x-extproc-decision", st.decision)]
-        if st.queue_wait_ms >= 0:
-            hs.append(_header("x-extproc-queue-wait-ms", str(st.queue_wait_ms)))
-        return pb.ProcessingResponse(response_headers=pb.HeadersResponse(
-            response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=hs))))
+        return CONTINUE["response_headers"]
 
     # --- decisions to responses ---
 
@@ -215,7 +211,14 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self.live.add(d.ticket)
         common = pb.CommonResponse(clear_route_cache=True)
         headers = common.header_mutation.set_headers
+        # The pool to route to; the rest is echoed to the client by the route's response_headers_to_add and
+        # ties Envoy's access log entry back to this ticket.
         headers.append(_header(CLUSTER_HEADER, d.cluster))
+        headers.append(_header("x-extproc-class", d.cls))
+        headers.append(_header("x-extproc-decision", ACCEPT))
+        headers.append(_header(TICKET_HEADER, str(d.ticket.id)))
+        if st.queue_wait_ms >= 0:
+            headers.append(_header("x-extproc-queue-wait-ms", str(st.queue_wait_ms)))
         if body.rewrite:
             raw = _dump(body.doc)
             common.body_mutation.body = raw
@@ -242,10 +245,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self.live.discard(t)
         if st.status >= 500:
             outcome = Outcome.UPSTREAM_ERROR
-        elif normal_end and st.status:
-            outcome = Outcome.OK
+        elif normal_end:
+            outcome = Outcome.OK if st.status else Outcome.ENDED
         else:
-            outcome = Outcome.CLIENT_ABORT
+            outcome = Outcome.CLIENT_ABORT  # the gRPC stream was cancelled
         self.core.finish(t, outcome)
 
     def renew_live(self) -> None:

@@ -1,0 +1,163 @@
+"""What the ext_proc costs: Envoy alone vs Envoy + ext_proc (production envoy.yaml), side by side, with wrk.
+
+The upstream is a second Envoy answering every request with a fixed OpenAI-shaped JSON (`direct_response`), so
+neither the upstream nor Python on the upstream side limits the numbers. Both front configurations are rendered
+from envoy/envoy.yaml; "alone" only drops the ext_proc filter. Run:  python bench/overhead.py [--duration 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from extproc.envoyconf import envoy_binary  # noqa: E402
+from extproc.stack import Stack, free_port, wait_http  # noqa: E402
+
+BODY = {"model": "llama-70b", "messages": [{"role": "user", "content": "Say hello in five words."}],
+        "max_tokens": 16, "stream": False}
+REPLY = json.dumps({"id": "chatcmpl-bench", "object": "chat.completion", "created": 0, "model": "llama-70b",
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello"},
+                                 "finish_reason": "stop"}],
+                    "usage": {"prompt_tokens": 12, "completion_tokens": 1, "total_tokens": 13}})
+
+POLICY = {"classes": {"interactive": {"max_concurrency": 10000, "max_queue": 0, "max_wait_ms": 0}},
+          "models": {"llama-70b": {"cluster": "vllm_llama70b"}}}
+
+
+def upstream_config(port: int, admin: int) -> dict:
+    return {"admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}},
+            "static_resources": {"listeners": [{
+                "name": "up", "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
+                "filter_chains": [{"filters": [{
+                    "name": "envoy.filters.network.http_connection_manager",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager."
+                                 "v3.HttpConnectionManager",
+                        "stat_prefix": "up",
+                        "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [{
+                            "match": {"prefix": "/"},
+                            "direct_response": {"status": 200, "body": {"inline_string": REPLY}},
+                            "response_headers_to_add": [{"header": {"key": "content-type",
+                                                                    "value": "application/json"}}]}]}]},
+                        "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
+                            "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]}}]}]}]}}
+
+
+WRK_LUA = """
+wrk.method = "POST"
+wrk.body = [[%s]]
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Authorization"] = "Bearer sk-bench"
+""" % json.dumps(BODY)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (robust to a noisy machine, unlike wall-clock throughput)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wrk(url: str, connections: int, duration: int, script: Path, pid: int | None = None) -> dict:
+    cpu0 = cpu_seconds(pid) if pid else 0.0
+    out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--latency", "-s", str(script),
+                          f"{url}/v1/chat/completions"], capture_output=True, text=True, check=True).stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    lat = {p: _ms(re.search(rf"\s{p}%\s+([\d.]+\w+)", out).group(1)) for p in ("50", "99")}
+    non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    errors = re.search(r"Socket errors: (.*)", out)
+    total = int(re.search(r"(\d+) requests in", out).group(1))
+    cpu_us = (cpu_seconds(pid) - cpu0) / max(total, 1) * 1e6 if pid else 0.0
+    return {"rps": rps, "p50": lat["50"], "p99": lat["99"], "non2xx": int(non2xx.group(1)) if non2xx else 0,
+            "socket_errors": errors.group(1) if errors else "", "cpu_us": cpu_us}
+
+
+def _ms(text: str) -> float:
+    value, unit = re.match(r"([\d.]+)(\w+)", text).groups()
+    return float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--duration", type=int, default=10, help="seconds per wrk run")
+    ap.add_argument("--connections", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--rounds", type=int, default=2, help="alternate the two setups this many times")
+    ap.add_argument("--output", help="append the markdown table to this file")
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="extproc-bench-"))
+    up_port, up_admin = free_port(), free_port()
+    cfg = work / "upstream.yaml"
+    cfg.write_text(yaml.safe_dump(upstream_config(up_port, up_admin)))
+    upstream = subprocess.Popen([envoy_binary(), "-c", str(cfg), "--concurrency", "1", "--log-level", "error",
+                                 "--base-id", str(up_admin), "--disable-hot-restart"], start_new_session=True)
+    policy = work / "policy.yaml"
+    policy.write_text(yaml.safe_dump(POLICY))
+    script = work / "post.lua"
+    script.write_text(WRK_LUA)
+    pools = {"vllm_llama70b": [("127.0.0.1", up_port)]}
+    results: dict[tuple[str, int], list[dict]] = {}
+    try:
+        wait_http(f"http://127.0.0.1:{up_admin}/ready")
+        for _ in range(args.rounds):
+            for mode in ("plain", "extproc"):
+                with Stack(work / mode, pools, policy_path=policy, mode=mode) as stack:
+                    wrk(stack.url, 4, 2, script)  # warm up connections and code paths
+                    pid = stack.process("extproc").popen.pid if mode == "extproc" else None
+                    for c in args.connections:
+                        r = wrk(stack.url, c, args.duration, script, pid)
+                        results.setdefault((mode, c), []).append(r)
+                        print(f"  {mode:8s} c={c:<3d} {r['rps']:9.0f} req/s  p50 {r['p50']:.3f} ms  "
+                              f"p99 {r['p99']:.3f} ms  ext_proc CPU {r['cpu_us']:.0f} us/req  non2xx {r['non2xx']} "
+                              f"{r['socket_errors']}", flush=True)
+                time.sleep(1)
+    finally:
+        upstream.terminate()
+        upstream.wait(10)
+    table = render(results, args)
+    print(table)
+    if args.output:
+        with open(args.output, "a", encoding="utf-8") as f:
+            f.write(table + "\n")
+    return 0
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+def render(results: dict, args) -> str:
+    lines = [f"Envoy alone vs Envoy + ext_proc; wrk -t1, {args.duration}s per run, median of {args.rounds} "
+             "alternating rounds; POST /v1/chat/completions with a JSON body, full ext_proc lifecycle "
+             "(request headers + buffered body + response headers + stream end).", "",
+             "| connections | setup | req/s | p50 ms | p99 ms | added p50 ms | added p99 ms | req/s ratio | "
+             "ext_proc CPU per request |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for c in args.connections:
+        base = {k: _median([r[k] for r in results[("plain", c)]]) for k in ("rps", "p50", "p99")}
+        for mode in ("plain", "extproc"):
+            m = {k: _median([r[k] for r in results[(mode, c)]]) for k in ("rps", "p50", "p99", "cpu_us")}
+            added = (f"{m['p50'] - base['p50']:+.3f} | {m['p99'] - base['p99']:+.3f}" if mode == "extproc"
+                     else "  |  ")
+            label = "Envoy alone" if mode == "plain" else "Envoy + ext_proc"
+            cpu = f"{m['cpu_us']:.0f} us" if mode == "extproc" else ""
+            lines.append(f"| {c} | {label} | {m['rps']:.0f} | {m['p50']:.3f} | {m['p99']:.3f} | {added} | "
+                         f"{m['rps'] / base['rps']:.2f} | {cpu} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

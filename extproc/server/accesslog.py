@@ -1,0 +1,73 @@
+"""Envoy's gRPC access log as the completion report: status, who ended the request, and its timings.
+
+The ext_proc stream tells us *when* a request ends (its slot is freed then) but not *how*: Envoy closes it the same
+way after a normal end and after a client abort, and an HTTP/1 upstream sends no trailers. Envoy's access log knows
+(response code, response flags such as downstream or upstream termination, time to first byte), and it arrives in
+batches, so one gRPC message carries many requests instead of one extra round trip each.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import AsyncIterator
+
+from envoy.data.accesslog.v3 import accesslog_pb2
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+
+from ..policy.admission import AdmissionController
+from ..policy.limits import Completion, Outcome
+
+log = logging.getLogger("extproc.accesslog")
+
+TICKET_HEADER = "x-extproc-ticket"
+
+# Response flags meaning the upstream side failed the request (it may still have sent a 200 first).
+_UPSTREAM_FLAGS = ("upstream_remote_reset", "upstream_connection_failure", "upstream_connection_termination",
+                   "upstream_request_timeout", "no_healthy_upstream", "upstream_overflow", "upstream_protocol_error",
+                   "no_cluster_found", "upstream_max_stream_duration_reached", "stream_idle_timeout")
+_CLIENT_FLAGS = ("downstream_connection_termination", "downstream_remote_reset")
+
+
+def outcome_of(entry: accesslog_pb2.HTTPAccessLogEntry) -> tuple[Outcome, int]:
+    flags = entry.common_properties.response_flags
+    status = entry.response.response_code.value
+    if any(getattr(flags, f) for f in _CLIENT_FLAGS):
+        return Outcome.CLIENT_ABORT, status
+    if status >= 500 or any(getattr(flags, f) for f in _UPSTREAM_FLAGS):
+        return Outcome.UPSTREAM_ERROR, status
+    return Outcome.OK, status
+
+
+def _seconds(d) -> float | None:
+    return d.seconds + d.nanos / 1e9 if d.seconds or d.nanos else None
+
+
+def completion_of(entry: accesslog_pb2.HTTPAccessLogEntry) -> Completion:
+    outcome, status = outcome_of(entry)
+    common = entry.common_properties
+    return Completion(outcome, status, _seconds(common.time_to_first_downstream_tx_byte),
+                      _seconds(common.time_to_last_downstream_tx_byte))
+
+
+class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
+    """Receives Envoy's access log stream and reports each admitted request's completion to the core."""
+
+    def __init__(self, core: AdmissionController):
+        self.core = core
+        self.entries = 0
+        self.unmatched = 0
+
+    async def StreamAccessLogs(self, request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage], context):
+        async for msg in request_iterator:
+            for entry in msg.http_logs.log_entry:
+                self.entries += 1
+                headers = entry.request.request_headers
+                if TICKET_HEADER not in headers:
+                    continue
+                try:
+                    ticket_id = int(headers[TICKET_HEADER])
+                except ValueError:
+                    continue
+                if not self.core.report(ticket_id, completion_of(entry)):
+                    self.unmatched += 1  # e.g. an ext_proc restart between admission and the log entry
+        return als_pb2.StreamAccessLogsResponse()

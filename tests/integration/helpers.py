@@ -1,0 +1,64 @@
+"""HTTP helpers for integration tests: OpenAI requests through Envoy, and reading the ext_proc's state."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def chat(max_tokens: int = 4, stream: bool = False, model: str = "llama-70b", **extra) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": max_tokens,
+            "stream": stream, **extra}
+
+
+async def post(session: aiohttp.ClientSession, url: str, body, headers: dict | None = None):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with session.post(f"{url}/v1/chat/completions", data=data,
+                            headers={"content-type": "application/json", **(headers or {})}) as r:
+        return r.status, r.headers, await r.read()
+
+
+async def healthz(session: aiohttp.ClientSession, metrics_url: str) -> dict:
+    async with session.get(f"{metrics_url}/healthz") as r:
+        return await r.json()
+
+
+async def metrics(session: aiohttp.ClientSession, metrics_url: str) -> dict[tuple, float]:
+    """All samples as {(name, frozenset(labels.items())): value}."""
+    async with session.get(f"{metrics_url}/metrics") as r:
+        text = await r.text()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def sample(ms: dict, name: str, **labels) -> float:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in ms.items() if n == name and want <= ls)
+
+
+async def wait_idle(session, metrics_url: str, timeout: float = 2.0) -> dict:
+    """Poll until no class has requests in flight or queued; return the last snapshot."""
+    deadline = time.monotonic() + timeout
+    while True:
+        snap = (await healthz(session, metrics_url))["classes"]
+        if all(c["inflight"] == 0 and c["queue"] == 0 for c in snap.values()) or time.monotonic() > deadline:
+            return snap
+        await asyncio.sleep(0.02)
+
+
+async def upstream_stats(session, upstream: tuple[str, int]) -> dict:
+    async with session.get(f"http://{upstream[0]}:{upstream[1]}/test/stats") as r:
+        return await r.json()
+
+
+async def upstream_reset(session, upstream: tuple[str, int]) -> None:
+    async with session.post(f"http://{upstream[0]}:{upstream[1]}/test/reset") as r:
+        await r.read()

@@ -1,0 +1,195 @@
+"""Admission through real Envoy + the ext_proc to a loopback upstream: caps, queues, 429/503, release."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from .conftest import policy_file
+from .helpers import chat, healthz, metrics, post, sample, upstream_reset, upstream_stats, wait_idle
+
+SLOW = {"x-test-delay-ms": "600"}
+
+
+async def test_cap_runs_exactly_n_at_once_then_queues_then_rejects(make_stack, upstream):
+    s = make_stack()  # interactive: 3 slots, queue 2, wait 2 s
+    async with aiohttp.ClientSession() as http:
+        await upstream_reset(http, upstream)
+        results = await asyncio.gather(*[post(http, s.url, chat(), SLOW) for _ in range(7)])
+        statuses = sorted(r[0] for r in results)
+        assert statuses == [200] * 5 + [429] * 2
+        assert (await upstream_stats(http, upstream))["max_in_service"] == 3
+        queued = [r for r in results if r[0] == 200 and "x-extproc-queue-wait-ms" in r[1]]
+        assert len(queued) == 2 and all(int(r[1]["x-extproc-queue-wait-ms"]) >= 400 for r in queued)
+        for status, headers, body in results:
+            assert headers["x-extproc-class"] == "interactive"
+            if status == 429:
+                assert int(headers["retry-after"]) >= 1
+                err = json.loads(body)["error"]
+                assert err["code"] == "queue_full" and "interactive" in err["message"]
+                assert headers["x-extproc-decision"] == "reject"
+            else:
+                assert headers["x-extproc-decision"] == "accept"
+        assert all(c["inflight"] == 0 for c in (await wait_idle(http, s.metrics_url)).values())
+
+
+async def test_queued_requests_past_max_wait_get_429(make_stack, upstream, tmp_path):
+    policy = policy_file(tmp_path, classes={"interactive": {"max_concurrency": 1, "max_queue": 5,
+                                                            "max_wait_ms": 200}}, tenants=[])
+    s = make_stack(policy)
+    async with aiohttp.ClientSession() as http:
+        results = await asyncio.gather(*[post(http, s.url, chat(), SLOW) for _ in range(3)])
+        assert sorted(r[0] for r in results) == [200, 429, 429]
+        for status, headers, body in results:
+            if status == 429:
+                assert json.loads(body)["error"]["code"] == "queue_timeout"
+                assert int(headers["retry-after"]) >= 1
+        ms = await metrics(http, s.metrics_url)
+        assert sample(ms, "extproc_requests_total", decision="reject", reason="queue_timeout") == 2
+        assert sample(ms, "extproc_queue_wait_seconds_count", **{"class": "interactive"}) == 2
+
+
+async def test_batch_is_shed_with_503_while_interactive_is_saturated(make_stack):
+    s = make_stack()
+    async with aiohttp.ClientSession() as http:
+        hold = [asyncio.create_task(post(http, s.url, chat(), SLOW)) for _ in range(3)]
+        await asyncio.sleep(0.3)
+        status, headers, body = await post(http, s.url, chat(), {"x-priority": "batch"})
+        assert status == 503
+        assert headers["x-extproc-decision"] == "shed" and headers["x-extproc-class"] == "batch"
+        assert int(headers["retry-after"]) >= 1
+        assert json.loads(body)["error"]["code"] == "higher_class_saturated"
+        await asyncio.gather(*hold)
+        status, _, _ = await post(http, s.url, chat(), {"x-priority": "batch"})
+        assert status == 200
+
+
+async def test_a_tenant_cannot_promote_itself(make_stack):
+    s = make_stack()
+    async with aiohttp.ClientSession() as http:
+        status, headers, _ = await post(http, s.url, chat(), {"authorization": "Bearer sk-acme-1",
+                                                              "x-priority": "interactive"})
+        assert status == 200 and headers["x-extproc-class"] == "batch"
+        status, headers, _ = await post(http, s.url, chat(priority="internal"),
+                                        {"authorization": "Bearer sk-acme-1"})
+        assert headers["x-extproc-class"] == "internal"
+        ms = await metrics(http, s.metrics_url)
+        assert sample(ms, "extproc_class_demotions_total", tenant="acme") == 1
+
+
+async def test_body_class_field_is_stripped_before_vllm(make_stack, upstream):
+    s = make_stack()
+    async with aiohttp.ClientSession() as http:
+        status, headers, _ = await post(http, s.url, chat(priority="batch"))
+        assert status == 200 and headers["x-extproc-class"] == "batch"
+        last = (await upstream_stats(http, upstream))["last_body"]
+        assert "priority" not in last and last["model"] == "llama-70b"
+
+
+async def test_malformed_json_is_400_and_takes_no_slot(make_stack):
+    s = make_stack()
+    async with aiohttp.ClientSession() as http:
+        for bad in (b"{not json", b"[]", json.dumps(chat(max_tokens="lots")).encode()):
+            status, headers, body = await post(http, s.url, bad)
+            assert status == 400
+            assert json.loads(body)["error"]["type"] == "invalid_request_error"
+        status, _, body = await post(http, s.url, chat(model="gpt-99"))
+        assert status == 404 and "gpt-99" in json.loads(body)["error"]["message"]
+        snap = (await healthz(http, s.metrics_url))["classes"]
+        assert all(c["inflight"] == 0 for c in snap.values())
+
+
+async def test_sse_stream_passes_through_byte_for_byte(make_stack, upstream):
+    s = make_stack()
+    body = chat(max_tokens=20, stream=True)
+    async with aiohttp.ClientSession() as http:
+        direct = await post(http, f"http://{upstream[0]}:{upstream[1]}", body)
+        via = await post(http, s.url, body)
+        assert via[0] == 200 and via[1]["content-type"].startswith("text/event-stream")
+        assert via[2] == direct[2] and via[2].endswith(b"data: [DONE]\n\n")
+
+
+async def test_upstream_5xx_releases_the_slot_and_is_counted(make_stack):
+    s = make_stack()
+    async with aiohttp.ClientSession() as http:
+        status, headers, _ = await post(http, s.url, chat(), {"x-test-status": "500"})
+        assert status == 500 and headers["x-extproc-decision"] == "accept"
+        await wait_idle(http, s.metrics_url)
+        await asyncio.sleep(0.5)  # the access log's flush interval
+        ms = await metrics(http, s.metrics_url)
+        assert sample(ms, "extproc_request_duration_seconds_count", outcome="upstream_error") == 1
+        assert sample(ms, "extproc_inflight") == 0
+
+
+async def test_completed_requests_are_counted_ok(make_stack):
+    s = make_stack()
+    async with aiohttp.ClientSession() as http:
+        for stream in (False, True):
+            status, _, _ = await post(http, s.url, chat(stream=stream))
+            assert status == 200
+        await wait_idle(http, s.metrics_url)
+        await asyncio.sleep(0.5)  # the access log's flush interval
+        ms = await metrics(http, s.metrics_url)
+        assert sample(ms, "extproc_request_duration_seconds_count", outcome="ok") == 2
+        assert sample(ms, "extproc_time_to_first_byte_seconds_count") == 2
+
+
+async def test_aborting_50_streams_mid_response_returns_inflight_to_zero(make_stack, upstream, tmp_path):
+    policy = policy_file(tmp_path, classes={"interactive": {"max_concurrency": 64, "max_queue": 0,
+                                                            "max_wait_ms": 0}}, tenants=[])
+    s = make_stack(policy)
+    body = json.dumps(chat(max_tokens=200, stream=True)).encode()
+    async with aiohttp.ClientSession() as http:
+        async def abort_mid_stream():
+            async with http.post(f"{s.url}/v1/chat/completions", data=body,
+                                 headers={"content-type": "application/json", "x-test-token-ms": "20"}) as r:
+                assert r.status == 200
+                await r.content.readuntil(b"\n\n")
+                await r.content.readuntil(b"\n\n")
+                r.close()  # hard close mid-stream
+
+        await asyncio.gather(*[abort_mid_stream() for _ in range(50)])
+        snap = await wait_idle(http, s.metrics_url, timeout=1.0)
+        assert snap["interactive"]["inflight"] == 0
+        ms = await metrics(http, s.metrics_url)
+        # The slot is freed at the stream end; how it ended comes from Envoy's access log (batched, 0.1 s).
+        await asyncio.sleep(0.5)
+        ms = await metrics(http, s.metrics_url)
+        assert sample(ms, "extproc_request_duration_seconds_count", outcome="client_abort") == 50
+
+
+async def test_client_leaving_the_queue_frees_its_place_at_once(make_stack, tmp_path):
+    policy = policy_file(tmp_path, classes={"interactive": {"max_concurrency": 1, "max_queue": 5,
+                                                            "max_wait_ms": 5000}}, tenants=[])
+    s = make_stack(policy)
+    async with aiohttp.ClientSession() as http:
+        hold = asyncio.create_task(post(http, s.url, chat(), {"x-test-delay-ms": "1500"}))
+        await asyncio.sleep(0.2)
+        waiting = asyncio.create_task(post(http, s.url, chat()))
+        await asyncio.sleep(0.3)
+        assert (await healthz(http, s.metrics_url))["classes"]["interactive"]["queue"] == 1
+        waiting.cancel()
+        await asyncio.sleep(0.3)
+        assert (await healthz(http, s.metrics_url))["classes"]["interactive"]["queue"] == 0
+        ms = await metrics(http, s.metrics_url)
+        assert sample(ms, "extproc_requests_total", reason="client_disconnected") == 1
+        await hold
+
+
+async def test_non_generation_paths_pass_through_without_admission(make_stack):
+    s = make_stack()
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{s.url}/v1/models") as r:
+            assert r.status == 200 and "x-extproc-decision" not in r.headers
+        ms = await metrics(http, s.metrics_url)
+        assert sample(ms, "extproc_requests_total") == 0
+
+
+async def test_client_cannot_choose_the_cluster_header(make_stack, upstream):
+    s = make_stack()
+    async with aiohttp.ClientSession() as http:
+        status, _, _ = await post(http, s.url, chat(), {"x-extproc-cluster": "extproc"})
+        assert status == 200

@@ -1,0 +1,199 @@
+"""The admission core with a fake clock: accept, FIFO queues, deadlines, bounds, shedding, release once."""
+
+from extproc.policy.admission import ACCEPT, INVALID, QUEUE, REJECT, SHED, AdmissionController, RequestFacts
+from extproc.policy.limits import Outcome
+
+from .conftest import make_policy
+
+
+def req(cls=None, key=None, model="llama", body_cls=None):
+    return RequestFacts(api_key=key, header_class=cls, body_class=body_cls, model=model)
+
+
+def fill(core, cls, n):
+    return [core.decide(req(cls)) for _ in range(n)]
+
+
+def test_accepts_while_the_class_has_free_slots(core):
+    ds = fill(core, "interactive", 2)
+    assert [d.kind for d in ds] == [ACCEPT, ACCEPT]
+    assert ds[0].cluster == "pool_a"
+    assert core.limiters["interactive"].inflight == 2
+
+
+def test_queues_fifo_and_grants_in_arrival_order(core):
+    a, _ = fill(core, "interactive", 2)
+    q1, q2 = fill(core, "interactive", 2)
+    assert q1.kind == q2.kind == QUEUE
+    got = []
+    q1.waiter.on_result = lambda d: got.append(("q1", d.kind))
+    q2.waiter.on_result = lambda d: got.append(("q2", d.kind))
+    core.finish(a.ticket, Outcome.OK)
+    assert got == [("q1", ACCEPT)]
+    assert q1.waiter.result.ticket is not None and q2.waiter.pending
+
+
+def test_queue_full_rejects_with_429_and_retry_after(core):
+    fill(core, "interactive", 4)
+    d = core.decide(req("interactive"))
+    assert (d.kind, d.status, d.reason) == (REJECT, 429, "queue_full")
+    assert d.retry_after >= 1
+    assert "interactive" in d.message
+
+
+def test_a_waiter_past_its_deadline_is_rejected_not_granted(core, clock):
+    a, _ = fill(core, "interactive", 2)
+    (q,) = fill(core, "interactive", 1)
+    clock.advance(0.25)  # max_wait_ms is 200
+    core.finish(a.ticket, Outcome.OK)
+    assert q.waiter.result.kind == REJECT and q.waiter.result.reason == "queue_timeout"
+    assert q.waiter.result.status == 429
+    assert core.limiters["interactive"].inflight == 1
+
+
+def test_reap_expires_waiters_at_their_deadline(core, clock):
+    fill(core, "interactive", 2)
+    (q,) = fill(core, "interactive", 1)
+    clock.advance(0.1)
+    core.reap()
+    assert q.waiter.pending
+    clock.advance(0.11)
+    core.reap()
+    assert q.waiter.result.reason == "queue_timeout"
+    assert not core.limiters["interactive"].queue
+
+
+def test_abandoned_waiter_leaves_the_queue_at_once(core):
+    fill(core, "interactive", 2)
+    q1, q2 = fill(core, "interactive", 2)
+    d = core.abandon(q1.waiter, timed_out=False)
+    assert d.reason == "client_disconnected"
+    assert list(core.limiters["interactive"].queue) == [q2.waiter]
+    assert core.abandon(q1.waiter, timed_out=False) is None  # only once
+
+
+def test_zero_wait_means_no_queue():
+    core = AdmissionController(make_policy(classes={"only": {"max_concurrency": 1, "max_queue": 10,
+                                                            "max_wait_ms": 0}}, tenants=[], default_class="only"))
+    assert core.decide(req("only")).kind == ACCEPT
+    assert core.decide(req("only")).kind == REJECT
+
+
+def test_lower_classes_are_shed_while_the_first_class_is_saturated(core):
+    fill(core, "interactive", 2)
+    d = core.decide(req("batch"))
+    assert (d.kind, d.status, d.reason) == (SHED, 503, "higher_class_saturated")
+    assert d.retry_after >= 1
+    assert core.decide(req("internal")).kind == SHED
+    assert core.limiters["batch"].inflight == 0
+
+
+def test_queued_lower_class_requests_are_shed_the_moment_the_higher_class_saturates(core):
+    fill(core, "batch", 3)
+    (qb,) = fill(core, "batch", 1)
+    assert qb.kind == QUEUE
+    fill(core, "interactive", 2)
+    assert qb.waiter.result.kind == SHED
+    assert not core.limiters["batch"].queue
+
+
+def test_shedding_is_configurable_and_can_be_disabled():
+    core = AdmissionController(make_policy(shed={}))
+    fill(core, "interactive", 2)
+    assert core.decide(req("batch")).kind == ACCEPT
+    core = AdmissionController(make_policy(shed={"batch": ["internal"]}))
+    fill(core, "interactive", 2)
+    assert core.decide(req("internal")).kind == ACCEPT
+    fill(core, "batch", 3)
+    assert core.decide(req("internal")).kind == SHED
+
+
+def test_release_is_exactly_once(core):
+    (a,) = fill(core, "interactive", 1)
+    assert core.finish(a.ticket, Outcome.OK) is True
+    assert core.finish(a.ticket, Outcome.CLIENT_ABORT) is False
+    assert core.limiters["interactive"].inflight == 0
+
+
+def test_lease_expiry_frees_a_slot_never_seen_to_end(clock):
+    core = AdmissionController(make_policy(lease_ms=5000), clock=clock)
+    (a,) = fill(core, "interactive", 1)
+    clock.advance(4)
+    core.renew(a.ticket)
+    clock.advance(4)
+    assert core.reap() == []
+    clock.advance(2)
+    assert core.reap() == [a.ticket]
+    assert core.limiters["interactive"].inflight == 0 and a.ticket.closed
+
+
+def test_unknown_model_is_404_and_takes_no_slot(core):
+    d = core.decide(req("interactive", model="gpt-9"))
+    assert (d.kind, d.status, d.reason) == (INVALID, 404, "unknown_model")
+    assert core.limiters["interactive"].inflight == 0
+
+
+def test_spoofed_class_is_demoted_to_the_tenant_cap(core):
+    d = core.decide(req("interactive", key="sk-acme"))
+    assert d.cls == "batch" and d.classification.demoted
+
+
+def test_tenant_may_ask_for_a_lower_class(core):
+    d = core.decide(req("internal", key="sk-acme"))
+    assert d.cls == "internal" and not d.classification.demoted
+
+
+def test_unknown_class_falls_back_to_the_default_and_is_flagged(core):
+    d = core.decide(req("platinum"))
+    assert d.cls == "interactive" and d.classification.unknown
+    d = core.decide(req("platinum", key="sk-acme"))
+    assert d.cls == "batch" and d.classification.unknown
+
+
+def test_header_claim_wins_over_body_claim_and_tenant_default_applies_without_claim(core):
+    assert core.decide(req("internal", body_cls="batch")).cls == "internal"
+    assert core.decide(req(None, body_cls="batch")).cls == "batch"
+    assert core.decide(req(None, key="sk-acme")).cls == "batch"
+    assert core.decide(req(None)).cls == "interactive"
+
+
+def test_retry_after_follows_the_observed_drain_rate(core, clock):
+    tickets = [d.ticket for d in fill(core, "batch", 3)]
+    for t in tickets:  # ~10 completions/s
+        clock.advance(0.1)
+        core.finish(t, Outcome.OK)
+        core.decide(req("batch"))
+    fill(core, "batch", 5)  # fills the queue
+    d = core.decide(req("batch"))
+    assert d.kind == REJECT and 1 <= d.retry_after <= 3
+
+
+def test_reload_keeps_held_slots_and_releases_them_against_their_class(core):
+    held = [d.ticket for d in fill(core, "interactive", 2)]
+    core.apply(make_policy(classes={"interactive": {"max_concurrency": 1, "max_queue": 0, "max_wait_ms": 0},
+                                    "batch": {"max_concurrency": 1}}))
+    assert core.limiters["interactive"].inflight == 2
+    assert core.decide(req("interactive")).kind == REJECT  # caps shrank below what is held
+    for t in held:
+        core.finish(t, Outcome.OK)
+    assert core.limiters["interactive"].inflight == 0
+    assert core.decide(req("interactive")).kind == ACCEPT
+
+
+def test_reload_removing_a_class_rejects_its_waiters_and_drains_its_slots(core):
+    held = [d.ticket for d in fill(core, "internal", 1)]
+    (q,) = fill(core, "internal", 1)
+    core.apply(make_policy(classes={"interactive": {"max_concurrency": 2}, "batch": {"max_concurrency": 3}},
+                           tenants=[]))
+    assert q.waiter.result.status == 503 and q.waiter.result.reason == "class_removed"
+    assert core.snapshot()["internal"]["inflight"] == 1
+    core.finish(held[0], Outcome.OK)
+    assert "internal" not in core.snapshot()
+
+
+def test_raising_a_cap_on_reload_admits_waiters_at_once(core):
+    fill(core, "batch", 3)
+    (q,) = fill(core, "batch", 1)
+    core.apply(make_policy(classes={"interactive": {"max_concurrency": 2}, "batch": {"max_concurrency": 4},
+                                    "internal": {"max_concurrency": 1}}))
+    assert q.waiter.result.kind == ACCEPT

@@ -1,0 +1,89 @@
+"""Policy validation: every error names its key path; `extproc check` exits 1 on errors."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from extproc.policy.schema import PolicyError, load_policy, load_policy_file
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def errors_of(data):
+    with pytest.raises(PolicyError) as e:
+        load_policy(data)
+    return e.value.errors
+
+
+BASE = {"classes": {"a": {"max_concurrency": 1}, "b": {"max_concurrency": 2}}, "models": {"m": {"cluster": "c"}}}
+
+
+def test_shipped_policies_validate():
+    for path in (ROOT / "policies").glob("*.yaml"):
+        load_policy_file(str(path))
+
+
+def test_defaults_apply():
+    p = load_policy(BASE)
+    assert p.fallback_class() == "a"
+    assert p.classes["b"].max_queue == 20 and p.classes["b"].max_wait_ms == 200
+    assert p.shed_map() == {"a": ["b"]}
+    assert p.classify.header == "x-priority"
+
+
+def test_unknown_keys_are_errors_with_their_path():
+    errs = errors_of({**BASE, "classes": {"a": {"max_concurrency": 1, "max_concurency": 2}}, "extra": 1})
+    assert "classes.a.max_concurency: unknown key (allowed: max_concurrency, max_queue, max_wait_ms)" in errs
+    assert any(e.startswith("extra: unknown key") for e in errs)
+
+
+def test_wrong_types_and_bounds_name_the_key():
+    errs = errors_of({**BASE, "classes": {"a": {"max_concurrency": 0, "max_queue": "x", "max_wait_ms": True}}})
+    assert "classes.a.max_concurrency: must be >= 1, got 0" in errs
+    assert "classes.a.max_queue: must be an integer, got 'x'" in errs
+    assert "classes.a.max_wait_ms: must be an integer, got True" in errs
+
+
+def test_missing_required_keys():
+    errs = errors_of({"classes": {"a": {}}})
+    assert "models: required" in errs and "classes.a.max_concurrency: required" in errs
+
+
+def test_class_references_must_exist():
+    errs = errors_of({**BASE, "default_class": "z", "shed": {"a": ["q"]},
+                      "tenants": [{"name": "t", "api_keys": ["k"], "max_class": "gold"}]})
+    assert "default_class: unknown class 'z' (classes: a, b)" in errs
+    assert "shed.a[0]: unknown class 'q' (classes: a, b)" in errs
+    assert "tenants[0].max_class: unknown class 'gold' (classes: a, b)" in errs
+
+
+def test_duplicate_api_keys_are_refused_without_echoing_the_key():
+    errs = errors_of({**BASE, "tenants": [{"name": "t1", "api_keys": ["sk-secret"]},
+                                          {"name": "t2", "api_keys": ["sk-secret"]}]})
+    assert errs == ["tenants[1].api_keys[0]: key already belongs to tenant 't1'"]
+
+
+def test_tenant_default_above_its_cap_is_refused():
+    errs = errors_of({**BASE, "tenants": [{"name": "t", "max_class": "b", "default_class": "a"}]})
+    assert errs == ["tenants[0].default_class: 'a' is above max_class 'b'"]
+
+
+def test_check_command_prints_paths_and_exits_1(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("classes: {a: {max_concurrency: -1}}\nmodels: {m: {cluster: c}}\n")
+    run = subprocess.run([sys.executable, "-m", "extproc.cli", "check", str(bad)], capture_output=True, text=True)
+    assert run.returncode == 1
+    assert "classes.a.max_concurrency: must be >= 1, got -1" in run.stderr
+    good = subprocess.run([sys.executable, "-m", "extproc.cli", "check", str(ROOT / "policies/default.yaml")],
+                          capture_output=True, text=True)
+    assert good.returncode == 0, good.stderr
+
+
+def test_not_yaml_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("classes: [unclosed\n")
+    with pytest.raises(PolicyError) as e:
+        load_policy_file(str(bad))
+    assert "not valid YAML" in e.value.errors[0]
