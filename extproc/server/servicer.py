@@ -7,6 +7,7 @@ import json
 import logging
 from typing import AsyncIterator
 
+from grpc.aio import EOF
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -101,11 +102,17 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     def _wanted_headers(self) -> frozenset[str]:
         return frozenset({":path", ":method", "authorization", "x-request-id", self.core.policy.classify.header})
 
-    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest], context) -> AsyncIterator:
+    async def Process(self, request_iterator, context) -> None:
+        # context.read()/write() rather than an async generator: grpc.aio wraps generators in another layer per
+        # message, and this handler runs once per HTTP request.
         st = _Stream()
         normal_end = False
+        read, write = context.read, context.write
         try:
-            async for req in request_iterator:
+            while True:
+                req = await read()
+                if req is EOF:
+                    break
                 phase = req.WhichOneof("request")
                 if phase == "request_headers":
                     resp = self._on_request_headers(st, req.request_headers)
@@ -116,9 +123,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 else:
                     resp = CONTINUE[phase]
                 if resp is None:  # queued: keep Envoy waiting, then answer with the final decision
-                    yield _wait_override(max(st.waiter.deadline - self.core.clock(), 0.0) + self.queue_grace_s)
+                    await write(_wait_override(max(st.waiter.deadline - self.core.clock(), 0.0) + self.queue_grace_s))
                     resp = await self._wait(st, st.waiter)
-                yield resp
+                await write(resp)
             normal_end = True
         except Exception:  # a bug here must never take the stream's slot with it
             self.errors += 1
