@@ -14,6 +14,14 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 INTER_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                        20.0, 40.0, 80.0)
 FINISH_REASONS = ("stop", "length", "abort")
+HELP = {
+    "vllm:num_requests_running": "Number of requests in model execution batches.",
+    "vllm:num_requests_waiting": "Number of requests waiting to be processed.",
+    "vllm:kv_cache_usage_perc": "KV-cache usage. 1 means 100 percent usage.",
+    "vllm:num_preemptions_total": "Cumulative number of preemption from the engine.",
+    "vllm:prompt_tokens_total": "Number of prefill tokens processed.",
+    "vllm:generation_tokens_total": "Number of generation tokens processed.",
+}
 
 
 class Histogram:
@@ -81,22 +89,21 @@ class ReplicaMetrics:
             lines.append(f"# HELP {name} {help_text}")
             lines.append(f"# TYPE {name} {kind}")
 
-        family("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.")
-        lines.append(f"vllm:num_requests_running{{{labels}}} {len(engine.running)}.0")
-        family("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.")
-        lines.append(f"vllm:num_requests_waiting{{{labels}}} {len(engine.waiting)}.0")
-        family("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.")
-        lines.append(f"vllm:kv_cache_usage_perc{{{labels}}} {engine.kv_usage!r}")
-        family("vllm:num_preemptions", "counter", "Cumulative number of preemption from the engine.")
-        lines.append(f"vllm:num_preemptions_total{{{labels}}} {stats.preemptions}.0")
-        family("vllm:prompt_tokens", "counter", "Number of prefill tokens processed.")
-        lines.append(f"vllm:prompt_tokens_total{{{labels}}} {stats.prompt_tokens}.0")
-        family("vllm:generation_tokens", "counter", "Number of generation tokens processed.")
-        lines.append(f"vllm:generation_tokens_total{{{labels}}} {stats.generation_tokens}.0")
-        family("vllm:request_success", "counter", "Count of successfully processed requests.")
+        # Text format 0.0.4 names counter families with their _total suffix, as prometheus_client writes them.
+        for name, kind, value in (
+            ("vllm:num_requests_running", "gauge", len(engine.running)),
+            ("vllm:num_requests_waiting", "gauge", len(engine.waiting)),
+            ("vllm:kv_cache_usage_perc", "gauge", engine.kv_usage),
+            ("vllm:num_preemptions_total", "counter", stats.preemptions),
+            ("vllm:prompt_tokens_total", "counter", stats.prompt_tokens),
+            ("vllm:generation_tokens_total", "counter", stats.generation_tokens),
+        ):
+            family(name, kind, HELP[name])
+            lines.append(f"{name}{{{labels}}} {float(value)!r}")
+        family("vllm:request_success_total", "counter", "Count of successfully processed requests.")
         for reason in FINISH_REASONS:
             lines.append(f'vllm:request_success_total{{{labels},finished_reason="{reason}"}} '
-                         f"{stats.finished[reason]}.0")
+                         f"{float(stats.finished[reason])!r}")
         for name, hist, help_text in (
             ("vllm:time_to_first_token_seconds", self.ttft, "Histogram of time to first token in seconds."),
             ("vllm:inter_token_latency_seconds", self.inter_token, "Histogram of inter-token latency in seconds."),

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from extproc.sim.engine import Engine
 from extproc.sim.profile import Profile
+from extproc.sim.stats import percentile
 
 
 @dataclass
@@ -18,14 +19,6 @@ class SweepPoint:
     p99_s: float
     mean_output_tokens: float
     preemptions: int
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100) of an already sorted list."""
-    if not sorted_values:
-        return float("nan")
-    rank = max(1, min(len(sorted_values), round(q / 100 * len(sorted_values) + 0.5)))
-    return sorted_values[rank - 1]
 
 
 def closed_loop(profile: Profile, concurrency: int, prompt_tokens: int, max_tokens: int,

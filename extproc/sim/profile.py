@@ -13,7 +13,7 @@ import yaml
 
 @dataclass(frozen=True)
 class Timing:
-    """Iteration time = base + per_decode_seq * decode cost + per_prefill_token * prefill tokens + per_context_token * KV read."""
+    """Iteration time: base + per decode sequence (times its cost) + per prefill token + per KV token read."""
 
     base_s: float
     per_decode_seq_s: float

@@ -89,7 +89,8 @@ class Replica:
             if not engine.has_work:
                 self._wake.clear()
                 await self._wake.wait()
-            self._sim_t = max(self._sim_t, clock.now())
+                # Idle time passes in simulated time too; while busy, iterations follow each other exactly.
+                self._sim_t = max(self._sim_t, clock.now())
             duration = engine.begin_iteration(self._sim_t)
             if duration is None:  # nothing schedulable right now; wait for an arrival or abort
                 self._wake.clear()
