@@ -98,9 +98,13 @@ def profile_from_dict(data: dict, source: str = "<dict>") -> Profile:
         values["output_tokens"] = _lognormal(data["output_tokens"], "output_tokens")
         if "cost_multiplier" in data:
             values["cost_multiplier"] = _lognormal(data["cost_multiplier"], "cost_multiplier")
-        return Profile(**values)
+        profile = Profile(**values)
     except (KeyError, TypeError) as exc:
         raise ValueError(f"{source}: bad profile: {exc}") from exc
+    # A request as long as the context must fit in the cache alone, or the engine could never schedule it.
+    if profile.kv_cache_blocks * profile.block_size < profile.max_model_len:
+        raise ValueError(f"{source}: kv_cache_blocks * block_size must be at least max_model_len")
+    return profile
 
 
 def shipped_profile_names() -> list[str]:
