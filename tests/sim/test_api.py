@@ -1,0 +1,182 @@
+"""OpenAI API parity: JSON shapes, SSE framing, error bodies, admin endpoints, against an in-process fleet."""
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from extproc.sim.fleet import SimFleet
+
+MODEL = "meta-llama/Llama-3.1-70B-Instruct-AWQ"
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello there, how are you"}], "max_tokens": 7}
+COMPLETION = {"model": MODEL, "prompt": "once upon a time", "max_tokens": 7}
+
+
+@pytest.fixture
+async def fleet():
+    async with SimFleet("h100-llama70b-awq", replicas=2, port=0, speed=50) as running:
+        yield running
+
+
+@pytest.fixture
+async def http():
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def sse_events(resp: aiohttp.ClientResponse) -> list[str]:
+    text = (await resp.read()).decode()
+    assert text.endswith("\n\n")
+    events = text.split("\n\n")[:-1]
+    assert all(e.startswith("data: ") for e in events)
+    return [e[len("data: "):] for e in events]
+
+
+async def test_fleet_reports_ephemeral_ports_and_health(fleet, http):
+    assert len(set(fleet.ports)) == 2 and all(p > 0 for p in fleet.ports)
+    for url in fleet.urls:
+        async with http.get(url + "/health") as resp:
+            assert resp.status == 200 and await resp.read() == b""
+
+
+async def test_models_and_version(fleet, http):
+    async with http.get(fleet.urls[0] + "/v1/models") as resp:
+        body = await resp.json()
+    assert body["object"] == "list" and body["data"][0]["id"] == MODEL
+    async with http.get(fleet.urls[0] + "/version") as resp:
+        assert "version" in await resp.json()
+
+
+async def test_chat_completion_shape(fleet, http):
+    async with http.post(fleet.urls[0] + "/v1/chat/completions", json=CHAT) as resp:
+        assert resp.status == 200 and resp.content_type == "application/json"
+        body = await resp.json()
+    assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
+    assert body["model"] == MODEL and isinstance(body["created"], int)
+    choice = body["choices"][0]
+    assert choice["index"] == 0 and choice["message"]["role"] == "assistant" and choice["logprobs"] is None
+    assert choice["finish_reason"] in ("stop", "length")
+    usage = body["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert 1 <= usage["completion_tokens"] <= 7
+    assert len(choice["message"]["content"].split()) == usage["completion_tokens"]
+
+
+async def test_text_completion_shape(fleet, http):
+    async with http.post(fleet.urls[0] + "/v1/completions", json=COMPLETION) as resp:
+        body = await resp.json()
+    assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
+    assert body["usage"]["prompt_tokens"] == 4  # 16 characters
+    assert len(body["choices"][0]["text"].split()) == body["usage"]["completion_tokens"]
+
+
+async def test_ignore_eos_generates_exactly_max_tokens(fleet, http):
+    async with http.post(fleet.urls[0] + "/v1/completions", json={**COMPLETION, "ignore_eos": True}) as resp:
+        body = await resp.json()
+    assert body["usage"]["completion_tokens"] == 7 and body["choices"][0]["finish_reason"] == "length"
+
+
+async def test_chat_stream_with_usage(fleet, http):
+    request = {**CHAT, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    async with http.post(fleet.urls[0] + "/v1/chat/completions", json=request) as resp:
+        assert resp.status == 200
+        assert resp.headers["content-type"] == "text/event-stream; charset=utf-8"
+        assert resp.headers["transfer-encoding"] == "chunked"
+        events = await sse_events(resp)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    deltas = chunks[1:-1]
+    assert len(deltas) == 7 and all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert all(len(c["choices"][0]["delta"]["content"].split()) == 1 for c in deltas)  # one token each
+    assert [c["choices"][0]["finish_reason"] for c in deltas] == [None] * 6 + ["length"]
+    assert len({c["id"] for c in chunks}) == 1
+    usage_chunk = chunks[-1]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 7
+    assert usage_chunk["usage"]["prompt_tokens"] == 3 + 4 + 6  # template + message overhead + 24 chars
+
+
+async def test_completion_stream_without_usage(fleet, http):
+    async with http.post(fleet.urls[0] + "/v1/completions", json={**COMPLETION, "stream": True}) as resp:
+        events = await sse_events(resp)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "text_completion" and c["choices"] for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+
+
+async def test_keep_alive_serves_many_requests_on_one_connection(fleet):
+    connector = aiohttp.TCPConnector(limit=1)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        for _ in range(3):
+            async with session.post(fleet.urls[0] + "/v1/completions", json={**COMPLETION, "stream": True}) as r:
+                await r.read()
+            async with session.post(fleet.urls[0] + "/v1/completions", json=COMPLETION) as r:
+                assert r.status == 200
+        assert len(connector._conns) == 1 or sum(len(v) for v in connector._conns.values()) == 1
+
+
+@pytest.mark.parametrize("path,body,status,error_type", [
+    ("/v1/chat/completions", {**CHAT, "model": "nope"}, 404, "NotFoundError"),
+    ("/v1/completions", {**COMPLETION, "max_tokens": 100_000}, 400, "BadRequestError"),
+    ("/v1/completions", {**COMPLETION, "max_tokens": "many"}, 400, "BadRequestError"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "BadRequestError"),
+    ("/v1/completions", {**COMPLETION, "stream_options": {"include_usage": True}}, 400, "BadRequestError"),
+])
+async def test_errors_are_shaped_like_vllm(fleet, http, path, body, status, error_type):
+    async with http.post(fleet.urls[0] + path, json=body) as resp:
+        assert resp.status == status
+        error = (await resp.json())["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == error_type and error["code"] == status
+
+
+async def test_malformed_json_is_400(fleet, http):
+    async with http.post(fleet.urls[0] + "/v1/chat/completions", data=b'{"model": ') as resp:
+        assert resp.status == 400
+        assert (await resp.json())["error"]["type"] == "BadRequestError"
+
+
+async def test_unknown_fields_are_ignored(fleet, http):
+    body = {**CHAT, "priority": 5, "user": "u1", "temperature": 0.2, "something_new": {"x": 1}}
+    async with http.post(fleet.urls[0] + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200
+
+
+async def test_client_disconnect_aborts_the_sequence(fleet, http):
+    body = {**COMPLETION, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    async with http.post(fleet.urls[1] + "/v1/completions", json=body) as resp:
+        await resp.content.readline()
+        resp.close()
+    for _ in range(100):
+        async with http.get(fleet.urls[1] + "/sim/state") as r:
+            state = await r.json()
+        if state["finished"]["abort"] == 1:
+            break
+        await asyncio.sleep(0.01)
+    assert state["finished"]["abort"] == 1 and state["running"] == 0 and state["kv_cache_usage"] == 0.0
+
+
+async def test_fault_injection_error_rate_and_reset(fleet, http):
+    url = fleet.urls[0]
+    async with http.post(url + "/sim/fault", json={"error_rate": 1.0}) as resp:
+        assert (await resp.json())["error_rate"] == 1.0
+    async with http.post(url + "/v1/completions", json=COMPLETION) as resp:
+        assert resp.status == 500 and (await resp.json())["error"]["code"] == 500
+    async with http.post(url + "/sim/fault", json={"reset": True}) as resp:
+        assert resp.status == 200
+    async with http.post(url + "/v1/completions", json=COMPLETION) as resp:
+        assert resp.status == 200
+
+
+async def test_fault_injection_extra_latency(fleet, http):
+    url = fleet.urls[0]
+    async with http.post(url + "/sim/fault", json={"extra_latency_s": 10.0}) as resp:  # 0.2 s real at speed 50
+        assert resp.status == 200
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    async with http.post(url + "/v1/completions", json={**COMPLETION, "max_tokens": 1}) as resp:
+        assert resp.status == 200
+    assert loop.time() - start >= 0.19

@@ -1,0 +1,33 @@
+"""A shortened calibration check: closed-loop p50 over real HTTP at high speed, loose tolerance."""
+
+import pytest
+
+from extproc.loadgen import LoadClient, RequestKind, Workload, run_closed_loop, summarize
+from extproc.sim.fleet import SimFleet
+from extproc.sim.offline import closed_loop
+from extproc.sim.profile import load_profile
+
+SPEED = 20.0
+REFERENCE_P50 = {8: 0.78, 32: 1.89}
+REFERENCE_TOKENS_PER_S = {8: 1540, 32: 2680}
+
+
+@pytest.mark.parametrize("concurrency", [8, 32])
+async def test_closed_loop_p50_matches_the_reference_table(concurrency):
+    workload = Workload([RequestKind(endpoint="chat", prompt_tokens=512, max_tokens=256)])
+    warmup, measured = 5.0, 250 * 155 / REFERENCE_TOKENS_PER_S[concurrency]  # simulated seconds
+    async with SimFleet("h100-llama70b-awq", speed=SPEED, seed=3) as fleet:
+        async with LoadClient(fleet.urls, time_scale=SPEED, pool=concurrency) as client:
+            await run_closed_loop(client, workload, concurrency, duration_s=(warmup + measured) / SPEED, seed=3)
+    summary = summarize(client.records, (warmup, warmup + measured))
+    assert summary["errors"] == {}
+    assert summary["latency_p50"] == pytest.approx(REFERENCE_P50[concurrency], rel=0.35)
+    assert summary["output_tokens_per_s"] == pytest.approx(REFERENCE_TOKENS_PER_S[concurrency], rel=0.35)
+
+
+def test_engine_only_sweep_is_within_the_issue_tolerance_below_the_kv_cliff():
+    profile = load_profile("h100-llama70b-awq")
+    for concurrency, (tokens, p50) in {8: (1540, 0.78), 32: (2680, 1.89)}.items():
+        point = closed_loop(profile, concurrency, 512, 256, requests=800, seed=1)
+        assert point.tokens_per_s == pytest.approx(tokens, rel=0.15)
+        assert point.p50_s == pytest.approx(p50, rel=0.15)

@@ -1,0 +1,147 @@
+"""The engine model's scheduling properties, driven with a fake clock."""
+
+from extproc.sim.engine import FINISHED, RUNNING, WAITING, Engine
+from extproc.sim.profile import LogNormal, Profile, Timing
+
+
+def make_profile(**overrides) -> Profile:
+    values = dict(name="test", model_names=("m",), max_model_len=4096, max_num_seqs=8, max_num_batched_tokens=256,
+                  kv_cache_blocks=256, timing=Timing(0.01, 0.001, 0.0001, 0.0), output_tokens=LogNormal(50, 0.0))
+    values.update(overrides)
+    return Profile(**values)
+
+
+def step(engine: Engine, now: float) -> tuple[float, list]:
+    duration = engine.begin_iteration(now)
+    return now + duration, engine.end_iteration(now + duration)
+
+
+def test_iteration_time_follows_the_profile_coefficients():
+    engine = Engine(make_profile(max_num_batched_tokens=2048))
+    engine.add_request(100, 10, 0.0)
+    duration = engine.begin_iteration(0.0)
+    assert duration == 0.01 + 0.0001 * 100  # one prefill of 100 tokens, no decode yet
+
+
+def test_output_length_is_min_of_max_tokens_and_natural_length():
+    engine = Engine(make_profile())
+    short = engine.add_request(16, 10, 0.0)  # natural 50 > max_tokens 10
+    long = engine.add_request(16, 100, 0.0)  # natural 50 < 100
+    now = 0.0
+    while engine.has_work:
+        now, _ = step(engine, now)
+    assert (short.generated, short.finish_reason) == (10, "length")
+    assert (long.generated, long.finish_reason) == (50, "stop")
+
+
+def test_chunked_prefill_respects_the_token_budget():
+    engine = Engine(make_profile(max_num_batched_tokens=256))
+    seq = engine.add_request(600, 5, 0.0)
+    tokens = []
+    now = 0.0
+    while seq.generated == 0:
+        engine.begin_iteration(now)
+        tokens.append(sum(n for _, n in engine._batch))
+        now += 0.01
+        engine.end_iteration(now)
+    assert tokens == [256, 256, 88]  # 600 prompt tokens in budget-sized chunks; the token comes with the last
+
+
+def test_decode_and_prefill_share_the_budget():
+    engine = Engine(make_profile(max_num_batched_tokens=64))
+    first = engine.add_request(32, 100, 0.0)
+    now, _ = step(engine, 0.0)
+    engine.add_request(200, 100, now)
+    engine.begin_iteration(now)
+    batch = {seq.id: n for seq, n in engine._batch}
+    assert batch == {first.id: 1, 1: 63}
+
+
+def test_max_num_seqs_caps_the_running_batch():
+    engine = Engine(make_profile(max_num_seqs=3, max_num_batched_tokens=4096))
+    for _ in range(5):
+        engine.add_request(16, 100, 0.0)
+    step(engine, 0.0)
+    assert len(engine.running) == 3 and len(engine.waiting) == 2
+
+
+def test_admission_into_the_running_batch_is_fifo():
+    engine = Engine(make_profile(max_num_seqs=2, max_num_batched_tokens=4096))
+    seqs = [engine.add_request(16, 5, 0.0, natural_tokens=5) for _ in range(4)]
+    order = []
+    now = 0.0
+    while engine.has_work:
+        now, emissions = step(engine, now)
+        order += [e.seq.id for e in emissions if e.finish_reason]
+        assert all(s.state != RUNNING for s in seqs[2:]) or seqs[0].state == FINISHED
+    assert order == [0, 1, 2, 3]
+    assert [s.first_scheduled for s in seqs] == sorted(s.first_scheduled for s in seqs)
+
+
+def test_a_full_kv_cache_preempts_the_newest_running_sequence():
+    # 8 blocks of 16 tokens; two sequences of 48-token prompts each need 3 blocks, then grow into a 4th.
+    engine = Engine(make_profile(kv_cache_blocks=8, max_num_batched_tokens=4096, max_model_len=128))
+    old = engine.add_request(48, 60, 0.0, natural_tokens=60)
+    new = engine.add_request(48, 60, 0.0, natural_tokens=60)
+    now = 0.0
+    while engine.stats.preemptions == 0:
+        now, _ = step(engine, now)
+    assert new.state == WAITING and new.computed == 0 and new.blocks == 0
+    assert engine.waiting[0] is new and old.state == RUNNING
+    assert new.generated > 0  # kept its output; it must recompute prompt + output later
+
+
+def test_preempted_sequence_recomputes_and_finishes():
+    engine = Engine(make_profile(kv_cache_blocks=8, max_num_batched_tokens=4096, max_model_len=128))
+    seqs = [engine.add_request(48, 60, 0.0, natural_tokens=60) for _ in range(2)]
+    now = 0.0
+    while engine.has_work:
+        now, _ = step(engine, now)
+    assert engine.stats.preemptions >= 1
+    assert all(s.generated == 60 and s.finish_reason == "length" for s in seqs)
+    assert engine.free_blocks == 8
+
+
+def test_preemption_makes_latency_fall_off_a_cliff():
+    roomy = make_profile(kv_cache_blocks=4096, max_num_batched_tokens=2048, max_num_seqs=64)
+    tight = make_profile(kv_cache_blocks=600, max_num_batched_tokens=2048, max_num_seqs=64)
+    finish = {}
+    for name, profile in (("roomy", roomy), ("tight", tight)):
+        engine = Engine(profile)
+        for _ in range(64):
+            engine.add_request(256, 200, 0.0, natural_tokens=200)
+        now = 0.0
+        while engine.has_work:
+            now, _ = step(engine, now)
+        finish[name] = (now, engine.stats.preemptions)
+    assert finish["roomy"][1] == 0 and finish["tight"][1] > 0
+    assert finish["tight"][0] > 1.25 * finish["roomy"][0]  # recompute and a smaller batch
+
+
+def test_abort_frees_blocks_and_admits_the_next_request():
+    engine = Engine(make_profile(max_num_seqs=1, max_num_batched_tokens=4096))
+    first = engine.add_request(100, 50, 0.0)
+    second = engine.add_request(100, 50, 0.0)
+    now, _ = step(engine, 0.0)
+    assert first.blocks > 0 and second.state == WAITING
+    engine.abort(first, now)
+    assert first.state == FINISHED and first.finish_reason == "abort" and first.blocks == 0
+    assert engine.stats.finished["abort"] == 1
+    step(engine, now)
+    assert second.state == RUNNING
+
+
+def test_abort_during_an_iteration_emits_nothing_for_it():
+    engine = Engine(make_profile())
+    seq = engine.add_request(16, 50, 0.0)
+    engine.begin_iteration(0.0)
+    engine.abort(seq, 0.001)
+    assert engine.end_iteration(0.01) == []
+    assert engine.free_blocks == engine.profile.kv_cache_blocks
+
+
+def test_same_seed_gives_same_output_lengths():
+    profile = make_profile(output_tokens=LogNormal(50, 0.8))
+    a, b = Engine(profile, seed=3), Engine(profile, seed=3)
+    assert [a.add_request(16, 1000, 0.0).target_tokens for _ in range(20)] == \
+        [b.add_request(16, 1000, 0.0).target_tokens for _ in range(20)]

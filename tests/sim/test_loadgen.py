@@ -1,0 +1,43 @@
+"""The load generator: replayable arrivals, prompts of the requested size, aborts and summaries."""
+
+import random
+
+from extproc.loadgen import (LoadClient, RequestKind, Workload, plan_request, poisson_arrivals, run_open_loop,
+                             summarize)
+from extproc.sim.fleet import SimFleet
+
+
+def test_poisson_arrivals_are_replayable_and_follow_the_schedule():
+    schedule = [(100.0, 5.0), (100.0, 20.0)]
+    first, second = poisson_arrivals(schedule, seed=7), poisson_arrivals(schedule, seed=7)
+    assert first == second
+    low = sum(1 for t in first if t < 100)
+    high = len(first) - low
+    assert 400 < low < 600 and 1700 < high < 2300
+
+
+def test_plans_are_replayable_with_the_same_seed():
+    workload = Workload([RequestKind(name="a", weight=3, prompt_tokens={"min": 10, "max": 900}),
+                         RequestKind(name="b", weight=1, abort_prob=0.5)])
+    plans = [[plan_request(i, workload, rng) for i in range(50)] for rng in (random.Random(1), random.Random(1))]
+    assert [(p.kind.name, p.prompt_tokens, p.abort_fraction) for p in plans[0]] == \
+        [(p.kind.name, p.prompt_tokens, p.abort_fraction) for p in plans[1]]
+
+
+async def test_open_loop_counts_prompt_tokens_aborts_and_tokens():
+    workload = Workload([RequestKind(name="chat", endpoint="chat", prompt_tokens=300, max_tokens=40, stream=True),
+                         RequestKind(name="cmpl", endpoint="completions", prompt_tokens=200, max_tokens=40,
+                                     stream=True, abort_prob=1.0)])
+    async with SimFleet("h100-llama8b", replicas=2, speed=20) as fleet:
+        async with LoadClient(fleet.urls, time_scale=20) as client:
+            await run_open_loop(client, workload, [(10.0, 4.0)], seed=2)
+    records = client.records
+    assert records and {r.kind for r in records} == {"chat", "cmpl"}
+    for r in records:
+        if r.kind == "chat":
+            assert r.ok and 1 <= r.output_tokens <= 40 and r.ttft <= r.latency
+        else:
+            assert r.error == "abort" or r.output_tokens < 40  # the stream may end naturally before its abort point
+    summary = summarize(records)
+    assert summary["requests"] == len(records) and summary["by_status"] == {"200": len(records)}
+    assert summary["latency_p50"] > 0 and summary["ttft_p50"] > 0

@@ -1,0 +1,59 @@
+"""/metrics parses with the Prometheus parser and carries vLLM's names, types and labels."""
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from extproc.sim.fleet import SimFleet
+
+EXPECTED = {
+    "vllm:num_requests_running": "gauge",
+    "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:num_preemptions": "counter",
+    "vllm:prompt_tokens": "counter",
+    "vllm:generation_tokens": "counter",
+    "vllm:request_success": "counter",
+    "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:request_queue_time_seconds": "histogram",
+}
+
+
+async def test_metrics_parse_with_vllm_names_types_and_counts():
+    async with SimFleet("h100-llama8b", replicas=1, speed=50) as fleet, aiohttp.ClientSession() as http:
+        url = fleet.urls[0]
+        model = fleet.profile.model_names[0]
+        for _ in range(3):
+            body = {"prompt": "x" * 400, "max_tokens": 5, "ignore_eos": True}
+            async with http.post(url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+        async with http.get(url + "/metrics") as resp:
+            assert resp.status == 200 and resp.content_type == "text/plain"
+            text = await resp.text()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert {name: families[name].type for name in EXPECTED} == EXPECTED
+    samples = {(s.name, s.labels.get("finished_reason"), s.labels.get("le")): s
+               for f in families.values() for s in f.samples}
+    for sample in samples.values():
+        assert sample.labels["model_name"] == model and sample.labels["engine"] == "0"
+    assert samples[("vllm:prompt_tokens_total", None, None)].value == 300
+    assert samples[("vllm:generation_tokens_total", None, None)].value == 15
+    assert samples[("vllm:request_success_total", "length", None)].value == 3
+    assert samples[("vllm:num_preemptions_total", None, None)].value == 0
+    assert samples[("vllm:e2e_request_latency_seconds_count", None, None)].value == 3
+    assert samples[("vllm:time_to_first_token_seconds_bucket", None, "+Inf")].value == 3
+    assert samples[("vllm:inter_token_latency_seconds_count", None, None)].value == 12
+    assert 0.0 <= samples[("vllm:kv_cache_usage_perc", None, None)].value <= 1.0
+
+
+def test_counter_families_keep_vllm_names_without_the_total_suffix():
+    from extproc.sim.engine import Engine
+    from extproc.sim.metrics import ReplicaMetrics
+    from extproc.sim.profile import load_profile
+
+    engine = Engine(load_profile("h100-llama8b"))
+    text = ReplicaMetrics("m").render(engine)
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["vllm:num_preemptions"].samples[0].name == "vllm:num_preemptions_total"
+    assert len(families["vllm:request_success"].samples) == 3
