@@ -1,19 +1,19 @@
-"""The admission decision (accept / queue / reject / shed) and the ticket closed exactly once."""
+"""The admission decision (accept / queue / reject / shed / degrade) and the ticket closed exactly once."""
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+from .breakers import Breaker, ErrorBreaker, LatencyBreaker
 from .classify import Classification, Classifier
-from collections import OrderedDict
-
 from .limits import ClassLimiter, Completion, Outcome, Ticket, Waiter
-from .schema import Policy
+from .schema import ClassSpec, FallbackSpec, Policy
 
 # Decision kinds
-ACCEPT, QUEUE, REJECT, SHED, INVALID = "accept", "queue", "reject", "shed", "invalid"
+ACCEPT, QUEUE, REJECT, SHED, DEGRADE, INVALID = "accept", "queue", "reject", "shed", "degrade", "invalid"
 
 # Reasons (also metric label values and troubleshooting keys in docs/)
 R_SLOT_FREE = "slot_free"
@@ -25,6 +25,14 @@ R_CLIENT_GONE = "client_disconnected"
 R_HIGHER_SATURATED = "higher_class_saturated"
 R_UNKNOWN_MODEL = "unknown_model"
 R_CLASS_REMOVED = "class_removed"
+R_LATENCY_BREAKER = "latency_breaker_open"
+R_ERROR_BREAKER = "error_breaker_open"
+R_DEGRADED_FULL = "degraded_capacity_full"
+R_SHADOW = "shadow"
+R_ENDED_WHILE_QUEUED = "ended_while_queued"  # shadow only
+
+# How long a released ticket waits for the data plane's completion report before it is accounted without one.
+REPORT_WAIT_S = 5.0
 
 
 @dataclass(slots=True)
@@ -44,12 +52,12 @@ class Decision:
     """The core's answer for one request. Terminal unless kind is QUEUE (then `waiter` gets the final one)."""
 
     __slots__ = ("kind", "reason", "cls", "tenant", "status", "retry_after", "message", "ticket", "waiter",
-                 "cluster", "classification", "waited_s")
+                 "cluster", "classification", "waited_s", "fallback", "shadow_would")
 
     def __init__(self, kind: str, reason: str, cls: str, tenant: str, *, status: int = 200, retry_after: int = 0,
                  message: str = "", ticket: Ticket | None = None, waiter: Waiter | None = None,
                  cluster: str | None = None, classification: Classification | None = None,
-                 waited_s: float = 0.0):
+                 waited_s: float = 0.0, fallback: FallbackSpec | None = None):
         self.kind = kind
         self.reason = reason
         self.cls = cls
@@ -62,6 +70,8 @@ class Decision:
         self.cluster = cluster
         self.classification = classification
         self.waited_s = waited_s
+        self.fallback = fallback          # DEGRADE: what to change (model, max_tokens, stream) or the canned reply
+        self.shadow_would: Decision | None = None  # shadow mode: the decision enforce mode would have made
 
     def __repr__(self) -> str:
         return f"Decision({self.kind}, {self.reason}, cls={self.cls}, status={self.status})"
@@ -73,10 +83,8 @@ class AdmissionEvents(Protocol):
     def decided(self, decision: Decision) -> None: ...
     def queued(self, waiter: Waiter) -> None: ...
     def finished(self, ticket: Ticket, outcome: Outcome, duration_s: float) -> None: ...
-
-
-# How long a released ticket waits for the data plane's completion report before it is accounted without one.
-REPORT_WAIT_S = 5.0
+    def shadow(self, cls: str, would: str, reason: str) -> None: ...
+    def breaker_changed(self, cls: str, pool: str, breaker: Breaker, state: str) -> None: ...
 
 
 class NoEvents:
@@ -89,15 +97,23 @@ class NoEvents:
     def finished(self, ticket: Ticket, outcome: Outcome, duration_s: float) -> None:
         pass
 
+    def shadow(self, cls: str, would: str, reason: str) -> None:
+        pass
+
+    def breaker_changed(self, cls: str, pool: str, breaker: Breaker, state: str) -> None:
+        pass
+
 
 class AdmissionController:
-    """Sans-IO admission: call decide() per request, finish() once per ticket, abandon() for gone waiters."""
+    """Sans-IO admission: decide() per request, finish() once per ticket, report() with how it ended."""
 
     def __init__(self, policy: Policy, clock: Callable[[], float] = time.monotonic,
                  events: AdmissionEvents | None = None):
         self.clock = clock
         self.events: AdmissionEvents = events or NoEvents()
         self.limiters: dict[str, ClassLimiter] = {}
+        self.degraded: dict[str, ClassLimiter] = {}   # per class: slots for requests served by its fallback
+        self.breakers: dict[tuple[str, str], list[Breaker]] = {}  # (class, pool) -> its breakers
         self.tickets: dict[int, Ticket] = {}   # open tickets, for the lease safety net
         self._unreported: OrderedDict[int, Ticket] = OrderedDict()  # released, completion report pending
         self._retired: list[ClassLimiter] = []
@@ -116,13 +132,22 @@ class AdmissionController:
             else:
                 lim.reconfigure(spec)
             limiters[name] = lim
+            deg_spec = ClassSpec(max_concurrency=spec.fallback.max_concurrency or spec.max_concurrency,
+                                 max_queue=0, max_wait_ms=0)
+            if name in self.degraded:
+                self.degraded[name].reconfigure(deg_spec)
+            else:
+                self.degraded[name] = ClassLimiter(name, deg_spec)
         self.policy = policy
         self.classifier = Classifier(policy)
         self.limiters = limiters
+        self._shadow_all = policy.mode == "shadow"
         self._lease_s = policy.lease_ms / 1000.0
         self._retry_ceiling = policy.retry_after_max_s
         self._clusters = {name: m.cluster for name, m in policy.models.items()}
-        # protected class -> the classes whose saturation sheds it
+        # Breakers whose class spec changed start afresh; the others keep their state across the reload.
+        self.breakers = {key: bs for key, bs in self.breakers.items()
+                         if key[0] in policy.classes and self._breaker_specs(key[0]) == [b.spec for b in bs]}
         self._shed_by: dict[str, list[ClassLimiter]] = {}
         self._sheds: dict[str, list[ClassLimiter]] = {}
         for protector, shed in policy.shed_map().items():
@@ -144,10 +169,38 @@ class AdmissionController:
         if lim.inflight:
             self._retired.append(lim)
 
+    def _breaker_specs(self, cls: str) -> list:
+        spec = self.policy.classes[cls]
+        specs: list = []
+        if spec.slo_p95_ms and spec.latency_breaker.enabled:
+            specs.append((spec.slo_p95_ms, spec.latency_breaker))
+        if spec.error_breaker.enabled:
+            specs.append(spec.error_breaker)
+        return specs
+
+    def pool_breakers(self, cls: str, pool: str) -> list[Breaker]:
+        """The breakers of one class on one pool, created on first use."""
+        bs = self.breakers.get((cls, pool))
+        if bs is None:
+            bs = []
+            for spec in self._breaker_specs(cls):
+                if isinstance(spec, tuple):
+                    slo_ms, lb = spec
+                    b: Breaker = LatencyBreaker(slo_ms / 1000.0, lb.window_s, lb.min_samples, 0.95, lb.cooldown_s,
+                                                lb.trickle, lb.trickle_s)
+                else:
+                    b = ErrorBreaker(spec.max_error_ratio, spec.window_s, spec.min_requests, spec.cooldown_s,
+                                     spec.trickle, spec.trickle_s)
+                b.spec = spec
+                b.on_change = lambda br, state, c=cls, p=pool: self.events.breaker_changed(c, p, br, state)
+                bs.append(b)
+            self.breakers[(cls, pool)] = bs
+        return bs
+
     # --- decisions ---
 
     def decide(self, facts: RequestFacts, context: Any = None) -> Decision:
-        """Classify and admit, queue, shed or reject one request."""
+        """Classify and admit, queue, shed, degrade or reject one request."""
         now = self.clock()
         c = self.classifier.classify(facts.api_key, facts.header_class, facts.body_class)
         cluster = self._clusters.get(facts.model) if facts.model is not None else None
@@ -155,26 +208,93 @@ class AdmissionController:
             return self._emit(Decision(INVALID, R_UNKNOWN_MODEL, c.cls, c.tenant, status=404,
                                        message=f"The model `{facts.model}` does not exist.", classification=c))
         lim = self.limiters[c.cls]
+        d = self._enforce(c, lim, cluster, now, context)
+        if self._shadow_all or lim.spec.shadow:
+            return self._shadowed(d, lim, c, cluster, now)
+        if d.kind != QUEUE:
+            self._emit(d)
+        return d
+
+    def _enforce(self, c: Classification, lim: ClassLimiter, cluster: str, now: float, context: Any) -> Decision:
         protector = self._saturated_protector(c.cls)
         if protector is not None:
-            return self._emit(Decision(
-                SHED, R_HIGHER_SATURATED, c.cls, c.tenant, status=503,
-                retry_after=protector.retry_after_s(now, self._retry_ceiling), classification=c, cluster=cluster,
-                message=f"class {c.cls!r} is shed while class {protector.name!r} is saturated"))
+            return Decision(
+                SHED, R_HIGHER_SATURATED, c.cls, c.tenant, status=503, classification=c, cluster=cluster,
+                retry_after=protector.retry_after_s(now, self._retry_ceiling),
+                message=f"class {c.cls!r} is shed while class {protector.name!r} is saturated")
+        trickle = False
+        for b in self.pool_breakers(c.cls, cluster):
+            allowed, probe = b.allow(now)
+            if not allowed:
+                reason = R_LATENCY_BREAKER if b.kind == "latency" else R_ERROR_BREAKER
+                return self._fallback(lim, c.cls, c.tenant, cluster, reason, now, overflow=False, c=c)
+            trickle = trickle or probe
         if lim.has_room() and not lim.queue:
-            ticket = self._admit(lim, c.tenant, now, 1.0, 0.0)
-            return self._emit(Decision(ACCEPT, R_SLOT_FREE, c.cls, c.tenant, ticket=ticket, cluster=cluster,
-                                       classification=c))
+            ticket = self._admit(lim, c.tenant, cluster, now, 1.0, 0.0)
+            ticket.trickle = trickle
+            return Decision(ACCEPT, R_SLOT_FREE, c.cls, c.tenant, ticket=ticket, cluster=cluster, classification=c)
         if lim.queue_has_room():
-            waiter = Waiter(lim, c.tenant, now, 1.0, context)
+            waiter = Waiter(lim, c.tenant, cluster, now, 1.0, context)
+            waiter.trickle = trickle
             lim.queue.append(waiter)
             self.events.queued(waiter)
             return Decision(QUEUE, R_CLASS_FULL, c.cls, c.tenant, waiter=waiter, cluster=cluster, classification=c)
-        return self._emit(Decision(
+        if lim.spec.on_overflow == "fallback":
+            return self._fallback(lim, c.cls, c.tenant, cluster, R_QUEUE_FULL, now, overflow=True, c=c)
+        return Decision(
             REJECT, R_QUEUE_FULL, c.cls, c.tenant, status=429, classification=c, cluster=cluster,
             retry_after=lim.retry_after_s(now, self._retry_ceiling),
             message=f"class {c.cls!r} is at capacity ({lim.inflight} running, {len(lim.queue)} queued, "
-                    f"queue limit {lim.spec.max_queue})"))
+                    f"queue limit {lim.spec.max_queue})")
+
+    def _fallback(self, lim: ClassLimiter, cls: str, tenant: str, cluster: str, reason: str, now: float,
+                  overflow: bool, c: Classification | None = None, waited_s: float = 0.0) -> Decision:
+        """The class's fallback for a request its pool cannot take now (breaker open, or overflow)."""
+        fb = lim.spec.fallback
+        why = {R_LATENCY_BREAKER: f"the latency breaker of class {cls!r} is open (p95 above its SLO)",
+               R_ERROR_BREAKER: f"the error breaker of class {cls!r} is open (upstream failures)",
+               R_QUEUE_FULL: f"class {cls!r} is at capacity and its queue is full",
+               R_QUEUE_TIMEOUT: f"class {cls!r} had no free slot within {lim.spec.max_wait_ms} ms"}[reason]
+        if fb.action == "canned":
+            return Decision(DEGRADE, reason, cls, tenant, status=fb.status, message=fb.message, fallback=fb,
+                            classification=c, cluster=cluster, waited_s=waited_s)
+        if fb.action == "degrade":
+            deg = self.degraded[cls]
+            if deg.has_room():
+                target = self._clusters[fb.model] if fb.model else cluster
+                ticket = self._admit(deg, tenant, target, now, 1.0, waited_s)
+                ticket.degraded = True
+                return Decision(DEGRADE, reason, cls, tenant, ticket=ticket, cluster=target, fallback=fb,
+                                classification=c, waited_s=waited_s, message=why)
+            reason, why = R_DEGRADED_FULL, why + ", and its degraded capacity is full too"
+        return Decision(REJECT, reason, cls, tenant, status=429 if overflow else 503, message=why,
+                        retry_after=lim.retry_after_s(now, self._retry_ceiling), classification=c,
+                        cluster=cluster, waited_s=waited_s)
+
+    def _shadowed(self, d: Decision, lim: ClassLimiter, c: Classification, cluster: str, now: float) -> Decision:
+        """Shadow mode: count what enforce mode decided, then let the request through to its own pool.
+
+        The enforce-mode state stays exact for what enforce would admit: refused requests run without a slot;
+        a request enforce would queue runs at once while its virtual place in the queue plays out.
+        """
+        if d.kind == ACCEPT:
+            self._emit(d)
+            return d
+        ticket = d.ticket if d.kind == DEGRADE and d.ticket is not None else None
+        if ticket is None:
+            ticket = Ticket(lim, c.tenant, cluster, now, self._lease_s, 0.0, 0.0, holds_slot=False)
+            self.tickets[ticket.id] = ticket
+        ticket.pool = cluster
+        ticket.degraded = False  # it runs on its own pool, so its outcome speaks for that pool's breakers
+        if d.kind == QUEUE:
+            ticket.waiter = d.waiter
+            d.waiter.shadow_ticket = ticket
+        else:
+            self.events.shadow(c.cls, d.kind, d.reason)
+        passed = Decision(ACCEPT, R_SHADOW, c.cls, c.tenant, ticket=ticket, cluster=cluster, classification=c)
+        passed.shadow_would = d
+        self._emit(passed)
+        return passed
 
     def invalid(self, status: int, reason: str, message: str, facts: RequestFacts | None = None) -> Decision:
         """A request refused before admission (bad body, bad headers): counted, never holding a slot."""
@@ -194,7 +314,11 @@ class AdmissionController:
             lim.queue.remove(waiter)
         except ValueError:
             pass
-        if timed_out:
+        waited = now - waiter.enqueued_at
+        if timed_out and lim.spec.on_overflow == "fallback":
+            d = self._fallback(lim, lim.name, waiter.tenant, waiter.pool, R_QUEUE_TIMEOUT, now, overflow=True,
+                               waited_s=waited)
+        elif timed_out:
             d = self._reject(waiter, 429, R_QUEUE_TIMEOUT,
                              f"class {lim.name!r} had no free slot within {lim.spec.max_wait_ms} ms", now)
         else:
@@ -217,14 +341,21 @@ class AdmissionController:
         ticket.stream_outcome = outcome
         self.tickets.pop(ticket.id, None)
         lim = ticket.limiter
-        lim.give_back(ticket.cost, now)
+        if ticket.waiter is not None and ticket.waiter.pending:
+            # Shadow: the request ended while enforce mode would still have had it queued.
+            lim.queue.remove(ticket.waiter)
+            ticket.waiter.result = Decision(QUEUE, R_ENDED_WHILE_QUEUED, lim.name, ticket.tenant)
+            self.events.shadow(lim.name, QUEUE, R_ENDED_WHILE_QUEUED)
+        if ticket.holds_slot:
+            lim.give_back(ticket.cost, now)
         if lim in self._retired and lim.inflight == 0:
             self._retired.remove(lim)
         if ticket.completion is not None or outcome is Outcome.LEASE_EXPIRED:
             self._account(ticket)
         else:
             self._unreported[ticket.id] = ticket
-        self._grant(lim, now)
+        if ticket.holds_slot:
+            self._grant(lim, now)
         return True
 
     def report(self, ticket_id: int, completion: Completion) -> bool:
@@ -244,6 +375,19 @@ class AdmissionController:
         c = ticket.completion
         outcome = c.outcome if c is not None else ticket.stream_outcome
         self.events.finished(ticket, outcome, ticket.released_at - ticket.admitted_at)
+        if ticket.degraded or ticket.cls not in self.policy.classes:
+            return  # served by a fallback pool, or its class is gone: says nothing about the class's pool
+        latency = c.total_s if c is not None and c.total_s else ticket.released_at - ticket.admitted_at + \
+            ticket.waited_s
+        now = self.clock()
+        for b in self.pool_breakers(ticket.cls, ticket.pool):
+            if isinstance(b, LatencyBreaker):
+                # An aborted request's duration is a lower bound: it only counts once it is already too slow.
+                if outcome is Outcome.OK or outcome is Outcome.ENDED or latency > b.slo_s:
+                    b.observe(now, latency, ticket.trickle)
+            elif outcome is not Outcome.CLIENT_ABORT:
+                b.observe(now, outcome is Outcome.UPSTREAM_ERROR or outcome is Outcome.LEASE_EXPIRED,
+                          ticket.trickle)
 
     def renew(self, ticket: Ticket) -> None:
         ticket.lease_until = self.clock() + self._lease_s
@@ -273,9 +417,9 @@ class AdmissionController:
                 return protector
         return None
 
-    def _admit(self, lim: ClassLimiter, tenant: str, now: float, cost: float, waited_s: float) -> Ticket:
+    def _admit(self, lim: ClassLimiter, tenant: str, pool: str, now: float, cost: float, waited_s: float) -> Ticket:
         lim.take(cost)
-        ticket = Ticket(lim, tenant, now, self._lease_s, cost, waited_s)
+        ticket = Ticket(lim, tenant, pool, now, self._lease_s, cost, waited_s)
         self.tickets[ticket.id] = ticket
         if lim.saturated:
             for shed in self._sheds.get(lim.name, ()):
@@ -303,16 +447,29 @@ class AdmissionController:
                 return
             lim.queue.popleft()
             waited = now - w.enqueued_at
-            ticket = self._admit(lim, w.tenant, now, w.cost, waited)
-            self._resolve(w, Decision(ACCEPT, R_DEQUEUED, lim.name, w.tenant, ticket=ticket, waited_s=waited))
+            if w.shadow_ticket is not None:  # shadow: the running request now holds the slot enforce gives it
+                t = w.shadow_ticket
+                lim.take(w.cost)
+                t.cost, t.holds_slot, t.waiter = w.cost, True, None
+                w.result = Decision(ACCEPT, R_DEQUEUED, lim.name, w.tenant, ticket=t, waited_s=waited)
+                self.events.shadow(lim.name, ACCEPT, R_DEQUEUED)
+                continue
+            ticket = self._admit(lim, w.tenant, w.pool, now, w.cost, waited)
+            ticket.trickle = w.trickle
+            self._resolve(w, Decision(ACCEPT, R_DEQUEUED, lim.name, w.tenant, ticket=ticket, waited_s=waited,
+                                      cluster=w.pool))
 
     def _reject(self, w: Waiter, status: int, reason: str, message: str, now: float) -> Decision:
         return Decision(REJECT, reason, w.limiter.name, w.tenant, status=status, message=message,
                         retry_after=w.limiter.retry_after_s(now, self._retry_ceiling),
-                        waited_s=now - w.enqueued_at)
+                        waited_s=now - w.enqueued_at, cluster=w.pool)
 
     def _resolve(self, w: Waiter, d: Decision) -> None:
         w.result = d
+        if w.shadow_ticket is not None:  # shadow: the request is already running; only count the verdict
+            self.events.shadow(d.cls, d.kind, d.reason)
+            w.shadow_ticket.waiter = None
+            return
         self._emit(d)
         if w.on_result is not None:
             w.on_result(d)
@@ -325,8 +482,9 @@ class AdmissionController:
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         out = {name: {"inflight": lim.inflight, "queue": len(lim.queue), "limit": lim.limit,
-                      "inflight_cost": lim.inflight_cost} for name, lim in self.limiters.items()}
+                      "inflight_cost": lim.inflight_cost, "degraded_inflight": self.degraded[name].inflight}
+               for name, lim in self.limiters.items()}
         for lim in self._retired:
             out.setdefault(lim.name, {"inflight": lim.inflight, "queue": 0, "limit": 0,
-                                      "inflight_cost": lim.inflight_cost})
+                                      "inflight_cost": lim.inflight_cost, "degraded_inflight": 0})
         return out

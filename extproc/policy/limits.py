@@ -41,14 +41,15 @@ _ticket_ids = itertools.count(1)
 class Ticket:
     """An admitted request's hold on a class slot. Closed exactly once via AdmissionController.finish."""
 
-    __slots__ = ("id", "limiter", "tenant", "admitted_at", "lease_until", "cost", "closed", "waited_s",
-                 "released_at", "stream_outcome", "completion")
+    __slots__ = ("id", "limiter", "tenant", "pool", "admitted_at", "lease_until", "cost", "closed", "waited_s",
+                 "released_at", "stream_outcome", "completion", "trickle", "degraded", "holds_slot", "waiter")
 
-    def __init__(self, limiter: ClassLimiter, tenant: str, now: float, lease_s: float, cost: float,
-                 waited_s: float):
+    def __init__(self, limiter: ClassLimiter, tenant: str, pool: str, now: float, lease_s: float, cost: float,
+                 waited_s: float, holds_slot: bool = True):
         self.id = next(_ticket_ids)
         self.limiter = limiter          # the limiter it was admitted under, kept across policy reloads
         self.tenant = tenant
+        self.pool = pool                # the Envoy cluster it was sent to
         self.admitted_at = now
         self.lease_until = now + lease_s
         self.cost = cost
@@ -57,6 +58,10 @@ class Ticket:
         self.released_at = 0.0
         self.stream_outcome = Outcome.ENDED      # what the ext_proc stream saw, used if no report comes
         self.completion: Completion | None = None  # the data plane's report, if it arrived
+        self.trickle = False            # a half-open breaker's probe
+        self.degraded = False           # holds a slot of the class's degraded limiter, on a fallback pool
+        self.holds_slot = holds_slot    # False for shadow-mode passes that enforce mode would not have admitted
+        self.waiter: Waiter | None = None  # shadow mode: the virtual queue place it holds, if any
 
     @property
     def cls(self) -> str:
@@ -66,17 +71,21 @@ class Ticket:
 class Waiter:
     """A request waiting in a class queue. Its result (a Decision) is set exactly once."""
 
-    __slots__ = ("limiter", "tenant", "enqueued_at", "deadline", "cost", "result", "on_result", "context")
+    __slots__ = ("limiter", "tenant", "pool", "trickle", "enqueued_at", "deadline", "cost", "result", "on_result",
+                 "context", "shadow_ticket")
 
-    def __init__(self, limiter: ClassLimiter, tenant: str, now: float, cost: float, context: Any):
+    def __init__(self, limiter: ClassLimiter, tenant: str, pool: str, now: float, cost: float, context: Any):
         self.limiter = limiter
         self.tenant = tenant
+        self.pool = pool
+        self.trickle = False
         self.enqueued_at = now
         self.deadline = now + limiter.spec.max_wait_ms / 1000.0
         self.cost = cost
         self.result: Any = None
         self.on_result: Callable[[Any], None] | None = None  # set by the adapter (e.g. a future's set_result)
         self.context = context          # whatever the caller needs back with the result (the request facts)
+        self.shadow_ticket: Ticket | None = None  # shadow mode: the real request already running
 
     @property
     def pending(self) -> bool:

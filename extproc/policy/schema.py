@@ -29,13 +29,74 @@ def doc(text: str, default: Any = dataclasses.MISSING, *, factory: Any = datacla
 # --- the policy ------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
+class LatencyBreakerSpec:
+    """Trips when the class's rolling p95 end-to-end latency on a pool exceeds its `slo_p95_ms`."""
+
+    enabled: bool = doc("Set false to keep the SLO (for metrics and limits) without a latency breaker.", True)
+    window_s: float = doc("Rolling window the p95 is computed over.", 30.0, minimum=1)
+    min_samples: int = doc("Completed requests the window needs before it may trip (a hair trigger on a few "
+                           "slow requests is what takes a class offline for nothing).", 50, minimum=1)
+    cooldown_s: float = doc("Open for this long, then half-open.", 10.0, minimum=0)
+    trickle: float = doc("Half-open: this fraction of the class's traffic goes to the pool as probes.", 0.05,
+                         minimum=0.001, maximum=1)
+    trickle_s: float = doc("Half-open for this long; one probe over the SLO re-opens, a clean period closes.",
+                           60.0, minimum=0)
+
+
+@dataclass(frozen=True)
+class ErrorBreakerSpec:
+    """Trips on the share of upstream failures (5xx, resets, connect failures, timeouts)."""
+
+    enabled: bool = doc("Set false to disable the error breaker for this class.", True)
+    max_error_ratio: float = doc("Trip when failures reach this share of the window's requests.", 0.5,
+                                 minimum=0.01, maximum=1)
+    min_requests: int = doc("Requests the window needs before it may trip.", 20, minimum=1)
+    window_s: float = doc("Rolling window.", 30.0, minimum=1)
+    cooldown_s: float = doc("Open for this long, then half-open.", 10.0, minimum=0)
+    trickle: float = doc("Half-open: fraction of traffic sent as probes.", 0.05, minimum=0.001, maximum=1)
+    trickle_s: float = doc("Half-open period; one failed probe re-opens, a clean period closes.", 60.0,
+                           minimum=0)
+
+
+@dataclass(frozen=True)
+class FallbackSpec:
+    """What a request gets instead of its pool while a breaker is open (or on queue overflow, if chosen)."""
+
+    action: Literal["reject", "degrade", "canned"] = doc(
+        "`reject`: 503 (breaker) or 429 (overflow) with Retry-After. `degrade`: serve it anyway, changed as "
+        "below. `canned`: answer at once with a fixed OpenAI-shaped response.", "reject")
+    model: str | None = doc("degrade: route to this model (a key of `models`) and rewrite the body's `model`.",
+                            None)
+    max_tokens: int | None = doc("degrade: clamp `max_tokens` to this ceiling.", None, minimum=1)
+    stream: bool | None = doc("degrade: `false` turns streaming off. Only for classes whose clients accept a "
+                              "non-streamed answer to a streamed request.", None)
+    max_concurrency: int | None = doc("degrade: degraded requests of this class in flight at once (their own "
+                                      "slots; beyond it they are rejected). Default: the class's cap.", None,
+                                      minimum=1)
+    status: int = doc("canned: HTTP status of the canned response.", 200, minimum=200, maximum=599)
+    message: str = doc("canned: the assistant text (status 2xx) or error message (otherwise).",
+                       "The service is busy right now; please try again in a moment.")
+
+
+@dataclass(frozen=True)
 class ClassSpec:
-    """One traffic class: its concurrency cap and its bounded deadline queue."""
+    """One traffic class: its concurrency cap, its bounded deadline queue, its SLO and breakers."""
 
     max_concurrency: int = doc("Requests of this class admitted at once (the cap).", minimum=1)
     max_queue: int = doc("Requests that may wait for a slot; arrivals beyond it get 429.", 20, minimum=0)
     max_wait_ms: int = doc("Longest a request waits in the queue before it gets 429.", 200, minimum=0,
                            maximum=60_000)
+    slo_p95_ms: int | None = doc("The class's end-to-end latency SLO (p95). Enables the latency breaker.", None,
+                                 minimum=1)
+    latency_breaker: LatencyBreakerSpec = doc("Latency breaker knobs (active when `slo_p95_ms` is set).",
+                                              factory=LatencyBreakerSpec)
+    error_breaker: ErrorBreakerSpec = doc("Error breaker knobs.", factory=ErrorBreakerSpec)
+    fallback: FallbackSpec = doc("What requests get while a breaker of this class is open.",
+                                 factory=FallbackSpec)
+    on_overflow: Literal["reject", "fallback"] = doc(
+        "When the queue is full or the wait expires: `reject` with 429, or take the `fallback` (e.g. send "
+        "interactive overflow to the small model).", "reject")
+    shadow: bool = doc("Shadow this class only: decide and count, but admit everything.", False)
 
 
 @dataclass(frozen=True)
@@ -93,8 +154,9 @@ class Policy:
         "While the class named by a key is saturated (all its slots taken), new and queued requests of the "
         "listed classes are shed with 503. Default: the first class protects every other class. `{}` disables "
         "shedding.", None)
-    mode: Literal["enforce", "shadow"] = doc("`shadow` computes and counts every decision but rejects nothing.",
-                                             "enforce")
+    mode: Literal["enforce", "shadow"] = doc(
+        "`shadow` computes and counts every decision (extproc_shadow_decisions_total) but rejects, sheds and "
+        "degrades nothing. Ship in shadow first.", "enforce")
     lease_ms: int = doc("Safety net: a slot whose request was never seen to end is freed after this long, "
                         "unless its gRPC stream is still alive (live streams renew their lease).", 600_000,
                         minimum=1_000)
@@ -262,6 +324,13 @@ def _check_references(p: Policy, errors: list[str]) -> None:
                 # Never echo the key itself: policy errors end up in logs.
                 errors.append(f"{base}.api_keys[{j}]: key already belongs to tenant {seen_keys[key]!r}")
             seen_keys[key] = t.name
+    for name, spec in p.classes.items():
+        fb = spec.fallback
+        if fb.model is not None and fb.model not in p.models:
+            errors.append(f"classes.{name}.fallback.model: unknown model {fb.model!r} "
+                          f"(models: {', '.join(p.models)})")
+        if fb.action == "degrade" and fb.model is None and fb.max_tokens is None and fb.stream is None:
+            errors.append(f"classes.{name}.fallback: action degrade needs model, max_tokens or stream")
     for protector, shed in p.shed_map().items():
         need_class(protector, f"shed.{protector}")
         for j, c in enumerate(shed):

@@ -35,7 +35,8 @@ def test_defaults_apply():
 
 def test_unknown_keys_are_errors_with_their_path():
     errs = errors_of({**BASE, "classes": {"a": {"max_concurrency": 1, "max_concurency": 2}}, "extra": 1})
-    assert "classes.a.max_concurency: unknown key (allowed: max_concurrency, max_queue, max_wait_ms)" in errs
+    assert any(e.startswith("classes.a.max_concurency: unknown key (allowed: max_concurrency, max_queue, ")
+               for e in errs)
     assert any(e.startswith("extra: unknown key") for e in errs)
 
 

@@ -1,0 +1,223 @@
+"""Latency and error circuit breakers: rolling windows with a closed -> open -> half-open -> closed cycle."""
+
+from __future__ import annotations
+
+import math
+
+CLOSED, HALF_OPEN, OPEN = "closed", "half_open", "open"
+STATE_VALUES = {CLOSED: 0, HALF_OPEN: 1, OPEN: 2}   # the extproc_breaker_state gauge
+
+
+class _Slices:
+    """A rolling window cut into time slices, each a vector of counters; the total is kept incrementally."""
+
+    __slots__ = ("width", "slices", "total", "_cursor", "_n")
+
+    def __init__(self, window_s: float, n_slices: int, n_counters: int):
+        self.width = window_s / n_slices
+        self._n = n_counters
+        self.slices = [[0] * n_counters for _ in range(n_slices)]
+        self.total = [0] * n_counters
+        self._cursor = -1    # index (in slice widths since t=0) of the newest slice
+
+    def advance(self, now: float) -> None:
+        """Drop the slices that fell out of the window. O(slices) at most, usually O(1)."""
+        idx = math.floor(now / self.width)
+        if self._cursor < 0:
+            self._cursor = idx
+            return
+        if idx <= self._cursor:
+            return
+        for i in range(max(self._cursor + 1, idx - len(self.slices) + 1), idx + 1):
+            old = self.slices[i % len(self.slices)]
+            for k, v in enumerate(old):
+                if v:
+                    self.total[k] -= v
+                    old[k] = 0
+        self._cursor = idx
+
+    def add(self, now: float, counter: int, n: int = 1) -> None:
+        self.advance(now)
+        self.slices[self._cursor % len(self.slices)][counter] += n
+        self.total[counter] += n
+
+    def clear(self) -> None:
+        for s in self.slices:
+            for k in range(len(s)):
+                s[k] = 0
+        self.total = [0] * self._n
+
+
+class LatencyWindow:
+    """Latency samples over a rolling window in log-spaced buckets: O(1) per sample, percentiles in O(buckets)."""
+
+    LOW_S, RATIO, BUCKETS = 0.001, 1.08, 180   # 1 ms .. ~1 h, each bucket 8% wide (quantile error under 4%)
+
+    def __init__(self, window_s: float, n_slices: int = 10):
+        self._slices = _Slices(window_s, n_slices, self.BUCKETS)
+        self._log_ratio = math.log(self.RATIO)
+
+    def add(self, now: float, seconds: float) -> None:
+        b = 0 if seconds <= self.LOW_S else int(math.log(seconds / self.LOW_S) / self._log_ratio) + 1
+        self._slices.add(now, min(b, self.BUCKETS - 1))
+
+    def count(self, now: float) -> int:
+        self._slices.advance(now)
+        return sum(self._slices.total)
+
+    def quantile(self, now: float, q: float) -> float:
+        """The q-quantile (upper edge of its bucket), or 0.0 with no samples."""
+        self._slices.advance(now)
+        total = self._slices.total
+        n = sum(total)
+        if n == 0:
+            return 0.0
+        rank = q * n
+        seen = 0
+        for b, c in enumerate(total):
+            seen += c
+            if seen >= rank:
+                return self.LOW_S * self.RATIO ** b
+        return self.LOW_S * self.RATIO ** (self.BUCKETS - 1)
+
+    def clear(self) -> None:
+        self._slices.clear()
+
+
+class ErrorWindow:
+    """Good and bad outcomes over a rolling window."""
+
+    def __init__(self, window_s: float, n_slices: int = 10):
+        self._slices = _Slices(window_s, n_slices, 2)
+
+    def add(self, now: float, bad: bool) -> None:
+        self._slices.add(now, 1 if bad else 0)
+
+    def counts(self, now: float) -> tuple[int, int]:
+        """(total, bad)"""
+        self._slices.advance(now)
+        good, bad = self._slices.total
+        return good + bad, bad
+
+    def clear(self) -> None:
+        self._slices.clear()
+
+
+class Breaker:
+    """The shared cycle. Closed: watch the window. Open: fail fast until `cooldown_s`. Half-open: let a
+    `trickle` fraction through for `trickle_s`; one bad trickle request re-opens, a clean period closes."""
+
+    kind = ""
+
+    def __init__(self, cooldown_s: float, trickle: float, trickle_s: float):
+        self.cooldown_s = cooldown_s
+        self.trickle = trickle
+        self.trickle_s = trickle_s
+        self.state = CLOSED
+        self.since = 0.0
+        self._credit = 0.0
+        self.on_change = None  # callable(breaker, new_state), set by the owner for metrics
+
+    def allow(self, now: float) -> tuple[bool, bool]:
+        """(may this request go to the pool, is it a trickle probe). Moves open -> half-open -> closed by time."""
+        if self.state == OPEN:
+            if now - self.since < self.cooldown_s:
+                return False, False
+            self._set(HALF_OPEN, now)
+        if self.state == HALF_OPEN:
+            if now - self.since >= self.trickle_s:
+                self._close(now)
+                return True, False
+            # A deterministic trickle: exactly `trickle` of the traffic, evenly spread.
+            self._credit += self.trickle
+            if self._credit >= 1.0:
+                self._credit -= 1.0
+                return True, True
+            return False, False
+        return True, False
+
+    def observe(self, now: float, sample, trickle: bool) -> None:
+        """A completed request's sample. Only trickle probes count while half-open; nothing counts while open."""
+        if self.state == CLOSED:
+            self._record(now, sample)
+            if self._tripped(now):
+                self._set(OPEN, now)
+        elif self.state == HALF_OPEN and trickle and self._bad(sample):
+            self._set(OPEN, now)
+
+    def _close(self, now: float) -> None:
+        self._clear()
+        self._set(CLOSED, now)
+
+    def _set(self, state: str, now: float) -> None:
+        self.state = state
+        self.since = now
+        self._credit = 0.0
+        if self.on_change is not None:
+            self.on_change(self, state)
+
+    # subclass hooks
+    def _record(self, now: float, sample) -> None: ...
+    def _tripped(self, now: float) -> bool: ...
+    def _bad(self, sample) -> bool: ...
+    def _clear(self) -> None: ...
+
+
+class LatencyBreaker(Breaker):
+    """Trips when the window's p95 exceeds the SLO with at least `min_samples` samples."""
+
+    kind = "latency"
+
+    def __init__(self, slo_s: float, window_s: float = 30.0, min_samples: int = 50, quantile: float = 0.95,
+                 cooldown_s: float = 10.0, trickle: float = 0.05, trickle_s: float = 60.0):
+        super().__init__(cooldown_s, trickle, trickle_s)
+        self.slo_s = slo_s
+        self.min_samples = min_samples
+        self.q = quantile
+        self.window = LatencyWindow(window_s)
+
+    def _record(self, now: float, seconds: float) -> None:
+        self.window.add(now, seconds)
+
+    def _tripped(self, now: float) -> bool:
+        return self.window.count(now) >= self.min_samples and self.window.quantile(now, self.q) > self.slo_s
+
+    def _bad(self, seconds: float) -> bool:
+        return seconds > self.slo_s
+
+    def _clear(self) -> None:
+        self.window.clear()
+
+    def p95(self, now: float) -> float:
+        return self.window.quantile(now, self.q)
+
+
+class ErrorBreaker(Breaker):
+    """Trips when the share of failed requests (5xx, resets, timeouts) in the window reaches `max_error_ratio`
+    with at least `min_requests` requests."""
+
+    kind = "error"
+
+    def __init__(self, max_error_ratio: float = 0.5, window_s: float = 30.0, min_requests: int = 20,
+                 cooldown_s: float = 10.0, trickle: float = 0.05, trickle_s: float = 60.0):
+        super().__init__(cooldown_s, trickle, trickle_s)
+        self.max_error_ratio = max_error_ratio
+        self.min_requests = min_requests
+        self.window = ErrorWindow(window_s)
+
+    def _record(self, now: float, bad: bool) -> None:
+        self.window.add(now, bad)
+
+    def _tripped(self, now: float) -> bool:
+        total, bad = self.window.counts(now)
+        return total >= self.min_requests and bad >= self.max_error_ratio * total
+
+    def _bad(self, bad: bool) -> bool:
+        return bad
+
+    def _clear(self) -> None:
+        self.window.clear()
+
+    def error_ratio(self, now: float) -> float:
+        total, bad = self.window.counts(now)
+        return bad / total if total else 0.0
