@@ -92,11 +92,13 @@ class VLLMServer:
         served_model_names: tuple[str, ...] = SERVED_MODEL_NAMES,
         max_model_len: int = DEFAULT_MAX_MODEL_LEN,
         kv_cache_gib: int = 1,
+        kv_blocks: int | None = None,
         extra_args: tuple[str, ...] | list[str] = (),
         python: Path | str | None = None,
         home: Path | str = HOME,
         log_path: Path | str | None = None,
         startup_timeout: float = 240.0,
+        die_with_parent: bool = True,
     ):
         self.host = host
         self.port = port or free_port(host)
@@ -104,13 +106,19 @@ class VLLMServer:
         self.served_model_names = tuple(served_model_names)
         self.max_model_len = max_model_len
         self.kv_cache_gib = kv_cache_gib
+        # 1 GiB of KV cache holds ~1M tokens of this tiny model (kv_cache_usage_perc stays ~0, no preemption).
+        # kv_blocks caps it (--num-gpu-blocks-override, 128 tokens a block; >= max_model_len / 128) to make KV
+        # pressure, preemptions and waiting requests real: 24 blocks + 6 x (300 + 1200 tokens) gave usage 1.0.
+        self.kv_blocks = kv_blocks
         self.extra_args = list(extra_args)
         self.python = Path(python) if python else VENV / "bin" / "python"
         self.home = Path(home)
         self.log_path = Path(log_path) if log_path else self.home / "logs" / f"vllm-{self.port}.log"
         self.startup_timeout = startup_timeout
+        self.die_with_parent = die_with_parent
         self.proc: subprocess.Popen | None = None
         self.startup_seconds: float | None = None
+        self.stop_seconds: float | None = None
         self._log = None
 
     @property
@@ -130,6 +138,7 @@ class VLLMServer:
             "--port", str(self.port),
             "--enforce-eager",
             "--max-model-len", str(self.max_model_len),
+            *(["--num-gpu-blocks-override", str(self.kv_blocks)] if self.kv_blocks else []),
             *self.extra_args,
         ]
 
@@ -148,12 +157,14 @@ class VLLMServer:
             self.command(), cwd=str(ROOT), env=vllm_env(self.home, self.kv_cache_gib),
             stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
             start_new_session=True,  # own process group: stop() takes the engine-core children down too
+            preexec_fn=_die_with_parent if self.die_with_parent else None,
         )
         atexit.register(self.stop)
         try:
             self._wait_healthy(t0)
         except BaseException:
-            self.stop()
+            # During start-up vLLM may not act on SIGTERM for many seconds: do not wait long for it.
+            self.stop(timeout=3.0)
             raise
         self.startup_seconds = time.monotonic() - t0
         return self
@@ -193,19 +204,22 @@ class VLLMServer:
             atexit.unregister(self.stop)
         except Exception:
             pass
+        t0 = time.monotonic()
         pgid = proc.pid  # start_new_session: the group id is the leader's pid
         _killpg(pgid, signal.SIGTERM)
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             pass
-        # The leader may be gone while engine-core children linger: always sweep the group.
-        end = time.monotonic() + 5
-        while _group_alive(pgid) and time.monotonic() < end:
-            time.sleep(0.1)
-        _killpg(pgid, signal.SIGKILL)
+        else:
+            # The leader is gone: give its engine-core children a moment to finish on their own.
+            end = time.monotonic() + 5
+            while _group_alive(pgid) and time.monotonic() < end:
+                time.sleep(0.1)
+        _killpg(pgid, signal.SIGKILL)  # whatever is left of the group, always
         if proc.poll() is None:
             proc.wait(timeout=5)
+        self.stop_seconds = time.monotonic() - t0
         if self._log:
             self._log.close()
             self._log = None
@@ -215,6 +229,17 @@ class VLLMServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: SIGTERM the API server when the process (strictly: the thread) that started it dies, so a
+    SIGKILLed test runner leaves no server behind; vLLM's engine core exits when the API server goes."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except Exception:
+        pass
 
 
 def _killpg(pgid: int, sig: int) -> None:

@@ -60,7 +60,7 @@ class Client:
             c.close()
 
     def json(self, method: str, path: str, body=None):
-        status, headers, payload, _ = self.request(method, path, body)
+        status, headers, payload, self.last_seconds = self.request(method, path, body)
         return status, headers, json.loads(payload) if payload else None
 
     def stream(self, path: str, body: dict):
@@ -376,6 +376,9 @@ def record(client: Client, out: Path, do_perf: bool) -> None:
     req = {"model": MODEL, "messages": CHAT_MESSAGES, "max_tokens": 8, "temperature": 0}
     write("chat.json", json_record({"method": "POST", "path": "/v1/chat/completions", "body": req},
                                    *client.json("POST", "/v1/chat/completions", req)))
+    first_chat_seconds = client.last_seconds
+    client.json("POST", "/v1/chat/completions", req)
+    second_chat_seconds = client.last_seconds
     req = {"model": MODEL, "messages": CHAT_MESSAGES, "max_tokens": 8, "temperature": 0,
            "logit_bias": {str(EOS_ID): 100}}
     write("chat_stop.json", json_record({"method": "POST", "path": "/v1/chat/completions", "body": req},
@@ -402,6 +405,7 @@ def record(client: Client, out: Path, do_perf: bool) -> None:
 
     # errors
     long_prompt = " ".join(["admission"] * 2100)
+    mid_prompt = " ".join(["admission"] * 1500)
     cases = [
         ("unknown_model", "POST", "/v1/chat/completions",
          {"model": "no-such-model", "messages": CHAT_MESSAGES, "max_tokens": 4}, None),
@@ -411,6 +415,8 @@ def record(client: Client, out: Path, do_perf: bool) -> None:
          {"model": MODEL, "messages": CHAT_MESSAGES, "max_tokens": 100000}, None),
         ("max_tokens_beyond_context_completions", "POST", "/v1/completions",
          {"model": MODEL, "prompt": PROMPT, "max_tokens": 100000}, None),
+        ("prompt_plus_max_tokens_beyond_context", "POST", "/v1/completions",
+         {"model": MODEL, "prompt": mid_prompt, "max_tokens": 1000, "ignore_eos": True}, None),
         ("prompt_too_long", "POST", "/v1/completions",
          {"model": MODEL, "prompt": long_prompt, "max_tokens": 4}, None),
         ("malformed_json", "POST", "/v1/chat/completions", None, b'{"model": "tiny-llama", "messages": ['),
@@ -432,13 +438,15 @@ def record(client: Client, out: Path, do_perf: bool) -> None:
         shown_body = body
         if body and body.get("prompt") is long_prompt:
             shown_body = body | {"prompt": "admission admission ... (2100 words)"}
+        if body and body.get("prompt") is mid_prompt:
+            shown_body = body | {"prompt": "admission admission ... (1500 words)"}
         errors[name] = {
             "request": {"method": method, "path": path,
                         "body": shown_body if raw is None else None,
                         "raw_body": raw.decode() if raw is not None else None},
             "status": s, "headers": header_record(h, keep_length=True),
             "shape": shape(decoded) if decoded is not None else None,
-            "body": decoded if decoded is not None else payload.decode(errors="replace"),
+            "body": normalize(decoded) if decoded is not None else payload.decode(errors="replace"),
         }
     write("errors.json", errors)
 
@@ -446,7 +454,8 @@ def record(client: Client, out: Path, do_perf: bool) -> None:
     abort = abort_stream(client)
     write("abort.json", abort)
     if do_perf:
-        write("perf.json", perf(client))
+        write("perf.json", perf(client) | {"first_chat_request_after_start_s": round(first_chat_seconds, 4),
+                                           "second_chat_request_s": round(second_chat_seconds, 4)})
     text = get_metrics(client)
     summary = parse_metrics(text)
     all_samples = {s for f in summary.values() for s in f["samples"]}

@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -36,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", type=Path, default=MODEL_DIR)
     ap.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
     ap.add_argument("--kv-cache-gib", type=int, default=1)
+    ap.add_argument("--kv-blocks", type=int, default=None,
+                    help="cap the KV cache at N blocks of 128 tokens (--num-gpu-blocks-override) for KV pressure")
     ap.add_argument("--startup-timeout", type=float, default=240.0)
     ap.add_argument("--extra", action="append", default=[], help="extra api_server argument (repeatable)")
     ap.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND to run while the server is up")
@@ -45,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGHUP, _raise_stop)
     server = VLLMServer(port=args.port or None, model_dir=args.model_dir, max_model_len=args.max_model_len,
-                        kv_cache_gib=args.kv_cache_gib, extra_args=args.extra,
+                        kv_cache_gib=args.kv_cache_gib, kv_blocks=args.kv_blocks, extra_args=args.extra,
                         startup_timeout=args.startup_timeout)
     try:
         print(f"[serve] starting vLLM on {server.url} (log {server.log_path})", flush=True)
@@ -57,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
                        VLLM_SMALL_MODEL=server.served_model_names[-1])
             return subprocess.call(cmd, env=env)
         while server.alive():
-            signal.pause() if hasattr(signal, "pause") else None
+            time.sleep(0.5)
         print(f"[serve] vLLM exited; log tail:\n{server.log_tail()}", file=sys.stderr)
         return 1
     except VLLMError as e:
