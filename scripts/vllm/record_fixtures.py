@@ -1,0 +1,557 @@
+#!/usr/bin/env python3
+"""Record parity fixtures of a real vLLM OpenAI server into tests/fixtures/vllm/ (standard library only).
+
+    python3 scripts/vllm/record_fixtures.py                 # starts vLLM (scripts/vllm/launcher.py), records, stops
+    python3 scripts/vllm/record_fixtures.py --url http://127.0.0.1:8000   # against a running server
+    python3 scripts/vllm/record_fixtures.py --no-perf       # skip the latency / throughput measurements
+
+The file format is described in tests/fixtures/vllm/README.md; the shape rules in scripts/vllm/fixture_format.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import re
+import socket
+import sys
+import threading
+import time
+import urllib.parse
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from fixture_format import dumps, normalize, shape  # noqa: E402
+from launcher import ROOT, VLLMServer  # noqa: E402
+
+OUT = ROOT / "tests" / "fixtures" / "vllm"
+MODEL = "tiny-llama"
+EOS_ID = 1  # build_model.py: "</s>"
+CHAT_MESSAGES = [{"role": "user", "content": "hello there, how is the queue today?"}]
+PROMPT = "The admission server said"
+
+# Response headers whose values are recorded verbatim; all others keep only their name.
+HEADER_VALUES = {"content-type", "transfer-encoding", "server", "vary", "connection"}
+
+
+class Client:
+    def __init__(self, url: str, timeout: float = 120.0):
+        u = urllib.parse.urlsplit(url)
+        self.host, self.port, self.timeout = u.hostname, u.port or 80, timeout
+
+    def conn(self) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+
+    def request(self, method: str, path: str, body=None, raw: bytes | None = None, headers=None):
+        """-> (status, [(name, value)], body bytes, seconds)."""
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        hdrs = {"content-type": "application/json"} if data is not None else {}
+        hdrs.update(headers or {})
+        c = self.conn()
+        t0 = time.perf_counter()
+        try:
+            c.request(method, path, body=data, headers=hdrs)
+            r = c.getresponse()
+            payload = r.read()
+            return r.status, r.getheaders(), payload, time.perf_counter() - t0
+        finally:
+            c.close()
+
+    def json(self, method: str, path: str, body=None):
+        status, headers, payload, self.last_seconds = self.request(method, path, body)
+        return status, headers, json.loads(payload) if payload else None
+
+    def stream(self, path: str, body: dict):
+        """-> (status, headers, raw decoded body bytes, [(t_since_send, bytes_read)]) for an SSE response."""
+        c = self.conn()
+        t0 = time.perf_counter()
+        try:
+            c.request("POST", path, body=json.dumps(body).encode(), headers={"content-type": "application/json"})
+            r = c.getresponse()
+            chunks, reads = [], []
+            while True:
+                b = r.read1(65536)
+                if not b:
+                    break
+                chunks.append(b)
+                reads.append((time.perf_counter() - t0, len(b)))
+            return r.status, r.getheaders(), b"".join(chunks), reads
+        finally:
+            c.close()
+
+
+def header_record(headers, keep_length: bool = False) -> dict:
+    out = {}
+    for name, value in headers:
+        n = name.lower()
+        if n in HEADER_VALUES or (keep_length and n == "content-length"):
+            out[n] = value
+        elif n == "content-length":
+            out[n] = "<int>"
+        elif n == "date":
+            out[n] = "<http-date>"
+        else:
+            out[n] = "<str>"
+    return dict(sorted(out.items()))
+
+
+def json_record(request: dict, status: int, headers, body) -> dict:
+    formats: dict = {}
+    norm = normalize(body, formats=formats)
+    return {"request": request, "status": status, "headers": header_record(headers),
+            "shape": shape(body), "formats": dict(sorted(formats.items())), "body": norm}
+
+
+# ---------------------------------------------------------------------------------------------------- SSE
+def parse_sse(raw: bytes) -> tuple[dict, list]:
+    text = raw.decode("utf-8")
+    framing = {
+        "prefix": "data: ",
+        "separator": "\n\n",
+        "ends_with_done": text.endswith("data: [DONE]\n\n"),
+        "all_events_prefixed": True,
+        "other_lines": [],
+        "crlf_seen": "\r\n" in text,
+        "trailing_bytes_after_done": "",
+    }
+    body, sep, tail = text.rpartition("data: [DONE]\n\n")
+    if sep and tail:
+        framing["trailing_bytes_after_done"] = tail
+    blocks = text.split("\n\n")
+    if blocks and blocks[-1] == "":
+        blocks.pop()
+    else:
+        framing["unterminated_tail"] = blocks[-1] if blocks else ""
+    events = []
+    for block in blocks:
+        lines = block.split("\n")
+        for extra in lines[1:]:
+            framing["other_lines"].append(extra)
+        line = lines[0]
+        if not line.startswith("data: "):
+            framing["all_events_prefixed"] = False
+            framing["other_lines"].append(line)
+            continue
+        data = line[len("data: "):]
+        events.append("[DONE]" if data == "[DONE]" else json.loads(data))
+    return framing, events
+
+
+def classify(ev) -> str:
+    if ev == "[DONE]":
+        return "done"
+    choices = ev.get("choices")
+    if choices == [] and ev.get("usage"):
+        return "usage"
+    ch = choices[0] if choices else {}
+    delta = ch.get("delta") or {}
+    if ch.get("finish_reason") is not None:
+        return "finish"
+    if "role" in delta:
+        return "role"
+    return "content"
+
+
+def usage_state(ev) -> str:
+    if ev == "[DONE]":
+        return "n/a"
+    if "usage" not in ev:
+        return "absent"
+    return "null" if ev["usage"] is None else "object"
+
+
+def compress(kinds: list[str]) -> list[str]:
+    out: list[str] = []
+    for k in kinds:
+        if out and out[-1] in (k, k + "*"):
+            out[-1] = k + "*"
+        else:
+            out.append(k)
+    return out
+
+
+def stream_record(client: Client, path: str, body: dict) -> dict:
+    status, headers, raw, reads = client.stream(path, body)
+    framing, events = parse_sse(raw)
+    recs = []
+    for ev in events:
+        kind = classify(ev)
+        rec = {"kind": kind, "usage": usage_state(ev)}
+        if ev != "[DONE]":
+            formats: dict = {}
+            rec["shape"] = shape(ev)
+            rec["body"] = normalize(ev, formats=formats)
+            rec["formats"] = dict(sorted(formats.items()))
+            if ev.get("choices"):
+                ch = ev["choices"][0]
+                delta = ch.get("delta", {})
+                rec["delta_keys"] = sorted(delta) if "delta" in ch else None
+                content = delta.get("content") if "delta" in ch else ch.get("text")
+                rec["has_text"] = bool(content)
+        recs.append(rec)
+    kinds = [r["kind"] for r in recs]
+    return {
+        "request": {"method": "POST", "path": path, "body": body},
+        "status": status,
+        "headers": header_record(headers),
+        "framing": framing,
+        "sequence": compress(kinds),
+        "counts": {k: kinds.count(k) for k in dict.fromkeys(kinds)},
+        "events": recs,
+        "http_reads": len(reads),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- metrics
+SAMPLE_RE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)')
+LABEL_RE = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_metrics(text: str) -> dict:
+    fams: dict = {}
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            name, _, help_ = line[7:].partition(" ")
+            fams.setdefault(name, {"type": None, "help": "", "labels": set(), "samples": set()})["help"] = help_
+        elif line.startswith("# TYPE "):
+            name, _, typ = line[7:].partition(" ")
+            fams.setdefault(name, {"type": None, "help": "", "labels": set(), "samples": set()})["type"] = typ
+        elif line and not line.startswith("#"):
+            m = SAMPLE_RE.match(line)
+            if not m:
+                continue
+            sample = m.group(1)
+            fam = next((f for f in (sample, *(sample[: -len(s)] for s in
+                        ("_total", "_created", "_bucket", "_count", "_sum") if sample.endswith(s))) if f in fams),
+                       sample)
+            entry = fams.setdefault(fam, {"type": None, "help": "", "labels": set(), "samples": set()})
+            entry["samples"].add(sample)
+            for k, _ in LABEL_RE.findall(m.group(3) or ""):
+                if k != "le":
+                    entry["labels"].add(k)
+    return {k: {"type": v["type"], "help": v["help"], "labels": sorted(v["labels"]),
+                "samples": sorted(v["samples"])} for k, v in sorted(fams.items())}
+
+
+def metric_values(text: str, name: str) -> dict:
+    out = {}
+    for line in text.splitlines():
+        m = SAMPLE_RE.match(line)
+        if m and m.group(1) == name:
+            labels = dict(LABEL_RE.findall(m.group(3) or ""))
+            labels.pop("engine", None)
+            labels.pop("model_name", None)
+            out[",".join(f"{k}={v}" for k, v in sorted(labels.items()))] = float(m.group(4))
+    return out
+
+
+def get_metrics(client: Client) -> str:
+    return client.request("GET", "/metrics")[2].decode()
+
+
+REQUIRED_SAMPLES = [
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+    "vllm:request_success_total", "vllm:time_to_first_token_seconds_bucket",
+    "vllm:e2e_request_latency_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+    "vllm:request_queue_time_seconds_bucket",
+]
+
+
+# ---------------------------------------------------------------------------------------------------- abort
+def abort_stream(client: Client, events_before_abort: int = 3) -> dict:
+    """Open a long stream, read a few events, close the socket; watch /metrics react."""
+    before = get_metrics(client)
+    body = {"model": MODEL, "messages": CHAT_MESSAGES, "max_tokens": 1500, "stream": True, "ignore_eos": True}
+    sock = socket.create_connection((client.host, client.port), timeout=30)
+    payload = json.dumps(body).encode()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+    buf = b""
+    while buf.count(b"data: ") < events_before_abort:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        buf += chunk
+    running_during = metric_values(get_metrics(client), "vllm:num_requests_running")
+    t_close = time.perf_counter()
+    sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+    timeline = []
+    seen_abort_after = None
+    while time.perf_counter() - t_close < 10:
+        text = get_metrics(client)
+        t = time.perf_counter() - t_close
+        running = sum(metric_values(text, "vllm:num_requests_running").values())
+        abort = metric_values(text, "vllm:request_success_total").get("finished_reason=abort", 0.0)
+        timeline.append({"t_s": round(t, 3), "running": running, "abort_total": abort})
+        if seen_abort_after is None and abort > metric_values(before, "vllm:request_success_total").get(
+                "finished_reason=abort", 0.0) and running == 0:
+            seen_abort_after = round(t, 3)
+            break
+        time.sleep(0.05)
+    after = get_metrics(client)
+    return {
+        "request": {"method": "POST", "path": "/v1/chat/completions", "body": body},
+        "events_read_before_close": buf.count(b"data: "),
+        "running_while_streaming": running_during,
+        "request_success_total_before": metric_values(before, "vllm:request_success_total"),
+        "request_success_total_after": metric_values(after, "vllm:request_success_total"),
+        "num_requests_running_after": metric_values(after, "vllm:num_requests_running"),
+        "abort_counted": seen_abort_after is not None,
+        "seconds_until_abort_counted_and_running_zero": seen_abort_after,
+        "timeline": timeline[:40],
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- perf
+def perf(client: Client) -> dict:
+    res: dict = {"note": "machine-dependent measurements (2-core CPU VM); not a parity fixture"}
+    lat = []
+    for _ in range(5):
+        s, _, _, dt = client.request("POST", "/v1/chat/completions",
+                                     {"model": MODEL, "messages": CHAT_MESSAGES, "max_tokens": 16,
+                                      "ignore_eos": True})
+        assert s == 200
+        lat.append(dt)
+    res["single_chat_16_tokens_latency_s"] = {"runs": [round(x, 4) for x in lat],
+                                              "median": round(sorted(lat)[len(lat) // 2], 4)}
+    ttft = []
+    for _ in range(5):
+        _, _, _, reads = client.stream("/v1/chat/completions", {"model": MODEL, "messages": CHAT_MESSAGES,
+                                                                "max_tokens": 16, "stream": True})
+        ttft.append(reads[0][0])
+    res["stream_first_bytes_s"] = {"runs": [round(x, 4) for x in ttft],
+                                   "median": round(sorted(ttft)[len(ttft) // 2], 4)}
+    for conc, max_tokens in ((1, 256), (4, 256), (16, 128), (64, 64)):
+        out, errors = [], []
+
+        def one():
+            try:
+                s, _, body, dt = client.request("POST", "/v1/completions",
+                                                {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens,
+                                                 "ignore_eos": True})
+                out.append((dt, json.loads(body)["usage"]["completion_tokens"]))
+            except Exception as e:  # pragma: no cover
+                errors.append(repr(e))
+
+        threads = [threading.Thread(target=one) for _ in range(conc)]
+        t0 = time.perf_counter()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        wall = time.perf_counter() - t0
+        toks = sum(n for _, n in out)
+        lats = sorted(dt for dt, _ in out)
+        res[f"concurrency_{conc}"] = {
+            "requests": conc, "max_tokens": max_tokens, "wall_s": round(wall, 3),
+            "generated_tokens": toks, "tokens_per_s": round(toks / wall, 1),
+            "latency_s_min": round(lats[0], 3) if lats else None,
+            "latency_s_max": round(lats[-1], 3) if lats else None, "errors": errors,
+        }
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------- main
+def record(client: Client, out: Path, do_perf: bool) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+
+    def write(name: str, obj) -> None:
+        (out / name).write_text(obj if isinstance(obj, str) else dumps(obj))
+        print(f"[record] {name}")
+
+    # health / version / models
+    s, h, payload, _ = client.request("GET", "/health")
+    write("health.json", {"request": {"method": "GET", "path": "/health"}, "status": s,
+                          "headers": header_record(h, keep_length=True), "body": payload.decode()})
+    s, h, body = client.json("GET", "/version")
+    write("version.json", json_record({"method": "GET", "path": "/version"}, s, h, body) | {"raw": body})
+    s, h, body = client.json("GET", "/v1/models")
+    write("models.json", json_record({"method": "GET", "path": "/v1/models"}, s, h, body))
+
+    # non-streaming
+    req = {"model": MODEL, "messages": CHAT_MESSAGES, "max_tokens": 8, "temperature": 0}
+    write("chat.json", json_record({"method": "POST", "path": "/v1/chat/completions", "body": req},
+                                   *client.json("POST", "/v1/chat/completions", req)))
+    first_chat_seconds = client.last_seconds
+    client.json("POST", "/v1/chat/completions", req)
+    second_chat_seconds = client.last_seconds
+    req = {"model": MODEL, "messages": CHAT_MESSAGES, "max_tokens": 8, "temperature": 0,
+           "logit_bias": {str(EOS_ID): 100}}
+    write("chat_stop.json", json_record({"method": "POST", "path": "/v1/chat/completions", "body": req},
+                                        *client.json("POST", "/v1/chat/completions", req)))
+    req = {"model": "tiny-llama-small", "messages": CHAT_MESSAGES, "max_tokens": 4, "temperature": 0}
+    write("chat_small_model.json", json_record({"method": "POST", "path": "/v1/chat/completions", "body": req},
+                                               *client.json("POST", "/v1/chat/completions", req)))
+    req = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    write("completions.json", json_record({"method": "POST", "path": "/v1/completions", "body": req},
+                                          *client.json("POST", "/v1/completions", req)))
+
+    # streaming
+    base_chat = {"model": MODEL, "messages": CHAT_MESSAGES, "max_tokens": 6, "temperature": 0, "stream": True}
+    base_cmpl = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "stream": True}
+    usage = {"stream_options": {"include_usage": True}}
+    cont = {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    write("chat_stream.json", stream_record(client, "/v1/chat/completions", base_chat))
+    write("chat_stream_usage.json", stream_record(client, "/v1/chat/completions", base_chat | usage))
+    write("chat_stream_continuous_usage.json", stream_record(client, "/v1/chat/completions", base_chat | cont))
+    write("chat_stream_stop.json", stream_record(client, "/v1/chat/completions",
+                                                 base_chat | usage | {"logit_bias": {str(EOS_ID): 100}}))
+    write("completions_stream.json", stream_record(client, "/v1/completions", base_cmpl))
+    write("completions_stream_usage.json", stream_record(client, "/v1/completions", base_cmpl | usage))
+
+    # errors
+    long_prompt = " ".join(["admission"] * 2100)
+    mid_prompt = " ".join(["admission"] * 1500)
+    cases = [
+        ("unknown_model", "POST", "/v1/chat/completions",
+         {"model": "no-such-model", "messages": CHAT_MESSAGES, "max_tokens": 4}, None),
+        ("unknown_model_completions", "POST", "/v1/completions",
+         {"model": "no-such-model", "prompt": PROMPT, "max_tokens": 4}, None),
+        ("max_tokens_beyond_context", "POST", "/v1/chat/completions",
+         {"model": MODEL, "messages": CHAT_MESSAGES, "max_tokens": 100000}, None),
+        ("max_tokens_beyond_context_completions", "POST", "/v1/completions",
+         {"model": MODEL, "prompt": PROMPT, "max_tokens": 100000}, None),
+        ("prompt_plus_max_tokens_beyond_context", "POST", "/v1/completions",
+         {"model": MODEL, "prompt": mid_prompt, "max_tokens": 1000, "ignore_eos": True}, None),
+        ("prompt_too_long", "POST", "/v1/completions",
+         {"model": MODEL, "prompt": long_prompt, "max_tokens": 4}, None),
+        ("malformed_json", "POST", "/v1/chat/completions", None, b'{"model": "tiny-llama", "messages": ['),
+        ("max_tokens_wrong_type", "POST", "/v1/chat/completions",
+         {"model": MODEL, "messages": CHAT_MESSAGES, "max_tokens": "lots"}, None),
+        ("max_tokens_negative", "POST", "/v1/chat/completions",
+         {"model": MODEL, "messages": CHAT_MESSAGES, "max_tokens": -5}, None),
+        ("missing_messages", "POST", "/v1/chat/completions", {"model": MODEL, "max_tokens": 4}, None),
+        ("unknown_path", "POST", "/v1/nope", {"model": MODEL}, None),
+        ("wrong_method", "GET", "/v1/chat/completions", None, None),
+    ]
+    errors = {}
+    for name, method, path, body, raw in cases:
+        s, h, payload, _ = client.request(method, path, body=body, raw=raw)
+        try:
+            decoded = json.loads(payload)
+        except ValueError:
+            decoded = None
+        shown_body = body
+        if body and body.get("prompt") is long_prompt:
+            shown_body = body | {"prompt": "admission admission ... (2100 words)"}
+        if body and body.get("prompt") is mid_prompt:
+            shown_body = body | {"prompt": "admission admission ... (1500 words)"}
+        errors[name] = {
+            "request": {"method": method, "path": path,
+                        "body": shown_body if raw is None else None,
+                        "raw_body": raw.decode() if raw is not None else None},
+            "status": s, "headers": header_record(h, keep_length=True),
+            "shape": shape(decoded) if decoded is not None else None,
+            "body": normalize(decoded) if decoded is not None else payload.decode(errors="replace"),
+        }
+    write("errors.json", errors)
+
+    # abort, perf, then metrics (so the abort and the perf requests show in the histograms)
+    abort = abort_stream(client)
+    write("abort.json", abort)
+    if do_perf:
+        write("perf.json", perf(client) | {"first_chat_request_after_start_s": round(first_chat_seconds, 4),
+                                           "second_chat_request_s": round(second_chat_seconds, 4)})
+    text = get_metrics(client)
+    summary = parse_metrics(text)
+    all_samples = {s for f in summary.values() for s in f["samples"]}
+    write("metrics.json", {
+        "required_samples": {s: s in all_samples for s in REQUIRED_SAMPLES},
+        "finished_reasons_seen": sorted(k.split("=", 1)[1] for k in
+                                        metric_values(text, "vllm:request_success_total")),
+        "families": {k: v for k, v in summary.items() if k.startswith("vllm:")},
+        "other_families": {k: {"type": v["type"], "labels": v["labels"]} for k, v in summary.items()
+                           if not k.startswith("vllm:")},
+    })
+    write("metrics.txt", text)
+
+
+def overload(client: Client, max_num_seqs: int, max_queued: int) -> dict:
+    """Against a server started with --max-num-seqs N --max-num-queued-reqs Q: fill it with long streams, watch
+    running/waiting, then record the 503 that vLLM's own admission limit answers."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1800, "stream": True, "ignore_eos": True}
+    payload = json.dumps(body).encode()
+    socks = []
+    for _ in range(max_queued):
+        s = socket.create_connection((client.host, client.port), timeout=30)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+        socks.append(s)
+    try:
+        gauges = {}
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            text = get_metrics(client)
+            gauges = {n: sum(metric_values(text, n).values())
+                      for n in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")}
+            if gauges["vllm:num_requests_running"] + gauges["vllm:num_requests_waiting"] >= max_queued:
+                break
+            time.sleep(0.05)
+        waiting_by_reason = metric_values(get_metrics(client), "vllm:num_requests_waiting_by_reason")
+        req = {"model": MODEL, "messages": CHAT_MESSAGES, "max_tokens": 4}
+        s1, h1, p1, dt1 = client.request("POST", "/v1/chat/completions", req)
+        s2, h2, p2, dt2 = client.request("POST", "/v1/completions", {"model": MODEL, "prompt": PROMPT,
+                                                                     "max_tokens": 4, "stream": True})
+        rejections = metric_values(get_metrics(client), "vllm:admission_rejections_total")
+    finally:
+        for s in socks:
+            s.close()
+
+    def rec(method, path, body, status, headers, payload, dt):
+        try:
+            decoded = json.loads(payload)
+        except ValueError:
+            decoded = payload.decode(errors="replace")
+        return {"request": {"method": method, "path": path, "body": body}, "status": status,
+                "headers": header_record(headers, keep_length=True),
+                "shape": shape(decoded) if not isinstance(decoded, str) else None, "body": decoded,
+                "seconds": round(dt, 4)}
+
+    return {
+        "server_args": ["--max-num-seqs", str(max_num_seqs), "--max-num-queued-reqs", str(max_queued)],
+        "held_streams": max_queued,
+        "gauges_when_full": gauges,
+        "num_requests_waiting_by_reason_when_full": waiting_by_reason,
+        "rejected_chat": rec("POST", "/v1/chat/completions", req, s1, h1, p1, dt1),
+        "rejected_completions_stream": rec("POST", "/v1/completions",
+                                           {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "stream": True},
+                                           s2, h2, p2, dt2),
+        "admission_rejections_total_after": rejections,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--url", help="use a running server instead of starting one")
+    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--no-perf", action="store_true")
+    ap.add_argument("--no-overload", action="store_true",
+                    help="skip overload.json (it starts a second server with small queue limits)")
+    ap.add_argument("--overload-url", help="a running server started with --max-num-seqs 2 "
+                                           "--max-num-queued-reqs 4, for overload.json")
+    args = ap.parse_args(argv)
+    seqs, queued = 2, 4
+    if args.url:
+        record(Client(args.url), args.out, not args.no_perf)
+    else:
+        with VLLMServer() as server:
+            print(f"[record] vLLM healthy after {server.startup_seconds:.1f}s at {server.url}")
+            record(Client(server.url), args.out, not args.no_perf)
+    if args.overload_url:
+        (args.out / "overload.json").write_text(dumps(overload(Client(args.overload_url), seqs, queued)))
+        print("[record] overload.json")
+    elif not args.no_overload and not args.url:
+        extra = ["--max-num-seqs", str(seqs), "--max-num-queued-reqs", str(queued)]
+        with VLLMServer(extra_args=extra) as server:
+            print(f"[record] second vLLM ({' '.join(extra)}) healthy after {server.startup_seconds:.1f}s")
+            (args.out / "overload.json").write_text(dumps(overload(Client(server.url), seqs, queued)))
+            print("[record] overload.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
