@@ -51,6 +51,14 @@ class Telemetry:
                                         ["class", "would", "reason"], registry=r)
         self.breaker_transitions = Counter("extproc_breaker_transitions", "Breaker state changes.",
                                            ["class", "pool", "kind", "to"], registry=r)
+        self.cost_error = Histogram("extproc_cost_estimate_error_ratio", "Actual GPU-seconds (from real usage) "
+                                    "over the admission-time estimate, for requests whose usage was read.",
+                                    ["class"], buckets=(0.1, 0.2, 0.33, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5,
+                                                        2.0, 3.0, 5.0, 10.0), registry=r)
+        self.ratelimit = Counter("extproc_ratelimit_decisions", "Tenant rate-limit checks by result.",
+                                 ["tenant", "kind", "result"], registry=r)
+        self.session_rejections = Counter("extproc_session_rejections", "Requests refused by an agent-session "
+                                          "budget.", ["tenant", "reason"], registry=r)
         self.reloads = Counter("extproc_config_reload", "Policy reloads by result.", ["result"], registry=r)
         self.stream_errors = Counter("extproc_stream_errors", "ext_proc gRPC streams that ended in an error in "
                                      "our handler (bugs; should stay 0).", registry=r)
@@ -66,6 +74,8 @@ class Telemetry:
         if child is None:
             child = self._decision_children[key] = self.requests.labels(*key)
         child.inc()
+        if d.kind != ACCEPT or d.headers:
+            self._count_budgets(d)
         c = d.classification
         if c is not None:
             if c.demoted:
@@ -81,6 +91,18 @@ class Telemetry:
             decision_log.info(json.dumps({"event": "decision", "class": d.cls, "tenant": d.tenant,
                                           "decision": d.kind, "reason": d.reason, "status": d.status,
                                           "retry_after": d.retry_after, "waited_s": round(d.waited_s, 4)}))
+
+    def _count_budgets(self, d: Decision) -> None:
+        if d.reason.startswith("tenant_"):
+            self.ratelimit.labels(d.tenant, d.reason.split("_")[1], "limited").inc()
+        elif d.reason.startswith("session_"):
+            self.session_rejections.labels(d.tenant, d.reason).inc()
+        elif d.headers and d.ticket is not None:
+            self.ratelimit.labels(d.tenant, "all", "allowed").inc()
+
+    def cost_observed(self, ticket: Ticket, estimated_s: float, actual_s: float) -> None:
+        if estimated_s > 0:
+            self.cost_error.labels(ticket.cls).observe(actual_s / estimated_s)
 
     def queued(self, waiter: Waiter) -> None:
         self.queue_entries.labels(waiter.limiter.name).inc()
@@ -126,13 +148,27 @@ class _CoreGauges:
         queue = GaugeMetricFamily("extproc_queue_depth", "Requests waiting in the class queue.", labels=["class"])
         limit = GaugeMetricFamily("extproc_class_limit", "Current concurrency cap of the class.",
                                   labels=["class"])
+        gpu = GaugeMetricFamily("extproc_inflight_gpu_seconds", "Estimated GPU-seconds of the class's admitted "
+                                "requests not yet ended.", labels=["class"])
         for cls, s in self._core.snapshot().items():
+            gpu.add_metric([cls], s["inflight_cost"])
             inflight.add_metric([cls], s["inflight"])
             degraded.add_metric([cls], s["degraded_inflight"])
             queue.add_metric([cls], s["queue"])
             limit.add_metric([cls], s["limit"])
-        yield from (inflight, degraded, queue, limit)
+        yield from (inflight, degraded, queue, limit, gpu)
         yield from self._breakers()
+        yield self._cost_models()
+
+    def _cost_models(self):
+        fam = GaugeMetricFamily("extproc_cost_model", "Current (learned) cost coefficients per model.",
+                                labels=["model", "param"])
+        for name, m in self._core.cost_models.items():
+            fam.add_metric([name, "prefill_s_per_1k_tokens"], m.prefill_per_token * 1000)
+            fam.add_metric([name, "decode_s_per_token"], m.decode_per_token)
+            fam.add_metric([name, "output_ratio"], m.output_ratio)
+            fam.add_metric([name, "samples"], m.samples)
+        return fam
 
     def _breakers(self):
         labels = ["class", "pool", "kind"]
