@@ -26,6 +26,7 @@ from extproc.loadgen import ENDPOINTS, RequestKind, Workload
 from extproc.policy.schema import PolicyError
 
 EXIT_CAP, EXIT_NO_CAP, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+STREAMING_SCALE_WARN = 5.0  # above this time scale, streaming's per-token cost distorts client-side latency
 
 
 def parse_seconds(text: str) -> float:
@@ -131,6 +132,10 @@ class Calibration:
             self.time_scale = self.identity.sim_speed or 1.0
         self.plan = StepPlan(**{**asdict(self.plan), "time_scale": self.time_scale})
         print(self.identity.describe(), file=sys.stderr)
+        if self.time_scale > STREAMING_SCALE_WARN and any(k.stream for k in self.workload.kinds):
+            print(f"warning: streaming at time scale {self.time_scale:g}: one SSE event per token costs this "
+                  f"client (and a local simulator) CPU, which shows up as latency; prefer --no-stream or a "
+                  f"lower --speed", file=sys.stderr)
         while (concurrency := self.sweep.next_concurrency()) is not None:
             n = len(self.sweep.steps) + 1
             bar = StepProgress(f"step {n} ({self.sweep.phase}) c={concurrency}") if progress else None
