@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-SPEED = 30
+SPEED = 20
 
 
 def start_sim(profile: str = "h100-llama70b-awq", speed: float = SPEED) -> tuple[subprocess.Popen, str]:
