@@ -1,0 +1,56 @@
+"""Fixtures for the operational files: paths, Debian tools, and the metric names a live ext_proc exposes."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from extproc.stack import free_port, wait_http
+
+from .promql import PENDING_METRICS, PROMETHEUS_SERIES, exposed_names, recorded_names
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "compose"
+RULE_FILES = sorted((COMPOSE / "prometheus" / "rules").glob("*.yml"))
+
+
+def tool(name: str) -> str:
+    """Path of a Debian tool; scripts/install-system-deps.sh installs them (`make test` runs it)."""
+    path = shutil.which(name)
+    if path is None:
+        pytest.skip(f"{name} is not installed: run scripts/install-system-deps.sh")
+    return path
+
+
+def run_tool(argv: list[str], cwd: Path | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def live_metrics_text(tmp_path_factory) -> str:
+    """/metrics of a freshly started `extproc serve` with the default policy (every family has its # TYPE)."""
+    grpc_port, http_port = free_port(), free_port()
+    log = tmp_path_factory.mktemp("serve") / "extproc.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "extproc.cli", "serve", "--policy",
+                                 str(ROOT / "policies" / "default.yaml"), "--grpc", f"127.0.0.1:{grpc_port}",
+                                 "--metrics", f"127.0.0.1:{http_port}"], stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        wait_http(f"http://127.0.0.1:{http_port}/healthz", timeout=30, proc=proc)
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=5) as r:
+            return r.read().decode()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def known_metric_names(live_metrics_text) -> set[str]:
+    """Names a dashboard or rule may use: exposed now, pending (see PENDING_METRICS), recorded, or Prometheus's."""
+    return exposed_names(live_metrics_text) | PENDING_METRICS | recorded_names(RULE_FILES) | PROMETHEUS_SERIES
