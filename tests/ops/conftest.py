@@ -31,19 +31,13 @@ def run_tool(argv: list[str], cwd: Path | None = None, timeout: float = 60) -> s
     return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture(scope="session")
-def live_metrics_text(tmp_path_factory) -> str:
-    """/metrics of a freshly started `extproc serve` with the default policy (every family has its # TYPE)."""
-    grpc_port, http_port = free_port(), free_port()
-    log = tmp_path_factory.mktemp("serve") / "extproc.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "extproc.cli", "serve", "--policy",
-                                 str(ROOT / "policies" / "default.yaml"), "--grpc", f"127.0.0.1:{grpc_port}",
-                                 "--metrics", f"127.0.0.1:{http_port}"], stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+def scrape_once(argv: list[str], port: int, ready_path: str) -> str:
+    """Start `extproc <argv>` listening on `port`, fetch its /metrics once it answers `ready_path`, stop it."""
+    proc = subprocess.Popen([sys.executable, "-m", "extproc.cli", *argv], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        wait_http(f"http://127.0.0.1:{http_port}/healthz", timeout=30, proc=proc)
-        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=5) as r:
+        wait_http(f"http://127.0.0.1:{port}{ready_path}", timeout=30, proc=proc)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
             return r.read().decode()
     finally:
         proc.terminate()
@@ -51,6 +45,23 @@ def live_metrics_text(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def known_metric_names(live_metrics_text) -> set[str]:
-    """Names a dashboard or rule may use: exposed now, pending (see PENDING_METRICS), recorded, or Prometheus's."""
-    return exposed_names(live_metrics_text) | PENDING_METRICS | recorded_names(RULE_FILES) | PROMETHEUS_SERIES
+def live_metrics_text() -> str:
+    """/metrics of a freshly started `extproc serve` with the default policy (every family has its # TYPE)."""
+    port = free_port()
+    return scrape_once(["serve", "--policy", str(ROOT / "policies" / "default.yaml"),
+                        "--grpc", f"127.0.0.1:{free_port()}", "--metrics", f"127.0.0.1:{port}"], port, "/healthz")
+
+
+@pytest.fixture(scope="session")
+def replica_metrics_text() -> str:
+    """/metrics of a simulated vLLM replica (the vLLM metric names, kept in parity with real vLLM's fixtures)."""
+    port = free_port()
+    return scrape_once(["sim", "--port", str(port)], port, "/health")
+
+
+@pytest.fixture(scope="session")
+def known_metric_names(live_metrics_text, replica_metrics_text) -> set[str]:
+    """Names a dashboard or rule may use: exported by the ext_proc or a vLLM replica, pending (PENDING_METRICS),
+    recorded by our rules, or attached by Prometheus."""
+    return (exposed_names(live_metrics_text) | exposed_names(replica_metrics_text) | PENDING_METRICS
+            | recorded_names(RULE_FILES) | PROMETHEUS_SERIES)
