@@ -6,11 +6,12 @@ import json
 import logging
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily
 
 from .policy.admission import ACCEPT, AdmissionController, Decision
 from .policy.breakers import STATE_VALUES, Breaker, LatencyBreaker
+from .policy.sustained import SustainedLoad
 from .policy.limits import Outcome, Ticket, Waiter
 
 # LLM requests last from tens of milliseconds (a rejection, a short completion) to minutes (long generations).
@@ -60,6 +61,9 @@ class Telemetry:
         self.session_rejections = Counter("extproc_session_rejections", "Requests refused by an agent-session "
                                           "budget.", ["tenant", "reason"], registry=r)
         self.reloads = Counter("extproc_config_reload", "Policy reloads by result.", ["result"], registry=r)
+        self.reload_ok = Gauge("extproc_config_last_reload_successful", "1 if the last policy reload applied, 0 "
+                               "if it was refused (the previous policy is still serving).", registry=r)
+        self.reload_ok.set(1)
         self.stream_errors = Counter("extproc_stream_errors", "ext_proc gRPC streams that ended in an error in "
                                      "our handler (bugs; should stay 0).", registry=r)
         self._decision_children: dict[tuple[str, str, str], Any] = {}
@@ -129,14 +133,15 @@ class Telemetry:
 
     # --- scrape-time gauges ---
 
-    def watch(self, core: AdmissionController) -> None:
+    def watch(self, core: AdmissionController, sustained: SustainedLoad | None = None) -> None:
         """Register gauges read from the core at scrape time (no per-request gauge updates)."""
-        self.registry.register(_CoreGauges(core))
+        self.registry.register(_CoreGauges(core, sustained))
 
 
 class _CoreGauges:
-    def __init__(self, core: AdmissionController):
+    def __init__(self, core: AdmissionController, sustained: SustainedLoad | None):
         self._core = core
+        self._sustained = sustained
 
     def describe(self):  # no describe-time scrape: the snapshot is cheap but needs a running core
         return []
@@ -150,6 +155,12 @@ class _CoreGauges:
                                   labels=["class"])
         gpu = GaugeMetricFamily("extproc_inflight_gpu_seconds", "Estimated GPU-seconds of the class's admitted "
                                 "requests not yet ended.", labels=["class"])
+        slo = GaugeMetricFamily("extproc_class_slo_seconds", "The class's p95 latency SLO from the policy.",
+                                labels=["class"])
+        for cls, spec in self._core.policy.classes.items():
+            if spec.slo_p95_ms:
+                slo.add_metric([cls], spec.slo_p95_ms / 1000.0)
+        yield slo
         for cls, s in self._core.snapshot().items():
             gpu.add_metric([cls], s["inflight_cost"])
             inflight.add_metric([cls], s["inflight"])
@@ -157,8 +168,21 @@ class _CoreGauges:
             queue.add_metric([cls], s["queue"])
             limit.add_metric([cls], s["limit"])
         yield from (inflight, degraded, queue, limit, gpu)
+        if self._sustained is not None:
+            yield from self._sustained_load()
         yield from self._breakers()
         yield self._cost_models()
+
+    def _sustained_load(self):
+        window = f"{self._sustained.window_s:g}s"
+        q = GaugeMetricFamily("extproc_queue_depth_avg", "Queue depth averaged over the sustained window: the "
+                              "autoscaling signal (bursts are admission control's job).", labels=["class", "window"])
+        r = GaugeMetricFamily("extproc_inflight_ratio_avg", "In-flight / cap averaged over the sustained window.",
+                              labels=["class", "window"])
+        for cls, (depth, ratio) in self._sustained.averages().items():
+            q.add_metric([cls, window], depth)
+            r.add_metric([cls, window], ratio)
+        yield from (q, r)
 
     def _cost_models(self):
         fam = GaugeMetricFamily("extproc_cost_model", "Current (learned) cost coefficients per model.",

@@ -218,6 +218,8 @@ class Policy:
     lease_ms: int = doc("Safety net: a slot whose request was never seen to end is freed after this long, "
                         "unless its gRPC stream is still alive (live streams renew their lease).", 600_000,
                         minimum=1_000)
+    sustained_window_s: float = doc("Window of the sustained-load gauges (extproc_queue_depth_avg, "
+                                    "extproc_inflight_ratio_avg) that autoscalers should read.", 300.0, minimum=10)
     retry_after_max_s: int = doc("Upper bound on the Retry-After seconds sent with 429/503.", 60, minimum=1)
 
     # --- derived views (not part of the YAML) ---

@@ -321,7 +321,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         d = self.core.invalid(status, e.code, e.message, st.facts)
         st.decision = d.kind
         return immediate(status, error_body(status, e.message, e.code, e.param),
-                         [("x-extproc-class", d.cls), ("x-extproc-decision", d.kind)], f"extproc_{e.code}")
+                         [("x-extproc-class", d.cls), ("x-extproc-decision", d.kind), ("x-extproc-reason", e.code)],
+                         f"extproc_{e.code}")
 
     # --- the end, however it comes ---
 

@@ -12,7 +12,7 @@ import pytest
 
 from extproc.stack import free_port, wait_http
 
-from .promql import PENDING_METRICS, PROMETHEUS_SERIES, exposed_names, recorded_names
+from .promql import PROMETHEUS_SERIES, exposed_names, recorded_names
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose"
@@ -61,7 +61,7 @@ def replica_metrics_text() -> str:
 
 @pytest.fixture(scope="session")
 def known_metric_names(live_metrics_text, replica_metrics_text) -> set[str]:
-    """Names a dashboard or rule may use: exported by the ext_proc or a vLLM replica, pending (PENDING_METRICS),
-    recorded by our rules, or attached by Prometheus."""
-    return (exposed_names(live_metrics_text) | exposed_names(replica_metrics_text) | PENDING_METRICS
+    """Names a dashboard or rule may use: exported by the ext_proc or a vLLM replica, recorded by our rules, or
+    attached by Prometheus."""
+    return (exposed_names(live_metrics_text) | exposed_names(replica_metrics_text)
             | recorded_names(RULE_FILES) | PROMETHEUS_SERIES)

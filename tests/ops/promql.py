@@ -7,21 +7,6 @@ from pathlib import Path
 
 import yaml
 
-# Metrics the lead is adding with the breaker, shadow-mode, sustained-load and cost/rate-limit work (issues 4, 5, 6).
-# PENDING: they are not exported by the ext_proc yet. Once a live server exposes one, the test that reads /metrics
-# finds it there; drop it from this list then.
-PENDING_METRICS = frozenset({
-    "extproc_breaker_state",                  # gauge {class, kind}: 0 closed, 1 half-open, 2 open
-    "extproc_breaker_transitions_total",      # counter {class, kind, to}
-    "extproc_breaker_window_p95_seconds",     # gauge {class}
-    "extproc_breaker_window_error_ratio",     # gauge {class}
-    "extproc_shadow_decisions_total",         # counter {class, would, reason}
-    "extproc_queue_depth_avg",                # gauge {class}, averaged over the configured window
-    "extproc_inflight_ratio_avg",             # gauge {class}, in-flight / cap averaged over the window
-    "extproc_inflight_gpu_seconds",           # gauge {class}
-    "extproc_ratelimit_decisions_total",      # counter {tenant, kind, result}
-})
-
 # Series Prometheus itself attaches to every target.
 PROMETHEUS_SERIES = frozenset({"up", "scrape_duration_seconds", "scrape_samples_scraped"})
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from .conftest import COMPOSE, RULE_FILES, run_tool, tool
-from .promql import PENDING_METRICS, exposed_names, metric_names, rule_expressions
+from .promql import exposed_names, metric_names, rule_expressions
 
 PROM = COMPOSE / "prometheus"
 
@@ -32,9 +32,3 @@ def test_rules_use_only_metrics_that_exist(known_metric_names):
     unknown = {(name, m) for name, expr in rule_expressions(RULE_FILES) for m in metric_names(expr)
                if m not in known_metric_names}
     assert not unknown, f"rules name metrics nobody exports: {sorted(unknown)}"
-
-
-def test_pending_metrics_are_not_already_exported(live_metrics_text):
-    # Keeps the PENDING list honest: once the ext_proc exports one, it comes off the list.
-    landed = PENDING_METRICS & exposed_names(live_metrics_text)
-    assert not landed, f"now exported, remove from PENDING_METRICS: {sorted(landed)}"
