@@ -1,0 +1,49 @@
+"""Bugs the reliability work found, pinned at the servicer (the through-Envoy view is in test_bad_input_envoy)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from grpc.aio import EOF
+
+from extproc.policy.admission import AdmissionController
+from extproc.policy.schema import load_policy
+from extproc.server.servicer import ExtProcServicer
+
+
+class Ctx:
+    def __init__(self, messages):
+        self.messages = list(messages)
+        self.writes = []
+
+    async def read(self):
+        return self.messages.pop(0) if self.messages else EOF
+
+    async def write(self, resp):
+        self.writes.append(resp)
+
+
+def generation(body: bytes) -> list[pb.ProcessingRequest]:
+    hs = [base_pb2.HeaderValue(key=":method", raw_value=b"POST"),
+          base_pb2.HeaderValue(key=":path", raw_value=b"/v1/chat/completions")]
+    return [pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=hs))),
+            pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))]
+
+
+@pytest.mark.parametrize("max_tokens", [10**12, 10**400, 2**63], ids=["1e12", "1e400", "2^63"])
+def test_huge_max_tokens_is_a_400_not_a_failed_stream(max_tokens):
+    """A max_tokens beyond float range made the cost estimate raise OverflowError: the stream failed and, with
+    failure_mode_allow, Envoy let the request through unadmitted."""
+    core = AdmissionController(load_policy({"classes": {"interactive": {"max_concurrency": 1}},
+                                            "models": {"llama": {"cluster": "pool_a"}}}))
+    servicer = ExtProcServicer(core)
+    ctx = Ctx(generation(json.dumps({"model": "llama", "max_tokens": max_tokens, "messages": []}).encode()))
+    asyncio.run(servicer.Process(None, ctx))
+    answer = ctx.writes[-1].immediate_response
+    assert answer.status.code == 400
+    assert json.loads(answer.body)["error"]["param"] == "max_tokens"
+    assert servicer.errors == 0 and core.snapshot()["interactive"]["inflight"] == 0
