@@ -55,6 +55,7 @@ class Server:
         self.sustained = SustainedLoad(policy.sustained_window_s)
         self.telemetry.watch(self.core, self.sustained)
         self.servicer = ExtProcServicer(self.core, max_body_bytes=args.max_body_bytes)
+        self.servicer.on_error = self.telemetry.stream_errors.inc
         self.access_log = AccessLogReceiver(self.core)
         self._mtime = _mtime(policy_path)
         self.ready = False

@@ -113,6 +113,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self.queue_grace_s = queue_grace_s   # added to Envoy's timeout while a request waits in a queue
         self.live: set[Ticket] = set()       # tickets whose stream is still open (their leases get renewed)
         self.errors = 0
+        self.on_error = None                 # called once per failed stream (the extproc_stream_errors counter)
         self._learn_credit = 0.0
 
     async def Process(self, request_iterator, context) -> None:
@@ -144,6 +145,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             normal_end = True
         except Exception:  # a bug here must never take the stream's slot with it
             self.errors += 1
+            if self.on_error is not None:
+                self.on_error()
             log.exception("ext_proc stream failed")
             raise
         finally:

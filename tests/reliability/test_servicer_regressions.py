@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 
@@ -11,7 +12,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from grpc.aio import EOF
 
 from extproc.policy.admission import AdmissionController
-from extproc.policy.schema import load_policy
+from extproc.policy.schema import load_policy, load_policy_file
+from extproc.server.main import Server, add_arguments
 from extproc.server.servicer import ExtProcServicer
 
 
@@ -47,3 +49,22 @@ def test_huge_max_tokens_is_a_400_not_a_failed_stream(max_tokens):
     assert answer.status.code == 400
     assert json.loads(answer.body)["error"]["param"] == "max_tokens"
     assert servicer.errors == 0 and core.snapshot()["interactive"]["inflight"] == 0
+
+
+def test_a_failed_stream_is_counted_in_extproc_stream_errors_total(tmp_path, monkeypatch):
+    """The counter existed but nothing incremented it: a crashing handler showed 0 on /metrics."""
+    path = tmp_path / "policy.yaml"
+    path.write_text("classes: {interactive: {max_concurrency: 1}}\nmodels: {llama: {cluster: pool_a}}\n")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    server = Server(str(path), load_policy_file(str(path)), parser.parse_args(["--policy", str(path)]))
+
+    def broken(*a, **k):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(server.core, "decide", broken)
+    ctx = Ctx(generation(b'{"model": "llama"}'))
+    with pytest.raises(RuntimeError):
+        asyncio.run(server.servicer.Process(None, ctx))
+    assert server.telemetry.registry.get_sample_value("extproc_stream_errors_total") == 1
+    assert server.core.snapshot()["interactive"]["inflight"] == 0
