@@ -68,3 +68,24 @@ def test_a_failed_stream_is_counted_in_extproc_stream_errors_total(tmp_path, mon
         asyncio.run(server.servicer.Process(None, ctx))
     assert server.telemetry.registry.get_sample_value("extproc_stream_errors_total") == 1
     assert server.core.snapshot()["interactive"]["inflight"] == 0
+
+
+def test_a_write_to_a_stream_envoy_already_reset_is_a_client_abort_not_a_stream_error():
+    """Under an abort storm, grpc.aio's write raised ExecuteBatchError (an InternalError) for streams Envoy had
+    just reset: each was logged with a traceback and counted in extproc_stream_errors_total as if it were a bug."""
+    import grpc.aio
+
+    class ResetCtx(Ctx):
+        async def write(self, resp):
+            if resp.HasField("request_body"):  # the admission answer: the request holds a slot by now
+                raise grpc.aio.InternalError("Failed \"execute_batch\"")
+            await super().write(resp)
+
+    core = AdmissionController(load_policy({"classes": {"interactive": {"max_concurrency": 1}},
+                                            "models": {"llama": {"cluster": "pool_a"}}}))
+    servicer = ExtProcServicer(core)
+    errors = []
+    servicer.on_error = lambda: errors.append(1)
+    asyncio.run(servicer.Process(None, ResetCtx(generation(b'{"model": "llama"}'))))
+    assert servicer.errors == 0 and errors == []
+    assert not core.tickets and core.snapshot()["interactive"]["inflight"] == 0
