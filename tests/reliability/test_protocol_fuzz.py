@@ -272,4 +272,5 @@ def _fuzz(examples: int):
 
 
 test_servicer_survives_random_streams = _fuzz(min(EXAMPLES, 500))
-test_servicer_survives_random_streams_long = pytest.mark.fuzz(pytest.mark.slow(_fuzz(max(EXAMPLES, 10_000))))
+test_servicer_survives_random_streams_long = pytest.mark.timeout(7200)(
+    pytest.mark.fuzz(pytest.mark.slow(_fuzz(max(EXAMPLES, 10_000)))))
