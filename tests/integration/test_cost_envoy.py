@@ -11,7 +11,7 @@ import yaml
 
 from extproc.sim.fleet import SimFleet
 
-from .helpers import chat, metrics, post, sample
+from .helpers import chat, metrics, post, sample, wait_idle
 
 SPEED = 10.0
 COST = {"prefill_s_per_1k_tokens": 0.1, "decode_s_per_token": 0.001}
@@ -69,6 +69,7 @@ async def test_one_long_prompt_consumes_the_budget_many_short_ones_would(make_st
         assert (await long)[0] == 200
         shorts = await asyncio.gather(*[post(http, s.url, prompt_of(40)) for _ in range(30)])
         assert all(r[0] == 200 for r in shorts)  # without the long one, all 30 fit
+        await wait_idle(http, s.metrics_url)      # the last streams close a moment after their responses
         ms = await metrics(http, s.metrics_url)
         assert sample(ms, "extproc_inflight_gpu_seconds") == pytest.approx(0.0, abs=1e-6)
 
