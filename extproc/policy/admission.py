@@ -63,10 +63,12 @@ class RequestFacts:
 class Charge:
     """What one request is estimated to cost, and whom it is charged to; settled once when it ends."""
 
-    __slots__ = ("model", "estimate", "tenant", "session")
+    __slots__ = ("model", "estimate", "tenant", "session", "request_id")
 
-    def __init__(self, model: str, estimate: CostEstimate, tenant: TenantLimits | None, session: Session | None):
+    def __init__(self, model: str, estimate: CostEstimate, tenant: TenantLimits | None, session: Session | None,
+                 request_id: str = ""):
         self.model = model
+        self.request_id = request_id
         self.estimate = estimate
         self.tenant = tenant
         self.session = session
@@ -76,7 +78,7 @@ class Decision:
     """The core's answer for one request. Terminal unless kind is QUEUE (then `waiter` gets the final one)."""
 
     __slots__ = ("kind", "reason", "cls", "tenant", "status", "retry_after", "message", "ticket", "waiter",
-                 "cluster", "classification", "waited_s", "fallback", "shadow_would", "headers")
+                 "cluster", "classification", "waited_s", "fallback", "shadow_would", "headers", "charge")
 
     def __init__(self, kind: str, reason: str, cls: str, tenant: str, *, status: int = 200, retry_after: int = 0,
                  message: str = "", ticket: Ticket | None = None, waiter: Waiter | None = None,
@@ -97,6 +99,7 @@ class Decision:
         self.fallback = fallback          # DEGRADE: what to change (model, max_tokens, stream) or the canned reply
         self.shadow_would: Decision | None = None  # shadow mode: the decision enforce mode would have made
         self.headers: list[tuple[str, str]] = []  # extra response headers (x-ratelimit-*)
+        self.charge: Charge | None = None  # what the request was estimated to cost (for logs)
 
     def __repr__(self) -> str:
         return f"Decision({self.kind}, {self.reason}, cls={self.cls}, status={self.status})"
@@ -257,9 +260,10 @@ class AdmissionController:
         session = None
         if facts.session_id and self.sessions.enabled:
             session = self.sessions.get(c.tenant, facts.session_id, now)
-        charge = Charge(facts.model, est, self.tenant_limits.get(c.tenant), session)
+        charge = Charge(facts.model, est, self.tenant_limits.get(c.tenant), session, facts.request_id)
         lim = self.limiters[c.cls]
         d = self._enforce(c, lim, cluster, now, context, charge)
+        d.charge = charge
         if charge.tenant is not None:
             d.headers = charge.tenant.headers(now)
         if self._shadow_all or lim.spec.shadow:
@@ -388,6 +392,7 @@ class AdmissionController:
         passed = Decision(ACCEPT, R_SHADOW, c.cls, c.tenant, ticket=ticket, cluster=cluster, classification=c)
         passed.shadow_would = d
         passed.headers = d.headers
+        passed.charge = charge
         self._emit(passed)
         return passed
 
@@ -591,6 +596,7 @@ class AdmissionController:
 
     def _resolve(self, w: Waiter, d: Decision) -> None:
         w.result = d
+        d.charge = w.charge
         if w.shadow_ticket is not None:  # shadow: the request is already running; only count the verdict
             self.events.shadow(d.cls, d.kind, d.reason)
             w.shadow_ticket.waiter = None

@@ -42,6 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--watch-interval", type=float, default=2.0,
                    help="seconds between checks of the policy file for changes (0 disables; SIGHUP always works)")
     p.add_argument("--log-level", default=os.environ.get("EXTPROC_LOG_LEVEL", "INFO"))
+    p.add_argument("--log-accept-sample", type=float, default=0.0, metavar="FRACTION",
+                   help="also log this share of accepted requests (refusals are always logged), e.g. 0.01")
 
 
 class Server:
@@ -50,7 +52,7 @@ class Server:
     def __init__(self, policy_path: str, policy: Policy, args: argparse.Namespace):
         self.policy_path = policy_path
         self.args = args
-        self.telemetry = Telemetry()
+        self.telemetry = Telemetry(log_accept_sample=args.log_accept_sample)
         self.core = AdmissionController(policy, events=self.telemetry)
         self.sustained = SustainedLoad(policy.sustained_window_s)
         self.telemetry.watch(self.core, self.sustained)
