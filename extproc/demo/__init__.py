@@ -15,6 +15,7 @@ from .report import tables, write_report
 from .results import WindowStats, targets, window_stats
 from .runner import ModeResult, RunSettings, run_mode
 from .scenario import Scenario
+from .whatif import what_if
 
 DEFAULT_SPEED = 5.0
 
@@ -27,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", default="a,b,c,d", help="which modes, in order: a,b,c,d")
     p.add_argument("--phase-s", type=float, help="cut every phase to this many simulated seconds (quick looks)")
     p.add_argument("--progress-every", type=float, default=5.0, help="wall seconds between progress lines")
+    p.add_argument("--what-if", action="store_true",
+                   help="no processes: run the ext_proc modes' policies against engine models in simulated time "
+                        "(seconds; for tuning a policy, see docs/demo.md)")
 
 
 def mode_stats(res: ModeResult, scenario: Scenario) -> dict[str, WindowStats]:
@@ -38,10 +42,35 @@ def mode_stats(res: ModeResult, scenario: Scenario) -> dict[str, WindowStats]:
                                has_extproc) for name, w in windows.items()}
 
 
-async def demo(args: argparse.Namespace, command: str) -> int:
+def load_scenario(args: argparse.Namespace) -> Scenario:
     scenario = Scenario.load(args.scenario)
-    if args.phase_s:
-        scenario = scenario.shortened(args.phase_s)
+    return scenario.shortened(args.phase_s) if args.phase_s else scenario
+
+
+def print_tables(results: list[ModeResult], scenario: Scenario) -> tuple[dict, dict, list]:
+    stats = {r.mode.key: mode_stats(r, scenario) for r in results}
+    degraded = {r.mode.key: 100.0 * r.served_elsewhere / max(1, len(r.records)) for r in results}
+    found = targets({k: v["spike"] for k, v in stats.items()}, scenario.slo_p95_s)
+    print()
+    print(tables(stats, {r.mode.key: r.mode.label for r in results}, scenario, degraded))
+    if found:
+        print("\nTargets (mode d during the spike):")
+        for t in found:
+            print(f"  {t.line()}")
+    return stats, degraded, found
+
+
+def what_if_tables(args: argparse.Namespace) -> int:
+    """The policies of the ext_proc modes against engine models only (extproc.demo.whatif)."""
+    scenario = load_scenario(args)
+    capacity = scenario.fleet_capacity()
+    modes = [m for m in parse_modes(args.modes) if m.policy]
+    print_tables([ModeResult(m, what_if(scenario, m.policy, capacity), 0.0) for m in modes], scenario)
+    return 0
+
+
+async def demo(args: argparse.Namespace, command: str) -> int:
+    scenario = load_scenario(args)
     modes = parse_modes(args.modes)
     out = Path(args.out or f"results/{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
@@ -62,16 +91,7 @@ async def demo(args: argparse.Namespace, command: str) -> int:
         print(f"== mode {mode.key} done in {res.wall_s:.0f}s: {len(res.records)} requests; spike: "
               f"{scenario.slo_class} p99 {s.p99:.2f}s, goodput {s.goodput:.2f}/s, {s.tokens_per_s:.0f} tokens/s",
               flush=True)
-    stats = {r.mode.key: mode_stats(r, scenario) for r in results}
-    degraded = {r.mode.key: 100.0 * r.served_elsewhere / max(1, len(r.records)) for r in results}
-    found = targets({k: v["spike"] for k, v in stats.items()}, scenario.slo_p95_s)
-    labels = {r.mode.key: r.mode.label for r in results}
-    print()
-    print(tables(stats, labels, scenario, degraded))
-    if found:
-        print("\nTargets (mode d during the spike):")
-        for t in found:
-            print(f"  {t.line()}")
+    stats, degraded, found = print_tables(results, scenario)
     report = write_report(out, results, stats, scenario, capacity, args.speed, found, degraded, command)
     print(f"\nreport: {report}\nplot:   {out / 'spike.png'}", flush=True)
     return 0
@@ -88,6 +108,9 @@ async def _main(args: argparse.Namespace, command: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     import uvloop
+
+    if args.what_if:
+        return what_if_tables(args)
 
     command = "extproc demo " + shlex.join(sys.argv[2:]) if sys.argv[1:2] == ["demo"] else "extproc demo"
     try:

@@ -60,10 +60,15 @@ def start_pool(stack: Stack, name: str, profile: str, replicas: int, model_names
             "--port", "0", "--speed", str(speed), "--seed", str(seed)]
     for model in model_names:
         argv += ["--model-name", model]
+    log = stack.workdir / f"sim-{name}.log"
+    seen = log.stat().st_size if log.exists() else 0  # logs are appended to: skip an earlier run's ready line
     proc = stack.spawn(f"sim-{name}", argv)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        for line in proc.log_path.read_text(errors="replace").splitlines():
+        with open(proc.log_path, "rb") as f:
+            f.seek(seen)
+            lines = f.read().decode(errors="replace").splitlines()
+        for line in lines:
             if line.startswith("sim ready:"):
                 urls = [u for u in line.split()[2:] if u.startswith("http://")]
                 return [(u[7:].rpartition(":")[0], int(u.rpartition(":")[2])) for u in urls]
