@@ -28,15 +28,16 @@ class Mode:
     adaptive: dict[str, Any] = field(default_factory=dict)
 
 
-# Envoy's adaptive_concurrency, tuned as docs/demo.md explains (NOTES-envoy-vllm.md's measurements):
+# Envoy's adaptive_concurrency, tuned as docs/demo.md explains (NOTES-envoy-vllm.md's measurements and a sweep):
 # a fixed minimum RTT (no periodic re-measurement that pins concurrency at 3), the largest buffer, an update
-# interval longer than a request's round trip, and a ceiling at the fleet's knee.
+# interval longer than a request's round trip, and a ceiling at the fleet's knee (12 per replica: the best
+# interactive p99 at the best goodput in the sweep).
 ADAPTIVE_TUNED = {
     "min_rtt_fixed_s": 1.0,
     "buffer_percent": 100.0,
-    "concurrency_update_interval_s": 2.0,
+    "concurrency_update_interval_s": 5.0,
     "sample_aggregate_percentile": 90.0,
-    "max_concurrency_limit": 48,
+    "max_concurrency_limit": 24,
     "min_concurrency": 3,
 }
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -164,8 +165,9 @@ timed out after {scenario.client_timeout_s:g} s, counted at the timeout); refuse
 
 ## Machine load
 
-CPU per process as a share of one core during each replay (this machine has the cores `nproc` says; above ~90% of
-them in total the load generator or the simulator lag and latencies are inflated).
+CPU per process as a share of one core during each replay, and what every other process on the machine used
+meanwhile. This machine has {os.cpu_count()} cores; near that in total, the load generator, Envoy or the simulator
+lag and latencies are inflated: compare runs only when "other processes" stayed small.
 
 | mode | wall s | CPU |
 |---|---:|---|

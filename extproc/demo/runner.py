@@ -53,6 +53,14 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def machine_cpu_seconds() -> float:
+    """CPU seconds every core of the machine has spent busy (user, nice, system, irq, softirq, steal)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    busy = fields[0] + fields[1] + fields[2] + fields[5] + fields[6] + (fields[7] if len(fields) > 7 else 0)
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
 def start_pool(stack: Stack, name: str, profile: str, replicas: int, model_names: list[str], speed: float,
                seed: int, timeout_s: float = 30.0) -> list[tuple[str, int]]:
     """`extproc sim` for one pool as a process of `stack` (so stack.stop() ends it); returns its endpoints."""
@@ -135,6 +143,7 @@ async def replay(mode: Mode, scenario: Scenario, stack: Stack, settings: RunSett
     pids = {p.name: p.popen.pid for p in stack.processes}
     pids["loadgen"] = os.getpid()
     cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    machine0 = machine_cpu_seconds()
     wall0 = time.monotonic()
     async with LoadClient([stack.url], timeout_s=scenario.client_timeout_s / settings.speed,
                           time_scale=settings.speed, pool=MAX_IN_FLIGHT) as client:
@@ -145,6 +154,8 @@ async def replay(mode: Mode, scenario: Scenario, stack: Stack, settings: RunSett
             progress.cancel()
     wall = time.monotonic() - wall0
     cpu = {name: cpu_seconds(pid) - cpu0[name] for name, pid in pids.items()}
+    # Everything else on the machine in the same time (other jobs steal CPU from the simulated GPUs).
+    cpu["other processes"] = max(0.0, machine_cpu_seconds() - machine0 - sum(cpu.values()))
     others = [ep for pool in scenario.pools[1:] for ep in stack.pools[pool.name]]
     return ModeResult(mode, client.records, wall, cpu, served_elsewhere=sum(map(finished_requests, others)))
 
