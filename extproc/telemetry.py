@@ -198,6 +198,20 @@ class _CoreGauges:
             yield from self._sustained_load()
         yield from self._breakers()
         yield self._cost_models()
+        yield from self._pools()
+
+    def _pools(self):
+        sat = GaugeMetricFamily("extproc_pool_saturated", "1 while the pool's replicas report saturation (vLLM "
+                                "waiting requests, KV cache, preemptions) or cannot be read.", labels=["pool"])
+        kv = GaugeMetricFamily("extproc_pool_kv_cache_usage", "Highest vllm:kv_cache_usage_perc among the pool's "
+                               "replicas (0-1).", labels=["pool"])
+        waiting = GaugeMetricFamily("extproc_pool_waiting", "Highest vllm:num_requests_waiting among the pool's "
+                                    "replicas.", labels=["pool"])
+        for pool, s in list(self._core.saturation.items()):
+            sat.add_metric([pool], float(s.saturated))
+            kv.add_metric([pool], s.kv_usage)
+            waiting.add_metric([pool], s.waiting)
+        yield from (sat, kv, waiting)
 
     def _sustained_load(self):
         window = f"{self._sustained.window_s:g}s"

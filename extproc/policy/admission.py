@@ -9,6 +9,7 @@ from typing import Any, Callable, Protocol
 
 import math
 
+from .adaptive import AdaptiveLimit, PoolSaturation
 from .breakers import Breaker, ErrorBreaker, LatencyBreaker
 from .classify import Classification, Classifier
 from .cost import CostEstimate, CostModel
@@ -38,6 +39,7 @@ R_TENANT_REQUESTS = "tenant_requests_per_minute"
 R_TENANT_TOKENS = "tenant_tokens_per_minute"
 R_SESSION_INFLIGHT = "session_inflight_budget"
 R_SESSION_RATE = "session_gpu_seconds_per_minute"
+R_DEADLINE = "deadline_unmeetable"
 R_SHADOW = "shadow"
 R_ENDED_WHILE_QUEUED = "ended_while_queued"  # shadow only
 
@@ -147,6 +149,7 @@ class AdmissionController:
         self.degraded: dict[str, ClassLimiter] = {}   # per class: slots for requests served by its fallback
         self.breakers: dict[tuple[str, str], list[Breaker]] = {}  # (class, pool) -> its breakers
         self.tickets: dict[int, Ticket] = {}   # open tickets, for the lease safety net
+        self.saturation: dict[str, PoolSaturation] = {}  # pool -> the replicas' own load (set by a scraper)
         self._unreported: OrderedDict[int, Ticket] = OrderedDict()  # released, completion report pending
         self._retired: list[ClassLimiter] = []
         self.apply(policy)
@@ -164,6 +167,9 @@ class AdmissionController:
             else:
                 lim.reconfigure(spec)
             limiters[name] = lim
+            if spec.adaptive.enabled and lim.adaptive is None:
+                lim.adaptive = AdaptiveLimit(spec.adaptive, spec.slo_p95_ms / 1000.0, spec.max_concurrency)
+                lim.limit = int(lim.adaptive.limit)
             deg_spec = ClassSpec(max_concurrency=spec.fallback.max_concurrency or spec.max_concurrency,
                                  max_queue=0, max_wait_ms=0)
             if name in self.degraded:
@@ -296,6 +302,15 @@ class AdmissionController:
             ticket = self._admit(lim, c.tenant, cluster, now, charge, 0.0)
             ticket.trickle = trickle
             return Decision(ACCEPT, R_SLOT_FREE, c.cls, c.tenant, ticket=ticket, cluster=cluster, classification=c)
+        if lim.queue_has_room() and lim.spec.early_reject and self._cannot_make_it(lim, charge, now):
+            if lim.spec.on_overflow == "fallback":
+                return self._fallback(lim, c.cls, c.tenant, cluster, R_DEADLINE, now, overflow=True, c=c,
+                                      charge=charge)
+            return Decision(
+                REJECT, R_DEADLINE, c.cls, c.tenant, status=429, classification=c, cluster=cluster,
+                retry_after=lim.retry_after_s(now, self._retry_ceiling),
+                message=f"class {c.cls!r} would not reach this request within its {lim.spec.max_wait_ms} ms "
+                        f"queue deadline ({len(lim.queue)} ahead at its current drain rate)")
         if lim.queue_has_room():
             waiter = Waiter(lim, c.tenant, cluster, now, cost, context)
             waiter.trickle = trickle
@@ -311,6 +326,44 @@ class AdmissionController:
             retry_after=lim.retry_after_s(now, self._retry_ceiling),
             message=f"class {c.cls!r} is at capacity ({lim.inflight} running, {len(lim.queue)} queued, "
                     f"queue limit {lim.spec.max_queue})")
+
+    def _cannot_make_it(self, lim: ClassLimiter, charge: Charge, now: float) -> bool:
+        """Deadline-aware early rejection: the predicted queue wait (queue ahead over the observed drain rate)
+        exceeds the class's max wait, or wait plus the predicted service time exceeds its SLO. The service-time
+        half is used only once the model's cost coefficients have been learned from real durations."""
+        wait = lim.queue_wait_s(now)
+        if wait is None:
+            return False
+        if wait > lim.spec.max_wait_ms / 1000.0:
+            return True
+        slo = lim.spec.slo_p95_ms
+        model = self.cost_models.get(charge.model)
+        return bool(slo and model is not None and model.samples >= 20
+                    and wait + charge.estimate.gpu_seconds > slo / 1000.0)
+
+    def tick(self) -> None:
+        """Move adaptive caps (called a few times a second by the adapter; each controller keeps its interval)."""
+        now = self.clock()
+        for lim in self.limiters.values():
+            ctl = lim.adaptive
+            if ctl is None:
+                continue
+            sat = self._class_saturation(lim, now)
+            new = ctl.update(now, lim.inflight, sat)
+            if new != lim.limit:
+                raised = new > lim.limit
+                lim.limit = new
+                if raised:
+                    self._grant(lim, now)
+
+    def _class_saturation(self, lim: ClassLimiter, now: float) -> PoolSaturation | None:
+        """The worst of the pools the class sends to: saturated if any of them is."""
+        worst = None
+        for pool in lim.pools:
+            sat = self.saturation.get(pool)
+            if sat is not None and (worst is None or sat.saturated):
+                worst = sat
+        return worst
 
     def _budgets(self, c: Classification, lim: ClassLimiter, cluster: str, now: float,
                  charge: Charge) -> Decision | None:
@@ -488,6 +541,9 @@ class AdmissionController:
         latency = c.total_s if c is not None and c.total_s else ticket.released_at - ticket.admitted_at + \
             ticket.waited_s
         now = self.clock()
+        ctl = ticket.limiter.adaptive
+        if ctl is not None and (outcome is Outcome.OK or outcome is Outcome.ENDED):
+            ctl.observe(now, latency)
         for b in self.pool_breakers(ticket.cls, ticket.pool):
             if isinstance(b, LatencyBreaker):
                 # An aborted request's duration is a lower bound: it only counts once it is already too slow.
@@ -543,6 +599,7 @@ class AdmissionController:
                waited_s: float) -> Ticket:
         cost = charge.estimate.gpu_seconds if charge is not None else 0.0
         lim.take(cost)
+        lim.pools.add(pool)
         ticket = Ticket(lim, tenant, pool, now, self._lease_s, cost, waited_s)
         ticket.charge = charge
         if charge is not None:

@@ -21,6 +21,7 @@ from ..policy.sustained import SustainedLoad
 from ..policy.schema import Policy, PolicyError, load_policy_file
 from ..telemetry import Telemetry
 from .accesslog import AccessLogReceiver
+from .saturation import SaturationScrapers
 from .servicer import ExtProcServicer
 
 log = logging.getLogger("extproc")
@@ -58,6 +59,7 @@ class Server:
         self.telemetry.watch(self.core, self.sustained)
         self.servicer = ExtProcServicer(self.core, max_body_bytes=args.max_body_bytes)
         self.access_log = AccessLogReceiver(self.core)
+        self.scrapers = SaturationScrapers(self.core)
         self._mtime = _mtime(policy_path)
         self.ready = False
 
@@ -72,10 +74,17 @@ class Server:
             log.error("policy reload refused, keeping the current policy:\n  %s", "\n  ".join(e.errors))
             return False
         self.core.apply(policy)
+        asyncio.get_running_loop().create_task(self.scrapers.configure(policy.pools))
         self.telemetry.reloads.labels("applied").inc()
         self.telemetry.reload_ok.set(1)
         log.info("policy reloaded from %s", self.policy_path)
         return True
+
+    async def control(self) -> None:
+        """Adaptive caps move on their own interval; tick often enough that none waits long for its turn."""
+        while True:
+            await asyncio.sleep(0.1)
+            self.core.tick()
 
     async def housekeeping(self) -> None:
         """Renew live leases, reap expired ones, and pick up policy file changes."""
@@ -119,6 +128,8 @@ class Server:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         housekeeping = asyncio.create_task(self.housekeeping())
+        control = asyncio.create_task(self.control())
+        await self.scrapers.configure(self.core.policy.pools)
         log.info("extproc serving: grpc %s:%d, http %s:%d, policy %s", host, bound, *self.args.metrics,
                  self.policy_path)
         print(f"extproc ready grpc={host}:{bound} http={self.args.metrics[0]}:{self.args.metrics[1]}", flush=True)
@@ -127,6 +138,8 @@ class Server:
         self.ready = False
         await health_servicer.enter_graceful_shutdown()
         housekeeping.cancel()
+        control.cancel()
+        await self.scrapers.stop()
         await grpc_server.stop(grace=5.0)
         await runner.cleanup()
 
