@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily
 
-from .policy.admission import ACCEPT, Decision
+from .policy.admission import ACCEPT, AdmissionController, Decision
+from .policy.breakers import STATE_VALUES, Breaker, LatencyBreaker
 from .policy.limits import Outcome, Ticket, Waiter
 
 # LLM requests last from tens of milliseconds (a rejection, a short completion) to minutes (long generations).
@@ -45,6 +46,11 @@ class Telemetry:
                                  "max_class and were demoted.", ["tenant"], registry=r)
         self.unknown_class = Counter("extproc_unknown_class_claims", "Requests that claimed a class the policy "
                                      "does not define (given the default).", ["tenant"], registry=r)
+        self.shadow_decisions = Counter("extproc_shadow_decisions", "Shadow mode: what enforce mode would have "
+                                        "decided for requests it did not simply accept.",
+                                        ["class", "would", "reason"], registry=r)
+        self.breaker_transitions = Counter("extproc_breaker_transitions", "Breaker state changes.",
+                                           ["class", "pool", "kind", "to"], registry=r)
         self.reloads = Counter("extproc_config_reload", "Policy reloads by result.", ["result"], registry=r)
         self.stream_errors = Counter("extproc_stream_errors", "ext_proc gRPC streams that ended in an error in "
                                      "our handler (bugs; should stay 0).", registry=r)
@@ -89,27 +95,59 @@ class Telemetry:
         if c is not None and c.first_byte_s is not None and outcome is Outcome.OK:
             self.ttft.labels(ticket.cls).observe(c.first_byte_s)
 
+    def shadow(self, cls: str, would: str, reason: str) -> None:
+        self.shadow_decisions.labels(cls, would, reason).inc()
+        if decision_log.isEnabledFor(logging.INFO):
+            decision_log.info(json.dumps({"event": "shadow", "class": cls, "would": would, "reason": reason}))
+
+    def breaker_changed(self, cls: str, pool: str, breaker: Breaker, state: str) -> None:
+        self.breaker_transitions.labels(cls, pool, breaker.kind, state).inc()
+        logging.getLogger("extproc.breakers").warning(json.dumps(
+            {"event": "breaker", "class": cls, "pool": pool, "kind": breaker.kind, "state": state}))
+
     # --- scrape-time gauges ---
 
-    def watch(self, snapshot: Callable[[], dict[str, dict[str, float]]]) -> None:
+    def watch(self, core: AdmissionController) -> None:
         """Register gauges read from the core at scrape time (no per-request gauge updates)."""
-        self.registry.register(_CoreGauges(snapshot))
+        self.registry.register(_CoreGauges(core))
 
 
 class _CoreGauges:
-    def __init__(self, snapshot: Callable[[], dict[str, dict[str, float]]]):
-        self._snapshot = snapshot
+    def __init__(self, core: AdmissionController):
+        self._core = core
 
     def describe(self):  # no describe-time scrape: the snapshot is cheap but needs a running core
         return []
 
     def collect(self):
         inflight = GaugeMetricFamily("extproc_inflight", "Admitted requests not yet ended.", labels=["class"])
+        degraded = GaugeMetricFamily("extproc_degraded_inflight", "Degraded requests (on a fallback) not yet "
+                                     "ended.", labels=["class"])
         queue = GaugeMetricFamily("extproc_queue_depth", "Requests waiting in the class queue.", labels=["class"])
         limit = GaugeMetricFamily("extproc_class_limit", "Current concurrency cap of the class.",
                                   labels=["class"])
-        for cls, s in self._snapshot().items():
+        for cls, s in self._core.snapshot().items():
             inflight.add_metric([cls], s["inflight"])
+            degraded.add_metric([cls], s["degraded_inflight"])
             queue.add_metric([cls], s["queue"])
             limit.add_metric([cls], s["limit"])
-        return [inflight, queue, limit]
+        yield from (inflight, degraded, queue, limit)
+        yield from self._breakers()
+
+    def _breakers(self):
+        labels = ["class", "pool", "kind"]
+        state = GaugeMetricFamily("extproc_breaker_state", "Breaker state: 0 closed, 1 half-open, 2 open.",
+                                  labels=labels)
+        p95 = GaugeMetricFamily("extproc_breaker_window_p95_seconds", "p95 latency over the latency breaker's "
+                                "window.", labels=["class", "pool"])
+        err = GaugeMetricFamily("extproc_breaker_window_error_ratio", "Failed share of the error breaker's "
+                                "window.", labels=["class", "pool"])
+        now = self._core.clock()
+        for (cls, pool), breakers in list(self._core.breakers.items()):
+            for b in breakers:
+                state.add_metric([cls, pool, b.kind], STATE_VALUES[b.state])
+                if isinstance(b, LatencyBreaker):
+                    p95.add_metric([cls, pool], b.p95(now))
+                else:
+                    err.add_metric([cls, pool], b.error_ratio(now))
+        yield from (state, p95, err)

@@ -51,7 +51,7 @@ class Server:
         self.args = args
         self.telemetry = Telemetry()
         self.core = AdmissionController(policy, events=self.telemetry)
-        self.telemetry.watch(self.core.snapshot)
+        self.telemetry.watch(self.core)
         self.servicer = ExtProcServicer(self.core, max_body_bytes=args.max_body_bytes)
         self.access_log = AccessLogReceiver(self.core)
         self._mtime = _mtime(policy_path)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import time
+import uuid
 from typing import Any
 
 # Endpoints whose requests are admitted; anything else passes through untouched.
@@ -78,3 +80,52 @@ def error_body(status: int, message: str, code: str, param: str | None = None) -
     """{"error": {...}} as OpenAI (and vLLM) shape it."""
     return json.dumps({"error": {"message": message, "type": _ERROR_TYPES.get(status, "api_error"),
                                  "param": param, "code": code}}, separators=(",", ":")).encode()
+
+
+def degrade_body(body: GenerationBody, model: str | None, max_tokens: int | None, stream: bool | None) -> list[str]:
+    """Apply a degrade to the forwarded body in place; return what changed (for x-extproc-degraded)."""
+    doc, changed = body.doc, []
+    if model is not None and model != body.model:
+        doc["model"] = model
+        changed.append(f"model={model}")
+    if max_tokens is not None and (body.max_tokens is None or body.max_tokens > max_tokens):
+        for field in ("max_tokens", "max_completion_tokens"):
+            if field in doc or field == "max_tokens":
+                doc[field] = max_tokens
+        changed.append(f"max_tokens={max_tokens}")
+    if stream is False and body.stream:
+        doc["stream"] = False
+        doc.pop("stream_options", None)
+        changed.append("stream=off")
+    if changed:
+        body.rewrite = True
+    return changed
+
+
+def canned_body(path: str, body: GenerationBody, text: str) -> tuple[bytes, str]:
+    """A complete OpenAI-shaped answer carrying `text`, as JSON or as an SSE stream: (bytes, content-type)."""
+    chat = path.startswith("/v1/chat/")
+    created = int(time.time())
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    model = body.model
+    if not body.stream:
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                   "finish_reason": "stop"} if chat else
+                  {"index": 0, "text": text, "logprobs": None, "finish_reason": "stop"})
+        doc = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+               "model": model, "choices": [choice],
+               "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}}
+        return json.dumps(doc, separators=(",", ":")).encode(), "application/json"
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def event(choice: dict) -> str:
+        return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model,
+                                      "choices": [choice]}, separators=(",", ":")) + "\n\n"
+
+    if chat:
+        events = [event({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}),
+                  event({"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": "stop"})]
+    else:
+        events = [event({"index": 0, "text": text, "logprobs": None, "finish_reason": "stop"})]
+    return ("".join(events) + "data: [DONE]\n\n").encode(), "text/event-stream; charset=utf-8"

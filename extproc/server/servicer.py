@@ -5,21 +5,21 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import AsyncIterator
 
-from grpc.aio import EOF
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import duration_pb2
+from grpc.aio import EOF
 
-from ..policy.admission import ACCEPT, QUEUE, AdmissionController, Decision, RequestFacts
+from ..policy.admission import ACCEPT, DEGRADE, QUEUE, AdmissionController, Decision, RequestFacts
 from ..policy.classify import bearer_key
 from ..policy.limits import Outcome, Ticket, Waiter
 from .accesslog import TICKET_HEADER
-from .openai import GENERATION_PATHS, BadRequest, error_body, parse_generation_body
+from .openai import (GENERATION_PATHS, BadRequest, GenerationBody, canned_body, degrade_body, error_body,
+                     parse_generation_body)
 
 log = logging.getLogger("extproc.server")
 
@@ -35,7 +35,7 @@ CONTINUE = {
     "response_body": pb.ProcessingResponse(response_body=pb.BodyResponse()),
     "response_trailers": pb.ProcessingResponse(response_trailers=pb.TrailersResponse()),
 }
-# Not ours to admit (GET /v1/models, /health, ...): skip every later phase of this request.
+# Not ours to admit (only reachable if a route enables the ext_proc for other paths): skip every later phase.
 PASS_THROUGH = pb.ProcessingResponse(
     request_headers=pb.HeadersResponse(),
     mode_override=_Mode(request_header_mode=_Mode.SKIP, response_header_mode=_Mode.SKIP,
@@ -50,15 +50,16 @@ def _header(key: str, value: str | bytes) -> base_pb2.HeaderValueOption:
                                       append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
 
 
-def immediate(status: int, body: bytes, headers: list[tuple[str, str]], details: str) -> pb.ProcessingResponse:
-    hs = [_header("content-type", "application/json")] + [_header(k, v) for k, v in headers]
+def immediate(status: int, body: bytes, headers: list[tuple[str, str]], details: str,
+              content_type: str = "application/json") -> pb.ProcessingResponse:
+    hs = [_header("content-type", content_type)] + [_header(k, v) for k, v in headers]
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
         status=http_status_pb2.HttpStatus(code=status), headers=pb.HeaderMutation(set_headers=hs), body=body,
         details=details))
 
 
 def decision_response(d: Decision) -> pb.ProcessingResponse:
-    """A terminal non-accept decision as Envoy's immediate response with an OpenAI-style body."""
+    """A terminal refusal as Envoy's immediate response with an OpenAI-style body."""
     headers = [("x-extproc-class", d.cls), ("x-extproc-decision", d.kind), ("x-extproc-reason", d.reason)]
     if d.retry_after:
         headers.append(("retry-after", str(d.retry_after)))
@@ -74,15 +75,15 @@ def _wait_override(seconds: float) -> pb.ProcessingResponse:
 class _Stream:
     """Per-request state of one ext_proc stream."""
 
-    __slots__ = ("facts", "admitted", "ticket", "waiter", "cluster", "decision", "status", "queue_wait_ms")
+    __slots__ = ("facts", "path", "ticket", "waiter", "cluster", "decision", "status", "queue_wait_ms")
 
     def __init__(self) -> None:
-        self.facts: RequestFacts | None = None
-        self.admitted = False       # this request goes through admission (a generation endpoint)
+        self.facts: RequestFacts | None = None  # set when the request is ours to admit
+        self.path = ""
         self.ticket: Ticket | None = None
         self.waiter: Waiter | None = None  # set while the request waits in a class queue
         self.cluster = ""
-        self.decision = ""
+        self.decision = ""                 # the final decision kind, once made
         self.status = 0
         self.queue_wait_ms = -1
 
@@ -98,13 +99,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self.live: set[Ticket] = set()       # tickets whose stream is still open (their leases get renewed)
         self.errors = 0
 
-    @property
-    def _wanted_headers(self) -> frozenset[str]:
-        return frozenset({":path", ":method", "authorization", "x-request-id", self.core.policy.classify.header})
-
     async def Process(self, request_iterator, context) -> None:
-        # context.read()/write() rather than an async generator: grpc.aio wraps generators in another layer per
-        # message, and this handler runs once per HTTP request.
+        # context.read()/write() rather than an async generator: one wrapping layer less per message.
         st = _Stream()
         normal_end = False
         read, write = context.read, context.write
@@ -117,13 +113,14 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 if phase == "request_headers":
                     resp = self._on_request_headers(st, req.request_headers)
                 elif phase == "request_body":
-                    resp = self._on_request_body(st, req)
+                    resp = self._on_request_body(st, req.request_body)
                 elif phase == "response_headers":
                     resp = self._on_response_headers(st, req.response_headers)
                 else:
                     resp = CONTINUE[phase]
                 if resp is None:  # queued: keep Envoy waiting, then answer with the final decision
-                    await write(_wait_override(max(st.waiter.deadline - self.core.clock(), 0.0) + self.queue_grace_s))
+                    grace = max(st.waiter.deadline - self.core.clock(), 0.0) + self.queue_grace_s
+                    await write(_wait_override(grace))
                     resp = await self._wait(st, st.waiter)
                 await write(resp)
             normal_end = True
@@ -137,31 +134,32 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     # --- phases ---
 
     def _on_request_headers(self, st: _Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
-        found = {}
-        wanted = self._wanted_headers
+        path = method = authorization = claim = None
+        request_id = ""
+        class_header = self.core.policy.classify.header
         for h in msg.headers.headers:
-            if h.key in wanted:
-                found[h.key] = h.raw_value.decode("latin-1")
-        if not self._read_facts(st, found.get, found.get(":method", "POST")):
+            k = h.key
+            if k == ":path":
+                path = h.raw_value.decode("latin-1").split("?", 1)[0]
+            elif k == ":method":
+                method = h.raw_value
+            elif k == "authorization":
+                authorization = h.raw_value.decode("latin-1")
+            elif k == class_header:
+                claim = h.raw_value.decode("latin-1").strip().lower()
+            elif k == "x-request-id":
+                request_id = h.raw_value.decode("latin-1")
+        if method != b"POST" or path not in GENERATION_PATHS:
             return PASS_THROUGH
+        st.path = path
+        st.facts = RequestFacts(api_key=bearer_key(authorization), header_class=claim or None,
+                                request_id=request_id)
         if msg.end_of_stream:  # a generation POST without a body
             return self._refuse(st, BadRequest("The request body is empty; expected a JSON object."))
         return CONTINUE["request_headers"]
 
-    def _read_facts(self, st: _Stream, get, method: str) -> bool:
-        path = get(":path")
-        if path is None or method != "POST" or path.split("?", 1)[0] not in GENERATION_PATHS:
-            return False
-        claim = get(self.core.policy.classify.header)
-        st.admitted = True
-        st.facts = RequestFacts(api_key=bearer_key(get("authorization")),
-                                header_class=claim.strip().lower() or None if claim else None,
-                                request_id=get("x-request-id") or "")
-        return True
-
-    def _on_request_body(self, st: _Stream, req: pb.ProcessingRequest) -> pb.ProcessingResponse | None:
-        msg = req.request_body
-        if not st.admitted or st.ticket is not None or st.decision or st.waiter:
+    def _on_request_body(self, st: _Stream, msg: pb.HttpBody) -> pb.ProcessingResponse | None:
+        if st.facts is None or st.decision or st.waiter:
             return CONTINUE["request_body"]  # not ours, or a second body message: nothing to decide
         if len(msg.body) > self.max_body_bytes:
             return self._refuse(st, BadRequest(f"The request body exceeds {self.max_body_bytes} bytes.",
@@ -190,9 +188,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
 
     # --- decisions to responses ---
 
-    async def _wait(self, st: _Stream, waiter) -> pb.ProcessingResponse:
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
+    async def _wait(self, st: _Stream, waiter: Waiter) -> pb.ProcessingResponse:
+        fut = asyncio.get_running_loop().create_future()
 
         def deliver(d: Decision) -> None:
             if not fut.done():
@@ -204,17 +201,16 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         except asyncio.TimeoutError:
             d = self.core.abandon(waiter, timed_out=True) or waiter.result
         st.waiter = None
-        if d.kind == ACCEPT:
-            d.cluster = st.cluster
-            st.queue_wait_ms = int(d.waited_s * 1000)
+        st.queue_wait_ms = int(d.waited_s * 1000)
         return self._answer(st, d, waiter.context)
 
-    def _answer(self, st: _Stream, d: Decision, body) -> pb.ProcessingResponse:
-        if d.kind != ACCEPT:
-            st.decision = d.kind
+    def _answer(self, st: _Stream, d: Decision, body: GenerationBody) -> pb.ProcessingResponse:
+        st.decision = d.kind
+        if d.kind != ACCEPT and d.ticket is None:
+            if d.kind == DEGRADE:  # canned
+                return self._canned(st, d, body)
             return decision_response(d)
         st.ticket = d.ticket
-        st.decision = ACCEPT
         self.live.add(d.ticket)
         common = pb.CommonResponse(clear_route_cache=True)
         headers = common.header_mutation.set_headers
@@ -222,15 +218,30 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         # ties Envoy's access log entry back to this ticket.
         headers.append(_header(CLUSTER_HEADER, d.cluster))
         headers.append(_header("x-extproc-class", d.cls))
-        headers.append(_header("x-extproc-decision", ACCEPT))
+        headers.append(_header("x-extproc-decision", d.kind))
         headers.append(_header(TICKET_HEADER, str(d.ticket.id)))
         if st.queue_wait_ms >= 0:
             headers.append(_header("x-extproc-queue-wait-ms", str(st.queue_wait_ms)))
+        if d.kind == DEGRADE:
+            fb = d.fallback
+            changed = degrade_body(body, fb.model, fb.max_tokens, fb.stream)
+            headers.append(_header("x-extproc-degraded", f"{','.join(changed) or 'none'}; reason={d.reason}"))
+        elif d.shadow_would is not None:
+            would = d.shadow_would
+            headers.append(_header("x-extproc-shadow", f"would-{would.kind}; reason={would.reason}"))
         if body.rewrite:
             raw = _dump(body.doc)
             common.body_mutation.body = raw
             headers.append(_header("content-length", str(len(raw))))
         return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
+
+    def _canned(self, st: _Stream, d: Decision, body: GenerationBody) -> pb.ProcessingResponse:
+        headers = [("x-extproc-class", d.cls), ("x-extproc-decision", d.kind),
+                   ("x-extproc-degraded", f"canned; reason={d.reason}")]
+        if d.status >= 300:
+            return immediate(d.status, error_body(d.status, d.message, d.reason), headers, f"extproc_{d.reason}")
+        raw, content_type = canned_body(st.path, body, d.message)
+        return immediate(d.status, raw, headers, f"extproc_{d.reason}", content_type)
 
     def _refuse(self, st: _Stream, e: BadRequest, status: int = 400) -> pb.ProcessingResponse:
         d = self.core.invalid(status, e.code, e.message, st.facts)

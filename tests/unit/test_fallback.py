@@ -1,0 +1,182 @@
+"""Breakers, fallbacks and shadow mode inside the admission core."""
+
+from extproc.policy.admission import ACCEPT, DEGRADE, QUEUE, REJECT, SHED, AdmissionController, RequestFacts
+from extproc.policy.limits import Completion, Outcome
+
+from .conftest import make_policy
+
+
+def req(cls="interactive", model="llama"):
+    return RequestFacts(header_class=cls, model=model)
+
+
+def policy(fallback=None, shadow_mode=False, **interactive):
+    spec = {"max_concurrency": 2, "max_queue": 1, "max_wait_ms": 200, "slo_p95_ms": 2000,
+            "latency_breaker": {"min_samples": 5, "cooldown_s": 10, "trickle": 0.5, "trickle_s": 30},
+            "error_breaker": {"min_requests": 4, "cooldown_s": 10}}
+    if fallback:
+        spec["fallback"] = fallback
+    spec.update(interactive)
+    extra = {"mode": "shadow"} if shadow_mode else {}
+    return make_policy(classes={"interactive": spec, "batch": {"max_concurrency": 2, "max_queue": 0,
+                                                                "max_wait_ms": 0}},
+                       tenants=[], **extra)
+
+
+def run_slow(core, clock, n, seconds, cls="interactive", outcome=Outcome.OK):
+    for _ in range(n):
+        d = core.decide(req(cls))
+        assert d.ticket is not None, d
+        clock.advance(seconds)
+        core.finish(d.ticket, outcome)
+        core.report(d.ticket.id, Completion(outcome, 500 if outcome is Outcome.UPSTREAM_ERROR else 200, 0.1,
+                                            seconds))
+
+
+def test_open_latency_breaker_fails_fast_with_503_by_default(clock):
+    core = AdmissionController(policy(), clock=clock)
+    run_slow(core, clock, 5, 3.0)
+    d = core.decide(req())
+    assert (d.kind, d.status, d.reason) == (REJECT, 503, "latency_breaker_open")
+    assert d.retry_after >= 1
+
+
+def test_open_breaker_degrades_to_the_fallback_model(clock):
+    core = AdmissionController(policy({"action": "degrade", "model": "small", "max_tokens": 64}), clock=clock)
+    run_slow(core, clock, 5, 3.0)
+    d = core.decide(req())
+    assert d.kind == DEGRADE and d.cluster == "pool_b" and d.fallback.max_tokens == 64
+    assert d.ticket.degraded and core.degraded["interactive"].inflight == 1
+    core.finish(d.ticket, Outcome.OK)
+    assert core.degraded["interactive"].inflight == 0
+
+
+def test_degraded_capacity_is_bounded(clock):
+    core = AdmissionController(policy({"action": "degrade", "model": "small", "max_concurrency": 1}), clock=clock)
+    run_slow(core, clock, 5, 3.0)
+    assert core.decide(req()).kind == DEGRADE
+    d = core.decide(req())
+    assert (d.kind, d.reason, d.status) == (REJECT, "degraded_capacity_full", 503)
+
+
+def test_canned_fallback(clock):
+    core = AdmissionController(policy({"action": "canned", "status": 200, "message": "busy"}), clock=clock)
+    run_slow(core, clock, 5, 3.0)
+    d = core.decide(req())
+    assert d.kind == DEGRADE and d.ticket is None and d.message == "busy" and d.status == 200
+
+
+def test_breakers_are_per_class_a_slow_batch_never_trips_interactive(clock):
+    core = AdmissionController(policy(), clock=clock)
+    core.apply(make_policy(classes={"interactive": {"max_concurrency": 2, "slo_p95_ms": 2000,
+                                                    "latency_breaker": {"min_samples": 5}},
+                                    "batch": {"max_concurrency": 2, "slo_p95_ms": 1000,
+                                              "latency_breaker": {"min_samples": 5}}}, tenants=[], shed={}))
+    run_slow(core, clock, 5, 3.0, cls="batch")
+    assert core.decide(req("batch")).reason == "latency_breaker_open"
+    assert core.decide(req("interactive")).kind == ACCEPT
+
+
+def test_breakers_are_per_pool(clock):
+    core = AdmissionController(policy(), clock=clock)
+    run_slow(core, clock, 5, 3.0)
+    assert core.decide(req(model="llama")).kind == REJECT
+    assert core.decide(req(model="small")).kind == ACCEPT
+
+
+def test_error_breaker_trips_on_upstream_errors_but_not_on_client_aborts(clock):
+    core = AdmissionController(policy(), clock=clock)
+    run_slow(core, clock, 10, 0.1, outcome=Outcome.CLIENT_ABORT)
+    assert core.decide(req()).kind == ACCEPT
+    run_slow(core, clock, 4, 0.1, outcome=Outcome.UPSTREAM_ERROR)
+    d = core.decide(req())
+    assert d.reason == "error_breaker_open"
+
+
+def test_half_open_probes_pass_and_a_fast_probe_period_closes(clock):
+    core = AdmissionController(policy(), clock=clock)
+    run_slow(core, clock, 5, 3.0)
+    clock.advance(10)
+    kinds = [core.decide(req()) for _ in range(2)]
+    probe = next(d for d in kinds if d.kind == ACCEPT)
+    assert probe.ticket.trickle
+    core.finish(probe.ticket, Outcome.OK)
+    core.report(probe.ticket.id, Completion(Outcome.OK, 200, 0.1, 0.5))
+    clock.advance(31)
+    assert core.decide(req()).kind == ACCEPT
+    assert core.pool_breakers("interactive", "pool_a")[0].state == "closed"
+
+
+def test_overflow_can_take_the_fallback_instead_of_429(clock):
+    core = AdmissionController(policy({"action": "degrade", "model": "small"}, on_overflow="fallback"),
+                               clock=clock)
+    core.decide(req()), core.decide(req())
+    assert core.decide(req()).kind == QUEUE
+    d = core.decide(req())
+    assert (d.kind, d.reason, d.cluster) == (DEGRADE, "queue_full", "pool_b")
+
+
+def test_queue_timeout_can_take_the_fallback(clock):
+    core = AdmissionController(policy({"action": "degrade", "model": "small"}, on_overflow="fallback"),
+                               clock=clock)
+    core.decide(req()), core.decide(req())
+    q = core.decide(req())
+    clock.advance(0.3)
+    d = core.abandon(q.waiter, timed_out=True)
+    assert (d.kind, d.reason) == (DEGRADE, "queue_timeout") and d.waited_s > 0.2
+
+
+class Recorder:
+    def __init__(self):
+        self.shadow_calls = []
+        self.decisions = []
+
+    def decided(self, d):
+        self.decisions.append((d.kind, d.reason))
+
+    def queued(self, w):
+        pass
+
+    def finished(self, t, o, s):
+        pass
+
+    def shadow(self, cls, would, reason):
+        self.shadow_calls.append((cls, would, reason))
+
+    def breaker_changed(self, *a):
+        pass
+
+
+def sequence(core, clock):
+    """A fixed request sequence: 6 arrivals while 2 slots, 1 queue place; then everything ends."""
+    ds = [core.decide(req()) for _ in range(4)]
+    ds.append(core.decide(req("batch")))
+    clock.advance(0.3)
+    core.reap()
+    for d in ds:
+        if d.ticket is not None:
+            core.finish(d.ticket, Outcome.OK)
+    return ds
+
+
+def test_shadow_mode_admits_everything_and_counts_exactly_what_enforce_refuses(clock):
+    enforce_events, shadow_events = Recorder(), Recorder()
+    enforce = AdmissionController(policy(), clock=clock, events=enforce_events)
+    ds = sequence(enforce, clock)
+    refused = sorted((d.kind, d.reason) for d in ds if d.kind not in (ACCEPT, QUEUE))
+    refused += sorted((d.waiter.result.kind, d.waiter.result.reason) for d in ds if d.kind == QUEUE)
+    shadow = AdmissionController(policy(shadow_mode=True), clock=clock, events=shadow_events)
+    sds = sequence(shadow, clock)
+    assert all(d.kind == ACCEPT and d.ticket is not None for d in sds)
+    would = sorted((w, r) for _, w, r in shadow_events.shadow_calls)
+    assert would == sorted(refused)
+    assert sorted(refused) == [(REJECT, "queue_full"), (REJECT, "queue_timeout"), (SHED, "higher_class_saturated")]
+    assert shadow.limiters["interactive"].inflight == 0 and not shadow.limiters["interactive"].queue
+
+
+def test_shadow_per_class_only_affects_that_class(clock):
+    core = AdmissionController(make_policy(classes={
+        "interactive": {"max_concurrency": 1, "max_queue": 0, "max_wait_ms": 0, "shadow": True},
+        "batch": {"max_concurrency": 1, "max_queue": 0, "max_wait_ms": 0}}, tenants=[], shed={}), clock=clock)
+    assert [core.decide(req()).kind for _ in range(3)] == [ACCEPT] * 3
+    assert [core.decide(req("batch")).kind for _ in range(2)] == [ACCEPT, REJECT]
