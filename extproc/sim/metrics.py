@@ -109,7 +109,8 @@ class ReplicaMetrics:
             lines.append(f'vllm:request_success_total{{{labels},finished_reason="{reason}"}} {float(count)!r}')
         family("vllm:num_requests_waiting_by_reason", "gauge",
                "Number of requests waiting to be processed, by reason.")
-        lines.append(f'vllm:num_requests_waiting_by_reason{{{labels},reason="capacity"}} {float(len(engine.waiting))!r}')
+        waiting = float(len(engine.waiting))
+        lines.append(f'vllm:num_requests_waiting_by_reason{{{labels},reason="capacity"}} {waiting!r}')
         lines.append(f'vllm:num_requests_waiting_by_reason{{{labels},reason="deferred"}} 0.0')
         for name, hist, help_text in (
             ("vllm:time_to_first_token_seconds", self.ttft, "Histogram of time to first token in seconds."),

@@ -231,7 +231,8 @@ class ResponseRenderer:
         else:
             self._token_head = (head + '"text":"').encode()
             self._token_mid = b'","logprobs":null,"finish_reason":'
-            self._choice_tail = self._choice_tail_last = b',"stop_reason":null,"prompt_token_ids":null,"token_ids":null}'
+            self._choice_tail = b',"stop_reason":null,"prompt_token_ids":null,"token_ids":null}'
+            self._choice_tail_last = self._choice_tail
         # The fingerprint rides on the last data chunk: the finish chunk, or the usage chunk when there is one.
         self._last_tail = b"]" + (b"" if request.include_usage else
                                   b',"system_fingerprint":"%b"' % SYSTEM_FINGERPRINT.encode())
