@@ -101,8 +101,13 @@ class Replica:
             delay = clock.real_time_of(self._sim_t) - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            elif delay < -MAX_LAG_REAL_S:
-                self._sim_t = clock.now()
+            else:
+                # Behind schedule (CPU starved, or a high speed): still yield once per iteration, or disconnects
+                # and new requests would wait until the whole backlog is generated (a stream whose client left
+                # would run to its end instead of being aborted, as vLLM aborts between steps).
+                await asyncio.sleep(0)
+                if delay < -MAX_LAG_REAL_S:
+                    self._sim_t = clock.now()
             self._deliver(engine.end_iteration(self._sim_t))
 
     def _deliver(self, emissions: list[Emission]) -> None:
