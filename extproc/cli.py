@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "loadgen": ("extproc.loadgen", "send OpenAI traffic (closed or open loop) and report latency"),
     "stack": ("extproc.stack", "start a local stack: Envoy + ext_proc + simulated replicas"),
     "envoy-config": ("extproc.envoyconf", "render envoy/envoy.yaml for a local stack (ports, addresses)"),
+    "calibrate": ("extproc.calibrate", "find a class's concurrency cap by a load sweep of the target (p95 vs SLO)"),
 }
 
 

@@ -6,11 +6,12 @@ import json
 import logging
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily
 
 from .policy.admission import ACCEPT, AdmissionController, Decision
 from .policy.breakers import STATE_VALUES, Breaker, LatencyBreaker
+from .policy.sustained import SustainedLoad
 from .policy.limits import Outcome, Ticket, Waiter
 
 # LLM requests last from tens of milliseconds (a rejection, a short completion) to minutes (long generations).
@@ -51,7 +52,18 @@ class Telemetry:
                                         ["class", "would", "reason"], registry=r)
         self.breaker_transitions = Counter("extproc_breaker_transitions", "Breaker state changes.",
                                            ["class", "pool", "kind", "to"], registry=r)
+        self.cost_error = Histogram("extproc_cost_estimate_error_ratio", "Actual GPU-seconds (from real usage) "
+                                    "over the admission-time estimate, for requests whose usage was read.",
+                                    ["class"], buckets=(0.1, 0.2, 0.33, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5,
+                                                        2.0, 3.0, 5.0, 10.0), registry=r)
+        self.ratelimit = Counter("extproc_ratelimit_decisions", "Tenant rate-limit checks by result.",
+                                 ["tenant", "kind", "result"], registry=r)
+        self.session_rejections = Counter("extproc_session_rejections", "Requests refused by an agent-session "
+                                          "budget.", ["tenant", "reason"], registry=r)
         self.reloads = Counter("extproc_config_reload", "Policy reloads by result.", ["result"], registry=r)
+        self.reload_ok = Gauge("extproc_config_last_reload_successful", "1 if the last policy reload applied, 0 "
+                               "if it was refused (the previous policy is still serving).", registry=r)
+        self.reload_ok.set(1)
         self.stream_errors = Counter("extproc_stream_errors", "ext_proc gRPC streams that ended in an error in "
                                      "our handler (bugs; should stay 0).", registry=r)
         self._decision_children: dict[tuple[str, str, str], Any] = {}
@@ -66,6 +78,8 @@ class Telemetry:
         if child is None:
             child = self._decision_children[key] = self.requests.labels(*key)
         child.inc()
+        if d.kind != ACCEPT or d.headers:
+            self._count_budgets(d)
         c = d.classification
         if c is not None:
             if c.demoted:
@@ -81,6 +95,18 @@ class Telemetry:
             decision_log.info(json.dumps({"event": "decision", "class": d.cls, "tenant": d.tenant,
                                           "decision": d.kind, "reason": d.reason, "status": d.status,
                                           "retry_after": d.retry_after, "waited_s": round(d.waited_s, 4)}))
+
+    def _count_budgets(self, d: Decision) -> None:
+        if d.reason.startswith("tenant_"):
+            self.ratelimit.labels(d.tenant, d.reason.split("_")[1], "limited").inc()
+        elif d.reason.startswith("session_"):
+            self.session_rejections.labels(d.tenant, d.reason).inc()
+        elif d.headers and d.ticket is not None:
+            self.ratelimit.labels(d.tenant, "all", "allowed").inc()
+
+    def cost_observed(self, ticket: Ticket, estimated_s: float, actual_s: float) -> None:
+        if estimated_s > 0:
+            self.cost_error.labels(ticket.cls).observe(actual_s / estimated_s)
 
     def queued(self, waiter: Waiter) -> None:
         self.queue_entries.labels(waiter.limiter.name).inc()
@@ -107,14 +133,15 @@ class Telemetry:
 
     # --- scrape-time gauges ---
 
-    def watch(self, core: AdmissionController) -> None:
+    def watch(self, core: AdmissionController, sustained: SustainedLoad | None = None) -> None:
         """Register gauges read from the core at scrape time (no per-request gauge updates)."""
-        self.registry.register(_CoreGauges(core))
+        self.registry.register(_CoreGauges(core, sustained))
 
 
 class _CoreGauges:
-    def __init__(self, core: AdmissionController):
+    def __init__(self, core: AdmissionController, sustained: SustainedLoad | None):
         self._core = core
+        self._sustained = sustained
 
     def describe(self):  # no describe-time scrape: the snapshot is cheap but needs a running core
         return []
@@ -126,13 +153,46 @@ class _CoreGauges:
         queue = GaugeMetricFamily("extproc_queue_depth", "Requests waiting in the class queue.", labels=["class"])
         limit = GaugeMetricFamily("extproc_class_limit", "Current concurrency cap of the class.",
                                   labels=["class"])
+        gpu = GaugeMetricFamily("extproc_inflight_gpu_seconds", "Estimated GPU-seconds of the class's admitted "
+                                "requests not yet ended.", labels=["class"])
+        slo = GaugeMetricFamily("extproc_class_slo_seconds", "The class's p95 latency SLO from the policy.",
+                                labels=["class"])
+        for cls, spec in self._core.policy.classes.items():
+            if spec.slo_p95_ms:
+                slo.add_metric([cls], spec.slo_p95_ms / 1000.0)
+        yield slo
         for cls, s in self._core.snapshot().items():
+            gpu.add_metric([cls], s["inflight_cost"])
             inflight.add_metric([cls], s["inflight"])
             degraded.add_metric([cls], s["degraded_inflight"])
             queue.add_metric([cls], s["queue"])
             limit.add_metric([cls], s["limit"])
-        yield from (inflight, degraded, queue, limit)
+        yield from (inflight, degraded, queue, limit, gpu)
+        if self._sustained is not None:
+            yield from self._sustained_load()
         yield from self._breakers()
+        yield self._cost_models()
+
+    def _sustained_load(self):
+        window = f"{self._sustained.window_s:g}s"
+        q = GaugeMetricFamily("extproc_queue_depth_avg", "Queue depth averaged over the sustained window: the "
+                              "autoscaling signal (bursts are admission control's job).", labels=["class", "window"])
+        r = GaugeMetricFamily("extproc_inflight_ratio_avg", "In-flight / cap averaged over the sustained window.",
+                              labels=["class", "window"])
+        for cls, (depth, ratio) in self._sustained.averages().items():
+            q.add_metric([cls, window], depth)
+            r.add_metric([cls, window], ratio)
+        yield from (q, r)
+
+    def _cost_models(self):
+        fam = GaugeMetricFamily("extproc_cost_model", "Current (learned) cost coefficients per model.",
+                                labels=["model", "param"])
+        for name, m in self._core.cost_models.items():
+            fam.add_metric([name, "prefill_s_per_1k_tokens"], m.prefill_per_token * 1000)
+            fam.add_metric([name, "decode_s_per_token"], m.decode_per_token)
+            fam.add_metric([name, "output_ratio"], m.output_ratio)
+            fam.add_metric([name, "samples"], m.samples)
+        return fam
 
     def _breakers(self):
         labels = ["class", "pool", "kind"]

@@ -7,9 +7,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+import math
+
 from .breakers import Breaker, ErrorBreaker, LatencyBreaker
 from .classify import Classification, Classifier
+from .cost import CostEstimate, CostModel
 from .limits import ClassLimiter, Completion, Outcome, Ticket, Waiter
+from .ratelimit import Session, SessionBudgets, TenantLimits
 from .schema import ClassSpec, FallbackSpec, Policy
 
 # Decision kinds
@@ -28,6 +32,12 @@ R_CLASS_REMOVED = "class_removed"
 R_LATENCY_BREAKER = "latency_breaker_open"
 R_ERROR_BREAKER = "error_breaker_open"
 R_DEGRADED_FULL = "degraded_capacity_full"
+R_TOO_LARGE = "request_too_large"
+R_MAX_TOKENS = "max_tokens_too_large"
+R_TENANT_REQUESTS = "tenant_requests_per_minute"
+R_TENANT_TOKENS = "tenant_tokens_per_minute"
+R_SESSION_INFLIGHT = "session_inflight_budget"
+R_SESSION_RATE = "session_gpu_seconds_per_minute"
 R_SHADOW = "shadow"
 R_ENDED_WHILE_QUEUED = "ended_while_queued"  # shadow only
 
@@ -46,13 +56,27 @@ class RequestFacts:
     max_tokens: int | None = None
     stream: bool = False
     request_id: str = ""
+    session_id: str | None = None
+    doc: dict | None = None      # the parsed JSON body, for the prompt-size estimate
+
+
+class Charge:
+    """What one request is estimated to cost, and whom it is charged to; settled once when it ends."""
+
+    __slots__ = ("model", "estimate", "tenant", "session")
+
+    def __init__(self, model: str, estimate: CostEstimate, tenant: TenantLimits | None, session: Session | None):
+        self.model = model
+        self.estimate = estimate
+        self.tenant = tenant
+        self.session = session
 
 
 class Decision:
     """The core's answer for one request. Terminal unless kind is QUEUE (then `waiter` gets the final one)."""
 
     __slots__ = ("kind", "reason", "cls", "tenant", "status", "retry_after", "message", "ticket", "waiter",
-                 "cluster", "classification", "waited_s", "fallback", "shadow_would")
+                 "cluster", "classification", "waited_s", "fallback", "shadow_would", "headers")
 
     def __init__(self, kind: str, reason: str, cls: str, tenant: str, *, status: int = 200, retry_after: int = 0,
                  message: str = "", ticket: Ticket | None = None, waiter: Waiter | None = None,
@@ -72,6 +96,7 @@ class Decision:
         self.waited_s = waited_s
         self.fallback = fallback          # DEGRADE: what to change (model, max_tokens, stream) or the canned reply
         self.shadow_would: Decision | None = None  # shadow mode: the decision enforce mode would have made
+        self.headers: list[tuple[str, str]] = []  # extra response headers (x-ratelimit-*)
 
     def __repr__(self) -> str:
         return f"Decision({self.kind}, {self.reason}, cls={self.cls}, status={self.status})"
@@ -85,6 +110,7 @@ class AdmissionEvents(Protocol):
     def finished(self, ticket: Ticket, outcome: Outcome, duration_s: float) -> None: ...
     def shadow(self, cls: str, would: str, reason: str) -> None: ...
     def breaker_changed(self, cls: str, pool: str, breaker: Breaker, state: str) -> None: ...
+    def cost_observed(self, ticket: Ticket, estimated_s: float, actual_s: float) -> None: ...
 
 
 class NoEvents:
@@ -101,6 +127,9 @@ class NoEvents:
         pass
 
     def breaker_changed(self, cls: str, pool: str, breaker: Breaker, state: str) -> None:
+        pass
+
+    def cost_observed(self, ticket: Ticket, estimated_s: float, actual_s: float) -> None:
         pass
 
 
@@ -145,6 +174,17 @@ class AdmissionController:
         self._lease_s = policy.lease_ms / 1000.0
         self._retry_ceiling = policy.retry_after_max_s
         self._clusters = {name: m.cluster for name, m in policy.models.items()}
+        old_models = getattr(self, "cost_models", {})
+        # Learned coefficients survive a reload unless the model's cost profile changed.
+        self.cost_models = {name: old_models[name] if name in old_models and old_models[name].spec == m.cost
+                            else CostModel(m.cost) for name, m in policy.models.items()}
+        old_tenants = getattr(self, "tenant_limits", {})
+        self.tenant_limits = {t.name: old_tenants[t.name] if t.name in old_tenants and old_tenants[t.name].spec == t
+                              else TenantLimits(t, self.clock())
+                              for t in policy.tenants if t.requests_per_minute or t.tokens_per_minute}
+        old_sessions = getattr(self, "sessions", None)
+        self.sessions = old_sessions if old_sessions and old_sessions.spec == policy.sessions \
+            else SessionBudgets(policy.sessions)
         # Breakers whose class spec changed start afresh; the others keep their state across the reload.
         self.breakers = {key: bs for key, bs in self.breakers.items()
                          if key[0] in policy.classes and self._breaker_specs(key[0]) == [b.spec for b in bs]}
@@ -207,15 +247,32 @@ class AdmissionController:
         if cluster is None:
             return self._emit(Decision(INVALID, R_UNKNOWN_MODEL, c.cls, c.tenant, status=404,
                                        message=f"The model `{facts.model}` does not exist.", classification=c))
+        model = self.cost_models[facts.model]
+        ctx = model.spec.max_context_tokens
+        if ctx and facts.max_tokens is not None and facts.max_tokens > ctx:
+            return self._emit(Decision(INVALID, R_MAX_TOKENS, c.cls, c.tenant, status=400, classification=c,
+                                       message=f"max_tokens {facts.max_tokens} exceeds the model's context of "
+                                               f"{ctx} tokens."))
+        est = model.estimate(model.prompt_tokens(facts.doc) if facts.doc else 0, facts.max_tokens)
+        session = None
+        if facts.session_id and self.sessions.enabled:
+            session = self.sessions.get(c.tenant, facts.session_id, now)
+        charge = Charge(facts.model, est, self.tenant_limits.get(c.tenant), session)
         lim = self.limiters[c.cls]
-        d = self._enforce(c, lim, cluster, now, context)
+        d = self._enforce(c, lim, cluster, now, context, charge)
+        if charge.tenant is not None:
+            d.headers = charge.tenant.headers(now)
         if self._shadow_all or lim.spec.shadow:
-            return self._shadowed(d, lim, c, cluster, now)
+            return self._shadowed(d, lim, c, cluster, now, charge)
         if d.kind != QUEUE:
             self._emit(d)
         return d
 
-    def _enforce(self, c: Classification, lim: ClassLimiter, cluster: str, now: float, context: Any) -> Decision:
+    def _enforce(self, c: Classification, lim: ClassLimiter, cluster: str, now: float, context: Any,
+                 charge: Charge) -> Decision:
+        refused = self._budgets(c, lim, cluster, now, charge)
+        if refused is not None:
+            return refused
         protector = self._saturated_protector(c.cls)
         if protector is not None:
             return Decision(
@@ -227,28 +284,63 @@ class AdmissionController:
             allowed, probe = b.allow(now)
             if not allowed:
                 reason = R_LATENCY_BREAKER if b.kind == "latency" else R_ERROR_BREAKER
-                return self._fallback(lim, c.cls, c.tenant, cluster, reason, now, overflow=False, c=c)
+                return self._fallback(lim, c.cls, c.tenant, cluster, reason, now, overflow=False, c=c,
+                                      charge=charge)
             trickle = trickle or probe
-        if lim.has_room() and not lim.queue:
-            ticket = self._admit(lim, c.tenant, cluster, now, 1.0, 0.0)
+        cost = charge.estimate.gpu_seconds
+        if lim.has_room(cost) and not lim.queue:
+            ticket = self._admit(lim, c.tenant, cluster, now, charge, 0.0)
             ticket.trickle = trickle
             return Decision(ACCEPT, R_SLOT_FREE, c.cls, c.tenant, ticket=ticket, cluster=cluster, classification=c)
         if lim.queue_has_room():
-            waiter = Waiter(lim, c.tenant, cluster, now, 1.0, context)
+            waiter = Waiter(lim, c.tenant, cluster, now, cost, context)
             waiter.trickle = trickle
+            waiter.charge = charge
             lim.queue.append(waiter)
             self.events.queued(waiter)
             return Decision(QUEUE, R_CLASS_FULL, c.cls, c.tenant, waiter=waiter, cluster=cluster, classification=c)
         if lim.spec.on_overflow == "fallback":
-            return self._fallback(lim, c.cls, c.tenant, cluster, R_QUEUE_FULL, now, overflow=True, c=c)
+            return self._fallback(lim, c.cls, c.tenant, cluster, R_QUEUE_FULL, now, overflow=True, c=c,
+                                  charge=charge)
         return Decision(
             REJECT, R_QUEUE_FULL, c.cls, c.tenant, status=429, classification=c, cluster=cluster,
             retry_after=lim.retry_after_s(now, self._retry_ceiling),
             message=f"class {c.cls!r} is at capacity ({lim.inflight} running, {len(lim.queue)} queued, "
                     f"queue limit {lim.spec.max_queue})")
 
+    def _budgets(self, c: Classification, lim: ClassLimiter, cluster: str, now: float,
+                 charge: Charge) -> Decision | None:
+        """Per-tenant rate limits, session budgets and the class's GPU-seconds budget: who pays, not capacity."""
+        est = charge.estimate
+
+        def refuse(status: int, reason: str, wait_s: float, message: str) -> Decision:
+            retry = max(1, min(self._retry_ceiling, math.ceil(wait_s))) if math.isfinite(wait_s) else \
+                self._retry_ceiling
+            return Decision(REJECT, reason, c.cls, c.tenant, status=status, retry_after=retry, message=message,
+                            classification=c, cluster=cluster)
+
+        if charge.tenant is not None:
+            which, wait = charge.tenant.check(est.tokens, now)
+            if which is not None:
+                reason = R_TENANT_REQUESTS if which == "requests" else R_TENANT_TOKENS
+                return refuse(429, reason, wait, f"tenant {c.tenant!r} is over its {which} per minute limit")
+        if charge.session is not None:
+            which, wait = self.sessions.check(charge.session, est.gpu_seconds, now)
+            if which is not None:
+                reason = R_SESSION_INFLIGHT if which == "session_inflight" else R_SESSION_RATE
+                return refuse(429, reason, wait, "this agent session is over its GPU-seconds budget "
+                              f"({'in flight' if which == 'session_inflight' else 'per minute'})")
+        budget = lim.spec.max_inflight_gpu_seconds
+        if budget is not None and est.gpu_seconds > budget:
+            return refuse(413, R_TOO_LARGE, math.inf,
+                          f"this request is estimated at {est.gpu_seconds:.1f} GPU-seconds ({est.prompt_tokens} "
+                          f"prompt tokens, up to {est.max_tokens} output tokens), more than class {c.cls!r}'s "
+                          f"whole budget of {budget:g}: shorten the prompt or lower max_tokens")
+        return None
+
     def _fallback(self, lim: ClassLimiter, cls: str, tenant: str, cluster: str, reason: str, now: float,
-                  overflow: bool, c: Classification | None = None, waited_s: float = 0.0) -> Decision:
+                  overflow: bool, c: Classification | None = None, waited_s: float = 0.0,
+                  charge: Charge | None = None) -> Decision:
         """The class's fallback for a request its pool cannot take now (breaker open, or overflow)."""
         fb = lim.spec.fallback
         why = {R_LATENCY_BREAKER: f"the latency breaker of class {cls!r} is open (p95 above its SLO)",
@@ -262,7 +354,7 @@ class AdmissionController:
             deg = self.degraded[cls]
             if deg.has_room():
                 target = self._clusters[fb.model] if fb.model else cluster
-                ticket = self._admit(deg, tenant, target, now, 1.0, waited_s)
+                ticket = self._admit(deg, tenant, target, now, charge, waited_s)
                 ticket.degraded = True
                 return Decision(DEGRADE, reason, cls, tenant, ticket=ticket, cluster=target, fallback=fb,
                                 classification=c, waited_s=waited_s, message=why)
@@ -271,7 +363,8 @@ class AdmissionController:
                         retry_after=lim.retry_after_s(now, self._retry_ceiling), classification=c,
                         cluster=cluster, waited_s=waited_s)
 
-    def _shadowed(self, d: Decision, lim: ClassLimiter, c: Classification, cluster: str, now: float) -> Decision:
+    def _shadowed(self, d: Decision, lim: ClassLimiter, c: Classification, cluster: str, now: float,
+                  charge: Charge) -> Decision:
         """Shadow mode: count what enforce mode decided, then let the request through to its own pool.
 
         The enforce-mode state stays exact for what enforce would admit: refused requests run without a slot;
@@ -283,6 +376,7 @@ class AdmissionController:
         ticket = d.ticket if d.kind == DEGRADE and d.ticket is not None else None
         if ticket is None:
             ticket = Ticket(lim, c.tenant, cluster, now, self._lease_s, 0.0, 0.0, holds_slot=False)
+            ticket.charge = charge  # learns from usage like any request; charges nobody's budget
             self.tickets[ticket.id] = ticket
         ticket.pool = cluster
         ticket.degraded = False  # it runs on its own pool, so its outcome speaks for that pool's breakers
@@ -293,6 +387,7 @@ class AdmissionController:
             self.events.shadow(c.cls, d.kind, d.reason)
         passed = Decision(ACCEPT, R_SHADOW, c.cls, c.tenant, ticket=ticket, cluster=cluster, classification=c)
         passed.shadow_would = d
+        passed.headers = d.headers
         self._emit(passed)
         return passed
 
@@ -317,7 +412,7 @@ class AdmissionController:
         waited = now - waiter.enqueued_at
         if timed_out and lim.spec.on_overflow == "fallback":
             d = self._fallback(lim, lim.name, waiter.tenant, waiter.pool, R_QUEUE_TIMEOUT, now, overflow=True,
-                               waited_s=waited)
+                               waited_s=waited, charge=waiter.charge)
         elif timed_out:
             d = self._reject(waiter, 429, R_QUEUE_TIMEOUT,
                              f"class {lim.name!r} had no free slot within {lim.spec.max_wait_ms} ms", now)
@@ -348,6 +443,8 @@ class AdmissionController:
             self.events.shadow(lim.name, QUEUE, R_ENDED_WHILE_QUEUED)
         if ticket.holds_slot:
             lim.give_back(ticket.cost, now)
+            if ticket.charge is not None and ticket.charge.session is not None:
+                self.sessions.release(ticket.charge.session, ticket.cost)
         if lim in self._retired and lim.inflight == 0:
             self._retired.remove(lim)
         if ticket.completion is not None or outcome is Outcome.LEASE_EXPIRED:
@@ -371,10 +468,16 @@ class AdmissionController:
         ticket.completion = completion  # the stream has not closed yet: finish() accounts it
         return True
 
+    def usage(self, ticket: Ticket, prompt_tokens: int, completion_tokens: int) -> None:
+        """Real token usage read from the response (learned from when the request is accounted)."""
+        ticket.usage = (prompt_tokens, completion_tokens)
+
     def _account(self, ticket: Ticket) -> None:
         c = ticket.completion
         outcome = c.outcome if c is not None else ticket.stream_outcome
         self.events.finished(ticket, outcome, ticket.released_at - ticket.admitted_at)
+        if ticket.usage is not None and ticket.charge is not None:
+            self._learn(ticket, c)
         if ticket.degraded or ticket.cls not in self.policy.classes:
             return  # served by a fallback pool, or its class is gone: says nothing about the class's pool
         latency = c.total_s if c is not None and c.total_s else ticket.released_at - ticket.admitted_at + \
@@ -388,6 +491,20 @@ class AdmissionController:
             elif outcome is not Outcome.CLIENT_ABORT:
                 b.observe(now, outcome is Outcome.UPSTREAM_ERROR or outcome is Outcome.LEASE_EXPIRED,
                           ticket.trickle)
+
+    def _learn(self, ticket: Ticket, c: Completion | None) -> None:
+        charge, (prompt, completion) = ticket.charge, ticket.usage
+        model = self.cost_models.get(charge.model)
+        if model is None:
+            return
+        est = charge.estimate
+        actual = model.actual(prompt, completion)
+        self.events.cost_observed(ticket, est.gpu_seconds, actual)
+        service = (c.total_s - ticket.waited_s) if c is not None and c.total_s else \
+            ticket.released_at - ticket.admitted_at
+        model.learn(est, prompt, completion, service if not ticket.degraded else None)
+        if charge.tenant is not None and ticket.holds_slot:
+            charge.tenant.correct(est.tokens, prompt + completion)
 
     def renew(self, ticket: Ticket) -> None:
         ticket.lease_until = self.clock() + self._lease_s
@@ -417,9 +534,17 @@ class AdmissionController:
                 return protector
         return None
 
-    def _admit(self, lim: ClassLimiter, tenant: str, pool: str, now: float, cost: float, waited_s: float) -> Ticket:
+    def _admit(self, lim: ClassLimiter, tenant: str, pool: str, now: float, charge: Charge | None,
+               waited_s: float) -> Ticket:
+        cost = charge.estimate.gpu_seconds if charge is not None else 0.0
         lim.take(cost)
         ticket = Ticket(lim, tenant, pool, now, self._lease_s, cost, waited_s)
+        ticket.charge = charge
+        if charge is not None:
+            if charge.tenant is not None:
+                charge.tenant.charge(charge.estimate.tokens, now)
+            if charge.session is not None:
+                self.sessions.charge(charge.session, cost, now)
         self.tickets[ticket.id] = ticket
         if lim.saturated:
             for shed in self._sheds.get(lim.name, ()):
@@ -436,7 +561,7 @@ class AdmissionController:
 
     def _grant(self, lim: ClassLimiter, now: float) -> None:
         """Hand free slots to the queue head, in FIFO order, skipping waiters already past their deadline."""
-        while lim.queue and lim.has_room():
+        while lim.queue and lim.has_room(lim.queue[0].cost):
             w = lim.queue[0]
             if w.deadline <= now:
                 self.abandon(w, timed_out=True)
@@ -454,7 +579,7 @@ class AdmissionController:
                 w.result = Decision(ACCEPT, R_DEQUEUED, lim.name, w.tenant, ticket=t, waited_s=waited)
                 self.events.shadow(lim.name, ACCEPT, R_DEQUEUED)
                 continue
-            ticket = self._admit(lim, w.tenant, w.pool, now, w.cost, waited)
+            ticket = self._admit(lim, w.tenant, w.pool, now, w.charge, waited)
             ticket.trickle = w.trickle
             self._resolve(w, Decision(ACCEPT, R_DEQUEUED, lim.name, w.tenant, ticket=ticket, waited_s=waited,
                                       cluster=w.pool))

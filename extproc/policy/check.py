@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .schema import PolicyError, load_policy_file
+from .schema import PolicyError, load_policy_file, policy_warnings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,6 +23,8 @@ def run(args: argparse.Namespace) -> int:
             for line in e.errors:
                 print(f"  {line}", file=sys.stderr)
             continue
+        for w in policy_warnings(policy):
+            print(f"{path}: warning: {w}", file=sys.stderr)
         classes = ", ".join(f"{n}={c.max_concurrency}" for n, c in policy.classes.items())
         print(f"{path}: ok ({len(policy.classes)} classes: {classes}; {len(policy.models)} models; "
               f"{len(policy.tenants)} tenants)")

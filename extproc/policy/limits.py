@@ -42,7 +42,8 @@ class Ticket:
     """An admitted request's hold on a class slot. Closed exactly once via AdmissionController.finish."""
 
     __slots__ = ("id", "limiter", "tenant", "pool", "admitted_at", "lease_until", "cost", "closed", "waited_s",
-                 "released_at", "stream_outcome", "completion", "trickle", "degraded", "holds_slot", "waiter")
+                 "released_at", "stream_outcome", "completion", "trickle", "degraded", "holds_slot", "waiter",
+                 "charge", "usage")
 
     def __init__(self, limiter: ClassLimiter, tenant: str, pool: str, now: float, lease_s: float, cost: float,
                  waited_s: float, holds_slot: bool = True):
@@ -62,6 +63,8 @@ class Ticket:
         self.degraded = False           # holds a slot of the class's degraded limiter, on a fallback pool
         self.holds_slot = holds_slot    # False for shadow-mode passes that enforce mode would not have admitted
         self.waiter: Waiter | None = None  # shadow mode: the virtual queue place it holds, if any
+        self.charge: Any = None         # the admission's Charge (estimate, tenant, session) to settle at the end
+        self.usage: tuple[int, int] | None = None  # (prompt, completion) tokens, when the response was read
 
     @property
     def cls(self) -> str:
@@ -72,7 +75,7 @@ class Waiter:
     """A request waiting in a class queue. Its result (a Decision) is set exactly once."""
 
     __slots__ = ("limiter", "tenant", "pool", "trickle", "enqueued_at", "deadline", "cost", "result", "on_result",
-                 "context", "shadow_ticket")
+                 "context", "shadow_ticket", "charge")
 
     def __init__(self, limiter: ClassLimiter, tenant: str, pool: str, now: float, cost: float, context: Any):
         self.limiter = limiter
@@ -86,6 +89,7 @@ class Waiter:
         self.on_result: Callable[[Any], None] | None = None  # set by the adapter (e.g. a future's set_result)
         self.context = context          # whatever the caller needs back with the result (the request facts)
         self.shadow_ticket: Ticket | None = None  # shadow mode: the real request already running
+        self.charge: Any = None
 
     @property
     def pending(self) -> bool:
@@ -142,10 +146,15 @@ class ClassLimiter:
 
     @property
     def saturated(self) -> bool:
-        return self.inflight >= self.limit
+        budget = self.spec.max_inflight_gpu_seconds
+        return self.inflight >= self.limit or (budget is not None and self.inflight_cost >= budget)
 
-    def has_room(self) -> bool:
-        return self.inflight < self.limit
+    def has_room(self, cost: float = 0.0) -> bool:
+        """A free slot, and room in the GPU-seconds budget for `cost` (when the class has one)."""
+        if self.inflight >= self.limit:
+            return False
+        budget = self.spec.max_inflight_gpu_seconds
+        return budget is None or self.inflight_cost + cost <= budget * (1 + 1e-9)
 
     def queue_has_room(self) -> bool:
         return self.spec.max_wait_ms > 0 and len(self.queue) < self.spec.max_queue

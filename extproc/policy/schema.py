@@ -88,6 +88,10 @@ class ClassSpec:
                            maximum=60_000)
     slo_p95_ms: int | None = doc("The class's end-to-end latency SLO (p95). Enables the latency breaker.", None,
                                  minimum=1)
+    max_inflight_gpu_seconds: float | None = doc(
+        "Budget of estimated GPU-seconds in flight for the class, on top of `max_concurrency`: a request is "
+        "admitted only when both hold. A single request larger than the whole budget is refused (413).", None,
+        minimum=0.001)
     latency_breaker: LatencyBreakerSpec = doc("Latency breaker knobs (active when `slo_p95_ms` is set).",
                                               factory=LatencyBreakerSpec)
     error_breaker: ErrorBreakerSpec = doc("Error breaker knobs.", factory=ErrorBreakerSpec)
@@ -119,6 +123,34 @@ class TenantSpec:
                                 "Default: the highest class.", None)
     default_class: str | None = doc("Class of this tenant's requests that claim none. Default: the policy's "
                                     "`default_class`, capped by `max_class`.", None)
+    requests_per_minute: int | None = doc("Rate limit (token bucket) on requests; 429 beyond it.", None, minimum=1)
+    tokens_per_minute: int | None = doc("Rate limit on tokens (estimated prompt + expected output, corrected "
+                                        "with real usage when it is learned).", None, minimum=1)
+    burst_s: float = doc("Bucket depth, in seconds of the rate (how much of a burst is allowed).", 60.0,
+                         minimum=1)
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    """Agent sessions: requests carrying the same session id share one budget, like one customer."""
+
+    header: str = doc("Request header carrying the session id.", "x-session-id")
+    max_inflight_gpu_seconds: float | None = doc("GPU-seconds a session may have in flight at once.", None,
+                                                 minimum=0.001)
+    gpu_seconds_per_minute: float | None = doc("GPU-seconds a session may start per minute (token bucket).",
+                                               None, minimum=0.001)
+    max_sessions: int = doc("Sessions tracked at once (least recently seen are forgotten first).", 100_000,
+                            minimum=1)
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    """What the fleet can serve, for `extproc check` to warn when tenant rate limits promise more."""
+
+    requests_per_minute: int | None = doc("Requests per minute the fleet sustains within its SLOs.", None,
+                                          minimum=1)
+    tokens_per_minute: int | None = doc("Tokens per minute the fleet sustains within its SLOs.", None,
+                                        minimum=1)
 
 
 @dataclass(frozen=True)
@@ -132,10 +164,31 @@ class AnonymousSpec:
 
 
 @dataclass(frozen=True)
+class CostSpec:
+    """A model's GPU-time profile: what one request costs, in GPU-seconds, before it runs."""
+
+    prefill_s_per_1k_tokens: float = doc("GPU-seconds to prefill 1,000 prompt tokens.", 0.08, minimum=0)
+    decode_s_per_token: float = doc("GPU-seconds per generated token at the reference batch (the request's "
+                                    "share of a decode step).", 0.0011, minimum=0)
+    variance_margin: float = doc("Added to every estimate as a fraction (MoE models and speculative decoding "
+                                 "vary more per request: 0.3-0.4).", 0.0, minimum=0, maximum=5)
+    default_max_tokens: int = doc("Output tokens assumed when a request sets no max_tokens (vLLM's default is "
+                                  "the rest of the context).", 1024, minimum=1)
+    max_context_tokens: int | None = doc("Context length: prompt + output are clamped to it as vLLM does, and a "
+                                         "max_tokens beyond it is refused with 400. Unset: no clamp.", None,
+                                         minimum=16)
+    chars_per_token: float = doc("Fast prompt estimate: characters per token.", 4.0, minimum=0.5, maximum=16)
+    tokenizer: str | None = doc("Path to a Hugging Face tokenizer.json for exact prompt counts (needs the "
+                                "`tokenizers` package; falls back to the fast estimate without it).", None)
+    learn: bool = doc("Correct the coefficients and the output ratio online from real usage.", True)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """A model name clients send in the body's `model`, and the Envoy cluster (pool) that serves it."""
 
     cluster: str = doc("Envoy cluster name that serves this model (must exist in envoy.yaml).")
+    cost: CostSpec = doc("GPU-time profile used by cost-aware admission.", factory=CostSpec)
 
 
 @dataclass(frozen=True)
@@ -150,6 +203,11 @@ class Policy:
     classify: ClassifySpec = doc("Where requests claim a class.", factory=ClassifySpec)
     tenants: list[TenantSpec] = doc("Tenants and their class limits.", factory=list)
     anonymous: AnonymousSpec = doc("Limits for requests without a known API key.", factory=AnonymousSpec)
+    sessions: SessionSpec = doc("Agent-session budgets.", factory=SessionSpec)
+    fleet: FleetSpec = doc("Fleet capacity, for sanity checks of rate limits.", factory=FleetSpec)
+    learn_sample: float = doc("Share of streamed responses whose usage is read for cost learning (each costs "
+                              "one ext_proc message per chunk). Non-streamed responses are always read.", 0.05,
+                              minimum=0, maximum=1)
     shed: dict[str, list[str]] | None = doc(
         "While the class named by a key is saturated (all its slots taken), new and queued requests of the "
         "listed classes are shed with 503. Default: the first class protects every other class. `{}` disables "
@@ -160,6 +218,8 @@ class Policy:
     lease_ms: int = doc("Safety net: a slot whose request was never seen to end is freed after this long, "
                         "unless its gRPC stream is still alive (live streams renew their lease).", 600_000,
                         minimum=1_000)
+    sustained_window_s: float = doc("Window of the sustained-load gauges (extproc_queue_depth_avg, "
+                                    "extproc_inflight_ratio_avg) that autoscalers should read.", 300.0, minimum=10)
     retry_after_max_s: int = doc("Upper bound on the Retry-After seconds sent with 429/503.", 60, minimum=1)
 
     # --- derived views (not part of the YAML) ---
@@ -189,6 +249,23 @@ def load_policy(data: Any) -> Policy:
     if errors or policy is None:
         raise PolicyError(errors or ["(root): not a mapping"])
     return policy
+
+
+def policy_warnings(p: Policy) -> list[str]:
+    """Things that validate but are probably wrong: e.g. tenant rate limits that sum past the fleet."""
+    warnings = []
+    for field, unit in (("requests_per_minute", "requests/min"), ("tokens_per_minute", "tokens/min")):
+        fleet = getattr(p.fleet, field)
+        total = sum(getattr(t, field) or 0 for t in p.tenants)
+        unlimited = [t.name for t in p.tenants if getattr(t, field) is None]
+        if fleet is None:
+            continue
+        if total > fleet:
+            warnings.append(f"tenants: {field} sum to {total} {unit}, past fleet.{field} = {fleet}: the limits "
+                            "protect nothing when every tenant uses its share")
+        elif unlimited:
+            warnings.append(f"tenants: {', '.join(unlimited)} have no {field} while fleet.{field} = {fleet}")
+    return warnings
 
 
 def load_policy_file(path: str) -> Policy:

@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..policy.admission import AdmissionController
+from ..policy.sustained import SustainedLoad
 from ..policy.schema import Policy, PolicyError, load_policy_file
 from ..telemetry import Telemetry
 from .accesslog import AccessLogReceiver
@@ -51,7 +52,8 @@ class Server:
         self.args = args
         self.telemetry = Telemetry()
         self.core = AdmissionController(policy, events=self.telemetry)
-        self.telemetry.watch(self.core)
+        self.sustained = SustainedLoad(policy.sustained_window_s)
+        self.telemetry.watch(self.core, self.sustained)
         self.servicer = ExtProcServicer(self.core, max_body_bytes=args.max_body_bytes)
         self.access_log = AccessLogReceiver(self.core)
         self._mtime = _mtime(policy_path)
@@ -64,10 +66,12 @@ class Server:
             policy = load_policy_file(self.policy_path)
         except PolicyError as e:
             self.telemetry.reloads.labels("invalid").inc()
+            self.telemetry.reload_ok.set(0)
             log.error("policy reload refused, keeping the current policy:\n  %s", "\n  ".join(e.errors))
             return False
         self.core.apply(policy)
         self.telemetry.reloads.labels("applied").inc()
+        self.telemetry.reload_ok.set(1)
         log.info("policy reloaded from %s", self.policy_path)
         return True
 
@@ -79,6 +83,8 @@ class Server:
             self.servicer.renew_live()
             self.core.reap()
             now = self.core.clock()
+            self.sustained.window_s = self.core.policy.sustained_window_s
+            self.sustained.sample(now, self.core.snapshot())
             if self.args.watch_interval and now - last_watch >= self.args.watch_interval:
                 last_watch = now
                 if _mtime(self.policy_path) != self._mtime:

@@ -35,6 +35,15 @@ CONTINUE = {
     "response_body": pb.ProcessingResponse(response_body=pb.BodyResponse()),
     "response_trailers": pb.ProcessingResponse(response_trailers=pb.TrailersResponse()),
 }
+# A request whose usage is learned: also send the response headers (the body mode is picked there).
+# mode_override replaces the whole mode, so every phase is spelled out (an unset one means NONE/SKIP).
+LEARN_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse(), mode_override=_Mode(
+    request_header_mode=_Mode.SEND, request_body_mode=_Mode.BUFFERED, request_trailer_mode=_Mode.SKIP,
+    response_header_mode=_Mode.SEND, response_body_mode=_Mode.NONE, response_trailer_mode=_Mode.SEND))
+LEARN_BODY = {sse: pb.ProcessingResponse(response_headers=pb.HeadersResponse(), mode_override=_Mode(
+    request_header_mode=_Mode.SEND, request_body_mode=_Mode.BUFFERED, request_trailer_mode=_Mode.SKIP,
+    response_header_mode=_Mode.SEND, response_body_mode=_Mode.STREAMED if sse else _Mode.BUFFERED,
+    response_trailer_mode=_Mode.SEND)) for sse in (False, True)}
 # Not ours to admit (only reachable if a route enables the ext_proc for other paths): skip every later phase.
 PASS_THROUGH = pb.ProcessingResponse(
     request_headers=pb.HeadersResponse(),
@@ -60,7 +69,8 @@ def immediate(status: int, body: bytes, headers: list[tuple[str, str]], details:
 
 def decision_response(d: Decision) -> pb.ProcessingResponse:
     """A terminal refusal as Envoy's immediate response with an OpenAI-style body."""
-    headers = [("x-extproc-class", d.cls), ("x-extproc-decision", d.kind), ("x-extproc-reason", d.reason)]
+    headers = [("x-extproc-class", d.cls), ("x-extproc-decision", d.kind), ("x-extproc-reason", d.reason),
+               *d.headers]
     if d.retry_after:
         headers.append(("retry-after", str(d.retry_after)))
     return immediate(d.status, error_body(d.status, d.message, d.reason), headers, f"extproc_{d.reason}")
@@ -75,7 +85,8 @@ def _wait_override(seconds: float) -> pb.ProcessingResponse:
 class _Stream:
     """Per-request state of one ext_proc stream."""
 
-    __slots__ = ("facts", "path", "ticket", "waiter", "cluster", "decision", "status", "queue_wait_ms")
+    __slots__ = ("facts", "path", "ticket", "waiter", "cluster", "decision", "status", "queue_wait_ms",
+                 "learn", "sse", "strip_usage", "response_json")
 
     def __init__(self) -> None:
         self.facts: RequestFacts | None = None  # set when the request is ours to admit
@@ -86,6 +97,10 @@ class _Stream:
         self.decision = ""                 # the final decision kind, once made
         self.status = 0
         self.queue_wait_ms = -1
+        self.learn = False                 # this response's usage is read for cost learning
+        self.sse = False                   # the learned response is an event stream
+        self.strip_usage = False           # ... from a usage chunk the client did not ask for
+        self.response_json = b""           # buffered non-streamed response body
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
@@ -98,6 +113,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self.queue_grace_s = queue_grace_s   # added to Envoy's timeout while a request waits in a queue
         self.live: set[Ticket] = set()       # tickets whose stream is still open (their leases get renewed)
         self.errors = 0
+        self._learn_credit = 0.0
 
     async def Process(self, request_iterator, context) -> None:
         # context.read()/write() rather than an async generator: one wrapping layer less per message.
@@ -114,6 +130,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     resp = self._on_request_headers(st, req.request_headers)
                 elif phase == "request_body":
                     resp = self._on_request_body(st, req.request_body)
+                elif phase == "response_body":
+                    resp = self._on_response_body(st, req.response_body)
                 elif phase == "response_headers":
                     resp = self._on_response_headers(st, req.response_headers)
                 else:
@@ -134,9 +152,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     # --- phases ---
 
     def _on_request_headers(self, st: _Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
-        path = method = authorization = claim = None
+        path = method = authorization = claim = session = None
         request_id = ""
         class_header = self.core.policy.classify.header
+        session_header = self.core.policy.sessions.header
         for h in msg.headers.headers:
             k = h.key
             if k == ":path":
@@ -149,14 +168,16 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 claim = h.raw_value.decode("latin-1").strip().lower()
             elif k == "x-request-id":
                 request_id = h.raw_value.decode("latin-1")
+            elif k == session_header:
+                session = h.raw_value.decode("latin-1")[:256] or None
         if method != b"POST" or path not in GENERATION_PATHS:
             return PASS_THROUGH
         st.path = path
         st.facts = RequestFacts(api_key=bearer_key(authorization), header_class=claim or None,
-                                request_id=request_id)
+                                request_id=request_id, session_id=session)
         if msg.end_of_stream:  # a generation POST without a body
             return self._refuse(st, BadRequest("The request body is empty; expected a JSON object."))
-        return CONTINUE["request_headers"]
+        return self._sample_learning(st)
 
     def _on_request_body(self, st: _Stream, msg: pb.HttpBody) -> pb.ProcessingResponse | None:
         if st.facts is None or st.decision or st.waiter:
@@ -171,6 +192,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         facts = st.facts
         facts.model, facts.max_tokens, facts.stream = body.model, body.max_tokens, body.stream
         facts.body_class = body.claimed_class
+        facts.doc = body.doc
         d = self.core.decide(facts, body)
         if d.kind == QUEUE:
             st.cluster = d.cluster
@@ -178,13 +200,61 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             return None
         return self._answer(st, d, body)
 
+    def _sample_learning(self, st: _Stream) -> pb.ProcessingResponse:
+        """Read this response's usage for cost learning? A deterministic share of requests: those get the
+        response-headers phase switched on, where the body mode is chosen from the response's content type."""
+        self._learn_credit += self.core.policy.learn_sample
+        if self._learn_credit < 1.0:
+            return CONTINUE["request_headers"]
+        self._learn_credit -= 1.0
+        st.learn = True
+        return LEARN_HEADERS
+
+    def _ask_for_usage(self, st: _Stream, body: GenerationBody) -> None:
+        """A learned stream needs vLLM's usage chunk; the client gets it only if it asked."""
+        opts = body.doc.get("stream_options")
+        if not (isinstance(opts, dict) and opts.get("include_usage")):
+            body.doc["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
+            body.rewrite = True
+            st.strip_usage = True
+
+    def _on_response_body(self, st: _Stream, msg: pb.HttpBody) -> pb.ProcessingResponse:
+        if st.ticket is None or not st.learn:
+            return CONTINUE["response_body"]
+        if not st.sse:
+            st.response_json += msg.body
+            if msg.end_of_stream:
+                self._learn_usage(st, _usage_of(st.response_json))
+            return CONTINUE["response_body"]
+        chunk = msg.body
+        if b'"usage"' not in chunk or b'"choices":[]' not in chunk:
+            return CONTINUE["response_body"]
+        kept, usage = _split_usage_event(chunk)
+        self._learn_usage(st, usage)
+        if not st.strip_usage:
+            return CONTINUE["response_body"]
+        return pb.ProcessingResponse(response_body=pb.BodyResponse(
+            response=pb.CommonResponse(body_mutation=pb.BodyMutation(body=kept))))
+
+    def _learn_usage(self, st: _Stream, usage: dict | None) -> None:
+        if usage and st.ticket is not None:
+            try:
+                self.core.usage(st.ticket, int(usage["prompt_tokens"]), int(usage["completion_tokens"]))
+            except (KeyError, TypeError, ValueError):
+                pass  # not a usage object we understand; learn nothing
+
     def _on_response_headers(self, st: _Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
-        """Only when envoy.yaml sends response headers (the shipped config learns the status from the access log)."""
+        """Sent only for requests whose usage is learned (envoy.yaml skips this phase otherwise)."""
+        content_type = b""
         for h in msg.headers.headers:
             if h.key == ":status":
                 st.status = int(h.raw_value or b"0")
-                break
-        return CONTINUE["response_headers"]
+            elif h.key == "content-type":
+                content_type = h.raw_value
+        if not st.learn or st.ticket is None or st.status != 200:
+            return CONTINUE["response_headers"]
+        st.sse = content_type.startswith(b"text/event-stream")
+        return LEARN_BODY[st.sse]
 
     # --- decisions to responses ---
 
@@ -212,6 +282,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             return decision_response(d)
         st.ticket = d.ticket
         self.live.add(d.ticket)
+        if st.learn and body.stream:
+            self._ask_for_usage(st, body)
         common = pb.CommonResponse(clear_route_cache=True)
         headers = common.header_mutation.set_headers
         # The pool to route to; the rest is echoed to the client by the route's response_headers_to_add and
@@ -222,6 +294,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         headers.append(_header(TICKET_HEADER, str(d.ticket.id)))
         if st.queue_wait_ms >= 0:
             headers.append(_header("x-extproc-queue-wait-ms", str(st.queue_wait_ms)))
+        for k, v in d.headers:
+            headers.append(_header(k, v))
         if d.kind == DEGRADE:
             fb = d.fallback
             changed = degrade_body(body, fb.model, fb.max_tokens, fb.stream)
@@ -247,7 +321,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         d = self.core.invalid(status, e.code, e.message, st.facts)
         st.decision = d.kind
         return immediate(status, error_body(status, e.message, e.code, e.param),
-                         [("x-extproc-class", d.cls), ("x-extproc-decision", d.kind)], f"extproc_{e.code}")
+                         [("x-extproc-class", d.cls), ("x-extproc-decision", d.kind), ("x-extproc-reason", e.code)],
+                         f"extproc_{e.code}")
 
     # --- the end, however it comes ---
 
@@ -273,6 +348,26 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         """Renew the lease of every ticket whose stream is still open (called periodically)."""
         for t in self.live:
             self.core.renew(t)
+
+
+def _usage_of(raw: bytes) -> dict | None:
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return None
+    return doc.get("usage") if isinstance(doc, dict) else None
+
+
+def _split_usage_event(chunk: bytes) -> tuple[bytes, dict | None]:
+    """Separate the SSE usage event (`"choices":[]` with `usage`) from the rest of a chunk."""
+    kept, usage = [], None
+    for event in chunk.split(b"\n\n"):
+        if event.startswith(b"data: {") and b'"choices":[]' in event and b'"usage"' in event:
+            usage = _usage_of(event[6:])
+            if usage is not None:
+                continue
+        kept.append(event)
+    return b"\n\n".join(kept), usage
 
 
 def _dump(doc) -> bytes:

@@ -116,7 +116,9 @@ async def test_shadow_mode_admits_everything_and_counts_what_enforce_rejects(mak
         (tmp_path / mode).mkdir()
         s = make_stack(write_policy(tmp_path / mode, spec, mode=mode), pools=pools(big, small))
         async with aiohttp.ClientSession() as http:
-            results = await asyncio.gather(*[post(http, s.url, chat(max_tokens=60)) for _ in range(6)])
+            await fault(http, big, extra_latency_s=10.0)  # 1 s wall: all six overlap
+            results = await asyncio.gather(*[post(http, s.url, chat(max_tokens=4)) for _ in range(6)])
+            await fault(http, big, reset=True)
             statuses = sorted(r[0] for r in results)
             ms = await metrics(http, s.metrics_url)
             if mode == "enforce":

@@ -1,0 +1,171 @@
+"""Request facts -> GPU-seconds estimate, per model profile; corrected online from real usage and durations."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .schema import CostSpec
+
+# Tokens a chat template adds per message (role markers, separators), and what a non-text part costs.
+MESSAGE_OVERHEAD_TOKENS = 4
+IMAGE_PART_TOKENS = 768
+AUDIO_PART_TOKENS = 512
+
+
+class CostEstimate:
+    """What admission counts for one request."""
+
+    __slots__ = ("prompt_tokens", "max_tokens", "expected_output", "gpu_seconds")
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, expected_output: float, gpu_seconds: float):
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens          # requested (or defaulted), clamped to the context
+        self.expected_output = expected_output
+        self.gpu_seconds = gpu_seconds
+
+    @property
+    def tokens(self) -> int:
+        """Prompt + requested output: what a tokens-per-minute limit charges up front."""
+        return self.prompt_tokens + self.max_tokens
+
+
+def prompt_size(doc: dict[str, Any]) -> tuple[int, int]:
+    """(characters of text, tokens known without a tokenizer) of a chat or completions body.
+
+    Walks messages and parts, not bytes: string lengths are O(1), so a 1 MB body costs as much as its number
+    of messages and parts, not its size. Token-id prompts count exactly.
+    """
+    chars = tokens = 0
+    messages = doc.get("messages")
+    if isinstance(messages, list):
+        for m in messages:
+            if not isinstance(m, dict):
+                continue
+            tokens += MESSAGE_OVERHEAD_TOKENS
+            content = m.get("content")
+            if isinstance(content, str):
+                chars += len(content)
+            elif isinstance(content, list):
+                for part in content:
+                    c, t = _part_size(part)
+                    chars += c
+                    tokens += t
+            if m.get("tool_calls"):
+                chars += len(json.dumps(m["tool_calls"]))
+    prompt = doc.get("prompt")
+    if isinstance(prompt, str):
+        chars += len(prompt)
+    elif isinstance(prompt, list) and prompt:
+        if all(isinstance(x, int) for x in prompt[:8]):
+            tokens += len(prompt)               # token ids
+        else:
+            for p in prompt:
+                if isinstance(p, str):
+                    chars += len(p)
+                elif isinstance(p, list):
+                    tokens += len(p)
+    for key in ("tools", "functions"):
+        if doc.get(key):
+            chars += len(json.dumps(doc[key]))  # tool schemas go into the prompt through the template
+    return chars, tokens
+
+
+def _part_size(part: Any) -> tuple[int, int]:
+    if not isinstance(part, dict):
+        return 0, 0
+    kind = part.get("type")
+    if kind == "text" and isinstance(part.get("text"), str):
+        return len(part["text"]), 0
+    if kind in ("image_url", "image", "input_image"):
+        return 0, IMAGE_PART_TOKENS
+    if kind in ("input_audio", "audio_url"):
+        return 0, AUDIO_PART_TOKENS
+    return 0, 0
+
+
+class CostModel:
+    """One model's cost profile. Coefficients start from the policy and are corrected by learn(), bounded
+    to [1/4, 4] times the configured values so a run of outliers cannot run away with them."""
+
+    LEARNING_RATE = 0.05
+    RATIO_RATE = 0.05
+
+    def __init__(self, spec: CostSpec):
+        self.spec = spec
+        self.prefill_per_token = spec.prefill_s_per_1k_tokens / 1000.0
+        self.decode_per_token = spec.decode_s_per_token
+        self.output_ratio = 1.0           # actual / requested output tokens; starts pessimistic
+        self.samples = 0
+        self._tokenizer = _load_tokenizer(spec.tokenizer) if spec.tokenizer else None
+
+    def prompt_tokens(self, doc: dict[str, Any]) -> int:
+        chars, tokens = prompt_size(doc)
+        if self._tokenizer is not None and chars:
+            return tokens + len(self._tokenizer.encode(_prompt_text(doc), add_special_tokens=False).ids)
+        return tokens + int(chars / self.spec.chars_per_token + 0.999)
+
+    def estimate(self, prompt_tokens: int, max_tokens: int | None) -> CostEstimate:
+        spec = self.spec
+        requested = max_tokens if max_tokens is not None else spec.default_max_tokens
+        if spec.max_context_tokens:
+            requested = max(min(requested, spec.max_context_tokens - prompt_tokens), 1)  # vLLM clamps likewise
+        expected = requested * self.output_ratio
+        gpu = (self.prefill_per_token * prompt_tokens + self.decode_per_token * expected) * \
+            (1.0 + spec.variance_margin)
+        return CostEstimate(prompt_tokens, requested, expected, gpu)
+
+    def actual(self, prompt_tokens: int, completion_tokens: int) -> float:
+        """GPU-seconds of what really ran, under the current coefficients."""
+        return self.prefill_per_token * prompt_tokens + self.decode_per_token * completion_tokens
+
+    def learn(self, est: CostEstimate, prompt_tokens: int, completion_tokens: int,
+              service_s: float | None) -> None:
+        """Correct the output ratio from usage, and the coefficients from the measured service time."""
+        if not self.spec.learn:
+            return
+        self.samples += 1
+        ratio = min(max(completion_tokens / max(est.max_tokens, 1), 0.0), 1.0)
+        self.output_ratio += self.RATIO_RATE * (ratio - self.output_ratio)
+        self.output_ratio = min(max(self.output_ratio, 0.05), 1.0)
+        if service_s is None or service_s <= 0 or prompt_tokens + completion_tokens == 0:
+            return
+        # Normalised LMS on service_s ~ a * prompt + b * completion, with the residual clipped to the
+        # prediction (Huber-like) so one stalled request moves the coefficients by at most a few percent.
+        p, c = float(prompt_tokens), float(completion_tokens)
+        predicted = self.prefill_per_token * p + self.decode_per_token * c
+        residual = max(min(service_s - predicted, predicted), -predicted) if predicted > 0 else service_s
+        norm = p * p + c * c
+        self.prefill_per_token = _bounded(self.prefill_per_token + self.LEARNING_RATE * residual * p / norm,
+                                          self.spec.prefill_s_per_1k_tokens / 1000.0)
+        self.decode_per_token = _bounded(self.decode_per_token + self.LEARNING_RATE * residual * c / norm,
+                                         self.spec.decode_s_per_token)
+
+
+def _bounded(value: float, configured: float) -> float:
+    if configured <= 0:
+        return max(value, 0.0)
+    return min(max(value, configured / 4.0), configured * 4.0)
+
+
+def _prompt_text(doc: dict[str, Any]) -> str:
+    parts: list[str] = []
+    for m in doc.get("messages") or ():
+        if isinstance(m, dict):
+            c = m.get("content")
+            if isinstance(c, str):
+                parts.append(c)
+            elif isinstance(c, list):
+                parts.extend(p["text"] for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
+    if isinstance(doc.get("prompt"), str):
+        parts.append(doc["prompt"])
+    return "\n".join(parts)
+
+
+def _load_tokenizer(path: str):
+    """A `tokenizers` tokenizer, or None when the package or the file is missing (fast estimate then)."""
+    try:
+        from tokenizers import Tokenizer
+        return Tokenizer.from_file(path)
+    except Exception:  # noqa: BLE001 - optional accuracy, never a reason to fail admission
+        return None

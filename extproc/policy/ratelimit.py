@@ -1,0 +1,151 @@
+"""Per-tenant token buckets (requests and tokens per minute) and agent-session budgets."""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+from .schema import SessionSpec, TenantSpec
+
+
+class TokenBucket:
+    """`rate` units per second, holding at most `capacity`. May go negative when usage is corrected upward."""
+
+    __slots__ = ("rate", "capacity", "level", "_at")
+
+    def __init__(self, rate_per_s: float, capacity: float, now: float):
+        self.rate = rate_per_s
+        self.capacity = capacity
+        self.level = capacity
+        self._at = now
+
+    def refill(self, now: float) -> float:
+        if now > self._at:
+            self.level = min(self.capacity, self.level + (now - self._at) * self.rate)
+            self._at = now
+        return self.level
+
+    def wait_s(self, n: float, now: float) -> float:
+        """Seconds until `n` units are available (0 when they are now; inf when n exceeds the capacity)."""
+        level = self.refill(now)
+        if level >= n:
+            return 0.0
+        if n > self.capacity:
+            return math.inf
+        return (n - level) / self.rate
+
+    def take(self, n: float, now: float) -> None:
+        self.refill(now)
+        self.level -= n
+
+    def give(self, n: float) -> None:
+        self.level = min(self.capacity, self.level + n)
+
+
+class TenantLimits:
+    """A tenant's request and token buckets (OpenAI-style x-ratelimit-* headers come from here)."""
+
+    def __init__(self, spec: TenantSpec, now: float):
+        self.spec = spec
+        self.requests = (TokenBucket(spec.requests_per_minute / 60.0, spec.requests_per_minute * spec.burst_s / 60,
+                                     now) if spec.requests_per_minute else None)
+        self.tokens = (TokenBucket(spec.tokens_per_minute / 60.0, spec.tokens_per_minute * spec.burst_s / 60, now)
+                       if spec.tokens_per_minute else None)
+
+    def check(self, tokens: int, now: float) -> tuple[str | None, float]:
+        """(None, 0) if the request fits, else (which limit, seconds until it would)."""
+        if self.requests is not None:
+            wait = self.requests.wait_s(1, now)
+            if wait > 0:
+                return "requests", wait
+        if self.tokens is not None:
+            wait = self.tokens.wait_s(min(tokens, self.tokens.capacity), now)
+            if wait > 0:
+                return "tokens", wait
+        return None, 0.0
+
+    def charge(self, tokens: int, now: float) -> None:
+        if self.requests is not None:
+            self.requests.take(1, now)
+        if self.tokens is not None:
+            self.tokens.take(tokens, now)
+
+    def correct(self, charged: int, actual: int) -> None:
+        """Real usage is known: refund what was over-charged (or charge the rest)."""
+        if self.tokens is not None:
+            if actual < charged:
+                self.tokens.give(charged - actual)
+            else:
+                self.tokens.level -= actual - charged
+
+    def headers(self, now: float) -> list[tuple[str, str]]:
+        out = []
+        for name, bucket, limit in (("requests", self.requests, self.spec.requests_per_minute),
+                                    ("tokens", self.tokens, self.spec.tokens_per_minute)):
+            if bucket is None:
+                continue
+            level = bucket.refill(now)
+            out.append((f"x-ratelimit-limit-{name}", str(limit)))
+            out.append((f"x-ratelimit-remaining-{name}", str(max(int(level), 0))))
+            out.append((f"x-ratelimit-reset-{name}", f"{max(bucket.capacity - level, 0) / bucket.rate:.0f}s"))
+        return out
+
+
+class Session:
+    __slots__ = ("inflight_gpu_s", "bucket", "tenant")
+
+    def __init__(self, tenant: str):
+        self.inflight_gpu_s = 0.0
+        self.bucket: TokenBucket | None = None
+        self.tenant = tenant
+
+
+class SessionBudgets:
+    """Requests with the same session id share an in-flight GPU-seconds budget and a GPU-seconds-per-minute
+    bucket. Session ids come from clients, so the table is bounded (least recently used forgotten first) and
+    never becomes a metric label."""
+
+    def __init__(self, spec: SessionSpec):
+        self.spec = spec
+        self.sessions: OrderedDict[tuple[str, str], Session] = OrderedDict()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.spec.max_inflight_gpu_seconds or self.spec.gpu_seconds_per_minute)
+
+    def get(self, tenant: str, session_id: str, now: float) -> Session:
+        key = (tenant, session_id)  # per tenant: one tenant cannot drain another's session by guessing its id
+        s = self.sessions.get(key)
+        if s is None:
+            s = self.sessions[key] = Session(tenant)
+            if self.spec.gpu_seconds_per_minute:
+                rate = self.spec.gpu_seconds_per_minute
+                s.bucket = TokenBucket(rate / 60.0, rate, now)
+            while len(self.sessions) > self.spec.max_sessions:
+                old_key, old = next(iter(self.sessions.items()))
+                if old.inflight_gpu_s > 0:  # still running: keep it, forget nothing in flight
+                    self.sessions.move_to_end(old_key)
+                    break
+                del self.sessions[old_key]
+        else:
+            self.sessions.move_to_end(key)
+        return s
+
+    def check(self, s: Session, gpu_s: float, now: float) -> tuple[str | None, float]:
+        cap = self.spec.max_inflight_gpu_seconds
+        if cap and s.inflight_gpu_s > 0 and s.inflight_gpu_s + gpu_s > cap:
+            return "session_inflight", 1.0
+        if s.bucket is not None:
+            wait = s.bucket.wait_s(min(gpu_s, s.bucket.capacity), now)
+            if wait > 0:
+                return "session_rate", wait
+        return None, 0.0
+
+    def charge(self, s: Session, gpu_s: float, now: float) -> None:
+        s.inflight_gpu_s += gpu_s
+        if s.bucket is not None:
+            s.bucket.take(gpu_s, now)
+
+    @staticmethod
+    def release(s: Session, gpu_s: float) -> None:
+        s.inflight_gpu_s = max(s.inflight_gpu_s - gpu_s, 0.0)

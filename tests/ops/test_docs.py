@@ -1,0 +1,139 @@
+"""The docs users need: the generated configuration reference is current, troubleshooting covers every reason."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+import subprocess
+import sys
+from typing import Literal
+
+import yaml
+
+from extproc import docsgen
+from extproc.policy.limits import Outcome
+
+from .conftest import ROOT
+
+DOCS = ROOT / "docs"
+# Reasons the breaker/degrade work (issue 4) is adding; the code scan below picks them up once they exist.
+PENDING_REASONS = ("latency_breaker_open", "error_breaker_open")
+
+
+def test_configuration_reference_is_current():
+    r = subprocess.run([sys.executable, "-m", "extproc.docsgen", "--check", str(DOCS / "configuration.md")],
+                       capture_output=True, text=True, cwd=ROOT, timeout=30)
+    assert r.returncode == 0, r.stderr
+
+
+def test_reference_lists_every_key_path_of_the_schema():
+    text = docsgen.render()
+    for path in ("classes", "classes.<name>.max_concurrency", "classes.<name>.max_wait_ms", "models.<name>.cluster",
+                 "classify.header", "tenants[].api_keys", "anonymous.max_class", "shed", "mode", "lease_ms"):
+        assert f"| `{path}` |" in text, path
+    assert "| `classes.<name>.max_wait_ms` | integer | `200` | 0 – 60,000 |" in text
+
+
+def test_check_fails_on_a_stale_reference(tmp_path):
+    stale = tmp_path / "configuration.md"
+    stale.write_text(docsgen.render().replace("max_queue", "max_queue_old"))
+    assert docsgen.main(["--check", str(stale)]) == 1
+    stale.write_text(docsgen.render())
+    assert docsgen.main(["--check", str(stale)]) == 0
+
+
+class Kind(enum.Enum):
+    STATIC = "static"
+    AIMD = "aimd"
+
+
+@dataclasses.dataclass(frozen=True)
+class Inner:
+    """An inner mapping."""
+
+    ratio: float = dataclasses.field(default=0.5, metadata={"doc": "A ratio.", "min": 0, "max": 1})
+
+
+@dataclasses.dataclass(frozen=True)
+class Outer:
+    """A schema with the shapes the policy will grow into."""
+
+    inner: Inner | None = dataclasses.field(default=None, metadata={"doc": "Optional nested mapping."})
+    pools: dict[str, Inner] = dataclasses.field(default_factory=dict, metadata={"doc": "Named mappings."})
+    steps: list[Inner] = dataclasses.field(default_factory=list, metadata={"doc": "Listed mappings."})
+    kind: Kind = dataclasses.field(default=Kind.STATIC, metadata={"doc": "An enum."})
+    mode: Literal["a", "b"] = dataclasses.field(default="a", metadata={"doc": "A literal."})
+    on: bool = dataclasses.field(default=True, metadata={"doc": "A flag."})
+
+
+def test_renders_nested_optional_enum_and_float_fields():
+    text = docsgen.render(Outer)
+    assert "| `inner` | [mapping](#inner) | unset |" in text
+    assert "| `inner.ratio` | number | `0.5` | 0 – 1 | A ratio. |" in text
+    assert "## `pools.<name>`" in text and "## `steps[]`" in text
+    assert "| `kind` | one of `static`, `aimd` | `static` |" in text
+    assert "| `mode` | one of `a`, `b` | `a` |" in text
+    assert "| `on` | boolean | `true` |" in text
+
+
+def reasons_in_code() -> set[str]:
+    """Every reason the ext_proc can emit: R_* constants, BadRequest codes (explicit and default)."""
+    reasons = set()
+    for path in (ROOT / "extproc").rglob("*.py"):
+        if "sim" in path.relative_to(ROOT / "extproc").parts:
+            continue
+        text = path.read_text()
+        reasons |= set(re.findall(r'^R_\w+\s*=\s*"(\w+)"', text, re.M))
+        if path.parent.name == "server":
+            reasons |= set(re.findall(r'\bcode(?::\s*str)?\s*=\s*"(\w+)"', text))
+    return reasons
+
+
+def test_troubleshooting_has_a_section_for_every_reason():
+    reasons = reasons_in_code()
+    assert {"queue_full", "higher_class_saturated", "invalid_json", "invalid_body", "body_too_large"} <= reasons
+    text = (DOCS / "troubleshooting.md").read_text()
+    headings = set(re.findall(r"^#+ `(\w+)`$", text, re.M))
+    missing = (reasons | set(PENDING_REASONS)) - headings
+    assert not missing, f"docs/troubleshooting.md has no section for: {sorted(missing)}"
+
+
+def test_troubleshooting_explains_every_outcome():
+    text = (DOCS / "troubleshooting.md").read_text()
+    for outcome in Outcome:
+        assert f"- `{outcome.value}`:" in text, outcome
+
+
+def test_docs_name_only_alerts_and_rules_that_exist():
+    rules = (ROOT / "compose" / "prometheus" / "rules" / "extproc.rules.yml").read_text()
+    defined = set(re.findall(r"(?:alert|record): (\S+)", rules))
+    for page in DOCS.glob("*.md"):
+        for name in re.findall(r"`(Extproc\w+|\w+:extproc\w*:\w+|extproc:\w+:\w+)`", page.read_text()):
+            assert name in defined, (page.name, name)
+
+
+OPS_PAGES = ("configuration.md", "envoy-integration.md", "tuning.md", "troubleshooting.md", "autoscaling.md")
+
+
+def test_docs_link_only_to_files_that_exist():
+    for page in (DOCS / name for name in OPS_PAGES):
+        for ref in re.findall(r"`((?:docs|compose|deploy|envoy|policies|extproc)/[\w./-]+\.\w+)`", page.read_text()):
+            assert (ROOT / ref).exists(), (page.name, ref)
+
+
+def test_envoy_integration_snippets_match_envoy_yaml():
+    text = (DOCS / "envoy-integration.md").read_text()
+    blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", text, re.S)]
+    envoy = (ROOT / "envoy" / "envoy.yaml").read_text()
+    hcm = yaml.safe_load(envoy)["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    shipped_filter = hcm["http_filters"][0]
+    (doc_filter,) = [b[0] for b in blocks if isinstance(b, list) and b[0].get("name") == shipped_filter["name"]]
+    for key in ("processing_mode", "failure_mode_allow", "message_timeout", "max_message_timeout",
+                "allow_mode_override"):
+        assert doc_filter["typed_config"][key] == shipped_filter["typed_config"][key], key
+    (doc_log,) = [b["access_log"] for b in blocks if isinstance(b, dict) and "access_log" in b]
+    assert doc_log == hcm["access_log"]
+    (doc_early,) = [b["early_header_mutation_extensions"] for b in blocks
+                    if isinstance(b, dict) and "early_header_mutation_extensions" in b]
+    assert doc_early == hcm["early_header_mutation_extensions"]

@@ -1,0 +1,88 @@
+"""The Grafana dashboard: valid JSON, every panel queries Prometheus, every query names metrics that exist."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from .conftest import COMPOSE
+from .promql import metric_names
+
+DASHBOARDS = sorted((COMPOSE / "grafana" / "dashboards").glob("*.json"))
+# What operators asked for (issue 6), each found by a metric its panel must query.
+REQUIRED = {
+    "latency percentiles": "class:extproc_request_duration_seconds:p99_5m",
+    "SLO line": "class:extproc_slo_p95_seconds:config",
+    "time to first token": "class:extproc_time_to_first_byte_seconds:p95_5m",
+    "decisions by reason": "extproc_requests_total",
+    "in-flight": "extproc_inflight",
+    "cap": "extproc_class_limit",
+    "queue depth": "extproc_queue_depth",
+    "breaker state": "extproc_breaker_state",
+    "sustained queue depth": "class:extproc_queue_depth:avg5m",
+}
+
+
+def load(path):
+    return json.loads(path.read_text())
+
+
+def panels(dashboard: dict) -> list[dict]:
+    out = []
+    for p in dashboard["panels"]:
+        out.append(p)
+        out += p.get("panels", [])  # collapsed rows keep their panels inside
+    return [p for p in out if p["type"] != "row"]
+
+
+def expressions(dashboard: dict) -> list[tuple[str, str]]:
+    """(where, PromQL) for every panel target, template variable query and annotation."""
+    out = [(p["title"], t["expr"]) for p in panels(dashboard) for t in p["targets"]]
+    for v in dashboard.get("templating", {}).get("list", []):
+        if v["type"] == "query":
+            query = v["query"]["query"] if isinstance(v["query"], dict) else v["query"]
+            m = re.fullmatch(r"label_values\((.*),\s*\w+\)", query)
+            out.append((f"variable {v['name']}", m.group(1) if m else query))
+    out += [(f"annotation {a['name']}", a["expr"]) for a in dashboard.get("annotations", {}).get("list", [])
+            if "expr" in a]
+    return out
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_every_panel_has_a_prometheus_datasource_and_targets(path):
+    d = load(path)
+    assert d["uid"] and d["title"]
+    for p in panels(d):
+        assert p["datasource"] == {"type": "prometheus", "uid": "prometheus"}, p["title"]
+        assert p["targets"], p["title"]
+        for t in p["targets"]:
+            assert t["expr"].strip() and t["refId"], p["title"]
+            assert t.get("datasource", p["datasource"]) == p["datasource"], p["title"]
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_panels_do_not_overlap(path):
+    taken = set()
+    for p in load(path)["panels"]:
+        g = p["gridPos"]
+        cells = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert g["x"] + g["w"] <= 24 and not cells & taken, p["title"]
+        taken |= cells
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_every_query_names_metrics_that_exist(path, known_metric_names):
+    unknown = [(where, m) for where, expr in expressions(load(path)) for m in metric_names(expr)
+               if m not in known_metric_names]
+    assert not unknown, unknown
+
+
+def test_the_dashboard_shows_what_operators_asked_for():
+    d = load(COMPOSE / "grafana" / "dashboards" / "extproc.json")
+    queried = set().union(*(metric_names(expr) for _, expr in expressions(d)))
+    missing = {what for what, metric in REQUIRED.items() if metric not in queried}
+    assert not missing
+    kinds = {p["type"] for p in panels(d)}
+    assert "state-timeline" in kinds  # the breaker state as a timeline

@@ -1,0 +1,201 @@
+"""A real Prometheus (Debian's) scrapes a real Envoy + ext_proc under load; its answers match what was sent.
+
+One module-scoped run (~20 s): the test upstream answers after a fixed delay per class, the policy's caps are small
+so a share of the traffic queues, is rejected or shed, and Prometheus scrapes every second with the shipped
+recording rules loaded. The tests then ask Prometheus's HTTP API, the way a dashboard does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import aiohttp
+import pytest
+import yaml
+
+from extproc.stack import Stack, free_port, wait_http
+
+from .conftest import COMPOSE, ROOT, RULE_FILES, run_tool, tool
+
+# Each class's upstream service time: every admitted request of the class lands in one latency bucket.
+DELAY_S = {"interactive": 0.4, "batch": 0.15}
+BUCKET = {"interactive": (0.25, 0.5), "batch": (0.1, 0.25)}
+# Open-loop arrivals at a fixed rate per class for LOAD_S seconds. Interactive's capacity is 4 / 0.4 s = 10/s: at
+# 13/s it queues, dequeues, times out and overflows, and while it is saturated batch is shed.
+RATE = {"interactive": 13.0, "batch": 10.0}
+LOAD_S = 6.0
+HEADERS = {"interactive": {"authorization": "Bearer sk-chat-1"},
+           "batch": {"authorization": "Bearer sk-acme-1", "x-priority": "batch"}}
+
+POLICY = {
+    "classes": {
+        "interactive": {"max_concurrency": 4, "max_queue": 2, "max_wait_ms": 300},
+        "batch": {"max_concurrency": 4, "max_queue": 4, "max_wait_ms": 2000},
+    },
+    "tenants": [
+        {"name": "chat-frontend", "api_keys": ["sk-chat-1"], "max_class": "interactive"},
+        {"name": "acme", "api_keys": ["sk-acme-1"], "max_class": "batch", "default_class": "batch"},
+    ],
+    "models": {"llama-70b": {"cluster": "vllm_llama70b"}, "llama-8b": {"cluster": "vllm_llama8b"}},
+}
+
+
+def prometheus_config(target: str, scrape_s: int = 1) -> dict:
+    """The shipped compose/prometheus/prometheus.yml, pointed at `target` and scraping every `scrape_s` seconds."""
+    cfg = yaml.safe_load((COMPOSE / "prometheus" / "prometheus.yml").read_text())
+    cfg["global"].update(scrape_interval=f"{scrape_s}s", evaluation_interval=f"{scrape_s}s")
+    cfg["rule_files"] = [str(p) for p in RULE_FILES]
+    job = next(j for j in cfg["scrape_configs"] if j["job_name"] == "extproc")
+    job["static_configs"] = [{"targets": [target]}]
+    cfg["scrape_configs"] = [job]
+    return cfg
+
+
+class PrometheusAPI:
+    def __init__(self, url: str):
+        self.url = url
+
+    def query(self, promql: str) -> list[dict]:
+        q = urllib.parse.urlencode({"query": promql})
+        with urllib.request.urlopen(f"{self.url}/api/v1/query?{q}", timeout=5) as r:
+            body = json.load(r)
+        assert body["status"] == "success", body
+        return body["data"]["result"]
+
+    def by_labels(self, promql: str, *labels: str) -> dict[tuple, float]:
+        return {tuple(s["metric"].get(l, "") for l in labels): float(s["value"][1]) for s in self.query(promql)}
+
+    def wait_for(self, promql: str, predicate, timeout: float = 15.0):
+        """Poll a query until predicate(result) holds; return the last result either way."""
+        deadline = time.monotonic() + timeout
+        while True:
+            result = self.query(promql)
+            if predicate(result) or time.monotonic() > deadline:
+                return result
+            time.sleep(0.25)
+
+
+async def send_load(url: str, requests: dict[str, int], rate: dict[str, float]) -> Counter:
+    """Send `requests[cls]` requests per class at `rate[cls]` a second; count (class, decision, reason) answered."""
+    seen: Counter = Counter()
+
+    async def one(session: aiohttp.ClientSession, cls: str, at: float) -> None:
+        await asyncio.sleep(at)
+        body = {"model": "llama-70b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        headers = {**HEADERS[cls], "x-test-delay-ms": str(int(DELAY_S[cls] * 1000))}
+        async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as r:
+            await r.read()
+            decision = r.headers["x-extproc-decision"]
+            if decision == "accept":
+                reason = "dequeued" if r.headers.get("x-extproc-queue-wait-ms") else "slot_free"
+                assert r.status == 200
+            else:
+                reason = r.headers["x-extproc-reason"]
+            seen[(r.headers["x-extproc-class"], decision, reason)] += 1
+
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        await asyncio.gather(*(one(session, cls, i / rate[cls]) for cls, n in requests.items() for i in range(n)))
+    return seen
+
+
+@pytest.fixture(scope="module")
+def scraped(tmp_path_factory):
+    """Run the load with Prometheus scraping; yield (Prometheus API, client-side counts, final /metrics text)."""
+    prometheus = tool("prometheus")
+    tmp = tmp_path_factory.mktemp("prom")
+    up_port = free_port()
+    upstream = subprocess.Popen([sys.executable, str(ROOT / "tests" / "upstream.py"), str(up_port)],
+                                start_new_session=True)
+    policy = tmp / "policy.yaml"
+    policy.write_text(yaml.safe_dump(POLICY, sort_keys=False))
+    pools = {"vllm_llama70b": [("127.0.0.1", up_port)], "vllm_llama8b": [("127.0.0.1", up_port)]}
+    stack = Stack(tmp / "stack", pools, policy_path=policy)
+    prom_proc = None
+    try:
+        wait_http(f"http://127.0.0.1:{up_port}/health", timeout=20, proc=upstream)
+        stack.start()
+        config = tmp / "prometheus.yml"
+        config.write_text(yaml.safe_dump(prometheus_config(f"127.0.0.1:{stack.metrics_port}")))
+        prom_port = free_port()
+        with open(tmp / "prometheus.log", "wb") as log:
+            prom_proc = subprocess.Popen(
+                [prometheus, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'data'}",
+                 f"--web.listen-address=127.0.0.1:{prom_port}", "--storage.tsdb.retention.time=1h"],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        api = PrometheusAPI(f"http://127.0.0.1:{prom_port}")
+        wait_http(f"{api.url}/-/ready", timeout=20, proc=prom_proc)
+        up = api.wait_for('up{job="extproc"}', lambda r: r and r[0]["value"][1] == "1")
+        assert up and up[0]["value"][1] == "1", f"Prometheus never scraped the ext_proc: {up}"
+
+        # One request per class first, so every latency series exists in Prometheus before the load: rate()
+        # counts increases between samples, and a series born with the whole load in it would show none.
+        sent = asyncio.run(send_load(stack.url, {cls: 1 for cls in RATE}, RATE))
+        api.wait_for('count(extproc_request_duration_seconds_count{outcome="ok"})',
+                     lambda r: r and r[0]["value"][1] == str(len(RATE)))
+        time.sleep(1.5)  # one more scrape of the warm-up values
+        sent += asyncio.run(send_load(stack.url, {cls: int(r * LOAD_S) for cls, r in RATE.items()}, RATE))
+        with urllib.request.urlopen(f"{stack.metrics_url}/metrics", timeout=5) as r:
+            final_metrics = r.read().decode()
+        yield api, sent, final_metrics
+    finally:
+        if prom_proc is not None:
+            prom_proc.terminate()
+            prom_proc.wait(10)
+        stack.stop()
+        upstream.terminate()
+        upstream.wait(10)
+
+
+def test_load_exercised_accept_queue_reject_and_shed(scraped):
+    _, sent, _ = scraped
+    decisions = {(cls, d) for cls, d, _ in sent}
+    assert {("interactive", "accept"), ("interactive", "reject"), ("batch", "accept"), ("batch", "shed")} <= decisions
+    assert any(reason == "dequeued" for _, _, reason in sent), sent
+
+
+def test_decision_counts_in_prometheus_match_what_clients_saw(scraped):
+    api, sent, _ = scraped
+    query = "sum by (class, decision, reason) (extproc_requests_total)"
+    result = api.wait_for(query, lambda r: sum(float(s["value"][1]) for s in r) >= sum(sent.values()))
+    got = {(s["metric"]["class"], s["metric"]["decision"], s["metric"]["reason"]): int(float(s["value"][1]))
+           for s in result}
+    assert got == dict(sent)
+
+
+def test_per_class_p99_from_the_recording_rule_is_plausible(scraped):
+    api, sent, _ = scraped
+    rule = "class:extproc_request_duration_seconds:p99_5m"
+    # The rule is evaluated every second; wait until it has seen the load (NaN until then).
+    result = api.wait_for(rule, lambda r: {s["metric"]["class"] for s in r if s["value"][1] != "NaN"} >= set(DELAY_S))
+    p99 = {s["metric"]["class"]: float(s["value"][1]) for s in result}
+    for cls, (lo, hi) in BUCKET.items():
+        # Every admitted request took the class's upstream delay plus a few ms: one bucket, interpolated inside it.
+        assert lo < p99[cls] <= hi, (cls, p99)
+    # The refusal ratio rule sees the same traffic: interactive refused most, as the client saw.
+    ratio = api.by_labels("class:extproc_requests_refused:ratio_5m", "class")
+    refused = sum(n for (cls, d, _), n in sent.items() if cls == "interactive" and d in ("reject", "shed"))
+    total = sum(n for (cls, _, _), n in sent.items() if cls == "interactive")
+    assert ratio[("interactive",)] == pytest.approx(refused / total, abs=0.15)
+
+
+def test_live_metrics_under_load_pass_promtool_check_metrics(scraped):
+    _, _, text = scraped
+    assert "extproc_request_duration_seconds_bucket" in text
+    r = subprocess.run([tool("promtool"), "check", "metrics"], input=text, capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_idle_server_metrics_pass_promtool_check_metrics(live_metrics_text):
+    r = subprocess.run([tool("promtool"), "check", "metrics"], input=live_metrics_text, capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -1,0 +1,195 @@
+"""Cost estimates, online learning, GPU-second budgets, tenant token buckets and session budgets."""
+
+import random
+
+import pytest
+
+from extproc.policy.admission import ACCEPT, INVALID, QUEUE, REJECT, AdmissionController, RequestFacts
+from extproc.policy.cost import IMAGE_PART_TOKENS, MESSAGE_OVERHEAD_TOKENS, CostModel, prompt_size
+from extproc.policy.limits import Completion, Outcome
+from extproc.policy.ratelimit import TokenBucket
+from extproc.policy.schema import CostSpec, load_policy, policy_warnings
+
+from .conftest import make_policy
+
+SPEC = CostSpec(prefill_s_per_1k_tokens=0.1, decode_s_per_token=0.002, default_max_tokens=512)
+
+
+def test_chat_prompt_counts_text_parts_images_and_tools():
+    doc = {"messages": [{"role": "system", "content": "x" * 400},
+                        {"role": "user", "content": [{"type": "text", "text": "y" * 40},
+                                                     {"type": "image_url", "image_url": {"url": "data:..."}}]}],
+           "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}
+    chars, tokens = prompt_size(doc)
+    assert tokens == 2 * MESSAGE_OVERHEAD_TOKENS + IMAGE_PART_TOKENS
+    assert chars > 440
+    assert CostModel(SPEC).prompt_tokens(doc) == tokens + -(-chars // 4)
+
+
+def test_completion_prompts_strings_lists_and_token_ids():
+    m = CostModel(SPEC)
+    assert m.prompt_tokens({"prompt": "z" * 400}) == 100
+    assert m.prompt_tokens({"prompt": ["a" * 40, "b" * 40]}) == 20
+    assert m.prompt_tokens({"prompt": list(range(77))}) == 77
+
+
+def test_missing_max_tokens_takes_the_models_default_and_the_context_clamps():
+    m = CostModel(SPEC)
+    est = m.estimate(1000, None)
+    assert est.max_tokens == 512
+    assert est.gpu_seconds == pytest.approx(0.1 + 512 * 0.002)
+    clamped = CostModel(CostSpec(max_context_tokens=2048)).estimate(2000, 1000)
+    assert clamped.max_tokens == 48
+
+
+def test_variance_margin_widens_the_estimate():
+    plain = CostModel(SPEC).estimate(1000, 100).gpu_seconds
+    moe = CostModel(CostSpec(prefill_s_per_1k_tokens=0.1, decode_s_per_token=0.002, variance_margin=0.35))
+    assert moe.estimate(1000, 100).gpu_seconds == pytest.approx(plain * 1.35)
+
+
+def test_absurd_max_tokens_is_refused_with_400_when_the_context_is_known():
+    core = AdmissionController(make_policy(models={"llama": {"cluster": "a", "cost": {"max_context_tokens": 8192}}}))
+    d = core.decide(RequestFacts(model="llama", max_tokens=10**9))
+    assert (d.kind, d.status, d.reason) == (INVALID, 400, "max_tokens_too_large")
+
+
+def test_online_learning_converges_on_a_synthetic_stream():
+    m = CostModel(CostSpec(prefill_s_per_1k_tokens=0.05, decode_s_per_token=0.004))
+    rng = random.Random(1)
+    true_a, true_b = 0.1 / 1000, 0.002  # the real coefficients differ from the configured ones by 2x
+    for _ in range(4000):
+        p, requested = rng.randint(50, 4000), rng.randint(16, 512)
+        done = int(requested * 0.4)
+        est = m.estimate(p, requested)
+        service = true_a * p + true_b * done
+        if rng.random() < 0.02:
+            service *= 20  # an outlier (a stalled request) now and then
+        m.learn(est, p, done, service)
+    assert m.output_ratio == pytest.approx(0.4, abs=0.02)
+    assert m.prefill_per_token == pytest.approx(true_a, rel=0.15)
+    assert m.decode_per_token == pytest.approx(true_b, rel=0.15)
+
+
+def test_learning_is_bounded_against_garbage():
+    m = CostModel(SPEC)
+    for _ in range(1000):
+        m.learn(m.estimate(100, 100), 100, 100, 1e6)
+    assert m.decode_per_token <= SPEC.decode_s_per_token * 4
+    assert m.prefill_per_token <= SPEC.prefill_s_per_1k_tokens / 1000 * 4
+
+
+def budget_core(clock, budget=1.0, **over):
+    spec = {"max_concurrency": 100, "max_queue": 5, "max_wait_ms": 1000, "max_inflight_gpu_seconds": budget}
+    spec.update(over)
+    return AdmissionController(make_policy(
+        classes={"interactive": spec}, tenants=[], default_class="interactive",
+        models={"llama": {"cluster": "a", "cost": {"prefill_s_per_1k_tokens": 0.1, "decode_s_per_token": 0.001}}}),
+        clock=clock)
+
+
+def facts(prompt_chars, max_tokens, **kw):
+    return RequestFacts(model="llama", max_tokens=max_tokens, doc={"prompt": "x" * prompt_chars}, **kw)
+
+
+def test_budget_admits_until_the_gpu_seconds_run_out_then_queues(clock):
+    core = budget_core(clock)  # each request: 1000 tokens prefill 0.1 s + 200 * 0.001 = 0.3 GPU-s
+    ds = [core.decide(facts(4000, 200)) for _ in range(4)]
+    assert [d.kind for d in ds] == [ACCEPT, ACCEPT, ACCEPT, QUEUE]
+    assert core.limiters["interactive"].inflight_cost == pytest.approx(0.9)
+    core.finish(ds[0].ticket, Outcome.OK)
+    assert ds[3].waiter.result.kind == ACCEPT
+
+
+def test_one_long_prompt_takes_the_budget_many_short_ones_would(clock):
+    core = budget_core(clock, max_queue=0)
+    long = core.decide(facts(4 * 8000, 16))          # 0.8 + 0.016 GPU-s
+    assert long.kind == ACCEPT
+    shorts = [core.decide(facts(160, 16)) for _ in range(20)]  # 0.004 + 0.016 each
+    assert sum(d.kind == ACCEPT for d in shorts) == 9
+    core.finish(long.ticket, Outcome.OK)
+    assert sum(core.decide(facts(160, 16)).kind == ACCEPT for _ in range(50)) == 41  # (1 - 9 * 0.02) / 0.02
+
+
+def test_a_request_larger_than_the_whole_budget_is_413_not_queued(clock):
+    d = budget_core(clock).decide(facts(4 * 20000, 16))
+    assert (d.kind, d.status, d.reason) == (REJECT, 413, "request_too_large")
+    assert "GPU-seconds" in d.message
+
+
+def test_token_bucket_refills_at_its_rate(clock):
+    b = TokenBucket(rate_per_s=1.0, capacity=10.0, now=0.0)
+    b.take(10, 0.0)
+    assert b.wait_s(3, 0.0) == pytest.approx(3.0)
+    assert b.wait_s(3, 2.0) == pytest.approx(1.0)
+    assert b.wait_s(3, 3.0) == 0.0
+    assert b.wait_s(11, 3.0) == float("inf")
+
+
+def tenant_core(clock, **tenant):
+    spec = {"name": "acme", "api_keys": ["k"], **tenant}
+    return AdmissionController(make_policy(tenants=[spec], shed={}), clock=clock)
+
+
+def test_tenant_request_rate_limit_is_429_with_retry_after_and_openai_headers(clock):
+    core = tenant_core(clock, requests_per_minute=60, burst_s=2)  # bucket of 2 requests, 1/s
+    ok = [core.decide(RequestFacts(api_key="k", model="llama", header_class="batch")) for _ in range(2)]
+    assert all(d.kind == ACCEPT for d in ok)
+    d = core.decide(RequestFacts(api_key="k", model="llama", header_class="batch"))
+    assert (d.kind, d.status, d.reason, d.retry_after) == (REJECT, 429, "tenant_requests_per_minute", 1)
+    hs = dict(d.headers)
+    assert hs["x-ratelimit-limit-requests"] == "60" and hs["x-ratelimit-remaining-requests"] == "0"
+    clock.advance(1.0)
+    assert core.decide(RequestFacts(api_key="k", model="llama", header_class="batch")).kind == ACCEPT
+
+
+def test_tenant_token_limit_is_corrected_by_real_usage(clock):
+    core = tenant_core(clock, tokens_per_minute=600, burst_s=60)
+    d = core.decide(RequestFacts(api_key="k", model="llama", max_tokens=500, header_class="batch",
+                                 doc={"prompt": "x" * 400}))
+    assert d.kind == ACCEPT  # charged 100 + 500
+    assert core.decide(RequestFacts(api_key="k", model="llama", max_tokens=200, header_class="batch")).kind \
+        == REJECT
+    core.usage(d.ticket, 100, 50)
+    core.finish(d.ticket, Outcome.OK)
+    core.report(d.ticket.id, Completion(Outcome.OK, 200, 0.1, 1.0))
+    assert core.decide(RequestFacts(api_key="k", model="llama", max_tokens=200, header_class="batch")).kind \
+        == ACCEPT  # 450 tokens refunded
+
+
+def session_core(clock):
+    return AdmissionController(make_policy(
+        classes={"batch": {"max_concurrency": 100}}, default_class="batch",
+        tenants=[{"name": "a", "api_keys": ["ka"]}, {"name": "b", "api_keys": ["kb"]}], shed={},
+        sessions={"max_inflight_gpu_seconds": 1.0},
+        models={"llama": {"cluster": "x", "cost": {"prefill_s_per_1k_tokens": 0.1, "decode_s_per_token": 0.001}}}),
+        clock=clock)
+
+
+def test_a_session_shares_one_in_flight_budget_and_others_are_unaffected(clock):
+    core = session_core(clock)
+    agent = [core.decide(facts(4000, 200, api_key="ka", header_class="batch", session_id="s1")) for _ in range(5)]
+    assert [d.kind for d in agent] == [ACCEPT] * 3 + [REJECT] * 2
+    assert agent[3].reason == "session_inflight_budget" and agent[3].status == 429
+    other = [core.decide(facts(4000, 200, api_key="kb", header_class="batch", session_id="s1")) for _ in range(3)]
+    assert all(d.kind == ACCEPT for d in other)  # same id, other tenant: another session
+    core.finish(agent[0].ticket, Outcome.OK)
+    assert core.decide(facts(4000, 200, api_key="ka", header_class="batch", session_id="s1")).kind == ACCEPT
+
+
+def test_session_table_is_bounded():
+    core = AdmissionController(make_policy(sessions={"max_inflight_gpu_seconds": 1.0, "max_sessions": 10},
+                                           classes={"batch": {"max_concurrency": 100}}, default_class="batch",
+                                           tenants=[], shed={}))
+    for i in range(100):
+        d = core.decide(RequestFacts(model="llama", header_class="batch", session_id=f"s{i}"))
+        core.finish(d.ticket, Outcome.OK)
+    assert len(core.sessions.sessions) <= 10
+
+
+def test_check_warns_when_tenant_limits_sum_past_the_fleet():
+    p = load_policy({"classes": {"a": {"max_concurrency": 1}}, "models": {"m": {"cluster": "c"}},
+                     "fleet": {"tokens_per_minute": 1000},
+                     "tenants": [{"name": "t1", "tokens_per_minute": 800}, {"name": "t2", "tokens_per_minute": 800}]})
+    (w,) = policy_warnings(p)
+    assert "sum to 1600" in w and "fleet.tokens_per_minute = 1000" in w
