@@ -58,6 +58,9 @@ class Telemetry:
                                     "over the admission-time estimate, for requests whose usage was read.",
                                     ["class"], buckets=(0.1, 0.2, 0.33, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5,
                                                         2.0, 3.0, 5.0, 10.0), registry=r)
+        self.learned_tokens = Counter("extproc_learned_tokens", "Tokens read from responses' usage for cost "
+                                      "learning (the sampled share, see policy learn_sample).",
+                                      ["model", "kind"], registry=r)
         self.ratelimit = Counter("extproc_ratelimit_decisions", "Tenant rate-limit checks by result.",
                                  ["tenant", "kind", "result"], registry=r)
         self.session_rejections = Counter("extproc_session_rejections", "Requests refused by an agent-session "
@@ -105,6 +108,9 @@ class Telemetry:
             self.ratelimit.labels(d.tenant, "all", "allowed").inc()
 
     def cost_observed(self, ticket: Ticket, estimated_s: float, actual_s: float) -> None:
+        if ticket.usage is not None and ticket.charge is not None:
+            self.learned_tokens.labels(ticket.charge.model, "prompt").inc(ticket.usage[0])
+            self.learned_tokens.labels(ticket.charge.model, "completion").inc(ticket.usage[1])
         if estimated_s > 0:
             self.cost_error.labels(ticket.cls).observe(actual_s / estimated_s)
 

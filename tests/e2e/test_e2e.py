@@ -229,9 +229,26 @@ async def test_usage_the_client_receives_is_what_vllm_counted(make_stack, target
 
 @pytest.mark.skip(reason="issue 5: cost learning not implemented yet")
 async def test_extproc_learns_cost_from_usage(make_stack, target):
-    """Once the ext_proc reads usage (issue 5): after the requests above, its learned cost per request of the class
-    must match the usage vLLM reported (and what vllm:generation_tokens_total counted)."""
-    pytest.fail("write this check when issue 5 lands")
+    """With every response sampled (learn_sample 1), the tokens the ext_proc read from usage equal what vLLM counted
+    (vllm:generation_tokens_total), streamed or not, and a stream whose client did not ask for usage gets none."""
+    s = make_stack(policy(target, learn_sample=1.0))
+    async with aiohttp.ClientSession() as http:
+        before = metric(await target_metrics(http, target), "vllm:generation_tokens_total")
+        bodies = [chat(target, max_tokens=12), chat(target, max_tokens=12, stream=True),
+                  completion(target, max_tokens=9, stream=True, stream_options={"include_usage": True})]
+        results = [await post(http, s.url, "/v1/chat/completions" if "messages" in b else "/v1/completions", b)
+                   for b in bodies]
+        assert all(r[0] == 200 for r in results)
+        assert b'"usage"' not in results[1][2]  # the usage chunk the ext_proc asked for was taken out
+        assert b'"usage"' in results[2][2]      # the client asked for this one
+        generated = metric(await target_metrics(http, target), "vllm:generation_tokens_total") - before
+
+        async def learned():
+            text = await (await http.get(s.metrics_url + "/metrics")).text()
+            return metric(text, "extproc_learned_tokens_total", kind="completion") if \
+                metric(text, "extproc_cost_model", param="samples") == 3 else 0
+
+        assert await wait_for(learned) == generated > 0
 
 
 # ------------------------------------------------------------------------------------------ degrade
