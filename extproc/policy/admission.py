@@ -403,7 +403,9 @@ class AdmissionController:
         why = {R_LATENCY_BREAKER: f"the latency breaker of class {cls!r} is open (p95 above its SLO)",
                R_ERROR_BREAKER: f"the error breaker of class {cls!r} is open (upstream failures)",
                R_QUEUE_FULL: f"class {cls!r} is at capacity and its queue is full",
-               R_QUEUE_TIMEOUT: f"class {cls!r} had no free slot within {lim.spec.max_wait_ms} ms"}[reason]
+               R_QUEUE_TIMEOUT: f"class {cls!r} had no free slot within {lim.spec.max_wait_ms} ms",
+               R_DEADLINE: f"class {cls!r} would not reach this request within its {lim.spec.max_wait_ms} ms queue "
+                           "deadline at its current drain rate"}[reason]
         if fb.action == "canned":
             return Decision(DEGRADE, reason, cls, tenant, status=fb.status, message=fb.message, fallback=fb,
                             classification=c, cluster=cluster, waited_s=waited_s)
