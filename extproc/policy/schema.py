@@ -297,17 +297,17 @@ def load_policy(data: Any) -> Policy:
 def policy_warnings(p: Policy) -> list[str]:
     """Things that validate but are probably wrong: e.g. tenant rate limits that sum past the fleet."""
     warnings = []
-    for field, unit in (("requests_per_minute", "requests/min"), ("tokens_per_minute", "tokens/min")):
-        fleet = getattr(p.fleet, field)
-        total = sum(getattr(t, field) or 0 for t in p.tenants)
-        unlimited = [t.name for t in p.tenants if getattr(t, field) is None]
+    for key, unit in (("requests_per_minute", "requests/min"), ("tokens_per_minute", "tokens/min")):
+        fleet = getattr(p.fleet, key)
+        total = sum(getattr(t, key) or 0 for t in p.tenants)
+        unlimited = [t.name for t in p.tenants if getattr(t, key) is None]
         if fleet is None:
             continue
         if total > fleet:
-            warnings.append(f"tenants: {field} sum to {total} {unit}, past fleet.{field} = {fleet}: the limits "
+            warnings.append(f"tenants: {key} sum to {total} {unit}, past fleet.{key} = {fleet}: the limits "
                             "protect nothing when every tenant uses its share")
         elif unlimited:
-            warnings.append(f"tenants: {', '.join(unlimited)} have no {field} while fleet.{field} = {fleet}")
+            warnings.append(f"tenants: {', '.join(unlimited)} have no {key} while fleet.{key} = {fleet}")
     return warnings
 
 

@@ -12,7 +12,6 @@ import json
 import re
 import sys
 import time
-from pathlib import Path
 
 import aiohttp
 import pytest

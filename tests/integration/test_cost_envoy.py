@@ -91,7 +91,7 @@ async def test_a_tenant_over_its_token_rate_gets_429_with_openai_headers(make_st
         body = chat(max_tokens=150)  # ~160 tokens charged up front each
         results = [await post(http, s.url, body, acme) for _ in range(5)]
         assert [r[0] for r in results][:3] == [200, 200, 200] and results[-1][0] == 429
-        ok_headers, (status, headers, raw) = results[0][1], results[-1]
+        ok_headers, (_, headers, raw) = results[0][1], results[-1]
         assert ok_headers["x-ratelimit-limit-tokens"] == "600"
         assert int(ok_headers["x-ratelimit-remaining-tokens"]) < 600
         assert json.loads(raw)["error"]["code"] == "tenant_tokens_per_minute"

@@ -15,7 +15,6 @@ import time
 import urllib.parse
 import urllib.request
 from collections import Counter
-from pathlib import Path
 
 import aiohttp
 import pytest
@@ -23,7 +22,7 @@ import yaml
 
 from extproc.stack import Stack, free_port, wait_http
 
-from .conftest import COMPOSE, ROOT, RULE_FILES, run_tool, tool
+from .conftest import COMPOSE, ROOT, RULE_FILES, tool
 
 # Each class's upstream service time: every admitted request of the class lands in one latency bucket.
 DELAY_S = {"interactive": 0.4, "batch": 0.15}

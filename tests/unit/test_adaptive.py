@@ -1,11 +1,10 @@
 """Adaptive caps with a fake clock, saturation parsing against real vLLM's /metrics, deadline-aware rejection."""
 
-import json
 from pathlib import Path
 
 from extproc.policy.adaptive import AdaptiveLimit, PoolSaturation
 from extproc.policy.admission import ACCEPT, DEGRADE, QUEUE, REJECT, AdmissionController, RequestFacts
-from extproc.policy.limits import Completion, Outcome
+from extproc.policy.limits import Outcome
 from extproc.policy.schema import AdaptiveSpec, PoolSpec
 from extproc.server.saturation import PoolScraper, parse_vllm_metrics
 
