@@ -1,0 +1,200 @@
+"""Class slots shared through Redis: leases in a sorted set per class, taken and given back by Lua scripts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Callable
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from ..policy.schema import StoreSpec
+from ..policy.store import SlotClaim, StoreUnavailable
+
+log = logging.getLogger("extproc.store")
+
+# Keys per class: <prefix>slots:<class> is a sorted set of holders scored by lease deadline (Redis server time in
+# ms, so replicas' clocks never matter); <prefix>cost:<class> maps holders to their GPU-second cost. Every script
+# first drops expired holders from both, inside the same atomic call: a crashed replica's slots free themselves.
+_PURGE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
+if #expired > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+  for _, h in ipairs(expired) do redis.call('HDEL', KEYS[2], h) end
+end
+"""
+
+# KEYS: slots, cost. ARGV: holder, cost, cap, budget (< 0: none), lease_ms. Returns 1 (held) or 0 (class full).
+ACQUIRE = _PURGE + """
+local holder, cost, cap, budget, lease = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]),
+  tonumber(ARGV[5])
+if redis.call('ZSCORE', KEYS[1], holder) then  -- a retried acquire that already went through
+  redis.call('ZADD', KEYS[1], now + lease, holder)
+  return 1
+end
+if redis.call('ZCARD', KEYS[1]) >= cap then return 0 end
+if budget >= 0 then
+  local sum = 0
+  for _, v in ipairs(redis.call('HVALS', KEYS[2])) do sum = sum + tonumber(v) end
+  if sum + cost > budget * (1 + 1e-9) then return 0 end
+end
+redis.call('ZADD', KEYS[1], now + lease, holder)
+redis.call('HSET', KEYS[2], holder, ARGV[2])
+redis.call('PEXPIRE', KEYS[1], lease * 2)
+redis.call('PEXPIRE', KEYS[2], lease * 2)
+return 1
+"""
+
+# KEYS: slots, cost, channel. ARGV: holder, class. Announces only a release that freed something.
+RELEASE = """
+local n = redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+if n > 0 then redis.call('PUBLISH', KEYS[3], ARGV[2]) end
+return n
+"""
+
+# KEYS: slots of each held slot's class, in order. ARGV: lease_ms, then one holder per key. Extends only slots
+# still held: a lease that already expired stays gone (its holder is told, and may adopt() it again).
+RENEW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local lease = tonumber(ARGV[1])
+local out = {}
+for i, key in ipairs(KEYS) do
+  local score = redis.call('ZSCORE', key, ARGV[i + 1])
+  if score and tonumber(score) > now then
+    redis.call('ZADD', key, now + lease, ARGV[i + 1])
+    redis.call('PEXPIRE', key, lease * 2)
+    out[i] = 1
+  else
+    out[i] = 0
+  end
+end
+return out
+"""
+
+# KEYS: slots, cost per class of each adopted slot. ARGV: lease_ms, then holder and cost per class. Records
+# requests that are already running (admitted while Redis was away) whatever the cap: the count must show them.
+ADOPT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local lease = tonumber(ARGV[1])
+for i = 1, #KEYS, 2 do
+  local j = i + 1
+  redis.call('ZADD', KEYS[i], now + lease, ARGV[j])
+  redis.call('HSET', KEYS[i + 1], ARGV[j], ARGV[j + 1])
+  redis.call('PEXPIRE', KEYS[i], lease * 2)
+  redis.call('PEXPIRE', KEYS[i + 1], lease * 2)
+end
+return #KEYS / 2
+"""
+
+
+class RedisStore:
+    """SlotStore on Redis (redis-py asyncio). One round trip per acquire, per release, per renewal batch."""
+
+    shared = True
+
+    def __init__(self, spec: StoreSpec, client: aioredis.Redis | None = None):
+        self.spec = spec
+        self.prefix = spec.key_prefix
+        self.lease_ms = spec.lease_ms
+        self.timeout_s = spec.timeout_ms / 1000.0
+        self.channel = f"{self.prefix}released"
+        # No client-side retries: one call, bounded by timeout_ms, then the caller's on_failure takes over.
+        self.client = client or aioredis.Redis.from_url(
+            spec.url, socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
+            retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        self._acquire = self.client.register_script(ACQUIRE)
+        self._release = self.client.register_script(RELEASE)
+        self._renew = self.client.register_script(RENEW)
+        self._adopt = self.client.register_script(ADOPT)
+        self._listeners: list[Callable[[str], None]] = []
+        self._subscriber: asyncio.Task | None = None
+
+    def keys(self, cls: str) -> list[str]:
+        return [f"{self.prefix}slots:{cls}", f"{self.prefix}cost:{cls}"]
+
+    async def _call(self, coro):
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await coro
+        except (RedisError, OSError, TimeoutError) as e:
+            raise StoreUnavailable(f"redis {type(e).__name__}: {e}") from None
+
+    async def acquire(self, claim: SlotClaim) -> bool:
+        budget = claim.budget if claim.budget is not None else -1
+        held = await self._call(self._acquire(keys=self.keys(claim.cls), args=[
+            claim.holder, repr(float(claim.cost)), claim.cap, repr(float(budget)), self.lease_ms]))
+        return held == 1
+
+    async def release(self, cls: str, holder: str) -> None:
+        await self._call(self._release(keys=[*self.keys(cls), self.channel], args=[holder, cls]))
+
+    async def renew(self, held: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        if not held:
+            return []
+        keys = [self.keys(cls)[0] for cls, _ in held]
+        changed = await self._call(self._renew(keys=keys, args=[self.lease_ms, *(h for _, h in held)]))
+        return [slot for slot, ok in zip(held, changed) if not ok]
+
+    async def adopt(self, claims: list[SlotClaim]) -> None:
+        """Record slots of requests already running, past the cap if need be (after an outage)."""
+        if not claims:
+            return
+        keys: list[str] = []
+        args: list = [self.lease_ms]
+        for c in claims:
+            keys += self.keys(c.cls)
+            args += [c.holder, repr(float(c.cost))]
+        await self._call(self._adopt(keys=keys, args=args))
+
+    async def ping(self) -> None:
+        await self._call(self.client.ping())
+
+    async def count(self, cls: str) -> int:
+        """Slots of a class held right now, expired ones excluded (for tests and tools)."""
+        t = await self._call(self.client.time())
+        now_ms = t[0] * 1000 + t[1] // 1000
+        return await self._call(self.client.zcount(self.keys(cls)[0], f"({now_ms}", "+inf"))
+
+    def on_release(self, callback: Callable[[str], None]) -> None:
+        self._listeners.append(callback)
+
+    async def start(self) -> None:
+        self._subscriber = asyncio.create_task(self._subscribe(), name="extproc-store-subscriber")
+
+    async def close(self) -> None:
+        if self._subscriber is not None:
+            self._subscriber.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._subscriber
+        await self.client.aclose()
+
+    async def _subscribe(self) -> None:
+        """Hear every replica's releases; reconnect while Redis is away (waiters poll meanwhile)."""
+        while True:
+            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self.channel)
+                while True:
+                    # No socket timeout here: a quiet channel is normal. get_message bounds each wait itself.
+                    msg = await pubsub.get_message(timeout=1.0)
+                    if msg is not None and msg["type"] == "message":
+                        cls = msg["data"].decode() if isinstance(msg["data"], bytes) else str(msg["data"])
+                        for callback in self._listeners:
+                            callback(cls)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any failure means: reconnect later
+                log.debug("release channel lost (%s); resubscribing", e)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+            await asyncio.sleep(1.0)
