@@ -617,8 +617,15 @@ class AdmissionController:
         return (self.shared_slots and t is not None and t.holds_slot and not t.degraded and not t.closed
                 and not self._shadow_all and not t.limiter.spec.shadow)
 
-    def confirm(self, d: Decision) -> Decision:
-        """The shared store granted the global slot: the admission stands and is counted now."""
+    def confirm(self, d: Decision, waited_s: float = 0.0) -> Decision:
+        """The shared store granted the global slot, after `waited_s` in its wait (0: at once): the admission
+        stands and is counted now. A wait counts as queueing; the request's service starts now."""
+        if waited_s > 0.0:
+            t = d.ticket
+            t.waited_s += waited_s
+            t.admitted_at += waited_s
+            t.lease_until += waited_s
+            d.waited_s, d.reason = t.waited_s, R_DEQUEUED
         self.events.decided(d)
         return d
 

@@ -114,6 +114,7 @@ class SharedSlots:
         """Wait in this replica's FIFO for a global slot until the class's deadline; then 429 like a queue."""
         t = d.ticket
         claim = self.claim(t)
+        started = self.core.clock()
         w = _Waiting(t.id, claim, asyncio.get_running_loop().create_future())
         self._waiting.setdefault(claim.cls, deque()).append(w)
         self._pump(claim.cls)
@@ -124,7 +125,7 @@ class SharedSlots:
                                     f"replicas sharing it within {t.limiter.spec.max_wait_ms} ms")
         if result is _FALLBACK:
             return self._without_store(d)
-        return self.core.confirm(d)
+        return self.core.confirm(d, self.core.clock() - started)
 
     def abandon(self, d: Decision) -> None:
         """The client left while its admission waited on the store: give back whatever it got."""
@@ -237,6 +238,8 @@ class SharedSlots:
                 return
             self._switch(SHARED, "slot store answers again; caps are shared")
         try:
+            if not self.held and not self.unshared:
+                await self.store.ping()  # nothing to renew: still notice an outage before a request does
             lost = await self.store.renew([(c.cls, c.holder) for c in self.held.values()])
             if lost:
                 self.leases_lost.inc(len(lost))
