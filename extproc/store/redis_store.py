@@ -126,6 +126,10 @@ class RedisStore:
             async with asyncio.timeout(self.timeout_s):
                 return await coro
         except (RedisError, OSError, TimeoutError) as e:
+            # Pooled connections to a Redis that went away look healthy until used: drop them all now, or they
+            # fail one by one after Redis is back and flip the replica into its fallback again.
+            with contextlib.suppress(Exception):
+                await self.client.connection_pool.disconnect()
             raise StoreUnavailable(f"redis {type(e).__name__}: {e}") from None
 
     async def acquire(self, claim: SlotClaim) -> bool:
