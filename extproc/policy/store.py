@@ -39,8 +39,9 @@ class SlotStore(Protocol):
         """Take a slot if the class has one free (count and budget) across all holders; atomic, idempotent."""
         ...
 
-    async def release(self, cls: str, holder: str) -> None:
-        """Give a slot back and tell the other replicas. Idempotent: releasing twice or unknown ids is a no-op."""
+    async def release(self, slots: list[tuple[str, str]]) -> None:
+        """Give (class, holder) slots back and tell the other replicas, in one round trip. Idempotent:
+        releasing twice or unknown holders is a no-op."""
         ...
 
     async def renew(self, held: list[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -72,7 +73,7 @@ class LocalStore:
     async def acquire(self, claim: SlotClaim) -> bool:
         return True
 
-    async def release(self, cls: str, holder: str) -> None:
+    async def release(self, slots: list[tuple[str, str]]) -> None:
         pass
 
     async def renew(self, held: list[tuple[str, str]]) -> list[tuple[str, str]]:

@@ -51,11 +51,20 @@ redis.call('PEXPIRE', KEYS[2], lease * 2)
 return 1
 """
 
-# KEYS: slots, cost, channel. ARGV: holder, class. Announces only a release that freed something.
+# KEYS: slots and cost of each released slot's class, then the channel. ARGV: holder and class per slot.
+# Announces each class that got a slot back, once per call.
 RELEASE = """
-local n = redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('HDEL', KEYS[2], ARGV[1])
-if n > 0 then redis.call('PUBLISH', KEYS[3], ARGV[2]) end
+local channel = KEYS[#KEYS]
+local freed = {}
+for i = 1, #KEYS - 1, 2 do
+  if redis.call('ZREM', KEYS[i], ARGV[i]) > 0 then freed[ARGV[i + 1]] = true end
+  redis.call('HDEL', KEYS[i + 1], ARGV[i])
+end
+local n = 0
+for cls in pairs(freed) do
+  redis.call('PUBLISH', channel, cls)
+  n = n + 1
+end
 return n
 """
 
@@ -96,6 +105,9 @@ return #KEYS / 2
 """
 
 
+MAX_CONNECTIONS = 64  # per replica; each call holds one for a round trip, so this bounds calls in flight
+
+
 class RedisStore:
     """SlotStore on Redis (redis-py asyncio). One round trip per acquire, per release, per renewal batch."""
 
@@ -107,10 +119,11 @@ class RedisStore:
         self.lease_ms = spec.lease_ms
         self.timeout_s = spec.timeout_ms / 1000.0
         self.channel = f"{self.prefix}released"
-        # No client-side retries: one call, bounded by timeout_ms, then the caller's on_failure takes over.
-        self.client = client or aioredis.Redis.from_url(
-            spec.url, socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
-            retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        # No client-side retries: one call, bounded by timeout_ms, then the caller's on_failure takes over. A
+        # bounded pool that makes callers wait for a free connection (within the same timeout) rather than fail.
+        self.client = client or aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
+            spec.url, max_connections=MAX_CONNECTIONS, timeout=self.timeout_s, socket_timeout=self.timeout_s,
+            socket_connect_timeout=self.timeout_s, retry=Retry(NoBackoff(), 0), health_check_interval=0))
         self._acquire = self.client.register_script(ACQUIRE)
         self._release = self.client.register_script(RELEASE)
         self._renew = self.client.register_script(RENEW)
@@ -138,8 +151,13 @@ class RedisStore:
             claim.holder, repr(float(claim.cost)), claim.cap, repr(float(budget)), self.lease_ms]))
         return held == 1
 
-    async def release(self, cls: str, holder: str) -> None:
-        await self._call(self._release(keys=[*self.keys(cls), self.channel], args=[holder, cls]))
+    async def release(self, slots: list[tuple[str, str]]) -> None:
+        keys: list[str] = []
+        args: list[str] = []
+        for cls, holder in slots:
+            keys += self.keys(cls)
+            args += [holder, cls]
+        await self._call(self._release(keys=[*keys, self.channel], args=args))
 
     async def renew(self, held: list[tuple[str, str]]) -> list[tuple[str, str]]:
         if not held:

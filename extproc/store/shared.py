@@ -54,7 +54,8 @@ class SharedSlots:
         self._waiting: dict[str, deque[_Waiting]] = {}
         self._released: dict[str, asyncio.Event] = {}
         self._pumps: dict[str, asyncio.Task] = {}
-        self._tasks: set[asyncio.Task] = set()
+        self._to_release: list[SlotClaim] = []
+        self._releaser: asyncio.Task | None = None
         core.shared_slots = store.shared
         store.on_release(self._wake)
         self.state_gauge = Gauge("extproc_store_state", "1 for the slot store's current state: shared (Redis "
@@ -151,17 +152,25 @@ class SharedSlots:
         self._release_soon(claim)
 
     def _release_soon(self, claim: SlotClaim) -> None:
-        task = asyncio.get_running_loop().create_task(self._release(claim))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        """Queue a release; one call at a time carries every release queued meanwhile (one round trip for a
+        batch), so releases never pile up ahead of acquires under load."""
+        self._to_release.append(claim)
+        if self._releaser is None:
+            self._releaser = asyncio.get_running_loop().create_task(self._release_queued())
 
-    async def _release(self, claim: SlotClaim) -> None:
+    async def _release_queued(self) -> None:
         try:
-            await self.store.release(claim.cls, claim.holder)
-        except StoreUnavailable as e:
-            self._fail(e)  # the lease frees the slot by itself
-            return
-        self._wake(claim.cls)
+            while self._to_release:
+                batch, self._to_release = self._to_release, []
+                try:
+                    await self.store.release([(c.cls, c.holder) for c in batch])
+                except StoreUnavailable as e:
+                    self._fail(e)  # the leases free the slots by themselves
+                    continue
+                for cls in {c.cls for c in batch}:
+                    self._wake(cls)
+        finally:
+            self._releaser = None
 
     # --- waiting ---
 
@@ -268,6 +277,8 @@ class SharedSlots:
             self._fail(e)
 
     async def close(self) -> None:
-        for task in list(self._pumps.values()) + list(self._tasks):
+        if self._releaser is not None:
+            await asyncio.wait([self._releaser], timeout=1.0)
+        for task in self._pumps.values():
             task.cancel()
         await self.store.close()

@@ -42,7 +42,7 @@ async def test_fifty_clients_never_hold_more_than_the_cap(redis_server):
             peak = max(peak, holding)
             await asyncio.sleep(rnd.random() * 0.002)
             holding -= 1  # before the release is sent: `holding` never exceeds what Redis holds
-            await store.release("c", holder)
+            await store.release([("c", holder)])
 
     async def watch() -> None:
         nonlocal redis_peak
@@ -66,7 +66,7 @@ async def test_budget_counts_gpu_seconds_across_holders(redis_server):
     assert await store.acquire(claim("a", cap=10, cost=0.6, budget=1.0))
     assert not await store.acquire(claim("b", cap=10, cost=0.6, budget=1.0))
     assert await store.acquire(claim("c", cap=10, cost=0.4, budget=1.0))
-    await store.release("c", "a")
+    await store.release([("c", "a")])
     assert await store.acquire(claim("b", cap=10, cost=0.6, budget=1.0))
     await store.close()
 
@@ -80,13 +80,28 @@ async def test_release_is_idempotent_and_announced_once(redis_server):
     assert await store.acquire(claim("a"))
     assert await store.acquire(claim("a"))  # a retried acquire: still one slot
     assert await store.count("c") == 1
-    await store.release("c", "a")
-    await store.release("c", "a")
-    await store.release("c", "never-held")
+    await store.release([("c", "a")])
+    await store.release([("c", "a")])
+    await store.release([("c", "never-held")])
     assert await store.count("c") == 0
     assert await store.acquire(claim("b"))
     await asyncio.sleep(0.3)
     assert heard == ["c"]
+    await store.close()
+
+
+async def test_one_release_call_frees_many_slots_and_announces_each_class_once(redis_server):
+    store = RedisStore(spec(redis_server.url))
+    heard: list[str] = []
+    store.on_release(heard.append)
+    await store.start()
+    await asyncio.sleep(0.2)
+    for holder, cls in (("a", "x"), ("b", "x"), ("c", "y")):
+        assert await store.acquire(claim(holder, cap=5, cls=cls))
+    await store.release([("x", "a"), ("x", "b"), ("y", "c"), ("y", "gone")])
+    assert await store.count("x") == 0 and await store.count("y") == 0
+    await asyncio.sleep(0.3)
+    assert sorted(heard) == ["x", "y"]
     await store.close()
 
 
