@@ -73,6 +73,22 @@ async def run(store: dict, decisions: int, concurrency: int) -> dict:
             "p50_us": latencies[n // 2] * 1e6, "p99_us": latencies[int(n * 0.99)] * 1e6}
 
 
+async def ping_floor(url: str, n: int = 2000) -> dict:
+    """The floor: a bare redis-py asyncio PING round trip on the same loop and machine."""
+    import redis.asyncio as aioredis
+    client = aioredis.Redis.from_url(url)
+    for _ in range(100):
+        await client.ping()
+    latencies = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        await client.ping()
+        latencies.append(time.perf_counter() - t0)
+    await client.aclose()
+    latencies.sort()
+    return {"p50_us": latencies[n // 2] * 1e6, "p99_us": latencies[int(n * 0.99)] * 1e6}
+
+
 def commands(url: str) -> dict[str, int]:
     stats = redis.Redis.from_url(url).info("commandstats")
     return {k.removeprefix("cmdstat_"): v["calls"] for k, v in stats.items()}
@@ -96,6 +112,8 @@ def main() -> int:
                 per = f"{scripts / (r['decisions'] + 200):.2f}"  # acquire + release, warm-up included
                 print(f"{name:<8} {conc:>7} {r['per_s']:>12,.0f} {r['mean_us']:>9.1f} {r['p50_us']:>8.1f} "
                       f"{r['p99_us']:>8.1f} {per if name == 'redis' else '-':>17}", flush=True)
+        floor = asyncio.run(ping_floor(server.url))
+        print(f"redis-py PING round trip, same machine: p50 {floor['p50_us']:.0f} µs, p99 {floor['p99_us']:.0f} µs")
     return 0
 
 

@@ -18,37 +18,49 @@ from ..policy.store import SlotClaim, StoreUnavailable
 log = logging.getLogger("extproc.store")
 
 # Keys per class: <prefix>slots:<class> is a sorted set of holders scored by lease deadline (Redis server time in
-# ms, so replicas' clocks never matter); <prefix>cost:<class> maps holders to their GPU-second cost. Every script
+# ms, so replicas' clocks never matter); <prefix>cost:<class> maps holders to their GPU-second cost. An acquire
 # first drops expired holders from both, inside the same atomic call: a crashed replica's slots free themselves.
-_PURGE = """
+
+# KEYS: slots and cost of each claim's class. ARGV: lease_ms, then holder, cost, cap, budget (< 0: none) per
+# claim. Returns 1 (held) or 0 (class full) per claim, deciding them in order: a batch of concurrent acquires
+# from one replica costs one round trip.
+ACQUIRE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
-if #expired > 0 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-  for _, h in ipairs(expired) do redis.call('HDEL', KEYS[2], h) end
+local lease = tonumber(ARGV[1])
+local purged = {}
+local out = {}
+for i = 1, #KEYS, 2 do
+  local slots, costs, a = KEYS[i], KEYS[i + 1], 2 * i
+  local holder, cost, cap, budget = ARGV[a], tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+  if not purged[slots] then
+    purged[slots] = true
+    local expired = redis.call('ZRANGEBYSCORE', slots, '-inf', now)
+    if #expired > 0 then
+      redis.call('ZREMRANGEBYSCORE', slots, '-inf', now)
+      for _, h in ipairs(expired) do redis.call('HDEL', costs, h) end
+    end
+  end
+  local held = 0
+  if redis.call('ZSCORE', slots, holder) then  -- a retried acquire that already went through
+    held = 1
+  elseif redis.call('ZCARD', slots) < cap then
+    held = 1
+    if budget >= 0 then
+      local sum = 0
+      for _, v in ipairs(redis.call('HVALS', costs)) do sum = sum + tonumber(v) end
+      if sum + cost > budget * (1 + 1e-9) then held = 0 end
+    end
+  end
+  if held == 1 then
+    redis.call('ZADD', slots, now + lease, holder)
+    redis.call('HSET', costs, holder, ARGV[a + 1])
+    redis.call('PEXPIRE', slots, lease * 2)
+    redis.call('PEXPIRE', costs, lease * 2)
+  end
+  out[#out + 1] = held
 end
-"""
-
-# KEYS: slots, cost. ARGV: holder, cost, cap, budget (< 0: none), lease_ms. Returns 1 (held) or 0 (class full).
-ACQUIRE = _PURGE + """
-local holder, cost, cap, budget, lease = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]),
-  tonumber(ARGV[5])
-if redis.call('ZSCORE', KEYS[1], holder) then  -- a retried acquire that already went through
-  redis.call('ZADD', KEYS[1], now + lease, holder)
-  return 1
-end
-if redis.call('ZCARD', KEYS[1]) >= cap then return 0 end
-if budget >= 0 then
-  local sum = 0
-  for _, v in ipairs(redis.call('HVALS', KEYS[2])) do sum = sum + tonumber(v) end
-  if sum + cost > budget * (1 + 1e-9) then return 0 end
-end
-redis.call('ZADD', KEYS[1], now + lease, holder)
-redis.call('HSET', KEYS[2], holder, ARGV[2])
-redis.call('PEXPIRE', KEYS[1], lease * 2)
-redis.call('PEXPIRE', KEYS[2], lease * 2)
-return 1
+return out
 """
 
 # KEYS: slots and cost of each released slot's class, then the channel. ARGV: holder and class per slot.
@@ -129,6 +141,9 @@ class RedisStore:
         self._renew = self.client.register_script(RENEW)
         self._adopt = self.client.register_script(ADOPT)
         self._listeners: list[Callable[[str], None]] = []
+        self._to_acquire: list[tuple[SlotClaim, asyncio.Future]] = []
+        self._acquirer: asyncio.Task | None = None
+        self._busy = False  # an acquire call is on its way
         self._subscriber: asyncio.Task | None = None
 
     def keys(self, cls: str) -> list[str]:
@@ -146,10 +161,46 @@ class RedisStore:
             raise StoreUnavailable(f"redis {type(e).__name__}: {e}") from None
 
     async def acquire(self, claim: SlotClaim) -> bool:
-        budget = claim.budget if claim.budget is not None else -1
-        held = await self._call(self._acquire(keys=self.keys(claim.cls), args=[
-            claim.holder, repr(float(claim.cost)), claim.cap, repr(float(budget)), self.lease_ms]))
-        return held == 1
+        """One call at a time: the first goes out at once, acquires arriving meanwhile queue and are decided
+        together, in order, by the next call (a burst costs one round trip per batch, not per request)."""
+        if self._busy:
+            future = asyncio.get_running_loop().create_future()
+            self._to_acquire.append((claim, future))
+            return await future
+        self._busy = True
+        try:
+            return (await self._acquire_batch([claim]))[0]
+        finally:
+            if self._to_acquire:  # those that queued meanwhile go next, together; later arrivals join them
+                self._acquirer = asyncio.get_running_loop().create_task(self._acquire_queued())
+            else:
+                self._busy = False
+
+    async def _acquire_batch(self, claims: list[SlotClaim]) -> list[bool]:
+        keys: list[str] = []
+        args: list = [self.lease_ms]
+        for c in claims:
+            keys += self.keys(c.cls)
+            args += [c.holder, repr(float(c.cost)), c.cap, repr(float(c.budget if c.budget is not None else -1))]
+        return [h == 1 for h in await self._call(self._acquire(keys=keys, args=args))]
+
+    async def _acquire_queued(self) -> None:
+        try:
+            while self._to_acquire:
+                batch, self._to_acquire = self._to_acquire, []
+                try:
+                    held = await self._acquire_batch([c for c, _ in batch])
+                except StoreUnavailable as e:
+                    for _, future in batch:
+                        if not future.done():
+                            future.set_exception(e)
+                    continue
+                for (_, future), h in zip(batch, held):
+                    if not future.done():  # a caller that gave up releases what it may have got
+                        future.set_result(h)
+        finally:
+            self._busy = False
+            self._acquirer = None
 
     async def release(self, slots: list[tuple[str, str]]) -> None:
         keys: list[str] = []
@@ -193,6 +244,8 @@ class RedisStore:
         self._subscriber = asyncio.create_task(self._subscribe(), name="extproc-store-subscriber")
 
     async def close(self) -> None:
+        if self._acquirer is not None:
+            self._acquirer.cancel()
         if self._subscriber is not None:
             self._subscriber.cancel()
             with contextlib.suppress(asyncio.CancelledError):
