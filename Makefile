@@ -35,3 +35,6 @@ bench-overhead: venv system-deps
 
 clean:
 	rm -rf $(VENV) .cache results .pytest_cache
+
+# Real vLLM on the CPU: vllm-setup, vllm-model, vllm-serve, vllm-fixtures, e2e-vllm (docs/vllm.md).
+include Makefile.vllm

@@ -79,6 +79,43 @@ class FallbackSpec:
 
 
 @dataclass(frozen=True)
+class AdaptiveSpec:
+    """Let the class's cap move by itself (AIMD anchored to its SLO and the replicas' saturation)."""
+
+    enabled: bool = doc("Adapt the cap; `max_concurrency` is the starting point. Needs `slo_p95_ms`.", False)
+    min_limit: int = doc("The cap never goes below this.", 2, minimum=1)
+    max_limit: int = doc("The cap never goes above this.", 256, minimum=1)
+    interval_s: float = doc("How often the cap may move.", 1.0, minimum=0.05)
+    window_s: float = doc("Short window of completed requests the p95 is taken over.", 10.0, minimum=0.1)
+    min_samples: int = doc("Completions the window needs before latency moves the cap.", 10, minimum=1)
+    cut_at: float = doc("Cut when the window's p95 exceeds this fraction of the SLO.", 0.9, minimum=0.1,
+                        maximum=2)
+    raise_below: float = doc("Raise only while the p95 is under this fraction of the SLO.", 0.7, minimum=0.05,
+                             maximum=1)
+    binding: float = doc("...and in-flight is at least this fraction of the cap (an idle class does not drift "
+                         "up).", 0.8, minimum=0, maximum=1)
+    decrease: float = doc("Multiplicative cut.", 0.8, minimum=0.1, maximum=0.99)
+    increase: float = doc("Additive raise per interval.", 1.0, minimum=0.01)
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """A model pool's replicas, scraped for vLLM's own saturation signals."""
+
+    replicas: list[str] = doc("HOST:PORT of each replica (its vLLM /metrics). Empty with `envoy_admin`: taken "
+                              "from Envoy's cluster membership.", factory=list)
+    envoy_admin: str | None = doc("Envoy admin URL (e.g. http://127.0.0.1:9901) to read the cluster's "
+                                  "endpoints from, when `replicas` is empty.", None)
+    scrape_interval_ms: int = doc("How often each replica's /metrics is read.", 200, minimum=20)
+    stale_ms: int = doc("Metrics older than this count as saturated (a replica that cannot answer is not "
+                        "healthy headroom).", 1500, minimum=100)
+    kv_saturated: float = doc("vllm:kv_cache_usage_perc at or above this is saturation.", 0.9, minimum=0.1,
+                              maximum=1)
+    waiting_saturated: float = doc("vllm:num_requests_waiting per replica at or above this is saturation.", 1.0,
+                                   minimum=0)
+
+
+@dataclass(frozen=True)
 class ClassSpec:
     """One traffic class: its concurrency cap, its bounded deadline queue, its SLO and breakers."""
 
@@ -101,6 +138,10 @@ class ClassSpec:
         "When the queue is full or the wait expires: `reject` with 429, or take the `fallback` (e.g. send "
         "interactive overflow to the small model).", "reject")
     shadow: bool = doc("Shadow this class only: decide and count, but admit everything.", False)
+    adaptive: AdaptiveSpec = doc("Adaptive cap.", factory=AdaptiveSpec)
+    early_reject: bool = doc("Refuse (or fall back) at arrival when the queue ahead, at the class's observed "
+                             "drain rate, cannot clear within `max_wait_ms` - instead of letting the request wait "
+                             "first and time out.", True)
 
 
 @dataclass(frozen=True)
@@ -235,6 +276,8 @@ class Policy:
     classify: ClassifySpec = doc("Where requests claim a class.", factory=ClassifySpec)
     tenants: list[TenantSpec] = doc("Tenants and their class limits.", factory=list)
     anonymous: AnonymousSpec = doc("Limits for requests without a known API key.", factory=AnonymousSpec)
+    pools: dict[str, PoolSpec] = doc("Envoy clusters whose replicas are scraped for saturation (used by adaptive "
+                                     "caps).", factory=dict)
     sessions: SessionSpec = doc("Agent-session budgets.", factory=SessionSpec)
     fleet: FleetSpec = doc("Fleet capacity, for sanity checks of rate limits.", factory=FleetSpec)
     learn_sample: float = doc("Share of streamed responses whose usage is read for cost learning (each costs "
@@ -435,7 +478,18 @@ def _check_references(p: Policy, errors: list[str]) -> None:
                 # Never echo the key itself: policy errors end up in logs.
                 errors.append(f"{base}.api_keys[{j}]: key already belongs to tenant {seen_keys[key]!r}")
             seen_keys[key] = t.name
+    clusters = {m.cluster for m in p.models.values()}
+    for name in p.pools:
+        if name not in clusters:
+            errors.append(f"pools.{name}: no model routes to this cluster (clusters: {', '.join(sorted(clusters))})")
     for name, spec in p.classes.items():
+        ad = spec.adaptive
+        if ad.enabled and not spec.slo_p95_ms:
+            errors.append(f"classes.{name}.adaptive: needs the class's slo_p95_ms (the target it adapts to)")
+        if ad.min_limit > ad.max_limit:
+            errors.append(f"classes.{name}.adaptive.min_limit: above max_limit")
+        if ad.raise_below >= ad.cut_at:
+            errors.append(f"classes.{name}.adaptive.raise_below: must be below cut_at (the hold band)")
         fb = spec.fallback
         if fb.model is not None and fb.model not in p.models:
             errors.append(f"classes.{name}.fallback.model: unknown model {fb.model!r} "

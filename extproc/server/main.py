@@ -23,6 +23,7 @@ from ..store import open_store
 from ..store.shared import SharedSlots
 from ..telemetry import Telemetry
 from .accesslog import AccessLogReceiver
+from .saturation import SaturationScrapers
 from .servicer import ExtProcServicer
 
 log = logging.getLogger("extproc")
@@ -44,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--watch-interval", type=float, default=2.0,
                    help="seconds between checks of the policy file for changes (0 disables; SIGHUP always works)")
     p.add_argument("--log-level", default=os.environ.get("EXTPROC_LOG_LEVEL", "INFO"))
+    p.add_argument("--log-accept-sample", type=float, default=0.0, metavar="FRACTION",
+                   help="also log this share of accepted requests (refusals are always logged), e.g. 0.01")
 
 
 class Server:
@@ -52,7 +55,7 @@ class Server:
     def __init__(self, policy_path: str, policy: Policy, args: argparse.Namespace):
         self.policy_path = policy_path
         self.args = args
-        self.telemetry = Telemetry()
+        self.telemetry = Telemetry(log_accept_sample=args.log_accept_sample)
         self.core = AdmissionController(policy, events=self.telemetry)
         self.sustained = SustainedLoad(policy.sustained_window_s)
         self.telemetry.watch(self.core, self.sustained)
@@ -60,6 +63,7 @@ class Server:
         self.shared = SharedSlots(self.core, store, self.telemetry.registry) if store.shared else None
         self.servicer = ExtProcServicer(self.core, max_body_bytes=args.max_body_bytes, shared=self.shared)
         self.access_log = AccessLogReceiver(self.core)
+        self.scrapers = SaturationScrapers(self.core)
         self._mtime = _mtime(policy_path)
         self.ready = False
 
@@ -79,10 +83,17 @@ class Server:
             self.shared.apply(policy)
         else:
             self.core.apply(policy)
+        asyncio.get_running_loop().create_task(self.scrapers.configure(policy.pools))
         self.telemetry.reloads.labels("applied").inc()
         self.telemetry.reload_ok.set(1)
         log.info("policy reloaded from %s", self.policy_path)
         return True
+
+    async def control(self) -> None:
+        """Adaptive caps move on their own interval; tick often enough that none waits long for its turn."""
+        while True:
+            await asyncio.sleep(0.1)
+            self.core.tick()
 
     async def housekeeping(self) -> None:
         """Renew live leases, reap expired ones, and pick up policy file changes."""
@@ -132,6 +143,8 @@ class Server:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         housekeeping = asyncio.create_task(self.housekeeping())
+        control = asyncio.create_task(self.control())
+        await self.scrapers.configure(self.core.policy.pools)
         log.info("extproc serving: grpc %s:%d, http %s:%d, policy %s", host, bound, *self.args.metrics,
                  self.policy_path)
         print(f"extproc ready grpc={host}:{bound} http={self.args.metrics[0]}:{self.args.metrics[1]}", flush=True)
@@ -140,6 +153,8 @@ class Server:
         self.ready = False
         await health_servicer.enter_graceful_shutdown()
         housekeeping.cancel()
+        control.cancel()
+        await self.scrapers.stop()
         await grpc_server.stop(grace=5.0)
         if self.shared is not None:
             await self.shared.close()
