@@ -104,7 +104,11 @@ def local_share(policy: Policy, instances: int) -> Policy:
     classes = {}
     for name, spec in policy.classes.items():
         budget = spec.max_inflight_gpu_seconds
+        adaptive = spec.adaptive
+        if adaptive.enabled:  # an adaptive cap moves within its share too
+            adaptive = dataclasses.replace(adaptive, min_limit=max(1, adaptive.min_limit // instances),
+                                           max_limit=max(1, adaptive.max_limit // instances))
         classes[name] = dataclasses.replace(
-            spec, max_concurrency=max(1, spec.max_concurrency // instances),
+            spec, max_concurrency=max(1, spec.max_concurrency // instances), adaptive=adaptive,
             max_inflight_gpu_seconds=budget / instances if budget is not None else None)
     return dataclasses.replace(policy, classes=classes)

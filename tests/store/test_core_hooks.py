@@ -85,3 +85,10 @@ def test_local_share_divides_caps_and_budgets_with_at_least_one_slot():
     assert share.classes["interactive"].max_inflight_gpu_seconds == 10.0 / 3
     assert share.classes["batch"].max_concurrency == 1 and share.classes["batch"].max_inflight_gpu_seconds is None
     assert local_share(policy, 1) is policy
+
+
+def test_local_share_divides_an_adaptive_caps_bounds():
+    policy = make_policy(classes={"interactive": {"max_concurrency": 16, "slo_p95_ms": 2000, "adaptive": {
+        "enabled": True, "min_limit": 4, "max_limit": 64}}, "batch": {"max_concurrency": 4}})
+    adaptive = local_share(policy, 4).classes["interactive"].adaptive
+    assert (adaptive.min_limit, adaptive.max_limit) == (1, 16)
