@@ -41,9 +41,13 @@ class Telemetry:
         self.duration = Histogram("extproc_request_duration_seconds",
                                   "Admission to end of response, by class and how the request ended.",
                                   ["class", "outcome"], buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("extproc_time_to_first_byte_seconds",
-                              "Request start to the first response byte sent to the client (for streams: the "
-                              "first token, as vLLM sends headers with it), from Envoy's access log.",
+        self.ttfb = Histogram("extproc_time_to_first_byte_seconds",
+                              "Request start to the first response byte sent to the client (the response headers; "
+                              "vLLM sends them before the first token), from Envoy's access log, every request.",
+                              ["class"], buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("extproc_time_to_first_token_seconds",
+                              "Arrival at the ext_proc to the first body chunk carrying generated text, on the "
+                              "sampled streams whose body is read (policy learn_sample).",
                               ["class"], buckets=LATENCY_BUCKETS, registry=r)
         self.demotions = Counter("extproc_class_demotions", "Requests that claimed a class above their tenant's "
                                  "max_class and were demoted.", ["tenant"], registry=r)
@@ -142,6 +146,9 @@ class Telemetry:
             line.update(would=d.shadow_would.kind, would_reason=d.shadow_would.reason)
         decision_log.info(json.dumps(line, separators=(",", ":")))
 
+    def first_token(self, ticket: Ticket, seconds: float) -> None:
+        self.ttft.labels(ticket.cls).observe(seconds)
+
     def queued(self, waiter: Waiter) -> None:
         self.queue_entries.labels(waiter.limiter.name).inc()
 
@@ -153,7 +160,7 @@ class Telemetry:
         h.observe(duration_s)
         c = ticket.completion
         if c is not None and c.first_byte_s is not None and outcome is Outcome.OK:
-            self.ttft.labels(ticket.cls).observe(c.first_byte_s)
+            self.ttfb.labels(ticket.cls).observe(c.first_byte_s)
 
     def shadow(self, cls: str, would: str, reason: str) -> None:
         self.shadow_decisions.labels(cls, would, reason).inc()  # the request's own log line carries `would`

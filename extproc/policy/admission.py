@@ -116,6 +116,7 @@ class AdmissionEvents(Protocol):
     def shadow(self, cls: str, would: str, reason: str) -> None: ...
     def breaker_changed(self, cls: str, pool: str, breaker: Breaker, state: str) -> None: ...
     def cost_observed(self, ticket: Ticket, estimated_s: float, actual_s: float) -> None: ...
+    def first_token(self, ticket: Ticket, seconds: float) -> None: ...
 
 
 class NoEvents:
@@ -135,6 +136,9 @@ class NoEvents:
         pass
 
     def cost_observed(self, ticket: Ticket, estimated_s: float, actual_s: float) -> None:
+        pass
+
+    def first_token(self, ticket: Ticket, seconds: float) -> None:
         pass
 
 
@@ -530,6 +534,10 @@ class AdmissionController:
             return False
         ticket.completion = completion  # the stream has not closed yet: finish() accounts it
         return True
+
+    def first_token(self, ticket: Ticket, seconds: float) -> None:
+        """Time from arrival to the first generated token of a stream (measured on the sampled ones)."""
+        self.events.first_token(ticket, seconds)
 
     def usage(self, ticket: Ticket, prompt_tokens: int, completion_tokens: int) -> None:
         """Real token usage read from the response (learned from when the request is accounted)."""

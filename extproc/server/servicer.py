@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -87,7 +88,7 @@ class _Stream:
     """Per-request state of one ext_proc stream."""
 
     __slots__ = ("facts", "path", "ticket", "waiter", "gated", "body", "cluster", "decision", "status",
-                 "queue_wait_ms", "learn", "sse", "strip_usage", "response_json")
+                 "queue_wait_ms", "learn", "sse", "strip_usage", "response_json", "arrived", "first_token")
 
     def __init__(self) -> None:
         self.facts: RequestFacts | None = None  # set when the request is ours to admit
@@ -104,6 +105,8 @@ class _Stream:
         self.sse = False                   # the learned response is an event stream
         self.strip_usage = False           # ... from a usage chunk the client did not ask for
         self.response_json = b""           # buffered non-streamed response body
+        self.arrived = 0.0                 # when the request headers reached the ext_proc
+        self.first_token = False           # a learned stream's first token has been seen
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
@@ -175,6 +178,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         if method != b"POST" or path not in GENERATION_PATHS:
             return PASS_THROUGH
         st.path = path
+        st.arrived = self.core.clock()
         st.facts = RequestFacts(api_key=bearer_key(authorization), header_class=claim or None,
                                 request_id=request_id, session_id=session)
         if msg.end_of_stream:  # a generation POST without a body
@@ -232,6 +236,11 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 self._learn_usage(st, _usage_of(st.response_json))
             return CONTINUE["response_body"]
         chunk = msg.body
+        if not st.first_token and _FIRST_TOKEN.search(chunk):
+            # Time to first token, measured where the protocol lets us see it: the first body chunk carrying
+            # generated text, on the sampled streams whose body the ext_proc reads anyway.
+            st.first_token = True
+            self.core.first_token(st.ticket, self.core.clock() - st.arrived)
         if b'"usage"' not in chunk or b'"choices":[]' not in chunk:
             return CONTINUE["response_body"]
         kept, usage = _split_usage_event(chunk)
@@ -384,6 +393,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         """Renew the lease of every ticket whose stream is still open (called periodically)."""
         for t in self.live:
             self.core.renew(t)
+
+
+# A chat delta or completion choice with at least one character of text (the role chunk's content is "").
+_FIRST_TOKEN = re.compile(rb'"(?:content|text)":"[^"]')
 
 
 def _usage_of(raw: bytes) -> dict | None:
