@@ -21,13 +21,17 @@ log = logging.getLogger("extproc.store")
 # ms, so replicas' clocks never matter); <prefix>cost:<class> maps holders to their GPU-second cost. An acquire
 # first drops expired holders from both, inside the same atomic call: a crashed replica's slots free themselves.
 
-# KEYS: slots and cost of each claim's class. ARGV: lease_ms, then holder, cost, cap, budget (< 0: none) per
-# claim. Returns 1 (held) or 0 (class full) per claim, deciding them in order: a batch of concurrent acquires
-# from one replica costs one round trip.
-ACQUIRE = """
+# Every script but the release starts here: Redis's clock (never a replica's) and the lease from ARGV[1].
+_NOW = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local lease = tonumber(ARGV[1])
+"""
+
+# KEYS: slots and cost of each claim's class. ARGV: lease_ms, then holder, cost, cap, budget (< 0: none) per
+# claim. Returns 1 (held) or 0 (class full) per claim, deciding them in order: a batch of concurrent acquires
+# from one replica costs one round trip.
+ACQUIRE = _NOW + """
 local purged = {}
 local out = {}
 for i = 1, #KEYS, 2 do
@@ -82,10 +86,7 @@ return n
 
 # KEYS: slots of each held slot's class, in order. ARGV: lease_ms, then one holder per key. Extends only slots
 # still held: a lease that already expired stays gone (its holder is told, and may adopt() it again).
-RENEW = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local lease = tonumber(ARGV[1])
+RENEW = _NOW + """
 local out = {}
 for i, key in ipairs(KEYS) do
   local score = redis.call('ZSCORE', key, ARGV[i + 1])
@@ -102,10 +103,7 @@ return out
 
 # KEYS: slots, cost per class of each adopted slot. ARGV: lease_ms, then holder and cost per class. Records
 # requests that are already running (admitted while Redis was away) whatever the cap: the count must show them.
-ADOPT = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local lease = tonumber(ARGV[1])
+ADOPT = _NOW + """
 for i = 1, #KEYS, 2 do
   local j = i + 1
   redis.call('ZADD', KEYS[i], now + lease, ARGV[j])

@@ -71,12 +71,18 @@ async def test_budget_counts_gpu_seconds_across_holders(redis_server):
     await store.close()
 
 
-async def test_release_is_idempotent_and_announced_once(redis_server):
-    store = RedisStore(spec(redis_server.url))
+async def listening(url: str) -> tuple[RedisStore, list[str]]:
+    """A store subscribed to the release channel, and the classes it has heard released so far."""
+    store = RedisStore(spec(url))
     heard: list[str] = []
     store.on_release(heard.append)
     await store.start()
     await asyncio.sleep(0.2)  # subscribed
+    return store, heard
+
+
+async def test_release_is_idempotent_and_announced_once(redis_server):
+    store, heard = await listening(redis_server.url)
     assert await store.acquire(claim("a"))
     assert await store.acquire(claim("a"))  # a retried acquire: still one slot
     assert await store.count("c") == 1
@@ -91,11 +97,7 @@ async def test_release_is_idempotent_and_announced_once(redis_server):
 
 
 async def test_one_release_call_frees_many_slots_and_announces_each_class_once(redis_server):
-    store = RedisStore(spec(redis_server.url))
-    heard: list[str] = []
-    store.on_release(heard.append)
-    await store.start()
-    await asyncio.sleep(0.2)
+    store, heard = await listening(redis_server.url)
     for holder, cls in (("a", "x"), ("b", "x"), ("c", "y")):
         assert await store.acquire(claim(holder, cap=5, cls=cls))
     await store.release([("x", "a"), ("x", "b"), ("y", "c"), ("y", "gone")])
