@@ -156,6 +156,9 @@ class AdmissionController:
         self.saturation: dict[str, PoolSaturation] = {}  # pool -> the replicas' own load (set by a scraper)
         self._unreported: OrderedDict[int, Ticket] = OrderedDict()  # released, completion report pending
         self._retired: list[ClassLimiter] = []
+        # Set by an adapter whose shared store must confirm each admission (see gated()): such admissions are
+        # counted once, by confirm() or revoke(), instead of when decided.
+        self.shared_slots = False
         self.apply(policy)
 
     # --- configuration ---
@@ -673,8 +676,61 @@ class AdmissionController:
             w.on_result(d)
 
     def _emit(self, d: Decision) -> Decision:
+        if not self.gated(d):
+            self.events.decided(d)
+        return d
+
+    # --- a shared store's say (extproc.policy.store): the adapter awaits it between decide() and the answer ---
+
+    def gated(self, d: Decision) -> bool:
+        """Whether this admission also needs a global slot from the shared store before it stands.
+
+        Only enforced class slots are shared; degraded slots and shadow passes stay per replica."""
+        t = d.ticket
+        return (self.shared_slots and t is not None and t.holds_slot and not t.degraded and not t.closed
+                and not self._shadow_all and not t.limiter.spec.shadow)
+
+    def confirm(self, d: Decision, waited_s: float = 0.0) -> Decision:
+        """The shared store granted the global slot, after `waited_s` in its wait (0: at once): the admission
+        stands and is counted now. A wait counts as queueing; the request's service starts now."""
+        if waited_s > 0.0:
+            t = d.ticket
+            t.waited_s += waited_s
+            t.admitted_at += waited_s
+            t.lease_until += waited_s
+            d.waited_s, d.reason = t.waited_s, R_DEQUEUED
         self.events.decided(d)
         return d
+
+    def revoke(self, d: Decision, status: int, reason: str, message: str) -> Decision:
+        """The shared store did not grant a global slot (none within the class's wait, store down and failing
+        closed, or the client left): the local slot goes back unused and the request gets a refusal instead.
+        A class with `on_overflow: fallback` takes its fallback on a wait that timed out."""
+        t = d.ticket
+        now = self.clock()
+        lim = t.limiter
+        if not t.closed:  # closed without accounting: the request never ran
+            t.closed = True
+            self.tickets.pop(t.id, None)
+            lim.inflight -= 1
+            lim.inflight_cost -= t.cost
+            charge = t.charge
+            if charge is not None and charge.session is not None:
+                self.sessions.release(charge.session, t.cost)
+            if charge is not None and charge.tenant is not None:
+                charge.tenant.correct(charge.estimate.tokens, 0)
+            if lim in self._retired and lim.inflight == 0:
+                self._retired.remove(lim)
+        waited = t.waited_s + (now - t.admitted_at)
+        if reason == R_QUEUE_TIMEOUT and lim.spec.on_overflow == "fallback":
+            out = self._fallback(lim, lim.name, t.tenant, t.pool, R_QUEUE_TIMEOUT, now, overflow=True,
+                                 waited_s=waited, charge=t.charge)
+        else:
+            out = Decision(REJECT, reason, lim.name, t.tenant, status=status, message=message, waited_s=waited,
+                           retry_after=lim.retry_after_s(now, self._retry_ceiling), cluster=t.pool)
+        out.headers = d.headers
+        self._grant(lim, now)
+        return self._emit(out)
 
     # --- introspection (metrics collectors read this at scrape time) ---
 

@@ -233,6 +233,38 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
+class StoreSpec:
+    """Where class slots are counted: in this process only, or in Redis shared by every ext_proc replica."""
+
+    kind: Literal["memory", "redis"] = doc(
+        "`memory`: each ext_proc counts its own slots (one replica, or caps meant per replica). `redis`: every "
+        "replica pointing at the same Redis and `key_prefix` shares each class's `max_concurrency` and "
+        "`max_inflight_gpu_seconds`; a request admitted locally also takes a global slot (one round trip) and "
+        "waits up to the class's `max_wait_ms` for one. Changes to this section apply on restart.", "memory")
+    url: str = doc("redis: the server, as a redis-py URL (`redis://host:6379/0`, `rediss://` for TLS, "
+                   "`unix:///path`).", "redis://127.0.0.1:6379/0")
+    key_prefix: str = doc("redis: prefix of every key and of the release channel; replicas that share caps use "
+                          "the same prefix, separate fleets use different ones.", "extproc:")
+    lease_ms: int = doc("redis: a global slot expires this long after its last renewal. Live requests are "
+                        "renewed every second, so a killed replica's slots free themselves within this time.",
+                        10_000, minimum=2_000, maximum=600_000)
+    timeout_ms: int = doc("redis: longest wait for one Redis call; a slower or failed call switches to "
+                          "`on_failure` until a probe (every second) finds Redis answering again.", 50,
+                          minimum=1, maximum=10_000)
+    poll_ms: int = doc("redis: a request waiting for a global slot retries at least this often. Releases are "
+                       "announced on a pub/sub channel, so most waits end sooner; expired leases are not "
+                       "announced, and this bounds how late they are noticed.", 100, minimum=10, maximum=5_000)
+    instances: int = doc("redis: ext_proc replicas sharing the caps. Only used while Redis is unreachable "
+                         "with `on_failure: local`: each replica then admits its share, the cap divided by "
+                         "this (at least 1 per class).", 1, minimum=1)
+    on_failure: Literal["local", "closed"] = doc(
+        "redis: while Redis is unreachable or slower than `timeout_ms`: `local` admits against per-replica "
+        "caps (fail open), `closed` refuses requests that would need a global slot with 503 "
+        "`store_unavailable` (fail closed). Either way the switch is logged, counted in "
+        "extproc_store_switches_total, and undone when Redis answers again.", "local")
+
+
+@dataclass(frozen=True)
 class Policy:
     """The admission policy."""
 
@@ -264,6 +296,8 @@ class Policy:
     sustained_window_s: float = doc("Window of the sustained-load gauges (extproc_queue_depth_avg, "
                                     "extproc_inflight_ratio_avg) that autoscalers should read.", 300.0, minimum=10)
     retry_after_max_s: int = doc("Upper bound on the Retry-After seconds sent with 429/503.", 60, minimum=1)
+    store: StoreSpec = doc("Where class slots are counted (per replica, or shared through Redis).",
+                           factory=StoreSpec)
 
     # --- derived views (not part of the YAML) ---
     def class_names(self) -> list[str]:

@@ -19,6 +19,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ..policy.admission import AdmissionController
 from ..policy.sustained import SustainedLoad
 from ..policy.schema import Policy, PolicyError, load_policy_file
+from ..store import open_store
+from ..store.shared import SharedSlots
 from ..telemetry import Telemetry
 from .accesslog import AccessLogReceiver
 from .saturation import SaturationScrapers
@@ -57,7 +59,9 @@ class Server:
         self.core = AdmissionController(policy, events=self.telemetry)
         self.sustained = SustainedLoad(policy.sustained_window_s)
         self.telemetry.watch(self.core, self.sustained)
-        self.servicer = ExtProcServicer(self.core, max_body_bytes=args.max_body_bytes)
+        store = open_store(policy.store)
+        self.shared = SharedSlots(self.core, store, self.telemetry.registry) if store.shared else None
+        self.servicer = ExtProcServicer(self.core, max_body_bytes=args.max_body_bytes, shared=self.shared)
         self.access_log = AccessLogReceiver(self.core)
         self.scrapers = SaturationScrapers(self.core)
         self._mtime = _mtime(policy_path)
@@ -73,7 +77,12 @@ class Server:
             self.telemetry.reload_ok.set(0)
             log.error("policy reload refused, keeping the current policy:\n  %s", "\n  ".join(e.errors))
             return False
-        self.core.apply(policy)
+        if policy.store != self.core.policy.store:
+            log.warning("policy reload: changes to `store` apply on restart; keeping the running store")
+        if self.shared is not None:
+            self.shared.apply(policy)
+        else:
+            self.core.apply(policy)
         asyncio.get_running_loop().create_task(self.scrapers.configure(policy.pools))
         self.telemetry.reloads.labels("applied").inc()
         self.telemetry.reload_ok.set(1)
@@ -92,7 +101,11 @@ class Server:
         while True:
             await asyncio.sleep(1.0)
             self.servicer.renew_live()
-            self.core.reap()
+            expired = self.core.reap()
+            if self.shared is not None:
+                for t in expired:
+                    self.shared.release(t)
+                await self.shared.tick()
             now = self.core.clock()
             self.sustained.window_s = self.core.policy.sustained_window_s
             self.sustained.sample(now, self.core.snapshot())
@@ -117,6 +130,8 @@ class Server:
         if not bound:
             raise SystemExit(f"cannot listen on {host}:{port} for gRPC")
         await grpc_server.start()
+        if self.shared is not None:
+            await self.shared.start()
         runner = await self._start_http()
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         await health_servicer.set("envoy.service.ext_proc.v3.ExternalProcessor",
@@ -141,6 +156,8 @@ class Server:
         control.cancel()
         await self.scrapers.stop()
         await grpc_server.stop(grace=5.0)
+        if self.shared is not None:
+            await self.shared.close()
         await runner.cleanup()
 
     async def _start_http(self) -> web.AppRunner:
