@@ -61,7 +61,7 @@ def parse_modes(text: str) -> list[Mode]:
 
 
 def scale_durations(data: Any, speed: float, unscaled: frozenset[str] = UNSCALED_POLICY_KEYS) -> Any:
-    """A copy of parsed policy YAML with every *_ms / *_s number divided by `speed` (ints stay ints, >= 1)."""
+    """A copy of parsed policy YAML with every *_ms / *_s number divided by `speed` (int *_ms stay ints, >= 1)."""
     if isinstance(data, list):
         return [scale_durations(v, speed, unscaled) for v in data]
     if not isinstance(data, dict):
@@ -70,7 +70,12 @@ def scale_durations(data: Any, speed: float, unscaled: frozenset[str] = UNSCALED
     for key, value in data.items():
         is_duration = isinstance(key, str) and key.endswith(("_ms", "_s")) and key not in unscaled
         if is_duration and isinstance(value, (int, float)) and not isinstance(value, bool):
-            value = max(1, round(value / speed)) if isinstance(value, int) else value / speed
+            # *_ms are whole milliseconds (>= 1: 0 means "none"); *_s are float seconds, never rounded (an
+            # `interval_s: 1` at speed 5 is 0.2 s, not 1 s).
+            if key.endswith("_ms") and isinstance(value, int):
+                value = max(1, round(value / speed))
+            else:
+                value = value / speed
         else:
             value = scale_durations(value, speed, unscaled)
         out[key] = value
