@@ -10,9 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-from .modes import parse_modes
+from .modes import DEFAULT_MODES, MODES, parse_modes
 from .report import tables, write_report
-from .results import WindowStats, targets, window_stats
+from .results import WindowStats, adaptive_targets, targets, window_stats
 from .runner import ModeResult, RunSettings, run_mode
 from .scenario import Scenario
 from .whatif import what_if
@@ -25,18 +25,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speed", type=float, default=DEFAULT_SPEED,
                    help="simulated seconds per wall second (the whole stack's time-based settings are scaled)")
     p.add_argument("--out", help="results folder (default: results/YYYYmmdd-HHMMSS)")
-    p.add_argument("--modes", default="a,b,c,d", help="which modes, in order: a,b,c,d")
+    p.add_argument("--modes", default=DEFAULT_MODES, help=f"which modes, in order: {','.join(MODES)}")
     p.add_argument("--phase-s", type=float, help="cut every phase to this many simulated seconds (quick looks)")
     p.add_argument("--progress-every", type=float, default=5.0, help="wall seconds between progress lines")
     p.add_argument("--what-if", action="store_true",
                    help="no processes: run the ext_proc modes' policies against engine models in simulated time "
                         "(seconds; for tuning a policy, see docs/demo.md)")
+    p.add_argument("--show-limits", action="store_true", help="with --what-if: print every move of adaptive caps")
 
 
 def mode_stats(res: ModeResult, scenario: Scenario) -> dict[str, WindowStats]:
-    """The mode's numbers during the spike (the phase with the highest rate) and over the whole run."""
-    spike = max(scenario.phases, key=lambda p: p.rate).name
-    windows = {"spike": scenario.window(spike), "overall": (0.0, scenario.duration_s)}
+    """The mode's numbers in each of the scenario's report windows (default: the spike) and over the whole run."""
+    windows = {**scenario.report_windows(), "overall": (0.0, scenario.duration_s)}
     has_extproc = res.mode.stack_mode == "extproc"
     return {name: window_stats(res.records, w, scenario.slo_class, scenario.slo_p95_s, scenario.client_timeout_s,
                                has_extproc) for name, w in windows.items()}
@@ -50,11 +50,13 @@ def load_scenario(args: argparse.Namespace) -> Scenario:
 def print_tables(results: list[ModeResult], scenario: Scenario) -> tuple[dict, dict, list]:
     stats = {r.mode.key: mode_stats(r, scenario) for r in results}
     degraded = {r.mode.key: 100.0 * r.served_elsewhere / max(1, len(r.records)) for r in results}
-    found = targets({k: v["spike"] for k, v in stats.items()}, scenario.slo_p95_s)
+    names = list(scenario.report_windows())
+    found = targets({k: v[names[0]] for k, v in stats.items()}, scenario.slo_p95_s) if names == ["spike"] else []
+    found += adaptive_targets(stats, names, scenario.slo_p95_s)
     print()
     print(tables(stats, {r.mode.key: r.mode.label for r in results}, scenario, degraded))
     if found:
-        print("\nTargets (mode d during the spike):")
+        print("\nTargets:")
         for t in found:
             print(f"  {t.line()}")
     return stats, degraded, found
@@ -65,7 +67,14 @@ def what_if_tables(args: argparse.Namespace) -> int:
     scenario = load_scenario(args)
     capacity = scenario.fleet_capacity()
     modes = [m for m in parse_modes(args.modes) if m.policy]
-    print_tables([ModeResult(m, what_if(scenario, m.policy, capacity), 0.0) for m in modes], scenario)
+    results = []
+    for m in modes:
+        res = what_if(scenario, m.policy, capacity)
+        results.append(ModeResult(m, res.records, 0.0, served_elsewhere=res.served_elsewhere))
+        if args.show_limits:
+            moves = " ".join(f"{t:.0f}s:" + ",".join(f"{c}={v}" for c, v in lim.items()) for t, lim in res.limits)
+            print(f"{m.key} caps: {moves or '(static)'}")
+    print_tables(results, scenario)
     return 0
 
 
@@ -87,9 +96,9 @@ async def demo(args: argparse.Namespace, command: str) -> int:
         print(f"== mode {mode.key}: {mode.label}", flush=True)
         res = await run_mode(mode, scenario, settings)
         results.append(res)
-        s = mode_stats(res, scenario)["spike"]
-        print(f"== mode {mode.key} done in {res.wall_s:.0f}s: {len(res.records)} requests; spike: "
-              f"{scenario.slo_class} p99 {s.p99:.2f}s, goodput {s.goodput:.2f}/s, {s.tokens_per_s:.0f} tokens/s",
+        parts = [f"{w}: {scenario.slo_class} p99 {s.p99:.2f}s, goodput {s.goodput:.2f}/s, "
+                 f"{s.tokens_per_s:.0f} tokens/s" for w, s in mode_stats(res, scenario).items() if w != "overall"]
+        print(f"== mode {mode.key} done in {res.wall_s:.0f}s: {len(res.records)} requests; " + "; ".join(parts),
               flush=True)
     stats, degraded, found = print_tables(results, scenario)
     report = write_report(out, results, stats, scenario, capacity, args.speed, found, degraded, command)

@@ -46,7 +46,10 @@ MODES = {
     "b": Mode("b", "Envoy adaptive_concurrency", "adaptive", adaptive=ADAPTIVE_TUNED),
     "c": Mode("c", "static per-class caps (playbook)", "extproc", policy="policies/demo-static.yaml"),
     "d": Mode("d", "our full policy", "extproc", policy="policies/demo-full.yaml"),
+    "e": Mode("e", "adaptive caps (d + AIMD on the SLO and vLLM saturation)", "extproc",
+              policy="policies/demo-adaptive.yaml"),
 }
+DEFAULT_MODES = "a,b,c,d,e"
 
 
 def parse_modes(text: str) -> list[Mode]:
@@ -58,7 +61,7 @@ def parse_modes(text: str) -> list[Mode]:
 
 
 def scale_durations(data: Any, speed: float, unscaled: frozenset[str] = UNSCALED_POLICY_KEYS) -> Any:
-    """A copy of parsed policy YAML with every *_ms / *_s number divided by `speed` (ints stay ints, >= 1)."""
+    """A copy of parsed policy YAML with every *_ms / *_s number divided by `speed` (int *_ms stay ints, >= 1)."""
     if isinstance(data, list):
         return [scale_durations(v, speed, unscaled) for v in data]
     if not isinstance(data, dict):
@@ -67,16 +70,28 @@ def scale_durations(data: Any, speed: float, unscaled: frozenset[str] = UNSCALED
     for key, value in data.items():
         is_duration = isinstance(key, str) and key.endswith(("_ms", "_s")) and key not in unscaled
         if is_duration and isinstance(value, (int, float)) and not isinstance(value, bool):
-            value = max(1, round(value / speed)) if isinstance(value, int) else value / speed
+            # *_ms are whole milliseconds (>= 1: 0 means "none"); *_s are float seconds, never rounded (an
+            # `interval_s: 1` at speed 5 is 0.2 s, not 1 s).
+            if key.endswith("_ms") and isinstance(value, int):
+                value = max(1, round(value / speed))
+            else:
+                value = value / speed
         else:
             value = scale_durations(value, speed, unscaled)
         out[key] = value
     return out
 
 
-def render_policy(source: str | Path, speed: float, dest: Path) -> Path:
-    """Write the policy with its durations in wall-clock time for a run at `speed`; validate it first."""
+def render_policy(source: str | Path, speed: float, dest: Path,
+                  endpoints: dict[str, list[tuple[str, int]]] | None = None) -> Path:
+    """Write the policy with its durations in wall-clock time for a run at `speed`; validate it first.
+
+    `endpoints` (pool -> the started replicas): a `pools` entry that names neither replicas nor an Envoy admin URL
+    is filled with its pool's replica addresses, so the ext_proc scrapes this run's simulated replicas."""
     data = yaml.safe_load(Path(source).read_text(encoding="utf-8"))
+    for name, pool in (data.get("pools") or {}).items():
+        if endpoints and name in endpoints and not pool.get("replicas") and not pool.get("envoy_admin"):
+            pool["replicas"] = [f"{host}:{port}" for host, port in endpoints[name]]
     scaled = scale_durations(data, speed)
     load_policy(scaled)  # raises PolicyError naming the key path
     dest.write_text(yaml.safe_dump(scaled, sort_keys=False), encoding="utf-8")

@@ -25,13 +25,14 @@ def _ratio(x: float, base: float) -> str:
     return "∞" if base == 0 else f"{x / base:.2f}×"
 
 
-def latency_table(stats: dict[str, dict[str, WindowStats]], labels: dict[str, str], slo_class: str) -> str:
-    rows = [f"| mode | {slo_class} p50 / p95 / p99 s (spike) | TTFT p99 s (spike) | p99 vs a (spike) "
+def latency_table(stats: dict[str, dict[str, WindowStats]], labels: dict[str, str], slo_class: str,
+                  window: str = "spike") -> str:
+    rows = [f"| mode | {slo_class} p50 / p95 / p99 s ({window}) | TTFT p99 s ({window}) | p99 vs a ({window}) "
             "| p50 / p95 / p99 s (overall) | TTFT p99 s (overall) |",
             "|---|---|---:|---:|---|---:|"]
-    base = stats.get("a", {}).get("spike")
+    base = stats.get("a", {}).get(window)
     for key, w in stats.items():
-        s, o = w["spike"], w["overall"]
+        s, o = w[window], w["overall"]
         rows.append(f"| {key}: {labels[key]} | {_s(s.p50)} / {_s(s.p95)} / {_s(s.p99)} | {_s(s.ttft_p99)} "
                     f"| {_ratio(s.p99, base.p99) if base else '–'} | {_s(o.p50)} / {_s(o.p95)} / {_s(o.p99)} "
                     f"| {_s(o.ttft_p99)} |")
@@ -39,14 +40,14 @@ def latency_table(stats: dict[str, dict[str, WindowStats]], labels: dict[str, st
 
 
 def throughput_table(stats: dict[str, dict[str, WindowStats]], labels: dict[str, str], slo_class: str,
-                     slo_s: float) -> str:
-    rows = [f"| mode | {slo_class} goodput req/s, ≤ {slo_s:g} s (spike) | vs a | goodput (overall) | vs a "
-            "| output tokens/s (spike) | vs a | tokens/s (overall) | vs a |",
+                     slo_s: float, window: str = "spike") -> str:
+    rows = [f"| mode | {slo_class} goodput req/s, ≤ {slo_s:g} s ({window}) | vs a | goodput (overall) | vs a "
+            f"| output tokens/s ({window}) | vs a | tokens/s (overall) | vs a |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     base = stats.get("a")
     for key, w in stats.items():
-        s, o = w["spike"], w["overall"]
-        bs, bo = (base["spike"], base["overall"]) if base else (None, None)
+        s, o = w[window], w["overall"]
+        bs, bo = (base[window], base["overall"]) if base else (None, None)
         rows.append(f"| {key}: {labels[key]} | {s.goodput:.2f} | {_ratio(s.goodput, bs.goodput) if bs else '–'} "
                     f"| {o.goodput:.2f} | {_ratio(o.goodput, bo.goodput) if bo else '–'} "
                     f"| {s.tokens_per_s:.0f} | {_ratio(s.tokens_per_s, bs.tokens_per_s) if bs else '–'} "
@@ -105,6 +106,8 @@ def plot(results: list[ModeResult], scenario: Scenario, capacity: float, path: P
         for phase in scenario.phases[:-1]:
             start += phase.duration_s
             ax.axvline(start, color="grey", linewidth=0.8)
+        for e in scenario.events:
+            ax.axvline(e.at_s, color="red", linewidth=1.0, linestyle=":")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -112,9 +115,23 @@ def plot(results: list[ModeResult], scenario: Scenario, capacity: float, path: P
 
 
 def tables(stats, labels, scenario: Scenario, degraded: dict[str, float]) -> str:
-    return "\n\n".join([latency_table(stats, labels, scenario.slo_class),
-                        throughput_table(stats, labels, scenario.slo_class, scenario.slo_p95_s),
-                        outcome_table(stats, labels, degraded)])
+    parts = []
+    for window in scenario.report_windows():
+        parts += [latency_table(stats, labels, scenario.slo_class, window),
+                  throughput_table(stats, labels, scenario.slo_class, scenario.slo_p95_s, window)]
+    return "\n\n".join(parts + [outcome_table(stats, labels, degraded)])
+
+
+def _window_sections(stats, labels, scenario: Scenario) -> str:
+    out = []
+    for window, (start, end) in scenario.report_windows().items():
+        out.append(f"""## {window} (requests started in {start:g}–{end:g} s)
+
+{latency_table(stats, labels, scenario.slo_class, window)}
+
+{throughput_table(stats, labels, scenario.slo_class, scenario.slo_p95_s, window)}
+""")
+    return "\n".join(out)
 
 
 def write_report(out: Path, results: list[ModeResult], stats, scenario: Scenario, capacity: float, speed: float,
@@ -135,7 +152,9 @@ def write_report(out: Path, results: list[ModeResult], stats, scenario: Scenario
                        for p in scenario.phases)
     cpu_lines = "\n".join(f"| {r.mode.key} | {r.wall_s:.0f} | " + ", ".join(
         f"{name} {sec / r.wall_s:.0%}" for name, sec in sorted(r.cpu_s.items())) + " |" for r in results)
-    text = f"""# Traffic spike, four ways
+    events = "".join(f" At {e.at_s:g} s, replica {e.replica} of `{e.pool}` gets fault "
+                     + ", ".join(f"{k} {v:g}" for k, v in e.fault.items()) + "." for e in scenario.events)
+    text = f"""# {scenario.name}: {len(results)} ways
 
 `{command}`
 
@@ -143,25 +162,18 @@ Scenario `{scenario.name}`: {phases}. Fleet capacity {capacity:.1f} requests/s. 
 {scenario.slo_p95_s:g} s end to end. Every number is measured by the load generator (client side) and given in
 simulated seconds (wall time × {speed:g}). Latency percentiles cover requests the fleet took on (completed, or
 timed out after {scenario.client_timeout_s:g} s, counted at the timeout); refused requests are counted separately.
-"Spike" = requests started during the spike phase.
+Each window counts the requests started in it.{events}
 
 ![interactive p99 over time]({png.name})
 
-## Interactive latency
-
-{latency_table(stats, labels, scenario.slo_class)}
-
-## Goodput and throughput
-
-{throughput_table(stats, labels, scenario.slo_class, scenario.slo_p95_s)}
-
+{_window_sections(stats, labels, scenario)}
 ## Refusals per class (whole run)
 
 {outcome_table(stats, labels, degraded)}
 
-## Targets (mode d during the spike)
+## Targets
 
-""" + ("\n".join(f"- {t.line()}" for t in found) or "- (mode d not run)") + f"""
+""" + ("\n".join(f"- {t.line()}" for t in found) or "- (modes d / e not run)") + f"""
 
 ## Machine load
 

@@ -124,3 +124,23 @@ def targets(spike: dict[str, WindowStats], slo_s: float) -> list[Target]:
         out.append(Target("d vs b: interactive goodput, req/s (>= b's)", d.goodput, b.goodput,
                           d.goodput >= b.goodput))
     return out
+
+
+def adaptive_targets(stats: dict[str, dict[str, WindowStats]], windows: list[str], slo_s: float,
+                     static: tuple[str, ...] = ("c", "d")) -> list[Target]:
+    """Issue 12's targets for mode e in every report window: p99 within the SLO, goodput >= the best static
+    setting run (c, d) and >= Envoy's adaptive_concurrency (b)."""
+    e = stats.get("e")
+    if e is None:
+        return []
+    out = []
+    for w in windows:
+        out.append(Target(f"e: interactive p99 ({w}), s (<= SLO)", e[w].p99, slo_s, e[w].p99 <= slo_s))
+        best = max((stats[k][w].goodput for k in static if k in stats), default=None)
+        if best is not None:
+            out.append(Target(f"e vs best static ({'/'.join(k for k in static if k in stats)}): interactive "
+                              f"goodput ({w}), req/s", e[w].goodput, best, e[w].goodput >= best))
+        if "b" in stats:
+            out.append(Target(f"e vs b: interactive goodput ({w}), req/s", e[w].goodput, stats["b"][w].goodput,
+                              e[w].goodput >= stats["b"][w].goodput))
+    return out

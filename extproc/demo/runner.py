@@ -89,17 +89,14 @@ def start_pool(stack: Stack, name: str, profile: str, replicas: int, model_names
 def build_stack(mode: Mode, scenario: Scenario, settings: RunSettings) -> Stack:
     """A started stack for `mode`: the scenario's simulated pools, Envoy, and the ext_proc if the mode has one."""
     workdir = settings.workdir / f"mode-{mode.key}"
-    policy_path = None
-    if mode.policy:
-        workdir.mkdir(parents=True, exist_ok=True)
-        policy_path = render_policy(mode.policy, settings.speed, workdir / "policy.yaml")
     adaptive = adaptive_knobs(mode.adaptive, settings.speed) if mode.stack_mode == "adaptive" else None
-    stack = Stack(workdir, {}, policy_path=policy_path, mode=mode.stack_mode, lb_policy=mode.lb_policy,
-                  adaptive=adaptive)
+    stack = Stack(workdir, {}, mode=mode.stack_mode, lb_policy=mode.lb_policy, adaptive=adaptive)
     try:
         for i, pool in enumerate(scenario.pools):
             stack.pools[pool.name] = start_pool(stack, pool.name, pool.profile, pool.replicas, pool.model_names,
                                                 settings.speed, scenario.seed + 100 * i)
+        if mode.policy:  # rendered once the replicas are up: its `pools` scrape them
+            stack.policy_path = render_policy(mode.policy, settings.speed, workdir / "policy.yaml", stack.pools)
         stack.start()
     except BaseException:
         stack.stop()
@@ -148,16 +145,30 @@ async def replay(mode: Mode, scenario: Scenario, stack: Stack, settings: RunSett
     async with LoadClient([stack.url], timeout_s=scenario.client_timeout_s / settings.speed,
                           time_scale=settings.speed, pool=MAX_IN_FLIGHT) as client:
         progress = asyncio.create_task(Progress(mode, scenario, arrivals, client, settings).run())
+        faults = asyncio.create_task(apply_events(scenario, stack, client, settings))
         try:
             await run_open_loop(client, scenario.workload, schedule, seed=scenario.seed, max_in_flight=MAX_IN_FLIGHT)
         finally:
             progress.cancel()
+            faults.cancel()
     wall = time.monotonic() - wall0
     cpu = {name: cpu_seconds(pid) - cpu0[name] for name, pid in pids.items()}
     # Everything else on the machine in the same time (other jobs steal CPU from the simulated GPUs).
     cpu["other processes"] = max(0.0, machine_cpu_seconds() - machine0 - sum(cpu.values()))
     others = [ep for pool in scenario.pools[1:] for ep in stack.pools[pool.name]]
     return ModeResult(mode, client.records, wall, cpu, served_elsewhere=sum(map(finished_requests, others)))
+
+
+async def apply_events(scenario: Scenario, stack: Stack, client: LoadClient, settings: RunSettings) -> None:
+    """The scenario's fleet events, each at its simulated time: POST its fault to the replica's /sim/fault."""
+    for e in sorted(scenario.events, key=lambda e: e.at_s):
+        await asyncio.sleep(max(0.0, client.t0 + e.at_s / settings.speed - time.monotonic()))
+        host, port = stack.pools[e.pool][e.replica]
+        body = json.dumps(e.fault).encode()
+        req = urllib.request.Request(f"http://{host}:{port}/sim/fault", data=body, method="POST",
+                                     headers={"content-type": "application/json"})
+        await asyncio.to_thread(lambda: urllib.request.urlopen(req, timeout=5).read())
+        settings.print_fn(f"[{e.at_s:g}s] fault on {e.pool}[{e.replica}]: {e.fault}", flush=True)
 
 
 def finished_requests(endpoint: tuple[str, int]) -> int:

@@ -31,6 +31,16 @@ class Phase:
     rate: float  # multiple of the fleet capacity
 
 
+@dataclass(frozen=True)
+class FleetEvent:
+    """Something that happens to the fleet mid-run: a /sim/fault body applied to one replica at `at_s`."""
+
+    at_s: float  # simulated seconds from the start of the replay
+    pool: str
+    replica: int  # index in the pool's replica list
+    fault: dict[str, float]
+
+
 @dataclass
 class Scenario:
     name: str
@@ -44,6 +54,9 @@ class Scenario:
     client_timeout_s: float
     capacity: float | str = "auto"  # requests/s of the first pool, or "auto"
     capacity_concurrency: int = 32
+    events: tuple[FleetEvent, ...] = ()
+    # Report windows: name -> phases (consecutive) whose started requests are compared; default: the spike phase.
+    windows: dict[str, list[str]] | None = None
 
     @classmethod
     def load(cls, path: str | Path) -> Scenario:
@@ -61,12 +74,25 @@ class Scenario:
                    slo_class=d.get("slo", {}).get("class", "interactive"),
                    slo_p95_s=float(d.get("slo", {}).get("p95_s", 2.0)),
                    client_timeout_s=float(d.get("client_timeout_s", 60.0)),
-                   capacity=d.get("capacity", "auto"), capacity_concurrency=int(d.get("capacity_concurrency", 32)))
+                   capacity=d.get("capacity", "auto"), capacity_concurrency=int(d.get("capacity_concurrency", 32)),
+                   events=tuple(FleetEvent(float(e["at_s"]), e["pool"], int(e.get("replica", 0)),
+                                           {k: float(v) for k, v in e["fault"].items()})
+                                for e in d.get("events", [])),
+                   windows={k: list(v) for k, v in d["windows"].items()} if d.get("windows") else None)
 
     def shortened(self, phase_s: float) -> Scenario:
         """The same scenario with every phase cut to `phase_s` simulated seconds (tests, quick looks)."""
         phases = [Phase(p.name, phase_s, p.rate) for p in self.phases]
-        return Scenario(**{**self.__dict__, "phases": phases})
+        shortened = Scenario(**{**self.__dict__, "phases": phases})
+        # An event keeps its place relative to the phases: the same phase, the same fraction into it.
+        events = []
+        for e in self.events:
+            p = self.phase_at(e.at_s)
+            start, end = self.window(p.name)
+            at = shortened.window(p.name)[0] + (e.at_s - start) / max(end - start, 1e-9) * phase_s
+            events.append(FleetEvent(at, e.pool, e.replica, e.fault))
+        shortened.events = tuple(events)
+        return shortened
 
     @property
     def duration_s(self) -> float:
@@ -92,6 +118,17 @@ class Scenario:
                 return p
             start += p.duration_s
         return self.phases[-1]
+
+    def report_windows(self) -> dict[str, tuple[float, float]]:
+        """Name -> (start, end) in simulated s of each compared window; "overall" is added by the report."""
+        if not self.windows:
+            spike = max(self.phases, key=lambda p: p.rate).name
+            return {"spike": self.window(spike)}
+        out = {}
+        for name, phases in self.windows.items():
+            spans = [self.window(p) for p in phases]
+            out[name] = (min(a for a, _ in spans), max(b for _, b in spans))
+        return out
 
     def window(self, phase_name: str) -> tuple[float, float]:
         """Start and end (simulated s) of the named phase."""

@@ -37,7 +37,8 @@ def test_policy_durations_are_divided_by_speed_except_the_lease_and_retry_after(
     assert scale_durations({"max_wait_ms": 3}, 20) == {"max_wait_ms": 1}  # never 0: 0 means "no queue"
 
 
-@pytest.mark.parametrize("name", ["policies/demo-static.yaml", "policies/demo-full.yaml"])
+@pytest.mark.parametrize("name", ["policies/demo-static.yaml", "policies/demo-full.yaml",
+                                  "policies/demo-adaptive.yaml"])
 def test_demo_policies_validate_and_render_at_speed(tmp_path, name):
     load_policy_file(name)
     rendered = load_policy_file(str(render_policy(name, 5.0, tmp_path / "p.yaml")))
@@ -85,3 +86,32 @@ def test_targets_compare_d_with_a_and_b():
     found = targets({"a": w(40, 1.0, 1000), "b": w(3, 5.0, 800), "d": w(1.9, 6.0, 950)}, 2.0)
     assert [t.reached for t in found] == [True, False, True, True]
     assert math.isclose(found[1].value, 0.95)
+
+
+def test_shifted_fleet_scenario_has_its_event_and_halves_and_shortening_keeps_the_event_in_its_phase():
+    s = Scenario.load("scenarios/shifted-fleet.yaml")
+    assert s.report_windows() == {"first-half": (0.0, 75.0), "second-half": (75.0, 150.0)}
+    assert [(e.at_s, e.pool, e.replica, e.fault) for e in s.events] == [(75.0, "vllm_llama70b", 1, {"slowdown": 2.0})]
+    short = s.shortened(10)
+    assert short.events[0].at_s == 20.0 and short.report_windows()["second-half"] == (20.0, 40.0)
+    assert Scenario.load(SCENARIO).report_windows() == {"spike": (60.0, 120.0)}
+
+
+def test_the_adaptive_policy_is_rendered_with_this_runs_replicas_and_scaled_pool_durations(tmp_path):
+    path = render_policy("policies/demo-adaptive.yaml", 5.0, tmp_path / "p.yaml",
+                         {"vllm_llama70b": [("127.0.0.1", 4001), ("127.0.0.1", 4002)]})
+    p = load_policy_file(str(path))
+    pool = p.pools["vllm_llama70b"]
+    assert pool.replicas == ["127.0.0.1:4001", "127.0.0.1:4002"] and pool.scrape_interval_ms == 50
+    ad = p.classes["interactive"].adaptive
+    assert ad.interval_s == pytest.approx(0.2) and ad.window_s == pytest.approx(1.0) and ad.min_limit == 4
+
+
+def test_what_if_moves_adaptive_caps_applies_the_fault_and_serves_degrades_on_the_small_model():
+    from extproc.demo.whatif import what_if
+
+    s = Scenario.load("scenarios/shifted-fleet.yaml").shortened(10)
+    res = what_if(s, "policies/demo-adaptive.yaml", s.fleet_capacity())
+    caps = [lim["interactive"] for _, lim in res.limits]
+    assert caps[0] == 40 and min(caps) < 20  # the wrong starting cap is cut during the first overload
+    assert res.served_elsewhere > 0 and all(r.status in (200, 429, 503) for r in res.records)
