@@ -310,14 +310,9 @@ class AdmissionController:
             ticket.trickle = trickle
             return Decision(ACCEPT, R_SLOT_FREE, c.cls, c.tenant, ticket=ticket, cluster=cluster, classification=c)
         if lim.queue_has_room() and lim.spec.early_reject and self._cannot_make_it(lim, charge, now):
-            if lim.spec.on_overflow == "fallback":
-                return self._fallback(lim, c.cls, c.tenant, cluster, R_DEADLINE, now, overflow=True, c=c,
-                                      charge=charge)
-            return Decision(
-                REJECT, R_DEADLINE, c.cls, c.tenant, status=429, classification=c, cluster=cluster,
-                retry_after=lim.retry_after_s(now, self._retry_ceiling),
-                message=f"class {c.cls!r} would not reach this request within its {lim.spec.max_wait_ms} ms "
-                        f"queue deadline ({len(lim.queue)} ahead at its current drain rate)")
+            return self._overflow(lim, c, cluster, R_DEADLINE, now, charge,
+                                  f"class {c.cls!r} would not reach this request within its {lim.spec.max_wait_ms} "
+                                  f"ms queue deadline ({len(lim.queue)} ahead at its current drain rate)")
         if lim.queue_has_room():
             waiter = Waiter(lim, c.tenant, cluster, now, cost, context)
             waiter.trickle = trickle
@@ -325,14 +320,17 @@ class AdmissionController:
             lim.queue.append(waiter)
             self.events.queued(waiter)
             return Decision(QUEUE, R_CLASS_FULL, c.cls, c.tenant, waiter=waiter, cluster=cluster, classification=c)
+        return self._overflow(lim, c, cluster, R_QUEUE_FULL, now, charge,
+                              f"class {c.cls!r} is at capacity ({lim.inflight} running, {len(lim.queue)} queued, "
+                              f"queue limit {lim.spec.max_queue})")
+
+    def _overflow(self, lim: ClassLimiter, c: Classification, cluster: str, reason: str, now: float,
+                  charge: Charge, message: str) -> Decision:
+        """The class cannot take the request now: its fallback if overflow goes there, else 429."""
         if lim.spec.on_overflow == "fallback":
-            return self._fallback(lim, c.cls, c.tenant, cluster, R_QUEUE_FULL, now, overflow=True, c=c,
-                                  charge=charge)
-        return Decision(
-            REJECT, R_QUEUE_FULL, c.cls, c.tenant, status=429, classification=c, cluster=cluster,
-            retry_after=lim.retry_after_s(now, self._retry_ceiling),
-            message=f"class {c.cls!r} is at capacity ({lim.inflight} running, {len(lim.queue)} queued, "
-                    f"queue limit {lim.spec.max_queue})")
+            return self._fallback(lim, c.cls, c.tenant, cluster, reason, now, overflow=True, c=c, charge=charge)
+        return Decision(REJECT, reason, c.cls, c.tenant, status=429, classification=c, cluster=cluster,
+                        retry_after=lim.retry_after_s(now, self._retry_ceiling), message=message)
 
     def _cannot_make_it(self, lim: ClassLimiter, charge: Charge, now: float) -> bool:
         """Deadline-aware early rejection: the predicted queue wait (queue ahead over the observed drain rate)
