@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test test-all demo bench bench-overhead docs clean system-deps
+.PHONY: venv test test-all demo bench bench-overhead docs clean system-deps soak fuzz
 
 venv: $(STAMP)
 
@@ -26,6 +26,14 @@ test: venv system-deps
 # Everything, slow suites included (soak, long benchmarks).
 test-all: venv system-deps
 	$(BIN)/python -m pytest -q -m ''
+
+# Reliability (docs/reliability.md): the 10-minute soak through Envoy + the simulator, and 10,000 fuzzed
+# ext_proc streams. Neither is part of `make test`.
+soak: venv system-deps
+	$(BIN)/python -m pytest -q -m soak tests/reliability -s
+
+fuzz: venv
+	EXTPROC_FUZZ_EXAMPLES=10000 $(BIN)/python -m pytest -q -m fuzz tests/reliability
 
 demo: venv
 	$(BIN)/python -m extproc.cli demo

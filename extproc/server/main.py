@@ -62,6 +62,7 @@ class Server:
         store = open_store(policy.store)
         self.shared = SharedSlots(self.core, store, self.telemetry.registry) if store.shared else None
         self.servicer = ExtProcServicer(self.core, max_body_bytes=args.max_body_bytes, shared=self.shared)
+        self.servicer.on_error = self.telemetry.stream_errors.inc
         self.access_log = AccessLogReceiver(self.core)
         self.scrapers = SaturationScrapers(self.core)
         self._mtime = _mtime(policy_path)

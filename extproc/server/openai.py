@@ -10,6 +10,11 @@ from typing import Any
 # Endpoints whose requests are admitted; anything else passes through untouched.
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 
+# Larger max_tokens values mean nothing for any model, and past ~1e308 they cannot even become a float for the
+# cost estimate (an OverflowError there failed the stream, and Envoy's failure_mode_allow let the request through
+# unadmitted).
+MAX_TOKENS_CEILING = 2**31 - 1
+
 _ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
                 429: "rate_limit_error", 499: "client_closed_request", 503: "service_unavailable_error"}
 
@@ -59,6 +64,8 @@ def parse_generation_body(raw: bytes, class_field: str, class_names: frozenset[s
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise BadRequest(f"`{field}` must be a positive integer, got {json.dumps(value)[:40]}.", field)
+        if value > MAX_TOKENS_CEILING:
+            raise BadRequest(f"`{field}` must be at most {MAX_TOKENS_CEILING}, got {str(value)[:40]}.", field)
         body.max_tokens = value if body.max_tokens is None else min(body.max_tokens, value)
     stream = doc.get("stream", False)
     if stream is not None and not isinstance(stream, bool):

@@ -13,7 +13,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import duration_pb2
-from grpc.aio import EOF
+from grpc.aio import EOF, InternalError
 
 from ..policy.admission import ACCEPT, DEGRADE, QUEUE, AdmissionController, Decision, RequestFacts
 from ..policy.classify import bearer_key
@@ -120,6 +120,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self.queue_grace_s = queue_grace_s   # added to Envoy's timeout while a request waits in a queue
         self.live: set[Ticket] = set()       # tickets whose stream is still open (their leases get renewed)
         self.errors = 0
+        self.on_error = None                 # called once per failed stream (the extproc_stream_errors counter)
         self._learn_credit = 0.0
 
     async def Process(self, request_iterator, context) -> None:
@@ -147,8 +148,14 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     resp = await self._settle(st, write)
                 await write(resp)
             normal_end = True
+        except InternalError:
+            # A write failed: Envoy reset the stream as the answer went out (its client left at that moment).
+            # A client abort, not a failure of ours; the slot is freed below like any other abort.
+            log.debug("ext_proc stream reset by the peer during a write")
         except Exception:  # a bug here must never take the stream's slot with it
             self.errors += 1
+            if self.on_error is not None:
+                self.on_error()
             log.exception("ext_proc stream failed")
             raise
         finally:

@@ -1,0 +1,134 @@
+"""Bad input through real Envoy: every malformed request gets a clear 4xx (OpenAI-style JSON when it is ours),
+never a 5xx, never a crash, never a slot. Odd-but-legal requests (duplicated headers, non-UTF-8 bytes, unknown
+classes) are served with a deterministic class. The table of what each case gets is in docs/reliability.md."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+
+from tests.integration.helpers import chat, healthz, metrics, sample
+
+from .conftest import policy_file
+
+PATH = "/v1/chat/completions"
+
+
+async def raw_request(port: int, headers: list[tuple[bytes, bytes]], body: bytes) -> tuple[int, dict, bytes]:
+    """One HTTP/1.1 request with exactly these header bytes (duplicates and non-UTF-8 allowed)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    head = [b"POST " + PATH.encode() + b" HTTP/1.1", b"host: test", b"connection: close",
+            b"content-length: " + str(len(body)).encode()] + [k + b": " + v for k, v in headers]
+    writer.write(b"\r\n".join(head) + b"\r\n\r\n" + body)
+    data = b""
+    try:  # Envoy may answer (413) and close before it has read the whole body
+        await writer.drain()
+        async with asyncio.timeout(10):
+            while chunk := await reader.read(65536):
+                data += chunk
+    except ConnectionResetError:
+        pass
+    writer.close()
+    head, _, rest = data.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    hs = {}
+    for line in lines[1:]:
+        k, _, v = line.partition(b":")
+        hs[k.strip().lower().decode("latin-1")] = v.strip().decode("latin-1")
+    return int(lines[0].split()[1]), hs, rest
+
+
+def openai_error(body: bytes) -> dict:
+    err = json.loads(body)["error"]
+    assert err["message"] and err["type"] and "code" in err
+    return err
+
+
+async def test_malformed_requests_get_clear_4xx_and_take_no_slot(make_stack, tmp_path):
+    s = make_stack(policy_file(tmp_path), extproc_args=["--max-body-bytes", str(128 << 10)])
+    msg = [{"role": "user", "content": "hi"}]
+    ours = [  # (case, body, status, error code or param)
+        ("malformed JSON", b"{not json", 400, "invalid_json"),
+        ("truncated JSON", json.dumps(chat())[:30].encode(), 400, "invalid_json"),
+        ("not an object", b"[1, 2]", 400, "invalid_json"),
+        ("empty body", b"", 400, "invalid_body"),
+        ("max_tokens: \"lots\"", json.dumps(chat(max_tokens="lots")).encode(), 400, "max_tokens"),
+        ("max_tokens: -5", json.dumps(chat(max_tokens=-5)).encode(), 400, "max_tokens"),
+        ("max_tokens: 10**12", json.dumps(chat(max_tokens=10**12)).encode(), 400, "max_tokens"),
+        ("max_tokens: 10**400", json.dumps(chat(max_tokens=10**400)).encode(), 400, "max_tokens"),
+        ("stream: \"yes\"", json.dumps(chat(stream="yes")).encode(), 400, "stream"),
+        ("model missing", json.dumps({"messages": msg}).encode(), 400, "model"),
+        ("model: 42", json.dumps({"model": 42, "messages": msg}).encode(), 400, "model"),
+        ("priority: [1]", json.dumps(chat(priority=[1])).encode(), 400, "priority"),
+        ("unknown model", json.dumps(chat(model="gpt-99")).encode(), 404, "unknown_model"),
+        ("body over the ext_proc limit (200 KB)",
+         json.dumps(chat(messages=[{"role": "user", "content": "x" * 200_000}])).encode(), 413, "body_too_large"),
+    ]
+    table = []
+    async with aiohttp.ClientSession() as http:
+        for case, body, status, code in ours:
+            got, headers, text = await raw_request(s.listen_port, [(b"content-type", b"application/json")], body)
+            assert got == status, (case, got, text[:200])
+            err = openai_error(text)
+            assert code in (err["code"], err["param"]), (case, err)
+            assert headers["x-extproc-decision"] == "invalid", case
+            table.append((case, got, err["code"]))
+
+        # Envoy's own limits answer before the ext_proc sees anything (plain text, not OpenAI-shaped).
+        got, _, text = await raw_request(s.listen_port, [(b"content-type", b"application/json")],
+                                         b'{"model": "llama-70b", "x": "' + b"x" * (5 << 20) + b'"}')
+        assert got == 413, got
+        table.append(("body over Envoy's 4 MiB buffer", got, text[:40].decode()))
+        got, _, text = await raw_request(s.listen_port, [(b"x-priority", b"i" * 100_000)], b"{}")
+        assert got == 431, got
+        table.append(("100 KB header value", got, text[:40].decode()))
+
+        snap = (await healthz(http, s.metrics_url))
+        assert all(c["inflight"] == 0 and c["queue"] == 0 for c in snap["classes"].values()), snap
+        ms = await metrics(http, s.metrics_url)
+        assert sample(ms, "extproc_stream_errors_total") == 0 and snap["stream_errors"] == 0
+        assert sample(ms, "extproc_requests_total", decision="invalid") == len(ours)
+        assert sample(ms, "extproc_requests_total", decision="accept") == 0
+    print("\nRELIABILITY bad input:\n" + "\n".join(f"  {c}: {st} {code}" for c, st, code in table))
+
+
+async def test_odd_but_legal_headers_are_served_without_privilege_or_crash(make_stack, tmp_path):
+    policy = policy_file(tmp_path, tenants=[
+        {"name": "acme", "api_keys": ["sk-acme-1"], "max_class": "batch", "default_class": "batch"},
+        {"name": "chat", "api_keys": ["sk-chat-1"], "max_class": "interactive"}],
+        anonymous={"max_class": "batch", "default_class": "batch"})
+    s = make_stack(policy)
+    body = json.dumps(chat()).encode()
+    ct = (b"content-type", b"application/json")
+    cases = [  # (case, headers, classes it may get)
+        ("two x-priority (batch, interactive), anonymous", [ct, (b"x-priority", b"batch"),
+                                                            (b"x-priority", b"interactive")], {"batch"}),
+        ("two authorization (acme, chat)", [ct, (b"authorization", b"Bearer sk-acme-1"),
+                                            (b"authorization", b"Bearer sk-chat-1"),
+                                            (b"x-priority", b"interactive")], {"batch", "interactive"}),
+        ("two authorization (chat, unknown)", [ct, (b"authorization", b"Bearer sk-chat-1"),
+                                               (b"authorization", b"Bearer sk-nobody"),
+                                               (b"x-priority", b"interactive")], {"batch", "interactive"}),
+        ("non-UTF-8 x-priority", [ct, (b"x-priority", b"\xff\xfeinteractive")], {"batch"}),
+        ("non-UTF-8 authorization", [ct, (b"authorization", b"Bearer \xc3\x28\xff"),
+                                     (b"x-priority", b"interactive")], {"batch"}),
+        ("unknown class x-priority: gold", [ct, (b"x-priority", b"gold")], {"batch"}),
+        ("no content-type", [], {"batch"}),
+        ("x-priority: INTERNAL (case, spaces)", [ct, (b"x-priority", b"  INTERNAL ")], {"internal"}),
+    ]
+    table = []
+    async with aiohttp.ClientSession() as http:
+        for case, headers, allowed in cases:
+            got, hs, text = await raw_request(s.listen_port, headers, body)
+            assert got < 500, (case, got, text[:200])
+            if got == 200:
+                assert hs["x-extproc-class"] in allowed, (case, hs["x-extproc-class"])
+            table.append((case, got, hs.get("x-extproc-class")))
+        snap = await healthz(http, s.metrics_url)
+        assert all(c["inflight"] == 0 for c in snap["classes"].values()) and snap["stream_errors"] == 0
+        ms = await metrics(http, s.metrics_url)
+        assert sample(ms, "extproc_unknown_class_claims_total") >= 1
+        assert sample(ms, "extproc_stream_errors_total") == 0
+    print("\nRELIABILITY odd headers:\n" + "\n".join(f"  {c}: {st} class={cls}" for c, st, cls in table))

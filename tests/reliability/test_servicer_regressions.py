@@ -1,0 +1,91 @@
+"""Bugs the reliability work found, pinned at the servicer (the through-Envoy view is in test_bad_input_envoy)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from grpc.aio import EOF
+
+from extproc.policy.admission import AdmissionController
+from extproc.policy.schema import load_policy, load_policy_file
+from extproc.server.main import Server, add_arguments
+from extproc.server.servicer import ExtProcServicer
+
+
+class Ctx:
+    def __init__(self, messages):
+        self.messages = list(messages)
+        self.writes = []
+
+    async def read(self):
+        return self.messages.pop(0) if self.messages else EOF
+
+    async def write(self, resp):
+        self.writes.append(resp)
+
+
+def generation(body: bytes) -> list[pb.ProcessingRequest]:
+    hs = [base_pb2.HeaderValue(key=":method", raw_value=b"POST"),
+          base_pb2.HeaderValue(key=":path", raw_value=b"/v1/chat/completions")]
+    return [pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=hs))),
+            pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))]
+
+
+@pytest.mark.parametrize("max_tokens", [10**12, 10**400, 2**63], ids=["1e12", "1e400", "2^63"])
+def test_huge_max_tokens_is_a_400_not_a_failed_stream(max_tokens):
+    """A max_tokens beyond float range made the cost estimate raise OverflowError: the stream failed and, with
+    failure_mode_allow, Envoy let the request through unadmitted."""
+    core = AdmissionController(load_policy({"classes": {"interactive": {"max_concurrency": 1}},
+                                            "models": {"llama": {"cluster": "pool_a"}}}))
+    servicer = ExtProcServicer(core)
+    ctx = Ctx(generation(json.dumps({"model": "llama", "max_tokens": max_tokens, "messages": []}).encode()))
+    asyncio.run(servicer.Process(None, ctx))
+    answer = ctx.writes[-1].immediate_response
+    assert answer.status.code == 400
+    assert json.loads(answer.body)["error"]["param"] == "max_tokens"
+    assert servicer.errors == 0 and core.snapshot()["interactive"]["inflight"] == 0
+
+
+def test_a_failed_stream_is_counted_in_extproc_stream_errors_total(tmp_path, monkeypatch):
+    """The counter existed but nothing incremented it: a crashing handler showed 0 on /metrics."""
+    path = tmp_path / "policy.yaml"
+    path.write_text("classes: {interactive: {max_concurrency: 1}}\nmodels: {llama: {cluster: pool_a}}\n")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    server = Server(str(path), load_policy_file(str(path)), parser.parse_args(["--policy", str(path)]))
+
+    def broken(*a, **k):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(server.core, "decide", broken)
+    ctx = Ctx(generation(b'{"model": "llama"}'))
+    with pytest.raises(RuntimeError):
+        asyncio.run(server.servicer.Process(None, ctx))
+    assert server.telemetry.registry.get_sample_value("extproc_stream_errors_total") == 1
+    assert server.core.snapshot()["interactive"]["inflight"] == 0
+
+
+def test_a_write_to_a_stream_envoy_already_reset_is_a_client_abort_not_a_stream_error():
+    """Under an abort storm, grpc.aio's write raised ExecuteBatchError (an InternalError) for streams Envoy had
+    just reset: each was logged with a traceback and counted in extproc_stream_errors_total as if it were a bug."""
+    import grpc.aio
+
+    class ResetCtx(Ctx):
+        async def write(self, resp):
+            if resp.HasField("request_body"):  # the admission answer: the request holds a slot by now
+                raise grpc.aio.InternalError("Failed \"execute_batch\"")
+            await super().write(resp)
+
+    core = AdmissionController(load_policy({"classes": {"interactive": {"max_concurrency": 1}},
+                                            "models": {"llama": {"cluster": "pool_a"}}}))
+    servicer = ExtProcServicer(core)
+    errors = []
+    servicer.on_error = lambda: errors.append(1)
+    asyncio.run(servicer.Process(None, ResetCtx(generation(b'{"model": "llama"}'))))
+    assert servicer.errors == 0 and errors == []
+    assert not core.tickets and core.snapshot()["interactive"]["inflight"] == 0
