@@ -4,9 +4,9 @@ Why AIMD with an SLO band rather than Envoy's gradient (measured, ../shared/NOTE
 a gradient on the minimum RTT targets "a multiple of the fastest latency seen", never the SLO, drifts up while it
 does not bind, and re-measures its baseline by pinning concurrency low. Here the target is the SLO itself:
  - cut multiplicatively the moment the replicas say they are saturated (requests waiting in vLLM, KV cache nearly
-   full, preemptions, or stale metrics), or the short-window p95 approaches the SLO while the cap is in use (when
-   the class runs well below its cap, its latency is not the cap's doing and cutting would only saw-tooth it):
-   reacts within one interval;
+   full, preemptions, or stale metrics) or the short-window p95 approaches the SLO: reacts within one interval
+   (also when the cap is far above what is in flight: a cap that starts too high must come down to where it binds;
+   cutting only while it binds left the shifted-fleet what-if over its SLO, docs/adaptive.md);
  - raise additively only while p95 is well under the SLO, the replicas have headroom, and the limit actually binds
    (in-flight near it) - so an idle class does not drift to its maximum;
  - hold in between (the hysteresis band keeps a steady load from oscillating).
@@ -56,7 +56,7 @@ class AdaptiveLimit:
         p95 = self.window.quantile(now, 0.95) if enough else 0.0
         saturated = saturation is not None and saturation.saturated
         binding = inflight >= spec.binding * self.limit
-        if saturated or (enough and binding and p95 > spec.cut_at * self.slo_s):
+        if saturated or (enough and p95 > spec.cut_at * self.slo_s):
             self.limit = max(spec.min_limit, self.limit * spec.decrease)
             self.last_action = "cut_saturated" if saturated else "cut_latency"
         elif enough and binding and p95 < spec.raise_below * self.slo_s:

@@ -1,11 +1,14 @@
 """The demo end to end, shortened: real Envoy, the ext_proc and simulated replicas, then nothing left running."""
 
 import json
+
 import os
 import signal
 import subprocess
 import sys
 import time
+
+import pytest
 from pathlib import Path
 
 SLO_S = 2.0
@@ -65,6 +68,8 @@ def test_ctrl_c_stops_every_process_the_demo_started(tmp_path):
     assert processes_writing_into(out) == []
 
 
+@pytest.mark.slow  # on a shared 2-core machine e vs d flips in about 1 run of 3 (CPU stalls read as overload);
+# the default suite asserts the direction deterministically in test_adaptive_whatif.py
 def test_shortened_shifted_fleet_adaptive_keeps_the_second_half_closer_to_the_slo(tmp_path):
     # scenarios/shifted-fleet.yaml with 10 s phases at speed 5 (~8 s of replay per mode): one 70B replica becomes
     # 2x slower at the start of the second half. The static caps of d were tuned for two full-speed replicas;
