@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test test-all demo bench bench-overhead clean system-deps soak fuzz
+.PHONY: venv test test-all demo bench bench-overhead docs clean system-deps soak fuzz
 
 venv: $(STAMP)
 
@@ -41,5 +41,18 @@ demo: venv
 bench-overhead: venv system-deps
 	$(BIN)/python bench/overhead.py
 
+# The benchmark tables of docs/benchmarks.md (the overhead run takes a few minutes).
+bench: venv system-deps
+	$(BIN)/python bench/decision.py
+	$(BIN)/python bench/cost_estimate.py
+	$(BIN)/python bench/overhead.py
+
+# Regenerate the configuration reference from the policy schema (a test fails when it is stale).
+docs: venv
+	$(BIN)/python -m extproc.docsgen > docs/configuration.md
+
 clean:
 	rm -rf $(VENV) .cache results .pytest_cache
+
+# Real vLLM on the CPU: vllm-setup, vllm-model, vllm-serve, vllm-fixtures, e2e-vllm (docs/vllm.md).
+include Makefile.vllm

@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "stack": ("extproc.stack", "start a local stack: Envoy + ext_proc + simulated replicas"),
     "envoy-config": ("extproc.envoyconf", "render envoy/envoy.yaml for a local stack (ports, addresses)"),
     "calibrate": ("extproc.calibrate", "find a class's concurrency cap by a load sweep of the target (p95 vs SLO)"),
+    "demo": ("extproc.demo", "the traffic-spike demo: four ways to serve the same spike, side by side"),
 }
 
 

@@ -78,7 +78,7 @@ def adaptive_filter(*, concurrency_update_interval: str = "0.5s", sample_aggrega
                     min_concurrency: int = 3) -> dict[str, Any]:
     """Envoy's own adaptive_concurrency filter (the built-in peer), with its knobs exposed for fair tuning."""
     min_rtt: dict[str, Any] = {"request_count": min_rtt_request_count, "min_concurrency": min_concurrency,
-                               "buffer": {"value": 25.0}}
+                               "buffer": {"value": buffer_percent}}
     if min_rtt_fixed:
         min_rtt["fixed_value"] = min_rtt_fixed
     else:

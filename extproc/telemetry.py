@@ -27,8 +27,10 @@ disable_created_metrics()  # the *_created series double every counter for no op
 class Telemetry:
     """Implements the core's AdmissionEvents; keeps label children cached so the hot path is a dict lookup."""
 
-    def __init__(self, registry: CollectorRegistry | None = None):
+    def __init__(self, registry: CollectorRegistry | None = None, log_accept_sample: float = 0.0):
         self.registry = registry or CollectorRegistry()
+        self.log_accept_sample = log_accept_sample  # share of accepted requests logged too (refusals always are)
+        self._accept_credit = 0.0
         r = self.registry
         self.requests = Counter("extproc_requests", "Final admission decisions by class, decision and reason.",
                                 ["class", "decision", "reason"], registry=r)
@@ -39,9 +41,13 @@ class Telemetry:
         self.duration = Histogram("extproc_request_duration_seconds",
                                   "Admission to end of response, by class and how the request ended.",
                                   ["class", "outcome"], buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("extproc_time_to_first_byte_seconds",
-                              "Request start to the first response byte sent to the client (for streams: the "
-                              "first token, as vLLM sends headers with it), from Envoy's access log.",
+        self.ttfb = Histogram("extproc_time_to_first_byte_seconds",
+                              "Request start to the first response byte sent to the client (the response headers; "
+                              "vLLM sends them before the first token), from Envoy's access log, every request.",
+                              ["class"], buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("extproc_time_to_first_token_seconds",
+                              "Arrival at the ext_proc to the first body chunk carrying generated text, on the "
+                              "sampled streams whose body is read (policy learn_sample).",
                               ["class"], buckets=LATENCY_BUCKETS, registry=r)
         self.demotions = Counter("extproc_class_demotions", "Requests that claimed a class above their tenant's "
                                  "max_class and were demoted.", ["tenant"], registry=r)
@@ -56,6 +62,9 @@ class Telemetry:
                                     "over the admission-time estimate, for requests whose usage was read.",
                                     ["class"], buckets=(0.1, 0.2, 0.33, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5,
                                                         2.0, 3.0, 5.0, 10.0), registry=r)
+        self.learned_tokens = Counter("extproc_learned_tokens", "Tokens read from responses' usage for cost "
+                                      "learning (the sampled share, see policy learn_sample).",
+                                      ["model", "kind"], registry=r)
         self.ratelimit = Counter("extproc_ratelimit_decisions", "Tenant rate-limit checks by result.",
                                  ["tenant", "kind", "result"], registry=r)
         self.session_rejections = Counter("extproc_session_rejections", "Requests refused by an agent-session "
@@ -91,10 +100,8 @@ class Telemetry:
             if w is None:
                 w = self._wait_children[d.cls] = self.queue_wait.labels(d.cls)
             w.observe(d.waited_s)
-        if d.kind != ACCEPT and decision_log.isEnabledFor(logging.INFO):
-            decision_log.info(json.dumps({"event": "decision", "class": d.cls, "tenant": d.tenant,
-                                          "decision": d.kind, "reason": d.reason, "status": d.status,
-                                          "retry_after": d.retry_after, "waited_s": round(d.waited_s, 4)}))
+        if d.kind != ACCEPT or d.shadow_would is not None or self._sample_accept():
+            self.log_decision(d)
 
     def _count_budgets(self, d: Decision) -> None:
         if d.reason.startswith("tenant_"):
@@ -105,8 +112,42 @@ class Telemetry:
             self.ratelimit.labels(d.tenant, "all", "allowed").inc()
 
     def cost_observed(self, ticket: Ticket, estimated_s: float, actual_s: float) -> None:
+        if ticket.usage is not None and ticket.charge is not None:
+            self.learned_tokens.labels(ticket.charge.model, "prompt").inc(ticket.usage[0])
+            self.learned_tokens.labels(ticket.charge.model, "completion").inc(ticket.usage[1])
         if estimated_s > 0:
             self.cost_error.labels(ticket.cls).observe(actual_s / estimated_s)
+
+    def _sample_accept(self) -> bool:
+        if not self.log_accept_sample:
+            return False
+        self._accept_credit += self.log_accept_sample
+        if self._accept_credit >= 1.0:
+            self._accept_credit -= 1.0
+            return True
+        return False
+
+    @staticmethod
+    def log_decision(d: Decision) -> None:
+        """One JSON line: who, what and why. Never the API key, never the prompt."""
+        if not decision_log.isEnabledFor(logging.INFO):
+            return
+        line = {"event": "decision", "request_id": d.charge.request_id if d.charge else "", "tenant": d.tenant,
+                "class": d.cls, "decision": d.kind, "reason": d.reason, "status": d.status}
+        if d.retry_after:
+            line["retry_after"] = d.retry_after
+        if d.waited_s:
+            line["waited_s"] = round(d.waited_s, 4)
+        if d.charge is not None:
+            est = d.charge.estimate
+            line.update(model=d.charge.model, prompt_tokens=est.prompt_tokens, max_tokens=est.max_tokens,
+                        gpu_seconds=round(est.gpu_seconds, 4))
+        if d.shadow_would is not None:
+            line.update(would=d.shadow_would.kind, would_reason=d.shadow_would.reason)
+        decision_log.info(json.dumps(line, separators=(",", ":")))
+
+    def first_token(self, ticket: Ticket, seconds: float) -> None:
+        self.ttft.labels(ticket.cls).observe(seconds)
 
     def queued(self, waiter: Waiter) -> None:
         self.queue_entries.labels(waiter.limiter.name).inc()
@@ -119,12 +160,10 @@ class Telemetry:
         h.observe(duration_s)
         c = ticket.completion
         if c is not None and c.first_byte_s is not None and outcome is Outcome.OK:
-            self.ttft.labels(ticket.cls).observe(c.first_byte_s)
+            self.ttfb.labels(ticket.cls).observe(c.first_byte_s)
 
     def shadow(self, cls: str, would: str, reason: str) -> None:
-        self.shadow_decisions.labels(cls, would, reason).inc()
-        if decision_log.isEnabledFor(logging.INFO):
-            decision_log.info(json.dumps({"event": "shadow", "class": cls, "would": would, "reason": reason}))
+        self.shadow_decisions.labels(cls, would, reason).inc()  # the request's own log line carries `would`
 
     def breaker_changed(self, cls: str, pool: str, breaker: Breaker, state: str) -> None:
         self.breaker_transitions.labels(cls, pool, breaker.kind, state).inc()
@@ -172,6 +211,20 @@ class _CoreGauges:
             yield from self._sustained_load()
         yield from self._breakers()
         yield self._cost_models()
+        yield from self._pools()
+
+    def _pools(self):
+        sat = GaugeMetricFamily("extproc_pool_saturated", "1 while the pool's replicas report saturation (vLLM "
+                                "waiting requests, KV cache, preemptions) or cannot be read.", labels=["pool"])
+        kv = GaugeMetricFamily("extproc_pool_kv_cache_usage", "Highest vllm:kv_cache_usage_perc among the pool's "
+                               "replicas (0-1).", labels=["pool"])
+        waiting = GaugeMetricFamily("extproc_pool_waiting", "Highest vllm:num_requests_waiting among the pool's "
+                                    "replicas.", labels=["pool"])
+        for pool, s in list(self._core.saturation.items()):
+            sat.add_metric([pool], float(s.saturated))
+            kv.add_metric([pool], s.kv_usage)
+            waiting.add_metric([pool], s.waiting)
+        yield from (sat, kv, waiting)
 
     def _sustained_load(self):
         window = f"{self._sustained.window_s:g}s"

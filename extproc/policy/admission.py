@@ -9,6 +9,7 @@ from typing import Any, Callable, Protocol
 
 import math
 
+from .adaptive import AdaptiveLimit, PoolSaturation
 from .breakers import Breaker, ErrorBreaker, LatencyBreaker
 from .classify import Classification, Classifier
 from .cost import CostEstimate, CostModel
@@ -38,6 +39,7 @@ R_TENANT_REQUESTS = "tenant_requests_per_minute"
 R_TENANT_TOKENS = "tenant_tokens_per_minute"
 R_SESSION_INFLIGHT = "session_inflight_budget"
 R_SESSION_RATE = "session_gpu_seconds_per_minute"
+R_DEADLINE = "deadline_unmeetable"
 R_SHADOW = "shadow"
 R_ENDED_WHILE_QUEUED = "ended_while_queued"  # shadow only
 
@@ -63,10 +65,12 @@ class RequestFacts:
 class Charge:
     """What one request is estimated to cost, and whom it is charged to; settled once when it ends."""
 
-    __slots__ = ("model", "estimate", "tenant", "session")
+    __slots__ = ("model", "estimate", "tenant", "session", "request_id")
 
-    def __init__(self, model: str, estimate: CostEstimate, tenant: TenantLimits | None, session: Session | None):
+    def __init__(self, model: str, estimate: CostEstimate, tenant: TenantLimits | None, session: Session | None,
+                 request_id: str = ""):
         self.model = model
+        self.request_id = request_id
         self.estimate = estimate
         self.tenant = tenant
         self.session = session
@@ -76,7 +80,7 @@ class Decision:
     """The core's answer for one request. Terminal unless kind is QUEUE (then `waiter` gets the final one)."""
 
     __slots__ = ("kind", "reason", "cls", "tenant", "status", "retry_after", "message", "ticket", "waiter",
-                 "cluster", "classification", "waited_s", "fallback", "shadow_would", "headers")
+                 "cluster", "classification", "waited_s", "fallback", "shadow_would", "headers", "charge")
 
     def __init__(self, kind: str, reason: str, cls: str, tenant: str, *, status: int = 200, retry_after: int = 0,
                  message: str = "", ticket: Ticket | None = None, waiter: Waiter | None = None,
@@ -97,6 +101,7 @@ class Decision:
         self.fallback = fallback          # DEGRADE: what to change (model, max_tokens, stream) or the canned reply
         self.shadow_would: Decision | None = None  # shadow mode: the decision enforce mode would have made
         self.headers: list[tuple[str, str]] = []  # extra response headers (x-ratelimit-*)
+        self.charge: Charge | None = None  # what the request was estimated to cost (for logs)
 
     def __repr__(self) -> str:
         return f"Decision({self.kind}, {self.reason}, cls={self.cls}, status={self.status})"
@@ -111,6 +116,7 @@ class AdmissionEvents(Protocol):
     def shadow(self, cls: str, would: str, reason: str) -> None: ...
     def breaker_changed(self, cls: str, pool: str, breaker: Breaker, state: str) -> None: ...
     def cost_observed(self, ticket: Ticket, estimated_s: float, actual_s: float) -> None: ...
+    def first_token(self, ticket: Ticket, seconds: float) -> None: ...
 
 
 class NoEvents:
@@ -132,6 +138,9 @@ class NoEvents:
     def cost_observed(self, ticket: Ticket, estimated_s: float, actual_s: float) -> None:
         pass
 
+    def first_token(self, ticket: Ticket, seconds: float) -> None:
+        pass
+
 
 class AdmissionController:
     """Sans-IO admission: decide() per request, finish() once per ticket, report() with how it ended."""
@@ -144,8 +153,12 @@ class AdmissionController:
         self.degraded: dict[str, ClassLimiter] = {}   # per class: slots for requests served by its fallback
         self.breakers: dict[tuple[str, str], list[Breaker]] = {}  # (class, pool) -> its breakers
         self.tickets: dict[int, Ticket] = {}   # open tickets, for the lease safety net
+        self.saturation: dict[str, PoolSaturation] = {}  # pool -> the replicas' own load (set by a scraper)
         self._unreported: OrderedDict[int, Ticket] = OrderedDict()  # released, completion report pending
         self._retired: list[ClassLimiter] = []
+        # Set by an adapter whose shared store must confirm each admission (see gated()): such admissions are
+        # counted once, by confirm() or revoke(), instead of when decided.
+        self.shared_slots = False
         self.apply(policy)
 
     # --- configuration ---
@@ -161,6 +174,9 @@ class AdmissionController:
             else:
                 lim.reconfigure(spec)
             limiters[name] = lim
+            if spec.adaptive.enabled and lim.adaptive is None:
+                lim.adaptive = AdaptiveLimit(spec.adaptive, spec.slo_p95_ms / 1000.0, spec.max_concurrency)
+                lim.limit = int(lim.adaptive.limit)
             deg_spec = ClassSpec(max_concurrency=spec.fallback.max_concurrency or spec.max_concurrency,
                                  max_queue=0, max_wait_ms=0)
             if name in self.degraded:
@@ -257,9 +273,10 @@ class AdmissionController:
         session = None
         if facts.session_id and self.sessions.enabled:
             session = self.sessions.get(c.tenant, facts.session_id, now)
-        charge = Charge(facts.model, est, self.tenant_limits.get(c.tenant), session)
+        charge = Charge(facts.model, est, self.tenant_limits.get(c.tenant), session, facts.request_id)
         lim = self.limiters[c.cls]
         d = self._enforce(c, lim, cluster, now, context, charge)
+        d.charge = charge
         if charge.tenant is not None:
             d.headers = charge.tenant.headers(now)
         if self._shadow_all or lim.spec.shadow:
@@ -292,6 +309,10 @@ class AdmissionController:
             ticket = self._admit(lim, c.tenant, cluster, now, charge, 0.0)
             ticket.trickle = trickle
             return Decision(ACCEPT, R_SLOT_FREE, c.cls, c.tenant, ticket=ticket, cluster=cluster, classification=c)
+        if lim.queue_has_room() and lim.spec.early_reject and self._cannot_make_it(lim, charge, now):
+            return self._overflow(lim, c, cluster, R_DEADLINE, now, charge,
+                                  f"class {c.cls!r} would not reach this request within its {lim.spec.max_wait_ms} "
+                                  f"ms queue deadline ({len(lim.queue)} ahead at its current drain rate)")
         if lim.queue_has_room():
             waiter = Waiter(lim, c.tenant, cluster, now, cost, context)
             waiter.trickle = trickle
@@ -299,14 +320,55 @@ class AdmissionController:
             lim.queue.append(waiter)
             self.events.queued(waiter)
             return Decision(QUEUE, R_CLASS_FULL, c.cls, c.tenant, waiter=waiter, cluster=cluster, classification=c)
+        return self._overflow(lim, c, cluster, R_QUEUE_FULL, now, charge,
+                              f"class {c.cls!r} is at capacity ({lim.inflight} running, {len(lim.queue)} queued, "
+                              f"queue limit {lim.spec.max_queue})")
+
+    def _overflow(self, lim: ClassLimiter, c: Classification, cluster: str, reason: str, now: float,
+                  charge: Charge, message: str) -> Decision:
+        """The class cannot take the request now: its fallback if overflow goes there, else 429."""
         if lim.spec.on_overflow == "fallback":
-            return self._fallback(lim, c.cls, c.tenant, cluster, R_QUEUE_FULL, now, overflow=True, c=c,
-                                  charge=charge)
-        return Decision(
-            REJECT, R_QUEUE_FULL, c.cls, c.tenant, status=429, classification=c, cluster=cluster,
-            retry_after=lim.retry_after_s(now, self._retry_ceiling),
-            message=f"class {c.cls!r} is at capacity ({lim.inflight} running, {len(lim.queue)} queued, "
-                    f"queue limit {lim.spec.max_queue})")
+            return self._fallback(lim, c.cls, c.tenant, cluster, reason, now, overflow=True, c=c, charge=charge)
+        return Decision(REJECT, reason, c.cls, c.tenant, status=429, classification=c, cluster=cluster,
+                        retry_after=lim.retry_after_s(now, self._retry_ceiling), message=message)
+
+    def _cannot_make_it(self, lim: ClassLimiter, charge: Charge, now: float) -> bool:
+        """Deadline-aware early rejection: the predicted queue wait (queue ahead over the observed drain rate)
+        exceeds the class's max wait, or wait plus the predicted service time exceeds its SLO. The service-time
+        half is used only once the model's cost coefficients have been learned from real durations."""
+        wait = lim.queue_wait_s(now)
+        if wait is None:
+            return False
+        if wait > lim.spec.max_wait_ms / 1000.0:
+            return True
+        slo = lim.spec.slo_p95_ms
+        model = self.cost_models.get(charge.model)
+        return bool(slo and model is not None and model.samples >= 20
+                    and wait + charge.estimate.gpu_seconds > slo / 1000.0)
+
+    def tick(self) -> None:
+        """Move adaptive caps (called a few times a second by the adapter; each controller keeps its interval)."""
+        now = self.clock()
+        for lim in self.limiters.values():
+            ctl = lim.adaptive
+            if ctl is None:
+                continue
+            sat = self._class_saturation(lim, now)
+            new = ctl.update(now, lim.inflight, sat)
+            if new != lim.limit:
+                raised = new > lim.limit
+                lim.limit = new
+                if raised:
+                    self._grant(lim, now)
+
+    def _class_saturation(self, lim: ClassLimiter, now: float) -> PoolSaturation | None:
+        """The worst of the pools the class sends to: saturated if any of them is."""
+        worst = None
+        for pool in lim.pools:
+            sat = self.saturation.get(pool)
+            if sat is not None and (worst is None or sat.saturated):
+                worst = sat
+        return worst
 
     def _budgets(self, c: Classification, lim: ClassLimiter, cluster: str, now: float,
                  charge: Charge) -> Decision | None:
@@ -346,7 +408,9 @@ class AdmissionController:
         why = {R_LATENCY_BREAKER: f"the latency breaker of class {cls!r} is open (p95 above its SLO)",
                R_ERROR_BREAKER: f"the error breaker of class {cls!r} is open (upstream failures)",
                R_QUEUE_FULL: f"class {cls!r} is at capacity and its queue is full",
-               R_QUEUE_TIMEOUT: f"class {cls!r} had no free slot within {lim.spec.max_wait_ms} ms"}[reason]
+               R_QUEUE_TIMEOUT: f"class {cls!r} had no free slot within {lim.spec.max_wait_ms} ms",
+               R_DEADLINE: f"class {cls!r} would not reach this request within its {lim.spec.max_wait_ms} ms queue "
+                           "deadline at its current drain rate"}[reason]
         if fb.action == "canned":
             return Decision(DEGRADE, reason, cls, tenant, status=fb.status, message=fb.message, fallback=fb,
                             classification=c, cluster=cluster, waited_s=waited_s)
@@ -388,6 +452,7 @@ class AdmissionController:
         passed = Decision(ACCEPT, R_SHADOW, c.cls, c.tenant, ticket=ticket, cluster=cluster, classification=c)
         passed.shadow_would = d
         passed.headers = d.headers
+        passed.charge = charge
         self._emit(passed)
         return passed
 
@@ -468,6 +533,10 @@ class AdmissionController:
         ticket.completion = completion  # the stream has not closed yet: finish() accounts it
         return True
 
+    def first_token(self, ticket: Ticket, seconds: float) -> None:
+        """Time from arrival to the first generated token of a stream (measured on the sampled ones)."""
+        self.events.first_token(ticket, seconds)
+
     def usage(self, ticket: Ticket, prompt_tokens: int, completion_tokens: int) -> None:
         """Real token usage read from the response (learned from when the request is accounted)."""
         ticket.usage = (prompt_tokens, completion_tokens)
@@ -483,6 +552,9 @@ class AdmissionController:
         latency = c.total_s if c is not None and c.total_s else ticket.released_at - ticket.admitted_at + \
             ticket.waited_s
         now = self.clock()
+        ctl = ticket.limiter.adaptive
+        if ctl is not None and (outcome is Outcome.OK or outcome is Outcome.ENDED):
+            ctl.observe(now, latency)
         for b in self.pool_breakers(ticket.cls, ticket.pool):
             if isinstance(b, LatencyBreaker):
                 # An aborted request's duration is a lower bound: it only counts once it is already too slow.
@@ -538,6 +610,7 @@ class AdmissionController:
                waited_s: float) -> Ticket:
         cost = charge.estimate.gpu_seconds if charge is not None else 0.0
         lim.take(cost)
+        lim.pools.add(pool)
         ticket = Ticket(lim, tenant, pool, now, self._lease_s, cost, waited_s)
         ticket.charge = charge
         if charge is not None:
@@ -591,6 +664,7 @@ class AdmissionController:
 
     def _resolve(self, w: Waiter, d: Decision) -> None:
         w.result = d
+        d.charge = w.charge
         if w.shadow_ticket is not None:  # shadow: the request is already running; only count the verdict
             self.events.shadow(d.cls, d.kind, d.reason)
             w.shadow_ticket.waiter = None
@@ -600,8 +674,61 @@ class AdmissionController:
             w.on_result(d)
 
     def _emit(self, d: Decision) -> Decision:
+        if not self.gated(d):
+            self.events.decided(d)
+        return d
+
+    # --- a shared store's say (extproc.policy.store): the adapter awaits it between decide() and the answer ---
+
+    def gated(self, d: Decision) -> bool:
+        """Whether this admission also needs a global slot from the shared store before it stands.
+
+        Only enforced class slots are shared; degraded slots and shadow passes stay per replica."""
+        t = d.ticket
+        return (self.shared_slots and t is not None and t.holds_slot and not t.degraded and not t.closed
+                and not self._shadow_all and not t.limiter.spec.shadow)
+
+    def confirm(self, d: Decision, waited_s: float = 0.0) -> Decision:
+        """The shared store granted the global slot, after `waited_s` in its wait (0: at once): the admission
+        stands and is counted now. A wait counts as queueing; the request's service starts now."""
+        if waited_s > 0.0:
+            t = d.ticket
+            t.waited_s += waited_s
+            t.admitted_at += waited_s
+            t.lease_until += waited_s
+            d.waited_s, d.reason = t.waited_s, R_DEQUEUED
         self.events.decided(d)
         return d
+
+    def revoke(self, d: Decision, status: int, reason: str, message: str) -> Decision:
+        """The shared store did not grant a global slot (none within the class's wait, store down and failing
+        closed, or the client left): the local slot goes back unused and the request gets a refusal instead.
+        A class with `on_overflow: fallback` takes its fallback on a wait that timed out."""
+        t = d.ticket
+        now = self.clock()
+        lim = t.limiter
+        if not t.closed:  # closed without accounting: the request never ran
+            t.closed = True
+            self.tickets.pop(t.id, None)
+            lim.inflight -= 1
+            lim.inflight_cost -= t.cost
+            charge = t.charge
+            if charge is not None and charge.session is not None:
+                self.sessions.release(charge.session, t.cost)
+            if charge is not None and charge.tenant is not None:
+                charge.tenant.correct(charge.estimate.tokens, 0)
+            if lim in self._retired and lim.inflight == 0:
+                self._retired.remove(lim)
+        waited = t.waited_s + (now - t.admitted_at)
+        if reason == R_QUEUE_TIMEOUT and lim.spec.on_overflow == "fallback":
+            out = self._fallback(lim, lim.name, t.tenant, t.pool, R_QUEUE_TIMEOUT, now, overflow=True,
+                                 waited_s=waited, charge=t.charge)
+        else:
+            out = Decision(REJECT, reason, lim.name, t.tenant, status=status, message=message, waited_s=waited,
+                           retry_after=lim.retry_after_s(now, self._retry_ceiling), cluster=t.pool)
+        out.headers = d.headers
+        self._grant(lim, now)
+        return self._emit(out)
 
     # --- introspection (metrics collectors read this at scrape time) ---
 

@@ -128,7 +128,7 @@ class DrainRate:
 class ClassLimiter:
     """One class's slots and its bounded FIFO queue. Counts only; the decisions live in admission."""
 
-    __slots__ = ("name", "spec", "limit", "inflight", "inflight_cost", "queue", "drain")
+    __slots__ = ("name", "spec", "limit", "inflight", "inflight_cost", "queue", "drain", "adaptive", "pools")
 
     def __init__(self, name: str, spec: ClassSpec):
         self.name = name
@@ -138,11 +138,23 @@ class ClassLimiter:
         self.inflight_cost = 0.0
         self.queue: deque[Waiter] = deque()
         self.drain = DrainRate()
+        self.adaptive: Any = None       # an AdaptiveLimit when the class adapts its cap
+        self.pools: set[str] = set()    # pools this class has sent requests to (whose saturation it heeds)
 
     def reconfigure(self, spec: ClassSpec) -> None:
         """New caps apply to new decisions; slots already held stay held until released."""
+        adaptive_kept = self.adaptive is not None and spec.adaptive == self.spec.adaptive and spec.adaptive.enabled
         self.spec = spec
-        self.limit = spec.max_concurrency
+        if not adaptive_kept:
+            self.adaptive = None
+            self.limit = spec.max_concurrency
+
+    def queue_wait_s(self, now: float) -> float | None:
+        """Predicted wait of a new arrival: the queue ahead at the observed drain rate (None without data)."""
+        rate = self.drain.rate(now)
+        if rate <= 0.0:
+            return None
+        return (len(self.queue) + 1) / rate
 
     @property
     def saturated(self) -> bool:

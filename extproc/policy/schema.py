@@ -79,6 +79,43 @@ class FallbackSpec:
 
 
 @dataclass(frozen=True)
+class AdaptiveSpec:
+    """Let the class's cap move by itself (AIMD anchored to its SLO and the replicas' saturation)."""
+
+    enabled: bool = doc("Adapt the cap; `max_concurrency` is the starting point. Needs `slo_p95_ms`.", False)
+    min_limit: int = doc("The cap never goes below this.", 2, minimum=1)
+    max_limit: int = doc("The cap never goes above this.", 256, minimum=1)
+    interval_s: float = doc("How often the cap may move.", 1.0, minimum=0.05)
+    window_s: float = doc("Short window of completed requests the p95 is taken over.", 10.0, minimum=0.1)
+    min_samples: int = doc("Completions the window needs before latency moves the cap.", 10, minimum=1)
+    cut_at: float = doc("Cut when the window's p95 exceeds this fraction of the SLO.", 0.9, minimum=0.1,
+                        maximum=2)
+    raise_below: float = doc("Raise only while the p95 is under this fraction of the SLO.", 0.7, minimum=0.05,
+                             maximum=1)
+    binding: float = doc("...and in-flight is at least this fraction of the cap (an idle class does not drift "
+                         "up).", 0.8, minimum=0, maximum=1)
+    decrease: float = doc("Multiplicative cut.", 0.8, minimum=0.1, maximum=0.99)
+    increase: float = doc("Additive raise per interval.", 1.0, minimum=0.01)
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """A model pool's replicas, scraped for vLLM's own saturation signals."""
+
+    replicas: list[str] = doc("HOST:PORT of each replica (its vLLM /metrics). Empty with `envoy_admin`: taken "
+                              "from Envoy's cluster membership.", factory=list)
+    envoy_admin: str | None = doc("Envoy admin URL (e.g. http://127.0.0.1:9901) to read the cluster's "
+                                  "endpoints from, when `replicas` is empty.", None)
+    scrape_interval_ms: int = doc("How often each replica's /metrics is read.", 200, minimum=20)
+    stale_ms: int = doc("Metrics older than this count as saturated (a replica that cannot answer is not "
+                        "healthy headroom).", 1500, minimum=100)
+    kv_saturated: float = doc("vllm:kv_cache_usage_perc at or above this is saturation.", 0.9, minimum=0.1,
+                              maximum=1)
+    waiting_saturated: float = doc("vllm:num_requests_waiting per replica at or above this is saturation.", 1.0,
+                                   minimum=0)
+
+
+@dataclass(frozen=True)
 class ClassSpec:
     """One traffic class: its concurrency cap, its bounded deadline queue, its SLO and breakers."""
 
@@ -101,6 +138,10 @@ class ClassSpec:
         "When the queue is full or the wait expires: `reject` with 429, or take the `fallback` (e.g. send "
         "interactive overflow to the small model).", "reject")
     shadow: bool = doc("Shadow this class only: decide and count, but admit everything.", False)
+    adaptive: AdaptiveSpec = doc("Adaptive cap.", factory=AdaptiveSpec)
+    early_reject: bool = doc("Refuse (or fall back) at arrival when the queue ahead, at the class's observed "
+                             "drain rate, cannot clear within `max_wait_ms` - instead of letting the request wait "
+                             "first and time out.", True)
 
 
 @dataclass(frozen=True)
@@ -192,6 +233,38 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
+class StoreSpec:
+    """Where class slots are counted: in this process only, or in Redis shared by every ext_proc replica."""
+
+    kind: Literal["memory", "redis"] = doc(
+        "`memory`: each ext_proc counts its own slots (one replica, or caps meant per replica). `redis`: every "
+        "replica pointing at the same Redis and `key_prefix` shares each class's `max_concurrency` and "
+        "`max_inflight_gpu_seconds`; a request admitted locally also takes a global slot (one round trip) and "
+        "waits up to the class's `max_wait_ms` for one. Changes to this section apply on restart.", "memory")
+    url: str = doc("redis: the server, as a redis-py URL (`redis://host:6379/0`, `rediss://` for TLS, "
+                   "`unix:///path`).", "redis://127.0.0.1:6379/0")
+    key_prefix: str = doc("redis: prefix of every key and of the release channel; replicas that share caps use "
+                          "the same prefix, separate fleets use different ones.", "extproc:")
+    lease_ms: int = doc("redis: a global slot expires this long after its last renewal. Live requests are "
+                        "renewed every second, so a killed replica's slots free themselves within this time.",
+                        10_000, minimum=2_000, maximum=600_000)
+    timeout_ms: int = doc("redis: longest wait for one Redis call; a slower or failed call switches to "
+                          "`on_failure` until a probe (every second) finds Redis answering again.", 50,
+                          minimum=1, maximum=10_000)
+    poll_ms: int = doc("redis: a request waiting for a global slot retries at least this often. Releases are "
+                       "announced on a pub/sub channel, so most waits end sooner; expired leases are not "
+                       "announced, and this bounds how late they are noticed.", 100, minimum=10, maximum=5_000)
+    instances: int = doc("redis: ext_proc replicas sharing the caps. Only used while Redis is unreachable "
+                         "with `on_failure: local`: each replica then admits its share, the cap divided by "
+                         "this (at least 1 per class).", 1, minimum=1)
+    on_failure: Literal["local", "closed"] = doc(
+        "redis: while Redis is unreachable or slower than `timeout_ms`: `local` admits against per-replica "
+        "caps (fail open), `closed` refuses requests that would need a global slot with 503 "
+        "`store_unavailable` (fail closed). Either way the switch is logged, counted in "
+        "extproc_store_switches_total, and undone when Redis answers again.", "local")
+
+
+@dataclass(frozen=True)
 class Policy:
     """The admission policy."""
 
@@ -203,6 +276,8 @@ class Policy:
     classify: ClassifySpec = doc("Where requests claim a class.", factory=ClassifySpec)
     tenants: list[TenantSpec] = doc("Tenants and their class limits.", factory=list)
     anonymous: AnonymousSpec = doc("Limits for requests without a known API key.", factory=AnonymousSpec)
+    pools: dict[str, PoolSpec] = doc("Envoy clusters whose replicas are scraped for saturation (used by adaptive "
+                                     "caps).", factory=dict)
     sessions: SessionSpec = doc("Agent-session budgets.", factory=SessionSpec)
     fleet: FleetSpec = doc("Fleet capacity, for sanity checks of rate limits.", factory=FleetSpec)
     learn_sample: float = doc("Share of streamed responses whose usage is read for cost learning (each costs "
@@ -221,6 +296,8 @@ class Policy:
     sustained_window_s: float = doc("Window of the sustained-load gauges (extproc_queue_depth_avg, "
                                     "extproc_inflight_ratio_avg) that autoscalers should read.", 300.0, minimum=10)
     retry_after_max_s: int = doc("Upper bound on the Retry-After seconds sent with 429/503.", 60, minimum=1)
+    store: StoreSpec = doc("Where class slots are counted (per replica, or shared through Redis).",
+                           factory=StoreSpec)
 
     # --- derived views (not part of the YAML) ---
     def class_names(self) -> list[str]:
@@ -254,17 +331,17 @@ def load_policy(data: Any) -> Policy:
 def policy_warnings(p: Policy) -> list[str]:
     """Things that validate but are probably wrong: e.g. tenant rate limits that sum past the fleet."""
     warnings = []
-    for field, unit in (("requests_per_minute", "requests/min"), ("tokens_per_minute", "tokens/min")):
-        fleet = getattr(p.fleet, field)
-        total = sum(getattr(t, field) or 0 for t in p.tenants)
-        unlimited = [t.name for t in p.tenants if getattr(t, field) is None]
+    for key, unit in (("requests_per_minute", "requests/min"), ("tokens_per_minute", "tokens/min")):
+        fleet = getattr(p.fleet, key)
+        total = sum(getattr(t, key) or 0 for t in p.tenants)
+        unlimited = [t.name for t in p.tenants if getattr(t, key) is None]
         if fleet is None:
             continue
         if total > fleet:
-            warnings.append(f"tenants: {field} sum to {total} {unit}, past fleet.{field} = {fleet}: the limits "
+            warnings.append(f"tenants: {key} sum to {total} {unit}, past fleet.{key} = {fleet}: the limits "
                             "protect nothing when every tenant uses its share")
         elif unlimited:
-            warnings.append(f"tenants: {', '.join(unlimited)} have no {field} while fleet.{field} = {fleet}")
+            warnings.append(f"tenants: {', '.join(unlimited)} have no {key} while fleet.{key} = {fleet}")
     return warnings
 
 
@@ -401,7 +478,18 @@ def _check_references(p: Policy, errors: list[str]) -> None:
                 # Never echo the key itself: policy errors end up in logs.
                 errors.append(f"{base}.api_keys[{j}]: key already belongs to tenant {seen_keys[key]!r}")
             seen_keys[key] = t.name
+    clusters = {m.cluster for m in p.models.values()}
+    for name in p.pools:
+        if name not in clusters:
+            errors.append(f"pools.{name}: no model routes to this cluster (clusters: {', '.join(sorted(clusters))})")
     for name, spec in p.classes.items():
+        ad = spec.adaptive
+        if ad.enabled and not spec.slo_p95_ms:
+            errors.append(f"classes.{name}.adaptive: needs the class's slo_p95_ms (the target it adapts to)")
+        if ad.min_limit > ad.max_limit:
+            errors.append(f"classes.{name}.adaptive.min_limit: above max_limit")
+        if ad.raise_below >= ad.cut_at:
+            errors.append(f"classes.{name}.adaptive.raise_below: must be below cut_at (the hold band)")
         fb = spec.fallback
         if fb.model is not None and fb.model not in p.models:
             errors.append(f"classes.{name}.fallback.model: unknown model {fb.model!r} "

@@ -19,8 +19,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ..policy.admission import AdmissionController
 from ..policy.sustained import SustainedLoad
 from ..policy.schema import Policy, PolicyError, load_policy_file
+from ..store import open_store
+from ..store.shared import SharedSlots
 from ..telemetry import Telemetry
 from .accesslog import AccessLogReceiver
+from .saturation import SaturationScrapers
 from .servicer import ExtProcServicer
 
 log = logging.getLogger("extproc")
@@ -42,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--watch-interval", type=float, default=2.0,
                    help="seconds between checks of the policy file for changes (0 disables; SIGHUP always works)")
     p.add_argument("--log-level", default=os.environ.get("EXTPROC_LOG_LEVEL", "INFO"))
+    p.add_argument("--log-accept-sample", type=float, default=0.0, metavar="FRACTION",
+                   help="also log this share of accepted requests (refusals are always logged), e.g. 0.01")
 
 
 class Server:
@@ -50,13 +55,16 @@ class Server:
     def __init__(self, policy_path: str, policy: Policy, args: argparse.Namespace):
         self.policy_path = policy_path
         self.args = args
-        self.telemetry = Telemetry()
+        self.telemetry = Telemetry(log_accept_sample=args.log_accept_sample)
         self.core = AdmissionController(policy, events=self.telemetry)
         self.sustained = SustainedLoad(policy.sustained_window_s)
         self.telemetry.watch(self.core, self.sustained)
-        self.servicer = ExtProcServicer(self.core, max_body_bytes=args.max_body_bytes)
+        store = open_store(policy.store)
+        self.shared = SharedSlots(self.core, store, self.telemetry.registry) if store.shared else None
+        self.servicer = ExtProcServicer(self.core, max_body_bytes=args.max_body_bytes, shared=self.shared)
         self.servicer.on_error = self.telemetry.stream_errors.inc
         self.access_log = AccessLogReceiver(self.core)
+        self.scrapers = SaturationScrapers(self.core)
         self._mtime = _mtime(policy_path)
         self.ready = False
 
@@ -70,11 +78,23 @@ class Server:
             self.telemetry.reload_ok.set(0)
             log.error("policy reload refused, keeping the current policy:\n  %s", "\n  ".join(e.errors))
             return False
-        self.core.apply(policy)
+        if policy.store != self.core.policy.store:
+            log.warning("policy reload: changes to `store` apply on restart; keeping the running store")
+        if self.shared is not None:
+            self.shared.apply(policy)
+        else:
+            self.core.apply(policy)
+        asyncio.get_running_loop().create_task(self.scrapers.configure(policy.pools))
         self.telemetry.reloads.labels("applied").inc()
         self.telemetry.reload_ok.set(1)
         log.info("policy reloaded from %s", self.policy_path)
         return True
+
+    async def control(self) -> None:
+        """Adaptive caps move on their own interval; tick often enough that none waits long for its turn."""
+        while True:
+            await asyncio.sleep(0.1)
+            self.core.tick()
 
     async def housekeeping(self) -> None:
         """Renew live leases, reap expired ones, and pick up policy file changes."""
@@ -82,7 +102,11 @@ class Server:
         while True:
             await asyncio.sleep(1.0)
             self.servicer.renew_live()
-            self.core.reap()
+            expired = self.core.reap()
+            if self.shared is not None:
+                for t in expired:
+                    self.shared.release(t)
+                await self.shared.tick()
             now = self.core.clock()
             self.sustained.window_s = self.core.policy.sustained_window_s
             self.sustained.sample(now, self.core.snapshot())
@@ -107,6 +131,8 @@ class Server:
         if not bound:
             raise SystemExit(f"cannot listen on {host}:{port} for gRPC")
         await grpc_server.start()
+        if self.shared is not None:
+            await self.shared.start()
         runner = await self._start_http()
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         await health_servicer.set("envoy.service.ext_proc.v3.ExternalProcessor",
@@ -118,6 +144,8 @@ class Server:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         housekeeping = asyncio.create_task(self.housekeeping())
+        control = asyncio.create_task(self.control())
+        await self.scrapers.configure(self.core.policy.pools)
         log.info("extproc serving: grpc %s:%d, http %s:%d, policy %s", host, bound, *self.args.metrics,
                  self.policy_path)
         print(f"extproc ready grpc={host}:{bound} http={self.args.metrics[0]}:{self.args.metrics[1]}", flush=True)
@@ -126,7 +154,11 @@ class Server:
         self.ready = False
         await health_servicer.enter_graceful_shutdown()
         housekeeping.cancel()
+        control.cancel()
+        await self.scrapers.stop()
         await grpc_server.stop(grace=5.0)
+        if self.shared is not None:
+            await self.shared.close()
         await runner.cleanup()
 
     async def _start_http(self) -> web.AppRunner:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -17,6 +18,7 @@ from grpc.aio import EOF, InternalError
 from ..policy.admission import ACCEPT, DEGRADE, QUEUE, AdmissionController, Decision, RequestFacts
 from ..policy.classify import bearer_key
 from ..policy.limits import Outcome, Ticket, Waiter
+from ..store.shared import SharedSlots
 from .accesslog import TICKET_HEADER
 from .openai import (GENERATION_PATHS, BadRequest, GenerationBody, canned_body, degrade_body, error_body,
                      parse_generation_body)
@@ -85,14 +87,16 @@ def _wait_override(seconds: float) -> pb.ProcessingResponse:
 class _Stream:
     """Per-request state of one ext_proc stream."""
 
-    __slots__ = ("facts", "path", "ticket", "waiter", "cluster", "decision", "status", "queue_wait_ms",
-                 "learn", "sse", "strip_usage", "response_json")
+    __slots__ = ("facts", "path", "ticket", "waiter", "gated", "body", "cluster", "decision", "status",
+                 "queue_wait_ms", "learn", "sse", "strip_usage", "response_json", "arrived", "first_token")
 
     def __init__(self) -> None:
         self.facts: RequestFacts | None = None  # set when the request is ours to admit
         self.path = ""
         self.ticket: Ticket | None = None
         self.waiter: Waiter | None = None  # set while the request waits in a class queue
+        self.gated: Decision | None = None  # an admission waiting for the shared store's global slot
+        self.body: GenerationBody | None = None
         self.cluster = ""
         self.decision = ""                 # the final decision kind, once made
         self.status = 0
@@ -101,14 +105,17 @@ class _Stream:
         self.sse = False                   # the learned response is an event stream
         self.strip_usage = False           # ... from a usage chunk the client did not ask for
         self.response_json = b""           # buffered non-streamed response body
+        self.arrived = 0.0                 # when the request headers reached the ext_proc
+        self.first_token = False           # a learned stream's first token has been seen
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     """One gRPC stream per HTTP request. Every message gets an answer of its own phase; slots are freed once."""
 
     def __init__(self, core: AdmissionController, max_body_bytes: int = 4 << 20,
-                 queue_grace_s: float = 0.5) -> None:
+                 queue_grace_s: float = 0.5, shared: SharedSlots | None = None) -> None:
         self.core = core
+        self.shared = shared                 # global slots from a shared store (policy `store: {kind: redis}`)
         self.max_body_bytes = max_body_bytes
         self.queue_grace_s = queue_grace_s   # added to Envoy's timeout while a request waits in a queue
         self.live: set[Ticket] = set()       # tickets whose stream is still open (their leases get renewed)
@@ -137,10 +144,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     resp = self._on_response_headers(st, req.response_headers)
                 else:
                     resp = CONTINUE[phase]
-                if resp is None:  # queued: keep Envoy waiting, then answer with the final decision
-                    grace = max(st.waiter.deadline - self.core.clock(), 0.0) + self.queue_grace_s
-                    await write(_wait_override(grace))
-                    resp = await self._wait(st, st.waiter)
+                if resp is None:  # queued, or waiting for a global slot: answer with the final decision
+                    resp = await self._settle(st, write)
                 await write(resp)
             normal_end = True
         except InternalError:
@@ -180,6 +185,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         if method != b"POST" or path not in GENERATION_PATHS:
             return PASS_THROUGH
         st.path = path
+        st.arrived = self.core.clock()
         st.facts = RequestFacts(api_key=bearer_key(authorization), header_class=claim or None,
                                 request_id=request_id, session_id=session)
         if msg.end_of_stream:  # a generation POST without a body
@@ -204,6 +210,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         if d.kind == QUEUE:
             st.cluster = d.cluster
             st.waiter = d.waiter
+            return None
+        if self.core.gated(d):
+            st.gated, st.body = d, body
             return None
         return self._answer(st, d, body)
 
@@ -234,6 +243,11 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 self._learn_usage(st, _usage_of(st.response_json))
             return CONTINUE["response_body"]
         chunk = msg.body
+        if not st.first_token and _FIRST_TOKEN.search(chunk):
+            # Time to first token, measured where the protocol lets us see it: the first body chunk carrying
+            # generated text, on the sampled streams whose body the ext_proc reads anyway.
+            st.first_token = True
+            self.core.first_token(st.ticket, self.core.clock() - st.arrived)
         if b'"usage"' not in chunk or b'"choices":[]' not in chunk:
             return CONTINUE["response_body"]
         kept, usage = _split_usage_event(chunk)
@@ -265,7 +279,30 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
 
     # --- decisions to responses ---
 
-    async def _wait(self, st: _Stream, waiter: Waiter) -> pb.ProcessingResponse:
+    async def _settle(self, st: _Stream, write) -> pb.ProcessingResponse:
+        """Keep Envoy waiting while the request queues here and/or waits for a global slot."""
+        extended = False
+        if st.waiter is not None:
+            grace = max(st.waiter.deadline - self.core.clock(), 0.0) + self.queue_grace_s
+            await write(_wait_override(grace))
+            extended = True
+            body = st.waiter.context
+            d = await self._wait(st, st.waiter)
+            if not self.core.gated(d):
+                return self._answer(st, d, body)
+            st.gated, st.body = d, body
+        d = await self.shared.try_now(st.gated)
+        if d is None:
+            if not extended:
+                grace = max(self.shared.deadline(st.gated.ticket) - self.core.clock(), 0.0) + self.queue_grace_s
+                await write(_wait_override(grace))
+            d = await self.shared.wait(st.gated)
+        body, st.gated = st.body, None
+        if d.waited_s > 0:
+            st.queue_wait_ms = int(d.waited_s * 1000)
+        return self._answer(st, d, body)
+
+    async def _wait(self, st: _Stream, waiter: Waiter) -> Decision:
         fut = asyncio.get_running_loop().create_future()
 
         def deliver(d: Decision) -> None:
@@ -279,7 +316,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             d = self.core.abandon(waiter, timed_out=True) or waiter.result
         st.waiter = None
         st.queue_wait_ms = int(d.waited_s * 1000)
-        return self._answer(st, d, waiter.context)
+        return d
 
     def _answer(self, st: _Stream, d: Decision, body: GenerationBody) -> pb.ProcessingResponse:
         st.decision = d.kind
@@ -337,7 +374,13 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         w = st.waiter
         if w is not None:  # still queued: the client left while waiting
             if not self.core.abandon(w, timed_out=False) and w.result is not None and w.result.ticket:
-                self.core.finish(w.result.ticket, Outcome.CLIENT_ABORT)  # granted in the same instant
+                if self.core.gated(w.result):  # granted in the same instant, before its global slot
+                    self.shared.abandon(w.result)
+                else:
+                    self.core.finish(w.result.ticket, Outcome.CLIENT_ABORT)
+            return
+        if st.gated is not None:  # the client left while its admission waited for a global slot
+            self.shared.abandon(st.gated)
             return
         t = st.ticket
         if t is None or t.closed:
@@ -350,11 +393,17 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         else:
             outcome = Outcome.CLIENT_ABORT  # the gRPC stream was cancelled
         self.core.finish(t, outcome)
+        if self.shared is not None:
+            self.shared.release(t)
 
     def renew_live(self) -> None:
         """Renew the lease of every ticket whose stream is still open (called periodically)."""
         for t in self.live:
             self.core.renew(t)
+
+
+# A chat delta or completion choice with at least one character of text (the role chunk's content is "").
+_FIRST_TOKEN = re.compile(rb'"(?:content|text)":"[^"]')
 
 
 def _usage_of(raw: bytes) -> dict | None:

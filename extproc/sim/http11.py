@@ -48,9 +48,10 @@ class ResponseWriter:
         return self._conn.transport is None
 
     def _head(self, status: int, content_type: str | None, extra: str) -> str:
-        connection = "keep-alive" if self._keep_alive else "close"
+        # Keep-alive is HTTP/1.1's default: like vLLM's server, say `connection` only when closing.
+        connection = "" if self._keep_alive else "connection: close\r\n"
         ctype = f"content-type: {content_type}\r\n" if content_type else ""
-        return f"HTTP/1.1 {status} {REASONS.get(status, 'Unknown')}\r\n{ctype}connection: {connection}\r\n{extra}"
+        return f"HTTP/1.1 {status} {REASONS.get(status, 'Unknown')}\r\n{ctype}{connection}{extra}"
 
     def send(self, status: int, body: bytes = b"", content_type: str | None = "application/json",
              headers: dict[str, str] | None = None) -> None:

@@ -13,7 +13,10 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 INTER_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                        20.0, 40.0, 80.0)
-FINISH_REASONS = ("stop", "length", "abort")
+# vLLM 0.32's finished_reason label values, all exposed from start-up. The simulator's only aborts are client
+# disconnects, which vLLM does not count here (docs/vllm.md), and it has no errors or repetition stops.
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
+COUNTED_REASONS = ("stop", "length")
 HELP = {
     "vllm:num_requests_running": "Number of requests in model execution batches.",
     "vllm:num_requests_waiting": "Number of requests waiting to be processed.",
@@ -102,8 +105,13 @@ class ReplicaMetrics:
             lines.append(f"{name}{{{labels}}} {float(value)!r}")
         family("vllm:request_success_total", "counter", "Count of successfully processed requests.")
         for reason in FINISH_REASONS:
-            lines.append(f'vllm:request_success_total{{{labels},finished_reason="{reason}"}} '
-                         f"{float(stats.finished[reason])!r}")
+            count = stats.finished[reason] if reason in COUNTED_REASONS else 0
+            lines.append(f'vllm:request_success_total{{{labels},finished_reason="{reason}"}} {float(count)!r}')
+        family("vllm:num_requests_waiting_by_reason", "gauge",
+               "Number of requests waiting to be processed, by reason.")
+        waiting = float(len(engine.waiting))
+        lines.append(f'vllm:num_requests_waiting_by_reason{{{labels},reason="capacity"}} {waiting!r}')
+        lines.append(f'vllm:num_requests_waiting_by_reason{{{labels},reason="deferred"}} 0.0')
         for name, hist, help_text in (
             ("vllm:time_to_first_token_seconds", self.ttft, "Histogram of time to first token in seconds."),
             ("vllm:inter_token_latency_seconds", self.inter_token, "Histogram of inter-token latency in seconds."),

@@ -101,8 +101,13 @@ class Replica:
             delay = clock.real_time_of(self._sim_t) - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            elif delay < -MAX_LAG_REAL_S:
-                self._sim_t = clock.now()
+            else:
+                # Behind schedule (CPU starved, or a high speed): still yield once per iteration, or disconnects
+                # and new requests would wait until the whole backlog is generated (a stream whose client left
+                # would run to its end instead of being aborted, as vLLM aborts between steps).
+                await asyncio.sleep(0)
+                if delay < -MAX_LAG_REAL_S:
+                    self._sim_t = clock.now()
             self._deliver(engine.end_iteration(self._sim_t))
 
     def _deliver(self, emissions: list[Emission]) -> None:
@@ -172,7 +177,8 @@ class Replica:
 
     def _generation(self, kind: str, request: HttpRequest, writer: ResponseWriter) -> None:
         if request.method != "POST":
-            writer.send(405, error_body(405, "Method Not Allowed", "MethodNotAllowed"))
+            writer.send(405, json.dumps({"detail": "Method Not Allowed"}).encode(),  # the web framework's body
+                        headers={"allow": "POST"})
             return
         p = self.profile
         try:
@@ -207,9 +213,11 @@ class Replica:
         self._wake.set()
 
     def _abort(self, seq: Sequence) -> None:
-        """The client went away: free the sequence, as vLLM does on disconnect."""
+        """The client went away: free the sequence, as vLLM does on disconnect. Like vLLM 0.32, a client abort
+        shows only as the running (or waiting) gauge dropping: it is not counted in
+        `request_success_total{finished_reason="abort"}` nor observed in the request histograms
+        (docs/vllm.md); the engine's own count (GET /sim/state `finished.abort`) still has it."""
         if self._active.pop(seq.id, None) is None:
             return
         self.engine.abort(seq, max(self._sim_t, self._clock.now()))
-        self.metrics.observe_finished(seq)
         self._wake.set()

@@ -31,6 +31,20 @@ def _raise_stop(signum, _frame):
     raise _Stop(signum)
 
 
+def _stop_command(child: subprocess.Popen, interrupt: bool, grace: float = 20.0) -> None:
+    """Stop the command run under `--`: SIGINT first (pytest then stops the servers its fixtures started, e.g.
+    Envoy and the ext_proc), SIGKILL if it is still there after `grace` seconds."""
+    if child.poll() is not None:
+        return
+    if interrupt:
+        child.send_signal(signal.SIGINT)
+    try:
+        child.wait(grace)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait(5)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: a free one)")
@@ -58,7 +72,15 @@ def main(argv: list[str] | None = None) -> int:
         if cmd:
             env = dict(os.environ, VLLM_URL=server.url, VLLM_MODEL=server.served_model_names[0],
                        VLLM_SMALL_MODEL=server.served_model_names[-1])
-            return subprocess.call(cmd, env=env)
+            child = subprocess.Popen(cmd, env=env)
+            try:
+                return child.wait()
+            except KeyboardInterrupt:  # Ctrl-C reached the command too (same process group): let it finish
+                _stop_command(child, interrupt=False)
+                raise
+            except _Stop:  # SIGTERM/SIGHUP to us only: interrupt the command so pytest runs its teardown
+                _stop_command(child, interrupt=True)
+                raise
         while server.alive():
             time.sleep(0.5)
         print(f"[serve] vLLM exited; log tail:\n{server.log_tail()}", file=sys.stderr)
@@ -66,8 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     except VLLMError as e:
         print(f"[serve] {e}", file=sys.stderr)
         return 1
-    except (KeyboardInterrupt, _Stop):
-        return 0
+    except KeyboardInterrupt:
+        return 130 if cmd else 0  # an interrupted command did not succeed; a server stopped by Ctrl-C did
+    except _Stop as stop:
+        return 128 + stop.args[0] if cmd else 0
     finally:
         server.stop()
         print("[serve] stopped", flush=True)

@@ -6,7 +6,6 @@ import asyncio
 import json
 
 import aiohttp
-import pytest
 
 from .conftest import policy_file
 from .helpers import chat, healthz, metrics, post, sample, upstream_reset, upstream_stats, wait_idle

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from .conftest import COMPOSE, RULE_FILES, run_tool, tool
-from .promql import exposed_names, metric_names, rule_expressions
+from .promql import metric_names, rule_expressions
 
 PROM = COMPOSE / "prometheus"
 

@@ -1,0 +1,67 @@
+"""Adaptive per-class limits: move the cap by itself, anchored to the class's latency SLO and the replicas' load.
+
+Why AIMD with an SLO band rather than Envoy's gradient (measured, ../shared/NOTES-envoy-vllm.md and docs/adaptive.md):
+a gradient on the minimum RTT targets "a multiple of the fastest latency seen", never the SLO, drifts up while it
+does not bind, and re-measures its baseline by pinning concurrency low. Here the target is the SLO itself:
+ - cut multiplicatively the moment the replicas say they are saturated (requests waiting in vLLM, KV cache nearly
+   full, preemptions, or stale metrics) or the short-window p95 approaches the SLO: reacts within one interval
+   (also when the cap is far above what is in flight: a cap that starts too high must come down to where it binds;
+   cutting only while it binds left the shifted-fleet what-if over its SLO, docs/adaptive.md);
+ - raise additively only while p95 is well under the SLO, the replicas have headroom, and the limit actually binds
+   (in-flight near it) - so an idle class does not drift to its maximum;
+ - hold in between (the hysteresis band keeps a steady load from oscillating).
+"""
+
+from __future__ import annotations
+
+from .breakers import LatencyWindow
+from .schema import AdaptiveSpec
+
+
+class PoolSaturation:
+    """The replicas' own view of load, as last scraped (fed by the server's scraper)."""
+
+    __slots__ = ("saturated", "kv_usage", "waiting", "running", "preempting", "updated_at")
+
+    def __init__(self) -> None:
+        self.saturated = False
+        self.kv_usage = 0.0
+        self.waiting = 0.0
+        self.running = 0.0
+        self.preempting = False
+        self.updated_at = -1.0
+
+
+class AdaptiveLimit:
+    """One class's limit controller. `update()` runs once per interval; `observe()` per completed request."""
+
+    def __init__(self, spec: AdaptiveSpec, slo_s: float, initial: int):
+        self.spec = spec
+        self.slo_s = slo_s
+        self.limit = float(min(max(initial, spec.min_limit), spec.max_limit))
+        self.window = LatencyWindow(spec.window_s, n_slices=5)
+        self._last = None
+        self.last_action = "hold"
+
+    def observe(self, now: float, latency_s: float) -> None:
+        self.window.add(now, latency_s)
+
+    def update(self, now: float, inflight: int, saturation: PoolSaturation | None) -> int:
+        """Move the limit if an interval has passed; return the current (whole) limit."""
+        spec = self.spec
+        if self._last is not None and now - self._last < spec.interval_s:
+            return int(self.limit)
+        self._last = now
+        enough = self.window.count(now) >= spec.min_samples
+        p95 = self.window.quantile(now, 0.95) if enough else 0.0
+        saturated = saturation is not None and saturation.saturated
+        binding = inflight >= spec.binding * self.limit
+        if saturated or (enough and p95 > spec.cut_at * self.slo_s):
+            self.limit = max(spec.min_limit, self.limit * spec.decrease)
+            self.last_action = "cut_saturated" if saturated else "cut_latency"
+        elif enough and binding and p95 < spec.raise_below * self.slo_s:
+            self.limit = min(spec.max_limit, self.limit + spec.increase)
+            self.last_action = "raise"
+        else:
+            self.last_action = "hold"
+        return int(self.limit)

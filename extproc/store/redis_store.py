@@ -1,0 +1,273 @@
+"""Class slots shared through Redis: leases in a sorted set per class, taken and given back by Lua scripts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Callable
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from ..policy.schema import StoreSpec
+from ..policy.store import SlotClaim, StoreUnavailable
+
+log = logging.getLogger("extproc.store")
+
+# Keys per class: <prefix>slots:<class> is a sorted set of holders scored by lease deadline (Redis server time in
+# ms, so replicas' clocks never matter); <prefix>cost:<class> maps holders to their GPU-second cost. An acquire
+# first drops expired holders from both, inside the same atomic call: a crashed replica's slots free themselves.
+
+# Every script but the release starts here: Redis's clock (never a replica's) and the lease from ARGV[1].
+_NOW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local lease = tonumber(ARGV[1])
+"""
+
+# KEYS: slots and cost of each claim's class. ARGV: lease_ms, then holder, cost, cap, budget (< 0: none) per
+# claim. Returns 1 (held) or 0 (class full) per claim, deciding them in order: a batch of concurrent acquires
+# from one replica costs one round trip.
+ACQUIRE = _NOW + """
+local purged = {}
+local out = {}
+for i = 1, #KEYS, 2 do
+  local slots, costs, a = KEYS[i], KEYS[i + 1], 2 * i
+  local holder, cost, cap, budget = ARGV[a], tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+  if not purged[slots] then
+    purged[slots] = true
+    local expired = redis.call('ZRANGEBYSCORE', slots, '-inf', now)
+    if #expired > 0 then
+      redis.call('ZREMRANGEBYSCORE', slots, '-inf', now)
+      for _, h in ipairs(expired) do redis.call('HDEL', costs, h) end
+    end
+  end
+  local held = 0
+  if redis.call('ZSCORE', slots, holder) then  -- a retried acquire that already went through
+    held = 1
+  elseif redis.call('ZCARD', slots) < cap then
+    held = 1
+    if budget >= 0 then
+      local sum = 0
+      for _, v in ipairs(redis.call('HVALS', costs)) do sum = sum + tonumber(v) end
+      if sum + cost > budget * (1 + 1e-9) then held = 0 end
+    end
+  end
+  if held == 1 then
+    redis.call('ZADD', slots, now + lease, holder)
+    redis.call('HSET', costs, holder, ARGV[a + 1])
+    redis.call('PEXPIRE', slots, lease * 2)
+    redis.call('PEXPIRE', costs, lease * 2)
+  end
+  out[#out + 1] = held
+end
+return out
+"""
+
+# KEYS: slots and cost of each released slot's class, then the channel. ARGV: holder and class per slot.
+# Announces each class that got a slot back, once per call.
+RELEASE = """
+local channel = KEYS[#KEYS]
+local freed = {}
+for i = 1, #KEYS - 1, 2 do
+  if redis.call('ZREM', KEYS[i], ARGV[i]) > 0 then freed[ARGV[i + 1]] = true end
+  redis.call('HDEL', KEYS[i + 1], ARGV[i])
+end
+local n = 0
+for cls in pairs(freed) do
+  redis.call('PUBLISH', channel, cls)
+  n = n + 1
+end
+return n
+"""
+
+# KEYS: slots of each held slot's class, in order. ARGV: lease_ms, then one holder per key. Extends only slots
+# still held: a lease that already expired stays gone (its holder is told, and may adopt() it again).
+RENEW = _NOW + """
+local out = {}
+for i, key in ipairs(KEYS) do
+  local score = redis.call('ZSCORE', key, ARGV[i + 1])
+  if score and tonumber(score) > now then
+    redis.call('ZADD', key, now + lease, ARGV[i + 1])
+    redis.call('PEXPIRE', key, lease * 2)
+    out[i] = 1
+  else
+    out[i] = 0
+  end
+end
+return out
+"""
+
+# KEYS: slots, cost per class of each adopted slot. ARGV: lease_ms, then holder and cost per class. Records
+# requests that are already running (admitted while Redis was away) whatever the cap: the count must show them.
+ADOPT = _NOW + """
+for i = 1, #KEYS, 2 do
+  local j = i + 1
+  redis.call('ZADD', KEYS[i], now + lease, ARGV[j])
+  redis.call('HSET', KEYS[i + 1], ARGV[j], ARGV[j + 1])
+  redis.call('PEXPIRE', KEYS[i], lease * 2)
+  redis.call('PEXPIRE', KEYS[i + 1], lease * 2)
+end
+return #KEYS / 2
+"""
+
+
+MAX_CONNECTIONS = 64  # per replica; each call holds one for a round trip, so this bounds calls in flight
+
+
+class RedisStore:
+    """SlotStore on Redis (redis-py asyncio). One round trip per acquire, per release, per renewal batch."""
+
+    shared = True
+
+    def __init__(self, spec: StoreSpec, client: aioredis.Redis | None = None):
+        self.spec = spec
+        self.prefix = spec.key_prefix
+        self.lease_ms = spec.lease_ms
+        self.timeout_s = spec.timeout_ms / 1000.0
+        self.channel = f"{self.prefix}released"
+        # No client-side retries: one call, bounded by timeout_ms, then the caller's on_failure takes over. A
+        # bounded pool that makes callers wait for a free connection (within the same timeout) rather than fail.
+        self.client = client or aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
+            spec.url, max_connections=MAX_CONNECTIONS, timeout=self.timeout_s, socket_timeout=self.timeout_s,
+            socket_connect_timeout=self.timeout_s, retry=Retry(NoBackoff(), 0), health_check_interval=0))
+        self._acquire = self.client.register_script(ACQUIRE)
+        self._release = self.client.register_script(RELEASE)
+        self._renew = self.client.register_script(RENEW)
+        self._adopt = self.client.register_script(ADOPT)
+        self._listeners: list[Callable[[str], None]] = []
+        self._to_acquire: list[tuple[SlotClaim, asyncio.Future]] = []
+        self._acquirer: asyncio.Task | None = None
+        self._busy = False  # an acquire call is on its way
+        self._subscriber: asyncio.Task | None = None
+
+    def keys(self, cls: str) -> list[str]:
+        return [f"{self.prefix}slots:{cls}", f"{self.prefix}cost:{cls}"]
+
+    async def _call(self, coro):
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await coro
+        except (RedisError, OSError, TimeoutError) as e:
+            # Pooled connections to a Redis that went away look healthy until used: drop them all now, or they
+            # fail one by one after Redis is back and flip the replica into its fallback again.
+            with contextlib.suppress(Exception):
+                await self.client.connection_pool.disconnect()
+            raise StoreUnavailable(f"redis {type(e).__name__}: {e}") from None
+
+    async def acquire(self, claim: SlotClaim) -> bool:
+        """One call at a time: the first goes out at once, acquires arriving meanwhile queue and are decided
+        together, in order, by the next call (a burst costs one round trip per batch, not per request)."""
+        if self._busy:
+            future = asyncio.get_running_loop().create_future()
+            self._to_acquire.append((claim, future))
+            return await future
+        self._busy = True
+        try:
+            return (await self._acquire_batch([claim]))[0]
+        finally:
+            if self._to_acquire:  # those that queued meanwhile go next, together; later arrivals join them
+                self._acquirer = asyncio.get_running_loop().create_task(self._acquire_queued())
+            else:
+                self._busy = False
+
+    async def _acquire_batch(self, claims: list[SlotClaim]) -> list[bool]:
+        keys: list[str] = []
+        args: list = [self.lease_ms]
+        for c in claims:
+            keys += self.keys(c.cls)
+            args += [c.holder, repr(float(c.cost)), c.cap, repr(float(c.budget if c.budget is not None else -1))]
+        return [h == 1 for h in await self._call(self._acquire(keys=keys, args=args))]
+
+    async def _acquire_queued(self) -> None:
+        try:
+            while self._to_acquire:
+                batch, self._to_acquire = self._to_acquire, []
+                try:
+                    held = await self._acquire_batch([c for c, _ in batch])
+                except StoreUnavailable as e:
+                    for _, future in batch:
+                        if not future.done():
+                            future.set_exception(e)
+                    continue
+                for (_, future), h in zip(batch, held):
+                    if not future.done():  # a caller that gave up releases what it may have got
+                        future.set_result(h)
+        finally:
+            self._busy = False
+            self._acquirer = None
+
+    async def release(self, slots: list[tuple[str, str]]) -> None:
+        keys: list[str] = []
+        args: list[str] = []
+        for cls, holder in slots:
+            keys += self.keys(cls)
+            args += [holder, cls]
+        await self._call(self._release(keys=[*keys, self.channel], args=args))
+
+    async def renew(self, held: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        if not held:
+            return []
+        keys = [self.keys(cls)[0] for cls, _ in held]
+        changed = await self._call(self._renew(keys=keys, args=[self.lease_ms, *(h for _, h in held)]))
+        return [slot for slot, ok in zip(held, changed) if not ok]
+
+    async def adopt(self, claims: list[SlotClaim]) -> None:
+        """Record slots of requests already running, past the cap if need be (after an outage)."""
+        if not claims:
+            return
+        keys: list[str] = []
+        args: list = [self.lease_ms]
+        for c in claims:
+            keys += self.keys(c.cls)
+            args += [c.holder, repr(float(c.cost))]
+        await self._call(self._adopt(keys=keys, args=args))
+
+    async def ping(self) -> None:
+        await self._call(self.client.ping())
+
+    async def count(self, cls: str) -> int:
+        """Slots of a class held right now, expired ones excluded (for tests and tools)."""
+        t = await self._call(self.client.time())
+        now_ms = t[0] * 1000 + t[1] // 1000
+        return await self._call(self.client.zcount(self.keys(cls)[0], f"({now_ms}", "+inf"))
+
+    def on_release(self, callback: Callable[[str], None]) -> None:
+        self._listeners.append(callback)
+
+    async def start(self) -> None:
+        self._subscriber = asyncio.create_task(self._subscribe(), name="extproc-store-subscriber")
+
+    async def close(self) -> None:
+        if self._acquirer is not None:
+            self._acquirer.cancel()
+        if self._subscriber is not None:
+            self._subscriber.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._subscriber
+        await self.client.aclose()
+
+    async def _subscribe(self) -> None:
+        """Hear every replica's releases; reconnect while Redis is away (waiters poll meanwhile)."""
+        while True:
+            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self.channel)
+                while True:
+                    # No socket timeout here: a quiet channel is normal. get_message bounds each wait itself.
+                    msg = await pubsub.get_message(timeout=1.0)
+                    if msg is not None and msg["type"] == "message":
+                        cls = msg["data"].decode() if isinstance(msg["data"], bytes) else str(msg["data"])
+                        for callback in self._listeners:
+                            callback(cls)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any failure means: reconnect later
+                log.debug("release channel lost (%s); resubscribing", e)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+            await asyncio.sleep(1.0)

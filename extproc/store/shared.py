@@ -1,0 +1,284 @@
+"""The adapter's side of a shared store: global slots for admitted requests, local FIFO waits, fallback."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from ..policy.admission import R_CLIENT_GONE, R_QUEUE_FULL, R_QUEUE_TIMEOUT, AdmissionController, Decision
+from ..policy.limits import Ticket
+from ..policy.schema import Policy
+from ..policy.store import R_STORE_UNAVAILABLE, SlotClaim, SlotStore, StoreUnavailable, local_share
+
+log = logging.getLogger("extproc.store")
+
+SHARED, LOCAL, CLOSED = "shared", "local", "closed"  # store states (extproc_store_state{state})
+_FALLBACK = object()  # a waiter's result when the store failed while it waited
+
+
+class _Waiting:
+    __slots__ = ("ticket_id", "claim", "future")
+
+    def __init__(self, ticket_id: int, claim: SlotClaim, future: asyncio.Future):
+        self.ticket_id = ticket_id
+        self.claim = claim
+        self.future = future
+
+
+class SharedSlots:
+    """Confirms the core's admissions with a global slot from `store`, or refuses them after the class's wait.
+
+    Waiters queue per class in FIFO order on this replica; the head retries when any replica announces a release,
+    and at least every `poll_ms`. While the store is unreachable the policy's `on_failure` applies: `local` runs
+    the replica on its share of each cap, `closed` refuses with 503. Each second tick() renews every held lease in
+    one round trip, or probes the store and switches back when it answers.
+    """
+
+    def __init__(self, core: AdmissionController, store: SlotStore, registry: CollectorRegistry | None = None):
+        self.core = core
+        self.store = store
+        spec = core.policy.store
+        self.on_failure = spec.on_failure
+        self.instances = spec.instances
+        self.poll_s = spec.poll_ms / 1000.0
+        self.replica = uuid.uuid4().hex[:12]   # holder ids are "<replica>:<ticket id>", unique across replicas
+        self.policy = core.policy              # as written; the core runs local_share() of it while failing open
+        self.state = SHARED
+        self.held: dict[int, SlotClaim] = {}       # ticket id -> its global slot
+        self.unshared: dict[int, SlotClaim] = {}   # admitted while the store was away; adopted when it is back
+        self._waiting: dict[str, deque[_Waiting]] = {}
+        self._released: dict[str, asyncio.Event] = {}
+        self._pumps: dict[str, asyncio.Task] = {}
+        self._to_release: list[SlotClaim] = []
+        self._releaser: asyncio.Task | None = None
+        core.shared_slots = store.shared
+        store.on_release(self._wake)
+        self.state_gauge = Gauge("extproc_store_state", "1 for the slot store's current state: shared (Redis "
+                                 "answers), local (fail open on per-replica caps) or closed (fail closed).",
+                                 ["state"], registry=registry)
+        self.switches = Counter("extproc_store_switches", "Switches of the slot store's state, by the state "
+                                "switched to.", ["to"], registry=registry)
+        self.leases_lost = Counter("extproc_store_leases_lost", "Global slots of running requests that expired "
+                                   "before their renewal (Redis slow or away longer than lease_ms); re-adopted.",
+                                   registry=registry)
+        self._show_state()
+
+    # --- policy ---
+
+    def apply(self, policy: Policy) -> None:
+        """Install a policy: as written while the store is shared, the replica's share while failing open."""
+        self.policy = policy
+        self.core.apply(local_share(policy, self.instances) if self.state == LOCAL else policy)
+
+    # --- admission ---
+
+    def claim(self, ticket: Ticket) -> SlotClaim:
+        lim = ticket.limiter
+        return SlotClaim(lim.name, f"{self.replica}:{ticket.id}", ticket.cost, lim.limit,
+                         lim.spec.max_inflight_gpu_seconds)
+
+    @staticmethod
+    def deadline(ticket: Ticket) -> float:
+        """When the request's wait ends: its arrival plus the class's max_wait_ms, queueing included."""
+        return ticket.admitted_at - ticket.waited_s + ticket.limiter.spec.max_wait_ms / 1000.0
+
+    async def try_now(self, d: Decision) -> Decision | None:
+        """One attempt (a single round trip): the final decision, or None when the request has to wait()."""
+        if self.state != SHARED:
+            return self._without_store(d)
+        t = d.ticket
+        claim = self.claim(t)
+        if not self._waiting.get(claim.cls):  # nobody here waits ahead of it
+            try:
+                granted = await self.store.acquire(claim)
+            except StoreUnavailable as e:
+                self._fail(e)
+                self._release_soon(claim)  # the call may have gone through before it timed out
+                return self._without_store(d)
+            except asyncio.CancelledError:
+                self._release_soon(claim)
+                raise
+            if granted:
+                self.held[t.id] = claim
+                return self.core.confirm(d)
+        if self.deadline(t) <= self.core.clock():
+            return self.core.revoke(d, 429, R_QUEUE_FULL, f"class {claim.cls!r} is at capacity across the "
+                                    f"replicas sharing it ({claim.cap} slots) and does not queue")
+        return None
+
+    async def wait(self, d: Decision) -> Decision:
+        """Wait in this replica's FIFO for a global slot until the class's deadline; then 429 like a queue."""
+        t = d.ticket
+        claim = self.claim(t)
+        started = self.core.clock()
+        w = _Waiting(t.id, claim, asyncio.get_running_loop().create_future())
+        self._waiting.setdefault(claim.cls, deque()).append(w)
+        self._pump(claim.cls)
+        try:
+            result = await asyncio.wait_for(w.future, max(self.deadline(t) - self.core.clock(), 0.0))
+        except TimeoutError:
+            return self.core.revoke(d, 429, R_QUEUE_TIMEOUT, f"class {claim.cls!r} had no free slot across the "
+                                    f"replicas sharing it within {t.limiter.spec.max_wait_ms} ms")
+        if result is _FALLBACK:
+            return self._without_store(d)
+        return self.core.confirm(d, self.core.clock() - started)
+
+    def abandon(self, d: Decision) -> None:
+        """The client left while its admission waited on the store: give back whatever it got."""
+        self.release(d.ticket)
+        self.core.revoke(d, 499, R_CLIENT_GONE, "client disconnected while waiting for a slot")
+
+    def _without_store(self, d: Decision) -> Decision:
+        if self.state == CLOSED:
+            return self.core.revoke(d, 503, R_STORE_UNAVAILABLE, "the shared slot store is unreachable and the "
+                                    "policy fails closed (store.on_failure: closed)")
+        self.unshared[d.ticket.id] = self.claim(d.ticket)
+        return self.core.confirm(d)
+
+    # --- release ---
+
+    def release(self, ticket: Ticket) -> None:
+        """The ticket ended: free its global slot (one round trip, in the background). Idempotent."""
+        claim = self.held.pop(ticket.id, None)
+        if claim is None:
+            claim = self.unshared.pop(ticket.id, None)
+            if claim is None or self.state != SHARED:
+                return
+        self._release_soon(claim)
+
+    def _release_soon(self, claim: SlotClaim) -> None:
+        """Queue a release; one call at a time carries every release queued meanwhile (one round trip for a
+        batch), so releases never pile up ahead of acquires under load."""
+        self._to_release.append(claim)
+        if self._releaser is None:
+            self._releaser = asyncio.get_running_loop().create_task(self._release_queued())
+
+    async def _release_queued(self) -> None:
+        try:
+            while self._to_release:
+                batch, self._to_release = self._to_release, []
+                try:
+                    await self.store.release([(c.cls, c.holder) for c in batch])
+                except StoreUnavailable as e:
+                    self._fail(e)  # the leases free the slots by themselves
+                    continue
+                for cls in {c.cls for c in batch}:
+                    self._wake(cls)
+        finally:
+            self._releaser = None
+
+    # --- waiting ---
+
+    def _wake(self, cls: str) -> None:
+        ev = self._released.get(cls)
+        if ev is not None:
+            ev.set()
+
+    def _pump(self, cls: str) -> None:
+        if cls not in self._pumps:
+            self._pumps[cls] = asyncio.get_running_loop().create_task(self._serve_queue(cls))
+
+    async def _serve_queue(self, cls: str) -> None:
+        """Hand global slots to this class's waiters in arrival order, retrying on releases and every poll_ms."""
+        q = self._waiting[cls]
+        ev = self._released.setdefault(cls, asyncio.Event())
+        try:
+            while q:
+                w = q[0]
+                if w.future.done():  # timed out or its client left
+                    q.popleft()
+                    continue
+                ev.clear()
+                try:
+                    granted = await self.store.acquire(w.claim)
+                except StoreUnavailable as e:
+                    self._release_soon(w.claim)
+                    self._fail(e)
+                    return
+                if granted:
+                    q.popleft()
+                    if w.future.done():
+                        self._release_soon(w.claim)  # it gave up while the acquire was on its way
+                    else:
+                        self.held[w.ticket_id] = w.claim
+                        w.future.set_result(True)
+                    continue
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(ev.wait(), self.poll_s)
+        finally:
+            del self._pumps[cls]
+
+    # --- health ---
+
+    def _fail(self, error: Exception) -> None:
+        if self.state != SHARED:
+            return
+        self._switch(self.on_failure, f"slot store unreachable ({error}); "
+                     + ("admitting on this replica's share of each cap (1/%d)" % self.instances
+                        if self.on_failure == LOCAL else "refusing requests that need a slot (503)"))
+        for q in self._waiting.values():
+            for w in q:
+                if not w.future.done():
+                    w.future.set_result(_FALLBACK)
+            q.clear()
+
+    def _switch(self, state: str, why: str) -> None:
+        self.state = state
+        self.switches.labels(state).inc()
+        self._show_state()
+        log.warning("store state -> %s: %s", state, why)
+        self.apply(self.policy)
+
+    def _show_state(self) -> None:
+        for s in (SHARED, LOCAL, CLOSED):
+            self.state_gauge.labels(s).set(1 if s == self.state else 0)
+
+    async def tick(self) -> None:
+        """Every second: renew held leases and adopt unshared ones, or probe a store that was away."""
+        if self.state != SHARED:
+            try:
+                await self.store.ping()
+            except StoreUnavailable:
+                return
+            self._switch(SHARED, "slot store answers again; caps are shared")
+        try:
+            if not self.held and not self.unshared:
+                await self.store.ping()  # nothing to renew: still notice an outage before a request does
+            lost = await self.store.renew([(c.cls, c.holder) for c in self.held.values()])
+            if lost:
+                self.leases_lost.inc(len(lost))
+                log.warning("%d global slots expired before their renewal; adopting them again", len(lost))
+                by_holder = {c.holder: tid for tid, c in self.held.items()}
+                for _, holder in lost:
+                    tid = by_holder[holder]
+                    self.unshared[tid] = self.held.pop(tid)
+            if self.unshared:
+                adopted = dict(self.unshared)
+                await self.store.adopt(list(adopted.values()))
+                for tid, c in adopted.items():
+                    if self.unshared.pop(tid, None) is not None:
+                        self.held[tid] = c
+                    else:
+                        self._release_soon(c)  # ended while it was being adopted
+        except StoreUnavailable as e:
+            self._fail(e)
+
+    async def start(self) -> None:
+        """Subscribe to releases; start on the fallback if the store does not answer yet."""
+        await self.store.start()
+        try:
+            await self.store.ping()
+        except StoreUnavailable as e:
+            self._fail(e)
+
+    async def close(self) -> None:
+        if self._releaser is not None:
+            await asyncio.wait([self._releaser], timeout=1.0)
+        for task in self._pumps.values():
+            task.cancel()
+        await self.store.close()

@@ -1,0 +1,89 @@
+"""The demo end to end, shortened: real Envoy, the ext_proc and simulated replicas, then nothing left running."""
+
+import json
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from pathlib import Path
+
+SLO_S = 2.0
+
+
+def demo_argv(out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "extproc.cli", "demo", "--out", str(out), "--progress-every", "1", *extra]
+
+
+def processes_writing_into(folder: Path) -> list[str]:
+    """Processes whose stdout is a file under `folder` (every process the demo starts logs there)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/1")
+        except OSError:
+            continue
+        if target.startswith(str(folder.resolve())):
+            found.append(f"{pid}: {target}")
+    return found
+
+
+def test_shortened_demo_admission_beats_no_control_and_keeps_the_slo(tmp_path):
+    # 8 simulated seconds per phase at speed 5: ~25 s of wall time for two modes on a 2-core machine. Any CPU
+    # stall of the machine is multiplied by the speed in the measured latencies: a higher speed makes this flaky
+    # on a busy machine (at speed 10 with other jobs using 1-2 cores, d's p99 reached 4-6.8 s).
+    out = tmp_path / "results"
+    proc = subprocess.run(demo_argv(out, "--speed", "5", "--phase-s", "8", "--modes", "a,d"),
+                          capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[a] spike" in proc.stdout and "[d]" in proc.stdout  # progress lines
+    summary = json.loads((out / "summary.json").read_text())
+    a, d = summary["modes"]["a"]["spike"], summary["modes"]["d"]["spike"]
+    assert d["p99"] < a["p99"] / 2, (a, d)
+    assert d["p99"] <= 2 * SLO_S, d  # loose: a shared 2-core machine; without admission d would be ~a
+    assert d["goodput"] > a["goodput"], (a, d)
+    assert (out / "spike.png").stat().st_size > 10_000 and (out / "report.md").exists()
+    assert processes_writing_into(out) == []
+
+
+def test_ctrl_c_stops_every_process_the_demo_started(tmp_path):
+    out = tmp_path / "results"
+    proc = subprocess.Popen(demo_argv(out, "--speed", "10", "--phase-s", "30", "--modes", "d"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:  # wait until the replay runs: the stack is fully up
+            if line.startswith("[d]"):
+                break
+        assert len(processes_writing_into(out)) >= 4  # two simulator pools, the ext_proc, Envoy
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 130
+    finally:
+        proc.kill()
+    deadline = time.monotonic() + 5
+    while processes_writing_into(out) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert processes_writing_into(out) == []
+
+
+@pytest.mark.slow  # on a shared 2-core machine e vs d flips in about 1 run of 3 (CPU stalls read as overload);
+# the default suite asserts the direction deterministically in test_adaptive_whatif.py
+def test_shortened_shifted_fleet_adaptive_keeps_the_second_half_closer_to_the_slo(tmp_path):
+    # scenarios/shifted-fleet.yaml with 10 s phases at speed 5 (~8 s of replay per mode): one 70B replica becomes
+    # 2x slower at the start of the second half. The static caps of d were tuned for two full-speed replicas;
+    # e's adaptive caps are cut once the slow replica's latency shows. Direction only, loose bounds: a shared
+    # 2-core machine inflates every latency.
+    out = tmp_path / "results"
+    proc = subprocess.run(demo_argv(out, "--scenario", "scenarios/shifted-fleet.yaml", "--speed", "5",
+                                    "--phase-s", "10", "--modes", "d,e"),
+                          capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "fault on vllm_llama70b[1]" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    d, e = summary["modes"]["d"]["second-half"], summary["modes"]["e"]["second-half"]
+    assert e["p99"] < d["p99"], (d, e)
+    assert e["p99"] <= 2 * SLO_S, e
+    assert e["goodput"] >= 0.8 * d["goodput"], (d, e)
+    assert processes_writing_into(out) == []

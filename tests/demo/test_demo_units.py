@@ -1,0 +1,117 @@
+"""The demo's pieces that need no processes: scenario, time scaling, client-side statistics, targets."""
+
+import math
+
+import pytest
+
+from extproc.demo.modes import adaptive_knobs, parse_modes, render_policy, scale_durations
+from extproc.demo.results import WindowStats, targets, window_stats
+from extproc.demo.scenario import Scenario
+from extproc.loadgen import RequestRecord
+from extproc.policy.schema import load_policy_file
+
+SCENARIO = "scenarios/spike.yaml"
+
+
+def test_scenario_phases_are_multiples_of_the_measured_fleet_capacity():
+    s = Scenario.load(SCENARIO)
+    capacity = s.fleet_capacity()
+    assert 10 < capacity < 30  # two 70B replicas, ~2K-token batch prompts: KV-bound near 8 req/s each
+    assert [rate / capacity for _, rate in s.schedule(capacity)] == pytest.approx([0.6, 3.0, 0.6])
+    assert s.window("spike") == (60.0, 120.0) and s.duration_s == 180.0
+
+
+def test_a_shortened_scenario_keeps_rates_and_cuts_phases():
+    s = Scenario.load(SCENARIO).shortened(10)
+    assert [p.duration_s for p in s.phases] == [10, 10, 10] and s.window("spike") == (10.0, 20.0)
+    assert [p.rate for p in s.phases] == [0.6, 3.0, 0.6]
+
+
+def test_policy_durations_are_divided_by_speed_except_the_lease_and_retry_after():
+    data = {"classes": {"interactive": {"max_concurrency": 16, "max_wait_ms": 200}},
+            "breakers": [{"window_s": 30.0, "cooldown_s": 10}], "lease_ms": 600000, "retry_after_max_s": 60}
+    scaled = scale_durations(data, 10)
+    assert scaled["classes"]["interactive"] == {"max_concurrency": 16, "max_wait_ms": 20}
+    assert scaled["breakers"] == [{"window_s": 3.0, "cooldown_s": 1}]
+    assert scaled["lease_ms"] == 600000 and scaled["retry_after_max_s"] == 60
+    assert scale_durations({"max_wait_ms": 3}, 20) == {"max_wait_ms": 1}  # never 0: 0 means "no queue"
+
+
+@pytest.mark.parametrize("name", ["policies/demo-static.yaml", "policies/demo-full.yaml",
+                                  "policies/demo-adaptive.yaml"])
+def test_demo_policies_validate_and_render_at_speed(tmp_path, name):
+    load_policy_file(name)
+    rendered = load_policy_file(str(render_policy(name, 5.0, tmp_path / "p.yaml")))
+    assert rendered.classes["interactive"].max_wait_ms == 40
+
+
+def test_adaptive_time_knobs_become_wall_clock_durations():
+    knobs = adaptive_knobs({"min_rtt_fixed_s": 1.0, "concurrency_update_interval_s": 5.0, "buffer_percent": 100.0},
+                           speed=5)
+    assert knobs == {"min_rtt_fixed": "0.200s", "concurrency_update_interval": "1.000s", "buffer_percent": 100.0}
+
+
+def test_parse_modes_rejects_unknown_keys():
+    assert [m.key for m in parse_modes("d,a")] == ["d", "a"]
+    with pytest.raises(ValueError):
+        parse_modes("a,x")
+
+
+def rec(start, kind="interactive", status=200, latency=1.0, error=None, tokens=10, ttft=0.1):
+    return RequestRecord(start, kind, "", status, latency=latency, ttft=ttft if status == 200 else None,
+                         output_tokens=tokens, error=error)
+
+
+def test_refusals_leave_latency_out_and_timeouts_count_at_the_timeout():
+    records = [rec(1, latency=0.5), rec(2, latency=3.0), rec(3, status=429, error="rate_limit", latency=0.01),
+               rec(4, status=0, error="timeout", latency=60.0, tokens=0), rec(5, kind="batch", status=503)]
+    w = window_stats(records, (0, 10), "interactive", 2.0, timeout_s=60.0, has_extproc=True)
+    assert w.p50 == 3.0 and w.p99 == 60.0  # served: 0.5, 3.0 and the timeout at 60
+    assert w.goodput == pytest.approx(0.1)  # one completion within 2 s in 10 s
+    assert w.outcomes["interactive"]["rejected"] == 25.0 and w.outcomes["interactive"]["timeout"] == 25.0
+    assert w.outcomes["batch"]["shed"] == 100.0
+    envoy = window_stats(records, (0, 10), "interactive", 2.0, timeout_s=60.0, has_extproc=False)
+    assert envoy.outcomes["batch"]["rejected"] == 100.0  # Envoy's own limiter answers 503 too
+
+
+def test_tokens_count_where_requests_end():
+    records = [rec(1, latency=2.0, tokens=100), rec(9, latency=5.0, tokens=50)]
+    assert window_stats(records, (0, 10), "interactive", 2.0, 60.0, True).tokens_per_s == pytest.approx(10.0)
+
+
+def test_targets_compare_d_with_a_and_b():
+    def w(p99, goodput, tokens):
+        return WindowStats(p50=1, p95=1, p99=p99, ttft_p99=1, goodput=goodput, tokens_per_s=tokens, requests=1)
+
+    found = targets({"a": w(40, 1.0, 1000), "b": w(3, 5.0, 800), "d": w(1.9, 6.0, 950)}, 2.0)
+    assert [t.reached for t in found] == [True, False, True, True]
+    assert math.isclose(found[1].value, 0.95)
+
+
+def test_shifted_fleet_scenario_has_its_event_and_halves_and_shortening_keeps_the_event_in_its_phase():
+    s = Scenario.load("scenarios/shifted-fleet.yaml")
+    assert s.report_windows() == {"first-half": (0.0, 75.0), "second-half": (75.0, 150.0)}
+    assert [(e.at_s, e.pool, e.replica, e.fault) for e in s.events] == [(75.0, "vllm_llama70b", 1, {"slowdown": 2.0})]
+    short = s.shortened(10)
+    assert short.events[0].at_s == 20.0 and short.report_windows()["second-half"] == (20.0, 40.0)
+    assert Scenario.load(SCENARIO).report_windows() == {"spike": (60.0, 120.0)}
+
+
+def test_the_adaptive_policy_is_rendered_with_this_runs_replicas_and_scaled_pool_durations(tmp_path):
+    path = render_policy("policies/demo-adaptive.yaml", 5.0, tmp_path / "p.yaml",
+                         {"vllm_llama70b": [("127.0.0.1", 4001), ("127.0.0.1", 4002)]})
+    p = load_policy_file(str(path))
+    pool = p.pools["vllm_llama70b"]
+    assert pool.replicas == ["127.0.0.1:4001", "127.0.0.1:4002"] and pool.scrape_interval_ms == 50
+    ad = p.classes["interactive"].adaptive
+    assert ad.interval_s == pytest.approx(0.2) and ad.window_s == pytest.approx(1.0) and ad.min_limit == 4
+
+
+def test_what_if_moves_adaptive_caps_applies_the_fault_and_serves_degrades_on_the_small_model():
+    from extproc.demo.whatif import what_if
+
+    s = Scenario.load("scenarios/shifted-fleet.yaml").shortened(10)
+    res = what_if(s, "policies/demo-adaptive.yaml", s.fleet_capacity())
+    caps = [lim["interactive"] for _, lim in res.limits]
+    assert caps[0] == 40 and min(caps) < 20  # the wrong starting cap is cut during the first overload
+    assert res.served_elsewhere > 0 and all(r.status in (200, 429, 503) for r in res.records)

@@ -1,0 +1,291 @@
+"""The OpenAI API through real Envoy + our ext_proc to a vLLM target (the simulator, or a real vLLM): see conftest.
+
+Every test runs once per target. Against the real vLLM the assertions hold for vLLM 0.32 as recorded in
+tests/fixtures/vllm/ and docs/vllm.md (e.g. a client abort shows as `num_requests_running` dropping, not as
+`finished_reason="abort"`; every response names the first served model).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import sys
+import time
+
+import aiohttp
+import pytest
+
+from tests.integration.helpers import healthz, wait_idle
+
+from .conftest import ROOT, policy
+
+sys.path.insert(0, str(ROOT / "scripts" / "vllm"))
+from fixture_format import shape  # noqa: E402
+from record_fixtures import classify, parse_sse  # noqa: E402
+
+FIX = ROOT / "tests" / "fixtures" / "vllm"
+MESSAGES = [{"role": "user", "content": "hello there, how is the queue today?"}]
+PROMPT = "The admission server said"
+JSON = {"content-type": "application/json"}
+
+
+def fixture(name: str) -> dict:
+    return json.loads((FIX / name).read_text())
+
+
+def chat(target, max_tokens: int = 8, **extra) -> dict:
+    return {"model": target.model, "messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0, **extra}
+
+
+def completion(target, max_tokens: int = 8, **extra) -> dict:
+    return {"model": target.model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, **extra}
+
+
+async def post(http: aiohttp.ClientSession, url: str, path: str, body: dict, headers: dict | None = None):
+    async with http.post(url + path, data=json.dumps(body).encode(), headers={**JSON, **(headers or {})}) as r:
+        return r.status, r.headers, await r.read()
+
+
+async def target_metrics(http: aiohttp.ClientSession, target) -> str:
+    async with http.get(target.url + "/metrics") as r:
+        assert r.status == 200
+        return await r.text()
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """Sum of the samples of `name` (exact name) whose labels include `labels`."""
+    total = 0.0
+    for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})?\s+(\S+)$", text, flags=re.M):
+        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+        if all(got.get(k) == v for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+async def wait_for(check, timeout: float = 10.0, interval: float = 0.05):
+    """Poll the coroutine function `check` until it returns a truthy value; return the last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await check()
+        if value or time.monotonic() > deadline:
+            return value
+        await asyncio.sleep(interval)
+
+
+def assert_stream(raw: bytes, include_usage: bool, chat_stream: bool) -> tuple[list, list[str]]:
+    """SSE framing intact through Envoy, [DONE] last, a usage chunk exactly when asked; returns (events, kinds)."""
+    framing, events = parse_sse(raw)
+    assert framing["ends_with_done"] and framing["all_events_prefixed"], framing
+    assert framing["other_lines"] == [] and not framing["crlf_seen"] and not framing["trailing_bytes_after_done"]
+    assert "unterminated_tail" not in framing
+    kinds = [classify(e) for e in events]
+    assert kinds[-1] == "done" and kinds.count("done") == 1
+    assert kinds.count("finish") == 1
+    assert kinds.count("usage") == (1 if include_usage else 0)
+    if include_usage:
+        assert kinds[-2] == "usage"
+    if not include_usage:
+        assert not any("usage" in e for e in events[:-1]), "usage in a stream that did not ask for it"
+    if chat_stream:
+        assert kinds[0] == "role"
+    return events, kinds
+
+
+# ------------------------------------------------------------------------------------------ plain requests
+async def test_chat_and_completions_non_streaming(make_stack, target):
+    s = make_stack()
+    async with aiohttp.ClientSession() as http:
+        for path, body, fx in (("/v1/chat/completions", chat(target), "chat.json"),
+                               ("/v1/completions", completion(target), "completions.json")):
+            status, headers, raw = await post(http, s.url, path, body)
+            assert status == 200, raw[:300]
+            assert headers["x-extproc-decision"] == "accept" and headers["x-extproc-class"] == "interactive"
+            doc = json.loads(raw)
+            assert shape(doc) == fixture(fx)["shape"]  # the real vLLM's keys, through Envoy
+            assert doc["model"] == target.model
+            u = doc["usage"]
+            assert u["completion_tokens"] == 8 and doc["choices"][0]["finish_reason"] == "length"
+            assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+        # Not a generation request: Envoy passes it through without admission.
+        async with http.get(s.url + "/v1/models") as r:
+            assert r.status == 200 and "x-extproc-decision" not in r.headers
+            assert [m["id"] for m in (await r.json())["data"]] == [target.model, target.small_model]
+        assert all(c["inflight"] == 0 for c in (await wait_idle(http, s.metrics_url)).values())
+
+
+@pytest.mark.parametrize("include_usage", [False, True], ids=["no-usage", "include-usage"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+async def test_streaming(make_stack, target, path, include_usage):
+    s = make_stack()
+    is_chat = path.endswith("chat/completions")
+    body = (chat if is_chat else completion)(target, max_tokens=12, stream=True, ignore_eos=True)
+    if include_usage:
+        body["stream_options"] = {"include_usage": True}
+    async with aiohttp.ClientSession() as http:
+        status, headers, raw = await post(http, s.url, path, body)
+        assert status == 200 and headers["content-type"] == "text/event-stream; charset=utf-8"
+        assert headers["x-extproc-decision"] == "accept"
+        events, kinds = assert_stream(raw, include_usage, is_chat)
+        text_events = [e for e, k in zip(events, kinds) if k in ("content", "finish")]
+        assert 1 <= len(text_events) <= 12
+        if include_usage:
+            usage = events[-2]["usage"]
+            assert usage["completion_tokens"] == 12
+            assert usage["total_tokens"] == usage["prompt_tokens"] + 12
+        assert all(c["inflight"] == 0 for c in (await wait_idle(http, s.metrics_url)).values())
+
+
+# ------------------------------------------------------------------------------------------ admission
+async def test_admission_cap_forces_429(make_stack, target):
+    """Cap 2, no queue: of 6 concurrent long streams exactly 2 run (also at vLLM), 4 get 429 + Retry-After."""
+    s = make_stack(policy(target, classes={"interactive": {"max_concurrency": 2, "max_queue": 0,
+                                                           "max_wait_ms": 0}}))
+    body = json.dumps(chat(target, max_tokens=600, stream=True, ignore_eos=True)).encode()
+    async with aiohttp.ClientSession() as http:
+        opened: list[aiohttp.ClientResponse] = []
+
+        async def one():
+            r = await http.post(s.url + "/v1/chat/completions", data=body, headers=JSON)
+            opened.append(r)
+            if r.status == 200:
+                await r.content.readuntil(b"\n\n")  # the role chunk: the stream is running
+            return r.status, r.headers, await r.read() if r.status != 200 else b""
+
+        results = await asyncio.gather(*[one() for _ in range(6)])
+        try:
+            assert sorted(st for st, _, _ in results) == [200] * 2 + [429] * 4
+            running = metric(await target_metrics(http, target), "vllm:num_requests_running")
+            assert running == 2, f"vLLM runs {running} requests, the cap is 2"
+            snap = (await healthz(http, s.metrics_url))["classes"]["interactive"]
+            assert snap["inflight"] == 2 and snap["queue"] == 0
+            for status, headers, raw in results:
+                assert headers["x-extproc-class"] == "interactive"
+                if status != 429:
+                    continue
+                assert headers["x-extproc-decision"] == "reject" and int(headers["retry-after"]) >= 1
+                assert headers["content-type"] == "application/json"
+                err = json.loads(raw)["error"]
+                assert set(err) == {"message", "type", "param", "code"}
+                assert err["type"] == "rate_limit_error" and err["code"] == "queue_full"
+        finally:
+            for r in opened:
+                r.close()
+        snap = await wait_idle(http, s.metrics_url, timeout=5)
+        assert snap["interactive"]["inflight"] == 0
+
+
+async def test_client_abort_mid_stream_releases_the_slot_and_reaches_vllm(make_stack, target):
+    s = make_stack()
+    body = chat(target, max_tokens=1500, stream=True, ignore_eos=True)
+    async with aiohttp.ClientSession() as http:
+        before = await target_metrics(http, target)
+        async with http.post(s.url + "/v1/chat/completions", data=json.dumps(body).encode(), headers=JSON) as r:
+            assert r.status == 200
+            for _ in range(3):
+                await r.content.readuntil(b"\n\n")
+            assert (await healthz(http, s.metrics_url))["classes"]["interactive"]["inflight"] == 1
+            assert metric(await target_metrics(http, target), "vllm:num_requests_running") == 1
+            r.close()  # hard close mid-stream
+        snap = await wait_idle(http, s.metrics_url, timeout=5)
+        assert snap["interactive"]["inflight"] == 0, "the ext_proc kept the aborted stream's slot"
+
+        async def vllm_idle():
+            text = await target_metrics(http, target)
+            return text if metric(text, "vllm:num_requests_running") == 0 else None
+
+        after = await wait_for(vllm_idle, timeout=5)
+        assert after, "the abort did not reach vLLM: num_requests_running stays above 0"
+        # vLLM 0.32 does not count a client abort as finished_reason="abort" (docs/vllm.md); the tokens it generated
+        # before the abort are counted.
+        assert metric(after, "vllm:request_success_total", finished_reason="abort") == metric(
+            before, "vllm:request_success_total", finished_reason="abort")
+        assert metric(after, "vllm:generation_tokens_total") >= metric(before, "vllm:generation_tokens_total") + 2
+
+
+# ------------------------------------------------------------------------------------------ usage / cost
+async def test_usage_the_client_receives_is_what_vllm_counted(make_stack, target):
+    """The usage a cost learner would read: consistent between streaming and non-streaming, and equal to the
+    tokens the engine itself counted (vllm:generation_tokens_total)."""
+    s = make_stack()
+    async with aiohttp.ClientSession() as http:
+        before = metric(await target_metrics(http, target), "vllm:generation_tokens_total")
+        status, _, raw = await post(http, s.url, "/v1/chat/completions", chat(target, max_tokens=20, ignore_eos=True))
+        assert status == 200
+        plain = json.loads(raw)["usage"]
+        body = chat(target, max_tokens=30, ignore_eos=True, stream=True, stream_options={"include_usage": True})
+        status, _, raw = await post(http, s.url, "/v1/chat/completions", body)
+        assert status == 200
+        events, _ = assert_stream(raw, include_usage=True, chat_stream=True)
+        streamed = events[-2]["usage"]
+        assert plain["completion_tokens"] == 20 and streamed["completion_tokens"] == 30
+        assert plain["prompt_tokens"] == streamed["prompt_tokens"] > 0  # same prompt, same count
+        for u in (plain, streamed):
+            assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+        after = metric(await target_metrics(http, target), "vllm:generation_tokens_total")
+        assert after - before == 50
+
+
+async def test_extproc_learns_cost_from_usage(make_stack, target):
+    """With every response sampled (learn_sample 1), the tokens the ext_proc read from usage equal what vLLM counted
+    (vllm:generation_tokens_total), streamed or not, and a stream whose client did not ask for usage gets none."""
+    s = make_stack(policy(target, learn_sample=1.0))
+    async with aiohttp.ClientSession() as http:
+        before = metric(await target_metrics(http, target), "vllm:generation_tokens_total")
+        bodies = [chat(target, max_tokens=12), chat(target, max_tokens=12, stream=True),
+                  completion(target, max_tokens=9, stream=True, stream_options={"include_usage": True})]
+        results = [await post(http, s.url, "/v1/chat/completions" if "messages" in b else "/v1/completions", b)
+                   for b in bodies]
+        assert all(r[0] == 200 for r in results)
+        assert b'"usage"' not in results[1][2]  # the usage chunk the ext_proc asked for was taken out
+        assert b'"usage"' in results[2][2]      # the client asked for this one
+
+        async def agree():
+            """vLLM's counter and the ext_proc's learned tokens (both may lag the responses by a moment)."""
+            generated = metric(await target_metrics(http, target), "vllm:generation_tokens_total") - before
+            text = await (await http.get(s.metrics_url + "/metrics")).text()
+            if metric(text, "extproc_cost_model", param="samples") != 3:
+                return None
+            learned = metric(text, "extproc_learned_tokens_total", kind="completion")
+            return (learned, generated) if learned == generated > 0 else None
+
+        assert await wait_for(agree), "learned tokens never matched vllm:generation_tokens_total"
+
+
+# ------------------------------------------------------------------------------------------ degrade
+async def _envoy_counter(http: aiohttp.ClientSession, admin_url: str, name: str) -> int:
+    async with http.get(f"{admin_url}/stats?filter=^{re.escape(name)}$") as r:
+        text = await r.text()
+    m = re.search(rf"^{re.escape(name)}: (\d+)$", text, flags=re.M)
+    return int(m.group(1)) if m else 0
+
+
+async def test_overflow_degrades_to_the_second_model_name(make_stack, target):
+    """Cap 1, no queue, overflow -> fallback degrade to the small model: one request on tiny-llama, the other
+    routed to pool vllm_llama8b with its body's model rewritten and `x-extproc-degraded` on the response."""
+    classes = {"interactive": {"max_concurrency": 1, "max_queue": 0, "max_wait_ms": 0, "on_overflow": "fallback",
+                               "fallback": {"action": "degrade", "model": target.small_model}}}
+    s = make_stack(policy(target, classes=classes))
+    async with aiohttp.ClientSession() as http:
+        small_before = await _envoy_counter(http, s.admin_url, "cluster.vllm_llama8b.upstream_rq_total")
+        big_before = await _envoy_counter(http, s.admin_url, "cluster.vllm_llama70b.upstream_rq_total")
+        body = json.dumps(chat(target, max_tokens=400, stream=True, ignore_eos=True)).encode()
+        async with http.post(s.url + "/v1/chat/completions", data=body, headers=JSON) as first:
+            assert first.status == 200 and first.headers["x-extproc-decision"] == "accept"
+            assert "x-extproc-degraded" not in first.headers
+            head = await first.content.readuntil(b"\n\n")  # holding the class's one slot
+            status, headers, raw = await post(http, s.url, "/v1/chat/completions", chat(target, max_tokens=8))
+            first_raw = head + await first.content.read()
+        assert status == 200, raw[:300]
+        assert headers["x-extproc-decision"] == "degrade"
+        # What the ext_proc changed in the body, and why.
+        assert headers["x-extproc-degraded"] == f"model={target.small_model}; reason=queue_full"
+        doc = json.loads(raw)
+        # The request went to the degrade pool (the same vLLM, under its second name). vLLM 0.32 answers every
+        # request with its FIRST served name (tests/fixtures/vllm/chat_small_model.json), so the response's `model`
+        # cannot show the rewrite when one server serves both names; the simulator does the same.
+        assert doc["model"] == target.model and doc["usage"]["completion_tokens"] == 8
+        assert await _envoy_counter(http, s.admin_url, "cluster.vllm_llama8b.upstream_rq_total") == small_before + 1
+        assert await _envoy_counter(http, s.admin_url, "cluster.vllm_llama70b.upstream_rq_total") == big_before + 1
+        assert_stream(first_raw, include_usage=False, chat_stream=True)
+        assert all(c["inflight"] == 0 for c in (await wait_idle(http, s.metrics_url)).values())

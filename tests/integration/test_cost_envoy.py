@@ -1,0 +1,137 @@
+"""Cost-aware admission, tenant rate limits, session budgets and usage learning through Envoy + the simulator."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+import yaml
+
+from extproc.sim.fleet import SimFleet
+
+from .helpers import chat, metrics, post, sample, wait_idle
+
+SPEED = 10.0
+COST = {"prefill_s_per_1k_tokens": 0.1, "decode_s_per_token": 0.001}
+
+
+@pytest.fixture
+async def fleet():
+    async with SimFleet("h100-llama70b-awq", replicas=1, speed=SPEED, model_names=["llama-70b"]) as f:
+        yield f
+
+
+def policy(tmp_path, **top):
+    data = {"classes": {"interactive": {"max_concurrency": 200, "max_queue": 0, "max_wait_ms": 0},
+                        "batch": {"max_concurrency": 200, "max_queue": 0, "max_wait_ms": 0}},
+            "models": {"llama-70b": {"cluster": "vllm_llama70b", "cost": COST}}, "shed": {}}
+    for key, value in top.items():
+        if key == "interactive":
+            data["classes"]["interactive"].update(value)
+        else:
+            data[key] = value
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def stack_for(make_stack, tmp_path, fleet, **top):
+    return make_stack(policy(tmp_path, **top), pools={"vllm_llama70b": [("127.0.0.1", fleet.ports[0])]})
+
+
+async def hold(http, fleet, seconds):
+    """Make every request on the pool take `seconds` of wall time, so the ones sent together overlap."""
+    async with http.post(f"{fleet.urls[0]}/sim/fault", json={"extra_latency_s": seconds * SPEED}) as r:
+        assert r.status == 200
+
+
+def prompt_of(tokens: int) -> dict:
+    return {"model": "llama-70b", "max_tokens": 16, "messages": [{"role": "user", "content": "x " * (2 * tokens)}]}
+
+
+async def test_one_long_prompt_consumes_the_budget_many_short_ones_would(make_stack, tmp_path, fleet):
+    # Budget 1 GPU-s. Long: ~8,000 prompt tokens = 0.8 + 0.016 GPU-s. Short: ~40 tokens = ~0.02 GPU-s.
+    s = stack_for(make_stack, tmp_path, fleet, interactive={"max_inflight_gpu_seconds": 1.0})
+    async with aiohttp.ClientSession() as http:
+        await hold(http, fleet, 1.0)
+        long = asyncio.create_task(post(http, s.url, prompt_of(8000)))
+        for _ in range(100):  # until the long request holds its share of the budget
+            if sample(await metrics(http, s.metrics_url), "extproc_inflight_gpu_seconds") > 0.8:
+                break
+            await asyncio.sleep(0.02)
+        shorts = await asyncio.gather(*[post(http, s.url, prompt_of(40)) for _ in range(30)])
+        admitted = sum(r[0] == 200 for r in shorts)
+        assert 5 <= admitted <= 12, admitted  # ~9 fit next to the long one (estimates are approximate)
+        refused = [r for r in shorts if r[0] == 429]
+        assert refused and all(json.loads(r[2])["error"]["code"] == "queue_full" for r in refused)
+        assert (await long)[0] == 200
+        shorts = await asyncio.gather(*[post(http, s.url, prompt_of(40)) for _ in range(30)])
+        assert all(r[0] == 200 for r in shorts)  # without the long one, all 30 fit
+        await wait_idle(http, s.metrics_url)      # the last streams close a moment after their responses
+        ms = await metrics(http, s.metrics_url)
+        assert sample(ms, "extproc_inflight_gpu_seconds") == pytest.approx(0.0, abs=1e-6)
+
+
+async def test_a_request_bigger_than_the_whole_budget_is_413(make_stack, tmp_path, fleet):
+    s = stack_for(make_stack, tmp_path, fleet, interactive={"max_inflight_gpu_seconds": 0.5})
+    async with aiohttp.ClientSession() as http:
+        status, headers, body = await post(http, s.url, prompt_of(8000))
+        err = json.loads(body)["error"]
+        assert status == 413 and err["code"] == "request_too_large" and "GPU-seconds" in err["message"]
+
+
+async def test_a_tenant_over_its_token_rate_gets_429_with_openai_headers(make_stack, tmp_path, fleet):
+    s = stack_for(make_stack, tmp_path, fleet, tenants=[
+        {"name": "acme", "api_keys": ["sk-acme"], "tokens_per_minute": 600, "burst_s": 60},
+        {"name": "other", "api_keys": ["sk-other"], "tokens_per_minute": 600, "burst_s": 60}])
+    acme, other = {"authorization": "Bearer sk-acme"}, {"authorization": "Bearer sk-other"}
+    async with aiohttp.ClientSession() as http:
+        body = chat(max_tokens=150)  # ~160 tokens charged up front each
+        results = [await post(http, s.url, body, acme) for _ in range(5)]
+        assert [r[0] for r in results][:3] == [200, 200, 200] and results[-1][0] == 429
+        ok_headers, (_, headers, raw) = results[0][1], results[-1]
+        assert ok_headers["x-ratelimit-limit-tokens"] == "600"
+        assert int(ok_headers["x-ratelimit-remaining-tokens"]) < 600
+        assert json.loads(raw)["error"]["code"] == "tenant_tokens_per_minute"
+        assert int(headers["retry-after"]) >= 1 and headers["x-ratelimit-remaining-tokens"] is not None
+        assert (await post(http, s.url, body, other))[0] == 200  # another tenant is unaffected
+        ms = await metrics(http, s.metrics_url)
+        assert sample(ms, "extproc_ratelimit_decisions_total", tenant="acme", result="limited") >= 1
+
+
+async def test_an_agent_session_is_held_to_its_budget_while_others_are_unaffected(make_stack, tmp_path, fleet):
+    # Each request ~0.02 GPU-s; a session may hold 0.05 in flight: two at once.
+    s = stack_for(make_stack, tmp_path, fleet, sessions={"max_inflight_gpu_seconds": 0.05},
+                  tenants=[{"name": "agents", "api_keys": ["sk-a"]}, {"name": "web", "api_keys": ["sk-w"]}])
+    agent = {"authorization": "Bearer sk-a", "x-session-id": "loop-1"}
+    async with aiohttp.ClientSession() as http:
+        await hold(http, fleet, 0.8)
+        loop = asyncio.gather(*[post(http, s.url, prompt_of(40), agent) for _ in range(6)])
+        others = asyncio.gather(*[post(http, s.url, prompt_of(40), {"authorization": "Bearer sk-w",
+                                                                    "x-session-id": f"s{i}"}) for i in range(6)])
+        loop, others = await asyncio.gather(loop, others)
+        assert sorted(r[0] for r in loop) == [200, 200, 429, 429, 429, 429]
+        assert {json.loads(r[2])["error"]["code"] for r in loop if r[0] == 429} == {"session_inflight_budget"}
+        assert all(r[0] == 200 for r in others)
+        ms = await metrics(http, s.metrics_url)
+        assert sample(ms, "extproc_session_rejections_total", tenant="agents") == 4
+
+
+async def test_usage_is_learned_and_the_extra_usage_chunk_never_reaches_the_client(make_stack, tmp_path, fleet):
+    s = stack_for(make_stack, tmp_path, fleet, learn_sample=1.0)
+    async with aiohttp.ClientSession() as http:
+        _, _, plain = await post(http, s.url, chat(max_tokens=2000, stream=True))  # natural ends: ratio < 1
+        _, _, asked = await post(http, s.url, chat(max_tokens=20, stream=True,
+                                                   stream_options={"include_usage": True}))
+        _, _, whole = await post(http, s.url, chat(max_tokens=20))
+        events = [e for e in plain.split(b"\n\n") if e]
+        assert events[-1] == b"data: [DONE]" and not any(b'"choices":[]' in e for e in events)
+        assert any(b'"choices":[]' in e and b'"usage"' in e for e in asked.split(b"\n\n"))
+        assert json.loads(whole)["usage"]["completion_tokens"] > 0
+        await asyncio.sleep(0.5)  # the completion reports
+        ms = await metrics(http, s.metrics_url)
+        assert sample(ms, "extproc_cost_estimate_error_ratio_count") == 3
+        assert sample(ms, "extproc_cost_model", model="llama-70b", param="samples") == 3
+        assert sample(ms, "extproc_cost_model", model="llama-70b", param="output_ratio") < 1.0

@@ -1,0 +1,93 @@
+"""Hot reload through a running ext_proc behind Envoy: SIGHUP and file changes; invalid files refused."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+
+import aiohttp
+import yaml
+
+from .conftest import policy_file
+from .helpers import chat, healthz, metrics, post, sample, wait_idle
+
+
+def rewrite(path, **classes):
+    data = yaml.safe_load(path.read_text())
+    for name, spec in classes.items():
+        data["classes"][name].update(spec)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+async def until(predicate, timeout=5.0):
+    for _ in range(int(timeout / 0.05)):
+        if await predicate():
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+async def test_sighup_applies_a_valid_policy_and_refuses_an_invalid_one(make_stack, tmp_path):
+    path = policy_file(tmp_path)
+    s = make_stack(path, extproc_args=["--watch-interval", "0"])
+    pid = s.process("extproc").popen.pid
+    async with aiohttp.ClientSession() as http:
+        async def limit():
+            return sample(await metrics(http, s.metrics_url), "extproc_class_limit", **{"class": "interactive"})
+
+        assert await limit() == 3
+        rewrite(path, interactive={"max_concurrency": 7})
+        os.kill(pid, signal.SIGHUP)
+        assert await until(lambda: _eq(limit, 7))
+        path.write_text("classes: {interactive: {max_concurrency: -1}}\nmodels: {}\n")
+        os.kill(pid, signal.SIGHUP)
+
+        async def refused():
+            ms = await metrics(http, s.metrics_url)
+            return sample(ms, "extproc_config_reload_total", result="invalid") == 1
+
+        assert await until(refused)
+        ms = await metrics(http, s.metrics_url)
+        assert sample(ms, "extproc_config_last_reload_successful") == 0
+        assert sample(ms, "extproc_class_limit", **{"class": "interactive"}) == 7  # the old policy serves on
+        assert (await post(http, s.url, chat()))[0] == 200
+        log = s.process("extproc").log_path.read_text()
+        assert "policy reload refused" in log and "classes.interactive.max_concurrency: must be >= 1" in log
+
+
+async def _eq(fn, value):
+    return await fn() == value
+
+
+async def test_a_changed_file_is_picked_up_without_a_signal(make_stack, tmp_path):
+    path = policy_file(tmp_path)
+    s = make_stack(path, extproc_args=["--watch-interval", "0.2"])
+    async with aiohttp.ClientSession() as http:
+        rewrite(path, batch={"max_concurrency": 11})
+
+        async def applied():
+            ms = await metrics(http, s.metrics_url)
+            return sample(ms, "extproc_class_limit", **{"class": "batch"}) == 11
+
+        assert await until(applied)
+
+
+async def test_in_flight_requests_keep_their_slots_when_caps_shrink(make_stack, tmp_path, upstream):
+    path = policy_file(tmp_path)
+    s = make_stack(path, extproc_args=["--watch-interval", "0"])
+    async with aiohttp.ClientSession() as http:
+        running = [asyncio.create_task(post(http, s.url, chat(), {"x-test-delay-ms": "1500"})) for _ in range(3)]
+        await asyncio.sleep(0.4)
+        rewrite(path, interactive={"max_concurrency": 1, "max_queue": 0})
+        os.kill(s.process("extproc").popen.pid, signal.SIGHUP)
+        await asyncio.sleep(0.3)
+        snap = (await healthz(http, s.metrics_url))["classes"]["interactive"]
+        assert snap["inflight"] == 3 and snap["limit"] == 1  # held slots stay held past the new cap
+        status, _, body = await post(http, s.url, chat())
+        assert status == 429 and json.loads(body)["error"]["code"] == "queue_full"
+        assert [r[0] for r in await asyncio.gather(*running)] == [200, 200, 200]  # nothing in flight dropped
+        snap = await wait_idle(http, s.metrics_url)
+        assert snap["interactive"]["inflight"] == 0  # released against their class exactly once
+        assert (await post(http, s.url, chat()))[0] == 200

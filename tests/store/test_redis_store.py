@@ -1,0 +1,143 @@
+"""The Redis scripts against a real redis-server: atomic caps under concurrency, idempotence, lease expiry."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from extproc.policy.schema import StoreSpec
+from extproc.policy.store import SlotClaim, StoreUnavailable
+from extproc.stack import free_port
+from extproc.store.redis_store import RedisStore
+
+
+def spec(url: str, **kw) -> StoreSpec:
+    return StoreSpec(kind="redis", url=url, key_prefix="t:", **{"timeout_ms": 1000, **kw})
+
+
+def claim(holder: str, cap: int = 1, cost: float = 0.0, budget: float | None = None, cls: str = "c") -> SlotClaim:
+    return SlotClaim(cls, holder, cost, cap, budget)
+
+
+async def test_fifty_clients_never_hold_more_than_the_cap(redis_server):
+    cap = 5
+    stores = [RedisStore(spec(redis_server.url)) for _ in range(5)]  # five "replicas", each its own pool
+    holding = peak = granted = 0
+    redis_peak = 0
+    stop = asyncio.Event()
+
+    async def client(i: int) -> None:
+        nonlocal holding, peak, granted
+        store = stores[i % len(stores)]
+        rnd = random.Random(i)
+        for n in range(30):
+            holder = f"r{i % 5}:{i}-{n}"
+            while not await store.acquire(claim(holder, cap)):
+                await asyncio.sleep(0)
+            holding += 1
+            granted += 1
+            peak = max(peak, holding)
+            await asyncio.sleep(rnd.random() * 0.002)
+            holding -= 1  # before the release is sent: `holding` never exceeds what Redis holds
+            await store.release([("c", holder)])
+
+    async def watch() -> None:
+        nonlocal redis_peak
+        while not stop.is_set():
+            redis_peak = max(redis_peak, await stores[0].count("c"))
+            await asyncio.sleep(0)
+
+    watcher = asyncio.create_task(watch())
+    await asyncio.wait_for(asyncio.gather(*[client(i) for i in range(50)]), 60)
+    stop.set()
+    await watcher
+    assert granted == 50 * 30
+    assert peak == cap and redis_peak <= cap
+    assert await stores[0].count("c") == 0
+    for s in stores:
+        await s.close()
+
+
+async def test_budget_counts_gpu_seconds_across_holders(redis_server):
+    store = RedisStore(spec(redis_server.url))
+    assert await store.acquire(claim("a", cap=10, cost=0.6, budget=1.0))
+    assert not await store.acquire(claim("b", cap=10, cost=0.6, budget=1.0))
+    assert await store.acquire(claim("c", cap=10, cost=0.4, budget=1.0))
+    await store.release([("c", "a")])
+    assert await store.acquire(claim("b", cap=10, cost=0.6, budget=1.0))
+    await store.close()
+
+
+async def listening(url: str) -> tuple[RedisStore, list[str]]:
+    """A store subscribed to the release channel, and the classes it has heard released so far."""
+    store = RedisStore(spec(url))
+    heard: list[str] = []
+    store.on_release(heard.append)
+    await store.start()
+    await asyncio.sleep(0.2)  # subscribed
+    return store, heard
+
+
+async def test_release_is_idempotent_and_announced_once(redis_server):
+    store, heard = await listening(redis_server.url)
+    assert await store.acquire(claim("a"))
+    assert await store.acquire(claim("a"))  # a retried acquire: still one slot
+    assert await store.count("c") == 1
+    await store.release([("c", "a")])
+    await store.release([("c", "a")])
+    await store.release([("c", "never-held")])
+    assert await store.count("c") == 0
+    assert await store.acquire(claim("b"))
+    await asyncio.sleep(0.3)
+    assert heard == ["c"]
+    await store.close()
+
+
+async def test_one_release_call_frees_many_slots_and_announces_each_class_once(redis_server):
+    store, heard = await listening(redis_server.url)
+    for holder, cls in (("a", "x"), ("b", "x"), ("c", "y")):
+        assert await store.acquire(claim(holder, cap=5, cls=cls))
+    await store.release([("x", "a"), ("x", "b"), ("y", "c"), ("y", "gone")])
+    assert await store.count("x") == 0 and await store.count("y") == 0
+    await asyncio.sleep(0.3)
+    assert sorted(heard) == ["x", "y"]
+    await store.close()
+
+
+async def test_expired_leases_are_purged_by_the_next_acquire(redis_server):
+    store = RedisStore(spec(redis_server.url, lease_ms=200))
+    assert await store.acquire(claim("crashed", cap=1, cost=1.0, budget=1.0))
+    assert not await store.acquire(claim("b", cap=1, cost=1.0, budget=1.0))
+    await asyncio.sleep(0.3)
+    assert await store.acquire(claim("b", cap=1, cost=1.0, budget=1.0))  # slot and budget both freed
+    assert await store.client.hkeys("t:cost:c") == [b"b"]
+    await store.close()
+
+
+async def test_renew_keeps_live_leases_and_reports_lost_ones(redis_server):
+    store = RedisStore(spec(redis_server.url, lease_ms=300))
+    assert await store.acquire(claim("live", cap=2))
+    assert await store.acquire(claim("dead", cap=2))
+    for _ in range(3):
+        await asyncio.sleep(0.15)
+        lost = await store.renew([("c", "live")])
+        assert lost == []
+    assert await store.renew([("c", "live"), ("c", "dead")]) == [("c", "dead")]
+    assert await store.count("c") == 1
+    await store.adopt([claim("dead", cost=0.5)])  # a running request is recorded again, past the cap
+    assert await store.count("c") == 2
+    await store.close()
+
+
+async def test_an_unreachable_store_fails_within_its_timeout():
+    store = RedisStore(StoreSpec(kind="redis", url=f"redis://127.0.0.1:{free_port()}/0", timeout_ms=50))
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable):
+        await store.acquire(claim("a"))
+    with pytest.raises(StoreUnavailable):
+        await store.ping()
+    assert time.monotonic() - started < 1.0
+    await store.close()

@@ -1,0 +1,126 @@
+"""Two replicas' cores sharing caps through one real Redis: waits, hand-over on release, failure and return."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from prometheus_client import CollectorRegistry
+
+from extproc.policy.admission import ACCEPT, REJECT, AdmissionController, RequestFacts
+from extproc.policy.limits import Outcome
+from extproc.store.redis_store import RedisStore
+from extproc.store.shared import CLOSED, LOCAL, SHARED, SharedSlots
+
+from ..unit.conftest import make_policy
+
+
+def replica(url: str, cap: int = 1, max_wait_ms: int = 2000, **store) -> SharedSlots:
+    policy = make_policy(classes={"interactive": {"max_concurrency": cap, "max_queue": 5,
+                                                  "max_wait_ms": max_wait_ms},
+                                  "batch": {"max_concurrency": 3}},
+                         store={"kind": "redis", "url": url, "timeout_ms": 500, **store})
+    core = AdmissionController(policy)
+    return SharedSlots(core, RedisStore(policy.store), CollectorRegistry())
+
+
+def facts() -> RequestFacts:
+    return RequestFacts(header_class="interactive", model="llama", max_tokens=10)
+
+
+async def admit(r: SharedSlots):
+    """What the servicer does: decide, then one try, then a wait if the class is full across replicas."""
+    d = r.core.decide(facts())
+    assert d.kind == ACCEPT and r.core.gated(d)
+    return await r.try_now(d) or await r.wait(d)
+
+
+def finish(r: SharedSlots, d) -> None:
+    r.core.finish(d.ticket, Outcome.OK)
+    r.release(d.ticket)
+
+
+async def test_a_slot_released_on_another_replica_goes_to_a_waiter_without_polling(redis_server):
+    a, b = replica(redis_server.url, poll_ms=5000), replica(redis_server.url, poll_ms=5000)
+    await a.start(), await b.start()
+    first = await admit(a)
+    assert first.kind == ACCEPT and a.held
+    waiting = asyncio.create_task(admit(b))
+    await asyncio.sleep(0.2)
+    assert not waiting.done()
+    released = time.monotonic()
+    finish(a, first)
+    second = await asyncio.wait_for(waiting, 2)
+    assert second.kind == ACCEPT and time.monotonic() - released < 0.3  # pub/sub, not the 5 s poll
+    assert second.reason == "dequeued" and second.waited_s >= 0.2 and second.ticket.waited_s >= 0.2
+    assert await b.store.count("interactive") == 1
+    finish(b, second)
+    await asyncio.sleep(0.05)
+    assert await b.store.count("interactive") == 0
+    await a.close(), await b.close()
+
+
+async def test_no_global_slot_within_max_wait_is_a_queue_timeout_that_frees_the_local_slot(redis_server):
+    a, b = replica(redis_server.url, max_wait_ms=200), replica(redis_server.url, max_wait_ms=200)
+    await a.start(), await b.start()
+    held = await admit(a)
+    started = time.monotonic()
+    refused = await admit(b)
+    assert (refused.kind, refused.status, refused.reason) == (REJECT, 429, "queue_timeout")
+    assert 0.15 < time.monotonic() - started < 0.5
+    assert b.core.limiters["interactive"].inflight == 0 and not b.held
+    assert await a.store.count("interactive") == 1
+    finish(a, held)
+    await a.close(), await b.close()
+
+
+async def test_a_client_leaving_during_the_wait_gives_back_what_it_had(redis_server):
+    a, b = replica(redis_server.url), replica(redis_server.url)
+    await a.start(), await b.start()
+    held = await admit(a)
+    d = b.core.decide(facts())
+    assert await b.try_now(d) is None
+    waiting = asyncio.create_task(b.wait(d))
+    await asyncio.sleep(0.1)
+    waiting.cancel()
+    b.abandon(d)
+    finish(a, held)
+    await asyncio.sleep(0.2)
+    assert b.core.limiters["interactive"].inflight == 0
+    assert await a.store.count("interactive") == 0
+    await a.close(), await b.close()
+
+
+async def test_redis_down_fails_open_on_the_replica_share_then_returns_and_adopts(redis_server):
+    r = replica(redis_server.url, cap=4, instances=2, on_failure="local")
+    await r.start()
+    kept = await admit(r)
+    redis_server.stop()
+    during = await admit(r)  # the store does not answer: admitted on the local share
+    assert during.kind == ACCEPT and r.state == LOCAL
+    assert r.core.limiters["interactive"].limit == 2
+    assert r.switches.labels(LOCAL)._value.get() == 1
+    assert r.state_gauge.labels(LOCAL)._value.get() == 1 and r.state_gauge.labels(SHARED)._value.get() == 0
+    assert r.core.decide(facts()).kind == "queue"  # 2 running: the share is full
+    await r.tick()
+    assert r.state == LOCAL  # still down: the probe fails, nothing changes
+    redis_server.start()
+    await r.tick()
+    assert r.state == SHARED and r.core.limiters["interactive"].limit == 4
+    assert r.switches.labels(SHARED)._value.get() == 1
+    await r.tick()  # the request admitted during the outage is counted globally now
+    assert await r.store.count("interactive") == 1 + (kept.ticket.id in r.held)
+    await r.close()
+
+
+async def test_redis_down_fails_closed_with_503(redis_server):
+    r = replica(redis_server.url, on_failure="closed")
+    await r.start()
+    redis_server.stop()
+    refused = await admit(r)
+    assert (refused.kind, refused.status, refused.reason) == (REJECT, 503, "store_unavailable")
+    assert r.state == CLOSED and r.core.limiters["interactive"].inflight == 0
+    redis_server.start()
+    await r.tick()
+    assert r.state == SHARED and (await admit(r)).kind == ACCEPT
+    await r.close()

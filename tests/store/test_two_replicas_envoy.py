@@ -1,0 +1,121 @@
+"""Two Envoy + ext_proc replicas sharing one Redis and one upstream: the global cap holds exactly, a killed
+replica's slots free themselves within the lease, and a Redis outage switches to the fallback and back."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from extproc.stack import Stack, free_port, wait_http
+
+from ..integration.conftest import policy_file
+from ..integration.helpers import chat, metrics, post, sample, upstream_reset, upstream_stats
+
+HERE = Path(__file__).resolve().parent
+CAP = 4
+
+
+@pytest.fixture
+def upstream():
+    """tests/upstream.py in its own process: it records the most requests it ever had in service at once."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(HERE.parent / "upstream.py"), str(port)], start_new_session=True)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", timeout=20)
+        yield ("127.0.0.1", port)
+    finally:
+        proc.kill()  # no graceful drain: some tests leave long requests running
+        proc.wait(10)
+
+
+@pytest.fixture
+def replicas(tmp_path, upstream, redis_server):
+    """Two stacks with the same policy: interactive capped at CAP across both, leases of 2 s."""
+    policy = policy_file(tmp_path, classes={
+        "interactive": {"max_concurrency": CAP, "max_queue": 50, "max_wait_ms": 5000},
+        "batch": {"max_concurrency": 2}},
+        store={"kind": "redis", "url": redis_server.url, "key_prefix": f"it{free_port()}:", "lease_ms": 2000,
+               "instances": 2, "on_failure": "local", "timeout_ms": 200})
+    pools = {"vllm_llama70b": [upstream], "vllm_llama8b": [upstream]}
+    stacks = [Stack(tmp_path / f"replica{i}", pools, policy_path=policy) for i in range(2)]
+    try:
+        for s in stacks:
+            s.start()
+        yield stacks
+    finally:
+        for s in stacks:
+            s.stop()
+
+
+def delay(ms: int) -> dict:
+    return {"x-test-delay-ms": str(ms)}
+
+
+async def test_the_global_cap_holds_exactly_under_load_from_both_replicas(replicas, upstream):
+    async with aiohttp.ClientSession() as http:
+        await upstream_reset(http, upstream)
+
+        async def client(url: str) -> list[int]:
+            return [(await post(http, url, chat(), delay(80)))[0] for _ in range(4)]
+
+        results = await asyncio.gather(*[client(replicas[i % 2].url) for i in range(16)])
+        assert sorted(set(s for r in results for s in r)) == [200]
+        stats = await upstream_stats(http, upstream)
+        assert stats["max_in_service"] == CAP  # reached, never exceeded, although each replica alone allows CAP
+        accepted, waited = [], 0.0
+        for s in replicas:  # each admission counted once, on the replica that made it
+            ms = await metrics(http, s.metrics_url)
+            accepted.append(sample(ms, "extproc_requests_total", decision="accept"))
+            waited += sample(ms, "extproc_requests_total", decision="accept", reason="dequeued")
+            assert sample(ms, "extproc_requests_total") == accepted[-1]
+            assert sample(ms, "extproc_store_state", state="shared") == 1
+        assert accepted == [32, 32] and waited > 0
+
+
+async def test_a_killed_replica_frees_its_slots_within_the_lease(replicas, upstream):
+    a, b = replicas
+    async with aiohttp.ClientSession() as http:
+        held = [asyncio.create_task(post(http, a.url, chat(), delay(15000))) for _ in range(CAP)]
+        await asyncio.sleep(1.0)
+        assert (await upstream_stats(http, upstream))["in_service"] == CAP
+        a.process("extproc").stop(signal.SIGKILL)
+        killed = time.monotonic()
+        status, headers, _ = await post(http, b.url, chat())
+        freed_after = time.monotonic() - killed
+        assert status == 200 and headers["x-extproc-decision"] == "accept"
+        # Granted when the last lease (2 s, renewed every second until the kill) expires, and not before.
+        assert 0.8 < freed_after < 2.0 + 0.5
+        for t in held:
+            t.cancel()
+
+
+async def test_a_redis_outage_switches_to_local_shares_and_back(replicas, upstream, redis_server):
+    async with aiohttp.ClientSession() as http:
+        redis_server.stop()
+        await asyncio.sleep(1.5)  # the housekeeping probe notices within a second
+        for s in replicas:
+            ms = await metrics(http, s.metrics_url)
+            assert sample(ms, "extproc_store_state", state="local") == 1
+            assert sample(ms, "extproc_store_switches_total", to="local") == 1
+            assert sample(ms, "extproc_class_limit", **{"class": "interactive"}) == CAP // 2
+        await upstream_reset(http, upstream)
+        results = await asyncio.gather(*[post(http, replicas[i % 2].url, chat(), delay(300)) for i in range(8)])
+        assert sorted(r[0] for r in results) == [200] * 8
+        assert (await upstream_stats(http, upstream))["max_in_service"] == CAP  # CAP // 2 on each replica
+        redis_server.start()
+        await asyncio.sleep(2.0)
+        for s in replicas:
+            ms = await metrics(http, s.metrics_url)
+            assert sample(ms, "extproc_store_state", state="shared") == 1
+            assert sample(ms, "extproc_store_switches_total", to="shared") == 1
+            assert sample(ms, "extproc_class_limit", **{"class": "interactive"}) == CAP
+        for s in replicas:
+            assert "store state -> local" in s.process("extproc").tail(200)
+            assert "store state -> shared" in s.process("extproc").tail(200)

@@ -1,0 +1,156 @@
+"""Adaptive caps with a fake clock, saturation parsing against real vLLM's /metrics, deadline-aware rejection."""
+
+from pathlib import Path
+
+from extproc.policy.adaptive import AdaptiveLimit, PoolSaturation
+from extproc.policy.admission import ACCEPT, DEGRADE, QUEUE, REJECT, AdmissionController, RequestFacts
+from extproc.policy.limits import Outcome
+from extproc.policy.schema import AdaptiveSpec, PoolSpec
+from extproc.server.saturation import PoolScraper, parse_vllm_metrics
+
+from .conftest import make_policy
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
+SPEC = AdaptiveSpec(enabled=True, min_limit=2, max_limit=64, interval_s=1.0, window_s=10, min_samples=5)
+
+
+def run(ctl, t0, seconds, latency, inflight, sat=None, per_s=20):
+    """Feed `seconds` of completions at `latency` and update once a second; return the limits seen."""
+    limits = []
+    for i in range(seconds):
+        now = t0 + i
+        for k in range(per_s):
+            ctl.observe(now + k / per_s, latency)
+        limits.append(ctl.update(now + 0.99, inflight if not callable(inflight) else inflight(ctl), sat))
+    return limits
+
+
+def test_rises_while_under_the_slo_and_the_cap_binds():
+    ctl = AdaptiveLimit(SPEC, slo_s=2.0, initial=8)
+    limits = run(ctl, 0, 10, latency=0.8, inflight=lambda c: c.limit)
+    assert limits[-1] > 8 and limits == sorted(limits)
+
+
+def test_does_not_drift_up_when_the_cap_does_not_bind():
+    ctl = AdaptiveLimit(SPEC, slo_s=2.0, initial=8)
+    assert set(run(ctl, 0, 20, latency=0.5, inflight=2)) == {8}
+
+
+def test_cuts_when_latency_approaches_the_slo():
+    ctl = AdaptiveLimit(SPEC, slo_s=2.0, initial=32)
+    limits = run(ctl, 0, 3, latency=1.95, inflight=32)
+    assert limits[0] < 32 and limits[-1] < limits[0]
+    assert ctl.last_action == "cut_latency"
+
+
+def test_cuts_at_once_on_replica_saturation_even_with_good_latency():
+    ctl = AdaptiveLimit(SPEC, slo_s=2.0, initial=32)
+    sat = PoolSaturation()
+    sat.saturated = True
+    assert run(ctl, 0, 1, latency=0.3, inflight=32, sat=sat) == [25]
+    assert ctl.last_action == "cut_saturated"
+
+
+def test_bounded_by_min_and_max():
+    ctl = AdaptiveLimit(SPEC, slo_s=2.0, initial=8)
+    assert min(run(ctl, 0, 30, latency=5.0, inflight=8)) == 2
+    ctl = AdaptiveLimit(SPEC, slo_s=2.0, initial=60)
+    assert max(run(ctl, 0, 30, latency=0.1, inflight=lambda c: c.limit)) == 64
+
+
+def test_no_oscillation_under_a_steady_load_whose_latency_tracks_the_cap():
+    # A toy pool: p95 grows with the cap (1.2 s at 16 ... 2.4 s at 32). The controller should settle and stay.
+    ctl = AdaptiveLimit(SPEC, slo_s=2.0, initial=8)
+    limits = []
+    for second in range(120):
+        latency = 1.2 + (ctl.limit - 16) * 0.075
+        for k in range(20):
+            ctl.observe(second + k / 20, latency)
+        limits.append(ctl.update(second + 0.99, int(ctl.limit), None))
+    tail = limits[-60:]
+    assert max(tail) - min(tail) <= 3, tail
+    assert 16 <= min(tail) and max(tail) <= 26  # inside the band: p95 between 0.7 and 0.9 of the SLO
+
+
+def test_reacts_within_seconds_to_a_spike():
+    ctl = AdaptiveLimit(SPEC, slo_s=2.0, initial=24)
+    before = run(ctl, 0, 10, latency=1.0, inflight=lambda c: c.limit)[-1]
+    limits = run(ctl, 10, 4, latency=4.0, inflight=lambda c: c.limit)  # a spike fills whatever the cap is
+    assert limits[-1] <= before * 0.8 ** 3
+
+
+def test_scrape_parsing_reads_the_real_vllm_metrics_fixture():
+    m = parse_vllm_metrics((FIXTURES / "metrics.txt").read_text())
+    assert set(m) == {"running", "waiting", "kv", "preemptions"}
+    assert all(v >= 0 for v in m.values()) and m["kv"] <= 1.0
+
+
+def test_stale_or_missing_replicas_count_as_saturated():
+    scraper = PoolScraper(core=None, name="p", spec=PoolSpec(replicas=["a:1", "b:2"], stale_ms=1000), session=None,
+                          clock=lambda: 10.0)
+    assert scraper.aggregate(10.0).saturated  # nothing read yet
+    for r in scraper.replicas.values():
+        r.metrics, r.at = {"running": 3, "waiting": 0, "kv": 0.2, "preemptions": 0, "preempting": 0}, 10.0
+    fresh = scraper.aggregate(10.5)
+    assert not fresh.saturated and fresh.running == 6
+    assert scraper.aggregate(11.5).saturated  # older than stale_ms
+    scraper.replicas["a:1"].metrics["waiting"] = 2
+    assert scraper.aggregate(10.5).saturated
+
+
+def test_adaptive_class_follows_its_controller_in_the_core(clock):
+    core = AdmissionController(make_policy(classes={"interactive": {
+        "max_concurrency": 4, "max_queue": 0, "max_wait_ms": 0, "slo_p95_ms": 2000,
+        "adaptive": {"enabled": True, "min_limit": 2, "max_limit": 8, "min_samples": 3}}}, tenants=[]),
+        clock=clock)
+    lim = core.limiters["interactive"]
+    sat = PoolSaturation()
+    sat.saturated = True
+    core.saturation["pool_a"] = sat
+    d = core.decide(RequestFacts(header_class="interactive", model="llama"))
+    core.finish(d.ticket, Outcome.OK)
+    clock.advance(1.0)
+    core.tick()
+    assert lim.limit == 3  # 4 * 0.8, the pool said it was saturated
+
+
+def early_core(clock, **spec):
+    interactive = {"max_concurrency": 1, "max_queue": 10, "max_wait_ms": 200, **spec}
+    return AdmissionController(make_policy(classes={"interactive": interactive}, tenants=[]), clock=clock)
+
+
+def drain_at(core, clock, per_s, n=5):
+    """Complete n requests at `per_s` so the class has an observed drain rate."""
+    for _ in range(n):
+        d = core.decide(RequestFacts(header_class="interactive", model="llama"))
+        clock.advance(1.0 / per_s)
+        core.finish(d.ticket, Outcome.OK)
+
+
+def test_rejects_at_arrival_when_the_queue_ahead_cannot_clear_within_the_deadline(clock):
+    core = early_core(clock)
+    drain_at(core, clock, per_s=5)                   # ~5 completions/s: each place in the queue costs ~0.2 s
+    core.decide(RequestFacts(header_class="interactive", model="llama"))
+    first = core.decide(RequestFacts(header_class="interactive", model="llama"))
+    assert first.kind == QUEUE                        # one ahead: ~0.2 s, within 200 ms... just
+    d = core.decide(RequestFacts(header_class="interactive", model="llama"))
+    assert (d.kind, d.status, d.reason) == (REJECT, 429, "deadline_unmeetable")
+    assert "queue deadline" in d.message
+
+
+def test_early_rejection_can_degrade_and_can_be_turned_off(clock):
+    core = early_core(clock, on_overflow="fallback", fallback={"action": "degrade", "model": "small"})
+    drain_at(core, clock, per_s=2)
+    core.decide(RequestFacts(header_class="interactive", model="llama"))
+    d = core.decide(RequestFacts(header_class="interactive", model="llama"))
+    assert (d.kind, d.reason, d.cluster) == (DEGRADE, "deadline_unmeetable", "pool_b")
+    core = early_core(clock, early_reject=False)
+    drain_at(core, clock, per_s=2)
+    core.decide(RequestFacts(header_class="interactive", model="llama"))
+    assert core.decide(RequestFacts(header_class="interactive", model="llama")).kind == QUEUE
+
+
+def test_without_a_drain_rate_nothing_is_rejected_early(clock):
+    core = early_core(clock)
+    assert core.decide(RequestFacts(header_class="interactive", model="llama")).kind == ACCEPT
+    assert core.decide(RequestFacts(header_class="interactive", model="llama")).kind == QUEUE
