@@ -193,3 +193,19 @@ def test_check_warns_when_tenant_limits_sum_past_the_fleet():
                      "tenants": [{"name": "t1", "tokens_per_minute": 800}, {"name": "t2", "tokens_per_minute": 800}]})
     (w,) = policy_warnings(p)
     assert "sum to 1600" in w and "fleet.tokens_per_minute = 1000" in w
+
+
+def test_a_configured_tokenizer_gives_exact_prompt_counts(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["the queue in front of the model is short today"] * 50,
+                            trainers.BpeTrainer(vocab_size=200, special_tokens=["[UNK]"]))
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    doc = {"messages": [{"role": "user", "content": "the queue is short"}]}
+    exact = CostModel(CostSpec(tokenizer=str(path))).prompt_tokens(doc)
+    assert exact == MESSAGE_OVERHEAD_TOKENS + len(tok.encode("the queue is short", add_special_tokens=False).ids)
+    missing = CostModel(CostSpec(tokenizer=str(tmp_path / "absent.json"))).prompt_tokens(doc)
+    assert missing == CostModel(CostSpec()).prompt_tokens(doc)  # falls back to the fast estimate
