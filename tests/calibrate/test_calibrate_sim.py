@@ -124,9 +124,12 @@ def test_ctrl_c_prints_the_partial_table_and_exits_130(sim_url, tmp_path):
 
 @pytest.mark.skipif(not os.environ.get("VLLM_URL"), reason="set VLLM_URL to a real vLLM (the e2e target)")
 def test_against_the_real_vllm(tmp_path):
-    slo = os.environ.get("VLLM_SLO_P95", "2s")
+    # The e2e target is a tiny model on the CPU: short requests and a suitably small SLO (a 32-token answer takes
+    # ~0.1 s alone), so the sweep finds a knee (or holds to its ceiling) in a couple of minutes.
+    slo = os.environ.get("VLLM_SLO_P95", "500ms")
     rc = main(["calibrate", "--target", os.environ["VLLM_URL"], "--slo-p95", slo, "--out", str(tmp_path),
-               "--step-duration", "20s", "--max-concurrency", "64", "--bisect-steps", "2"])
+               "--prompt-tokens", "64", "--max-tokens", "32", "--no-stream", "--step-duration", "8s",
+               "--step-warmup", "2s", "--max-concurrency", "32", "--bisect-steps", "2"])
     results = json.loads((tmp_path / "results.json").read_text())
     assert rc == 0, results["outcome"]["reason"]
     assert results["target"]["version"] and results["outcome"]["cap"] >= 1
