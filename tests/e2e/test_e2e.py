@@ -11,12 +11,11 @@ import asyncio
 import json
 import re
 import sys
-import time
 
 import aiohttp
 import pytest
 
-from tests.integration.helpers import healthz, wait_idle
+from tests.integration.helpers import healthz, until as wait_for, wait_idle
 
 from .conftest import ROOT, policy
 
@@ -61,16 +60,6 @@ def metric(text: str, name: str, **labels) -> float:
         if all(got.get(k) == v for k, v in labels.items()):
             total += float(m.group(2))
     return total
-
-
-async def wait_for(check, timeout: float = 10.0, interval: float = 0.05):
-    """Poll the coroutine function `check` until it returns a truthy value; return the last value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await check()
-        if value or time.monotonic() > deadline:
-            return value
-        await asyncio.sleep(interval)
 
 
 def assert_stream(raw: bytes, include_usage: bool, chat_stream: bool) -> tuple[list, list[str]]:
@@ -249,7 +238,7 @@ async def test_extproc_learns_cost_from_usage(make_stack, target):
             learned = metric(text, "extproc_learned_tokens_total", kind="completion")
             return (learned, generated) if learned == generated > 0 else None
 
-        assert await wait_for(agree), "learned tokens never matched vllm:generation_tokens_total"
+        assert await wait_for(agree, timeout=10.0), "learned tokens never matched vllm:generation_tokens_total"
 
 
 # ------------------------------------------------------------------------------------------ degrade

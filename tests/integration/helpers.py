@@ -62,3 +62,13 @@ async def upstream_stats(session, upstream: tuple[str, int]) -> dict:
 async def upstream_reset(session, upstream: tuple[str, int]) -> None:
     async with session.post(f"http://{upstream[0]}:{upstream[1]}/test/reset") as r:
         await r.read()
+
+
+async def until(predicate, timeout: float = 5.0, interval: float = 0.05):
+    """Await the async predicate until it returns a truthy value; return it (or the last falsy one)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        await asyncio.sleep(interval)

@@ -11,7 +11,7 @@ import aiohttp
 import yaml
 
 from .conftest import policy_file
-from .helpers import chat, healthz, metrics, post, sample, wait_idle
+from .helpers import chat, healthz, metrics, post, sample, until, wait_idle
 
 
 def rewrite(path, **classes):
@@ -19,14 +19,6 @@ def rewrite(path, **classes):
     for name, spec in classes.items():
         data["classes"][name].update(spec)
     path.write_text(yaml.safe_dump(data, sort_keys=False))
-
-
-async def until(predicate, timeout=5.0):
-    for _ in range(int(timeout / 0.05)):
-        if await predicate():
-            return True
-        await asyncio.sleep(0.05)
-    return False
 
 
 async def test_sighup_applies_a_valid_policy_and_refuses_an_invalid_one(make_stack, tmp_path):

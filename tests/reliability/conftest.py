@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
@@ -13,6 +12,7 @@ import pytest
 
 from extproc.stack import Stack, free_port, wait_http
 from tests.integration.conftest import make_stack, policy_file, upstream  # noqa: F401 (fixtures)
+from tests.integration.helpers import until  # noqa: F401 (re-exported for the reliability tests)
 
 
 def restart_extproc(stack: Stack, sig: int = signal.SIGKILL) -> float:
@@ -67,13 +67,3 @@ def sims(tmp_path):
     yield start
     for s in started:
         s.close()
-
-
-async def until(predicate, timeout: float = 5.0, interval: float = 0.05):
-    """Await an async predicate until it returns a truthy value; return it (or the last falsy one)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        await asyncio.sleep(interval)
