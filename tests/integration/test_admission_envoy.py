@@ -97,7 +97,7 @@ async def test_malformed_json_is_400_and_takes_no_slot(make_stack):
             assert json.loads(body)["error"]["type"] == "invalid_request_error"
         status, _, body = await post(http, s.url, chat(model="gpt-99"))
         assert status == 404 and "gpt-99" in json.loads(body)["error"]["message"]
-        snap = (await healthz(http, s.metrics_url))["classes"]
+        snap = await wait_idle(http, s.metrics_url)
         assert all(c["inflight"] == 0 for c in snap.values())
 
 
