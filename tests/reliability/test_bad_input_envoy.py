@@ -76,14 +76,18 @@ async def test_malformed_requests_get_clear_4xx_and_take_no_slot(make_stack, tmp
             assert headers["x-extproc-decision"] == "invalid", case
             table.append((case, got, err["code"]))
 
-        # Envoy's own limits answer before the ext_proc sees anything (plain text, not OpenAI-shaped).
-        got, _, text = await raw_request(s.listen_port, [(b"content-type", b"application/json")],
-                                         b'{"model": "llama-70b", "x": "' + b"x" * (5 << 20) + b'"}')
-        assert got == 413, got
-        table.append(("body over Envoy's 4 MiB buffer", got, text[:40].decode()))
-        got, _, text = await raw_request(s.listen_port, [(b"x-priority", b"i" * 100_000)], b"{}")
-        assert got == 431, got
-        table.append(("100 KB header value", got, text[:40].decode()))
+        # Envoy's own limits answer before the ext_proc sees anything; envoy.yaml's local_reply_config gives
+        # them the same OpenAI error shape.
+        for case, status, headers, body, code in [
+                ("body over Envoy's 4 MiB buffer", 413, [(b"content-type", b"application/json")],
+                 b'{"model": "llama-70b", "x": "' + b"x" * (5 << 20) + b'"}', "request_payload_too_large"),
+                ("100 KB header value", 431, [(b"x-priority", b"i" * 100_000)], b"{}", "http1.headers_too_large")]:
+            got, hs, text = await raw_request(s.listen_port, headers, body)
+            assert got == status, (case, got)
+            assert hs["content-type"] == "application/json", (case, hs)
+            err = openai_error(text)
+            assert err["type"] == "invalid_request_error" and err["code"] == code and err["message"], (case, err)
+            table.append((case, got, f"Envoy: {err['code']}"))
 
         snap = await wait_idle(http, s.metrics_url)  # a slot is released when Envoy's trailers/ALS arrive
         assert all(c["inflight"] == 0 and c["queue"] == 0 for c in snap.values()), snap

@@ -159,7 +159,9 @@ async def test_replica_down_before_headers_is_a_503_from_envoy(make_stack, tmp_p
     async with aiohttp.ClientSession() as http:
         status, headers, text = await post(http, s.url, chat(max_tokens=4))
         assert status == 503 and headers["x-extproc-decision"] == "accept"
-        assert text.startswith(b"upstream connect error"), text
+        assert headers["content-type"] == "application/json", headers  # envoy.yaml's local_reply_config
+        err = json.loads(text)["error"]
+        assert err["type"] == "server_error" and err["message"].startswith("upstream connect error"), err
         assert await until(lambda: _eq(inflight(http, s), 0), timeout=3)
         print(f"\nRELIABILITY replica down: 503 {headers.get('content-type')} {text[:120]!r}")
 
