@@ -58,6 +58,7 @@ class _Pool:
         self.busy = [False] * replicas
         self.preemptions = [0] * replicas
         self.finished = 0
+        self.draining: set[int] = set()  # replicas the load balancer no longer sends new requests to
 
 
 def what_if(scenario: Scenario, policy_path: str, capacity: float) -> WhatIfResult:
@@ -90,7 +91,9 @@ def what_if(scenario: Scenario, policy_path: str, capacity: float) -> WhatIfResu
     def start(record: RequestRecord, ticket, pool_name: str, prompt: int, max_tokens: int) -> None:
         pool = pools[pool_name]
         engines = pool.engines
-        i = min(range(len(engines)), key=lambda j: len(engines[j].running) + len(engines[j].waiting))
+        # Least request among the replicas still in the load balancer (all of them if every one is draining).
+        live = [j for j in range(len(engines)) if j not in pool.draining] or range(len(engines))
+        i = min(live, key=lambda j: len(engines[j].running) + len(engines[j].waiting))
         seq = engines[i].add_request(prompt, max_tokens, clock[0])
         owner[(pool.name, i, seq.id)] = (record, ticket)
         kick(pool, i)
@@ -169,6 +172,8 @@ def what_if(scenario: Scenario, policy_path: str, capacity: float) -> WhatIfResu
             pool = pools[payload.pool]
             if "slowdown" in payload.fault:
                 pool.engines[payload.replica].slowdown = payload.fault["slowdown"]
+            if payload.fault.get("draining"):  # out of the load balancer at once (Envoy: after its health checks)
+                pool.draining.add(payload.replica)
 
     rng = random.Random(scenario.seed + 1)
     plans = [plan_request(n, scenario.workload, rng, at)

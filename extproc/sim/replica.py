@@ -21,11 +21,12 @@ GENERATION_PATHS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS
 
 @dataclass
 class Faults:
-    """Injected misbehaviour (POST /sim/fault): added latency, random 500s, slower iterations."""
+    """Injected misbehaviour (POST /sim/fault): added latency, random 500s, slower iterations, draining."""
 
     extra_latency_s: float = 0.0  # simulated seconds before a request reaches the engine
     error_rate: float = 0.0  # fraction of generation requests answered with 500
     slowdown: float = 1.0  # multiplies every iteration's duration
+    draining: float = 0.0  # 1: /health answers 503, so the load balancer takes the replica out; it still serves
 
 
 class SimClock:
@@ -138,7 +139,7 @@ class Replica:
         if kind is not None:
             self._generation(kind, request, writer)
         elif path == "/health":
-            writer.send(200, b"")
+            writer.send(503 if self.faults.draining else 200, b"")
         elif path == "/metrics":
             writer.send(200, self.metrics.render(self.engine).encode(), "text/plain; version=0.0.4; charset=utf-8")
         elif path == "/v1/models":
@@ -166,7 +167,7 @@ class Replica:
             body = json.loads(request.body or b"{}")
             if body.get("reset"):
                 self.faults = Faults()
-            for name in ("extra_latency_s", "error_rate", "slowdown"):
+            for name in ("extra_latency_s", "error_rate", "slowdown", "draining"):
                 if name in body:
                     setattr(self.faults, name, float(body[name]))
         except (ValueError, TypeError, AttributeError) as exc:

@@ -174,6 +174,20 @@ async def test_fault_injection_error_rate_and_reset(fleet, http):
         assert resp.status == 200
 
 
+async def test_a_draining_replica_fails_its_health_check_and_still_serves(fleet, http):
+    url = fleet.urls[0]
+    async with http.post(url + "/sim/fault", json={"draining": 1}) as resp:
+        assert (await resp.json())["draining"] == 1.0
+    async with http.get(url + "/health") as resp:
+        assert resp.status == 503  # Envoy's health check takes it out of the load balancer
+    async with http.post(url + "/v1/completions", json=COMPLETION) as resp:
+        assert resp.status == 200  # what was already sent to it is still served
+    async with http.post(url + "/sim/fault", json={"reset": True}) as resp:
+        assert resp.status == 200
+    async with http.get(url + "/health") as resp:
+        assert resp.status == 200
+
+
 async def test_fault_injection_extra_latency(fleet, http):
     url = fleet.urls[0]
     async with http.post(url + "/sim/fault", json={"extra_latency_s": 10.0}) as resp:  # 0.2 s real at speed 50
