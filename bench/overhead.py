@@ -94,6 +94,7 @@ def main() -> int:
     ap.add_argument("--connections", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--rounds", type=int, default=2, help="alternate the two setups this many times")
     ap.add_argument("--output", help="append the markdown table to this file")
+    ap.add_argument("--no-uvloop", action="store_true", help="run the ext_proc on asyncio's default event loop")
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="extproc-bench-"))
@@ -112,7 +113,8 @@ def main() -> int:
         wait_http(f"http://127.0.0.1:{up_admin}/ready")
         for _ in range(args.rounds):
             for mode in ("plain", "extproc"):
-                with Stack(work / mode, pools, policy_path=policy, mode=mode) as stack:
+                with Stack(work / mode, pools, policy_path=policy, mode=mode,
+                           extproc_args=["--no-uvloop"] if args.no_uvloop else []) as stack:
                     wrk(stack.url, 4, 2, script)  # warm up connections and code paths
                     pid = stack.process("extproc").popen.pid if mode == "extproc" else None
                     for c in args.connections:
