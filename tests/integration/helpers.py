@@ -64,6 +64,16 @@ async def upstream_reset(session, upstream: tuple[str, int]) -> None:
         await r.read()
 
 
+async def equals(awaitable, value) -> bool:
+    """For until(): `until(lambda: equals(read(), 5))`."""
+    return await awaitable == value
+
+
+async def reloads(session, metrics_url: str, result: str) -> float:
+    """extproc_config_reload_total for one result (ok / invalid / ...)."""
+    return sample(await metrics(session, metrics_url), "extproc_config_reload_total", result=result)
+
+
 async def until(predicate, timeout: float = 5.0, interval: float = 0.05):
     """Await the async predicate until it returns a truthy value; return it (or the last falsy one)."""
     deadline = time.monotonic() + timeout

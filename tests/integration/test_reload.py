@@ -11,7 +11,7 @@ import aiohttp
 import yaml
 
 from .conftest import policy_file
-from .helpers import chat, healthz, metrics, post, sample, until, wait_idle
+from .helpers import chat, equals, healthz, metrics, post, reloads, sample, until, wait_idle
 
 
 def rewrite(path, **classes):
@@ -32,25 +32,17 @@ async def test_sighup_applies_a_valid_policy_and_refuses_an_invalid_one(make_sta
         assert await limit() == 3
         rewrite(path, interactive={"max_concurrency": 7})
         os.kill(pid, signal.SIGHUP)
-        assert await until(lambda: _eq(limit, 7))
+        assert await until(lambda: equals(limit(), 7))
         path.write_text("classes: {interactive: {max_concurrency: -1}}\nmodels: {}\n")
         os.kill(pid, signal.SIGHUP)
 
-        async def refused():
-            ms = await metrics(http, s.metrics_url)
-            return sample(ms, "extproc_config_reload_total", result="invalid") == 1
-
-        assert await until(refused)
+        assert await until(lambda: equals(reloads(http, s.metrics_url, "invalid"), 1))
         ms = await metrics(http, s.metrics_url)
         assert sample(ms, "extproc_config_last_reload_successful") == 0
         assert sample(ms, "extproc_class_limit", **{"class": "interactive"}) == 7  # the old policy serves on
         assert (await post(http, s.url, chat()))[0] == 200
         log = s.process("extproc").log_path.read_text()
         assert "policy reload refused" in log and "classes.interactive.max_concurrency: must be >= 1" in log
-
-
-async def _eq(fn, value):
-    return await fn() == value
 
 
 async def test_a_changed_file_is_picked_up_without_a_signal(make_stack, tmp_path):

@@ -13,7 +13,7 @@ import time
 import aiohttp
 import yaml
 
-from tests.integration.helpers import chat, healthz, metrics, post, sample, wait_idle
+from tests.integration.helpers import chat, equals, healthz, metrics, post, reloads, sample, wait_idle
 
 from .conftest import policy_file, until
 
@@ -42,7 +42,7 @@ async def test_extproc_killed_mid_load_fails_open_keeps_streams_and_restarts_cle
         # Five admitted SSE streams of ~3 s each are mid-response when the ext_proc dies.
         streams = [asyncio.create_task(read_stream(http, s.url, chat(max_tokens=120, stream=True),
                                                    {"x-test-token-ms": "25"})) for _ in range(5)]
-        assert await until(lambda: _eq(inflight(http, s), 5))
+        assert await until(lambda: equals(inflight(http, s), 5))
 
         # Steady traffic from 4 clients through the whole outage: (start time, status, admitted?).
         log: list[tuple[float, int, bool]] = []
@@ -92,10 +92,6 @@ async def test_extproc_killed_mid_load_fails_open_keeps_streams_and_restarts_cle
         assert snap["interactive"]["inflight"] == 0
 
 
-async def _eq(coro, value):
-    return await coro == value
-
-
 async def _first_admitted_after(log, t):
     return next((at for at, _, admitted in log if at >= t and admitted), None)
 
@@ -143,7 +139,7 @@ async def test_replica_killed_mid_stream_trips_the_error_breaker_and_degrades(ma
         assert json.loads(text)["model"] == "llama-8b"
         assert "model=llama-8b" in headers["x-extproc-degraded"]
         assert headers["x-extproc-degraded"].endswith("reason=error_breaker_open")
-        assert await until(lambda: _eq(inflight(http, s), 0), timeout=3)
+        assert await until(lambda: equals(inflight(http, s), 0), timeout=3)
         ms = await metrics(http, s.metrics_url)
         assert sample(ms, "extproc_request_duration_seconds_count", outcome="upstream_error") == 4
         print(f"\nRELIABILITY replica kill: clients mid-stream saw {seen[0]!r}; breaker open after 4 failures "
@@ -162,7 +158,7 @@ async def test_replica_down_before_headers_is_a_503_from_envoy(make_stack, tmp_p
         assert headers["content-type"] == "application/json", headers  # envoy.yaml's local_reply_config
         err = json.loads(text)["error"]
         assert err["type"] == "server_error" and err["message"].startswith("upstream connect error"), err
-        assert await until(lambda: _eq(inflight(http, s), 0), timeout=3)
+        assert await until(lambda: equals(inflight(http, s), 0), timeout=3)
         print(f"\nRELIABILITY replica down: 503 {headers.get('content-type')} {text[:120]!r}")
 
 
@@ -248,10 +244,10 @@ async def test_extproc_frozen_past_message_timeout_fails_open_and_leaves_no_stuc
         assert all(st == 200 and "x-extproc-decision" not in hs for st, hs, _ in frozen), frozen
         assert 0.45 <= waited < 2.0, waited
         # The late messages the ext_proc reads after SIGCONT must not leave slots behind.
-        assert await until(lambda: _eq(inflight(http, s), 0), timeout=5), await healthz(http, s.metrics_url)
+        assert await until(lambda: equals(inflight(http, s), 0), timeout=5), await healthz(http, s.metrics_url)
         burst = await asyncio.gather(*[post(http, s.url, chat(), {"x-test-delay-ms": "400"}) for _ in range(6)])
         assert sorted(st for st, _, _ in burst) == [200] * 4 + [429] * 2, "the full cap is available again"
-        assert await until(lambda: _eq(inflight(http, s), 0), timeout=3)
+        assert await until(lambda: equals(inflight(http, s), 0), timeout=3)
         ms = await metrics(http, s.metrics_url)
         print(f"\nRELIABILITY SIGSTOP: 6 requests during a 1.2 s freeze each waited ~{waited:.2f}s and passed "
               f"unadmitted; after SIGCONT admitted by the late process: "
@@ -266,11 +262,7 @@ async def test_invalid_reload_is_refused_and_the_old_policy_keeps_enforcing(make
         path.write_text("classes: {interactive: {max_concurrency: -3}}\nmodels: 7\n")
         proc.popen.send_signal(signal.SIGHUP)
 
-        async def refused():
-            ms = await metrics(http, s.metrics_url)
-            return sample(ms, "extproc_config_reload_total", result="invalid") == 1
-
-        assert await until(refused)
+        assert await until(lambda: equals(reloads(http, s.metrics_url, "invalid"), 1))
         ms = await metrics(http, s.metrics_url)
         assert sample(ms, "extproc_config_last_reload_successful") == 0
         burst = await asyncio.gather(*[post(http, s.url, chat(), {"x-test-delay-ms": "400"}) for _ in range(4)])
@@ -283,7 +275,7 @@ async def test_shrinking_caps_under_load_drops_nothing_and_releases_slots_to_the
     s = make_stack(path, extproc_args=["--watch-interval", "0"])
     async with aiohttp.ClientSession() as http:
         running = [asyncio.create_task(post(http, s.url, chat(), {"x-test-delay-ms": "1500"})) for _ in range(6)]
-        assert await until(lambda: _eq(inflight(http, s), 6))
+        assert await until(lambda: equals(inflight(http, s), 6))
         data = yaml.safe_load(path.read_text())
         data["classes"]["interactive"]["max_concurrency"] = 2
         path.write_text(yaml.safe_dump(data))
