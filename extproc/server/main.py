@@ -204,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.no_uvloop:
             asyncio.run(server.run())
-        else:  # ~10% less CPU per request than asyncio's loop (docs/benchmarks.md)
+        else:  # a few % less CPU per request than asyncio's loop (docs/benchmarks.md)
             import uvloop
             uvloop.run(server.run())
     except KeyboardInterrupt:

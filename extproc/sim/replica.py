@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 from extproc.sim.engine import Emission, Engine, Sequence
 from extproc.sim.http11 import HttpRequest, ResponseWriter
@@ -167,9 +167,9 @@ class Replica:
             body = json.loads(request.body or b"{}")
             if body.get("reset"):
                 self.faults = Faults()
-            for name in ("extra_latency_s", "error_rate", "slowdown", "draining"):
-                if name in body:
-                    setattr(self.faults, name, float(body[name]))
+            for f in fields(Faults):
+                if f.name in body:
+                    setattr(self.faults, f.name, float(body[f.name]))
         except (ValueError, TypeError, AttributeError) as exc:
             writer.send(400, error_body(400, f"bad fault: {exc}", "BadRequestError"))
             return

@@ -117,15 +117,14 @@ def test_what_if_moves_adaptive_caps_applies_the_fault_and_serves_degrades_on_th
     assert res.served_elsewhere > 0 and all(r.status in (200, 429, 503) for r in res.records)
 
 
-def test_what_if_stops_sending_new_requests_to_a_drained_replica():
+def test_what_if_stops_sending_new_requests_to_a_drained_replica(monkeypatch):
     from extproc.demo import whatif
 
     s = Scenario.load("scenarios/replica-removed.yaml").shortened(10)
     assert [(e.replica, e.fault) for e in s.events] == [(1, {"draining": 1.0})]
     added = []
-    real_pool = whatif._Pool
 
-    class Counting(real_pool):
+    class Counting(whatif._Pool):
         def __init__(self, *a, **k):
             super().__init__(*a, **k)
             for i, engine in enumerate(self.engines):
@@ -134,11 +133,8 @@ def test_what_if_stops_sending_new_requests_to_a_drained_replica():
                     return _add(*args, **kw)
                 engine.add_request = add
 
-    whatif._Pool = Counting
-    try:
-        whatif.what_if(s, "policies/demo-full.yaml", s.fleet_capacity())
-    finally:
-        whatif._Pool = real_pool
+    monkeypatch.setattr(whatif, "_Pool", Counting)
+    whatif.what_if(s, "policies/demo-full.yaml", s.fleet_capacity())
     at = s.events[0].at_s
     big = [(i, t) for pool, i, t in added if pool == "vllm_llama70b"]
     assert {i for i, t in big if t < at} == {0, 1}
