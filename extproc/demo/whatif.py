@@ -56,7 +56,6 @@ class _Pool:
         self.profile = load_profile(profile_name)
         self.engines = [Engine(self.profile, seed=seed + i) for i in range(replicas)]
         self.busy = [False] * replicas
-        self.preemptions = [0] * replicas
         self.finished = 0
         self.draining: set[int] = set()  # replicas the load balancer no longer sends new requests to
 
@@ -126,14 +125,10 @@ def what_if(scenario: Scenario, policy_path: str, capacity: float) -> WhatIfResu
 
     def scrape(name: str) -> None:
         s, pool = scrapers[name], pools[name]
-        for i, eng in enumerate(pool.engines):
-            r = s.replicas[f"{name}/{i}"]
-            pre = eng.stats.preemptions
-            r.metrics = {"running": float(len(eng.running)), "waiting": float(len(eng.waiting)),
-                         "kv": eng.kv_usage, "preemptions": float(pre),
-                         "preempting": float(pre > pool.preemptions[i])}
-            pool.preemptions[i] = pre
-            r.at = clock[0]
+        for i, eng in enumerate(pool.engines):  # what the replica's /metrics would say, taken like a scrape
+            s.record(s.replicas[f"{name}/{i}"], {"running": float(len(eng.running)),
+                                                "waiting": float(len(eng.waiting)), "kv": eng.kv_usage,
+                                                "preemptions": float(eng.stats.preemptions)})
         core.saturation[name] = s.aggregate(clock[0])
 
     def tick() -> None:

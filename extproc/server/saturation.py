@@ -83,6 +83,10 @@ class PoolScraper:
                 m = parse_vllm_metrics(await resp.text())
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return  # stays stale: counted as saturated once older than stale_ms
+        self.record(r, m)
+
+    def record(self, r: _Replica, m: dict[str, float]) -> None:
+        """Take one scrape's parsed metrics for replica r (what changed since its previous scrape included)."""
         prev = r.preemptions
         r.preemptions = m["preemptions"]
         m["preempting"] = float(prev is not None and m["preemptions"] > prev)
