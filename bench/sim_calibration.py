@@ -108,7 +108,7 @@ def main() -> int:
     parser.add_argument("--profile", default="h100-llama70b-awq")
     parser.add_argument("--speed", type=float, default=10.0, help="simulator speed (simulated s per real s)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=sorted(REFERENCE))
-    parser.add_argument("--requests", type=int, default=600, help="about this many measured requests per point")
+    parser.add_argument("--requests", type=int, default=1500, help="about this many measured requests per point")
     parser.add_argument("--warmup", type=float, default=10.0, help="simulated seconds left out of each point")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--offline", action="store_true", help="drive the engine directly in simulated time")

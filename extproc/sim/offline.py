@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from extproc.sim.engine import Engine
+from extproc.sim.engine import Engine, Sequence
 from extproc.sim.profile import Profile
 from extproc.sim.stats import percentile
 
@@ -19,6 +19,7 @@ class SweepPoint:
     p99_s: float
     mean_output_tokens: float
     preemptions: int
+    sequences: list[Sequence] = field(default_factory=list, repr=False)  # the measured (post-warm-up) requests
 
 
 def closed_loop(profile: Profile, concurrency: int, prompt_tokens: int, max_tokens: int,
@@ -31,6 +32,7 @@ def closed_loop(profile: Profile, concurrency: int, prompt_tokens: int, max_toke
         engine.add_request(prompt_tokens, max_tokens, now)
     started = concurrency
     latencies: list[float] = []
+    measured: list[Sequence] = []
     outputs = 0
     window_start: tuple[float, int] | None = None  # (time, tokens generated) once warm-up requests are all in
     while len(latencies) < requests:
@@ -42,6 +44,7 @@ def closed_loop(profile: Profile, concurrency: int, prompt_tokens: int, max_toke
             seq = emission.seq
             if seq.id >= warmup:
                 latencies.append(now - seq.arrival)
+                measured.append(seq)
                 outputs += seq.generated
             engine.add_request(prompt_tokens, max_tokens, now)
             started += 1
@@ -51,4 +54,4 @@ def closed_loop(profile: Profile, concurrency: int, prompt_tokens: int, max_toke
     t0, tokens0 = window_start or (0.0, 0)
     rate = (engine.stats.generation_tokens - tokens0) / (now - t0)
     return SweepPoint(concurrency, rate, percentile(latencies, 50), percentile(latencies, 99),
-                      outputs / len(latencies), engine.stats.preemptions)
+                      outputs / len(latencies), engine.stats.preemptions, measured)
