@@ -11,15 +11,31 @@ from extproc.sim.stats import percentile
 
 @dataclass
 class SweepPoint:
-    """Closed-loop result at one concurrency: aggregate output tokens/s and end-to-end latency percentiles."""
+    """Closed-loop result at one concurrency: aggregate output tokens/s and the measured (post-warm-up) requests."""
 
     concurrency: int
     tokens_per_s: float
-    p50_s: float
-    p99_s: float
-    mean_output_tokens: float
     preemptions: int
-    sequences: list[Sequence] = field(default_factory=list, repr=False)  # the measured (post-warm-up) requests
+    sequences: list[Sequence] = field(repr=False)
+
+    def latencies_s(self, generated: int | None = None, preempted: bool | None = None) -> list[float]:
+        """Sorted end-to-end latencies of the measured requests, optionally only those that generated exactly
+        `generated` tokens and/or were (or were never) preempted."""
+        return sorted(s.finished - s.arrival for s in self.sequences
+                      if (generated is None or s.generated == generated)
+                      and (preempted is None or (s.preemptions > 0) == preempted))
+
+    @property
+    def p50_s(self) -> float:
+        return percentile(self.latencies_s(), 50)
+
+    @property
+    def p99_s(self) -> float:
+        return percentile(self.latencies_s(), 99)
+
+    @property
+    def mean_output_tokens(self) -> float:
+        return sum(s.generated for s in self.sequences) / len(self.sequences)
 
 
 def closed_loop(profile: Profile, concurrency: int, prompt_tokens: int, max_tokens: int,
@@ -31,11 +47,9 @@ def closed_loop(profile: Profile, concurrency: int, prompt_tokens: int, max_toke
     for _ in range(concurrency):
         engine.add_request(prompt_tokens, max_tokens, now)
     started = concurrency
-    latencies: list[float] = []
     measured: list[Sequence] = []
-    outputs = 0
     window_start: tuple[float, int] | None = None  # (time, tokens generated) once warm-up requests are all in
-    while len(latencies) < requests:
+    while len(measured) < requests:
         duration = engine.begin_iteration(now)
         now += duration
         for emission in engine.end_iteration(now):
@@ -43,15 +57,11 @@ def closed_loop(profile: Profile, concurrency: int, prompt_tokens: int, max_toke
                 continue
             seq = emission.seq
             if seq.id >= warmup:
-                latencies.append(now - seq.arrival)
                 measured.append(seq)
-                outputs += seq.generated
             engine.add_request(prompt_tokens, max_tokens, now)
             started += 1
             if started == warmup:
                 window_start = (now, engine.stats.generation_tokens)
-    latencies.sort()
     t0, tokens0 = window_start or (0.0, 0)
     rate = (engine.stats.generation_tokens - tokens0) / (now - t0)
-    return SweepPoint(concurrency, rate, percentile(latencies, 50), percentile(latencies, 99),
-                      outputs / len(latencies), engine.stats.preemptions, measured)
+    return SweepPoint(concurrency, rate, engine.stats.preemptions, measured)

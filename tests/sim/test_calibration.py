@@ -39,8 +39,6 @@ def test_kv_cliff_preemption_costs_its_victims_little_under_fcfs():
     (docs/simulator.md, bench/sim_tail.py)."""
     point = closed_loop(load_profile("h100-llama70b-awq"), 64, 512, 256, requests=1500, seed=1)
     assert len(point.sequences) == 1500 and all(s.finished is not None for s in point.sequences)
-    full = [s for s in point.sequences if s.generated == 256]
-    hit = sorted(s.finished - s.arrival for s in full if s.preemptions)
-    clean = sorted(s.finished - s.arrival for s in full if not s.preemptions)
+    hit, clean = (point.latencies_s(generated=256, preempted=p) for p in (True, False))
     assert len(hit) > 20 and len(clean) > 20
     assert hit[len(hit) // 2] - clean[len(clean) // 2] < 0.05 * clean[len(clean) // 2]
