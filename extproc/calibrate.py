@@ -225,12 +225,15 @@ def report(calibration: Calibration, args: argparse.Namespace) -> int:
     written = [str(out / "results.json")]
     if sweep.steps and not args.no_plot:
         from extproc.calibration.plot import plot_sweep
+        from extproc.plotting import SKIPPED
 
         title = (f"{identity.model if identity else '?'} @ {calibration.target}\n"
                  f"{describe_workload(calibration.workload)[:90]}")
-        plot_sweep(sweep.steps, sweep.config.slo_p95_s, outcome, str(out / "calibration.png"), title,
-                   streaming=any(k.stream for k in calibration.workload.kinds))
-        written.append(str(out / "calibration.png"))
+        if plot_sweep(sweep.steps, sweep.config.slo_p95_s, outcome, str(out / "calibration.png"), title,
+                      streaming=any(k.stream for k in calibration.workload.kinds)):
+            written.append(str(out / "calibration.png"))
+        else:
+            print(SKIPPED)
     print(f"\nwrote {', '.join(written)}")
     if outcome.status is Status.INTERRUPTED:
         return EXIT_INTERRUPTED

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from extproc.calibration.sweep import Outcome, StepResult
+from extproc.plotting import pyplot
 
 
 def plot_sweep(steps: list[StepResult], slo_p95_s: float, outcome: Outcome, path: str, title: str,
-               streaming: bool) -> None:
-    """Write a PNG; a concurrency measured twice is drawn from its last measurement."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+               streaming: bool) -> bool:
+    """Write a PNG (False when matplotlib is missing); a concurrency measured twice is drawn from its last
+    measurement."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    import matplotlib.ticker
 
     by_concurrency = {s.concurrency: s for s in steps}
     points = [by_concurrency[c] for c in sorted(by_concurrency)]
@@ -40,3 +42,4 @@ def plot_sweep(steps: list[StepResult], slo_p95_s: float, outcome: Outcome, path
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return True

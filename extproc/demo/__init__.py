@@ -102,7 +102,8 @@ async def demo(args: argparse.Namespace, command: str) -> int:
               flush=True)
     stats, degraded, found = print_tables(results, scenario)
     report = write_report(out, results, stats, scenario, capacity, args.speed, found, degraded, command)
-    print(f"\nreport: {report}\nplot:   {out / 'spike.png'}", flush=True)
+    print(f"\nreport: {report}" + (f"\nplot:   {out / 'spike.png'}" if (out / "spike.png").exists() else ""),
+          flush=True)
     return 0
 
 

@@ -9,6 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from extproc.loadgen import poisson_arrivals
+from extproc.plotting import SKIPPED, pyplot
 
 from .results import Target, WindowStats, rolling_p99, rolling_rate
 from .runner import ModeResult
@@ -69,12 +70,12 @@ def outcome_table(stats: dict[str, dict[str, WindowStats]], labels: dict[str, st
     return "\n".join(rows)
 
 
-def plot(results: list[ModeResult], scenario: Scenario, capacity: float, path: Path) -> Path:
-    """Rolling interactive p99 per mode with the SLO line and the offered load; output tokens/s below."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def plot(results: list[ModeResult], scenario: Scenario, capacity: float, path: Path) -> Path | None:
+    """Rolling interactive p99 per mode with the SLO line and the offered load; output tokens/s below.
+    None when matplotlib is missing."""
+    plt = pyplot()
+    if plt is None:
+        return None
 
     end = scenario.duration_s
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 7.5), sharex=True, height_ratios=[3, 2])
@@ -137,8 +138,7 @@ def _window_sections(stats, labels, scenario: Scenario) -> str:
 def write_report(out: Path, results: list[ModeResult], stats, scenario: Scenario, capacity: float, speed: float,
                  found: list[Target], degraded: dict[str, float], command: str) -> Path:
     labels = {r.mode.key: r.mode.label for r in results}
-    png = plot(results, scenario, capacity, out / "spike.png")
-    for res in results:
+    for res in results:  # the data first: a plot that cannot be drawn must not lose the run
         with open(out / f"records-{res.mode.key}.jsonl", "w", encoding="utf-8") as f:
             for r in res.records:
                 f.write(json.dumps(asdict(r)) + "\n")
@@ -148,6 +148,8 @@ def write_report(out: Path, results: list[ModeResult], stats, scenario: Scenario
         "targets": [asdict(t) for t in found], "degraded_percent": degraded,
         "cpu_s": {r.mode.key: r.cpu_s for r in results}, "wall_s": {r.mode.key: r.wall_s for r in results},
     }, indent=2, default=str), encoding="utf-8")
+    png = plot(results, scenario, capacity, out / "spike.png")
+    picture = f"![interactive p99 over time]({png.name})" if png is not None else f"({SKIPPED})"
     phases = ", ".join(f"{p.name} {p.duration_s:g} s at {p.rate:g}× ({p.rate * capacity:.1f} req/s)"
                        for p in scenario.phases)
     cpu_lines = "\n".join(f"| {r.mode.key} | {r.wall_s:.0f} | " + ", ".join(
@@ -164,7 +166,7 @@ simulated seconds (wall time × {speed:g}). Latency percentiles cover requests t
 timed out after {scenario.client_timeout_s:g} s, counted at the timeout); refused requests are counted separately.
 Each window counts the requests started in it.{events}
 
-![interactive p99 over time]({png.name})
+{picture}
 
 {_window_sections(stats, labels, scenario)}
 ## Refusals per class (whole run)

@@ -56,9 +56,14 @@ def test_a_2s_slo_puts_the_knee_just_below_16_and_writes_the_cap_into_the_policy
     assert (out / "calibration.png").stat().st_size > 10_000
 
 
-def test_a_2_5s_slo_puts_the_knee_between_16_and_32_and_applies_the_margin(sim_url, tmp_path, capsys):
-    rc, results, _ = sweep(sim_url, "2.5s", tmp_path, "--margin", "0.25")
+def test_a_2_5s_slo_puts_the_knee_between_16_and_32_and_applies_the_margin(sim_url, tmp_path, capsys,
+                                                                          monkeypatch):
+    # Also without matplotlib (the optional `plot` extra): results and exit status as with it, no traceback.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    rc, results, out = sweep(sim_url, "2.5s", tmp_path, "--margin", "0.25")
     printed = capsys.readouterr().out
+    assert "plot skipped: matplotlib is not installed" in printed
+    assert not (out / "calibration.png").exists()
     outcome = results["outcome"]
     assert rc == 0 and 16 <= outcome["knee"] < 32, printed  # 18-22 measured
     assert outcome["cap"] == int(outcome["knee"] * 0.75)

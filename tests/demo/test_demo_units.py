@@ -139,3 +139,24 @@ def test_what_if_stops_sending_new_requests_to_a_drained_replica(monkeypatch):
     big = [(i, t) for pool, i, t in added if pool == "vllm_llama70b"]
     assert {i for i, t in big if t < at} == {0, 1}
     assert {i for i, t in big if t >= at} == {0}
+
+
+def test_without_matplotlib_the_demo_report_still_writes_every_record_and_the_summary(tmp_path, monkeypatch):
+    """matplotlib is the optional `plot` extra: the report used to plot first, so without it the run was lost."""
+    import sys
+
+    from extproc.demo import print_tables
+    from extproc.demo.report import write_report
+    from extproc.demo.runner import ModeResult
+    from extproc.demo.whatif import what_if
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    scenario = Scenario.load(SCENARIO).shortened(4)
+    (mode,) = parse_modes("d")
+    res = what_if(scenario, mode.policy, scenario.fleet_capacity())
+    results = [ModeResult(mode, res.records, 1.0)]
+    stats, degraded, found = print_tables(results, scenario)
+    report = write_report(tmp_path, results, stats, scenario, scenario.fleet_capacity(), 1.0, found, degraded, "t")
+    assert len((tmp_path / "records-d.jsonl").read_text().splitlines()) == len(res.records) > 0
+    assert (tmp_path / "summary.json").exists() and not (tmp_path / "spike.png").exists()
+    assert "plot skipped: matplotlib is not installed" in report.read_text()
