@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from extproc.policy.cost import CostModel  # noqa: E402
 from extproc.policy.schema import CostSpec  # noqa: E402
-from extproc.server.openai import parse_generation_body  # noqa: E402
+from extproc.server.openai import CHAT, parse_body  # noqa: E402
 
 
 def chat_body(size: int, turns: int) -> bytes:
@@ -47,8 +47,8 @@ def main() -> int:
             "|---|---:|---:|---:|---:|"]
     for label, size, turns in (("1 KB", 1 << 10, 4), ("100 KB", 100 << 10, 40), ("1 MB", 1 << 20, 200)):
         raw = chat_body(size, turns)
-        parsed = parse_generation_body(raw, "priority", {"interactive"})
-        t_parse = timeit(lambda: parse_generation_body(raw, "priority", {"interactive"}))
+        parsed = parse_body(raw, CHAT, "priority", {"interactive"})
+        t_parse = timeit(lambda: parse_body(raw, CHAT, "priority", {"interactive"}))
         t_est = timeit(lambda: model.estimate(model.prompt_tokens(parsed.doc), parsed.max_tokens))
         rows.append(f"| {label} ({len(raw):,} B) | {turns} | {t_parse * 1e6:,.1f} µs | {t_est * 1e6:,.1f} µs | "
                     f"{(t_parse + t_est) * 1e6:,.1f} µs |")

@@ -53,7 +53,7 @@ def render(base: dict[str, Any], *, listen_port: int, admin_port: int, extproc: 
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
     for vh in hcm["route_config"]["virtual_hosts"]:
         for r in vh["routes"]:
-            if "cluster" in r["route"] and r["route"]["cluster"] not in pools:
+            if "cluster" in r.get("route", {}) and r["route"]["cluster"] not in pools:
                 r["route"]["cluster"] = next(iter(pools))
     cfg["static_resources"]["clusters"] = [c for c in cfg["static_resources"]["clusters"] if c["name"] not in unused]
     if mode != "extproc":
@@ -63,9 +63,10 @@ def render(base: dict[str, Any], *, listen_port: int, admin_port: int, extproc: 
         hcm.pop("access_log", None)  # the ext_proc's completion report; nothing receives it here
         # Without the ext_proc nothing sets the pool header: route everything to the first pool.
         for vh in hcm["route_config"]["virtual_hosts"]:
-            vh["routes"] = [r for r in vh["routes"] if "cluster_header" not in r["route"]]
+            vh["routes"] = [r for r in vh["routes"] if "cluster_header" not in r.get("route", {})]
             for r in vh["routes"]:
-                r["route"]["cluster"] = next(iter(pools))
+                if "route" in r:  # the default-deny 404 stays a 404
+                    r["route"]["cluster"] = next(iter(pools))
                 r.pop("typed_per_filter_config", None)
     if mode == "adaptive":
         hcm["http_filters"].insert(0, {"name": ADAPTIVE, "typed_config": adaptive_filter(**(adaptive or {}))})

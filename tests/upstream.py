@@ -23,16 +23,38 @@ class TestUpstream:
         self.aborted = 0
         self.last_body: dict | None = None
         self.last_headers: dict[str, str] = {}
+        self.seen: list[dict] = []  # every request received, as the tests' record of what got past Envoy
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self.record])
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.chat)
+        app.router.add_post("/v1/responses", self.chat)
+        for path in ("/invocations", "/v1/embeddings", "/pooling", "/classify", "/score", "/v1/score", "/rerank",
+                     "/v1/rerank", "/v2/rerank", "/tokenize", "/detokenize"):
+            app.router.add_post(path, self.compute)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", lambda r: web.Response())
         app.router.add_get("/test/stats", self.stats)
         app.router.add_post("/test/reset", self.reset)
+        app.router.add_get("/test/seen", lambda r: web.json_response(self.seen))
         return app
+
+    @web.middleware
+    async def record(self, request: web.Request, handler):
+        # Routed like vLLM's server: on the percent-decoded path (aiohttp decodes as uvicorn does).
+        if not request.path.startswith("/test/"):
+            self.seen.append({"method": request.method, "raw_path": request.raw_path, "path": request.path,
+                              "ticket": "x-extproc-ticket" in request.headers,
+                              "headers": sorted(k.lower() for k in request.headers)})
+            del self.seen[:-1000]
+        return await handler(request)
+
+    async def compute(self, request: web.Request) -> web.Response:
+        self.last_body = await request.json()
+        self.last_headers = dict(request.headers)
+        self.served += 1
+        return web.json_response({"object": "list", "data": [], "model": self.last_body.get("model")})
 
     async def stats(self, request: web.Request) -> web.Response:
         return web.json_response({"in_service": self.in_service, "max_in_service": self.max_in_service,
@@ -42,6 +64,7 @@ class TestUpstream:
     async def reset(self, request: web.Request) -> web.Response:
         self.max_in_service = self.in_service
         self.served = self.aborted = 0
+        self.seen.clear()
         return web.json_response({})
 
     async def models(self, request: web.Request) -> web.Response:
@@ -54,7 +77,7 @@ class TestUpstream:
         delay = float(request.headers.get("x-test-delay-ms", "0")) / 1000
         token_s = float(request.headers.get("x-test-token-ms", "0")) / 1000
         status = int(request.headers.get("x-test-status", "200"))
-        tokens = int(body.get("max_tokens") or 8)
+        tokens = int(request.headers.get("x-test-tokens") or body.get("max_tokens") or 8)
         self.in_service += 1
         self.max_in_service = max(self.max_in_service, self.in_service)
         try:

@@ -22,6 +22,7 @@ import yaml
 
 from extproc.loadgen import RequestRecord, plan_request, poisson_arrivals
 from extproc.policy.admission import ACCEPT, DEGRADE, QUEUE, AdmissionController, RequestFacts
+from extproc.policy.classify import presented_key
 from extproc.policy.limits import Completion, Outcome
 from extproc.policy.schema import load_policy
 from extproc.server.saturation import PoolScraper, _Replica
@@ -37,8 +38,8 @@ _ITERATION, _SCRAPE, _TICK, _FAULT = range(4)
 
 
 def _facts(kind) -> RequestFacts:
-    auth = kind.headers.get("Authorization", "")
-    return RequestFacts(api_key=auth.removeprefix("Bearer ").strip() or None,
+    auth = kind.headers.get("Authorization")
+    return RequestFacts(api_key=presented_key([auth] if auth else [], []),
                         header_class=kind.headers.get("x-priority"), model=kind.model,
                         max_tokens=kind.max_tokens, stream=kind.stream)
 

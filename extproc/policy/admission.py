@@ -11,7 +11,7 @@ import math
 
 from .adaptive import AdaptiveLimit, PoolSaturation
 from .breakers import Breaker, ErrorBreaker, LatencyBreaker
-from .classify import Classification, Classifier
+from .classify import ANONYMOUS, Classification, Classifier
 from .cost import CostEstimate, CostModel
 from .limits import ClassLimiter, Completion, Outcome, Ticket, Waiter
 from .ratelimit import Session, SessionBudgets, TenantLimits
@@ -40,6 +40,8 @@ R_TENANT_TOKENS = "tenant_tokens_per_minute"
 R_SESSION_INFLIGHT = "session_inflight_budget"
 R_SESSION_RATE = "session_gpu_seconds_per_minute"
 R_DEADLINE = "deadline_unmeetable"
+R_MISSING_KEY = "missing_api_key"
+R_INVALID_KEY = "invalid_api_key"
 R_SHADOW = "shadow"
 R_ENDED_WHILE_QUEUED = "ended_while_queued"  # shadow only
 
@@ -60,20 +62,30 @@ class RequestFacts:
     request_id: str = ""
     session_id: str | None = None
     doc: dict | None = None      # the parsed JSON body, for the prompt-size estimate
+    sequences: int = 1           # outputs generated (n, best_of)
+    generates: bool = True       # False: a prefill-only endpoint (embeddings, score, ...): no output tokens
+    degradable: bool = True      # a `degrade` fallback can serve it (another model, fewer tokens, no stream)
+    cannable: bool = True        # a `canned` fallback can answer it (chat and completions shapes)
+    reads_usage: bool = False    # its real usage will be read from the response (then refunded exactly)
 
 
 class Charge:
     """What one request is estimated to cost, and whom it is charged to; settled once when it ends."""
 
-    __slots__ = ("model", "estimate", "tenant", "session", "request_id")
+    __slots__ = ("model", "estimate", "tenant", "session", "request_id", "tokens", "fallbacks")
 
     def __init__(self, model: str, estimate: CostEstimate, tenant: TenantLimits | None, session: Session | None,
-                 request_id: str = ""):
+                 request_id: str = "", reads_usage: bool = True):
         self.model = model
         self.request_id = request_id
         self.estimate = estimate
         self.tenant = tenant
         self.session = session
+        # Tokens a tokens-per-minute limit charges up front: the worst case when real usage will be read and
+        # refunded, else the expected output (a request whose usage is never read is never corrected).
+        self.tokens = estimate.tokens if reads_usage else \
+            estimate.prompt_tokens + math.ceil(estimate.expected_output)
+        self.fallbacks = ("reject", "degrade", "canned")  # the fallback actions this request's endpoint allows
 
 
 class Decision:
@@ -197,7 +209,8 @@ class AdmissionController:
         old_tenants = getattr(self, "tenant_limits", {})
         self.tenant_limits = {t.name: old_tenants[t.name] if t.name in old_tenants and old_tenants[t.name].spec == t
                               else TenantLimits(t, self.clock())
-                              for t in policy.tenants if t.requests_per_minute or t.tokens_per_minute}
+                              for t in [*policy.tenants, policy.anonymous.as_tenant()]
+                              if t.requests_per_minute or t.tokens_per_minute}
         old_sessions = getattr(self, "sessions", None)
         self.sessions = old_sessions if old_sessions and old_sessions.spec == policy.sessions \
             else SessionBudgets(policy.sessions)
@@ -255,6 +268,25 @@ class AdmissionController:
 
     # --- decisions ---
 
+    def authenticate(self, facts: RequestFacts) -> Decision | None:
+        """None when the request may go on; a 401 when the policy refuses requests without a known key."""
+        if self.policy.anonymous.allow or self.classifier.knows(facts.api_key):
+            return None
+        c = self.classifier.classify(None, None, None)
+        if facts.api_key is None:
+            reason, message = R_MISSING_KEY, ("You didn't provide an API key. Send it as `Authorization: Bearer "
+                                              "<key>` (or `api-key: <key>`).")
+        else:
+            reason, message = R_INVALID_KEY, "Incorrect API key provided."  # never echo the key: it may be real
+        return self._emit(Decision(INVALID, reason, c.cls, ANONYMOUS, status=401, message=message,
+                                   classification=c))
+
+    def reads_usage(self, api_key: str | None) -> bool:
+        """Whether this caller's responses must be read for their usage: its tokens-per-minute bucket is
+        charged the worst case up front and refunded from the real count."""
+        limits = self.tenant_limits.get(self.classifier.tenant_for(api_key).name)
+        return limits is not None and limits.tokens is not None
+
     def decide(self, facts: RequestFacts, context: Any = None) -> Decision:
         """Classify and admit, queue, shed, degrade or reject one request."""
         now = self.clock()
@@ -269,11 +301,15 @@ class AdmissionController:
             return self._emit(Decision(INVALID, R_MAX_TOKENS, c.cls, c.tenant, status=400, classification=c,
                                        message=f"max_tokens {facts.max_tokens} exceeds the model's context of "
                                                f"{ctx} tokens."))
-        est = model.estimate(model.prompt_tokens(facts.doc) if facts.doc else 0, facts.max_tokens)
+        prompt = model.prompt_tokens(facts.doc, facts.generates) if facts.doc else 0
+        est = model.estimate(prompt, facts.max_tokens, facts.sequences, facts.generates)
         session = None
         if facts.session_id and self.sessions.enabled:
             session = self.sessions.get(c.tenant, facts.session_id, now)
-        charge = Charge(facts.model, est, self.tenant_limits.get(c.tenant), session, facts.request_id)
+        charge = Charge(facts.model, est, self.tenant_limits.get(c.tenant), session, facts.request_id,
+                        facts.reads_usage)
+        charge.fallbacks = ("reject", *(("degrade",) if facts.degradable else ()),
+                            *(("canned",) if facts.cannable else ()))
         lim = self.limiters[c.cls]
         d = self._enforce(c, lim, cluster, now, context, charge)
         d.charge = charge
@@ -376,13 +412,16 @@ class AdmissionController:
         est = charge.estimate
 
         def refuse(status: int, reason: str, wait_s: float, message: str) -> Decision:
-            retry = max(1, min(self._retry_ceiling, math.ceil(wait_s))) if math.isfinite(wait_s) else \
-                self._retry_ceiling
+            # A bucket knows exactly when it will hold the request: say so, uncapped, or a client that obeys
+            # Retry-After is refused again. 0 for a request no wait can admit (413).
+            retry = max(1, math.ceil(wait_s)) if math.isfinite(wait_s) else 0
+            if retry:
+                message += f"; retry in {retry} s"
             return Decision(REJECT, reason, c.cls, c.tenant, status=status, retry_after=retry, message=message,
                             classification=c, cluster=cluster)
 
         if charge.tenant is not None:
-            which, wait = charge.tenant.check(est.tokens, now)
+            which, wait = charge.tenant.check(charge.tokens, now)
             if which is not None:
                 reason = R_TENANT_REQUESTS if which == "requests" else R_TENANT_TOKENS
                 return refuse(429, reason, wait, f"tenant {c.tenant!r} is over its {which} per minute limit")
@@ -390,6 +429,8 @@ class AdmissionController:
             which, wait = self.sessions.check(charge.session, est.gpu_seconds, now)
             if which is not None:
                 reason = R_SESSION_INFLIGHT if which == "session_inflight" else R_SESSION_RATE
+                if which == "session_inflight":  # frees when one of its requests ends: unknown, so a guess
+                    wait = float(lim.retry_after_s(now, self._retry_ceiling))
                 return refuse(429, reason, wait, "this agent session is over its GPU-seconds budget "
                               f"({'in flight' if which == 'session_inflight' else 'per minute'})")
         budget = lim.spec.max_inflight_gpu_seconds
@@ -405,16 +446,20 @@ class AdmissionController:
                   charge: Charge | None = None) -> Decision:
         """The class's fallback for a request its pool cannot take now (breaker open, or overflow)."""
         fb = lim.spec.fallback
+        allowed = charge is None or fb.action in charge.fallbacks
         why = {R_LATENCY_BREAKER: f"the latency breaker of class {cls!r} is open (p95 above its SLO)",
                R_ERROR_BREAKER: f"the error breaker of class {cls!r} is open (upstream failures)",
                R_QUEUE_FULL: f"class {cls!r} is at capacity and its queue is full",
                R_QUEUE_TIMEOUT: f"class {cls!r} had no free slot within {lim.spec.max_wait_ms} ms",
                R_DEADLINE: f"class {cls!r} would not reach this request within its {lim.spec.max_wait_ms} ms queue "
                            "deadline at its current drain rate"}[reason]
-        if fb.action == "canned":
+        if fb.action == "canned" and allowed:
+            retry = lim.retry_after_s(now, self._retry_ceiling) if fb.status in (429, 503) else 0
             return Decision(DEGRADE, reason, cls, tenant, status=fb.status, message=fb.message, fallback=fb,
-                            classification=c, cluster=cluster, waited_s=waited_s)
-        if fb.action == "degrade":
+                            classification=c, cluster=cluster, waited_s=waited_s, retry_after=retry)
+        if fb.action != "reject" and not allowed:
+            why += f" (its `{fb.action}` fallback cannot serve this endpoint)"
+        if fb.action == "degrade" and allowed:
             deg = self.degraded[cls]
             if deg.has_room():
                 target = self._clusters[fb.model] if fb.model else cluster
@@ -576,7 +621,7 @@ class AdmissionController:
             ticket.released_at - ticket.admitted_at
         model.learn(est, prompt, completion, service if not ticket.degraded else None)
         if charge.tenant is not None and ticket.holds_slot:
-            charge.tenant.correct(est.tokens, prompt + completion)
+            charge.tenant.correct(charge.tokens, prompt + completion)
 
     def renew(self, ticket: Ticket) -> None:
         ticket.lease_until = self.clock() + self._lease_s
@@ -615,7 +660,7 @@ class AdmissionController:
         ticket.charge = charge
         if charge is not None:
             if charge.tenant is not None:
-                charge.tenant.charge(charge.estimate.tokens, now)
+                charge.tenant.charge(charge.tokens, now)
             if charge.session is not None:
                 self.sessions.charge(charge.session, cost, now)
         self.tickets[ticket.id] = ticket
@@ -716,7 +761,7 @@ class AdmissionController:
             if charge is not None and charge.session is not None:
                 self.sessions.release(charge.session, t.cost)
             if charge is not None and charge.tenant is not None:
-                charge.tenant.correct(charge.estimate.tokens, 0)
+                charge.tenant.correct(charge.tokens, 0)
             if lim in self._retired and lim.inflight == 0:
                 self._retired.remove(lim)
         waited = t.waited_s + (now - t.admitted_at)

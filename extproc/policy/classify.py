@@ -37,7 +37,9 @@ class Classifier:
             for key in t.api_keys:
                 self._by_key[key] = limits
         a = policy.anonymous
-        self._anonymous = self._limits(ANONYMOUS, a.max_class, a.default_class, policy)
+        # Anonymous defaults to the lowest class: a key dropped, mangled or put where we do not read it must
+        # never be worth more than a real one.
+        self._anonymous = self._limits(ANONYMOUS, a.max_class or names[-1], a.default_class, policy)
         self.tenant_names = [t.name for t in policy.tenants] + [ANONYMOUS]
 
     def _limits(self, name: str, max_class: str | None, default: str | None, policy: Policy) -> _TenantLimits:
@@ -47,6 +49,9 @@ class Classifier:
         if self._rank[default] < max_rank:
             default = self._names[max_rank]
         return _TenantLimits(name, max_rank, default)
+
+    def knows(self, api_key: str | None) -> bool:
+        return api_key is not None and api_key in self._by_key
 
     def tenant_for(self, api_key: str | None) -> _TenantLimits:
         return self._by_key.get(api_key, self._anonymous) if api_key else self._anonymous
@@ -64,8 +69,31 @@ class Classifier:
         return Classification(claim, tenant.name)
 
 
+class ConflictingKeys(ValueError):
+    """A request presents two different API keys: which one is meant cannot be told, so it is refused."""
+
+
 def bearer_key(authorization: str | None) -> str | None:
     """The key of an "Authorization: Bearer <key>" header, else None."""
     if not authorization or len(authorization) < 8 or authorization[:7].lower() != "bearer ":
         return None
     return authorization[7:].strip() or None
+
+
+def presented_key(authorization: list[str], api_key: list[str]) -> str | None:
+    """The one API key a request presents, from `Authorization: Bearer <key>` (OpenAI) or `api-key: <key>`
+    (Azure OpenAI). Other Authorization schemes (Basic, ...) present no key. Repeated headers (Envoy joins them
+    with a comma; keys never contain one) may repeat the same key; two different keys raise ConflictingKeys."""
+    keys = set()
+    for value in authorization:
+        for part in value.split(","):
+            key = bearer_key(part.strip())
+            if key:
+                keys.add(key)
+    for value in api_key:
+        for part in value.split(","):
+            if part.strip():
+                keys.add(part.strip())
+    if len(keys) > 1:
+        raise ConflictingKeys("the request presents more than one API key")
+    return next(iter(keys), None)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+import orjson
 
 from .schema import CostSpec
 
@@ -31,43 +32,75 @@ class CostEstimate:
 
 
 def prompt_size(doc: dict[str, Any]) -> tuple[int, int]:
-    """(characters of text, tokens known without a tokenizer) of a chat or completions body.
+    """(characters of text, tokens known without a tokenizer) of a chat, completions or Responses API body.
 
     Walks messages and parts, not bytes: string lengths are O(1), so a 1 MB body costs as much as its number
     of messages and parts, not its size. Token-id prompts count exactly.
     """
     chars = tokens = 0
-    messages = doc.get("messages")
-    if isinstance(messages, list):
-        for m in messages:
-            if not isinstance(m, dict):
-                continue
-            tokens += MESSAGE_OVERHEAD_TOKENS
-            content = m.get("content")
-            if isinstance(content, str):
-                chars += len(content)
-            elif isinstance(content, list):
-                for part in content:
-                    c, t = _part_size(part)
-                    chars += c
-                    tokens += t
-            if m.get("tool_calls"):
-                chars += len(json.dumps(m["tool_calls"]))
-    prompt = doc.get("prompt")
-    if isinstance(prompt, str):
-        chars += len(prompt)
-    elif isinstance(prompt, list) and prompt:
-        if all(isinstance(x, int) for x in prompt[:8]):
-            tokens += len(prompt)               # token ids
-        else:
-            for p in prompt:
-                if isinstance(p, str):
-                    chars += len(p)
-                elif isinstance(p, list):
-                    tokens += len(p)
+    for key in ("messages", "prompt", "input"):  # chat; completions; Responses API (and embeddings) input
+        c, t = _prompt_like(doc.get(key))
+        chars += c
+        tokens += t
+    if isinstance(doc.get("instructions"), str):
+        chars += len(doc["instructions"])
     for key in ("tools", "functions"):
         if doc.get(key):
-            chars += len(json.dumps(doc[key]))  # tool schemas go into the prompt through the template
+            chars += len(orjson.dumps(doc[key]))  # tool schemas go into the prompt through the template
+    return chars, tokens
+
+
+def text_size(doc: Any) -> tuple[int, int]:
+    """(characters, token ids) of every string and integer list anywhere in a body: the estimate for endpoints
+    whose inputs are spread over their own fields (embeddings, score, rerank, classify, tokenize). The body's
+    depth is bounded before it gets here (extproc.server.openai.MAX_JSON_DEPTH)."""
+    chars = tokens = 0
+    stack = [doc]
+    while stack:
+        node = stack.pop()
+        for v in (node.values() if type(node) is dict else node):
+            if type(v) is str:
+                chars += len(v)
+            elif type(v) is int:
+                tokens += 1
+            elif type(v) is dict or type(v) is list:
+                stack.append(v)
+    return chars, tokens
+
+
+def _prompt_like(value: Any) -> tuple[int, int]:
+    """A string, token ids, a list of either, or a list of messages (with a role and content)."""
+    if isinstance(value, str):
+        return len(value), 0
+    if not isinstance(value, list) or not value:
+        return 0, 0
+    if isinstance(value[0], int):
+        return 0, len(value)                     # token ids
+    chars = tokens = 0
+    for item in value:
+        if isinstance(item, str):
+            chars += len(item)
+        elif isinstance(item, list):
+            tokens += len(item)                  # a batch of token-id prompts
+        elif isinstance(item, dict):
+            c, t = _message_size(item)
+            chars += c
+            tokens += t
+    return chars, tokens
+
+
+def _message_size(m: dict[str, Any]) -> tuple[int, int]:
+    chars, tokens = 0, MESSAGE_OVERHEAD_TOKENS
+    content = m.get("content")
+    if isinstance(content, str):
+        chars += len(content)
+    elif isinstance(content, list):
+        for part in content:
+            c, t = _part_size(part)
+            chars += c
+            tokens += t
+    if m.get("tool_calls"):
+        chars += len(orjson.dumps(m["tool_calls"]))
     return chars, tokens
 
 
@@ -75,7 +108,7 @@ def _part_size(part: Any) -> tuple[int, int]:
     if not isinstance(part, dict):
         return 0, 0
     kind = part.get("type")
-    if kind == "text" and isinstance(part.get("text"), str):
+    if kind in ("text", "input_text") and isinstance(part.get("text"), str):
         return len(part["text"]), 0
     if kind in ("image_url", "image", "input_image"):
         return 0, IMAGE_PART_TOKENS
@@ -99,17 +132,24 @@ class CostModel:
         self.samples = 0
         self._tokenizer = _load_tokenizer(spec.tokenizer) if spec.tokenizer else None
 
-    def prompt_tokens(self, doc: dict[str, Any]) -> int:
-        chars, tokens = prompt_size(doc)
-        if self._tokenizer is not None and chars:
+    def prompt_tokens(self, doc: dict[str, Any], generates: bool = True) -> int:
+        """Prompt tokens of a generation body (its prompt fields), or of any other body (all its text)."""
+        chars, tokens = prompt_size(doc) if generates else text_size(doc)
+        if self._tokenizer is not None and chars and generates:
             return tokens + len(self._tokenizer.encode(_prompt_text(doc), add_special_tokens=False).ids)
         return tokens + int(chars / self.spec.chars_per_token + 0.999)
 
-    def estimate(self, prompt_tokens: int, max_tokens: int | None) -> CostEstimate:
+    def estimate(self, prompt_tokens: int, max_tokens: int | None, sequences: int = 1,
+                 generates: bool = True) -> CostEstimate:
+        """`sequences` outputs (n, best_of) of up to `max_tokens` each; none for prefill-only endpoints."""
         spec = self.spec
+        if not generates:
+            gpu = self.prefill_per_token * prompt_tokens * (1.0 + spec.variance_margin)
+            return CostEstimate(prompt_tokens, 0, 0.0, gpu)
         requested = max_tokens if max_tokens is not None else spec.default_max_tokens
         if spec.max_context_tokens:
             requested = max(min(requested, spec.max_context_tokens - prompt_tokens), 1)  # vLLM clamps likewise
+        requested *= sequences  # every sequence decodes; the prompt is prefilled once and shared
         expected = requested * self.output_ratio
         gpu = (self.prefill_per_token * prompt_tokens + self.decode_per_token * expected) * \
             (1.0 + spec.variance_margin)
@@ -122,8 +162,8 @@ class CostModel:
     def learn(self, est: CostEstimate, prompt_tokens: int, completion_tokens: int,
               service_s: float | None) -> None:
         """Correct the output ratio from usage, and the coefficients from the measured service time."""
-        if not self.spec.learn:
-            return
+        if not self.spec.learn or est.max_tokens == 0:
+            return  # a prefill-only request says nothing about output ratios or decode cost
         self.samples += 1
         ratio = min(max(completion_tokens / max(est.max_tokens, 1), 0.0), 1.0)
         self.output_ratio += self.RATIO_RATE * (ratio - self.output_ratio)

@@ -139,6 +139,9 @@ class ClassSpec:
         "interactive overflow to the small model).", "reject")
     shadow: bool = doc("Shadow this class only: decide and count, but admit everything.", False)
     adaptive: AdaptiveSpec = doc("Adaptive cap.", factory=AdaptiveSpec)
+    vllm_priority: int | None = doc(
+        "Set the body's `priority` to this for vLLM started with `--scheduling-policy priority` (lower runs "
+        "first). A client-sent `priority` never reaches vLLM either way: it is removed.", None)
     early_reject: bool = doc("Refuse (or fall back) at arrival when the queue ahead, at the class's observed "
                              "drain rate, cannot clear within `max_wait_ms` - instead of letting the request wait "
                              "first and time out.", True)
@@ -159,7 +162,8 @@ class TenantSpec:
     """A tenant: who it is (its API keys) and which classes it may use."""
 
     name: str = doc("Tenant name; used as a metric label, so it comes from config only.")
-    api_keys: list[str] = doc('Keys matched against "Authorization: Bearer <key>".', factory=list)
+    api_keys: list[str] = doc('Keys matched against "Authorization: Bearer <key>" or "api-key: <key>".',
+                              factory=list)
     max_class: str | None = doc("Highest class this tenant may claim; higher claims are demoted to it. "
                                 "Default: the highest class.", None)
     default_class: str | None = doc("Class of this tenant's requests that claim none. Default: the policy's "
@@ -196,12 +200,45 @@ class FleetSpec:
 
 @dataclass(frozen=True)
 class AnonymousSpec:
-    """Requests with no API key, or a key no tenant owns."""
+    """Requests with no API key, or a key no tenant owns: one tenant named `anonymous`."""
 
-    max_class: str | None = doc("Highest class an anonymous request may claim. Default: the highest class.",
-                                None)
-    default_class: str | None = doc("Class of anonymous requests that claim none. Default: `default_class`.",
-                                    None)
+    allow: bool = doc("`false`: refuse them with 401 (`missing_api_key` / `invalid_api_key`) before anything "
+                      "else is read.", True)
+    max_class: str | None = doc("Highest class an anonymous request may claim. Default: the lowest class, so "
+                                "dropping or mangling a key never raises a request's class.", None)
+    default_class: str | None = doc("Class of anonymous requests that claim none. Default: `default_class`, "
+                                    "capped by `max_class`.", None)
+    requests_per_minute: int | None = doc("Rate limit shared by all anonymous requests; 429 beyond it.", None,
+                                          minimum=1)
+    tokens_per_minute: int | None = doc("Token rate limit shared by all anonymous requests.", None, minimum=1)
+    burst_s: float = doc("Bucket depth, in seconds of the rate.", 60.0, minimum=1)
+
+    def as_tenant(self) -> "TenantSpec":
+        return TenantSpec(name="anonymous", max_class=self.max_class, default_class=self.default_class,
+                          requests_per_minute=self.requests_per_minute, tokens_per_minute=self.tokens_per_minute,
+                          burst_s=self.burst_s)
+
+
+@dataclass(frozen=True)
+class EndpointsSpec:
+    """Which of vLLM's compute endpoints are admitted. envoy/envoy.yaml sends every one of them to the ext_proc;
+    a switched-off group is refused with 404 `unsupported_endpoint`, so nothing computes unadmitted. vLLM's
+    audio endpoints (multipart uploads we cannot cost) are always refused."""
+
+    chat: bool = doc("/v1/chat/completions.", True)
+    completions: bool = doc("/v1/completions.", True)
+    responses: bool = doc("/v1/responses (OpenAI Responses API): cost from `input` and `instructions`, output "
+                          "capped by `max_output_tokens`; a `canned` fallback is refused instead.", True)
+    invocations: bool = doc("/invocations (SageMaker style): admitted as chat, completions or embeddings by its "
+                            "body (`messages`, `prompt`, `input`), each under its own switch.", True)
+    embeddings: bool = doc("/v1/embeddings, /pooling, /classify, /score, /v1/score, /rerank, /v1/rerank, "
+                           "/v2/rerank: prefill-only cost (all text in the body), no output; fallbacks other "
+                           "than `reject` are refused instead (another model's vectors are not an answer).", False)
+    tokenize: bool = doc("/tokenize, /detokenize: CPU work on the replica's API server, admitted as "
+                         "prefill-only requests so they count against caps and rate limits.", False)
+
+    def serves(self, group: str) -> bool:
+        return bool(getattr(self, group, False))
 
 
 @dataclass(frozen=True)
@@ -275,14 +312,17 @@ class Policy:
                                     "Default: the first class.", None)
     classify: ClassifySpec = doc("Where requests claim a class.", factory=ClassifySpec)
     tenants: list[TenantSpec] = doc("Tenants and their class limits.", factory=list)
-    anonymous: AnonymousSpec = doc("Limits for requests without a known API key.", factory=AnonymousSpec)
+    anonymous: AnonymousSpec = doc("Requests without a known API key.", factory=AnonymousSpec)
+    endpoints: EndpointsSpec = doc("Which vLLM compute endpoints are admitted (the rest get 404).",
+                                   factory=EndpointsSpec)
     pools: dict[str, PoolSpec] = doc("Envoy clusters whose replicas are scraped for saturation (used by adaptive "
                                      "caps).", factory=dict)
     sessions: SessionSpec = doc("Agent-session budgets.", factory=SessionSpec)
     fleet: FleetSpec = doc("Fleet capacity, for sanity checks of rate limits.", factory=FleetSpec)
-    learn_sample: float = doc("Share of streamed responses whose usage is read for cost learning (each costs "
-                              "one ext_proc message per chunk). Non-streamed responses are always read.", 0.05,
-                              minimum=0, maximum=1)
+    learn_sample: float = doc("Share of requests whose response usage is read for cost learning (a streamed "
+                              "one costs an ext_proc message per chunk). Besides these, every non-streamed "
+                              "response of a tenant with `tokens_per_minute` is read (one message) to refund "
+                              "what it did not use.", 0.05, minimum=0, maximum=1)
     shed: dict[str, list[str]] | None = doc(
         "While the class named by a key is saturated (all its slots taken), new and queued requests of the "
         "listed classes are shed with 503. Default: the first class protects every other class. `{}` disables "
@@ -295,7 +335,10 @@ class Policy:
                         minimum=1_000)
     sustained_window_s: float = doc("Window of the sustained-load gauges (extproc_queue_depth_avg, "
                                     "extproc_inflight_ratio_avg) that autoscalers should read.", 300.0, minimum=10)
-    retry_after_max_s: int = doc("Upper bound on the Retry-After seconds sent with 429/503.", 60, minimum=1)
+    retry_after_max_s: int = doc("Upper bound on the Retry-After seconds of load refusals (429/503 from caps, "
+                                 "queues, shedding, breakers), which are estimates. Rate-limit refusals say "
+                                 "exactly when the bucket will hold the request, however long that is.", 60,
+                                 minimum=1)
     store: StoreSpec = doc("Where class slots are counted (per replica, or shared through Redis).",
                            factory=StoreSpec)
 
@@ -468,6 +511,9 @@ def _check_references(p: Policy, errors: list[str]) -> None:
         base = f"tenants[{i}]"
         if t.name in seen_names:
             errors.append(f"{base}.name: duplicate tenant {t.name!r}")
+        if t.name == "anonymous":
+            errors.append(f"{base}.name: 'anonymous' is reserved for requests without a known key "
+                          "(configure it under `anonymous:`)")
         seen_names.add(t.name)
         need_class(t.max_class, f"{base}.max_class")
         need_class(t.default_class, f"{base}.default_class")

@@ -2,102 +2,214 @@
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any
 
-# Endpoints whose requests are admitted; anything else passes through untouched.
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+import orjson
 
 # Larger max_tokens values mean nothing for any model, and past ~1e308 they cannot even become a float for the
 # cost estimate (an OverflowError there failed the stream, and Envoy's failure_mode_allow let the request through
 # unadmitted).
 MAX_TOKENS_CEILING = 2**31 - 1
+# Deepest JSON nesting we accept. Real bodies stay far below it (a tool's parameter schema rarely passes 20
+# levels); deeper ones could exhaust the recursion of a JSON encoder later (orjson refuses past ~250) and must be
+# refused here, as a 400, before anything else touches them.
+MAX_JSON_DEPTH = 64
 
-_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
-                429: "rate_limit_error", 499: "client_closed_request", 503: "service_unavailable_error"}
+_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+                499: "client_closed_request", 500: "server_error", 503: "service_unavailable_error"}
+
+
+class Endpoint:
+    """One of vLLM's compute endpoints: how its body is read, and what a fallback may do with it."""
+
+    __slots__ = ("group", "kind", "token_fields", "canned")
+
+    def __init__(self, group: str, kind: str, token_fields: tuple[str, ...] = (), canned: bool = False):
+        self.group = group                # the policy's `endpoints.<group>` switch
+        self.kind = kind                  # chat | completions | responses | input (prefill only, no output)
+        self.token_fields = token_fields  # body fields that cap the output; empty: the endpoint generates none
+        self.canned = canned              # a canned answer can take this endpoint's shape
+
+
+CHAT = Endpoint("chat", "chat", ("max_tokens", "max_completion_tokens"), canned=True)
+COMPLETIONS = Endpoint("completions", "completions", ("max_tokens",), canned=True)
+RESPONSES = Endpoint("responses", "responses", ("max_output_tokens",))
+POOLING = Endpoint("embeddings", "input")
+TOKENIZE = Endpoint("tokenize", "input")
+AUDIO = Endpoint("audio", "input")
+INVOCATIONS = Endpoint("invocations", "invocations")  # vLLM picks chat/completions/embeddings by the body
+
+# Every path on which vLLM 0.32 makes a replica compute. envoy/envoy.yaml routes exactly these through the
+# ext_proc; each is admitted under the policy's `endpoints` switch for its group, or refused with a clear 404.
+ENDPOINTS: dict[str, Endpoint] = {
+    "/v1/chat/completions": CHAT,
+    "/v1/completions": COMPLETIONS,
+    "/v1/responses": RESPONSES,
+    "/invocations": INVOCATIONS,
+    **dict.fromkeys(("/v1/embeddings", "/pooling", "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank",
+                     "/v2/rerank"), POOLING),
+    **dict.fromkeys(("/tokenize", "/detokenize"), TOKENIZE),
+    **dict.fromkeys(("/v1/audio/transcriptions", "/v1/audio/translations"), AUDIO),
+}
 
 
 class BadRequest(Exception):
-    """A request body we refuse with 400 before admission; `param` names the offending field."""
+    """A request we refuse before admission (400 unless `status` says otherwise); `param` names the field."""
 
-    def __init__(self, message: str, param: str | None = None, code: str = "invalid_body"):
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_body", status: int = 400):
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code
+        self.status = status
 
 
-class GenerationBody:
-    """The fields of a chat/completions body that admission reads, and the body to forward."""
+class RequestBody:
+    """The fields of a request body that admission reads, and the body to forward."""
 
-    __slots__ = ("model", "max_tokens", "stream", "claimed_class", "doc", "rewrite")
+    __slots__ = ("endpoint", "model", "max_tokens", "sequences", "stream", "claimed_class", "doc", "rewrite")
 
-    def __init__(self, doc: dict[str, Any]):
+    def __init__(self, doc: dict[str, Any], endpoint: Endpoint = CHAT):
         self.doc = doc
+        self.endpoint = endpoint
         self.model: str | None = None
         self.max_tokens: int | None = None
+        self.sequences = 1        # output sequences generated (n, best_of): each one decodes
         self.stream = False
         self.claimed_class: str | None = None
         self.rewrite = False      # the body must be re-serialised before it goes upstream
 
+    @property
+    def generates(self) -> bool:
+        return bool(self.endpoint.token_fields)
 
-def parse_generation_body(raw: bytes, class_field: str, class_names: frozenset[str] | set[str]) -> GenerationBody:
+
+def parse_body(raw: bytes, endpoint: Endpoint, class_field: str,
+               class_names: frozenset[str] | set[str] | dict) -> RequestBody:
     """Parse and type-check the admission-relevant fields. Raises BadRequest with an OpenAI-style message."""
-    if not raw:
-        raise BadRequest("The request body is empty; expected a JSON object.")
-    try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise BadRequest(f"The request body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(doc, dict):
-        raise BadRequest("The request body must be a JSON object.", code="invalid_json")
-    body = GenerationBody(doc)
+    doc = load_json_object(raw)
+    if endpoint is INVOCATIONS:
+        endpoint = _invocation_kind(doc)
+    body = RequestBody(doc, endpoint)
     model = doc.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("You must provide a model parameter (a non-empty string).", "model")
     body.model = model
-    for field in ("max_tokens", "max_completion_tokens"):
-        value = doc.get(field)
-        if value is None:
-            continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise BadRequest(f"`{field}` must be a positive integer, got {json.dumps(value)[:40]}.", field)
-        if value > MAX_TOKENS_CEILING:
-            raise BadRequest(f"`{field}` must be at most {MAX_TOKENS_CEILING}, got {str(value)[:40]}.", field)
-        body.max_tokens = value if body.max_tokens is None else min(body.max_tokens, value)
+    for field in endpoint.token_fields:
+        value = _positive_int(doc, field)
+        if value is not None:
+            body.max_tokens = value if body.max_tokens is None else min(body.max_tokens, value)
+    if endpoint.token_fields:
+        body.sequences = max(_positive_int(doc, "n") or 1, _positive_int(doc, "best_of") or 1)
     stream = doc.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise BadRequest("`stream` must be true or false.", "stream")
     body.stream = bool(stream)
+    _read_claim(body, class_field, class_names)
+    return body
+
+
+def load_json_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object no deeper than MAX_JSON_DEPTH, or BadRequest."""
+    if not raw:
+        raise BadRequest("The request body is empty; expected a JSON object.")
+    try:
+        doc = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise BadRequest(f"The request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(doc, dict):
+        raise BadRequest("The request body must be a JSON object.", code="invalid_json")
+    # Depth cannot exceed the number of brackets: only bodies with many of them need the walk.
+    if raw.count(b"{") + raw.count(b"[") > MAX_JSON_DEPTH and json_depth(doc) > MAX_JSON_DEPTH:
+        raise BadRequest(f"The request body nests JSON deeper than {MAX_JSON_DEPTH} levels.",
+                         code="json_too_deep")
+    return doc
+
+
+def json_depth(doc: Any) -> int:
+    """Nesting depth of parsed JSON, without recursion (a scalar is 0, `{}` is 1)."""
+    if type(doc) is not dict and type(doc) is not list:
+        return 0
+    deepest, stack = 0, [(doc, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > deepest:
+            deepest = depth
+            if deepest > MAX_JSON_DEPTH:
+                return deepest
+        children = node.values() if type(node) is dict else node
+        for child in children:
+            if type(child) is dict or type(child) is list:
+                stack.append((child, depth + 1))
+    return deepest
+
+
+def _invocation_kind(doc: dict[str, Any]) -> Endpoint:
+    """/invocations serves chat, completions or embeddings depending on the body, as vLLM does."""
+    if "messages" in doc:
+        return CHAT
+    if "prompt" in doc:
+        return COMPLETIONS
+    if "input" in doc:
+        return POOLING
+    raise BadRequest("/invocations needs a chat (`messages`), completions (`prompt`) or embeddings (`input`) "
+                     "body.", code="invalid_body")
+
+
+def _positive_int(doc: dict[str, Any], field: str) -> int | None:
+    value = doc.get(field)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise BadRequest(f"`{field}` must be a positive integer, got {_show(value)}.", field)
+    if value > MAX_TOKENS_CEILING:
+        raise BadRequest(f"`{field}` must be at most {MAX_TOKENS_CEILING}, got {str(value)[:40]}.", field)
+    return value
+
+
+def _show(value: Any) -> str:
+    return orjson.dumps(value).decode()[:40] if isinstance(value, (str, int, float, bool)) else type(value).__name__
+
+
+def _read_claim(body: RequestBody, class_field: str, class_names) -> None:
+    """The class a body claims, and vLLM's `priority`: both are ours, so neither reaches vLLM as sent."""
+    doc = body.doc
     claim = doc.get(class_field)
     if isinstance(claim, str):
-        # A class name is ours, not vLLM's (vLLM's `priority` is an integer): strip it before forwarding.
         body.claimed_class = claim.strip().lower()
-        del doc[class_field]
-        body.rewrite = True
     elif claim is not None and (not isinstance(claim, int) or isinstance(claim, bool)):
-        # Integers are vLLM's own scheduling priority and pass through; anything else is a mistake.
         raise BadRequest(f"`{class_field}` must be a class name ({', '.join(sorted(class_names))}).", class_field)
-    return body
+    for field in {class_field, "priority"}:
+        # A client-sent scheduling priority would let any tenant jump vLLM's queue (--scheduling-policy
+        # priority): strip it; the policy sets its own per class (`classes.<name>.vllm_priority`).
+        if field in doc:
+            del doc[field]
+            body.rewrite = True
+
+
+def dump_json(doc: Any) -> bytes:
+    return orjson.dumps(doc)
 
 
 def error_body(status: int, message: str, code: str, param: str | None = None) -> bytes:
     """{"error": {...}} as OpenAI (and vLLM) shape it."""
-    return json.dumps({"error": {"message": message, "type": _ERROR_TYPES.get(status, "api_error"),
-                                 "param": param, "code": code}}, separators=(",", ":")).encode()
+    return orjson.dumps({"error": {"message": message, "type": _ERROR_TYPES.get(status, "api_error"),
+                                   "param": param, "code": code}})
 
 
-def degrade_body(body: GenerationBody, model: str | None, max_tokens: int | None, stream: bool | None) -> list[str]:
+def degrade_body(body: RequestBody, model: str | None, max_tokens: int | None, stream: bool | None) -> list[str]:
     """Apply a degrade to the forwarded body in place; return what changed (for x-extproc-degraded)."""
     doc, changed = body.doc, []
     if model is not None and model != body.model:
         doc["model"] = model
         changed.append(f"model={model}")
-    if max_tokens is not None and (body.max_tokens is None or body.max_tokens > max_tokens):
-        for field in ("max_tokens", "max_completion_tokens"):
-            if field in doc or field == "max_tokens":
+    fields = body.endpoint.token_fields
+    if fields and max_tokens is not None and (body.max_tokens is None or body.max_tokens > max_tokens):
+        for field in fields:
+            if field in doc or field == fields[0]:
                 doc[field] = max_tokens
         changed.append(f"max_tokens={max_tokens}")
     if stream is False and body.stream:
@@ -109,9 +221,10 @@ def degrade_body(body: GenerationBody, model: str | None, max_tokens: int | None
     return changed
 
 
-def canned_body(path: str, body: GenerationBody, text: str) -> tuple[bytes, str]:
-    """A complete OpenAI-shaped answer carrying `text`, as JSON or as an SSE stream: (bytes, content-type)."""
-    chat = path.startswith("/v1/chat/")
+def canned_body(body: RequestBody, text: str) -> tuple[bytes, str]:
+    """A complete OpenAI-shaped chat or completions answer carrying `text`, as JSON or as an SSE stream:
+    (bytes, content-type)."""
+    chat = body.endpoint.kind == "chat"
     created = int(time.time())
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     model = body.model
@@ -122,12 +235,12 @@ def canned_body(path: str, body: GenerationBody, text: str) -> tuple[bytes, str]
         doc = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                "model": model, "choices": [choice],
                "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}}
-        return json.dumps(doc, separators=(",", ":")).encode(), "application/json"
+        return orjson.dumps(doc), "application/json"
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     def event(choice: dict) -> str:
-        return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model,
-                                      "choices": [choice]}, separators=(",", ":")) + "\n\n"
+        return "data: " + orjson.dumps({"id": rid, "object": obj, "created": created, "model": model,
+                                        "choices": [choice]}).decode() + "\n\n"
 
     if chat:
         events = [event({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,

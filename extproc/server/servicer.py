@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
+
+import orjson
 
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -16,12 +17,12 @@ from google.protobuf import duration_pb2
 from grpc.aio import EOF, InternalError
 
 from ..policy.admission import ACCEPT, DEGRADE, QUEUE, AdmissionController, Decision, RequestFacts
-from ..policy.classify import bearer_key
+from ..policy.classify import ConflictingKeys, presented_key
 from ..policy.limits import Outcome, Ticket, Waiter
 from ..store.shared import SharedSlots
 from .accesslog import TICKET_HEADER
-from .openai import (GENERATION_PATHS, BadRequest, GenerationBody, canned_body, degrade_body, error_body,
-                     parse_generation_body)
+from .openai import (ENDPOINTS, BadRequest, Endpoint, RequestBody, canned_body, degrade_body, dump_json,
+                     error_body, parse_body)
 
 log = logging.getLogger("extproc.server")
 
@@ -46,12 +47,6 @@ LEARN_BODY = {sse: pb.ProcessingResponse(response_headers=pb.HeadersResponse(), 
     request_header_mode=_Mode.SEND, request_body_mode=_Mode.BUFFERED, request_trailer_mode=_Mode.SKIP,
     response_header_mode=_Mode.SEND, response_body_mode=_Mode.STREAMED if sse else _Mode.BUFFERED,
     response_trailer_mode=_Mode.SEND)) for sse in (False, True)}
-# Not ours to admit (only reachable if a route enables the ext_proc for other paths): skip every later phase.
-PASS_THROUGH = pb.ProcessingResponse(
-    request_headers=pb.HeadersResponse(),
-    mode_override=_Mode(request_header_mode=_Mode.SKIP, response_header_mode=_Mode.SKIP,
-                        request_body_mode=_Mode.NONE, response_body_mode=_Mode.NONE,
-                        request_trailer_mode=_Mode.SKIP, response_trailer_mode=_Mode.SKIP))
 
 
 def _header(key: str, value: str | bytes) -> base_pb2.HeaderValueOption:
@@ -78,6 +73,13 @@ def decision_response(d: Decision) -> pb.ProcessingResponse:
     return immediate(d.status, error_body(d.status, d.message, d.reason), headers, f"extproc_{d.reason}")
 
 
+# A request-phase failure of ours: refused, never failed open (see Process).
+INTERNAL_ERROR = immediate(500, error_body(500, "The admission service failed on this request; it was not "
+                                                "forwarded. Retrying may help; report it if it persists.",
+                                           "admission_error"), [("x-extproc-decision", "invalid")],
+                           "extproc_admission_error")
+
+
 def _wait_override(seconds: float) -> pb.ProcessingResponse:
     whole = int(seconds)
     return pb.ProcessingResponse(override_message_timeout=duration_pb2.Duration(
@@ -87,22 +89,23 @@ def _wait_override(seconds: float) -> pb.ProcessingResponse:
 class _Stream:
     """Per-request state of one ext_proc stream."""
 
-    __slots__ = ("facts", "path", "ticket", "waiter", "gated", "body", "cluster", "decision", "status",
-                 "queue_wait_ms", "learn", "sse", "strip_usage", "response_json", "arrived", "first_token",
-                 "pending_read")
+    __slots__ = ("facts", "endpoint", "ticket", "waiter", "gated", "body", "cluster", "decision", "status",
+                 "queue_wait_ms", "learn", "refund", "sse", "strip_usage", "response_json", "arrived",
+                 "first_token", "pending_read")
 
     def __init__(self) -> None:
-        self.facts: RequestFacts | None = None  # set when the request is ours to admit
-        self.path = ""
+        self.facts: RequestFacts | None = None  # set once the request headers are read
+        self.endpoint: Endpoint | None = None
         self.ticket: Ticket | None = None
         self.waiter: Waiter | None = None  # set while the request waits in a class queue
         self.gated: Decision | None = None  # an admission waiting for the shared store's global slot
-        self.body: GenerationBody | None = None
+        self.body: RequestBody | None = None
         self.cluster = ""
         self.decision = ""                 # the final decision kind, once made
         self.status = 0
         self.queue_wait_ms = -1
-        self.learn = False                 # this response's usage is read for cost learning
+        self.learn = False                 # this response's usage is read for cost learning (sampled)
+        self.refund = False                # ... or, if not streamed, for its tenant's tokens-per-minute refund
         self.sse = False                   # the learned response is an event stream
         self.strip_usage = False           # ... from a usage chunk the client did not ask for
         self.response_json = b""           # buffered non-streamed response body
@@ -164,14 +167,21 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             if self.on_error is not None:
                 self.on_error()
             log.exception("ext_proc stream failed")
-            raise
+            if st.decision:
+                raise
+            # Undecided: refuse this request rather than fail the stream, which Envoy's failure_mode_allow
+            # would turn into an unadmitted request (a body that trips a bug must not buy a way around us).
+            st.decision = "invalid"
+            await write(INTERNAL_ERROR)
+            normal_end = True
         finally:
             self._end(st, normal_end)
 
     # --- phases ---
 
     def _on_request_headers(self, st: _Stream, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
-        path = method = authorization = claim = session = None
+        path = method = claim = session = None
+        authorization, api_key = [], []
         request_id = ""
         class_header = self.core.policy.classify.header
         session_header = self.core.policy.sessions.header
@@ -180,39 +190,72 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             if k == ":path":
                 path = h.raw_value.decode("latin-1").split("?", 1)[0]
             elif k == ":method":
-                method = h.raw_value
+                method = h.raw_value.decode("latin-1")
             elif k == "authorization":
-                authorization = h.raw_value.decode("latin-1")
+                authorization.append(h.raw_value.decode("latin-1"))
+            elif k == "api-key":
+                api_key.append(h.raw_value.decode("latin-1"))
             elif k == class_header:
                 claim = h.raw_value.decode("latin-1").strip().lower()
             elif k == "x-request-id":
                 request_id = h.raw_value.decode("latin-1")
             elif k == session_header:
                 session = h.raw_value.decode("latin-1")[:256] or None
-        if method != b"POST" or path not in GENERATION_PATHS:
-            return PASS_THROUGH
-        st.path = path
         st.arrived = self.core.clock()
-        st.facts = RequestFacts(api_key=bearer_key(authorization), header_class=claim or None,
-                                request_id=request_id, session_id=session)
-        if msg.end_of_stream:  # a generation POST without a body
+        st.facts = RequestFacts(header_class=claim or None, request_id=request_id, session_id=session)
+        refusal = self._check_request(st, path, method)
+        if refusal is not None:
+            return self._refuse(st, refusal)
+        try:
+            st.facts.api_key = presented_key(authorization, api_key)
+        except ConflictingKeys:
+            return self._refuse(st, BadRequest("The request presents more than one API key (several "
+                                               "Authorization or api-key headers): send exactly one.",
+                                               code="conflicting_api_keys", status=401))
+        d = self.core.authenticate(st.facts)
+        if d is not None:
+            st.decision = d.kind
+            return decision_response(d)
+        if msg.end_of_stream:  # a POST without a body
             return self._refuse(st, BadRequest("The request body is empty; expected a JSON object."))
         return self._sample_learning(st)
 
+    def _check_request(self, st: _Stream, path: str | None, method: str | None) -> BadRequest | None:
+        """Every request the ext_proc sees is admitted or refused, never passed through: a route that sends
+        it an unknown path gets the same 404 as envoy.yaml's default route."""
+        endpoint = ENDPOINTS.get(path)
+        if endpoint is None:
+            return BadRequest(f"Invalid URL ({method} {(path or '')[:200]}).", code="unknown_url", status=404)
+        if method != "POST":
+            return BadRequest(f"{path} takes POST, not {method}.", code="method_not_allowed", status=405)
+        if not self.core.policy.endpoints.serves(endpoint.group):
+            return BadRequest(f"{path} is not served here: the gateway's policy does not admit "
+                              f"`{endpoint.group}` requests (policy `endpoints`).", code="unsupported_endpoint",
+                              status=404)
+        st.endpoint = endpoint
+        return None
+
     def _on_request_body(self, st: _Stream, msg: pb.HttpBody) -> pb.ProcessingResponse | None:
-        if st.facts is None or st.decision or st.waiter:
-            return CONTINUE["request_body"]  # not ours, or a second body message: nothing to decide
+        if st.endpoint is None or st.decision or st.waiter:
+            return CONTINUE["request_body"]  # refused already, or a second body message: nothing to decide
         if len(msg.body) > self.max_body_bytes:
             return self._refuse(st, BadRequest(f"The request body exceeds {self.max_body_bytes} bytes.",
-                                               code="body_too_large"), status=413)
+                                               code="body_too_large", status=413))
+        policy = self.core.policy
         try:
-            body = parse_generation_body(msg.body, self.core.policy.classify.body_field, self.core.limiters)
+            body = parse_body(msg.body, st.endpoint, policy.classify.body_field, self.core.limiters)
+            if not policy.endpoints.serves(body.endpoint.group):  # /invocations with, say, an embeddings body
+                raise BadRequest(f"/invocations with a `{body.endpoint.group}` body is not served here (policy "
+                                 "`endpoints`).", code="unsupported_endpoint", status=404)
         except BadRequest as e:
             return self._refuse(st, e)
         facts = st.facts
         facts.model, facts.max_tokens, facts.stream = body.model, body.max_tokens, body.stream
         facts.body_class = body.claimed_class
         facts.doc = body.doc
+        facts.sequences, facts.generates = body.sequences, body.generates
+        facts.degradable, facts.cannable = body.generates, body.endpoint.canned
+        facts.reads_usage = st.learn or (st.refund and not body.stream)
         d = self.core.decide(facts, body)
         if d.kind == QUEUE:
             st.cluster = d.cluster
@@ -227,13 +270,16 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         """Read this response's usage for cost learning? A deterministic share of requests: those get the
         response-headers phase switched on, where the body mode is chosen from the response's content type."""
         self._learn_credit += self.core.policy.learn_sample
-        if self._learn_credit < 1.0:
+        if self._learn_credit >= 1.0:
+            self._learn_credit -= 1.0
+            st.learn = True
+        elif self.core.reads_usage(st.facts.api_key):
+            st.refund = True
+        else:
             return CONTINUE["request_headers"]
-        self._learn_credit -= 1.0
-        st.learn = True
         return LEARN_HEADERS
 
-    def _ask_for_usage(self, st: _Stream, body: GenerationBody) -> None:
+    def _ask_for_usage(self, st: _Stream, body: RequestBody) -> None:
         """A learned stream needs vLLM's usage chunk; the client gets it only if it asked."""
         opts = body.doc.get("stream_options")
         if not (isinstance(opts, dict) and opts.get("include_usage")):
@@ -242,7 +288,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             st.strip_usage = True
 
     def _on_response_body(self, st: _Stream, msg: pb.HttpBody) -> pb.ProcessingResponse:
-        if st.ticket is None or not st.learn:
+        if st.ticket is None or not (st.learn or st.refund):
             return CONTINUE["response_body"]
         if not st.sse:
             st.response_json += msg.body
@@ -279,9 +325,11 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 st.status = int(h.raw_value or b"0")
             elif h.key == "content-type":
                 content_type = h.raw_value
-        if not st.learn or st.ticket is None or st.status != 200:
+        if not (st.learn or st.refund) or st.ticket is None or st.status != 200:
             return CONTINUE["response_headers"]
         st.sse = content_type.startswith(b"text/event-stream")
+        if st.sse and not st.learn:
+            return CONTINUE["response_headers"]  # a stream's usage costs a message per chunk: sampled ones only
         return LEARN_BODY[st.sse]
 
     # --- decisions to responses ---
@@ -325,7 +373,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         st.queue_wait_ms = int(d.waited_s * 1000)
         return d
 
-    def _answer(self, st: _Stream, d: Decision, body: GenerationBody) -> pb.ProcessingResponse:
+    def _answer(self, st: _Stream, d: Decision, body: RequestBody) -> pb.ProcessingResponse:
         st.decision = d.kind
         if d.kind != ACCEPT and d.ticket is None:
             if d.kind == DEGRADE:  # canned
@@ -335,6 +383,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self.live.add(d.ticket)
         if st.learn and body.stream:
             self._ask_for_usage(st, body)
+        priority = self.core.policy.classes[d.cls].vllm_priority if d.cls in self.core.policy.classes else None
+        if priority is not None:
+            body.doc["priority"] = priority
+            body.rewrite = True
         common = pb.CommonResponse(clear_route_cache=True)
         headers = common.header_mutation.set_headers
         # The pool to route to; the rest is echoed to the client by the route's response_headers_to_add and
@@ -355,20 +407,23 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             would = d.shadow_would
             headers.append(_header("x-extproc-shadow", f"would-{would.kind}; reason={would.reason}"))
         if body.rewrite:
-            raw = _dump(body.doc)
+            raw = dump_json(body.doc)
             common.body_mutation.body = raw
             headers.append(_header("content-length", str(len(raw))))
         return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
 
-    def _canned(self, st: _Stream, d: Decision, body: GenerationBody) -> pb.ProcessingResponse:
+    def _canned(self, st: _Stream, d: Decision, body: RequestBody) -> pb.ProcessingResponse:
         headers = [("x-extproc-class", d.cls), ("x-extproc-decision", d.kind),
                    ("x-extproc-degraded", f"canned; reason={d.reason}")]
+        if d.retry_after:
+            headers.append(("retry-after", str(d.retry_after)))
         if d.status >= 300:
             return immediate(d.status, error_body(d.status, d.message, d.reason), headers, f"extproc_{d.reason}")
-        raw, content_type = canned_body(st.path, body, d.message)
+        raw, content_type = canned_body(body, d.message)
         return immediate(d.status, raw, headers, f"extproc_{d.reason}", content_type)
 
-    def _refuse(self, st: _Stream, e: BadRequest, status: int = 400) -> pb.ProcessingResponse:
+    def _refuse(self, st: _Stream, e: BadRequest) -> pb.ProcessingResponse:
+        status = e.status
         d = self.core.invalid(status, e.code, e.message, st.facts)
         st.decision = d.kind
         return immediate(status, error_body(status, e.message, e.code, e.param),
@@ -438,8 +493,8 @@ _FIRST_TOKEN = re.compile(rb'"(?:content|text)":"[^"]')
 
 def _usage_of(raw: bytes) -> dict | None:
     try:
-        doc = json.loads(raw)
-    except ValueError:
+        doc = orjson.loads(raw)
+    except orjson.JSONDecodeError:
         return None
     return doc.get("usage") if isinstance(doc, dict) else None
 
@@ -455,6 +510,3 @@ def _split_usage_event(chunk: bytes) -> tuple[bytes, dict | None]:
         kept.append(event)
     return b"\n\n".join(kept), usage
 
-
-def _dump(doc) -> bytes:
-    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()

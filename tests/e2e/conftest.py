@@ -112,6 +112,7 @@ def policy(target: Target, classes: dict | None = None, **overrides) -> dict:
         },
         "default_class": "interactive",
         "models": {target.model: {"cluster": "vllm_llama70b"}, target.small_model: {"cluster": "vllm_llama8b"}},
+        "anonymous": {"max_class": "interactive"},  # keyless requests stand for a trusted client here
     }
     data.update(overrides)
     return data

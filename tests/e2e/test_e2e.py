@@ -15,7 +15,7 @@ import sys
 import aiohttp
 import pytest
 
-from tests.integration.helpers import healthz, until as wait_for, wait_idle
+from tests.integration.helpers import healthz, raw_request, until as wait_for, wait_idle
 
 from .conftest import ROOT, policy
 
@@ -101,6 +101,27 @@ async def test_chat_and_completions_non_streaming(make_stack, target):
             assert r.status == 200 and "x-extproc-decision" not in r.headers
             assert [m["id"] for m in (await r.json())["data"]] == [target.model, target.small_model]
         assert all(c["inflight"] == 0 for c in (await wait_idle(http, s.metrics_url)).values())
+
+
+async def test_spellings_vllm_would_decode_are_admitted_and_the_rest_refused_at_the_edge(make_stack, target):
+    """vLLM's server decodes escaped paths (a raw POST /v1/chat%2Fcompletions is served at the replica); through
+    Envoy that spelling is normalised and admitted, a switched-off endpoint and an unknown path are refused."""
+    s = make_stack()
+    body = json.dumps(chat(target)).encode()
+    if target.kind == "vllm":  # the premise, at the replica itself
+        status, _, _ = await raw_request(target.endpoint[1], [(b"content-type", b"application/json")], body,
+                                         path=b"/v1/chat%2Fcompletions")
+        assert status == 200
+    for path, status, code in [(b"/v1/chat%2Fcompletions", 200, None), (b"//v1/chat/%63ompletions", 200, None),
+                               (b"/tokenize", 404, "unsupported_endpoint"), (b"/v1/chat/completions/", 404,
+                                                                              "unknown_url")]:
+        got, headers, text = await raw_request(s.listen_port, [(b"content-type", b"application/json")], body,
+                                               path=path)
+        assert got == status, (path, text[:200])
+        if code is None:
+            assert headers["x-extproc-decision"] == "accept", path
+        else:
+            assert json.loads(text)["error"]["code"] == code, (path, text)
 
 
 @pytest.mark.parametrize("include_usage", [False, True], ids=["no-usage", "include-usage"])

@@ -40,6 +40,8 @@ def policy_file(tmp_path: Path, **overrides) -> Path:
         "models": {"llama-70b": {"cluster": "vllm_llama70b"}, "llama-8b": {"cluster": "vllm_llama8b"}},
     }
     data.update(overrides)
+    # Requests without a key stand for a trusted client here (the default caps them at the lowest class).
+    data.setdefault("anonymous", {"max_class": next(iter(data["classes"]))})
     path = tmp_path / "policy.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path

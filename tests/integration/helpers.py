@@ -82,3 +82,44 @@ async def until(predicate, timeout: float = 5.0, interval: float = 0.05):
         if value or time.monotonic() > deadline:
             return value
         await asyncio.sleep(interval)
+
+
+async def raw_request(port: int, headers: list[tuple[bytes, bytes]], body: bytes, method: bytes = b"POST",
+                      path: bytes = b"/v1/chat/completions") -> tuple[int, dict, bytes]:
+    """One HTTP/1.1 request with exactly these header bytes and this path, unnormalised (duplicates and
+    non-UTF-8 allowed)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    head = [method + b" " + path + b" HTTP/1.1", b"host: test", b"connection: close",
+            b"content-length: " + str(len(body)).encode()] + [k + b": " + v for k, v in headers]
+    writer.write(b"\r\n".join(head) + b"\r\n\r\n" + body)
+    data = b""
+    try:  # Envoy may answer (413) and close before it has read the whole body
+        await writer.drain()
+        async with asyncio.timeout(10):
+            while (chunk := await reader.read(65536)) and not _complete(data := data + chunk):
+                pass
+    except ConnectionResetError:
+        pass
+    writer.close()
+    status, hs, rest = _parse_response(data)
+    return status, hs, rest
+
+
+def _parse_response(data: bytes) -> tuple[int, dict, bytes]:
+    head, _, rest = data.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    hs = {}
+    for line in lines[1:]:
+        k, _, v = line.partition(b":")
+        hs[k.strip().lower().decode("latin-1")] = v.strip().decode("latin-1")
+    return int(lines[0].split()[1]), hs, rest
+
+
+def _complete(data: bytes) -> bool:
+    """A whole response with a content-length is in: stop reading (Envoy's local replies hold the connection
+    open for a second after `connection: close` before it closes it)."""
+    if b"\r\n\r\n" not in data:
+        return False
+    _, hs, rest = _parse_response(data)
+    length = hs.get("content-length")
+    return length is not None and len(rest) >= int(length)

@@ -33,6 +33,7 @@ def write_policy(tmp_path, pool: dict) -> object:
             "batch": {"max_concurrency": 4, "max_queue": 0, "max_wait_ms": 0}},
         "models": {"llama-70b": {"cluster": "vllm_llama70b"}, "llama-8b": {"cluster": "vllm_llama8b"}},
         "shed": {},
+        "anonymous": {"max_class": "interactive"},  # keyless requests stand for a trusted client here
         # 2, not 1: vLLM counts a request as waiting until its next engine step, so under CPU load a scrape can
         # catch one arrival of the steady phase (3 at a time, under max_num_seqs 4) as "waiting" and cut. The
         # burst leaves 12 waiting, far above either.

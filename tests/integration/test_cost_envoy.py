@@ -26,7 +26,8 @@ async def fleet():
 def policy(tmp_path, **top):
     data = {"classes": {"interactive": {"max_concurrency": 200, "max_queue": 0, "max_wait_ms": 0},
                         "batch": {"max_concurrency": 200, "max_queue": 0, "max_wait_ms": 0}},
-            "models": {"llama-70b": {"cluster": "vllm_llama70b", "cost": COST}}, "shed": {}}
+            "models": {"llama-70b": {"cluster": "vllm_llama70b", "cost": COST}}, "shed": {},
+            "anonymous": {"max_class": "interactive"}}  # keyless requests stand for a trusted client here
     for key, value in top.items():
         if key == "interactive":
             data["classes"]["interactive"].update(value)

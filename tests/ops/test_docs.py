@@ -137,5 +137,7 @@ def test_envoy_integration_snippets_match_envoy_yaml():
     (doc_early,) = [b["early_header_mutation_extensions"] for b in blocks
                     if isinstance(b, dict) and "early_header_mutation_extensions" in b]
     assert doc_early == hcm["early_header_mutation_extensions"]
+    (doc_paths,) = [b for b in blocks if isinstance(b, dict) and "normalize_path" in b]
+    assert doc_paths == {k: hcm[k] for k in ("normalize_path", "merge_slashes", "path_with_escaped_slashes_action")}
     (doc_replies,) = [b["local_reply_config"] for b in blocks if isinstance(b, dict) and "local_reply_config" in b]
     assert doc_replies == hcm["local_reply_config"]

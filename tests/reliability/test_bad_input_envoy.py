@@ -9,36 +9,9 @@ import json
 
 import aiohttp
 
-from tests.integration.helpers import chat, healthz, metrics, sample, wait_idle
+from tests.integration.helpers import chat, healthz, metrics, raw_request, sample, wait_idle
 
 from .conftest import policy_file
-
-PATH = "/v1/chat/completions"
-
-
-async def raw_request(port: int, headers: list[tuple[bytes, bytes]], body: bytes) -> tuple[int, dict, bytes]:
-    """One HTTP/1.1 request with exactly these header bytes (duplicates and non-UTF-8 allowed)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    head = [b"POST " + PATH.encode() + b" HTTP/1.1", b"host: test", b"connection: close",
-            b"content-length: " + str(len(body)).encode()] + [k + b": " + v for k, v in headers]
-    writer.write(b"\r\n".join(head) + b"\r\n\r\n" + body)
-    data = b""
-    try:  # Envoy may answer (413) and close before it has read the whole body
-        await writer.drain()
-        async with asyncio.timeout(10):
-            while chunk := await reader.read(65536):
-                data += chunk
-    except ConnectionResetError:
-        pass
-    writer.close()
-    head, _, rest = data.partition(b"\r\n\r\n")
-    lines = head.split(b"\r\n")
-    hs = {}
-    for line in lines[1:]:
-        k, _, v = line.partition(b":")
-        hs[k.strip().lower().decode("latin-1")] = v.strip().decode("latin-1")
-    return int(lines[0].split()[1]), hs, rest
-
 
 def openai_error(body: bytes) -> dict:
     err = json.loads(body)["error"]
@@ -57,7 +30,8 @@ async def test_malformed_requests_get_clear_4xx_and_take_no_slot(make_stack, tmp
         ("max_tokens: \"lots\"", json.dumps(chat(max_tokens="lots")).encode(), 400, "max_tokens"),
         ("max_tokens: -5", json.dumps(chat(max_tokens=-5)).encode(), 400, "max_tokens"),
         ("max_tokens: 10**12", json.dumps(chat(max_tokens=10**12)).encode(), 400, "max_tokens"),
-        ("max_tokens: 10**400", json.dumps(chat(max_tokens=10**400)).encode(), 400, "max_tokens"),
+        # Past ~1e308 a number is not a double: the parser refuses it before any field is read.
+        ("max_tokens: 10**400", json.dumps(chat(max_tokens=10**400)).encode(), 400, "invalid_json"),
         ("stream: \"yes\"", json.dumps(chat(stream="yes")).encode(), 400, "stream"),
         ("model missing", json.dumps({"messages": msg}).encode(), 400, "model"),
         ("model: 42", json.dumps({"model": 42, "messages": msg}).encode(), 400, "model"),
@@ -110,12 +84,10 @@ async def test_odd_but_legal_headers_are_served_without_privilege_or_crash(make_
     cases = [  # (case, headers, classes it may get)
         ("two x-priority (batch, interactive), anonymous", [ct, (b"x-priority", b"batch"),
                                                             (b"x-priority", b"interactive")], {"batch"}),
-        ("two authorization (acme, chat)", [ct, (b"authorization", b"Bearer sk-acme-1"),
-                                            (b"authorization", b"Bearer sk-chat-1"),
-                                            (b"x-priority", b"interactive")], {"batch", "interactive"}),
-        ("two authorization (chat, unknown)", [ct, (b"authorization", b"Bearer sk-chat-1"),
-                                               (b"authorization", b"Bearer sk-nobody"),
-                                               (b"x-priority", b"interactive")], {"batch", "interactive"}),
+        # Two different keys are refused (401): test_edge_envoy's key table.
+        ("two authorization, the same key", [ct, (b"authorization", b"Bearer sk-chat-1"),
+                                             (b"authorization", b"Bearer sk-chat-1"),
+                                             (b"x-priority", b"interactive")], {"interactive"}),
         ("non-UTF-8 x-priority", [ct, (b"x-priority", b"\xff\xfeinteractive")], {"batch"}),
         ("non-UTF-8 authorization", [ct, (b"authorization", b"Bearer \xc3\x28\xff"),
                                      (b"x-priority", b"interactive")], {"batch"}),
@@ -127,9 +99,8 @@ async def test_odd_but_legal_headers_are_served_without_privilege_or_crash(make_
     async with aiohttp.ClientSession() as http:
         for case, headers, allowed in cases:
             got, hs, text = await raw_request(s.listen_port, headers, body)
-            assert got < 500, (case, got, text[:200])
-            if got == 200:
-                assert hs["x-extproc-class"] in allowed, (case, hs["x-extproc-class"])
+            assert got == 200, (case, got, text[:200])
+            assert hs["x-extproc-class"] in allowed, (case, hs["x-extproc-class"])
             table.append((case, got, hs.get("x-extproc-class")))
         # The client has its response before Envoy's trailers/ALS report reach us: wait for the release.
         idle = await wait_idle(http, s.metrics_url)

@@ -27,6 +27,8 @@ def make_policy(**overrides):
         "models": {"llama": {"cluster": "pool_a"}, "small": {"cluster": "pool_b"}},
     }
     data.update(overrides)
+    # Requests without a key stand for a trusted client here (the default caps them at the lowest class).
+    data.setdefault("anonymous", {"max_class": next(iter(data["classes"]))})
     return load_policy(data)
 
 

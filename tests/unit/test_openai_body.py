@@ -4,14 +4,14 @@ import json
 
 import pytest
 
-from extproc.server.openai import BadRequest, error_body, parse_generation_body
+from extproc.server.openai import CHAT, BadRequest, error_body, parse_body
 
 CLASSES = {"interactive", "batch"}
 
 
 def parse(doc):
     raw = doc if isinstance(doc, bytes) else json.dumps(doc).encode()
-    return parse_generation_body(raw, "priority", CLASSES)
+    return parse_body(raw, CHAT, "priority", CLASSES)
 
 
 def test_reads_model_max_tokens_and_stream():
@@ -29,9 +29,10 @@ def test_class_name_in_the_body_is_claimed_and_stripped():
     assert b.claimed_class == "batch" and b.rewrite and "priority" not in b.doc
 
 
-def test_integer_priority_is_vllms_and_passes_through():
-    b = parse({"model": "m", "priority": 3})
-    assert b.claimed_class is None and not b.rewrite and b.doc["priority"] == 3
+def test_a_client_sent_vllm_priority_never_reaches_vllm():
+    """vLLM's `--scheduling-policy priority` runs lower values first: a client must not pick its own."""
+    b = parse({"model": "m", "priority": -100})
+    assert b.claimed_class is None and b.rewrite and "priority" not in b.doc
 
 
 @pytest.mark.parametrize("doc,param", [

@@ -1,0 +1,173 @@
+"""The edge rules in the core and the wire format, without Envoy: which key counts, who anonymous is, how deep a
+body may nest, what an endpoint's cost and fallbacks are (the through-Envoy view: tests/reliability/test_edge_envoy)."""
+
+import json
+
+import pytest
+
+from extproc.policy.admission import (ACCEPT, DEGRADE, INVALID, REJECT, R_INVALID_KEY, R_MISSING_KEY,
+                                      AdmissionController, RequestFacts)
+from extproc.policy.classify import Classifier, ConflictingKeys, presented_key
+from extproc.policy.cost import CostModel, text_size
+from extproc.policy.schema import CostSpec, PolicyError
+from extproc.server.openai import (CHAT, ENDPOINTS, INVOCATIONS, MAX_JSON_DEPTH, POOLING, RESPONSES, BadRequest,
+                                   degrade_body, json_depth, load_json_object, parse_body)
+
+from .conftest import make_policy
+
+
+@pytest.mark.parametrize("authorization,api_key,key", [
+    (["Bearer sk-1"], [], "sk-1"),
+    (["bearer  sk-1 "], [], "sk-1"),
+    ([], ["sk-1"], "sk-1"),
+    (["Bearer sk-1, Bearer sk-1"], ["sk-1"], "sk-1"),     # the same key, repeated: fine
+    (["Basic c2stMTo="], [], None),                        # other schemes carry no key for us
+    (["Bearer "], [], None),
+    ([], [], None),
+])
+def test_the_key_a_request_presents(authorization, api_key, key):
+    assert presented_key(authorization, api_key) == key
+
+
+@pytest.mark.parametrize("authorization,api_key", [
+    (["Bearer sk-1,Bearer sk-2"], []),                     # two Authorization headers, joined by Envoy
+    (["Bearer sk-1", "Bearer sk-2"], []),
+    (["Bearer sk-1"], ["sk-2"]),
+    ([], ["sk-1, sk-2"]),
+])
+def test_two_different_keys_are_a_conflict(authorization, api_key):
+    with pytest.raises(ConflictingKeys):
+        presented_key(authorization, api_key)
+
+
+def test_anonymous_defaults_to_the_lowest_class_whatever_it_claims():
+    c = Classifier(make_policy(anonymous={}))
+    assert c.classify(None, "interactive", None).cls == "internal"
+    assert c.classify("sk-nobody", None, "interactive").cls == "internal"
+    assert c.classify("sk-acme", "interactive", None).cls == "batch"  # the tenant keeps its own cap
+
+
+def test_anonymous_is_a_reserved_tenant_name():
+    with pytest.raises(PolicyError, match="reserved"):
+        make_policy(tenants=[{"name": "anonymous", "api_keys": ["k"]}])
+
+
+def test_a_policy_refusing_anonymous_answers_401_without_echoing_the_key(clock):
+    core = AdmissionController(make_policy(anonymous={"allow": False}), clock=clock)
+    missing = core.authenticate(RequestFacts())
+    unknown = core.authenticate(RequestFacts(api_key="sk-secret-guess"))
+    assert (missing.kind, missing.status, missing.reason) == (INVALID, 401, R_MISSING_KEY)
+    assert (unknown.status, unknown.reason) == (401, R_INVALID_KEY) and "sk-secret" not in unknown.message
+    assert core.authenticate(RequestFacts(api_key="sk-acme")) is None
+
+
+def test_anonymous_callers_share_one_rate_limit(clock):
+    core = AdmissionController(make_policy(anonymous={"max_class": "interactive", "requests_per_minute": 60,
+                                                      "burst_s": 1}), clock=clock)
+    first = core.decide(RequestFacts(model="llama"))
+    second = core.decide(RequestFacts(api_key="sk-nobody", model="llama"))
+    assert first.kind == ACCEPT and (second.kind, second.status) == (REJECT, 429)
+    assert second.retry_after == 1 and "retry in 1 s" in second.message
+
+
+def test_a_rate_limit_says_exactly_when_whatever_retry_after_max_s_is(clock):
+    core = AdmissionController(make_policy(retry_after_max_s=5, tenants=[
+        {"name": "acme", "api_keys": ["sk-acme"], "tokens_per_minute": 60}]), clock=clock)
+    assert core.decide(RequestFacts(api_key="sk-acme", model="llama", max_tokens=100, reads_usage=True)).ticket
+    d = core.decide(RequestFacts(api_key="sk-acme", model="llama", max_tokens=100, reads_usage=True))
+    assert d.status == 429 and d.retry_after >= 100, d.retry_after  # 60 over, then 60 more: ~100 s at 1/s
+
+
+def test_a_request_whose_usage_is_never_read_is_charged_its_expected_output_not_its_max(clock):
+    core = AdmissionController(make_policy(tenants=[{"name": "acme", "api_keys": ["sk-acme"],
+                                                     "tokens_per_minute": 100_000}]), clock=clock)
+    core.cost_models["llama"].output_ratio = 0.1
+    read = core.decide(RequestFacts(api_key="sk-acme", model="llama", max_tokens=1000, reads_usage=True))
+    unread = core.decide(RequestFacts(api_key="sk-acme", model="llama", max_tokens=1000, reads_usage=False))
+    assert read.charge.tokens == 1000 and unread.charge.tokens == 100
+
+
+def test_n_sequences_each_count_in_the_estimate():
+    model = CostModel(CostSpec(prefill_s_per_1k_tokens=1.0, decode_s_per_token=0.01))
+    one, four = model.estimate(100, 50), model.estimate(100, 50, sequences=4)
+    assert four.max_tokens == 4 * one.max_tokens == 200
+    assert four.gpu_seconds == pytest.approx(0.1 + 4 * 0.5)
+
+
+def test_a_prefill_only_endpoint_has_no_output_and_teaches_no_output_ratio():
+    model = CostModel(CostSpec(prefill_s_per_1k_tokens=1.0, decode_s_per_token=0.01))
+    est = model.estimate(100, None, generates=False)
+    assert (est.max_tokens, est.expected_output, est.gpu_seconds) == (0, 0.0, pytest.approx(0.1))
+    model.learn(est, 100, 0, 0.1)
+    assert model.samples == 0 and model.output_ratio == 1.0
+
+
+def test_text_size_counts_every_string_and_token_id_in_a_pooling_body():
+    body = {"model": "e", "query": "abc", "documents": ["de", {"text": "fgh"}], "input": [[1, 2, 3]]}
+    assert text_size(body) == (1 + 3 + 2 + 3, 3)
+
+
+def test_a_degrade_cannot_serve_a_pooling_request_and_refuses_it_instead(clock):
+    policy = make_policy(classes={"interactive": {"max_concurrency": 1, "max_queue": 0, "max_wait_ms": 0,
+                                                  "on_overflow": "fallback",
+                                                  "fallback": {"action": "degrade", "model": "small"}}},
+                         tenants=[])
+    core = AdmissionController(policy, clock=clock)
+    core.decide(RequestFacts(model="llama"))
+    chat = core.decide(RequestFacts(model="llama"))
+    pooled = core.decide(RequestFacts(model="llama", generates=False, degradable=False, cannable=False))
+    assert chat.kind == DEGRADE
+    assert pooled.kind == REJECT and "cannot serve this endpoint" in pooled.message
+
+
+def test_a_canned_503_carries_retry_after(clock):
+    policy = make_policy(classes={"interactive": {"max_concurrency": 1, "max_queue": 0, "max_wait_ms": 0,
+                                                  "on_overflow": "fallback",
+                                                  "fallback": {"action": "canned", "status": 503}}},
+                         tenants=[])
+    core = AdmissionController(policy, clock=clock)
+    core.decide(RequestFacts(model="llama"))
+    d = core.decide(RequestFacts(model="llama"))
+    assert (d.kind, d.status) == (DEGRADE, 503) and d.retry_after >= 1
+
+
+# --- bodies ------------------------------------------------------------------------------------------------------
+
+def test_json_depth():
+    assert [json_depth(x) for x in (1, {}, [[]], {"a": [{"b": []}]})] == [0, 1, 2, 4]
+
+
+def test_brackets_inside_strings_do_not_count_as_depth():
+    doc = {"model": "m", "messages": [{"role": "user", "content": "[" * 5000}]}
+    assert load_json_object(json.dumps(doc).encode()) == doc
+
+
+@pytest.mark.parametrize("depth,ok", [(MAX_JSON_DEPTH, True), (MAX_JSON_DEPTH + 1, False), (5000, False)])
+def test_nesting_past_the_limit_is_a_400(depth, ok):
+    raw = b'{"x": ' + b"[" * (depth - 1) + b"]" * (depth - 1) + b"}"
+    if ok:
+        load_json_object(raw)
+        return
+    with pytest.raises(BadRequest) as e:
+        load_json_object(raw)
+    assert e.value.code in ("json_too_deep", "invalid_json")
+
+
+def test_invocations_takes_the_shape_its_body_names():
+    assert parse_body(b'{"model": "m", "messages": []}', INVOCATIONS, "priority", {"a"}).endpoint is CHAT
+    assert parse_body(b'{"model": "m", "input": "x"}', INVOCATIONS, "priority", {"a"}).endpoint is POOLING
+    with pytest.raises(BadRequest):
+        parse_body(b'{"model": "m"}', INVOCATIONS, "priority", {"a"})
+
+
+def test_responses_caps_output_with_max_output_tokens_and_a_degrade_clamps_that_field():
+    body = parse_body(b'{"model": "m", "input": "hi", "max_output_tokens": 900}', RESPONSES, "priority", {"a"})
+    assert body.max_tokens == 900 and body.generates
+    assert degrade_body(body, None, 100, None) == ["max_tokens=100"]
+    assert body.doc["max_output_tokens"] == 100 and "max_tokens" not in body.doc
+
+
+def test_every_endpoint_group_has_a_policy_switch_except_audio():
+    groups = {e.group for e in ENDPOINTS.values()}
+    policy = make_policy()
+    assert {g for g in groups if not hasattr(policy.endpoints, g)} == {"audio"}
