@@ -7,14 +7,15 @@
 #      after --drain-time-s; requests already running continue.
 #   3. Wait until no downstream request is active on the `openai` listener, at most STREAM_DRAIN_S seconds.
 #
-# Talks to the admin on loopback with bash's /dev/tcp: the Envoy image has no curl. Keep LB_DEREGISTER_S +
-# STREAM_DRAIN_S below the pod's terminationGracePeriodSeconds.
+# Talks to the admin on loopback with bash's /dev/tcp, in HTTP/1.1 (the admin refuses 1.0): the Envoy image has
+# no curl. Keep LB_DEREGISTER_S + STREAM_DRAIN_S below the pod's terminationGracePeriodSeconds.
+# tests/ops/test_k8s_envoy_drain.py runs this script against a real Envoy.
 set -u
 admin_port=${ENVOY_ADMIN_PORT:-9901}
 
 admin() {  # METHOD PATH: print the response body
   exec 3<>"/dev/tcp/127.0.0.1/${admin_port}" || return 1
-  printf '%s %s HTTP/1.0\r\nHost: localhost\r\n\r\n' "$1" "$2" >&3
+  printf '%s %s HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n' "$1" "$2" >&3
   sed '1,/^\r$/d' <&3
   exec 3<&-
 }
