@@ -277,16 +277,16 @@ def _envoy_flag(c: dict, name: str) -> str:
     return c["args"][c["args"].index(name) + 1]
 
 
-def test_envoy_with_its_kubernetes_additions_passes_envoy_validate(standard, tmp_path):
+def test_envoy_started_as_the_deployment_starts_it_passes_envoy_validate(standard, tmp_path):
     c = container(standard, "envoy")
     (cm,) = [o for o in standard.objects if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("envoy-config")]
+    (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == str(Path(_envoy_flag(c, "--config-path")).parent)]
     config = tmp_path / "envoy.yaml"
-    config.write_text(cm["data"]["envoy.yaml"])
-    argv = [envoyconf.envoy_binary(), "--mode", "validate", "-c", str(config), "--log-level", "error",
-            "--config-yaml", _envoy_flag(c, "--config-yaml"), "--disable-hot-restart",
-            "--drain-strategy", _envoy_flag(c, "--drain-strategy"), "--drain-time-s", _envoy_flag(c, "--drain-time-s")]
-    out = run_tool(argv)
+    config.write_text(cm["data"][Path(_envoy_flag(c, "--config-path")).name])
+    args = [str(config) if a == _envoy_flag(c, "--config-path") else a for a in c["args"]]
+    out = run_tool([envoyconf.envoy_binary(), "--mode", "validate", *args])
     assert out.returncode == 0, out.stdout + out.stderr
+    assert "--config-yaml" in args and mount["readOnly"] is True
 
 
 def test_envoy_reaches_the_extproc_and_pools_by_their_service_names(standard):
