@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test test-all demo bench bench-overhead docs clean system-deps soak fuzz
+.PHONY: venv test test-all demo bench bench-overhead docs k8s clean system-deps soak fuzz
 
 venv: $(STAMP)
 
@@ -50,6 +50,10 @@ bench: venv system-deps
 # Regenerate the configuration reference from the policy schema (a test fails when it is stale).
 docs: venv
 	$(BIN)/python -m extproc.docsgen > docs/configuration.md
+
+# Regenerate deploy/k8s's PrometheusRule from compose/prometheus/rules (a test fails when it is stale).
+k8s: venv
+	$(BIN)/python scripts/k8s-prometheusrule.py > deploy/k8s/components/prometheus-operator/prometheusrule.yaml
 
 clean:
 	rm -rf $(VENV) .cache results .pytest_cache
