@@ -190,6 +190,7 @@ class Server:
         """Take no new streams; open ones (admitted requests still running) get --grace-s to end."""
         log.info("drained: taking no new streams; %d admitted requests still running get up to %.1f s",
                  len(self.servicer.live), self.args.grace_s)
+        self.access_log.close()
         stopping = asyncio.ensure_future(grpc_server.stop(grace=self.args.grace_s))
         cut = asyncio.ensure_future(signals.wait(signals.count + 1))
         await asyncio.wait([stopping, cut], return_when=asyncio.FIRST_COMPLETED)
