@@ -25,11 +25,20 @@ def load_source(path: Path = SOURCE) -> dict[str, Any]:
         return yaml.safe_load(f)
 
 
-def render(base: dict[str, Any], *, listen_port: int, admin_port: int, extproc: tuple[str, int] | None,
-           pools: dict[str, list[tuple[str, int]]], listen_host: str = "127.0.0.1", mode: str = "extproc",
-           lb_policy: str | None = None, adaptive: dict[str, Any] | None = None,
-           health_check_interval_s: float | None = None) -> dict[str, Any]:
-    """A copy of `base` with addresses replaced; everything else (filters, timeouts, limits) is kept as is."""
+Endpoint = tuple[str, int]
+
+
+def render(base: dict[str, Any], *, listen_port: int, admin_port: int,
+           extproc: Endpoint | list[Endpoint] | None, pools: dict[str, list[Endpoint]],
+           listen_host: str = "127.0.0.1", mode: str = "extproc", lb_policy: str | None = None,
+           adaptive: dict[str, Any] | None = None, health_check_interval_s: float | None = None,
+           failure_mode_allow: bool | None = None) -> dict[str, Any]:
+    """A copy of `base` with addresses replaced; everything else (filters, timeouts, limits) is kept as is.
+
+    `extproc` is one ext_proc endpoint or several (instances behind the one `extproc` cluster, which Envoy
+    health-checks and balances). `health_check_interval_s` applies to the pools' health checks only: the ext_proc
+    cluster's (1 s) is what the drain on SIGTERM is sized against, and is rendered as shipped.
+    `failure_mode_allow` overrides the ext_proc filter's (None keeps the file's): False is the fail-closed variant."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}")
     cfg = copy.deepcopy(base)
@@ -38,7 +47,7 @@ def render(base: dict[str, Any], *, listen_port: int, admin_port: int, extproc: 
     listener["address"]["socket_address"] = {"address": listen_host, "port_value": listen_port}
     clusters = {c["name"]: c for c in cfg["static_resources"]["clusters"]}
     if extproc is not None:
-        _set_endpoints(clusters["extproc"], [extproc])
+        _set_endpoints(clusters["extproc"], [extproc] if isinstance(extproc, tuple) else list(extproc))
     for name, endpoints in pools.items():
         if name not in clusters:
             raise KeyError(f"envoy.yaml has no cluster {name!r} (clusters: {', '.join(clusters)})")
@@ -68,6 +77,9 @@ def render(base: dict[str, Any], *, listen_port: int, admin_port: int, extproc: 
                 if "route" in r:  # the default-deny 404 stays a 404
                     r["route"]["cluster"] = next(iter(pools))
                 r.pop("typed_per_filter_config", None)
+    if failure_mode_allow is not None and mode == "extproc":
+        (ext_proc,) = [f for f in hcm["http_filters"] if f["name"] == EXT_PROC]
+        ext_proc["typed_config"]["failure_mode_allow"] = failure_mode_allow
     if mode == "adaptive":
         hcm["http_filters"].insert(0, {"name": ADAPTIVE, "typed_config": adaptive_filter(**(adaptive or {}))})
     return cfg
@@ -134,7 +146,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--source", default=str(SOURCE), help="the production envoy.yaml to start from")
     p.add_argument("--listen", type=_endpoint, default=("127.0.0.1", 10000), help="HOST:PORT of the listener")
     p.add_argument("--admin-port", type=int, default=9901)
-    p.add_argument("--extproc", type=_endpoint, default=("127.0.0.1", 50051), help="HOST:PORT of the ext_proc")
+    p.add_argument("--extproc", type=_endpoint, action="append", metavar="HOST:PORT",
+                   help="an ext_proc instance (repeat for several; default 127.0.0.1:50051)")
     p.add_argument("--pool", action="append", default=[], metavar="CLUSTER=HOST:PORT[,HOST:PORT]",
                    help="endpoints of a model pool (repeat per pool)")
     p.add_argument("--mode", choices=MODES, default="extproc")
@@ -151,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
         print("at least one --pool CLUSTER=HOST:PORT is required", file=sys.stderr)
         return 2
     cfg = render(load_source(Path(args.source)), listen_port=args.listen[1], listen_host=args.listen[0],
-                 admin_port=args.admin_port, extproc=args.extproc, pools=pools, mode=args.mode)
+                 admin_port=args.admin_port, extproc=args.extproc or [("127.0.0.1", 50051)], pools=pools,
+                 mode=args.mode)
     text = yaml.safe_dump(cfg, sort_keys=False)
     if not args.output:
         sys.stdout.write(text)

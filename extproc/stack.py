@@ -83,6 +83,8 @@ class Stack:
     lb_policy: str | None = None
     adaptive: dict | None = None
     extproc_args: list[str] = field(default_factory=list)
+    extprocs: int = 1   # ext_proc instances behind Envoy's one `extproc` cluster (a rolling restart needs two)
+    failure_mode_allow: bool | None = None  # override envoy.yaml's (False: fail closed)
     processes: list[Process] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -90,8 +92,9 @@ class Stack:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.listen_port = free_port()
         self.admin_port = free_port()
-        self.grpc_port = free_port()
-        self.metrics_port = free_port()
+        self.grpc_ports = [free_port() for _ in range(self.extprocs)]
+        self.metrics_ports = [free_port() for _ in range(self.extprocs)]
+        self.grpc_port, self.metrics_port = self.grpc_ports[0], self.metrics_ports[0]  # the first instance
 
     @property
     def url(self) -> str:
@@ -115,21 +118,29 @@ class Stack:
         self.processes.append(proc)
         return proc
 
-    def start_extproc(self) -> Process:
+    @staticmethod
+    def extproc_name(i: int) -> str:
+        return "extproc" if i == 0 else f"extproc{i}"
+
+    def start_extproc(self, i: int = 0) -> Process:
+        """Start ext_proc instance `i` and wait until its /healthz says it serves. Local stacks skip the drain on
+        SIGTERM (nothing to move to when they stop) unless extproc_args asks for one."""
         assert self.policy_path is not None, "mode extproc needs a policy"
-        proc = self.spawn("extproc", [sys.executable, "-m", "extproc.cli", "serve", "--policy", str(self.policy_path),
-                                      "--grpc", f"127.0.0.1:{self.grpc_port}",
-                                      "--metrics", f"127.0.0.1:{self.metrics_port}", *self.extproc_args])
+        proc = self.spawn(self.extproc_name(i), [
+            sys.executable, "-m", "extproc.cli", "serve", "--policy", str(self.policy_path),
+            "--grpc", f"127.0.0.1:{self.grpc_ports[i]}", "--metrics", f"127.0.0.1:{self.metrics_ports[i]}",
+            "--drain-s", "0", "--grace-s", "5", *self.extproc_args])
         try:
-            wait_http(f"{self.metrics_url}/healthz", timeout=30, proc=proc.popen)
+            wait_http(f"http://127.0.0.1:{self.metrics_ports[i]}/healthz", timeout=30, proc=proc.popen)
         except TimeoutError:
             raise RuntimeError(f"ext_proc did not start:\n{proc.tail()}") from None
         return proc
 
     def envoy_config(self) -> dict:
         return envoyconf.render(envoyconf.load_source(), listen_port=self.listen_port, admin_port=self.admin_port,
-                                extproc=("127.0.0.1", self.grpc_port), pools=self.pools, mode=self.mode,
-                                lb_policy=self.lb_policy, adaptive=self.adaptive, health_check_interval_s=1.0)
+                                extproc=[("127.0.0.1", p) for p in self.grpc_ports], pools=self.pools, mode=self.mode,
+                                lb_policy=self.lb_policy, adaptive=self.adaptive, health_check_interval_s=1.0,
+                                failure_mode_allow=self.failure_mode_allow)
 
     def start_envoy(self) -> Process:
         path = self.workdir / "envoy.yaml"
@@ -146,7 +157,8 @@ class Stack:
     def start(self) -> "Stack":
         try:
             if self.mode == "extproc":
-                self.start_extproc()
+                for i in range(self.extprocs):
+                    self.start_extproc(i)
             self.start_envoy()
         except BaseException:
             self.stop()

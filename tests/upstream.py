@@ -2,7 +2,8 @@
 
 It exists so the core path can be tested without the simulator's engine model: each request takes
 `x-test-delay-ms` (or 0) before its first byte and `x-test-token-ms` per streamed token, and the server records the
-highest number of requests it had in service at once.
+highest number of requests it had in service at once, and how many generation requests arrived without the
+ext_proc's ticket header (unadmitted: Envoy let them through without a decision).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ class TestUpstream:
         self.max_in_service = 0
         self.served = 0
         self.aborted = 0
+        self.unticketed = 0
         self.last_body: dict | None = None
         self.last_headers: dict[str, str] = {}
         self.seen: list[dict] = []  # every request received, as the tests' record of what got past Envoy
@@ -58,12 +60,12 @@ class TestUpstream:
 
     async def stats(self, request: web.Request) -> web.Response:
         return web.json_response({"in_service": self.in_service, "max_in_service": self.max_in_service,
-                                  "served": self.served, "aborted": self.aborted, "last_body": self.last_body,
-                                  "last_headers": self.last_headers})
+                                  "served": self.served, "aborted": self.aborted, "unticketed": self.unticketed,
+                                  "last_body": self.last_body, "last_headers": self.last_headers})
 
     async def reset(self, request: web.Request) -> web.Response:
         self.max_in_service = self.in_service
-        self.served = self.aborted = 0
+        self.served = self.aborted = self.unticketed = 0
         self.seen.clear()
         return web.json_response({})
 
@@ -74,6 +76,8 @@ class TestUpstream:
         body = await request.json()
         self.last_body = body
         self.last_headers = dict(request.headers)
+        if "x-extproc-ticket" not in request.headers:
+            self.unticketed += 1
         delay = float(request.headers.get("x-test-delay-ms", "0")) / 1000
         token_s = float(request.headers.get("x-test-token-ms", "0")) / 1000
         status = int(request.headers.get("x-test-status", "200"))

@@ -112,3 +112,12 @@ def local_share(policy: Policy, instances: int) -> Policy:
             spec, max_concurrency=max(1, spec.max_concurrency // instances), adaptive=adaptive,
             max_inflight_gpu_seconds=budget / instances if budget is not None else None)
     return dataclasses.replace(policy, classes=classes)
+
+
+def share_has_room(running: list[SlotClaim], claim: SlotClaim, limit: int, budget: float | None) -> bool:
+    """Whether a replica failing open may start `claim` within its share of a class: fewer than `limit` running
+    and the GPU-second `budget` (if any) not exceeded. `running` is every request of the class running on this
+    replica, those admitted with a global slot before the store went away included."""
+    if len(running) >= limit:
+        return False
+    return budget is None or sum(c.cost for c in running) + claim.cost <= budget * (1 + 1e-9)

@@ -8,9 +8,11 @@ batches, so one gRPC message carries many requests instead of one extra round tr
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import AsyncIterator
 
+import grpc
 from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
@@ -56,18 +58,41 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
         self.core = core
         self.entries = 0
         self.unmatched = 0
+        self._closing = asyncio.Event()
+
+    def close(self) -> None:
+        """End every access log stream (at the end of a drain). Envoy keeps one open per worker for as long as the
+        ext_proc lives, so a graceful stop would otherwise wait out its whole grace period for them; ended, they
+        are reopened by Envoy on another instance, and the grace only waits for requests' own streams."""
+        self._closing.set()
 
     async def StreamAccessLogs(self, request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage], context):
-        async for msg in request_iterator:
-            for entry in msg.http_logs.log_entry:
-                self.entries += 1
-                headers = entry.request.request_headers
-                if TICKET_HEADER not in headers:
-                    continue
-                try:
-                    ticket_id = int(headers[TICKET_HEADER])
-                except ValueError:
-                    continue
-                if not self.core.report(ticket_id, completion_of(entry)):
-                    self.unmatched += 1  # e.g. an ext_proc restart between admission and the log entry
+        closing = asyncio.ensure_future(self._closing.wait())
+        try:
+            while True:
+                # One read at a time, raced with close(): a batch arrives every buffer_flush_interval at most.
+                read = asyncio.ensure_future(context.read())
+                await asyncio.wait((read, closing), return_when=asyncio.FIRST_COMPLETED)
+                if not read.done():
+                    read.cancel()
+                    break
+                msg = read.result()
+                if msg is grpc.aio.EOF:
+                    break
+                self._report(msg)
+        finally:
+            closing.cancel()
         return als_pb2.StreamAccessLogsResponse()
+
+    def _report(self, msg: als_pb2.StreamAccessLogsMessage) -> None:
+        for entry in msg.http_logs.log_entry:
+            self.entries += 1
+            headers = entry.request.request_headers
+            if TICKET_HEADER not in headers:
+                continue
+            try:
+                ticket_id = int(headers[TICKET_HEADER])
+            except ValueError:
+                continue
+            if not self.core.report(ticket_id, completion_of(entry)):
+                self.unmatched += 1  # e.g. an ext_proc restart between admission and the log entry

@@ -28,6 +28,12 @@ from .servicer import ExtProcServicer
 
 log = logging.getLogger("extproc")
 
+# /healthz "status" (503 unless serving). Draining: SIGTERM received, still deciding (see Server._drain).
+STARTING, SERVING, DRAINING = "starting", "ok", "draining"
+# gRPC health services reported SERVING, then NOT_SERVING from the first SIGTERM. Envoy's health check asks for
+# the second (envoy.yaml); "" is the server as a whole (grpc_health_probe, Kubernetes gRPC probes).
+HEALTH_SERVICES = ("", "envoy.service.ext_proc.v3.ExternalProcessor")
+
 
 def _hostport(text: str) -> tuple[str, int]:
     host, _, port = text.rpartition(":")
@@ -45,6 +51,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="largest request body accepted (match Envoy's per_connection_buffer_limit_bytes)")
     p.add_argument("--watch-interval", type=float, default=2.0,
                    help="seconds between checks of the policy file for changes (0 disables; SIGHUP always works)")
+    p.add_argument("--drain-s", type=float, default=10.0, metavar="SECONDS",
+                   help="on SIGTERM, keep deciding new requests this long while gRPC health and /healthz report "
+                        "not serving, so Envoy's health check moves traffic to another ext_proc first (default 10; "
+                        "0 skips the drain; a second SIGTERM/SIGINT cuts it short)")
+    p.add_argument("--grace-s", type=float, default=30.0, metavar="SECONDS",
+                   help="after the drain, stop taking new streams and give open ones this long to finish (default "
+                        "30; a signal during it cuts them at once)")
     p.add_argument("--log-level", default=os.environ.get("EXTPROC_LOG_LEVEL", "INFO"))
     p.add_argument("--log-accept-sample", type=float, default=0.0, metavar="FRACTION",
                    help="also log this share of accepted requests (refusals are always logged), e.g. 0.01")
@@ -67,7 +80,7 @@ class Server:
         self.access_log = AccessLogReceiver(self.core)
         self.scrapers = SaturationScrapers(self.core)
         self._mtime = _mtime(policy_path)
-        self.ready = False
+        self.status = STARTING
 
     def reload(self) -> bool:
         """Apply the policy file if it validates; otherwise keep serving the old one."""
@@ -135,32 +148,57 @@ class Server:
         if self.shared is not None:
             await self.shared.start()
         runner = await self._start_http()
-        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        await health_servicer.set("envoy.service.ext_proc.v3.ExternalProcessor",
-                                  health_pb2.HealthCheckResponse.SERVING)
-        self.ready = True
+        for service in HEALTH_SERVICES:
+            await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self.status = SERVING
         loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
+        signals = _Signals()
         loop.add_signal_handler(signal.SIGHUP, self.reload)
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, signals.received)
         housekeeping = asyncio.create_task(self.housekeeping())
         control = asyncio.create_task(self.control())
         await self.scrapers.configure(self.core.policy.pools)
         log.info("extproc serving: grpc %s:%d, http %s:%d, policy %s", host, bound, *self.args.metrics,
                  self.policy_path)
         print(f"extproc ready grpc={host}:{bound} http={self.args.metrics[0]}:{self.args.metrics[1]}", flush=True)
-        await stop.wait()
-        # Drain: stop answering health as serving, let in-flight streams finish for a short grace period.
-        self.ready = False
-        await health_servicer.enter_graceful_shutdown()
+        await signals.wait(1)
+        await self._drain(health_servicer, signals)
+        await self._stop_streams(grpc_server, signals)
+        # Leases of the streams that ran to the end were renewed until now; the releases go out below.
         housekeeping.cancel()
         control.cancel()
         await self.scrapers.stop()
-        await grpc_server.stop(grace=5.0)
         if self.shared is not None:
             await self.shared.close()
         await runner.cleanup()
+        log.info("extproc stopped")
+
+    async def _drain(self, health_servicer: health.aio.HealthServicer, signals: "_Signals") -> None:
+        """Report not serving, yet keep deciding every new stream for --drain-s: Envoy's active gRPC health check
+        (envoy.yaml) takes this instance out within a few seconds and sends new streams to another one. Refusing
+        streams at once would let them through unadmitted (failure_mode_allow: true)."""
+        self.status = DRAINING
+        await health_servicer.enter_graceful_shutdown()  # NOT_SERVING for "" and the ExternalProcessor service
+        if self.args.drain_s <= 0:
+            return
+        log.info("draining: reporting NOT_SERVING, still deciding new requests for %.1f s (a second signal cuts "
+                 "it short)", self.args.drain_s)
+        await signals.wait(2, timeout=self.args.drain_s)
+
+    async def _stop_streams(self, grpc_server: grpc.aio.Server, signals: "_Signals") -> None:
+        """Take no new streams; open ones (admitted requests still running) get --grace-s to end."""
+        log.info("drained: taking no new streams; %d admitted requests still running get up to %.1f s",
+                 len(self.servicer.live), self.args.grace_s)
+        self.access_log.close()
+        stopping = asyncio.ensure_future(grpc_server.stop(grace=self.args.grace_s))
+        cut = asyncio.ensure_future(signals.wait(signals.count + 1))
+        await asyncio.wait([stopping, cut], return_when=asyncio.FIRST_COMPLETED)
+        if not stopping.done():
+            log.warning("signal during the grace period: cutting the open streams now")
+            await grpc_server.stop(grace=None)  # the most restrictive grace wins
+            await stopping
+        cut.cancel()
 
     async def _start_http(self) -> web.AppRunner:
         app = web.Application()
@@ -178,9 +216,32 @@ class Server:
 
     async def _healthz(self, request: web.Request) -> web.Response:
         snap = self.core.snapshot()
-        body = {"status": "ok" if self.ready else "starting", "classes": snap,
-                "stream_errors": self.servicer.errors}
-        return web.json_response(body, status=200 if self.ready else 503)
+        body = {"status": self.status, "classes": snap, "stream_errors": self.servicer.errors}
+        return web.json_response(body, status=200 if self.status == SERVING else 503)
+
+
+class _Signals:
+    """SIGTERM/SIGINT counted: the first starts the drain, the next ones cut each remaining wait short."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._changed = asyncio.Event()
+
+    def received(self) -> None:
+        self.count += 1
+        self._changed.set()
+
+    async def wait(self, count: int, timeout: float | None = None) -> bool:
+        """Until `count` signals have arrived (True) or `timeout` seconds have passed (False)."""
+        async def reached() -> None:
+            while self.count < count:
+                self._changed.clear()
+                await self._changed.wait()
+        try:
+            await asyncio.wait_for(reached(), timeout)
+            return True
+        except TimeoutError:
+            return False
 
 
 def _mtime(path: str) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import uuid
 from collections import deque
@@ -13,19 +14,19 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from ..policy.admission import R_CLIENT_GONE, R_QUEUE_FULL, R_QUEUE_TIMEOUT, AdmissionController, Decision
 from ..policy.limits import Ticket
 from ..policy.schema import Policy
-from ..policy.store import R_STORE_UNAVAILABLE, SlotClaim, SlotStore, StoreUnavailable, local_share
+from ..policy.store import R_STORE_UNAVAILABLE, SlotClaim, SlotStore, StoreUnavailable, local_share, share_has_room
 
 log = logging.getLogger("extproc.store")
 
 SHARED, LOCAL, CLOSED = "shared", "local", "closed"  # store states (extproc_store_state{state})
-_FALLBACK = object()  # a waiter's result when the store failed while it waited
+_CLOSED = object()  # a waiter's result when the store failed while it waited and the policy fails closed
 
 
 class _Waiting:
-    __slots__ = ("ticket_id", "claim", "future")
+    __slots__ = ("ticket", "claim", "future")
 
-    def __init__(self, ticket_id: int, claim: SlotClaim, future: asyncio.Future):
-        self.ticket_id = ticket_id
+    def __init__(self, ticket: Ticket, claim: SlotClaim, future: asyncio.Future):
+        self.ticket = ticket
         self.claim = claim
         self.future = future
 
@@ -35,8 +36,9 @@ class SharedSlots:
 
     Waiters queue per class in FIFO order on this replica; the head retries when any replica announces a release,
     and at least every `poll_ms`. While the store is unreachable the policy's `on_failure` applies: `local` runs
-    the replica on its share of each cap, `closed` refuses with 503. Each second tick() renews every held lease in
-    one round trip, or probes the store and switches back when it answers.
+    the replica on its share of each cap from the first moment (requests already running count against it, and
+    waiters keep their place in the FIFO for a share slot until their deadline), `closed` refuses with 503. Each
+    second tick() renews every held lease in one round trip, or probes the store and switches back when it answers.
     """
 
     def __init__(self, core: AdmissionController, store: SlotStore, registry: CollectorRegistry | None = None):
@@ -89,23 +91,20 @@ class SharedSlots:
 
     async def try_now(self, d: Decision) -> Decision | None:
         """One attempt (a single round trip): the final decision, or None when the request has to wait()."""
-        if self.state != SHARED:
-            return self._without_store(d)
+        if self.state == CLOSED:
+            return self._closed(d)
         t = d.ticket
         claim = self.claim(t)
         if not self._waiting.get(claim.cls):  # nobody here waits ahead of it
             try:
-                granted = await self.store.acquire(claim)
-            except StoreUnavailable as e:
-                self._fail(e)
-                self._release_soon(claim)  # the call may have gone through before it timed out
-                return self._without_store(d)
+                granted = await self._take(t, claim)
             except asyncio.CancelledError:
                 self._release_soon(claim)
                 raise
             if granted:
-                self.held[t.id] = claim
                 return self.core.confirm(d)
+            if self.state == CLOSED:  # the store failed during the attempt
+                return self._closed(d)
         if self.deadline(t) <= self.core.clock():
             return self.core.revoke(d, 429, R_QUEUE_FULL, f"class {claim.cls!r} is at capacity across the "
                                     f"replicas sharing it ({claim.cap} slots) and does not queue")
@@ -116,7 +115,7 @@ class SharedSlots:
         t = d.ticket
         claim = self.claim(t)
         started = self.core.clock()
-        w = _Waiting(t.id, claim, asyncio.get_running_loop().create_future())
+        w = _Waiting(t, claim, asyncio.get_running_loop().create_future())
         self._waiting.setdefault(claim.cls, deque()).append(w)
         self._pump(claim.cls)
         try:
@@ -124,8 +123,8 @@ class SharedSlots:
         except TimeoutError:
             return self.core.revoke(d, 429, R_QUEUE_TIMEOUT, f"class {claim.cls!r} had no free slot across the "
                                     f"replicas sharing it within {t.limiter.spec.max_wait_ms} ms")
-        if result is _FALLBACK:
-            return self._without_store(d)
+        if result is _CLOSED:
+            return self._closed(d)
         return self.core.confirm(d, self.core.clock() - started)
 
     def abandon(self, d: Decision) -> None:
@@ -133,23 +132,48 @@ class SharedSlots:
         self.release(d.ticket)
         self.core.revoke(d, 499, R_CLIENT_GONE, "client disconnected while waiting for a slot")
 
-    def _without_store(self, d: Decision) -> Decision:
-        if self.state == CLOSED:
-            return self.core.revoke(d, 503, R_STORE_UNAVAILABLE, "the shared slot store is unreachable and the "
-                                    "policy fails closed (store.on_failure: closed)")
-        self.unshared[d.ticket.id] = self.claim(d.ticket)
-        return self.core.confirm(d)
+    def _closed(self, d: Decision) -> Decision:
+        return self.core.revoke(d, 503, R_STORE_UNAVAILABLE, "the shared slot store is unreachable and the "
+                                "policy fails closed (store.on_failure: closed)")
+
+    async def _take(self, ticket: Ticket, claim: SlotClaim) -> bool:
+        """One attempt at a slot for an admitted request: a global one while the store answers, else (failing
+        open) a place within this replica's share. True: it holds one and may run."""
+        if self.state == SHARED:
+            try:
+                granted = await self.store.acquire(claim)
+            except StoreUnavailable as e:
+                self._release_soon(claim)  # the call may have gone through before it timed out
+                self._fail(e)
+            else:
+                if granted:
+                    self.held[ticket.id] = claim
+                return granted
+        if self.state == LOCAL and self._share_has_room(ticket, claim):
+            self.unshared[ticket.id] = claim
+            return True
+        return False
+
+    def _share_has_room(self, ticket: Ticket, claim: SlotClaim) -> bool:
+        """While failing open: the class's local cap is this replica's share (local_share), and every request
+        running here counts against it, those that got a global slot before the outage included. Requests that
+        only hold a local place while they wait for a slot do not run, so they do not count."""
+        running = [c for c in itertools.chain(self.held.values(), self.unshared.values()) if c.cls == claim.cls]
+        lim = ticket.limiter
+        return share_has_room(running, claim, lim.limit, lim.spec.max_inflight_gpu_seconds)
 
     # --- release ---
 
     def release(self, ticket: Ticket) -> None:
         """The ticket ended: free its global slot (one round trip, in the background). Idempotent."""
-        claim = self.held.pop(ticket.id, None)
+        held = self.held.pop(ticket.id, None)
+        claim = held or self.unshared.pop(ticket.id, None)
         if claim is None:
-            claim = self.unshared.pop(ticket.id, None)
-            if claim is None or self.state != SHARED:
-                return
-        self._release_soon(claim)
+            return
+        if held is not None or self.state == SHARED:
+            self._release_soon(claim)
+        if self.state != SHARED:
+            self._wake(claim.cls)  # a share slot is free: the next waiter here may take it
 
     def _release_soon(self, claim: SlotClaim) -> None:
         """Queue a release; one call at a time carries every release queued meanwhile (one round trip for a
@@ -184,28 +208,23 @@ class SharedSlots:
             self._pumps[cls] = asyncio.get_running_loop().create_task(self._serve_queue(cls))
 
     async def _serve_queue(self, cls: str) -> None:
-        """Hand global slots to this class's waiters in arrival order, retrying on releases and every poll_ms."""
+        """Hand slots to this class's waiters in arrival order (global ones, or share slots while failing open),
+        retrying on releases and every poll_ms."""
         q = self._waiting[cls]
         ev = self._released.setdefault(cls, asyncio.Event())
         try:
             while q:
                 w = q[0]
-                if w.future.done():  # timed out or its client left
+                if w.future.done():  # timed out, its client left, or the store failed closed
                     q.popleft()
                     continue
                 ev.clear()
-                try:
-                    granted = await self.store.acquire(w.claim)
-                except StoreUnavailable as e:
-                    self._release_soon(w.claim)
-                    self._fail(e)
-                    return
-                if granted:
-                    q.popleft()
+                if await self._take(w.ticket, w.claim):
+                    if q and q[0] is w:
+                        q.popleft()
                     if w.future.done():
-                        self._release_soon(w.claim)  # it gave up while the acquire was on its way
+                        self.release(w.ticket)  # it gave up while the attempt was on its way
                     else:
-                        self.held[w.ticket_id] = w.claim
                         w.future.set_result(True)
                     continue
                 with contextlib.suppress(TimeoutError):
@@ -221,10 +240,16 @@ class SharedSlots:
         self._switch(self.on_failure, f"slot store unreachable ({error}); "
                      + ("admitting on this replica's share of each cap (1/%d)" % self.instances
                         if self.on_failure == LOCAL else "refusing requests that need a slot (503)"))
+        if self.on_failure == LOCAL:
+            # Waiters keep their place and now wait for a share slot: admitting them all at once would put up to
+            # the whole cap in flight from this replica alone.
+            for cls in self._waiting:
+                self._wake(cls)
+            return
         for q in self._waiting.values():
             for w in q:
                 if not w.future.done():
-                    w.future.set_result(_FALLBACK)
+                    w.future.set_result(_CLOSED)
             q.clear()
 
     def _switch(self, state: str, why: str) -> None:

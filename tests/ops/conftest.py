@@ -49,7 +49,8 @@ def live_metrics_text() -> str:
     """/metrics of a freshly started `extproc serve` with the default policy (every family has its # TYPE)."""
     port = free_port()
     return scrape_once(["serve", "--policy", str(ROOT / "policies" / "default.yaml"),
-                        "--grpc", f"127.0.0.1:{free_port()}", "--metrics", f"127.0.0.1:{port}"], port, "/healthz")
+                        "--grpc", f"127.0.0.1:{free_port()}", "--metrics", f"127.0.0.1:{port}", "--drain-s", "0"],
+                       port, "/healthz")
 
 
 @pytest.fixture(scope="session")

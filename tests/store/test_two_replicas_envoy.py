@@ -4,6 +4,7 @@ replica's slots free themselves within the lease, and a Redis outage switches to
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import pytest
 from extproc.stack import Stack, free_port, wait_http
 
 from ..integration.conftest import policy_file
-from ..integration.helpers import chat, metrics, post, sample, upstream_reset, upstream_stats
+from ..integration.helpers import chat, equals, metrics, post, sample, until, upstream_reset, upstream_stats
 
 HERE = Path(__file__).resolve().parent
 CAP = 4
@@ -119,3 +120,65 @@ async def test_a_redis_outage_switches_to_local_shares_and_back(replicas, upstre
         for s in replicas:
             assert "store state -> local" in s.process("extproc").tail(200)
             assert "store state -> shared" in s.process("extproc").tail(200)
+
+
+async def in_flight_here(http, s: Stack) -> tuple[int, int]:
+    """(local places taken, queued) of interactive on one replica: running and waiting-for-a-global-slot both
+    take a local place."""
+    async with http.get(f"{s.metrics_url}/healthz") as r:
+        c = (await r.json())["classes"]["interactive"]
+    return c["inflight"], c["queue"]
+
+
+async def store_state(http, s: Stack, state: str) -> bool:
+    return sample(await metrics(http, s.metrics_url), "extproc_store_state", state=state) == 1
+
+
+async def share_holds_through_an_outage(http, replicas, upstream, outage, recovery) -> dict:
+    """Each replica runs its share of the cap (2 long requests with global slots) and has 2 more waiting for a
+    global slot (plus 2 queued locally) when the store goes away. The waiters must wait for a share slot, not all
+    start at once (which put 2 x 4 = 8 in flight at the upstream)."""
+    share = CAP // 2
+    await upstream_reset(http, upstream)
+    tasks = []
+    for n, s in enumerate(replicas, 1):
+        tasks += [asyncio.create_task(post(http, s.url, chat(), delay(2500))) for _ in range(share)]
+        assert await until(lambda: equals(upstream_in_service(http, upstream), n * share), timeout=5)
+    for s in replicas:
+        tasks += [asyncio.create_task(post(http, s.url, chat(), delay(200))) for _ in range(2 * share)]
+    for s in replicas:  # 2 running + 2 waiting for a global slot hold local places, 2 more queue locally
+        assert await until(lambda: equals(in_flight_here(http, s), (2 * share, share)), timeout=5)
+    outage()
+    try:
+        for s in replicas:
+            assert await until(lambda: store_state(http, s, "local"), timeout=3)
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 15)
+    finally:
+        recovery()
+    stats = await upstream_stats(http, upstream)
+    assert sorted(r[0] for r in results) == [200] * len(tasks)
+    return stats
+
+
+async def upstream_in_service(http, upstream) -> int:
+    return (await upstream_stats(http, upstream))["in_service"]
+
+
+async def test_killing_redis_keeps_each_replica_within_its_share_waiters_included(replicas, upstream,
+                                                                                  redis_server):
+    async with aiohttp.ClientSession() as http:
+        stats = await share_holds_through_an_outage(http, replicas, upstream, redis_server.stop, lambda: None)
+    assert stats["max_in_service"] == CAP, stats  # share x instances, never the 8 of both local caps
+    print(f"\nRELIABILITY redis killed with waiters: max in flight at the upstream {stats['max_in_service']} "
+          f"(cap {CAP}, 2 replicas); {stats['served']} served")
+
+
+async def test_freezing_redis_keeps_each_replica_within_its_share_waiters_included(replicas, upstream,
+                                                                                   redis_server):
+    pid = redis_server.proc.pid
+    async with aiohttp.ClientSession() as http:
+        stats = await share_holds_through_an_outage(http, replicas, upstream, lambda: os.kill(pid, signal.SIGSTOP),
+                                                    lambda: os.kill(pid, signal.SIGCONT))
+    assert stats["max_in_service"] == CAP, stats
+    print(f"\nRELIABILITY redis frozen with waiters: max in flight at the upstream {stats['max_in_service']} "
+          f"(cap {CAP}, 2 replicas); {stats['served']} served")

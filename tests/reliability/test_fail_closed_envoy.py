@@ -1,0 +1,93 @@
+"""Fail closed (envoy.yaml rendered with failure_mode_allow: false): when the ext_proc is down or too slow, Envoy's
+own 503/504 tell the client in words that the admission service failed, in the OpenAI error shape, while the
+ext_proc's own answers and direct_response routes keep their bodies untouched."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import aiohttp
+import pytest
+
+from extproc.stack import Stack
+from tests.integration.helpers import chat, post
+
+from .conftest import policy_file
+
+ADMISSION_DOWN = "The admission service is unavailable or did not answer in time"
+DIRECT_BODY = '{"error": {"message": "Unknown path.", "type": "invalid_request_error", "param": null, "code": "x"}}'
+
+
+class StackWithDirectRoute(Stack):
+    """A stack whose route table starts with a direct_response, as a default-deny route answers: Envoy makes
+    that reply itself, with its own JSON body, which the local reply mappers must not wrap again."""
+
+    def envoy_config(self) -> dict:
+        cfg = super().envoy_config()
+        hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        hcm["route_config"]["virtual_hosts"][0]["routes"].insert(0, {
+            "match": {"path": "/test/direct"},
+            "direct_response": {"status": 404, "body": {"inline_string": DIRECT_BODY}}})
+        return cfg
+
+
+@pytest.fixture
+def closed_stack(tmp_path, upstream):
+    policy = policy_file(tmp_path, classes={"interactive": {"max_concurrency": 2, "max_queue": 0,
+                                                            "max_wait_ms": 0}}, tenants=[], shed={})
+    pools = {"vllm_llama70b": [upstream], "vllm_llama8b": [upstream]}
+    s = StackWithDirectRoute(tmp_path / "closed", pools, policy_path=policy, failure_mode_allow=False,
+                             extproc_args=["--watch-interval", "0"])
+    with s:
+        yield s
+
+
+def admission_failure(status: int, headers, text: bytes) -> dict:
+    """The error of an Envoy-made reply for a failed ext_proc, checked for the shape and words clients get."""
+    assert headers["content-type"] == "application/json", headers
+    assert headers["retry-after"] == "1", headers
+    err = json.loads(text)["error"]
+    assert err["message"].startswith(ADMISSION_DOWN), err
+    assert err["type"] == "server_error" and err["code"].startswith("ext_proc_error"), err
+    return err
+
+
+async def test_the_ext_procs_own_answers_and_direct_responses_are_not_rewrapped(closed_stack):
+    async with aiohttp.ClientSession() as http:
+        status, headers, text = await post(http, closed_stack.url, chat(model="no-such-model"))
+        assert status == 404 and headers["x-extproc-decision"] == "invalid"
+        err = json.loads(text)["error"]
+        assert err["message"] == "The model `no-such-model` does not exist." and "param" in err, err
+        async with http.get(f"{closed_stack.url}/test/direct") as r:
+            assert r.status == 404 and await r.text() == DIRECT_BODY
+
+
+async def test_ext_proc_down_answers_503_saying_admission_is_unavailable(closed_stack):
+    async with aiohttp.ClientSession() as http:
+        status, headers, _ = await post(http, closed_stack.url, chat())
+        assert status == 200 and headers["x-extproc-decision"] == "accept"
+        closed_stack.process("extproc").stop(signal.SIGKILL)
+        status, headers, text = await post(http, closed_stack.url, chat())
+        assert status == 503, text
+        err = admission_failure(status, headers, text)
+        assert "Connection_refused" in err["code"] or "connection_failure" in err["code"], err
+        print(f"\nRELIABILITY fail closed, ext_proc down: {status} {text[:200]!r}")
+
+
+async def test_ext_proc_message_timeout_answers_504_saying_admission_did_not_answer(closed_stack):
+    proc = closed_stack.process("extproc")
+    async with aiohttp.ClientSession() as http:
+        os.killpg(proc.popen.pid, signal.SIGSTOP)  # frozen past message_timeout (0.5 s)
+        try:
+            t0 = time.monotonic()
+            status, headers, text = await post(http, closed_stack.url, chat())
+            waited = time.monotonic() - t0
+        finally:
+            os.killpg(proc.popen.pid, signal.SIGCONT)
+        assert status == 504 and waited >= 0.45, (status, waited, text)
+        err = admission_failure(status, headers, text)
+        assert err["code"] == "ext_proc_error_per-message_timeout_exceeded", err
+        print(f"\nRELIABILITY fail closed, ext_proc frozen: {status} after {waited:.2f}s {text[:200]!r}")

@@ -1,0 +1,166 @@
+"""Failing open on the replica's share (store.on_failure: local) holds from the first moment of a store outage:
+requests that were waiting for a global slot keep waiting, in order, for a place within the share."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client import CollectorRegistry
+
+from extproc.policy.admission import ACCEPT, REJECT, AdmissionController, RequestFacts
+from extproc.policy.limits import Outcome
+from extproc.policy.store import SlotClaim, StoreUnavailable
+from extproc.store.shared import LOCAL, SharedSlots
+
+from ..unit.conftest import make_policy
+
+CAP, INSTANCES = 4, 2
+SHARE = CAP // INSTANCES
+
+
+class FakeStore:
+    """A SlotStore in memory that can be taken down (calls fail at once, like a refused connection) or frozen
+    (calls hang until the client's timeout, like a SIGSTOPped Redis)."""
+
+    shared = True
+
+    def __init__(self, timeout_s: float = 0.05):
+        self.timeout_s = timeout_s
+        self.slots: dict[str, set[str]] = {}
+        self.state = "up"  # "up", "down" or "frozen"
+        self._listeners = []
+
+    async def _reach(self) -> None:
+        if self.state == "frozen":
+            await asyncio.sleep(self.timeout_s)
+        if self.state != "up":
+            raise StoreUnavailable(f"fake store {self.state}")
+
+    async def acquire(self, claim: SlotClaim) -> bool:
+        await self._reach()
+        held = self.slots.setdefault(claim.cls, set())
+        if claim.holder not in held and len(held) >= claim.cap:
+            return False
+        held.add(claim.holder)
+        return True
+
+    async def release(self, slots: list[tuple[str, str]]) -> None:
+        await self._reach()
+        for cls, holder in slots:
+            self.slots.get(cls, set()).discard(holder)
+            for callback in self._listeners:
+                callback(cls)
+
+    async def renew(self, held):
+        await self._reach()
+        return []
+
+    async def adopt(self, claims):
+        await self._reach()
+        for c in claims:
+            self.slots.setdefault(c.cls, set()).add(c.holder)
+
+    async def ping(self) -> None:
+        await self._reach()
+
+    def on_release(self, callback) -> None:
+        self._listeners.append(callback)
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+def replica(store: FakeStore, max_wait_ms: int = 1000) -> SharedSlots:
+    policy = make_policy(classes={"interactive": {"max_concurrency": CAP, "max_queue": 10,
+                                                  "max_wait_ms": max_wait_ms}}, tenants=[],
+                         store={"kind": "redis", "url": "redis://fake", "instances": INSTANCES,
+                                "on_failure": "local", "poll_ms": 20})
+    return SharedSlots(AdmissionController(policy), store, CollectorRegistry())
+
+
+async def admit(r: SharedSlots):
+    """What the servicer does: decide, then one try, then a wait if the class is full across replicas."""
+    d = r.core.decide(RequestFacts(header_class="interactive", model="llama", max_tokens=10))
+    assert d.kind == ACCEPT and r.core.gated(d)
+    return await r.try_now(d) or await r.wait(d)
+
+
+def finish(r: SharedSlots, d) -> None:
+    r.core.finish(d.ticket, Outcome.OK)
+    r.release(d.ticket)
+
+
+def running(r: SharedSlots) -> int:
+    return len(r.held) + len(r.unshared)
+
+
+async def a_replica_with_two_running_and_two_waiting(store: FakeStore, **kw):
+    """The other replica holds half the global cap; this one runs SHARE requests and has SHARE more waiting."""
+    store.slots["interactive"] = {f"other:{i}" for i in range(CAP - SHARE)}
+    r = replica(store, **kw)
+    await r.start()
+    ran = [await admit(r) for _ in range(SHARE)]
+    waiting = [asyncio.create_task(admit(r)) for _ in range(SHARE)]
+    await asyncio.sleep(0.05)
+    assert running(r) == SHARE and not any(t.done() for t in waiting)
+    assert r.core.limiters["interactive"].inflight == 2 * SHARE  # local places: running + waiting
+    return r, ran, waiting
+
+
+async def test_waiters_are_not_admitted_at_once_when_the_store_goes_down():
+    store = FakeStore()
+    r, ran, waiting = await a_replica_with_two_running_and_two_waiting(store)
+    store.state = "down"
+    await asyncio.sleep(0.2)  # the waiters' polls hit the outage and switch to the share
+    assert r.state == LOCAL and r.core.limiters["interactive"].limit == SHARE
+    assert running(r) == SHARE and not any(t.done() for t in waiting)  # the share is full already
+    finish(r, ran[0])
+    first = await asyncio.wait_for(waiting[0], 1)  # the freed share slot goes to the first waiter
+    assert first.kind == ACCEPT and first.reason == "dequeued" and running(r) == SHARE
+    assert not waiting[1].done()
+    await r.close()
+
+
+async def test_a_frozen_store_holds_the_share_the_same_way():
+    store = FakeStore(timeout_s=0.1)
+    r, ran, waiting = await a_replica_with_two_running_and_two_waiting(store)
+    store.state = "frozen"
+    await asyncio.sleep(0.4)
+    assert r.state == LOCAL
+    assert running(r) == SHARE and not any(t.done() for t in waiting)
+    finish(r, ran[1])
+    assert (await asyncio.wait_for(waiting[0], 1)).kind == ACCEPT
+    assert running(r) == SHARE and not waiting[1].done()
+    await r.close()
+
+
+async def test_a_waiter_without_a_share_slot_by_its_deadline_gets_a_429():
+    store = FakeStore()
+    r, ran, waiting = await a_replica_with_two_running_and_two_waiting(store, max_wait_ms=400)
+    store.state = "down"
+    refused = await asyncio.wait_for(asyncio.gather(*waiting), 2)
+    assert [(d.kind, d.status, d.reason) for d in refused] == [(REJECT, 429, "queue_timeout")] * SHARE
+    assert running(r) == SHARE and r.core.limiters["interactive"].inflight == SHARE
+    await r.close()
+
+
+async def test_the_fallback_admits_waiters_up_to_the_share_when_it_has_room():
+    store = FakeStore()
+    store.slots["interactive"] = {f"other:{i}" for i in range(CAP - 1)}
+    r = replica(store)
+    await r.start()
+    ran = await admit(r)  # the one global slot left
+    waiting = [asyncio.create_task(admit(r)) for _ in range(3)]
+    await asyncio.sleep(0.05)
+    store.state = "down"
+    first = await asyncio.wait_for(waiting[0], 1)
+    await asyncio.sleep(0.1)
+    assert first.kind == ACCEPT and running(r) == SHARE  # 1 from before the outage + 1 waiter
+    assert not waiting[1].done() and not waiting[2].done()
+    finish(r, ran)
+    assert (await asyncio.wait_for(waiting[1], 1)).kind == ACCEPT  # in arrival order
+    assert not waiting[2].done() and running(r) == SHARE
+    await r.close()
