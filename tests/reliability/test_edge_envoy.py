@@ -95,6 +95,7 @@ async def test_every_method_and_unknown_path_is_refused_at_the_edge_and_read_onl
                                      (b"POST", b"/reset_prefix_cache", 404), (b"GET", b"/", 404)]:
             got, headers, text = await raw_request(stack.listen_port, [CT], b"{}", method=method, path=path)
             assert got == status, (method, path, got, text)
+            assert headers["content-type"] == "application/json", (path, headers)
             err = json.loads(text)["error"]
             assert err["message"] and err["type"] == "invalid_request_error", (path, err)
         for path in (b"/v1/models", b"/health"):

@@ -28,9 +28,11 @@ class StackWithDirectRoute(Stack):
     def envoy_config(self) -> dict:
         cfg = super().envoy_config()
         hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-        hcm["route_config"]["virtual_hosts"][0]["routes"].insert(0, {
-            "match": {"path": "/test/direct"},
-            "direct_response": {"status": 404, "body": {"inline_string": DIRECT_BODY}}})
+        routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+        routes.insert(0, {"match": {"path": "/test/direct"},
+                          "direct_response": {"status": 404, "body": {"inline_string": DIRECT_BODY}},
+                          # as envoy.yaml's own direct routes: the ext_proc would refuse any path it is sent
+                          "typed_per_filter_config": routes[-1]["typed_per_filter_config"]})
         return cfg
 
 
