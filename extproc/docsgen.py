@@ -136,10 +136,34 @@ def render(root: type = Policy) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+BEGIN_REASONS = "<!-- reasons: generated from extproc/policy/reasons.py by `make docs`; edit them there -->"
+END_REASONS = "<!-- end of the generated reasons -->"
+
+
+def troubleshooting(page: str) -> str:
+    """`page` (docs/troubleshooting.md) with its per-reason sections rendered anew from the reason table."""
+    from .policy.reasons import REASONS, SECTIONS
+
+    out = [BEGIN_REASONS, ""]
+    for section, intro in SECTIONS.items():
+        out += [f"## {section}", ""] + ([intro, ""] if intro else [])
+        for r in REASONS.values():
+            if r.section == section:
+                out += [f"### `{r.code}`", r.help, ""]
+    head, _, rest = page.partition(BEGIN_REASONS)
+    _, _, tail = rest.partition(END_REASONS)
+    return head + "\n".join(out) + END_REASONS + tail
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m extproc.docsgen", description=__doc__.splitlines()[0])
     p.add_argument("--check", metavar="FILE", help="compare with FILE instead of printing; exit 1 if it differs")
+    p.add_argument("--troubleshooting", metavar="FILE", help="rewrite the reason sections of FILE in place")
     args = p.parse_args(argv)
+    if args.troubleshooting:
+        path = Path(args.troubleshooting)
+        path.write_text(troubleshooting(path.read_text(encoding="utf-8")), encoding="utf-8")
+        return 0
     text = render()
     if args.check is None:
         sys.stdout.write(text)

@@ -15,35 +15,16 @@ from .classify import ANONYMOUS, Classification, Classifier
 from .cost import CostEstimate, CostModel
 from .limits import ClassLimiter, Completion, Outcome, Ticket, Waiter
 from .ratelimit import Session, SessionBudgets, TenantLimits
+from .reasons import REASONS
+from .reasons import (R_CLASS_FULL, R_CLASS_REMOVED, R_CLIENT_GONE, R_DEADLINE, R_DEGRADED_FULL,  # noqa: F401 (re-exported)
+                      R_DEQUEUED, R_ENDED_WHILE_QUEUED, R_ERROR_BREAKER, R_HIGHER_SATURATED, R_INVALID_KEY,
+                      R_LATENCY_BREAKER, R_MAX_TOKENS, R_MISSING_KEY, R_QUEUE_FULL, R_QUEUE_TIMEOUT, R_SESSION_INFLIGHT,
+                      R_SESSION_RATE, R_SHADOW, R_SLOT_FREE, R_TENANT_REQUESTS, R_TENANT_TOKENS, R_TOO_LARGE,
+                      R_UNKNOWN_MODEL, say)
 from .schema import ClassSpec, FallbackSpec, Policy
 
 # Decision kinds
 ACCEPT, QUEUE, REJECT, SHED, DEGRADE, INVALID = "accept", "queue", "reject", "shed", "degrade", "invalid"
-
-# Reasons (also metric label values and troubleshooting keys in docs/)
-R_SLOT_FREE = "slot_free"
-R_DEQUEUED = "dequeued"
-R_CLASS_FULL = "class_full"
-R_QUEUE_FULL = "queue_full"
-R_QUEUE_TIMEOUT = "queue_timeout"
-R_CLIENT_GONE = "client_disconnected"
-R_HIGHER_SATURATED = "higher_class_saturated"
-R_UNKNOWN_MODEL = "unknown_model"
-R_CLASS_REMOVED = "class_removed"
-R_LATENCY_BREAKER = "latency_breaker_open"
-R_ERROR_BREAKER = "error_breaker_open"
-R_DEGRADED_FULL = "degraded_capacity_full"
-R_TOO_LARGE = "request_too_large"
-R_MAX_TOKENS = "max_tokens_too_large"
-R_TENANT_REQUESTS = "tenant_requests_per_minute"
-R_TENANT_TOKENS = "tenant_tokens_per_minute"
-R_SESSION_INFLIGHT = "session_inflight_budget"
-R_SESSION_RATE = "session_gpu_seconds_per_minute"
-R_DEADLINE = "deadline_unmeetable"
-R_MISSING_KEY = "missing_api_key"
-R_INVALID_KEY = "invalid_api_key"
-R_SHADOW = "shadow"
-R_ENDED_WHILE_QUEUED = "ended_while_queued"  # shadow only
 
 # How long a released ticket waits for the data plane's completion report before it is accounted without one.
 REPORT_WAIT_S = 5.0

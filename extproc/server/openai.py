@@ -8,6 +8,8 @@ from typing import Any
 
 import orjson
 
+from ..policy.reasons import R_JSON_TOO_DEEP, error_type, say
+
 # Larger max_tokens values mean nothing for any model, and past ~1e308 they cannot even become a float for the
 # cost estimate (an OverflowError there failed the stream, and Envoy's failure_mode_allow let the request through
 # unadmitted).
@@ -16,10 +18,6 @@ MAX_TOKENS_CEILING = 2**31 - 1
 # levels); deeper ones could exhaust the recursion of a JSON encoder later (orjson refuses past ~250) and must be
 # refused here, as a 400, before anything else touches them.
 MAX_JSON_DEPTH = 64
-
-_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-                499: "client_closed_request", 500: "server_error", 503: "service_unavailable_error"}
 
 
 class Endpoint:
@@ -124,8 +122,7 @@ def load_json_object(raw: bytes) -> dict[str, Any]:
         raise BadRequest("The request body must be a JSON object.", code="invalid_json")
     # Depth cannot exceed the number of brackets: only bodies with many of them need the walk.
     if raw.count(b"{") + raw.count(b"[") > MAX_JSON_DEPTH and json_depth(doc) > MAX_JSON_DEPTH:
-        raise BadRequest(f"The request body nests JSON deeper than {MAX_JSON_DEPTH} levels.",
-                         code="json_too_deep")
+        raise BadRequest(say(R_JSON_TOO_DEEP, depth=MAX_JSON_DEPTH), code=R_JSON_TOO_DEEP)
     return doc
 
 
@@ -196,7 +193,7 @@ def dump_json(doc: Any) -> bytes:
 
 def error_body(status: int, message: str, code: str, param: str | None = None) -> bytes:
     """{"error": {...}} as OpenAI (and vLLM) shape it."""
-    return orjson.dumps({"error": {"message": message, "type": _ERROR_TYPES.get(status, "api_error"),
+    return orjson.dumps({"error": {"message": message, "type": error_type(status),
                                    "param": param, "code": code}})
 
 

@@ -19,6 +19,8 @@ from grpc.aio import EOF, InternalError
 from ..policy.admission import ACCEPT, DEGRADE, QUEUE, AdmissionController, Decision, RequestFacts
 from ..policy.classify import ConflictingKeys, presented_key
 from ..policy.limits import Outcome, Ticket, Waiter
+from ..policy.reasons import (R_ADMISSION_ERROR, R_BODY_TOO_LARGE, R_CONFLICTING_KEYS, R_METHOD_NOT_ALLOWED,
+                              R_UNKNOWN_URL, R_UNSUPPORTED_ENDPOINT, say)
 from ..store.shared import SharedSlots
 from .accesslog import TICKET_HEADER
 from .openai import (ENDPOINTS, BadRequest, Endpoint, RequestBody, canned_body, degrade_body, dump_json,
@@ -74,10 +76,8 @@ def decision_response(d: Decision) -> pb.ProcessingResponse:
 
 
 # A request-phase failure of ours: refused, never failed open (see Process).
-INTERNAL_ERROR = immediate(500, error_body(500, "The admission service failed on this request; it was not "
-                                                "forwarded. Retrying may help; report it if it persists.",
-                                           "admission_error"), [("x-extproc-decision", "invalid")],
-                           "extproc_admission_error")
+INTERNAL_ERROR = immediate(500, error_body(500, say(R_ADMISSION_ERROR), R_ADMISSION_ERROR),
+                           [("x-extproc-decision", "invalid")], f"extproc_{R_ADMISSION_ERROR}")
 
 
 def _wait_override(seconds: float) -> pb.ProcessingResponse:
@@ -209,9 +209,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         try:
             st.facts.api_key = presented_key(authorization, api_key)
         except ConflictingKeys:
-            return self._refuse(st, BadRequest("The request presents more than one API key (several "
-                                               "Authorization or api-key headers): send exactly one.",
-                                               code="conflicting_api_keys", status=401))
+            return self._refuse(st, BadRequest(say(R_CONFLICTING_KEYS), code=R_CONFLICTING_KEYS, status=401))
         d = self.core.authenticate(st.facts)
         if d is not None:
             st.decision = d.kind
@@ -225,13 +223,14 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         it an unknown path gets the same 404 as envoy.yaml's default route."""
         endpoint = ENDPOINTS.get(path)
         if endpoint is None:
-            return BadRequest(f"Invalid URL ({method} {(path or '')[:200]}).", code="unknown_url", status=404)
-        if method != "POST":
-            return BadRequest(f"{path} takes POST, not {method}.", code="method_not_allowed", status=405)
-        if not self.core.policy.endpoints.serves(endpoint.group):
-            return BadRequest(f"{path} is not served here: the gateway's policy does not admit "
-                              f"`{endpoint.group}` requests (policy `endpoints`).", code="unsupported_endpoint",
+            return BadRequest(say(R_UNKNOWN_URL, method=method, path=(path or "")[:200]), code=R_UNKNOWN_URL,
                               status=404)
+        if method != "POST":
+            return BadRequest(say(R_METHOD_NOT_ALLOWED, path=path, method=method), code=R_METHOD_NOT_ALLOWED,
+                              status=405)
+        if not self.core.policy.endpoints.serves(endpoint.group):
+            return BadRequest(say(R_UNSUPPORTED_ENDPOINT, path=path, group=endpoint.group),
+                              code=R_UNSUPPORTED_ENDPOINT, status=404)
         st.endpoint = endpoint
         return None
 
@@ -239,14 +238,14 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         if st.endpoint is None or st.decision or st.waiter:
             return CONTINUE["request_body"]  # refused already, or a second body message: nothing to decide
         if len(msg.body) > self.max_body_bytes:
-            return self._refuse(st, BadRequest(f"The request body exceeds {self.max_body_bytes} bytes.",
-                                               code="body_too_large", status=413))
+            return self._refuse(st, BadRequest(say(R_BODY_TOO_LARGE, limit=self.max_body_bytes),
+                                               code=R_BODY_TOO_LARGE, status=413))
         policy = self.core.policy
         try:
             body = parse_body(msg.body, st.endpoint, policy.classify.body_field, self.core.limiters)
             if not policy.endpoints.serves(body.endpoint.group):  # /invocations with, say, an embeddings body
-                raise BadRequest(f"/invocations with a `{body.endpoint.group}` body is not served here (policy "
-                                 "`endpoints`).", code="unsupported_endpoint", status=404)
+                raise BadRequest(say(R_UNSUPPORTED_ENDPOINT, path="/invocations with this body",
+                                     group=body.endpoint.group), code=R_UNSUPPORTED_ENDPOINT, status=404)
         except BadRequest as e:
             return self._refuse(st, e)
         facts = st.facts

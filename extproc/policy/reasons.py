@@ -1,0 +1,322 @@
+"""Every reason the ext_proc gives for a decision, in one table: its usual HTTP status, the Retry-After rule, the
+message template and the troubleshooting text. Admission, the servicer, the shared-store adapter and
+docs/troubleshooting.md (generated from it by `make docs`; a test keeps them equal) all read this table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Retry-After rules
+NO_RETRY = "none"    # not a 429/503: no Retry-After
+DRAIN = "drain"      # load: the class's drain estimate, 1..retry_after_max_s (a guess)
+BUCKET = "bucket"    # a rate limit: exactly when the bucket will hold the request, uncapped
+
+
+@dataclass(frozen=True, slots=True)
+class Reason:
+    code: str          # metric label, error.code, x-extproc-reason, troubleshooting heading
+    section: str       # troubleshooting section
+    status: int        # usual HTTP status of a refusal for this reason; 0 for admissions
+    retry_after: str   # NO_RETRY, DRAIN or BUCKET
+    message: str       # str.format template of the error message ("" when nothing is refused)
+    help: str          # what it means and what to do (Markdown)
+
+    def say(self, **fields) -> str:
+        return self.message.format(**fields)
+
+
+# Section intros, in the order docs/troubleshooting.md shows them.
+SECTIONS: dict[str, str] = {
+    "Admitted": "",
+    "Queued": "",
+    "Rejected (429, 499, 503)": "",
+    "Shed (503)": "",
+    "Breakers and degrade": "",
+    "Budgets and rate limits (429, 413)": "",
+    "Shadow mode": "",
+    "Invalid requests (400, 401, 404, 405, 413, 500)": """\
+Refused before admission; they never hold a slot. The ext_proc answers these with `x-extproc-decision: invalid`;
+the reason is in the body's `error.code` (and `x-extproc-reason` for `unknown_model`).""",
+}
+
+REASONS: dict[str, Reason] = {r.code: r for r in (
+    Reason("slot_free", "Admitted", 0, NO_RETRY,
+           "",
+           """\
+Admitted at once: the class had a free slot and nobody queued ahead. Nothing to fix. If latency is high while
+requests are admitted this way, the cap admits more than the replicas serve within the SLO: see `docs/tuning.md`."""),
+    Reason("dequeued", "Admitted", 0, NO_RETRY,
+           "",
+           """\
+Admitted after waiting in the class queue; `x-extproc-queue-wait-ms` says how long. Occasional waits are the queue
+doing its job (absorbing a burst). If most requests of a class are dequeued, the class runs at its cap: check "In-flight
+vs cap" and the sustained queue depth on the dashboard, and `docs/autoscaling.md`."""),
+    Reason("class_full", "Queued", 0, NO_RETRY,
+           "",
+           """\
+Not a final answer: the class's cap was full, so the request joined the class queue (counted in
+`extproc_queue_entries_total`). It ends as `dequeued`, `queue_timeout`, `client_disconnected`,
+`higher_class_saturated` (shed while waiting) or `class_removed`; only that final reason is counted in
+`extproc_requests_total`."""),
+    Reason("queue_full", "Rejected (429, 499, 503)", 429, DRAIN,
+           (
+            "class {cls!r} is at capacity ({running} running, {queued} queued, queue limit "
+            "{queue_limit})"),
+           """\
+**429.** The class's cap was full and its queue already held `max_queue` requests. This is admission control
+refusing work the fleet cannot serve in time, by design: the client should back off for `Retry-After` seconds.
+- Short bursts of it: expected. Do not raise `max_queue` to hide them: long queues turn into long waits and
+  abandoned requests (a queue of 500 once gave a 45 s p99).
+- Sustained (alert `ExtprocRejectionRatioHigh`): demand exceeds capacity. Add replicas (`docs/autoscaling.md`), or
+  re-run the cap-tuning ritual if the model, hardware or vLLM version changed (`docs/tuning.md`).
+- One tenant causing it: that is a fairness problem for per-tenant rate limits, not for the cap."""),
+    Reason("deadline_unmeetable", "Rejected (429, 499, 503)", 429, DRAIN,
+           (
+            "class {cls!r} would not reach this request within its {max_wait_ms} ms queue deadline "
+            "({queued} ahead at its current drain rate)"),
+           """\
+**429** (or the class's fallback with `on_overflow: fallback`). Deadline-aware early rejection: at arrival, the
+queue ahead of this request, at the class's observed drain rate (completions per second), would take longer than
+`max_wait_ms` to clear - so the request is refused at once instead of waiting and then timing out. Once the
+model's cost coefficients are learned it also refuses when that wait plus the predicted service time exceeds the
+class's `slo_p95_ms`. It is the early form of `queue_timeout`: the same causes and fixes. Turn it off per class
+with `early_reject: false`."""),
+    Reason("queue_timeout", "Rejected (429, 499, 503)", 429, DRAIN,
+           "class {cls!r} had no free slot within {max_wait_ms} ms",
+           """\
+**429.** The request waited `max_wait_ms` in the class queue without a slot freeing up. The class's requests take
+longer than its queue deadline to drain: either the queue is deeper than the drain rate allows (lower `max_queue`,
+so arrivals get a fast `queue_full` instead of a slow timeout) or the cap is too low for the traffic."""),
+    Reason("client_disconnected", "Rejected (429, 499, 503)", 499, NO_RETRY,
+           "client disconnected while queued",
+           """\
+**499**, counted only: the client went away while its request was queued, so nothing reaches it. The client's own
+timeout is shorter than the class's `max_wait_ms`. Lower `max_wait_ms` below typical client timeouts, or ask the
+client to wait longer; many of these mean the queue only adds latency that nobody waits for."""),
+    Reason("class_removed", "Rejected (429, 499, 503)", 503, DRAIN,
+           "class {cls!r} was removed from the policy while this request waited",
+           """\
+**503.** A policy reload removed the class while this request waited in its queue. Requests already admitted under
+the class finish normally (their slots are released against the old class). Expected once per reload that drops a
+class; if clients still send that class, they now land in their tenant's default class."""),
+    Reason("store_unavailable", "Rejected (429, 499, 503)", 503, DRAIN,
+           (
+            "the shared slot store is unreachable and the policy fails closed (store.on_failure: "
+            "closed)"),
+           """\
+**503**, only with `store: {kind: redis, on_failure: closed}`: Redis did not answer within `store.timeout_ms`, so
+no replica can know whether the class has a free slot, and the policy chose to refuse rather than guess. Check
+`extproc_store_state` and the ext_proc log (`store state -> closed: ...`); the ext_proc probes Redis every second
+and switches back by itself (`store state -> shared`). With `on_failure: local` the replicas admit against their
+share of each cap instead (the cap divided by `store.instances`)."""),
+    Reason("higher_class_saturated", "Shed (503)", 503, DRAIN,
+           "class {cls!r} is shed while class {protector!r} is saturated",
+           """\
+**503.** A class that protects this one (policy `shed`, by default the first class protects all others) had every
+slot taken, so this class's new requests are refused and its queued ones are dropped, to leave the replicas to the
+higher class. Batch seeing this during interactive peaks is the design working. If it lasts:
+- interactive is at its cap most of the time: add capacity, or check that its cap is not set too low;
+- a batch client that cannot tolerate it should retry after `Retry-After` (the protector's drain estimate);
+- to stop shedding for a pair of classes, change `shed` (`{}` disables shedding entirely)."""),
+    Reason("latency_breaker_open", "Breakers and degrade", 0, DRAIN,
+           "the latency breaker of class {cls!r} is open (p95 above its SLO)",
+           """\
+The class's latency breaker is open: the rolling p95 of its completed requests exceeded the class SLO (with enough
+samples), so new requests take the class's fallback (a smaller model, a canned response, or a fast 503) instead of
+making the pool slower. It half-opens after the cooldown and lets a trickle through; one slow trickle request
+re-opens it. Look at the pool's replicas (vLLM's running/waiting requests and KV-cache usage on the dashboard):
+usually the cap admits more than the SLO allows, a replica is degraded, or the prompt mix shifted to long prompts.
+Alert `ExtprocBreakerNotClosed` fires when a breaker has not closed for 5 minutes."""),
+    Reason("error_breaker_open", "Breakers and degrade", 0, DRAIN,
+           "the error breaker of class {cls!r} is open (upstream failures)",
+           """\
+The class's error breaker is open: the share of 5xx, upstream resets and timeouts in its window crossed the
+threshold. The upstream is failing, not slow: check replica health (`/health`), Envoy's cluster stats
+(`upstream_rq_5xx`, `upstream_cx_connect_fail`) and the vLLM logs. Same half-open cycle and alert as above.
+
+Either breaker reason also appears with `decision="degrade"` when the class's `fallback.action` is `degrade` or
+`canned`; the response then carries `x-extproc-degraded: <what changed>; reason=<reason>`. With
+`on_overflow: fallback`, `queue_full` and `queue_timeout` appear with `decision="degrade"` too."""),
+    Reason("degraded_capacity_full", "Breakers and degrade", 503, DRAIN,
+           "{why}, and its degraded capacity is full too",
+           """\
+**503** (breaker) or **429** (overflow). The class's fallback is `degrade`, but its degraded requests already fill
+`fallback.max_concurrency` (default: the class's own cap). The fallback pool is protected like any other: raise
+that cap only if the small model's replicas have room (watch `extproc_degraded_inflight`), or add replicas there."""),
+    Reason("tenant_requests_per_minute", "Budgets and rate limits (429, 413)", 429, BUCKET,
+           "tenant {tenant!r} is over its requests per minute limit",
+           """\
+**429.** The tenant's `requests_per_minute` token bucket is empty. `Retry-After` is the time until one request's
+worth refills; `x-ratelimit-limit-requests`, `x-ratelimit-remaining-requests` and `x-ratelimit-reset-requests`
+say where the bucket stands (as OpenAI reports them). This is per-client fairness, separate from admission: it
+fires even when the fleet is idle. Raise the tenant's limit or `burst_s` if the tenant is entitled to more;
+`extproc check` warns when the tenants' limits add up past `fleet`."""),
+    Reason("tenant_tokens_per_minute", "Budgets and rate limits (429, 413)", 429, BUCKET,
+           "tenant {tenant!r} is over its tokens per minute limit",
+           """\
+**429.** The tenant's `tokens_per_minute` bucket cannot cover this request's prompt plus its output. A non-streamed
+request is charged prompt + `max_tokens` (times `n`) up front and refunded from the response's `usage`, which is
+read for every such request of a tenant with this limit (one ext_proc message). A stream's usage costs a message per
+chunk, so only the sampled share (`learn_sample`) is read: other streams are charged prompt + expected output (the
+model's learned output ratio times `max_tokens`) and not corrected. Headers as above, with `-tokens`."""),
+    Reason("session_inflight_budget", "Budgets and rate limits (429, 413)", 429, DRAIN,
+           "this agent session is over its GPU-seconds budget (in flight)",
+           """\
+**429.** Requests carrying the same session id (`sessions.header`, default `x-session-id`) already hold
+`sessions.max_inflight_gpu_seconds` of estimated GPU time in flight: an agent loop fanning out counts as one
+customer. It clears as the session's requests finish (`Retry-After: 1`). A single request larger than the budget
+is still admitted when the session has nothing else in flight. Counted in `extproc_session_rejections_total`."""),
+    Reason("session_gpu_seconds_per_minute", "Budgets and rate limits (429, 413)", 429, BUCKET,
+           "this agent session is over its GPU-seconds budget (per minute)",
+           """\
+**429.** The session's `sessions.gpu_seconds_per_minute` bucket is empty: a long-running agent loop has used its
+share for now; `Retry-After` is the refill time."""),
+    Reason("request_too_large", "Budgets and rate limits (429, 413)", 413, NO_RETRY,
+           (
+            "this request is estimated at {gpu_s:.1f} GPU-seconds ({prompt_tokens} prompt tokens, up to "
+            "{max_tokens} output tokens), more than class {cls!r}'s whole budget of {budget:g}: shorten "
+            "the prompt or lower max_tokens"),
+           """\
+**413.** This one request's estimated GPU-seconds exceed the class's whole `max_inflight_gpu_seconds` budget, so it
+could never be admitted; it is refused at once rather than queued forever. The message gives the estimate (prompt
+tokens, output tokens). Shorten the prompt, lower `max_tokens`, or raise the budget; check the model's `cost`
+profile with `extproc_cost_model` if estimates look off."""),
+    Reason("max_tokens_too_large", "Budgets and rate limits (429, 413)", 400, NO_RETRY,
+           "max_tokens {max_tokens} exceeds the model's context of {context} tokens.",
+           """\
+**400.** `max_tokens` exceeds the model's `cost.max_context_tokens`; vLLM would refuse it too."""),
+    Reason("shadow", "Shadow mode", 0, NO_RETRY,
+           "",
+           """\
+**Admitted** (`decision="accept"`, `reason="shadow"`): the policy (or the class) is in shadow mode and enforce
+mode would have refused, shed or degraded this request. What it would have done is in the response header
+`x-extproc-shadow: would-<decision>; reason=<reason>` and in `extproc_shadow_decisions_total{would, reason}`.
+Compare those counts with the SLO before switching to `mode: enforce` (`docs/tuning.md`)."""),
+    Reason("ended_while_queued", "Shadow mode", 0, NO_RETRY,
+           "",
+           """\
+Shadow only (`extproc_shadow_decisions_total{would="queue"}`): enforce mode would still have had this request
+waiting in the queue when it actually finished. Many of these mean the queue would be holding requests for about
+as long as they take to serve: the class cap is tight for the load."""),
+    Reason("unknown_model", "Invalid requests (400, 401, 404, 405, 413, 500)", 404, NO_RETRY,
+           "The model `{model}` does not exist.",
+           """\
+**404.** The body's `model` is not a key of the policy's `models:`. Add the model (mapped to its Envoy cluster) or
+fix the client's model name; `GET /v1/models` lists what the replicas serve."""),
+    Reason("invalid_json", "Invalid requests (400, 401, 404, 405, 413, 500)", 400, NO_RETRY,
+           "",
+           """\
+**400.** The body is not JSON, or not a JSON object. Also numbers JSON cannot hold as a double (`1e400`) and
+`NaN`/`Infinity`, which are not JSON."""),
+    Reason("json_too_deep", "Invalid requests (400, 401, 404, 405, 413, 500)", 400, NO_RETRY,
+           "The request body nests JSON deeper than {depth} levels.",
+           """\
+**400.** The body nests objects/arrays more than 64 levels deep (a tool's parameter schema rarely passes 20).
+Deeper bodies are refused before anything walks them: they used to exhaust Python's recursion."""),
+    Reason("invalid_body", "Invalid requests (400, 401, 404, 405, 413, 500)", 400, NO_RETRY,
+           "",
+           """\
+**400.** The JSON is an object but a field admission reads is wrong; `error.param` names it: `model` missing or
+not a non-empty string, `max_tokens`/`max_completion_tokens` not a positive integer, `stream` not a boolean, or the
+class field (`classify.body_field`, default `priority`) neither a class name nor an integer, or `n`/`best_of` not a
+positive integer. Also an empty body on a compute endpoint. (A client's integer `priority`, vLLM's scheduling
+priority, is accepted and removed: the policy's `classes.<name>.vllm_priority` sets it.)"""),
+    Reason("body_too_large", "Invalid requests (400, 401, 404, 405, 413, 500)", 413, NO_RETRY,
+           "The request body exceeds {limit} bytes.",
+           """\
+**413.** The body is larger than the ext_proc's `--max-body-bytes` (default 4 MiB). Bodies larger than Envoy's
+`per_connection_buffer_limit_bytes` get a 413 from Envoy itself, without `x-extproc-*` headers. Keep the two limits
+equal."""),
+    Reason("unknown_url", "Invalid requests (400, 401, 404, 405, 413, 500)", 404, NO_RETRY,
+           "Invalid URL ({method} {path}).",
+           """\
+**404.** The path is not one the gateway serves: Envoy's default route answers it (`x-extproc-*` headers absent)
+without reaching a replica. Served paths: vLLM's compute endpoints (through admission) and `GET /v1/models`,
+`/health`, `/ping`, `/version` (docs/envoy-integration.md §3). Case and trailing slashes matter, as in vLLM."""),
+    Reason("method_not_allowed", "Invalid requests (400, 401, 404, 405, 413, 500)", 405, NO_RETRY,
+           "{path} takes POST, not {method}.",
+           """\
+**405.** A compute endpoint called with another method than POST."""),
+    Reason("unsupported_endpoint", "Invalid requests (400, 401, 404, 405, 413, 500)", 404, NO_RETRY,
+           (
+            "{path} is not served here: the gateway's policy does not admit `{group}` requests (policy "
+            "`endpoints`)."),
+           """\
+**404.** A vLLM compute endpoint whose group the policy's `endpoints` switches off (embeddings and tokenize are off
+by default; audio is always refused, its uploads cannot be costed). Switch the group on if the replicas should
+serve it; the request never reached one."""),
+    Reason("missing_api_key", "Invalid requests (400, 401, 404, 405, 413, 500)", 401, NO_RETRY,
+           (
+            "You didn't provide an API key. Send it as `Authorization: Bearer <key>` (or `api-key: "
+            "<key>`)."),
+           """\
+**401.** `anonymous.allow: false` and the request has no key in `Authorization: Bearer <key>` or `api-key`.
+Other Authorization schemes (Basic, ...) carry no key for us."""),
+    Reason("invalid_api_key", "Invalid requests (400, 401, 404, 405, 413, 500)", 401, NO_RETRY,
+           "Incorrect API key provided.",
+           """\
+**401.** `anonymous.allow: false` and the key belongs to no tenant. The key is never echoed or logged."""),
+    Reason("conflicting_api_keys", "Invalid requests (400, 401, 404, 405, 413, 500)", 401, NO_RETRY,
+           (
+            "The request presents more than one API key (several Authorization or api-key headers): "
+            "send exactly one."),
+           """\
+**401.** The request carries two different keys (two `Authorization` headers, which Envoy joins with a comma, or a
+Bearer key and a different `api-key`). Send one."""),
+    Reason("admission_error", "Invalid requests (400, 401, 404, 405, 413, 500)", 500, NO_RETRY,
+           (
+            "The admission service failed on this request; it was not forwarded. Retrying may help; "
+            "report it if it persists."),
+           """\
+**500.** The ext_proc failed on this request before deciding it (a bug; `extproc_stream_errors_total` counts it).
+The request was refused, not passed on unadmitted. Report it with the traceback from the log."""),
+)}
+# The codes, for code that names one (each is a key of REASONS).
+R_SLOT_FREE = "slot_free"
+R_DEQUEUED = "dequeued"
+R_CLASS_FULL = "class_full"
+R_QUEUE_FULL = "queue_full"
+R_DEADLINE = "deadline_unmeetable"
+R_QUEUE_TIMEOUT = "queue_timeout"
+R_CLIENT_GONE = "client_disconnected"
+R_CLASS_REMOVED = "class_removed"
+R_STORE_UNAVAILABLE = "store_unavailable"
+R_HIGHER_SATURATED = "higher_class_saturated"
+R_LATENCY_BREAKER = "latency_breaker_open"
+R_ERROR_BREAKER = "error_breaker_open"
+R_DEGRADED_FULL = "degraded_capacity_full"
+R_TENANT_REQUESTS = "tenant_requests_per_minute"
+R_TENANT_TOKENS = "tenant_tokens_per_minute"
+R_SESSION_INFLIGHT = "session_inflight_budget"
+R_SESSION_RATE = "session_gpu_seconds_per_minute"
+R_TOO_LARGE = "request_too_large"
+R_MAX_TOKENS = "max_tokens_too_large"
+R_SHADOW = "shadow"
+R_ENDED_WHILE_QUEUED = "ended_while_queued"
+R_UNKNOWN_MODEL = "unknown_model"
+R_MISSING_KEY = "missing_api_key"
+R_INVALID_KEY = "invalid_api_key"
+R_CONFLICTING_KEYS = "conflicting_api_keys"
+R_INVALID_JSON = "invalid_json"
+R_JSON_TOO_DEEP = "json_too_deep"
+R_INVALID_BODY = "invalid_body"
+R_BODY_TOO_LARGE = "body_too_large"
+R_UNKNOWN_URL = "unknown_url"
+R_METHOD_NOT_ALLOWED = "method_not_allowed"
+R_UNSUPPORTED_ENDPOINT = "unsupported_endpoint"
+R_ADMISSION_ERROR = "admission_error"
+
+
+def say(code: str, **fields) -> str:
+    """The message of a refusal for `code`, its template filled in."""
+    return REASONS[code].message.format(**fields)
+
+
+# OpenAI's error `type` by status (vLLM uses the same shapes).
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               499: "client_closed_request", 500: "server_error", 503: "service_unavailable_error"}
+
+
+def error_type(status: int) -> str:
+    return ERROR_TYPES.get(status, "api_error")
