@@ -6,7 +6,8 @@
 
 Prints, per policy and window: interactive p99 (per seed), goodput, output tokens/s, and for adaptive classes the
 cap's range and how often it moved in the steady (normal) phases. The gradient controllers are an experiment for
-docs/adaptive.md, not shipped code: they replace AdaptiveLimit.update in this process only.
+docs/adaptive.md, not shipped code: a Limit of this script's own, handed to the what-if's core as its
+`limit_factory` (extproc.policy.limits.Limit).
 """
 
 from __future__ import annotations
@@ -23,18 +24,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from extproc.demo.results import window_stats  # noqa: E402
 from extproc.demo.scenario import Scenario  # noqa: E402
 from extproc.demo.whatif import what_if  # noqa: E402
-from extproc.policy import adaptive  # noqa: E402
+from extproc.policy.adaptive import AdaptiveLimit  # noqa: E402
+from extproc.policy.limits import default_limit  # noqa: E402
 
-AIMD_UPDATE = adaptive.AdaptiveLimit.update
 
-
-def gradient_update(anchor: str):
+class GradientLimit(AdaptiveLimit):
     """A gradient controller in the style of Envoy's adaptive_concurrency / Netflix's Gradient2:
     new = limit * clamp(target / p95, 0.5, 1.5) + sqrt(limit) headroom, smoothed; cut on saturation like AIMD.
     anchor "minrtt": target = 2x the lowest window p50 seen (Envoy's buffer 100% on a fixed-ish min RTT);
     anchor "slo": target = cut_at x the class SLO."""
 
+    anchor = "slo"
+
     def update(self, now, inflight, saturation):
+        anchor = self.anchor
         spec = self.spec
         if self._last is not None and now - self._last < spec.interval_s:
             return int(self.limit)
@@ -61,7 +64,21 @@ def gradient_update(anchor: str):
         self.last_action = "gradient"
         return int(self.limit)
 
-    return update
+
+def limit_factory(controller: str):
+    """The shipped AIMD, or a gradient controller for adaptive classes."""
+    if controller == "aimd":
+        return default_limit
+
+    class Anchored(GradientLimit):
+        anchor = controller.split("-")[1]
+
+    def make(spec):
+        if not spec.adaptive.enabled:
+            return default_limit(spec)
+        return Anchored(spec.adaptive, spec.slo_p95_ms / 1000.0, spec.max_concurrency)
+
+    return make
 
 
 def main() -> int:
@@ -72,8 +89,7 @@ def main() -> int:
     p.add_argument("--controller", default="aimd", choices=["aimd", "gradient-minrtt", "gradient-slo"])
     p.add_argument("--phase-s", type=float)
     args = p.parse_args()
-    adaptive.AdaptiveLimit.update = AIMD_UPDATE if args.controller == "aimd" else \
-        gradient_update(args.controller.split("-")[1])
+    factory = limit_factory(args.controller)
     base = Scenario.load(args.scenario)
     if args.phase_s:
         base = base.shortened(args.phase_s)
@@ -89,7 +105,7 @@ def main() -> int:
         moves = []
         for seed in seeds:
             scenario = replace(base, seed=seed)
-            res = what_if(scenario, policy, capacity)
+            res = what_if(scenario, policy, capacity, limit_factory=factory)
             for w, span in windows.items():
                 per_window[w].append(window_stats(res.records, span, scenario.slo_class, scenario.slo_p95_s,
                                                   scenario.client_timeout_s, True))

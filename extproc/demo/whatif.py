@@ -23,7 +23,7 @@ import yaml
 from extproc.loadgen import RequestRecord, plan_request, poisson_arrivals
 from extproc.policy.admission import ACCEPT, DEGRADE, QUEUE, AdmissionController, RequestFacts
 from extproc.policy.classify import presented_key
-from extproc.policy.limits import Completion, Outcome
+from extproc.policy.limits import Completion, LimitFactory, Outcome, default_limit
 from extproc.policy.schema import load_policy
 from extproc.server.saturation import PoolScraper, _Replica
 from extproc.sim.engine import Engine
@@ -61,11 +61,13 @@ class _Pool:
         self.draining: set[int] = set()  # replicas the load balancer no longer sends new requests to
 
 
-def what_if(scenario: Scenario, policy_path: str, capacity: float) -> WhatIfResult:
-    """Records (simulated seconds) of the scenario's arrivals admitted by the policy into the scenario's pools."""
+def what_if(scenario: Scenario, policy_path: str, capacity: float,
+            limit_factory: LimitFactory = default_limit) -> WhatIfResult:
+    """Records (simulated seconds) of the scenario's arrivals admitted by the policy into the scenario's pools;
+    `limit_factory` swaps the classes' limit algorithm (extproc.policy.limits.Limit)."""
     policy = load_policy(yaml.safe_load(open(policy_path, encoding="utf-8")))
     clock = [0.0]
-    core = AdmissionController(policy, clock=lambda: clock[0])
+    core = AdmissionController(policy, clock=lambda: clock[0], limit_factory=limit_factory)
     pools = {p.name: _Pool(p.name, p.profile, p.replicas, scenario.seed + 100 * i)
              for i, p in enumerate(scenario.pools)}
     first = scenario.pools[0].name
@@ -119,7 +121,7 @@ def what_if(scenario: Scenario, policy_path: str, capacity: float) -> WhatIfResu
             s.replicas = {f"{name}/{i}": _Replica(f"{name}/{i}") for i in range(len(pools[name].engines))}
             scrapers[name] = s
             push(0.0, _SCRAPE, name)
-    if any(lim.adaptive is not None for lim in core.limiters.values()):
+    if any(lim.spec.adaptive.enabled for lim in core.limiters.values()):
         push(0.0, _TICK, None)
     for e in scenario.events:
         push(e.at_s, _FAULT, e)
@@ -130,7 +132,7 @@ def what_if(scenario: Scenario, policy_path: str, capacity: float) -> WhatIfResu
             s.record(s.replicas[f"{name}/{i}"], {"running": float(len(eng.running)),
                                                 "waiting": float(len(eng.waiting)), "kv": eng.kv_usage,
                                                 "preemptions": float(eng.stats.preemptions)})
-        core.saturation[name] = s.aggregate(clock[0])
+        core.set_saturation(name, s.aggregate(clock[0]))
 
     def tick() -> None:
         before = {n: lim.limit for n, lim in core.limiters.items()}

@@ -39,9 +39,11 @@ def prompt_size(doc: dict[str, Any]) -> tuple[int, int]:
     """
     chars = tokens = 0
     for key in ("messages", "prompt", "input"):  # chat; completions; Responses API (and embeddings) input
-        c, t = _prompt_like(doc.get(key))
-        chars += c
-        tokens += t
+        value = doc.get(key)
+        if value is not None:
+            c, t = _prompt_like(value)
+            chars += c
+            tokens += t
     if isinstance(doc.get("instructions"), str):
         chars += len(doc["instructions"])
     for key in ("tools", "functions"):

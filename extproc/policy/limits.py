@@ -6,9 +6,47 @@ import enum
 import itertools
 import math
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from .schema import ClassSpec
+
+
+class Limit(Protocol):
+    """A class's concurrency-limit algorithm, kept apart from the gate that enforces it (ClassLimiter): told how
+    completed requests fared and how loaded the replicas are, it says the limit. Static caps, AIMD and any future
+    algorithm are interchangeable behind this (AdmissionController's `limit_factory` picks one per class)."""
+
+    limit: float  # the current limit
+
+    def observe(self, now: float, latency_s: float) -> None: ...
+    def update(self, now: float, inflight: int, saturation: Any) -> int: ...
+
+
+class StaticLimit:
+    """The policy's `max_concurrency`, as written."""
+
+    __slots__ = ("limit",)
+
+    def __init__(self, limit: int):
+        self.limit = limit
+
+    def observe(self, now: float, latency_s: float) -> None:
+        pass
+
+    def update(self, now: float, inflight: int, saturation: Any) -> int:
+        return self.limit
+
+
+LimitFactory = Callable[[ClassSpec], Limit]
+
+
+def default_limit(spec: ClassSpec) -> Limit:
+    """AIMD anchored to the class's SLO when `adaptive.enabled`, else the static cap."""
+    if spec.adaptive.enabled:
+        from .adaptive import AdaptiveLimit  # adaptive imports the breakers' windows; only adaptive classes need it
+
+        return AdaptiveLimit(spec.adaptive, spec.slo_p95_ms / 1000.0, spec.max_concurrency)
+    return StaticLimit(spec.max_concurrency)
 
 
 class Outcome(enum.Enum):
@@ -41,14 +79,15 @@ _ticket_ids = itertools.count(1)
 class Ticket:
     """An admitted request's hold on a class slot. Closed exactly once via AdmissionController.finish."""
 
-    __slots__ = ("id", "limiter", "tenant", "pool", "admitted_at", "lease_until", "cost", "closed", "waited_s",
-                 "released_at", "stream_outcome", "completion", "trickle", "degraded", "holds_slot", "waiter",
-                 "charge", "usage")
+    __slots__ = ("id", "limiter", "cls", "tenant", "pool", "admitted_at", "lease_until", "cost", "closed", "waited_s",
+                 "released_at", "stream_outcome", "completion", "trickle", "degraded", "holds_slot", "charge",
+                 "usage")
 
     def __init__(self, limiter: ClassLimiter, tenant: str, pool: str, now: float, lease_s: float, cost: float,
                  waited_s: float, holds_slot: bool = True):
         self.id = next(_ticket_ids)
         self.limiter = limiter          # the limiter it was admitted under, kept across policy reloads
+        self.cls = limiter.name
         self.tenant = tenant
         self.pool = pool                # the Envoy cluster it was sent to
         self.admitted_at = now
@@ -62,20 +101,15 @@ class Ticket:
         self.trickle = False            # a half-open breaker's probe
         self.degraded = False           # holds a slot of the class's degraded limiter, on a fallback pool
         self.holds_slot = holds_slot    # False for shadow-mode passes that enforce mode would not have admitted
-        self.waiter: Waiter | None = None  # shadow mode: the virtual queue place it holds, if any
         self.charge: Any = None         # the admission's Charge (estimate, tenant, session) to settle at the end
         self.usage: tuple[int, int] | None = None  # (prompt, completion) tokens, when the response was read
-
-    @property
-    def cls(self) -> str:
-        return self.limiter.name
 
 
 class Waiter:
     """A request waiting in a class queue. Its result (a Decision) is set exactly once."""
 
     __slots__ = ("limiter", "tenant", "pool", "trickle", "enqueued_at", "deadline", "cost", "result", "on_result",
-                 "context", "shadow_ticket", "charge")
+                 "context", "charge")
 
     def __init__(self, limiter: ClassLimiter, tenant: str, pool: str, now: float, cost: float, context: Any):
         self.limiter = limiter
@@ -88,7 +122,6 @@ class Waiter:
         self.result: Any = None
         self.on_result: Callable[[Any], None] | None = None  # set by the adapter (e.g. a future's set_result)
         self.context = context          # whatever the caller needs back with the result (the request facts)
-        self.shadow_ticket: Ticket | None = None  # shadow mode: the real request already running
         self.charge: Any = None
 
     @property
@@ -128,7 +161,7 @@ class DrainRate:
 class ClassLimiter:
     """One class's slots and its bounded FIFO queue. Counts only; the decisions live in admission."""
 
-    __slots__ = ("name", "spec", "limit", "inflight", "inflight_cost", "queue", "drain", "adaptive", "pools")
+    __slots__ = ("name", "spec", "limit", "inflight", "inflight_cost", "queue", "drain", "controller", "pools")
 
     def __init__(self, name: str, spec: ClassSpec):
         self.name = name
@@ -138,16 +171,15 @@ class ClassLimiter:
         self.inflight_cost = 0.0
         self.queue: deque[Waiter] = deque()
         self.drain = DrainRate()
-        self.adaptive: Any = None       # an AdaptiveLimit when the class adapts its cap
+        self.controller: Limit = StaticLimit(spec.max_concurrency)  # the algorithm that sets `limit`
         self.pools: set[str] = set()    # pools this class has sent requests to (whose saturation it heeds)
 
-    def reconfigure(self, spec: ClassSpec) -> None:
-        """New caps apply to new decisions; slots already held stay held until released."""
-        adaptive_kept = self.adaptive is not None and spec.adaptive == self.spec.adaptive and spec.adaptive.enabled
+    def reconfigure(self, spec: ClassSpec) -> bool:
+        """New caps apply to new decisions; slots already held stay held until released. True when the limit
+        algorithm must be rebuilt (an adaptive one whose knobs are unchanged keeps what it learned)."""
+        keep = spec.adaptive.enabled and spec.adaptive == self.spec.adaptive
         self.spec = spec
-        if not adaptive_kept:
-            self.adaptive = None
-            self.limit = spec.max_concurrency
+        return not keep
 
     def queue_wait_s(self, now: float) -> float | None:
         """Predicted wait of a new arrival: the queue ahead at the observed drain rate (None without data)."""

@@ -307,9 +307,12 @@ R_UNSUPPORTED_ENDPOINT = "unsupported_endpoint"
 R_ADMISSION_ERROR = "admission_error"
 
 
+_TEMPLATES = {code: r.message.format for code, r in REASONS.items()}
+
+
 def say(code: str, **fields) -> str:
     """The message of a refusal for `code`, its template filled in."""
-    return REASONS[code].message.format(**fields)
+    return _TEMPLATES[code](**fields)
 
 
 # OpenAI's error `type` by status (vLLM uses the same shapes).

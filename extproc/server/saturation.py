@@ -71,7 +71,7 @@ class PoolScraper:
             if not self.spec.replicas and self.spec.envoy_admin and started - self._last_discovery > 5.0:
                 await self._discover()
             await asyncio.gather(*(self._scrape(r) for r in list(self.replicas.values())))
-            self.core.saturation[self.name] = self.aggregate(self.clock())
+            self.core.set_saturation(self.name, self.aggregate(self.clock()))
             await asyncio.sleep(max(interval - (self.clock() - started), 0.0))
 
     async def _scrape(self, r: _Replica) -> None:
@@ -167,4 +167,4 @@ class SaturationScrapers:
             self._session = None
         for name in list(self.core.saturation):
             if self._config is None or name not in self._config:
-                del self.core.saturation[name]
+                self.core.set_saturation(name, None)

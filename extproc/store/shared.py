@@ -58,7 +58,7 @@ class SharedSlots:
         self._pumps: dict[str, asyncio.Task] = {}
         self._to_release: list[SlotClaim] = []
         self._releaser: asyncio.Task | None = None
-        core.shared_slots = store.shared
+        core.gate_on_store(store.shared)
         store.on_release(self._wake)
         self.state_gauge = Gauge("extproc_store_state", "1 for the slot store's current state: shared (Redis "
                                  "answers), local (fail open on per-replica caps) or closed (fail closed).",

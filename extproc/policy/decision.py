@@ -1,0 +1,122 @@
+"""The core's vocabulary: request facts in, decisions out, and what it tells the outside world."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+from .breakers import Breaker
+from .classify import Classification
+from .cost import CostEstimate
+from .limits import Outcome, Ticket, Waiter
+from .ratelimit import Session, TenantLimits
+from .schema import FallbackSpec
+
+# Decision kinds
+ACCEPT, QUEUE, REJECT, SHED, DEGRADE, INVALID = "accept", "queue", "reject", "shed", "degrade", "invalid"
+
+
+@dataclass(slots=True)
+class RequestFacts:
+    """What the adapter read off the request; no policy in here."""
+
+    api_key: str | None = None
+    header_class: str | None = None
+    body_class: str | None = None
+    model: str | None = None
+    max_tokens: int | None = None
+    stream: bool = False
+    request_id: str = ""
+    session_id: str | None = None
+    doc: dict | None = None      # the parsed JSON body, for the prompt-size estimate
+    sequences: int = 1           # outputs generated (n, best_of)
+    generates: bool = True       # False: a prefill-only endpoint (embeddings, score, ...): no output tokens
+    degradable: bool = True      # a `degrade` fallback can serve it (another model, fewer tokens, no stream)
+    cannable: bool = True        # a `canned` fallback can answer it (chat and completions shapes)
+    reads_usage: bool = False    # its real usage will be read from the response (then refunded exactly)
+
+
+class Charge:
+    """What one request is estimated to cost, and whom it is charged to; settled once when it ends."""
+
+    __slots__ = ("model", "estimate", "tenant", "session", "request_id", "tokens", "fallbacks")
+
+    def __init__(self, model: str, estimate: CostEstimate, tenant: TenantLimits | None, session: Session | None,
+                 request_id: str = "", reads_usage: bool = True):
+        self.model = model
+        self.request_id = request_id
+        self.estimate = estimate
+        self.tenant = tenant
+        self.session = session
+        # Tokens a tokens-per-minute limit charges up front: the worst case when real usage will be read and
+        # refunded, else the expected output (a request whose usage is never read is never corrected).
+        self.tokens = estimate.tokens if reads_usage else \
+            estimate.prompt_tokens + math.ceil(estimate.expected_output)
+        self.fallbacks = ("reject", "degrade", "canned")  # the fallback actions this request's endpoint allows
+
+
+class Decision:
+    """The core's answer for one request. Terminal unless kind is QUEUE (then `waiter` gets the final one)."""
+
+    __slots__ = ("kind", "reason", "cls", "tenant", "status", "retry_after", "message", "ticket", "waiter",
+                 "cluster", "classification", "waited_s", "fallback", "shadow_would", "headers", "charge")
+
+    def __init__(self, kind: str, reason: str, cls: str, tenant: str, *, status: int = 200, retry_after: int = 0,
+                 message: str = "", ticket: Ticket | None = None, waiter: Waiter | None = None,
+                 cluster: str | None = None, classification: Classification | None = None,
+                 waited_s: float = 0.0, fallback: FallbackSpec | None = None):
+        self.kind = kind
+        self.reason = reason
+        self.cls = cls
+        self.tenant = tenant
+        self.status = status
+        self.retry_after = retry_after
+        self.message = message
+        self.ticket = ticket
+        self.waiter = waiter
+        self.cluster = cluster
+        self.classification = classification
+        self.waited_s = waited_s
+        self.fallback = fallback          # DEGRADE: what to change (model, max_tokens, stream) or the canned reply
+        self.shadow_would: Decision | None = None  # shadow mode: the decision enforce mode would have made
+        self.headers: list[tuple[str, str]] = []  # extra response headers (x-ratelimit-*)
+        self.charge: Charge | None = None  # what the request was estimated to cost (for logs)
+
+    def __repr__(self) -> str:
+        return f"Decision({self.kind}, {self.reason}, cls={self.cls}, status={self.status})"
+
+
+class AdmissionEvents(Protocol):
+    """What the core tells the outside world (metrics, logs). Implementations must be cheap and never raise."""
+
+    def decided(self, decision: Decision) -> None: ...
+    def queued(self, waiter: Waiter) -> None: ...
+    def finished(self, ticket: Ticket, outcome: Outcome, duration_s: float) -> None: ...
+    def shadow(self, cls: str, would: str, reason: str) -> None: ...
+    def breaker_changed(self, cls: str, pool: str, breaker: Breaker, state: str) -> None: ...
+    def cost_observed(self, ticket: Ticket, estimated_s: float, actual_s: float) -> None: ...
+    def first_token(self, ticket: Ticket, seconds: float) -> None: ...
+
+
+class NoEvents:
+    def decided(self, decision: Decision) -> None:
+        pass
+
+    def queued(self, waiter: Waiter) -> None:
+        pass
+
+    def finished(self, ticket: Ticket, outcome: Outcome, duration_s: float) -> None:
+        pass
+
+    def shadow(self, cls: str, would: str, reason: str) -> None:
+        pass
+
+    def breaker_changed(self, cls: str, pool: str, breaker: Breaker, state: str) -> None:
+        pass
+
+    def cost_observed(self, ticket: Ticket, estimated_s: float, actual_s: float) -> None:
+        pass
+
+    def first_token(self, ticket: Ticket, seconds: float) -> None:
+        pass

@@ -1,0 +1,78 @@
+"""What the core learns when an admitted request has ended: one completion event, fed to each listener."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from .breakers import LatencyBreaker
+from .limits import Completion, Outcome, StaticLimit, Ticket
+
+
+class Completed:
+    """One admitted request, ended and accounted: how it ended and how long it took."""
+
+    __slots__ = ("ticket", "outcome", "report", "latency_s", "now", "served", "speaks_for_its_pool")
+
+    def __init__(self, ticket: Ticket, outcome: Outcome, report: Completion | None, latency_s: float, now: float,
+                 class_exists: bool):
+        self.ticket = ticket
+        self.outcome = outcome
+        self.report = report          # the data plane's account, when it arrived
+        self.latency_s = latency_s    # arrival to end, queueing included
+        self.now = now
+        # It ran to its end (a complete answer, or an end the stream saw as normal).
+        self.served = outcome is Outcome.OK or outcome is Outcome.ENDED
+        # Served by the class's own pool under a class that still exists (a reload may have removed it): its
+        # latency and errors are evidence about that pool; a degraded request ran elsewhere.
+        self.speaks_for_its_pool = not ticket.degraded and class_exists
+
+
+class OutcomeListener(Protocol):
+    def completed(self, c: Completed) -> None: ...
+
+
+class CostLearning:
+    """Real usage corrects the model's cost coefficients and refunds (or charges) the tenant's token bucket."""
+
+    def __init__(self, state, events):
+        self.state = state
+        self.events = events
+
+    def completed(self, c: Completed) -> None:
+        t = c.ticket
+        if t.usage is None or t.charge is None:
+            return
+        charge, (prompt, completion) = t.charge, t.usage
+        model = self.state.cost_models.get(charge.model)
+        if model is None:
+            return
+        est = charge.estimate
+        self.events.cost_observed(t, est.gpu_seconds, model.actual(prompt, completion))
+        r = c.report
+        service = (r.total_s - t.waited_s) if r is not None and r.total_s else t.released_at - t.admitted_at
+        model.learn(est, prompt, completion, service if not t.degraded else None)
+        if charge.tenant is not None and t.holds_slot:
+            charge.tenant.correct(charge.tokens, prompt + completion)
+
+
+class PoolLearning:
+    """What a request says about its class's pool: the class's limit algorithm sees the latency of requests served
+    to the end; its breakers see the latency (latency breaker) and whether it failed (error breaker)."""
+
+    def __init__(self, state):
+        self.pool_breakers = state.pool_breakers
+
+    def completed(self, c: Completed) -> None:
+        if not c.speaks_for_its_pool:
+            return
+        t, outcome = c.ticket, c.outcome
+        limit = t.limiter.controller
+        if c.served and type(limit) is not StaticLimit:  # a static cap learns nothing
+            limit.observe(c.now, c.latency_s)
+        for b in self.pool_breakers(t.cls, t.pool):
+            if isinstance(b, LatencyBreaker):
+                # An aborted request's duration is a lower bound: it only counts once it is already too slow.
+                if c.served or c.latency_s > b.slo_s:
+                    b.observe(c.now, c.latency_s, t.trickle)
+            elif outcome is not Outcome.CLIENT_ABORT:
+                b.observe(c.now, outcome is Outcome.UPSTREAM_ERROR or outcome is Outcome.LEASE_EXPIRED, t.trickle)

@@ -1,0 +1,114 @@
+"""What one policy builds (limiters, classifier, cost models, buckets, breakers), rebuilt on reload with carry-over."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .breakers import Breaker, ErrorBreaker, LatencyBreaker
+from .classify import Classifier
+from .cost import CostModel
+from .limits import ClassLimiter, LimitFactory, default_limit
+from .ratelimit import SessionBudgets, TenantLimits
+from .schema import ClassSpec, Policy
+
+
+class PolicyState:
+    """The policy as running state. A reload keeps what must survive it: slots held under a limiter, learned cost
+    coefficients (unless the model's profile changed), tenant buckets and session budgets (unless their spec
+    changed), breaker state (unless the class's breaker specs changed) and adaptive limits."""
+
+    def __init__(self, clock: Callable[[], float], on_breaker_change: Callable[[str, str, Breaker, str], None],
+                 limit_factory: LimitFactory = default_limit):
+        self.clock = clock
+        self.on_breaker_change = on_breaker_change
+        self.limit_factory = limit_factory
+        self.limiters: dict[str, ClassLimiter] = {}
+        self.degraded: dict[str, ClassLimiter] = {}   # per class: slots for requests served by its fallback
+        self.breakers: dict[tuple[str, str], list[Breaker]] = {}  # (class, pool) -> its breakers
+        self.cost_models: dict[str, CostModel] = {}
+        self.tenant_limits: dict[str, TenantLimits] = {}
+        self.sessions: SessionBudgets | None = None
+        self.sheds: dict[str, list[ClassLimiter]] = {}     # protector -> the classes it sheds
+        self.shed_by: dict[str, list[ClassLimiter]] = {}   # class -> the classes that shed it
+
+    def apply(self, policy: Policy) -> list[ClassLimiter]:
+        """Install a (validated) policy; return the limiters of classes it removed."""
+        old = self.limiters
+        self.limiters = {name: self._limiter(old.get(name), name, spec) for name, spec in policy.classes.items()}
+        for name, spec in policy.classes.items():
+            deg_spec = ClassSpec(max_concurrency=spec.fallback.max_concurrency or spec.max_concurrency,
+                                 max_queue=0, max_wait_ms=0)
+            if name in self.degraded:
+                self.degraded[name].reconfigure(deg_spec)
+            else:
+                self.degraded[name] = ClassLimiter(name, deg_spec)
+        self.policy = policy
+        self.classifier = Classifier(policy)
+        self.clusters = {name: m.cluster for name, m in policy.models.items()}
+        self.cost_models = {name: self.cost_models[name] if self._same_cost(name, m.cost) else CostModel(m.cost)
+                            for name, m in policy.models.items()}
+        tenants = [*policy.tenants, policy.anonymous.as_tenant()]
+        now = self.clock()
+        self.tenant_limits = {t.name: self.tenant_limits[t.name] if self._same_tenant(t) else TenantLimits(t, now)
+                              for t in tenants if t.requests_per_minute or t.tokens_per_minute}
+        if self.sessions is None or self.sessions.spec != policy.sessions:
+            self.sessions = SessionBudgets(policy.sessions)
+        self.breakers = {key: bs for key, bs in self.breakers.items()
+                         if key[0] in policy.classes and self._breaker_specs(key[0]) == [b.spec for b in bs]}
+        self.sheds, self.shed_by = {}, {}
+        for protector, shed in policy.shed_map().items():
+            self.sheds[protector] = [self.limiters[c] for c in shed]
+            for c in shed:
+                self.shed_by.setdefault(c, []).append(self.limiters[protector])
+        return [lim for name, lim in old.items() if name not in self.limiters]
+
+    def _limiter(self, lim: ClassLimiter | None, name: str, spec: ClassSpec) -> ClassLimiter:
+        if lim is None:
+            lim = ClassLimiter(name, spec)
+        elif not lim.reconfigure(spec):
+            return lim  # its limit algorithm carries over
+        lim.controller = self.limit_factory(spec)
+        lim.limit = int(lim.controller.limit)
+        return lim
+
+    def _same_cost(self, model: str, spec) -> bool:
+        return model in self.cost_models and self.cost_models[model].spec == spec
+
+    def _same_tenant(self, spec) -> bool:
+        return spec.name in self.tenant_limits and self.tenant_limits[spec.name].spec == spec
+
+    def _breaker_specs(self, cls: str) -> list:
+        spec = self.policy.classes[cls]
+        specs: list = []
+        if spec.slo_p95_ms and spec.latency_breaker.enabled:
+            specs.append((spec.slo_p95_ms, spec.latency_breaker))
+        if spec.error_breaker.enabled:
+            specs.append(spec.error_breaker)
+        return specs
+
+    def pool_breakers(self, cls: str, pool: str) -> list[Breaker]:
+        """The breakers of one class on one pool, created on first use."""
+        bs = self.breakers.get((cls, pool))
+        if bs is None:
+            bs = [self._breaker(cls, pool, spec) for spec in self._breaker_specs(cls)]
+            self.breakers[(cls, pool)] = bs
+        return bs
+
+    def _breaker(self, cls: str, pool: str, spec) -> Breaker:
+        if isinstance(spec, tuple):
+            slo_ms, lb = spec
+            b: Breaker = LatencyBreaker(slo_ms / 1000.0, lb.window_s, lb.min_samples, 0.95, lb.cooldown_s,
+                                        lb.trickle, lb.trickle_s)
+        else:
+            b = ErrorBreaker(spec.max_error_ratio, spec.window_s, spec.min_requests, spec.cooldown_s,
+                             spec.trickle, spec.trickle_s)
+        b.spec = spec
+        b.on_change = lambda br, state: self.on_breaker_change(cls, pool, br, state)
+        return b
+
+    def saturated_protector(self, cls: str) -> ClassLimiter | None:
+        """A class that sheds `cls` and is saturated now, if any."""
+        for protector in self.shed_by.get(cls, ()):
+            if protector.saturated:
+                return protector
+        return None
