@@ -17,8 +17,8 @@ from typing import Any, Callable
 from .adaptive import PoolSaturation
 from .breakers import Breaker
 from .classify import ANONYMOUS, Classification
-from .decision import (ACCEPT, DEGRADE, INVALID, QUEUE, REJECT, SHED, AdmissionEvents, Charge,  # noqa: F401
-                       Decision, NoEvents, RequestFacts)
+from .decision import (ACCEPT, DEGRADE, INVALID, QUEUE, REJECT, SHED, Admit, AdmissionEvents,  # noqa: F401
+                       Canned, Charge, Decision, Degrade, NoEvents, Queued, Refusal, RequestFacts)
 from .limits import ClassLimiter, Completion, LimitFactory, Outcome, Ticket, Waiter, default_limit
 from .outcomes import Completed, CostLearning, PoolLearning
 from .reasons import (R_CLASS_FULL, R_CLASS_REMOVED, R_CLIENT_GONE, R_DEADLINE, R_DEGRADED_FULL,  # noqa: F401
@@ -64,6 +64,7 @@ class AdmissionController:
             st.classifier
         self.cost_models, self.tenant_limits, self.sessions = st.cost_models, st.tenant_limits, st.sessions
         self.clusters = st.clusters
+        self._sessions_on = st.sessions.enabled
         self.shadow.configure(policy)
         self._lease_s = policy.lease_ms / 1000.0
         self._retry_ceiling = policy.retry_after_max_s
@@ -106,8 +107,7 @@ class AdmissionController:
             return None
         c = self.classifier.classify(None, None, None)
         reason = R_MISSING_KEY if facts.api_key is None else R_INVALID_KEY  # never echo the key: it may be real
-        return self._emit(Decision(INVALID, reason, c.cls, ANONYMOUS, status=401, message=say(reason),
-                                   classification=c))
+        return self._emit(Refusal(INVALID, reason, c.cls, ANONYMOUS, 401, say(reason), classification=c))
 
     def reads_usage(self, api_key: str | None) -> bool:
         """Whether this caller's responses must be read for their usage: its tokens-per-minute bucket is
@@ -123,13 +123,13 @@ class AdmissionController:
         c = self.classifier.classify(facts.api_key, facts.header_class, facts.body_class)
         cluster = self.clusters.get(facts.model) if facts.model is not None else None
         if cluster is None:
-            return self._emit(Decision(INVALID, R_UNKNOWN_MODEL, c.cls, c.tenant, status=404, classification=c,
-                                       message=say(R_UNKNOWN_MODEL, model=facts.model)))
+            return self._emit(Refusal(INVALID, R_UNKNOWN_MODEL, c.cls, c.tenant, 404,
+                                      say(R_UNKNOWN_MODEL, model=facts.model), classification=c))
         context_tokens = self.cost_models[facts.model].spec.max_context_tokens
         if context_tokens and facts.max_tokens is not None and facts.max_tokens > context_tokens:
-            return self._emit(Decision(INVALID, R_MAX_TOKENS, c.cls, c.tenant, status=400, classification=c,
-                                       message=say(R_MAX_TOKENS, max_tokens=facts.max_tokens,
-                                                   context=context_tokens)))
+            return self._emit(Refusal(INVALID, R_MAX_TOKENS, c.cls, c.tenant, 400,
+                                      say(R_MAX_TOKENS, max_tokens=facts.max_tokens, context=context_tokens),
+                                      classification=c))
         charge = self._estimate(facts, c, now)
         lim = self.limiters[c.cls]
         d = self._enforce(c, lim, cluster, now, context, charge)
@@ -148,7 +148,7 @@ class AdmissionController:
         prompt = model.prompt_tokens(facts.doc, facts.generates) if facts.doc else 0
         est = model.estimate(prompt, facts.max_tokens, facts.sequences, facts.generates)
         session = None
-        if facts.session_id and self.sessions.enabled:
+        if facts.session_id and self._sessions_on:
             session = self.sessions.get(c.tenant, facts.session_id, now)
         charge = Charge(facts.model, est, self.tenant_limits.get(c.tenant), session, facts.request_id,
                         facts.reads_usage)
@@ -165,9 +165,9 @@ class AdmissionController:
             return refused
         protector = self.state.saturated_protector(c.cls)
         if protector is not None:
-            return Decision(SHED, R_HIGHER_SATURATED, c.cls, c.tenant, status=503, classification=c,
-                            cluster=cluster, retry_after=protector.retry_after_s(now, self._retry_ceiling),
-                            message=say(R_HIGHER_SATURATED, cls=c.cls, protector=protector.name))
+            return Refusal(SHED, R_HIGHER_SATURATED, c.cls, c.tenant, 503,
+                           say(R_HIGHER_SATURATED, cls=c.cls, protector=protector.name),
+                           protector.retry_after_s(now, self._retry_ceiling), classification=c, cluster=cluster)
         trickle = False
         for b in self.pool_breakers(c.cls, cluster):
             allowed, probe = b.allow(now)
@@ -185,7 +185,7 @@ class AdmissionController:
         if lim.has_room(cost) and not lim.queue:
             ticket = self._admit(lim, c.tenant, cluster, now, charge, 0.0)
             ticket.trickle = trickle
-            return Decision(ACCEPT, R_SLOT_FREE, c.cls, c.tenant, ticket=ticket, cluster=cluster, classification=c)
+            return Admit(R_SLOT_FREE, c.cls, c.tenant, ticket, cluster=cluster, classification=c)
         if lim.queue_has_room() and lim.spec.early_reject and self._cannot_make_it(lim, charge, now):
             return self._overflow(lim, c, cluster, R_DEADLINE, now, charge,
                                   say(R_DEADLINE, cls=c.cls, max_wait_ms=lim.spec.max_wait_ms,
@@ -196,7 +196,7 @@ class AdmissionController:
             waiter.charge = charge
             lim.queue.append(waiter)
             self.events.queued(waiter)
-            return Decision(QUEUE, R_CLASS_FULL, c.cls, c.tenant, waiter=waiter, cluster=cluster, classification=c)
+            return Queued(R_CLASS_FULL, c.cls, c.tenant, waiter, cluster=cluster, classification=c)
         return self._overflow(lim, c, cluster, R_QUEUE_FULL, now, charge,
                               say(R_QUEUE_FULL, cls=c.cls, running=lim.inflight, queued=len(lim.queue),
                                   queue_limit=lim.spec.max_queue))
@@ -206,8 +206,8 @@ class AdmissionController:
         """The class cannot take the request now: its fallback if overflow goes there, else 429."""
         if lim.spec.on_overflow == "fallback":
             return self._fallback(lim, c.cls, c.tenant, cluster, reason, now, overflow=True, c=c, charge=charge)
-        return Decision(REJECT, reason, c.cls, c.tenant, status=429, classification=c, cluster=cluster,
-                        retry_after=lim.retry_after_s(now, self._retry_ceiling), message=message)
+        return Refusal(REJECT, reason, c.cls, c.tenant, 429, message, lim.retry_after_s(now, self._retry_ceiling),
+                       classification=c, cluster=cluster)
 
     def _cannot_make_it(self, lim: ClassLimiter, charge: Charge, now: float) -> bool:
         """Deadline-aware early rejection: the predicted queue wait (queue ahead over the observed drain rate)
@@ -233,8 +233,8 @@ class AdmissionController:
             # Retry-After is refused again. 0 for a request no wait can admit (413).
             retry = max(1, math.ceil(wait_s)) if math.isfinite(wait_s) else 0
             message = say(reason, **fields) + (f"; retry in {retry} s" if retry else "")
-            return Decision(REJECT, reason, c.cls, c.tenant, status=status, retry_after=retry, message=message,
-                            classification=c, cluster=cluster)
+            return Refusal(REJECT, reason, c.cls, c.tenant, status, message, retry, classification=c,
+                           cluster=cluster)
 
         if charge.tenant is not None:
             which, wait = charge.tenant.check(charge.tokens, now)
@@ -264,8 +264,7 @@ class AdmissionController:
                   queue_limit=lim.spec.max_queue)
         if fb.action == "canned" and allowed:
             retry = lim.retry_after_s(now, self._retry_ceiling) if fb.status in (429, 503) else 0
-            return Decision(DEGRADE, reason, cls, tenant, status=fb.status, message=fb.message, fallback=fb,
-                            classification=c, cluster=cluster, waited_s=waited_s, retry_after=retry)
+            return Canned(reason, cls, tenant, fb, retry, classification=c, cluster=cluster, waited_s=waited_s)
         if fb.action != "reject" and not allowed:
             why += f" (its `{fb.action}` fallback cannot serve this endpoint)"
         if fb.action == "degrade" and allowed:
@@ -274,12 +273,12 @@ class AdmissionController:
                 target = self.clusters[fb.model] if fb.model else cluster
                 ticket = self._admit(deg, tenant, target, now, charge, waited_s)
                 ticket.degraded = True
-                return Decision(DEGRADE, reason, cls, tenant, ticket=ticket, cluster=target, fallback=fb,
-                                classification=c, waited_s=waited_s, message=why)
+                return Degrade(reason, cls, tenant, ticket, fb, why, cluster=target, classification=c,
+                               waited_s=waited_s)
             reason, why = R_DEGRADED_FULL, say(R_DEGRADED_FULL, why=why)
-        return Decision(REJECT, reason, cls, tenant, status=429 if overflow else 503, message=why,
-                        retry_after=lim.retry_after_s(now, self._retry_ceiling), classification=c,
-                        cluster=cluster, waited_s=waited_s)
+        return Refusal(REJECT, reason, cls, tenant, 429 if overflow else 503, why,
+                       lim.retry_after_s(now, self._retry_ceiling), classification=c, cluster=cluster,
+                       waited_s=waited_s)
 
     def invalid(self, status: int, reason: str, message: str, facts: RequestFacts | None = None) -> Decision:
         """A request refused before admission (bad body, bad headers): counted, never holding a slot."""
@@ -287,7 +286,7 @@ class AdmissionController:
         if facts is not None:
             c = self.classifier.classify(facts.api_key, facts.header_class, facts.body_class)
             cls, tenant = c.cls, c.tenant
-        return self._emit(Decision(INVALID, reason, cls, tenant, status=status, message=message))
+        return self._emit(Refusal(INVALID, reason, cls, tenant, status, message))
 
     # --- the queue ---
 
@@ -330,21 +329,19 @@ class AdmissionController:
                 continue
             ticket = self._admit(lim, w.tenant, w.pool, now, w.charge, waited)
             ticket.trickle = w.trickle
-            self._resolve(w, Decision(ACCEPT, R_DEQUEUED, lim.name, w.tenant, ticket=ticket, waited_s=waited,
-                                      cluster=w.pool))
+            self._resolve(w, Admit(R_DEQUEUED, lim.name, w.tenant, ticket, waited_s=waited, cluster=w.pool))
 
     def _shed_queue(self, lim: ClassLimiter, protector: ClassLimiter, now: float) -> None:
         while lim.queue:
             w = lim.queue.popleft()
-            self._resolve(w, Decision(
-                SHED, R_HIGHER_SATURATED, lim.name, w.tenant, status=503, waited_s=now - w.enqueued_at,
-                retry_after=protector.retry_after_s(now, self._retry_ceiling),
-                message=say(R_HIGHER_SATURATED, cls=lim.name, protector=protector.name)))
+            self._resolve(w, Refusal(SHED, R_HIGHER_SATURATED, lim.name, w.tenant, 503,
+                                     say(R_HIGHER_SATURATED, cls=lim.name, protector=protector.name),
+                                     protector.retry_after_s(now, self._retry_ceiling), waited_s=now - w.enqueued_at))
 
     def _reject(self, w: Waiter, status: int, reason: str, message: str, now: float) -> Decision:
-        return Decision(REJECT, reason, w.limiter.name, w.tenant, status=status, message=message,
-                        retry_after=w.limiter.retry_after_s(now, self._retry_ceiling),
-                        waited_s=now - w.enqueued_at, cluster=w.pool)
+        return Refusal(REJECT, reason, w.limiter.name, w.tenant, status, message,
+                       w.limiter.retry_after_s(now, self._retry_ceiling), waited_s=now - w.enqueued_at,
+                       cluster=w.pool)
 
     def _resolve(self, w: Waiter, d: Decision) -> None:
         w.result = d
@@ -407,7 +404,7 @@ class AdmissionController:
         now = self.clock()
         if self.shadow.places:
             self.shadow.ended(ticket)
-        self._release(ticket, now, ran=True)
+        self._release(ticket, now, True)
         ticket.stream_outcome = outcome
         if ticket.completion is not None or outcome is Outcome.LEASE_EXPIRED:
             self._account(ticket)
@@ -527,14 +524,14 @@ class AdmissionController:
         now = self.clock()
         lim = t.limiter
         if not t.closed:  # closed without accounting: the request never ran
-            self._release(t, now, ran=False)
+            self._release(t, now, False)
         waited = t.waited_s + (now - t.admitted_at)
         if reason == R_QUEUE_TIMEOUT and lim.spec.on_overflow == "fallback":
             out = self._fallback(lim, lim.name, t.tenant, t.pool, R_QUEUE_TIMEOUT, now, overflow=True,
                                  waited_s=waited, charge=t.charge)
         else:
-            out = Decision(REJECT, reason, lim.name, t.tenant, status=status, message=message, waited_s=waited,
-                           retry_after=lim.retry_after_s(now, self._retry_ceiling), cluster=t.pool)
+            out = Refusal(REJECT, reason, lim.name, t.tenant, status, message,
+                          lim.retry_after_s(now, self._retry_ceiling), waited_s=waited, cluster=t.pool)
         out.headers = d.headers
         self._grant(lim, now)
         return self._emit(out)

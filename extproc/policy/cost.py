@@ -17,18 +17,14 @@ AUDIO_PART_TOKENS = 512
 class CostEstimate:
     """What admission counts for one request."""
 
-    __slots__ = ("prompt_tokens", "max_tokens", "expected_output", "gpu_seconds")
+    __slots__ = ("prompt_tokens", "max_tokens", "expected_output", "gpu_seconds", "tokens")
 
     def __init__(self, prompt_tokens: int, max_tokens: int, expected_output: float, gpu_seconds: float):
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens          # requested (or defaulted), clamped to the context
         self.expected_output = expected_output
         self.gpu_seconds = gpu_seconds
-
-    @property
-    def tokens(self) -> int:
-        """Prompt + requested output: what a tokens-per-minute limit charges up front."""
-        return self.prompt_tokens + self.max_tokens
+        self.tokens = prompt_tokens + max_tokens  # prompt + requested output: the worst case a token limit charges
 
 
 def prompt_size(doc: dict[str, Any]) -> tuple[int, int]:

@@ -57,34 +57,103 @@ class Charge:
 
 
 class Decision:
-    """The core's answer for one request. Terminal unless kind is QUEUE (then `waiter` gets the final one)."""
+    """What every decision says. Its kind is its type: Admit, Degrade (admitted on a fallback), Queued, Refusal,
+    Canned. A type's own fields exist only on it; on the others they read as nothing (None, 0, "") so a consumer
+    that logs any decision can ask for them."""
 
-    __slots__ = ("kind", "reason", "cls", "tenant", "status", "retry_after", "message", "ticket", "waiter",
-                 "cluster", "classification", "waited_s", "fallback", "shadow_would", "headers", "charge")
+    __slots__ = ("reason", "cls", "tenant", "classification", "cluster", "waited_s", "headers", "charge")
+    kind = ""
+    ticket: Ticket | None = None
+    waiter: Waiter | None = None
+    status = 200
+    retry_after = 0
+    message = ""
+    fallback: FallbackSpec | None = None
+    shadow_would: Decision | None = None
 
-    def __init__(self, kind: str, reason: str, cls: str, tenant: str, *, status: int = 200, retry_after: int = 0,
-                 message: str = "", ticket: Ticket | None = None, waiter: Waiter | None = None,
-                 cluster: str | None = None, classification: Classification | None = None,
-                 waited_s: float = 0.0, fallback: FallbackSpec | None = None):
-        self.kind = kind
+    def __init__(self, reason: str, cls: str, tenant: str, cluster: str | None = None,
+                 classification: Classification | None = None, waited_s: float = 0.0):
         self.reason = reason
         self.cls = cls
         self.tenant = tenant
+        self.classification = classification
+        self.cluster = cluster                    # the pool it goes (or would have gone) to
+        self.waited_s = waited_s
+        self.headers: list[tuple[str, str]] = []  # extra response headers (x-ratelimit-*)
+        self.charge: Charge | None = None         # what the request was estimated to cost (for logs)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.kind}, {self.reason}, cls={self.cls}, status={self.status})"
+
+
+class Admit(Decision):
+    """Admitted: the ticket holds its slot until the request ends."""
+
+    __slots__ = ("ticket", "shadow_would")
+    kind = ACCEPT
+
+    def __init__(self, reason: str, cls: str, tenant: str, ticket: Ticket, cluster: str | None = None,
+                 classification: Classification | None = None, waited_s: float = 0.0):
+        Decision.__init__(self, reason, cls, tenant, cluster, classification, waited_s)
+        self.ticket = ticket
+        self.shadow_would = None  # shadow mode: the decision enforce mode would have made
+
+
+class Degrade(Admit):
+    """Admitted on the class's fallback: another pool and/or a changed body (model, max_tokens, stream)."""
+
+    __slots__ = ("fallback", "message")
+    kind = DEGRADE
+
+    def __init__(self, reason: str, cls: str, tenant: str, ticket: Ticket, fallback: FallbackSpec, message: str,
+                 cluster: str | None = None,
+                 classification: Classification | None = None, waited_s: float = 0.0):
+        Admit.__init__(self, reason, cls, tenant, ticket, cluster, classification, waited_s)
+        self.fallback = fallback
+        self.message = message    # why it was degraded
+
+
+class Queued(Decision):
+    """Waiting in the class queue; the waiter gets the final decision."""
+
+    __slots__ = ("waiter",)
+    kind = QUEUE
+
+    def __init__(self, reason: str, cls: str, tenant: str, waiter: Waiter, cluster: str | None = None,
+                 classification: Classification | None = None, waited_s: float = 0.0):
+        Decision.__init__(self, reason, cls, tenant, cluster, classification, waited_s)
+        self.waiter = waiter
+
+
+class Refusal(Decision):
+    """Refused (reject, shed, invalid): an OpenAI-style error with its status and, for 429/503, Retry-After."""
+
+    __slots__ = ("kind", "status", "retry_after", "message")
+
+    def __init__(self, kind: str, reason: str, cls: str, tenant: str, status: int, message: str,
+                 retry_after: int = 0, cluster: str | None = None,
+                 classification: Classification | None = None, waited_s: float = 0.0):
+        Decision.__init__(self, reason, cls, tenant, cluster, classification, waited_s)
+        self.kind = kind
         self.status = status
         self.retry_after = retry_after
         self.message = message
-        self.ticket = ticket
-        self.waiter = waiter
-        self.cluster = cluster
-        self.classification = classification
-        self.waited_s = waited_s
-        self.fallback = fallback          # DEGRADE: what to change (model, max_tokens, stream) or the canned reply
-        self.shadow_would: Decision | None = None  # shadow mode: the decision enforce mode would have made
-        self.headers: list[tuple[str, str]] = []  # extra response headers (x-ratelimit-*)
-        self.charge: Charge | None = None  # what the request was estimated to cost (for logs)
 
-    def __repr__(self) -> str:
-        return f"Decision({self.kind}, {self.reason}, cls={self.cls}, status={self.status})"
+
+class Canned(Decision):
+    """Answered at once with the class's canned fallback (an OpenAI-shaped reply, or an error with its status)."""
+
+    __slots__ = ("fallback", "status", "retry_after", "message")
+    kind = DEGRADE
+
+    def __init__(self, reason: str, cls: str, tenant: str, fallback: FallbackSpec, retry_after: int = 0,
+                 cluster: str | None = None,
+                 classification: Classification | None = None, waited_s: float = 0.0):
+        Decision.__init__(self, reason, cls, tenant, cluster, classification, waited_s)
+        self.fallback = fallback
+        self.status = fallback.status
+        self.message = fallback.message
+        self.retry_after = retry_after
 
 
 class AdmissionEvents(Protocol):

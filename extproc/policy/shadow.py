@@ -8,7 +8,7 @@ gives it (or is counted as refused there) without the client noticing.
 from __future__ import annotations
 
 from .classify import Classification
-from .decision import ACCEPT, DEGRADE, QUEUE, Charge, Decision
+from .decision import ACCEPT, DEGRADE, QUEUE, Admit, Charge, Decision, Queued
 from .limits import ClassLimiter, Ticket, Waiter
 from .reasons import R_DEQUEUED, R_ENDED_WHILE_QUEUED, R_SHADOW
 
@@ -46,7 +46,7 @@ class ShadowMode:
             self.places[ticket.id] = d.waiter
         else:
             core.events.shadow(c.cls, d.kind, d.reason)
-        passed = Decision(ACCEPT, R_SHADOW, c.cls, c.tenant, ticket=ticket, cluster=cluster, classification=c)
+        passed = Admit(R_SHADOW, c.cls, c.tenant, ticket, cluster=cluster, classification=c)
         passed.shadow_would = d
         passed.headers = d.headers
         passed.charge = charge
@@ -60,7 +60,7 @@ class ShadowMode:
         self.places.pop(t.id, None)
         lim.take(w.cost)
         t.cost, t.holds_slot = w.cost, True
-        w.result = Decision(ACCEPT, R_DEQUEUED, lim.name, w.tenant, ticket=t, waited_s=waited_s)
+        w.result = Admit(R_DEQUEUED, lim.name, w.tenant, t, waited_s=waited_s)
         self.core.events.shadow(lim.name, ACCEPT, R_DEQUEUED)
         return True
 
@@ -80,5 +80,5 @@ class ShadowMode:
             return
         self.running.pop(id(w), None)
         w.limiter.queue.remove(w)
-        w.result = Decision(QUEUE, R_ENDED_WHILE_QUEUED, w.limiter.name, ticket.tenant)
+        w.result = Queued(R_ENDED_WHILE_QUEUED, w.limiter.name, ticket.tenant, w)
         self.core.events.shadow(w.limiter.name, QUEUE, R_ENDED_WHILE_QUEUED)
