@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import yaml
 
 from extproc.loadgen import RequestRecord, plan_request, poisson_arrivals
-from extproc.policy.admission import ACCEPT, DEGRADE, QUEUE, AdmissionController, RequestFacts
+from extproc.policy.admission import QUEUE, AdmissionController, Admit, Degrade, RequestFacts
 from extproc.policy.classify import presented_key
 from extproc.policy.limits import Completion, LimitFactory, Outcome, default_limit
 from extproc.policy.schema import load_policy
@@ -100,18 +100,18 @@ def what_if(scenario: Scenario, policy_path: str, capacity: float,
         owner[(pool.name, i, seq.id)] = (record, ticket)
         kick(pool, i)
 
-    def refuse(record: RequestRecord, status: int) -> None:
-        record.status, record.latency, record.error = status, clock[0] - record.start, "refused"
+    def refuse(record: RequestRecord, status: int, reason: str) -> None:
+        record.status, record.latency, record.error = status, clock[0] - record.start, f"refused: {reason}"
 
     def admitted(record: RequestRecord, d, prompt: int, max_tokens: int) -> None:
-        if d.kind == ACCEPT:
-            start(record, d.ticket, d.cluster or first, prompt, max_tokens)
-        elif d.kind == DEGRADE and d.ticket is not None:
+        if isinstance(d, Degrade):
             fb = d.fallback
-            mt = min(max_tokens, fb.max_tokens) if fb is not None and fb.max_tokens else max_tokens
+            mt = min(max_tokens, fb.max_tokens) if fb.max_tokens else max_tokens
             start(record, d.ticket, d.cluster if d.cluster in pools else first, prompt, mt)
-        else:
-            refuse(record, d.status or 503)
+        elif isinstance(d, Admit):
+            start(record, d.ticket, d.cluster or first, prompt, max_tokens)
+        else:  # a refusal, or a canned answer (no engine time): its status as the reason table gives it
+            refuse(record, d.status if d.status >= 400 else 200, d.reason)
 
     # Scrapers: the ext_proc's aggregation over the engines' own numbers.
     scrapers = {}
