@@ -110,6 +110,9 @@ class AdmissionEvents(Protocol):
     def breaker_changed(self, cls: str, pool: str, breaker: Breaker, state: str) -> None: ...
     def cost_observed(self, ticket: Ticket, estimated_s: float, actual_s: float) -> None: ...
     def first_token(self, ticket: Ticket, seconds: float) -> None: ...
+    # A tenant rate-limit check: `exceeded` is the limit it is over ("requests" or "tokens"), None if it fits.
+    def rate_limit_checked(self, tenant: str, exceeded: str | None) -> None: ...
+    def session_refused(self, tenant: str, reason: str) -> None: ...
 
 
 class NoEvents:
@@ -132,6 +135,12 @@ class NoEvents:
         pass
 
     def first_token(self, ticket: Ticket, seconds: float) -> None:
+        pass
+
+    def rate_limit_checked(self, tenant: str, exceeded: str | None) -> None:
+        pass
+
+    def session_refused(self, tenant: str, reason: str) -> None:
         pass
 
 
@@ -403,6 +412,7 @@ class AdmissionController:
 
         if charge.tenant is not None:
             which, wait = charge.tenant.check(charge.tokens, now)
+            self.events.rate_limit_checked(c.tenant, which)
             if which is not None:
                 reason = R_TENANT_REQUESTS if which == "requests" else R_TENANT_TOKENS
                 return refuse(429, reason, wait, f"tenant {c.tenant!r} is over its {which} per minute limit")
@@ -410,6 +420,7 @@ class AdmissionController:
             which, wait = self.sessions.check(charge.session, est.gpu_seconds, now)
             if which is not None:
                 reason = R_SESSION_INFLIGHT if which == "session_inflight" else R_SESSION_RATE
+                self.events.session_refused(c.tenant, reason)
                 if which == "session_inflight":  # frees when one of its requests ends: unknown, so a guess
                     wait = float(lim.retry_after_s(now, self._retry_ceiling))
                 return refuse(429, reason, wait, "this agent session is over its GPU-seconds budget "
