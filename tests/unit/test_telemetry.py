@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 
 import grpc.aio
 from envoy.service.accesslog.v3 import als_pb2
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
 from extproc.policy.admission import ACCEPT, REJECT, AdmissionController, RequestFacts
 from extproc.policy.limits import Completion, Outcome
+from extproc.policy.schema import load_policy_file
 from extproc.server.accesslog import TICKET_HEADER, AccessLogReceiver
+from extproc.server.main import Server, add_arguments
 from extproc.store.shared import CLOSED, LOCAL, SHARED
 from extproc.telemetry import StoreTelemetry, Telemetry
 
@@ -179,3 +182,23 @@ def test_the_access_log_receiver_reports_matched_and_unmatched_completions():
     assert sample(t, "extproc_completion_reports_total", result="matched") == 1
     assert sample(t, "extproc_completion_reports_total", result="unmatched") == 3  # once reported, a ticket is gone
     assert sample(t, "extproc_request_duration_seconds_count", **{"class": "batch", "outcome": "ok"}) == 1
+
+
+def serve(tmp_path, policy: str) -> Server:
+    path = tmp_path / "policy.yaml"
+    path.write_text(policy)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return Server(str(path), load_policy_file(str(path)), parser.parse_args(["--policy", str(path)]))
+
+
+def test_serve_exports_the_store_metrics_with_a_shared_store_only(tmp_path):
+    policy = "classes: {interactive: {max_concurrency: 1}}\nmodels: {llama: {cluster: pool_a}}\n"
+    local = generate_latest(serve(tmp_path, policy).telemetry.registry).decode()
+    assert "extproc_store_" not in local
+    assert 'extproc_completion_reports_total{result="unmatched"} 0.0' in local
+    shared = serve(tmp_path, policy + "store: {kind: redis, url: 'redis://127.0.0.1:1'}\n")  # not started here
+    exposed = generate_latest(shared.telemetry.registry).decode()
+    assert 'extproc_store_state{state="shared"} 1.0' in exposed
+    assert 'extproc_store_state{state="local"} 0.0' in exposed
+    assert "extproc_store_leases_lost_total 0.0" in exposed
