@@ -1,5 +1,8 @@
 """What one admission decision costs in the sans-IO core: decide() + finish() (+ report()), no gRPC, no I/O.
 
+Each path is timed without events (the core alone) and with the ext_proc's Telemetry fed by the core's events
+(Prometheus counters and histograms, the decision log off), side by side in one run.
+
 Run:  python bench/decision.py   (prints a markdown table; medians of repeated timings on this machine)
 """
 
@@ -10,11 +13,14 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from extproc.policy.admission import AdmissionController, RequestFacts  # noqa: E402
 from extproc.policy.limits import Completion, Outcome  # noqa: E402
-from extproc.policy.schema import load_policy_file  # noqa: E402
+from extproc.policy.schema import load_policy, load_policy_file  # noqa: E402
+from extproc.telemetry import Telemetry  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = {"model": "llama-70b", "max_tokens": 256, "stream": True,
@@ -31,23 +37,35 @@ def per_call(fn, n: int = 20000) -> float:
     return statistics.median(runs)
 
 
-def main() -> int:
-    rows = ["| policy | path | per request |", "|---|---|---:|"]
+def policies():
     for name in ("default.yaml", "demo-full.yaml"):
-        core = AdmissionController(load_policy_file(str(ROOT / "policies" / name)))
+        yield name, load_policy_file(str(ROOT / "policies" / name))
+    # The same default policy with a tenant rate limit that never bites: the rate-limit check and its metrics run.
+    data = yaml.safe_load((ROOT / "policies" / "default.yaml").read_text())
+    for tenant in data["tenants"]:
+        if tenant["name"] == "chat-frontend":
+            tenant.update(requests_per_minute=10**9, tokens_per_minute=10**12)
+    yield "default.yaml + tenant rate limit", load_policy(data)
+
+
+def main() -> int:
+    rows = ["| policy | path | core alone | with telemetry |", "|---|---|---:|---:|"]
+    for name, policy in policies():
+        cores = [AdmissionController(policy), AdmissionController(policy, events=Telemetry())]
         facts = RequestFacts(api_key="sk-chat-1", model="llama-70b", max_tokens=256, stream=True, doc=DOC)
         done = Completion(Outcome.OK, 200, 0.3, 2.0)
 
-        def lifecycle():
+        def lifecycle(core):
             d = core.decide(facts)
             core.finish(d.ticket, Outcome.OK)
             core.report(d.ticket.id, done)
 
-        def refused():
+        def refused(core):
             core.decide(RequestFacts(api_key="sk-chat-1", model="nope"))
 
-        rows.append(f"| {name} | accept: decide + finish + report | {per_call(lifecycle) * 1e6:.1f} µs |")
-        rows.append(f"| {name} | unknown model (404) | {per_call(refused) * 1e6:.1f} µs |")
+        for path, fn in (("accept: decide + finish + report", lifecycle), ("unknown model (404)", refused)):
+            alone, telemetry = (per_call(lambda: fn(core)) * 1e6 for core in cores)
+            rows.append(f"| {name} | {path} | {alone:.1f} µs | {telemetry:.1f} µs |")
     print("\n".join(rows))
     return 0
 

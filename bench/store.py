@@ -40,7 +40,7 @@ FACTS = RequestFacts(header_class="interactive", model="llama-70b", max_tokens=6
 async def run(store: dict, decisions: int, concurrency: int) -> dict:
     core = AdmissionController(policy(store))
     backend = open_store(core.policy.store)
-    shared = SharedSlots(core, backend, registry=None) if backend.shared else None
+    shared = SharedSlots(core, backend) if backend.shared else None
     if shared is not None:
         await shared.start()
     latencies: list[float] = []

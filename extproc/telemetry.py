@@ -1,10 +1,13 @@
-"""Prometheus metrics and decision logs, fed by the admission core's events (the core does not import this)."""
+"""Every Prometheus metric of the ext_proc and its decision log, fed by events (none of their sources imports this).
+
+The admission core reports through `AdmissionEvents`, the shared slot store's adapter through `StoreEvents`, the
+access log receiver through `CompletionReportEvents`; each has a no-op default, and `Server` wires these in.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily
@@ -13,6 +16,7 @@ from .policy.admission import ACCEPT, AdmissionController, Decision
 from .policy.breakers import STATE_VALUES, Breaker, LatencyBreaker
 from .policy.sustained import SustainedLoad
 from .policy.limits import Outcome, Ticket, Waiter
+from .store.shared import STORE_STATES
 
 # LLM requests last from tens of milliseconds (a rejection, a short completion) to minutes (long generations).
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0,
@@ -24,103 +28,122 @@ decision_log = logging.getLogger("extproc.decisions")
 disable_created_metrics()  # the *_created series double every counter for no operational value
 
 
+class _Children(dict):
+    """A labelled metric's children by label values (a tuple, or the value itself for one label).
+
+    A hit is one dict lookup, where labels() checks its arguments, converts them and takes a lock on every call.
+    Bounded like the metric itself: every label value comes from the policy (classes, tenants, pools, models) or a
+    fixed set (decisions, reasons, outcomes), never from a request.
+    """
+
+    def __init__(self, metric):
+        super().__init__()
+        self.metric = metric
+
+    def __missing__(self, key):
+        child = self[key] = self.metric.labels(*key) if type(key) is tuple else self.metric.labels(key)
+        return child
+
+
 class Telemetry:
-    """Implements the core's AdmissionEvents; keeps label children cached so the hot path is a dict lookup."""
+    """Implements the core's AdmissionEvents and the access log's CompletionReportEvents; owns the registry."""
 
     def __init__(self, registry: CollectorRegistry | None = None, log_accept_sample: float = 0.0):
         self.registry = registry or CollectorRegistry()
         self.log_accept_sample = log_accept_sample  # share of accepted requests logged too (refusals always are)
         self._accept_credit = 0.0
         r = self.registry
-        self.requests = Counter("extproc_requests", "Final admission decisions by class, decision and reason.",
-                                ["class", "decision", "reason"], registry=r)
-        self.queue_entries = Counter("extproc_queue_entries", "Requests that had to wait in a class queue.",
-                                     ["class"], registry=r)
-        self.queue_wait = Histogram("extproc_queue_wait_seconds", "Time queued requests waited for a decision.",
-                                    ["class"], buckets=WAIT_BUCKETS, registry=r)
-        self.duration = Histogram("extproc_request_duration_seconds",
-                                  "Admission to end of response, by class and how the request ended.",
-                                  ["class", "outcome"], buckets=LATENCY_BUCKETS, registry=r)
-        self.ttfb = Histogram("extproc_time_to_first_byte_seconds",
-                              "Request start to the first response byte sent to the client (the response headers; "
-                              "vLLM sends them before the first token), from Envoy's access log, every request.",
-                              ["class"], buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("extproc_time_to_first_token_seconds",
-                              "Arrival at the ext_proc to the first body chunk carrying generated text, on the "
-                              "sampled streams whose body is read (policy learn_sample).",
-                              ["class"], buckets=LATENCY_BUCKETS, registry=r)
-        self.demotions = Counter("extproc_class_demotions", "Requests that claimed a class above their tenant's "
-                                 "max_class and were demoted.", ["tenant"], registry=r)
-        self.unknown_class = Counter("extproc_unknown_class_claims", "Requests that claimed a class the policy "
-                                     "does not define (given the default).", ["tenant"], registry=r)
-        self.shadow_decisions = Counter("extproc_shadow_decisions", "Shadow mode: what enforce mode would have "
-                                        "decided for requests it did not simply accept.",
-                                        ["class", "would", "reason"], registry=r)
-        self.breaker_transitions = Counter("extproc_breaker_transitions", "Breaker state changes.",
-                                           ["class", "pool", "kind", "to"], registry=r)
-        self.cost_error = Histogram("extproc_cost_estimate_error_ratio", "Actual GPU-seconds (from real usage) "
-                                    "over the admission-time estimate, for requests whose usage was read.",
-                                    ["class"], buckets=(0.1, 0.2, 0.33, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5,
-                                                        2.0, 3.0, 5.0, 10.0), registry=r)
-        self.learned_tokens = Counter("extproc_learned_tokens", "Tokens read from responses' usage for cost "
-                                      "learning (the sampled share, see policy learn_sample).",
-                                      ["model", "kind"], registry=r)
-        self.ratelimit = Counter("extproc_ratelimit_decisions", "Tenant rate-limit checks by result.",
-                                 ["tenant", "kind", "result"], registry=r)
-        self.session_rejections = Counter("extproc_session_rejections", "Requests refused by an agent-session "
-                                          "budget.", ["tenant", "reason"], registry=r)
-        self.reloads = Counter("extproc_config_reload", "Policy reloads by result.", ["result"], registry=r)
+        # Labelled metrics are kept as their cached children (see _Children); `.metric` is the metric itself.
+        self.requests = _Children(Counter(
+            "extproc_requests", "Final admission decisions by class, decision and reason.",
+            ["class", "decision", "reason"], registry=r))
+        self.queue_entries = _Children(Counter(
+            "extproc_queue_entries", "Requests that had to wait in a class queue.", ["class"], registry=r))
+        self.queue_wait = _Children(Histogram(
+            "extproc_queue_wait_seconds", "Time queued requests waited for a decision.", ["class"],
+            buckets=WAIT_BUCKETS, registry=r))
+        self.duration = _Children(Histogram(
+            "extproc_request_duration_seconds", "Admission to end of response, by class and how the request ended.",
+            ["class", "outcome"], buckets=LATENCY_BUCKETS, registry=r))
+        self.ttfb = _Children(Histogram(
+            "extproc_time_to_first_byte_seconds", "Request start to the first response byte sent to the client (the "
+            "response headers; vLLM sends them before the first token), from Envoy's access log, every request.",
+            ["class"], buckets=LATENCY_BUCKETS, registry=r))
+        self.ttft = _Children(Histogram(
+            "extproc_time_to_first_token_seconds", "Arrival at the ext_proc to the first body chunk carrying "
+            "generated text, on the sampled streams whose body is read (policy learn_sample).",
+            ["class"], buckets=LATENCY_BUCKETS, registry=r))
+        self.demotions = _Children(Counter(
+            "extproc_class_demotions", "Requests that claimed a class above their tenant's max_class and were "
+            "demoted.", ["tenant"], registry=r))
+        self.unknown_class = _Children(Counter(
+            "extproc_unknown_class_claims", "Requests that claimed a class the policy does not define (given the "
+            "default).", ["tenant"], registry=r))
+        self.shadow_decisions = _Children(Counter(
+            "extproc_shadow_decisions", "Shadow mode: what enforce mode would have decided for requests it did not "
+            "simply accept.", ["class", "would", "reason"], registry=r))
+        self.breaker_transitions = _Children(Counter(
+            "extproc_breaker_transitions", "Breaker state changes.", ["class", "pool", "kind", "to"], registry=r))
+        self.cost_error = _Children(Histogram(
+            "extproc_cost_estimate_error_ratio", "Actual GPU-seconds (from real usage) over the admission-time "
+            "estimate, for requests whose usage was read.", ["class"],
+            buckets=(0.1, 0.2, 0.33, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0), registry=r))
+        self.learned_tokens = _Children(Counter(
+            "extproc_learned_tokens", "Tokens read from responses' usage for cost learning (the sampled share, see "
+            "policy learn_sample).", ["model", "kind"], registry=r))
+        self.ratelimit = _Children(Counter(
+            "extproc_ratelimit_decisions", "Tenant rate-limit checks by result.", ["tenant", "kind", "result"],
+            registry=r))
+        self.session_rejections = _Children(Counter(
+            "extproc_session_rejections", "Requests refused by an agent-session budget.", ["tenant", "reason"],
+            registry=r))
+        self.reloads = _Children(Counter(
+            "extproc_config_reload", "Policy reloads by result.", ["result"], registry=r))
         self.reload_ok = Gauge("extproc_config_last_reload_successful", "1 if the last policy reload applied, 0 "
                                "if it was refused (the previous policy is still serving).", registry=r)
         self.reload_ok.set(1)
         self.stream_errors = Counter("extproc_stream_errors", "ext_proc gRPC streams that ended in an error in "
                                      "our handler (bugs; should stay 0).", registry=r)
-        self._decision_children: dict[tuple[str, str, str], Any] = {}
-        self._wait_children: dict[str, Any] = {}
-        self._duration_children: dict[tuple[str, str], Any] = {}
+        self.completion_reports = Counter(
+            "extproc_completion_reports", "Completion reports (Envoy's gRPC access log entries, one per admitted "
+            "request) by result: matched (a ticket of this instance: the request's outcome and time to first byte "
+            "are learned) or unmatched (a ticket it does not know, e.g. issued before a restart or by another "
+            "ext_proc instance: that outcome is lost).", ["result"], registry=r)
+        self._matched = self.completion_reports.labels("matched")  # both exported from the start, at 0
+        self._unmatched = self.completion_reports.labels("unmatched")
 
     # --- AdmissionEvents ---
 
     def decided(self, d: Decision) -> None:
-        key = (d.cls or "unclassified", d.kind, d.reason)
-        child = self._decision_children.get(key)
-        if child is None:
-            child = self._decision_children[key] = self.requests.labels(*key)
-        child.inc()
-        if d.kind != ACCEPT or d.headers:
-            self._count_budgets(d)
+        self.requests[d.cls or "unclassified", d.kind, d.reason].inc()
         c = d.classification
         if c is not None:
             if c.demoted:
-                self.demotions.labels(c.tenant).inc()
+                self.demotions[c.tenant].inc()
             elif c.unknown:
-                self.unknown_class.labels(c.tenant).inc()
+                self.unknown_class[c.tenant].inc()
         if d.waited_s > 0.0:
-            w = self._wait_children.get(d.cls)
-            if w is None:
-                w = self._wait_children[d.cls] = self.queue_wait.labels(d.cls)
-            w.observe(d.waited_s)
-        if d.kind != ACCEPT or d.shadow_would is not None or self._sample_accept():
+            self.queue_wait[d.cls].observe(d.waited_s)
+        if d.kind != ACCEPT or d.shadow_would is not None or (self.log_accept_sample and self._sample_accept()):
             self.log_decision(d)
 
-    def _count_budgets(self, d: Decision) -> None:
-        if d.reason.startswith("tenant_"):
-            self.ratelimit.labels(d.tenant, d.reason.split("_")[1], "limited").inc()
-        elif d.reason.startswith("session_"):
-            self.session_rejections.labels(d.tenant, d.reason).inc()
-        elif d.headers and d.ticket is not None:
-            self.ratelimit.labels(d.tenant, "all", "allowed").inc()
+    def rate_limit_checked(self, tenant: str, exceeded: str | None) -> None:
+        if exceeded is None:
+            self.ratelimit[tenant, "all", "allowed"].inc()
+        else:
+            self.ratelimit[tenant, exceeded, "limited"].inc()
+
+    def session_refused(self, tenant: str, reason: str) -> None:
+        self.session_rejections[tenant, reason].inc()
 
     def cost_observed(self, ticket: Ticket, estimated_s: float, actual_s: float) -> None:
         if ticket.usage is not None and ticket.charge is not None:
-            self.learned_tokens.labels(ticket.charge.model, "prompt").inc(ticket.usage[0])
-            self.learned_tokens.labels(ticket.charge.model, "completion").inc(ticket.usage[1])
+            self.learned_tokens[ticket.charge.model, "prompt"].inc(ticket.usage[0])
+            self.learned_tokens[ticket.charge.model, "completion"].inc(ticket.usage[1])
         if estimated_s > 0:
-            self.cost_error.labels(ticket.cls).observe(actual_s / estimated_s)
+            self.cost_error[ticket.cls].observe(actual_s / estimated_s)
 
     def _sample_accept(self) -> bool:
-        if not self.log_accept_sample:
-            return False
         self._accept_credit += self.log_accept_sample
         if self._accept_credit >= 1.0:
             self._accept_credit -= 1.0
@@ -147,34 +170,71 @@ class Telemetry:
         decision_log.info(json.dumps(line, separators=(",", ":")))
 
     def first_token(self, ticket: Ticket, seconds: float) -> None:
-        self.ttft.labels(ticket.cls).observe(seconds)
+        self.ttft[ticket.cls].observe(seconds)
 
     def queued(self, waiter: Waiter) -> None:
-        self.queue_entries.labels(waiter.limiter.name).inc()
+        self.queue_entries[waiter.limiter.name].inc()
 
     def finished(self, ticket: Ticket, outcome: Outcome, duration_s: float) -> None:
-        key = (ticket.cls, outcome.value)
-        h = self._duration_children.get(key)
-        if h is None:
-            h = self._duration_children[key] = self.duration.labels(*key)
-        h.observe(duration_s)
+        self.duration[ticket.cls, outcome.value].observe(duration_s)
         c = ticket.completion
         if c is not None and c.first_byte_s is not None and outcome is Outcome.OK:
-            self.ttfb.labels(ticket.cls).observe(c.first_byte_s)
+            self.ttfb[ticket.cls].observe(c.first_byte_s)
 
     def shadow(self, cls: str, would: str, reason: str) -> None:
-        self.shadow_decisions.labels(cls, would, reason).inc()  # the request's own log line carries `would`
+        self.shadow_decisions[cls, would, reason].inc()  # the request's own log line carries `would`
 
     def breaker_changed(self, cls: str, pool: str, breaker: Breaker, state: str) -> None:
-        self.breaker_transitions.labels(cls, pool, breaker.kind, state).inc()
+        self.breaker_transitions[cls, pool, breaker.kind, state].inc()
         logging.getLogger("extproc.breakers").warning(json.dumps(
             {"event": "breaker", "class": cls, "pool": pool, "kind": breaker.kind, "state": state}))
+
+    # --- CompletionReportEvents (the access log receiver, once per batch of entries) ---
+
+    def completions_reported(self, matched: int, unmatched: int) -> None:
+        if matched:
+            self._matched.inc(matched)
+        if unmatched:
+            self._unmatched.inc(unmatched)
+
+    # --- the server ---
+
+    def policy_reloaded(self, applied: bool) -> None:
+        """A policy reload was applied, or refused because the file did not validate."""
+        self.reloads["applied" if applied else "invalid"].inc()
+        self.reload_ok.set(1 if applied else 0)
 
     # --- scrape-time gauges ---
 
     def watch(self, core: AdmissionController, sustained: SustainedLoad | None = None) -> None:
         """Register gauges read from the core at scrape time (no per-request gauge updates)."""
         self.registry.register(_CoreGauges(core, sustained))
+
+
+class StoreTelemetry:
+    """Implements the shared slot store adapter's StoreEvents: its metrics, registered only where a shared store
+    runs (with `store: {kind: redis}`)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+        self.state_gauge = Gauge("extproc_store_state", "1 for the slot store's current state: shared (Redis "
+                                 "answers), local (fail open on per-replica caps) or closed (fail closed).",
+                                 ["state"], registry=registry)
+        self.switches = Counter("extproc_store_switches", "Switches of the slot store's state, by the state "
+                                "switched to.", ["to"], registry=registry)
+        self.leases_lost = Counter("extproc_store_leases_lost", "Global slots of running requests that expired "
+                                   "before their renewal (Redis slow or away longer than lease_ms); re-adopted.",
+                                   registry=registry)
+        self._states = {s: self.state_gauge.labels(s) for s in STORE_STATES}
+
+    def store_state(self, state: str, switched: bool) -> None:
+        for s, child in self._states.items():
+            child.set(1 if s == state else 0)
+        if switched:
+            self.switches.labels(state).inc()
+
+    def store_leases_lost(self, count: int) -> None:
+        self.leases_lost.inc(count)
 
 
 class _CoreGauges:

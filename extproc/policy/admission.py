@@ -238,6 +238,7 @@ class AdmissionController:
 
         if charge.tenant is not None:
             which, wait = charge.tenant.check(charge.tokens, now)
+            self.events.rate_limit_checked(c.tenant, which)
             if which is not None:
                 reason = R_TENANT_REQUESTS if which == "requests" else R_TENANT_TOKENS
                 return refuse(429, reason, wait, tenant=c.tenant)
@@ -245,6 +246,7 @@ class AdmissionController:
             which, wait = self.sessions.check(charge.session, est.gpu_seconds, now)
             if which is not None:
                 reason = R_SESSION_INFLIGHT if which == "session_inflight" else R_SESSION_RATE
+                self.events.session_refused(c.tenant, reason)
                 if which == "session_inflight":  # frees when one of its requests ends: unknown, so a guess
                     wait = float(lim.retry_after_s(now, self._retry_ceiling))
                 return refuse(429, reason, wait)

@@ -166,6 +166,9 @@ class AdmissionEvents(Protocol):
     def breaker_changed(self, cls: str, pool: str, breaker: Breaker, state: str) -> None: ...
     def cost_observed(self, ticket: Ticket, estimated_s: float, actual_s: float) -> None: ...
     def first_token(self, ticket: Ticket, seconds: float) -> None: ...
+    # A tenant rate-limit check: `exceeded` is the limit it is over ("requests" or "tokens"), None if it fits.
+    def rate_limit_checked(self, tenant: str, exceeded: str | None) -> None: ...
+    def session_refused(self, tenant: str, reason: str) -> None: ...
 
 
 class NoEvents:
@@ -188,4 +191,10 @@ class NoEvents:
         pass
 
     def first_token(self, ticket: Ticket, seconds: float) -> None:
+        pass
+
+    def rate_limit_checked(self, tenant: str, exceeded: str | None) -> None:
+        pass
+
+    def session_refused(self, tenant: str, reason: str) -> None:
         pass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator
+from typing import AsyncIterator, Protocol
 
 import grpc
 from envoy.data.accesslog.v3 import accesslog_pb2
@@ -51,13 +51,24 @@ def completion_of(entry: accesslog_pb2.HTTPAccessLogEntry) -> Completion:
                       _seconds(common.time_to_last_downstream_tx_byte))
 
 
+class CompletionReportEvents(Protocol):
+    """What the receiver tells the outside world (telemetry implements it). Must be cheap and never raise."""
+
+    # Once per batch of entries: how many matched a ticket the core knows, how many did not.
+    def completions_reported(self, matched: int, unmatched: int) -> None: ...
+
+
+class NoCompletionReportEvents:
+    def completions_reported(self, matched: int, unmatched: int) -> None:
+        pass
+
+
 class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
     """Receives Envoy's access log stream and reports each admitted request's completion to the core."""
 
-    def __init__(self, core: AdmissionController):
+    def __init__(self, core: AdmissionController, events: CompletionReportEvents | None = None):
         self.core = core
-        self.entries = 0
-        self.unmatched = 0
+        self.events: CompletionReportEvents = events or NoCompletionReportEvents()
         self._closing = asyncio.Event()
 
     def close(self) -> None:
@@ -85,14 +96,17 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
         return als_pb2.StreamAccessLogsResponse()
 
     def _report(self, msg: als_pb2.StreamAccessLogsMessage) -> None:
-        for entry in msg.http_logs.log_entry:
-            self.entries += 1
-            headers = entry.request.request_headers
+        entries = msg.http_logs.log_entry
+        matched = 0
+        for entry in entries:
+            headers = entry.request.request_headers  # Envoy logs only requests carrying a ticket (envoy.yaml)
             if TICKET_HEADER not in headers:
                 continue
             try:
                 ticket_id = int(headers[TICKET_HEADER])
             except ValueError:
                 continue
-            if not self.core.report(ticket_id, completion_of(entry)):
-                self.unmatched += 1  # e.g. an ext_proc restart between admission and the log entry
+            if self.core.report(ticket_id, completion_of(entry)):
+                matched += 1
+        # The others carry no ticket the core knows: e.g. one issued before a restart, or by another instance.
+        self.events.completions_reported(matched, len(entries) - matched)

@@ -21,7 +21,7 @@ from ..policy.sustained import SustainedLoad
 from ..policy.schema import Policy, PolicyError, load_policy_file
 from ..store import open_store
 from ..store.shared import SharedSlots
-from ..telemetry import Telemetry
+from ..telemetry import StoreTelemetry, Telemetry
 from .accesslog import AccessLogReceiver
 from .saturation import SaturationScrapers
 from .servicer import ExtProcServicer
@@ -74,10 +74,12 @@ class Server:
         self.sustained = SustainedLoad(policy.sustained_window_s)
         self.telemetry.watch(self.core, self.sustained)
         store = open_store(policy.store)
-        self.shared = SharedSlots(self.core, store, self.telemetry.registry) if store.shared else None
+        self.shared: SharedSlots | None = None
+        if store.shared:
+            self.shared = SharedSlots(self.core, store, StoreTelemetry(self.telemetry.registry))
         self.servicer = ExtProcServicer(self.core, max_body_bytes=args.max_body_bytes, shared=self.shared)
         self.servicer.on_error = self.telemetry.stream_errors.inc
-        self.access_log = AccessLogReceiver(self.core)
+        self.access_log = AccessLogReceiver(self.core, self.telemetry)
         self.scrapers = SaturationScrapers(self.core)
         self._mtime = _mtime(policy_path)
         self.status = STARTING
@@ -88,8 +90,7 @@ class Server:
         try:
             policy = load_policy_file(self.policy_path)
         except PolicyError as e:
-            self.telemetry.reloads.labels("invalid").inc()
-            self.telemetry.reload_ok.set(0)
+            self.telemetry.policy_reloaded(applied=False)
             log.error("policy reload refused, keeping the current policy:\n  %s", "\n  ".join(e.errors))
             return False
         if policy.store != self.core.policy.store:
@@ -99,8 +100,7 @@ class Server:
         else:
             self.core.apply(policy)
         asyncio.get_running_loop().create_task(self.scrapers.configure(policy.pools))
-        self.telemetry.reloads.labels("applied").inc()
-        self.telemetry.reload_ok.set(1)
+        self.telemetry.policy_reloaded(applied=True)
         log.info("policy reloaded from %s", self.policy_path)
         return True
 

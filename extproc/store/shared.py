@@ -8,8 +8,7 @@ import itertools
 import logging
 import uuid
 from collections import deque
-
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from typing import Protocol
 
 from ..policy.admission import R_CLIENT_GONE, R_QUEUE_FULL, R_QUEUE_TIMEOUT, AdmissionController, Decision
 from ..policy.limits import Ticket
@@ -19,6 +18,7 @@ from ..policy.store import R_STORE_UNAVAILABLE, SlotClaim, SlotStore, StoreUnava
 log = logging.getLogger("extproc.store")
 
 SHARED, LOCAL, CLOSED = "shared", "local", "closed"  # store states (extproc_store_state{state})
+STORE_STATES = (SHARED, LOCAL, CLOSED)
 _CLOSED = object()  # a waiter's result when the store failed while it waited and the policy fails closed
 
 
@@ -31,6 +31,21 @@ class _Waiting:
         self.future = future
 
 
+class StoreEvents(Protocol):
+    """What the store adapter tells the outside world (telemetry implements it). Must be cheap and never raise."""
+
+    def store_state(self, state: str, switched: bool) -> None: ...  # once at start, then after every switch
+    def store_leases_lost(self, count: int) -> None: ...
+
+
+class NoStoreEvents:
+    def store_state(self, state: str, switched: bool) -> None:
+        pass
+
+    def store_leases_lost(self, count: int) -> None:
+        pass
+
+
 class SharedSlots:
     """Confirms the core's admissions with a global slot from `store`, or refuses them after the class's wait.
 
@@ -41,8 +56,9 @@ class SharedSlots:
     second tick() renews every held lease in one round trip, or probes the store and switches back when it answers.
     """
 
-    def __init__(self, core: AdmissionController, store: SlotStore, registry: CollectorRegistry | None = None):
+    def __init__(self, core: AdmissionController, store: SlotStore, events: StoreEvents | None = None):
         self.core = core
+        self.events: StoreEvents = events or NoStoreEvents()
         self.store = store
         spec = core.policy.store
         self.on_failure = spec.on_failure
@@ -60,15 +76,7 @@ class SharedSlots:
         self._releaser: asyncio.Task | None = None
         core.gate_on_store(store.shared)
         store.on_release(self._wake)
-        self.state_gauge = Gauge("extproc_store_state", "1 for the slot store's current state: shared (Redis "
-                                 "answers), local (fail open on per-replica caps) or closed (fail closed).",
-                                 ["state"], registry=registry)
-        self.switches = Counter("extproc_store_switches", "Switches of the slot store's state, by the state "
-                                "switched to.", ["to"], registry=registry)
-        self.leases_lost = Counter("extproc_store_leases_lost", "Global slots of running requests that expired "
-                                   "before their renewal (Redis slow or away longer than lease_ms); re-adopted.",
-                                   registry=registry)
-        self._show_state()
+        self.events.store_state(self.state, switched=False)
 
     # --- policy ---
 
@@ -254,14 +262,9 @@ class SharedSlots:
 
     def _switch(self, state: str, why: str) -> None:
         self.state = state
-        self.switches.labels(state).inc()
-        self._show_state()
+        self.events.store_state(state, switched=True)
         log.warning("store state -> %s: %s", state, why)
         self.apply(self.policy)
-
-    def _show_state(self) -> None:
-        for s in (SHARED, LOCAL, CLOSED):
-            self.state_gauge.labels(s).set(1 if s == self.state else 0)
 
     async def tick(self) -> None:
         """Every second: renew held leases and adopt unshared ones, or probe a store that was away."""
@@ -276,7 +279,7 @@ class SharedSlots:
                 await self.store.ping()  # nothing to renew: still notice an outage before a request does
             lost = await self.store.renew([(c.cls, c.holder) for c in self.held.values()])
             if lost:
-                self.leases_lost.inc(len(lost))
+                self.events.store_leases_lost(len(lost))
                 log.warning("%d global slots expired before their renewal; adopting them again", len(lost))
                 by_holder = {c.holder: tid for tid, c in self.held.items()}
                 for _, holder in lost:

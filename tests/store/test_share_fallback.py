@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 
-from prometheus_client import CollectorRegistry
-
 from extproc.policy.admission import ACCEPT, REJECT, AdmissionController, RequestFacts
 from extproc.policy.limits import Outcome
 from extproc.policy.store import SlotClaim, StoreUnavailable
@@ -78,7 +76,7 @@ def replica(store: FakeStore, max_wait_ms: int = 1000) -> SharedSlots:
                                                   "max_wait_ms": max_wait_ms}}, tenants=[],
                          store={"kind": "redis", "url": "redis://fake", "instances": INSTANCES,
                                 "on_failure": "local", "poll_ms": 20})
-    return SharedSlots(AdmissionController(policy), store, CollectorRegistry())
+    return SharedSlots(AdmissionController(policy), store)
 
 
 async def admit(r: SharedSlots):

@@ -11,6 +11,7 @@ from extproc.policy.admission import ACCEPT, REJECT, AdmissionController, Reques
 from extproc.policy.limits import Outcome
 from extproc.store.redis_store import RedisStore
 from extproc.store.shared import CLOSED, LOCAL, SHARED, SharedSlots
+from extproc.telemetry import StoreTelemetry
 
 from ..unit.conftest import make_policy
 
@@ -21,7 +22,11 @@ def replica(url: str, cap: int = 1, max_wait_ms: int = 2000, **store) -> SharedS
                                   "batch": {"max_concurrency": 3}},
                          store={"kind": "redis", "url": url, "timeout_ms": 500, **store})
     core = AdmissionController(policy)
-    return SharedSlots(core, RedisStore(policy.store), CollectorRegistry())
+    return SharedSlots(core, RedisStore(policy.store), StoreTelemetry(CollectorRegistry()))
+
+
+def metric(r: SharedSlots, name: str, **labels) -> float | None:
+    return r.events.registry.get_sample_value(name, labels)
 
 
 def facts() -> RequestFacts:
@@ -99,15 +104,15 @@ async def test_redis_down_fails_open_on_the_replica_share_then_returns_and_adopt
     during = await admit(r)  # the store does not answer: admitted on the local share
     assert during.kind == ACCEPT and r.state == LOCAL
     assert r.core.limiters["interactive"].limit == 2
-    assert r.switches.labels(LOCAL)._value.get() == 1
-    assert r.state_gauge.labels(LOCAL)._value.get() == 1 and r.state_gauge.labels(SHARED)._value.get() == 0
+    assert metric(r, "extproc_store_switches_total", to=LOCAL) == 1
+    assert metric(r, "extproc_store_state", state=LOCAL) == 1 and metric(r, "extproc_store_state", state=SHARED) == 0
     assert r.core.decide(facts()).kind == "queue"  # 2 running: the share is full
     await r.tick()
     assert r.state == LOCAL  # still down: the probe fails, nothing changes
     redis_server.start()
     await r.tick()
     assert r.state == SHARED and r.core.limiters["interactive"].limit == 4
-    assert r.switches.labels(SHARED)._value.get() == 1
+    assert metric(r, "extproc_store_switches_total", to=SHARED) == 1
     await r.tick()  # the request admitted during the outage is counted globally now
     assert await r.store.count("interactive") == 1 + (kept.ticket.id in r.held)
     await r.close()

@@ -1,0 +1,204 @@
+"""Telemetry: every metric's name, type and labels are a contract (rules, dashboard), and each event counts."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import grpc.aio
+from envoy.service.accesslog.v3 import als_pb2
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
+
+from extproc.policy.admission import ACCEPT, REJECT, AdmissionController, RequestFacts
+from extproc.policy.limits import Completion, Outcome
+from extproc.policy.schema import load_policy_file
+from extproc.server.accesslog import TICKET_HEADER, AccessLogReceiver
+from extproc.server.main import Server, add_arguments
+from extproc.store.shared import CLOSED, LOCAL, SHARED
+from extproc.telemetry import StoreTelemetry, Telemetry
+
+from .conftest import make_policy
+
+# What Prometheus rules, the Grafana dashboard and operators' own queries rely on: changing a name, a type or a
+# label set breaks them silently. (Counters are exposed with a _total suffix.)
+METRICS = {
+    "extproc_breaker_transitions": ("counter", ("class", "pool", "kind", "to")),
+    "extproc_class_demotions": ("counter", ("tenant",)),
+    "extproc_completion_reports": ("counter", ("result",)),
+    "extproc_config_last_reload_successful": ("gauge", ()),
+    "extproc_config_reload": ("counter", ("result",)),
+    "extproc_cost_estimate_error_ratio": ("histogram", ("class",)),
+    "extproc_learned_tokens": ("counter", ("model", "kind")),
+    "extproc_queue_entries": ("counter", ("class",)),
+    "extproc_queue_wait_seconds": ("histogram", ("class",)),
+    "extproc_ratelimit_decisions": ("counter", ("tenant", "kind", "result")),
+    "extproc_request_duration_seconds": ("histogram", ("class", "outcome")),
+    "extproc_requests": ("counter", ("class", "decision", "reason")),
+    "extproc_session_rejections": ("counter", ("tenant", "reason")),
+    "extproc_shadow_decisions": ("counter", ("class", "would", "reason")),
+    "extproc_stream_errors": ("counter", ()),
+    "extproc_time_to_first_byte_seconds": ("histogram", ("class",)),
+    "extproc_time_to_first_token_seconds": ("histogram", ("class",)),
+    "extproc_unknown_class_claims": ("counter", ("tenant",)),
+}
+STORE_METRICS = {
+    "extproc_store_leases_lost": ("counter", ()),
+    "extproc_store_state": ("gauge", ("state",)),
+    "extproc_store_switches": ("counter", ("to",)),
+}
+
+
+def defined(owner) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """name: (type, label names) of every metric an object holds (labelled ones as their cached children)."""
+    metrics = [getattr(v, "metric", v) for v in vars(owner).values()]
+    return {m._name: (m._type, tuple(m._labelnames)) for m in metrics if isinstance(m, MetricWrapperBase)}
+
+
+def test_every_metric_keeps_its_name_type_and_labels():
+    assert defined(Telemetry()) == METRICS
+    assert defined(StoreTelemetry(CollectorRegistry())) == STORE_METRICS
+
+
+def limited_core(telemetry: Telemetry, **tenant) -> AdmissionController:
+    policy = make_policy(tenants=[{"name": "acme", "api_keys": ["k"], **tenant},
+                                  {"name": "free", "api_keys": ["kf"]}],
+                         sessions={"max_inflight_gpu_seconds": 1.0}, shed={},
+                         classes={"batch": {"max_concurrency": 100}}, default_class="batch")
+    return AdmissionController(policy, clock=lambda: 1000.0, events=telemetry)
+
+
+def sample(t: Telemetry, name: str, **labels) -> float:
+    return t.registry.get_sample_value(name, labels) or 0.0
+
+
+def test_rate_limit_checks_are_counted_by_tenant_limit_and_result():
+    t = Telemetry()
+    core = limited_core(t, requests_per_minute=60, burst_s=2)  # a bucket of 2 requests
+    kinds = [core.decide(RequestFacts(api_key="k", model="llama")).kind for _ in range(3)]
+    assert kinds == [ACCEPT, ACCEPT, REJECT]
+    core.decide(RequestFacts(api_key="kf", model="llama"))  # a tenant without limits is not checked
+    assert sample(t, "extproc_ratelimit_decisions_total", tenant="acme", kind="all", result="allowed") == 2
+    assert sample(t, "extproc_ratelimit_decisions_total", tenant="acme", kind="requests", result="limited") == 1
+    assert sample(t, "extproc_ratelimit_decisions_total", tenant="free", kind="all", result="allowed") == 0
+
+
+def test_a_token_limit_is_counted_under_kind_tokens():
+    t = Telemetry()
+    core = limited_core(t, tokens_per_minute=100, burst_s=60)
+    kinds = [core.decide(RequestFacts(api_key="k", model="llama", max_tokens=500)).kind for _ in range(2)]
+    assert kinds == [ACCEPT, REJECT]  # the first empties the bucket
+    assert sample(t, "extproc_ratelimit_decisions_total", tenant="acme", kind="tokens", result="limited") == 1
+
+
+def test_session_refusals_are_counted_by_tenant_and_reason():
+    t = Telemetry()
+    core = limited_core(t)
+    big = RequestFacts(api_key="kf", model="llama", max_tokens=100, session_id="s1",
+                       doc={"prompt": "x" * 40000})  # ~10k prompt tokens: most of the session's budget
+    decisions = [core.decide(big) for _ in range(3)]
+    refused = [d for d in decisions if d.kind == REJECT]
+    assert refused and all(d.reason == "session_inflight_budget" for d in refused)
+    assert sample(t, "extproc_session_rejections_total", tenant="free",
+                  reason="session_inflight_budget") == len(refused)
+
+
+def test_decisions_and_durations_are_counted_under_the_same_labels_as_before():
+    t = Telemetry()
+    core = limited_core(t)
+    for _ in range(3):
+        d = core.decide(RequestFacts(api_key="kf", model="llama"))
+        core.finish(d.ticket, Outcome.OK)
+        core.report(d.ticket.id, Completion(Outcome.OK, 200, 0.25, 1.0))
+    assert sample(t, "extproc_requests_total", **{"class": "batch", "decision": "accept",
+                                                  "reason": "slot_free"}) == 3
+    assert sample(t, "extproc_request_duration_seconds_count", **{"class": "batch", "outcome": "ok"}) == 3
+    assert sample(t, "extproc_time_to_first_byte_seconds_count", **{"class": "batch"}) == 3
+
+
+def test_completion_reports_count_matched_and_unmatched_from_zero():
+    t = Telemetry()
+    assert sample(t, "extproc_completion_reports_total", result="matched") == 0.0
+    assert t.registry.get_sample_value("extproc_completion_reports_total", {"result": "unmatched"}) == 0.0
+    t.completions_reported(matched=3, unmatched=1)
+    t.completions_reported(matched=0, unmatched=2)
+    assert sample(t, "extproc_completion_reports_total", result="matched") == 3
+    assert sample(t, "extproc_completion_reports_total", result="unmatched") == 3
+
+
+def test_policy_reloads_set_the_result_counter_and_the_last_reload_gauge():
+    t = Telemetry()
+    t.policy_reloaded(applied=False)
+    assert sample(t, "extproc_config_reload_total", result="invalid") == 1
+    assert t.registry.get_sample_value("extproc_config_last_reload_successful") == 0
+    t.policy_reloaded(applied=True)
+    assert sample(t, "extproc_config_reload_total", result="applied") == 1
+    assert t.registry.get_sample_value("extproc_config_last_reload_successful") == 1
+
+
+def test_store_state_shows_every_state_and_counts_switches_and_lost_leases():
+    registry = CollectorRegistry()
+    s = StoreTelemetry(registry)
+    s.store_state(SHARED, switched=False)
+    state = {st: registry.get_sample_value("extproc_store_state", {"state": st}) for st in (SHARED, LOCAL, CLOSED)}
+    assert state == {SHARED: 1, LOCAL: 0, CLOSED: 0}
+    assert registry.get_sample_value("extproc_store_switches_total", {"to": SHARED}) is None  # not a switch
+    s.store_state(LOCAL, switched=True)
+    assert registry.get_sample_value("extproc_store_state", {"state": LOCAL}) == 1
+    assert registry.get_sample_value("extproc_store_state", {"state": SHARED}) == 0
+    assert registry.get_sample_value("extproc_store_switches_total", {"to": LOCAL}) == 1
+    s.store_leases_lost(2)
+    assert registry.get_sample_value("extproc_store_leases_lost_total") == 2
+
+
+class AccessLogStream:
+    """The receiving end of Envoy's access log stream: hands out `messages`, then EOF."""
+
+    def __init__(self, *messages):
+        self.messages = list(messages)
+
+    async def read(self):
+        return self.messages.pop(0) if self.messages else grpc.aio.EOF
+
+
+def log_entries(*tickets: str | None) -> als_pb2.StreamAccessLogsMessage:
+    msg = als_pb2.StreamAccessLogsMessage()
+    for ticket in tickets:
+        entry = msg.http_logs.log_entry.add()
+        entry.response.response_code.value = 200
+        if ticket is not None:
+            entry.request.request_headers[TICKET_HEADER] = ticket
+    return msg
+
+
+def test_the_access_log_receiver_reports_matched_and_unmatched_completions():
+    t = Telemetry()
+    core = limited_core(t)
+    d = core.decide(RequestFacts(api_key="kf", model="llama"))
+    core.finish(d.ticket, Outcome.ENDED)
+    receiver = AccessLogReceiver(core, t)
+    stream = AccessLogStream(log_entries(str(d.ticket.id), "999999", None), log_entries(str(d.ticket.id)))
+    asyncio.run(receiver.StreamAccessLogs(None, stream))
+    assert sample(t, "extproc_completion_reports_total", result="matched") == 1
+    assert sample(t, "extproc_completion_reports_total", result="unmatched") == 3  # once reported, a ticket is gone
+    assert sample(t, "extproc_request_duration_seconds_count", **{"class": "batch", "outcome": "ok"}) == 1
+
+
+def serve(tmp_path, policy: str) -> Server:
+    path = tmp_path / "policy.yaml"
+    path.write_text(policy)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return Server(str(path), load_policy_file(str(path)), parser.parse_args(["--policy", str(path)]))
+
+
+def test_serve_exports_the_store_metrics_with_a_shared_store_only(tmp_path):
+    policy = "classes: {interactive: {max_concurrency: 1}}\nmodels: {llama: {cluster: pool_a}}\n"
+    local = generate_latest(serve(tmp_path, policy).telemetry.registry).decode()
+    assert "extproc_store_" not in local
+    assert 'extproc_completion_reports_total{result="unmatched"} 0.0' in local
+    shared = serve(tmp_path, policy + "store: {kind: redis, url: 'redis://127.0.0.1:1'}\n")  # not started here
+    exposed = generate_latest(shared.telemetry.registry).decode()
+    assert 'extproc_store_state{state="shared"} 1.0' in exposed
+    assert 'extproc_store_state{state="local"} 0.0' in exposed
+    assert "extproc_store_leases_lost_total 0.0" in exposed
