@@ -25,7 +25,7 @@ from .reasons import (R_CLASS_FULL, R_CLASS_REMOVED, R_CLIENT_GONE, R_DEADLINE, 
                       R_DEQUEUED, R_ENDED_WHILE_QUEUED, R_ERROR_BREAKER, R_HIGHER_SATURATED, R_INVALID_KEY,
                       R_LATENCY_BREAKER, R_MAX_TOKENS, R_MISSING_KEY, R_QUEUE_FULL, R_QUEUE_TIMEOUT,
                       R_SESSION_INFLIGHT, R_SESSION_RATE, R_SHADOW, R_SLOT_FREE, R_TENANT_REQUESTS, R_TENANT_TOKENS,
-                      R_TOO_LARGE, R_UNKNOWN_MODEL, say)
+                      R_TOO_LARGE, R_UNKNOWN_MODEL, REASONS, say)
 from .schema import Policy
 from .shadow import ShadowMode
 from .state import PolicyState
@@ -198,8 +198,8 @@ class AdmissionController:
             self.events.queued(waiter)
             return Queued(R_CLASS_FULL, c.cls, c.tenant, waiter, cluster=cluster, classification=c)
         return self._overflow(lim, c, cluster, R_QUEUE_FULL, now, charge,
-                              say(R_QUEUE_FULL, cls=c.cls, running=lim.inflight, queued=len(lim.queue),
-                                  queue_limit=lim.spec.max_queue))
+                              say(R_QUEUE_FULL, cls=c.cls, detail=f"{lim.inflight} running, {len(lim.queue)} "
+                                  f"queued, queue limit {lim.spec.max_queue}"))
 
     def _overflow(self, lim: ClassLimiter, c: Classification, cluster: str, reason: str, now: float,
                   charge: Charge, message: str) -> Decision:
@@ -262,8 +262,8 @@ class AdmissionController:
         """The class's fallback for a request its pool cannot take now (breaker open, or overflow)."""
         fb = lim.spec.fallback
         allowed = charge is None or fb.action in charge.fallbacks
-        why = say(reason, cls=cls, max_wait_ms=lim.spec.max_wait_ms, running=lim.inflight, queued=len(lim.queue),
-                  queue_limit=lim.spec.max_queue)
+        why = say(reason, cls=cls, max_wait_ms=lim.spec.max_wait_ms, queued=len(lim.queue), where="",
+                  detail=f"{lim.inflight} running, queue full")
         if fb.action == "canned" and allowed:
             retry = lim.retry_after_s(now, self._retry_ceiling) if fb.status in (429, 503) else 0
             return Canned(reason, cls, tenant, fb, retry, classification=c, cluster=cluster, waited_s=waited_s)
@@ -308,9 +308,9 @@ class AdmissionController:
                                waited_s=waited, charge=waiter.charge)
         elif timed_out:
             d = self._reject(waiter, 429, R_QUEUE_TIMEOUT,
-                             say(R_QUEUE_TIMEOUT, cls=lim.name, max_wait_ms=lim.spec.max_wait_ms), now)
+                             say(R_QUEUE_TIMEOUT, cls=lim.name, where="", max_wait_ms=lim.spec.max_wait_ms), now)
         else:
-            d = self._reject(waiter, 499, R_CLIENT_GONE, say(R_CLIENT_GONE), now)
+            d = self._reject(waiter, 499, R_CLIENT_GONE, say(R_CLIENT_GONE, waiting="queued"), now)
         self._resolve(waiter, d)
         return d
 
@@ -518,7 +518,7 @@ class AdmissionController:
         self.events.decided(d)
         return d
 
-    def revoke(self, d: Decision, status: int, reason: str, message: str) -> Decision:
+    def revoke(self, d: Decision, reason: str, message: str) -> Decision:
         """The shared store did not grant a global slot (none within the class's wait, store down and failing
         closed, or the client left): the local slot goes back unused and the request gets a refusal instead.
         A class with `on_overflow: fallback` takes its fallback on a wait that timed out."""
@@ -532,7 +532,7 @@ class AdmissionController:
             out = self._fallback(lim, lim.name, t.tenant, t.pool, R_QUEUE_TIMEOUT, now, overflow=True,
                                  waited_s=waited, charge=t.charge)
         else:
-            out = Refusal(REJECT, reason, lim.name, t.tenant, status, message,
+            out = Refusal(REJECT, reason, lim.name, t.tenant, REASONS[reason].status, message,
                           lim.retry_after_s(now, self._retry_ceiling), waited_s=waited, cluster=t.pool)
         out.headers = d.headers
         self._grant(lim, now)

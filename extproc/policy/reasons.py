@@ -59,9 +59,7 @@ Not a final answer: the class's cap was full, so the request joined the class qu
 `higher_class_saturated` (shed while waiting) or `class_removed`; only that final reason is counted in
 `extproc_requests_total`."""),
     Reason("queue_full", "Rejected (429, 499, 503)", 429, DRAIN,
-           (
-            "class {cls!r} is at capacity ({running} running, {queued} queued, queue limit "
-            "{queue_limit})"),
+           "class {cls!r} is at capacity ({detail})",
            """\
 **429.** The class's cap was full and its queue already held `max_queue` requests. This is admission control
 refusing work the fleet cannot serve in time, by design: the client should back off for `Retry-After` seconds.
@@ -82,13 +80,13 @@ model's cost coefficients are learned it also refuses when that wait plus the pr
 class's `slo_p95_ms`. It is the early form of `queue_timeout`: the same causes and fixes. Turn it off per class
 with `early_reject: false`."""),
     Reason("queue_timeout", "Rejected (429, 499, 503)", 429, DRAIN,
-           "class {cls!r} had no free slot within {max_wait_ms} ms",
+           "class {cls!r} had no free slot{where} within {max_wait_ms} ms",
            """\
 **429.** The request waited `max_wait_ms` in the class queue without a slot freeing up. The class's requests take
 longer than its queue deadline to drain: either the queue is deeper than the drain rate allows (lower `max_queue`,
 so arrivals get a fast `queue_full` instead of a slow timeout) or the cap is too low for the traffic."""),
     Reason("client_disconnected", "Rejected (429, 499, 503)", 499, NO_RETRY,
-           "client disconnected while queued",
+           "client disconnected while {waiting}",
            """\
 **499**, counted only: the client went away while its request was queued, so nothing reaches it. The client's own
 timeout is shorter than the class's `max_wait_ms`. Lower `max_wait_ms` below typical client timeouts, or ask the

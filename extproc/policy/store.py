@@ -8,7 +8,6 @@ from typing import Callable, Protocol
 from .schema import Policy
 
 # Fail-closed refusal while the shared store is unreachable (a reason like admission's R_* constants).
-from .reasons import R_STORE_UNAVAILABLE  # noqa: F401 (re-exported)
 
 
 class StoreUnavailable(Exception):

@@ -10,10 +10,11 @@ import uuid
 from collections import deque
 from typing import Protocol
 
-from ..policy.admission import R_CLIENT_GONE, R_QUEUE_FULL, R_QUEUE_TIMEOUT, AdmissionController, Decision
+from ..policy.admission import AdmissionController, Decision
+from ..policy.reasons import R_CLIENT_GONE, R_QUEUE_FULL, R_QUEUE_TIMEOUT, R_STORE_UNAVAILABLE, say
 from ..policy.limits import Ticket
 from ..policy.schema import Policy
-from ..policy.store import R_STORE_UNAVAILABLE, SlotClaim, SlotStore, StoreUnavailable, local_share, share_has_room
+from ..policy.store import SlotClaim, SlotStore, StoreUnavailable, local_share, share_has_room
 
 log = logging.getLogger("extproc.store")
 
@@ -114,8 +115,8 @@ class SharedSlots:
             if self.state == CLOSED:  # the store failed during the attempt
                 return self._closed(d)
         if self.deadline(t) <= self.core.clock():
-            return self.core.revoke(d, 429, R_QUEUE_FULL, f"class {claim.cls!r} is at capacity across the "
-                                    f"replicas sharing it ({claim.cap} slots) and does not queue")
+            return self.core.revoke(d, R_QUEUE_FULL, say(R_QUEUE_FULL, cls=claim.cls, detail=f"{claim.cap} slots "
+                                                         "across the replicas sharing it, no queue"))
         return None
 
     async def wait(self, d: Decision) -> Decision:
@@ -129,8 +130,9 @@ class SharedSlots:
         try:
             result = await asyncio.wait_for(w.future, max(self.deadline(t) - self.core.clock(), 0.0))
         except TimeoutError:
-            return self.core.revoke(d, 429, R_QUEUE_TIMEOUT, f"class {claim.cls!r} had no free slot across the "
-                                    f"replicas sharing it within {t.limiter.spec.max_wait_ms} ms")
+            return self.core.revoke(d, R_QUEUE_TIMEOUT, say(R_QUEUE_TIMEOUT, cls=claim.cls,
+                                                            where=" across the replicas sharing it",
+                                                            max_wait_ms=t.limiter.spec.max_wait_ms))
         if result is _CLOSED:
             return self._closed(d)
         return self.core.confirm(d, self.core.clock() - started)
@@ -138,11 +140,10 @@ class SharedSlots:
     def abandon(self, d: Decision) -> None:
         """The client left while its admission waited on the store: give back whatever it got."""
         self.release(d.ticket)
-        self.core.revoke(d, 499, R_CLIENT_GONE, "client disconnected while waiting for a slot")
+        self.core.revoke(d, R_CLIENT_GONE, say(R_CLIENT_GONE, waiting="waiting for a slot"))
 
     def _closed(self, d: Decision) -> Decision:
-        return self.core.revoke(d, 503, R_STORE_UNAVAILABLE, "the shared slot store is unreachable and the "
-                                "policy fails closed (store.on_failure: closed)")
+        return self.core.revoke(d, R_STORE_UNAVAILABLE, say(R_STORE_UNAVAILABLE))
 
     async def _take(self, ticket: Ticket, claim: SlotClaim) -> bool:
         """One attempt at a slot for an admitted request: a global one while the store answers, else (failing

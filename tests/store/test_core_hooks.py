@@ -43,12 +43,12 @@ def test_revoke_gives_the_local_slot_back_and_counts_only_the_refusal():
     core, events, clock = gated_core()
     d = core.decide(facts())
     clock.advance(0.2)
-    r = core.revoke(d, 429, "queue_timeout", "no global slot")
+    r = core.revoke(d, "queue_timeout", "no global slot")
     assert (r.kind, r.status, r.reason) == (REJECT, 429, "queue_timeout")
     assert abs(r.waited_s - 0.2) < 1e-9 and r.retry_after >= 1
     assert core.limiters["interactive"].inflight == 0 and not core.tickets
     assert events.decisions == [(REJECT, "queue_timeout")]
-    assert core.revoke(d, 429, "queue_timeout", "again").kind == REJECT  # the slot is not given back twice
+    assert core.revoke(d, "queue_timeout", "again").kind == REJECT  # the slot is not given back twice
     assert core.limiters["interactive"].inflight == 0
 
 
@@ -57,7 +57,7 @@ def test_revoke_hands_the_freed_local_slot_to_the_queue():
     held = [core.decide(facts()) for _ in range(2)]
     q = core.decide(facts())
     assert q.kind == QUEUE
-    core.revoke(held[0], 429, "queue_timeout", "no global slot")
+    core.revoke(held[0], "queue_timeout", "no global slot")
     assert q.waiter.result.kind == ACCEPT and core.gated(q.waiter.result)
 
 
@@ -67,7 +67,7 @@ def test_a_timed_out_global_wait_takes_the_class_fallback_when_configured():
                         "fallback": {"action": "degrade", "model": "small"}},
         "batch": {"max_concurrency": 3}})
     d = core.decide(facts())
-    r = core.revoke(d, 429, "queue_timeout", "no global slot")
+    r = core.revoke(d, "queue_timeout", "no global slot")
     assert r.kind == DEGRADE and r.ticket is not None and r.cluster == "pool_b" and not core.gated(r)
     assert events.decisions == [(DEGRADE, "queue_timeout")]
 
