@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from extproc.stack import Stack
+from extproc.tools.stack import Stack
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL, SMALL_MODEL = "tiny-llama", "tiny-llama-small"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from extproc.stack import Stack, free_port, wait_http
+from extproc.tools.stack import Stack, free_port, wait_http
 
 HERE = Path(__file__).resolve().parent
 

@@ -11,10 +11,10 @@ from dataclasses import replace
 import aiohttp
 import yaml
 
-from extproc.demo.runner import start_pool
-from extproc.sim.fleet import SimFleet
-from extproc.sim.profile import load_profile
-from extproc.stack import Stack
+from extproc.tools.demo.runner import start_pool
+from extproc.tools.sim.fleet import SimFleet
+from extproc.tools.sim.profile import load_profile
+from extproc.tools.stack import Stack
 
 from .helpers import chat, metrics, post, sample
 

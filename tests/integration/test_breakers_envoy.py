@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 import yaml
 
-from extproc.sim.fleet import SimFleet
+from extproc.tools.sim.fleet import SimFleet
 
 from .helpers import chat, metrics, post, sample
 

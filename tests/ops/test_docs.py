@@ -11,8 +11,8 @@ from typing import Literal
 
 import yaml
 
-from extproc import docsgen
 from extproc.policy.limits import Outcome
+from extproc.tools import docsgen
 
 from .conftest import ROOT
 
@@ -22,7 +22,7 @@ PENDING_REASONS = ("latency_breaker_open", "error_breaker_open")
 
 
 def test_configuration_reference_is_current():
-    r = subprocess.run([sys.executable, "-m", "extproc.docsgen", "--check", str(DOCS / "configuration.md")],
+    r = subprocess.run([sys.executable, "-m", "extproc.tools.docsgen", "--check", str(DOCS / "configuration.md")],
                        capture_output=True, text=True, cwd=ROOT, timeout=30)
     assert r.returncode == 0, r.stderr
 

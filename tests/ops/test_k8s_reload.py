@@ -20,7 +20,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.stack import free_port, wait_http
+from extproc.tools.stack import free_port, wait_http
 
 from .conftest import ROOT
 

@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 import yaml
 
-from extproc.stack import Stack, free_port, wait_http
+from extproc.tools.stack import Stack, free_port, wait_http
 
 from .conftest import COMPOSE, ROOT, RULE_FILES, tool
 

@@ -10,8 +10,8 @@ import json
 import aiohttp
 import pytest
 
-from extproc.envoyconf import load_source
 from extproc.server.openai import ENDPOINTS, MAX_JSON_DEPTH
+from extproc.tools.envoyconf import load_source
 from tests.integration.helpers import (chat, metrics, post, raw_request, sample, until, upstream_reset,
                                        upstream_stats, wait_idle)
 

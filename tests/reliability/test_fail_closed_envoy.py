@@ -12,7 +12,7 @@ import time
 import aiohttp
 import pytest
 
-from extproc.stack import Stack
+from extproc.tools.stack import Stack
 from tests.integration.helpers import chat, post
 
 from .conftest import policy_file

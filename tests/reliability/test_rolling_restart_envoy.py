@@ -16,7 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc.stack import Stack
+from extproc.tools.stack import Stack
 from tests.integration.helpers import chat, equals, healthz, metrics, post, sample, upstream_reset, upstream_stats
 
 from .conftest import policy_file, until

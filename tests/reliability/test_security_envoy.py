@@ -12,8 +12,8 @@ import aiohttp
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc import envoyconf
 from extproc.server.main import add_arguments
+from extproc.tools import envoyconf
 from tests.integration.helpers import chat, metrics, post, sample
 
 from .conftest import policy_file

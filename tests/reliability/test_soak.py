@@ -19,7 +19,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from extproc.loadgen import LoadClient, RequestKind, Workload, run_closed_loop
+from extproc.tools.loadgen import LoadClient, RequestKind, Workload, run_closed_loop
 from tests.integration.helpers import healthz, metrics, sample, wait_idle
 
 from .conftest import policy_file, until

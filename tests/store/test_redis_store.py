@@ -10,8 +10,8 @@ import pytest
 
 from extproc.policy.schema import StoreSpec
 from extproc.policy.store import SlotClaim, StoreUnavailable
-from extproc.stack import free_port
 from extproc.store.redis_store import RedisStore
+from extproc.tools.stack import free_port
 
 
 def spec(url: str, **kw) -> StoreSpec:

@@ -14,7 +14,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from extproc.stack import Stack, free_port, wait_http
+from extproc.tools.stack import Stack, free_port, wait_http
 
 from ..integration.conftest import policy_file
 from ..integration.helpers import chat, equals, metrics, post, sample, until, upstream_reset, upstream_stats

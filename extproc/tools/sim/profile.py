@@ -109,7 +109,7 @@ def profile_from_dict(data: dict, source: str = "<dict>") -> Profile:
 
 def shipped_profile_names() -> list[str]:
     """Names of the profiles that ship with the package."""
-    folder = resources.files("extproc.sim") / "profiles"
+    folder = resources.files("extproc.tools.sim") / "profiles"
     return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
 
 
@@ -119,7 +119,7 @@ def load_profile(name_or_path: str) -> Profile:
     if path.suffix in (".yaml", ".yml") or path.exists():
         text, source = path.read_text(), str(path)
     else:
-        resource = resources.files("extproc.sim") / "profiles" / f"{name_or_path}.yaml"
+        resource = resources.files("extproc.tools.sim") / "profiles" / f"{name_or_path}.yaml"
         if not resource.is_file():
             raise ValueError(f"unknown profile {name_or_path!r}; shipped: {', '.join(shipped_profile_names())}")
         text, source = resource.read_text(), name_or_path

@@ -12,9 +12,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from extproc.loadgen import LoadClient, RequestRecord, poisson_arrivals, run_open_loop
-from extproc.sim.stats import percentile
-from extproc.stack import Stack
+from extproc.tools.loadgen import LoadClient, RequestRecord, poisson_arrivals, run_open_loop
+from extproc.tools.stack import Stack
+from extproc.tools.stats import percentile
 
 from .modes import Mode, adaptive_knobs, render_policy
 from .scenario import Scenario

@@ -11,7 +11,7 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from extproc.sim.profile import Profile
+from extproc.tools.sim.profile import Profile
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 

@@ -6,8 +6,8 @@ import argparse
 import asyncio
 import signal
 
-from extproc.sim.fleet import SimFleet
-from extproc.sim.profile import shipped_profile_names
+from extproc.tools.sim.fleet import SimFleet
+from extproc.tools.sim.profile import shipped_profile_names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
-from extproc.sim.engine import Emission, Engine, Sequence
+from extproc.tools.sim.engine import Emission, Engine, Sequence
 
 # Bucket boundaries as vLLM uses them (seconds).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,

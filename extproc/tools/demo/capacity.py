@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from extproc.loadgen import Workload
-from extproc.sim.engine import Engine
-from extproc.sim.profile import Profile
-from extproc.sim.stats import percentile
+from extproc.tools.loadgen import Workload
+from extproc.tools.sim.engine import Engine
+from extproc.tools.sim.profile import Profile
+from extproc.tools.stats import percentile
 
 
 @dataclass

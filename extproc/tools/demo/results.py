@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from extproc.loadgen import RequestRecord
-from extproc.sim.stats import percentile
+from extproc.tools.loadgen import RequestRecord
+from extproc.tools.stats import percentile
 
 REFUSED = (429, 503)
 

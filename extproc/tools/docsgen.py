@@ -1,7 +1,7 @@
 """Generate docs/configuration.md, the policy reference, from the schema in extproc/policy/schema.py.
 
-    python -m extproc.docsgen > docs/configuration.md     # regenerate
-    python -m extproc.docsgen --check docs/configuration.md   # exit 1 if the committed reference is stale
+    python -m extproc.tools.docsgen > docs/configuration.md     # regenerate
+    python -m extproc.tools.docsgen --check docs/configuration.md   # exit 1 if the committed reference is stale
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from .policy.schema import Policy
+from extproc.policy.schema import Policy
 
 HEADER = """\
 # Policy configuration reference
 
-<!-- Generated from extproc/policy/schema.py by `python -m extproc.docsgen > docs/configuration.md`.
+<!-- Generated from extproc/policy/schema.py by `python -m extproc.tools.docsgen > docs/configuration.md`.
      Do not edit by hand: change the schema's docs and regenerate (a test fails when this file is stale). -->
 
 Every key of the policy YAML (`extproc serve --policy FILE`), its type, default and meaning. Validate a file with
@@ -137,7 +137,7 @@ def render(root: type = Policy) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m extproc.docsgen", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m extproc.tools.docsgen", description=__doc__.splitlines()[0])
     p.add_argument("--check", metavar="FILE", help="compare with FILE instead of printing; exit 1 if it differs")
     args = p.parse_args(argv)
     text = render()
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     path = Path(args.check)
     current = path.read_text(encoding="utf-8") if path.exists() else ""
     if current != text:
-        print(f"{path} is stale: regenerate with `python -m extproc.docsgen > {path}`", file=sys.stderr)
+        print(f"{path} is stale: regenerate with `python -m extproc.tools.docsgen > {path}`", file=sys.stderr)
         return 1
     return 0
 

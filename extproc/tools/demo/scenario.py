@@ -8,8 +8,8 @@ from typing import Any
 
 import yaml
 
-from extproc.loadgen import Workload
-from extproc.sim.profile import load_profile
+from extproc.tools.loadgen import Workload
+from extproc.tools.sim.profile import load_profile
 
 from .capacity import closed_loop_mix
 
@@ -108,7 +108,7 @@ class Scenario:
         return point.requests_per_s * main.replicas
 
     def schedule(self, capacity: float) -> list[tuple[float, float]]:
-        """(duration_s, requests/s) per phase, for extproc.loadgen.run_open_loop."""
+        """(duration_s, requests/s) per phase, for extproc.tools.loadgen.run_open_loop."""
         return [(p.duration_s, p.rate * capacity) for p in self.phases]
 
     def phase_at(self, t: float) -> Phase:

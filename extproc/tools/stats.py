@@ -1,4 +1,4 @@
-"""Percentiles shared by the offline sweep and the load generator."""
+"""The one percentile rule the simulator, load generator, demo and calibration report with."""
 
 from __future__ import annotations
 

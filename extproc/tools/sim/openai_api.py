@@ -8,7 +8,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from extproc.sim.tokens import FILLER_WORDS, estimate_chat_tokens, estimate_text_tokens, filler_text
+from extproc.tools.sim.tokens import FILLER_WORDS, estimate_chat_tokens, estimate_text_tokens, filler_text
 
 CHAT, COMPLETIONS = "chat", "completions"
 SIM_VERSION = "0.32.0-sim"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from extproc.calibration.sweep import Outcome, StepResult
-from extproc.plotting import pyplot
+from .sweep import Outcome, StepResult
+from extproc.tools.plotting import pyplot
 
 
 def plot_sweep(steps: list[StepResult], slo_p95_s: float, outcome: Outcome, path: str, title: str,

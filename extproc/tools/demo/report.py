@@ -8,8 +8,8 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
-from extproc.loadgen import poisson_arrivals
-from extproc.plotting import SKIPPED, pyplot
+from extproc.tools.loadgen import poisson_arrivals
+from extproc.tools.plotting import SKIPPED, pyplot
 
 from .results import Target, WindowStats, rolling_p99, rolling_rate
 from .runner import ModeResult

@@ -8,9 +8,9 @@ import time
 from dataclasses import dataclass
 from typing import TextIO
 
-from extproc.calibration.sweep import StepResult, SweepConfig
-from extproc.loadgen import LoadClient, Workload, run_closed_loop, summarize
-from extproc.sim.stats import percentile
+from .sweep import StepResult, SweepConfig
+from extproc.tools.loadgen import LoadClient, Workload, run_closed_loop, summarize
+from extproc.tools.stats import percentile
 
 POLL_S = 0.1  # real seconds between progress updates and early-stop checks
 EARLY_STOP_MIN_SAMPLES = 20  # measured requests needed before a step may be judged early

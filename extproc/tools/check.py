@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .schema import PolicyError, load_policy_file, policy_warnings
+from extproc.policy.schema import PolicyError, load_policy_file, policy_warnings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

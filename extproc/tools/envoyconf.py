@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-SOURCE = Path(__file__).resolve().parent.parent / "envoy" / "envoy.yaml"
+SOURCE = Path(__file__).resolve().parents[2] / "envoy" / "envoy.yaml"
 EXT_PROC = "envoy.filters.http.ext_proc"
 ADAPTIVE = "envoy.filters.http.adaptive_concurrency"
 

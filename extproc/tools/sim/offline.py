@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from extproc.sim.engine import Engine, Sequence
-from extproc.sim.profile import Profile
-from extproc.sim.stats import percentile
+from extproc.tools.sim.engine import Engine, Sequence
+from extproc.tools.sim.profile import Profile
+from extproc.tools.stats import percentile
 
 
 @dataclass

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict
 
-from extproc.calibration.sweep import Outcome, StepResult, SweepConfig
-from extproc.calibration.target import TargetIdentity
-from extproc.loadgen import Workload
+from .sweep import Outcome, StepResult, SweepConfig
+from .target import TargetIdentity
+from extproc.tools.loadgen import Workload
 
 COLUMNS = ("step", "phase", "conc", "reqs", "p50 s", "p95 s", "p99 s", "TTFT p95 s", "tokens/s", "verdict",
            "errors")

@@ -17,13 +17,13 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from extproc.calibration.policy_edit import policy_snippet, set_class_cap, write_class_cap
-from extproc.calibration.report import describe_workload, render_table, results_document
-from extproc.calibration.steps import StepPlan, StepProgress, measure_step
-from extproc.calibration.sweep import Status, Sweep, SweepConfig
-from extproc.calibration.target import TargetError, TargetIdentity, moe_hint, probe
-from extproc.loadgen import ENDPOINTS, RequestKind, Workload
+from .policy_edit import policy_snippet, set_class_cap, write_class_cap
+from .report import describe_workload, render_table, results_document
+from .steps import StepPlan, StepProgress, measure_step
+from .sweep import Status, Sweep, SweepConfig
+from .target import TargetError, TargetIdentity, moe_hint, probe
 from extproc.policy.schema import PolicyError
+from extproc.tools.loadgen import ENDPOINTS, RequestKind, Workload
 
 EXIT_CAP, EXIT_NO_CAP, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 STREAMING_SCALE_WARN = 5.0  # above this time scale, streaming's per-token cost distorts client-side latency
@@ -224,8 +224,8 @@ def report(calibration: Calibration, args: argparse.Namespace) -> int:
     (out / "results.json").write_text(json.dumps(document, indent=2, default=str) + "\n")
     written = [str(out / "results.json")]
     if sweep.steps and not args.no_plot:
-        from extproc.calibration.plot import plot_sweep
-        from extproc.plotting import SKIPPED
+        from .plot import plot_sweep
+        from extproc.tools.plotting import SKIPPED
 
         title = (f"{identity.model if identity else '?'} @ {calibration.target}\n"
                  f"{describe_workload(calibration.workload)[:90]}")

@@ -63,7 +63,7 @@ def print_tables(results: list[ModeResult], scenario: Scenario) -> tuple[dict, d
 
 
 def what_if_tables(args: argparse.Namespace) -> int:
-    """The policies of the ext_proc modes against engine models only (extproc.demo.whatif)."""
+    """The policies of the ext_proc modes against engine models only (extproc.tools.demo.whatif)."""
     scenario = load_scenario(args)
     capacity = scenario.fleet_capacity()
     modes = [m for m in parse_modes(args.modes) if m.policy]

@@ -59,7 +59,7 @@ class StepResult:
     @classmethod
     def from_summary(cls, concurrency: int, summary: dict, phase: str = "double",
                      stopped_early: bool = False) -> StepResult:
-        """From `extproc.loadgen.summarize` output (errors are counted by kind; HTTP errors by their type)."""
+        """From `extproc.tools.loadgen.summarize` output (errors are counted by kind; HTTP errors by their type)."""
         return cls(concurrency=concurrency, requests=summary["requests"], ok=summary["ok"],
                    errors=dict(summary["errors"]), latency_p50=summary["latency_p50"],
                    latency_p95=summary["latency_p95"], latency_p99=summary["latency_p99"],

@@ -7,12 +7,12 @@ import json
 import random
 from dataclasses import asdict, dataclass, fields
 
-from extproc.sim.engine import Emission, Engine, Sequence
-from extproc.sim.http11 import HttpRequest, ResponseWriter
-from extproc.sim.metrics import ReplicaMetrics
-from extproc.sim.openai_api import (CHAT, COMPLETIONS, SIM_VERSION, ApiError, GenerationRequest, ResponseRenderer,
+from extproc.tools.sim.engine import Emission, Engine, Sequence
+from extproc.tools.sim.http11 import HttpRequest, ResponseWriter
+from extproc.tools.sim.metrics import ReplicaMetrics
+from extproc.tools.sim.openai_api import (CHAT, COMPLETIONS, SIM_VERSION, ApiError, GenerationRequest, ResponseRenderer,
                                     error_body, models_body, parse_generation)
-from extproc.sim.profile import Profile
+from extproc.tools.sim.profile import Profile
 
 # If the loop falls this far behind simulated time (CPU starved), it stops trying to catch up.
 MAX_LAG_REAL_S = 0.25

@@ -19,8 +19,8 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from extproc.sim.stats import percentile
-from extproc.sim.tokens import chat_content_tokens, filler_text
+from extproc.tools.sim.tokens import chat_content_tokens, filler_text
+from extproc.tools.stats import percentile
 
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 CLIENT_ERROR = 0  # status recorded when no HTTP status arrived (timeout, refused, aborted by us)

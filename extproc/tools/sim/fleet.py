@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from extproc.sim.http11 import HttpServerProtocol
-from extproc.sim.profile import Profile, load_profile
-from extproc.sim.replica import Replica
+from extproc.tools.sim.http11 import HttpServerProtocol
+from extproc.tools.sim.profile import Profile, load_profile
+from extproc.tools.sim.replica import Replica
 
 
 class SimFleet:

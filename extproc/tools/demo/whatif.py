@@ -20,14 +20,14 @@ from dataclasses import dataclass
 
 import yaml
 
-from extproc.loadgen import RequestRecord, plan_request, poisson_arrivals
 from extproc.policy.admission import ACCEPT, DEGRADE, QUEUE, AdmissionController, RequestFacts
 from extproc.policy.classify import presented_key
 from extproc.policy.limits import Completion, Outcome
 from extproc.policy.schema import load_policy
-from extproc.server.saturation import PoolScraper, _Replica
-from extproc.sim.engine import Engine
-from extproc.sim.profile import load_profile
+from extproc.server.saturation import PoolScraper, ScrapedReplica
+from extproc.tools.loadgen import RequestRecord, plan_request, poisson_arrivals
+from extproc.tools.sim.engine import Engine
+from extproc.tools.sim.profile import load_profile
 
 from .scenario import Scenario
 
@@ -116,7 +116,7 @@ def what_if(scenario: Scenario, policy_path: str, capacity: float) -> WhatIfResu
     for name, spec in policy.pools.items():
         if name in pools:
             s = PoolScraper(core, name, spec, session=None, clock=lambda: clock[0])
-            s.replicas = {f"{name}/{i}": _Replica(f"{name}/{i}") for i in range(len(pools[name].engines))}
+            s.replicas = {f"{name}/{i}": ScrapedReplica(f"{name}/{i}") for i in range(len(pools[name].engines))}
             scrapers[name] = s
             push(0.0, _SCRAPE, name)
     if any(lim.adaptive is not None for lim in core.limiters.values()):

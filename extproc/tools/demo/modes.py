@@ -21,10 +21,10 @@ class Mode:
 
     key: str
     label: str
-    stack_mode: str  # extproc.envoyconf.MODES
+    stack_mode: str  # extproc.tools.envoyconf.MODES
     lb_policy: str | None = None
     policy: str | None = None
-    # Envoy adaptive_concurrency knobs (extproc.envoyconf.adaptive_filter), durations in simulated seconds.
+    # Envoy adaptive_concurrency knobs (extproc.tools.envoyconf.adaptive_filter), durations in simulated seconds.
     adaptive: dict[str, Any] = field(default_factory=dict)
 
 
@@ -99,7 +99,7 @@ def render_policy(source: str | Path, speed: float, dest: Path,
 
 
 def adaptive_knobs(knobs: dict[str, Any], speed: float) -> dict[str, Any]:
-    """extproc.envoyconf.adaptive_filter keyword arguments, durations converted to wall-clock seconds."""
+    """extproc.tools.envoyconf.adaptive_filter keyword arguments, durations converted to wall-clock seconds."""
     out = {k: v for k, v in knobs.items() if not k.endswith("_s")}
     if "min_rtt_fixed_s" in knobs:
         out["min_rtt_fixed"] = _duration(knobs["min_rtt_fixed_s"] / speed)
