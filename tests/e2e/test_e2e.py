@@ -10,18 +10,15 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import sys
 
 import aiohttp
 import pytest
 
+from scripts.vllm.fixture_format import shape
+from scripts.vllm.record_fixtures import classify, parse_sse
 from tests.integration.helpers import healthz, raw_request, until as wait_for, wait_idle
 
 from .conftest import ROOT, policy
-
-sys.path.insert(0, str(ROOT / "scripts" / "vllm"))
-from fixture_format import shape  # noqa: E402
-from record_fixtures import classify, parse_sse  # noqa: E402
 
 FIX = ROOT / "tests" / "fixtures" / "vllm"
 MESSAGES = [{"role": "user", "content": "hello there, how is the queue today?"}]

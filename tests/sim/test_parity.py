@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import aiohttp
@@ -24,12 +23,11 @@ import pytest
 
 from extproc.tools.sim.fleet import SimFleet
 from extproc.tools.sim.tokens import filler_text
+from scripts.vllm.fixture_format import shape
+from scripts.vllm.record_fixtures import classify, compress, parse_metrics, parse_sse, usage_state
 
 ROOT = Path(__file__).resolve().parents[2]
 FIX = ROOT / "tests" / "fixtures" / "vllm"
-sys.path.insert(0, str(ROOT / "scripts" / "vllm"))
-from fixture_format import shape  # noqa: E402
-from record_fixtures import classify, compress, parse_metrics, parse_sse, usage_state  # noqa: E402
 
 PROFILE = "cpu-tiny-llama"
 WEB_SERVER_HEADERS = {"date", "server", "vary"}  # uvicorn's; not the API's
