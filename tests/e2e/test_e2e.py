@@ -16,7 +16,8 @@ import pytest
 
 from scripts.vllm.fixture_format import shape
 from scripts.vllm.record_fixtures import classify, parse_sse
-from tests.integration.helpers import healthz, raw_request, until as wait_for, wait_idle
+from tests.conftest import until
+from tests.integration.helpers import healthz, raw_request, wait_idle
 
 from .conftest import ROOT, policy
 
@@ -201,7 +202,7 @@ async def test_client_abort_mid_stream_releases_the_slot_and_reaches_vllm(make_s
             text = await target_metrics(http, target)
             return text if metric(text, "vllm:num_requests_running") == 0 else None
 
-        after = await wait_for(vllm_idle, timeout=5)
+        after = await until(vllm_idle, timeout=5)
         assert after, "the abort did not reach vLLM: num_requests_running stays above 0"
         # vLLM 0.32 does not count a client abort as finished_reason="abort" (docs/vllm.md); the tokens it generated
         # before the abort are counted.
@@ -256,7 +257,7 @@ async def test_extproc_learns_cost_from_usage(make_stack, target):
             learned = metric(text, "extproc_learned_tokens_total", kind="completion")
             return (learned, generated) if learned == generated > 0 else None
 
-        assert await wait_for(agree, timeout=10.0), "learned tokens never matched vllm:generation_tokens_total"
+        assert await until(agree, timeout=10.0), "learned tokens never matched vllm:generation_tokens_total"
 
 
 # ------------------------------------------------------------------------------------------ degrade

@@ -7,9 +7,9 @@ import json
 
 import aiohttp
 import pytest
-import yaml
 
 from extproc.tools.sim.fleet import SimFleet
+from tests.conftest import policy_file
 
 from .helpers import chat, metrics, post, sample
 
@@ -17,13 +17,9 @@ SPEED = 10.0  # simulated seconds per wall second
 
 
 def write_policy(tmp_path, interactive: dict, batch: dict | None = None, **top) -> object:
-    data = {"classes": {"interactive": interactive,
-                        "batch": batch or {"max_concurrency": 32, "max_queue": 0, "max_wait_ms": 0}},
-            "models": {"llama-70b": {"cluster": "vllm_llama70b"}, "llama-8b": {"cluster": "vllm_llama8b"}},
-            "shed": {}, "anonymous": {"max_class": "interactive"}, **top}  # keyless = a trusted client here
-    path = tmp_path / "policy.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
+    batch = batch or {"max_concurrency": 32, "max_queue": 0, "max_wait_ms": 0}
+    return policy_file(tmp_path, **{"classes": {"interactive": interactive, "batch": batch}, "tenants": [], "shed": {},
+                                    **top})
 
 
 @pytest.fixture

@@ -7,9 +7,9 @@ import json
 
 import aiohttp
 import pytest
-import yaml
 
 from extproc.tools.sim.fleet import SimFleet
+from tests.conftest import policy_file
 
 from .helpers import chat, metrics, post, sample, wait_idle
 
@@ -23,19 +23,12 @@ async def fleet():
         yield f
 
 
-def policy(tmp_path, **top):
-    data = {"classes": {"interactive": {"max_concurrency": 200, "max_queue": 0, "max_wait_ms": 0},
-                        "batch": {"max_concurrency": 200, "max_queue": 0, "max_wait_ms": 0}},
-            "models": {"llama-70b": {"cluster": "vllm_llama70b", "cost": COST}}, "shed": {},
-            "anonymous": {"max_class": "interactive"}}  # keyless requests stand for a trusted client here
-    for key, value in top.items():
-        if key == "interactive":
-            data["classes"]["interactive"].update(value)
-        else:
-            data[key] = value
-    path = tmp_path / "policy.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
+def policy(tmp_path, interactive: dict | None = None, **top):
+    """Caps out of the way (200 each), so what refuses is the cost budget, a rate limit or a session budget."""
+    classes = {"interactive": {"max_concurrency": 200, "max_queue": 0, "max_wait_ms": 0, **(interactive or {})},
+               "batch": {"max_concurrency": 200, "max_queue": 0, "max_wait_ms": 0}}
+    models = {"llama-70b": {"cluster": "vllm_llama70b", "cost": COST}}
+    return policy_file(tmp_path, **{"classes": classes, "models": models, "tenants": [], "shed": {}, **top})
 
 
 def stack_for(make_stack, tmp_path, fleet, **top):

@@ -10,8 +10,9 @@ import signal
 import aiohttp
 import yaml
 
-from .conftest import policy_file
-from .helpers import chat, equals, healthz, metrics, post, reloads, sample, until, wait_idle
+from tests.conftest import policy_file, until
+
+from .helpers import chat, equals, healthz, metrics, post, reloads, sample, wait_idle
 
 
 def rewrite(path, **classes):

@@ -12,10 +12,9 @@ import pytest
 
 from extproc.server.openai import ENDPOINTS, MAX_JSON_DEPTH
 from extproc.tools.envoyconf import load_source
-from tests.integration.helpers import (chat, metrics, post, raw_request, sample, until, upstream_reset,
-                                       upstream_stats, wait_idle)
-
-from .conftest import policy_file
+from tests.conftest import policy_file, until
+from tests.integration.helpers import (chat, metrics, post, raw_request, sample, upstream_reset, upstream_stats,
+                                       wait_idle)
 
 ALL_ENDPOINTS = {"responses": True, "invocations": True, "embeddings": True, "tokenize": True}
 CT = (b"content-type", b"application/json")

@@ -13,9 +13,8 @@ import time
 import aiohttp
 import yaml
 
+from tests.conftest import policy_file, until
 from tests.integration.helpers import chat, equals, healthz, metrics, post, reloads, sample, wait_idle
-
-from .conftest import policy_file, until
 
 JSON = {"content-type": "application/json"}
 

@@ -13,13 +13,12 @@ import time
 
 import aiohttp
 import grpc
-import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+import pytest
 
 from extproc.tools.stack import Stack
+from tests.conftest import policy_file, until
 from tests.integration.helpers import chat, equals, healthz, metrics, post, sample, upstream_reset, upstream_stats
-
-from .conftest import policy_file, until
 
 DRAIN_S = 5.0  # > Envoy's time to mark the instance unhealthy: 2 failed checks 1 s apart (+ 0.5 s timeout)
 HEALTH = "envoy.service.ext_proc.v3.ExternalProcessor"

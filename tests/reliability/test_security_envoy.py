@@ -9,14 +9,13 @@ import random
 import string
 
 import aiohttp
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
+import yaml
 
 from extproc.server.main import add_arguments
 from extproc.tools import envoyconf
+from tests.conftest import policy_file
 from tests.integration.helpers import chat, metrics, post, sample
-
-from .conftest import policy_file
 
 SECRET = "sk-live-S3CRET-acme-7f3a9c"        # a configured key
 STRANGER = "sk-live-STRANGER-0b1e2d"          # a key nobody owns

@@ -11,8 +11,7 @@ from extproc.policy.admission import ACCEPT, REJECT, AdmissionController, Reques
 from extproc.policy.limits import Outcome
 from extproc.policy.store import SlotClaim, StoreUnavailable
 from extproc.store.shared import LOCAL, SharedSlots
-
-from ..unit.conftest import make_policy
+from tests.conftest import make_policy
 
 CAP, INSTANCES = 4, 2
 SHARE = CAP // INSTANCES

@@ -11,8 +11,7 @@ from extproc.policy.admission import ACCEPT, REJECT, AdmissionController, Reques
 from extproc.policy.limits import Outcome
 from extproc.store.redis_store import RedisStore
 from extproc.store.shared import CLOSED, LOCAL, SHARED, SharedSlots
-
-from ..unit.conftest import make_policy
+from tests.conftest import make_policy
 
 
 def replica(url: str, cap: int = 1, max_wait_ms: int = 2000, **store) -> SharedSlots:

@@ -15,9 +15,8 @@ import aiohttp
 import pytest
 
 from extproc.tools.stack import Stack, free_port, wait_http
-
-from ..integration.conftest import policy_file
-from ..integration.helpers import chat, equals, metrics, post, sample, until, upstream_reset, upstream_stats
+from tests.conftest import policy_file, until
+from tests.integration.helpers import chat, equals, metrics, post, sample, upstream_reset, upstream_stats
 
 HERE = Path(__file__).resolve().parent
 CAP = 4
