@@ -11,7 +11,7 @@ import pytest
 from extproc.tools.sim.fleet import SimFleet
 from tests.conftest import policy_file
 
-from .helpers import chat, metrics, post, sample, wait_idle
+from .helpers import chat, metrics, post, sample, sample_once, wait_idle
 
 SPEED = 10.0
 COST = {"prefill_s_per_1k_tokens": 0.1, "decode_s_per_token": 0.001}
@@ -124,8 +124,7 @@ async def test_usage_is_learned_and_the_extra_usage_chunk_never_reaches_the_clie
         assert events[-1] == b"data: [DONE]" and not any(b'"choices":[]' in e for e in events)
         assert any(b'"choices":[]' in e and b'"usage"' in e for e in asked.split(b"\n\n"))
         assert json.loads(whole)["usage"]["completion_tokens"] > 0
-        await asyncio.sleep(0.5)  # the completion reports
+        assert await sample_once(http, s.metrics_url, "extproc_cost_estimate_error_ratio_count", 3) == 3
         ms = await metrics(http, s.metrics_url)
-        assert sample(ms, "extproc_cost_estimate_error_ratio_count") == 3
         assert sample(ms, "extproc_cost_model", model="llama-70b", param="samples") == 3
         assert sample(ms, "extproc_cost_model", model="llama-70b", param="output_ratio") < 1.0
