@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 
 import aiohttp
 
@@ -186,7 +187,27 @@ async def test_non_generation_paths_pass_through_without_admission(make_stack):
 
 
 async def test_client_cannot_choose_the_cluster_header(make_stack, upstream):
+    """The header that picks the pool is the ext_proc's alone. Up, the ext_proc overwrites it; down (failure_mode_allow
+    lets requests through unadmitted) only Envoy's own stripping of client-sent x-extproc-* headers
+    (early_header_mutation in envoy/envoy.yaml) keeps it from picking a pool or opening a path the gateway denies
+    (the route keyed on it matches any path)."""
     s = make_stack()
+    cluster_8b = f"{s.admin_url}/stats?filter=^cluster\\.vllm_llama8b\\.upstream_rq_total$"
     async with aiohttp.ClientSession() as http:
-        status, _, _ = await post(http, s.url, chat(), {"x-extproc-cluster": "extproc"})
-        assert status == 200
+        async def sent_to_8b() -> str:
+            async with http.get(cluster_8b) as r:
+                return (await r.text()).strip()
+
+        async def denied_path_with_header() -> tuple[int, dict]:
+            async with http.get(f"{s.url}/test/stats", headers={"x-extproc-cluster": "vllm_llama70b"}) as r:
+                return r.status, await r.json(content_type=None)
+
+        for extproc_up in (True, False):
+            if not extproc_up:
+                s.process("extproc").stop(signal.SIGKILL)
+            status, _, _ = await post(http, s.url, chat(), {"x-extproc-cluster": "extproc"})
+            assert status == 200, extproc_up
+            status, _, _ = await post(http, s.url, chat(model="llama-70b"), {"x-extproc-cluster": "vllm_llama8b"})
+            assert status == 200 and await sent_to_8b() == "cluster.vllm_llama8b.upstream_rq_total: 0", extproc_up
+            status, body = await denied_path_with_header()
+            assert status == 404 and body["error"]["code"] == "unknown_url", (extproc_up, status, body)
