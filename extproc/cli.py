@@ -13,11 +13,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "check": ("extproc.tools.check", "validate a policy YAML file without starting anything"),
     "sim": ("extproc.tools.sim.cli", "run simulated vLLM replicas (OpenAI API, SSE, vLLM /metrics)"),
     "loadgen": ("extproc.tools.loadgen", "send OpenAI traffic (closed or open loop) and report latency"),
-    "stack": ("extproc.tools.stack", "start a local stack: Envoy + ext_proc + simulated replicas"),
+    "stack": ("extproc.tools.stack", "start a local stack: Envoy + ext_proc in front of the given pools"),
     "envoy-config": ("extproc.tools.envoyconf", "render envoy/envoy.yaml for a local stack (ports, addresses)"),
     "calibrate": ("extproc.tools.calibrate.cli",
                   "find a class's concurrency cap by a load sweep of the target (p95 vs SLO)"),
-    "demo": ("extproc.tools.demo", "the traffic-spike demo: four ways to serve the same spike, side by side"),
+    "demo": ("extproc.tools.demo", "the traffic-spike demo: five ways to serve the same spike, side by side"),
 }
 
 

@@ -185,7 +185,7 @@ class Stack:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="policies/default.yaml")
     p.add_argument("--pool", action="append", default=[], metavar="CLUSTER=HOST:PORT[,HOST:PORT]",
-                   help="upstream endpoints per pool (default: start simulated replicas)")
+                   help="upstream endpoints per pool; required, repeatable (e.g. the ports `extproc sim` prints)")
     p.add_argument("--workdir", default=".cache/stack")
     p.add_argument("--mode", choices=envoyconf.MODES, default="extproc")
 

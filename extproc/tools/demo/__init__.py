@@ -1,4 +1,4 @@
-"""`extproc demo`: the traffic spike served four ways (no control, Envoy adaptive, static caps, our policy)."""
+"""`extproc demo`: the traffic spike served five ways (no control, Envoy adaptive, static caps, our policy, AIMD)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The four ways the demo serves the same traffic, and their configs scaled from simulated to wall-clock time."""
+"""The five ways the demo serves the same traffic, and their configs scaled from simulated to wall-clock time."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class Mode:
     adaptive: dict[str, Any] = field(default_factory=dict)
 
 
-# Envoy's adaptive_concurrency, tuned as docs/demo.md explains (NOTES-envoy-vllm.md's measurements and a sweep):
+# Envoy's adaptive_concurrency, tuned as docs/demo.md explains (earlier measurements of the filter, and a sweep):
 # a fixed minimum RTT (no periodic re-measurement that pins concurrency at 3), the largest buffer, an update
 # interval longer than a request's round trip, and a ceiling at the fleet's knee (12 per replica: the best
 # interactive p99 at the best goodput in the sweep).
