@@ -1,4 +1,4 @@
-"""The import arrows of docs/architecture.md point down only: checked on the source, so a wrong arrow fails here."""
+"""The import arrows point down only (README, "Layout"): checked on the source, so a wrong arrow fails here."""
 
 from __future__ import annotations
 
