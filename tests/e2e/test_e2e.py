@@ -60,6 +60,11 @@ def metric(text: str, name: str, **labels) -> float:
     return total
 
 
+async def running_at(http: aiohttp.ClientSession, target) -> float:
+    """The target's `vllm:num_requests_running`."""
+    return metric(await target_metrics(http, target), "vllm:num_requests_running")
+
+
 def assert_stream(raw: bytes, include_usage: bool, chat_stream: bool) -> tuple[list, list[str]]:
     """SSE framing intact through Envoy, [DONE] last, a usage chunk exactly when asked; returns (events, kinds)."""
     framing, events = parse_sse(raw)
@@ -163,7 +168,8 @@ async def test_admission_cap_forces_429(make_stack, target):
         results = await asyncio.gather(*[one() for _ in range(6)])
         try:
             assert sorted(st for st, _, _ in results) == [200] * 2 + [429] * 4
-            running = metric(await target_metrics(http, target), "vllm:num_requests_running")
+            # The engine counts a request as running from its next step: poll, do not read once.
+            running = await until(lambda: running_at(http, target), holds=lambda n: n == 2)
             assert running == 2, f"vLLM runs {running} requests, the cap is 2"
             snap = (await healthz(http, s.metrics_url))["classes"]["interactive"]
             assert snap["inflight"] == 2 and snap["queue"] == 0
@@ -193,7 +199,7 @@ async def test_client_abort_mid_stream_releases_the_slot_and_reaches_vllm(make_s
             for _ in range(3):
                 await r.content.readuntil(b"\n\n")
             assert (await healthz(http, s.metrics_url))["classes"]["interactive"]["inflight"] == 1
-            assert metric(await target_metrics(http, target), "vllm:num_requests_running") == 1
+            assert await running_at(http, target) == 1
             r.close()  # hard close mid-stream
         snap = await wait_idle(http, s.metrics_url, timeout=5)
         assert snap["interactive"]["inflight"] == 0, "the ext_proc kept the aborted stream's slot"
