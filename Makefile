@@ -49,8 +49,8 @@ bench: venv system-deps
 
 # Regenerate the configuration reference from the policy schema (a test fails when it is stale).
 docs: venv
-	$(BIN)/python -m extproc.docsgen > docs/configuration.md
-	$(BIN)/python -m extproc.docsgen --troubleshooting docs/troubleshooting.md
+	$(BIN)/python -m extproc.tools.docsgen > docs/configuration.md
+	$(BIN)/python -m extproc.tools.docsgen --troubleshooting docs/troubleshooting.md
 
 # Regenerate deploy/k8s's PrometheusRule from compose/prometheus/rules (a test fails when it is stale).
 k8s: venv

@@ -21,11 +21,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from extproc.demo.results import window_stats  # noqa: E402
-from extproc.demo.scenario import Scenario  # noqa: E402
-from extproc.demo.whatif import what_if  # noqa: E402
 from extproc.policy.adaptive import AdaptiveLimit  # noqa: E402
 from extproc.policy.limits import default_limit  # noqa: E402
+from extproc.tools.demo.results import window_stats  # noqa: E402
+from extproc.tools.demo.scenario import Scenario  # noqa: E402
+from extproc.tools.demo.whatif import what_if  # noqa: E402
 
 
 class GradientLimit(AdaptiveLimit):

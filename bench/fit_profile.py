@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sim_calibration import MAX_TOKENS, PROMPT_TOKENS, REFERENCE, TOLERANCE  # noqa: E402
 
-from extproc.sim.offline import closed_loop  # noqa: E402
-from extproc.sim.profile import Profile, load_profile  # noqa: E402
+from extproc.tools.sim.offline import closed_loop  # noqa: E402
+from extproc.tools.sim.profile import Profile, load_profile  # noqa: E402
 
 # name: (getter, setter, relative step)
 PARAMS = {

@@ -22,8 +22,8 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from extproc.envoyconf import envoy_binary  # noqa: E402
-from extproc.stack import Stack, free_port, wait_http  # noqa: E402
+from extproc.tools.envoyconf import envoy_binary  # noqa: E402
+from extproc.tools.stack import Stack, free_port, wait_http  # noqa: E402
 
 BODY = {"model": "llama-70b", "messages": [{"role": "user", "content": "Say hello in five words."}],
         "max_tokens": 16, "stream": False}

@@ -17,9 +17,9 @@ import subprocess
 import sys
 import time
 
-from extproc.loadgen import LoadClient, RequestKind, Workload, run_closed_loop, summarize
-from extproc.sim.offline import closed_loop
-from extproc.sim.profile import load_profile
+from extproc.tools.loadgen import LoadClient, RequestKind, Workload, run_closed_loop, summarize
+from extproc.tools.sim.offline import closed_loop
+from extproc.tools.sim.profile import load_profile
 
 # concurrency: (aggregate output tokens/s, p50 s, p99 s), from the mission's reference table.
 REFERENCE = {4: (890, 0.62, 0.89), 8: (1540, 0.78, 1.34), 16: (2210, 1.12, 2.18), 32: (2680, 1.89, 4.12),

@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sim_calibration import MAX_TOKENS, PROMPT_TOKENS, REFERENCE, TOLERANCE  # noqa: E402
 
-from extproc.sim.offline import SweepPoint, closed_loop  # noqa: E402
-from extproc.sim.profile import load_profile  # noqa: E402
+from extproc.tools.sim.offline import SweepPoint, closed_loop  # noqa: E402
+from extproc.tools.sim.profile import load_profile  # noqa: E402
 
 REFERENCE_MEAN_OUTPUT = 155  # tokens; the mission's own reading of the table by Little's law
 

@@ -21,8 +21,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from extproc.sim.fleet import SimFleet  # noqa: E402
-from extproc.stack import Stack  # noqa: E402
+from extproc.tools.sim.fleet import SimFleet  # noqa: E402
+from extproc.tools.stack import Stack  # noqa: E402
 
 POLICY = {"classes": {"interactive": {"max_concurrency": 64, "max_queue": 0, "max_wait_ms": 0}},
           "models": {"llama-70b": {"cluster": "vllm_llama70b"}}, "learn_sample": 1.0}

@@ -10,13 +10,14 @@ import sys
 # Modules are imported lazily so `extproc check` does not pay for gRPC or aiohttp.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("extproc.server.main", "run the ext_proc gRPC server and its metrics/health HTTP endpoint"),
-    "check": ("extproc.policy.check", "validate a policy YAML file without starting anything"),
-    "sim": ("extproc.sim.cli", "run simulated vLLM replicas (OpenAI API, SSE, vLLM /metrics)"),
-    "loadgen": ("extproc.loadgen", "send OpenAI traffic (closed or open loop) and report latency"),
-    "stack": ("extproc.stack", "start a local stack: Envoy + ext_proc + simulated replicas"),
-    "envoy-config": ("extproc.envoyconf", "render envoy/envoy.yaml for a local stack (ports, addresses)"),
-    "calibrate": ("extproc.calibrate", "find a class's concurrency cap by a load sweep of the target (p95 vs SLO)"),
-    "demo": ("extproc.demo", "the traffic-spike demo: four ways to serve the same spike, side by side"),
+    "check": ("extproc.tools.check", "validate a policy YAML file without starting anything"),
+    "sim": ("extproc.tools.sim.cli", "run simulated vLLM replicas (OpenAI API, SSE, vLLM /metrics)"),
+    "loadgen": ("extproc.tools.loadgen", "send OpenAI traffic (closed or open loop) and report latency"),
+    "stack": ("extproc.tools.stack", "start a local stack: Envoy + ext_proc in front of the given pools"),
+    "envoy-config": ("extproc.tools.envoyconf", "render envoy/envoy.yaml for a local stack (ports, addresses)"),
+    "calibrate": ("extproc.tools.calibrate.cli",
+                  "find a class's concurrency cap by a load sweep of the target (p95 vs SLO)"),
+    "demo": ("extproc.tools.demo", "the traffic-spike demo: five ways to serve the same spike, side by side"),
 }
 
 

@@ -1,6 +1,6 @@
 """The recorded real-vLLM fixtures (tests/fixtures/vllm/) are present and well-formed.
 
-Fast and offline: it reads files only. Re-record with `python3 scripts/vllm/record_fixtures.py` (needs the vLLM
+Fast and offline: it reads files only. Re-record with `python3 -m scripts.vllm.record_fixtures` (needs the vLLM
 venv, see docs/vllm.md). The simulator's parity test compares against these files; this test only guards their
 format (described in tests/fixtures/vllm/README.md).
 """
@@ -12,6 +12,8 @@ import re
 from pathlib import Path
 
 import pytest
+
+from scripts.vllm import serve
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "vllm"
 
@@ -145,20 +147,9 @@ def test_health_models_version():
     assert load("version.json")["body"]["version"]
 
 
-# --------------------------------------------------------------------------- the launcher, without vLLM installed
-def _launcher():
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "vllm" / "launcher.py"
-    spec = importlib.util.spec_from_file_location("vllm_launcher_under_test", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_launcher_command_and_env(tmp_path):
-    launcher = _launcher()
-    srv = launcher.VLLMServer(port=18123, kv_blocks=24, home=tmp_path)
+# --------------------------------------------------------------------------- the server, without vLLM installed
+def test_server_command_and_env(tmp_path):
+    srv = serve.VLLMServer(port=18123, kv_blocks=24, home=tmp_path)
     cmd = srv.command()
     assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]  # never the `vllm` console script
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
@@ -166,16 +157,15 @@ def test_launcher_command_and_env(tmp_path):
         ["tiny-llama", "tiny-llama-small"]
     assert "--enforce-eager" in cmd and cmd[cmd.index("--num-gpu-blocks-override") + 1] == "24"
     assert srv.url == "http://127.0.0.1:18123"
-    env = launcher.vllm_env(tmp_path, kv_cache_gib=1, base={"PATH": "/usr/bin", "PYTHONPATH": "x"})
+    env = serve.vllm_env(tmp_path, kv_cache_gib=1, base={"PATH": "/usr/bin", "PYTHONPATH": "x"})
     for key in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME", "TMPDIR"):
         assert Path(env[key]).is_relative_to(tmp_path), key
     assert env["HF_HUB_OFFLINE"] == "1" and env["TRANSFORMERS_OFFLINE"] == "1"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and "PYTHONPATH" not in env
 
 
-def test_launcher_refuses_without_venv(tmp_path):
-    launcher = _launcher()
-    srv = launcher.VLLMServer(port=18124, python=tmp_path / "no-python", home=tmp_path)
-    with pytest.raises(launcher.VLLMError, match="setup.sh"):
+def test_server_refuses_without_venv(tmp_path):
+    srv = serve.VLLMServer(port=18124, python=tmp_path / "no-python", home=tmp_path)
+    with pytest.raises(serve.VLLMError, match="setup.sh"):
         srv.start()
     srv.stop()  # a no-op, and safe

@@ -41,7 +41,9 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
     return out
 
 
-class _Replica:
+class ScrapedReplica:
+    """One replica as its scrapes saw it: the last metrics read, when, and the preemption counter to diff."""
+
     __slots__ = ("address", "metrics", "at", "preemptions")
 
     def __init__(self, address: str):
@@ -61,7 +63,7 @@ class PoolScraper:
         self.spec = spec
         self.session = session
         self.clock = clock
-        self.replicas: dict[str, _Replica] = {a: _Replica(a) for a in spec.replicas}
+        self.replicas: dict[str, ScrapedReplica] = {a: ScrapedReplica(a) for a in spec.replicas}
         self._last_discovery = -1e9
 
     async def run(self) -> None:
@@ -74,7 +76,7 @@ class PoolScraper:
             self.core.set_saturation(self.name, self.aggregate(self.clock()))
             await asyncio.sleep(max(interval - (self.clock() - started), 0.0))
 
-    async def _scrape(self, r: _Replica) -> None:
+    async def _scrape(self, r: ScrapedReplica) -> None:
         timeout = aiohttp.ClientTimeout(total=max(self.spec.scrape_interval_ms / 1000.0 * 2, 0.5))
         try:
             async with self.session.get(f"http://{r.address}/metrics", timeout=timeout) as resp:
@@ -85,7 +87,7 @@ class PoolScraper:
             return  # stays stale: counted as saturated once older than stale_ms
         self.record(r, m)
 
-    def record(self, r: _Replica, m: dict[str, float]) -> None:
+    def record(self, r: ScrapedReplica, m: dict[str, float]) -> None:
         """Take one scrape's parsed metrics for replica r (what changed since its previous scrape included)."""
         prev = r.preemptions
         r.preemptions = m["preemptions"]
@@ -133,7 +135,7 @@ class PoolScraper:
             for gone in set(self.replicas) - found:
                 del self.replicas[gone]
             for new in found - set(self.replicas):
-                self.replicas[new] = _Replica(new)
+                self.replicas[new] = ScrapedReplica(new)
 
 
 class SaturationScrapers:

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Record parity fixtures of a real vLLM OpenAI server into tests/fixtures/vllm/ (standard library only).
 
-    python3 scripts/vllm/record_fixtures.py                 # starts vLLM (scripts/vllm/launcher.py), records, stops
-    python3 scripts/vllm/record_fixtures.py --url http://127.0.0.1:8000   # against a running server
-    python3 scripts/vllm/record_fixtures.py --no-perf       # skip the latency / throughput measurements
+    python3 -m scripts.vllm.record_fixtures                 # starts vLLM (scripts/vllm/serve.py), records, stops
+    python3 -m scripts.vllm.record_fixtures --url http://127.0.0.1:8000   # against a running server
+    python3 -m scripts.vllm.record_fixtures --no-perf       # skip the latency / throughput measurements
 
 The file format is described in tests/fixtures/vllm/README.md; the shape rules in scripts/vllm/fixture_format.py.
 """
@@ -21,10 +21,8 @@ import time
 import urllib.parse
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from fixture_format import dumps, normalize, shape  # noqa: E402
-from launcher import ROOT, VLLMServer  # noqa: E402
+from scripts.vllm.fixture_format import dumps, normalize, shape
+from scripts.vllm.serve import ROOT, VLLMServer
 
 OUT = ROOT / "tests" / "fixtures" / "vllm"
 MODEL = "tiny-llama"

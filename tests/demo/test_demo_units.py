@@ -4,11 +4,11 @@ import math
 
 import pytest
 
-from extproc.demo.modes import adaptive_knobs, parse_modes, render_policy, scale_durations
-from extproc.demo.results import WindowStats, targets, window_stats
-from extproc.demo.scenario import Scenario
-from extproc.loadgen import RequestRecord
 from extproc.policy.schema import load_policy_file
+from extproc.tools.demo.modes import adaptive_knobs, parse_modes, render_policy, scale_durations
+from extproc.tools.demo.results import WindowStats, targets, window_stats
+from extproc.tools.demo.scenario import Scenario
+from extproc.tools.loadgen import RequestRecord
 
 SCENARIO = "scenarios/spike.yaml"
 
@@ -108,7 +108,7 @@ def test_the_adaptive_policy_is_rendered_with_this_runs_replicas_and_scaled_pool
 
 
 def test_what_if_moves_adaptive_caps_applies_the_fault_and_serves_degrades_on_the_small_model():
-    from extproc.demo.whatif import what_if
+    from extproc.tools.demo.whatif import what_if
 
     s = Scenario.load("scenarios/shifted-fleet.yaml").shortened(10)
     res = what_if(s, "policies/demo-adaptive.yaml", s.fleet_capacity())
@@ -118,7 +118,7 @@ def test_what_if_moves_adaptive_caps_applies_the_fault_and_serves_degrades_on_th
 
 
 def test_what_if_stops_sending_new_requests_to_a_drained_replica(monkeypatch):
-    from extproc.demo import whatif
+    from extproc.tools.demo import whatif
 
     s = Scenario.load("scenarios/replica-removed.yaml").shortened(10)
     assert [(e.replica, e.fault) for e in s.events] == [(1, {"draining": 1.0})]
@@ -145,10 +145,10 @@ def test_without_matplotlib_the_demo_report_still_writes_every_record_and_the_su
     """matplotlib is the optional `plot` extra: the report used to plot first, so without it the run was lost."""
     import sys
 
-    from extproc.demo import print_tables
-    from extproc.demo.report import write_report
-    from extproc.demo.runner import ModeResult
-    from extproc.demo.whatif import what_if
+    from extproc.tools.demo import print_tables
+    from extproc.tools.demo.report import write_report
+    from extproc.tools.demo.runner import ModeResult
+    from extproc.tools.demo.whatif import what_if
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
     scenario = Scenario.load(SCENARIO).shortened(4)

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from extproc.stack import Stack
+from extproc.tools.stack import Stack
+from tests.conftest import policy_doc
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL, SMALL_MODEL = "tiny-llama", "tiny-llama-small"
@@ -105,17 +106,11 @@ def target(request, tmp_path_factory):
 
 
 def policy(target: Target, classes: dict | None = None, **overrides) -> dict:
-    data = {
-        "classes": classes or {
-            "interactive": {"max_concurrency": 8, "max_queue": 4, "max_wait_ms": 2000},
-            "batch": {"max_concurrency": 4, "max_queue": 4, "max_wait_ms": 2000},
-        },
-        "default_class": "interactive",
-        "models": {target.model: {"cluster": "vllm_llama70b"}, target.small_model: {"cluster": "vllm_llama8b"}},
-        "anonymous": {"max_class": "interactive"},  # keyless requests stand for a trusted client here
-    }
-    data.update(overrides)
-    return data
+    """The policy document for a target: its two served names on the two pools, no tenants."""
+    classes = classes or {"interactive": {"max_concurrency": 8, "max_queue": 4, "max_wait_ms": 2000},
+                          "batch": {"max_concurrency": 4, "max_queue": 4, "max_wait_ms": 2000}}
+    models = {target.model: {"cluster": "vllm_llama70b"}, target.small_model: {"cluster": "vllm_llama8b"}}
+    return policy_doc(classes=classes, models=models, tenants=[], **overrides)
 
 
 @pytest.fixture
@@ -123,9 +118,9 @@ def make_stack(tmp_path, target):
     """Start Envoy + the ext_proc with a policy (a dict) in front of the target; stopped after the test."""
     stacks: list[Stack] = []
 
-    def start(policy_doc: dict | None = None) -> Stack:
+    def start(document: dict | None = None) -> Stack:
         path = tmp_path / f"policy{len(stacks)}.yaml"
-        path.write_text(yaml.safe_dump(policy_doc or policy(target), sort_keys=False))
+        path.write_text(yaml.safe_dump(document or policy(target), sort_keys=False))
         pools = {"vllm_llama70b": [target.endpoint], "vllm_llama8b": [target.endpoint]}
         s = Stack(tmp_path / f"stack{len(stacks)}", pools, policy_path=path)
         stacks.append(s)

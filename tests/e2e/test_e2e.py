@@ -10,18 +10,16 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import sys
 
 import aiohttp
 import pytest
 
-from tests.integration.helpers import equals, healthz, raw_request, until as wait_for, wait_idle
+from scripts.vllm.fixture_format import shape
+from scripts.vllm.record_fixtures import classify, parse_sse
+from tests.conftest import until
+from tests.integration.helpers import healthz, raw_request, wait_idle
 
 from .conftest import ROOT, policy
-
-sys.path.insert(0, str(ROOT / "scripts" / "vllm"))
-from fixture_format import shape  # noqa: E402
-from record_fixtures import classify, parse_sse  # noqa: E402
 
 FIX = ROOT / "tests" / "fixtures" / "vllm"
 MESSAGES = [{"role": "user", "content": "hello there, how is the queue today?"}]
@@ -60,6 +58,11 @@ def metric(text: str, name: str, **labels) -> float:
         if all(got.get(k) == v for k, v in labels.items()):
             total += float(m.group(2))
     return total
+
+
+async def running_at(http: aiohttp.ClientSession, target) -> float:
+    """The target's `vllm:num_requests_running`."""
+    return metric(await target_metrics(http, target), "vllm:num_requests_running")
 
 
 def assert_stream(raw: bytes, include_usage: bool, chat_stream: bool) -> tuple[list, list[str]]:
@@ -165,10 +168,9 @@ async def test_admission_cap_forces_429(make_stack, target):
         results = await asyncio.gather(*[one() for _ in range(6)])
         try:
             assert sorted(st for st, _, _ in results) == [200] * 2 + [429] * 4
-            # Both streams have sent their role chunk; the engine may count the second as running a step later.
-            async def running():
-                return metric(await target_metrics(http, target), "vllm:num_requests_running")
-            assert await wait_for(lambda: equals(running(), 2), timeout=5), "vLLM does not run the cap's 2"
+            # The engine counts a request as running from its next step: poll, do not read once.
+            running = await until(lambda: running_at(http, target), holds=lambda n: n == 2)
+            assert running == 2, f"vLLM runs {running} requests, the cap is 2"
             snap = (await healthz(http, s.metrics_url))["classes"]["interactive"]
             assert snap["inflight"] == 2 and snap["queue"] == 0
             for status, headers, raw in results:
@@ -197,7 +199,7 @@ async def test_client_abort_mid_stream_releases_the_slot_and_reaches_vllm(make_s
             for _ in range(3):
                 await r.content.readuntil(b"\n\n")
             assert (await healthz(http, s.metrics_url))["classes"]["interactive"]["inflight"] == 1
-            assert metric(await target_metrics(http, target), "vllm:num_requests_running") == 1
+            assert await running_at(http, target) == 1
             r.close()  # hard close mid-stream
         snap = await wait_idle(http, s.metrics_url, timeout=5)
         assert snap["interactive"]["inflight"] == 0, "the ext_proc kept the aborted stream's slot"
@@ -206,7 +208,7 @@ async def test_client_abort_mid_stream_releases_the_slot_and_reaches_vllm(make_s
             text = await target_metrics(http, target)
             return text if metric(text, "vllm:num_requests_running") == 0 else None
 
-        after = await wait_for(vllm_idle, timeout=5)
+        after = await until(vllm_idle, timeout=5)
         assert after, "the abort did not reach vLLM: num_requests_running stays above 0"
         # vLLM 0.32 does not count a client abort as finished_reason="abort" (docs/vllm.md); the tokens it generated
         # before the abort are counted.
@@ -261,7 +263,7 @@ async def test_extproc_learns_cost_from_usage(make_stack, target):
             learned = metric(text, "extproc_learned_tokens_total", kind="completion")
             return (learned, generated) if learned == generated > 0 else None
 
-        assert await wait_for(agree, timeout=10.0), "learned tokens never matched vllm:generation_tokens_total"
+        assert await until(agree, timeout=10.0), "learned tokens never matched vllm:generation_tokens_total"
 
 
 # ------------------------------------------------------------------------------------------ degrade

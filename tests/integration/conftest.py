@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
-from extproc.stack import Stack, free_port, wait_http
+from extproc.tools.stack import Stack, free_port, wait_http
+from tests.conftest import policy_file
 
 HERE = Path(__file__).resolve().parent
 
@@ -26,25 +26,6 @@ def upstream():
     finally:
         proc.terminate()
         proc.wait(10)
-
-
-def policy_file(tmp_path: Path, **overrides) -> Path:
-    data = {
-        "classes": {
-            "interactive": {"max_concurrency": 3, "max_queue": 2, "max_wait_ms": 2000},
-            "batch": {"max_concurrency": 4, "max_queue": 4, "max_wait_ms": 2000},
-            "internal": {"max_concurrency": 1, "max_queue": 1, "max_wait_ms": 500},
-        },
-        "default_class": "interactive",
-        "tenants": [{"name": "acme", "api_keys": ["sk-acme-1"], "max_class": "batch", "default_class": "batch"}],
-        "models": {"llama-70b": {"cluster": "vllm_llama70b"}, "llama-8b": {"cluster": "vllm_llama8b"}},
-    }
-    data.update(overrides)
-    # Requests without a key stand for a trusted client here (the default caps them at the lowest class).
-    data.setdefault("anonymous", {"max_class": next(iter(data["classes"]))})
-    path = tmp_path / "policy.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
 
 
 @pytest.fixture

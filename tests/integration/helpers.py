@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import until
 
 
 def chat(max_tokens: int = 4, stream: bool = False, model: str = "llama-70b", **extra) -> dict:
@@ -44,14 +45,23 @@ def sample(ms: dict, name: str, **labels) -> float:
     return sum(v for (n, ls), v in ms.items() if n == name and want <= ls)
 
 
+async def sample_once(session, metrics_url: str, name: str, expected: float, timeout: float = 5.0,
+                      **labels) -> float:
+    """The sample once it equals `expected`, or the last one read at `timeout`: how a request ended reaches the
+    metrics a moment after its response (Envoy's access log is batched), so tests poll instead of sleeping."""
+    async def read() -> float:
+        return sample(await metrics(session, metrics_url), name, **labels)
+
+    return await until(read, timeout, holds=lambda value: value == expected)
+
+
 async def wait_idle(session, metrics_url: str, timeout: float = 2.0) -> dict:
     """Poll until no class has requests in flight or queued; return the last snapshot."""
-    deadline = time.monotonic() + timeout
-    while True:
-        snap = (await healthz(session, metrics_url))["classes"]
-        if all(c["inflight"] == 0 and c["queue"] == 0 for c in snap.values()) or time.monotonic() > deadline:
-            return snap
-        await asyncio.sleep(0.02)
+    async def classes() -> dict:
+        return (await healthz(session, metrics_url))["classes"]
+
+    return await until(classes, timeout, interval=0.02,
+                       holds=lambda snap: all(c["inflight"] == 0 and c["queue"] == 0 for c in snap.values()))
 
 
 async def upstream_stats(session, upstream: tuple[str, int]) -> dict:
@@ -72,16 +82,6 @@ async def equals(awaitable, value) -> bool:
 async def reloads(session, metrics_url: str, result: str) -> float:
     """extproc_config_reload_total for one result (ok / invalid / ...)."""
     return sample(await metrics(session, metrics_url), "extproc_config_reload_total", result=result)
-
-
-async def until(predicate, timeout: float = 5.0, interval: float = 0.05):
-    """Await the async predicate until it returns a truthy value; return it (or the last falsy one)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        await asyncio.sleep(interval)
 
 
 async def raw_request(port: int, headers: list[tuple[bytes, bytes]], body: bytes, method: bytes = b"POST",

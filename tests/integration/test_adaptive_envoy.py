@@ -5,16 +5,15 @@ the load is gone, and counts a replica it cannot read (stopped) as saturated."""
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import replace
 
 import aiohttp
-import yaml
 
-from extproc.demo.runner import start_pool
-from extproc.sim.fleet import SimFleet
-from extproc.sim.profile import load_profile
-from extproc.stack import Stack
+from extproc.tools.demo.runner import start_pool
+from extproc.tools.sim.fleet import SimFleet
+from extproc.tools.sim.profile import load_profile
+from extproc.tools.stack import Stack
+from tests.conftest import policy_file, until
 
 from .helpers import chat, metrics, post, sample
 
@@ -23,40 +22,23 @@ START_LIMIT = 16
 
 
 def write_policy(tmp_path, pool: dict) -> object:
-    data = {
-        "classes": {
-            "interactive": {
-                "max_concurrency": START_LIMIT, "max_queue": 0, "max_wait_ms": 0, "slo_p95_ms": 60_000,
-                "latency_breaker": {"enabled": False},
-                "adaptive": {"enabled": True, "min_limit": 2, "max_limit": START_LIMIT, "interval_s": 0.2,
-                             "window_s": 3, "min_samples": 2, "binding": 0.2}},
-            "batch": {"max_concurrency": 4, "max_queue": 0, "max_wait_ms": 0}},
-        "models": {"llama-70b": {"cluster": "vllm_llama70b"}, "llama-8b": {"cluster": "vllm_llama8b"}},
-        "shed": {},
-        "anonymous": {"max_class": "interactive"},  # keyless requests stand for a trusted client here
-        # 2, not 1: vLLM counts a request as waiting until its next engine step, so under CPU load a scrape can
-        # catch one arrival of the steady phase (3 at a time, under max_num_seqs 4) as "waiting" and cut. The
-        # burst leaves 12 waiting, far above either.
-        "pools": {"vllm_llama70b": {"scrape_interval_ms": 50, "stale_ms": 500, "waiting_saturated": 2, **pool}},
-    }
-    path = tmp_path / "policy.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
+    interactive = {"max_concurrency": START_LIMIT, "max_queue": 0, "max_wait_ms": 0, "slo_p95_ms": 60_000,
+                   "latency_breaker": {"enabled": False},
+                   "adaptive": {"enabled": True, "min_limit": 2, "max_limit": START_LIMIT, "interval_s": 0.2,
+                                "window_s": 3, "min_samples": 2, "binding": 0.2}}
+    # waiting_saturated 2, not 1: vLLM counts a request as waiting until its next engine step, so under CPU load a
+    # scrape can catch one arrival of the steady phase (3 at a time, under max_num_seqs 4) as "waiting" and cut.
+    # The burst leaves 12 waiting, far above either.
+    pools = {"vllm_llama70b": {"scrape_interval_ms": 50, "stale_ms": 500, "waiting_saturated": 2, **pool}}
+    return policy_file(tmp_path, classes={"interactive": interactive,
+                                          "batch": {"max_concurrency": 4, "max_queue": 0, "max_wait_ms": 0}},
+                       tenants=[], shed={}, pools=pools)
 
 
 async def gauges(http, url) -> tuple[float, float]:
     ms = await metrics(http, url)
     return (sample(ms, "extproc_class_limit", **{"class": "interactive"}),
             sample(ms, "extproc_pool_saturated", pool="vllm_llama70b"))
-
-
-async def wait_for(http, url, pred, timeout=10.0) -> tuple[float, float]:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = await gauges(http, url)
-        if pred(*got) or time.monotonic() > deadline:
-            return got
-        await asyncio.sleep(0.05)
 
 
 async def test_waiting_requests_saturate_the_pool_cut_the_limit_and_it_recovers(make_stack, tmp_path):
@@ -69,7 +51,7 @@ async def test_waiting_requests_saturate_the_pool_cut_the_limit_and_it_recovers(
                        pools={"vllm_llama70b": [("127.0.0.1", big.ports[0])],
                               "vllm_llama8b": [("127.0.0.1", small.ports[0])]})
         async with aiohttp.ClientSession() as http:
-            assert await wait_for(http, s.metrics_url, lambda lim, sat: lim == START_LIMIT and sat == 0) == \
+            assert await until(lambda: gauges(http, s.metrics_url), 10, holds=lambda g: g == (START_LIMIT, 0)) == \
                 (START_LIMIT, 0)
             burst = asyncio.gather(*[post(http, s.url, chat(max_tokens=600, ignore_eos=True))
                                      for _ in range(START_LIMIT)])
@@ -86,7 +68,7 @@ async def test_waiting_requests_saturate_the_pool_cut_the_limit_and_it_recovers(
 
             # The load is gone: vLLM has nothing waiting, the pool is not saturated; the limit stays where it was
             # cut until the class uses it again (an idle class does not drift up).
-            limit, sat = await wait_for(http, s.metrics_url, lambda lim, sat: sat == 0)
+            limit, sat = await until(lambda: gauges(http, s.metrics_url), 10, holds=lambda g: g[1] == 0)
             assert sat == 0
             low = limit
 
@@ -111,12 +93,13 @@ async def test_a_replica_that_cannot_be_read_counts_as_saturated(tmp_path):
         write_policy(tmp_path, {"envoy_admin": s.admin_url})
         s.start()
         async with aiohttp.ClientSession() as http:
-            limit, sat = await wait_for(http, s.metrics_url, lambda lim, sat: sat == 0)
+            limit, sat = await until(lambda: gauges(http, s.metrics_url), 10, holds=lambda g: g[1] == 0)
             assert (limit, sat) == (START_LIMIT, 0)
             status, _, _ = await post(http, s.url, chat())  # a class heeds the pools it sends to
             assert status == 200
             s.process("sim-big").stop()  # the replica is gone: its /metrics cannot be read
-            limit, sat = await wait_for(http, s.metrics_url, lambda lim, sat: sat == 1 and lim < START_LIMIT)
+            limit, sat = await until(lambda: gauges(http, s.metrics_url), 10,
+                                     holds=lambda g: g[1] == 1 and g[0] < START_LIMIT)
             assert sat == 1 and limit < START_LIMIT, (limit, sat)
     finally:
         s.stop()

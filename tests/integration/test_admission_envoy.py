@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 
 import aiohttp
 
-from .conftest import policy_file
-from .helpers import chat, healthz, metrics, post, sample, upstream_reset, upstream_stats, wait_idle
+from tests.conftest import policy_file, until
+
+from .helpers import chat, healthz, metrics, post, sample, sample_once, upstream_reset, upstream_stats, wait_idle
 
 SLOW = {"x-test-delay-ms": "600"}
 
@@ -55,7 +57,9 @@ async def test_batch_is_shed_with_503_while_interactive_is_saturated(make_stack)
     s = make_stack()
     async with aiohttp.ClientSession() as http:
         hold = [asyncio.create_task(post(http, s.url, chat(), SLOW)) for _ in range(3)]
-        await asyncio.sleep(0.3)
+        saturated = await until(lambda: healthz(http, s.metrics_url),
+                                holds=lambda h: h["classes"]["interactive"]["inflight"] == 3)
+        assert saturated["classes"]["interactive"]["inflight"] == 3
         status, headers, body = await post(http, s.url, chat(), {"x-priority": "batch"})
         assert status == 503
         assert headers["x-extproc-decision"] == "shed" and headers["x-extproc-class"] == "batch"
@@ -117,10 +121,9 @@ async def test_upstream_5xx_releases_the_slot_and_is_counted(make_stack):
         status, headers, _ = await post(http, s.url, chat(), {"x-test-status": "500"})
         assert status == 500 and headers["x-extproc-decision"] == "accept"
         await wait_idle(http, s.metrics_url)
-        await asyncio.sleep(0.5)  # the access log's flush interval
-        ms = await metrics(http, s.metrics_url)
-        assert sample(ms, "extproc_request_duration_seconds_count", outcome="upstream_error") == 1
-        assert sample(ms, "extproc_inflight") == 0
+        assert await sample_once(http, s.metrics_url, "extproc_request_duration_seconds_count", 1,
+                                 outcome="upstream_error") == 1
+        assert sample(await metrics(http, s.metrics_url), "extproc_inflight") == 0
 
 
 async def test_completed_requests_are_counted_ok(make_stack):
@@ -130,10 +133,8 @@ async def test_completed_requests_are_counted_ok(make_stack):
             status, _, _ = await post(http, s.url, chat(stream=stream))
             assert status == 200
         await wait_idle(http, s.metrics_url)
-        await asyncio.sleep(0.5)  # the access log's flush interval
-        ms = await metrics(http, s.metrics_url)
-        assert sample(ms, "extproc_request_duration_seconds_count", outcome="ok") == 2
-        assert sample(ms, "extproc_time_to_first_byte_seconds_count") == 2
+        assert await sample_once(http, s.metrics_url, "extproc_request_duration_seconds_count", 2, outcome="ok") == 2
+        assert await sample_once(http, s.metrics_url, "extproc_time_to_first_byte_seconds_count", 2) == 2
 
 
 async def test_aborting_50_streams_mid_response_returns_inflight_to_zero(make_stack, upstream, tmp_path):
@@ -153,11 +154,9 @@ async def test_aborting_50_streams_mid_response_returns_inflight_to_zero(make_st
         await asyncio.gather(*[abort_mid_stream() for _ in range(50)])
         snap = await wait_idle(http, s.metrics_url, timeout=1.0)
         assert snap["interactive"]["inflight"] == 0
-        ms = await metrics(http, s.metrics_url)
         # The slot is freed at the stream end; how it ended comes from Envoy's access log (batched, 0.1 s).
-        await asyncio.sleep(0.5)
-        ms = await metrics(http, s.metrics_url)
-        assert sample(ms, "extproc_request_duration_seconds_count", outcome="client_abort") == 50
+        assert await sample_once(http, s.metrics_url, "extproc_request_duration_seconds_count", 50,
+                                 outcome="client_abort") == 50
 
 
 async def test_client_leaving_the_queue_frees_its_place_at_once(make_stack, tmp_path):
@@ -165,16 +164,16 @@ async def test_client_leaving_the_queue_frees_its_place_at_once(make_stack, tmp_
                                                             "max_wait_ms": 5000}}, tenants=[])
     s = make_stack(policy)
     async with aiohttp.ClientSession() as http:
+        async def interactive() -> dict:
+            return (await healthz(http, s.metrics_url))["classes"]["interactive"]
+
         hold = asyncio.create_task(post(http, s.url, chat(), {"x-test-delay-ms": "1500"}))
-        await asyncio.sleep(0.2)
+        assert (await until(interactive, holds=lambda c: c["inflight"] == 1))["inflight"] == 1
         waiting = asyncio.create_task(post(http, s.url, chat()))
-        await asyncio.sleep(0.3)
-        assert (await healthz(http, s.metrics_url))["classes"]["interactive"]["queue"] == 1
+        assert (await until(interactive, holds=lambda c: c["queue"] == 1))["queue"] == 1
         waiting.cancel()
-        await asyncio.sleep(0.3)
-        assert (await healthz(http, s.metrics_url))["classes"]["interactive"]["queue"] == 0
-        ms = await metrics(http, s.metrics_url)
-        assert sample(ms, "extproc_requests_total", reason="client_disconnected") == 1
+        assert (await until(interactive, timeout=1.0, holds=lambda c: c["queue"] == 0))["queue"] == 0
+        assert await sample_once(http, s.metrics_url, "extproc_requests_total", 1, reason="client_disconnected") == 1
         await hold
 
 
@@ -188,7 +187,27 @@ async def test_non_generation_paths_pass_through_without_admission(make_stack):
 
 
 async def test_client_cannot_choose_the_cluster_header(make_stack, upstream):
+    """The header that picks the pool is the ext_proc's alone. Up, the ext_proc overwrites it; down (failure_mode_allow
+    lets requests through unadmitted) only Envoy's own stripping of client-sent x-extproc-* headers
+    (early_header_mutation in envoy/envoy.yaml) keeps it from picking a pool or opening a path the gateway denies
+    (the route keyed on it matches any path)."""
     s = make_stack()
+    cluster_8b = f"{s.admin_url}/stats?filter=^cluster\\.vllm_llama8b\\.upstream_rq_total$"
     async with aiohttp.ClientSession() as http:
-        status, _, _ = await post(http, s.url, chat(), {"x-extproc-cluster": "extproc"})
-        assert status == 200
+        async def sent_to_8b() -> str:
+            async with http.get(cluster_8b) as r:
+                return (await r.text()).strip()
+
+        async def denied_path_with_header() -> tuple[int, dict]:
+            async with http.get(f"{s.url}/test/stats", headers={"x-extproc-cluster": "vllm_llama70b"}) as r:
+                return r.status, await r.json(content_type=None)
+
+        for extproc_up in (True, False):
+            if not extproc_up:
+                s.process("extproc").stop(signal.SIGKILL)
+            status, _, _ = await post(http, s.url, chat(), {"x-extproc-cluster": "extproc"})
+            assert status == 200, extproc_up
+            status, _, _ = await post(http, s.url, chat(model="llama-70b"), {"x-extproc-cluster": "vllm_llama8b"})
+            assert status == 200 and await sent_to_8b() == "cluster.vllm_llama8b.upstream_rq_total: 0", extproc_up
+            status, body = await denied_path_with_header()
+            assert status == 404 and body["error"]["code"] == "unknown_url", (extproc_up, status, body)

@@ -7,23 +7,19 @@ import json
 
 import aiohttp
 import pytest
-import yaml
 
-from extproc.sim.fleet import SimFleet
+from extproc.tools.sim.fleet import SimFleet
+from tests.conftest import policy_file
 
-from .helpers import chat, metrics, post, sample
+from .helpers import chat, metrics, post, sample, sample_once
 
 SPEED = 10.0  # simulated seconds per wall second
 
 
 def write_policy(tmp_path, interactive: dict, batch: dict | None = None, **top) -> object:
-    data = {"classes": {"interactive": interactive,
-                        "batch": batch or {"max_concurrency": 32, "max_queue": 0, "max_wait_ms": 0}},
-            "models": {"llama-70b": {"cluster": "vllm_llama70b"}, "llama-8b": {"cluster": "vllm_llama8b"}},
-            "shed": {}, "anonymous": {"max_class": "interactive"}, **top}  # keyless = a trusted client here
-    path = tmp_path / "policy.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
+    batch = batch or {"max_concurrency": 32, "max_queue": 0, "max_wait_ms": 0}
+    return policy_file(tmp_path, **{"classes": {"interactive": interactive, "batch": batch}, "tenants": [], "shed": {},
+                                    **top})
 
 
 @pytest.fixture
@@ -66,7 +62,8 @@ async def test_slow_pool_trips_the_breaker_degrades_to_the_small_model_and_recov
         assert {m for m, _ in await served_by(http, s.url, 4)} == {"llama-70b"}
         await fault(http, big, extra_latency_s=12.0)  # 1.2 s wall per request on the 70B pool
         await served_by(http, s.url, 12)               # these are slow: the window's p95 crosses 0.8 s
-        await asyncio.sleep(0.4)                       # the access-log batch that carries their latency
+        # The access-log batch that carries their latency: all 16 completions reported.
+        assert await sample_once(http, s.metrics_url, "extproc_request_duration_seconds_count", 16, outcome="ok") == 16
         got = await served_by(http, s.url, 3)
         assert {m for m, _ in got} == {"llama-8b"}
         assert all(d and d.endswith("reason=latency_breaker_open") and "model=llama-8b" in d for _, d in got)
@@ -98,7 +95,7 @@ async def test_a_batch_only_slowdown_never_trips_the_interactive_breaker(make_st
     async with aiohttp.ClientSession() as http:
         # Long batch generations (400 tokens, ~0.17 s wall here) and short interactive ones share the pool.
         await asyncio.gather(served_by(http, s.url, 8, batch, max_tokens=400), served_by(http, s.url, 8))
-        await asyncio.sleep(0.4)
+        assert await sample_once(http, s.metrics_url, "extproc_request_duration_seconds_count", 16, outcome="ok") == 16
         status, headers, body = await post(http, s.url, chat(), batch)
         assert status == 503 and json.loads(body)["error"]["code"] == "latency_breaker_open"
         status, headers, _ = await post(http, s.url, chat())

@@ -7,11 +7,11 @@ import json
 
 import aiohttp
 import pytest
-import yaml
 
-from extproc.sim.fleet import SimFleet
+from extproc.tools.sim.fleet import SimFleet
+from tests.conftest import policy_file
 
-from .helpers import chat, metrics, post, sample, wait_idle
+from .helpers import chat, metrics, post, sample, sample_once, wait_idle
 
 SPEED = 10.0
 COST = {"prefill_s_per_1k_tokens": 0.1, "decode_s_per_token": 0.001}
@@ -23,19 +23,12 @@ async def fleet():
         yield f
 
 
-def policy(tmp_path, **top):
-    data = {"classes": {"interactive": {"max_concurrency": 200, "max_queue": 0, "max_wait_ms": 0},
-                        "batch": {"max_concurrency": 200, "max_queue": 0, "max_wait_ms": 0}},
-            "models": {"llama-70b": {"cluster": "vllm_llama70b", "cost": COST}}, "shed": {},
-            "anonymous": {"max_class": "interactive"}}  # keyless requests stand for a trusted client here
-    for key, value in top.items():
-        if key == "interactive":
-            data["classes"]["interactive"].update(value)
-        else:
-            data[key] = value
-    path = tmp_path / "policy.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
+def policy(tmp_path, interactive: dict | None = None, **top):
+    """Caps out of the way (200 each), so what refuses is the cost budget, a rate limit or a session budget."""
+    classes = {"interactive": {"max_concurrency": 200, "max_queue": 0, "max_wait_ms": 0, **(interactive or {})},
+               "batch": {"max_concurrency": 200, "max_queue": 0, "max_wait_ms": 0}}
+    models = {"llama-70b": {"cluster": "vllm_llama70b", "cost": COST}}
+    return policy_file(tmp_path, **{"classes": classes, "models": models, "tenants": [], "shed": {}, **top})
 
 
 def stack_for(make_stack, tmp_path, fleet, **top):
@@ -133,8 +126,7 @@ async def test_usage_is_learned_and_the_extra_usage_chunk_never_reaches_the_clie
         assert events[-1] == b"data: [DONE]" and not any(b'"choices":[]' in e for e in events)
         assert any(b'"choices":[]' in e and b'"usage"' in e for e in asked.split(b"\n\n"))
         assert json.loads(whole)["usage"]["completion_tokens"] > 0
-        await asyncio.sleep(0.5)  # the completion reports
+        assert await sample_once(http, s.metrics_url, "extproc_cost_estimate_error_ratio_count", 3) == 3
         ms = await metrics(http, s.metrics_url)
-        assert sample(ms, "extproc_cost_estimate_error_ratio_count") == 3
         assert sample(ms, "extproc_cost_model", model="llama-70b", param="samples") == 3
         assert sample(ms, "extproc_cost_model", model="llama-70b", param="output_ratio") < 1.0

@@ -10,8 +10,9 @@ import signal
 import aiohttp
 import yaml
 
-from .conftest import policy_file
-from .helpers import chat, equals, healthz, metrics, post, reloads, sample, until, wait_idle
+from tests.conftest import policy_file, until
+
+from .helpers import chat, equals, healthz, metrics, post, reloads, sample, wait_idle
 
 
 def rewrite(path, **classes):
@@ -62,12 +63,14 @@ async def test_in_flight_requests_keep_their_slots_when_caps_shrink(make_stack, 
     path = policy_file(tmp_path)
     s = make_stack(path, extproc_args=["--watch-interval", "0"])
     async with aiohttp.ClientSession() as http:
+        async def interactive() -> dict:
+            return (await healthz(http, s.metrics_url))["classes"]["interactive"]
+
         running = [asyncio.create_task(post(http, s.url, chat(), {"x-test-delay-ms": "1500"})) for _ in range(3)]
-        await asyncio.sleep(0.4)
+        assert (await until(interactive, holds=lambda c: c["inflight"] == 3))["inflight"] == 3
         rewrite(path, interactive={"max_concurrency": 1, "max_queue": 0})
         os.kill(s.process("extproc").popen.pid, signal.SIGHUP)
-        await asyncio.sleep(0.3)
-        snap = (await healthz(http, s.metrics_url))["classes"]["interactive"]
+        snap = await until(interactive, timeout=1.0, holds=lambda c: c["limit"] == 1)
         assert snap["inflight"] == 3 and snap["limit"] == 1  # held slots stay held past the new cap
         status, _, body = await post(http, s.url, chat())
         assert status == 429 and json.loads(body)["error"]["code"] == "queue_full"

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc import envoyconf
+from extproc.tools import envoyconf
 
 ROOT = Path(__file__).resolve().parents[2]
 

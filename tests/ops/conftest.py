@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.stack import free_port, wait_http
+from extproc.tools.stack import free_port, wait_http
 
 from .promql import PROMETHEUS_SERIES, exposed_names, recorded_names
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from extproc import envoyconf
 from extproc.policy.schema import load_policy_file
-from extproc.sim.profile import shipped_profile_names
+from extproc.tools import envoyconf
+from extproc.tools.sim.profile import shipped_profile_names
 
 from .conftest import COMPOSE, ROOT, run_tool, tool
 

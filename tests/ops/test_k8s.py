@@ -14,9 +14,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from extproc import envoyconf
 from extproc.policy.schema import load_policy_file
 from extproc.server import main as server_main
+from extproc.tools import envoyconf
 
 from . import k8s_schemas
 from .conftest import RULE_FILES, ROOT, run_tool

@@ -16,8 +16,8 @@ import urllib.request
 import pytest
 import yaml
 
-from extproc import envoyconf
-from extproc.stack import free_port, wait_http
+from extproc.tools import envoyconf
+from extproc.tools.stack import free_port, wait_http
 
 from .conftest import ROOT
 

@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -20,7 +19,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.stack import free_port, wait_http
+from extproc.tools.stack import free_port, wait_http
+from tests.conftest import until
 
 from .conftest import ROOT
 
@@ -76,15 +76,6 @@ def sample(metrics_url: str, name: str, **labels) -> float:
     return sum(v for (n, ls), v in samples(metrics_url).items() if n == name and want <= ls)
 
 
-def until(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return predicate()
-
-
 @pytest.fixture
 def mounted(tmp_path):
     """(the ConfigMap volume, the metrics URL of an ext_proc serving the policy from it, the process)."""
@@ -107,25 +98,26 @@ def interactive_limit(url: str) -> float:
     return sample(url, "extproc_class_limit", **{"class": "interactive"})
 
 
-def test_a_config_map_update_reaches_the_running_extproc(mounted):
+async def test_a_config_map_update_reaches_the_running_extproc(mounted):
     volume, url, _ = mounted
     assert interactive_limit(url) == 24
     volume.update({KEY: policy_text(max_concurrency=7)})
-    assert until(lambda: interactive_limit(url) == 7)
+    assert await until(lambda: interactive_limit(url) == 7, timeout=10, interval=0.1)
     assert sample(url, "extproc_config_reload_total", result="applied") == 1
     volume.update({KEY: policy_text(max_concurrency=9)})   # and again: the watch follows the new `..data`
-    assert until(lambda: interactive_limit(url) == 9)
+    assert await until(lambda: interactive_limit(url) == 9, timeout=10, interval=0.1)
 
 
-def test_an_invalid_config_map_update_is_refused_and_the_running_policy_keeps_serving(mounted):
+async def test_an_invalid_config_map_update_is_refused_and_the_running_policy_keeps_serving(mounted):
     volume, url, proc = mounted
     volume.update({KEY: policy_text(max_concurrency=-1)})
-    assert until(lambda: sample(url, "extproc_config_reload_total", result="invalid") == 1)
+    assert await until(lambda: sample(url, "extproc_config_reload_total", result="invalid") == 1, timeout=10,
+                       interval=0.1)
     assert sample(url, "extproc_config_last_reload_successful") == 0
     assert interactive_limit(url) == 24   # the old policy
     assert proc.poll() is None            # not restarted, not crashed
     with urllib.request.urlopen(f"{url}/healthz", timeout=5) as r:
         assert r.status == 200 and json.loads(r.read())["status"] == "ok"
     volume.update({KEY: policy_text(max_concurrency=12)})   # the next good update applies as usual
-    assert until(lambda: interactive_limit(url) == 12)
+    assert await until(lambda: interactive_limit(url) == 12, timeout=10, interval=0.1)
     assert sample(url, "extproc_config_last_reload_successful") == 1

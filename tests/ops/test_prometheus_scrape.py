@@ -20,7 +20,8 @@ import aiohttp
 import pytest
 import yaml
 
-from extproc.stack import Stack, free_port, wait_http
+from extproc.tools.stack import Stack, free_port, wait_http
+from tests.conftest import until
 
 from .conftest import COMPOSE, ROOT, RULE_FILES, tool
 
@@ -75,12 +76,7 @@ class PrometheusAPI:
 
     def wait_for(self, promql: str, predicate, timeout: float = 15.0):
         """Poll a query until predicate(result) holds; return the last result either way."""
-        deadline = time.monotonic() + timeout
-        while True:
-            result = self.query(promql)
-            if predicate(result) or time.monotonic() > deadline:
-                return result
-            time.sleep(0.25)
+        return asyncio.run(until(lambda: self.query(promql), timeout, interval=0.25, holds=predicate))
 
 
 async def send_load(url: str, requests: dict[str, int], rate: dict[str, float]) -> Counter:

@@ -10,9 +10,8 @@ import time
 
 import pytest
 
-from extproc.stack import Stack, free_port, wait_http
-from tests.integration.conftest import make_stack, policy_file, upstream  # noqa: F401 (fixtures)
-from tests.integration.helpers import until  # noqa: F401 (re-exported for the reliability tests)
+from extproc.tools.stack import Stack, free_port, wait_http
+from tests.integration.conftest import make_stack, upstream  # noqa: F401 (fixtures)
 
 
 def restart_extproc(stack: Stack, sig: int = signal.SIGKILL) -> float:

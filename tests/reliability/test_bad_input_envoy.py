@@ -9,9 +9,8 @@ import json
 
 import aiohttp
 
+from tests.conftest import policy_file
 from tests.integration.helpers import chat, healthz, metrics, raw_request, sample, wait_idle
-
-from .conftest import policy_file
 
 def openai_error(body: bytes) -> dict:
     err = json.loads(body)["error"]

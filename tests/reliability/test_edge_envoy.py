@@ -10,12 +10,11 @@ import json
 import aiohttp
 import pytest
 
-from extproc.envoyconf import load_source
 from extproc.server.openai import ENDPOINTS, MAX_JSON_DEPTH
-from tests.integration.helpers import (chat, metrics, post, raw_request, sample, until, upstream_reset,
-                                       upstream_stats, wait_idle)
-
-from .conftest import policy_file
+from extproc.tools.envoyconf import load_source
+from tests.conftest import policy_file, until
+from tests.integration.helpers import (chat, metrics, post, raw_request, sample, upstream_reset, upstream_stats,
+                                       wait_idle)
 
 ALL_ENDPOINTS = {"responses": True, "invocations": True, "embeddings": True, "tokenize": True}
 CT = (b"content-type", b"application/json")

@@ -12,10 +12,9 @@ import time
 import aiohttp
 import pytest
 
-from extproc.stack import Stack
+from extproc.tools.stack import Stack
+from tests.conftest import policy_file
 from tests.integration.helpers import chat, post
-
-from .conftest import policy_file
 
 ADMISSION_DOWN = "The admission service is unavailable or did not answer in time"
 DIRECT_BODY = '{"error": {"message": "Unknown path.", "type": "invalid_request_error", "param": null, "code": "x"}}'

@@ -13,9 +13,8 @@ import time
 import aiohttp
 import yaml
 
-from tests.integration.helpers import chat, equals, healthz, metrics, post, reloads, sample, wait_idle
-
-from .conftest import policy_file, until
+from tests.conftest import policy_file, until
+from tests.integration.helpers import chat, equals, healthz, metrics, post, reloads, sample, sample_once, wait_idle
 
 JSON = {"content-type": "application/json"}
 
@@ -295,7 +294,5 @@ async def test_shrinking_caps_under_load_drops_nothing_and_releases_slots_to_the
         assert snap["interactive"]["inflight"] == 0, snap
         burst = await asyncio.gather(*[post(http, s.url, chat(), {"x-test-delay-ms": "400"}) for _ in range(4)])
         assert sorted(st for st, _, _ in burst) == [200, 200, 429, 429]
-        await asyncio.sleep(0.5)
-        ms = await metrics(http, s.metrics_url)
-        assert sample(ms, "extproc_request_duration_seconds_count", outcome="ok") == 8
-        assert sample(ms, "extproc_inflight") == 0
+        assert await sample_once(http, s.metrics_url, "extproc_request_duration_seconds_count", 8, outcome="ok") == 8
+        assert sample(await metrics(http, s.metrics_url), "extproc_inflight") == 0

@@ -13,13 +13,12 @@ import time
 
 import aiohttp
 import grpc
-import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+import pytest
 
-from extproc.stack import Stack
+from extproc.tools.stack import Stack
+from tests.conftest import policy_file, until
 from tests.integration.helpers import chat, equals, healthz, metrics, post, sample, upstream_reset, upstream_stats
-
-from .conftest import policy_file, until
 
 DRAIN_S = 5.0  # > Envoy's time to mark the instance unhealthy: 2 failed checks 1 s apart (+ 0.5 s timeout)
 HEALTH = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -65,7 +64,7 @@ async def restart(http, stack: Stack, i: int) -> dict:
     if await until(lambda: equals(envoy_sees(http, stack, i), "/failed_active_hc"), timeout=DRAIN_S):
         steps["out of Envoy's cluster"] = time.monotonic() - t0
         steps["still deciding then"] = old.alive()
-    await until(lambda: asyncio.sleep(0, not old.alive()), timeout=DRAIN_S + 15)
+    await until(lambda: not old.alive(), timeout=DRAIN_S + 15)
     steps["exited"] = time.monotonic() - t0
     stack.processes.remove(old)
     await asyncio.to_thread(stack.start_extproc, i)  # the load keeps running meanwhile
@@ -97,7 +96,7 @@ async def test_a_rolling_restart_under_load_admits_every_request(two_extprocs, u
             for i in range(2):
                 steps.append(await restart(http, s, i))
                 before = len(results)
-                assert await until(lambda: asyncio.sleep(0, len(results) > before + 20), timeout=10)
+                assert await until(lambda: len(results) > before + 20, timeout=10)
         finally:
             stop.set()
             await asyncio.gather(*clients)
@@ -140,6 +139,6 @@ async def test_sigterm_reports_not_serving_keeps_deciding_and_a_second_signal_en
             assert proc.alive()
             t0 = time.monotonic()
             os.killpg(proc.popen.pid, signal.SIGTERM)  # the second signal cuts the 60 s drain short
-            assert await until(lambda: asyncio.sleep(0, not proc.alive()), timeout=10)
+            assert await until(lambda: not proc.alive(), timeout=10)
             assert time.monotonic() - t0 < 10 and proc.popen.returncode == 0
             assert "extproc stopped" in proc.tail(5)

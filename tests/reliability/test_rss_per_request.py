@@ -9,9 +9,9 @@ import json
 import aiohttp
 import pytest
 
+from tests.conftest import policy_file
 from tests.integration.helpers import chat, healthz
 
-from .conftest import policy_file
 from .test_soak import rss_kib
 
 pytestmark = [pytest.mark.slow, pytest.mark.soak]

@@ -13,9 +13,10 @@ from grpc.aio import EOF
 
 from extproc.policy.admission import AdmissionController
 from extproc.policy.limits import Outcome
-from extproc.policy.schema import load_policy, load_policy_file
+from extproc.policy.schema import load_policy_file
 from extproc.server.main import Server, add_arguments
 from extproc.server.servicer import ExtProcServicer
+from tests.conftest import make_policy
 
 
 class Ctx:
@@ -30,6 +31,10 @@ class Ctx:
         self.writes.append(resp)
 
 
+def one_slot_core() -> AdmissionController:
+    return AdmissionController(make_policy(classes={"interactive": {"max_concurrency": 1}}, tenants=[]))
+
+
 def generation(body: bytes) -> list[pb.ProcessingRequest]:
     hs = [base_pb2.HeaderValue(key=":method", raw_value=b"POST"),
           base_pb2.HeaderValue(key=":path", raw_value=b"/v1/chat/completions")]
@@ -41,8 +46,7 @@ def generation(body: bytes) -> list[pb.ProcessingRequest]:
 def test_huge_max_tokens_is_a_400_not_a_failed_stream(max_tokens):
     """A max_tokens beyond float range made the cost estimate raise OverflowError: the stream failed and, with
     failure_mode_allow, Envoy let the request through unadmitted."""
-    core = AdmissionController(load_policy({"classes": {"interactive": {"max_concurrency": 1}},
-                                            "models": {"llama": {"cluster": "pool_a"}}}))
+    core = one_slot_core()
     servicer = ExtProcServicer(core)
     ctx = Ctx(generation(json.dumps({"model": "llama", "max_tokens": max_tokens, "messages": []}).encode()))
     asyncio.run(servicer.Process(None, ctx))
@@ -88,8 +92,7 @@ def test_a_write_to_a_stream_envoy_already_reset_is_a_client_abort_not_a_stream_
                 raise grpc.aio.InternalError("Failed \"execute_batch\"")
             await super().write(resp)
 
-    core = AdmissionController(load_policy({"classes": {"interactive": {"max_concurrency": 1}},
-                                            "models": {"llama": {"cluster": "pool_a"}}}))
+    core = one_slot_core()
     servicer = ExtProcServicer(core)
     errors = []
     servicer.on_error = lambda: errors.append(1)
@@ -116,8 +119,7 @@ class HeldCtx(Ctx):
 
 async def _reset_while_waiting(eof_first: bool):
     """Admit one request, then cancel the handler the way grpc.aio does when Envoy resets the stream."""
-    core = AdmissionController(load_policy({"classes": {"interactive": {"max_concurrency": 1}},
-                                            "models": {"llama": {"cluster": "pool_a"}}}))
+    core = one_slot_core()
     servicer = ExtProcServicer(core)
     ctx = HeldCtx(generation(b'{"model": "llama"}'))
     handler = asyncio.create_task(servicer.Process(None, ctx))

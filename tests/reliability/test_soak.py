@@ -19,10 +19,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from extproc.loadgen import LoadClient, RequestKind, Workload, run_closed_loop
+from extproc.tools.loadgen import LoadClient, RequestKind, Workload, run_closed_loop
+from tests.conftest import policy_file, until
 from tests.integration.helpers import healthz, metrics, sample, wait_idle
-
-from .conftest import policy_file, until
 
 pytestmark = [pytest.mark.slow, pytest.mark.soak]
 

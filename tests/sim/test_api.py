@@ -6,7 +6,7 @@ import json
 import aiohttp
 import pytest
 
-from extproc.sim.fleet import SimFleet
+from extproc.tools.sim.fleet import SimFleet
 
 MODEL = "meta-llama/Llama-3.1-70B-Instruct-AWQ"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello there, how are you"}], "max_tokens": 7}

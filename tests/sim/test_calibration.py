@@ -2,10 +2,10 @@
 
 import pytest
 
-from extproc.loadgen import LoadClient, RequestKind, Workload, run_closed_loop, summarize
-from extproc.sim.fleet import SimFleet
-from extproc.sim.offline import closed_loop
-from extproc.sim.profile import load_profile
+from extproc.tools.loadgen import LoadClient, RequestKind, Workload, run_closed_loop, summarize
+from extproc.tools.sim.fleet import SimFleet
+from extproc.tools.sim.offline import closed_loop
+from extproc.tools.sim.profile import load_profile
 
 SPEED = 20.0
 REFERENCE_P50 = {8: 0.78, 32: 1.89}

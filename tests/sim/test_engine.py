@@ -1,7 +1,7 @@
 """The engine model's scheduling properties, driven with a fake clock."""
 
-from extproc.sim.engine import FINISHED, RUNNING, WAITING, Engine
-from extproc.sim.profile import LogNormal, Profile, Timing
+from extproc.tools.sim.engine import FINISHED, RUNNING, WAITING, Engine
+from extproc.tools.sim.profile import LogNormal, Profile, Timing
 
 
 def make_profile(**overrides) -> Profile:

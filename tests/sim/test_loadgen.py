@@ -2,9 +2,9 @@
 
 import random
 
-from extproc.loadgen import (LoadClient, RequestKind, Workload, plan_request, poisson_arrivals, run_open_loop,
+from extproc.tools.loadgen import (LoadClient, RequestKind, Workload, plan_request, poisson_arrivals, run_open_loop,
                              summarize)
-from extproc.sim.fleet import SimFleet
+from extproc.tools.sim.fleet import SimFleet
 
 
 def test_poisson_arrivals_are_replayable_and_follow_the_schedule():

@@ -3,7 +3,7 @@
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.sim.fleet import SimFleet
+from extproc.tools.sim.fleet import SimFleet
 
 EXPECTED = {
     "vllm:num_requests_running": "gauge",
@@ -48,9 +48,9 @@ async def test_metrics_parse_with_vllm_names_types_and_counts():
 
 
 def test_counter_families_keep_vllm_names_without_the_total_suffix():
-    from extproc.sim.engine import Engine
-    from extproc.sim.metrics import ReplicaMetrics
-    from extproc.sim.profile import load_profile
+    from extproc.tools.sim.engine import Engine
+    from extproc.tools.sim.metrics import ReplicaMetrics
+    from extproc.tools.sim.profile import load_profile
 
     engine = Engine(load_profile("h100-llama8b"))
     text = ReplicaMetrics("m").render(engine)

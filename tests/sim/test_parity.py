@@ -4,7 +4,7 @@ Fast and offline: the simulator runs in-process with the `cpu-tiny-llama` profil
 same two served names and context). Compared: JSON shapes (`shape()`, the fixture format's own rule: key sets at
 every level, nulls vs absent), the recorded value formats, SSE framing and event sequences, error statuses, types,
 params and messages, `/metrics` families, `/v1/models`, `/health`, `/version`, and what a client abort does to the
-metrics. Any mismatch is a simulator bug to fix (extproc/sim/), never a fixture to edit.
+metrics. Any mismatch is a simulator bug to fix (extproc/tools/sim/), never a fixture to edit.
 
 What is not compared, on purpose: generated text and token counts (the simulator has no tokenizer: it estimates
 ~4 characters a token, so requests whose outcome depends on a token count are rebuilt with the same count under
@@ -16,20 +16,18 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import aiohttp
 import pytest
 
-from extproc.sim.fleet import SimFleet
-from extproc.sim.tokens import filler_text
+from extproc.tools.sim.fleet import SimFleet
+from extproc.tools.sim.tokens import filler_text
+from scripts.vllm.fixture_format import shape
+from scripts.vllm.record_fixtures import classify, compress, parse_metrics, parse_sse, usage_state
 
 ROOT = Path(__file__).resolve().parents[2]
 FIX = ROOT / "tests" / "fixtures" / "vllm"
-sys.path.insert(0, str(ROOT / "scripts" / "vllm"))
-from fixture_format import shape  # noqa: E402
-from record_fixtures import classify, compress, parse_metrics, parse_sse, usage_state  # noqa: E402
 
 PROFILE = "cpu-tiny-llama"
 WEB_SERVER_HEADERS = {"date", "server", "vary"}  # uvicorn's; not the API's

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from extproc.policy.admission import ACCEPT, DEGRADE, QUEUE, REJECT, AdmissionController, RequestFacts
 from extproc.policy.store import local_share
-
-from ..unit.conftest import FakeClock, make_policy
+from tests.conftest import FakeClock, make_policy
 
 
 class Recorder:

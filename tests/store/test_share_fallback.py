@@ -9,8 +9,7 @@ from extproc.policy.admission import ACCEPT, REJECT, AdmissionController, Reques
 from extproc.policy.limits import Outcome
 from extproc.policy.store import SlotClaim, StoreUnavailable
 from extproc.store.shared import LOCAL, SharedSlots
-
-from ..unit.conftest import make_policy
+from tests.conftest import make_policy, until
 
 CAP, INSTANCES = 4, 2
 SHARE = CAP // INSTANCES
@@ -102,9 +101,9 @@ async def a_replica_with_two_running_and_two_waiting(store: FakeStore, **kw):
     await r.start()
     ran = [await admit(r) for _ in range(SHARE)]
     waiting = [asyncio.create_task(admit(r)) for _ in range(SHARE)]
-    await asyncio.sleep(0.05)
+    local_places = await until(lambda: r.core.limiters["interactive"].inflight, holds=lambda n: n == 2 * SHARE)
+    assert local_places == 2 * SHARE  # local places: running + waiting
     assert running(r) == SHARE and not any(t.done() for t in waiting)
-    assert r.core.limiters["interactive"].inflight == 2 * SHARE  # local places: running + waiting
     return r, ran, waiting
 
 
@@ -112,8 +111,9 @@ async def test_waiters_are_not_admitted_at_once_when_the_store_goes_down():
     store = FakeStore()
     r, ran, waiting = await a_replica_with_two_running_and_two_waiting(store)
     store.state = "down"
-    await asyncio.sleep(0.2)  # the waiters' polls hit the outage and switch to the share
-    assert r.state == LOCAL and r.core.limiters["interactive"].limit == SHARE
+    assert await until(lambda: r.state, holds=lambda s: s == LOCAL) == LOCAL  # the waiters' polls hit the outage
+    assert r.core.limiters["interactive"].limit == SHARE
+    await asyncio.sleep(0.2)  # time for a wrong admission to show: what must NOT happen needs a fixed wait
     assert running(r) == SHARE and not any(t.done() for t in waiting)  # the share is full already
     finish(r, ran[0])
     first = await asyncio.wait_for(waiting[0], 1)  # the freed share slot goes to the first waiter
@@ -126,8 +126,8 @@ async def test_a_frozen_store_holds_the_share_the_same_way():
     store = FakeStore(timeout_s=0.1)
     r, ran, waiting = await a_replica_with_two_running_and_two_waiting(store)
     store.state = "frozen"
-    await asyncio.sleep(0.4)
-    assert r.state == LOCAL
+    assert await until(lambda: r.state, holds=lambda s: s == LOCAL) == LOCAL
+    await asyncio.sleep(0.2)  # time for a wrong admission to show
     assert running(r) == SHARE and not any(t.done() for t in waiting)
     finish(r, ran[1])
     assert (await asyncio.wait_for(waiting[0], 1)).kind == ACCEPT

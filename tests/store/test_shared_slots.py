@@ -12,8 +12,7 @@ from extproc.policy.limits import Outcome
 from extproc.store.redis_store import RedisStore
 from extproc.store.shared import CLOSED, LOCAL, SHARED, SharedSlots
 from extproc.telemetry import StoreTelemetry
-
-from ..unit.conftest import make_policy
+from tests.conftest import make_policy, until
 
 
 def replica(url: str, cap: int = 1, max_wait_ms: int = 2000, **store) -> SharedSlots:
@@ -53,15 +52,14 @@ async def test_a_slot_released_on_another_replica_goes_to_a_waiter_without_polli
     waiting = asyncio.create_task(admit(b))
     await asyncio.sleep(0.2)
     assert not waiting.done()
-    released = time.monotonic()
     finish(a, first)
-    second = await asyncio.wait_for(waiting, 2)
-    assert second.kind == ACCEPT and time.monotonic() - released < 0.3  # pub/sub, not the 5 s poll
+    second = await asyncio.wait_for(waiting, 10)
+    # The first retry by poll comes 5 s into the wait: woken well before that, it was the release's pub/sub.
+    assert second.kind == ACCEPT and second.waited_s < 4.0
     assert second.reason == "dequeued" and second.waited_s >= 0.2 and second.ticket.waited_s >= 0.2
     assert await b.store.count("interactive") == 1
     finish(b, second)
-    await asyncio.sleep(0.05)
-    assert await b.store.count("interactive") == 0
+    assert await until(lambda: b.store.count("interactive"), holds=lambda n: n == 0) == 0
     await a.close(), await b.close()
 
 
@@ -72,7 +70,8 @@ async def test_no_global_slot_within_max_wait_is_a_queue_timeout_that_frees_the_
     started = time.monotonic()
     refused = await admit(b)
     assert (refused.kind, refused.status, refused.reason) == (REJECT, 429, "queue_timeout")
-    assert 0.15 < time.monotonic() - started < 0.5
+    # At max_wait (0.2 s); the upper bound is loose for a loaded machine.
+    assert 0.15 < time.monotonic() - started < 1.5
     assert b.core.limiters["interactive"].inflight == 0 and not b.held
     assert await a.store.count("interactive") == 1
     finish(a, held)
@@ -90,9 +89,8 @@ async def test_a_client_leaving_during_the_wait_gives_back_what_it_had(redis_ser
     waiting.cancel()
     b.abandon(d)
     finish(a, held)
-    await asyncio.sleep(0.2)
+    assert await until(lambda: a.store.count("interactive"), holds=lambda n: n == 0) == 0
     assert b.core.limiters["interactive"].inflight == 0
-    assert await a.store.count("interactive") == 0
     await a.close(), await b.close()
 
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from extproc.stack import Stack, free_port, wait_http
-
-from ..integration.conftest import policy_file
-from ..integration.helpers import chat, equals, metrics, post, sample, until, upstream_reset, upstream_stats
+from extproc.tools.stack import Stack, free_port, wait_http
+from tests.conftest import policy_file, until
+from tests.integration.helpers import (chat, equals, metrics, post, sample, sample_once, upstream_reset,
+                                       upstream_stats)
 
 HERE = Path(__file__).resolve().parent
 CAP = 4
@@ -84,8 +84,8 @@ async def test_a_killed_replica_frees_its_slots_within_the_lease(replicas, upstr
     a, b = replicas
     async with aiohttp.ClientSession() as http:
         held = [asyncio.create_task(post(http, a.url, chat(), delay(15000))) for _ in range(CAP)]
-        await asyncio.sleep(1.0)
-        assert (await upstream_stats(http, upstream))["in_service"] == CAP
+        busy = await until(lambda: upstream_stats(http, upstream), holds=lambda st: st["in_service"] == CAP)
+        assert busy["in_service"] == CAP
         a.process("extproc").stop(signal.SIGKILL)
         killed = time.monotonic()
         status, headers, _ = await post(http, b.url, chat())
@@ -100,10 +100,9 @@ async def test_a_killed_replica_frees_its_slots_within_the_lease(replicas, upstr
 async def test_a_redis_outage_switches_to_local_shares_and_back(replicas, upstream, redis_server):
     async with aiohttp.ClientSession() as http:
         redis_server.stop()
-        await asyncio.sleep(1.5)  # the housekeeping probe notices within a second
-        for s in replicas:
+        for s in replicas:  # the housekeeping probe notices within a second
+            assert await sample_once(http, s.metrics_url, "extproc_store_state", 1, state="local") == 1
             ms = await metrics(http, s.metrics_url)
-            assert sample(ms, "extproc_store_state", state="local") == 1
             assert sample(ms, "extproc_store_switches_total", to="local") == 1
             assert sample(ms, "extproc_class_limit", **{"class": "interactive"}) == CAP // 2
         await upstream_reset(http, upstream)
@@ -111,10 +110,9 @@ async def test_a_redis_outage_switches_to_local_shares_and_back(replicas, upstre
         assert sorted(r[0] for r in results) == [200] * 8
         assert (await upstream_stats(http, upstream))["max_in_service"] == CAP  # CAP // 2 on each replica
         redis_server.start()
-        await asyncio.sleep(2.0)
         for s in replicas:
+            assert await sample_once(http, s.metrics_url, "extproc_store_state", 1, state="shared") == 1
             ms = await metrics(http, s.metrics_url)
-            assert sample(ms, "extproc_store_state", state="shared") == 1
             assert sample(ms, "extproc_store_switches_total", to="shared") == 1
             assert sample(ms, "extproc_class_limit", **{"class": "interactive"}) == CAP
         for s in replicas:

@@ -7,8 +7,7 @@ from extproc.policy.admission import ACCEPT, DEGRADE, QUEUE, REJECT, AdmissionCo
 from extproc.policy.limits import Outcome
 from extproc.policy.schema import AdaptiveSpec, PoolSpec
 from extproc.server.saturation import PoolScraper, parse_vllm_metrics
-
-from .conftest import make_policy
+from tests.conftest import make_policy
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
 SPEC = AdaptiveSpec(enabled=True, min_limit=2, max_limit=64, interval_s=1.0, window_s=10, min_samples=5)

@@ -2,8 +2,7 @@
 
 from extproc.policy.admission import ACCEPT, INVALID, QUEUE, REJECT, SHED, AdmissionController, RequestFacts
 from extproc.policy.limits import Outcome
-
-from .conftest import make_policy
+from tests.conftest import make_policy
 
 
 def req(cls=None, key=None, model="llama", body_cls=None):

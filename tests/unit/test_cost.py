@@ -9,8 +9,7 @@ from extproc.policy.cost import IMAGE_PART_TOKENS, MESSAGE_OVERHEAD_TOKENS, Cost
 from extproc.policy.limits import Completion, Outcome
 from extproc.policy.ratelimit import TokenBucket
 from extproc.policy.schema import CostSpec, load_policy, policy_warnings
-
-from .conftest import make_policy
+from tests.conftest import make_policy
 
 SPEC = CostSpec(prefill_s_per_1k_tokens=0.1, decode_s_per_token=0.002, default_max_tokens=512)
 

@@ -12,8 +12,7 @@ from extproc.policy.cost import CostModel, text_size
 from extproc.policy.schema import CostSpec, PolicyError
 from extproc.server.openai import (CHAT, ENDPOINTS, INVOCATIONS, MAX_JSON_DEPTH, POOLING, RESPONSES, BadRequest,
                                    degrade_body, json_depth, load_json_object, parse_body)
-
-from .conftest import make_policy
+from tests.conftest import make_policy
 
 
 @pytest.mark.parametrize("authorization,api_key,key", [

@@ -2,8 +2,7 @@
 
 from extproc.policy.admission import ACCEPT, DEGRADE, QUEUE, REJECT, SHED, AdmissionController, RequestFacts
 from extproc.policy.limits import Completion, Outcome
-
-from .conftest import make_policy
+from tests.conftest import make_policy
 
 
 def req(cls="interactive", model="llama"):

@@ -1,0 +1,130 @@
+"""`extproc demo`: the traffic spike served five ways (no control, Envoy adaptive, static caps, our policy, AIMD)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shlex
+import signal
+import sys
+import time
+from pathlib import Path
+
+from .modes import DEFAULT_MODES, MODES, parse_modes
+from .report import tables, write_report
+from .results import WindowStats, adaptive_targets, targets, window_stats
+from .runner import ModeResult, RunSettings, run_mode
+from .scenario import Scenario
+from .whatif import what_if
+
+DEFAULT_SPEED = 5.0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scenario", default="scenarios/spike.yaml", help="scenario YAML (see docs/demo.md)")
+    p.add_argument("--speed", type=float, default=DEFAULT_SPEED,
+                   help="simulated seconds per wall second (the whole stack's time-based settings are scaled)")
+    p.add_argument("--out", help="results folder (default: results/YYYYmmdd-HHMMSS)")
+    p.add_argument("--modes", default=DEFAULT_MODES, help=f"which modes, in order: {','.join(MODES)}")
+    p.add_argument("--phase-s", type=float, help="cut every phase to this many simulated seconds (quick looks)")
+    p.add_argument("--progress-every", type=float, default=5.0, help="wall seconds between progress lines")
+    p.add_argument("--what-if", action="store_true",
+                   help="no processes: run the ext_proc modes' policies against engine models in simulated time "
+                        "(seconds; for tuning a policy, see docs/demo.md)")
+    p.add_argument("--show-limits", action="store_true", help="with --what-if: print every move of adaptive caps")
+
+
+def mode_stats(res: ModeResult, scenario: Scenario) -> dict[str, WindowStats]:
+    """The mode's numbers in each of the scenario's report windows (default: the spike) and over the whole run."""
+    windows = {**scenario.report_windows(), "overall": (0.0, scenario.duration_s)}
+    has_extproc = res.mode.stack_mode == "extproc"
+    return {name: window_stats(res.records, w, scenario.slo_class, scenario.slo_p95_s, scenario.client_timeout_s,
+                               has_extproc) for name, w in windows.items()}
+
+
+def load_scenario(args: argparse.Namespace) -> Scenario:
+    scenario = Scenario.load(args.scenario)
+    return scenario.shortened(args.phase_s) if args.phase_s else scenario
+
+
+def print_tables(results: list[ModeResult], scenario: Scenario) -> tuple[dict, dict, list]:
+    stats = {r.mode.key: mode_stats(r, scenario) for r in results}
+    degraded = {r.mode.key: 100.0 * r.served_elsewhere / max(1, len(r.records)) for r in results}
+    names = list(scenario.report_windows())
+    found = targets({k: v[names[0]] for k, v in stats.items()}, scenario.slo_p95_s) if names == ["spike"] else []
+    found += adaptive_targets(stats, names, scenario.slo_p95_s)
+    print()
+    print(tables(stats, {r.mode.key: r.mode.label for r in results}, scenario, degraded))
+    if found:
+        print("\nTargets:")
+        for t in found:
+            print(f"  {t.line()}")
+    return stats, degraded, found
+
+
+def what_if_tables(args: argparse.Namespace) -> int:
+    """The policies of the ext_proc modes against engine models only (extproc.tools.demo.whatif)."""
+    scenario = load_scenario(args)
+    capacity = scenario.fleet_capacity()
+    modes = [m for m in parse_modes(args.modes) if m.policy]
+    results = []
+    for m in modes:
+        res = what_if(scenario, m.policy, capacity)
+        results.append(ModeResult(m, res.records, 0.0, served_elsewhere=res.served_elsewhere))
+        if args.show_limits:
+            moves = " ".join(f"{t:.0f}s:" + ",".join(f"{c}={v}" for c, v in lim.items()) for t, lim in res.limits)
+            print(f"{m.key} caps: {moves or '(static)'}")
+    print_tables(results, scenario)
+    return 0
+
+
+async def demo(args: argparse.Namespace, command: str) -> int:
+    scenario = load_scenario(args)
+    modes = parse_modes(args.modes)
+    out = Path(args.out or f"results/{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    capacity = scenario.fleet_capacity()
+    settings = RunSettings(speed=args.speed, capacity=capacity, workdir=out / "logs",
+                           progress_every_s=args.progress_every)
+    phases = ", ".join(f"{p.name} {p.duration_s:g}s x{p.rate:g}" for p in scenario.phases)
+    print(f"scenario {scenario.name}: {phases}; fleet capacity {capacity:.1f} req/s "
+          f"({', '.join(f'{p.replicas}x {p.profile}' for p in scenario.pools)}); speed {args.speed:g}; "
+          f"about {len(modes) * (scenario.duration_s / args.speed + 8):.0f}s of wall time; results in {out}",
+          flush=True)
+    results: list[ModeResult] = []
+    for mode in modes:
+        print(f"== mode {mode.key}: {mode.label}", flush=True)
+        res = await run_mode(mode, scenario, settings)
+        results.append(res)
+        parts = [f"{w}: {scenario.slo_class} p99 {s.p99:.2f}s, goodput {s.goodput:.2f}/s, "
+                 f"{s.tokens_per_s:.0f} tokens/s" for w, s in mode_stats(res, scenario).items() if w != "overall"]
+        print(f"== mode {mode.key} done in {res.wall_s:.0f}s: {len(res.records)} requests; " + "; ".join(parts),
+              flush=True)
+    stats, degraded, found = print_tables(results, scenario)
+    report = write_report(out, results, stats, scenario, capacity, args.speed, found, degraded, command)
+    print(f"\nreport: {report}" + (f"\nplot:   {out / 'spike.png'}" if (out / "spike.png").exists() else ""),
+          flush=True)
+    return 0
+
+
+async def _main(args: argparse.Namespace, command: str) -> int:
+    # SIGTERM/SIGHUP end the demo like Ctrl-C: the running mode's finally stops every process it started.
+    task = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        loop.add_signal_handler(sig, task.cancel)
+    return await demo(args, command)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvloop
+
+    if args.what_if:
+        return what_if_tables(args)
+
+    command = "extproc demo " + shlex.join(sys.argv[2:]) if sys.argv[1:2] == ["demo"] else "extproc demo"
+    try:
+        return uvloop.run(_main(args, command))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print("\ninterrupted: every process the demo started has been stopped", file=sys.stderr)
+        return 130

@@ -1,0 +1,115 @@
+"""The five ways the demo serves the same traffic, and their configs scaled from simulated to wall-clock time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from extproc.policy.schema import load_policy
+
+# Policy keys ending in _ms/_s are wall-clock durations for the ext_proc: the demo divides them by --speed. These
+# are not (or need not be) scaled: the lease is a safety net far above any request, Retry-After goes to clients.
+UNSCALED_POLICY_KEYS = frozenset({"lease_ms", "retry_after_max_s"})
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One way to serve the traffic: an Envoy variant, and for the ext_proc a policy file."""
+
+    key: str
+    label: str
+    stack_mode: str  # extproc.tools.envoyconf.MODES
+    lb_policy: str | None = None
+    policy: str | None = None
+    # Envoy adaptive_concurrency knobs (extproc.tools.envoyconf.adaptive_filter), durations in simulated seconds.
+    adaptive: dict[str, Any] = field(default_factory=dict)
+
+
+# Envoy's adaptive_concurrency, tuned as docs/demo.md explains (earlier measurements of the filter, and a sweep):
+# a fixed minimum RTT (no periodic re-measurement that pins concurrency at 3), the largest buffer, an update
+# interval longer than a request's round trip, and a ceiling at the fleet's knee (12 per replica: the best
+# interactive p99 at the best goodput in the sweep).
+ADAPTIVE_TUNED = {
+    "min_rtt_fixed_s": 1.0,
+    "buffer_percent": 100.0,
+    "concurrency_update_interval_s": 5.0,
+    "sample_aggregate_percentile": 90.0,
+    "max_concurrency_limit": 24,
+    "min_concurrency": 3,
+}
+
+MODES = {
+    "a": Mode("a", "round robin, no admission control", "plain", lb_policy="ROUND_ROBIN"),
+    "b": Mode("b", "Envoy adaptive_concurrency", "adaptive", adaptive=ADAPTIVE_TUNED),
+    "c": Mode("c", "static per-class caps (playbook)", "extproc", policy="policies/demo-static.yaml"),
+    "d": Mode("d", "our full policy", "extproc", policy="policies/demo-full.yaml"),
+    "e": Mode("e", "adaptive caps (d + AIMD on the SLO and vLLM saturation)", "extproc",
+              policy="policies/demo-adaptive.yaml"),
+}
+DEFAULT_MODES = "a,b,c,d,e"
+
+
+def parse_modes(text: str) -> list[Mode]:
+    keys = [k.strip() for k in text.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in MODES]
+    if unknown or not keys:
+        raise ValueError(f"modes must be a comma-separated subset of {','.join(MODES)}, got {text!r}")
+    return [MODES[k] for k in keys]
+
+
+def scale_durations(data: Any, speed: float, unscaled: frozenset[str] = UNSCALED_POLICY_KEYS) -> Any:
+    """A copy of parsed policy YAML with every *_ms / *_s number divided by `speed` (int *_ms stay ints, >= 1)."""
+    if isinstance(data, list):
+        return [scale_durations(v, speed, unscaled) for v in data]
+    if not isinstance(data, dict):
+        return data
+    out = {}
+    for key, value in data.items():
+        is_duration = isinstance(key, str) and key.endswith(("_ms", "_s")) and key not in unscaled
+        if is_duration and isinstance(value, (int, float)) and not isinstance(value, bool):
+            # *_ms are whole milliseconds (>= 1: 0 means "none"); *_s are float seconds, never rounded (an
+            # `interval_s: 1` at speed 5 is 0.2 s, not 1 s).
+            if key.endswith("_ms") and isinstance(value, int):
+                value = max(1, round(value / speed))
+            else:
+                value = value / speed
+        else:
+            value = scale_durations(value, speed, unscaled)
+        out[key] = value
+    return out
+
+
+def render_policy(source: str | Path, speed: float, dest: Path,
+                  endpoints: dict[str, list[tuple[str, int]]] | None = None) -> Path:
+    """Write the policy with its durations in wall-clock time for a run at `speed`; validate it first.
+
+    `endpoints` (pool -> the started replicas): a `pools` entry that names neither replicas nor an Envoy admin URL
+    is filled with its pool's replica addresses, so the ext_proc scrapes this run's simulated replicas."""
+    data = yaml.safe_load(Path(source).read_text(encoding="utf-8"))
+    for name, pool in (data.get("pools") or {}).items():
+        if endpoints and name in endpoints and not pool.get("replicas") and not pool.get("envoy_admin"):
+            pool["replicas"] = [f"{host}:{port}" for host, port in endpoints[name]]
+    scaled = scale_durations(data, speed)
+    load_policy(scaled)  # raises PolicyError naming the key path
+    dest.write_text(yaml.safe_dump(scaled, sort_keys=False), encoding="utf-8")
+    return dest
+
+
+def adaptive_knobs(knobs: dict[str, Any], speed: float) -> dict[str, Any]:
+    """extproc.tools.envoyconf.adaptive_filter keyword arguments, durations converted to wall-clock seconds."""
+    out = {k: v for k, v in knobs.items() if not k.endswith("_s")}
+    if "min_rtt_fixed_s" in knobs:
+        out["min_rtt_fixed"] = _duration(knobs["min_rtt_fixed_s"] / speed)
+    if "min_rtt_interval_s" in knobs:
+        out["min_rtt_interval"] = _duration(knobs["min_rtt_interval_s"] / speed)
+    if "concurrency_update_interval_s" in knobs:
+        out["concurrency_update_interval"] = _duration(knobs["concurrency_update_interval_s"] / speed)
+    return out
+
+
+def _duration(seconds: float) -> str:
+    """A protobuf Duration string, at millisecond resolution (Envoy rejects more than 9 fractional digits)."""
+    return f"{max(seconds, 0.001):.3f}s"

@@ -1,0 +1,192 @@
+"""The demo's outputs: Markdown tables (printed and in report.md), the PNG plot, per-request records as JSONL."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+from extproc.tools.loadgen import poisson_arrivals
+from extproc.tools.plotting import SKIPPED, pyplot
+
+from .results import Target, WindowStats, rolling_p99, rolling_rate
+from .runner import ModeResult
+from .scenario import Scenario
+
+
+def _s(x: float) -> str:
+    return "–" if math.isnan(x) else f"{x:.2f}"
+
+
+def _ratio(x: float, base: float) -> str:
+    if math.isnan(x) or math.isnan(base):
+        return "–"
+    return "∞" if base == 0 else f"{x / base:.2f}×"
+
+
+def latency_table(stats: dict[str, dict[str, WindowStats]], labels: dict[str, str], slo_class: str,
+                  window: str = "spike") -> str:
+    rows = [f"| mode | {slo_class} p50 / p95 / p99 s ({window}) | TTFT p99 s ({window}) | p99 vs a ({window}) "
+            "| p50 / p95 / p99 s (overall) | TTFT p99 s (overall) |",
+            "|---|---|---:|---:|---|---:|"]
+    base = stats.get("a", {}).get(window)
+    for key, w in stats.items():
+        s, o = w[window], w["overall"]
+        rows.append(f"| {key}: {labels[key]} | {_s(s.p50)} / {_s(s.p95)} / {_s(s.p99)} | {_s(s.ttft_p99)} "
+                    f"| {_ratio(s.p99, base.p99) if base else '–'} | {_s(o.p50)} / {_s(o.p95)} / {_s(o.p99)} "
+                    f"| {_s(o.ttft_p99)} |")
+    return "\n".join(rows)
+
+
+def throughput_table(stats: dict[str, dict[str, WindowStats]], labels: dict[str, str], slo_class: str,
+                     slo_s: float, window: str = "spike") -> str:
+    rows = [f"| mode | {slo_class} goodput req/s, ≤ {slo_s:g} s ({window}) | vs a | goodput (overall) | vs a "
+            f"| output tokens/s ({window}) | vs a | tokens/s (overall) | vs a |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    base = stats.get("a")
+    for key, w in stats.items():
+        s, o = w[window], w["overall"]
+        bs, bo = (base[window], base["overall"]) if base else (None, None)
+        rows.append(f"| {key}: {labels[key]} | {s.goodput:.2f} | {_ratio(s.goodput, bs.goodput) if bs else '–'} "
+                    f"| {o.goodput:.2f} | {_ratio(o.goodput, bo.goodput) if bo else '–'} "
+                    f"| {s.tokens_per_s:.0f} | {_ratio(s.tokens_per_s, bs.tokens_per_s) if bs else '–'} "
+                    f"| {o.tokens_per_s:.0f} | {_ratio(o.tokens_per_s, bo.tokens_per_s) if bo else '–'} |")
+    return "\n".join(rows)
+
+
+def outcome_table(stats: dict[str, dict[str, WindowStats]], labels: dict[str, str],
+                  degraded: dict[str, float]) -> str:
+    classes = sorted({c for w in stats.values() for c in w["overall"].outcomes})
+    head = " | ".join(f"{c} rejected / shed / timeout %" for c in classes)
+    rows = [f"| mode | {head} | degraded % (all) |", "|---|" + "---|" * len(classes) + "---:|"]
+    for key, w in stats.items():
+        cells = []
+        for c in classes:
+            o = w["overall"].outcomes.get(c, {})
+            cells.append(f"{o.get('rejected', 0):.1f} / {o.get('shed', 0):.1f} / {o.get('timeout', 0):.1f}")
+        rows.append(f"| {key}: {labels[key]} | " + " | ".join(cells) + f" | {degraded.get(key, 0.0):.1f} |")
+    return "\n".join(rows)
+
+
+def plot(results: list[ModeResult], scenario: Scenario, capacity: float, path: Path) -> Path | None:
+    """Rolling interactive p99 per mode with the SLO line and the offered load; output tokens/s below.
+    None when matplotlib is missing."""
+    plt = pyplot()
+    if plt is None:
+        return None
+
+    end = scenario.duration_s
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 7.5), sharex=True, height_ratios=[3, 2])
+    for res in results:
+        t, p99 = rolling_p99(res.records, scenario.slo_class, scenario.client_timeout_s, end)
+        top.plot(t, p99, label=f"{res.mode.key}: {res.mode.label}", linewidth=1.8)
+        tokens = [(r.start + r.latency, r.output_tokens) for r in res.records if r.ok]
+        t, rate = rolling_rate(tokens, end)
+        bottom.plot(t, rate, label=f"{res.mode.key}", linewidth=1.5)
+    top.axhline(scenario.slo_p95_s, color="black", linestyle="--", linewidth=1, label=f"SLO {scenario.slo_p95_s:g} s")
+    top.set_yscale("log")
+    top.set_ylabel(f"{scenario.slo_class} p99 latency, s (10 s windows)")
+    top.set_title(f"{scenario.name}: {scenario.description}")
+    load = top.twinx()
+    arrivals = poisson_arrivals(scenario.schedule(capacity), scenario.seed)
+    t, rate = rolling_rate([(a, 1.0) for a in arrivals], end)
+    load.fill_between(t, rate, color="grey", alpha=0.15, step="mid")
+    load.set_ylabel("offered load, requests/s (grey)")
+    load.set_ylim(0, max(rate or [1]) * 1.6)
+    top.legend(loc="upper left", fontsize=8)
+    top.set_zorder(load.get_zorder() + 1)
+    top.patch.set_visible(False)
+    bottom.set_ylabel("output tokens/s (completed)")
+    bottom.set_xlabel("simulated seconds")
+    bottom.legend(loc="upper left", fontsize=8, ncol=4)
+    for ax in (top, bottom):
+        ax.grid(True, alpha=0.3)
+        start = 0.0
+        for phase in scenario.phases[:-1]:
+            start += phase.duration_s
+            ax.axvline(start, color="grey", linewidth=0.8)
+        for e in scenario.events:
+            ax.axvline(e.at_s, color="red", linewidth=1.0, linestyle=":")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def tables(stats, labels, scenario: Scenario, degraded: dict[str, float]) -> str:
+    parts = []
+    for window in scenario.report_windows():
+        parts += [latency_table(stats, labels, scenario.slo_class, window),
+                  throughput_table(stats, labels, scenario.slo_class, scenario.slo_p95_s, window)]
+    return "\n\n".join(parts + [outcome_table(stats, labels, degraded)])
+
+
+def _window_sections(stats, labels, scenario: Scenario) -> str:
+    out = []
+    for window, (start, end) in scenario.report_windows().items():
+        out.append(f"""## {window} (requests started in {start:g}–{end:g} s)
+
+{latency_table(stats, labels, scenario.slo_class, window)}
+
+{throughput_table(stats, labels, scenario.slo_class, scenario.slo_p95_s, window)}
+""")
+    return "\n".join(out)
+
+
+def write_report(out: Path, results: list[ModeResult], stats, scenario: Scenario, capacity: float, speed: float,
+                 found: list[Target], degraded: dict[str, float], command: str) -> Path:
+    labels = {r.mode.key: r.mode.label for r in results}
+    for res in results:  # the data first: a plot that cannot be drawn must not lose the run
+        with open(out / f"records-{res.mode.key}.jsonl", "w", encoding="utf-8") as f:
+            for r in res.records:
+                f.write(json.dumps(asdict(r)) + "\n")
+    (out / "summary.json").write_text(json.dumps({
+        "command": command, "speed": speed, "capacity_rps": capacity,
+        "modes": {k: {w: asdict(v) for w, v in s.items()} for k, s in stats.items()},
+        "targets": [asdict(t) for t in found], "degraded_percent": degraded,
+        "cpu_s": {r.mode.key: r.cpu_s for r in results}, "wall_s": {r.mode.key: r.wall_s for r in results},
+    }, indent=2, default=str), encoding="utf-8")
+    png = plot(results, scenario, capacity, out / "spike.png")
+    picture = f"![interactive p99 over time]({png.name})" if png is not None else f"({SKIPPED})"
+    phases = ", ".join(f"{p.name} {p.duration_s:g} s at {p.rate:g}× ({p.rate * capacity:.1f} req/s)"
+                       for p in scenario.phases)
+    cpu_lines = "\n".join(f"| {r.mode.key} | {r.wall_s:.0f} | " + ", ".join(
+        f"{name} {sec / r.wall_s:.0%}" for name, sec in sorted(r.cpu_s.items())) + " |" for r in results)
+    events = "".join(f" At {e.at_s:g} s, replica {e.replica} of `{e.pool}` gets fault "
+                     + ", ".join(f"{k} {v:g}" for k, v in e.fault.items()) + "." for e in scenario.events)
+    text = f"""# {scenario.name}: {len(results)} ways
+
+`{command}`
+
+Scenario `{scenario.name}`: {phases}. Fleet capacity {capacity:.1f} requests/s. Interactive SLO: p95 ≤
+{scenario.slo_p95_s:g} s end to end. Every number is measured by the load generator (client side) and given in
+simulated seconds (wall time × {speed:g}). Latency percentiles cover requests the fleet took on (completed, or
+timed out after {scenario.client_timeout_s:g} s, counted at the timeout); refused requests are counted separately.
+Each window counts the requests started in it.{events}
+
+{picture}
+
+{_window_sections(stats, labels, scenario)}
+## Refusals per class (whole run)
+
+{outcome_table(stats, labels, degraded)}
+
+## Targets
+
+""" + ("\n".join(f"- {t.line()}" for t in found) or "- (modes d / e not run)") + f"""
+
+## Machine load
+
+CPU per process as a share of one core during each replay, and what every other process on the machine used
+meanwhile. This machine has {os.cpu_count()} cores; near that in total, the load generator, Envoy or the simulator
+lag and latencies are inflated: compare runs only when "other processes" stayed small.
+
+| mode | wall s | CPU |
+|---|---:|---|
+{cpu_lines}
+"""
+    path = out / "report.md"
+    path.write_text(text, encoding="utf-8")
+    return path

@@ -1,0 +1,140 @@
+"""The demo scenario YAML: fleet, request mix, load phases (as multiples of fleet capacity), SLO."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from extproc.tools.loadgen import Workload
+from extproc.tools.sim.profile import load_profile
+
+from .capacity import closed_loop_mix
+
+
+@dataclass(frozen=True)
+class Pool:
+    """Simulated replicas behind one Envoy cluster."""
+
+    name: str
+    profile: str
+    replicas: int
+    model_names: list[str]
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    duration_s: float  # simulated seconds
+    rate: float  # multiple of the fleet capacity
+
+
+@dataclass(frozen=True)
+class FleetEvent:
+    """Something that happens to the fleet mid-run: a /sim/fault body applied to one replica at `at_s`."""
+
+    at_s: float  # simulated seconds from the start of the replay
+    pool: str
+    replica: int  # index in the pool's replica list
+    fault: dict[str, float]
+
+
+@dataclass
+class Scenario:
+    name: str
+    description: str
+    seed: int
+    pools: list[Pool]
+    phases: list[Phase]
+    workload: Workload
+    slo_class: str
+    slo_p95_s: float
+    client_timeout_s: float
+    capacity: float | str = "auto"  # requests/s of the first pool, or "auto"
+    capacity_concurrency: int = 32
+    events: tuple[FleetEvent, ...] = ()
+    # Report windows: name -> phases (consecutive) whose started requests are compared; default: the spike phase.
+    windows: dict[str, list[str]] | None = None
+
+    @classmethod
+    def load(cls, path: str | Path) -> Scenario:
+        return cls.from_dict(yaml.safe_load(Path(path).read_text(encoding="utf-8")))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Scenario:
+        pools = [Pool(name, p["profile"], int(p.get("replicas", 1)), list(p.get("model_names", [])))
+                 for name, p in d["pools"].items()]
+        phases = [Phase(p["name"], float(p["duration_s"]), float(p["rate"])) for p in d["phases"]]
+        if not pools or not phases:
+            raise ValueError("a scenario needs at least one pool and one phase")
+        return cls(name=d.get("name", "scenario"), description=d.get("description", ""), seed=int(d.get("seed", 0)),
+                   pools=pools, phases=phases, workload=Workload.from_dict(d["workload"]),
+                   slo_class=d.get("slo", {}).get("class", "interactive"),
+                   slo_p95_s=float(d.get("slo", {}).get("p95_s", 2.0)),
+                   client_timeout_s=float(d.get("client_timeout_s", 60.0)),
+                   capacity=d.get("capacity", "auto"), capacity_concurrency=int(d.get("capacity_concurrency", 32)),
+                   events=tuple(FleetEvent(float(e["at_s"]), e["pool"], int(e.get("replica", 0)),
+                                           {k: float(v) for k, v in e["fault"].items()})
+                                for e in d.get("events", [])),
+                   windows={k: list(v) for k, v in d["windows"].items()} if d.get("windows") else None)
+
+    def shortened(self, phase_s: float) -> Scenario:
+        """The same scenario with every phase cut to `phase_s` simulated seconds (tests, quick looks)."""
+        phases = [Phase(p.name, phase_s, p.rate) for p in self.phases]
+        shortened = Scenario(**{**self.__dict__, "phases": phases})
+        # An event keeps its place relative to the phases: the same phase, the same fraction into it.
+        events = []
+        for e in self.events:
+            p = self.phase_at(e.at_s)
+            start, end = self.window(p.name)
+            at = shortened.window(p.name)[0] + (e.at_s - start) / max(end - start, 1e-9) * phase_s
+            events.append(FleetEvent(at, e.pool, e.replica, e.fault))
+        shortened.events = tuple(events)
+        return shortened
+
+    @property
+    def duration_s(self) -> float:
+        return sum(p.duration_s for p in self.phases)
+
+    def fleet_capacity(self) -> float:
+        """Requests/s the first pool sustains with this mix (measured in the engine model unless given)."""
+        if self.capacity != "auto":
+            return float(self.capacity)
+        main = self.pools[0]
+        point = closed_loop_mix(load_profile(main.profile), self.workload, self.capacity_concurrency,
+                                requests=2000, seed=self.seed)
+        return point.requests_per_s * main.replicas
+
+    def schedule(self, capacity: float) -> list[tuple[float, float]]:
+        """(duration_s, requests/s) per phase, for extproc.tools.loadgen.run_open_loop."""
+        return [(p.duration_s, p.rate * capacity) for p in self.phases]
+
+    def phase_at(self, t: float) -> Phase:
+        start = 0.0
+        for p in self.phases:
+            if t < start + p.duration_s:
+                return p
+            start += p.duration_s
+        return self.phases[-1]
+
+    def report_windows(self) -> dict[str, tuple[float, float]]:
+        """Name -> (start, end) in simulated s of each compared window; "overall" is added by the report."""
+        if not self.windows:
+            spike = max(self.phases, key=lambda p: p.rate).name
+            return {"spike": self.window(spike)}
+        out = {}
+        for name, phases in self.windows.items():
+            spans = [self.window(p) for p in phases]
+            out[name] = (min(a for a, _ in spans), max(b for _, b in spans))
+        return out
+
+    def window(self, phase_name: str) -> tuple[float, float]:
+        """Start and end (simulated s) of the named phase."""
+        start = 0.0
+        for p in self.phases:
+            if p.name == phase_name:
+                return start, start + p.duration_s
+            start += p.duration_s
+        raise KeyError(f"no phase {phase_name!r} (phases: {', '.join(p.name for p in self.phases)})")

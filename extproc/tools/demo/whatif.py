@@ -1,0 +1,202 @@
+"""A policy against the scenario in simulated time only: the real admission core driving engine models, no I/O.
+
+For tuning `policies/demo-*.yaml` in seconds instead of minutes (`extproc demo --what-if`): the same arrivals,
+the same engine model as the simulator, the same AdmissionController as the ext_proc; no Envoy, no HTTP, no
+client timeouts (they do not bind when admission works). Every pool of the scenario is modelled (least-request
+across its replicas), so a degrade to the small model runs on the small model's engine. The scenario's fleet
+events (a replica slowed down mid-run) are applied to the engines at their time.
+
+Adaptive caps move as in the ext_proc: `core.tick()` every TICK_S, and for each pool in the policy's `pools`,
+the engines' own state (running, waiting, KV cache usage, preemptions) is "scraped" every `scrape_interval_ms`
+and aggregated by the ext_proc's own PoolScraper.aggregate, so saturation-driven cuts happen here too.
+Completions are reported to the core at once (as Envoy's access log does within a few milliseconds).
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from dataclasses import dataclass
+
+import yaml
+
+from extproc.policy.admission import QUEUE, AdmissionController, Admit, Degrade, RequestFacts
+from extproc.policy.classify import presented_key
+from extproc.policy.limits import Completion, LimitFactory, Outcome, default_limit
+from extproc.policy.schema import load_policy
+from extproc.server.saturation import PoolScraper, ScrapedReplica
+from extproc.tools.loadgen import RequestRecord, plan_request, poisson_arrivals
+from extproc.tools.sim.engine import Engine
+from extproc.tools.sim.profile import load_profile
+
+from .scenario import Scenario
+
+TICK_S = 0.25  # simulated seconds between core.tick() calls (the ext_proc ticks every 0.1 wall s)
+
+# Event kinds, in the order they run when due at the same instant.
+_ITERATION, _SCRAPE, _TICK, _FAULT = range(4)
+
+
+def _facts(kind) -> RequestFacts:
+    auth = kind.headers.get("Authorization")
+    return RequestFacts(api_key=presented_key([auth] if auth else [], []),
+                        header_class=kind.headers.get("x-priority"), model=kind.model,
+                        max_tokens=kind.max_tokens, stream=kind.stream)
+
+
+@dataclass
+class WhatIfResult:
+    records: list[RequestRecord]
+    served_elsewhere: int  # requests finished by the pools after the first (degraded)
+    limits: list[tuple[float, dict[str, int]]]  # (time, class -> cap) whenever a cap moved
+
+
+class _Pool:
+    def __init__(self, name: str, profile_name: str, replicas: int, seed: int):
+        self.name = name
+        self.profile = load_profile(profile_name)
+        self.engines = [Engine(self.profile, seed=seed + i) for i in range(replicas)]
+        self.busy = [False] * replicas
+        self.finished = 0
+        self.draining: set[int] = set()  # replicas the load balancer no longer sends new requests to
+
+
+def what_if(scenario: Scenario, policy_path: str, capacity: float,
+            limit_factory: LimitFactory = default_limit) -> WhatIfResult:
+    """Records (simulated seconds) of the scenario's arrivals admitted by the policy into the scenario's pools;
+    `limit_factory` swaps the classes' limit algorithm (extproc.policy.limits.Limit)."""
+    policy = load_policy(yaml.safe_load(open(policy_path, encoding="utf-8")))
+    clock = [0.0]
+    core = AdmissionController(policy, clock=lambda: clock[0], limit_factory=limit_factory)
+    pools = {p.name: _Pool(p.name, p.profile, p.replicas, scenario.seed + 100 * i)
+             for i, p in enumerate(scenario.pools)}
+    first = scenario.pools[0].name
+    events: list[tuple[float, int, int, object]] = []  # (time, kind, order, payload)
+    order = 0
+    owner = {}  # (pool, engine index, seq id) -> (record, ticket)
+    records: list[RequestRecord] = []
+    limits: list[tuple[float, dict[str, int]]] = []
+
+    def push(at: float, kind: int, payload: object) -> None:
+        nonlocal order
+        order += 1
+        heapq.heappush(events, (at, kind, order, payload))
+
+    def kick(pool: _Pool, i: int) -> None:
+        if pool.busy[i]:
+            return
+        duration = pool.engines[i].begin_iteration(clock[0])
+        if duration is not None:
+            pool.busy[i] = True
+            push(clock[0] + duration, _ITERATION, (pool, i))
+
+    def start(record: RequestRecord, ticket, pool_name: str, prompt: int, max_tokens: int) -> None:
+        pool = pools[pool_name]
+        engines = pool.engines
+        # Least request among the replicas still in the load balancer (all of them if every one is draining).
+        live = [j for j in range(len(engines)) if j not in pool.draining] or range(len(engines))
+        i = min(live, key=lambda j: len(engines[j].running) + len(engines[j].waiting))
+        seq = engines[i].add_request(prompt, max_tokens, clock[0])
+        owner[(pool.name, i, seq.id)] = (record, ticket)
+        kick(pool, i)
+
+    def refuse(record: RequestRecord, status: int, reason: str) -> None:
+        record.status, record.latency, record.error = status, clock[0] - record.start, f"refused: {reason}"
+
+    def admitted(record: RequestRecord, d, prompt: int, max_tokens: int) -> None:
+        if isinstance(d, Degrade):
+            fb = d.fallback
+            mt = min(max_tokens, fb.max_tokens) if fb.max_tokens else max_tokens
+            start(record, d.ticket, d.cluster if d.cluster in pools else first, prompt, mt)
+        elif isinstance(d, Admit):
+            start(record, d.ticket, d.cluster or first, prompt, max_tokens)
+        else:  # a refusal, or a canned answer (no engine time): its status as the reason table gives it
+            refuse(record, d.status if d.status >= 400 else 200, d.reason)
+
+    # Scrapers: the ext_proc's aggregation over the engines' own numbers.
+    scrapers = {}
+    for name, spec in policy.pools.items():
+        if name in pools:
+            s = PoolScraper(core, name, spec, session=None, clock=lambda: clock[0])
+            s.replicas = {f"{name}/{i}": ScrapedReplica(f"{name}/{i}") for i in range(len(pools[name].engines))}
+            scrapers[name] = s
+            push(0.0, _SCRAPE, name)
+    if any(lim.spec.adaptive.enabled for lim in core.limiters.values()):
+        push(0.0, _TICK, None)
+    for e in scenario.events:
+        push(e.at_s, _FAULT, e)
+
+    def scrape(name: str) -> None:
+        s, pool = scrapers[name], pools[name]
+        for i, eng in enumerate(pool.engines):  # what the replica's /metrics would say, taken like a scrape
+            s.record(s.replicas[f"{name}/{i}"], {"running": float(len(eng.running)),
+                                                "waiting": float(len(eng.waiting)), "kv": eng.kv_usage,
+                                                "preemptions": float(eng.stats.preemptions)})
+        core.set_saturation(name, s.aggregate(clock[0]))
+
+    def tick() -> None:
+        before = {n: lim.limit for n, lim in core.limiters.items()}
+        core.tick()
+        after = {n: lim.limit for n, lim in core.limiters.items()}
+        if after != before or not limits:
+            limits.append((clock[0], after))
+
+    def handle(kind: int, payload) -> None:
+        if kind == _ITERATION:
+            pool, i = payload
+            pool.busy[i] = False
+            for em in pool.engines[i].end_iteration(clock[0]):
+                record, ticket = owner[(pool.name, i, em.seq.id)]
+                if record.ttft is None:
+                    record.ttft = clock[0] - record.start
+                if em.finish_reason is not None:
+                    del owner[(pool.name, i, em.seq.id)]
+                    record.status, record.latency, record.output_tokens = 200, clock[0] - record.start, \
+                        em.seq.generated
+                    if pool.name != first:
+                        pool.finished += 1
+                    if ticket is not None:
+                        core.finish(ticket)
+                        core.report(ticket.id, Completion(Outcome.OK, 200, record.ttft, record.latency))
+            core.reap()
+            kick(pool, i)
+        elif kind == _SCRAPE:
+            scrape(payload)
+            push(clock[0] + scrapers[payload].spec.scrape_interval_ms / 1000.0, _SCRAPE, payload)
+        elif kind == _TICK:
+            tick()
+            push(clock[0] + TICK_S, _TICK, None)
+        elif kind == _FAULT:
+            pool = pools[payload.pool]
+            if "slowdown" in payload.fault:
+                pool.engines[payload.replica].slowdown = payload.fault["slowdown"]
+            if payload.fault.get("draining"):  # out of the load balancer at once (Envoy: after its health checks)
+                pool.draining.add(payload.replica)
+
+    rng = random.Random(scenario.seed + 1)
+    plans = [plan_request(n, scenario.workload, rng, at)
+             for n, at in enumerate(poisson_arrivals(scenario.schedule(capacity), scenario.seed))]
+    for planned in plans + [None]:
+        horizon = planned.at if planned is not None else float("inf")
+        while events and events[0][0] <= horizon:
+            if planned is None and not owner and events[0][1] != _ITERATION:
+                break  # only timers left: done
+            clock[0], kind, _, payload = heapq.heappop(events)
+            handle(kind, payload)
+        if planned is None:
+            break
+        clock[0] = planned.at
+        core.reap()
+        kind = planned.kind
+        record = RequestRecord(planned.at, kind.name, "", 0, prompt_tokens=planned.prompt_tokens)
+        records.append(record)
+        d = core.decide(_facts(kind))
+        max_tokens = kind.max_tokens or pools[first].profile.default_max_tokens
+        if d.kind == QUEUE:
+            def done(final, record=record, prompt=planned.prompt_tokens, max_tokens=max_tokens):
+                admitted(record, final, prompt, max_tokens)
+            d.waiter.on_result = done
+        else:
+            admitted(record, d, planned.prompt_tokens, max_tokens)
+    served_elsewhere = sum(p.finished for name, p in pools.items() if name != first)
+    return WhatIfResult(records, served_elsewhere, limits)

@@ -1,0 +1,180 @@
+"""Generate docs/configuration.md, the policy reference, from the schema in extproc/policy/schema.py.
+
+    python -m extproc.tools.docsgen > docs/configuration.md     # regenerate
+    python -m extproc.tools.docsgen --check docs/configuration.md   # exit 1 if the committed reference is stale
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from extproc.policy.schema import Policy
+
+HEADER = """\
+# Policy configuration reference
+
+<!-- Generated from extproc/policy/schema.py by `python -m extproc.tools.docsgen > docs/configuration.md`.
+     Do not edit by hand: change the schema's docs and regenerate (a test fails when this file is stale). -->
+
+Every key of the policy YAML (`extproc serve --policy FILE`), its type, default and meaning. Validate a file with
+`extproc check FILE`: errors name the key path as written here (`classes.batch.max_queue`, `tenants[0].name`).
+The ext_proc reloads the file on change or SIGHUP; an invalid file is refused and the running policy stays.
+
+In key paths, `<name>` stands for a key you choose (a class or model name) and `[]` for a list item.
+"""
+
+
+@dataclasses.dataclass
+class Section:
+    path: str          # key path of this mapping ("" for the top level)
+    cls: type          # the schema dataclass describing it
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def _anchor(path: str) -> str:
+    """GitHub's heading anchor for a section titled `path` in backticks."""
+    return "".join(c for c in path.lower() if c.isalnum() or c in "-_ ").replace(" ", "-")
+
+
+def _type_name(tp: Any, path: str, found: list[Section]) -> str:
+    """Human type of `tp` at key `path`; nested dataclasses are queued in `found` as their own sections."""
+    tp, _ = _unwrap_optional(tp)
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(f"`{v}`" for v in typing.get_args(tp))
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return f"list of {_plural(_type_name(item, f'{path}[]', found))}"
+    if origin is dict:
+        _, item = typing.get_args(tp)
+        return f"map: name → {_type_name(item, f'{path}.<name>', found)}"
+    if dataclasses.is_dataclass(tp):
+        found.append(Section(path, tp))
+        return f"[mapping](#{_anchor(path)})"
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return "one of " + ", ".join(f"`{m.value}`" for m in tp)
+    return {int: "integer", float: "number", str: "string", bool: "boolean"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _plural(name: str) -> str:
+    return {"integer": "integers", "number": "numbers", "string": "strings", "boolean": "booleans"}.get(name, name)
+
+
+def _default(f: dataclasses.Field) -> str:
+    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+        return "**required**"
+    value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    if value is None:
+        return "unset"
+    if dataclasses.is_dataclass(value):
+        return "all defaults"
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    if isinstance(value, enum.Enum):
+        return f"`{value.value}`"
+    if isinstance(value, (list, dict)) and not value:
+        return "`[]`" if isinstance(value, list) else "`{}`"
+    return f"`{value}`"
+
+
+def _bounds(f: dataclasses.Field) -> str:
+    lo, hi = f.metadata.get("min"), f.metadata.get("max")
+    if lo is not None and hi is not None:
+        return f"{lo:,} – {hi:,}"
+    if lo is not None:
+        return f"≥ {lo:,}"
+    if hi is not None:
+        return f"≤ {hi:,}"
+    return ""
+
+
+def _cell(text: str) -> str:
+    """One table cell: one line, pipes escaped, and `<word>` outside code spans kept visible (not read as HTML)."""
+    parts = " ".join(text.split()).replace("|", "\\|").split("`")
+    for i in range(0, len(parts), 2):
+        parts[i] = parts[i].replace("<", "&lt;").replace(">", "&gt;")
+    return "`".join(parts)
+
+
+def render(root: type = Policy) -> str:
+    """The whole reference, top level first, then each nested mapping in the order its key appears."""
+    out = [HEADER]
+    queue = [Section("", root)]
+    seen: set[str] = set()
+    while queue:
+        section = queue.pop(0)
+        if section.path in seen:
+            continue
+        seen.add(section.path)
+        title = f"`{section.path}`" if section.path else "Top level"
+        out.append(f"## {title}\n")
+        out.append(f"{_cell(section.cls.__doc__ or '')}\n")
+        out.append("| key | type | default | bounds | meaning |")
+        out.append("|---|---|---|---|---|")
+        hints = typing.get_type_hints(section.cls)
+        nested: list[Section] = []
+        for f in dataclasses.fields(section.cls):
+            path = f"{section.path}.{f.name}" if section.path else f.name
+            type_name = _type_name(hints[f.name], path, nested)
+            out.append(f"| `{path}` | {type_name} | {_default(f)} | {_bounds(f)} | {_cell(f.metadata.get('doc', ''))} |")
+        out.append("")
+        queue.extend(nested)
+    return "\n".join(out).rstrip() + "\n"
+
+
+BEGIN_REASONS = "<!-- reasons: generated from extproc/policy/reasons.py by `make docs`; edit them there -->"
+END_REASONS = "<!-- end of the generated reasons -->"
+
+
+def troubleshooting(page: str) -> str:
+    """`page` (docs/troubleshooting.md) with its per-reason sections rendered anew from the reason table."""
+    from extproc.policy.reasons import REASONS, SECTIONS
+
+    out = [BEGIN_REASONS, ""]
+    for section, intro in SECTIONS.items():
+        out += [f"## {section}", ""] + ([intro, ""] if intro else [])
+        for r in REASONS.values():
+            if r.section == section:
+                out += [f"### `{r.code}`", r.help, ""]
+    head, _, rest = page.partition(BEGIN_REASONS)
+    _, _, tail = rest.partition(END_REASONS)
+    return head + "\n".join(out) + END_REASONS + tail
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m extproc.tools.docsgen", description=__doc__.splitlines()[0])
+    p.add_argument("--check", metavar="FILE", help="compare with FILE instead of printing; exit 1 if it differs")
+    p.add_argument("--troubleshooting", metavar="FILE", help="rewrite the reason sections of FILE in place")
+    args = p.parse_args(argv)
+    if args.troubleshooting:
+        path = Path(args.troubleshooting)
+        path.write_text(troubleshooting(path.read_text(encoding="utf-8")), encoding="utf-8")
+        return 0
+    text = render()
+    if args.check is None:
+        sys.stdout.write(text)
+        return 0
+    path = Path(args.check)
+    current = path.read_text(encoding="utf-8") if path.exists() else ""
+    if current != text:
+        print(f"{path} is stale: regenerate with `python -m extproc.tools.docsgen > {path}`", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

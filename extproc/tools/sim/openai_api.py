@@ -1,0 +1,321 @@
+"""vLLM's OpenAI-compatible request validation and response bodies (JSON and SSE), without any I/O."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+from extproc.tools.sim.tokens import FILLER_WORDS, estimate_chat_tokens, estimate_text_tokens, filler_text
+
+CHAT, COMPLETIONS = "chat", "completions"
+SIM_VERSION = "0.32.0-sim"
+
+
+class ApiError(Exception):
+    """An error vLLM would return: status plus the OpenAI error object."""
+
+    def __init__(self, status: int, message: str, error_type: str = "BadRequestError", param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.error_type = error_type
+        self.param = param
+
+    def body(self) -> bytes:
+        return error_body(self.status, str(self), self.error_type, self.param)
+
+
+def error_body(status: int, message: str, error_type: str, param: str | None = None) -> bytes:
+    """`{"error": {"message", "type", "param", "code"}}` as vLLM writes it."""
+    return json.dumps({"error": {"message": message, "type": error_type, "param": param, "code": status}}).encode()
+
+
+@dataclass
+class GenerationRequest:
+    """A validated /v1/completions or /v1/chat/completions request, reduced to what the engine needs."""
+
+    kind: str
+    model: str
+    prompt_tokens: int
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    ignore_eos: bool
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
+    requested_model: str = ""  # the served name the client asked for (`model` is what the responses say)
+
+
+def validation_error(kind: str, loc: str, msg: str, value, ctx: dict | None = None) -> ApiError:
+    """A request-validation failure as vLLM reports it: type "Bad Request", param "body.<field>", and a
+    pydantic-style message (vLLM's own semantic checks use BadRequestError instead)."""
+    detail = {"type": kind, "loc": loc, "msg": msg, "input": _input_repr(value)}
+    if ctx:
+        detail["ctx"] = ctx
+    return ApiError(400, f"1 validation error:\n  {detail!r}", "Bad Request", loc)
+
+
+def _input_repr(value):
+    if isinstance(value, dict):
+        return f"<dict of {len(value)} items>"
+    if isinstance(value, list):
+        return f"<list of {len(value)} items>"
+    return value
+
+
+def _semantic_error(message: str, param: str, value) -> ApiError:
+    """vLLM's checks after validation: BadRequestError, with "(parameter=..., value=...)" appended."""
+    return ApiError(400, f"{message} (parameter={param}, value={value})", "BadRequestError", param)
+
+
+def _int_field(body: dict, name: str) -> int | None:
+    """Pydantic's lax integer: ints, integral floats and numeric strings; None when absent or null."""
+    value = body.get(name)
+    loc = f"body.{name}"
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        if value.is_integer():
+            return int(value)
+        raise validation_error("int_from_float", loc, "Input should be a valid integer, got a number with a "
+                               "fractional part", value)
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            raise validation_error("int_parsing", loc, "Input should be a valid integer, unable to parse string "
+                                   "as an integer", value) from None
+    raise validation_error("int_type", loc, "Input should be a valid integer", value)
+
+
+_TRUE, _FALSE = {"true", "1", "yes", "on", "t", "y"}, {"false", "0", "no", "off", "f", "n"}
+
+
+def _bool_field(body: dict, name: str, prefix: str = "body") -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+        return value.lower() in _TRUE
+    raise validation_error("bool_parsing" if isinstance(value, str) else "bool_type", f"{prefix}.{name}",
+                           "Input should be a valid boolean", value)
+
+
+def _prompt_tokens(kind: str, body: dict) -> int:
+    if kind == CHAT:
+        if "messages" not in body:
+            raise validation_error("missing", "body.messages", "Field required", body)
+        messages = body["messages"]
+        if not isinstance(messages, list):
+            raise validation_error("list_type", "body.messages", "Input should be a valid list", messages)
+        if not messages or not all(isinstance(m, dict) for m in messages):
+            raise validation_error("value_error", "body.messages", "Value error, messages must be a non-empty "
+                                   "list of message objects", messages)
+        return estimate_chat_tokens(messages)
+    if "prompt" not in body:
+        raise validation_error("missing", "body.prompt", "Field required", body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return estimate_text_tokens(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return len(prompt)  # token ids
+    raise validation_error("value_error", "body.prompt", "Value error, prompt must be a string, a list of token "
+                           "ids, or a list of one of those", prompt)
+
+
+def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_len: int,
+                     default_max_tokens: int) -> GenerationRequest:
+    """Validate a request body like vLLM 0.32 does, or raise ApiError with vLLM's status, type and message.
+
+    Order as in vLLM: JSON and field types (pydantic: 400 "Bad Request", param "body.<field>"), then the model
+    (404 NotFoundError), then the semantic checks (400 BadRequestError). A prompt plus max_tokens beyond the context
+    is not an error: max_tokens is clamped to the room left (tests/fixtures/vllm/errors.json).
+    """
+    try:
+        body = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise validation_error("json_invalid", f"body.{exc.pos}", "JSON decode error", {},
+                               {"error": exc.msg}) from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise validation_error("json_invalid", "body.0", "JSON decode error", {}, {"error": str(exc)}) from None
+    if not isinstance(body, dict):
+        raise validation_error("model_attributes_type", "body", "Input should be a valid dictionary or object to "
+                               "extract fields from", body)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise validation_error("string_type", "body.model", "Input should be a valid string", model)
+    stream = _bool_field(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise validation_error("model_type", "body.stream_options", "Input should be a valid dictionary or "
+                               "instance of StreamOptions", options)
+    include_usage = bool(options and _bool_field(options, "include_usage", "body.stream_options"))
+    continuous = bool(options and _bool_field(options, "continuous_usage_stats", "body.stream_options"))
+    prompt_tokens = _prompt_tokens(kind, body)
+    n = _int_field(body, "n")
+    max_tokens = _int_field(body, "max_tokens")
+    max_field = "max_tokens"
+    if kind == CHAT and body.get("max_completion_tokens") is not None:
+        max_tokens, max_field = _int_field(body, "max_completion_tokens"), "max_completion_tokens"
+    ignore_eos = _bool_field(body, "ignore_eos")
+    model = model or served[0]
+    if model not in served:
+        raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {', '.join(served)}.",
+                       "NotFoundError", "model")
+    if n not in (None, 1):
+        raise ApiError(400, "n > 1 is not supported by the simulator", param="n")
+    if options and not stream:
+        raise ApiError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
+    if max_tokens is not None and max_tokens < 1:
+        raise _semantic_error(f"{max_field} must be at least 1, got {max_tokens}.", max_field, max_tokens)
+    if max_tokens is not None and max_tokens > max_model_len:
+        raise _semantic_error(f"{max_field}={max_tokens} cannot be greater than max_model_len={max_model_len}. "
+                              f"Please request fewer output tokens.", max_field, max_tokens)
+    if prompt_tokens >= max_model_len:
+        # vLLM tokenizes at most max_model_len + 1 tokens of an over-long prompt, hence "at least".
+        shown = min(prompt_tokens, max_model_len + 1)
+        raise _semantic_error(f"This model's maximum context length is {max_model_len} tokens. However, your "
+                              f"prompt contains at least {shown} input tokens, which exceeds this limit even "
+                              f"without any output tokens. Please reduce the length of the input prompt.",
+                              "input_tokens", shown)
+    room = max_model_len - prompt_tokens
+    if max_tokens is None:
+        max_tokens = min(room, default_max_tokens)
+    else:
+        max_tokens = min(max_tokens, room)  # clamped silently, not an error
+    # vLLM 0.32 answers every request with its first served name, whichever alias was asked for
+    # (tests/fixtures/vllm/chat_small_model.json): `model` in the responses is served[0].
+    return GenerationRequest(kind, served[0], prompt_tokens, max_tokens, stream, include_usage, ignore_eos,
+                             continuous and include_usage, requested_model=model)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """A non-streaming response's usage (vLLM writes the two details as explicit nulls)."""
+    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens, "prompt_tokens_details": None,
+            "completion_tokens_details": None}
+
+
+# vLLM's fingerprint is "vllm-<version>-<hash of the engine config>", the same for every response of a server.
+SYSTEM_FINGERPRINT = f"vllm-{SIM_VERSION}-{hashlib.sha256(SIM_VERSION.encode()).hexdigest()[:16]}"
+
+
+class ResponseRenderer:
+    """Builds one request's bodies with vLLM 0.32's keys (tests/fixtures/vllm/); SSE token events come from
+    precomputed templates (they run per token)."""
+
+    def __init__(self, request: GenerationRequest):
+        self.request = request
+        chat = request.kind == CHAT
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        head = (f'{{"id":"{self.id}","object":"{"chat.completion.chunk" if chat else "text_completion"}",'
+                f'"created":{self.created},"model":{json.dumps(request.model)},"choices":[{{"index":0,')
+        # Filler words are plain ASCII letters: they can be spliced into JSON without escaping.
+        if chat:
+            self._token_head = (head + '"delta":{"content":"').encode()
+            self._token_mid = b'"},"logprobs":null,"finish_reason":'
+            self._choice_tail = b',"token_ids":null}'
+            self._choice_tail_last = b',"stop_reason":null,"token_ids":null}'
+        else:
+            self._token_head = (head + '"text":"').encode()
+            self._token_mid = b'","logprobs":null,"finish_reason":'
+            self._choice_tail = b',"stop_reason":null,"prompt_token_ids":null,"token_ids":null}'
+            self._choice_tail_last = self._choice_tail
+        # The fingerprint rides on the last data chunk: the finish chunk, or the usage chunk when there is one.
+        self._last_tail = b"]" + (b"" if request.include_usage else
+                                  b',"system_fingerprint":"%b"' % SYSTEM_FINGERPRINT.encode())
+        self._words = [w.encode() for w in FILLER_WORDS]
+
+    def _running_usage(self, completion_tokens: int) -> bytes:
+        """stream_options.continuous_usage_stats: the cumulative usage every chunk carries."""
+        p = self.request.prompt_tokens
+        return (b',"usage":{"prompt_tokens":%d,"total_tokens":%d,"completion_tokens":%d,'
+                b'"completion_tokens_details":null}' % (p, p + completion_tokens, completion_tokens))
+
+    def role_event(self) -> bytes:
+        """Chat streams open with an empty assistant delta."""
+        r = self.request
+        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": r.model,
+                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}]}
+        if r.continuous_usage:
+            chunk["usage"] = {"prompt_tokens": r.prompt_tokens, "total_tokens": r.prompt_tokens,
+                              "completion_tokens": 0, "completion_tokens_details": None}
+        chunk["prompt_token_ids"] = None
+        chunk["prompt_text"] = None
+        return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+
+    def token_event(self, index: int, finish_reason: str | None) -> bytes:
+        """The SSE event carrying output token number `index` (0-based); the last one carries finish_reason."""
+        words = self._words
+        if finish_reason is None:
+            reason, tail = b"null", self._choice_tail + b"]"
+        else:
+            reason, tail = b'"%b"' % finish_reason.encode(), self._choice_tail_last + self._last_tail
+        if self.request.continuous_usage:
+            tail += self._running_usage(index + 1)
+        return (b"data: " + self._token_head + words[index % len(words)] + self._token_mid + reason + tail
+                + b"}\n\n")
+
+    def closing_events(self, completion_tokens: int) -> bytes:
+        """The optional usage chunk, then [DONE]."""
+        tail = b"data: [DONE]\n\n"
+        if not self.request.include_usage:
+            return tail
+        r = self.request
+        p = r.prompt_tokens
+        chunk = {"id": self.id, "object": "chat.completion.chunk" if r.kind == CHAT else "text_completion",
+                 "created": self.created, "model": r.model, "choices": [],
+                 "usage": {"prompt_tokens": p, "total_tokens": p + completion_tokens,
+                           "completion_tokens": completion_tokens},
+                 "system_fingerprint": SYSTEM_FINGERPRINT}
+        return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n" + tail
+
+    def full_response(self, completion_tokens: int, finish_reason: str) -> bytes:
+        """The non-streaming response body, with vLLM's explicit nulls."""
+        r = self.request
+        text = filler_text(completion_tokens)
+        if r.kind == CHAT:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None,
+                                              "annotations": None, "audio": None, "function_call": None,
+                                              "reasoning": None},
+                      "logprobs": None, "finish_reason": finish_reason, "stop_reason": None, "token_ids": None,
+                      "routed_experts": None}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                      "stop_reason": None, "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None,
+                      "routed_experts": None}
+            obj = "text_completion"
+        body = {"id": self.id, "object": obj, "created": self.created, "model": r.model, "choices": [choice],
+                "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
+                "usage": _usage(r.prompt_tokens, completion_tokens)}
+        if r.kind == CHAT:
+            body.update(prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)
+        body.update(kv_transfer_params=None, ec_transfer_params=None, metrics=None)
+        return json.dumps(body).encode()
+
+
+def models_body(served: tuple[str, ...], max_model_len: int, root: str | None = None) -> bytes:
+    """/v1/models as vLLM lists its served model names (root: the model's path; here the first name)."""
+    created = int(time.time())
+    data = [{"id": name, "object": "model", "created": created, "owned_by": "vllm", "root": root or served[0],
+             "parent": None, "max_model_len": max_model_len,
+             "permission": [{"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission",
+                             "created": created, "allow_create_engine": False, "allow_sampling": True,
+                             "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                             "allow_fine_tuning": False, "organization": "*", "group": None,
+                             "is_blocking": False}]} for name in served]
+    return json.dumps({"object": "list", "data": data}).encode()

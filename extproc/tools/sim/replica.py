@@ -1,0 +1,224 @@
+"""One simulated vLLM server: routes HTTP requests to an engine driven by an asyncio loop in scaled time."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from dataclasses import asdict, dataclass, fields
+
+from extproc.tools.sim.engine import Emission, Engine, Sequence
+from extproc.tools.sim.http11 import HttpRequest, ResponseWriter
+from extproc.tools.sim.metrics import ReplicaMetrics
+from extproc.tools.sim.openai_api import (CHAT, COMPLETIONS, SIM_VERSION, ApiError, GenerationRequest, ResponseRenderer,
+                                    error_body, models_body, parse_generation)
+from extproc.tools.sim.profile import Profile
+
+# If the loop falls this far behind simulated time (CPU starved), it stops trying to catch up.
+MAX_LAG_REAL_S = 0.25
+GENERATION_PATHS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS}
+
+
+@dataclass
+class Faults:
+    """Injected misbehaviour (POST /sim/fault): added latency, random 500s, slower iterations, draining."""
+
+    extra_latency_s: float = 0.0  # simulated seconds before a request reaches the engine
+    error_rate: float = 0.0  # fraction of generation requests answered with 500
+    slowdown: float = 1.0  # multiplies every iteration's duration
+    draining: float = 0.0  # 1: /health answers 503, so the load balancer takes the replica out; it still serves
+
+
+class SimClock:
+    """Simulated seconds since start: real time on the event loop's clock, times `speed`."""
+
+    def __init__(self, speed: float):
+        self.speed = speed
+        self.origin = asyncio.get_running_loop().time()
+
+    def now(self) -> float:
+        return (asyncio.get_running_loop().time() - self.origin) * self.speed
+
+    def real_time_of(self, sim_t: float) -> float:
+        return self.origin + sim_t / self.speed
+
+
+class _Active:
+    """A request inside the engine: where its tokens go and how to render them."""
+
+    __slots__ = ("seq", "writer", "renderer")
+
+    def __init__(self, seq: Sequence, writer: ResponseWriter, renderer: ResponseRenderer):
+        self.seq, self.writer, self.renderer = seq, writer, renderer
+
+
+class Replica:
+    """A simulated vLLM replica: HTTP handler plus the engine loop that paces iterations in real time."""
+
+    def __init__(self, profile: Profile, speed: float = 1.0, seed: int = 0):
+        self.profile = profile
+        self.speed = speed
+        self.engine = Engine(profile, seed=seed)
+        self.metrics = ReplicaMetrics(profile.model_names[0])
+        self.faults = Faults()
+        self._fault_rng = random.Random(seed + 7919)
+        self._active: dict[int, _Active] = {}
+        self._clock: SimClock | None = None
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._sim_t = 0.0  # the engine's own time: end of the last iteration
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._clock = SimClock(self.speed)
+        self._wake = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    # -- engine loop ----------------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        clock, engine = self._clock, self.engine
+        while True:
+            if not engine.has_work:
+                self._wake.clear()
+                await self._wake.wait()
+                # Idle time passes in simulated time too; while busy, iterations follow each other exactly.
+                self._sim_t = max(self._sim_t, clock.now())
+            duration = engine.begin_iteration(self._sim_t)
+            if duration is None:  # nothing schedulable right now; wait for an arrival or abort
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            self._sim_t += duration
+            # Sleep to an absolute deadline, so timer granularity and overshoot do not accumulate.
+            delay = clock.real_time_of(self._sim_t) - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            else:
+                # Behind schedule (CPU starved, or a high speed): still yield once per iteration, or disconnects
+                # and new requests would wait until the whole backlog is generated (a stream whose client left
+                # would run to its end instead of being aborted, as vLLM aborts between steps).
+                await asyncio.sleep(0)
+                if delay < -MAX_LAG_REAL_S:
+                    self._sim_t = clock.now()
+            self._deliver(engine.end_iteration(self._sim_t))
+
+    def _deliver(self, emissions: list[Emission]) -> None:
+        self.metrics.observe_emissions(emissions)
+        active = self._active
+        for emission in emissions:
+            entry = active.get(emission.seq.id)
+            if entry is None:
+                continue
+            seq, writer, renderer = entry.seq, entry.writer, entry.renderer
+            reason = emission.finish_reason
+            if renderer.request.stream:
+                event = renderer.token_event(seq.generated - 1, reason)
+                if reason is None:
+                    writer.write_chunk(event)
+                else:
+                    writer.end_stream(event + renderer.closing_events(seq.generated))
+            elif reason is not None:
+                writer.send(200, renderer.full_response(seq.generated, reason))
+            if reason is not None:
+                del active[seq.id]
+
+    # -- HTTP -----------------------------------------------------------------------------------------------
+    def handle(self, request: HttpRequest, writer: ResponseWriter) -> None:
+        """Route one request (called by the HTTP protocol)."""
+        path = request.path
+        kind = GENERATION_PATHS.get(path)
+        if kind is not None:
+            self._generation(kind, request, writer)
+        elif path == "/health":
+            writer.send(503 if self.faults.draining else 200, b"")
+        elif path == "/metrics":
+            writer.send(200, self.metrics.render(self.engine).encode(), "text/plain; version=0.0.4; charset=utf-8")
+        elif path == "/v1/models":
+            writer.send(200, models_body(self.profile.model_names, self.profile.max_model_len))
+        elif path == "/version":
+            writer.send(200, json.dumps({"version": SIM_VERSION}).encode())
+        elif path == "/sim/state":
+            writer.send(200, json.dumps(self.state()).encode())
+        elif path == "/sim/fault" and request.method == "POST":
+            self._set_faults(request, writer)
+        else:
+            writer.send(404, json.dumps({"detail": "Not Found"}).encode())
+
+    def state(self) -> dict:
+        """Engine and fault state, for tests and the operator (GET /sim/state)."""
+        e = self.engine
+        return {"profile": self.profile.name, "models": list(self.profile.model_names), "speed": self.speed,
+                "sim_time_s": self._clock.now() if self._clock else 0.0, "running": len(e.running),
+                "waiting": len(e.waiting), "kv_cache_usage": e.kv_usage, "free_blocks": e.free_blocks,
+                "preemptions": e.stats.preemptions, "generation_tokens": e.stats.generation_tokens,
+                "finished": dict(e.stats.finished), "faults": asdict(self.faults)}
+
+    def _set_faults(self, request: HttpRequest, writer: ResponseWriter) -> None:
+        try:
+            body = json.loads(request.body or b"{}")
+            if body.get("reset"):
+                self.faults = Faults()
+            for f in fields(Faults):
+                if f.name in body:
+                    setattr(self.faults, f.name, float(body[f.name]))
+        except (ValueError, TypeError, AttributeError) as exc:
+            writer.send(400, error_body(400, f"bad fault: {exc}", "BadRequestError"))
+            return
+        self.engine.slowdown = self.faults.slowdown
+        writer.send(200, json.dumps(asdict(self.faults)).encode())
+
+    def _generation(self, kind: str, request: HttpRequest, writer: ResponseWriter) -> None:
+        if request.method != "POST":
+            writer.send(405, json.dumps({"detail": "Method Not Allowed"}).encode(),  # the web framework's body
+                        headers={"allow": "POST"})
+            return
+        p = self.profile
+        try:
+            parsed = parse_generation(kind, request.body, p.model_names, p.max_model_len, p.default_max_tokens)
+        except ApiError as exc:
+            writer.send(exc.status, exc.body())
+            return
+        faults = self.faults
+        if faults.error_rate > 0 and self._fault_rng.random() < faults.error_rate:
+            writer.send(500, error_body(500, "simulated fault", "InternalServerError"))
+            return
+        if faults.extra_latency_s > 0:
+            handle = asyncio.get_running_loop().call_later(faults.extra_latency_s / self.speed,
+                                                           self._submit, parsed, writer)
+            writer.on_disconnect = handle.cancel
+        else:
+            self._submit(parsed, writer)
+
+    def _submit(self, parsed: GenerationRequest, writer: ResponseWriter) -> None:
+        if writer.disconnected:
+            return
+        renderer = ResponseRenderer(parsed)
+        max_tokens = parsed.max_tokens
+        seq = self.engine.add_request(parsed.prompt_tokens, max_tokens, self._clock.now(),
+                                      natural_tokens=max_tokens if parsed.ignore_eos else None)
+        self._active[seq.id] = _Active(seq, writer, renderer)
+        writer.on_disconnect = lambda: self._abort(seq)
+        if parsed.stream:
+            writer.start_stream()
+            if parsed.kind == CHAT:
+                writer.write_chunk(renderer.role_event())
+        self._wake.set()
+
+    def _abort(self, seq: Sequence) -> None:
+        """The client went away: free the sequence, as vLLM does on disconnect. Like vLLM 0.32, a client abort
+        shows only as the running (or waiting) gauge dropping: it is not counted in
+        `request_success_total{finished_reason="abort"}` nor observed in the request histograms
+        (docs/vllm.md); the engine's own count (GET /sim/state `finished.abort`) still has it."""
+        if self._active.pop(seq.id, None) is None:
+            return
+        self.engine.abort(seq, max(self._sim_t, self._clock.now()))
+        self._wake.set()

@@ -1,0 +1,207 @@
+"""Start and stop a local stack: real Envoy (rendered from envoy/envoy.yaml) + the ext_proc + upstream replicas."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from . import envoyconf
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float = 30.0, ok=(200,), proc: subprocess.Popen | None = None) -> None:
+    """Poll `url` until it answers with an `ok` status; give up early if `proc` exits."""
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise TimeoutError(f"process exited with code {proc.returncode} before {url} was ready")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status in ok:
+                    return
+        except Exception as e:  # noqa: BLE001 - anything means "not yet"
+            last = e
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} not ready after {timeout}s: {last}")
+
+
+@dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 8.0) -> None:
+        if not self.alive():
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, sig)
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(5)
+
+    def tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class Stack:
+    """Envoy in front of `pools`, with the ext_proc deciding (mode "extproc") or not ("plain", "adaptive")."""
+
+    workdir: Path
+    pools: dict[str, list[tuple[str, int]]]
+    policy_path: Path | None = None
+    mode: str = "extproc"
+    envoy_concurrency: int = 1
+    lb_policy: str | None = None
+    adaptive: dict | None = None
+    extproc_args: list[str] = field(default_factory=list)
+    extprocs: int = 1   # ext_proc instances behind Envoy's one `extproc` cluster (a rolling restart needs two)
+    failure_mode_allow: bool | None = None  # override envoy.yaml's (False: fail closed)
+    processes: list[Process] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.workdir = Path(self.workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.listen_port = free_port()
+        self.admin_port = free_port()
+        self.grpc_ports = [free_port() for _ in range(self.extprocs)]
+        self.metrics_ports = [free_port() for _ in range(self.extprocs)]
+        self.grpc_port, self.metrics_port = self.grpc_ports[0], self.metrics_ports[0]  # the first instance
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.listen_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    def spawn(self, name: str, argv: list[str], env: dict | None = None) -> Process:
+        log_path = self.workdir / f"{name}.log"
+        log = open(log_path, "ab")
+        popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 start_new_session=True, env={**os.environ, **(env or {})})
+        log.close()
+        proc = Process(name, popen, log_path)
+        self.processes.append(proc)
+        return proc
+
+    @staticmethod
+    def extproc_name(i: int) -> str:
+        return "extproc" if i == 0 else f"extproc{i}"
+
+    def start_extproc(self, i: int = 0) -> Process:
+        """Start ext_proc instance `i` and wait until its /healthz says it serves. Local stacks skip the drain on
+        SIGTERM (nothing to move to when they stop) unless extproc_args asks for one."""
+        assert self.policy_path is not None, "mode extproc needs a policy"
+        proc = self.spawn(self.extproc_name(i), [
+            sys.executable, "-m", "extproc.cli", "serve", "--policy", str(self.policy_path),
+            "--grpc", f"127.0.0.1:{self.grpc_ports[i]}", "--metrics", f"127.0.0.1:{self.metrics_ports[i]}",
+            "--drain-s", "0", "--grace-s", "5", *self.extproc_args])
+        try:
+            wait_http(f"http://127.0.0.1:{self.metrics_ports[i]}/healthz", timeout=30, proc=proc.popen)
+        except TimeoutError:
+            raise RuntimeError(f"ext_proc did not start:\n{proc.tail()}") from None
+        return proc
+
+    def envoy_config(self) -> dict:
+        return envoyconf.render(envoyconf.load_source(), listen_port=self.listen_port, admin_port=self.admin_port,
+                                extproc=[("127.0.0.1", p) for p in self.grpc_ports], pools=self.pools, mode=self.mode,
+                                lb_policy=self.lb_policy, adaptive=self.adaptive, health_check_interval_s=1.0,
+                                failure_mode_allow=self.failure_mode_allow)
+
+    def start_envoy(self) -> Process:
+        path = self.workdir / "envoy.yaml"
+        path.write_text(yaml.safe_dump(self.envoy_config(), sort_keys=False))
+        proc = self.spawn("envoy", [envoyconf.envoy_binary(), "-c", str(path), "--concurrency",
+                                    str(self.envoy_concurrency), "--log-level", "warning",
+                                    "--base-id", str(self.admin_port), "--disable-hot-restart"])
+        try:
+            wait_http(f"{self.admin_url}/ready", timeout=30, proc=proc.popen)
+        except TimeoutError:
+            raise RuntimeError(f"envoy did not start:\n{proc.tail()}") from None
+        return proc
+
+    def start(self) -> "Stack":
+        try:
+            if self.mode == "extproc":
+                for i in range(self.extprocs):
+                    self.start_extproc(i)
+            self.start_envoy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for proc in reversed(self.processes):
+            proc.stop()
+        self.processes.clear()
+
+    def __enter__(self) -> "Stack":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def process(self, name: str) -> Process:
+        return next(p for p in self.processes if p.name == name)
+
+
+# --- CLI: extproc stack (a long-running local stack for poking at by hand) ---
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--policy", default="policies/default.yaml")
+    p.add_argument("--pool", action="append", default=[], metavar="CLUSTER=HOST:PORT[,HOST:PORT]",
+                   help="upstream endpoints per pool; required, repeatable (e.g. the ports `extproc sim` prints)")
+    p.add_argument("--workdir", default=".cache/stack")
+    p.add_argument("--mode", choices=envoyconf.MODES, default="extproc")
+
+
+def run(args: argparse.Namespace) -> int:
+    pools = {}
+    for spec in args.pool:
+        name, _, eps = spec.partition("=")
+        pools[name] = [envoyconf._endpoint(e) for e in eps.split(",") if e]
+    if not pools:
+        print("give --pool CLUSTER=HOST:PORT (e.g. from `extproc sim`)", file=sys.stderr)
+        return 2
+    stack = Stack(Path(args.workdir), pools, policy_path=Path(args.policy), mode=args.mode)
+    with stack:
+        print(json.dumps({"url": stack.url, "metrics": stack.metrics_url, "admin": stack.admin_url,
+                          "logs": str(stack.workdir)}), flush=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    return 0

@@ -1,0 +1,67 @@
+"""The import arrows point down only (README, "Layout"): checked on the source, so a wrong arrow fails here."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "extproc"
+RUNTIME = ("extproc.policy", "extproc.server", "extproc.store", "extproc.telemetry")
+# A throwaway redis-server for tests and benchmarks, not a store adapter: it belongs under tools/ and borrows
+# tools.stack.free_port until it moves there.
+RUNTIME_EXCEPTIONS = {"extproc.store.local_redis"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> set[str]:
+    """Every extproc module `path` imports, relative imports resolved."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            found.add(target)
+            found.update(f"{target}.{alias.name}" for alias in node.names)
+    return {m for m in found if m == "extproc" or m.startswith("extproc.")}
+
+
+def modules(*prefixes: str) -> list[tuple[str, set[str]]]:
+    out = [(module_name(p), imports(p)) for p in sorted(PACKAGE.rglob("*.py"))]
+    return [(m, deps) for m, deps in out if any(m == p or m.startswith(p + ".") for p in prefixes)]
+
+
+def under(module: str, prefixes) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def test_the_walk_finds_the_packages():
+    names = {m for m, _ in modules("extproc")}
+    assert {"extproc.policy.admission", "extproc.server.servicer", "extproc.tools.sim.engine"} <= names
+
+
+@pytest.mark.parametrize("module,deps", modules(*RUNTIME), ids=lambda v: v if isinstance(v, str) else "")
+def test_the_runtime_does_not_import_the_tools(module, deps):
+    if module not in RUNTIME_EXCEPTIONS:
+        assert not {d for d in deps if under(d, ["extproc.tools"])}
+
+
+@pytest.mark.parametrize("module,deps", modules("extproc.policy"), ids=lambda v: v if isinstance(v, str) else "")
+def test_the_policy_core_imports_nothing_of_ours_outside_itself(module, deps):
+    assert not {d for d in deps if not under(d, ["extproc.policy"]) and d != "extproc"}
+
+
+@pytest.mark.parametrize("module,deps", modules("extproc.tools.sim", "extproc.tools.loadgen", "extproc.tools.stats"),
+                         ids=lambda v: v if isinstance(v, str) else "")
+def test_the_simulator_and_load_generator_do_not_know_the_policy(module, deps):
+    assert not {d for d in deps if under(d, RUNTIME)}
