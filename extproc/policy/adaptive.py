@@ -1,6 +1,6 @@
 """Adaptive per-class limits: move the cap by itself, anchored to the class's latency SLO and the replicas' load.
 
-Why AIMD with an SLO band rather than Envoy's gradient (measured, ../shared/NOTES-envoy-vllm.md and docs/adaptive.md):
+Why AIMD with an SLO band rather than Envoy's gradient (measured: docs/adaptive.md):
 a gradient on the minimum RTT targets "a multiple of the fastest latency seen", never the SLO, drifts up while it
 does not bind, and re-measures its baseline by pinning concurrency low. Here the target is the SLO itself:
  - cut multiplicatively the moment the replicas say they are saturated (requests waiting in vLLM, KV cache nearly

@@ -119,7 +119,9 @@ MAX_CONNECTIONS = 64  # per replica; each call holds one for a round trip, so th
 
 
 class RedisStore:
-    """SlotStore on Redis (redis-py asyncio). One round trip per acquire, per release, per renewal batch."""
+    """SlotStore on Redis (redis-py asyncio): one script call per batch of acquires (one call in flight per
+    replica, so an admission waits for at most two round trips under load), one per release, one per renewal
+    batch."""
 
     shared = True
 
