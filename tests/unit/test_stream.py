@@ -211,32 +211,30 @@ def test_a_canned_fallback_answers_in_the_endpoints_shape_without_a_slot(clock):
 # --- the final admission ---
 
 def queued(p: Processor):
-    admitted(p)
+    """(the stream holding the class's one slot, a stream queued behind it, its final admission)"""
+    first, _ = admitted(p)
     s = p.stream()
     s.receive(request_headers())
-    return s, s.receive(request_body())
+    return first, s, s.receive(request_body())
 
 
 def test_a_full_class_returns_the_final_admission_to_wait_for(clock):
     p = processor(clock, **QUEUE_OF_ONE)
-    s, answer = queued(p)
+    _, s, answer = queued(p)
     assert isinstance(answer, FinalAdmission) and answer.queued
     assert s.phase is Phase.ADMITTING and s.held is answer
 
 
 def test_a_message_while_waiting_for_the_final_admission_is_a_driver_error(clock):
     p = processor(clock, **QUEUE_OF_ONE)
-    s, _ = queued(p)
+    _, s, _ = queued(p)
     with pytest.raises(RuntimeError, match="waiting for the final admission"):
         s.receive(response_headers())
 
 
 def test_the_queue_verdict_goes_back_in_and_says_how_long_it_waited(clock):
     p = processor(clock, **QUEUE_OF_ONE)
-    first, _ = admitted(p)
-    s = p.stream()
-    s.receive(request_headers())
-    wait = s.receive(request_body())
+    first, s, wait = queued(p)
     clock.advance(0.0625)
     first.end(normal_end=True)
     answer = s.admitted(wait.waiter.result)
@@ -245,7 +243,7 @@ def test_the_queue_verdict_goes_back_in_and_says_how_long_it_waited(clock):
 
 def test_a_queue_timeout_is_answered_429(clock):
     p = processor(clock, **QUEUE_OF_ONE)
-    s, wait = queued(p)
+    _, s, wait = queued(p)
     clock.advance(0.2)
     p.core.reap()
     assert immediate_status(s.admitted(wait.waiter.result)) == 429 and s.phase is Phase.ANSWERED
@@ -393,7 +391,7 @@ def test_ending_twice_releases_once(clock):
 
 def test_a_client_leaving_while_queued_leaves_the_queue(clock):
     p = processor(clock, **QUEUE_OF_ONE)
-    s, wait = queued(p)
+    _, s, wait = queued(p)
     waiter = wait.waiter
     s.end(normal_end=False)
     assert waiter.result.status == 499 and p.core.snapshot()["interactive"]["queue"] == 0
@@ -401,10 +399,7 @@ def test_a_client_leaving_while_queued_leaves_the_queue(clock):
 
 def test_a_slot_granted_in_the_instant_the_client_left_is_given_back(clock):
     p = processor(clock, **QUEUE_OF_ONE)
-    first, _ = admitted(p)
-    s = p.stream()
-    s.receive(request_headers())
-    wait = s.receive(request_body())
+    first, s, wait = queued(p)
     first.end(normal_end=True)  # the queue grants the slot; the stream has not been handed it yet
     granted = wait.waiter.result.ticket
     s.end(normal_end=False)
