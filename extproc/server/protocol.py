@@ -89,11 +89,13 @@ def read_response_headers(msg: pb.HttpHeaders) -> tuple[int, bytes]:
 
 # --- out: answers ---
 
-def header(key: str, value: str | bytes) -> base_pb2.HeaderValueOption:
-    raw = value if isinstance(value, bytes) else value.encode()
+def header(key: str, value: str) -> base_pb2.HeaderValueOption:
     # Envoy reads raw_value; `value` alone arrives as an empty header.
-    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=raw),
-                                      append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+                                      append_action=_OVERWRITE)
+
+
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 
 def immediate(status: int, body: bytes, headers: list[tuple[str, str]], details: str,
@@ -135,23 +137,21 @@ def canned(d: Decision, body: RequestBody) -> pb.ProcessingResponse:
 def forward(d: Decision, queue_wait_ms: int | None, note: tuple[str, str] | None,
             body: bytes | None) -> pb.ProcessingResponse:
     """An admission: route to `d.cluster`, tag the request, and send `body` instead of the client's if given."""
-    common = pb.CommonResponse(clear_route_cache=True)
-    headers = common.header_mutation.set_headers
     # The pool to route to; the rest is echoed to the client by the route's response_headers_to_add and ties
     # Envoy's access log entry back to this ticket.
-    headers.append(header(CLUSTER_HEADER, d.cluster))
-    headers.append(header("x-extproc-class", d.cls))
-    headers.append(header("x-extproc-decision", d.kind))
-    headers.append(header(TICKET_HEADER, str(d.ticket.id)))
+    headers = [header(CLUSTER_HEADER, d.cluster), header("x-extproc-class", d.cls),
+               header("x-extproc-decision", d.kind), header(TICKET_HEADER, str(d.ticket.id))]
     if queue_wait_ms is not None:
         headers.append(header("x-extproc-queue-wait-ms", str(queue_wait_ms)))
     for k, v in d.headers:
         headers.append(header(k, v))
     if note is not None:  # x-extproc-degraded or x-extproc-shadow
         headers.append(header(*note))
+    common = pb.CommonResponse(clear_route_cache=True)
     if body is not None:
         common.body_mutation.body = body
         headers.append(header("content-length", str(len(body))))  # or Envoy answers 500
+    common.header_mutation.set_headers.extend(headers)
     return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
 
 

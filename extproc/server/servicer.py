@@ -14,7 +14,7 @@ from ..policy.limits import Ticket
 from ..store.shared import SharedSlots
 from .final_admission import FinalAdmission
 from .protocol import wait_override
-from .stream import Processor
+from .stream import Processor, Stream
 
 log = logging.getLogger("extproc.server")
 
@@ -42,7 +42,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
 
     async def Process(self, request_iterator, context) -> None:
         # context.read()/write() rather than an async generator: one wrapping layer less per message.
-        stream = self.processor.stream()
+        stream = Stream(self.processor)
         normal_end = False
         pending_read = None
         read, write = context.read, context.write

@@ -38,6 +38,8 @@ class Phase(enum.Enum):
         self.text = text
         self.decided = decided
 
+    __hash__ = object.__hash__  # members are singletons: identity, without Enum's Python-level name hash
+
 
 class ParsedRequest:
     """The request as read off the stream: the facts the core decides on, the endpoint, the body to forward."""
@@ -72,9 +74,6 @@ class Processor:
         self.live: set[Ticket] = set()       # tickets whose stream is still open (their leases get renewed)
         self._learn_credit = 0.0
 
-    def stream(self) -> Stream:
-        return Stream(self)
-
     def usage_reader(self, api_key: str | None) -> UsageReader | None:
         """Read this response's usage? A deterministic share of requests for cost learning, and those whose
         tenant has a tokens-per-minute limit (for the refund)."""
@@ -85,9 +84,6 @@ class Processor:
         if self.core.reads_usage(api_key):
             return UsageReader(learn=False)
         return None
-
-    def hold(self, ticket: Ticket) -> None:
-        self.live.add(ticket)
 
     def close(self, ticket: Ticket, outcome: Outcome) -> None:
         """The one release of a ticket a stream held: the core's slot, then the shared store's."""
@@ -151,8 +147,6 @@ class Stream:
     # --- driving it ---
 
     def receive(self, req: pb.ProcessingRequest) -> Answer | FinalAdmission:
-        if self.phase is Phase.ADMITTING or self.phase is Phase.ENDED:
-            raise RuntimeError(f"a {req.WhichOneof('request')} message while the stream is {self.phase.text}")
         name = req.WhichOneof("request")
         handler = self._handlers.get(name)
         if handler is None:
@@ -191,6 +185,9 @@ class Stream:
             self.processor.close(ticket, outcome)
 
     # --- the request ---
+
+    def _out_of_turn(self, msg: object) -> Answer:
+        raise RuntimeError(f"a {type(msg).__name__} message while the stream is {self.phase.text}")
 
     def _on_request_headers(self, msg: pb.HttpHeaders) -> Answer:
         core = self.processor.core
@@ -242,7 +239,7 @@ class Stream:
             self._enter(Phase.ANSWERED)
             return protocol.canned(d, body) if d.kind == DEGRADE else protocol.refusal(d)
         self.held = d.ticket
-        self.processor.hold(d.ticket)
+        self.processor.live.add(d.ticket)
         if self.usage is not None:
             self.usage.ask_for_usage(body)
         cls = self.processor.core.policy.classes.get(d.cls)
@@ -308,16 +305,20 @@ class Stream:
 
 Handler = Callable[[Stream, object], "Answer | FinalAdmission"]
 
+# The driver awaits the final admission before it reads on, and reads nothing once the stream ended: a message
+# then is the driver's bug, raised.
+_NO_MESSAGES = dict.fromkeys(("request_headers", "request_body", "request_trailers", "response_headers",
+                              "response_body", "response_trailers"), Stream._out_of_turn)
+
 # What each message does in each phase; a message not listed is answered CONTINUE (of its own phase) and
-# changes nothing. ADMITTING and ENDED take no messages: the driver awaits the final admission before it reads
-# on, and reads nothing once the stream ended.
+# changes nothing.
 TRANSITIONS: dict[Phase, dict[str, Handler]] = {
     Phase.HEADERS: {"request_headers": Stream._on_request_headers},    # -> BODY, or ANSWERED (refused)
     Phase.BODY: {"request_body": Stream._on_request_body},             # -> FORWARDING, ANSWERED or ADMITTING
-    Phase.ADMITTING: {},                                               # admitted() -> FORWARDING or ANSWERED
+    Phase.ADMITTING: _NO_MESSAGES,                                     # admitted() -> FORWARDING or ANSWERED
     Phase.FORWARDING: {"response_headers": Stream._on_response_headers},  # -> READING_USAGE (usage read)
     Phase.READING_USAGE: {"response_headers": Stream._on_response_headers,
                           "response_body": Stream._on_response_body},
     Phase.ANSWERED: {},
-    Phase.ENDED: {},
+    Phase.ENDED: _NO_MESSAGES,
 }

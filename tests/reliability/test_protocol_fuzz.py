@@ -38,7 +38,7 @@ from extproc.policy.admission import REPORT_WAIT_S, AdmissionController, NoEvent
 from extproc.policy.schema import load_policy
 from extproc.server.final_admission import FinalAdmission
 from extproc.server.servicer import ExtProcServicer
-from extproc.server.stream import Processor
+from extproc.server.stream import Processor, Stream
 
 PHASES = ("request_headers", "request_body", "request_trailers", "response_headers", "response_body",
           "response_trailers")
@@ -277,7 +277,7 @@ class FedStream:
     """One scripted stream fed to a sans-async Stream: what was read and written, as FakeContext records it."""
 
     def __init__(self, processor: Processor, messages: list[pb.ProcessingRequest], end: str):
-        self.stream = processor.stream()
+        self.stream = Stream(processor)
         self.messages = list(messages)
         self.end = end
         self.read_count = 0

@@ -13,7 +13,7 @@ from extproc.policy.limits import Outcome
 from extproc.server import protocol
 from extproc.server.final_admission import FinalAdmission
 from extproc.server.protocol import CONTINUE, LEARN_BODY, LEARN_HEADERS
-from extproc.server.stream import Phase, Processor
+from extproc.server.stream import Phase, Processor, Stream
 
 from .conftest import make_policy
 
@@ -57,7 +57,7 @@ QUEUE_OF_ONE = one_class(max_concurrency=1, max_queue=1, max_wait_ms=100)
 
 
 def admitted(p: Processor, doc: dict | None = None, **headers: bytes):
-    s = p.stream()
+    s = Stream(p)
     s.receive(request_headers(**headers))
     answer = s.receive(request_body(doc))
     assert s.phase is Phase.FORWARDING, answer
@@ -81,57 +81,57 @@ def inflight(p: Processor, cls: str = "interactive") -> int:
 # --- request headers ---
 
 def test_a_new_stream_awaits_the_request_headers(clock):
-    assert processor(clock).stream().phase is Phase.HEADERS
+    assert Stream(processor(clock)).phase is Phase.HEADERS
 
 
 def test_the_headers_of_a_served_post_are_continued_and_the_body_awaited(clock):
-    s = processor(clock).stream()
+    s = Stream(processor(clock))
     assert s.receive(request_headers()) is CONTINUE["request_headers"]
     assert s.phase is Phase.BODY
 
 
 def test_an_unknown_path_is_refused_404(clock):
-    s = processor(clock).stream()
+    s = Stream(processor(clock))
     assert immediate_status(s.receive(request_headers(path=b"/v1/models"))) == 404
     assert s.phase is Phase.ANSWERED
 
 
 def test_a_method_other_than_post_is_refused_405(clock):
-    s = processor(clock).stream()
+    s = Stream(processor(clock))
     assert immediate_status(s.receive(request_headers(method=b"GET"))) == 405
 
 
 def test_a_switched_off_endpoint_group_is_refused_404(clock):
-    s = processor(clock).stream()
+    s = Stream(processor(clock))
     answer = s.receive(request_headers(path=b"/v1/embeddings"))
     assert immediate_status(answer) == 404
     assert json.loads(answer.immediate_response.body)["error"]["code"] == "unsupported_endpoint"
 
 
 def test_two_different_api_keys_are_refused_401(clock):
-    s = processor(clock).stream()
+    s = Stream(processor(clock))
     answer = s.receive(request_headers(authorization=b"Bearer sk-acme", api_key=b"sk-other"))
     assert immediate_status(answer) == 401
 
 
 def test_a_missing_key_is_refused_401_when_anonymous_requests_are_not_allowed(clock):
-    s = processor(clock, anonymous={"allow": False}).stream()
+    s = Stream(processor(clock, anonymous={"allow": False}))
     assert immediate_status(s.receive(request_headers())) == 401
     assert s.phase is Phase.ANSWERED
 
 
 def test_headers_that_end_the_request_are_refused_as_an_empty_body(clock):
-    s = processor(clock).stream()
+    s = Stream(processor(clock))
     assert immediate_status(s.receive(request_headers(eos=True))) == 400
 
 
 def test_a_learning_sample_asks_for_the_response_headers(clock):
-    s = processor(clock, learn_sample=1.0).stream()
+    s = Stream(processor(clock, learn_sample=1.0))
     assert s.receive(request_headers()) is LEARN_HEADERS
 
 
 def test_a_second_headers_message_is_continued_and_changes_nothing(clock):
-    s = processor(clock).stream()
+    s = Stream(processor(clock))
     s.receive(request_headers())
     assert s.receive(request_headers(path=b"/v1/models")) is CONTINUE["request_headers"]
     assert s.phase is Phase.BODY
@@ -141,7 +141,7 @@ def test_a_second_headers_message_is_continued_and_changes_nothing(clock):
 
 def test_a_body_before_the_headers_is_continued_and_decides_nothing(clock):
     p = processor(clock)
-    s = p.stream()
+    s = Stream(p)
     assert s.receive(request_body()) is CONTINUE["request_body"]
     assert s.phase is Phase.HEADERS and inflight(p) == 0
 
@@ -164,20 +164,20 @@ def test_a_rewritten_body_carries_its_new_content_length(clock):
 
 
 def test_a_body_over_the_size_limit_is_refused_413(clock):
-    s = processor(clock).stream()
+    s = Stream(processor(clock))
     s.receive(request_headers())
     assert immediate_status(s.receive(request_body(b"{" + b" " * 2000 + b"}"))) == 413
 
 
 def test_a_body_that_is_not_json_is_refused_400(clock):
-    s = processor(clock).stream()
+    s = Stream(processor(clock))
     s.receive(request_headers())
     assert immediate_status(s.receive(request_body(b"{nope"))) == 400
     assert s.phase is Phase.ANSWERED
 
 
 def test_an_unknown_model_is_refused_404(clock):
-    s = processor(clock).stream()
+    s = Stream(processor(clock))
     s.receive(request_headers())
     assert immediate_status(s.receive(request_body({"model": "gpt-99"}))) == 404
 
@@ -201,7 +201,7 @@ def test_a_canned_fallback_answers_in_the_endpoints_shape_without_a_slot(clock):
     p = processor(clock, **one_class(max_concurrency=1, max_queue=0, on_overflow="fallback",
                                      fallback={"action": "canned", "status": 200, "message": "busy"}))
     admitted(p)
-    s = p.stream()
+    s = Stream(p)
     s.receive(request_headers())
     answer = s.receive(request_body())
     assert immediate_status(answer) == 200 and s.phase is Phase.ANSWERED and s.held is None
@@ -213,7 +213,7 @@ def test_a_canned_fallback_answers_in_the_endpoints_shape_without_a_slot(clock):
 def queued(p: Processor):
     """(the stream holding the class's one slot, a stream queued behind it, its final admission)"""
     first, _ = admitted(p)
-    s = p.stream()
+    s = Stream(p)
     s.receive(request_headers())
     return first, s, s.receive(request_body())
 
@@ -252,7 +252,7 @@ def test_a_queue_timeout_is_answered_429(clock):
 # --- the response ---
 
 def test_response_phases_before_the_admission_are_continued(clock):
-    s = processor(clock).stream()
+    s = Stream(processor(clock))
     s.receive(request_headers())
     assert s.receive(response_headers()) is CONTINUE["response_headers"]
     assert s.receive(response_body(b"{}")) is CONTINUE["response_body"]
@@ -409,7 +409,7 @@ def test_a_slot_granted_in_the_instant_the_client_left_is_given_back(clock):
 # --- our own failures ---
 
 def test_a_failure_before_the_decision_is_refused_500(clock):
-    s = processor(clock).stream()
+    s = Stream(processor(clock))
     s.receive(request_headers())
     assert s.fail() is protocol.INTERNAL_ERROR and s.phase is Phase.ANSWERED
 
@@ -422,7 +422,7 @@ def test_a_failure_after_the_decision_is_not_the_streams_to_answer(clock):
 
 def test_a_slot_taken_by_an_answer_that_failed_to_build_is_given_back(clock, monkeypatch):
     p = processor(clock)
-    s = p.stream()
+    s = Stream(p)
     s.receive(request_headers())
     monkeypatch.setattr(protocol, "forward", lambda *a: 1 / 0)
     with pytest.raises(ZeroDivisionError):
