@@ -165,6 +165,10 @@ async def test_admission_cap_forces_429(make_stack, target):
         results = await asyncio.gather(*[one() for _ in range(6)])
         try:
             assert sorted(st for st, _, _ in results) == [200] * 2 + [429] * 4
+            async def both_running():  # a stream's role chunk is sent before the replica schedules it
+                return metric(await target_metrics(http, target), "vllm:num_requests_running") == 2
+
+            await wait_for(both_running, timeout=2.0)
             running = metric(await target_metrics(http, target), "vllm:num_requests_running")
             assert running == 2, f"vLLM runs {running} requests, the cap is 2"
             snap = (await healthz(http, s.metrics_url))["classes"]["interactive"]
