@@ -77,8 +77,8 @@ class Server:
         self.shared: SharedSlots | None = None
         if store.shared:
             self.shared = SharedSlots(self.core, store, StoreTelemetry(self.telemetry.registry))
-        self.servicer = ExtProcServicer(self.core, max_body_bytes=args.max_body_bytes, shared=self.shared)
-        self.servicer.on_error = self.telemetry.stream_errors.inc
+        self.servicer = ExtProcServicer(self.core, max_body_bytes=args.max_body_bytes, shared=self.shared,
+                                        on_error=self.telemetry.stream_errors.inc)
         self.access_log = AccessLogReceiver(self.core, self.telemetry)
         self.scrapers = SaturationScrapers(self.core)
         self._mtime = _mtime(policy_path)
@@ -216,7 +216,7 @@ class Server:
 
     async def _healthz(self, request: web.Request) -> web.Response:
         snap = self.core.snapshot()
-        body = {"status": self.status, "classes": snap, "stream_errors": self.servicer.errors}
+        body = {"status": self.status, "classes": snap, "stream_errors": _count(self.telemetry.stream_errors)}
         return web.json_response(body, status=200 if self.status == SERVING else 503)
 
 
@@ -242,6 +242,11 @@ class _Signals:
             return True
         except TimeoutError:
             return False
+
+
+def _count(counter) -> int:
+    """A label-less prometheus Counter's value (the one its servicer was handed to increment)."""
+    return int(next(s.value for s in counter.collect()[0].samples if s.name.endswith("_total")))
 
 
 def _mtime(path: str) -> float:

@@ -1,9 +1,13 @@
-"""Protocol fuzzing: random but well-typed ProcessingRequest sequences straight into the gRPC servicer.
+"""Protocol fuzzing: random but well-typed ProcessingRequest sequences into the ext_proc streams.
 
 Several streams run concurrently against one admission core with tiny caps (so queueing, shedding, degrading and
 overflow are all reached), each made of messages in any order — repeated headers, bodies without headers, response
 phases before request phases, random bodies (valid and invalid JSON, huge numbers) — and each ending anywhere:
 EOF, `read()` raising CancelledError, or a stream that hangs until its task is cancelled (Envoy resetting it).
+
+Two drivers: the sans-async Stream fed in turns without asyncio (fast: the protocol itself, queue waits ended by
+the clock and the core's reaper, clients leaving while queued), and the gRPC servicer with fake contexts (the async
+driver: shielded reads, cancellation, the message-timeout override).
 
 Properties:
 - Process never raises (except CancelledError when cancelled) and never counts a stream error;
@@ -32,7 +36,9 @@ from hypothesis import strategies as st
 
 from extproc.policy.admission import REPORT_WAIT_S, AdmissionController, NoEvents
 from extproc.policy.schema import load_policy
+from extproc.server.final_admission import FinalAdmission
 from extproc.server.servicer import ExtProcServicer
+from extproc.server.stream import Processor, Stream
 
 PHASES = ("request_headers", "request_body", "request_trailers", "response_headers", "response_body",
           "response_trailers")
@@ -47,6 +53,8 @@ POLICY = {
                      "fallback": {"action": "canned"}, "on_overflow": "fallback"},
     },
     "default_class": "interactive",
+    # Anonymous requests may claim any class (the default caps them to the lowest, which never queues).
+    "anonymous": {"max_class": "interactive"},
     "tenants": [{"name": "acme", "api_keys": ["sk-acme"], "max_class": "batch", "default_class": "batch",
                  "requests_per_minute": 100000, "tokens_per_minute": 10**9}],
     "sessions": {"max_inflight_gpu_seconds": 100},
@@ -213,10 +221,11 @@ scenarios = st.lists(a_stream, min_size=2, max_size=8)
 
 # --- the property ---
 
-def check_answers(ctx: FakeContext, sent: list[pb.ProcessingRequest]) -> None:
+def check_answers(ctx: FakeContext, sent: list[pb.ProcessingRequest], left_waiting: bool = False) -> None:
+    """`left_waiting`: the client left while its request waited for admission, so its last message has none."""
     answers = [w for w in ctx.writes if w.WhichOneof("response") is not None]
     assert all(w.HasField("override_message_timeout") for w in ctx.writes if w.WhichOneof("response") is None)
-    assert len(answers) == ctx.read_count, (len(answers), ctx.read_count)
+    assert len(answers) == ctx.read_count - left_waiting, (len(answers), ctx.read_count, left_waiting)
     for req, resp in zip(sent, answers):
         got = resp.WhichOneof("response")
         assert got in (req.WhichOneof("request"), "immediate_response"), (req, resp)
@@ -226,7 +235,8 @@ async def run_scenario(streams: list[tuple[list, str]]) -> None:
     clock = ShiftedClock()
     events = CountingEvents()
     core = AdmissionController(load_policy(POLICY), clock=clock, events=events)
-    servicer = ExtProcServicer(core, max_body_bytes=600, queue_grace_s=0.0)
+    errors = []
+    servicer = ExtProcServicer(core, max_body_bytes=600, queue_grace_s=0.0, on_error=lambda: errors.append(1))
     contexts = [FakeContext(msgs, end) for msgs, end in streams]
     tasks = [asyncio.create_task(servicer.Process(None, ctx)) for ctx in contexts]
     # Hanging streams stay open until every other stream is done, then Envoy resets them (task cancel).
@@ -247,8 +257,12 @@ async def run_scenario(streams: list[tuple[list, str]]) -> None:
         else:
             assert res is None, f"Process raised {res!r}"
         check_answers(ctx, msgs)
-    assert servicer.errors == 0
-    assert not servicer.live, "a lease is still being renewed for an ended stream"
+    assert errors == []
+    check_released(core, servicer.live, events, clock)
+
+
+def check_released(core: AdmissionController, live: set, events: CountingEvents, clock: ShiftedClock) -> None:
+    assert not live, "a lease is still being renewed for an ended stream"
     assert not core.tickets, f"open tickets after every stream ended: {core.tickets}"
     for cls, s in core.snapshot().items():
         assert s["inflight"] == 0 and s["queue"] == 0 and s["degraded_inflight"] == 0, (cls, s)
@@ -257,6 +271,61 @@ async def run_scenario(streams: list[tuple[list, str]]) -> None:
     clock.offset += REPORT_WAIT_S + 1
     core.reap()
     assert sorted(events.accounted) == sorted(events.admitted), "a ticket was lost or accounted twice"
+
+
+class FedStream:
+    """One scripted stream fed to a sans-async Stream: what was read and written, as FakeContext records it."""
+
+    def __init__(self, processor: Processor, messages: list[pb.ProcessingRequest], end: str):
+        self.stream = Stream(processor)
+        self.messages = list(messages)
+        self.end = end
+        self.read_count = 0
+        self.writes: list[pb.ProcessingResponse] = []
+        self.waiting: FinalAdmission | None = None
+
+    def step(self) -> bool:
+        """Feed the next message, or hand over a queue's verdict; False when it cannot move now."""
+        if self.waiting is not None:
+            d = self.waiting.waiter.result  # no shared store here: the queue's verdict is the final admission
+            if d is None:
+                return False
+            self.waiting = None
+            self.writes.append(self.stream.admitted(d))
+            return True
+        if not self.messages:
+            return False
+        self.read_count += 1
+        answer = self.stream.receive(self.messages.pop(0))
+        if isinstance(answer, FinalAdmission):
+            self.waiting = answer
+        else:
+            self.writes.append(answer)
+        return True
+
+
+def run_scenario_sans_async(streams: list[tuple[list, str]]) -> None:
+    """Streams fed in turns. When none can move: clients of "hang" streams leave (the queued ones too), the rest
+    run to their end; then the clock passes the queue deadlines and the reaper times the waiters out."""
+    clock = ShiftedClock()
+    events = CountingEvents()
+    core = AdmissionController(load_policy(POLICY), clock=clock, events=events)
+    processor = Processor(core, max_body_bytes=600)
+    fed = [FedStream(processor, msgs, end) for msgs, end in streams]
+    open_ = list(fed)
+    while open_:
+        if any([f.step() for f in open_]):
+            continue
+        done = [f for f in open_ if f.waiting is None or f.end == "hang"]
+        for f in done:
+            f.stream.end(normal_end=f.end == "eof")
+            open_.remove(f)
+        if not done:
+            clock.offset += 1.0
+            core.reap()
+    for (msgs, _), f in zip(streams, fed):
+        check_answers(f, msgs, left_waiting=f.waiting is not None)
+    check_released(core, processor.live, events, clock)
 
 
 EXAMPLES = int(os.environ.get("EXTPROC_FUZZ_EXAMPLES", "500"))
@@ -269,6 +338,13 @@ def _fuzz(examples: int):
     def prop(streams):
         asyncio.run(run_scenario(streams))
     return prop
+
+
+@settings(max_examples=min(EXAMPLES, 500), deadline=None, derandomize=EXAMPLES <= 500,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(scenarios)
+def test_streams_survive_random_messages_without_asyncio(streams):
+    run_scenario_sans_async(streams)
 
 
 test_servicer_survives_random_streams = _fuzz(min(EXAMPLES, 500))

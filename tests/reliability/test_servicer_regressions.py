@@ -47,7 +47,8 @@ def test_huge_max_tokens_is_a_400_not_a_failed_stream(max_tokens):
     """A max_tokens beyond float range made the cost estimate raise OverflowError: the stream failed and, with
     failure_mode_allow, Envoy let the request through unadmitted."""
     core = one_slot_core()
-    servicer = ExtProcServicer(core)
+    errors = []
+    servicer = ExtProcServicer(core, on_error=lambda: errors.append(1))
     ctx = Ctx(generation(json.dumps({"model": "llama", "max_tokens": max_tokens, "messages": []}).encode()))
     asyncio.run(servicer.Process(None, ctx))
     answer = ctx.writes[-1].immediate_response
@@ -55,7 +56,7 @@ def test_huge_max_tokens_is_a_400_not_a_failed_stream(max_tokens):
     error = json.loads(answer.body)["error"]
     # Past 64 bits the JSON parser reads the number as a double; past ~1e308 it refuses it as a number.
     assert error["param"] == "max_tokens" or error["code"] == "invalid_json", error
-    assert servicer.errors == 0 and core.snapshot()["interactive"]["inflight"] == 0
+    assert errors == [] and core.snapshot()["interactive"]["inflight"] == 0
 
 
 def test_a_failed_request_phase_is_refused_with_500_and_counted_in_extproc_stream_errors_total(tmp_path,
@@ -78,6 +79,8 @@ def test_a_failed_request_phase_is_refused_with_500_and_counted_in_extproc_strea
     assert answer.status.code == 500
     assert json.loads(answer.body)["error"]["code"] == "admission_error"
     assert server.telemetry.registry.get_sample_value("extproc_stream_errors_total") == 1
+    healthz = asyncio.run(server._healthz(None))
+    assert json.loads(healthz.body)["stream_errors"] == 1  # /healthz reads the same counter
     assert server.core.snapshot()["interactive"]["inflight"] == 0
 
 
@@ -93,11 +96,10 @@ def test_a_write_to_a_stream_envoy_already_reset_is_a_client_abort_not_a_stream_
             await super().write(resp)
 
     core = one_slot_core()
-    servicer = ExtProcServicer(core)
     errors = []
-    servicer.on_error = lambda: errors.append(1)
+    servicer = ExtProcServicer(core, on_error=lambda: errors.append(1))
     asyncio.run(servicer.Process(None, ResetCtx(generation(b'{"model": "llama"}'))))
-    assert servicer.errors == 0 and errors == []
+    assert errors == []
     assert not core.tickets and core.snapshot()["interactive"]["inflight"] == 0
 
 
@@ -120,7 +122,8 @@ class HeldCtx(Ctx):
 async def _reset_while_waiting(eof_first: bool):
     """Admit one request, then cancel the handler the way grpc.aio does when Envoy resets the stream."""
     core = one_slot_core()
-    servicer = ExtProcServicer(core)
+    errors = []
+    servicer = ExtProcServicer(core, on_error=lambda: errors.append(1))
     ctx = HeldCtx(generation(b'{"model": "llama"}'))
     handler = asyncio.create_task(servicer.Process(None, ctx))
     while not ctx.reads:
@@ -137,7 +140,7 @@ async def _reset_while_waiting(eof_first: bool):
         ctx.more.set_result(EOF)
         await asyncio.sleep(0)
     assert read.done() and not read.cancelled() and read.result() is EOF
-    assert core.snapshot()["interactive"]["inflight"] == 0 and servicer.errors == 0
+    assert core.snapshot()["interactive"]["inflight"] == 0 and errors == []
     return ticket
 
 

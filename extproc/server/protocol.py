@@ -1,0 +1,172 @@
+"""ext_proc protobuf in and out: ProcessingRequest fields as plain values, answers as ProcessingResponse."""
+
+from __future__ import annotations
+
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import duration_pb2
+
+from ..policy.admission import Decision
+from ..policy.reasons import R_ADMISSION_ERROR, say
+from .accesslog import TICKET_HEADER
+from .openai import BadRequest, RequestBody, canned_body, error_body
+
+CLUSTER_HEADER = "x-extproc-cluster"
+_Mode = processing_mode_pb2.ProcessingMode
+
+# Constant answers, built once (grpc serialises them on send; they are never mutated).
+CONTINUE = {
+    "request_headers": pb.ProcessingResponse(request_headers=pb.HeadersResponse()),
+    "request_body": pb.ProcessingResponse(request_body=pb.BodyResponse()),
+    "request_trailers": pb.ProcessingResponse(request_trailers=pb.TrailersResponse()),
+    "response_headers": pb.ProcessingResponse(response_headers=pb.HeadersResponse()),
+    "response_body": pb.ProcessingResponse(response_body=pb.BodyResponse()),
+    "response_trailers": pb.ProcessingResponse(response_trailers=pb.TrailersResponse()),
+}
+# A request whose usage is learned: also send the response headers (the body mode is picked there).
+# mode_override replaces the whole mode, so every phase is spelled out (an unset one means NONE/SKIP).
+LEARN_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse(), mode_override=_Mode(
+    request_header_mode=_Mode.SEND, request_body_mode=_Mode.BUFFERED, request_trailer_mode=_Mode.SKIP,
+    response_header_mode=_Mode.SEND, response_body_mode=_Mode.NONE, response_trailer_mode=_Mode.SEND))
+LEARN_BODY = {sse: pb.ProcessingResponse(response_headers=pb.HeadersResponse(), mode_override=_Mode(
+    request_header_mode=_Mode.SEND, request_body_mode=_Mode.BUFFERED, request_trailer_mode=_Mode.SKIP,
+    response_header_mode=_Mode.SEND, response_body_mode=_Mode.STREAMED if sse else _Mode.BUFFERED,
+    response_trailer_mode=_Mode.SEND)) for sse in (False, True)}
+
+
+# --- in: the fields we read, as plain values ---
+
+class RequestHead:
+    """What the request headers message says, decoded (Envoy sends header values only in `raw_value`)."""
+
+    __slots__ = ("path", "method", "authorization", "api_key", "claim", "request_id", "session", "end_of_stream")
+
+    def __init__(self) -> None:
+        self.path: str | None = None      # without the query string
+        self.method: str | None = None
+        self.authorization: list[str] = []
+        self.api_key: list[str] = []
+        self.claim: str | None = None     # the class header, stripped and lower-cased; None when absent or empty
+        self.request_id = ""
+        self.session: str | None = None
+        self.end_of_stream = False        # no body follows
+
+
+def read_request_headers(msg: pb.HttpHeaders, class_header: str, session_header: str) -> RequestHead:
+    head = RequestHead()
+    for h in msg.headers.headers:
+        k = h.key
+        if k == ":path":
+            head.path = h.raw_value.decode("latin-1").split("?", 1)[0]
+        elif k == ":method":
+            head.method = h.raw_value.decode("latin-1")
+        elif k == "authorization":
+            head.authorization.append(h.raw_value.decode("latin-1"))
+        elif k == "api-key":
+            head.api_key.append(h.raw_value.decode("latin-1"))
+        elif k == class_header:
+            head.claim = h.raw_value.decode("latin-1").strip().lower() or None
+        elif k == "x-request-id":
+            head.request_id = h.raw_value.decode("latin-1")
+        elif k == session_header:
+            head.session = h.raw_value.decode("latin-1")[:256] or None
+    head.end_of_stream = msg.end_of_stream
+    return head
+
+
+def read_response_headers(msg: pb.HttpHeaders) -> tuple[int, bytes]:
+    """(status, content-type) of an upstream response."""
+    status, content_type = 0, b""
+    for h in msg.headers.headers:
+        if h.key == ":status":
+            status = int(h.raw_value or b"0")
+        elif h.key == "content-type":
+            content_type = h.raw_value
+    return status, content_type
+
+
+# --- out: answers ---
+
+def header(key: str, value: str) -> base_pb2.HeaderValueOption:
+    # Envoy reads raw_value; `value` alone arrives as an empty header.
+    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+                                      append_action=_OVERWRITE)
+
+
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+
+def immediate(status: int, body: bytes, headers: list[tuple[str, str]], details: str,
+              content_type: str = "application/json") -> pb.ProcessingResponse:
+    hs = [header("content-type", content_type)] + [header(k, v) for k, v in headers]
+    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=status), headers=pb.HeaderMutation(set_headers=hs), body=body,
+        details=details))
+
+
+def refusal(d: Decision) -> pb.ProcessingResponse:
+    """A terminal refusal as Envoy's immediate response with an OpenAI-style body."""
+    headers = [("x-extproc-class", d.cls), ("x-extproc-decision", d.kind), ("x-extproc-reason", d.reason),
+               *d.headers]
+    if d.retry_after:
+        headers.append(("retry-after", str(d.retry_after)))
+    return immediate(d.status, error_body(d.status, d.message, d.reason), headers, f"extproc_{d.reason}")
+
+
+def bad_request(e: BadRequest, d: Decision) -> pb.ProcessingResponse:
+    """A request refused before admission (`d` is the core's count of it)."""
+    return immediate(e.status, error_body(e.status, e.message, e.code, e.param),
+                     [("x-extproc-class", d.cls), ("x-extproc-decision", d.kind), ("x-extproc-reason", e.code)],
+                     f"extproc_{e.code}")
+
+
+def canned(d: Decision, body: RequestBody) -> pb.ProcessingResponse:
+    """A `canned` fallback: the policy's own answer in the endpoint's shape, or its error status."""
+    headers = [("x-extproc-class", d.cls), ("x-extproc-decision", d.kind),
+               ("x-extproc-degraded", f"canned; reason={d.reason}")]
+    if d.retry_after:
+        headers.append(("retry-after", str(d.retry_after)))
+    if d.status >= 300:
+        return immediate(d.status, error_body(d.status, d.message, d.reason), headers, f"extproc_{d.reason}")
+    raw, content_type = canned_body(body, d.message)
+    return immediate(d.status, raw, headers, f"extproc_{d.reason}", content_type)
+
+
+def forward(d: Decision, queue_wait_ms: int | None, note: tuple[str, str] | None,
+            body: bytes | None) -> pb.ProcessingResponse:
+    """An admission: route to `d.cluster`, tag the request, and send `body` instead of the client's if given."""
+    # The pool to route to; the rest is echoed to the client by the route's response_headers_to_add and ties
+    # Envoy's access log entry back to this ticket.
+    headers = [header(CLUSTER_HEADER, d.cluster), header("x-extproc-class", d.cls),
+               header("x-extproc-decision", d.kind), header(TICKET_HEADER, str(d.ticket.id))]
+    if queue_wait_ms is not None:
+        headers.append(header("x-extproc-queue-wait-ms", str(queue_wait_ms)))
+    for k, v in d.headers:
+        headers.append(header(k, v))
+    if note is not None:  # x-extproc-degraded or x-extproc-shadow
+        headers.append(header(*note))
+    common = pb.CommonResponse(clear_route_cache=True)
+    if body is not None:
+        common.body_mutation.body = body
+        headers.append(header("content-length", str(len(body))))  # or Envoy answers 500
+    common.header_mutation.set_headers.extend(headers)
+    return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
+
+
+def replace_response_body(body: bytes) -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(response_body=pb.BodyResponse(
+        response=pb.CommonResponse(body_mutation=pb.BodyMutation(body=body))))
+
+
+def wait_override(seconds: float) -> pb.ProcessingResponse:
+    """Extend Envoy's message timeout: not an answer, the stream's request still waits for one."""
+    whole = int(seconds)
+    return pb.ProcessingResponse(override_message_timeout=duration_pb2.Duration(
+        seconds=whole, nanos=int((seconds - whole) * 1e9)))
+
+
+# A request-phase failure of ours: refused, never failed open (see ExtProcServicer.Process).
+INTERNAL_ERROR = immediate(500, error_body(500, say(R_ADMISSION_ERROR), R_ADMISSION_ERROR),
+                           [("x-extproc-decision", "invalid")], f"extproc_{R_ADMISSION_ERROR}")

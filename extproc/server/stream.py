@@ -1,0 +1,327 @@
+"""One ext_proc stream as a state machine with no I/O: fed messages, it returns answers (or a wait to await)."""
+
+from __future__ import annotations
+
+import enum
+from typing import Callable
+
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from ..policy.admission import AdmissionController, Canned, Decision, Degrade, Queued, Refusal, RequestFacts
+from ..policy.classify import ConflictingKeys, presented_key
+from ..policy.limits import Outcome, Ticket
+from ..policy.reasons import (R_BODY_TOO_LARGE, R_CONFLICTING_KEYS, R_METHOD_NOT_ALLOWED, R_UNKNOWN_URL,
+                              R_UNSUPPORTED_ENDPOINT, say)
+from ..policy.schema import Policy
+from ..store.shared import SharedSlots
+from . import protocol
+from .final_admission import FinalAdmission
+from .openai import ENDPOINTS, BadRequest, Endpoint, RequestBody, degrade_body, dump_json, parse_body
+from .protocol import CONTINUE
+from .usage import FIRST_TOKEN, UsageReader, split_usage_event, usage_of
+
+Answer = pb.ProcessingResponse
+
+
+class Phase(enum.Enum):
+    """Where a stream is. `decided`: its request has had its answer (admitted or refused)."""
+
+    HEADERS = ("awaiting the request headers", False)
+    BODY = ("awaiting the request body", False)
+    ADMITTING = ("waiting for the final admission", False)
+    FORWARDING = ("admitted, forwarding", True)
+    READING_USAGE = ("admitted, reading the response for its usage", True)
+    ANSWERED = ("answered without admission (refused or canned)", True)
+    ENDED = ("ended", True)
+
+    def __init__(self, text: str, decided: bool):
+        self.text = text
+        self.decided = decided
+
+    __hash__ = object.__hash__  # members are singletons: identity, without Enum's Python-level name hash
+
+
+class ParsedRequest:
+    """The request as read off the stream: the facts the core decides on, the endpoint, the body to forward."""
+
+    __slots__ = ("facts", "endpoint", "body", "arrived")
+
+    def __init__(self, facts: RequestFacts, arrived: float):
+        self.facts = facts
+        self.endpoint: Endpoint | None = None  # set once the path is known to be served
+        self.body: RequestBody | None = None   # set once the body has parsed
+        self.arrived = arrived                 # when the request headers reached the ext_proc
+
+    def read_body(self, body: RequestBody, reads_usage: bool) -> None:
+        self.body = body
+        facts = self.facts
+        facts.model, facts.max_tokens, facts.stream = body.model, body.max_tokens, body.stream
+        facts.body_class = body.claimed_class
+        facts.doc = body.doc
+        facts.sequences, facts.generates = body.sequences, body.generates
+        facts.degradable, facts.cannable = body.generates, body.endpoint.canned
+        facts.reads_usage = reads_usage
+
+
+class Processor:
+    """What every stream of one server shares: the core, the shared store, the open tickets, the usage sample."""
+
+    def __init__(self, core: AdmissionController, shared: SharedSlots | None = None,
+                 max_body_bytes: int = 4 << 20):
+        self.core = core
+        self.shared = shared                 # global slots from a shared store (policy `store: {kind: redis}`)
+        self.max_body_bytes = max_body_bytes
+        self.live: set[Ticket] = set()       # tickets whose stream is still open (their leases get renewed)
+        self._learn_credit = 0.0
+
+    def usage_reader(self, api_key: str | None) -> UsageReader | None:
+        """Read this response's usage? A deterministic share of requests for cost learning, and those whose
+        tenant has a tokens-per-minute limit (for the refund)."""
+        self._learn_credit += self.core.policy.learn_sample
+        if self._learn_credit >= 1.0:
+            self._learn_credit -= 1.0
+            return UsageReader(learn=True)
+        if self.core.reads_usage(api_key):
+            return UsageReader(learn=False)
+        return None
+
+    def close(self, ticket: Ticket, outcome: Outcome) -> None:
+        """The one release of a ticket a stream held: the core's slot, then the shared store's."""
+        self.live.discard(ticket)
+        if self.core.finish(ticket, outcome) and self.shared is not None:
+            self.shared.release(ticket)
+
+    def renew_live(self) -> None:
+        """Renew the lease of every ticket whose stream is still open (called periodically)."""
+        for t in self.live:
+            self.core.renew(t)
+
+
+def endpoint_for(path: str | None, method: str | None, policy: Policy) -> Endpoint:
+    """Every request the ext_proc sees is admitted or refused, never passed through: a route that sends it an
+    unknown path gets the same 404 as envoy.yaml's default route. Raises BadRequest."""
+    endpoint = ENDPOINTS.get(path)
+    if endpoint is None:
+        raise BadRequest(say(R_UNKNOWN_URL, method=method, path=(path or "")[:200]), code=R_UNKNOWN_URL, status=404)
+    if method != "POST":
+        raise BadRequest(say(R_METHOD_NOT_ALLOWED, path=path, method=method), code=R_METHOD_NOT_ALLOWED, status=405)
+    if not policy.endpoints.serves(endpoint.group):
+        raise BadRequest(say(R_UNSUPPORTED_ENDPOINT, path=path, group=endpoint.group), code=R_UNSUPPORTED_ENDPOINT,
+                         status=404)
+    return endpoint
+
+
+def api_key_of(head: protocol.RequestHead) -> str | None:
+    """The API key the request presents, if any; two different ones are refused (401)."""
+    try:
+        return presented_key(head.authorization, head.api_key)
+    except ConflictingKeys:
+        raise BadRequest(say(R_CONFLICTING_KEYS), code=R_CONFLICTING_KEYS, status=401) from None
+
+
+class Stream:
+    """Per-request state of one ext_proc stream; see TRANSITIONS for what each message does in each phase.
+
+    receive() answers every message with exactly one answer of its own phase or an immediate response, except
+    the request body it must admit when the core queues it or the shared store gates it: then it returns the
+    FinalAdmission, whose decision goes back in through admitted(). end() gives back what the request holds,
+    once, however the stream ended.
+    """
+
+    __slots__ = ("processor", "phase", "request", "held", "usage", "status", "_handlers")
+
+    def __init__(self, processor: Processor):
+        self.processor = processor
+        self.request: ParsedRequest | None = None
+        # What the request holds: ADMITTING the FinalAdmission, FORWARDING/READING_USAGE its Ticket, else
+        # nothing (or a ticket whose answer failed to build: the stream failed before it was decided).
+        self.held: Ticket | FinalAdmission | None = None
+        self.usage: UsageReader | None = None  # set when this response's usage is read
+        self.status = 0                         # the upstream response status, once seen
+        self._enter(Phase.HEADERS)
+
+    def _enter(self, phase: Phase) -> None:
+        self.phase = phase
+        self._handlers = TRANSITIONS[phase]
+
+    # --- driving it ---
+
+    def receive(self, req: pb.ProcessingRequest) -> Answer | FinalAdmission:
+        name = req.WhichOneof("request")
+        handler = self._handlers.get(name)
+        if handler is None:
+            return CONTINUE[name]  # nothing to decide in this phase
+        return handler(self, getattr(req, name))
+
+    def admitted(self, d: Decision) -> Answer:
+        """The answer for the final admission's decision."""
+        if self.phase is not Phase.ADMITTING:
+            raise RuntimeError(f"a final admission while the stream is {self.phase.text}")
+        waited = self.held.queued or d.waited_s > 0
+        self.held = None
+        return self._answer(d, int(d.waited_s * 1000) if waited else None)
+
+    def fail(self) -> Answer:
+        """Our own failure before the request was decided: refuse it (500). A failed stream would be passed on
+        unadmitted by Envoy's failure_mode_allow, so the caller fails the stream only once decided."""
+        if self.phase.decided:
+            raise RuntimeError(f"a failure to answer while the stream is {self.phase.text}")
+        self._enter(Phase.ANSWERED)  # what it holds (if anything) is given back at the end
+        return protocol.INTERNAL_ERROR
+
+    def end(self, normal_end: bool) -> None:
+        """The stream is over (Envoy's end of stream, a reset, a failed write): give back what it holds."""
+        held, self.held = self.held, None
+        self._enter(Phase.ENDED)
+        if isinstance(held, FinalAdmission):  # the client left while the request waited
+            ticket, outcome = held.give_back(), Outcome.CLIENT_ABORT
+        elif self.status >= 500:
+            ticket, outcome = held, Outcome.UPSTREAM_ERROR
+        elif normal_end:
+            ticket, outcome = held, Outcome.OK if self.status else Outcome.ENDED
+        else:
+            ticket, outcome = held, Outcome.CLIENT_ABORT  # the gRPC stream was cancelled
+        if ticket is not None:
+            self.processor.close(ticket, outcome)
+
+    # --- the request ---
+
+    def _out_of_turn(self, msg: object) -> Answer:
+        raise RuntimeError(f"a {type(msg).__name__} message while the stream is {self.phase.text}")
+
+    def _on_request_headers(self, msg: pb.HttpHeaders) -> Answer:
+        core = self.processor.core
+        policy = core.policy
+        head = protocol.read_request_headers(msg, policy.classify.header, policy.sessions.header)
+        facts = RequestFacts(header_class=head.claim, request_id=head.request_id, session_id=head.session)
+        self.request = ParsedRequest(facts, core.clock())
+        try:
+            self.request.endpoint = endpoint_for(head.path, head.method, policy)
+            facts.api_key = api_key_of(head)
+        except BadRequest as e:
+            return self._refuse(e)
+        d = core.authenticate(facts)
+        if d is not None:
+            self._enter(Phase.ANSWERED)
+            return protocol.refusal(d)
+        if head.end_of_stream:  # a POST without a body
+            return self._refuse(BadRequest("The request body is empty; expected a JSON object."))
+        self.usage = self.processor.usage_reader(facts.api_key)
+        self._enter(Phase.BODY)
+        # A response whose usage is read needs its headers phase, where the body mode is picked.
+        return CONTINUE["request_headers"] if self.usage is None else protocol.LEARN_HEADERS
+
+    def _on_request_body(self, msg: pb.HttpBody) -> Answer | FinalAdmission:
+        p = self.processor
+        if len(msg.body) > p.max_body_bytes:
+            return self._refuse(BadRequest(say(R_BODY_TOO_LARGE, limit=p.max_body_bytes), code=R_BODY_TOO_LARGE,
+                                           status=413))
+        core, request = p.core, self.request
+        policy = core.policy
+        try:
+            body = parse_body(msg.body, request.endpoint, policy.classify.body_field, core.limiters)
+            if not policy.endpoints.serves(body.endpoint.group):  # /invocations with, say, an embeddings body
+                raise BadRequest(say(R_UNSUPPORTED_ENDPOINT, path="/invocations with this body",
+                                     group=body.endpoint.group), code=R_UNSUPPORTED_ENDPOINT, status=404)
+        except BadRequest as e:
+            return self._refuse(e)
+        request.read_body(body, self.usage is not None and self.usage.reads_usage(body))
+        d = core.decide(request.facts)
+        if type(d) is Queued or core.gated(d):  # queued, or waiting for a global slot
+            self.held = FinalAdmission(core, p.shared, d)
+            self._enter(Phase.ADMITTING)
+            return self.held
+        return self._answer(d, None)
+
+    def _answer(self, d: Decision, queue_wait_ms: int | None) -> Answer:
+        body = self.request.body
+        if type(d) is Refusal:
+            self._enter(Phase.ANSWERED)
+            return protocol.refusal(d)
+        if type(d) is Canned:
+            self._enter(Phase.ANSWERED)
+            return protocol.canned(d, body)
+        self.held = d.ticket
+        self.processor.live.add(d.ticket)
+        if self.usage is not None:
+            self.usage.ask_for_usage(body)
+        cls = self.processor.core.policy.classes.get(d.cls)
+        if cls is not None and cls.vllm_priority is not None:
+            body.doc["priority"] = cls.vllm_priority
+            body.rewrite = True
+        note = None
+        if type(d) is Degrade:
+            fb = d.fallback
+            changed = degrade_body(body, fb.model, fb.max_tokens, fb.stream)
+            note = ("x-extproc-degraded", f"{','.join(changed) or 'none'}; reason={d.reason}")
+        elif d.shadow_would is not None:
+            note = ("x-extproc-shadow", f"would-{d.shadow_would.kind}; reason={d.shadow_would.reason}")
+        answer = protocol.forward(d, queue_wait_ms, note, dump_json(body.doc) if body.rewrite else None)
+        self._enter(Phase.FORWARDING)
+        return answer
+
+    def _refuse(self, e: BadRequest) -> Answer:
+        d = self.processor.core.invalid(e.status, e.code, e.message, self.request.facts)
+        self._enter(Phase.ANSWERED)
+        return protocol.bad_request(e, d)
+
+    # --- the response (only requests whose usage is read send these phases) ---
+
+    def _on_response_headers(self, msg: pb.HttpHeaders) -> Answer:
+        self.status, content_type = protocol.read_response_headers(msg)
+        r = self.usage
+        if self.phase is not Phase.FORWARDING or r is None or self.status != 200:
+            return CONTINUE["response_headers"]
+        r.sse = content_type.startswith(b"text/event-stream")
+        if r.sse and not r.learn:
+            return CONTINUE["response_headers"]  # a stream's usage costs a message per chunk: sampled ones only
+        self._enter(Phase.READING_USAGE)
+        return protocol.LEARN_BODY[r.sse]
+
+    def _on_response_body(self, msg: pb.HttpBody) -> Answer:
+        r = self.usage
+        if not r.sse:
+            r.buffered += msg.body
+            if msg.end_of_stream:
+                self._learn_usage(usage_of(r.buffered))
+            return CONTINUE["response_body"]
+        chunk = msg.body
+        if not r.first_token_seen and FIRST_TOKEN.search(chunk):
+            # Time to first token, measured where the protocol lets us see it: the first body chunk carrying
+            # generated text, on the sampled streams whose body the ext_proc reads anyway.
+            r.first_token_seen = True
+            core = self.processor.core
+            core.first_token(self.held, core.clock() - self.request.arrived)
+        if b'"usage"' not in chunk or b'"choices":[]' not in chunk:
+            return CONTINUE["response_body"]
+        kept, usage = split_usage_event(chunk)
+        self._learn_usage(usage)
+        return protocol.replace_response_body(kept) if r.strip else CONTINUE["response_body"]
+
+    def _learn_usage(self, usage: dict | None) -> None:
+        if usage:
+            try:
+                self.processor.core.usage(self.held, int(usage["prompt_tokens"]), int(usage["completion_tokens"]))
+            except (KeyError, TypeError, ValueError):
+                pass  # not a usage object we understand; learn nothing
+
+
+Handler = Callable[[Stream, object], "Answer | FinalAdmission"]
+
+# The driver awaits the final admission before it reads on, and reads nothing once the stream ended: a message
+# then is the driver's bug, raised.
+_NO_MESSAGES = dict.fromkeys(("request_headers", "request_body", "request_trailers", "response_headers",
+                              "response_body", "response_trailers"), Stream._out_of_turn)
+
+# What each message does in each phase; a message not listed is answered CONTINUE (of its own phase) and
+# changes nothing.
+TRANSITIONS: dict[Phase, dict[str, Handler]] = {
+    Phase.HEADERS: {"request_headers": Stream._on_request_headers},    # -> BODY, or ANSWERED (refused)
+    Phase.BODY: {"request_body": Stream._on_request_body},             # -> FORWARDING, ANSWERED or ADMITTING
+    Phase.ADMITTING: _NO_MESSAGES,                                     # admitted() -> FORWARDING or ANSWERED
+    Phase.FORWARDING: {"response_headers": Stream._on_response_headers},  # -> READING_USAGE (usage read)
+    Phase.READING_USAGE: {"response_headers": Stream._on_response_headers,
+                          "response_body": Stream._on_response_body},
+    Phase.ANSWERED: {},
+    Phase.ENDED: _NO_MESSAGES,
+}

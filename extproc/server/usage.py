@@ -1,0 +1,59 @@
+"""Reading a response's token usage: for cost learning (a sample) or a tenant's tokens-per-minute refund."""
+
+from __future__ import annotations
+
+import re
+
+import orjson
+
+from .openai import RequestBody
+
+# A chat delta or completion choice with at least one character of text (the role chunk's content is "").
+FIRST_TOKEN = re.compile(rb'"(?:content|text)":"[^"]')
+
+
+class UsageReader:
+    """Per stream whose usage is read: why, and how far the response has been read."""
+
+    __slots__ = ("learn", "sse", "strip", "buffered", "first_token_seen")
+
+    def __init__(self, learn: bool) -> None:
+        self.learn = learn               # a learning sample; otherwise read (if not streamed) for the refund only
+        self.sse = False                 # the response is an event stream
+        self.strip = False               # ... carrying a usage chunk the client did not ask for
+        self.buffered = b""              # a non-streamed response body, until its end
+        self.first_token_seen = False
+
+    def reads_usage(self, body: RequestBody) -> bool:
+        """Whether this request's real usage will be read (its tokens-per-minute charge is then refunded)."""
+        return self.learn or not body.stream
+
+    def ask_for_usage(self, body: RequestBody) -> None:
+        """A learned stream needs vLLM's usage chunk; the client gets it only if it asked."""
+        if not (self.learn and body.stream):
+            return
+        opts = body.doc.get("stream_options")
+        if not (isinstance(opts, dict) and opts.get("include_usage")):
+            body.doc["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
+            body.rewrite = True
+            self.strip = True
+
+
+def usage_of(raw: bytes) -> dict | None:
+    try:
+        doc = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    return doc.get("usage") if isinstance(doc, dict) else None
+
+
+def split_usage_event(chunk: bytes) -> tuple[bytes, dict | None]:
+    """Separate the SSE usage event (`"choices":[]` with `usage`) from the rest of a chunk."""
+    kept, usage = [], None
+    for event in chunk.split(b"\n\n"):
+        if event.startswith(b"data: {") and b'"choices":[]' in event and b'"usage"' in event:
+            usage = usage_of(event[6:])
+            if usage is not None:
+                continue
+        kept.append(event)
+    return b"\n\n".join(kept), usage

@@ -1,0 +1,151 @@
+"""The one awaitable final admission: the class queue's verdict, then the shared store's gate, or given back."""
+
+from __future__ import annotations
+
+import asyncio
+
+from extproc.policy.admission import ACCEPT, QUEUE, REJECT, AdmissionController, RequestFacts
+from extproc.policy.limits import Outcome
+from extproc.server.final_admission import FinalAdmission
+
+from .conftest import make_policy
+
+
+class FakeStore:
+    """The shared store's side of a gated admission (SharedSlots' try_now/wait/deadline/abandon), recorded."""
+
+    def __init__(self, grants_at_once: bool = True):
+        self.grants_at_once = grants_at_once
+        self.calls: list[str] = []
+
+    async def try_now(self, d):
+        self.calls.append("try_now")
+        return d if self.grants_at_once else None
+
+    async def wait(self, d):
+        self.calls.append("wait")
+        return d
+
+    def deadline(self, ticket) -> float:
+        return ticket.admitted_at + 2.0
+
+    def abandon(self, d) -> None:
+        self.calls.append("abandon")
+
+
+def core(shared: bool = False, max_wait_ms: int = 1000) -> AdmissionController:
+    c = AdmissionController(make_policy(classes={"interactive": {"max_concurrency": 1, "max_queue": 1,
+                                                                 "max_wait_ms": max_wait_ms}}, tenants=[]))
+    c.shared_slots = shared  # what SharedSlots sets: admissions need a global slot too
+    return c
+
+
+def decide(c: AdmissionController):
+    return c.decide(RequestFacts(model="llama"))
+
+
+class Extensions:
+    """The driver's override_message_timeout writes, recorded."""
+
+    def __init__(self, then=None):
+        self.seconds: list[float] = []
+        self.then = then  # something that happens while the override is being written
+
+    async def __call__(self, seconds: float) -> None:
+        self.seconds.append(seconds)
+        if self.then is not None:
+            self.then()
+        await asyncio.sleep(0)
+
+
+async def test_a_queue_verdict_is_the_final_admission_when_no_store_gates_it():
+    c = core()
+    first = decide(c)
+    wait = FinalAdmission(c, None, decide(c))
+    settling = asyncio.create_task(wait.settle(Extensions()))
+    await asyncio.sleep(0.01)
+    c.finish(first.ticket, Outcome.OK)
+    d = await asyncio.wait_for(settling, 1)
+    assert d.kind == ACCEPT and d.ticket is not None and wait.waiter is None
+
+
+async def test_the_message_timeout_is_extended_once_to_the_queue_deadline():
+    c = core(max_wait_ms=1000)
+    decide(c)
+    extend = Extensions()
+    settling = asyncio.create_task(FinalAdmission(c, None, decide(c)).settle(extend))
+    await asyncio.sleep(0.01)
+    settling.cancel()
+    assert len(extend.seconds) == 1 and 0.9 < extend.seconds[0] <= 1.0
+
+
+async def test_a_verdict_given_while_the_timeout_was_being_extended_is_heard_at_once():
+    c = core(max_wait_ms=5000)
+    first = decide(c)
+    extend = Extensions(then=lambda: c.finish(first.ticket, Outcome.OK))
+    d = await asyncio.wait_for(FinalAdmission(c, None, decide(c)).settle(extend), 1)
+    assert d.kind == ACCEPT
+
+
+async def test_a_queue_wait_past_its_deadline_is_refused_429():
+    c = core(max_wait_ms=20)
+    decide(c)
+    d = await asyncio.wait_for(FinalAdmission(c, None, decide(c)).settle(Extensions()), 1)
+    assert (d.kind, d.status, d.reason) == (REJECT, 429, "queue_timeout")
+    assert c.snapshot()["interactive"]["queue"] == 0
+
+
+async def test_a_gated_admission_the_store_grants_at_once_needs_no_extension():
+    c, store, extend = core(shared=True), FakeStore(), Extensions()
+    d = decide(c)
+    assert (await FinalAdmission(c, store, d).settle(extend)) is d
+    assert store.calls == ["try_now"] and extend.seconds == []
+
+
+async def test_a_gated_admission_that_must_wait_is_extended_to_the_stores_deadline():
+    c, store, extend = core(shared=True), FakeStore(grants_at_once=False), Extensions()
+    await FinalAdmission(c, store, decide(c)).settle(extend)
+    assert store.calls == ["try_now", "wait"] and len(extend.seconds) == 1 and 1.9 < extend.seconds[0] <= 2.0
+
+
+async def test_a_queue_verdict_that_needs_a_global_slot_goes_on_to_the_store_extended_only_once():
+    c, store, extend = core(shared=True), FakeStore(grants_at_once=False), Extensions()
+    first = decide(c)
+    wait = FinalAdmission(c, store, decide(c))
+    settling = asyncio.create_task(wait.settle(extend))
+    await asyncio.sleep(0.01)
+    c.finish(first.ticket, Outcome.OK)
+    d = await asyncio.wait_for(settling, 1)
+    assert d.kind == ACCEPT and store.calls == ["try_now", "wait"] and len(extend.seconds) == 1
+
+
+def test_giving_back_a_queue_place_leaves_the_queue():
+    c = core()
+    decide(c)
+    queued = decide(c)
+    assert queued.kind == QUEUE
+    assert FinalAdmission(c, None, queued).give_back() is None
+    assert queued.waiter.result.status == 499 and c.snapshot()["interactive"]["queue"] == 0
+
+
+def test_giving_back_a_gated_admission_abandons_it_at_the_store():
+    c, store = core(shared=True), FakeStore()
+    assert FinalAdmission(c, store, decide(c)).give_back() is None
+    assert store.calls == ["abandon"]
+
+
+def test_giving_back_a_queue_place_granted_a_gated_slot_abandons_that_slot_at_the_store():
+    c, store = core(shared=True), FakeStore()
+    first = decide(c)
+    wait = FinalAdmission(c, store, decide(c))
+    c.finish(first.ticket, Outcome.OK)  # the queue grants it; the global slot is not asked for yet
+    assert wait.give_back() is None and store.calls == ["abandon"]
+
+
+def test_giving_back_a_queue_place_granted_without_a_gate_returns_the_ticket_to_close():
+    c = core()
+    first = decide(c)
+    wait = FinalAdmission(c, None, decide(c))
+    c.finish(first.ticket, Outcome.OK)
+    ticket = wait.give_back()
+    assert ticket is not None and not ticket.closed

@@ -1,0 +1,432 @@
+"""The ext_proc stream's state machine, fed messages without asyncio: one transition or answer per test."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from extproc.policy.admission import AdmissionController
+from extproc.policy.limits import Outcome
+from extproc.server import protocol
+from extproc.server.final_admission import FinalAdmission
+from extproc.server.protocol import CONTINUE, LEARN_BODY, LEARN_HEADERS
+from extproc.server.stream import Phase, Processor, Stream
+
+from .conftest import make_policy
+
+CHAT = b"/v1/chat/completions"
+
+
+def request_headers(path: bytes = CHAT, method: bytes = b"POST", eos: bool = False,
+                    **headers: bytes) -> pb.ProcessingRequest:
+    hs = [base_pb2.HeaderValue(key=":method", raw_value=method), base_pb2.HeaderValue(key=":path", raw_value=path)]
+    hs += [base_pb2.HeaderValue(key=k.replace("_", "-"), raw_value=v) for k, v in headers.items()]
+    return pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=hs),
+                                                               end_of_stream=eos))
+
+
+def request_body(doc: dict | bytes | None = None) -> pb.ProcessingRequest:
+    raw = doc if isinstance(doc, bytes) else json.dumps(doc or {"model": "llama", "messages": []}).encode()
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=raw, end_of_stream=True))
+
+
+def response_headers(status: int = 200, content_type: bytes = b"application/json") -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
+        base_pb2.HeaderValue(key=":status", raw_value=str(status).encode()),
+        base_pb2.HeaderValue(key="content-type", raw_value=content_type)])))
+
+
+def response_body(raw: bytes, eos: bool = False) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(response_body=pb.HttpBody(body=raw, end_of_stream=eos))
+
+
+def processor(clock, learn_sample: float = 0.0, **policy) -> Processor:
+    core = AdmissionController(make_policy(learn_sample=learn_sample, **policy), clock=clock)
+    return Processor(core, max_body_bytes=1000)
+
+
+def one_class(**interactive) -> dict:
+    """Policy overrides: a single class, `interactive`, with this spec."""
+    return {"classes": {"interactive": interactive}, "tenants": []}
+
+
+QUEUE_OF_ONE = one_class(max_concurrency=1, max_queue=1, max_wait_ms=100)
+
+
+def admitted(p: Processor, doc: dict | None = None, **headers: bytes):
+    s = Stream(p)
+    s.receive(request_headers(**headers))
+    answer = s.receive(request_body(doc))
+    assert s.phase is Phase.FORWARDING, answer
+    return s, answer
+
+
+def set_headers(answer: pb.ProcessingResponse) -> dict[str, bytes]:
+    mutation = answer.request_body.response.header_mutation
+    return {h.header.key: h.header.raw_value for h in mutation.set_headers}
+
+
+def immediate_status(answer: pb.ProcessingResponse) -> int:
+    assert answer.HasField("immediate_response"), answer
+    return answer.immediate_response.status.code
+
+
+def inflight(p: Processor, cls: str = "interactive") -> int:
+    return p.core.snapshot()[cls]["inflight"]
+
+
+# --- request headers ---
+
+def test_a_new_stream_awaits_the_request_headers(clock):
+    assert Stream(processor(clock)).phase is Phase.HEADERS
+
+
+def test_the_headers_of_a_served_post_are_continued_and_the_body_awaited(clock):
+    s = Stream(processor(clock))
+    assert s.receive(request_headers()) is CONTINUE["request_headers"]
+    assert s.phase is Phase.BODY
+
+
+def test_an_unknown_path_is_refused_404(clock):
+    s = Stream(processor(clock))
+    assert immediate_status(s.receive(request_headers(path=b"/v1/models"))) == 404
+    assert s.phase is Phase.ANSWERED
+
+
+def test_a_method_other_than_post_is_refused_405(clock):
+    s = Stream(processor(clock))
+    assert immediate_status(s.receive(request_headers(method=b"GET"))) == 405
+
+
+def test_a_switched_off_endpoint_group_is_refused_404(clock):
+    s = Stream(processor(clock))
+    answer = s.receive(request_headers(path=b"/v1/embeddings"))
+    assert immediate_status(answer) == 404
+    assert json.loads(answer.immediate_response.body)["error"]["code"] == "unsupported_endpoint"
+
+
+def test_two_different_api_keys_are_refused_401(clock):
+    s = Stream(processor(clock))
+    answer = s.receive(request_headers(authorization=b"Bearer sk-acme", api_key=b"sk-other"))
+    assert immediate_status(answer) == 401
+
+
+def test_a_missing_key_is_refused_401_when_anonymous_requests_are_not_allowed(clock):
+    s = Stream(processor(clock, anonymous={"allow": False}))
+    assert immediate_status(s.receive(request_headers())) == 401
+    assert s.phase is Phase.ANSWERED
+
+
+def test_headers_that_end_the_request_are_refused_as_an_empty_body(clock):
+    s = Stream(processor(clock))
+    assert immediate_status(s.receive(request_headers(eos=True))) == 400
+
+
+def test_a_learning_sample_asks_for_the_response_headers(clock):
+    s = Stream(processor(clock, learn_sample=1.0))
+    assert s.receive(request_headers()) is LEARN_HEADERS
+
+
+def test_a_second_headers_message_is_continued_and_changes_nothing(clock):
+    s = Stream(processor(clock))
+    s.receive(request_headers())
+    assert s.receive(request_headers(path=b"/v1/models")) is CONTINUE["request_headers"]
+    assert s.phase is Phase.BODY
+
+
+# --- request body ---
+
+def test_a_body_before_the_headers_is_continued_and_decides_nothing(clock):
+    p = processor(clock)
+    s = Stream(p)
+    assert s.receive(request_body()) is CONTINUE["request_body"]
+    assert s.phase is Phase.HEADERS and inflight(p) == 0
+
+
+def test_a_body_with_a_free_slot_is_forwarded_to_its_pool(clock):
+    p = processor(clock)
+    s, answer = admitted(p)
+    hs = set_headers(answer)
+    assert answer.request_body.response.clear_route_cache
+    assert (hs[protocol.CLUSTER_HEADER], hs["x-extproc-class"], hs["x-extproc-decision"]) == \
+        (b"pool_a", b"interactive", b"accept")
+    assert inflight(p) == 1 and p.live == {s.held}
+
+
+def test_a_rewritten_body_carries_its_new_content_length(clock):
+    p = processor(clock)
+    _, answer = admitted(p, {"model": "llama", "messages": [], "priority": "batch"})  # the claim is stripped
+    body = answer.request_body.response.body_mutation.body
+    assert "priority" not in json.loads(body) and set_headers(answer)["content-length"] == str(len(body)).encode()
+
+
+def test_a_body_over_the_size_limit_is_refused_413(clock):
+    s = Stream(processor(clock))
+    s.receive(request_headers())
+    assert immediate_status(s.receive(request_body(b"{" + b" " * 2000 + b"}"))) == 413
+
+
+def test_a_body_that_is_not_json_is_refused_400(clock):
+    s = Stream(processor(clock))
+    s.receive(request_headers())
+    assert immediate_status(s.receive(request_body(b"{nope"))) == 400
+    assert s.phase is Phase.ANSWERED
+
+
+def test_an_unknown_model_is_refused_404(clock):
+    s = Stream(processor(clock))
+    s.receive(request_headers())
+    assert immediate_status(s.receive(request_body({"model": "gpt-99"}))) == 404
+
+
+def test_the_class_vllm_priority_is_written_into_the_body(clock):
+    p = processor(clock, **one_class(max_concurrency=1, vllm_priority=7))
+    _, answer = admitted(p)
+    assert json.loads(answer.request_body.response.body_mutation.body)["priority"] == 7
+
+
+def test_a_degrade_rewrites_the_body_and_says_what_changed(clock):
+    p = processor(clock, **one_class(max_concurrency=1, max_queue=0, on_overflow="fallback",
+                                     fallback={"action": "degrade", "model": "small", "max_tokens": 8}))
+    admitted(p)
+    s, answer = admitted(p, {"model": "llama", "messages": [], "max_tokens": 100})
+    assert set_headers(answer)["x-extproc-degraded"] == b"model=small,max_tokens=8; reason=queue_full"
+    assert json.loads(answer.request_body.response.body_mutation.body)["model"] == "small"
+
+
+def test_a_canned_fallback_answers_in_the_endpoints_shape_without_a_slot(clock):
+    p = processor(clock, **one_class(max_concurrency=1, max_queue=0, on_overflow="fallback",
+                                     fallback={"action": "canned", "status": 200, "message": "busy"}))
+    admitted(p)
+    s = Stream(p)
+    s.receive(request_headers())
+    answer = s.receive(request_body())
+    assert immediate_status(answer) == 200 and s.phase is Phase.ANSWERED and s.held is None
+    assert json.loads(answer.immediate_response.body)["choices"][0]["message"]["content"] == "busy"
+
+
+# --- the final admission ---
+
+def queued(p: Processor):
+    """(the stream holding the class's one slot, a stream queued behind it, its final admission)"""
+    first, _ = admitted(p)
+    s = Stream(p)
+    s.receive(request_headers())
+    return first, s, s.receive(request_body())
+
+
+def test_a_full_class_returns_the_final_admission_to_wait_for(clock):
+    p = processor(clock, **QUEUE_OF_ONE)
+    _, s, answer = queued(p)
+    assert isinstance(answer, FinalAdmission) and answer.queued
+    assert s.phase is Phase.ADMITTING and s.held is answer
+
+
+def test_a_message_while_waiting_for_the_final_admission_is_a_driver_error(clock):
+    p = processor(clock, **QUEUE_OF_ONE)
+    _, s, _ = queued(p)
+    with pytest.raises(RuntimeError, match="waiting for the final admission"):
+        s.receive(response_headers())
+
+
+def test_the_queue_verdict_goes_back_in_and_says_how_long_it_waited(clock):
+    p = processor(clock, **QUEUE_OF_ONE)
+    first, s, wait = queued(p)
+    clock.advance(0.0625)
+    first.end(normal_end=True)
+    answer = s.admitted(wait.waiter.result)
+    assert s.phase is Phase.FORWARDING and set_headers(answer)["x-extproc-queue-wait-ms"] == b"62"
+
+
+def test_a_queue_timeout_is_answered_429(clock):
+    p = processor(clock, **QUEUE_OF_ONE)
+    _, s, wait = queued(p)
+    clock.advance(0.2)
+    p.core.reap()
+    assert immediate_status(s.admitted(wait.waiter.result)) == 429 and s.phase is Phase.ANSWERED
+
+
+# --- the response ---
+
+def test_response_phases_before_the_admission_are_continued(clock):
+    s = Stream(processor(clock))
+    s.receive(request_headers())
+    assert s.receive(response_headers()) is CONTINUE["response_headers"]
+    assert s.receive(response_body(b"{}")) is CONTINUE["response_body"]
+    assert s.phase is Phase.BODY
+
+
+def test_trailers_are_continued_in_every_phase(clock):
+    s, _ = admitted(processor(clock))
+    trailers = pb.ProcessingRequest(response_trailers=pb.HttpTrailers())
+    assert s.receive(trailers) is CONTINUE["response_trailers"]
+
+
+def test_a_learned_200_response_switches_to_reading_its_usage(clock):
+    s, _ = admitted(processor(clock, learn_sample=1.0))
+    assert s.receive(response_headers()) is LEARN_BODY[False]
+    assert s.phase is Phase.READING_USAGE
+
+
+def test_a_response_that_is_not_learned_is_only_forwarded(clock):
+    s, _ = admitted(processor(clock))
+    assert s.receive(response_headers()) is CONTINUE["response_headers"]
+    assert s.phase is Phase.FORWARDING
+
+
+def test_an_error_response_is_not_read_for_usage(clock):
+    s, _ = admitted(processor(clock, learn_sample=1.0))
+    assert s.receive(response_headers(503)) is CONTINUE["response_headers"]
+    assert s.phase is Phase.FORWARDING
+
+
+def refunded(clock):
+    """A tenant with a tokens-per-minute limit: its non-streamed responses are read for the refund."""
+    return processor(clock, tenants=[{"name": "acme", "api_keys": ["sk-acme"], "tokens_per_minute": 10**6}])
+
+
+def test_a_refund_reads_a_buffered_response(clock):
+    s, _ = admitted(refunded(clock), authorization=b"Bearer sk-acme")
+    assert s.receive(response_headers()) is LEARN_BODY[False]
+
+
+def test_an_event_stream_is_read_only_for_a_learning_sample(clock):
+    s, _ = admitted(refunded(clock), {"model": "llama", "messages": [], "stream": True},
+                    authorization=b"Bearer sk-acme")
+    assert s.receive(response_headers(content_type=b"text/event-stream")) is CONTINUE["response_headers"]
+    assert s.phase is Phase.FORWARDING
+
+
+def test_a_buffered_response_usage_is_learned_at_its_end(clock):
+    s, _ = admitted(processor(clock, learn_sample=1.0))
+    s.receive(response_headers())
+    s.receive(response_body(b'{"usage":{"prompt_tokens":3,'))
+    assert s.held.usage is None
+    s.receive(response_body(b'"completion_tokens":4}}', eos=True))
+    assert s.held.usage == (3, 4)
+
+
+SSE = b"text/event-stream"
+USAGE_EVENT = b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":7}}'
+
+
+def test_a_learned_stream_asks_vllm_for_its_usage_chunk(clock):
+    _, answer = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": [], "stream": True})
+    body = json.loads(answer.request_body.response.body_mutation.body)
+    assert body["stream_options"] == {"include_usage": True}
+
+
+def test_the_usage_chunk_the_client_did_not_ask_for_is_stripped(clock):
+    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": [], "stream": True})
+    assert s.receive(response_headers(content_type=SSE)) is LEARN_BODY[True]
+    answer = s.receive(response_body(USAGE_EVENT + b"\n\ndata: [DONE]\n\n"))
+    assert answer.response_body.response.body_mutation.body == b"data: [DONE]\n\n"
+    assert s.held.usage == (5, 7)
+
+
+def test_the_usage_chunk_the_client_asked_for_is_kept(clock):
+    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": [], "stream": True,
+                                                         "stream_options": {"include_usage": True}})
+    s.receive(response_headers(content_type=SSE))
+    assert s.receive(response_body(USAGE_EVENT + b"\n\n")) is CONTINUE["response_body"]
+    assert s.held.usage == (5, 7)
+
+
+def test_the_first_token_is_reported_once_from_arrival(clock):
+    seen = []
+    p = processor(clock, learn_sample=1.0)
+    p.core.events.first_token = lambda ticket, seconds: seen.append(seconds)
+    s, _ = admitted(p, {"model": "llama", "messages": [], "stream": True})
+    s.receive(response_headers(content_type=SSE))
+    clock.advance(0.25)
+    s.receive(response_body(b'data: {"choices":[{"delta":{"content":""}}]}\n\n'))  # the role chunk: no text
+    s.receive(response_body(b'data: {"choices":[{"delta":{"content":"Hi"}}]}\n\n'))
+    s.receive(response_body(b'data: {"choices":[{"delta":{"content":"!"}}]}\n\n'))
+    assert seen == [0.25]
+
+
+# --- the end ---
+
+def ended_outcome(s, normal_end: bool):
+    ticket = s.held
+    s.end(normal_end)
+    return ticket.stream_outcome
+
+
+def test_a_normal_end_after_the_response_closes_the_ticket_ok(clock):
+    p = processor(clock, learn_sample=1.0)
+    s, _ = admitted(p)
+    s.receive(response_headers())
+    assert ended_outcome(s, normal_end=True) is Outcome.OK
+    assert s.phase is Phase.ENDED and inflight(p) == 0 and not p.live
+
+
+def test_a_normal_end_without_a_response_status_is_ended(clock):
+    s, _ = admitted(processor(clock))
+    assert ended_outcome(s, normal_end=True) is Outcome.ENDED
+
+
+def test_a_5xx_response_ends_as_an_upstream_error(clock):
+    s, _ = admitted(processor(clock, learn_sample=1.0))
+    s.receive(response_headers(502))
+    assert ended_outcome(s, normal_end=True) is Outcome.UPSTREAM_ERROR
+
+
+def test_a_stream_cut_before_its_end_is_a_client_abort(clock):
+    s, _ = admitted(processor(clock))
+    assert ended_outcome(s, normal_end=False) is Outcome.CLIENT_ABORT
+
+
+def test_ending_twice_releases_once(clock):
+    p = processor(clock)
+    s, _ = admitted(p)
+    other, _ = admitted(p)
+    s.end(normal_end=True)
+    s.end(normal_end=True)
+    assert inflight(p) == 1
+
+
+def test_a_client_leaving_while_queued_leaves_the_queue(clock):
+    p = processor(clock, **QUEUE_OF_ONE)
+    _, s, wait = queued(p)
+    waiter = wait.waiter
+    s.end(normal_end=False)
+    assert waiter.result.status == 499 and p.core.snapshot()["interactive"]["queue"] == 0
+
+
+def test_a_slot_granted_in_the_instant_the_client_left_is_given_back(clock):
+    p = processor(clock, **QUEUE_OF_ONE)
+    first, s, wait = queued(p)
+    first.end(normal_end=True)  # the queue grants the slot; the stream has not been handed it yet
+    granted = wait.waiter.result.ticket
+    s.end(normal_end=False)
+    assert granted.stream_outcome is Outcome.CLIENT_ABORT and inflight(p) == 0
+
+
+# --- our own failures ---
+
+def test_a_failure_before_the_decision_is_refused_500(clock):
+    s = Stream(processor(clock))
+    s.receive(request_headers())
+    assert s.fail() is protocol.INTERNAL_ERROR and s.phase is Phase.ANSWERED
+
+
+def test_a_failure_after_the_decision_is_not_the_streams_to_answer(clock):
+    s, _ = admitted(processor(clock))
+    with pytest.raises(RuntimeError, match="admitted, forwarding"):
+        s.fail()
+
+
+def test_a_slot_taken_by_an_answer_that_failed_to_build_is_given_back(clock, monkeypatch):
+    p = processor(clock)
+    s = Stream(p)
+    s.receive(request_headers())
+    monkeypatch.setattr(protocol, "forward", lambda *a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        s.receive(request_body())
+    assert s.fail() is protocol.INTERNAL_ERROR
+    s.end(normal_end=False)
+    assert inflight(p) == 0 and not p.live and not p.core.tickets
