@@ -25,7 +25,7 @@ from extproc.policy.limits import Outcome  # noqa: E402
 from extproc.policy.schema import load_policy  # noqa: E402
 from extproc.store import open_store  # noqa: E402
 from extproc.store.local_redis import RedisServer  # noqa: E402
-from extproc.store.shared import SharedSlots  # noqa: E402
+from extproc.store.shared_slots import SharedSlots  # noqa: E402
 
 
 def policy(store: dict):

@@ -16,7 +16,7 @@ from .policy.admission import ACCEPT, AdmissionController, Decision
 from .policy.breakers import STATE_VALUES, Breaker, LatencyBreaker
 from .policy.sustained import SustainedLoad
 from .policy.limits import Outcome, Ticket, Waiter
-from .store.shared import STORE_STATES
+from .store.shared_slots import STORE_STATES
 
 # LLM requests last from tens of milliseconds (a rejection, a short completion) to minutes (long generations).
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0,

@@ -86,7 +86,7 @@ class AdmissionController:
             self.saturation[pool] = saturation
 
     def gate_on_store(self, shared: bool) -> None:
-        """A shared store confirms each admission from now on (extproc.store.shared.SharedSlots)."""
+        """A shared store confirms each admission from now on (extproc.store.shared_slots.SharedSlots)."""
         self.shared_slots = shared
 
     def _retire(self, lim: ClassLimiter, now: float) -> None:
@@ -496,7 +496,7 @@ class AdmissionController:
             self.events.decided(d)
         return d
 
-    # --- a shared store's say (extproc.store.shared): the adapter awaits it between decide() and the answer ---
+    # --- a shared store's say (extproc.store.shared_slots): the adapter awaits it between decide() and the answer ---
 
     def gated(self, d: Decision) -> bool:
         """Whether this admission also needs a global slot from the shared store before it stands.

@@ -8,7 +8,7 @@ from typing import Awaitable, Callable
 
 from ..policy.admission import AdmissionController, Decision, Queued
 from ..policy.limits import Ticket
-from ..store.shared import SharedSlots
+from ..store.shared_slots import SharedSlots
 
 
 class FinalAdmission:

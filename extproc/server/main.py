@@ -20,7 +20,7 @@ from ..policy.admission import AdmissionController
 from ..policy.sustained import SustainedLoad
 from ..policy.schema import Policy, PolicyError, load_policy_file
 from ..store import open_store
-from ..store.shared import SharedSlots
+from ..store.shared_slots import SharedSlots
 from ..telemetry import StoreTelemetry, Telemetry
 from .accesslog import AccessLogReceiver
 from .saturation import SaturationScrapers

@@ -11,7 +11,7 @@ from grpc.aio import EOF, InternalError
 
 from ..policy.admission import AdmissionController
 from ..policy.limits import Ticket
-from ..store.shared import SharedSlots
+from ..store.shared_slots import SharedSlots
 from .final_admission import FinalAdmission
 from .protocol import wait_override
 from .stream import Processor, Stream

@@ -13,7 +13,7 @@ from ..policy.limits import Outcome, Ticket
 from ..policy.reasons import (R_BODY_TOO_LARGE, R_CONFLICTING_KEYS, R_METHOD_NOT_ALLOWED, R_UNKNOWN_URL,
                               R_UNSUPPORTED_ENDPOINT, say)
 from ..policy.schema import Policy
-from ..store.shared import SharedSlots
+from ..store.shared_slots import SharedSlots
 from . import protocol
 from .final_admission import FinalAdmission
 from .openai import ENDPOINTS, BadRequest, Endpoint, RequestBody, degrade_body, dump_json, parse_body

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..policy.schema import StoreSpec
-from ..policy.store import LocalStore, SlotStore
+from ..policy.slot_store import LocalStore, SlotStore
 
 
 def open_store(spec: StoreSpec) -> SlotStore:

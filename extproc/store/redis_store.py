@@ -13,7 +13,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from ..policy.schema import StoreSpec
-from ..policy.store import SlotClaim, StoreUnavailable
+from ..policy.slot_store import SlotClaim, StoreUnavailable
 
 log = logging.getLogger("extproc.store")
 

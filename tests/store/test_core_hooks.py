@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from extproc.policy.admission import ACCEPT, DEGRADE, QUEUE, REJECT, AdmissionController, RequestFacts
-from extproc.policy.store import local_share
+from extproc.policy.slot_store import local_share
 from tests.conftest import FakeClock, make_policy
 
 

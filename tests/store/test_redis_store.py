@@ -9,7 +9,7 @@ import time
 import pytest
 
 from extproc.policy.schema import StoreSpec
-from extproc.policy.store import SlotClaim, StoreUnavailable
+from extproc.policy.slot_store import SlotClaim, StoreUnavailable
 from extproc.store.redis_store import RedisStore
 from extproc.tools.stack import free_port
 from tests.conftest import until

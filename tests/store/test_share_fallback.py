@@ -7,8 +7,8 @@ import asyncio
 
 from extproc.policy.admission import ACCEPT, REJECT, AdmissionController, RequestFacts
 from extproc.policy.limits import Outcome
-from extproc.policy.store import SlotClaim, StoreUnavailable
-from extproc.store.shared import LOCAL, SharedSlots
+from extproc.policy.slot_store import SlotClaim, StoreUnavailable
+from extproc.store.shared_slots import LOCAL, SharedSlots
 from tests.conftest import make_policy, until
 
 CAP, INSTANCES = 4, 2

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 from extproc.policy.admission import ACCEPT, REJECT, AdmissionController, RequestFacts
 from extproc.policy.limits import Outcome
 from extproc.store.redis_store import RedisStore
-from extproc.store.shared import CLOSED, LOCAL, SHARED, SharedSlots
+from extproc.store.shared_slots import CLOSED, LOCAL, SHARED, SharedSlots
 from extproc.telemetry import StoreTelemetry
 from tests.conftest import make_policy, until
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 
 from extproc.policy.admission import AdmissionController
-from extproc.store.shared import CLOSED, LOCAL, SHARED, SharedSlots
+from extproc.store.shared_slots import CLOSED, LOCAL, SHARED, SharedSlots
 from extproc.telemetry import StoreTelemetry
 
 from .test_share_fallback import FakeStore, admit

@@ -15,7 +15,7 @@ from extproc.policy.limits import Completion, Outcome
 from extproc.policy.schema import load_policy_file
 from extproc.server.accesslog import TICKET_HEADER, AccessLogReceiver
 from extproc.server.main import Server, add_arguments
-from extproc.store.shared import CLOSED, LOCAL, SHARED
+from extproc.store.shared_slots import CLOSED, LOCAL, SHARED
 from extproc.telemetry import StoreTelemetry, Telemetry
 
 from .conftest import make_policy

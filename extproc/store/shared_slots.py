@@ -14,7 +14,7 @@ from ..policy.admission import AdmissionController, Decision
 from ..policy.reasons import R_CLIENT_GONE, R_QUEUE_FULL, R_QUEUE_TIMEOUT, R_STORE_UNAVAILABLE, say
 from ..policy.limits import Ticket
 from ..policy.schema import Policy
-from ..policy.store import SlotClaim, SlotStore, StoreUnavailable, local_share, share_has_room
+from ..policy.slot_store import SlotClaim, SlotStore, StoreUnavailable, local_share, share_has_room
 
 log = logging.getLogger("extproc.store")
 
