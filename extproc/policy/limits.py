@@ -120,13 +120,20 @@ class Waiter:
         self.deadline = now + limiter.spec.max_wait_ms / 1000.0
         self.cost = cost
         self.result: Any = None
-        self.on_result: Callable[[Any], None] | None = None  # set by the adapter (e.g. a future's set_result)
+        self.on_result: Callable[[Any], None] | None = None  # notify(): whoever waits for the verdict
         self.context = context          # whatever the caller needs back with the result (the request facts)
         self.charge: Any = None
 
     @property
     def pending(self) -> bool:
         return self.result is None
+
+    def notify(self, callback: Callable[[Any], None]) -> None:
+        """Call `callback` with the final decision when it comes (at once if it already has)."""
+        if self.result is not None:
+            callback(self.result)
+        else:
+            self.on_result = callback
 
 
 class DrainRate:

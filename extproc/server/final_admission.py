@@ -31,7 +31,7 @@ class FinalAdmission:
         if self.waiter is not None:
             # The core's hook for the queue's verdict, set before anything can await: a verdict that came
             # while the override was being written would otherwise wait out the deadline unheard.
-            self.waiter.on_result = self._deliver
+            self.waiter.notify(self._deliver)
 
     def _deliver(self, d: Decision) -> None:
         if self._verdict is not None and not self._verdict.done():

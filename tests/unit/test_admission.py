@@ -25,8 +25,8 @@ def test_queues_fifo_and_grants_in_arrival_order(core):
     q1, q2 = fill(core, "interactive", 2)
     assert q1.kind == q2.kind == QUEUE
     got = []
-    q1.waiter.on_result = lambda d: got.append(("q1", d.kind))
-    q2.waiter.on_result = lambda d: got.append(("q2", d.kind))
+    q1.waiter.notify(lambda d: got.append(("q1", d.kind)))
+    q2.waiter.notify(lambda d: got.append(("q2", d.kind)))
     core.finish(a.ticket, Outcome.OK)
     assert got == [("q1", ACCEPT)]
     assert q1.waiter.result.ticket is not None and q2.waiter.pending

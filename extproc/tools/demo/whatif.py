@@ -195,7 +195,7 @@ def what_if(scenario: Scenario, policy_path: str, capacity: float,
         if d.kind == QUEUE:
             def done(final, record=record, prompt=planned.prompt_tokens, max_tokens=max_tokens):
                 admitted(record, final, prompt, max_tokens)
-            d.waiter.on_result = done
+            d.waiter.notify(done)
         else:
             admitted(record, d, planned.prompt_tokens, max_tokens)
     served_elsewhere = sum(p.finished for name, p in pools.items() if name != first)
