@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Callable
 
 from .adaptive import PoolSaturation
 from .breakers import Breaker
@@ -117,7 +117,7 @@ class AdmissionController:
 
     # --- the decision ---
 
-    def decide(self, facts: RequestFacts, context: Any = None) -> Decision:
+    def decide(self, facts: RequestFacts) -> Decision:
         """Classify and admit, queue, shed, degrade or reject one request."""
         now = self.clock()
         c = self.classifier.classify(facts.api_key, facts.header_class, facts.body_class)
@@ -132,7 +132,7 @@ class AdmissionController:
                                       classification=c))
         charge = self._estimate(facts, c, now)
         lim = self.limiters[c.cls]
-        d = self._enforce(c, lim, cluster, now, context, charge)
+        d = self._enforce(c, lim, cluster, now, charge)
         d.charge = charge
         if charge.tenant is not None:
             d.headers = charge.tenant.headers(now)
@@ -152,13 +152,12 @@ class AdmissionController:
             session = self.sessions.get(c.tenant, facts.session_id, now)
         charge = Charge(facts.model, est, self.tenant_limits.get(c.tenant), session, facts.request_id,
                         facts.reads_usage)
-        if not (facts.degradable and facts.cannable):
-            charge.fallbacks = ("reject", *(("degrade",) if facts.degradable else ()),
+        if not (facts.generates and facts.cannable):
+            charge.fallbacks = ("reject", *(("degrade",) if facts.generates else ()),
                                 *(("canned",) if facts.cannable else ()))
         return charge
 
-    def _enforce(self, c: Classification, lim: ClassLimiter, cluster: str, now: float, context: Any,
-                 charge: Charge) -> Decision:
+    def _enforce(self, c: Classification, lim: ClassLimiter, cluster: str, now: float, charge: Charge) -> Decision:
         """The stages after the estimate, in order; the first that answers decides."""
         refused = self._budgets(c, lim, cluster, now, charge)
         if refused is not None:
@@ -176,10 +175,10 @@ class AdmissionController:
                 return self._fallback(lim, c.cls, c.tenant, cluster, reason, now, overflow=False, c=c,
                                       charge=charge)
             trickle = trickle or probe
-        return self._limit(c, lim, cluster, now, context, charge, trickle)
+        return self._limit(c, lim, cluster, now, charge, trickle)
 
-    def _limit(self, c: Classification, lim: ClassLimiter, cluster: str, now: float, context: Any,
-               charge: Charge, trickle: bool) -> Decision:
+    def _limit(self, c: Classification, lim: ClassLimiter, cluster: str, now: float, charge: Charge,
+               trickle: bool) -> Decision:
         """A slot now, a place in the bounded queue, or overflow."""
         cost = charge.estimate.gpu_seconds
         if lim.has_room(cost) and not lim.queue:
@@ -191,7 +190,7 @@ class AdmissionController:
                                   say(R_DEADLINE, cls=c.cls, max_wait_ms=lim.spec.max_wait_ms,
                                       queued=len(lim.queue)))
         if lim.queue_has_room():
-            waiter = Waiter(lim, c.tenant, cluster, now, cost, context)
+            waiter = Waiter(lim, c.tenant, cluster, now, cost)
             waiter.trickle = trickle
             waiter.charge = charge
             lim.queue.append(waiter)

@@ -31,8 +31,8 @@ class RequestFacts:
     session_id: str | None = None
     doc: dict | None = None      # the parsed JSON body, for the prompt-size estimate
     sequences: int = 1           # outputs generated (n, best_of)
-    generates: bool = True       # False: a prefill-only endpoint (embeddings, score, ...): no output tokens
-    degradable: bool = True      # a `degrade` fallback can serve it (another model, fewer tokens, no stream)
+    generates: bool = True       # False: a prefill-only endpoint (embeddings, score, ...): no output tokens, and
+                                 # no `degrade` fallback (another model's vectors are not an answer)
     cannable: bool = True        # a `canned` fallback can answer it (chat and completions shapes)
     reads_usage: bool = False    # its real usage will be read from the response (then refunded exactly)
 

@@ -109,9 +109,9 @@ class Waiter:
     """A request waiting in a class queue. Its result (a Decision) is set exactly once."""
 
     __slots__ = ("limiter", "tenant", "pool", "trickle", "enqueued_at", "deadline", "cost", "result", "on_result",
-                 "context", "charge")
+                 "charge")
 
-    def __init__(self, limiter: ClassLimiter, tenant: str, pool: str, now: float, cost: float, context: Any):
+    def __init__(self, limiter: ClassLimiter, tenant: str, pool: str, now: float, cost: float):
         self.limiter = limiter
         self.tenant = tenant
         self.pool = pool
@@ -121,7 +121,6 @@ class Waiter:
         self.cost = cost
         self.result: Any = None
         self.on_result: Callable[[Any], None] | None = None  # notify(): whoever waits for the verdict
-        self.context = context          # whatever the caller needs back with the result (the request facts)
         self.charge: Any = None
 
     @property

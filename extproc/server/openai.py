@@ -110,10 +110,14 @@ def parse_body(raw: bytes, endpoint: Endpoint, class_field: str,
     return body
 
 
+def empty_body() -> BadRequest:
+    return BadRequest("The request body is empty; expected a JSON object.")
+
+
 def load_json_object(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object no deeper than MAX_JSON_DEPTH, or BadRequest."""
     if not raw:
-        raise BadRequest("The request body is empty; expected a JSON object.")
+        raise empty_body()
     try:
         doc = orjson.loads(raw)
     except orjson.JSONDecodeError as e:

@@ -106,20 +106,26 @@ def immediate(status: int, body: bytes, headers: list[tuple[str, str]], details:
         details=details))
 
 
+def _error(status: int, message: str, code: str, headers: list[tuple[str, str]],
+           param: str | None = None) -> pb.ProcessingResponse:
+    """An immediate OpenAI-style error; Envoy logs its details as `extproc_<code>`."""
+    return immediate(status, error_body(status, message, code, param), headers, f"extproc_{code}")
+
+
 def refusal(d: Decision) -> pb.ProcessingResponse:
     """A terminal refusal as Envoy's immediate response with an OpenAI-style body."""
     headers = [("x-extproc-class", d.cls), ("x-extproc-decision", d.kind), ("x-extproc-reason", d.reason),
                *d.headers]
     if d.retry_after:
         headers.append(("retry-after", str(d.retry_after)))
-    return immediate(d.status, error_body(d.status, d.message, d.reason), headers, f"extproc_{d.reason}")
+    return _error(d.status, d.message, d.reason, headers)
 
 
 def bad_request(e: BadRequest, d: Decision) -> pb.ProcessingResponse:
     """A request refused before admission (`d` is the core's count of it)."""
-    return immediate(e.status, error_body(e.status, e.message, e.code, e.param),
-                     [("x-extproc-class", d.cls), ("x-extproc-decision", d.kind), ("x-extproc-reason", e.code)],
-                     f"extproc_{e.code}")
+    return _error(e.status, e.message, e.code,
+                  [("x-extproc-class", d.cls), ("x-extproc-decision", d.kind), ("x-extproc-reason", e.code)],
+                  e.param)
 
 
 def canned(d: Decision, body: RequestBody) -> pb.ProcessingResponse:
@@ -129,7 +135,7 @@ def canned(d: Decision, body: RequestBody) -> pb.ProcessingResponse:
     if d.retry_after:
         headers.append(("retry-after", str(d.retry_after)))
     if d.status >= 300:
-        return immediate(d.status, error_body(d.status, d.message, d.reason), headers, f"extproc_{d.reason}")
+        return _error(d.status, d.message, d.reason, headers)
     raw, content_type = canned_body(body, d.message)
     return immediate(d.status, raw, headers, f"extproc_{d.reason}", content_type)
 
@@ -168,5 +174,4 @@ def wait_override(seconds: float) -> pb.ProcessingResponse:
 
 
 # A request-phase failure of ours: refused, never failed open (see ExtProcServicer.Process).
-INTERNAL_ERROR = immediate(500, error_body(500, say(R_ADMISSION_ERROR), R_ADMISSION_ERROR),
-                           [("x-extproc-decision", "invalid")], f"extproc_{R_ADMISSION_ERROR}")
+INTERNAL_ERROR = _error(500, say(R_ADMISSION_ERROR), R_ADMISSION_ERROR, [("x-extproc-decision", "invalid")])

@@ -16,7 +16,8 @@ from ..policy.schema import Policy
 from ..store.shared_slots import SharedSlots
 from . import protocol
 from .final_admission import FinalAdmission
-from .openai import ENDPOINTS, BadRequest, Endpoint, RequestBody, degrade_body, dump_json, parse_body
+from .openai import (ENDPOINTS, BadRequest, Endpoint, RequestBody, degrade_body, dump_json, empty_body,
+                     parse_body)
 from .protocol import CONTINUE
 from .usage import FIRST_TOKEN, UsageReader, split_usage_event, usage_of
 
@@ -59,7 +60,7 @@ class ParsedRequest:
         facts.body_class = body.claimed_class
         facts.doc = body.doc
         facts.sequences, facts.generates = body.sequences, body.generates
-        facts.degradable, facts.cannable = body.generates, body.endpoint.canned
+        facts.cannable = body.endpoint.canned
         facts.reads_usage = reads_usage
 
 
@@ -205,7 +206,7 @@ class Stream:
             self._enter(Phase.ANSWERED)
             return protocol.refusal(d)
         if head.end_of_stream:  # a POST without a body
-            return self._refuse(BadRequest("The request body is empty; expected a JSON object."))
+            return self._refuse(empty_body())
         self.usage = self.processor.usage_reader(facts.api_key)
         self._enter(Phase.BODY)
         # A response whose usage is read needs its headers phase, where the body mode is picked.

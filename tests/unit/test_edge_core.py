@@ -114,7 +114,7 @@ def test_a_degrade_cannot_serve_a_pooling_request_and_refuses_it_instead(clock):
     core = AdmissionController(policy, clock=clock)
     core.decide(RequestFacts(model="llama"))
     chat = core.decide(RequestFacts(model="llama"))
-    pooled = core.decide(RequestFacts(model="llama", generates=False, degradable=False, cannable=False))
+    pooled = core.decide(RequestFacts(model="llama", generates=False, cannable=False))
     assert chat.kind == DEGRADE
     assert pooled.kind == REJECT and "cannot serve this endpoint" in pooled.message
 
