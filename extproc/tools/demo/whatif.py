@@ -37,11 +37,13 @@ TICK_S = 0.25  # simulated seconds between core.tick() calls (the ext_proc ticks
 _ITERATION, _SCRAPE, _TICK, _FAULT = range(4)
 
 
-def _facts(kind) -> RequestFacts:
+def _facts(kind, prompt_tokens: int) -> RequestFacts:
     auth = kind.headers.get("Authorization")
+    # A body of the prompt's size, for the core's own prompt estimate (characters / chars_per_token).
+    doc = {"prompt": "x" * (4 * prompt_tokens)}
     return RequestFacts(api_key=presented_key([auth] if auth else [], []),
                         header_class=kind.headers.get("x-priority"), model=kind.model,
-                        max_tokens=kind.max_tokens, stream=kind.stream)
+                        max_tokens=kind.max_tokens, stream=kind.stream, doc=doc)
 
 
 @dataclass
@@ -97,6 +99,7 @@ def what_if(scenario: Scenario, policy_path: str, capacity: float,
         live = [j for j in range(len(engines)) if j not in pool.draining] or range(len(engines))
         i = min(live, key=lambda j: len(engines[j].running) + len(engines[j].waiting))
         seq = engines[i].add_request(prompt, max_tokens, clock[0])
+        record.url = pool_name  # which pool served it (a degrade: not the first)
         owner[(pool.name, i, seq.id)] = (record, ticket)
         kick(pool, i)
 
@@ -121,7 +124,7 @@ def what_if(scenario: Scenario, policy_path: str, capacity: float,
             s.replicas = {f"{name}/{i}": ScrapedReplica(f"{name}/{i}") for i in range(len(pools[name].engines))}
             scrapers[name] = s
             push(0.0, _SCRAPE, name)
-    if any(lim.spec.adaptive.enabled for lim in core.limiters.values()):
+    if core.gates or any(lim.spec.adaptive.enabled for lim in core.limiters.values()):
         push(0.0, _TICK, None)
     for e in scenario.events:
         push(e.at_s, _FAULT, e)
@@ -190,7 +193,7 @@ def what_if(scenario: Scenario, policy_path: str, capacity: float,
         kind = planned.kind
         record = RequestRecord(planned.at, kind.name, "", 0, prompt_tokens=planned.prompt_tokens)
         records.append(record)
-        d = core.decide(_facts(kind))
+        d = core.decide(_facts(kind, planned.prompt_tokens))
         max_tokens = kind.max_tokens or pools[first].profile.default_max_tokens
         if d.kind == QUEUE:
             def done(final, record=record, prompt=planned.prompt_tokens, max_tokens=max_tokens):
