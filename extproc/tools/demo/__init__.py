@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from .modes import DEFAULT_MODES, MODES, parse_modes
+from .modes import DEFAULT_MODES, MODES, parse_modes, with_policies
 from .report import tables, write_report
 from .results import WindowStats, adaptive_targets, targets, window_stats
 from .runner import ModeResult, RunSettings, run_mode
@@ -66,7 +66,7 @@ def what_if_tables(args: argparse.Namespace) -> int:
     """The policies of the ext_proc modes against engine models only (extproc.tools.demo.whatif)."""
     scenario = load_scenario(args)
     capacity = scenario.fleet_capacity()
-    modes = [m for m in parse_modes(args.modes) if m.policy]
+    modes = [m for m in with_policies(parse_modes(args.modes), scenario.policies) if m.policy]
     results = []
     for m in modes:
         res = what_if(scenario, m.policy, capacity)
@@ -80,7 +80,7 @@ def what_if_tables(args: argparse.Namespace) -> int:
 
 async def demo(args: argparse.Namespace, command: str) -> int:
     scenario = load_scenario(args)
-    modes = parse_modes(args.modes)
+    modes = with_policies(parse_modes(args.modes), scenario.policies)
     out = Path(args.out or f"results/{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     capacity = scenario.fleet_capacity()

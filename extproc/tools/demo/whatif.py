@@ -15,7 +15,7 @@ Completions are reported to the core at once (as Envoy's access log does within 
 from __future__ import annotations
 
 import heapq
-import random
+import itertools
 from dataclasses import dataclass
 
 import yaml
@@ -25,7 +25,7 @@ from extproc.policy.classify import presented_key
 from extproc.policy.limits import Completion, LimitFactory, Outcome, default_limit
 from extproc.policy.schema import load_policy
 from extproc.server.saturation import PoolScraper, ScrapedReplica
-from extproc.tools.loadgen import RequestRecord, plan_request, poisson_arrivals
+from extproc.tools.loadgen import PlannedRequest, RequestRecord
 from extproc.tools.sim.engine import Engine
 from extproc.tools.sim.profile import load_profile
 
@@ -37,13 +37,13 @@ TICK_S = 0.25  # simulated seconds between core.tick() calls (the ext_proc ticks
 _ITERATION, _SCRAPE, _TICK, _FAULT = range(4)
 
 
-def _facts(kind, prompt_tokens: int) -> RequestFacts:
+def _facts(kind, prompt_tokens: int, session_id: str | None = None) -> RequestFacts:
     auth = kind.headers.get("Authorization")
     # A body of the prompt's size, for the core's own prompt estimate (characters / chars_per_token).
     doc = {"prompt": "x" * (4 * prompt_tokens)}
     return RequestFacts(api_key=presented_key([auth] if auth else [], []),
                         header_class=kind.headers.get("x-priority"), model=kind.model,
-                        max_tokens=kind.max_tokens, stream=kind.stream, doc=doc)
+                        max_tokens=kind.max_tokens, stream=kind.stream, doc=doc, session_id=session_id)
 
 
 @dataclass
@@ -103,8 +103,10 @@ def what_if(scenario: Scenario, policy_path: str, capacity: float,
         owner[(pool.name, i, seq.id)] = (record, ticket)
         kick(pool, i)
 
-    def refuse(record: RequestRecord, status: int, reason: str) -> None:
+    def refuse(record: RequestRecord, status: int, reason: str, retry_after: float | None = None) -> None:
         record.status, record.latency, record.error = status, clock[0] - record.start, f"refused: {reason}"
+        record.retry_after = retry_after
+        ended(record)
 
     def admitted(record: RequestRecord, d, prompt: int, max_tokens: int) -> None:
         if isinstance(d, Degrade):
@@ -114,7 +116,7 @@ def what_if(scenario: Scenario, policy_path: str, capacity: float,
         elif isinstance(d, Admit):
             start(record, d.ticket, d.cluster or first, prompt, max_tokens)
         else:  # a refusal, or a canned answer (no engine time): its status as the reason table gives it
-            refuse(record, d.status if d.status >= 400 else 200, d.reason)
+            refuse(record, d.status if d.status >= 400 else 200, d.reason, d.retry_after or None)
 
     # Scrapers: the ext_proc's aggregation over the engines' own numbers.
     scrapers = {}
@@ -161,6 +163,7 @@ def what_if(scenario: Scenario, policy_path: str, capacity: float,
                     if ticket is not None:
                         core.finish(ticket)
                         core.report(ticket.id, Completion(Outcome.OK, 200, record.ttft, record.latency))
+                    ended(record)
             core.reap()
             kick(pool, i)
         elif kind == _SCRAPE:
@@ -176,24 +179,37 @@ def what_if(scenario: Scenario, policy_path: str, capacity: float,
             if payload.fault.get("draining"):  # out of the load balancer at once (Envoy: after its health checks)
                 pool.draining.add(payload.replica)
 
-    rng = random.Random(scenario.seed + 1)
-    plans = [plan_request(n, scenario.workload, rng, at)
-             for n, at in enumerate(poisson_arrivals(scenario.schedule(capacity), scenario.seed))]
-    for planned in plans + [None]:
-        horizon = planned.at if planned is not None else float("inf")
-        while events and events[0][0] <= horizon:
-            if planned is None and not owner and events[0][1] != _ITERATION:
+    # Arrivals, earliest first: the scenario's, then each session's next call (or retry) once its previous one
+    # ended (`ended`), `think_s` (or Retry-After) later.
+    arrivals = [(p.at, n, p) for n, p in enumerate(scenario.arrivals(capacity))]
+    sessions: dict[int, PlannedRequest] = {}  # id(record) -> its plan, for session calls
+    arrival_order = itertools.count(len(arrivals))
+
+    def ended(record: RequestRecord) -> None:
+        planned = sessions.pop(id(record), None)
+        following = planned and planned.session.next_call(planned, record, clock[0])
+        if following is not None:
+            heapq.heappush(arrivals, (following.at, next(arrival_order), following))
+
+    while True:
+        while events and events[0][0] <= (arrivals[0][0] if arrivals else float("inf")):
+            if not arrivals and not owner and events[0][1] != _ITERATION:
                 break  # only timers left: done
             clock[0], kind, _, payload = heapq.heappop(events)
             handle(kind, payload)
-        if planned is None:
+        if not arrivals:
             break
+        _, _, planned = heapq.heappop(arrivals)
         clock[0] = planned.at
         core.reap()
         kind = planned.kind
         record = RequestRecord(planned.at, kind.name, "", 0, prompt_tokens=planned.prompt_tokens)
         records.append(record)
-        d = core.decide(_facts(kind, planned.prompt_tokens))
+        if planned.session is not None:
+            record.session, record.call, record.calls = planned.session.id, planned.call, planned.session.calls
+            record.retry = planned.retry
+            sessions[id(record)] = planned
+        d = core.decide(_facts(kind, planned.prompt_tokens, planned.session.id if planned.session else None))
         max_tokens = kind.max_tokens or pools[first].profile.default_max_tokens
         if d.kind == QUEUE:
             def done(final, record=record, prompt=planned.prompt_tokens, max_tokens=max_tokens):
