@@ -9,11 +9,12 @@ first; each class keeps a small guaranteed share (`min_share`, at least one requ
 The limit (PoolLimit) finds its own operating point:
  - the replicas say they are saturated (requests waiting in vLLM, KV cache nearly full, preemptions): cut at
    once to below what is in flight;
- - otherwise each class with an SLO compares the p95 of its *service* time on this pool (the replicas', not our
-   queueing) with `target` x SLO. Over it: cut in proportion (at most `decrease` a step). Under it: the pool
-   can take about in-flight x ratio; the limit rises towards that (at most `max_raise` a step) while it binds,
-   and falls towards it while it does not (a limit far above any load would let a spike's first seconds
-   overfill the pool before any latency showed it).
+ - otherwise each class with an SLO compares a quantile of its *service* time on this pool (the replicas', not
+   our queueing) with `target` x SLO. Over it, and up from the class's calm baseline (load is what slows it):
+   cut in proportion (at most `decrease` a step). Under it, while requests wait for room: raise in proportion
+   to the room left (at most `max_raise` a step). While it does not bind, the limit settles to the recent peak
+   in flight plus headroom (a limit far above any load would let a spike's first seconds overfill the pool
+   before any latency showed it).
 Latency is counted only for requests admitted after the limit was last cut on latency: a cut shows in latency
 seconds later, and one slow period must not cut twice. Raises are small steps for the same reason.
 """
@@ -30,6 +31,13 @@ BINDING = 0.9
 # An idle limit settles to the recent peak in flight plus this much: room for a burst without waiting, close
 # enough that a spike meets the limit before it overfills the pool (latency then says where to go).
 SETTLE_HEADROOM = 0.5
+# Classes below the first fill the limit only this far: the rest is the first class's room for a burst, so at
+# ordinary load it does not wait behind lower classes' long requests that started a moment earlier.
+LOWER_FILL = 0.85
+# Latency over the target is cut for only when it is also this much over the class's calm baseline: requests
+# that are slow at any load (long outputs, long prompts) are not made faster by a lower limit, only refused.
+LOAD_TOLERANCE = 1.2
+BASELINE_DRIFT = 0.01  # per interval: the baseline follows a slower mix within a minute or two
 
 
 class PoolLimit:
@@ -42,6 +50,7 @@ class PoolLimit:
         self.windows = {rank: LatencyWindow(spec.window_s, n_slices=5) for rank in slos}
         self.inflight_avg = 0.0
         self.inflight_peak = 0.0   # the most held at once lately (decays over the window)
+        self.baseline: dict[int, float] = {}  # class rank -> its served quantile when calm
         self.counted_since = -math.inf  # requests admitted before this say nothing about the current limit
         self.last_action = "hold"
         self._last: float | None = None
@@ -53,16 +62,21 @@ class PoolLimit:
         if window is not None and admitted_at >= self.counted_since:
             window.add(now, service_s)
 
-    def latency_ratio(self, now: float) -> float | None:
-        """target x SLO over the served p95, for the class furthest from its target (None: too few samples)."""
-        worst = None
+    def latency_ratio(self, now: float) -> tuple[float | None, bool]:
+        """(target x SLO over the served quantile, for the class furthest from its target (None: too few
+        samples); whether that class's latency is up from its calm baseline, i.e. load is what slows it)."""
+        worst, loaded = None, False
         for rank, window in self.windows.items():
             if window.count(now) < self.spec.min_samples:
                 continue
             served = window.quantile(now, self.spec.quantile)
+            # The calm baseline: the lowest quantile seen, drifting up slowly so a changed mix is followed.
+            base = min(served, self.baseline.get(rank, served) * (1 + BASELINE_DRIFT))
+            self.baseline[rank] = base
             ratio = self.spec.target * self.slos[rank] / max(served, 1e-6)
-            worst = ratio if worst is None else min(worst, ratio)
-        return worst
+            if worst is None or ratio < worst:
+                worst, loaded = ratio, served > base * LOAD_TOLERANCE
+        return worst, loaded
 
     def update(self, now: float, inflight: float, short: bool, saturated: bool | None) -> float:
         """Sample the load; move the limit if an interval has passed. Returns the limit. `short`: a request
@@ -75,13 +89,13 @@ class PoolLimit:
         self._last = now
         avg = self.inflight_avg
         binding = short or inflight >= BINDING * self.limit
-        ratio = self.latency_ratio(now)
+        ratio, loaded = self.latency_ratio(now)
         # Saturation for two moves in a row: a single scrape with a request waiting one engine step behind a
         # long prefill is not a full pool.
         persistent, self._was_saturated = saturated and self._was_saturated, bool(saturated)
         if persistent:
             self._cut(now, min(self.limit, inflight) * spec.decrease, "cut_saturated", clear=False)
-        elif ratio is not None and ratio < 1.0:
+        elif ratio is not None and ratio < 1.0 and loaded:
             self._cut(now, min(self.limit, max(avg, inflight)) * max(ratio, spec.decrease), "cut_latency")
         elif ratio is not None and avg > 0:
             if binding:  # requests wait for room and the latency has some to give: raise, by how much it has
@@ -171,7 +185,7 @@ class PoolGate:
             return True
         if rank > self.squeeze_rank and now < self.squeeze_until:
             return False
-        if self.inflight + units <= self.limit:
+        if self.inflight + units <= (self.limit if rank == 0 else self.limit * LOWER_FILL):
             return True
         self.short = True
         return False
