@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from .baselines import admitter_for
 from .modes import DEFAULT_MODES, MODES, parse_modes
 from .report import tables, write_report
 from .results import WindowStats, adaptive_targets, targets, window_stats
@@ -29,7 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--phase-s", type=float, help="cut every phase to this many simulated seconds (quick looks)")
     p.add_argument("--progress-every", type=float, default=5.0, help="wall seconds between progress lines")
     p.add_argument("--what-if", action="store_true",
-                   help="no processes: run the ext_proc modes' policies against engine models in simulated time "
+                   help="no processes: run every mode (policies through the real core, Envoy-only modes modelled) against "
+                        "engine models in simulated time "
                         "(seconds; for tuning a policy, see docs/demo.md)")
     p.add_argument("--show-limits", action="store_true", help="with --what-if: print every move of adaptive caps")
 
@@ -63,17 +65,17 @@ def print_tables(results: list[ModeResult], scenario: Scenario) -> tuple[dict, d
 
 
 def what_if_tables(args: argparse.Namespace) -> int:
-    """The policies of the ext_proc modes against engine models only (extproc.tools.demo.whatif)."""
+    """Every mode against engine models only (extproc.tools.demo.whatif): the ext_proc modes' policies through the
+    real core, the Envoy-only modes through their models (extproc.tools.demo.baselines)."""
     scenario = load_scenario(args)
     capacity = scenario.fleet_capacity()
-    modes = [m for m in parse_modes(args.modes) if m.policy]
     results = []
-    for m in modes:
-        res = what_if(scenario, m.policy, capacity)
+    for m in parse_modes(args.modes):
+        res = what_if(scenario, admitter_for(m), capacity)
         results.append(ModeResult(m, res.records, 0.0, served_elsewhere=res.served_elsewhere))
         if args.show_limits:
             moves = " ".join(f"{t:.0f}s:" + ",".join(f"{c}={v}" for c, v in lim.items()) for t, lim in res.limits)
-            print(f"{m.key} caps: {moves or '(static)'}")
+            print(f"{m.key} limits: {moves or '(static)'}")
     print_tables(results, scenario)
     return 0
 
