@@ -31,9 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--phase-s", type=float, help="cut every phase to this many simulated seconds (quick looks)")
     p.add_argument("--progress-every", type=float, default=5.0, help="wall seconds between progress lines")
     p.add_argument("--what-if", action="store_true",
-                   help="no processes: run every mode (policies through the real core, Envoy-only modes modelled) against "
-                        "engine models in simulated time "
-                        "(seconds; for tuning a policy, see docs/demo.md)")
+                   help="no processes: every mode against engine models in simulated time (policies through the "
+                        "real core, the Envoy-only modes modelled; seconds; for tuning a policy, see docs/demo.md)")
     p.add_argument("--show-limits", action="store_true", help="with --what-if: print every move of adaptive caps")
 
 
@@ -101,9 +100,10 @@ async def demo(args: argparse.Namespace, command: str) -> int:
         print(f"== mode {mode.key}: {mode.label}", flush=True)
         res = await run_mode(mode, scenario, settings)
         results.append(res)
+        windows = scenario.report_windows()
         parts = [f"{w}: {scenario.slo_class} p99 {s.p99:.2f}s, goodput {s.goodput:.2f}/s full model "
-                 f"+ {s.goodput_degraded:.2f}/s degraded, "
-                 f"{s.tokens_per_s:.0f} tokens/s" for w, s in mode_stats(res, scenario).items() if w in scenario.report_windows()]
+                 f"+ {s.goodput_degraded:.2f}/s degraded, {s.tokens_per_s:.0f} tokens/s"
+                 for w, s in mode_stats(res, scenario).items() if w in windows]
         print(f"== mode {mode.key} done in {res.wall_s:.0f}s: {len(res.records)} requests; " + "; ".join(parts),
               flush=True)
     stats, degraded, found = print_tables(results, scenario)

@@ -245,6 +245,7 @@ def adaptive_targets(stats: dict[str, dict[str, WindowStats]], windows: list[str
             out.append(Target(f"e vs best static ({'/'.join(k for k in static if k in stats)}): full-model interactive "
                               f"goodput ({w}), req/s", e[w].goodput, best, e[w].goodput >= best))
         if "b" in stats:
-            out.append(Target(f"e vs b: full-model interactive goodput ({w}), req/s", e[w].goodput, stats["b"][w].goodput,
-                              e[w].goodput >= stats["b"][w].goodput))
+            b = stats["b"][w].goodput
+            out.append(Target(f"e vs b: full-model interactive goodput ({w}), req/s", e[w].goodput, b,
+                              e[w].goodput >= b))
     return out
