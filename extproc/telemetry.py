@@ -97,6 +97,9 @@ class Telemetry:
         self.session_rejections = _Children(Counter(
             "extproc_session_rejections", "Requests refused by an agent-session budget.", ["tenant", "reason"],
             registry=r))
+        self.pool_yields = _Children(Counter(
+            "extproc_pool_yields", "Times a class's latency breaker would have degraded it on a pool with a "
+            "pool-wide limit, and the lower classes gave way instead.", ["pool", "class"], registry=r))
         self.reloads = _Children(Counter(
             "extproc_config_reload", "Policy reloads by result.", ["result"], registry=r))
         self.reload_ok = Gauge("extproc_config_last_reload_successful", "1 if the last policy reload applied, 0 "
@@ -135,6 +138,9 @@ class Telemetry:
 
     def session_refused(self, tenant: str, reason: str) -> None:
         self.session_rejections[tenant, reason].inc()
+
+    def pool_yielded(self, pool: str, cls: str) -> None:
+        self.pool_yields[pool, cls].inc()
 
     def cost_observed(self, ticket: Ticket, estimated_s: float, actual_s: float) -> None:
         if ticket.usage is not None and ticket.charge is not None:
@@ -285,6 +291,19 @@ class _CoreGauges:
             kv.add_metric([pool], s.kv_usage)
             waiting.add_metric([pool], s.waiting)
         yield from (sat, kv, waiting)
+        limit = GaugeMetricFamily("extproc_pool_limit", "The pool-wide limit now, in its unit (tokens: prompt + "
+                                  "expected output of the requests held; requests).", labels=["pool", "unit"])
+        held = GaugeMetricFamily("extproc_pool_inflight", "What each class holds of the pool-wide limit, in its "
+                                 "unit.", labels=["pool", "unit", "class"])
+        queued = GaugeMetricFamily("extproc_pool_waiting_requests", "Requests queued for the pool, by class.",
+                                   labels=["pool", "class"])
+        for pool, g in list(self._core.gates.items()):
+            unit = g.spec.unit
+            limit.add_metric([pool, unit], g.limit)
+            for cls, units, waiting in zip(g.class_names, g.held, g.waiting):
+                held.add_metric([pool, unit, cls], units)
+                queued.add_metric([pool, cls], waiting)
+        yield from (limit, held, queued)
 
     def _sustained_load(self):
         window = f"{self._sustained.window_s:g}s"

@@ -64,6 +64,7 @@ class AdmissionController:
             st.classifier
         self.cost_models, self.tenant_limits, self.sessions = st.cost_models, st.tenant_limits, st.sessions
         self.clusters = st.clusters
+        self.gates = st.gates  # Envoy cluster -> its pool-wide limit (empty: per-class caps only)
         self._sessions_on = st.sessions.enabled
         self.shadow.configure(policy)
         self._lease_s = policy.lease_ms / 1000.0
@@ -91,7 +92,7 @@ class AdmissionController:
 
     def _retire(self, lim: ClassLimiter, now: float) -> None:
         while lim.queue:
-            w = lim.queue.popleft()
+            w = self._dequeue(lim.queue.popleft())
             self._resolve(w, self._reject(w, 503, R_CLASS_REMOVED, say(R_CLASS_REMOVED, cls=lim.name), now))
         if lim.inflight:
             self._retired.append(lim)
@@ -170,6 +171,8 @@ class AdmissionController:
         trickle = False
         for b in self.pool_breakers(c.cls, cluster):
             allowed, probe = b.allow(now)
+            if not allowed and b.kind == "latency" and self._yield_first(lim, cluster, now, b):
+                continue  # lower classes give way first; the request goes on to the limit
             if not allowed:
                 reason = R_LATENCY_BREAKER if b.kind == "latency" else R_ERROR_BREAKER
                 return self._fallback(lim, c.cls, c.tenant, cluster, reason, now, overflow=False, c=c,
@@ -177,12 +180,29 @@ class AdmissionController:
             trickle = trickle or probe
         return self._limit(c, lim, cluster, now, charge, trickle)
 
+    def _yield_first(self, lim: ClassLimiter, cluster: str, now: float, breaker: Breaker) -> bool:
+        """A latency breaker would send this class elsewhere. On a pool with a pool-wide limit that is the last
+        resort: lower classes holding more than their guarantee yield first (their share shrinks to it for a
+        cooldown), and while the limit itself can still come down, cutting it (the pool's controller sees the
+        same latency) is what restores the latency; the request goes on to the limit instead of degrading."""
+        gate = self.gates.get(cluster) if self.gates else None
+        if gate is None:
+            return False
+        if gate.lower_hold_more_than_guaranteed(lim.rank):
+            gate.squeeze(lim.rank, now + breaker.cooldown_s)
+            self.events.pool_yielded(cluster, lim.name)
+            return True
+        return gate.can_cut()
+
     def _limit(self, c: Classification, lim: ClassLimiter, cluster: str, now: float, charge: Charge,
                trickle: bool) -> Decision:
-        """A slot now, a place in the bounded queue, or overflow."""
-        cost = charge.estimate.gpu_seconds
-        if lim.has_room(cost) and not lim.queue:
-            ticket = self._admit(lim, c.tenant, cluster, now, charge, 0.0)
+        """A slot now (the class's and its pool's), a place in the bounded queue, or overflow."""
+        est = charge.estimate
+        cost = est.gpu_seconds
+        gate = self.gates.get(cluster) if self.gates else None
+        units = gate.units(est.prompt_tokens, est.expected_output) if gate is not None else 0.0
+        if lim.has_room(cost) and not lim.queue and (gate is None or gate.admits(lim.rank, units, now)):
+            ticket = self._admit(lim, c.tenant, cluster, now, charge, 0.0, gate, units)
             ticket.trickle = trickle
             return Admit(R_SLOT_FREE, c.cls, c.tenant, ticket, cluster=cluster, classification=c)
         if lim.queue_has_room() and lim.spec.early_reject and self._cannot_make_it(lim, charge, now):
@@ -193,6 +213,9 @@ class AdmissionController:
             waiter = Waiter(lim, c.tenant, cluster, now, cost)
             waiter.trickle = trickle
             waiter.charge = charge
+            if gate is not None:
+                waiter.gate, waiter.units = gate, units
+                gate.waiting[lim.rank] += 1
             lim.queue.append(waiter)
             self.events.queued(waiter)
             return Queued(R_CLASS_FULL, c.cls, c.tenant, waiter, cluster=cluster, classification=c)
@@ -299,6 +322,7 @@ class AdmissionController:
         lim = waiter.limiter
         try:
             lim.queue.remove(waiter)
+            self._dequeue(waiter)
         except ValueError:
             pass
         waited = now - waiter.enqueued_at
@@ -314,27 +338,52 @@ class AdmissionController:
         return d
 
     def _grant(self, lim: ClassLimiter, now: float) -> None:
-        """Hand free slots to the queue head, in FIFO order, skipping waiters already past their deadline."""
-        while lim.queue and lim.has_room(lim.queue[0].cost):
-            w = lim.queue[0]
+        """Hand free slots to waiters. With pool-wide limits a slot freed on a pool may go to any class: every
+        class is looked at, highest priority first."""
+        if not self.gates:
+            self._grant_class(lim, now, None)
+            return
+        blocked: set[str] = set()  # pools a higher class is waiting for: lower classes get only their guarantee
+        for ranked in self.state.ranked:
+            if ranked.queue:
+                self._grant_class(ranked, now, blocked)
+
+    def _grant_class(self, lim: ClassLimiter, now: float, blocked: set[str] | None) -> None:
+        """FIFO within the class, skipping waiters past their deadline; a waiter whose pool has no room keeps
+        its place and blocks that pool for the rest of this class and the classes below it."""
+        for w in list(lim.queue):
             if w.deadline <= now:
                 self.abandon(w, timed_out=True)
                 continue
+            if not lim.has_room(w.cost):
+                return
+            gate = w.gate
+            if gate is not None and blocked is not None and not gate.guaranteed(lim.rank, w.units):
+                if gate.name in blocked or not gate.fits(lim.rank, w.units, now):
+                    blocked.add(gate.name)
+                    continue
             protector = self.state.saturated_protector(lim.name)
             if protector is not None:
                 self._shed_queue(lim, protector, now)
                 return
-            lim.queue.popleft()
+            lim.queue.remove(w)
+            self._dequeue(w)
             waited = now - w.enqueued_at
             if self.shadow.grant(w, lim, waited):
                 continue
-            ticket = self._admit(lim, w.tenant, w.pool, now, w.charge, waited)
+            ticket = self._admit(lim, w.tenant, w.pool, now, w.charge, waited, gate, w.units)
             ticket.trickle = w.trickle
             self._resolve(w, Admit(R_DEQUEUED, lim.name, w.tenant, ticket, waited_s=waited, cluster=w.pool))
 
+    def _dequeue(self, w: Waiter) -> Waiter:
+        """A waiter left its class queue (granted, refused, shed): it no longer waits for its pool either."""
+        if w.gate is not None:
+            w.gate.waiting[w.limiter.rank] -= 1
+        return w
+
     def _shed_queue(self, lim: ClassLimiter, protector: ClassLimiter, now: float) -> None:
         while lim.queue:
-            w = lim.queue.popleft()
+            w = self._dequeue(lim.queue.popleft())
             self._resolve(w, Refusal(SHED, R_HIGHER_SATURATED, lim.name, w.tenant, 503,
                                      say(R_HIGHER_SATURATED, cls=lim.name, protector=protector.name),
                                      protector.retry_after_s(now, self._retry_ceiling), waited_s=now - w.enqueued_at))
@@ -356,12 +405,14 @@ class AdmissionController:
     # --- taking and giving back a slot (the only two places) ---
 
     def _admit(self, lim: ClassLimiter, tenant: str, pool: str, now: float, charge: Charge | None,
-               waited_s: float) -> Ticket:
+               waited_s: float, gate=None, units: float = 0.0) -> Ticket:
         cost = charge.estimate.gpu_seconds if charge is not None else 0.0
         lim.take(cost)
         lim.pools.add(pool)
         ticket = Ticket(lim, tenant, pool, now, self._lease_s, cost, waited_s)
         ticket.charge = charge
+        if gate is not None:
+            self.hold_pool(ticket, gate, units)
         if charge is not None:
             if charge.tenant is not None:
                 charge.tenant.charge(charge.tokens, now)
@@ -386,12 +437,19 @@ class AdmissionController:
             else:
                 lim.inflight -= 1
                 lim.inflight_cost -= ticket.cost
+            if ticket.gate is not None:
+                ticket.gate.give_back(ticket.rank, ticket.units)
             if charge is not None and charge.session is not None:
                 self.sessions.release(charge.session, ticket.cost)
             if not ran and charge is not None and charge.tenant is not None:
                 charge.tenant.correct(charge.tokens, 0)
         if lim in self._retired and lim.inflight == 0:
             self._retired.remove(lim)
+
+    def hold_pool(self, ticket: Ticket, gate, units: float) -> None:
+        """The ticket holds `units` of its pool's limit (released with its slot)."""
+        ticket.gate, ticket.units, ticket.rank = gate, units, ticket.limiter.rank
+        gate.take(ticket.rank, units)
 
     # --- the end of an admitted request ---
 
@@ -460,6 +518,11 @@ class AdmissionController:
                 lim.limit = new
                 if raised:
                     self._grant(lim, now)
+        raised = False
+        for gate in self.gates.values():
+            raised = gate.update(now, self.saturation.get(gate.name)) or raised
+        if raised:
+            self._grant(self.state.ranked[0], now)
 
     def _class_saturation(self, lim: ClassLimiter) -> PoolSaturation | None:
         """The worst of the pools the class sends to: saturated if any of them is."""

@@ -169,6 +169,8 @@ class AdmissionEvents(Protocol):
     # A tenant rate-limit check: `exceeded` is the limit it is over ("requests" or "tokens"), None if it fits.
     def rate_limit_checked(self, tenant: str, exceeded: str | None) -> None: ...
     def session_refused(self, tenant: str, reason: str) -> None: ...
+    # A latency breaker of `cls` on `pool` would have degraded it; the classes below gave way instead.
+    def pool_yielded(self, pool: str, cls: str) -> None: ...
 
 
 class NoEvents:
@@ -197,4 +199,7 @@ class NoEvents:
         pass
 
     def session_refused(self, tenant: str, reason: str) -> None:
+        pass
+
+    def pool_yielded(self, pool: str, cls: str) -> None:
         pass

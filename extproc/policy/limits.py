@@ -81,7 +81,7 @@ class Ticket:
 
     __slots__ = ("id", "limiter", "cls", "tenant", "pool", "admitted_at", "lease_until", "cost", "closed", "waited_s",
                  "released_at", "stream_outcome", "completion", "trickle", "degraded", "holds_slot", "charge",
-                 "usage")
+                 "usage", "gate", "units", "rank")
 
     def __init__(self, limiter: ClassLimiter, tenant: str, pool: str, now: float, lease_s: float, cost: float,
                  waited_s: float, holds_slot: bool = True):
@@ -103,13 +103,16 @@ class Ticket:
         self.holds_slot = holds_slot    # False for shadow-mode passes that enforce mode would not have admitted
         self.charge: Any = None         # the admission's Charge (estimate, tenant, session) to settle at the end
         self.usage: tuple[int, int] | None = None  # (prompt, completion) tokens, when the response was read
+        self.gate: Any = None           # the PoolGate it holds `units` of (a pool with a pool-wide limit)
+        self.units = 0.0
+        self.rank = 0                   # its class's rank when it took them
 
 
 class Waiter:
     """A request waiting in a class queue. Its result (a Decision) is set exactly once."""
 
     __slots__ = ("limiter", "tenant", "pool", "trickle", "enqueued_at", "deadline", "cost", "result", "on_result",
-                 "charge")
+                 "charge", "gate", "units")
 
     def __init__(self, limiter: ClassLimiter, tenant: str, pool: str, now: float, cost: float):
         self.limiter = limiter
@@ -122,6 +125,8 @@ class Waiter:
         self.result: Any = None
         self.on_result: Callable[[Any], None] | None = None  # notify(): whoever waits for the verdict
         self.charge: Any = None
+        self.gate: Any = None           # the PoolGate it waits for as well as its class (None: class only)
+        self.units = 0.0
 
     @property
     def pending(self) -> bool:
@@ -167,7 +172,8 @@ class DrainRate:
 class ClassLimiter:
     """One class's slots and its bounded FIFO queue. Counts only; the decisions live in admission."""
 
-    __slots__ = ("name", "spec", "limit", "inflight", "inflight_cost", "queue", "drain", "controller", "pools")
+    __slots__ = ("name", "spec", "limit", "inflight", "inflight_cost", "queue", "drain", "controller", "pools",
+                 "rank")
 
     def __init__(self, name: str, spec: ClassSpec):
         self.name = name
@@ -179,6 +185,7 @@ class ClassLimiter:
         self.drain = DrainRate()
         self.controller: Limit = StaticLimit(spec.max_concurrency)  # the algorithm that sets `limit`
         self.pools: set[str] = set()    # pools this class has sent requests to (whose saturation it heeds)
+        self.rank = 0                   # its place in the policy's classes (0: highest priority)
 
     def reconfigure(self, spec: ClassSpec) -> bool:
         """New caps apply to new decisions; slots already held stay held until released. True when the limit

@@ -69,6 +69,8 @@ class PoolLearning:
         limit = t.limiter.controller
         if c.served and type(limit) is not StaticLimit:  # a static cap learns nothing
             limit.observe(c.now, c.latency_s)
+        if c.served and t.gate is not None:  # the pool's service time: our own queueing is not the pool's
+            t.gate.controller.observe(t.rank, t.admitted_at, c.now, c.latency_s - t.waited_s)
         for b in self.pool_breakers(t.cls, t.pool):
             if isinstance(b, LatencyBreaker):
                 # An aborted request's duration is a lower bound: it only counts once it is already too slow.

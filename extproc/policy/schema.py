@@ -99,6 +99,35 @@ class AdaptiveSpec:
 
 
 @dataclass(frozen=True)
+class PoolLimitSpec:
+    """One limit for the whole pool, found from its own saturation and shared by the classes in strict priority
+    (docs/overload.md). Per-class `max_concurrency` stays a bound on each class."""
+
+    enabled: bool = doc("Limit what the pool holds at once, whatever the class; the limit moves by itself.", False)
+    unit: Literal["tokens", "requests"] = doc(
+        "What the limit counts. `tokens`: each request weighs its prompt plus its expected output (its KV-cache "
+        "footprint), so a mix of long prompts holds fewer requests than a short chat mix at the same limit. "
+        "`requests`: each request weighs 1.", "tokens")
+    initial: float | None = doc("Starting limit, in `unit`. Default: `max` (the controller cuts to what the pool "
+                                "holds at the first sign of saturation or latency).", None, minimum=1)
+    min: float = doc("The limit never goes below this (in `unit`; a pool always takes at least one request).",
+                     1.0, minimum=1)
+    max: float = doc("The limit never goes above this (in `unit`).", 1_000_000.0, minimum=1)
+    interval_s: float = doc("How often the limit may move.", 0.5, minimum=0.05)
+    window_s: float = doc("Completed requests the latency p95 is taken over (service time on the pool: our own "
+                          "queueing is left out).", 5.0, minimum=0.5)
+    min_samples: int = doc("Completions the window needs before latency moves the limit.", 10, minimum=1)
+    quantile: float = doc("The served-latency quantile held to the target (0.99: the SLO holds for the slow "
+                          "tail, not only the 95th percentile).", 0.99, minimum=0.5, maximum=0.999)
+    target: float = doc("Aim that quantile of the service time of each class with an SLO at this fraction of "
+                        "its `slo_p95_ms` (the rest is left for the queue wait).", 0.9, minimum=0.1, maximum=1)
+    decrease: float = doc("Deepest cut in one interval (a factor): saturation cuts by it at once, latency over "
+                          "the target cuts in proportion, down to it.", 0.8, minimum=0.1, maximum=0.99)
+    max_raise: float = doc("Largest raise in one interval, as a fraction of the limit.", 0.05, minimum=0.01,
+                           maximum=2)
+
+
+@dataclass(frozen=True)
 class PoolSpec:
     """A model pool's replicas, scraped for vLLM's own saturation signals."""
 
@@ -113,6 +142,7 @@ class PoolSpec:
                               maximum=1)
     waiting_saturated: float = doc("vllm:num_requests_waiting per replica at or above this is saturation.", 1.0,
                                    minimum=0)
+    limit: PoolLimitSpec = doc("The pool-wide limit (off unless enabled).", factory=PoolLimitSpec)
 
 
 @dataclass(frozen=True)
@@ -142,6 +172,10 @@ class ClassSpec:
     vllm_priority: int | None = doc(
         "Set the body's `priority` to this for vLLM started with `--scheduling-policy priority` (lower runs "
         "first). A client-sent `priority` never reaches vLLM either way: it is removed.", None)
+    min_share: float = doc("Under a pool-wide limit (`pools.<name>.limit`): the share of that limit this class "
+                           "may always use, even while higher classes wait. Whatever the share, a class keeps at "
+                           "least one request in flight per pool, so nothing starves.", 0.0, minimum=0,
+                           maximum=1)
     early_reject: bool = doc("Refuse (or fall back) at arrival when the queue ahead, at the class's observed "
                              "drain rate, cannot clear within `max_wait_ms` - instead of letting the request wait "
                              "first and time out.", True)
@@ -528,6 +562,14 @@ def _check_references(p: Policy, errors: list[str]) -> None:
     for name in p.pools:
         if name not in clusters:
             errors.append(f"pools.{name}: no model routes to this cluster (clusters: {', '.join(sorted(clusters))})")
+    for name, pool in p.pools.items():
+        lim = pool.limit
+        if lim.min > lim.max:
+            errors.append(f"pools.{name}.limit.min: above max")
+        if lim.initial is not None and not lim.min <= lim.initial <= lim.max:
+            errors.append(f"pools.{name}.limit.initial: outside min..max")
+    if sum(spec.min_share for spec in p.classes.values()) > 1:
+        errors.append("classes: the min_share of every class add up to more than 1")
     for name, spec in p.classes.items():
         ad = spec.adaptive
         if ad.enabled and not spec.slo_p95_ms:

@@ -60,6 +60,8 @@ class ShadowMode:
         self.places.pop(t.id, None)
         lim.take(w.cost)
         t.cost, t.holds_slot = w.cost, True
+        if w.gate is not None:
+            self.core.hold_pool(t, w.gate, w.units)
         w.result = Admit(R_DEQUEUED, lim.name, w.tenant, t, waited_s=waited_s)
         self.core.events.shadow(lim.name, ACCEPT, R_DEQUEUED)
         return True
@@ -80,5 +82,6 @@ class ShadowMode:
             return
         self.running.pop(id(w), None)
         w.limiter.queue.remove(w)
+        self.core._dequeue(w)
         w.result = Queued(R_ENDED_WHILE_QUEUED, w.limiter.name, ticket.tenant, w)
         self.core.events.shadow(w.limiter.name, QUEUE, R_ENDED_WHILE_QUEUED)

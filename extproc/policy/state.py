@@ -8,6 +8,7 @@ from .breakers import Breaker, ErrorBreaker, LatencyBreaker
 from .classify import Classifier
 from .cost import CostModel
 from .limits import ClassLimiter, LimitFactory, default_limit
+from .pool import PoolGate
 from .ratelimit import SessionBudgets, TenantLimits
 from .schema import ClassSpec, Policy
 
@@ -30,6 +31,8 @@ class PolicyState:
         self.sessions: SessionBudgets | None = None
         self.sheds: dict[str, list[ClassLimiter]] = {}     # protector -> the classes it sheds
         self.shed_by: dict[str, list[ClassLimiter]] = {}   # class -> the classes that shed it
+        self.gates: dict[str, PoolGate] = {}          # Envoy cluster -> its pool-wide limit (pools.<name>.limit)
+        self.ranked: list[ClassLimiter] = []          # the classes' limiters, highest priority first
 
     def apply(self, policy: Policy) -> list[ClassLimiter]:
         """Install a (validated) policy; return the limiters of classes it removed."""
@@ -60,7 +63,29 @@ class PolicyState:
             self.sheds[protector] = [self.limiters[c] for c in shed]
             for c in shed:
                 self.shed_by.setdefault(c, []).append(self.limiters[protector])
+        self.ranked = list(self.limiters.values())
+        for rank, lim in enumerate(self.ranked):
+            lim.rank = rank
+        self.gates = self._gates(policy)
         return [lim for name, lim in old.items() if name not in self.limiters]
+
+    def _gates(self, policy: Policy) -> dict[str, PoolGate]:
+        """A gate per pool with a limit. One whose limit spec and classes are unchanged keeps what it learned and
+        holds; otherwise it starts again (requests held under the old one are given back to it alone)."""
+        slos = {rank: spec.slo_p95_ms / 1000.0 for rank, spec in enumerate(policy.classes.values())
+                if spec.slo_p95_ms}
+        shares = [spec.min_share for spec in policy.classes.values()]
+        gates = {}
+        for name, pool in policy.pools.items():
+            if not pool.limit.enabled:
+                continue
+            gate = self.gates.get(name)
+            if gate is not None and gate.spec == pool.limit and gate.class_names == list(policy.classes):
+                gate.reconfigure(slos, shares)
+            else:
+                gate = PoolGate(name, pool.limit, slos, shares, list(policy.classes))
+            gates[name] = gate
+        return gates
 
     def _limiter(self, lim: ClassLimiter | None, name: str, spec: ClassSpec) -> ClassLimiter:
         if lim is None:

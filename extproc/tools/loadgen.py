@@ -2,12 +2,16 @@
 
 Library: `run_closed_loop`, `run_open_loop`, `summarize`. CLI: `extproc loadgen`. Arrivals, request kinds,
 prompt lengths and abort points come from a seeded RNG, so the same run can be replayed against other targets.
+A kind may be an agent session (`session:`): one arrival starts a loop of calls, each sent when the previous one
+ends plus a think time, its prompt the previous prompt + the previous answer + new tokens (`SessionShape`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
+import itertools
 import json
 import math
 import random
@@ -19,11 +23,69 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from extproc.tools.sim.tokens import chat_content_tokens, filler_text
+from extproc.tools.sim.tokens import FILLER_WORDS, chat_content_tokens, filler_text
 from extproc.tools.stats import percentile
 
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 CLIENT_ERROR = 0  # status recorded when no HTTP status arrived (timeout, refused, aborted by us)
+SESSION_HEADER = "x-session-id"
+RETRYABLE = frozenset({408, 409, 429})  # and every 5xx: what the OpenAI and Anthropic SDKs retry
+RETRY_AFTER_MAX_S = 60.0  # a longer Retry-After is ignored for the backoff, as those SDKs do
+
+
+def sample_count(spec: int | dict, rng: random.Random) -> int:
+    """int: fixed; {"min", "max"}: uniform; {"median", "sigma"[, "max"]}: log-normal (at least 8)."""
+    if isinstance(spec, int):
+        return spec
+    if "median" in spec:
+        value = spec["median"] * math.exp(rng.gauss(0.0, spec.get("sigma", 0.0)))
+        return max(8, min(int(spec.get("max", 1e9)), round(value)))
+    return rng.randint(int(spec["min"]), int(spec["max"]))
+
+
+def mean_count(spec: int | dict) -> float:
+    """The mean of `sample_count` for a fixed or uniform spec."""
+    if isinstance(spec, int):
+        return float(spec)
+    if "median" in spec:
+        raise ValueError(f"a session's `calls` must be an int or {{min, max}}, got {spec}")
+    return (int(spec["min"]) + int(spec["max"])) / 2
+
+
+@dataclass(frozen=True)
+class SessionShape:
+    """An agent session: `calls` sequential calls, `think_s` simulated seconds between one's end and the next.
+
+    Each call's prompt is the previous prompt + the previous call's output + `growth_tokens` new tokens (tool
+    results, the next instruction), trimmed to `max_context_tokens` - max_tokens (frameworks drop the oldest turns
+    when the context is full). A refused call (408, 409, 429, 5xx) is retried up to `retries` times after its
+    Retry-After (at most 60 s; without one, 0.5 s doubling), like the OpenAI and Anthropic SDKs' default
+    max_retries=2; a call that still fails, times out or is aborted ends the session, as the SDK's exception ends
+    an agent run."""
+
+    calls: int | dict = 5
+    think_s: float = 1.0
+    growth_tokens: int | dict = 200
+    retries: int = 2
+    max_context_tokens: int | None = None
+
+    @property
+    def mean_calls(self) -> float:
+        return mean_count(self.calls)
+
+    def next_prompt(self, prompt: int, output_tokens: int, growth: int, max_tokens: int | None) -> int:
+        grown = prompt + output_tokens + growth
+        if self.max_context_tokens is None:
+            return grown
+        return min(grown, self.max_context_tokens - (max_tokens or 0))
+
+    def retry_delay(self, record: RequestRecord, retry: int) -> float | None:
+        """Seconds before retrying this failed call (`retry` retries made so far), or None: the session ends."""
+        if retry >= self.retries or not (record.status in RETRYABLE or record.status >= 500):
+            return None
+        if record.retry_after is not None and 0 < record.retry_after <= RETRY_AFTER_MAX_S:
+            return record.retry_after
+        return min(0.5 * 2 ** retry, 8.0)
 
 
 @dataclass
@@ -42,15 +104,36 @@ class RequestKind:
     headers: dict[str, str] = field(default_factory=dict)
     body: dict = field(default_factory=dict)  # extra JSON fields, e.g. {"priority": 1, "ignore_eos": true}
     abort_prob: float = 0.0  # chance the client gives up early (mid-stream, or before the reply)
+    session: SessionShape | dict | None = None  # an agent session: one arrival, several calls (SessionShape)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.session, dict):
+            self.session = SessionShape(**self.session)
 
     def sample_prompt_tokens(self, rng: random.Random) -> int:
-        spec = self.prompt_tokens
-        if isinstance(spec, int):
-            return spec
-        if "median" in spec:
-            value = spec["median"] * math.exp(rng.gauss(0.0, spec.get("sigma", 0.0)))
-            return max(8, min(int(spec.get("max", 1e9)), round(value)))
-        return rng.randint(int(spec["min"]), int(spec["max"]))
+        return sample_count(self.prompt_tokens, rng)
+
+    @property
+    def mean_calls(self) -> float:
+        """Requests per arrival: 1, or a session's mean number of calls."""
+        return self.session.mean_calls if self.session else 1.0
+
+    def sample_call_prompt(self, rng: random.Random, output_tokens) -> int:
+        """The prompt of a random call of this kind (a session's calls weighted alike); `output_tokens()` draws
+        an earlier call's output length. For the capacity measurement, which has no sessions."""
+        prompt = self.sample_prompt_tokens(rng)
+        shape = self.session
+        if shape is None:
+            return prompt
+        if isinstance(shape.calls, int):
+            calls = shape.calls
+        else:  # a random call falls in a session of n calls with a probability proportional to n
+            sizes = range(int(shape.calls["min"]), int(shape.calls["max"]) + 1)
+            calls = rng.choices(sizes, weights=sizes)[0]
+        for _ in range(rng.randrange(calls)):
+            prompt = shape.next_prompt(prompt, output_tokens(), sample_count(shape.growth_tokens, rng),
+                                       self.max_tokens)
+        return prompt
 
 
 @dataclass
@@ -67,8 +150,8 @@ class Workload:
     def load(cls, path: str) -> Workload:
         return cls.from_dict(yaml.safe_load(Path(path).read_text()))
 
-    def pick(self, rng: random.Random) -> RequestKind:
-        return rng.choices(self.kinds, weights=[k.weight for k in self.kinds])[0]
+    def pick(self, rng: random.Random, weights: list[float] | None = None) -> RequestKind:
+        return rng.choices(self.kinds, weights=weights or [k.weight for k in self.kinds])[0]
 
 
 @dataclass
@@ -80,6 +163,35 @@ class PlannedRequest:
     prompt_tokens: int
     abort_fraction: float | None  # give up after this fraction of max_tokens deltas (or of the timeout)
     at: float = 0.0  # open loop: seconds after the start
+    session: SessionPlan | None = None  # the kind is a session: this is its first call
+    call: int = 0  # the call's index in its session
+    retry: int = 0  # retries of this call so far
+
+
+@dataclass
+class SessionPlan:
+    """What is random about one agent session, drawn up front: its id, number of calls, each call's new tokens."""
+
+    id: str
+    calls: int
+    growth: list[int]  # new tokens before call 1, 2, ...
+
+    def next_call(self, planned: PlannedRequest, record: RequestRecord, at: float) -> PlannedRequest | None:
+        """The call to send after `record` ended (the same call retried, or the next one), or None: the session
+        is over. `at` is when `record` ended; the returned plan's `at` is when to send it."""
+        shape = planned.kind.session
+        if not record.ok:
+            delay = shape.retry_delay(record, planned.retry)
+            if delay is None:
+                return None
+            return PlannedRequest(planned.index, planned.kind, planned.prompt_tokens, planned.abort_fraction,
+                                  at + delay, self, planned.call, planned.retry + 1)
+        if planned.call + 1 >= self.calls:
+            return None
+        prompt = shape.next_prompt(planned.prompt_tokens, record.output_tokens, self.growth[planned.call],
+                                   planned.kind.max_tokens)
+        return PlannedRequest(planned.index, planned.kind, prompt, planned.abort_fraction, at + shape.think_s, self,
+                              planned.call + 1)
 
 
 @dataclass
@@ -98,6 +210,11 @@ class RequestRecord:
     asked_model: str | None = None  # the `model` the request named
     model: str | None = None  # the model that answered, as the response names it (vLLM echoes its served name)
     queued: bool = False  # the admission layer held it in a queue first (x-extproc-queue-wait-ms > 0)
+    retry_after: float | None = None  # the refusal's Retry-After (scaled by time_scale)
+    session: str | None = None  # an agent session's id (the x-session-id header)
+    call: int | None = None  # the call's index in its session, from 0
+    calls: int | None = None  # the calls the session would make if none failed: it completed if call + 1 == calls
+    retry: int = 0  # 0: the call's first attempt
 
     @property
     def ok(self) -> bool:
@@ -109,12 +226,42 @@ class RequestRecord:
         return self.model is not None and self.asked_model is not None and self.model != self.asked_model
 
 
-def plan_request(index: int, workload: Workload, rng: random.Random, at: float = 0.0) -> PlannedRequest:
-    """Draw a request's kind, prompt length and abort point."""
-    kind = workload.pick(rng)
+def plan_request(index: int, workload: Workload, rng: random.Random, at: float = 0.0,
+                 weights: list[float] | None = None) -> PlannedRequest:
+    """Draw a request's kind (by `weights` if given, else the kinds' own), prompt length, abort point, and for a
+    session kind its length and growth."""
+    kind = workload.pick(rng, weights)
     prompt_tokens = kind.sample_prompt_tokens(rng)
     abort = rng.random() if kind.abort_prob > 0 and rng.random() < kind.abort_prob else None
-    return PlannedRequest(index, kind, prompt_tokens, abort, at)
+    session = None
+    if kind.session is not None:
+        calls = max(1, sample_count(kind.session.calls, rng))
+        growth = [sample_count(kind.session.growth_tokens, rng) for _ in range(calls - 1)]
+        session = SessionPlan(f"{kind.name}-{index}", calls, growth)
+    return PlannedRequest(index, kind, prompt_tokens, abort, at, session)
+
+
+def plan_arrivals(workload: Workload, schedule: list[tuple[float, float]], seed: int,
+                  phase_weights: list[dict[str, float]] | None = None) -> list[PlannedRequest]:
+    """Poisson arrivals for phases of (duration_s, requests/s), each drawn up front (replayable by seed).
+
+    Rates count requests: a session kind's arrivals (session starts) are divided by its mean calls, so its
+    calls make up its weight's share of the requests. `phase_weights[i]` (kind name -> factor) multiplies those
+    kinds' rates in phase i, the others' unchanged (a tenant flooding at 5x while the rest keep their rates)."""
+    total = sum(k.weight for k in workload.kinds)
+    per_phase, scaled = [], []
+    for i, (duration, rate) in enumerate(schedule):
+        factors = phase_weights[i] if phase_weights else {}
+        w = [k.weight * factors.get(k.name, 1.0) / k.mean_calls for k in workload.kinds]
+        per_phase.append(w)
+        scaled.append((duration, rate * (sum(w) / total)))  # exactly `rate` for plain kinds and no factors
+    ends = list(itertools.accumulate(d for d, _ in schedule))
+    rng = random.Random(seed + 1)
+    plans = []
+    for n, at in enumerate(poisson_arrivals(scaled, seed)):
+        phase = min(bisect.bisect_right(ends, at), len(ends) - 1)
+        plans.append(plan_request(n, workload, rng, at, per_phase[phase]))
+    return plans
 
 
 def poisson_arrivals(schedule: list[tuple[float, float]], seed: int) -> list[float]:
@@ -134,18 +281,17 @@ def poisson_arrivals(schedule: list[tuple[float, float]], seed: int) -> list[flo
 
 
 class _PromptCache:
-    """Prompt text per (endpoint, length): building filler text is cheap, reusing it is cheaper."""
+    """Prompt text of any length: a slice of one filler text (growing session prompts have many lengths)."""
 
     def __init__(self) -> None:
-        self._cache: dict[tuple[str, int], str] = {}
+        self._filler = ""
 
     def text(self, endpoint: str, prompt_tokens: int) -> str:
-        key = (endpoint, prompt_tokens)
-        text = self._cache.get(key)
-        if text is None:
-            n = chat_content_tokens(prompt_tokens) if endpoint == "chat" else prompt_tokens
-            text = self._cache[key] = filler_text(n)
-        return text
+        n = chat_content_tokens(prompt_tokens) if endpoint == "chat" else prompt_tokens
+        chars = n * len(FILLER_WORDS[0])  # every filler word is one token of the same length
+        if len(self._filler) < chars:
+            self._filler = filler_text(max(n, 2 * len(self._filler) // len(FILLER_WORDS[0])))
+        return self._filler[:chars]
 
 
 class LoadClient:
@@ -196,17 +342,23 @@ class LoadClient:
         start = time.monotonic()
         record = RequestRecord((start - self.t0) * scale, kind.name, url, CLIENT_ERROR,
                                prompt_tokens=planned.prompt_tokens, asked_model=kind.model or self.default_model)
+        headers = kind.headers
+        if planned.session is not None:
+            headers = {**headers, SESSION_HEADER: planned.session.id}
+            record.session, record.call, record.calls = planned.session.id, planned.call, planned.session.calls
+            record.retry = planned.retry
         abort_after_s = None
         if planned.abort_fraction is not None and not kind.stream:
             abort_after_s = planned.abort_fraction * self.timeout_s / 4  # give up some time before the timeout
         try:
             async with asyncio.timeout(abort_after_s if abort_after_s is not None else self.timeout_s):
                 async with self._session.post(url + ENDPOINTS[kind.endpoint], json=self.body(planned),
-                                              headers=kind.headers) as resp:
+                                              headers=headers) as resp:
                     record.status = resp.status
                     record.queued = float(resp.headers.get("x-extproc-queue-wait-ms") or 0) > 0
                     if resp.status != 200:
                         record.error = _error_type(await resp.read())
+                        record.retry_after = _retry_after(resp.headers.get("retry-after"), scale)
                     elif kind.stream:
                         await self._read_stream(resp, planned, record, start)
                     else:
@@ -264,6 +416,14 @@ class LoadClient:
         record.error = "incomplete_stream"
 
 
+def _retry_after(value: str | None, scale: float) -> float | None:
+    """Retry-After in seconds (the delta form; an HTTP date is ignored), scaled like every recorded time."""
+    try:
+        return float(value) * scale if value is not None else None
+    except ValueError:
+        return None
+
+
 def _error_type(body: bytes) -> str:
     try:
         return json.loads(body)["error"]["type"]
@@ -298,11 +458,24 @@ async def run_closed_loop(client: LoadClient, workload: Workload, concurrency: i
     return client.records
 
 
+async def run_session(client: LoadClient, planned: PlannedRequest) -> None:
+    """An agent session from its first call: each next call (or retry) once the previous one ended and its think
+    time (or Retry-After) passed, until the session plan says it is over."""
+    while planned is not None:
+        record = await client.send(planned)
+        ended = (time.monotonic() - client.t0) * client.time_scale
+        following = planned.session.next_call(planned, record, ended)
+        if following is not None:
+            await asyncio.sleep((following.at - ended) / client.time_scale)
+        planned = following
+
+
 async def run_open_loop(client: LoadClient, workload: Workload, schedule: list[tuple[float, float]], seed: int = 0,
-                        max_in_flight: int = 5000) -> list[RequestRecord]:
-    """Poisson arrivals following the rate schedule, whatever the server's speed (requests never wait on it)."""
-    rng = random.Random(seed + 1)
-    plans = [plan_request(i, workload, rng, at) for i, at in enumerate(poisson_arrivals(schedule, seed))]
+                        max_in_flight: int = 5000,
+                        phase_weights: list[dict[str, float]] | None = None) -> list[RequestRecord]:
+    """Poisson arrivals following the rate schedule, whatever the server's speed (arrivals never wait on it; a
+    session's later calls do wait on its earlier ones). `phase_weights`: see `plan_arrivals`."""
+    plans = plan_arrivals(workload, schedule, seed, phase_weights)
     loop_start = time.monotonic()
     tasks: set[asyncio.Task] = set()
     for planned in plans:
@@ -313,7 +486,7 @@ async def run_open_loop(client: LoadClient, workload: Workload, schedule: list[t
             client.records.append(RequestRecord((time.monotonic() - client.t0) * client.time_scale,
                                                 planned.kind.name, "", CLIENT_ERROR, error="client_overload"))
             continue
-        task = asyncio.create_task(client.send(planned))
+        task = asyncio.create_task(client.send(planned) if planned.session is None else run_session(client, planned))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
     if tasks:

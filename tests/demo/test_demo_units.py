@@ -3,7 +3,7 @@
 import pytest
 
 from extproc.policy.schema import load_policy_file
-from extproc.tools.demo.modes import adaptive_knobs, parse_modes, render_policy, scale_durations
+from extproc.tools.demo.modes import MODES, adaptive_knobs, parse_modes, render_policy, scale_durations, with_policies
 from extproc.tools.demo.results import window_stats
 from extproc.tools.demo.scenario import Scenario
 from extproc.tools.loadgen import RequestRecord
@@ -36,7 +36,8 @@ def test_policy_durations_are_divided_by_speed_except_the_lease_and_retry_after(
 
 
 @pytest.mark.parametrize("name", ["policies/demo-static.yaml", "policies/demo-full.yaml",
-                                  "policies/demo-adaptive.yaml"])
+                                  "policies/demo-adaptive.yaml", "policies/agents-static.yaml",
+                                  "policies/agents-full.yaml", "policies/agents-adaptive.yaml"])
 def test_demo_policies_validate_and_render_at_speed(tmp_path, name):
     load_policy_file(name)
     rendered = load_policy_file(str(render_policy(name, 5.0, tmp_path / "p.yaml")))
@@ -149,3 +150,56 @@ def test_without_matplotlib_the_demo_report_still_writes_every_record_and_the_su
     assert len((tmp_path / "records-d.jsonl").read_text().splitlines()) == len(res.records) > 0
     assert (tmp_path / "summary.json").exists() and not (tmp_path / "spike.png").exists()
     assert "plot skipped: matplotlib is not installed" in report.read_text()
+
+
+@pytest.mark.parametrize("name", ["policies/agents-static.yaml", "policies/agents-full.yaml",
+                                  "policies/agents-adaptive.yaml"])
+def test_agent_policies_put_the_agent_class_between_interactive_and_batch_for_the_agents_key(name):
+    from extproc.policy.admission import AdmissionController
+    from extproc.policy.decision import RequestFacts
+
+    p = load_policy_file(name)
+    assert list(p.classes)[:3] == ["interactive", "agent", "batch"]
+    core = AdmissionController(p, clock=lambda: 0.0)
+    d = core.decide(RequestFacts(api_key="sk-agent-1", header_class="interactive", model="llama-70b"))
+    assert d.ticket.cls == "agent"  # the agents tenant cannot claim interactive
+
+
+def test_kv_agents_scenario_has_two_spike_windows_sessions_and_its_own_policies():
+    s = Scenario.load("scenarios/kv-agents.yaml")
+    assert [(p.name, p.rate) for p in s.phases] == [("normal", 0.6), ("spike-1", 2.3), ("dip", 0.6),
+                                                    ("spike-2", 2.8), ("after", 0.6)]
+    assert s.report_windows() == {"spike-1": (60.0, 105.0), "spike-2": (135.0, 180.0)}
+    agent = next(k for k in s.workload.kinds if k.name == "agent")
+    assert agent.session.mean_calls == 7.5 and agent.headers["Authorization"] == "Bearer sk-agent-1"
+    modes = with_policies(parse_modes("a,c,d,e"), s.policies)
+    assert [m.policy for m in modes] == [None, "policies/agents-static.yaml", "policies/agents-full.yaml",
+                                         "policies/agents-adaptive.yaml"]
+    assert with_policies(parse_modes("d"), {}) == [MODES["d"]]
+    with pytest.raises(ValueError, match="ext_proc modes"):
+        with_policies(parse_modes("a"), {"a": "policies/agents-full.yaml"})
+
+
+def test_kv_agents_mix_is_kv_bound_on_the_70b_pool_where_the_spike_mix_is_not():
+    from extproc.tools.demo.capacity import closed_loop_mix
+    from extproc.tools.sim.profile import load_profile
+
+    profile = load_profile("h100-llama70b-awq")
+    kv = closed_loop_mix(profile, Scenario.load("scenarios/kv-agents.yaml").workload, 32, requests=600, seed=19)
+    spike = closed_loop_mix(profile, Scenario.load(SCENARIO).workload, 32, requests=600, seed=19)
+    assert kv.kv_usage > 0.9 and kv.running < 12 and kv.preemptions > 1000  # ~8 of 32 fit in the KV cache
+    assert spike.running > 20 and kv.requests_per_s < spike.requests_per_s / 3
+
+
+def test_what_if_runs_the_kv_agents_scenario_with_its_policies(capsys):
+    import argparse
+
+    from extproc.tools.demo import add_arguments, what_if_tables
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--what-if", "--scenario", "scenarios/kv-agents.yaml", "--modes", "c,d,e",
+                              "--phase-s", "15"])
+    assert what_if_tables(args) == 0
+    out = capsys.readouterr().out
+    assert "(spike-1)" in out and "(spike-2)" in out and "agent rejected / shed / timeout / degraded %" in out

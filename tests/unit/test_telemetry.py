@@ -30,6 +30,7 @@ METRICS = {
     "extproc_config_reload": ("counter", ("result",)),
     "extproc_cost_estimate_error_ratio": ("histogram", ("class",)),
     "extproc_learned_tokens": ("counter", ("model", "kind")),
+    "extproc_pool_yields": ("counter", ("pool", "class")),
     "extproc_queue_entries": ("counter", ("class",)),
     "extproc_queue_wait_seconds": ("histogram", ("class",)),
     "extproc_ratelimit_decisions": ("counter", ("tenant", "kind", "result")),

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from .baselines import admitter_for
-from .modes import DEFAULT_MODES, MODES, parse_modes
+from .modes import DEFAULT_MODES, MODES, parse_modes, with_policies
 from .report import tables, write_report
 from .results import (WindowStats, adaptive_targets, calm_windows, overload_onsets, spike_windows, targets,
                       window_stats)
@@ -72,7 +72,7 @@ def what_if_tables(args: argparse.Namespace) -> int:
     scenario = load_scenario(args)
     capacity = scenario.fleet_capacity()
     results = []
-    for m in parse_modes(args.modes):
+    for m in with_policies(parse_modes(args.modes), scenario.policies):
         res = what_if(scenario, admitter_for(m), capacity)
         results.append(ModeResult(m, res.records, 0.0, served_elsewhere=res.served_elsewhere))
         if args.show_limits:
@@ -84,7 +84,7 @@ def what_if_tables(args: argparse.Namespace) -> int:
 
 async def demo(args: argparse.Namespace, command: str) -> int:
     scenario = load_scenario(args)
-    modes = parse_modes(args.modes)
+    modes = with_policies(parse_modes(args.modes), scenario.policies)
     out = Path(args.out or f"results/{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     capacity = scenario.fleet_capacity()

@@ -21,18 +21,26 @@ class Capacity:
     p50_s: float
     p99_s: float
     preemptions: int
+    kv_usage: float  # mean share of KV blocks in use (per iteration)
+    running: float  # mean sequences running (holding KV), of `concurrency` in the engine
 
 
 def closed_loop_mix(profile: Profile, workload: Workload, concurrency: int, requests: int = 3000,
                     seed: int = 0) -> Capacity:
-    """Keep `concurrency` requests of the mix in one engine; each one finished is replaced at once."""
+    """Keep `concurrency` requests of the mix in one engine; each one finished is replaced at once. A session
+    kind's request is one of its calls, drawn with the context its earlier calls grew (no think time: a closed
+    loop)."""
     engine = Engine(profile, seed=seed)
     rng = random.Random(seed)
     now = 0.0
 
+    def earlier_output() -> int:
+        return profile.natural_output_tokens(rng)
+
     def add() -> None:
         kind = workload.pick(rng)
-        engine.add_request(kind.sample_prompt_tokens(rng), kind.max_tokens or profile.default_max_tokens, now)
+        max_tokens = kind.max_tokens or profile.default_max_tokens
+        engine.add_request(kind.sample_call_prompt(rng, lambda: min(max_tokens, earlier_output())), max_tokens, now)
 
     for _ in range(concurrency):
         add()
@@ -40,8 +48,13 @@ def closed_loop_mix(profile: Profile, workload: Workload, concurrency: int, requ
     finished = 0
     latencies: list[float] = []
     t0, tokens0 = 0.0, 0
+    kv = running = 0.0
     while len(latencies) < requests:
-        now += engine.begin_iteration(now)
+        step = engine.begin_iteration(now)
+        now += step
+        if finished >= warmup:
+            kv += engine.kv_usage * step
+            running += len(engine.running) * step
         for emission in engine.end_iteration(now):
             if emission.finish_reason is None:
                 continue
@@ -54,4 +67,5 @@ def closed_loop_mix(profile: Profile, workload: Workload, concurrency: int, requ
     span = now - t0
     latencies.sort()
     return Capacity(concurrency, len(latencies) / span, (engine.stats.generation_tokens - tokens0) / span,
-                    percentile(latencies, 50), percentile(latencies, 99), engine.stats.preemptions)
+                    percentile(latencies, 50), percentile(latencies, 99), engine.stats.preemptions,
+                    kv / span, running / span)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,15 @@ def parse_modes(text: str) -> list[Mode]:
     if unknown or not keys:
         raise ValueError(f"modes must be a comma-separated subset of {','.join(MODES)}, got {text!r}")
     return [MODES[k] for k in keys]
+
+
+def with_policies(modes: list[Mode], policies: dict[str, str]) -> list[Mode]:
+    """The modes with the policy files a scenario names for them (its `policies:`, mode key -> file)."""
+    wrong = [k for k in policies if k not in MODES or not MODES[k].policy]
+    if wrong:
+        raise ValueError(f"policies: {', '.join(wrong)} are not ext_proc modes "
+                         f"({', '.join(k for k, m in MODES.items() if m.policy)})")
+    return [replace(m, policy=policies[m.key]) if m.key in policies else m for m in modes]
 
 
 def scale_durations(data: Any, speed: float, unscaled: frozenset[str] = UNSCALED_POLICY_KEYS) -> Any:

@@ -12,7 +12,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from extproc.tools.loadgen import LoadClient, RequestRecord, poisson_arrivals, run_open_loop
+from extproc.tools.loadgen import LoadClient, RequestRecord, run_open_loop
 from extproc.tools.stack import Stack
 from extproc.tools.stats import percentile
 
@@ -136,7 +136,7 @@ class Progress:
 async def replay(mode: Mode, scenario: Scenario, stack: Stack, settings: RunSettings) -> ModeResult:
     """Send the scenario's arrivals (same seed for every mode) through `stack`; wait for every request to end."""
     schedule = scenario.schedule(settings.capacity)
-    arrivals = poisson_arrivals(schedule, scenario.seed)
+    arrivals = [p.at for p in scenario.arrivals(settings.capacity)]  # a session counts once: its start
     pids = {p.name: p.popen.pid for p in stack.processes}
     pids["loadgen"] = os.getpid()
     cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
@@ -147,7 +147,8 @@ async def replay(mode: Mode, scenario: Scenario, stack: Stack, settings: RunSett
         progress = asyncio.create_task(Progress(mode, scenario, arrivals, client, settings).run())
         faults = asyncio.create_task(apply_events(scenario, stack, client, settings))
         try:
-            await run_open_loop(client, scenario.workload, schedule, seed=scenario.seed, max_in_flight=MAX_IN_FLIGHT)
+            await run_open_loop(client, scenario.workload, schedule, seed=scenario.seed, max_in_flight=MAX_IN_FLIGHT,
+                                phase_weights=scenario.phase_weights())
         finally:
             progress.cancel()
             faults.cancel()

@@ -1,14 +1,14 @@
-"""The demo scenario YAML: fleet, request mix, load phases (as multiples of fleet capacity), SLO."""
+"""The demo scenario YAML: fleet, request mix, load phases (as multiples of fleet capacity), SLO, policies."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from extproc.tools.loadgen import Workload
+from extproc.tools.loadgen import PlannedRequest, Workload, plan_arrivals
 from extproc.tools.sim.profile import load_profile
 
 from .capacity import closed_loop_mix
@@ -29,6 +29,8 @@ class Phase:
     name: str
     duration_s: float  # simulated seconds
     rate: float  # multiple of the fleet capacity
+    # kind name -> factor on that kind's arrival rate in this phase (the other kinds keep theirs)
+    weights: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,8 @@ class Scenario:
     events: tuple[FleetEvent, ...] = ()
     # Report windows: name -> phases (consecutive) whose started requests are compared; default: the spike phase.
     windows: dict[str, list[str]] | None = None
+    # Mode key -> policy file for this traffic (extproc.tools.demo.modes.MODES' policy where not given).
+    policies: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: str | Path) -> Scenario:
@@ -66,11 +70,18 @@ class Scenario:
     def from_dict(cls, d: dict[str, Any]) -> Scenario:
         pools = [Pool(name, p["profile"], int(p.get("replicas", 1)), list(p.get("model_names", [])))
                  for name, p in d["pools"].items()]
-        phases = [Phase(p["name"], float(p["duration_s"]), float(p["rate"])) for p in d["phases"]]
+        phases = [Phase(p["name"], float(p["duration_s"]), float(p["rate"]),
+                        {k: float(v) for k, v in (p.get("weights") or {}).items()}) for p in d["phases"]]
         if not pools or not phases:
             raise ValueError("a scenario needs at least one pool and one phase")
+        workload = Workload.from_dict(d["workload"])
+        names = {k.name for k in workload.kinds}
+        for p in phases:
+            if set(p.weights) - names:
+                raise ValueError(f"phase {p.name!r}: weights name no kind of the workload: "
+                                 f"{', '.join(sorted(set(p.weights) - names))} (kinds: {', '.join(sorted(names))})")
         return cls(name=d.get("name", "scenario"), description=d.get("description", ""), seed=int(d.get("seed", 0)),
-                   pools=pools, phases=phases, workload=Workload.from_dict(d["workload"]),
+                   pools=pools, phases=phases, workload=workload,
                    slo_class=d.get("slo", {}).get("class", "interactive"),
                    slo_p95_s=float(d.get("slo", {}).get("p95_s", 2.0)),
                    client_timeout_s=float(d.get("client_timeout_s", 60.0)),
@@ -78,11 +89,12 @@ class Scenario:
                    events=tuple(FleetEvent(float(e["at_s"]), e["pool"], int(e.get("replica", 0)),
                                            {k: float(v) for k, v in e["fault"].items()})
                                 for e in d.get("events", [])),
-                   windows={k: list(v) for k, v in d["windows"].items()} if d.get("windows") else None)
+                   windows={k: list(v) for k, v in d["windows"].items()} if d.get("windows") else None,
+                   policies={str(k): str(v) for k, v in (d.get("policies") or {}).items()})
 
     def shortened(self, phase_s: float) -> Scenario:
         """The same scenario with every phase cut to `phase_s` simulated seconds (tests, quick looks)."""
-        phases = [Phase(p.name, phase_s, p.rate) for p in self.phases]
+        phases = [replace(p, duration_s=phase_s) for p in self.phases]
         shortened = Scenario(**{**self.__dict__, "phases": phases})
         # An event keeps its place relative to the phases: the same phase, the same fraction into it.
         events = []
@@ -110,6 +122,14 @@ class Scenario:
     def schedule(self, capacity: float) -> list[tuple[float, float]]:
         """(duration_s, requests/s) per phase, for extproc.tools.loadgen.run_open_loop."""
         return [(p.duration_s, p.rate * capacity) for p in self.phases]
+
+    def phase_weights(self) -> list[dict[str, float]]:
+        """Each phase's per-kind rate factors, for extproc.tools.loadgen.plan_arrivals / run_open_loop."""
+        return [p.weights for p in self.phases]
+
+    def arrivals(self, capacity: float) -> list[PlannedRequest]:
+        """Every arrival of the replay (a session's first call; its later calls follow at run time), by seed."""
+        return plan_arrivals(self.workload, self.schedule(capacity), self.seed, self.phase_weights())
 
     def phase_at(self, t: float) -> Phase:
         start = 0.0

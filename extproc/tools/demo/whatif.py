@@ -12,7 +12,7 @@ scenario's fleet events (a replica slowed down mid-run) are applied to the engin
 from __future__ import annotations
 
 import heapq
-import random
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -24,7 +24,7 @@ from extproc.policy.classify import presented_key
 from extproc.policy.limits import Completion, LimitFactory, Outcome, default_limit
 from extproc.policy.schema import load_policy
 from extproc.server.saturation import PoolScraper, ScrapedReplica
-from extproc.tools.loadgen import CLIENT_ERROR, RequestRecord, plan_request, poisson_arrivals
+from extproc.tools.loadgen import CLIENT_ERROR, PlannedRequest, RequestRecord
 from extproc.tools.sim.engine import Engine
 from extproc.tools.sim.profile import load_profile
 
@@ -36,11 +36,13 @@ TICK_S = 0.25  # simulated seconds between core.tick() calls (the ext_proc ticks
 _ITERATION, _TIMEOUT, _TIMER, _FAULT = range(4)
 
 
-def _facts(kind) -> RequestFacts:
+def _facts(kind, prompt_tokens: int, session_id: str | None = None) -> RequestFacts:
     auth = kind.headers.get("Authorization")
+    # A body of the prompt's size, for the core's own prompt estimate (characters / chars_per_token).
+    doc = {"prompt": "x" * (4 * prompt_tokens)}
     return RequestFacts(api_key=presented_key([auth] if auth else [], []),
                         header_class=kind.headers.get("x-priority"), model=kind.model,
-                        max_tokens=kind.max_tokens, stream=kind.stream)
+                        max_tokens=kind.max_tokens, stream=kind.stream, doc=doc, session_id=session_id)
 
 
 @dataclass
@@ -108,7 +110,7 @@ class PolicyAdmitter:
                                                         "preemptions": float(eng.stats.preemptions)})
                 core.set_saturation(name, s.aggregate(clock()))
             timers.append((spec.scrape_interval_ms / 1000.0, scrape))
-        if any(lim.spec.adaptive.enabled for lim in core.limiters.values()):
+        if core.gates or any(lim.spec.adaptive.enabled for lim in core.limiters.values()):
             def tick() -> None:
                 before = {n: lim.limit for n, lim in core.limiters.items()}
                 core.tick()
@@ -175,12 +177,15 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
         else:
             i = min(live, key=lambda j: len(engines[j].running) + len(engines[j].waiting))
         seq = engines[i].add_request(prompt, max_tokens, clock[0])
+        record.url = pool_name  # which pool served it (a degrade: not the first)
         owner[(pool.name, i, seq.id)] = (record, ticket)
         push(record.start + scenario.client_timeout_s, _TIMEOUT, (pool, i, seq))
         kick(pool, i)
 
-    def refuse(record: RequestRecord, status: int, reason: str) -> None:
+    def refuse(record: RequestRecord, status: int, reason: str, retry_after: float | None = None) -> None:
         record.status, record.latency, record.error = status, clock[0] - record.start, f"refused: {reason}"
+        record.retry_after = retry_after
+        ended(record)
 
     def admitted(record: RequestRecord, d, prompt: int, max_tokens: int) -> None:
         if isinstance(d, Degrade):
@@ -192,7 +197,7 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
             record.model = record.asked_model
             start(record, d.ticket, d.cluster or first, prompt, max_tokens)
         else:  # a refusal, or a canned answer (no engine time): its status as the reason table gives it
-            refuse(record, d.status if d.status >= 400 else 200, d.reason)
+            refuse(record, d.status if d.status >= 400 else 200, d.reason, d.retry_after or None)
 
     for interval, callback in admitter.start(lambda: clock[0], pools):
         push(0.0, _TIMER, (interval, callback))
@@ -214,6 +219,7 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
                     if pool.name != first:
                         pool.finished += 1
                     admitter.ended(ticket, record)
+                    ended(record)
             admitter.reap()
             kick(pool, i)
         elif kind == _TIMEOUT:  # the client gives up and closes its connection: the replica aborts the sequence
@@ -224,6 +230,7 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
                 pool.engines[i].abort(seq, clock[0])
                 record.status, record.latency, record.error = CLIENT_ERROR, scenario.client_timeout_s, "timeout"
                 admitter.ended(ticket, record)
+                ended(record)
                 kick(pool, i)
         elif kind == _TIMER:
             interval, callback = payload
@@ -236,25 +243,38 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
             if payload.fault.get("draining"):  # out of the load balancer at once (Envoy: after its health checks)
                 pool.draining.add(payload.replica)
 
-    rng = random.Random(scenario.seed + 1)
-    plans = [plan_request(n, scenario.workload, rng, at)
-             for n, at in enumerate(poisson_arrivals(scenario.schedule(capacity), scenario.seed))]
-    for planned in plans + [None]:
-        horizon = planned.at if planned is not None else float("inf")
-        while events and events[0][0] <= horizon:
-            if planned is None and not owner and events[0][1] not in (_ITERATION, _TIMEOUT):
+    # Arrivals, earliest first: the scenario's, then each session's next call (or retry) once its previous one
+    # ended (`ended`), `think_s` (or Retry-After) later.
+    arrivals = [(p.at, n, p) for n, p in enumerate(scenario.arrivals(capacity))]
+    sessions: dict[int, PlannedRequest] = {}  # id(record) -> its plan, for session calls
+    arrival_order = itertools.count(len(arrivals))
+
+    def ended(record: RequestRecord) -> None:
+        planned = sessions.pop(id(record), None)
+        following = planned and planned.session.next_call(planned, record, clock[0])
+        if following is not None:
+            heapq.heappush(arrivals, (following.at, next(arrival_order), following))
+
+    while True:
+        while events and events[0][0] <= (arrivals[0][0] if arrivals else float("inf")):
+            if not arrivals and not owner and events[0][1] not in (_ITERATION, _TIMEOUT):
                 break  # only timers left: done
             clock[0], kind, _, payload = heapq.heappop(events)
             handle(kind, payload)
-        if planned is None:
+        if not arrivals:
             break
+        _, _, planned = heapq.heappop(arrivals)
         clock[0] = planned.at
         admitter.reap()
         kind = planned.kind
         record = RequestRecord(planned.at, kind.name, "", 0, prompt_tokens=planned.prompt_tokens,
                                asked_model=kind.model)
         records.append(record)
-        d = admitter.decide(_facts(kind))
+        if planned.session is not None:
+            record.session, record.call, record.calls = planned.session.id, planned.call, planned.session.calls
+            record.retry = planned.retry
+            sessions[id(record)] = planned
+        d = admitter.decide(_facts(kind, planned.prompt_tokens, planned.session.id if planned.session else None))
         max_tokens = kind.max_tokens or pools[first].profile.default_max_tokens
         if d.kind == QUEUE:
             record.queued = True

@@ -1,0 +1,224 @@
+"""One limit per pool, found from the pool's own saturation, shared by the classes in strict priority.
+
+Why one pool limit rather than a cap per class (docs/overload.md): what a pool can take depends on the mix, and
+per-class caps that sum to more than the pool holds let the lower classes fill it while the highest one waits.
+Here the pool has one limit (in KV tokens or requests) and the classes share it by priority: a lower class is
+admitted only while no higher class waits for this pool, so when the pool is short the lower classes yield
+first; each class keeps a small guaranteed share (`min_share`, at least one request) so nothing starves.
+
+The limit (PoolLimit) finds its own operating point:
+ - the replicas say they are saturated (requests waiting in vLLM, KV cache nearly full, preemptions): cut at
+   once to below what is in flight;
+ - otherwise each class with an SLO compares the p95 of its *service* time on this pool (the replicas', not our
+   queueing) with `target` x SLO. Over it: cut in proportion (at most `decrease` a step). Under it: the pool
+   can take about in-flight x ratio; the limit rises towards that (at most `max_raise` a step) while it binds,
+   and falls towards it while it does not (a limit far above any load would let a spike's first seconds
+   overfill the pool before any latency showed it).
+Latency is counted only for requests admitted after the limit was last cut on latency: a cut shows in latency
+seconds later, and one slow period must not cut twice. Raises are small steps for the same reason.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .breakers import LatencyWindow
+from .schema import PoolLimitSpec
+
+# Binding: in-flight at this share of the limit (or a request waiting for the pool) means the limit decides.
+BINDING = 0.9
+# An idle limit settles to the recent peak in flight plus this much: room for a burst without waiting, close
+# enough that a spike meets the limit before it overfills the pool (latency then says where to go).
+SETTLE_HEADROOM = 0.5
+
+
+class PoolLimit:
+    """Where the pool's limit should be, from saturation and the served latency of each class with an SLO."""
+
+    def __init__(self, spec: PoolLimitSpec, slos: dict[int, float]):
+        self.spec = spec
+        self.slos = slos  # class rank -> SLO seconds
+        self.limit = float(spec.initial if spec.initial is not None else spec.max)
+        self.windows = {rank: LatencyWindow(spec.window_s, n_slices=5) for rank in slos}
+        self.inflight_avg = 0.0
+        self.inflight_peak = 0.0   # the most held at once lately (decays over the window)
+        self.counted_since = -math.inf  # requests admitted before this say nothing about the current limit
+        self.last_action = "hold"
+        self._last: float | None = None
+        self._sampled_at: float | None = None
+        self._was_saturated = False
+
+    def observe(self, rank: int, admitted_at: float, now: float, service_s: float) -> None:
+        window = self.windows.get(rank)
+        if window is not None and admitted_at >= self.counted_since:
+            window.add(now, service_s)
+
+    def latency_ratio(self, now: float) -> float | None:
+        """target x SLO over the served p95, for the class furthest from its target (None: too few samples)."""
+        worst = None
+        for rank, window in self.windows.items():
+            if window.count(now) < self.spec.min_samples:
+                continue
+            served = window.quantile(now, self.spec.quantile)
+            ratio = self.spec.target * self.slos[rank] / max(served, 1e-6)
+            worst = ratio if worst is None else min(worst, ratio)
+        return worst
+
+    def update(self, now: float, inflight: float, short: bool, saturated: bool | None) -> float:
+        """Sample the load; move the limit if an interval has passed. Returns the limit. `short`: a request
+        waited for room under the limit since the last move; `saturated`: the replicas' word (None: the pool is
+        not scraped)."""
+        self._sample(now, inflight)
+        spec = self.spec
+        if self._last is not None and now - self._last < spec.interval_s:
+            return self.limit
+        self._last = now
+        avg = self.inflight_avg
+        binding = short or inflight >= BINDING * self.limit
+        ratio = self.latency_ratio(now)
+        # Saturation for two moves in a row: a single scrape with a request waiting one engine step behind a
+        # long prefill is not a full pool.
+        persistent, self._was_saturated = saturated and self._was_saturated, bool(saturated)
+        if persistent:
+            self._cut(now, min(self.limit, inflight) * spec.decrease, "cut_saturated", clear=False)
+        elif ratio is not None and ratio < 1.0:
+            self._cut(now, min(self.limit, max(avg, inflight)) * max(ratio, spec.decrease), "cut_latency")
+        elif ratio is not None and avg > 0:
+            if binding:  # requests wait for room and the latency has some to give: raise, by how much it has
+                step = spec.max_raise * min(1.0, (ratio - 1.0) * 4.0)
+                self.limit = min(spec.max, self.limit * (1 + step))
+                self.last_action = "raise" if step > 0 else "hold"
+            else:
+                # Not binding: come down towards what the load needs, with room for a burst, so that a limit
+                # far above any load cannot let a spike's first seconds overfill the pool.
+                level = self.inflight_peak * (1 + SETTLE_HEADROOM)
+                if level < self.limit:
+                    self.limit = max(spec.min, level)
+                    self.last_action = "settle"
+                else:
+                    self.last_action = "hold"
+        elif binding and not self.windows and saturated is False:  # no class has an SLO: the replicas' word
+            self.limit = min(spec.max, self.limit * (1 + spec.max_raise))
+            self.last_action = "raise"
+        else:
+            self.last_action = "hold"
+        return self.limit
+
+    def _cut(self, now: float, new: float, action: str, clear: bool = True) -> None:
+        self.limit = max(self.spec.min, min(self.limit, new))
+        if clear:
+            self._fresh(now, action)
+        else:
+            self.last_action = action
+
+    def _fresh(self, now: float, action: str) -> None:
+        """Cut on latency: the latency that asked for it must not ask again; only requests admitted from now on
+        count."""
+        self.last_action = action
+        self.counted_since = now
+        for w in self.windows.values():
+            w.clear()
+
+    def _sample(self, now: float, inflight: float) -> None:
+        """In-flight averaged over about the latency window (the load the window's latencies were served at)."""
+        if self._sampled_at is None:
+            self.inflight_avg = inflight
+        else:
+            k = math.exp(-max(now - self._sampled_at, 0.0) / self.spec.window_s)
+            self.inflight_avg = k * self.inflight_avg + (1 - k) * inflight
+            self.inflight_peak = max(inflight, k * self.inflight_peak + (1 - k) * inflight)
+        self._sampled_at = now
+
+
+class PoolGate:
+    """One pool's limit and what each class holds of it; classes are ranked (0 = highest priority)."""
+
+    def __init__(self, name: str, spec: PoolLimitSpec, slos: dict[int, float], min_shares: list[float],
+                 class_names: list[str]):
+        self.name = name
+        self.class_names = class_names         # by rank: a reload keeps this gate only for the same classes
+        self.spec = spec
+        self.tokens = spec.unit == "tokens"
+        self.controller = PoolLimit(spec, slos)
+        self.limit = self.controller.limit
+        self.inflight = 0.0                    # units held, every class
+        self.held = [0.0] * len(min_shares)    # units held per class rank
+        self.count = [0] * len(min_shares)     # requests held per class rank
+        self.waiting = [0] * len(min_shares)   # requests queued for this pool per class rank
+        self.short = False                     # a request waited for room under the limit since the last move
+        self.min_shares = min_shares
+        self.squeeze_rank = len(min_shares)    # classes ranked below this get only their guarantee...
+        self.squeeze_until = -math.inf         # ...until then (a latency breaker of a higher class asked)
+
+    def reconfigure(self, slos: dict[int, float], min_shares: list[float]) -> None:
+        """A reload kept the limit spec and the classes: keep the learned limit and what is held."""
+        self.controller.slos = slos
+        self.controller.windows = {r: self.controller.windows.get(r) or LatencyWindow(self.spec.window_s, 5)
+                                   for r in slos}
+        self.min_shares = min_shares
+
+    def units(self, prompt_tokens: int, expected_output: float) -> float:
+        """What one request weighs against the limit."""
+        return float(prompt_tokens + expected_output) if self.tokens else 1.0
+
+    def guaranteed(self, rank: int, units: float) -> bool:
+        """Within the class's own share: admitted whatever waits above it."""
+        return self.count[rank] == 0 or self.held[rank] + units <= self.min_shares[rank] * self.limit
+
+    def fits(self, rank: int, units: float, now: float) -> bool:
+        """Room for this request now, before looking at who waits (see admits)."""
+        if self.guaranteed(rank, units):
+            return True
+        if rank > self.squeeze_rank and now < self.squeeze_until:
+            return False
+        if self.inflight + units <= self.limit:
+            return True
+        self.short = True
+        return False
+
+    def waiting_above(self, rank: int) -> bool:
+        for r in range(rank):
+            if self.waiting[r]:
+                return True
+        return False
+
+    def admits(self, rank: int, units: float, now: float) -> bool:
+        """Strict priority: a class goes ahead of nobody who waits above it, except within its guarantee."""
+        if self.guaranteed(rank, units):
+            return True
+        return not self.waiting_above(rank) and self.fits(rank, units, now)
+
+    def can_cut(self) -> bool:
+        """Whether the limit has room to come down: latency trouble is then the limit's to fix, not a degrade's."""
+        return self.limit > self.spec.min
+
+    def lower_hold_more_than_guaranteed(self, rank: int) -> bool:
+        """Whether a class below `rank` holds more than its guarantee: what yielding could still free."""
+        for r in range(rank + 1, len(self.count)):
+            if self.count[r] > 1 and self.held[r] > self.min_shares[r] * self.limit:
+                return True
+        return False
+
+    def squeeze(self, rank: int, until: float) -> None:
+        """Classes below `rank` get only their guarantee until `until` (their running requests finish)."""
+        self.squeeze_rank = min(self.squeeze_rank, rank) if until <= self.squeeze_until else rank
+        self.squeeze_until = max(self.squeeze_until, until)
+
+    def take(self, rank: int, units: float) -> None:
+        self.inflight += units
+        self.held[rank] += units
+        self.count[rank] += 1
+
+    def give_back(self, rank: int, units: float) -> None:
+        self.inflight -= units
+        self.held[rank] -= units
+        self.count[rank] -= 1
+
+    def update(self, now: float, saturation) -> bool:
+        """Move the limit (tick). True when it rose: waiters may fit now."""
+        before = self.limit
+        saturated = None if saturation is None else saturation.saturated
+        self.limit = self.controller.update(now, self.inflight, self.short, saturated)
+        if self.controller._last == now:
+            self.short = False
+        return self.limit > before
