@@ -207,6 +207,9 @@ class RequestRecord:
     output_tokens: int = 0
     prompt_tokens: int = 0
     error: str | None = None
+    asked_model: str | None = None  # the `model` the request named
+    model: str | None = None  # the model that answered, as the response names it (vLLM echoes its served name)
+    queued: bool = False  # the admission layer held it in a queue first (x-extproc-queue-wait-ms > 0)
     retry_after: float | None = None  # the refusal's Retry-After (scaled by time_scale)
     session: str | None = None  # an agent session's id (the x-session-id header)
     call: int | None = None  # the call's index in its session, from 0
@@ -216,6 +219,11 @@ class RequestRecord:
     @property
     def ok(self) -> bool:
         return self.status == 200 and self.error is None
+
+    @property
+    def degraded(self) -> bool:
+        """Answered by another model than the one asked for (a degrade to a smaller model's pool)."""
+        return self.model is not None and self.asked_model is not None and self.model != self.asked_model
 
 
 def plan_request(index: int, workload: Workload, rng: random.Random, at: float = 0.0,
@@ -333,7 +341,7 @@ class LoadClient:
         scale = self.time_scale
         start = time.monotonic()
         record = RequestRecord((start - self.t0) * scale, kind.name, url, CLIENT_ERROR,
-                               prompt_tokens=planned.prompt_tokens)
+                               prompt_tokens=planned.prompt_tokens, asked_model=kind.model or self.default_model)
         headers = kind.headers
         if planned.session is not None:
             headers = {**headers, SESSION_HEADER: planned.session.id}
@@ -347,6 +355,7 @@ class LoadClient:
                 async with self._session.post(url + ENDPOINTS[kind.endpoint], json=self.body(planned),
                                               headers=headers) as resp:
                     record.status = resp.status
+                    record.queued = float(resp.headers.get("x-extproc-queue-wait-ms") or 0) > 0
                     if resp.status != 200:
                         record.error = _error_type(await resp.read())
                         record.retry_after = _retry_after(resp.headers.get("retry-after"), scale)
@@ -354,6 +363,7 @@ class LoadClient:
                         await self._read_stream(resp, planned, record, start)
                     else:
                         data = await resp.json()
+                        record.model = data.get("model")
                         record.output_tokens = data.get("usage", {}).get("completion_tokens", 0)
                         record.ttft = (time.monotonic() - start) * scale
         except TimeoutError:
@@ -383,6 +393,8 @@ class LoadClient:
                 if event == b"data: [DONE]":
                     record.output_tokens = usage_tokens if usage_tokens is not None else deltas
                     return
+                if record.model is None and b'"model"' in event:  # every chunk names it: read the first
+                    record.model = json.loads(event[6:]).get("model")
                 if b'"choices":[]' in event or b'"error"' in event:
                     data = json.loads(event[6:])
                     if "error" in data:

@@ -10,9 +10,11 @@ import sys
 import time
 from pathlib import Path
 
+from .baselines import admitter_for
 from .modes import DEFAULT_MODES, MODES, parse_modes, with_policies
 from .report import tables, write_report
-from .results import WindowStats, adaptive_targets, targets, window_stats
+from .results import (WindowStats, adaptive_targets, calm_windows, overload_onsets, spike_windows, targets,
+                      window_stats)
 from .runner import ModeResult, RunSettings, run_mode
 from .scenario import Scenario
 from .whatif import what_if
@@ -29,17 +31,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--phase-s", type=float, help="cut every phase to this many simulated seconds (quick looks)")
     p.add_argument("--progress-every", type=float, default=5.0, help="wall seconds between progress lines")
     p.add_argument("--what-if", action="store_true",
-                   help="no processes: run the ext_proc modes' policies against engine models in simulated time "
-                        "(seconds; for tuning a policy, see docs/demo.md)")
+                   help="no processes: every mode against engine models in simulated time (policies through the "
+                        "real core, the Envoy-only modes modelled; seconds; for tuning a policy, see docs/demo.md)")
     p.add_argument("--show-limits", action="store_true", help="with --what-if: print every move of adaptive caps")
 
 
 def mode_stats(res: ModeResult, scenario: Scenario) -> dict[str, WindowStats]:
     """The mode's numbers in each of the scenario's report windows (default: the spike) and over the whole run."""
-    windows = {**scenario.report_windows(), "overall": (0.0, scenario.duration_s)}
+    windows = {**scenario.report_windows(), **calm_windows(scenario), "overall": (0.0, scenario.duration_s)}
     has_extproc = res.mode.stack_mode == "extproc"
+    onsets = overload_onsets(scenario)
     return {name: window_stats(res.records, w, scenario.slo_class, scenario.slo_p95_s, scenario.client_timeout_s,
-                               has_extproc) for name, w in windows.items()}
+                               has_extproc, tuple(t for t in onsets if w[0] <= t < w[1]) or (w[0],))
+            for name, w in windows.items()}
 
 
 def load_scenario(args: argparse.Namespace) -> Scenario:
@@ -49,10 +53,10 @@ def load_scenario(args: argparse.Namespace) -> Scenario:
 
 def print_tables(results: list[ModeResult], scenario: Scenario) -> tuple[dict, dict, list]:
     stats = {r.mode.key: mode_stats(r, scenario) for r in results}
-    degraded = {r.mode.key: 100.0 * r.served_elsewhere / max(1, len(r.records)) for r in results}
-    names = list(scenario.report_windows())
-    found = targets({k: v[names[0]] for k, v in stats.items()}, scenario.slo_p95_s) if names == ["spike"] else []
-    found += adaptive_targets(stats, names, scenario.slo_p95_s)
+    degraded = {r.mode.key: 100.0 * sum(1 for x in r.records if x.ok and x.degraded) / max(1, len(r.records))
+                for r in results}
+    found = targets(stats, list(spike_windows(scenario)), list(calm_windows(scenario)), scenario.slo_p95_s)
+    found += adaptive_targets(stats, list(scenario.report_windows()), scenario.slo_p95_s)
     print()
     print(tables(stats, {r.mode.key: r.mode.label for r in results}, scenario, degraded))
     if found:
@@ -63,17 +67,17 @@ def print_tables(results: list[ModeResult], scenario: Scenario) -> tuple[dict, d
 
 
 def what_if_tables(args: argparse.Namespace) -> int:
-    """The policies of the ext_proc modes against engine models only (extproc.tools.demo.whatif)."""
+    """Every mode against engine models only (extproc.tools.demo.whatif): the ext_proc modes' policies through the
+    real core, the Envoy-only modes through their models (extproc.tools.demo.baselines)."""
     scenario = load_scenario(args)
     capacity = scenario.fleet_capacity()
-    modes = [m for m in with_policies(parse_modes(args.modes), scenario.policies) if m.policy]
     results = []
-    for m in modes:
-        res = what_if(scenario, m.policy, capacity)
+    for m in with_policies(parse_modes(args.modes), scenario.policies):
+        res = what_if(scenario, admitter_for(m), capacity)
         results.append(ModeResult(m, res.records, 0.0, served_elsewhere=res.served_elsewhere))
         if args.show_limits:
             moves = " ".join(f"{t:.0f}s:" + ",".join(f"{c}={v}" for c, v in lim.items()) for t, lim in res.limits)
-            print(f"{m.key} caps: {moves or '(static)'}")
+            print(f"{m.key} limits: {moves or '(static)'}")
     print_tables(results, scenario)
     return 0
 
@@ -96,8 +100,10 @@ async def demo(args: argparse.Namespace, command: str) -> int:
         print(f"== mode {mode.key}: {mode.label}", flush=True)
         res = await run_mode(mode, scenario, settings)
         results.append(res)
-        parts = [f"{w}: {scenario.slo_class} p99 {s.p99:.2f}s, goodput {s.goodput:.2f}/s, "
-                 f"{s.tokens_per_s:.0f} tokens/s" for w, s in mode_stats(res, scenario).items() if w != "overall"]
+        windows = scenario.report_windows()
+        parts = [f"{w}: {scenario.slo_class} p99 {s.p99:.2f}s, goodput {s.goodput:.2f}/s full model "
+                 f"+ {s.goodput_degraded:.2f}/s degraded, {s.tokens_per_s:.0f} tokens/s"
+                 for w, s in mode_stats(res, scenario).items() if w in windows]
         print(f"== mode {mode.key} done in {res.wall_s:.0f}s: {len(res.records)} requests; " + "; ".join(parts),
               flush=True)
     stats, degraded, found = print_tables(results, scenario)

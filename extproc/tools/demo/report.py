@@ -42,30 +42,46 @@ def latency_table(stats: dict[str, dict[str, WindowStats]], labels: dict[str, st
 
 def throughput_table(stats: dict[str, dict[str, WindowStats]], labels: dict[str, str], slo_class: str,
                      slo_s: float, window: str = "spike") -> str:
-    rows = [f"| mode | {slo_class} goodput req/s, ≤ {slo_s:g} s ({window}) | vs a | goodput (overall) | vs a "
-            f"| output tokens/s ({window}) | vs a | tokens/s (overall) | vs a |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    base = stats.get("a")
+    """Goodput and output tokens, the full model (the one asked for) apart from degraded answers (another)."""
+    rows = [f"| mode | {slo_class} goodput ≤ {slo_s:g} s, full model, req/s ({window}) | vs a | + degraded "
+            f"| full model (overall) | + degraded | useful tokens/s, full model ({window}) | vs a | + degraded "
+            f"| all output tokens/s ({window}) |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    base = stats.get("a", {}).get(window)
     for key, w in stats.items():
         s, o = w[window], w["overall"]
-        bs, bo = (base[window], base["overall"]) if base else (None, None)
-        rows.append(f"| {key}: {labels[key]} | {s.goodput:.2f} | {_ratio(s.goodput, bs.goodput) if bs else '–'} "
-                    f"| {o.goodput:.2f} | {_ratio(o.goodput, bo.goodput) if bo else '–'} "
-                    f"| {s.tokens_per_s:.0f} | {_ratio(s.tokens_per_s, bs.tokens_per_s) if bs else '–'} "
-                    f"| {o.tokens_per_s:.0f} | {_ratio(o.tokens_per_s, bo.tokens_per_s) if bo else '–'} |")
+        rows.append(f"| {key}: {labels[key]} | {s.goodput:.2f} | {_ratio(s.goodput, base.goodput) if base else '–'} "
+                    f"| {s.goodput_degraded:.2f} | {o.goodput:.2f} | {o.goodput_degraded:.2f} "
+                    f"| {s.useful_tokens_per_s:.0f} "
+                    f"| {_ratio(s.useful_tokens_per_s, base.useful_tokens_per_s) if base else '–'} "
+                    f"| {s.degraded_tokens_per_s:.0f} | {s.tokens_per_s:.0f} |")
+    return "\n".join(rows)
+
+
+def class_goodput_table(stats: dict[str, dict[str, WindowStats]], labels: dict[str, str], slo_class: str,
+                        slo_s: float, window: str = "spike") -> str:
+    """Completions per second per class, full model / degraded (the SLO class: within the SLO)."""
+    classes = sorted({c for w in stats.values() for c in w[window].goodput_by_class})
+    head = " | ".join(f"{c}{f' ≤ {slo_s:g} s' if c == slo_class else ''} full / degraded req/s" for c in classes)
+    rows = [f"| mode ({window}) | {head} |", "|---|" + "---:|" * len(classes)]
+    for key, w in stats.items():
+        by = w[window].goodput_by_class
+        rows.append(f"| {key}: {labels[key]} | " + " | ".join(
+            f"{by.get(c, {}).get('full', 0.0):.2f} / {by.get(c, {}).get('degraded', 0.0):.2f}" for c in classes) + " |")
     return "\n".join(rows)
 
 
 def outcome_table(stats: dict[str, dict[str, WindowStats]], labels: dict[str, str],
                   degraded: dict[str, float]) -> str:
     classes = sorted({c for w in stats.values() for c in w["overall"].outcomes})
-    head = " | ".join(f"{c} rejected / shed / timeout %" for c in classes)
+    head = " | ".join(f"{c} rejected / shed / timeout / degraded %" for c in classes)
     rows = [f"| mode | {head} | degraded % (all) |", "|---|" + "---|" * len(classes) + "---:|"]
     for key, w in stats.items():
         cells = []
         for c in classes:
             o = w["overall"].outcomes.get(c, {})
-            cells.append(f"{o.get('rejected', 0):.1f} / {o.get('shed', 0):.1f} / {o.get('timeout', 0):.1f}")
+            cells.append(f"{o.get('rejected', 0):.1f} / {o.get('shed', 0):.1f} / {o.get('timeout', 0):.1f} "
+                         f"/ {o.get('degraded', 0):.1f}")
         rows.append(f"| {key}: {labels[key]} | " + " | ".join(cells) + f" | {degraded.get(key, 0.0):.1f} |")
     return "\n".join(rows)
 
@@ -119,7 +135,8 @@ def tables(stats, labels, scenario: Scenario, degraded: dict[str, float]) -> str
     parts = []
     for window in scenario.report_windows():
         parts += [latency_table(stats, labels, scenario.slo_class, window),
-                  throughput_table(stats, labels, scenario.slo_class, scenario.slo_p95_s, window)]
+                  throughput_table(stats, labels, scenario.slo_class, scenario.slo_p95_s, window),
+                  class_goodput_table(stats, labels, scenario.slo_class, scenario.slo_p95_s, window)]
     return "\n\n".join(parts + [outcome_table(stats, labels, degraded)])
 
 
@@ -131,6 +148,8 @@ def _window_sections(stats, labels, scenario: Scenario) -> str:
 {latency_table(stats, labels, scenario.slo_class, window)}
 
 {throughput_table(stats, labels, scenario.slo_class, scenario.slo_p95_s, window)}
+
+{class_goodput_table(stats, labels, scenario.slo_class, scenario.slo_p95_s, window)}
 """)
     return "\n".join(out)
 
@@ -164,7 +183,10 @@ Scenario `{scenario.name}`: {phases}. Fleet capacity {capacity:.1f} requests/s. 
 {scenario.slo_p95_s:g} s end to end. Every number is measured by the load generator (client side) and given in
 simulated seconds (wall time × {speed:g}). Latency percentiles cover requests the fleet took on (completed, or
 timed out after {scenario.client_timeout_s:g} s, counted at the timeout); refused requests are counted separately.
-Each window counts the requests started in it.{events}
+Each window counts the requests started in it. "Full model": answered by the model the client asked for (the
+response's `model`); "degraded": by another (the small model's pool). Goodput and the targets count the full
+model; degraded answers are shown beside them. Useful tokens: output tokens of completed requests, the
+{scenario.slo_class} class's only within the SLO.{events}
 
 {picture}
 

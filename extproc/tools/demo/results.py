@@ -2,27 +2,57 @@
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 from extproc.tools.loadgen import RequestRecord
 from extproc.tools.stats import percentile
 
+from .scenario import Scenario
+
 REFUSED = (429, 503)
+
+
+ROLLING_S = 10.0  # the SLO holds in every window this long inside a report window ...
+ONSET_S = 5.0  # ... and in the first seconds of every overload
+ROLLING_STEP_S = 1.0
+OVERLOAD = 1.0  # a phase above the fleet's capacity is an overload (a spike)
+CALM = 0.6  # at or below this share of capacity, nothing may be refused or degraded
+TOKENS_VS_A = 0.96  # our full-model useful output tokens/s against no control's, during a spike
 
 
 @dataclass
 class WindowStats:
-    """One mode over one time window (requests grouped by start time; tokens by end time)."""
+    """One mode over one time window (requests grouped by start time; tokens by end time).
+
+    "Full model": answered by the model the client asked for; "degraded": by another (a degrade to a smaller
+    model's pool). The issue's targets are stated on the full model; degraded answers are a bonus beside them."""
 
     p50: float
     p95: float
     p99: float
     ttft_p99: float
-    goodput: float  # SLO-class completions within the SLO per second
+    goodput: float  # SLO-class completions within the SLO by the full model, per second
+    goodput_degraded: float  # SLO-class completions within the SLO by another model, per second
     tokens_per_s: float  # output tokens of completed requests (every class) that ended in the window, per second
+    # Useful output tokens/s: of completed requests, the SLO class's only when within the SLO; full model / other
+    useful_tokens_per_s: float
+    degraded_tokens_per_s: float
     requests: int
-    # class -> outcome -> percent of that class's requests: rejected, shed, timeout, error
+    # class -> outcome -> percent of that class's requests: rejected, shed, timeout, error, degraded
     outcomes: dict[str, dict[str, float]] = field(default_factory=dict)
+    # class -> {"full": ..., "degraded": ...} completions per second (the SLO class: within the SLO)
+    goodput_by_class: dict[str, dict[str, float]] = field(default_factory=dict)
+    # The SLO class's worst p99 over every ROLLING_S window inside this one and the first ONSET_S of each
+    # overload in it, and where that window starts (NaN/None when nothing was served)
+    p99_worst_window: float = float("nan")
+    p99_worst_window_at: float | None = None
+    refused: int = 0  # requests of every class refused (429/503)
+    degraded: int = 0  # requests of every class answered by another model
+    # When the first SLO-class request answered by another model, and the first request of another class refused
+    # or queued, arrived (None: none did): lower classes must be held back before the SLO class is degraded
+    first_degraded_at: float | None = None
+    first_other_held_at: float | None = None
 
 
 def served_latency(r: RequestRecord, timeout_s: float) -> float | None:
@@ -54,21 +84,61 @@ def outcome(r: RequestRecord, has_extproc: bool) -> str:
 
 
 def window_stats(records: list[RequestRecord], window: tuple[float, float], slo_class: str, slo_s: float,
-                 timeout_s: float, has_extproc: bool) -> WindowStats:
+                 timeout_s: float, has_extproc: bool, onsets: tuple[float, ...] | None = None) -> WindowStats:
+    """`onsets`: times inside the window where an overload starts (default: the window's start)."""
     t0, t1 = window
     span = t1 - t0
     started = [r for r in records if t0 <= r.start < t1]
     slo = [r for r in started if r.kind == slo_class]
     latencies = sorted(x for x in (served_latency(r, timeout_s) for r in slo) if x is not None)
     ttfts = sorted(x for x in (first_token(r, timeout_s) for r in slo) if x is not None)
-    good = sum(1 for r in slo if r.ok and r.latency <= slo_s)
-    tokens = sum(r.output_tokens for r in records if r.ok and t0 <= r.start + r.latency < t1)
+    good = [r for r in slo if r.ok and r.latency <= slo_s]
+    ended = [r for r in records if r.ok and t0 <= r.start + r.latency < t1]
+    useful = [r for r in ended if r.kind != slo_class or r.latency <= slo_s]
     outcomes: dict[str, dict[str, float]] = {}
+    by_class: dict[str, dict[str, float]] = {}
     for cls in sorted({r.kind for r in started}):
-        mine = [outcome(r, has_extproc) for r in started if r.kind == cls]
-        outcomes[cls] = {k: 100.0 * mine.count(k) / len(mine) for k in ("rejected", "shed", "timeout", "error")}
-    return WindowStats(percentile(latencies, 50), percentile(latencies, 95), percentile(latencies, 99),
-                       percentile(ttfts, 99), good / span, tokens / span, len(started), outcomes)
+        mine = [r for r in started if r.kind == cls]
+        kinds = [outcome(r, has_extproc) for r in mine]
+        outcomes[cls] = {k: 100.0 * kinds.count(k) / len(mine) for k in ("rejected", "shed", "timeout", "error")}
+        outcomes[cls]["degraded"] = 100.0 * sum(1 for r in mine if r.ok and r.degraded) / len(mine)
+        done = [r for r in mine if r.ok and (cls != slo_class or r.latency <= slo_s)]
+        by_class[cls] = {"full": sum(1 for r in done if not r.degraded) / span,
+                         "degraded": sum(1 for r in done if r.degraded) / span}
+    worst, worst_at = worst_window_p99(slo, window, (t0,) if onsets is None else onsets, timeout_s)
+    degraded_slo = sorted(r.start for r in slo if r.ok and r.degraded)
+    held = sorted(r.start for r in started if r.kind != slo_class and (r.status in REFUSED or r.queued))
+    return WindowStats(
+        percentile(latencies, 50), percentile(latencies, 95), percentile(latencies, 99), percentile(ttfts, 99),
+        sum(1 for r in good if not r.degraded) / span, sum(1 for r in good if r.degraded) / span,
+        sum(r.output_tokens for r in ended) / span,
+        sum(r.output_tokens for r in useful if not r.degraded) / span,
+        sum(r.output_tokens for r in useful if r.degraded) / span,
+        len(started), outcomes, by_class, worst, worst_at,
+        refused=sum(1 for r in started if r.status in REFUSED), degraded=sum(1 for r in started if r.ok and r.degraded),
+        first_degraded_at=degraded_slo[0] if degraded_slo else None, first_other_held_at=held[0] if held else None)
+
+
+def worst_window_p99(records: list[RequestRecord], window: tuple[float, float], onsets: tuple[float, ...],
+                     timeout_s: float) -> tuple[float, float | None]:
+    """(worst p99 of served latency, that window's start) over every ROLLING_S window inside `window` (one step
+    of ROLLING_STEP_S) and the first ONSET_S after each onset; windows where nothing was served are skipped."""
+    t0, t1 = window
+    spans = [(t, min(t + ONSET_S, t1)) for t in onsets if t0 <= t < t1]
+    t = t0
+    while True:
+        spans.append((t, min(t + ROLLING_S, t1)))
+        if t + ROLLING_S >= t1:
+            break
+        t += ROLLING_STEP_S
+    served = sorted((r.start, x) for r in records for x in [served_latency(r, timeout_s)] if x is not None)
+    starts = [at for at, _ in served]
+    worst, worst_at = float("nan"), None
+    for a, b in spans:
+        lat = sorted(x for _, x in served[bisect.bisect_left(starts, a):bisect.bisect_left(starts, b)])
+        if lat and (worst_at is None or percentile(lat, 99) > worst):
+            worst, worst_at = percentile(lat, 99), a
+    return worst, worst_at
 
 
 def rolling_p99(records: list[RequestRecord], slo_class: str, timeout_s: float, end: float, width: float = 10.0,
@@ -108,21 +178,55 @@ class Target:
         return f"{'reached' if self.reached else 'MISSED '}  {self.name}: {self.value:.2f} (target {self.bound:.2f})"
 
 
-def targets(spike: dict[str, WindowStats], slo_s: float) -> list[Target]:
-    """The issue's targets for mode d during the spike, against a and b (those missing from the run are skipped)."""
-    d = spike.get("d")
-    if d is None:
+def spike_windows(scenario: Scenario) -> dict[str, tuple[float, float]]:
+    """The report windows that hold an overload (a phase above the fleet's capacity)."""
+    overloads = [scenario.window(p.name) for p in scenario.phases if p.rate > OVERLOAD]
+    return {name: (t0, t1) for name, (t0, t1) in scenario.report_windows().items()
+            if any(t0 <= a < t1 for a, _ in overloads)}
+
+
+def overload_onsets(scenario: Scenario) -> tuple[float, ...]:
+    return tuple(scenario.window(p.name)[0] for p in scenario.phases if p.rate > OVERLOAD)
+
+
+def calm_windows(scenario: Scenario) -> dict[str, tuple[float, float]]:
+    """"phase NAME" -> its span, for every phase at or below CALM x capacity."""
+    return {f"phase {p.name}": scenario.window(p.name) for p in scenario.phases if p.rate <= CALM}
+
+
+def targets(stats: dict[str, dict[str, WindowStats]], spikes: list[str], calm: list[str], slo_s: float,
+            ours: str = "d") -> list[Target]:
+    """Issue 19's targets for our policy (mode d) against no control (a) and Envoy's adaptive_concurrency (b),
+    on the full model (those missing from the run are skipped):
+    in each spike window (a) the interactive p99 within the SLO in every 10 s window and in the first 5 s of each
+    overload, (b) full-model interactive goodput >= b's and a's, full-model useful output tokens/s >= 0.96 x a's,
+    (d) lower classes held back (refused or queued) before the first interactive degrade; in every phase at
+    <= 60% load (c) nothing refused and nothing degraded."""
+    o = stats.get(ours)
+    if o is None:
         return []
-    out = [Target("d: interactive p99 during the spike, s (<= SLO)", d.p99, slo_s, d.p99 <= slo_s)]
-    a, b = spike.get("a"), spike.get("b")
-    if a is not None:
-        ratio = d.tokens_per_s / a.tokens_per_s if a.tokens_per_s else float("inf")
-        out.append(Target("d/a: total output tokens/s (>= 0.96)", ratio, 0.96, ratio >= 0.96))
-        ratio = d.goodput / a.goodput if a.goodput else float("inf")
-        out.append(Target("d/a: interactive goodput (>= 1.5)", ratio, 1.5, ratio >= 1.5))
-    if b is not None:
-        out.append(Target("d vs b: interactive goodput, req/s (>= b's)", d.goodput, b.goodput,
-                          d.goodput >= b.goodput))
+    out = []
+    for w in spikes:
+        s = o[w]
+        out.append(Target(f"{ours}: {w}: interactive p99, worst {ROLLING_S:g} s window and first {ONSET_S:g} s "
+                          "(<= SLO)", s.p99_worst_window, slo_s, s.p99_worst_window <= slo_s))
+        for base in ("b", "a"):
+            if base in stats:
+                g = stats[base][w].goodput
+                out.append(Target(f"{ours} vs {base}: {w}: full-model interactive goodput, req/s (>= {base}'s)",
+                                  s.goodput, g, s.goodput >= g))
+        if "a" in stats:
+            bound = TOKENS_VS_A * stats["a"][w].useful_tokens_per_s
+            out.append(Target(f"{ours} vs a: {w}: full-model useful output tokens/s (>= {TOKENS_VS_A:g} x a's)",
+                              s.useful_tokens_per_s, bound, s.useful_tokens_per_s >= bound))
+        held, degraded = s.first_other_held_at, s.first_degraded_at
+        nan = float("nan")
+        out.append(Target(f"{ours}: {w}: first batch refused/queued before the first interactive degrade, s",
+                          nan if held is None else held, nan if degraded is None else degraded,
+                          degraded is None or (held is not None and held <= degraded)))
+    for w in calm:
+        n = o[w].refused + o[w].degraded
+        out.append(Target(f"{ours}: {w}: requests refused or degraded (== 0)", n, 0, n == 0))
     return out
 
 
@@ -138,9 +242,10 @@ def adaptive_targets(stats: dict[str, dict[str, WindowStats]], windows: list[str
         out.append(Target(f"e: interactive p99 ({w}), s (<= SLO)", e[w].p99, slo_s, e[w].p99 <= slo_s))
         best = max((stats[k][w].goodput for k in static if k in stats), default=None)
         if best is not None:
-            out.append(Target(f"e vs best static ({'/'.join(k for k in static if k in stats)}): interactive "
+            out.append(Target(f"e vs best static ({'/'.join(k for k in static if k in stats)}): full-model interactive "
                               f"goodput ({w}), req/s", e[w].goodput, best, e[w].goodput >= best))
         if "b" in stats:
-            out.append(Target(f"e vs b: interactive goodput ({w}), req/s", e[w].goodput, stats["b"][w].goodput,
-                              e[w].goodput >= stats["b"][w].goodput))
+            b = stats["b"][w].goodput
+            out.append(Target(f"e vs b: full-model interactive goodput ({w}), req/s", e[w].goodput, b,
+                              e[w].goodput >= b))
     return out

@@ -1,31 +1,30 @@
-"""A policy against the scenario in simulated time only: the real admission core driving engine models, no I/O.
+"""A mode against the scenario in simulated time only: an admitter driving engine models, no I/O.
 
 For tuning `policies/demo-*.yaml` in seconds instead of minutes (`extproc demo --what-if`): the same arrivals,
-the same engine model as the simulator, the same AdmissionController as the ext_proc; no Envoy, no HTTP, no
-client timeouts (they do not bind when admission works). Every pool of the scenario is modelled (least-request
-across its replicas), so a degrade to the small model runs on the small model's engine. The scenario's fleet
-events (a replica slowed down mid-run) are applied to the engines at their time.
-
-Adaptive caps move as in the ext_proc: `core.tick()` every TICK_S, and for each pool in the policy's `pools`,
-the engines' own state (running, waiting, KV cache usage, preemptions) is "scraped" every `scrape_interval_ms`
-and aggregated by the ext_proc's own PoolScraper.aggregate, so saturation-driven cuts happen here too.
-Completions are reported to the core at once (as Envoy's access log does within a few milliseconds).
+the same engine model as the simulator, and in front of it an `Admitter`: the same AdmissionController as the
+ext_proc (PolicyAdmitter, modes c-e), or a model of a mode without it (extproc.tools.demo.baselines: no control,
+Envoy's adaptive_concurrency). No Envoy, no HTTP. Clients give up after the scenario's `client_timeout_s`, which
+aborts the sequence in its engine, as on the real stack. Every pool of the scenario is modelled (least-request
+or round robin across its replicas), so a degrade to the small model runs on the small model's engine. The
+scenario's fleet events (a replica slowed down mid-run) are applied to the engines at their time.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import yaml
 
-from extproc.policy.admission import QUEUE, AdmissionController, Admit, Degrade, RequestFacts
+from extproc.policy.admission import QUEUE, AdmissionController, Admit, Decision, Degrade, RequestFacts
 from extproc.policy.classify import presented_key
 from extproc.policy.limits import Completion, LimitFactory, Outcome, default_limit
 from extproc.policy.schema import load_policy
 from extproc.server.saturation import PoolScraper, ScrapedReplica
-from extproc.tools.loadgen import PlannedRequest, RequestRecord
+from extproc.tools.loadgen import CLIENT_ERROR, PlannedRequest, RequestRecord
 from extproc.tools.sim.engine import Engine
 from extproc.tools.sim.profile import load_profile
 
@@ -34,7 +33,7 @@ from .scenario import Scenario
 TICK_S = 0.25  # simulated seconds between core.tick() calls (the ext_proc ticks every 0.1 wall s)
 
 # Event kinds, in the order they run when due at the same instant.
-_ITERATION, _SCRAPE, _TICK, _FAULT = range(4)
+_ITERATION, _TIMEOUT, _TIMER, _FAULT = range(4)
 
 
 def _facts(kind, prompt_tokens: int, session_id: str | None = None) -> RequestFacts:
@@ -63,13 +62,87 @@ class _Pool:
         self.draining: set[int] = set()  # replicas the load balancer no longer sends new requests to
 
 
-def what_if(scenario: Scenario, policy_path: str, capacity: float,
+class Admitter(Protocol):
+    """What stands between the clients and the pools in one mode: the ext_proc's core (PolicyAdmitter), or a model
+    of a mode without it (extproc.tools.demo.baselines). Decisions are the core's types (Admit, Degrade, Queued,
+    Refusal, Canned); a ticket is whatever the admitter wants back when the request ends."""
+
+    lb_policy: str  # how a pool picks a replica: "least_request" or "round_robin"
+    limits: list[tuple[float, dict[str, int]]]  # (time, name -> limit) whenever a limit moved
+
+    def start(self, clock: Callable[[], float], pools: dict[str, _Pool]) -> list[tuple[float, Callable[[], None]]]:
+        """Called once before the first arrival; returns periodic timers (interval s, callback), first due at 0."""
+
+    def decide(self, facts: RequestFacts) -> Decision: ...
+
+    def ended(self, ticket: Any, record: RequestRecord) -> None:
+        """An admitted request ended: completed (record.ok) or given up by its client (record.error)."""
+
+    def reap(self) -> None: ...
+
+
+class PolicyAdmitter:
+    """The ext_proc's own admission core (modes c, d, e) with a simulated clock. Adaptive caps move as in the
+    ext_proc: `core.tick()` every TICK_S, and for each pool in the policy's `pools`, the engines' own state is
+    "scraped" every `scrape_interval_ms` and aggregated by the ext_proc's PoolScraper.aggregate."""
+
+    lb_policy = "least_request"  # Envoy's LEAST_REQUEST (envoy/envoy.yaml)
+
+    def __init__(self, policy_path: str, limit_factory: LimitFactory = default_limit):
+        self.policy = load_policy(yaml.safe_load(open(policy_path, encoding="utf-8")))
+        self.limit_factory = limit_factory
+        self.limits: list[tuple[float, dict[str, int]]] = []
+        self.core: AdmissionController | None = None
+
+    def start(self, clock: Callable[[], float], pools: dict[str, _Pool]) -> list[tuple[float, Callable[[], None]]]:
+        core = self.core = AdmissionController(self.policy, clock=clock, limit_factory=self.limit_factory)
+        timers = []
+        for name, spec in self.policy.pools.items():
+            if name not in pools:
+                continue
+            s = PoolScraper(core, name, spec, session=None, clock=clock)
+            s.replicas = {f"{name}/{i}": ScrapedReplica(f"{name}/{i}") for i in range(len(pools[name].engines))}
+
+            def scrape(s=s, pool=pools[name], name=name) -> None:
+                for i, eng in enumerate(pool.engines):  # what the replica's /metrics would say, taken like a scrape
+                    s.record(s.replicas[f"{name}/{i}"], {"running": float(len(eng.running)),
+                                                        "waiting": float(len(eng.waiting)), "kv": eng.kv_usage,
+                                                        "preemptions": float(eng.stats.preemptions)})
+                core.set_saturation(name, s.aggregate(clock()))
+            timers.append((spec.scrape_interval_ms / 1000.0, scrape))
+        if core.gates or any(lim.spec.adaptive.enabled for lim in core.limiters.values()):
+            def tick() -> None:
+                before = {n: lim.limit for n, lim in core.limiters.items()}
+                core.tick()
+                after = {n: lim.limit for n, lim in core.limiters.items()}
+                if after != before or not self.limits:
+                    self.limits.append((clock(), after))
+            timers.append((TICK_S, tick))
+        return timers
+
+    def decide(self, facts: RequestFacts) -> Decision:
+        return self.core.decide(facts)
+
+    def ended(self, ticket, record: RequestRecord) -> None:
+        # Completions are reported at once (as Envoy's access log does within a few milliseconds).
+        if ticket is None:
+            return
+        outcome = Outcome.OK if record.ok else Outcome.CLIENT_ABORT
+        self.core.finish(ticket, outcome)
+        self.core.report(ticket.id, Completion(outcome, record.status, record.ttft, record.latency))
+
+    def reap(self) -> None:
+        self.core.reap()
+
+
+def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
             limit_factory: LimitFactory = default_limit) -> WhatIfResult:
-    """Records (simulated seconds) of the scenario's arrivals admitted by the policy into the scenario's pools;
-    `limit_factory` swaps the classes' limit algorithm (extproc.policy.limits.Limit)."""
-    policy = load_policy(yaml.safe_load(open(policy_path, encoding="utf-8")))
+    """Records (simulated seconds) of the scenario's arrivals admitted by `admitter` (or the policy at that path)
+    into the scenario's pools; `limit_factory` swaps a policy's classes' limit algorithm
+    (extproc.policy.limits.Limit)."""
+    if isinstance(admitter, str):
+        admitter = PolicyAdmitter(admitter, limit_factory)
     clock = [0.0]
-    core = AdmissionController(policy, clock=lambda: clock[0], limit_factory=limit_factory)
     pools = {p.name: _Pool(p.name, p.profile, p.replicas, scenario.seed + 100 * i)
              for i, p in enumerate(scenario.pools)}
     first = scenario.pools[0].name
@@ -77,7 +150,7 @@ def what_if(scenario: Scenario, policy_path: str, capacity: float,
     order = 0
     owner = {}  # (pool, engine index, seq id) -> (record, ticket)
     records: list[RequestRecord] = []
-    limits: list[tuple[float, dict[str, int]]] = []
+    next_replica = {name: 0 for name in pools}  # round robin
 
     def push(at: float, kind: int, payload: object) -> None:
         nonlocal order
@@ -95,12 +168,18 @@ def what_if(scenario: Scenario, policy_path: str, capacity: float,
     def start(record: RequestRecord, ticket, pool_name: str, prompt: int, max_tokens: int) -> None:
         pool = pools[pool_name]
         engines = pool.engines
-        # Least request among the replicas still in the load balancer (all of them if every one is draining).
-        live = [j for j in range(len(engines)) if j not in pool.draining] or range(len(engines))
-        i = min(live, key=lambda j: len(engines[j].running) + len(engines[j].waiting))
+        # The replicas still in the load balancer (all of them if every one is draining): least request, or
+        # round robin (Envoy's ROUND_ROBIN, mode a).
+        live = [j for j in range(len(engines)) if j not in pool.draining] or list(range(len(engines)))
+        if admitter.lb_policy == "round_robin":
+            i = live[next_replica[pool_name] % len(live)]
+            next_replica[pool_name] += 1
+        else:
+            i = min(live, key=lambda j: len(engines[j].running) + len(engines[j].waiting))
         seq = engines[i].add_request(prompt, max_tokens, clock[0])
         record.url = pool_name  # which pool served it (a degrade: not the first)
         owner[(pool.name, i, seq.id)] = (record, ticket)
+        push(record.start + scenario.client_timeout_s, _TIMEOUT, (pool, i, seq))
         kick(pool, i)
 
     def refuse(record: RequestRecord, status: int, reason: str, retry_after: float | None = None) -> None:
@@ -112,39 +191,18 @@ def what_if(scenario: Scenario, policy_path: str, capacity: float,
         if isinstance(d, Degrade):
             fb = d.fallback
             mt = min(max_tokens, fb.max_tokens) if fb.max_tokens else max_tokens
+            record.model = fb.model or record.asked_model
             start(record, d.ticket, d.cluster if d.cluster in pools else first, prompt, mt)
         elif isinstance(d, Admit):
+            record.model = record.asked_model
             start(record, d.ticket, d.cluster or first, prompt, max_tokens)
         else:  # a refusal, or a canned answer (no engine time): its status as the reason table gives it
             refuse(record, d.status if d.status >= 400 else 200, d.reason, d.retry_after or None)
 
-    # Scrapers: the ext_proc's aggregation over the engines' own numbers.
-    scrapers = {}
-    for name, spec in policy.pools.items():
-        if name in pools:
-            s = PoolScraper(core, name, spec, session=None, clock=lambda: clock[0])
-            s.replicas = {f"{name}/{i}": ScrapedReplica(f"{name}/{i}") for i in range(len(pools[name].engines))}
-            scrapers[name] = s
-            push(0.0, _SCRAPE, name)
-    if core.gates or any(lim.spec.adaptive.enabled for lim in core.limiters.values()):
-        push(0.0, _TICK, None)
+    for interval, callback in admitter.start(lambda: clock[0], pools):
+        push(0.0, _TIMER, (interval, callback))
     for e in scenario.events:
         push(e.at_s, _FAULT, e)
-
-    def scrape(name: str) -> None:
-        s, pool = scrapers[name], pools[name]
-        for i, eng in enumerate(pool.engines):  # what the replica's /metrics would say, taken like a scrape
-            s.record(s.replicas[f"{name}/{i}"], {"running": float(len(eng.running)),
-                                                "waiting": float(len(eng.waiting)), "kv": eng.kv_usage,
-                                                "preemptions": float(eng.stats.preemptions)})
-        core.set_saturation(name, s.aggregate(clock[0]))
-
-    def tick() -> None:
-        before = {n: lim.limit for n, lim in core.limiters.items()}
-        core.tick()
-        after = {n: lim.limit for n, lim in core.limiters.items()}
-        if after != before or not limits:
-            limits.append((clock[0], after))
 
     def handle(kind: int, payload) -> None:
         if kind == _ITERATION:
@@ -160,18 +218,24 @@ def what_if(scenario: Scenario, policy_path: str, capacity: float,
                         em.seq.generated
                     if pool.name != first:
                         pool.finished += 1
-                    if ticket is not None:
-                        core.finish(ticket)
-                        core.report(ticket.id, Completion(Outcome.OK, 200, record.ttft, record.latency))
+                    admitter.ended(ticket, record)
                     ended(record)
-            core.reap()
+            admitter.reap()
             kick(pool, i)
-        elif kind == _SCRAPE:
-            scrape(payload)
-            push(clock[0] + scrapers[payload].spec.scrape_interval_ms / 1000.0, _SCRAPE, payload)
-        elif kind == _TICK:
-            tick()
-            push(clock[0] + TICK_S, _TICK, None)
+        elif kind == _TIMEOUT:  # the client gives up and closes its connection: the replica aborts the sequence
+            pool, i, seq = payload
+            found = owner.pop((pool.name, i, seq.id), None)
+            if found is not None:
+                record, ticket = found
+                pool.engines[i].abort(seq, clock[0])
+                record.status, record.latency, record.error = CLIENT_ERROR, scenario.client_timeout_s, "timeout"
+                admitter.ended(ticket, record)
+                ended(record)
+                kick(pool, i)
+        elif kind == _TIMER:
+            interval, callback = payload
+            callback()
+            push(clock[0] + interval, _TIMER, payload)
         elif kind == _FAULT:
             pool = pools[payload.pool]
             if "slowdown" in payload.fault:
@@ -193,7 +257,7 @@ def what_if(scenario: Scenario, policy_path: str, capacity: float,
 
     while True:
         while events and events[0][0] <= (arrivals[0][0] if arrivals else float("inf")):
-            if not arrivals and not owner and events[0][1] != _ITERATION:
+            if not arrivals and not owner and events[0][1] not in (_ITERATION, _TIMEOUT):
                 break  # only timers left: done
             clock[0], kind, _, payload = heapq.heappop(events)
             handle(kind, payload)
@@ -201,21 +265,24 @@ def what_if(scenario: Scenario, policy_path: str, capacity: float,
             break
         _, _, planned = heapq.heappop(arrivals)
         clock[0] = planned.at
-        core.reap()
+        admitter.reap()
         kind = planned.kind
-        record = RequestRecord(planned.at, kind.name, "", 0, prompt_tokens=planned.prompt_tokens)
+        record = RequestRecord(planned.at, kind.name, "", 0, prompt_tokens=planned.prompt_tokens,
+                               asked_model=kind.model)
         records.append(record)
         if planned.session is not None:
             record.session, record.call, record.calls = planned.session.id, planned.call, planned.session.calls
             record.retry = planned.retry
             sessions[id(record)] = planned
-        d = core.decide(_facts(kind, planned.prompt_tokens, planned.session.id if planned.session else None))
+        d = admitter.decide(_facts(kind, planned.prompt_tokens, planned.session.id if planned.session else None))
         max_tokens = kind.max_tokens or pools[first].profile.default_max_tokens
         if d.kind == QUEUE:
+            record.queued = True
+
             def done(final, record=record, prompt=planned.prompt_tokens, max_tokens=max_tokens):
                 admitted(record, final, prompt, max_tokens)
             d.waiter.notify(done)
         else:
             admitted(record, d, planned.prompt_tokens, max_tokens)
     served_elsewhere = sum(p.finished for name, p in pools.items() if name != first)
-    return WhatIfResult(records, served_elsewhere, limits)
+    return WhatIfResult(records, served_elsewhere, admitter.limits)

@@ -1,0 +1,154 @@
+"""What-if models of the modes without the ext_proc: no admission control (a) and Envoy's adaptive_concurrency
+filter (b), as `whatif.Admitter`s, and `admitter_for(mode)` for every mode.
+
+The gradient controller follows Envoy's documentation of the filter (configuration/http/http_filters/
+adaptive_concurrency_filter): every `concurrency_update_interval` the latencies of the requests completed in
+that interval are summarised by a percentile (sampleRTT); gradient = (minRTT + minRTT * buffer) / sampleRTT,
+clamped to [0.5, 2] (the range of its `gradient` statistic); limit = limit * gradient + sqrt(of that),
+truncated to a whole number, within [min_concurrency, max_concurrency_limit]. An interval with no completed
+request leaves the limit alone. The limit starts at min_concurrency. A request arriving while the requests in
+flight are at the limit gets a 503 at once (Envoy does not queue); a request its client gave up on gives no
+sample. With `min_rtt_fixed_s` (the demo's tuning) minRTT is that constant and never re-measured.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from extproc.policy.admission import Admit, RequestFacts
+from extproc.policy.decision import REJECT, Decision, Refusal
+from extproc.tools.loadgen import RequestRecord
+from extproc.tools.stats import percentile
+
+from .modes import Mode
+from .whatif import Admitter, PolicyAdmitter
+
+GRADIENT_RANGE = (0.5, 2.0)
+
+
+class GradientController:
+    """Envoy's adaptive_concurrency gradient controller with a fixed minRTT, sans-IO: the caller says when a
+    request is forwarded, when it ends (with its latency, or cancelled) and when an update interval ends."""
+
+    def __init__(self, min_rtt_s: float, buffer_percent: float = 25.0, sample_percentile: float = 50.0,
+                 min_concurrency: int = 3, max_concurrency_limit: int = 1000):
+        self.min_rtt_s = min_rtt_s
+        self.buffer = buffer_percent / 100.0
+        self.sample_percentile = sample_percentile
+        self.min_limit = min_concurrency
+        self.max_limit = max_concurrency_limit
+        self.limit = min_concurrency
+        self.outstanding = 0
+        self.samples: list[float] = []
+        self.last_sample_rtt: float | None = None
+        self.last_gradient: float | None = None
+
+    def try_forward(self) -> bool:
+        """True (and counted in flight) when under the limit; False: Envoy answers 503."""
+        if self.outstanding < self.limit:
+            self.outstanding += 1
+            return True
+        return False
+
+    def record(self, latency_s: float) -> None:
+        """A forwarded request completed after `latency_s`."""
+        self.outstanding -= 1
+        self.samples.append(latency_s)
+
+    def cancel(self) -> None:
+        """A forwarded request ended without a latency sample (its client went away)."""
+        self.outstanding -= 1
+
+    def update(self) -> int:
+        """The end of an update interval: a new limit from this interval's samples (none: unchanged)."""
+        if not self.samples:
+            return self.limit
+        sample_rtt = percentile(sorted(self.samples), self.sample_percentile)
+        self.samples.clear()
+        lo, hi = GRADIENT_RANGE
+        gradient = max(lo, min(hi, self.min_rtt_s * (1.0 + self.buffer) / sample_rtt)) if sample_rtt > 0 else hi
+        scaled = self.limit * gradient
+        self.last_sample_rtt, self.last_gradient = sample_rtt, gradient
+        self.limit = max(self.min_limit, min(self.max_limit, int(scaled + math.sqrt(scaled))))
+        return self.limit
+
+
+class _Forwarded:
+    """The ticket of a request every admitter here forwards: no state."""
+
+
+class NoAdmission:
+    """Mode a: Envoy forwards everything to the clients' pool (round robin, or least request)."""
+
+    def __init__(self, lb_policy: str = "round_robin"):
+        self.lb_policy = lb_policy
+        self.limits: list[tuple[float, dict[str, int]]] = []
+
+    def start(self, clock: Callable[[], float], pools) -> list[tuple[float, Callable[[], None]]]:
+        return []
+
+    def decide(self, facts: RequestFacts) -> Decision:
+        return Admit("forwarded", "", "", None)
+
+    def ended(self, ticket: Any, record: RequestRecord) -> None:
+        pass
+
+    def reap(self) -> None:
+        pass
+
+
+class EnvoyAdaptive:
+    """Mode b: Envoy's adaptive_concurrency filter in front of the clients' pool (least request)."""
+
+    lb_policy = "least_request"  # envoy/envoy.yaml's pools; mode b does not override it
+
+    def __init__(self, knobs: dict[str, Any]):
+        if "min_rtt_fixed_s" not in knobs:
+            raise ValueError("the what-if models adaptive_concurrency with a fixed minRTT only (min_rtt_fixed_s)")
+        self.interval_s = float(knobs.get("concurrency_update_interval_s", 0.1))
+        self.controller = GradientController(
+            float(knobs["min_rtt_fixed_s"]), float(knobs.get("buffer_percent", 25.0)),
+            float(knobs.get("sample_aggregate_percentile", 50.0)), int(knobs.get("min_concurrency", 3)),
+            int(knobs.get("max_concurrency_limit", 1000)))
+        self.limits: list[tuple[float, dict[str, int]]] = []
+
+    def start(self, clock: Callable[[], float], pools) -> list[tuple[float, Callable[[], None]]]:
+        c = self.controller
+        self.limits.append((0.0, {"adaptive_concurrency": c.limit}))
+        first = [True]
+
+        def update() -> None:
+            if first[0]:  # the timer's first run is at 0: the first interval ends one interval later
+                first[0] = False
+                return
+            before = c.limit
+            if c.update() != before:
+                self.limits.append((clock(), {"adaptive_concurrency": c.limit}))
+        return [(self.interval_s, update)]
+
+    def decide(self, facts: RequestFacts) -> Decision:
+        if self.controller.try_forward():
+            return Admit("forwarded", "", "", _Forwarded())
+        return Refusal(REJECT, "adaptive_concurrency", "", "", 503, "reached concurrency limit")
+
+    def ended(self, ticket: Any, record: RequestRecord) -> None:
+        if record.ok:
+            self.controller.record(record.latency)
+        else:
+            self.controller.cancel()
+
+    def reap(self) -> None:
+        pass
+
+
+def admitter_for(mode: Mode) -> Admitter:
+    """The what-if's model of `mode`: its policy through the real core, or a model of the Envoy-only modes."""
+    if mode.policy:
+        return PolicyAdmitter(mode.policy)
+    if mode.stack_mode == "adaptive":
+        return EnvoyAdaptive(mode.adaptive)
+    if mode.stack_mode == "plain":
+        return NoAdmission("round_robin" if mode.lb_policy == "ROUND_ROBIN" else "least_request")
+    raise ValueError(f"no what-if model for mode {mode.key} ({mode.stack_mode})")

@@ -1,0 +1,82 @@
+"""How the modes rank in one report window, from a run's summary.json (or the demo's own stats), and whether the
+what-if ranks them as the real stack did.
+
+A pair of modes counts as ranked by the real stack only when every recorded real run that has both ranks them
+the same way ("settled"): a shared 2-core machine moves close pairs from run to run.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+# metric -> True when higher is better
+METRICS = {"goodput": True, "goodput_total": True, "p99": False}
+
+# The real runs of scenarios/spike.yaml that docs/demo.md records ("Results"), spike phase, client side.
+# Their goodput counted degraded answers too: it is `goodput_total` here; the full-model goodput of d and e was
+# not recorded (a, b and c degrade nothing, so theirs is the same). The caps-only run's d was another policy.
+RECORDED_REAL_RUNS: dict[str, dict[str, dict[str, float]]] = {
+    "2026-12-02 13:55, five modes, contended": {
+        "a": {"p99": 60.0, "goodput_total": 0.25}, "b": {"p99": 2.69, "goodput_total": 7.75},
+        "c": {"p99": 6.55, "goodput_total": 4.22}, "d": {"p99": 2.65, "goodput_total": 26.62},
+        "e": {"p99": 3.46, "goodput_total": 20.27}},
+    "2026-12-02 16:10, b/d/e, quiet": {
+        "b": {"p99": 2.66, "goodput_total": 8.02}, "d": {"p99": 1.85, "goodput_total": 34.08},
+        "e": {"p99": 1.54, "goodput_total": 34.38}},
+    "earlier, a/b/c (its d was a caps-only policy: left out)": {
+        "a": {"p99": 60.0, "goodput_total": 0.18}, "b": {"p99": 2.65, "goodput_total": 8.20},
+        "c": {"p99": 5.22, "goodput_total": 7.92}},
+}
+
+
+def window_values(modes: dict[str, dict[str, Any]], window: str = "spike") -> dict[str, dict[str, float]]:
+    """mode -> {p99, goodput_total, goodput (full model; absent when the source did not split it)} from
+    summary.json's "modes" (or {mode: {window: WindowStats}})."""
+    out = {}
+    for key, windows in modes.items():
+        w = windows[window]
+        w = w if isinstance(w, dict) else asdict(w)
+        values = {"p99": float(w["p99"])}
+        if "goodput_degraded" in w:  # split: `goodput` is the full model's
+            values["goodput"] = float(w["goodput"])
+            values["goodput_total"] = float(w["goodput"]) + float(w["goodput_degraded"])
+        else:  # an older summary: its goodput counted degraded answers
+            values["goodput_total"] = float(w["goodput"])
+        out[key] = values
+    return out
+
+
+def from_summary(path: str | Path, window: str = "spike") -> dict[str, dict[str, float]]:
+    """window_values() of a demo run's summary.json (`extproc demo --out DIR` writes DIR/summary.json)."""
+    return window_values(json.loads(Path(path).read_text(encoding="utf-8"))["modes"], window)
+
+
+def ranking(values: dict[str, dict[str, float]], metric: str) -> list[str]:
+    """Mode keys, best first, of those that have the metric."""
+    have = [k for k in values if metric in values[k]]
+    return sorted(have, key=lambda k: values[k][metric], reverse=METRICS[metric])
+
+
+def better(x: float, y: float, metric: str) -> bool:
+    return x > y if METRICS[metric] else x < y
+
+
+def settled_pairs(runs: list[dict[str, dict[str, float]]], metric: str) -> set[tuple[str, str]]:
+    """(better, worse) pairs that every run holding both ranks the same way (and at least one run holds)."""
+    verdicts: dict[tuple[str, str], set[bool]] = {}
+    for run in runs:
+        keys = sorted(k for k in run if metric in run[k])
+        for i, x in enumerate(keys):
+            for y in keys[i + 1:]:
+                verdicts.setdefault((x, y), set()).add(better(run[x][metric], run[y][metric], metric))
+    return {(x, y) if v == {True} else (y, x) for (x, y), v in verdicts.items() if len(v) == 1}
+
+
+def disagreements(settled: set[tuple[str, str]], values: dict[str, dict[str, float]],
+                  metric: str) -> set[tuple[str, str]]:
+    """The settled (better, worse) pairs that `values` ranks the other way (or as a tie)."""
+    return {(x, y) for x, y in settled if x in values and y in values and metric in values[x]
+            and metric in values[y] and not better(values[x][metric], values[y][metric], metric)}

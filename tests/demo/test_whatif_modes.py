@@ -1,0 +1,137 @@
+"""The what-if's models of the modes without the ext_proc (a: no control, b: Envoy's adaptive_concurrency),
+every mode through `--what-if`, and the what-if ranking the modes as the recorded real runs did."""
+
+import argparse
+import math
+
+import pytest
+
+from extproc.policy.admission import Admit, RequestFacts
+from extproc.tools.demo import mode_stats, what_if_tables
+from extproc.tools.demo.baselines import EnvoyAdaptive, GradientController, NoAdmission, admitter_for
+from extproc.tools.demo.modes import ADAPTIVE_TUNED, MODES
+from extproc.tools.demo.ordering import (RECORDED_REAL_RUNS, disagreements, from_summary, ranking, settled_pairs,
+                                         window_values)
+from extproc.tools.demo.runner import ModeResult
+from extproc.tools.demo.scenario import Scenario
+from extproc.tools.demo.whatif import what_if
+from extproc.tools.loadgen import RequestRecord
+
+
+def controller(limit, min_rtt=1.0, buffer=100.0, **kw):
+    c = GradientController(min_rtt, buffer, 90.0, **kw)
+    c.limit = limit
+    return c
+
+
+def test_the_limit_falls_when_sampled_latency_rises_over_min_rtt_plus_buffer():
+    c = controller(40)
+    for latency in [3.0] * 10:  # target 2 s (1 s + 100%): gradient 2/3
+        c.record(latency)
+    assert c.update() == int(40 * 2 / 3 + math.sqrt(40 * 2 / 3)) == 31
+    for latency in [10.0] * 10:  # far over: the gradient is clamped at 0.5
+        c.record(latency)
+    assert c.update() == int(15.5 + math.sqrt(15.5)) == 19 and c.last_gradient == 0.5
+
+
+def test_the_limit_rises_by_its_square_root_headroom_at_or_under_the_target():
+    c = controller(16)
+    c.record(2.0)  # exactly min RTT + buffer: gradient 1, the headroom alone raises it
+    assert c.update() == 20
+    c.record(0.5)  # well under: gradient clamped at 2
+    assert c.update() == int(40 + math.sqrt(40)) and c.last_gradient == 2.0
+
+
+def test_an_interval_without_samples_leaves_the_limit_and_bounds_hold():
+    c = controller(10, max_concurrency_limit=24)
+    assert c.update() == 10
+    c.record(0.1)
+    assert c.update() == 24
+    c = controller(4, min_concurrency=3)
+    c.record(100.0)
+    assert c.update() == 3
+
+
+def facts():
+    return RequestFacts(api_key="k", header_class=None, model="llama-70b", max_tokens=16, stream=False)
+
+
+def test_requests_over_the_limit_get_a_503_at_once_and_a_sample_frees_a_slot():
+    b = EnvoyAdaptive(ADAPTIVE_TUNED)
+    assert b.controller.limit == ADAPTIVE_TUNED["min_concurrency"] == 3  # Envoy starts at min_concurrency
+    admitted = [b.decide(facts()) for _ in range(3)]
+    assert all(isinstance(d, Admit) for d in admitted)
+    refused = b.decide(facts())
+    assert refused.status == 503 and refused.kind != "queue"
+    done = RequestRecord(0, "interactive", "", 200, latency=1.2)
+    b.ended(admitted[0].ticket, done)
+    assert b.controller.samples == [1.2] and isinstance(b.decide(facts()), Admit)
+    b.ended(admitted[1].ticket, RequestRecord(0, "interactive", "", 0, latency=60.0, error="timeout"))
+    assert b.controller.samples == [1.2] and b.controller.outstanding == 2  # a timeout gives no sample
+
+
+def test_each_mode_gets_its_what_if_model():
+    assert isinstance(admitter_for(MODES["a"]), NoAdmission) and admitter_for(MODES["a"]).lb_policy == "round_robin"
+    b = admitter_for(MODES["b"])
+    assert isinstance(b, EnvoyAdaptive) and b.interval_s == ADAPTIVE_TUNED["concurrency_update_interval_s"]
+    assert all(admitter_for(MODES[k]).policy for k in "cde")
+
+
+def test_what_if_runs_all_five_modes(capsys):
+    args = argparse.Namespace(scenario="scenarios/spike.yaml", phase_s=6.0, modes="a,b,c,d,e", show_limits=True)
+    assert what_if_tables(args) == 0
+    out = capsys.readouterr().out
+    for key, mode in MODES.items():
+        assert f"| {key}: {mode.label} |" in out
+    assert "b limits: 0s:adaptive_concurrency=3 " in out and "Targets:" in out
+
+
+@pytest.fixture(scope="module")
+def spike_what_if():
+    """Every mode on scenarios/spike.yaml in the what-if: the spike window's values per mode (~6 s)."""
+    scenario = Scenario.load("scenarios/spike.yaml")
+    capacity = scenario.fleet_capacity()
+    stats = {}
+    for key, mode in MODES.items():
+        res = what_if(scenario, admitter_for(mode), capacity)
+        stats[key] = mode_stats(ModeResult(mode, res.records, 0.0), scenario)
+    return stats
+
+
+def test_mode_a_collapses_and_b_refuses_with_503_in_the_what_if(spike_what_if):
+    a, b = spike_what_if["a"]["spike"], spike_what_if["b"]["spike"]
+    assert a.outcomes["interactive"]["timeout"] > 20 and a.p99 == 60.0  # clients give up at 60 s, as for real
+    assert b.outcomes["interactive"]["rejected"] > 20 and b.p99 < 5
+
+
+# The what-if's one known disagreement with the real stack: on the real stack c's interactive latencies sit just
+# over the 2 s line (p50 2.6-3.4 s against the what-if's 2.3 s: Envoy, HTTP and the shared CPU add a few hundred
+# ms), so c's goodput within 2 s fell below b's in both real runs; the what-if puts c above b.
+KNOWN_DISAGREEMENTS = {"goodput_total": {("b", "c")}, "p99": set()}
+
+
+@pytest.mark.parametrize("metric", ["goodput_total", "p99"])
+def test_the_what_if_ranks_the_modes_as_the_recorded_real_runs_did(spike_what_if, metric):
+    settled = settled_pairs(list(RECORDED_REAL_RUNS.values()), metric)
+    assert ("a", "d") in settled or ("d", "a") in settled
+    values = window_values(spike_what_if)
+    assert disagreements(settled, values, metric) == KNOWN_DISAGREEMENTS[metric], ranking(values, metric)
+
+
+def test_settled_pairs_leave_out_pairs_the_runs_rank_differently():
+    runs = [{"d": {"p99": 1.8}, "e": {"p99": 1.5}, "b": {"p99": 2.6}},
+            {"d": {"p99": 2.6}, "e": {"p99": 3.4}, "b": {"p99": 2.7}}]
+    assert settled_pairs(runs, "p99") == {("d", "b")}
+    assert disagreements({("d", "b")}, {"d": {"p99": 3.0}, "b": {"p99": 2.0}}, "p99") == {("d", "b")}
+
+
+def test_the_ordering_is_read_from_a_summary_json_old_or_split(tmp_path):
+    new = tmp_path / "new.json"
+    new.write_text('{"modes": {"b": {"spike": {"p99": 2.6, "goodput": 7.5, "goodput_degraded": 0.0}},'
+                   ' "d": {"spike": {"p99": 1.9, "goodput": 5.0, "goodput_degraded": 25.0}}}}')
+    values = from_summary(new)
+    assert ranking(values, "goodput") == ["b", "d"] and ranking(values, "goodput_total") == ["d", "b"]
+    assert ranking(values, "p99") == ["d", "b"]
+    old = tmp_path / "old.json"  # before the split its goodput counted degraded answers
+    old.write_text('{"modes": {"d": {"spike": {"p99": 2.65, "goodput": 26.6}}}}')
+    assert from_summary(old) == {"d": {"p99": 2.65, "goodput_total": 26.6}}
