@@ -205,7 +205,10 @@ class AdmissionController:
             ticket = self._admit(lim, c.tenant, cluster, now, charge, 0.0, gate, units)
             ticket.trickle = trickle
             return Admit(R_SLOT_FREE, c.cls, c.tenant, ticket, cluster=cluster, classification=c)
-        if lim.queue_has_room() and lim.spec.early_reject and self._cannot_make_it(lim, charge, now):
+        # The class's drain rate predicts its own queue; a request waiting only for its pool is granted by
+        # priority as the pool frees, which that rate does not measure: it waits up to its max wait instead.
+        if lim.queue_has_room() and lim.spec.early_reject and (gate is None or not lim.has_room(cost)) \
+                and self._cannot_make_it(lim, charge, now):
             return self._overflow(lim, c, cluster, R_DEADLINE, now, charge,
                                   say(R_DEADLINE, cls=c.cls, max_wait_ms=lim.spec.max_wait_ms,
                                       queued=len(lim.queue)))

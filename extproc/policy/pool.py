@@ -34,6 +34,8 @@ SETTLE_HEADROOM = 0.5
 # Classes below the first fill the limit only this far: the rest is the first class's room for a burst, so at
 # ordinary load it does not wait behind lower classes' long requests that started a moment earlier.
 LOWER_FILL = 0.85
+# KV-cache usage under which the replicas have plenty of room (a limit may rise on their word alone).
+ROOMY_KV = 0.6
 # Latency over the target is cut for only when it is also this much over the class's calm baseline: requests
 # that are slow at any load (long outputs, long prompts) are not made faster by a lower limit, only refused.
 LOAD_TOLERANCE = 1.2
@@ -56,6 +58,7 @@ class PoolLimit:
         self._last: float | None = None
         self._sampled_at: float | None = None
         self._was_saturated = False
+        self._started = math.inf  # first update: the load is watched for a while before the limit settles
 
     def observe(self, rank: int, admitted_at: float, now: float, service_s: float) -> None:
         window = self.windows.get(rank)
@@ -78,11 +81,12 @@ class PoolLimit:
                 worst, loaded = ratio, served > base * LOAD_TOLERANCE
         return worst, loaded
 
-    def update(self, now: float, inflight: float, short: bool, saturated: bool | None) -> float:
+    def update(self, now: float, inflight: float, short: bool, saturated: bool | None, roomy: bool = False) -> float:
         """Sample the load; move the limit if an interval has passed. Returns the limit. `short`: a request
         waited for room under the limit since the last move; `saturated`: the replicas' word (None: the pool is
-        not scraped)."""
+        not scraped); `roomy`: they have plenty of room (nothing waiting, KV cache well below saturation)."""
         self._sample(now, inflight)
+        self._started = min(self._started, now)
         spec = self.spec
         if self._last is not None and now - self._last < spec.interval_s:
             return self.limit
@@ -106,12 +110,13 @@ class PoolLimit:
                 # Not binding: come down towards what the load needs, with room for a burst, so that a limit
                 # far above any load cannot let a spike's first seconds overfill the pool.
                 level = self.inflight_peak * (1 + SETTLE_HEADROOM)
-                if level < self.limit:
+                if level < self.limit and now - self._started >= 2 * spec.window_s:  # a peak seen long enough
                     self.limit = max(spec.min, level)
                     self.last_action = "settle"
                 else:
                     self.last_action = "hold"
-        elif binding and not self.windows and saturated is False:  # no class has an SLO: the replicas' word
+        elif binding and roomy and not self.windows:
+            # No class has an SLO: the replicas' word that they have plenty of room.
             self.limit = min(spec.max, self.limit * (1 + spec.max_raise))
             self.last_action = "raise"
         else:
@@ -136,7 +141,7 @@ class PoolLimit:
     def _sample(self, now: float, inflight: float) -> None:
         """In-flight averaged over about the latency window (the load the window's latencies were served at)."""
         if self._sampled_at is None:
-            self.inflight_avg = inflight
+            self.inflight_avg = self.inflight_peak = inflight
         else:
             k = math.exp(-max(now - self._sampled_at, 0.0) / self.spec.window_s)
             self.inflight_avg = k * self.inflight_avg + (1 - k) * inflight
@@ -231,8 +236,11 @@ class PoolGate:
     def update(self, now: float, saturation) -> bool:
         """Move the limit (tick). True when it rose: waiters may fit now."""
         before = self.limit
-        saturated = None if saturation is None else saturation.saturated
-        self.limit = self.controller.update(now, self.inflight, self.short, saturated)
+        saturated = roomy = None
+        if saturation is not None:
+            saturated = saturation.saturated
+            roomy = not saturated and saturation.waiting == 0 and saturation.kv_usage < ROOMY_KV
+        self.limit = self.controller.update(now, self.inflight, self.short, saturated, bool(roomy))
         if self.controller._last == now:
             self.short = False
         return self.limit > before

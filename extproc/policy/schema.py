@@ -117,10 +117,10 @@ class PoolLimitSpec:
     window_s: float = doc("Completed requests the latency p95 is taken over (service time on the pool: our own "
                           "queueing is left out).", 5.0, minimum=0.5)
     min_samples: int = doc("Completions the window needs before latency moves the limit.", 10, minimum=1)
-    quantile: float = doc("The served-latency quantile held to the target (0.99: the SLO holds for the slow "
-                          "tail, not only the 95th percentile).", 0.99, minimum=0.5, maximum=0.999)
+    quantile: float = doc("The served-latency quantile held to the target.", 0.95, minimum=0.5, maximum=0.999)
     target: float = doc("Aim that quantile of the service time of each class with an SLO at this fraction of "
-                        "its `slo_p95_ms` (the rest is left for the queue wait).", 0.9, minimum=0.1, maximum=1)
+                        "its `slo_p95_ms` (the rest is left for the queue wait and the tail).", 0.85, minimum=0.1,
+                        maximum=1)
     decrease: float = doc("Deepest cut in one interval (a factor): saturation cuts by it at once, latency over "
                           "the target cuts in proportion, down to it.", 0.8, minimum=0.1, maximum=0.99)
     max_raise: float = doc("Largest raise in one interval, as a fraction of the limit.", 0.05, minimum=0.01,

@@ -177,7 +177,6 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
         else:
             i = min(live, key=lambda j: len(engines[j].running) + len(engines[j].waiting))
         seq = engines[i].add_request(prompt, max_tokens, clock[0])
-        record.url = pool_name  # which pool served it (a degrade: not the first)
         owner[(pool.name, i, seq.id)] = (record, ticket)
         push(record.start + scenario.client_timeout_s, _TIMEOUT, (pool, i, seq))
         kick(pool, i)

@@ -1,0 +1,196 @@
+"""The pool-wide limit (extproc/policy/pool.py): strict priority between classes inside one limit, guarantees,
+degrade last, exact release on every path, and the controller finding its level from saturation and latency."""
+
+import pytest
+
+from extproc.policy.adaptive import PoolSaturation
+from extproc.policy.admission import ACCEPT, DEGRADE, QUEUE, REJECT, AdmissionController, RequestFacts
+from extproc.policy.limits import Completion, Outcome
+from extproc.policy.pool import PoolLimit
+from extproc.policy.schema import PoolLimitSpec
+from tests.conftest import make_policy
+
+BIG = {"max_concurrency": 100, "max_queue": 10}
+
+
+def pool_policy(limit: float = 4, unit: str = "requests", **classes):
+    spec = {"interactive": {**BIG, "max_wait_ms": 200, "slo_p95_ms": 2000, "on_overflow": "fallback",
+                            "fallback": {"action": "degrade", "model": "small"},
+                            "latency_breaker": {"window_s": 10, "min_samples": 5, "cooldown_s": 5}},
+            "batch": {**BIG, "max_wait_ms": 5000},
+            "internal": {**BIG, "max_wait_ms": 5000}}
+    for name, extra in classes.items():
+        spec[name] = {**spec[name], **extra}
+    return make_policy(classes=spec, shed={},
+                       pools={"pool_a": {"limit": {"enabled": True, "unit": unit, "initial": limit, "min": 1,
+                                                   "max": limit}}})
+
+
+def req(cls, model="llama", tokens=0):
+    doc = {"prompt": "x" * (4 * tokens)} if tokens else None
+    return RequestFacts(header_class=cls, model=model, max_tokens=100, doc=doc)
+
+
+@pytest.fixture
+def pcore(clock):
+    return AdmissionController(pool_policy(), clock=clock)
+
+
+def held(core):
+    gate = core.gates["pool_a"]
+    return gate.inflight, list(gate.count), list(gate.waiting)
+
+
+def test_the_classes_share_one_limit_and_lower_classes_wait_behind_a_waiting_higher_one(pcore):
+    batch = [pcore.decide(req("batch")) for _ in range(4)]
+    assert [d.kind for d in batch] == [ACCEPT] * 3 + [QUEUE]  # lower classes fill only 85% of the pool
+    i1 = pcore.decide(req("interactive"))
+    assert i1.kind == ACCEPT  # the first class has the rest
+    i2 = pcore.decide(req("interactive"))
+    assert i2.kind == QUEUE
+    late_batch = pcore.decide(req("batch"))
+    assert late_batch.kind == QUEUE
+    order = []
+    for name, d in (("i2", i2), ("b4", batch[3]), ("b5", late_batch)):
+        d.waiter.notify(lambda r, name=name: order.append((name, r.kind)))
+    pcore.finish(batch[0].ticket, Outcome.OK)
+    assert order == [("i2", ACCEPT)]  # the freed room goes to the higher class, not to the older batch waiter
+    assert held(pcore) == (4, [2, 2, 0], [0, 2, 0])
+
+
+def test_a_class_keeps_one_request_in_flight_whatever_waits_above_it(pcore):
+    for _ in range(4):
+        assert pcore.decide(req("interactive")).kind == ACCEPT
+    assert pcore.decide(req("interactive")).kind == QUEUE
+    assert pcore.decide(req("batch")).kind == ACCEPT  # its guarantee: nothing starves
+    assert pcore.decide(req("batch")).kind == QUEUE
+
+
+def test_min_share_is_a_guarantee_in_the_limits_unit(clock):
+    core = AdmissionController(pool_policy(limit=10, batch={"min_share": 0.3}), clock=clock)
+    for _ in range(10):
+        core.decide(req("interactive"))
+    assert core.decide(req("interactive")).kind == QUEUE
+    assert [core.decide(req("batch")).kind for _ in range(4)] == [ACCEPT, ACCEPT, ACCEPT, QUEUE]
+
+
+def test_token_unit_weighs_prompt_and_output(clock):
+    core = AdmissionController(pool_policy(limit=1000, unit="tokens"), clock=clock)
+    a = core.decide(req("interactive", tokens=500))
+    assert a.kind == ACCEPT and core.gates["pool_a"].inflight == pytest.approx(600)  # 500 prompt + 100 output
+    assert core.decide(req("interactive", tokens=500)).kind == QUEUE
+    assert core.decide(req("interactive", tokens=200)).kind == QUEUE  # FIFO in the class: no overtaking
+    core.finish(a.ticket, Outcome.OK)  # room for 400: the head (600) first, then the 300 behind it fits too
+    assert core.gates["pool_a"].inflight == pytest.approx(900)
+
+
+def test_every_way_out_of_a_queue_gives_back_its_place_and_every_end_its_units(pcore, clock):
+    tickets = [pcore.decide(req("interactive")).ticket for _ in range(4)]
+    waiting = pcore.decide(req("interactive"))
+    timed_out = pcore.decide(req("interactive"))
+    assert pcore.decide(req("batch")).kind == ACCEPT  # its guarantee: one batch request in flight
+    gone = pcore.decide(req("batch"))
+    pcore.decide(req("batch"))
+    assert held(pcore)[2] == [2, 2, 0]
+    pcore.abandon(gone.waiter, timed_out=False)
+    clock.advance(0.3)
+    pcore.reap()  # interactive waiters past 200 ms: degraded (their fallback)
+    assert waiting.waiter.result.kind == DEGRADE and timed_out.waiter.result.kind == DEGRADE
+    for t in tickets:
+        pcore.finish(t, Outcome.UPSTREAM_ERROR)
+        pcore.finish(t, Outcome.OK)  # idempotent
+    gate = pcore.gates["pool_a"]
+    assert gate.waiting == [0, 0, 0] and gate.count[0] == 0
+    assert gate.inflight == sum(gate.count) == gate.count[1] == 2  # the guaranteed one, and the one granted since
+
+
+def test_a_latency_breaker_makes_lower_classes_yield_before_it_degrades(clock):
+    core = AdmissionController(pool_policy(limit=8), clock=clock)
+    batch = [core.decide(req("batch")) for _ in range(5)]
+    assert all(d.kind == ACCEPT for d in batch)
+    breaker = core.pool_breakers("interactive", "pool_a")[0]
+    for _ in range(5):
+        breaker.observe(clock(), 5.0, False)
+    assert breaker.state == "open"
+    d = core.decide(req("interactive"))
+    assert d.kind == ACCEPT  # batch holds more than its guarantee: it yields instead
+    assert core.decide(req("batch")).kind == QUEUE  # ...and gets only its guarantee for the cooldown
+    clock.advance(5.0)
+    core.finish(batch[0].ticket, Outcome.OK)
+    assert core.decide(req("batch")).kind == ACCEPT
+
+
+def test_degrade_is_the_last_resort_when_nothing_is_left_to_yield_or_cut(clock):
+    core = AdmissionController(pool_policy(limit=1), clock=clock)  # min == max == 1: the limit cannot come down
+    breaker = core.pool_breakers("interactive", "pool_a")[0]
+    for _ in range(5):
+        breaker.observe(clock(), 5.0, False)
+    assert breaker.state == "open"
+    assert core.decide(req("interactive")).kind == DEGRADE
+
+
+def test_a_reload_keeps_what_is_held_and_the_learned_limit(clock):
+    core = AdmissionController(pool_policy(), clock=clock)
+    t = core.decide(req("batch")).ticket
+    gate = core.gates["pool_a"]
+    gate.limit = 3.0
+    core.apply(pool_policy())
+    assert core.gates["pool_a"] is gate and gate.limit == 3.0 and gate.inflight == 1
+    core.apply(pool_policy(limit=6))  # a changed limit spec starts a new gate; the old ticket returns to the old
+    core.finish(t, Outcome.OK)
+    assert gate.inflight == 0 and core.gates["pool_a"].inflight == 0
+
+
+def spec(**kw) -> PoolLimitSpec:
+    base = {"enabled": True, "unit": "requests", "initial": 20.0, "min": 1.0, "max": 100.0, "interval_s": 0.5,
+            "window_s": 5.0, "min_samples": 5}
+    return PoolLimitSpec(**{**base, **kw})
+
+
+def test_saturation_for_two_moves_cuts_below_what_is_in_flight():
+    c = PoolLimit(spec(), {0: 2.0})
+    c.update(0.0, 30, False, True)  # one saturated scrape is not enough (a blip behind a long prefill)
+    assert c.limit == 20.0
+    c.update(0.5, 30, False, True)
+    assert c.limit == pytest.approx(16.0) and c.last_action == "cut_saturated"
+
+
+def test_latency_over_target_cuts_only_when_load_is_what_slows_it():
+    c = PoolLimit(spec(), {0: 2.0})
+    now = 0.0
+    for _ in range(10):  # calm: 1.9 s at low load (long answers), over the 1.7 s target, but not from load
+        c.observe(0, now, now, 1.9)
+    c.update(now, 5, False, False)
+    assert c.limit == 20.0
+    now = 1.0
+    for _ in range(30):
+        c.observe(0, now, now, 3.0)  # now it is load: up from the calm baseline
+    c.update(now, 20, True, False)
+    assert c.last_action == "cut_latency" and c.limit < 20.0
+
+
+def test_raises_in_proportion_to_the_room_left_while_binding_and_settles_when_idle():
+    c = PoolLimit(spec(), {0: 2.0})
+    now = 0.0
+    for _ in range(10):
+        c.observe(0, now, now, 1.0)
+    c.update(now, 20, True, False)
+    assert c.limit == pytest.approx(21.0)  # 5% a step at most
+    for _ in range(10):
+        c.observe(0, 10.5, 10.5, 1.0)
+    c.update(10.5, 2, False, False)
+    assert c.last_action == "settle" and 2.0 < c.limit < 21.0
+
+
+def test_the_what_if_holds_the_slo_in_the_spike_with_the_pool_limit_and_gives_full_model_answers():
+    from extproc.tools.demo.scenario import Scenario
+    from extproc.tools.demo.whatif import what_if
+
+    sc = Scenario.load("scenarios/spike.yaml")
+    res = what_if(sc, "policies/demo-full.yaml", sc.fleet_capacity())
+    start, end = sc.window("spike")
+    inter = [r for r in res.records if start <= r.start < end and r.kind == "interactive"]
+    full = [r for r in inter if r.ok and not r.degraded]
+    assert len(full) > 0.3 * len(inter)
+    lat = sorted(r.latency for r in inter if r.ok)
+    assert lat[int(0.99 * (len(lat) - 1))] <= 2.0
