@@ -45,7 +45,7 @@ async def fleets():
         yield big, small
 
 
-def write_policy(tmp_path, big_port: int):
+def write_policy(tmp_path, big_port: int, unit: str = "requests", limit: float = LIMIT):
     classes = {
         # Class caps far above the pool's limit: the pool-wide limit is what binds.
         "interactive": {"max_concurrency": 16, "max_queue": 1, "max_wait_ms": 20_000, "slo_p95_ms": 5_000,
@@ -53,23 +53,25 @@ def write_policy(tmp_path, big_port: int):
         "batch": {"max_concurrency": 16, "max_queue": 2, "max_wait_ms": 20_000},
     }
     pools = {POOL: {"replicas": [f"127.0.0.1:{big_port}"],
-                    "limit": {"enabled": True, "unit": "requests", "initial": LIMIT, "min": LIMIT, "max": LIMIT}}}
+                    "limit": {"enabled": True, "unit": unit, "initial": limit, "min": limit, "max": limit}}}
     return policy_file(tmp_path, classes=classes, tenants=[], shed={}, pools=pools)
 
 
 class Client:
     """One request through Envoy on its own connection, which the test can close (the client leaves)."""
 
-    def __init__(self, url: str, headers: dict, max_tokens: int = 4):
+    def __init__(self, url: str, headers: dict, words: int = 1):
+        body = chat(max_tokens=4, ignore_eos=True)
+        body["messages"][0]["content"] = " ".join(["hello"] * words)  # ~1.5 prompt tokens a word
         self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
-        self.task = asyncio.create_task(post(self.http, url, chat(max_tokens=max_tokens, ignore_eos=True), headers))
+        self.task = asyncio.create_task(post(self.http, url, body, headers))
 
     async def result(self, timeout: float = WAIT_S):
-        try:
-            return await asyncio.wait_for(asyncio.shield(self.task), timeout)
-        finally:
-            if self.task.done():
-                await self.http.close()
+        """The response (status, headers, body); fails the test if none came within `timeout`."""
+        done, _ = await asyncio.wait({self.task}, timeout=timeout)
+        assert done, f"no response within {timeout} s"
+        await self.http.close()
+        return self.task.result()
 
     async def leave(self) -> None:
         self.task.cancel()
@@ -133,10 +135,15 @@ async def fault(http, fleet: SimFleet, **body) -> None:
         assert r.status == 200
 
 
+def start(make_stack, tmp_path, fleets, **limit):
+    big, small = fleets
+    return make_stack(write_policy(tmp_path, big.ports[0], **limit),
+                      pools={POOL: [("127.0.0.1", big.ports[0])], "vllm_llama8b": [("127.0.0.1", small.ports[0])]})
+
+
 async def test_batch_is_queued_or_refused_before_interactive_is_degraded(make_stack, tmp_path, fleets):
     big, small = fleets
-    s = make_stack(write_policy(tmp_path, big.ports[0]),
-                   pools={POOL: [("127.0.0.1", big.ports[0])], "vllm_llama8b": [("127.0.0.1", small.ports[0])]})
+    s = start(make_stack, tmp_path, fleets)
     clients: list[Client] = []
 
     def send(headers: dict) -> Client:
@@ -211,6 +218,70 @@ async def test_batch_is_queued_or_refused_before_interactive_is_degraded(make_st
                 assert (status, model, degraded) == (200, "llama-70b", None)
             await pool.until(lambda p: p.decisions("batch", "accept", "dequeued") == 2)
             assert pool.decisions("interactive", "degrade") == 1 and pool.decisions("batch", "reject") == 1
+        finally:
+            for c in clients:
+                await c.leave()
+            with contextlib.suppress(Exception):
+                await fault(http, big, reset=True)
+
+
+async def test_a_batch_request_that_would_fit_still_yields_to_a_waiting_interactive_one(make_stack, tmp_path,
+                                                                                         fleets):
+    """Strict priority, not only fill levels: in KV tokens, a large interactive request waits for room while a
+    small batch request would fit under batch's share of the limit; the batch request waits behind it all the same,
+    the room freed goes to interactive, and interactive degrades only after that batch request was queued."""
+    big, small = fleets
+    limit = 1000  # tokens: prompt + expected output of the requests held
+    s = start(make_stack, tmp_path, fleets, unit="tokens", limit=limit)
+    clients: list[Client] = []
+
+    def send(headers: dict, words: int) -> Client:
+        c = Client(s.url, headers, words)
+        clients.append(c)
+        return c
+
+    async with aiohttp.ClientSession() as http:
+        pool = Pool(http, s.metrics_url)
+        try:
+            await fault(http, big, extra_latency_s=HOLD_S * SPEED)
+            # Three medium batch requests (~160 tokens each) hold about half the pool.
+            b1, b2, b3 = send(BATCH, 100), send(BATCH, 100), send(BATCH, 100)
+            await pool.until(lambda p: p.decisions("batch", "accept") == 3)
+            held = pool.inflight("batch")
+            assert 300 < held < 600, pool.state()
+            # A large interactive request (~610 tokens) does not fit next to them: it waits for the pool.
+            i1 = send(INTERACTIVE, 400)
+            await pool.until(lambda p: p.waiting("interactive") == 1)
+            assert pool.inflight("interactive") == 0
+            # A small batch request (~10 tokens) would fit under batch's share (85% of the limit), but a higher
+            # class waits for this pool: it is queued, not admitted.
+            tiny = send(BATCH, 1)
+            await pool.until(lambda p: p.waiting("batch") == 1)
+            assert held + 20 < 0.85 * limit  # it was room, not the fill level, that it was refused
+            assert pool.decisions("batch", "accept") == 3 and pool.inflight("batch") == held
+
+            # Interactive overflows its queue only now (after batch was queued) and degrades to the small model.
+            i2 = send(INTERACTIVE, 400)
+            status, model, degraded = served(await i2.result())
+            assert (status, model) == (200, "llama-8b") and degraded and degraded.endswith("reason=queue_full"), \
+                (status, model, degraded)
+            await pool.read()
+            assert pool.decisions("batch", "accept") == 3 and pool.waiting("batch") == 1
+
+            # A batch client leaves: the room goes to the large interactive request, not to the small batch one
+            # that would have fitted first.
+            await fault(http, big, reset=True)
+            await b1.leave()
+            status, model, degraded = served(await i1.result())
+            assert (status, model, degraded) == (200, "llama-70b", None)
+            await pool.read()
+            assert pool.decisions("interactive", "accept", "dequeued") == 1
+            assert pool.decisions("batch", "accept", "dequeued") == 0 or tiny.task.done()
+            # ...and the small batch request is served once no interactive request waits.
+            status, model, degraded = served(await tiny.result())
+            assert (status, model, degraded) == (200, "llama-70b", None)
+            await pool.until(lambda p: p.decisions("batch", "accept", "dequeued") == 1)
+            assert pool.decisions("batch", "reject") == 0
         finally:
             for c in clients:
                 await c.leave()

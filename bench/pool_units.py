@@ -1,0 +1,48 @@
+"""The pool-wide limit's unit (tokens vs requests) on every public scenario, in the engine-model what-if.
+
+`python bench/pool_units.py` prints the table of docs/overload.md: interactive p99 and full-model vs degraded
+goodput per compared window, for the scenario's own `d` policy with `unit: tokens` and with `unit: requests`.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from extproc.tools.demo.results import window_stats
+from extproc.tools.demo.scenario import Scenario
+from extproc.tools.demo.whatif import what_if
+
+SCENARIOS = ("spike", "kv-agents", "shifted-fleet", "replica-removed")
+
+
+def with_unit(policy: str, unit: str, folder: Path) -> str:
+    doc = yaml.safe_load(Path(policy).read_text(encoding="utf-8"))
+    for pool in doc.get("pools", {}).values():
+        if pool.get("limit", {}).get("enabled"):
+            pool["limit"]["unit"] = unit
+    path = folder / f"{Path(policy).stem}-{unit}.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")  # class order is priority
+    return str(path)
+
+
+def main() -> None:
+    print("| scenario | window | unit | p99 s | full-model goodput req/s | degraded answers req/s |")
+    print("|---|---|---|---:|---:|---:|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in SCENARIOS:
+            sc = Scenario.load(f"scenarios/{name}.yaml")
+            policy = (sc.policies or {}).get("d", "policies/demo-full.yaml")
+            capacity = sc.fleet_capacity()
+            for unit in ("tokens", "requests"):
+                res = what_if(sc, with_unit(policy, unit, Path(tmp)), capacity)
+                for window, span in sc.report_windows().items():
+                    s = window_stats(res.records, span, sc.slo_class, sc.slo_p95_s, sc.client_timeout_s, True)
+                    print(f"| {name} | {window} | {unit} | {s.p99:.2f} | {s.goodput:.2f} | "
+                          f"{s.goodput_degraded:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
