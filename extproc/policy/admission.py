@@ -194,6 +194,17 @@ class AdmissionController:
             return True
         return gate.can_cut()
 
+    def _pool_admits(self, gate, lim: ClassLimiter, units: float, now: float) -> bool:
+        """Strict priority on the pool: within its guarantee a class goes in; beyond it, only while no higher
+        class waits for this pool (a waiter held back by its own class cap does not wait for the pool)."""
+        if gate.guaranteed(lim.rank, units):
+            return True
+        ranked = self.state.ranked
+        for r in range(lim.rank):
+            if gate.waiting[r] and ranked[r].has_room():
+                return False
+        return gate.fits(lim.rank, units, now)
+
     def _limit(self, c: Classification, lim: ClassLimiter, cluster: str, now: float, charge: Charge,
                trickle: bool) -> Decision:
         """A slot now (the class's and its pool's), a place in the bounded queue, or overflow."""
@@ -201,7 +212,7 @@ class AdmissionController:
         cost = est.gpu_seconds
         gate = self.gates.get(cluster) if self.gates else None
         units = gate.units(est.prompt_tokens, est.expected_output) if gate is not None else 0.0
-        if lim.has_room(cost) and not lim.queue and (gate is None or gate.admits(lim.rank, units, now)):
+        if lim.has_room(cost) and not lim.queue and (gate is None or self._pool_admits(gate, lim, units, now)):
             ticket = self._admit(lim, c.tenant, cluster, now, charge, 0.0, gate, units)
             ticket.trickle = trickle
             return Admit(R_SLOT_FREE, c.cls, c.tenant, ticket, cluster=cluster, classification=c)
@@ -317,8 +328,9 @@ class AdmissionController:
 
     # --- the queue ---
 
-    def abandon(self, waiter: Waiter, timed_out: bool) -> Decision | None:
-        """The waiter's deadline passed or its client left. Returns its final decision, or None if it had one."""
+    def abandon(self, waiter: Waiter, timed_out: bool, regrant: bool = True) -> Decision | None:
+        """The waiter's deadline passed or its client left. Returns its final decision, or None if it had one.
+        A waiter whose client left stops holding lower classes back on its pool (`regrant`)."""
         if not waiter.pending:
             return None
         now = self.clock()
@@ -338,6 +350,10 @@ class AdmissionController:
         else:
             d = self._reject(waiter, 499, R_CLIENT_GONE, say(R_CLIENT_GONE, waiting="queued"), now)
         self._resolve(waiter, d)
+        if regrant and not timed_out and waiter.gate is not None:
+            # A client that left frees its place for lower classes; one that timed out showed the pool short
+            # for its class, whose next arrivals come first: lower classes wait for the next release.
+            self._grant(lim, now)
         return d
 
     def _grant(self, lim: ClassLimiter, now: float) -> None:
@@ -355,8 +371,10 @@ class AdmissionController:
         """FIFO within the class, skipping waiters past their deadline; a waiter whose pool has no room keeps
         its place and blocks that pool for the rest of this class and the classes below it."""
         for w in list(lim.queue):
+            if not w.pending:
+                continue  # resolved meanwhile (a fallback of an earlier waiter may grant)
             if w.deadline <= now:
-                self.abandon(w, timed_out=True)
+                self.abandon(w, timed_out=True, regrant=False)
                 continue
             if not lim.has_room(w.cost):
                 return

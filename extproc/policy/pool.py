@@ -195,18 +195,6 @@ class PoolGate:
         self.short = True
         return False
 
-    def waiting_above(self, rank: int) -> bool:
-        for r in range(rank):
-            if self.waiting[r]:
-                return True
-        return False
-
-    def admits(self, rank: int, units: float, now: float) -> bool:
-        """Strict priority: a class goes ahead of nobody who waits above it, except within its guarantee."""
-        if self.guaranteed(rank, units):
-            return True
-        return not self.waiting_above(rank) and self.fits(rank, units, now)
-
     def can_cut(self) -> bool:
         """Whether the limit has room to come down: latency trouble is then the limit's to fix, not a degrade's."""
         return self.limit > self.spec.min

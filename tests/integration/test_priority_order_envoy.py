@@ -244,44 +244,51 @@ async def test_a_batch_request_that_would_fit_still_yields_to_a_waiting_interact
         pool = Pool(http, s.metrics_url)
         try:
             await fault(http, big, extra_latency_s=HOLD_S * SPEED)
-            # Three medium batch requests (~160 tokens each) hold about half the pool.
-            b1, b2, b3 = send(BATCH, 100), send(BATCH, 100), send(BATCH, 100)
+            # Three medium batch requests (~160 tokens each) hold about half the pool, and one small interactive
+            # request is in flight (each class's first request is its guarantee, admitted whatever its size).
+            b1 = send(BATCH, 100)
+            send(BATCH, 100), send(BATCH, 100)  # held to the end (left in `finally`)
             await pool.until(lambda p: p.decisions("batch", "accept") == 3)
-            held = pool.inflight("batch")
+            i0 = send(INTERACTIVE, 1)
+            await pool.until(lambda p: p.decisions("interactive", "accept") == 1)
+            held = pool.inflight("batch") + pool.inflight("interactive")
             assert 300 < held < 600, pool.state()
             # A large interactive request (~610 tokens) does not fit next to them: it waits for the pool.
             i1 = send(INTERACTIVE, 400)
             await pool.until(lambda p: p.waiting("interactive") == 1)
-            assert pool.inflight("interactive") == 0
-            # A small batch request (~10 tokens) would fit under batch's share (85% of the limit), but a higher
+            # (1) A small batch request (~10 tokens) would fit under batch's share (85% of the limit), but a higher
             # class waits for this pool: it is queued, not admitted.
             tiny = send(BATCH, 1)
             await pool.until(lambda p: p.waiting("batch") == 1)
-            assert held + 20 < 0.85 * limit  # it was room, not the fill level, that it was refused
-            assert pool.decisions("batch", "accept") == 3 and pool.inflight("batch") == held
+            assert held + 20 < 0.85 * limit  # room there was: what queued it is the interactive request waiting
+            assert pool.decisions("batch", "accept") == 3
+            assert pool.inflight("batch") + pool.inflight("interactive") == held
 
-            # Interactive overflows its queue only now (after batch was queued) and degrades to the small model.
+            # (3) Interactive overflows its queue only now, after batch was queued, and degrades to the small model.
             i2 = send(INTERACTIVE, 400)
             status, model, degraded = served(await i2.result())
             assert (status, model) == (200, "llama-8b") and degraded and degraded.endswith("reason=queue_full"), \
                 (status, model, degraded)
             await pool.read()
+            assert pool.decisions("interactive", "degrade", "queue_full") == 1
             assert pool.decisions("batch", "accept") == 3 and pool.waiting("batch") == 1
 
-            # A batch client leaves: the room goes to the large interactive request, not to the small batch one
-            # that would have fitted first.
-            await fault(http, big, reset=True)
+            # (2) A batch client leaves: the room goes to the large interactive request, not to the small batch
+            # request that queued after it yet would have fitted.
             await b1.leave()
-            status, model, degraded = served(await i1.result())
-            assert (status, model, degraded) == (200, "llama-70b", None)
-            await pool.read()
-            assert pool.decisions("interactive", "accept", "dequeued") == 1
-            assert pool.decisions("batch", "accept", "dequeued") == 0 or tiny.task.done()
-            # ...and the small batch request is served once no interactive request waits.
+            await pool.until(lambda p: p.decisions("interactive", "accept", "dequeued") == 1)
+            assert pool.waiting("interactive") == 0 and pool.inflight("interactive") > 600, pool.state()
+            assert pool.decisions("batch", "accept", "dequeued") == 0 and pool.waiting("batch") == 1, pool.state()
+            assert not tiny.task.done()
+
+            # The small batch request is served (by the 70B pool) once the interactive requests are gone.
+            await fault(http, big, reset=True)
+            await i1.leave()
+            await i0.leave()
             status, model, degraded = served(await tiny.result())
             assert (status, model, degraded) == (200, "llama-70b", None)
             await pool.until(lambda p: p.decisions("batch", "accept", "dequeued") == 1)
-            assert pool.decisions("batch", "reject") == 0
+            assert pool.decisions("batch", "reject") == 0 and pool.decisions("interactive", "degrade") == 1
         finally:
             for c in clients:
                 await c.leave()

@@ -194,3 +194,21 @@ def test_the_what_if_holds_the_slo_in_the_spike_with_the_pool_limit_and_gives_fu
     assert len(full) > 0.3 * len(inter)
     lat = sorted(r.latency for r in inter if r.ok)
     assert lat[int(0.99 * (len(lat) - 1))] <= 2.0
+
+
+def test_a_request_waiting_on_its_own_class_cap_does_not_hold_lower_classes_off_a_pool_with_room(clock):
+    core = AdmissionController(pool_policy(limit=4, interactive={"max_concurrency": 1}), clock=clock)
+    assert core.decide(req("interactive")).kind == ACCEPT
+    assert core.decide(req("interactive")).kind == QUEUE  # its class cap is full, not the pool
+    assert [core.decide(req("batch")).kind for _ in range(2)] == [ACCEPT, ACCEPT]
+
+
+def test_when_a_waiter_that_held_lower_classes_back_is_given_up_on_they_are_granted_at_once(clock):
+    core = AdmissionController(pool_policy(limit=1000, unit="tokens"), clock=clock)
+    assert core.decide(req("batch", tokens=200)).kind == ACCEPT         # 300 (its guarantee)
+    assert core.decide(req("interactive", tokens=100)).kind == ACCEPT   # 200: 500 held
+    big = core.decide(req("interactive", tokens=500))                   # 600 more: does not fit
+    small = core.decide(req("batch"))                                   # 100 fits under 850, but big waits
+    assert (big.kind, small.kind) == (QUEUE, QUEUE)
+    core.abandon(big.waiter, timed_out=False)  # its client left: nothing waits above batch any more
+    assert small.waiter.result.kind == ACCEPT
