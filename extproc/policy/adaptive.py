@@ -9,7 +9,11 @@ does not bind, and re-measures its baseline by pinning concurrency low. Here the
    cutting only while it binds left the shifted-fleet what-if over its SLO, docs/adaptive.md);
  - raise additively only while p95 is well under the SLO, the replicas have headroom, and the limit actually binds
    (in-flight near it) - so an idle class does not drift to its maximum;
- - hold in between (the hysteresis band keeps a steady load from oscillating).
+ - hold in between (the hysteresis band keeps a steady load from oscillating);
+ - probe upward when the window has too few completions to judge (a low cap completes few requests: at 2 slots
+   and 1.5 s each, a 5 s window never reaches 10 samples, and a cap cut to its floor during a slowdown stayed
+   there after capacity returned), if the cap binds, the replicas are not saturated, and none of the (at least
+   min_samples / 2) samples it has is slow. One more slot at a time: the completions it brings decide the next.
 """
 
 from __future__ import annotations
@@ -62,6 +66,16 @@ class AdaptiveLimit:
         elif enough and binding and p95 < spec.raise_below * self.slo_s:
             self.limit = min(spec.max_limit, self.limit + spec.increase)
             self.last_action = "raise"
+        elif not enough and binding and not saturated and self._no_slow_sample(now):
+            self.limit = min(spec.max_limit, self.limit + spec.increase)
+            self.last_action = "probe"
         else:
             self.last_action = "hold"
         return int(self.limit)
+
+    def _no_slow_sample(self, now: float) -> bool:
+        """At least half the samples a raise needs, and the slowest under the raise threshold: no evidence of
+        overload. (One or two fast completions say little: a probe on them pushed the replica-removed what-if
+        over its SLO.)"""
+        return (2 * self.window.count(now) >= self.spec.min_samples
+                and self.window.quantile(now, 1.0) < self.spec.raise_below * self.slo_s)

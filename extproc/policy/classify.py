@@ -1,4 +1,4 @@
-"""Request facts -> traffic class, with the claimed class capped by what the tenant may use."""
+"""Request facts -> traffic class (the claimed class capped by what the tenant may use) and fairness key."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from .schema import Policy
 
 ANONYMOUS = "anonymous"
+MAX_FAIRNESS_KEY = 128  # characters kept of a fairness key read from a header
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,6 +16,11 @@ class Classification:
     tenant: str            # tenant name from config, or "anonymous": safe as a metric label
     demoted: bool = False  # claimed a class above the tenant's max_class
     unknown: bool = False  # claimed a class name the policy does not define
+    fairness_key: str = ""  # the flow it counts against inside its class ("": the tenant)
+
+    @property
+    def flow(self) -> str:
+        return self.fairness_key or self.tenant
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,7 +31,9 @@ class _TenantLimits:
 
 
 class Classifier:
-    """Tenant (by API key) first, then the header, then the body field, then the default."""
+    """Tenant (by API key) first, then the claim: the class header, then the objective header (mapped through
+    `classify.objectives`), then the body field, then the tenant's default. The fairness key is the tenant, or
+    the fairness header's value where the policy names one."""
 
     def __init__(self, policy: Policy):
         names = policy.class_names()
@@ -41,6 +49,8 @@ class Classifier:
         # never be worth more than a real one.
         self._anonymous = self._limits(ANONYMOUS, a.max_class or names[-1], a.default_class, policy)
         self.tenant_names = [t.name for t in policy.tenants] + [ANONYMOUS]
+        self._objectives = dict(policy.classify.objectives)
+        self._reads_fairness = policy.classify.fairness_header is not None
 
     def _limits(self, name: str, max_class: str | None, default: str | None, policy: Policy) -> _TenantLimits:
         max_rank = self._rank[max_class] if max_class else 0
@@ -56,17 +66,28 @@ class Classifier:
     def tenant_for(self, api_key: str | None) -> _TenantLimits:
         return self._by_key.get(api_key, self._anonymous) if api_key else self._anonymous
 
-    def classify(self, api_key: str | None, header_claim: str | None, body_claim: str | None) -> Classification:
+    def classify(self, api_key: str | None, header_claim: str | None, body_claim: str | None,
+                 objective: str | None = None, fairness_id: str | None = None) -> Classification:
+        """`objective` and `fairness_id` are the values of the policy's `objective_header` and `fairness_header`
+        (None when absent or not configured)."""
         tenant = self.tenant_for(api_key)
-        claim = header_claim or body_claim
+        key = self._fairness_key(fairness_id)
+        if objective:
+            objective = self._objectives.get(objective, objective)
+        claim = header_claim or objective or body_claim
         if not claim:
-            return Classification(tenant.default_class, tenant.name)
+            return Classification(tenant.default_class, tenant.name, fairness_key=key)
         rank = self._rank.get(claim)
         if rank is None:
-            return Classification(tenant.default_class, tenant.name, unknown=True)
+            return Classification(tenant.default_class, tenant.name, unknown=True, fairness_key=key)
         if rank < tenant.max_rank:
-            return Classification(self._names[tenant.max_rank], tenant.name, demoted=True)
-        return Classification(claim, tenant.name)
+            return Classification(self._names[tenant.max_rank], tenant.name, demoted=True, fairness_key=key)
+        return Classification(claim, tenant.name, fairness_key=key)
+
+    def _fairness_key(self, fairness_id: str | None) -> str:
+        if not self._reads_fairness or not fairness_id:
+            return ""
+        return fairness_id.strip()[:MAX_FAIRNESS_KEY]
 
 
 class ConflictingKeys(ValueError):

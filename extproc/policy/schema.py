@@ -189,6 +189,19 @@ class ClassifySpec:
     body_field: str = doc("Top-level JSON body field holding the claimed class name. Removed from the body "
                           "before it reaches vLLM when it names a class (vLLM's own `priority` is an integer).",
                           "priority")
+    objective_header: str | None = doc(
+        "Request header naming the request's objective, read as a class claim after `header` and before "
+        "`body_field` (lower case; Gateway API Inference Extension: `x-gateway-inference-objective`, an "
+        "InferenceObjective's name; newer llm-d routers call it `x-llm-d-router-inference-objective`). Like any "
+        "claim it is capped by the tenant's `max_class`. Unset: not read.", None)
+    objectives: dict[str, str] = doc("Objective name -> class, for `objective_header`; a name not listed is "
+                                     "taken as a class name.", factory=dict)
+    fairness_header: str | None = doc(
+        "Request header whose value is the fairness key (the flow whose share a request counts against) instead "
+        "of the tenant (lower case; Gateway API Inference Extension: `x-gateway-inference-fairness-id`). Set it "
+        "only where the gateway in front sets or strips that header: a client that picks its own key can join "
+        "another flow or split its traffic over many. Values are cut to 128 characters; metrics label keys "
+        "that are not tenant names as `other`. Unset: the tenant is the key.", None)
 
 
 @dataclass(frozen=True)
@@ -584,6 +597,8 @@ def _check_references(p: Policy, errors: list[str]) -> None:
                           f"(models: {', '.join(p.models)})")
         if fb.action == "degrade" and fb.model is None and fb.max_tokens is None and fb.stream is None:
             errors.append(f"classes.{name}.fallback: action degrade needs model, max_tokens or stream")
+    for objective, cls in p.classify.objectives.items():
+        need_class(cls, f"classify.objectives.{objective}")
     for protector, shed in p.shed_map().items():
         need_class(protector, f"shed.{protector}")
         for j, c in enumerate(shed):

@@ -153,3 +153,56 @@ def test_without_a_drain_rate_nothing_is_rejected_early(clock):
     core = early_core(clock)
     assert core.decide(RequestFacts(header_class="interactive", model="llama")).kind == ACCEPT
     assert core.decide(RequestFacts(header_class="interactive", model="llama")).kind == QUEUE
+
+
+def test_a_cap_cut_to_its_floor_recovers_within_a_few_intervals_once_capacity_returns():
+    """Issue 20 (2): a 2x slowdown drives the cap to min_limit; at 2 slots of ~1 s the 5 s window never holds
+    min_samples completions, so latency alone could never raise it again. With nothing slow in the window and
+    the replicas not saturated, it probes upward one slot per interval until the samples can speak."""
+    spec = AdaptiveSpec(enabled=True, min_limit=2, max_limit=64, interval_s=1.0, window_s=5, min_samples=10)
+    ctl = AdaptiveLimit(spec, slo_s=1.5, initial=12)
+    sat = PoolSaturation()
+    done = 0.0  # completions owed by Little's law (limit / latency per second), carried between seconds
+    t = 0.0
+
+    def second(latency, saturated):
+        nonlocal done, t
+        sat.saturated = saturated
+        done += ctl.limit / latency
+        for k in range(int(done)):
+            ctl.observe(t + k / max(int(done), 1), latency)
+        done -= int(done)
+        t += 1.0
+        return ctl.update(t, int(ctl.limit), sat)  # the queue is never empty: the cap binds
+
+    slowed = [second(latency=2.0, saturated=True) for _ in range(15)]
+    assert slowed[-1] == spec.min_limit
+    recovered = [second(latency=1.0, saturated=False) for _ in range(10)]
+    assert recovered[4] > spec.min_limit + 1, recovered  # moving within a few intervals, not pinned
+    assert recovered[-1] >= 5 and ctl.last_action in ("probe", "raise")
+
+
+def test_no_probe_while_the_few_samples_are_slow_or_the_replicas_saturated():
+    spec = AdaptiveSpec(enabled=True, min_limit=2, max_limit=64, interval_s=1.0, window_s=5, min_samples=10)
+    ctl = AdaptiveLimit(spec, slo_s=1.5, initial=2)
+    sat = PoolSaturation()
+    for i in range(5):
+        ctl.observe(i + 0.5, 1.3)  # over raise_below * SLO (1.05 s): evidence the floor is where it must be
+        assert ctl.update(i + 1.0, 2, sat) == 2
+    sat.saturated = True
+    for i in range(5, 10):
+        ctl.observe(i + 0.25, 0.5)
+        ctl.observe(i + 0.75, 0.5)
+        assert ctl.update(i + 1.0, 2, sat) == 2
+    sat.saturated = False
+    assert ctl.update(11.0, 0, sat) == 2  # not binding: an idle class does not drift up
+    ctl.observe(11.5, 0.5)
+    assert ctl.update(12.0, 2, sat) == 3 and ctl.last_action == "probe"
+
+
+def test_no_probe_on_one_or_two_fast_samples():
+    spec = AdaptiveSpec(enabled=True, min_limit=2, max_limit=64, interval_s=1.0, window_s=5, min_samples=10)
+    ctl = AdaptiveLimit(spec, slo_s=1.5, initial=2)
+    ctl.observe(0.5, 0.2)
+    ctl.observe(1.5, 0.2)
+    assert ctl.update(2.0, 2, PoolSaturation()) == 2 and ctl.last_action == "hold"

@@ -20,6 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-name", action="append", dest="model_names", metavar="NAME",
                         help="served model name (repeatable); default: the profile's")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=None,
+                        help="vLLM's --scheduling-policy: priority orders by the request's `priority` (lower first) "
+                             "and preempts the worst running one; default: the profile's (fcfs unless it says)")
     parser.add_argument("--no-uvloop", action="store_true", help="use the standard asyncio event loop")
 
 
@@ -29,9 +32,11 @@ async def _serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     async with SimFleet(args.profile, replicas=args.replicas, host=args.host, port=args.port, speed=args.speed,
-                        model_names=args.model_names, seed=args.seed) as fleet:
+                        model_names=args.model_names, seed=args.seed,
+                        scheduling_policy=args.scheduling_policy) as fleet:
         print(f"sim ready: {' '.join(fleet.urls)} profile={fleet.profile.name} "
-              f"models={','.join(fleet.profile.model_names)} speed={args.speed:g}", flush=True)
+              f"models={','.join(fleet.profile.model_names)} speed={args.speed:g} "
+              f"scheduling={fleet.profile.scheduling_policy}", flush=True)
         await stop.wait()
 
 

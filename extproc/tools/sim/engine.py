@@ -1,5 +1,11 @@
 """A sans-IO model of vLLM's engine: continuous batching, chunked prefill, paged KV cache and preemption.
 
+Two scheduling policies, as vLLM 0.32's `--scheduling-policy` (vllm/v1/core/sched/scheduler.py): `fcfs` (the
+waiting queue in arrival order; a running sequence short of KV blocks preempts the newest running one) and
+`priority` (the waiting queue ordered by (priority, arrival), lower first; the victim is the running sequence with
+the largest (priority, arrival), wherever it sits in the batch, and a victim already scheduled this step gives its
+token budget back). In both a waiting request never preempts anyone: it waits for blocks.
+
 Time never comes from a clock here: callers pass `now` in simulated seconds. One iteration is
 `begin_iteration(now)` (schedule the batch, return how long it takes) then `end_iteration(end)` (apply it and
 return the tokens it produced). Requests aborted in between simply produce nothing.
@@ -7,13 +13,17 @@ return the tokens it produced). Requests aborted in between simply produce nothi
 
 from __future__ import annotations
 
+import bisect
 import random
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from extproc.tools.sim.profile import Profile
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+FCFS, PRIORITY = "fcfs", "priority"
+SCHEDULING_POLICIES = (FCFS, PRIORITY)
 
 
 @dataclass(eq=False)
@@ -36,11 +46,44 @@ class Sequence:
     finished: float | None = None
     finish_reason: str | None = None
     preemptions: int = 0
+    priority: int = 0  # the request's `priority`: lower runs first (only under the priority policy)
 
     @property
     def length(self) -> int:
         """Tokens that must be in the KV cache before the next token can be sampled."""
         return self.prompt_tokens + self.generated
+
+
+class PriorityWaiting:
+    """The waiting queue of the priority policy: ordered by (priority, arrival, id), whatever end it is put at
+    (vLLM's heap has no front either: a preempted request goes back by its key)."""
+
+    def __init__(self) -> None:
+        self._items: list[Sequence] = []
+
+    def append(self, seq: Sequence) -> None:
+        bisect.insort(self._items, seq, key=_priority_key)
+
+    appendleft = append
+
+    def popleft(self) -> Sequence:
+        return self._items.pop(0)
+
+    def remove(self, seq: Sequence) -> None:
+        self._items.remove(seq)
+
+    def __getitem__(self, index: int) -> Sequence:
+        return self._items[index]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return iter(self._items)
+
+
+def _priority_key(seq: Sequence) -> tuple[int, float, int]:
+    return seq.priority, seq.arrival, seq.id
 
 
 @dataclass
@@ -69,8 +112,9 @@ class Engine:
     def __init__(self, profile: Profile, seed: int = 0):
         self.profile = profile
         self.rng = random.Random(seed)
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # admission order: the last one is the newest, preempted first
+        self.priority = profile.scheduling_policy == PRIORITY
+        self.waiting: deque[Sequence] | PriorityWaiting = PriorityWaiting() if self.priority else deque()
+        self.running: list[Sequence] = []  # admission order: under fcfs the last one is the newest, preempted first
         self.free_blocks = profile.kv_cache_blocks
         self.stats = EngineStats()
         self.slowdown = 1.0  # fault injection: multiplies iteration time
@@ -79,13 +123,15 @@ class Engine:
 
     # -- requests -------------------------------------------------------------------------------------------
     def add_request(self, prompt_tokens: int, max_tokens: int, now: float,
-                    natural_tokens: int | None = None) -> Sequence:
-        """Queue a request; its output length is drawn now so it is fixed by the seed and arrival order."""
+                    natural_tokens: int | None = None, priority: int = 0) -> Sequence:
+        """Queue a request; its output length is drawn now so it is fixed by the seed and arrival order.
+        `priority` orders it only under the priority policy (fcfs ignores it, as vLLM does)."""
         natural = self.profile.natural_output_tokens(self.rng)
         if natural_tokens is not None:  # ignore_eos, or a test that wants an exact length
             natural = natural_tokens
         cost = self.profile.cost_multiplier.sample(self.rng)
-        seq = Sequence(self._next_id, prompt_tokens, max_tokens, min(max_tokens, natural), now, cost)
+        seq = Sequence(self._next_id, prompt_tokens, max_tokens, min(max_tokens, natural), now, cost,
+                       priority=priority)
         self._next_id += 1
         self.waiting.append(seq)
         self.stats.prompt_tokens += prompt_tokens
@@ -154,7 +200,8 @@ class Engine:
 
     # -- scheduling -----------------------------------------------------------------------------------------
     def _schedule(self, now: float) -> list[tuple[Sequence, int]]:
-        """vLLM-style: running sequences first (decode or the rest of their prefill), then admit waiting FIFO."""
+        """vLLM-style: running sequences first (decode or the rest of their prefill), then admit waiting ones in
+        queue order (arrival, or (priority, arrival))."""
         budget = self.profile.max_num_batched_tokens
         batch: list[tuple[Sequence, int]] = []
         preempted = False
@@ -163,13 +210,23 @@ class Engine:
             seq = self.running[i]
             n = min(seq.length - seq.computed, budget)
             while not self._allocate(seq, seq.computed + n):
-                victim = self.running.pop()  # the newest running sequence gives its blocks back
+                victim = self._victim()
+                at = self.running.index(victim)
+                del self.running[at]
+                if at < i:
+                    i -= 1
+                for k, (scheduled, tokens) in enumerate(batch):
+                    if scheduled is victim:  # scheduled earlier this step: its tokens go back to the budget
+                        del batch[k]
+                        budget += tokens
+                        break
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
             if seq.state != RUNNING:
-                break  # seq itself was the newest: nothing after it remains
+                break  # seq itself was the victim: under fcfs nothing after it remains, under priority all
+                # the others outrank it (vLLM stops scheduling running requests here too)
             batch.append((seq, n))
             budget -= n
             i += 1
@@ -189,6 +246,13 @@ class Engine:
             budget -= n
         return batch
 
+    def _victim(self) -> Sequence:
+        """The running sequence that gives its blocks back: the newest (fcfs), or the one with the largest
+        (priority, arrival) (priority)."""
+        if self.priority:
+            return max(self.running, key=lambda s: (s.priority, s.arrival))
+        return self.running[-1]
+
     def _allocate(self, seq: Sequence, tokens: int) -> bool:
         """Grow seq's block table to hold `tokens` tokens; False when the cache has too few free blocks."""
         need = -(-tokens // self.profile.block_size) - seq.blocks
@@ -201,7 +265,8 @@ class Engine:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
-        """Evict seq: free its blocks, forget its KV (recompute later) and put it at the front of the queue."""
+        """Evict seq: free its blocks, forget its KV (recompute later) and put it at the front of the queue (under
+        priority: back in its place by (priority, arrival))."""
         self.free_blocks += seq.blocks
         seq.blocks = 0
         seq.computed = 0

@@ -13,10 +13,13 @@ class SimFleet:
     """N independent replicas on ports port..port+N-1 (port 0: ephemeral ports, see `.ports`/`.urls`)."""
 
     def __init__(self, profile: Profile | str, replicas: int = 1, host: str = "127.0.0.1", port: int = 0,
-                 speed: float = 1.0, model_names: list[str] | None = None, seed: int = 0):
+                 speed: float = 1.0, model_names: list[str] | None = None, seed: int = 0,
+                 scheduling_policy: str | None = None):
         profile = load_profile(profile) if isinstance(profile, str) else profile
         if model_names:
             profile = profile.with_model_names(model_names)
+        if scheduling_policy:
+            profile = profile.with_scheduling_policy(scheduling_policy)
         if speed <= 0:
             raise ValueError("speed must be positive")
         self.profile = profile

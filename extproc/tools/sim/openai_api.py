@@ -12,6 +12,10 @@ from extproc.tools.sim.tokens import FILLER_WORDS, estimate_chat_tokens, estimat
 
 CHAT, COMPLETIONS = "chat", "completions"
 SIM_VERSION = "0.32.0-sim"
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# vLLM 0.32 reads a request's priority from this header before the body's `priority` (an unparsable value falls
+# back to the body): whoever can send it can reorder the engine's queue under --scheduling-policy priority.
+PRIORITY_HEADER = "x-vllm-priority"
 
 
 class ApiError(Exception):
@@ -45,6 +49,7 @@ class GenerationRequest:
     ignore_eos: bool
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
     requested_model: str = ""  # the served name the client asked for (`model` is what the responses say)
+    priority: int = 0  # the body's `priority` (lower first under --scheduling-policy priority; fcfs ignores it)
 
 
 def validation_error(kind: str, loc: str, msg: str, value, ctx: dict | None = None) -> ApiError:
@@ -62,6 +67,32 @@ def _input_repr(value):
     if isinstance(value, list):
         return f"<list of {len(value)} items>"
     return value
+
+
+def _priority_field(body: dict) -> int:
+    """`priority`: a (lax) integer within int64, default 0. vLLM 0.32 does not refuse a non-zero one under fcfs,
+    whatever its field description says: the FCFS queue and victim ignore it."""
+    value = _int_field(body, "priority")
+    if value is None:
+        return 0
+    if value < INT64_MIN:
+        raise validation_error("greater_than_equal", "body.priority", f"Input should be greater than or equal to "
+                               f"{INT64_MIN}", value, {"ge": INT64_MIN})
+    if value > INT64_MAX:
+        raise validation_error("less_than_equal", "body.priority", f"Input should be less than or equal to "
+                               f"{INT64_MAX}", value, {"le": INT64_MAX})
+    return value
+
+
+def header_priority(value: str | None, body_priority: int) -> int:
+    """The priority vLLM 0.32 schedules by: the `X-Vllm-Priority` header when it parses as an integer, else the
+    body's."""
+    if value is not None:
+        try:
+            return int(value)
+        except ValueError:
+            pass
+    return body_priority
 
 
 def _semantic_error(message: str, param: str, value) -> ApiError:
@@ -169,6 +200,7 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
     if kind == CHAT and body.get("max_completion_tokens") is not None:
         max_tokens, max_field = _int_field(body, "max_completion_tokens"), "max_completion_tokens"
     ignore_eos = _bool_field(body, "ignore_eos")
+    priority = _priority_field(body)
     model = model or served[0]
     if model not in served:
         raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {', '.join(served)}.",
@@ -197,7 +229,7 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
     # vLLM 0.32 answers every request with its first served name, whichever alias was asked for
     # (tests/fixtures/vllm/chat_small_model.json): `model` in the responses is served[0].
     return GenerationRequest(kind, served[0], prompt_tokens, max_tokens, stream, include_usage, ignore_eos,
-                             continuous and include_usage, requested_model=model)
+                             continuous and include_usage, requested_model=model, priority=priority)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:

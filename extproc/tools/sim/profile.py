@@ -57,6 +57,8 @@ class Profile:
     # Per-request cost multiplier on decode time (MoE routing, speculative decoding); median 1.
     cost_multiplier: LogNormal = field(default_factory=lambda: LogNormal(1.0, 0.0, 0.0))
     description: str = ""
+    # vLLM's --scheduling-policy: "fcfs" or "priority" (the request's `priority`, lower first; engine.py).
+    scheduling_policy: str = "fcfs"
 
     def natural_output_tokens(self, rng: random.Random) -> int:
         """How many tokens a request would generate if max_tokens did not stop it."""
@@ -65,6 +67,16 @@ class Profile:
     def with_model_names(self, names: list[str] | tuple[str, ...]) -> Profile:
         """The same profile serving other model names."""
         return _replace(self, model_names=tuple(names))
+
+    def with_scheduling_policy(self, policy: str) -> Profile:
+        """The same profile under another scheduling policy (vLLM's --scheduling-policy)."""
+        _check_scheduling_policy(policy, "scheduling_policy")
+        return _replace(self, scheduling_policy=policy)
+
+
+def _check_scheduling_policy(policy: str, where: str) -> None:
+    if policy not in ("fcfs", "priority"):
+        raise ValueError(f"{where}: must be fcfs or priority, got {policy!r}")
 
 
 def _replace(profile: Profile, **changes) -> Profile:
@@ -101,6 +113,7 @@ def profile_from_dict(data: dict, source: str = "<dict>") -> Profile:
         profile = Profile(**values)
     except (KeyError, TypeError) as exc:
         raise ValueError(f"{source}: bad profile: {exc}") from exc
+    _check_scheduling_policy(profile.scheduling_policy, f"{source}: scheduling_policy")
     # A request as long as the context must fit in the cache alone, or the engine could never schedule it.
     if profile.kv_cache_blocks * profile.block_size < profile.max_model_len:
         raise ValueError(f"{source}: kv_cache_blocks * block_size must be at least max_model_len")

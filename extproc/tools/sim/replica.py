@@ -10,8 +10,9 @@ from dataclasses import asdict, dataclass, fields
 from extproc.tools.sim.engine import Emission, Engine, Sequence
 from extproc.tools.sim.http11 import HttpRequest, ResponseWriter
 from extproc.tools.sim.metrics import ReplicaMetrics
-from extproc.tools.sim.openai_api import (CHAT, COMPLETIONS, SIM_VERSION, ApiError, GenerationRequest, ResponseRenderer,
-                                    error_body, models_body, parse_generation)
+from extproc.tools.sim.openai_api import (CHAT, COMPLETIONS, PRIORITY_HEADER, SIM_VERSION, ApiError, GenerationRequest,
+                                          ResponseRenderer, error_body, header_priority, models_body,
+                                          parse_generation)
 from extproc.tools.sim.profile import Profile
 
 # If the loop falls this far behind simulated time (CPU starved), it stops trying to catch up.
@@ -157,6 +158,7 @@ class Replica:
         """Engine and fault state, for tests and the operator (GET /sim/state)."""
         e = self.engine
         return {"profile": self.profile.name, "models": list(self.profile.model_names), "speed": self.speed,
+                "scheduling_policy": self.profile.scheduling_policy,
                 "sim_time_s": self._clock.now() if self._clock else 0.0, "running": len(e.running),
                 "waiting": len(e.waiting), "kv_cache_usage": e.kv_usage, "free_blocks": e.free_blocks,
                 "preemptions": e.stats.preemptions, "generation_tokens": e.stats.generation_tokens,
@@ -187,6 +189,7 @@ class Replica:
         except ApiError as exc:
             writer.send(exc.status, exc.body())
             return
+        parsed.priority = header_priority(request.headers.get(PRIORITY_HEADER), parsed.priority)
         faults = self.faults
         if faults.error_rate > 0 and self._fault_rng.random() < faults.error_rate:
             writer.send(500, error_body(500, "simulated fault", "InternalServerError"))
@@ -204,7 +207,8 @@ class Replica:
         renderer = ResponseRenderer(parsed)
         max_tokens = parsed.max_tokens
         seq = self.engine.add_request(parsed.prompt_tokens, max_tokens, self._clock.now(),
-                                      natural_tokens=max_tokens if parsed.ignore_eos else None)
+                                      natural_tokens=max_tokens if parsed.ignore_eos else None,
+                                      priority=parsed.priority)
         self._active[seq.id] = _Active(seq, writer, renderer)
         writer.on_disconnect = lambda: self._abort(seq)
         if parsed.stream:

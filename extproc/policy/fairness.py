@@ -1,0 +1,319 @@
+"""One class's waiters as flows (one per fairness key), served by GPU-seconds relative to weight, EDF inside a flow.
+
+A drop-in for the class queue (`collections.deque[Waiter]`): `append`, `popleft`, `q[0]`, `remove`, `len`,
+truthiness and iteration keep their meaning, with `q[0]` the waiter the next free slot goes to. Three ways to pick
+between flows (`mode`):
+
+- `fifo`: one line in arrival order, exactly the deque (deadlines and keys ignored);
+- `round_robin`: flows take turns, one grant each (llm-d's flow control inside a priority band);
+- `fair`: the backlogged flow with the least virtual time, where a flow's virtual time is the GPU-seconds it was
+  admitted for divided by its weight (Virtual Token Counting, in our cost units). A flow that becomes backlogged
+  starts no lower than the least virtual time of the flows already waiting (or, with none waiting, the start time
+  of the last admission), so idle time is not banked. `settle()` corrects a flow with the cost a request really
+  had once it is learned. A flow under its guaranteed share of the class's slots goes first. Work-conserving in
+  every mode: while anyone waits, `q[0]` names someone.
+
+Inside a flow (round_robin, fair) the earliest deadline goes first, arrivals breaking ties.
+
+Admission tells the queue about every admission of the class (`admitted`, whether it waited or not: work admitted
+straight away counts towards a flow's share too) and every release (`released`); popping a waiter charges nothing
+by itself. Per-label counters (`stats`) keep metrics' label sets bounded: keys that are not configured tenants
+fold into "other".
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from collections import OrderedDict
+from typing import Any, Callable, Iterable, Iterator, Literal
+
+Mode = Literal["fifo", "round_robin", "fair"]
+MODES: tuple[str, ...] = ("fifo", "round_robin", "fair")
+OTHER = "other"
+# The least a grant charges, in GPU-seconds: a stream of zero-cost requests must still move its flow's virtual
+# time, or it could keep another flow waiting for ever.
+MIN_CHARGE_S = 1e-3
+
+
+def jain_index(values: Iterable[float]) -> float:
+    """Jain's fairness index, (sum x)^2 / (n * sum x^2): 1 when all are equal, 1/n when one has everything.
+    1.0 for no values or all zeros (nothing to be unfair about)."""
+    xs = [max(v, 0.0) for v in values]
+    square = sum(x * x for x in xs)
+    if not xs or square <= 0.0:
+        return 1.0
+    return sum(xs) ** 2 / (len(xs) * square)
+
+
+class TenantStats:
+    """One label's counters and gauges, for metrics."""
+
+    __slots__ = ("waiting", "inflight", "admitted", "served_gpu_s", "waited_s", "recent_gpu_s", "recent_at")
+
+    def __init__(self) -> None:
+        self.waiting = 0          # gauge: waiters queued now
+        self.inflight = 0         # gauge: admitted and not yet released
+        self.admitted = 0         # counter: admissions (queued or not)
+        self.served_gpu_s = 0.0   # counter: GPU-seconds admitted, corrected by settle()
+        self.waited_s = 0.0       # counter: seconds waited by the waiters popped from the queue
+        self.recent_gpu_s = 0.0   # served GPU-seconds, exponentially decayed (the fairness index's input)
+        self.recent_at = 0.0
+
+
+class _Flow:
+    """One fairness key's waiters, ordered (deadline, arrival) - or by arrival alone in fifo mode."""
+
+    __slots__ = ("key", "entries", "vtime", "inflight", "inflight_cost", "weight", "guaranteed")
+
+    def __init__(self, key: str, weight: float, guaranteed: float):
+        self.key = key
+        self.entries: list[tuple[float, int, Any]] = []
+        self.vtime = 0.0
+        self.inflight = 0
+        self.inflight_cost = 0.0
+        self.weight = weight
+        self.guaranteed = guaranteed
+
+    def first_for(self, pool: str) -> tuple[float, int, Any] | None:
+        for entry in self.entries:
+            if entry[2].pool == pool:
+                return entry
+        return None
+
+
+def tenant_key(waiter: Any) -> str:
+    """The default fairness key: the waiter's tenant."""
+    return waiter.tenant
+
+
+class FairQueue:
+    """A class's waiters: flows per fairness key, the next grant picked by `mode` (see the module docstring).
+
+    `weights` and `guaranteed` map keys to a weight (default 1) and a guaranteed share of the class's slots
+    (0..1, default 0, needs `capacity`); `tenants` are the keys that get their own metric label (others fold
+    into "other"); `clock` times waits and decays the recent work the fairness index reads (optional)."""
+
+    def __init__(self, mode: Mode = "fair", weights: dict[str, float] | None = None,
+                 guaranteed: dict[str, float] | None = None, tenants: Iterable[str] = (),
+                 key: Callable[[Any], str] = tenant_key, clock: Callable[[], float] | None = None,
+                 capacity: float = 0.0, index_tau_s: float = 60.0):
+        if mode not in MODES:
+            raise ValueError(f"unknown fairness mode {mode!r} (modes: {', '.join(MODES)})")
+        self.mode = mode
+        self.weights = dict(weights or {})
+        self.guaranteed = dict(guaranteed or {})
+        for name, w in self.weights.items():
+            if not w > 0:
+                raise ValueError(f"weight of {name!r} must be positive, got {w}")
+        self.key = key
+        self.clock = clock
+        self.capacity = capacity  # the class's slots now (set by the limiter as its limit moves)
+        self.index_tau_s = index_tau_s
+        self._labels = set(tenants)
+        self.stats: dict[str, TenantStats] = {}
+        self._flows: dict[str, _Flow] = {}          # every flow with waiters, in flight, or configured
+        self._backlogged: OrderedDict[str, _Flow] = OrderedDict()  # flows with waiters; round_robin: turn order
+        # id(waiter) -> its flow, its entry, and its own key (fifo keeps every waiter in one flow)
+        self._where: dict[int, tuple[_Flow, tuple[float, int, Any], str]] = {}
+        self._seq = itertools.count()
+        self._vfloor = 0.0  # start virtual time of the latest admission (never decreases)
+        self._head: Any = None  # cache of q[0]; None when it must be recomputed
+
+    # --- the deque interface ---
+
+    def append(self, waiter: Any) -> None:
+        if id(waiter) in self._where:
+            raise ValueError("waiter is already queued")
+        key = self.key(waiter)
+        flow = self._flow("" if self.mode == "fifo" else key)
+        if not flow.entries:
+            self._become_backlogged(flow)
+        order = 0.0 if self.mode == "fifo" else waiter.deadline
+        entry = (order, next(self._seq), waiter)
+        bisect.insort(flow.entries, entry, key=_order)
+        self._where[id(waiter)] = (flow, entry, key)
+        self._stats(key).waiting += 1
+        self._head = None
+
+    def popleft(self) -> Any:
+        """Remove and return q[0], the next grant (see take())."""
+        return self.take(self[0])
+
+    def remove(self, waiter: Any) -> None:
+        """Take a waiter out wherever it is (deadline passed, client gone); ValueError if it is not queued."""
+        if id(waiter) not in self._where:
+            raise ValueError("waiter is not queued")
+        self._take(waiter)
+
+    def __getitem__(self, index: int) -> Any:
+        if index != 0:
+            raise IndexError("only q[0] (the next grant) is defined")
+        if self._head is None:
+            self._head = self._pick(None)
+            if self._head is None:
+                raise IndexError("the queue is empty")
+        return self._head
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __bool__(self) -> bool:
+        return bool(self._where)
+
+    def __iter__(self) -> Iterator[Any]:
+        """The waiters in arrival order (not grant order)."""
+        entries = sorted((e for _, e, _ in self._where.values()), key=lambda e: e[1])
+        return iter([e[2] for e in entries])
+
+    def __contains__(self, waiter: Any) -> bool:
+        return id(waiter) in self._where
+
+    # --- beyond the deque ---
+
+    def first_for(self, pool: str) -> Any | None:
+        """The next waiter bound for `pool` (the one a slot freed on that pool goes to), or None."""
+        return self._pick(pool)
+
+    def take(self, waiter: Any) -> Any:
+        """Remove a waiter because it is granted (q[0], or first_for(pool)): its flow's turn ends (round_robin)
+        and its wait is counted. Charges nothing: admission reports the admission (`admitted`)."""
+        if id(waiter) not in self._where:
+            raise ValueError("waiter is not queued")
+        flow, _, key = self._where[id(waiter)]
+        self._take(waiter)
+        if self.mode == "round_robin" and flow.key in self._backlogged:
+            self._backlogged.move_to_end(flow.key)  # its turn is over
+        if self.clock is not None:
+            self._stats(key).waited_s += max(self.clock() - waiter.enqueued_at, 0.0)
+        return waiter
+
+    def overdue(self, now: float) -> list[Any]:
+        """Waiters whose deadline has passed, earliest first (q[0] need not be the earliest in fair modes)."""
+        late = [e for _, e, _ in self._where.values() if e[2].deadline <= now]
+        late.sort(key=lambda e: (e[2].deadline, e[1]))
+        return [e[2] for e in late]
+
+    def admitted(self, key: str, cost: float) -> None:
+        """A request of flow `key` was admitted (from the queue or straight away), estimated at `cost` GPU-s."""
+        flow = self._flow(key)
+        self._vfloor = max(self._vfloor, flow.vtime)
+        flow.vtime += max(cost, MIN_CHARGE_S) / flow.weight
+        flow.inflight += 1
+        flow.inflight_cost += cost
+        st = self._stats(key)
+        st.admitted += 1
+        st.inflight += 1
+        self._serve(st, cost)
+        self._head = None
+
+    def released(self, key: str, cost: float) -> None:
+        """An admitted request of flow `key` gave its slot back."""
+        flow = self._flows.get(key)
+        if flow is not None:
+            flow.inflight -= 1
+            flow.inflight_cost -= cost
+            self._forget_if_idle(flow)
+        self._stats(key).inflight -= 1
+        self._head = None
+
+    def settle(self, key: str, estimated: float, actual: float) -> None:
+        """Learned usage: a request of flow `key` charged at `estimated` GPU-seconds really cost `actual`."""
+        flow = self._flows.get(key)
+        if flow is not None:
+            flow.vtime += (actual - estimated) / flow.weight
+        self._serve(self._stats(key), actual - estimated)
+        self._head = None
+
+    def virtual_time(self, key: str) -> float:
+        flow = self._flows.get(key)
+        return flow.vtime if flow is not None else self._vfloor
+
+    def fairness_index(self) -> float:
+        """Jain's index over the recent served GPU-seconds per weight of the labels that were served lately
+        (decayed over `index_tau_s`; without a clock, over all time). Labels with no recent work are left out:
+        a tenant that asks for nothing is not treated unfairly."""
+        now = self.clock() if self.clock is not None else None
+        values = []
+        for label, st in self.stats.items():
+            recent = st.recent_gpu_s if now is None else \
+                st.recent_gpu_s * math.exp(-max(now - st.recent_at, 0.0) / self.index_tau_s)
+            if recent > 1e-9:
+                values.append(recent / self.weights.get(label, 1.0))
+        return jain_index(values)
+
+    def label(self, key: str) -> str:
+        """The metric label of a fairness key: the key if it is a configured tenant, else "other"."""
+        return key if key in self._labels else OTHER
+
+    # --- inside ---
+
+    def _flow(self, key: str) -> _Flow:
+        flow = self._flows.get(key)
+        if flow is None:
+            flow = _Flow(key, self.weights.get(key, 1.0), self.guaranteed.get(key, 0.0))
+            flow.vtime = self._vfloor
+            self._flows[key] = flow
+        return flow
+
+    def _become_backlogged(self, flow: _Flow) -> None:
+        floor = min((f.vtime for f in self._backlogged.values()), default=self._vfloor)
+        flow.vtime = max(flow.vtime, floor)
+        self._backlogged[flow.key] = flow
+
+    def _take(self, waiter: Any) -> None:
+        flow, entry, key = self._where.pop(id(waiter))
+        i = bisect.bisect_left(flow.entries, _order(entry), key=_order)
+        while flow.entries[i] is not entry:
+            i += 1
+        del flow.entries[i]
+        self._stats(key).waiting -= 1
+        if not flow.entries:
+            del self._backlogged[flow.key]
+            self._forget_if_idle(flow)
+        self._head = None
+
+    def _forget_if_idle(self, flow: _Flow) -> None:
+        """Keys from a header are unbounded: a flow with nothing queued or in flight keeps no state unless it is
+        configured (a returning flow restarts at the floor, which it could not have been below by much)."""
+        if (not flow.entries and flow.inflight <= 0 and flow.key not in self.weights
+                and flow.key not in self.guaranteed):
+            self._flows.pop(flow.key, None)
+
+    def _pick(self, pool: str | None) -> Any | None:
+        best_flow_entry = None
+        best_rank = None
+        for flow in self._backlogged.values():
+            entry = flow.entries[0] if pool is None else flow.first_for(pool)
+            if entry is None:
+                continue
+            if self.mode == "round_robin" or self.mode == "fifo":
+                return entry[2]  # turn order (fifo has one flow)
+            rank = (not self._under_guarantee(flow), flow.vtime, flow.inflight_cost / flow.weight, entry[1])
+            if best_rank is None or rank < best_rank:
+                best_rank, best_flow_entry = rank, entry
+        return best_flow_entry[2] if best_flow_entry is not None else None
+
+    def _under_guarantee(self, flow: _Flow) -> bool:
+        return flow.guaranteed > 0.0 and flow.inflight < flow.guaranteed * self.capacity
+
+    def _stats(self, key: str) -> TenantStats:
+        label = self.label(key)
+        st = self.stats.get(label)
+        if st is None:
+            st = self.stats[label] = TenantStats()
+        return st
+
+    def _serve(self, st: TenantStats, gpu_s: float) -> None:
+        st.served_gpu_s += gpu_s
+        if self.clock is None:
+            st.recent_gpu_s += gpu_s
+            return
+        now = self.clock()
+        st.recent_gpu_s = st.recent_gpu_s * math.exp(-max(now - st.recent_at, 0.0) / self.index_tau_s) + gpu_s
+        st.recent_at = now
+
+
+def _order(entry: tuple[float, int, Any]) -> tuple[float, int]:
+    return entry[0], entry[1]

@@ -1,0 +1,423 @@
+"""The fair class queue (policy/fairness.py): the deque it replaces, a naive reference model, and the properties
+that make it fair - no starvation, shares within a bound of the weights, work conservation, EDF inside a flow."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from extproc.policy.fairness import MIN_CHARGE_S, FairQueue, jain_index
+
+TENANTS = ("a", "b", "c", "d")
+POOLS = ("p1", "p2")
+
+
+class W:
+    """A waiter as the queue sees one."""
+
+    __slots__ = ("tenant", "cost", "deadline", "enqueued_at", "pool", "n")
+
+    def __init__(self, tenant, cost=1.0, deadline=0.0, enqueued_at=0.0, pool="p1", n=0):
+        self.tenant, self.cost, self.deadline, self.enqueued_at, self.pool, self.n = \
+            tenant, cost, deadline, enqueued_at, pool, n
+
+    def __repr__(self):
+        return f"W({self.tenant}#{self.n} d={self.deadline} c={self.cost})"
+
+
+class Reference:
+    """The same rules written the slow, obvious way: a list of waiters, virtual times recomputed by scanning."""
+
+    def __init__(self, weights, guaranteed=None, capacity=0.0):
+        self.weights, self.guaranteed, self.capacity = weights, guaranteed or {}, capacity
+        self.waiters = []  # (seq, waiter)
+        self.vtime = {k: 0.0 for k in weights}
+        self.inflight = {k: 0 for k in weights}
+        self.inflight_cost = {k: 0.0 for k in weights}
+        self.floor = 0.0
+        self.seq = 0
+
+    def backlogged(self):
+        return {w.tenant for _, w in self.waiters}
+
+    def append(self, w):
+        if w.tenant not in self.backlogged():
+            others = [self.vtime[k] for k in self.backlogged()]
+            self.vtime[w.tenant] = max(self.vtime[w.tenant], min(others) if others else self.floor)
+        self.waiters.append((self.seq, w))
+        self.seq += 1
+
+    def head(self, pool=None):
+        best = None
+        for k in self.backlogged():
+            mine = [(w.deadline, s, w) for s, w in self.waiters if w.tenant == k and (pool is None or w.pool == pool)]
+            if not mine:
+                continue
+            _, s, w = min(mine, key=lambda e: (e[0], e[1]))
+            under = self.guaranteed.get(k, 0) > 0 and self.inflight[k] < self.guaranteed[k] * self.capacity
+            rank = (not under, self.vtime[k], self.inflight_cost[k] / self.weights[k], s)
+            if best is None or rank < best[0]:
+                best = (rank, w)
+        return best[1] if best else None
+
+    def remove(self, w):
+        self.waiters = [(s, x) for s, x in self.waiters if x is not w]
+
+    def admitted(self, k, cost):
+        self.floor = max(self.floor, self.vtime[k])
+        self.vtime[k] += max(cost, MIN_CHARGE_S) / self.weights[k]
+        self.inflight[k] += 1
+        self.inflight_cost[k] += cost
+
+    def released(self, k, cost):
+        self.inflight[k] -= 1
+        self.inflight_cost[k] -= cost
+
+
+# One step of a random workload: an arrival, a grant (of q[0] or of the next for a pool), a release of something
+# admitted earlier, or a waiter leaving the queue early.
+step = st.one_of(
+    st.tuples(st.just("arrive"), st.sampled_from(TENANTS), st.floats(0.0, 5.0), st.floats(0.0, 3.0),
+              st.sampled_from(POOLS)),
+    st.tuples(st.just("grant")),
+    st.tuples(st.just("grant_pool"), st.sampled_from(POOLS)),
+    st.tuples(st.just("release"), st.integers(0, 50)),
+    st.tuples(st.just("leave"), st.integers(0, 50)),
+)
+weights_st = st.fixed_dictionaries({k: st.sampled_from([0.5, 1.0, 2.0, 3.0]) for k in TENANTS})
+guaranteed_st = st.fixed_dictionaries({k: st.sampled_from([0.0, 0.0, 0.25, 0.5]) for k in TENANTS})
+
+
+@settings(max_examples=150, deadline=None)
+@given(weights=weights_st, guaranteed=guaranteed_st, steps=st.lists(step, min_size=30, max_size=200))
+def test_grants_the_same_waiters_as_the_reference_model(weights, guaranteed, steps):
+    q = FairQueue("fair", weights=weights, guaranteed=guaranteed, tenants=TENANTS, capacity=4)
+    ref = Reference(weights, guaranteed, capacity=4)
+    running = []
+    for n, s in enumerate(steps):
+        if s[0] == "arrive":
+            w = W(s[1], cost=s[2], deadline=s[3], pool=s[4], n=n)
+            q.append(w)
+            ref.append(w)
+        elif s[0] in ("grant", "grant_pool"):
+            pool = s[1] if s[0] == "grant_pool" else None
+            expected = ref.head(pool)
+            got = q.first_for(pool) if pool else (q[0] if q else None)
+            assert got is expected
+            if got is not None:
+                q.take(got)
+                ref.remove(got)
+                q.admitted(got.tenant, got.cost)
+                ref.admitted(got.tenant, got.cost)
+                running.append(got)
+        elif s[0] == "release" and running:
+            w = running.pop(s[1] % len(running))
+            q.released(w.tenant, w.cost)
+            ref.released(w.tenant, w.cost)
+        elif s[0] == "leave" and len(q):
+            w = list(q)[s[1] % len(q)]
+            q.remove(w)
+            ref.remove(w)
+        assert len(q) == len(ref.waiters)
+        assert [w for w in q] == [w for _, w in ref.waiters]
+
+
+deque_step = st.one_of(
+    st.tuples(st.just("append"), st.sampled_from(TENANTS), st.floats(0.0, 3.0)),
+    st.tuples(st.just("popleft")),
+    st.tuples(st.just("remove"), st.integers(0, 30)),
+    st.tuples(st.just("remove_absent")),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps=st.lists(deque_step, max_size=80))
+def test_fifo_mode_is_the_deque_it_replaces(steps):
+    q, d = FairQueue("fifo", tenants=TENANTS), deque()
+    made = []
+    for n, s in enumerate(steps):
+        if s[0] == "append":
+            w = W(s[1], deadline=s[2], n=n)  # deadlines out of arrival order: fifo ignores them
+            made.append(w)
+            q.append(w)
+            d.append(w)
+        elif s[0] == "popleft" and d:
+            assert q.popleft() is d.popleft()
+        elif s[0] == "remove" and made:
+            w = made[s[1] % len(made)]
+            if w in d:
+                d.remove(w)
+                q.remove(w)
+            else:
+                with pytest.raises(ValueError):
+                    q.remove(w)
+        elif s[0] == "remove_absent":
+            with pytest.raises(ValueError):
+                q.remove(W("a"))
+        assert len(q) == len(d) and bool(q) == bool(d) and list(q) == list(d)
+        if d:
+            assert q[0] is d[0]
+        else:
+            with pytest.raises(IndexError):
+                q[0]
+
+
+def drive_backlogged(q, flows, grants, costs):
+    """Keep every flow backlogged; grant `grants` times; return each flow's cumulative service per weight after
+    every grant."""
+    n = 0
+    for k in flows:
+        for _ in range(3):
+            q.append(W(k, cost=costs(k, n), n=n))
+            n += 1
+    history = []
+    served = {k: 0.0 for k in flows}
+    for _ in range(grants):
+        w = q.popleft()
+        q.admitted(w.tenant, w.cost)
+        q.released(w.tenant, w.cost)
+        served[w.tenant] += max(w.cost, MIN_CHARGE_S)
+        q.append(W(w.tenant, cost=costs(w.tenant, n), n=n))
+        n += 1
+        history.append(dict(served))
+    return history
+
+
+@settings(max_examples=60, deadline=None)
+@given(weights=weights_st, seed=st.integers(0, 2**32 - 1))
+def test_backlogged_flows_get_service_in_proportion_to_their_weights_over_any_window(weights, seed):
+    import random
+
+    rng = random.Random(seed)
+    c_max = 4.0
+    q = FairQueue("fair", weights=weights, tenants=TENANTS)
+    history = drive_backlogged(q, TENANTS, 300, lambda k, n: rng.uniform(0.01, c_max))
+    for i in TENANTS:
+        for j in TENANTS:
+            if i >= j:
+                continue
+            # Over any window [a, b]: the difference of normalised service changes by at most the spread of the
+            # running difference D = S_i/w_i - S_j/w_j, which one grant can move by at most c_max/w.
+            diff = [h[i] / weights[i] - h[j] / weights[j] for h in history]
+            bound = 2 * (c_max / weights[i] + c_max / weights[j])
+            assert max(diff) - min(diff) <= bound
+
+
+@settings(max_examples=80, deadline=None)
+@given(weights=weights_st, steps=st.lists(st.tuples(st.sampled_from(TENANTS), st.integers(0, 3)), min_size=1,
+                                          max_size=150), cost_ratio=st.sampled_from([1.0, 5.0, 20.0]))
+def test_no_waiter_starves_while_others_keep_arriving(weights, steps, cost_ratio):
+    """Arrivals in bursts from random flows, one grant per step: every waiter is granted within a bound on the
+    grants made after it arrived (its flow's earlier waiters, times what the other flows may take in between)."""
+    q = FairQueue("fair", weights=weights, tenants=TENANTS)
+    c_min, c_max = 0.1, 0.1 * cost_ratio
+    k_other = math.ceil(max(weights.values()) * c_max / (min(weights.values()) * c_min)) + 2
+    arrived_at, ahead = {}, {}
+    grants = 0
+    t = 0.0
+    for n, (tenant, burst) in enumerate(steps * 3):
+        for b in range(burst if n < len(steps) else 0):  # arrivals stop after the first pass; the rest drains
+            t += 1
+            w = W(tenant, cost=c_max if tenant == "a" else c_min, deadline=t, enqueued_at=t, n=n * 10 + b)
+            ahead[id(w)] = sum(1 for x in q if x.tenant == tenant)
+            arrived_at[id(w)] = grants
+            q.append(w)
+        if q:
+            w = q.popleft()
+            q.admitted(w.tenant, w.cost)
+            q.released(w.tenant, w.cost)
+            waited = grants - arrived_at[id(w)]
+            assert waited <= (ahead[id(w)] + 1) * ((len(TENANTS) - 1) * k_other + 1)
+            grants += 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(steps=st.lists(step, max_size=100), mode=st.sampled_from(["fifo", "round_robin", "fair"]),
+       guaranteed=guaranteed_st)
+def test_work_conserving_someone_is_named_while_anyone_waits(steps, mode, guaranteed):
+    q = FairQueue(mode, guaranteed=guaranteed, tenants=TENANTS, capacity=2)
+    running = []
+    for n, s in enumerate(steps):
+        if s[0] == "arrive":
+            q.append(W(s[1], cost=s[2], deadline=s[3], pool=s[4], n=n))
+        elif s[0] == "grant" and q:
+            w = q.popleft()
+            q.admitted(w.tenant, w.cost)
+            running.append(w)
+        elif s[0] == "release" and running:
+            w = running.pop(s[1] % len(running))
+            q.released(w.tenant, w.cost)
+        waiting = list(q)
+        if waiting:
+            assert q[0] in waiting
+        for pool in POOLS:
+            mine = [w for w in waiting if w.pool == pool]
+            assert (q.first_for(pool) in mine) if mine else q.first_for(pool) is None
+
+
+@settings(max_examples=100, deadline=None)
+@given(steps=st.lists(step, max_size=100), mode=st.sampled_from(["round_robin", "fair"]))
+def test_inside_a_flow_the_earliest_deadline_goes_first(steps, mode):
+    q = FairQueue(mode, tenants=TENANTS)
+    for n, s in enumerate(steps):
+        if s[0] == "arrive":
+            q.append(W(s[1], cost=s[2], deadline=s[3], pool=s[4], n=n))
+        elif s[0] in ("grant", "grant_pool") and q:
+            pool = s[1] if s[0] == "grant_pool" else None
+            w = q.first_for(pool) if pool else q[0]
+            if w is None:
+                continue
+            same = [x for x in q if x.tenant == w.tenant and (pool is None or x.pool == pool)]
+            assert w.deadline == min(x.deadline for x in same)
+            q.take(w)
+            q.admitted(w.tenant, w.cost)
+
+
+# --- the behaviours, one by one ---
+
+def test_round_robin_gives_turns_whatever_the_cost():
+    q = FairQueue("round_robin", tenants=TENANTS)
+    for i in range(4):
+        q.append(W("a", cost=10.0, n=i))
+        q.append(W("b", cost=0.1, n=i))
+    order = []
+    while q:
+        w = q.popleft()
+        q.admitted(w.tenant, w.cost)
+        order.append(w.tenant)
+    assert order == ["a", "b"] * 4
+
+
+def test_fair_mode_grants_by_work_not_by_turns():
+    q = FairQueue("fair", tenants=TENANTS)
+    history = drive_backlogged(q, ("a", "b"), 110, lambda k, n: 10.0 if k == "a" else 1.0)
+    grants_b = sum(1 for prev, cur in zip([{"a": 0, "b": 0}] + history, history) if cur["b"] > prev["b"])
+    assert 95 <= grants_b <= 105  # ten small requests of b per large one of a
+    assert abs(history[-1]["a"] - history[-1]["b"]) <= 10.0
+
+
+def test_weights_scale_the_share():
+    q = FairQueue("fair", weights={"a": 3.0, "b": 1.0}, tenants=TENANTS)
+    served = drive_backlogged(q, ("a", "b"), 400, lambda k, n: 1.0)[-1]
+    assert served["a"] == pytest.approx(3 * served["b"], rel=0.02)
+
+
+def test_idle_time_is_not_banked():
+    q = FairQueue("fair", weights={"a": 1.0, "b": 1.0}, tenants=TENANTS)
+    q.admitted("b", 1.0)
+    q.released("b", 1.0)
+    for i in range(50):  # then a alone for a while
+        q.admitted("a", 1.0)
+        q.released("a", 1.0)
+    for i in range(5):
+        q.append(W("a", n=i))
+    for i in range(5):
+        q.append(W("b", n=10 + i))
+    order = []
+    while q:
+        w = q.popleft()
+        q.admitted(w.tenant, w.cost)
+        order.append(w.tenant)
+    # b does not get 50 grants of credit for the time it asked for nothing: the two alternate.
+    assert order[:4].count("b") <= 3 and order[:4].count("a") >= 1
+
+
+def test_a_flow_under_its_guaranteed_share_goes_first():
+    q = FairQueue("fair", guaranteed={"b": 0.5}, tenants=TENANTS, capacity=4)
+    for _ in range(20):  # b is far ahead in virtual time
+        q.admitted("b", 5.0)
+        q.released("b", 5.0)
+    q.append(W("a", n=1))
+    q.append(W("b", n=2))
+    assert q[0].tenant == "b"  # 0 of its 2 guaranteed slots in use
+    q.admitted("b", 1.0)
+    q.admitted("b", 1.0)
+    assert q[0].tenant == "a"  # at its guarantee: back to virtual time
+
+
+def test_a_guarantee_lends_what_its_owner_does_not_use():
+    q = FairQueue("fair", guaranteed={"b": 0.9}, tenants=TENANTS, capacity=10)
+    q.append(W("a", n=1))
+    assert q[0].tenant == "a" and q.first_for("p1").tenant == "a"
+
+
+def test_settle_corrects_the_charge_with_the_learned_cost():
+    q = FairQueue("fair", tenants=TENANTS)
+    for i in range(3):
+        q.append(W("a", n=i))
+        q.append(W("b", n=10 + i))
+    for _ in range(2):
+        w = q.popleft()
+        q.admitted(w.tenant, 1.0)
+    assert q.virtual_time("a") == q.virtual_time("b") == pytest.approx(1.0)
+    q.settle("a", 1.0, 6.0)  # a's request really cost six times the estimate
+    assert q.virtual_time("a") == pytest.approx(6.0) and q.stats["a"].served_gpu_s == pytest.approx(6.0)
+    assert [q.popleft().tenant for _ in range(2)] == ["b", "b"]
+
+
+def test_labels_are_bounded_by_the_configured_tenants():
+    q = FairQueue("fair", tenants=["a"], key=lambda w: w.tenant)
+    for i in range(100):
+        q.append(W(f"flow-{i}", n=i))
+    assert set(q.stats) == {"other"} and q.stats["other"].waiting == 100
+    q.append(W("a"))
+    assert set(q.stats) == {"a", "other"}
+
+
+def test_unconfigured_flows_keep_no_state_once_idle():
+    q = FairQueue("fair", weights={"a": 2.0}, tenants=["a"])
+    for i in range(100):
+        w = W(f"flow-{i}", n=i)
+        q.append(w)
+        q.take(w)
+        q.admitted(w.tenant, 1.0)
+        q.released(w.tenant, 1.0)
+    assert set(q._flows) <= {"a"}
+
+
+def test_waits_and_inflight_are_counted_per_label():
+    now = [10.0]
+    q = FairQueue("fair", tenants=["a"], clock=lambda: now[0])
+    w = W("a", enqueued_at=9.5)
+    q.append(w)
+    now[0] = 10.0
+    q.popleft()
+    q.admitted("a", 2.0)
+    st_a = q.stats["a"]
+    assert (st_a.waiting, st_a.inflight, st_a.admitted, st_a.served_gpu_s, st_a.waited_s) == (0, 1, 1, 2.0, 0.5)
+    q.released("a", 2.0)
+    assert st_a.inflight == 0
+
+
+def test_overdue_lists_every_late_waiter_earliest_first():
+    q = FairQueue("fair", tenants=TENANTS)
+    late_b, late_a, fine = W("b", deadline=2.0), W("a", deadline=1.0), W("a", deadline=9.0)
+    for w in (late_b, late_a, fine):
+        q.append(w)
+    assert q.overdue(5.0) == [late_a, late_b]
+
+
+def test_jain_index():
+    assert jain_index([3, 3, 3]) == pytest.approx(1.0)
+    assert jain_index([1, 0, 0, 0]) == pytest.approx(0.25)
+    assert jain_index([]) == 1.0
+
+
+def test_fairness_index_of_a_class_counts_served_work_per_weight():
+    q = FairQueue("fair", weights={"a": 2.0}, tenants=["a", "b"])
+    q.admitted("a", 4.0)
+    q.admitted("b", 2.0)
+    assert q.fairness_index() == pytest.approx(1.0)
+    q.admitted("b", 6.0)
+    assert q.fairness_index() < 0.9
+
+
+def test_rejects_unknown_modes_and_bad_weights():
+    with pytest.raises(ValueError):
+        FairQueue("lottery")
+    with pytest.raises(ValueError):
+        FairQueue("fair", weights={"a": 0.0})
