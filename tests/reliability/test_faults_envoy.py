@@ -214,8 +214,9 @@ async def test_a_thousand_clients_aborting_at_random_moments_leak_nothing(make_s
         assert sample(ms, "extproc_request_duration_seconds_count") == admitted == ok + aborts + ended, \
             ("every admitted request is accounted exactly once, as ok or client_abort", seen, ok, aborts, ended)
         # Envoy logs "ok" once it has sent the last byte; a client whose timeout fires just then never reads
-        # [DONE]. So the two views agree up to the few requests that ended at that boundary.
-        boundary = 10
+        # [DONE]. So the two views agree up to the requests that ended at that boundary: a few on a quiet
+        # machine, a few dozen when the CPU is shared (the client reads late) - 3% of the clients.
+        boundary = 30
         assert aborts >= seen["mid_stream"] - boundary and ok <= seen["completed"] + boundary
         rejected = sample(ms, "extproc_requests_total", decision="reject")  # includes those that left the queue
         assert left_queue <= rejected and admitted + rejected <= 1000
