@@ -182,17 +182,18 @@ class AdmissionController:
 
     def _yield_first(self, lim: ClassLimiter, cluster: str, now: float, breaker: Breaker) -> bool:
         """A latency breaker would send this class elsewhere. On a pool with a pool-wide limit that is the last
-        resort: lower classes holding more than their guarantee yield first (their share shrinks to it for a
-        cooldown), and while the limit itself can still come down, cutting it (the pool's controller sees the
-        same latency) is what restores the latency; the request goes on to the limit instead of degrading."""
+        resort: on a full pool, lower classes holding more than their guarantee yield first (their share shrinks
+        to it for one cooldown per opening of the breaker), and while the limit itself can still come down,
+        cutting it (the pool's controller sees the same latency) is what restores the latency; the request goes
+        on to the limit instead of degrading."""
         gate = self.gates.get(cluster) if self.gates else None
         if gate is None:
             return False
-        if gate.lower_hold_more_than_guaranteed(lim.rank):
-            gate.squeeze(lim.rank, now + breaker.cooldown_s)
-            self.events.pool_yielded(cluster, lim.name)
+        if gate.full(now) and gate.lower_hold_more_than_guaranteed(lim.rank):
+            if gate.squeeze(lim.rank, breaker.since, now + breaker.cooldown_s):
+                self.events.pool_yielded(cluster, lim.name)
             return True
-        return gate.can_cut()
+        return gate.can_cut() or gate.lower_hold_more_than_guaranteed(lim.rank)
 
     def _pool_admits(self, gate, lim: ClassLimiter, units: float, now: float) -> bool:
         """Strict priority on the pool: within its guarantee a class goes in; beyond it, only while no higher

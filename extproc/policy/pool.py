@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 
-from .breakers import LatencyWindow
+from collections import deque
 from .schema import PoolLimitSpec
 
 # Binding: in-flight at this share of the limit (or a request waiting for the pool) means the limit decides.
@@ -34,12 +34,43 @@ SETTLE_HEADROOM = 0.5
 # Classes below the first fill the limit only this far: the rest is the first class's room for a burst, so at
 # ordinary load it does not wait behind lower classes' long requests that started a moment earlier.
 LOWER_FILL = 0.85
+# Latency samples count for this many latency windows when completions are few (then the window is a count).
+MAX_AGE_WINDOWS = 6
+WINDOW_SAMPLES = 512  # at most this many kept per class (a window of a busy pool)
 # KV-cache usage under which the replicas have plenty of room (a limit may rise on their word alone).
 ROOMY_KV = 0.6
 # Latency over the target is cut for only when it is also this much over the class's calm baseline: requests
 # that are slow at any load (long outputs, long prompts) are not made faster by a lower limit, only refused.
 LOAD_TOLERANCE = 1.2
 BASELINE_DRIFT = 0.01  # per interval: the baseline follows a slower mix within a minute or two
+
+
+class RecentLatencies:
+    """Recent service times of one class on the pool, each with when it ended: those of the last window, or when
+    it holds too few, the last few older ones (up to `max_age_s`): a class that completes few requests here (long
+    prompts, most of it degraded) still gives a latency instead of none."""
+
+    __slots__ = ("samples",)
+
+    def __init__(self, size: int):
+        self.samples: deque[tuple[float, float]] = deque(maxlen=size)
+
+    def add(self, now: float, seconds: float) -> None:
+        self.samples.append((now, seconds))
+
+    def clear(self) -> None:
+        self.samples.clear()
+
+    def quantile(self, now: float, q: float, window_s: float, max_age_s: float, at_least: int) -> float | None:
+        """The q-quantile of the last window's samples, or of the last `at_least` younger than `max_age_s`;
+        None with fewer than `at_least`."""
+        recent = [s for t, s in self.samples if now - t <= window_s]
+        if len(recent) < at_least:
+            recent = [s for t, s in self.samples if now - t <= max_age_s][-at_least:]
+            if len(recent) < at_least:
+                return None
+        recent.sort()
+        return recent[min(len(recent) - 1, max(0, math.ceil(q * len(recent)) - 1))]
 
 
 class PoolLimit:
@@ -49,7 +80,7 @@ class PoolLimit:
         self.spec = spec
         self.slos = slos  # class rank -> SLO seconds
         self.limit = float(spec.initial if spec.initial is not None else spec.max)
-        self.windows = {rank: LatencyWindow(spec.window_s, n_slices=5) for rank in slos}
+        self.windows = {rank: self._window() for rank in slos}
         self.inflight_avg = 0.0
         self.inflight_peak = 0.0   # the most held at once lately (decays over the window)
         self.baseline: dict[int, float] = {}  # class rank -> its served quantile when calm
@@ -58,7 +89,9 @@ class PoolLimit:
         self._last: float | None = None
         self._sampled_at: float | None = None
         self._was_saturated = False
-        self._started = math.inf  # first update: the load is watched for a while before the limit settles
+
+    def _window(self) -> RecentLatencies:
+        return RecentLatencies(WINDOW_SAMPLES)
 
     def observe(self, rank: int, admitted_at: float, now: float, service_s: float) -> None:
         window = self.windows.get(rank)
@@ -70,9 +103,10 @@ class PoolLimit:
         samples); whether that class's latency is up from its calm baseline, i.e. load is what slows it)."""
         worst, loaded = None, False
         for rank, window in self.windows.items():
-            if window.count(now) < self.spec.min_samples:
+            served = window.quantile(now, self.spec.quantile, self.spec.window_s,
+                                     MAX_AGE_WINDOWS * self.spec.window_s, self.spec.min_samples)
+            if served is None:
                 continue
-            served = window.quantile(now, self.spec.quantile)
             # The calm baseline: the lowest quantile seen, drifting up slowly so a changed mix is followed.
             base = min(served, self.baseline.get(rank, served) * (1 + BASELINE_DRIFT))
             self.baseline[rank] = base
@@ -86,7 +120,6 @@ class PoolLimit:
         waited for room under the limit since the last move; `saturated`: the replicas' word (None: the pool is
         not scraped); `roomy`: they have plenty of room (nothing waiting, KV cache well below saturation)."""
         self._sample(now, inflight)
-        self._started = min(self._started, now)
         spec = self.spec
         if self._last is not None and now - self._last < spec.interval_s:
             return self.limit
@@ -103,14 +136,14 @@ class PoolLimit:
             self._cut(now, min(self.limit, max(avg, inflight)) * max(ratio, spec.decrease), "cut_latency")
         elif ratio is not None and avg > 0:
             if binding:  # requests wait for room and the latency has some to give: raise, by how much it has
-                step = spec.max_raise * min(1.0, (ratio - 1.0) * 4.0)
+                step = spec.max_raise * min(1.0, max(0.0, ratio - 1.0) * 4.0)
                 self.limit = min(spec.max, self.limit * (1 + step))
                 self.last_action = "raise" if step > 0 else "hold"
             else:
                 # Not binding: come down towards what the load needs, with room for a burst, so that a limit
                 # far above any load cannot let a spike's first seconds overfill the pool.
                 level = self.inflight_peak * (1 + SETTLE_HEADROOM)
-                if level < self.limit and now - self._started >= 2 * spec.window_s:  # a peak seen long enough
+                if level < self.limit:
                     self.limit = max(spec.min, level)
                     self.last_action = "settle"
                 else:
@@ -168,12 +201,12 @@ class PoolGate:
         self.min_shares = min_shares
         self.squeeze_rank = len(min_shares)    # classes ranked below this get only their guarantee...
         self.squeeze_until = -math.inf         # ...until then (a latency breaker of a higher class asked)
+        self._squeezed_for: set[tuple[int, float]] = set()  # (rank, breaker opened at) already squeezed for
 
     def reconfigure(self, slos: dict[int, float], min_shares: list[float]) -> None:
         """A reload kept the limit spec and the classes: keep the learned limit and what is held."""
         self.controller.slos = slos
-        self.controller.windows = {r: self.controller.windows.get(r) or LatencyWindow(self.spec.window_s, 5)
-                                   for r in slos}
+        self.controller.windows = {r: self.controller.windows.get(r) or self.controller._window() for r in slos}
         self.min_shares = min_shares
 
     def units(self, prompt_tokens: int, expected_output: float) -> float:
@@ -206,10 +239,21 @@ class PoolGate:
                 return True
         return False
 
-    def squeeze(self, rank: int, until: float) -> None:
-        """Classes below `rank` get only their guarantee until `until` (their running requests finish)."""
+    def full(self, now: float) -> bool:
+        """In flight near the limit: what a lower class holds is what a higher one lacks."""
+        return self.inflight >= BINDING * self.limit
+
+    def squeeze(self, rank: int, opened_at: float, until: float) -> bool:
+        """Classes below `rank` get only their guarantee until `until` (their running requests finish). Once per
+        opening of the breaker that asks (`opened_at`): a breaker that stays open does not starve them for good.
+        True when this call squeezed."""
+        key = (rank, opened_at)
+        if key in self._squeezed_for:
+            return False
+        self._squeezed_for = {key}
         self.squeeze_rank = min(self.squeeze_rank, rank) if until <= self.squeeze_until else rank
         self.squeeze_until = max(self.squeeze_until, until)
+        return True
 
     def take(self, rank: int, units: float) -> None:
         self.inflight += units

@@ -160,8 +160,8 @@ def test_latency_over_target_cuts_only_when_load_is_what_slows_it():
     now = 0.0
     for _ in range(10):  # calm: 1.9 s at low load (long answers), over the 1.7 s target, but not from load
         c.observe(0, now, now, 1.9)
-    c.update(now, 5, False, False)
-    assert c.limit == 20.0
+    c.update(now, 20, True, False)
+    assert c.limit == 20.0 and c.last_action == "hold"
     now = 1.0
     for _ in range(30):
         c.observe(0, now, now, 3.0)  # now it is load: up from the calm baseline
