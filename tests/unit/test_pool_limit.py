@@ -212,3 +212,29 @@ def test_when_a_waiter_that_held_lower_classes_back_is_given_up_on_they_are_gran
     assert (big.kind, small.kind) == (QUEUE, QUEUE)
     core.abandon(big.waiter, timed_out=False)  # its client left: nothing waits above batch any more
     assert small.waiter.result.kind == ACCEPT
+
+
+def test_a_class_that_completes_few_requests_still_steers_the_limit_from_its_last_samples():
+    c = PoolLimit(spec(min_samples=5), {0: 2.0})
+    for i in range(5):  # one completion every 4 s: never 5 in one 5 s window
+        c.observe(0, 4.0 * i, 4.0 * i, 1.0)
+    assert c.latency_ratio(16.0)[0] == pytest.approx(0.85 * 2.0 / 1.0)
+    assert c.latency_ratio(16.0 + 6 * 5.0)[0] is None  # older than six windows: no longer evidence
+
+
+def test_a_breaker_that_stays_open_squeezes_lower_classes_once(clock):
+    core = AdmissionController(pool_policy(limit=8), clock=clock)
+    for _ in range(6):
+        core.decide(req("batch"))  # 6 of 8: as much as batch's 85% may fill
+    core.decide(req("interactive"))
+    core.decide(req("interactive"))  # 8 of 8: full
+    breaker = core.pool_breakers("interactive", "pool_a")[0]
+    for _ in range(5):
+        breaker.observe(clock(), 5.0, False)
+    gate = core.gates["pool_a"]
+    assert core.decide(req("interactive")).kind == QUEUE  # not degraded: batch yields instead
+    first_until = gate.squeeze_until
+    assert first_until > clock()
+    clock.advance(1.0)
+    core.decide(req("interactive"))
+    assert gate.squeeze_until == first_until  # the same opening does not renew it
