@@ -20,8 +20,14 @@ METRICS = {"goodput": True, "goodput_total": True, "p99": False}
 # not recorded (a, b and c degrade nothing, so theirs is the same). The caps-only run's d was another policy.
 RECORDED_REAL_RUNS: dict[str, dict[str, dict[str, float]]] = {
     # d is the pool-wide limit of issue 19 (policies/demo-full.yaml); runs of the earlier per-class d are left
-    # out: that d was another policy.
-    "2026-12-03 18:05, five modes, contended (/tmp/runs/spike)": {
+    # out: that d was another policy. `extproc demo` at speed 5 on a machine shared with other jobs.
+    "2026-12-03 16:45, five modes (/tmp/runs2/spike)": {
+        "a": {"p99": 60.0, "goodput": 0.37, "goodput_total": 0.37},
+        "b": {"p99": 2.69, "goodput": 7.37, "goodput_total": 7.37},
+        "c": {"p99": 5.64, "goodput": 7.33, "goodput_total": 7.33},
+        "d": {"p99": 2.27, "goodput": 16.43, "goodput_total": 31.17},
+        "e": {"p99": 1.69, "goodput": 8.57, "goodput_total": 33.77}},
+    "2026-12-03 16:05, five modes (/tmp/runs/spike)": {
         "a": {"p99": 60.0, "goodput": 0.27, "goodput_total": 0.27},
         "b": {"p99": 2.71, "goodput": 7.57, "goodput_total": 7.57},
         "c": {"p99": 6.13, "goodput": 6.40, "goodput_total": 6.40},
@@ -30,6 +36,19 @@ RECORDED_REAL_RUNS: dict[str, dict[str, dict[str, float]]] = {
     "earlier, a/b/c": {
         "a": {"p99": 60.0, "goodput_total": 0.18}, "b": {"p99": 2.65, "goodput_total": 8.20},
         "c": {"p99": 5.22, "goodput_total": 7.92}},
+}
+
+# scenarios/kv-agents.yaml on the real stack (`extproc demo --scenario scenarios/kv-agents.yaml`, speed 5,
+# 2026-12-03 16:52, /tmp/runs2/kv), per spike window.
+RECORDED_REAL_KV_AGENTS: dict[str, dict[str, dict[str, float]]] = {
+    "spike-1": {
+        "a": {"p99": 47.8, "goodput": 0.22}, "b": {"p99": 8.17, "goodput": 1.22},
+        "c": {"p99": 32.98, "goodput": 0.11}, "d": {"p99": 2.96, "goodput": 1.91},
+        "e": {"p99": 4.63, "goodput": 1.58}},
+    "spike-2": {
+        "a": {"p99": 60.0, "goodput": 0.0}, "b": {"p99": 6.78, "goodput": 1.13},
+        "c": {"p99": 31.32, "goodput": 0.0}, "d": {"p99": 2.47, "goodput": 1.84},
+        "e": {"p99": 3.06, "goodput": 1.80}},
 }
 
 
@@ -66,13 +85,18 @@ def better(x: float, y: float, metric: str) -> bool:
 
 
 def settled_pairs(runs: list[dict[str, dict[str, float]]], metric: str) -> set[tuple[str, str]]:
-    """(better, worse) pairs that every run holding both ranks the same way (and at least one run holds)."""
+    """(better, worse) pairs that every run holding both ranks the same way (and at least one run holds), ties
+    settling nothing."""
     verdicts: dict[tuple[str, str], set[bool]] = {}
     for run in runs:
         keys = sorted(k for k in run if metric in run[k])
         for i, x in enumerate(keys):
             for y in keys[i + 1:]:
-                verdicts.setdefault((x, y), set()).add(better(run[x][metric], run[y][metric], metric))
+                seen = verdicts.setdefault((x, y), set())
+                if run[x][metric] == run[y][metric]:
+                    seen.update((True, False))  # a tie settles nothing
+                else:
+                    seen.add(better(run[x][metric], run[y][metric], metric))
     return {(x, y) if v == {True} else (y, x) for (x, y), v in verdicts.items() if len(v) == 1}
 
 
