@@ -12,6 +12,7 @@ skipped with the reason. Pool `vllm_llama70b` serves `tiny-llama`, pool `vllm_ll
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -64,11 +65,12 @@ def _skip_reason(kind: str) -> str | None:
     return None
 
 
-def _start_sim(workdir: Path) -> tuple[subprocess.Popen, str]:
-    """`extproc sim` in its own process group (real time, like a real server); returns it and its URL."""
+def _start_sim(workdir: Path, profile: str | Path = "cpu-tiny-llama", *extra: str) -> tuple[subprocess.Popen, str]:
+    """`extproc sim` in its own process group (real time, like a real server), with `extra` flags (e.g.
+    `--scheduling-policy priority`); returns it and its URL."""
     log = workdir / "sim.log"
-    proc = subprocess.Popen([sys.executable, "-m", "extproc.cli", "sim", "--profile", "cpu-tiny-llama",
-                             "--replicas", "1", "--port", "0", "--host", "127.0.0.1"],
+    proc = subprocess.Popen([sys.executable, "-m", "extproc.cli", "sim", "--profile", str(profile),
+                             "--replicas", "1", "--port", "0", "--host", "127.0.0.1", *extra],
                             stdout=subprocess.PIPE, stderr=open(log, "wb"), stdin=subprocess.DEVNULL,
                             start_new_session=True, text=True)
     deadline = time.monotonic() + 30
@@ -93,7 +95,23 @@ def target(request, tmp_path_factory):
     if kind == "vllm":
         yield Target("vllm", os.environ["VLLM_URL"])
         return
-    proc, url = _start_sim(tmp_path_factory.mktemp("sim"))
+    with own_target("sim", tmp_path_factory.mktemp("sim")) as t:
+        yield t
+
+
+@contextlib.contextmanager
+def own_target(kind: str, workdir: Path, sim_profile: str | Path = "cpu-tiny-llama", sim_args: tuple = (),
+               vllm_args: tuple = ()):
+    """A target started for the caller and stopped after: the simulator (`sim_profile`, `sim_args`), or a real
+    vLLM of its own (scripts/vllm/serve.py, `vllm_args` added to its command line: e.g. `--scheduling-policy
+    priority`), for tests that need a server started with other flags than the session's."""
+    if kind == "vllm":
+        from scripts.vllm.serve import VLLMServer
+
+        with VLLMServer(extra_args=vllm_args, log_path=workdir / "vllm.log") as server:
+            yield Target("vllm", server.url)
+        return
+    proc, url = _start_sim(workdir, sim_profile, *sim_args)
     try:
         yield Target("sim", url)
     finally:

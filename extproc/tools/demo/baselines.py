@@ -92,6 +92,9 @@ class NoAdmission:
     def decide(self, facts: RequestFacts) -> Decision:
         return Admit("forwarded", "", "", None)
 
+    def engine_priority(self, d: Decision) -> int:
+        return 0  # no ext_proc: the client's body goes through (the scenarios send none)
+
     def ended(self, ticket: Any, record: RequestRecord) -> None:
         pass
 
@@ -132,6 +135,9 @@ class EnvoyAdaptive:
         if self.controller.try_forward():
             return Admit("forwarded", "", "", _Forwarded())
         return Refusal(REJECT, "adaptive_concurrency", "", "", 503, "reached concurrency limit")
+
+    def engine_priority(self, d: Decision) -> int:
+        return 0  # no ext_proc: the client's body goes through (the scenarios send none)
 
     def ended(self, ticket: Any, record: RequestRecord) -> None:
         if record.ok:

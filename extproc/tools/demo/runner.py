@@ -62,10 +62,12 @@ def machine_cpu_seconds() -> float:
 
 
 def start_pool(stack: Stack, name: str, profile: str, replicas: int, model_names: list[str], speed: float,
-               seed: int, timeout_s: float = 30.0) -> list[tuple[str, int]]:
+               seed: int, timeout_s: float = 30.0, scheduling_policy: str | None = None) -> list[tuple[str, int]]:
     """`extproc sim` for one pool as a process of `stack` (so stack.stop() ends it); returns its endpoints."""
     argv = [sys.executable, "-m", "extproc.cli", "sim", "--profile", profile, "--replicas", str(replicas),
             "--port", "0", "--speed", str(speed), "--seed", str(seed)]
+    if scheduling_policy:
+        argv += ["--scheduling-policy", scheduling_policy]
     for model in model_names:
         argv += ["--model-name", model]
     log = stack.workdir / f"sim-{name}.log"
@@ -94,7 +96,8 @@ def build_stack(mode: Mode, scenario: Scenario, settings: RunSettings) -> Stack:
     try:
         for i, pool in enumerate(scenario.pools):
             stack.pools[pool.name] = start_pool(stack, pool.name, pool.profile, pool.replicas, pool.model_names,
-                                                settings.speed, scenario.seed + 100 * i)
+                                                settings.speed, scenario.seed + 100 * i,
+                                                scheduling_policy=pool.scheduling_policy)
         if mode.policy:  # rendered once the replicas are up: its `pools` scrape them
             stack.policy_path = render_policy(mode.policy, settings.speed, workdir / "policy.yaml", stack.pools)
         stack.start()

@@ -9,6 +9,7 @@ from typing import Any
 import yaml
 
 from extproc.tools.loadgen import PlannedRequest, Workload, plan_arrivals
+from extproc.tools.sim.engine import SCHEDULING_POLICIES
 from extproc.tools.sim.profile import load_profile
 
 from .capacity import closed_loop_mix
@@ -22,6 +23,9 @@ class Pool:
     profile: str
     replicas: int
     model_names: list[str]
+    # vLLM's --scheduling-policy for these replicas: "fcfs" or "priority" (then the body's `priority`, which the
+    # ext_proc sets from the class's `vllm_priority`, orders the engine's queue); None: the profile's (fcfs).
+    scheduling_policy: str | None = None
 
 
 @dataclass(frozen=True)
@@ -68,8 +72,13 @@ class Scenario:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Scenario:
-        pools = [Pool(name, p["profile"], int(p.get("replicas", 1)), list(p.get("model_names", [])))
+        pools = [Pool(name, p["profile"], int(p.get("replicas", 1)), list(p.get("model_names", [])),
+                      p.get("scheduling_policy"))
                  for name, p in d["pools"].items()]
+        for pool in pools:
+            if pool.scheduling_policy not in (None, *SCHEDULING_POLICIES):
+                raise ValueError(f"pools.{pool.name}.scheduling_policy: must be one of "
+                                 f"{', '.join(SCHEDULING_POLICIES)}, got {pool.scheduling_policy!r}")
         phases = [Phase(p["name"], float(p["duration_s"]), float(p["rate"]),
                         {k: float(v) for k, v in (p.get("weights") or {}).items()}) for p in d["phases"]]
         if not pools or not phases:
@@ -105,6 +114,13 @@ class Scenario:
             events.append(FleetEvent(at, e.pool, e.replica, e.fault))
         shortened.events = tuple(events)
         return shortened
+
+    def with_scheduling_policy(self, policy: str | None) -> Scenario:
+        """The same scenario with every pool's replicas under vLLM's --scheduling-policy `policy` (None: each
+        profile's own)."""
+        if policy not in (None, *SCHEDULING_POLICIES):
+            raise ValueError(f"scheduling_policy: must be one of {', '.join(SCHEDULING_POLICIES)}, got {policy!r}")
+        return replace(self, pools=[replace(p, scheduling_policy=policy) for p in self.pools])
 
     @property
     def duration_s(self) -> float:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import yaml
@@ -50,12 +50,15 @@ class WhatIfResult:
     records: list[RequestRecord]
     served_elsewhere: int  # requests finished by the pools after the first (degraded)
     limits: list[tuple[float, dict[str, int]]]  # (time, class -> cap) whenever a cap moved
+    preemptions: dict[str, int] = field(default_factory=dict)  # pool -> its engines' preemptions over the run
 
 
 class _Pool:
-    def __init__(self, name: str, profile_name: str, replicas: int, seed: int):
+    def __init__(self, name: str, profile_name: str, replicas: int, seed: int, scheduling_policy: str | None = None):
         self.name = name
         self.profile = load_profile(profile_name)
+        if scheduling_policy:
+            self.profile = self.profile.with_scheduling_policy(scheduling_policy)
         self.engines = [Engine(self.profile, seed=seed + i) for i in range(replicas)]
         self.busy = [False] * replicas
         self.finished = 0
@@ -74,6 +77,9 @@ class Admitter(Protocol):
         """Called once before the first arrival; returns periodic timers (interval s, callback), first due at 0."""
 
     def decide(self, facts: RequestFacts) -> Decision: ...
+
+    def engine_priority(self, d: Admit | Degrade) -> int:
+        """The body's `priority` an admitted request reaches vLLM with (0: vLLM's default)."""
 
     def ended(self, ticket: Any, record: RequestRecord) -> None:
         """An admitted request ended: completed (record.ok) or given up by its client (record.error)."""
@@ -123,6 +129,11 @@ class PolicyAdmitter:
     def decide(self, facts: RequestFacts) -> Decision:
         return self.core.decide(facts)
 
+    def engine_priority(self, d: Admit | Degrade) -> int:
+        # As the ext_proc writes it into the body (server/stream.py): the class's `vllm_priority`, else none.
+        spec = self.policy.classes.get(d.cls)
+        return spec.vllm_priority if spec is not None and spec.vllm_priority is not None else 0
+
     def ended(self, ticket, record: RequestRecord) -> None:
         # Completions are reported at once (as Envoy's access log does within a few milliseconds).
         if ticket is None:
@@ -143,7 +154,7 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
     if isinstance(admitter, str):
         admitter = PolicyAdmitter(admitter, limit_factory)
     clock = [0.0]
-    pools = {p.name: _Pool(p.name, p.profile, p.replicas, scenario.seed + 100 * i)
+    pools = {p.name: _Pool(p.name, p.profile, p.replicas, scenario.seed + 100 * i, p.scheduling_policy)
              for i, p in enumerate(scenario.pools)}
     first = scenario.pools[0].name
     events: list[tuple[float, int, int, object]] = []  # (time, kind, order, payload)
@@ -165,7 +176,7 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
             pool.busy[i] = True
             push(clock[0] + duration, _ITERATION, (pool, i))
 
-    def start(record: RequestRecord, ticket, pool_name: str, prompt: int, max_tokens: int) -> None:
+    def start(record: RequestRecord, ticket, pool_name: str, prompt: int, max_tokens: int, priority: int) -> None:
         pool = pools[pool_name]
         engines = pool.engines
         # The replicas still in the load balancer (all of them if every one is draining): least request, or
@@ -176,7 +187,7 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
             next_replica[pool_name] += 1
         else:
             i = min(live, key=lambda j: len(engines[j].running) + len(engines[j].waiting))
-        seq = engines[i].add_request(prompt, max_tokens, clock[0])
+        seq = engines[i].add_request(prompt, max_tokens, clock[0], priority=priority)
         owner[(pool.name, i, seq.id)] = (record, ticket)
         push(record.start + scenario.client_timeout_s, _TIMEOUT, (pool, i, seq))
         kick(pool, i)
@@ -191,10 +202,10 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
             fb = d.fallback
             mt = min(max_tokens, fb.max_tokens) if fb.max_tokens else max_tokens
             record.model = fb.model or record.asked_model
-            start(record, d.ticket, d.cluster if d.cluster in pools else first, prompt, mt)
+            start(record, d.ticket, d.cluster if d.cluster in pools else first, prompt, mt, admitter.engine_priority(d))
         elif isinstance(d, Admit):
             record.model = record.asked_model
-            start(record, d.ticket, d.cluster or first, prompt, max_tokens)
+            start(record, d.ticket, d.cluster or first, prompt, max_tokens, admitter.engine_priority(d))
         else:  # a refusal, or a canned answer (no engine time): its status as the reason table gives it
             refuse(record, d.status if d.status >= 400 else 200, d.reason, d.retry_after or None)
 
@@ -284,4 +295,5 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
         else:
             admitted(record, d, planned.prompt_tokens, max_tokens)
     served_elsewhere = sum(p.finished for name, p in pools.items() if name != first)
-    return WhatIfResult(records, served_elsewhere, admitter.limits)
+    preemptions = {name: sum(e.stats.preemptions for e in p.engines) for name, p in pools.items()}
+    return WhatIfResult(records, served_elsewhere, admitter.limits, preemptions)
