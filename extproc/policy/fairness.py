@@ -172,6 +172,24 @@ class FairQueue:
 
     # --- beyond the deque ---
 
+    def configure(self, mode: Mode, weights: dict[str, float], guaranteed: dict[str, float],
+                  tenants: Iterable[str]) -> None:
+        """A reloaded policy: new mode, weights, guarantees and labels. Waiters keep their arrival order and
+        flows what they were served; a changed mode re-sorts the waiters into its flows."""
+        if mode not in MODES:
+            raise ValueError(f"unknown fairness mode {mode!r} (modes: {', '.join(MODES)})")
+        waiters = list(self) if mode != self.mode or set(tenants) != self._labels else []
+        for w in waiters:
+            self._take(w)
+        self.mode = mode
+        self.weights, self.guaranteed, self._labels = dict(weights), dict(guaranteed), set(tenants)
+        for flow in self._flows.values():
+            flow.weight = self.weights.get(flow.key, 1.0)
+            flow.guaranteed = self.guaranteed.get(flow.key, 0.0)
+        for w in waiters:
+            self.append(w)
+        self._head = None
+
     def first_for(self, pool: str) -> Any | None:
         """The next waiter bound for `pool` (the one a slot freed on that pool goes to), or None."""
         return self._pick(pool)
