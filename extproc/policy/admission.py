@@ -222,10 +222,14 @@ class AdmissionController:
         # The class's drain rate predicts its own queue; a request waiting only for its pool is granted by
         # priority as the pool frees, which that rate does not measure: it waits up to its max wait instead.
         if lim.queue_has_room() and lim.spec.early_reject and (gate is None or not lim.has_room(cost)) \
-                and self._cannot_make_it(lim, charge, now, deadline_ms):
+                and self._cannot_make_it(lim, charge, now, deadline_ms, flow):
             return self._overflow(lim, c, cluster, R_DEADLINE, now, charge,
                                   say(R_DEADLINE, cls=c.cls, max_wait_ms=lim.spec.max_wait_ms,
                                       queued=len(lim.queue)))
+        if not lim.queue_has_room() and lim.spec.max_wait_ms > 0:
+            crowded = lim.queue.crowded_out_by(flow)  # fair modes: a flood does not keep the places either
+            if crowded is not None:
+                self._overflow_waiter(crowded, R_QUEUE_FULL, now)
         if lim.queue_has_room():
             waiter = Waiter(lim, c.tenant, cluster, now, cost, flow, deadline_ms)
             waiter.trickle = trickle
@@ -249,12 +253,12 @@ class AdmissionController:
                        classification=c, cluster=cluster)
 
     def _cannot_make_it(self, lim: ClassLimiter, charge: Charge, now: float,
-                        deadline_ms: float | None = None) -> bool:
+                        deadline_ms: float | None = None, flow: str | None = None) -> bool:
         """Deadline-aware early rejection: the predicted queue wait (queue ahead over the observed drain rate)
         exceeds the request's max wait (the class's, or its own deadline if shorter), or wait plus the predicted
         service time exceeds its SLO. The service-time half is used only once the model's cost coefficients have
         been learned from real durations."""
-        wait = lim.queue_wait_s(now)
+        wait = lim.queue_wait_s(now, flow)
         if wait is None:
             return False
         max_wait_ms = lim.spec.max_wait_ms if deadline_ms is None else min(deadline_ms, lim.spec.max_wait_ms)
@@ -347,13 +351,8 @@ class AdmissionController:
             self._dequeue(waiter)
         except ValueError:
             pass
-        waited = now - waiter.enqueued_at
-        if timed_out and lim.spec.on_overflow == "fallback":
-            d = self._fallback(lim, lim.name, waiter.tenant, waiter.pool, R_QUEUE_TIMEOUT, now, overflow=True,
-                               waited_s=waited, charge=waiter.charge)
-        elif timed_out:
-            d = self._reject(waiter, 429, R_QUEUE_TIMEOUT,
-                             say(R_QUEUE_TIMEOUT, cls=lim.name, where="", max_wait_ms=lim.spec.max_wait_ms), now)
+        if timed_out:
+            d = self._overflowed(waiter, R_QUEUE_TIMEOUT, now)
         else:
             d = self._reject(waiter, 499, R_CLIENT_GONE, say(R_CLIENT_GONE, waiting="queued"), now)
         self._resolve(waiter, d)
@@ -362,6 +361,20 @@ class AdmissionController:
             # for its class, whose next arrivals come first: lower classes wait for the next release.
             self._grant(lim, now)
         return d
+
+    def _overflowed(self, w: Waiter, reason: str, now: float) -> Decision:
+        """A queued request that cannot wait on (its deadline passed, or its place was taken): its class's overflow."""
+        lim = w.limiter
+        if lim.spec.on_overflow == "fallback":
+            return self._fallback(lim, lim.name, w.tenant, w.pool, reason, now, overflow=True,
+                                  waited_s=now - w.enqueued_at, charge=w.charge)
+        return self._reject(w, 429, reason, say(reason, cls=lim.name, where="", max_wait_ms=lim.spec.max_wait_ms,
+                                                detail="queue full: its place went to a tenant with fewer waiting"), now)
+
+    def _overflow_waiter(self, w: Waiter, reason: str, now: float) -> None:
+        w.limiter.queue.remove(w)
+        self._dequeue(w)
+        self._resolve(w, self._overflowed(w, reason, now))
 
     def _grant(self, lim: ClassLimiter, now: float) -> None:
         """Hand free slots to waiters. With pool-wide limits a slot freed on a pool may go to any class: every

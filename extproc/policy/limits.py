@@ -203,12 +203,13 @@ class ClassLimiter:
         self.spec = spec
         return not keep
 
-    def queue_wait_s(self, now: float) -> float | None:
-        """Predicted wait of a new arrival: the queue ahead at the observed drain rate (None without data)."""
+    def queue_wait_s(self, now: float, flow: str | None = None) -> float | None:
+        """Predicted wait of a new arrival (of `flow`, in a fair queue): the queue ahead at the observed drain rate
+        (None without data)."""
         rate = self.drain.rate(now)
         if rate <= 0.0:
             return None
-        return (len(self.queue) + 1) / rate
+        return ((len(self.queue) if flow is None else self.queue.ahead(flow)) + 1) / rate
 
     @property
     def saturated(self) -> bool:

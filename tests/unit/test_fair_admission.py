@@ -170,3 +170,22 @@ def test_a_reload_to_another_mode_keeps_the_waiters_and_reorders_them(clock):
     q = core.limiters["interactive"].queue
     assert (q.mode, len(q)) == ("round_robin", 6)
     assert grants(core, running, 3) == ["a", "b", "c"]
+
+
+def test_a_full_queue_gives_the_flooding_tenants_last_place_to_a_tenant_with_fewer_waiting(clock):
+    core = AdmissionController(make_policy(
+        classes={"interactive": {"max_concurrency": 1, "max_queue": 2, "max_wait_ms": 1000,
+                                 "fairness": {"mode": "fair"}}}, tenants=TENANTS), clock=clock)
+    ask(core, "a")
+    first, last = ask(core, "a"), ask(core, "a")
+    b = ask(core, "b")
+    assert b.kind == QUEUE and first.waiter.pending
+    assert (last.waiter.result.kind, last.waiter.result.reason) == (REJECT, "queue_full")
+
+
+def test_fifo_keeps_a_full_queue_full(clock):
+    core = AdmissionController(make_policy(
+        classes={"interactive": {"max_concurrency": 1, "max_queue": 2, "max_wait_ms": 1000}}, tenants=TENANTS),
+        clock=clock)
+    ask(core, "a"), ask(core, "a"), ask(core, "a")
+    assert (ask(core, "b").kind, ask(core, "b").reason) == (REJECT, "queue_full")
