@@ -10,7 +10,7 @@ import json
 import logging
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .policy.admission import ACCEPT, AdmissionController, Decision
 from .policy.breakers import STATE_VALUES, Breaker, LatencyBreaker
@@ -62,6 +62,9 @@ class Telemetry:
         self.queue_wait = _Children(Histogram(
             "extproc_queue_wait_seconds", "Time queued requests waited for a decision.", ["class"],
             buckets=WAIT_BUCKETS, registry=r))
+        self.tenant_wait = _Children(Histogram(
+            "extproc_tenant_queue_wait_seconds", "Time queued requests waited for a decision, by class and tenant "
+            "(a configured tenant or anonymous).", ["class", "tenant"], buckets=WAIT_BUCKETS, registry=r))
         self.duration = _Children(Histogram(
             "extproc_request_duration_seconds", "Admission to end of response, by class and how the request ended.",
             ["class", "outcome"], buckets=LATENCY_BUCKETS, registry=r))
@@ -127,6 +130,7 @@ class Telemetry:
                 self.unknown_class[c.tenant].inc()
         if d.waited_s > 0.0:
             self.queue_wait[d.cls].observe(d.waited_s)
+            self.tenant_wait[d.cls, d.tenant].observe(d.waited_s)
         if d.kind != ACCEPT or d.shadow_would is not None or (self.log_accept_sample and self._sample_accept()):
             self.log_decision(d)
 
@@ -278,6 +282,33 @@ class _CoreGauges:
         yield from self._breakers()
         yield self._cost_models()
         yield from self._pools()
+        yield from self._flows()
+
+    def _flows(self):
+        """Each class queue's flows, by metric label: configured tenants, anonymous, and "other" for keys from a
+        fairness header that name no tenant (the label set stays bounded)."""
+        labels = ["class", "tenant"]
+        inflight = GaugeMetricFamily("extproc_tenant_inflight", "Admitted requests of the tenant in the class not "
+                                     "yet ended.", labels=labels)
+        waiting = GaugeMetricFamily("extproc_tenant_waiting", "Requests of the tenant in the class's queue.",
+                                    labels=labels)
+        served = GaugeMetricFamily("extproc_tenant_served_gpu_seconds", "Estimated GPU-seconds admitted for the "
+                                   "tenant in the class since start, corrected by learned usage (so it may step "
+                                   "down; use deriv(), not rate()).", labels=labels)
+        waited = CounterMetricFamily("extproc_tenant_queue_waited_seconds", "Seconds the tenant's granted requests "
+                                     "waited in the class's queue.", labels=labels)
+        index = GaugeMetricFamily("extproc_class_fairness_index", "Jain's index (1: equal, 1/n: one tenant has all) "
+                                  "of the GPU-seconds per weight served to the class's tenants over about the last "
+                                  "minute, among those served.", labels=["class"])
+        for cls, lim in list(self._core.limiters.items()):
+            q = lim.queue
+            for label, st in list(q.stats.items()):
+                inflight.add_metric([cls, label], st.inflight)
+                waiting.add_metric([cls, label], st.waiting)
+                served.add_metric([cls, label], st.served_gpu_s)
+                waited.add_metric([cls, label], st.waited_s)
+            index.add_metric([cls], q.fairness_index())
+        yield from (inflight, waiting, served, waited, index)
 
     def _pools(self):
         sat = GaugeMetricFamily("extproc_pool_saturated", "1 while the pool's replicas report saturation (vLLM "

@@ -121,7 +121,8 @@ class AdmissionController:
     def decide(self, facts: RequestFacts) -> Decision:
         """Classify and admit, queue, shed, degrade or reject one request."""
         now = self.clock()
-        c = self.classifier.classify(facts.api_key, facts.header_class, facts.body_class)
+        c = self.classifier.classify(facts.api_key, facts.header_class, facts.body_class, facts.objective,
+                                     facts.fairness_id)
         cluster = self.clusters.get(facts.model) if facts.model is not None else None
         if cluster is None:
             return self._emit(Refusal(INVALID, R_UNKNOWN_MODEL, c.cls, c.tenant, 404,
@@ -133,7 +134,7 @@ class AdmissionController:
                                       classification=c))
         charge = self._estimate(facts, c, now)
         lim = self.limiters[c.cls]
-        d = self._enforce(c, lim, cluster, now, charge)
+        d = self._enforce(c, lim, cluster, now, charge, facts.deadline_ms)
         d.charge = charge
         if charge.tenant is not None:
             d.headers = charge.tenant.headers(now)
@@ -158,7 +159,8 @@ class AdmissionController:
                                 *(("canned",) if facts.cannable else ()))
         return charge
 
-    def _enforce(self, c: Classification, lim: ClassLimiter, cluster: str, now: float, charge: Charge) -> Decision:
+    def _enforce(self, c: Classification, lim: ClassLimiter, cluster: str, now: float, charge: Charge,
+                 deadline_ms: float | None = None) -> Decision:
         """The stages after the estimate, in order; the first that answers decides."""
         refused = self._budgets(c, lim, cluster, now, charge)
         if refused is not None:
@@ -178,7 +180,7 @@ class AdmissionController:
                 return self._fallback(lim, c.cls, c.tenant, cluster, reason, now, overflow=False, c=c,
                                       charge=charge)
             trickle = trickle or probe
-        return self._limit(c, lim, cluster, now, charge, trickle)
+        return self._limit(c, lim, cluster, now, charge, trickle, deadline_ms)
 
     def _yield_first(self, lim: ClassLimiter, cluster: str, now: float, breaker: Breaker) -> bool:
         """A latency breaker would send this class elsewhere. On a pool with a pool-wide limit that is the last
@@ -207,25 +209,30 @@ class AdmissionController:
         return gate.fits(lim.rank, units, now)
 
     def _limit(self, c: Classification, lim: ClassLimiter, cluster: str, now: float, charge: Charge,
-               trickle: bool) -> Decision:
+               trickle: bool, deadline_ms: float | None = None) -> Decision:
         """A slot now (the class's and its pool's), a place in the bounded queue, or overflow."""
         est = charge.estimate
         cost = est.gpu_seconds
         gate = self.gates.get(cluster) if self.gates else None
         units = gate.units(est.prompt_tokens, est.expected_output) if gate is not None else 0.0
+        flow = c.flow if lim.spec.fairness.key == "header" else c.tenant
         if lim.has_room(cost) and not lim.queue and (gate is None or self._pool_admits(gate, lim, units, now)):
-            ticket = self._admit(lim, c.tenant, cluster, now, charge, 0.0, gate, units)
+            ticket = self._admit(lim, c.tenant, cluster, now, charge, 0.0, gate, units, flow)
             ticket.trickle = trickle
             return Admit(R_SLOT_FREE, c.cls, c.tenant, ticket, cluster=cluster, classification=c)
         # The class's drain rate predicts its own queue; a request waiting only for its pool is granted by
         # priority as the pool frees, which that rate does not measure: it waits up to its max wait instead.
         if lim.queue_has_room() and lim.spec.early_reject and (gate is None or not lim.has_room(cost)) \
-                and self._cannot_make_it(lim, charge, now):
+                and self._cannot_make_it(lim, charge, now, deadline_ms, flow):
             return self._overflow(lim, c, cluster, R_DEADLINE, now, charge,
                                   say(R_DEADLINE, cls=c.cls, max_wait_ms=lim.spec.max_wait_ms,
                                       queued=len(lim.queue)))
+        if not lim.queue_has_room() and lim.spec.max_wait_ms > 0:
+            crowded = lim.queue.crowded_out_by(flow)  # fair modes: a flood does not keep the places either
+            if crowded is not None:
+                self._overflow_waiter(crowded, R_QUEUE_FULL, now)
         if lim.queue_has_room():
-            waiter = Waiter(lim, c.tenant, cluster, now, cost)
+            waiter = Waiter(lim, c.tenant, cluster, now, cost, flow, deadline_ms)
             waiter.trickle = trickle
             waiter.charge = charge
             if gate is not None:
@@ -246,14 +253,17 @@ class AdmissionController:
         return Refusal(REJECT, reason, c.cls, c.tenant, 429, message, lim.retry_after_s(now, self._retry_ceiling),
                        classification=c, cluster=cluster)
 
-    def _cannot_make_it(self, lim: ClassLimiter, charge: Charge, now: float) -> bool:
+    def _cannot_make_it(self, lim: ClassLimiter, charge: Charge, now: float,
+                        deadline_ms: float | None = None, flow: str | None = None) -> bool:
         """Deadline-aware early rejection: the predicted queue wait (queue ahead over the observed drain rate)
-        exceeds the class's max wait, or wait plus the predicted service time exceeds its SLO. The service-time
-        half is used only once the model's cost coefficients have been learned from real durations."""
-        wait = lim.queue_wait_s(now)
+        exceeds the request's max wait (the class's, or its own deadline if shorter), or wait plus the predicted
+        service time exceeds its SLO. The service-time half is used only once the model's cost coefficients have
+        been learned from real durations."""
+        wait = lim.queue_wait_s(now, flow)
         if wait is None:
             return False
-        if wait > lim.spec.max_wait_ms / 1000.0:
+        max_wait_ms = lim.spec.max_wait_ms if deadline_ms is None else min(deadline_ms, lim.spec.max_wait_ms)
+        if wait > max_wait_ms / 1000.0:
             return True
         slo = lim.spec.slo_p95_ms
         model = self.cost_models.get(charge.model)
@@ -323,7 +333,8 @@ class AdmissionController:
         """A request refused before admission (bad body, bad headers): counted, never holding a slot."""
         cls, tenant = "", ""
         if facts is not None:
-            c = self.classifier.classify(facts.api_key, facts.header_class, facts.body_class)
+            c = self.classifier.classify(facts.api_key, facts.header_class, facts.body_class, facts.objective,
+                                         facts.fairness_id)
             cls, tenant = c.cls, c.tenant
         return self._emit(Refusal(INVALID, reason, cls, tenant, status, message))
 
@@ -341,13 +352,8 @@ class AdmissionController:
             self._dequeue(waiter)
         except ValueError:
             pass
-        waited = now - waiter.enqueued_at
-        if timed_out and lim.spec.on_overflow == "fallback":
-            d = self._fallback(lim, lim.name, waiter.tenant, waiter.pool, R_QUEUE_TIMEOUT, now, overflow=True,
-                               waited_s=waited, charge=waiter.charge)
-        elif timed_out:
-            d = self._reject(waiter, 429, R_QUEUE_TIMEOUT,
-                             say(R_QUEUE_TIMEOUT, cls=lim.name, where="", max_wait_ms=lim.spec.max_wait_ms), now)
+        if timed_out:
+            d = self._overflowed(waiter, R_QUEUE_TIMEOUT, now)
         else:
             d = self._reject(waiter, 499, R_CLIENT_GONE, say(R_CLIENT_GONE, waiting="queued"), now)
         self._resolve(waiter, d)
@@ -356,6 +362,20 @@ class AdmissionController:
             # for its class, whose next arrivals come first: lower classes wait for the next release.
             self._grant(lim, now)
         return d
+
+    def _overflowed(self, w: Waiter, reason: str, now: float) -> Decision:
+        """A queued request that cannot wait on (its deadline passed, or its place was taken): its class's overflow."""
+        lim = w.limiter
+        if lim.spec.on_overflow == "fallback":
+            return self._fallback(lim, lim.name, w.tenant, w.pool, reason, now, overflow=True,
+                                  waited_s=now - w.enqueued_at, charge=w.charge)
+        return self._reject(w, 429, reason, say(reason, cls=lim.name, where="", max_wait_ms=lim.spec.max_wait_ms,
+                                                detail="queue full: its place went to a tenant with fewer waiting"), now)
+
+    def _overflow_waiter(self, w: Waiter, reason: str, now: float) -> None:
+        w.limiter.queue.remove(w)
+        self._dequeue(w)
+        self._resolve(w, self._overflowed(w, reason, now))
 
     def _grant(self, lim: ClassLimiter, now: float) -> None:
         """Hand free slots to waiters. With pool-wide limits a slot freed on a pool may go to any class: every
@@ -369,33 +389,54 @@ class AdmissionController:
                 self._grant_class(ranked, now, blocked)
 
     def _grant_class(self, lim: ClassLimiter, now: float, blocked: set[str] | None) -> None:
-        """FIFO within the class, skipping waiters past their deadline; a waiter whose pool has no room keeps
-        its place and blocks that pool for the rest of this class and the classes below it."""
-        for w in list(lim.queue):
+        """Waiters past their deadline leave first; then slots go in the queue's grant order (arrival order, or
+        by its fairness mode). A waiter whose pool has no room keeps its place and blocks that pool for the rest
+        of this class and the classes below it."""
+        q = lim.queue
+        for w in q.overdue(now):
+            if w.pending:
+                self.abandon(w, timed_out=True, regrant=False)
+        arrivals = iter(list(q)) if q.mode == "fifo" else None  # fifo: one pass, the order does not change
+        skipped: set[str] = set()  # fair modes: pools this class found no room on in this pass
+        while True:
+            w = next(arrivals, None) if arrivals is not None else self._next_fair(q, skipped)
+            if w is None:
+                return
             if not w.pending:
                 continue  # resolved meanwhile (a fallback of an earlier waiter may grant)
-            if w.deadline <= now:
-                self.abandon(w, timed_out=True, regrant=False)
-                continue
             if not lim.has_room(w.cost):
                 return
             gate = w.gate
             if gate is not None and blocked is not None and not gate.guaranteed(lim.rank, w.units):
                 if gate.name in blocked or not gate.fits(lim.rank, w.units, now):
                     blocked.add(gate.name)
+                    skipped.add(w.pool)
                     continue
             protector = self.state.saturated_protector(lim.name)
             if protector is not None:
                 self._shed_queue(lim, protector, now)
                 return
-            lim.queue.remove(w)
+            q.take(w)
             self._dequeue(w)
             waited = now - w.enqueued_at
             if self.shadow.grant(w, lim, waited):
                 continue
-            ticket = self._admit(lim, w.tenant, w.pool, now, w.charge, waited, gate, w.units)
+            ticket = self._admit(lim, w.tenant, w.pool, now, w.charge, waited, gate, w.units, w.flow)
             ticket.trickle = w.trickle
             self._resolve(w, Admit(R_DEQUEUED, lim.name, w.tenant, ticket, waited_s=waited, cluster=w.pool))
+
+    @staticmethod
+    def _next_fair(q, skipped: set[str]) -> Waiter | None:
+        """The next grant of a fair queue, on a pool not skipped (the queue's head if its pool has room)."""
+        if not q:
+            return None
+        head = q[0]
+        if head.pool not in skipped:
+            return head
+        for pool in dict.fromkeys(w.pool for w in q):
+            if pool not in skipped:
+                return q.first_for(pool)
+        return None
 
     def _dequeue(self, w: Waiter) -> Waiter:
         """A waiter left its class queue (granted, refused, shed): it no longer waits for its pool either."""
@@ -427,11 +468,13 @@ class AdmissionController:
     # --- taking and giving back a slot (the only two places) ---
 
     def _admit(self, lim: ClassLimiter, tenant: str, pool: str, now: float, charge: Charge | None,
-               waited_s: float, gate=None, units: float = 0.0) -> Ticket:
+               waited_s: float, gate=None, units: float = 0.0, flow: str | None = None) -> Ticket:
         cost = charge.estimate.gpu_seconds if charge is not None else 0.0
         lim.take(cost)
         lim.pools.add(pool)
         ticket = Ticket(lim, tenant, pool, now, self._lease_s, cost, waited_s)
+        ticket.flow = flow or tenant
+        lim.queue.admitted(ticket.flow, cost)
         ticket.charge = charge
         if gate is not None:
             self.hold_pool(ticket, gate, units)
@@ -459,6 +502,7 @@ class AdmissionController:
             else:
                 lim.inflight -= 1
                 lim.inflight_cost -= ticket.cost
+            lim.queue.released(ticket.flow, ticket.cost)
             if ticket.gate is not None:
                 ticket.gate.give_back(ticket.rank, ticket.units)
             if charge is not None and charge.session is not None:
@@ -537,7 +581,7 @@ class AdmissionController:
             new = lim.controller.update(now, lim.inflight, self._class_saturation(lim))
             if new != lim.limit:
                 raised = new > lim.limit
-                lim.limit = new
+                lim.limit = lim.queue.capacity = new
                 if raised:
                     self._grant(lim, now)
         raised = False
@@ -571,8 +615,8 @@ class AdmissionController:
             del self._unreported[t.id]
             self._account(t)
         for lim in self.limiters.values():
-            while lim.queue and lim.queue[0].deadline <= now:
-                self.abandon(lim.queue[0], timed_out=True)
+            for w in lim.queue.overdue(now):
+                self.abandon(w, timed_out=True)
         return expired
 
     def _emit(self, d: Decision) -> Decision:

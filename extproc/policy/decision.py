@@ -35,6 +35,9 @@ class RequestFacts:
                                  # no `degrade` fallback (another model's vectors are not an answer)
     cannable: bool = True        # a `canned` fallback can answer it (chat and completions shapes)
     reads_usage: bool = False    # its real usage will be read from the response (then refunded exactly)
+    objective: str | None = None     # the policy's objective header (Gateway API: x-gateway-inference-objective)
+    fairness_id: str | None = None   # the policy's fairness header (x-gateway-inference-fairness-id)
+    deadline_ms: float | None = None  # the policy's deadline header: its own max wait, from arrival
 
 
 class Charge:

@@ -172,6 +172,24 @@ class FairQueue:
 
     # --- beyond the deque ---
 
+    def configure(self, mode: Mode, weights: dict[str, float], guaranteed: dict[str, float],
+                  tenants: Iterable[str]) -> None:
+        """A reloaded policy: new mode, weights, guarantees and labels. Waiters keep their arrival order and
+        flows what they were served; a changed mode re-sorts the waiters into its flows."""
+        if mode not in MODES:
+            raise ValueError(f"unknown fairness mode {mode!r} (modes: {', '.join(MODES)})")
+        waiters = list(self) if mode != self.mode or set(tenants) != self._labels else []
+        for w in waiters:
+            self._take(w)
+        self.mode = mode
+        self.weights, self.guaranteed, self._labels = dict(weights), dict(guaranteed), set(tenants)
+        for flow in self._flows.values():
+            flow.weight = self.weights.get(flow.key, 1.0)
+            flow.guaranteed = self.guaranteed.get(flow.key, 0.0)
+        for w in waiters:
+            self.append(w)
+        self._head = None
+
     def first_for(self, pool: str) -> Any | None:
         """The next waiter bound for `pool` (the one a slot freed on that pool goes to), or None."""
         return self._pick(pool)
@@ -188,6 +206,32 @@ class FairQueue:
         if self.clock is not None:
             self._stats(key).waited_s += max(self.clock() - waiter.enqueued_at, 0.0)
         return waiter
+
+    def ahead(self, key: str) -> int:
+        """Waiters likely granted before a new arrival of flow `key` (fifo: all of them; otherwise its own flow's
+        and, of every other flow it would not be served before, as many as its own flow will have): the
+        deadline-aware early rejection's queue ahead."""
+        if self.mode == "fifo":
+            return len(self._where)
+        own = self._flows.get(key)
+        mine = len(own.entries) if own is not None else 0
+        vtime = max(own.vtime if own is not None else self._vfloor,
+                    min((f.vtime for f in self._backlogged.values()), default=self._vfloor))
+        return mine + sum(min(len(f.entries), mine + 1) for f in self._backlogged.values()
+                          if f is not own and (self.mode == "round_robin" or f.vtime <= vtime))
+
+    def crowded_out_by(self, key: str) -> Any | None:
+        """With every place taken, the waiter a new arrival of flow `key` takes the place of: the last of the
+        longest flow, if that flow holds at least two places more than `key`'s. None in fifo mode (the arrival
+        overflows): a flood holds the queue's places no more than its slots."""
+        if self.mode == "fifo" or not self._backlogged:
+            return None
+        own = self._flows.get(key)
+        mine = len(own.entries) if own is not None else 0
+        longest = max(self._backlogged.values(), key=lambda f: (len(f.entries), f.vtime))
+        if longest is own or len(longest.entries) < mine + 2:
+            return None
+        return longest.entries[-1][2]
 
     def overdue(self, now: float) -> list[Any]:
         """Waiters whose deadline has passed, earliest first (q[0] need not be the earliest in fair modes)."""

@@ -1,13 +1,13 @@
-"""Per-class slots, bounded FIFO deadline queues, and the tickets and waiters they hand out."""
+"""Per-class slots, bounded deadline queues (fairness.py), and the tickets and waiters they hand out."""
 
 from __future__ import annotations
 
 import enum
 import itertools
 import math
-from collections import deque
 from typing import Any, Callable, Protocol
 
+from .fairness import FairQueue
 from .schema import ClassSpec
 
 
@@ -81,7 +81,7 @@ class Ticket:
 
     __slots__ = ("id", "limiter", "cls", "tenant", "pool", "admitted_at", "lease_until", "cost", "closed", "waited_s",
                  "released_at", "stream_outcome", "completion", "trickle", "degraded", "holds_slot", "charge",
-                 "usage", "gate", "units", "rank")
+                 "usage", "gate", "units", "rank", "flow")
 
     def __init__(self, limiter: ClassLimiter, tenant: str, pool: str, now: float, lease_s: float, cost: float,
                  waited_s: float, holds_slot: bool = True):
@@ -106,21 +106,25 @@ class Ticket:
         self.gate: Any = None           # the PoolGate it holds `units` of (a pool with a pool-wide limit)
         self.units = 0.0
         self.rank = 0                   # its class's rank when it took them
+        self.flow = tenant              # the fairness key it counts against in its class's queue
 
 
 class Waiter:
     """A request waiting in a class queue. Its result (a Decision) is set exactly once."""
 
     __slots__ = ("limiter", "tenant", "pool", "trickle", "enqueued_at", "deadline", "cost", "result", "on_result",
-                 "charge", "gate", "units")
+                 "charge", "gate", "units", "flow")
 
-    def __init__(self, limiter: ClassLimiter, tenant: str, pool: str, now: float, cost: float):
+    def __init__(self, limiter: ClassLimiter, tenant: str, pool: str, now: float, cost: float,
+                 flow: str | None = None, wait_ms: float | None = None):
         self.limiter = limiter
         self.tenant = tenant
+        self.flow = flow or tenant      # its fairness key (the tenant unless the class keys flows by header)
         self.pool = pool
         self.trickle = False
         self.enqueued_at = now
-        self.deadline = now + limiter.spec.max_wait_ms / 1000.0
+        max_wait_ms = limiter.spec.max_wait_ms  # a request's own deadline may shorten the wait, never lengthen it
+        self.deadline = now + (max_wait_ms if wait_ms is None else min(wait_ms, max_wait_ms)) / 1000.0
         self.cost = cost
         self.result: Any = None
         self.on_result: Callable[[Any], None] | None = None  # notify(): whoever waits for the verdict
@@ -138,6 +142,10 @@ class Waiter:
             callback(self.result)
         else:
             self.on_result = callback
+
+
+def flow_key(waiter: Waiter) -> str:
+    return waiter.flow
 
 
 class DrainRate:
@@ -170,7 +178,8 @@ class DrainRate:
 
 
 class ClassLimiter:
-    """One class's slots and its bounded FIFO queue. Counts only; the decisions live in admission."""
+    """One class's slots and its bounded queue (FIFO unless the class has a fairness mode). Counts only; the
+    decisions live in admission."""
 
     __slots__ = ("name", "spec", "limit", "inflight", "inflight_cost", "queue", "drain", "controller", "pools",
                  "rank")
@@ -181,7 +190,7 @@ class ClassLimiter:
         self.limit = spec.max_concurrency
         self.inflight = 0
         self.inflight_cost = 0.0
-        self.queue: deque[Waiter] = deque()
+        self.queue = FairQueue("fifo", key=flow_key)  # policy state configures its mode, weights and clock
         self.drain = DrainRate()
         self.controller: Limit = StaticLimit(spec.max_concurrency)  # the algorithm that sets `limit`
         self.pools: set[str] = set()    # pools this class has sent requests to (whose saturation it heeds)
@@ -194,12 +203,13 @@ class ClassLimiter:
         self.spec = spec
         return not keep
 
-    def queue_wait_s(self, now: float) -> float | None:
-        """Predicted wait of a new arrival: the queue ahead at the observed drain rate (None without data)."""
+    def queue_wait_s(self, now: float, flow: str | None = None) -> float | None:
+        """Predicted wait of a new arrival (of `flow`, in a fair queue): the queue ahead at the observed drain rate
+        (None without data)."""
         rate = self.drain.rate(now)
         if rate <= 0.0:
             return None
-        return (len(self.queue) + 1) / rate
+        return ((len(self.queue) if flow is None else self.queue.ahead(flow)) + 1) / rate
 
     @property
     def saturated(self) -> bool:

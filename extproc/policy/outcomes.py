@@ -47,7 +47,10 @@ class CostLearning:
         if model is None:
             return
         est = charge.estimate
-        self.events.cost_observed(t, est.gpu_seconds, model.actual(prompt, completion))
+        actual = model.actual(prompt, completion)
+        self.events.cost_observed(t, est.gpu_seconds, actual)
+        if t.holds_slot and not t.degraded:  # the fair queue charged its flow the estimate: correct it
+            t.limiter.queue.settle(t.flow, est.gpu_seconds, actual)
         r = c.report
         service = (r.total_s - t.waited_s) if r is not None and r.total_s else t.released_at - t.admitted_at
         model.learn(est, prompt, completion, service if not t.degraded else None)

@@ -67,7 +67,9 @@ refusing work the fleet cannot serve in time, by design: the client should back 
   abandoned requests (a queue of 500 once gave a 45 s p99).
 - Sustained (alert `ExtprocRejectionRatioHigh`): demand exceeds capacity. Add replicas (`docs/autoscaling.md`), or
   re-run the cap-tuning ritual if the model, hardware or vLLM version changed (`docs/tuning.md`).
-- One tenant causing it: that is a fairness problem for per-tenant rate limits, not for the cap."""),
+- One tenant causing it: that is a fairness problem for per-tenant rate limits or the class's `fairness.mode`, not
+  for the cap. Under `round_robin` or `fair` a full queue gives the place of the last waiter of the tenant with the
+  most waiting to an arrival of a tenant with at least two fewer: that waiter gets this reason."""),
     Reason("deadline_unmeetable", "Rejected (429, 499, 503)", 429, DRAIN,
            (
             "class {cls!r} would not reach this request within its {max_wait_ms} ms queue deadline "

@@ -146,6 +146,21 @@ class PoolSpec:
 
 
 @dataclass(frozen=True)
+class FairnessSpec:
+    """How a class's queue picks between the flows (tenants) waiting in it (docs/overload.md)."""
+
+    mode: Literal["fifo", "round_robin", "fair"] = doc(
+        "`fifo`: one line in arrival order, whoever sent it. `round_robin`: flows take turns, one grant each. "
+        "`fair`: the waiting flow that was admitted the fewest GPU-seconds relative to its tenant's `weight` "
+        "goes next (virtual-time fairness in the cost model's units, corrected by learned usage), a flow under "
+        "its tenant's `guaranteed_share` first. Work-conserving in every mode: a free slot never idles while "
+        "someone waits. Inside a flow (round_robin, fair) the earliest deadline goes first.", "fifo")
+    key: Literal["tenant", "header"] = doc(
+        "The flow a request counts against: its tenant, or the value of `classify.fairness_header` (needs it "
+        "set; a request without the header counts against its tenant).", "tenant")
+
+
+@dataclass(frozen=True)
 class ClassSpec:
     """One traffic class: its concurrency cap, its bounded deadline queue, its SLO and breakers."""
 
@@ -179,6 +194,7 @@ class ClassSpec:
     early_reject: bool = doc("Refuse (or fall back) at arrival when the queue ahead, at the class's observed "
                              "drain rate, cannot clear within `max_wait_ms` - instead of letting the request wait "
                              "first and time out.", True)
+    fairness: FairnessSpec = doc("How the class's queue shares slots between tenants.", factory=FairnessSpec)
 
 
 @dataclass(frozen=True)
@@ -202,6 +218,10 @@ class ClassifySpec:
         "only where the gateway in front sets or strips that header: a client that picks its own key can join "
         "another flow or split its traffic over many. Values are cut to 128 characters; metrics label keys "
         "that are not tenant names as `other`. Unset: the tenant is the key.", None)
+    deadline_header: str | None = doc(
+        "Request header carrying the request's own deadline, in milliseconds from its arrival (lower case). "
+        "It waits in its class's queue at most that long (never longer than the class's `max_wait_ms`), and "
+        "queues with a fairness mode serve the earliest deadline of a flow first. Unset: not read.", None)
 
 
 @dataclass(frozen=True)
@@ -220,6 +240,12 @@ class TenantSpec:
                                         "with real usage when it is learned).", None, minimum=1)
     burst_s: float = doc("Bucket depth, in seconds of the rate (how much of a burst is allowed).", 60.0,
                          minimum=1)
+    weight: float = doc("Its share of a class with a fairness mode, relative to the other tenants' (a tenant "
+                        "of weight 2 is served twice the GPU-seconds of one of weight 1 while both wait).", 1.0,
+                        minimum=0.001)
+    guaranteed_share: float = doc("In a class with `fairness.mode: fair`: the share of the class's slots this "
+                                  "tenant is served first up to, whatever it was served before. Idle share is "
+                                  "lent to the tenants that wait.", 0.0, minimum=0, maximum=1)
 
 
 @dataclass(frozen=True)
@@ -597,6 +623,11 @@ def _check_references(p: Policy, errors: list[str]) -> None:
                           f"(models: {', '.join(p.models)})")
         if fb.action == "degrade" and fb.model is None and fb.max_tokens is None and fb.stream is None:
             errors.append(f"classes.{name}.fallback: action degrade needs model, max_tokens or stream")
+    if sum(t.guaranteed_share for t in p.tenants) > 1:
+        errors.append("tenants: the guaranteed_share of every tenant add up to more than 1")
+    for name, spec in p.classes.items():
+        if spec.fairness.key == "header" and p.classify.fairness_header is None:
+            errors.append(f"classes.{name}.fairness.key: `header` needs classify.fairness_header")
     for objective, cls in p.classify.objectives.items():
         need_class(cls, f"classify.objectives.{objective}")
     for protector, shed in p.shed_map().items():

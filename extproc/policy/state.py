@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from .breakers import Breaker, ErrorBreaker, LatencyBreaker
-from .classify import Classifier
+from .classify import ANONYMOUS, Classifier
 from .cost import CostModel
 from .limits import ClassLimiter, LimitFactory, default_limit
 from .pool import PoolGate
@@ -63,6 +63,13 @@ class PolicyState:
             self.sheds[protector] = [self.limiters[c] for c in shed]
             for c in shed:
                 self.shed_by.setdefault(c, []).append(self.limiters[protector])
+        weights = {t.name: t.weight for t in policy.tenants if t.weight != 1.0}
+        guaranteed = {t.name: t.guaranteed_share for t in policy.tenants if t.guaranteed_share}
+        labels = [t.name for t in policy.tenants] + [ANONYMOUS]
+        for lim in self.limiters.values():
+            lim.queue.clock = self.clock
+            lim.queue.configure(lim.spec.fairness.mode, weights, guaranteed, labels)
+            lim.queue.capacity = lim.limit
         self.ranked = list(self.limiters.values())
         for rank, lim in enumerate(self.ranked):
             lim.rank = rank

@@ -41,7 +41,8 @@ LEARN_BODY = {sse: pb.ProcessingResponse(response_headers=pb.HeadersResponse(), 
 class RequestHead:
     """What the request headers message says, decoded (Envoy sends header values only in `raw_value`)."""
 
-    __slots__ = ("path", "method", "authorization", "api_key", "claim", "request_id", "session", "end_of_stream")
+    __slots__ = ("path", "method", "authorization", "api_key", "claim", "request_id", "session", "end_of_stream",
+                 "objective", "fairness_id", "deadline_ms")
 
     def __init__(self) -> None:
         self.path: str | None = None      # without the query string
@@ -52,10 +53,30 @@ class RequestHead:
         self.request_id = ""
         self.session: str | None = None
         self.end_of_stream = False        # no body follows
+        self.objective: str | None = None     # the policy's objective header (Gateway API), when it names one
+        self.fairness_id: str | None = None   # the policy's fairness header, when it names one
+        self.deadline_ms: float | None = None  # the policy's deadline header: a number of ms >= 0, else None
 
 
-def read_request_headers(msg: pb.HttpHeaders, class_header: str, session_header: str) -> RequestHead:
+class HeaderNames:
+    """The request headers a policy asks us to read besides the fixed ones (None: not read)."""
+
+    __slots__ = ("claim", "session", "objective", "fairness", "deadline")
+
+    def __init__(self, claim: str, session: str, objective: str | None = None, fairness: str | None = None,
+                 deadline: str | None = None):
+        self.claim, self.session = claim, session
+        self.objective, self.fairness, self.deadline = objective, fairness, deadline
+
+    @classmethod
+    def of(cls, policy) -> HeaderNames:
+        c = policy.classify
+        return cls(c.header, policy.sessions.header, c.objective_header, c.fairness_header, c.deadline_header)
+
+
+def read_request_headers(msg: pb.HttpHeaders, names: HeaderNames) -> RequestHead:
     head = RequestHead()
+    class_header, session_header = names.claim, names.session
     for h in msg.headers.headers:
         k = h.key
         if k == ":path":
@@ -72,8 +93,23 @@ def read_request_headers(msg: pb.HttpHeaders, class_header: str, session_header:
             head.request_id = h.raw_value.decode("latin-1")
         elif k == session_header:
             head.session = h.raw_value.decode("latin-1")[:256] or None
+        elif k == names.objective:
+            head.objective = h.raw_value.decode("latin-1").strip()[:256] or None
+        elif k == names.fairness:
+            head.fairness_id = h.raw_value.decode("latin-1")[:256] or None
+        elif k == names.deadline:
+            head.deadline_ms = deadline_ms(h.raw_value)
     head.end_of_stream = msg.end_of_stream
     return head
+
+
+def deadline_ms(raw: bytes) -> float | None:
+    """A deadline header's value: milliseconds from arrival; anything but a finite number >= 0 is ignored."""
+    try:
+        ms = float(raw)
+    except ValueError:
+        return None
+    return ms if 0.0 <= ms < float("inf") else None
 
 
 def read_response_headers(msg: pb.HttpHeaders) -> tuple[int, bytes]:

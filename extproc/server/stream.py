@@ -74,6 +74,13 @@ class Processor:
         self.max_body_bytes = max_body_bytes
         self.live: set[Ticket] = set()       # tickets whose stream is still open (their leases get renewed)
         self._learn_credit = 0.0
+        self._names: tuple[object, protocol.HeaderNames] | None = None
+
+    def header_names(self, policy: Policy) -> protocol.HeaderNames:
+        """The headers this policy reads (rebuilt when a reload installs another policy)."""
+        if self._names is None or self._names[0] is not policy:
+            self._names = (policy, protocol.HeaderNames.of(policy))
+        return self._names[1]
 
     def usage_reader(self, api_key: str | None) -> UsageReader | None:
         """Read this response's usage? A deterministic share of requests for cost learning, and those whose
@@ -193,8 +200,9 @@ class Stream:
     def _on_request_headers(self, msg: pb.HttpHeaders) -> Answer:
         core = self.processor.core
         policy = core.policy
-        head = protocol.read_request_headers(msg, policy.classify.header, policy.sessions.header)
-        facts = RequestFacts(header_class=head.claim, request_id=head.request_id, session_id=head.session)
+        head = protocol.read_request_headers(msg, self.processor.header_names(policy))
+        facts = RequestFacts(header_class=head.claim, request_id=head.request_id, session_id=head.session,
+                             objective=head.objective, fairness_id=head.fairness_id, deadline_ms=head.deadline_ms)
         self.request = ParsedRequest(facts, core.clock())
         try:
             self.request.endpoint = endpoint_for(head.path, head.method, policy)

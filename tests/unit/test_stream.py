@@ -430,3 +430,43 @@ def test_a_slot_taken_by_an_answer_that_failed_to_build_is_given_back(clock, mon
     assert s.fail() is protocol.INTERNAL_ERROR
     s.end(normal_end=False)
     assert inflight(p) == 0 and not p.live and not p.core.tickets
+
+
+# --- Gateway API Inference Extension headers and the deadline header (read only where the policy names them) ---
+
+GIE_CLASSIFY = {"objective_header": "x-gateway-inference-objective",
+                "fairness_header": "x-gateway-inference-fairness-id", "deadline_header": "x-request-deadline-ms",
+                "objectives": {"best-effort": "batch"}}
+HEADERS_ONLY = {k: v for k, v in GIE_CLASSIFY.items() if k != "objectives"}
+
+
+def test_the_objective_header_claims_the_class_when_the_policy_reads_it(clock):
+    p = processor(clock, classify=GIE_CLASSIFY)
+    _, answer = admitted(p, x_gateway_inference_objective=b"best-effort")
+    assert set_headers(answer)["x-extproc-class"] == b"batch"
+    _, answer = admitted(processor(clock), x_gateway_inference_objective=b"best-effort")
+    assert set_headers(answer)["x-extproc-class"] == b"interactive"  # not read: the default class
+
+
+def test_the_fairness_id_header_names_the_flow_of_a_class_keyed_by_header(clock):
+    p = processor(clock, classify=HEADERS_ONLY, classes={"interactive": {
+        "max_concurrency": 1, "max_queue": 1, "max_wait_ms": 100, "fairness": {"mode": "fair", "key": "header"}}},
+        tenants=[])
+    admitted(p, x_gateway_inference_fairness_id=b"team-7")
+    flows = p.core.limiters["interactive"].queue
+    assert flows.virtual_time("team-7") > 0.0
+
+
+def test_the_deadline_header_bounds_the_wait_of_a_queued_request(clock):
+    p = processor(clock, classify=HEADERS_ONLY, **QUEUE_OF_ONE)
+    admitted(p)
+    s = Stream(p)
+    s.receive(request_headers(x_request_deadline_ms=b"20"))
+    held = s.receive(request_body())
+    assert isinstance(held, FinalAdmission)
+    assert held.waiter.deadline == pytest.approx(clock() + 0.02)
+
+
+def test_a_deadline_that_is_not_a_number_is_ignored():
+    assert protocol.deadline_ms(b"soon") is None and protocol.deadline_ms(b"-5") is None
+    assert protocol.deadline_ms(b"inf") is None and protocol.deadline_ms(b"250") == 250.0

@@ -39,6 +39,7 @@ METRICS = {
     "extproc_session_rejections": ("counter", ("tenant", "reason")),
     "extproc_shadow_decisions": ("counter", ("class", "would", "reason")),
     "extproc_stream_errors": ("counter", ()),
+    "extproc_tenant_queue_wait_seconds": ("histogram", ("class", "tenant")),
     "extproc_time_to_first_byte_seconds": ("histogram", ("class",)),
     "extproc_time_to_first_token_seconds": ("histogram", ("class",)),
     "extproc_unknown_class_claims": ("counter", ("tenant",)),
@@ -203,3 +204,24 @@ def test_serve_exports_the_store_metrics_with_a_shared_store_only(tmp_path):
     assert 'extproc_store_state{state="shared"} 1.0' in exposed
     assert 'extproc_store_state{state="local"} 0.0' in exposed
     assert "extproc_store_leases_lost_total 0.0" in exposed
+
+
+def test_flows_are_exported_per_tenant_with_keys_from_a_header_folded_into_other():
+    t = Telemetry()
+    policy = make_policy(tenants=[{"name": "acme", "api_keys": ["k"]}],
+                         classify={"fairness_header": "x-gateway-inference-fairness-id"},
+                         classes={"batch": {"max_concurrency": 1, "max_queue": 5, "max_wait_ms": 1000,
+                                            "fairness": {"mode": "fair", "key": "header"}}}, default_class="batch")
+    now = [1000.0]
+    core = AdmissionController(policy, clock=lambda: now[0], events=t)
+    t.watch(core)
+    first = core.decide(RequestFacts(api_key="k", model="llama", fairness_id="acme"))
+    core.decide(RequestFacts(api_key="k", model="llama", fairness_id="team-7"))
+    assert sample(t, "extproc_tenant_inflight", **{"class": "batch", "tenant": "acme"}) == 1
+    assert sample(t, "extproc_tenant_waiting", **{"class": "batch", "tenant": "other"}) == 1
+    assert sample(t, "extproc_tenant_served_gpu_seconds", **{"class": "batch", "tenant": "acme"}) > 0
+    assert sample(t, "extproc_class_fairness_index", **{"class": "batch"}) == 1.0  # one tenant served so far
+    now[0] += 0.5
+    core.finish(first.ticket, Outcome.OK)
+    assert sample(t, "extproc_tenant_queue_waited_seconds_total", **{"class": "batch", "tenant": "other"}) == 0.5
+    assert sample(t, "extproc_tenant_queue_wait_seconds_count", **{"class": "batch", "tenant": "acme"}) == 1

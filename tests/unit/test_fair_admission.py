@@ -1,0 +1,191 @@
+"""Flow control inside a class, through the admission core: the class's fairness mode picks which tenant's waiter a
+freed slot goes to; FIFO stays the default; deadlines, reloads and learned usage reach the fair queue."""
+
+import pytest
+
+from extproc.policy.admission import ACCEPT, QUEUE, REJECT, AdmissionController, RequestFacts
+from extproc.policy.limits import Completion, Outcome
+from extproc.policy.schema import PolicyError
+from tests.conftest import make_policy
+
+TENANTS = [{"name": n, "api_keys": [f"sk-{n}"]} for n in ("a", "b", "c")]
+
+
+def policy(mode: str = "fifo", key: str = "tenant", tenants=TENANTS, **overrides):
+    return make_policy(classes={"interactive": {"max_concurrency": 2, "max_queue": 10, "max_wait_ms": 1000,
+                                                "fairness": {"mode": mode, "key": key}}},
+                       tenants=tenants, **overrides)
+
+
+def core_with(clock, mode: str = "fifo", **kw) -> AdmissionController:
+    return AdmissionController(policy(mode, **kw), clock=clock)
+
+
+def ask(core, tenant: str, prompt_chars: int = 400, **facts):
+    return core.decide(RequestFacts(api_key=f"sk-{tenant}", model="llama", max_tokens=100,
+                                    doc={"prompt": "x" * prompt_chars}, **facts))
+
+
+def grants(core, running, n: int) -> list[str]:
+    """Finish `n` running requests one by one; the tenants granted, in order."""
+    order = []
+    for _ in range(n):
+        t = running.pop(0)
+        before = {id(w) for w in core.limiters["interactive"].queue}
+        core.finish(t, Outcome.OK)
+        after = {id(w) for w in core.limiters["interactive"].queue}
+        granted = [d for d in pending if id(d.waiter) in before - after and d.waiter.result.kind == ACCEPT]
+        for d in granted:
+            order.append(d.tenant)
+            running.append(d.waiter.result.ticket)
+            pending.remove(d)
+    return order
+
+
+pending: list = []
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    pending.clear()
+
+
+def flood(core, clock):
+    """A holds both slots and queues 4 more; then B and C queue one each."""
+    running = [ask(core, "a").ticket, ask(core, "a").ticket]
+    for t in ["a", "a", "a", "a", "b", "c"]:
+        d = ask(core, t)
+        assert d.kind == QUEUE
+        pending.append(d)
+        clock.advance(0.001)
+    return running
+
+
+def test_fifo_is_the_default_and_serves_in_arrival_order(clock):
+    core = core_with(clock)
+    assert core.limiters["interactive"].queue.mode == "fifo"
+    assert grants(core, flood(core, clock), 6) == ["a", "a", "a", "a", "b", "c"]
+
+
+def test_round_robin_gives_each_waiting_tenant_a_turn(clock):
+    core = core_with(clock, "round_robin")
+    assert grants(core, flood(core, clock), 6) == ["a", "b", "c", "a", "a", "a"]
+
+
+def test_fair_serves_the_tenants_that_were_served_least_first(clock):
+    core = core_with(clock, "fair")
+    order = grants(core, flood(core, clock), 6)
+    # B and C join at A's virtual time (no credit for having been idle) and each gets a share of the next grants
+    assert order[0] in ("b", "c") and sorted(order[:3]) == ["a", "b", "c"]
+    assert order[3:] == ["a"] * 3  # work-conserving: A gets every slot nobody else waits for
+
+
+@pytest.mark.parametrize("mode, order", [("fair", ["a", "b", "b", "b"]), ("round_robin", ["a", "b", "a", "b"])])
+def test_fair_counts_gpu_seconds_where_round_robin_counts_turns(clock, mode, order):
+    core = core_with(clock, mode)
+    running = [ask(core, "c").ticket, ask(core, "c").ticket]
+    for t in ["a", "a", "b", "b", "b"]:
+        pending.append(ask(core, t, prompt_chars=40_000 if t == "a" else 400))  # A's requests cost ~10x B's
+        clock.advance(0.001)
+    assert grants(core, running, 4) == order
+
+
+def test_a_tenant_weight_buys_a_larger_share(clock):
+    tenants = [{**TENANTS[0], "weight": 4}, *TENANTS[1:]]
+    core = core_with(clock, "fair", tenants=tenants)
+    running = [ask(core, "a").ticket, ask(core, "b").ticket]
+    for t in ["a", "a", "a", "b", "b", "b"]:
+        pending.append(ask(core, t))
+        clock.advance(0.001)
+    assert grants(core, running, 4).count("a") >= 3
+
+
+def test_admissions_and_releases_reach_the_fair_queue_per_tenant(clock):
+    core = core_with(clock, "fair")
+    d = ask(core, "a")
+    q = core.limiters["interactive"].queue
+    assert (q.stats["a"].inflight, q.stats["a"].admitted) == (1, 1)
+    assert q.stats["a"].served_gpu_s == pytest.approx(d.ticket.cost)
+    core.finish(d.ticket, Outcome.OK)
+    assert q.stats["a"].inflight == 0
+
+
+def test_learned_usage_settles_the_flow_with_what_the_request_really_cost(clock):
+    core = core_with(clock, "fair")
+    d = ask(core, "a")
+    q = core.limiters["interactive"].queue
+    estimated = q.stats["a"].served_gpu_s
+    core.usage(d.ticket, 100, 1)  # it answered in one token where 100 were expected
+    core.finish(d.ticket, Outcome.OK)
+    core.report(d.ticket.id, Completion(Outcome.OK, 200, 0.1, 0.2))
+    assert q.stats["a"].served_gpu_s < estimated
+
+
+def test_a_request_deadline_shortens_its_wait_never_lengthens_it(clock):
+    core = core_with(clock, "fair", classify={"deadline_header": "x-deadline-ms"})
+    ask(core, "a"), ask(core, "a")
+    short = ask(core, "b", deadline_ms=50)
+    long = ask(core, "b", deadline_ms=60_000)
+    assert short.waiter.deadline == pytest.approx(clock() + 0.05)
+    assert long.waiter.deadline == pytest.approx(clock() + 1.0)  # the class's max_wait_ms
+    clock.advance(0.06)
+    core.reap()
+    assert short.waiter.result.kind == REJECT and long.waiter.pending
+
+
+def test_inside_a_flow_the_earliest_deadline_is_granted_first(clock):
+    core = core_with(clock, "fair")
+    running = [ask(core, "a").ticket, ask(core, "a").ticket]
+    late = ask(core, "b", deadline_ms=900)
+    early = ask(core, "b", deadline_ms=300)
+    core.finish(running[0], Outcome.OK)
+    assert early.waiter.result.kind == ACCEPT and late.waiter.pending
+
+
+def test_the_fairness_header_keys_flows_where_the_class_asks_for_it(clock):
+    core = core_with(clock, "fair", key="header", classify={"fairness_header": "x-gateway-inference-fairness-id"})
+    d = ask(core, "a", fairness_id="team-7")
+    assert d.ticket.flow == "team-7"
+    q = core.limiters["interactive"].queue
+    assert q.stats["other"].inflight == 1  # not a configured tenant: its metric label is folded
+
+
+def test_the_header_key_needs_the_policy_to_read_the_header():
+    with pytest.raises(PolicyError) as e:
+        policy("fair", key="header")
+    assert any(line.startswith("classes.interactive.fairness.key:") for line in e.value.errors)
+
+
+def test_guaranteed_shares_cannot_add_up_to_more_than_the_class():
+    tenants = [{**t, "guaranteed_share": 0.6} for t in TENANTS[:2]]
+    with pytest.raises(PolicyError) as e:
+        policy("fair", tenants=tenants)
+    assert "tenants: the guaranteed_share of every tenant add up to more than 1" in e.value.errors
+
+
+def test_a_reload_to_another_mode_keeps_the_waiters_and_reorders_them(clock):
+    core = core_with(clock)
+    running = flood(core, clock)
+    core.apply(policy("round_robin"))
+    q = core.limiters["interactive"].queue
+    assert (q.mode, len(q)) == ("round_robin", 6)
+    assert grants(core, running, 3) == ["a", "b", "c"]
+
+
+def test_a_full_queue_gives_the_flooding_tenants_last_place_to_a_tenant_with_fewer_waiting(clock):
+    core = AdmissionController(make_policy(
+        classes={"interactive": {"max_concurrency": 1, "max_queue": 2, "max_wait_ms": 1000,
+                                 "fairness": {"mode": "fair"}}}, tenants=TENANTS), clock=clock)
+    ask(core, "a")
+    first, last = ask(core, "a"), ask(core, "a")
+    b = ask(core, "b")
+    assert b.kind == QUEUE and first.waiter.pending
+    assert (last.waiter.result.kind, last.waiter.result.reason) == (REJECT, "queue_full")
+
+
+def test_fifo_keeps_a_full_queue_full(clock):
+    core = AdmissionController(make_policy(
+        classes={"interactive": {"max_concurrency": 1, "max_queue": 2, "max_wait_ms": 1000}}, tenants=TENANTS),
+        clock=clock)
+    ask(core, "a"), ask(core, "a"), ask(core, "a")
+    assert (ask(core, "b").kind, ask(core, "b").reason) == (REJECT, "queue_full")
