@@ -393,6 +393,8 @@ class AdmissionController:
         by its fairness mode). A waiter whose pool has no room keeps its place and blocks that pool for the rest
         of this class and the classes below it."""
         q = lim.queue
+        if not q:
+            return  # the common case: every release calls this
         for w in q.overdue(now):
             if w.pending:
                 self.abandon(w, timed_out=True, regrant=False)
