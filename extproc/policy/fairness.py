@@ -127,8 +127,12 @@ class FairQueue:
         if id(waiter) in self._where:
             raise ValueError("waiter is already queued")
         key = self.key(waiter)
-        flow = self._flow("" if self.mode == "fifo" else key)
+        fkey = "" if self.mode == "fifo" else key
+        new = fkey not in self._flows
+        flow = self._flow(fkey)
         if not flow.entries:
+            if new:  # never served: it starts where the waiting flows are, not behind them (_become_backlogged)
+                flow.vtime = -math.inf
             self._become_backlogged(flow)
         order = 0.0 if self.mode == "fifo" else waiter.deadline
         entry = (order, next(self._seq), waiter)

@@ -421,3 +421,29 @@ def test_rejects_unknown_modes_and_bad_weights():
         FairQueue("lottery")
     with pytest.raises(ValueError):
         FairQueue("fair", weights={"a": 0.0})
+
+
+def test_a_tenant_never_seen_starts_level_with_the_waiting_flows_not_behind_them():
+    # Found by the property test above in CI: a new flow started at the latest admission's virtual time, behind
+    # a flow that had waited all along, instead of level with the waiting flows.
+    weights = {k: 0.5 for k in TENANTS}
+    guaranteed = {**{k: 0.0 for k in TENANTS}, "b": 0.5}
+    q = FairQueue("fair", weights=weights, guaranteed=guaranteed, tenants=TENANTS, capacity=4)
+    a = [W("a", n=i) for i in range(3)]
+    for w in a:
+        q.append(w)
+    for n in (10, 11):
+        b = W("b", n=n)
+        q.append(b)
+        assert q[0] is b  # under its guarantee: first
+        q.take(b)
+        q.admitted("b", 0.0)
+    q.take(a[0])
+    q.admitted("a", 0.0)  # a's virtual time is now level with b's first admission
+    c = W("c", n=20)
+    q.append(c)
+    assert q.virtual_time("c") == q.virtual_time("a") < q.virtual_time("b")  # level with a, not behind
+    assert q[0] is a[1]  # the tie goes to the older waiter...
+    q.take(a[1])
+    q.admitted("a", 0.0)
+    assert q[0] is c  # ...and then c, before a's third
