@@ -1,8 +1,10 @@
 """Noisy neighbour (issue 20) in the engine-model what-if: per-tenant p99 and full-model goodput during the flood.
 
-`python bench/noisy_neighbour.py` runs scenarios/noisy-neighbour.yaml and its no-flood baseline under the three
-policies the scenario names (c = fifo, d = round_robin, e = fair; they differ only in `fairness.mode`) and prints
-the table of docs/demo.md's "Noisy neighbour" section. Both scenarios run at the flood scenario's measured capacity.
+`python bench/noisy_neighbour.py [--plot PNG]` runs scenarios/noisy-neighbour.yaml and its no-flood baseline under
+the three policies the scenario names (c = fifo, d = round_robin, e = fair; they differ only in `fairness.mode`)
+and prints the table of docs/demo.md's "Noisy neighbour" section. Both scenarios run at the flood scenario's
+measured capacity. With --plot it also draws each tenant's full-model goodput over time, fifo against fair, in the
+flood scenario (docs/img/noisy-neighbour.png).
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ from __future__ import annotations
 import sys
 
 from extproc.policy.fairness import jain_index
-from extproc.tools.demo.results import window_stats
+from extproc.tools.demo.results import rolling_rate, window_stats
+from extproc.tools.plotting import SKIPPED, pyplot
 from extproc.tools.demo.scenario import Scenario
 from extproc.tools.demo.whatif import what_if
 
@@ -35,7 +38,33 @@ def max_min_shares(demands: dict[str, float], total: float) -> dict[str, float]:
     return shares
 
 
-def main(modes: str = "cde") -> None:
+def plot(runs: dict[str, list], kinds: list[str], sc: Scenario, path: str) -> None:
+    """Each tenant's full-model goodput (answers within the SLO, 10 s windows) over time, one panel per mode."""
+    plt = pyplot()
+    if plt is None:
+        print(SKIPPED)
+        return
+    fig, axes = plt.subplots(1, len(runs), figsize=(11, 3.8), sharey=True)
+    for ax, (label, records) in zip(axes, runs.items()):
+        for k in kinds:
+            good = [(r.start, 1.0) for r in records
+                    if r.kind == k and r.ok and not r.degraded and r.latency <= sc.slo_p95_s]
+            t, rate = rolling_rate(good, sc.duration_s)
+            ax.plot(t, rate, label=k, linewidth=1.6)
+        start, end = sc.report_windows()[WINDOW]
+        ax.axvspan(start, end, color="grey", alpha=0.12)
+        ax.set_title(f"{label}: full-model goodput per tenant")
+        ax.set_xlabel("simulated seconds (grey: A floods)")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel(f"answers within {sc.slo_p95_s:g} s, req/s")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"plot: {path}")
+
+
+def main(modes: str = "cde", plot_path: str | None = None) -> None:
     flood = Scenario.load(SCENARIOS[0])
     capacity = flood.fleet_capacity()
     kinds = [k.name for k in flood.workload.kinds]
@@ -44,11 +73,14 @@ def main(modes: str = "cde") -> None:
     print("| scenario | mode | " + " | ".join(f"{k} p99 s | {k} goodput" for k in kinds)
           + " | pool output tok/s | fairness index |")
     print("|---|---|" + "---:|---:|" * len(kinds) + "---:|---:|")
+    drawn: dict[str, list] = {}
     for path in SCENARIOS:
         sc = Scenario.load(path)
         span = sc.report_windows()[WINDOW]
         for key in modes:
             res = what_if(sc, sc.policies[key], capacity)
+            if path == SCENARIOS[0] and MODES[key] in ("fifo", "fair"):
+                drawn[MODES[key]] = res.records
             per = {k: window_stats(res.records, span, k, sc.slo_p95_s, sc.client_timeout_s, True) for k in kinds}
             total = window_stats(res.records, span, kinds[0], sc.slo_p95_s, sc.client_timeout_s, True)
             offered = {k: per[k].requests / (span[1] - span[0]) for k in kinds}
@@ -58,7 +90,15 @@ def main(modes: str = "cde") -> None:
             cells = " | ".join(f"{per[k].p99:.2f} | {per[k].goodput:.2f}" for k in kinds)
             print(f"| {sc.name} | {key} ({MODES[key]}) | {cells} | {total.tokens_per_s:.0f} | {index:.3f} |",
                   flush=True)
+    if plot_path and drawn:
+        plot(drawn, kinds, flood, plot_path)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    args = sys.argv[1:]
+    out = None
+    if "--plot" in args:
+        i = args.index("--plot")
+        out = args[i + 1]
+        del args[i:i + 2]
+    main(*args, plot_path=out)

@@ -45,8 +45,8 @@ MODES = {
     "a": Mode("a", "round robin, no admission control", "plain", lb_policy="ROUND_ROBIN"),
     "b": Mode("b", "Envoy adaptive_concurrency", "adaptive", adaptive=ADAPTIVE_TUNED),
     "c": Mode("c", "static per-class caps (playbook)", "extproc", policy="policies/demo-static.yaml"),
-    "d": Mode("d", "our full policy", "extproc", policy="policies/demo-full.yaml"),
-    "e": Mode("e", "adaptive caps (d + AIMD on the SLO and vLLM saturation)", "extproc",
+    "d": Mode("d", "our policy (pool-wide limit, strict priority)", "extproc", policy="policies/demo-full.yaml"),
+    "e": Mode("e", "per-class adaptive caps (AIMD on the SLO and vLLM saturation)", "extproc",
               policy="policies/demo-adaptive.yaml"),
 }
 DEFAULT_MODES = "a,b,c,d,e"
