@@ -22,8 +22,8 @@ seconds later, and one slow period must not cut twice. Raises are small steps fo
 from __future__ import annotations
 
 import math
-
 from collections import deque
+
 from .schema import PoolLimitSpec
 
 # Binding: in-flight at this share of the limit (or a request waiting for the pool) means the limit decides.
@@ -43,6 +43,7 @@ ROOMY_KV = 0.6
 # that are slow at any load (long outputs, long prompts) are not made faster by a lower limit, only refused.
 LOAD_TOLERANCE = 1.2
 BASELINE_DRIFT = 0.01  # per interval: the baseline follows a slower mix within a minute or two
+RAISE_GAIN = 4.0  # a raise takes its full `max_raise` step once the latency is 25% under the target
 
 
 class RecentLatencies:
@@ -136,7 +137,7 @@ class PoolLimit:
             self._cut(now, min(self.limit, max(avg, inflight)) * max(ratio, spec.decrease), "cut_latency")
         elif ratio is not None and avg > 0:
             if binding:  # requests wait for room and the latency has some to give: raise, by how much it has
-                step = spec.max_raise * min(1.0, max(0.0, ratio - 1.0) * 4.0)
+                step = spec.max_raise * min(1.0, max(0.0, ratio - 1.0) * RAISE_GAIN)
                 self.limit = min(spec.max, self.limit * (1 + step))
                 self.last_action = "raise" if step > 0 else "hold"
             else:
