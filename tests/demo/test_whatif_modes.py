@@ -104,10 +104,10 @@ def test_mode_a_collapses_and_b_refuses_with_503_in_the_what_if(spike_what_if):
     assert b.outcomes["interactive"]["rejected"] > 20 and b.p99 < 5
 
 
-# The what-if's one known disagreement with the real stack: on the real stack c's interactive latencies sit just
-# over the 2 s line (p50 2.6-3.4 s against the what-if's 2.3 s: Envoy, HTTP and the shared CPU add a few hundred
-# ms), so c's goodput within 2 s fell below b's in both real runs; the what-if puts c above b.
-KNOWN_DISAGREEMENTS = {"goodput": {("b", "c")}, "goodput_total": {("b", "c")}, "p99": set()}
+# The real runs at speed 5 ranked b above c on goodput (c's latencies sit at the 2 s line there and the shared
+# CPU's delays, counted five times, push them over); at speed 2 c came above b, as in the what-if: that pair is
+# not settled, and the what-if agrees with every pair the real runs agree on.
+KNOWN_DISAGREEMENTS = {"goodput": set(), "goodput_total": set(), "p99": set()}
 
 
 @pytest.mark.parametrize("metric", ["goodput", "goodput_total", "p99"])

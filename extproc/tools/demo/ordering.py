@@ -21,6 +21,12 @@ METRICS = {"goodput": True, "goodput_total": True, "p99": False}
 RECORDED_REAL_RUNS: dict[str, dict[str, dict[str, float]]] = {
     # d is the pool-wide limit of issue 19 (policies/demo-full.yaml); runs of the earlier per-class d are left
     # out: that d was another policy. `extproc demo` at speed 5 on a machine shared with other jobs.
+    "2026-12-03 speed 2, five modes (/tmp/runs2/spike-s2 b,d at 16:56; /tmp/runs2/spike-s2b a,c,e at 17:46)": {
+        "a": {"p99": 60.0, "goodput": 0.20, "goodput_total": 0.20},
+        "b": {"p99": 2.54, "goodput": 7.53, "goodput_total": 7.53},
+        "c": {"p99": 5.59, "goodput": 8.13, "goodput_total": 8.13},
+        "d": {"p99": 1.95, "goodput": 19.13, "goodput_total": 34.36},
+        "e": {"p99": 1.48, "goodput": 9.92, "goodput_total": 34.42}},
     "2026-12-03 16:45, five modes (/tmp/runs2/spike)": {
         "a": {"p99": 60.0, "goodput": 0.37, "goodput_total": 0.37},
         "b": {"p99": 2.69, "goodput": 7.37, "goodput_total": 7.37},
