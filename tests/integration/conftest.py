@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from extproc.tools.sim.fleet import SimFleet
 from extproc.tools.stack import Stack, free_port, wait_http
 from tests.conftest import policy_file
 
 HERE = Path(__file__).resolve().parent
+FLEET_SPEED = 10.0  # simulated seconds per wall second of the `fleets` replicas
 
 
 @pytest.fixture(scope="session")
@@ -41,3 +43,12 @@ def make_stack(tmp_path, upstream):
     yield start
     for s in stacks:
         s.stop()
+
+
+@pytest.fixture
+async def fleets():
+    """The demo's fleet in miniature: one simulated 70B replica and one 8B, at FLEET_SPEED."""
+    big = SimFleet("h100-llama70b-awq", replicas=1, speed=FLEET_SPEED, model_names=["llama-70b"])
+    small = SimFleet("h100-llama8b", replicas=1, speed=FLEET_SPEED, model_names=["llama-8b"])
+    async with big, small:
+        yield big, small

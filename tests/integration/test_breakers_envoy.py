@@ -6,28 +6,16 @@ import asyncio
 import json
 
 import aiohttp
-import pytest
 
-from extproc.tools.sim.fleet import SimFleet
 from tests.conftest import policy_file
 
 from .helpers import chat, metrics, post, sample, sample_once
-
-SPEED = 10.0  # simulated seconds per wall second
 
 
 def write_policy(tmp_path, interactive: dict, batch: dict | None = None, **top) -> object:
     batch = batch or {"max_concurrency": 32, "max_queue": 0, "max_wait_ms": 0}
     return policy_file(tmp_path, **{"classes": {"interactive": interactive, "batch": batch}, "tenants": [], "shed": {},
                                     **top})
-
-
-@pytest.fixture
-async def fleets():
-    big = SimFleet("h100-llama70b-awq", replicas=1, speed=SPEED, model_names=["llama-70b"])
-    small = SimFleet("h100-llama8b", replicas=1, speed=SPEED, model_names=["llama-8b"])
-    async with big, small:
-        yield big, small
 
 
 def pools(big, small):

@@ -21,28 +21,20 @@ import contextlib
 import json
 
 import aiohttp
-import pytest
 
 from extproc.tools.sim.fleet import SimFleet
 from tests.conftest import policy_file, until
 
+from .conftest import FLEET_SPEED
 from .helpers import chat, metrics, post, sample
 
-SPEED = 10.0      # simulated seconds per wall second
+SPEED = FLEET_SPEED  # simulated seconds per wall second of the `fleets` replicas
 HOLD_S = 25.0     # wall seconds the 70B replica holds each request while the fault is on (longer than the test)
 POOL = "vllm_llama70b"
 LIMIT = 4
 BATCH = {"x-priority": "batch"}
 INTERACTIVE = {"x-priority": "interactive"}
 WAIT_S = 10.0     # how long any state is polled for (a noisy 2-core machine); all of them together stay < 30 s
-
-
-@pytest.fixture
-async def fleets():
-    big = SimFleet("h100-llama70b-awq", replicas=1, speed=SPEED, model_names=["llama-70b"])
-    small = SimFleet("h100-llama8b", replicas=1, speed=SPEED, model_names=["llama-8b"])
-    async with big, small:
-        yield big, small
 
 
 def write_policy(tmp_path, big_port: int, unit: str = "requests", limit: float = LIMIT):
