@@ -87,12 +87,17 @@ class PoolLimit:
         self.baseline: dict[int, float] = {}  # class rank -> its served quantile when calm
         self.counted_since = -math.inf  # requests admitted before this say nothing about the current limit
         self.last_action = "hold"
-        self._last: float | None = None
+        self.moved_at: float | None = None  # when the limit last had its interval's chance to move
         self._sampled_at: float | None = None
         self._was_saturated = False
 
     def _window(self) -> RecentLatencies:
         return RecentLatencies(WINDOW_SAMPLES)
+
+    def reconfigure(self, slos: dict[int, float]) -> None:
+        """New SLOs by class rank; the classes that keep one keep their samples."""
+        self.slos = slos
+        self.windows = {r: self.windows.get(r) or self._window() for r in slos}
 
     def observe(self, rank: int, admitted_at: float, now: float, service_s: float) -> None:
         window = self.windows.get(rank)
@@ -122,9 +127,9 @@ class PoolLimit:
         not scraped); `roomy`: they have plenty of room (nothing waiting, KV cache well below saturation)."""
         self._sample(now, inflight)
         spec = self.spec
-        if self._last is not None and now - self._last < spec.interval_s:
+        if self.moved_at is not None and now - self.moved_at < spec.interval_s:
             return self.limit
-        self._last = now
+        self.moved_at = now
         avg = self.inflight_avg
         binding = short or inflight >= BINDING * self.limit
         ratio, loaded = self.latency_ratio(now)
@@ -202,12 +207,11 @@ class PoolGate:
         self.min_shares = min_shares
         self.squeeze_rank = len(min_shares)    # classes ranked below this get only their guarantee...
         self.squeeze_until = -math.inf         # ...until then (a latency breaker of a higher class asked)
-        self._squeezed_for: set[tuple[int, float]] = set()  # (rank, breaker opened at) already squeezed for
+        self._squeezed_for: tuple[int, float] | None = None  # (rank, breaker opened at) last squeezed for
 
     def reconfigure(self, slos: dict[int, float], min_shares: list[float]) -> None:
         """A reload kept the limit spec and the classes: keep the learned limit and what is held."""
-        self.controller.slos = slos
-        self.controller.windows = {r: self.controller.windows.get(r) or self.controller._window() for r in slos}
+        self.controller.reconfigure(slos)
         self.min_shares = min_shares
 
     def units(self, prompt_tokens: int, expected_output: float) -> float:
@@ -249,9 +253,9 @@ class PoolGate:
         opening of the breaker that asks (`opened_at`): a breaker that stays open does not starve them for good.
         True when this call squeezed."""
         key = (rank, opened_at)
-        if key in self._squeezed_for:
+        if key == self._squeezed_for:
             return False
-        self._squeezed_for = {key}
+        self._squeezed_for = key
         self.squeeze_rank = min(self.squeeze_rank, rank) if until <= self.squeeze_until else rank
         self.squeeze_until = max(self.squeeze_until, until)
         return True
@@ -274,6 +278,6 @@ class PoolGate:
             saturated = saturation.saturated
             roomy = not saturated and saturation.waiting == 0 and saturation.kv_usage < ROOMY_KV
         self.limit = self.controller.update(now, self.inflight, self.short, saturated, bool(roomy))
-        if self.controller._last == now:
+        if self.controller.moved_at == now:
             self.short = False
         return self.limit > before
