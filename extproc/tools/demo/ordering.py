@@ -20,7 +20,7 @@ METRICS = {"goodput": True, "goodput_total": True, "p99": False}
 # not recorded (a, b and c degrade nothing, so theirs is the same). The caps-only run's d was another policy.
 RECORDED_REAL_RUNS: dict[str, dict[str, dict[str, float]]] = {
     # d is the pool-wide limit of issue 19 (policies/demo-full.yaml); runs of the earlier per-class d are left
-    # out: that d was another policy. `extproc demo` at speed 5 on a machine shared with other jobs.
+    # out: that d was another policy. `extproc demo` at the speed each run names (5 when it names none).
     "2026-12-03 speed 2, five modes (/tmp/runs2/spike-s2 b,d at 16:56; /tmp/runs2/spike-s2b a,c,e at 17:46)": {
         "a": {"p99": 60.0, "goodput": 0.20, "goodput_total": 0.20},
         "b": {"p99": 2.54, "goodput": 7.53, "goodput_total": 7.53},
