@@ -3,10 +3,16 @@
 Why AIMD with an SLO band rather than Envoy's gradient (measured: docs/adaptive.md):
 a gradient on the minimum RTT targets "a multiple of the fastest latency seen", never the SLO, drifts up while it
 does not bind, and re-measures its baseline by pinning concurrency low. Here the target is the SLO itself:
+ - the latency is the service time the replicas give (our own queue wait left out: under overload the wait is at
+   its bound whatever the cap, and a limit that read it cut itself to its floor, issue 20 (1));
  - cut multiplicatively the moment the replicas say they are saturated (requests waiting in vLLM, KV cache nearly
-   full, preemptions, or stale metrics) or the short-window p95 approaches the SLO: reacts within one interval
+   full, preemptions, or stale metrics), or the short-window p95 approaches the SLO: reacts within one interval
    (also when the cap is far above what is in flight: a cap that starts too high must come down to where it binds;
    cutting only while it binds left the shifted-fleet what-if over its SLO, docs/adaptive.md);
+ - after a latency cut, only requests admitted after it count: one slow period cuts once, not once per interval
+   for a whole window;
+ - lower classes yield first: while the classes below hold more than their floors on its pools, a slow class asks
+   them to come down (the admission core cuts them) instead of cutting itself;
  - raise additively only while p95 is well under the SLO, the replicas have headroom, and the limit actually binds
    (in-flight near it) - so an idle class does not drift to its maximum;
  - hold in between (the hysteresis band keeps a steady load from oscillating);
@@ -37,7 +43,8 @@ class PoolSaturation:
 
 
 class AdaptiveLimit:
-    """One class's limit controller. `update()` runs once per interval; `observe()` per completed request."""
+    """One class's limit controller. `update()` runs once per interval; `observe()` per completed request, with
+    its service time (our queue wait left out)."""
 
     def __init__(self, spec: AdaptiveSpec, slo_s: float, initial: int):
         self.spec = spec
@@ -45,13 +52,24 @@ class AdaptiveLimit:
         self.limit = float(min(max(initial, spec.min_limit), spec.max_limit))
         self.window = LatencyWindow(spec.window_s, n_slices=5)
         self._last = None
+        self._cut_at = float("-inf")
         self.last_action = "hold"
 
-    def observe(self, now: float, latency_s: float) -> None:
+    @property
+    def floor(self) -> float:
+        return self.spec.min_limit
+
+    def observe(self, now: float, latency_s: float, admitted_at: float | None = None) -> None:
+        if admitted_at is not None and admitted_at < self._cut_at:
+            return  # it ran under the limit before the last cut: it says nothing about the one after
         self.window.add(now, latency_s)
 
-    def update(self, now: float, inflight: int, saturation: PoolSaturation | None) -> int:
-        """Move the limit if an interval has passed; return the current (whole) limit."""
+    def update(self, now: float, inflight: int, saturation: PoolSaturation | None, yielding: bool = False,
+               lower_excess: float = 0.0) -> int:
+        """Move the limit if an interval has passed; return the current (whole) limit. `yielding`: a higher class
+        on one of this class's pools is over its latency SLO, and lower classes give way first. `lower_excess`:
+        requests the lower classes on this class's pools hold over their floors. Slow latency asks them to yield
+        ("ask_yield"), and cuts this class too only when they hold less than its cut would free."""
         spec = self.spec
         if self._last is not None and now - self._last < spec.interval_s:
             return int(self.limit)
@@ -60,9 +78,23 @@ class AdaptiveLimit:
         p95 = self.window.quantile(now, 0.95) if enough else 0.0
         saturated = saturation is not None and saturation.saturated
         binding = inflight >= spec.binding * self.limit
-        if saturated or (enough and p95 > spec.cut_at * self.slo_s):
+        slow = enough and p95 > spec.cut_at * self.slo_s
+        if yielding:  # strict priority: down to under what it holds at once, not a step at a time
+            self.limit = max(spec.min_limit, min(self.limit, inflight) * spec.decrease)
+            self.last_action = "cut_yield"
+        elif saturated:
             self.limit = max(spec.min_limit, self.limit * spec.decrease)
-            self.last_action = "cut_saturated" if saturated else "cut_latency"
+            self.last_action = "cut_saturated"
+        elif slow:
+            if lower_excess > 0 and lower_excess >= min(self.limit, inflight) * (1 - spec.decrease):
+                self.last_action = "ask_yield"
+            else:
+                self.limit = max(spec.min_limit, self.limit * spec.decrease)
+                self.last_action = "cut_latency"
+            # Judge what follows on its own requests: the slow ones still in the window made it cut once per
+            # interval for a whole window (12 to 2 in 10 s, issue 20 (1)).
+            self.window.clear()
+            self._cut_at = now
         elif enough and binding and p95 < spec.raise_below * self.slo_s:
             self.limit = min(spec.max_limit, self.limit + spec.increase)
             self.last_action = "raise"

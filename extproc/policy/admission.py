@@ -15,7 +15,7 @@ from collections import OrderedDict
 from typing import Callable
 
 from .adaptive import PoolSaturation
-from .breakers import Breaker
+from .breakers import CLOSED, Breaker, LatencyBreaker
 from .classify import ANONYMOUS, Classification
 from .decision import (ACCEPT, DEGRADE, INVALID, QUEUE, REJECT, SHED, Admit, AdmissionEvents,  # noqa: F401
                        Canned, Charge, Decision, Degrade, NoEvents, Queued, Refusal, RequestFacts)
@@ -65,6 +65,7 @@ class AdmissionController:
         self.cost_models, self.tenant_limits, self.sessions = st.cost_models, st.tenant_limits, st.sessions
         self.clusters = st.clusters
         self.gates = st.gates  # Envoy cluster -> its pool-wide limit (empty: per-class caps only)
+        self._yield_until: dict[str, float] = {}  # ungated pool -> lower classes yield there until then
         self._sessions_on = st.sessions.enabled
         self.shadow.configure(policy)
         self._lease_s = policy.lease_ms / 1000.0
@@ -183,19 +184,31 @@ class AdmissionController:
         return self._limit(c, lim, cluster, now, charge, trickle, deadline_ms)
 
     def _yield_first(self, lim: ClassLimiter, cluster: str, now: float, breaker: Breaker) -> bool:
-        """A latency breaker would send this class elsewhere. On a pool with a pool-wide limit that is the last
-        resort: on a full pool, lower classes holding more than their guarantee yield first (their share shrinks
-        to it for one cooldown per opening of the breaker), and while the limit itself can still come down,
-        cutting it (the pool's controller sees the same latency) is what restores the latency; the request goes
-        on to the limit instead of degrading."""
+        """A latency breaker would send this class elsewhere. That is the last resort.
+         - Per-class limits: while a lower class holds more than its floor on the pool, it yields instead.
+         - A pool-wide limit: on a full pool, lower classes holding more than their guarantee yield first (their
+           share shrinks to it for one cooldown per opening of the breaker), and while the limit itself can still
+           come down, cutting it (the pool's controller sees the same latency) is what restores the latency.
+        Either way the request goes on to the limit instead of degrading."""
         gate = self.gates.get(cluster) if self.gates else None
         if gate is None:
-            return False
+            return self._lower_classes_yield(lim, cluster, now, breaker)
         if gate.full(now) and gate.lower_hold_more_than_guaranteed(lim.rank):
             if gate.squeeze(lim.rank, breaker.since, now + breaker.cooldown_s):
                 self.events.pool_yielded(cluster, lim.name)
             return True
         return gate.can_cut() or gate.lower_hold_more_than_guaranteed(lim.rank)
+
+    def _lower_classes_yield(self, lim: ClassLimiter, cluster: str, now: float, breaker: Breaker) -> bool:
+        """Per-class limits: while a lower class holds more than its floor on the pool, it yields (its cap is cut to
+        under what it holds, at each tick for one cooldown) and the breaker is reset instead of degrading: it
+        trips again only if the latency stays over the SLO once they have."""
+        if not self._lower_excess(lim, (cluster,)):
+            return False
+        self._yield_until[cluster] = now + breaker.cooldown_s
+        breaker.reset(now)
+        self.events.pool_yielded(cluster, lim.name)
+        return True
 
     def _pool_admits(self, gate, lim: ClassLimiter, units: float, now: float) -> bool:
         """Strict priority on the pool: within its guarantee a class goes in; beyond it, only while no higher
@@ -579,8 +592,16 @@ class AdmissionController:
         """Move the classes' limits (called a few times a second by the adapter; each algorithm keeps its own
         interval)."""
         now = self.clock()
-        for lim in self.limiters.values():
-            new = lim.controller.update(now, lim.inflight, self._class_saturation(lim))
+        struggling: set[str] = set()  # pools where a class above the one being moved misses its latency SLO
+        for lim in self.state.ranked:
+            yielding = bool(struggling) and not lim.pools.isdisjoint(struggling)
+            controller = lim.controller
+            excess = self._lower_excess(lim, lim.pools)
+            new = controller.update(now, lim.inflight, self._class_saturation(lim), yielding, excess)
+            if excess and getattr(controller, "last_action", None) in ("ask_yield", "cut_latency"):
+                for pool in self._ungated(lim.pools):
+                    self._yield_until[pool] = now + controller.spec.window_s
+            struggling |= self._struggling_pools(lim, now)
             if new != lim.limit:
                 raised = new > lim.limit
                 lim.limit = lim.queue.capacity = new
@@ -591,6 +612,30 @@ class AdmissionController:
             raised = gate.update(now, self.saturation.get(gate.name)) or raised
         if raised:
             self._grant(self.state.ranked[0], now)
+
+    def _ungated(self, pools) -> list[str]:
+        return [p for p in pools if not self.gates or p not in self.gates]
+
+    def _lower_excess(self, lim: ClassLimiter, pools) -> float:
+        """What the classes below `lim` hold over their floors, on those of these pools without a pool-wide
+        limit (a lower class above its floor can still yield)."""
+        pools = self._ungated(pools)
+        if not pools:
+            return 0.0
+        return sum(max(0.0, low.inflight - low.controller.floor) for low in self.state.ranked[lim.rank + 1:]
+                   if not low.pools.isdisjoint(pools))
+
+    def _struggling_pools(self, lim: ClassLimiter, now: float) -> set[str]:
+        """The ungated pools where this class misses its latency SLO (lower classes were told to yield there, or
+        its latency breaker is not closed): the per-class limits below it yield on those pools first (issue 19's
+        order, for policies without a pool-wide limit; a pool limit orders its classes itself)."""
+        out = set()
+        for pool in self._ungated(lim.pools):
+            if self._yield_until.get(pool, -math.inf) > now or any(
+                    isinstance(b, LatencyBreaker) and b.state != CLOSED
+                    for b in self.state.breakers.get((lim.name, pool), ())):
+                out.add(pool)
+        return out
 
     def _class_saturation(self, lim: ClassLimiter) -> PoolSaturation | None:
         """The worst of the pools the class sends to: saturated if any of them is."""

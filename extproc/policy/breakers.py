@@ -145,6 +145,10 @@ class Breaker:
         elif self.state == HALF_OPEN and trickle and self._bad(sample):
             self._set(OPEN, now)
 
+    def reset(self, now: float) -> None:
+        """Closed with an empty window: what tripped it has been dealt with another way (lower classes yielded)."""
+        self._close(now)
+
     def _close(self, now: float) -> None:
         self._clear()
         self._set(CLOSED, now)

@@ -17,9 +17,11 @@ class Limit(Protocol):
     algorithm are interchangeable behind this (AdmissionController's `limit_factory` picks one per class)."""
 
     limit: float  # the current limit
+    floor: float  # the lowest it goes (a lower class above it can still yield to a higher one)
 
     def observe(self, now: float, latency_s: float) -> None: ...
-    def update(self, now: float, inflight: int, saturation: Any) -> int: ...
+    def update(self, now: float, inflight: int, saturation: Any, yielding: bool = False,
+               lower_excess: float = 0.0) -> int: ...
 
 
 class StaticLimit:
@@ -30,10 +32,15 @@ class StaticLimit:
     def __init__(self, limit: int):
         self.limit = limit
 
+    @property
+    def floor(self) -> float:
+        return self.limit  # a static cap does not move
+
     def observe(self, now: float, latency_s: float) -> None:
         pass
 
-    def update(self, now: float, inflight: int, saturation: Any) -> int:
+    def update(self, now: float, inflight: int, saturation: Any, yielding: bool = False,
+               lower_excess: float = 0.0) -> int:
         return self.limit
 
 

@@ -70,10 +70,13 @@ class PoolLearning:
             return
         t, outcome = c.ticket, c.outcome
         limit = t.limiter.controller
+        # The limits steer on the pool's service time: our own queueing is not the pool's, and a limit that read
+        # it cut itself for the wait its own cut made longer (issue 20 (1)).
+        service_s = c.latency_s - t.waited_s
         if c.served and type(limit) is not StaticLimit:  # a static cap learns nothing
-            limit.observe(c.now, c.latency_s)
-        if c.served and t.gate is not None:  # the pool's service time: our own queueing is not the pool's
-            t.gate.controller.observe(t.rank, t.admitted_at, c.now, c.latency_s - t.waited_s)
+            limit.observe(c.now, service_s, t.admitted_at)
+        if c.served and t.gate is not None:
+            t.gate.controller.observe(t.rank, t.admitted_at, c.now, service_s)
         for b in self.pool_breakers(t.cls, t.pool):
             if isinstance(b, LatencyBreaker):
                 # An aborted request's duration is a lower bound: it only counts once it is already too slow.

@@ -86,9 +86,11 @@ class AdaptiveSpec:
     min_limit: int = doc("The cap never goes below this.", 2, minimum=1)
     max_limit: int = doc("The cap never goes above this.", 256, minimum=1)
     interval_s: float = doc("How often the cap may move.", 1.0, minimum=0.05)
-    window_s: float = doc("Short window of completed requests the p95 is taken over.", 10.0, minimum=0.1)
+    window_s: float = doc("Short window of completed requests the p95 of service time is taken over (our own "
+                          "queue wait left out).", 10.0, minimum=0.1)
     min_samples: int = doc("Completions the window needs before latency moves the cap.", 10, minimum=1)
-    cut_at: float = doc("Cut when the window's p95 exceeds this fraction of the SLO.", 0.9, minimum=0.1,
+    cut_at: float = doc("Cut when the window's p95 exceeds this fraction of the SLO (lower classes on the same "
+                        "pools yield first while they hold more than their `min_limit`).", 0.9, minimum=0.1,
                         maximum=2)
     raise_below: float = doc("Raise only while the p95 is under this fraction of the SLO.", 0.7, minimum=0.05,
                              maximum=1)

@@ -2,8 +2,6 @@
 
 from pathlib import Path
 
-import pytest
-
 from extproc.policy.adaptive import AdaptiveLimit, PoolSaturation
 from extproc.policy.admission import ACCEPT, DEGRADE, QUEUE, REJECT, AdmissionController, RequestFacts
 from extproc.policy.limits import Completion, Outcome
@@ -210,8 +208,6 @@ def test_no_probe_on_one_or_two_fast_samples():
     assert ctl.update(2.0, 2, PoolSaturation()) == 2 and ctl.last_action == "hold"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20 (1), open: the class's limit reads latency with our queue wait in "
-                   "it (PoolLearning); the cap falls to 2-4 and ~4.6 requests/s are served")
 def test_plain_overload_with_a_long_wait_bound_does_not_cut_the_cap_for_its_own_queueing(clock):
     """Issue 20 (1): 1.5 s SLO, 500 ms wait bound, twice the arrivals the pool can serve. Requests wait in our
     queue up to the bound whatever the cap, so a controller that reads latency with the wait included cut the cap
@@ -249,3 +245,70 @@ def test_plain_overload_with_a_long_wait_bound_does_not_cut_the_cap_for_its_own_
     tail = limits[-200:]  # the last 20 s
     assert min(tail) >= 10, tail
     assert sum(1 for s in served if s > t_end - 20) / 20 >= 10  # ~11 served/s on service time; ~4.6 on latency
+
+
+def two_adaptive_classes(clock, breaker: bool = False):
+    """Interactive and batch, both adaptive, on one pool without a pool-wide limit."""
+    adaptive = {"enabled": True, "min_limit": 2, "max_limit": 16, "interval_s": 1, "window_s": 5, "min_samples": 5}
+    lb = ({"window_s": 10, "min_samples": 5, "cooldown_s": 5, "trickle": 0.1, "trickle_s": 10} if breaker
+          else {"enabled": False})
+    return AdmissionController(make_policy(classes={
+        "interactive": {"max_concurrency": 8, "max_queue": 0, "max_wait_ms": 0, "slo_p95_ms": 2000,
+                        "adaptive": adaptive, "latency_breaker": lb,
+                        "on_overflow": "fallback", "fallback": {"action": "degrade", "model": "small"}},
+        "batch": {"max_concurrency": 8, "max_queue": 0, "max_wait_ms": 0, "slo_p95_ms": 60000, "adaptive": adaptive},
+    }, tenants=[]), clock=clock)
+
+
+def hold(core, cls: str, n: int) -> list:
+    return [core.decide(RequestFacts(header_class=cls, model="llama")).ticket for _ in range(n)]
+
+
+def serve_slow(core, clock, n: int, seconds: float) -> None:
+    """n interactive requests that each take `seconds` of service."""
+    for t in hold(core, "interactive", n):
+        clock.advance(seconds / n)
+        core.finish(t, Outcome.OK)
+        core.report(t.id, Completion(Outcome.OK, 200, None, seconds))
+
+
+def test_a_slow_higher_class_makes_the_lower_class_yield_before_its_own_cap_is_cut(clock):
+    """Issue 19's order for per-class caps: interactive over its SLO on a pool where batch holds 6 over its floor
+    of 2. Batch is cut below what it holds; interactive keeps its cap (cutting it would only overflow it)."""
+    core = two_adaptive_classes(clock)
+    hold(core, "batch", 6)
+    serve_slow(core, clock, 6, 3.0)  # p95 3 s against a 2 s SLO
+    clock.advance(1.0)
+    core.tick()
+    assert core.limiters["interactive"].controller.last_action == "ask_yield"
+    assert core.limiters["interactive"].limit == 8
+    assert core.limiters["batch"].limit == 4  # 6 held x 0.8, not one step of 8
+
+
+def test_once_the_lower_class_is_at_its_floor_the_higher_class_cuts_its_own_cap(clock):
+    core = two_adaptive_classes(clock)
+    hold(core, "batch", 2)  # at its floor: nothing left to yield
+    serve_slow(core, clock, 6, 3.0)
+    clock.advance(1.0)
+    core.tick()
+    assert core.limiters["interactive"].controller.last_action == "cut_latency"
+    assert core.limiters["interactive"].limit == 6
+
+
+def test_a_tripped_latency_breaker_lets_the_lower_class_yield_before_it_degrades(clock):
+    """The breaker trips while batch holds more than its floor: the request is admitted on its own pool (not
+    degraded), the breaker starts again from an empty window, and batch is cut at the next tick. With batch at
+    its floor, the next trip degrades."""
+    core = two_adaptive_classes(clock, breaker=True)
+    batch = hold(core, "batch", 6)
+    serve_slow(core, clock, 6, 3.0)
+    d = core.decide(RequestFacts(header_class="interactive", model="llama"))
+    assert d.kind == ACCEPT and not d.ticket.degraded
+    core.finish(d.ticket, Outcome.OK)
+    clock.advance(1.0)
+    core.tick()
+    assert core.limiters["batch"].limit < 6
+    for t in batch[2:]:
+        core.finish(t, Outcome.OK)  # batch down to its floor
+    serve_slow(core, clock, 6, 3.0)
+    assert core.decide(RequestFacts(header_class="interactive", model="llama")).kind == DEGRADE
