@@ -137,11 +137,16 @@ async def test_interactive_queued_behind_batch_starts_first_whatever_the_batch_c
             jumper = asyncio.create_task(stream(
                 "batch", chat(target, max_tokens=BATCH_TOKENS, ignore_eos=True, stream=True, priority=-100),
                 {**BATCH, "x-vllm-priority": "-100"}))
-            waiting = await until(lambda: gauge(http, target, "vllm:num_requests_waiting"), holds=lambda n: n == 1)
+            # Bounded waits of 15 s, not 5: on a busy 2-core machine the request takes seconds through Envoy, the
+            # ext_proc and vLLM's API server to reach the engine's queue (CI failed once at 5 s); the blocker's 1500
+            # tokens last longer than that.
+            waiting = await until(lambda: gauge(http, target, "vllm:num_requests_waiting"), 15,
+                                  holds=lambda n: n == 1)
             assert waiting == 1, "the batch request never queued behind the stream"
             interactive = asyncio.create_task(stream("interactive", chat(target, max_tokens=8, ignore_eos=True,
                                                                          stream=True), {}))
-            waiting = await until(lambda: gauge(http, target, "vllm:num_requests_waiting"), holds=lambda n: n == 2)
+            waiting = await until(lambda: gauge(http, target, "vllm:num_requests_waiting"), 15,
+                                  holds=lambda n: n == 2)
             assert waiting == 2, "the interactive request never queued"
             blocker.close()  # the stream's client goes away: its slot frees, the engine picks from its queue
         delivered = await asyncio.gather(jumper, interactive)
