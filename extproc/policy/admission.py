@@ -215,11 +215,19 @@ class AdmissionController:
         class waits for this pool (a waiter held back by its own class cap does not wait for the pool)."""
         if gate.guaranteed(lim.rank, units):
             return True
+        return not self._higher_waits(gate, lim) and gate.fits(lim.rank, units, now)
+
+    def _higher_waits(self, gate, lim: ClassLimiter) -> bool:
+        """A higher class waits for this pool (a waiter held back by its own class cap does not)."""
         ranked = self.state.ranked
-        for r in range(lim.rank):
-            if gate.waiting[r] and ranked[r].has_room():
-                return False
-        return gate.fits(lim.rank, units, now)
+        return any(gate.waiting[r] and ranked[r].has_room() for r in range(lim.rank))
+
+    def _owed(self, gate, lim: ClassLimiter, flow: str, units: float, now: float) -> bool:
+        """A fair class's flow under its share of what the class holds on the pool: it goes in on a full pool
+        (PoolGate.owed), unless a higher class waits for the pool."""
+        q = lim.queue
+        return q.mode != "fifo" and not self._higher_waits(gate, lim) and \
+            gate.owed(lim.rank, flow, units, q.share(flow), now)
 
     def _limit(self, c: Classification, lim: ClassLimiter, cluster: str, now: float, charge: Charge,
                trickle: bool, deadline_ms: float | None = None) -> Decision:
@@ -229,7 +237,10 @@ class AdmissionController:
         gate = self.gates.get(cluster) if self.gates else None
         units = gate.units(est.prompt_tokens, est.expected_output) if gate is not None else 0.0
         flow = c.flow if lim.spec.fairness.key == "header" else c.tenant
-        if lim.has_room(cost) and not lim.queue and (gate is None or self._pool_admits(gate, lim, units, now)):
+        if lim.has_room(cost) and (
+                (not lim.queue and (gate is None or self._pool_admits(gate, lim, units, now)))
+                or (gate is not None and not lim.queue.waiting_in(flow)
+                    and self._owed(gate, lim, flow, units, now))):
             ticket = self._admit(lim, c.tenant, cluster, now, charge, 0.0, gate, units, flow)
             ticket.trickle = trickle
             return Admit(R_SLOT_FREE, c.cls, c.tenant, ticket, cluster=cluster, classification=c)
@@ -404,7 +415,8 @@ class AdmissionController:
     def _grant_class(self, lim: ClassLimiter, now: float, blocked: set[str] | None) -> None:
         """Waiters past their deadline leave first; then slots go in the queue's grant order (arrival order, or
         by its fairness mode). A waiter whose pool has no room keeps its place and blocks that pool for the rest
-        of this class and the classes below it."""
+        of this class and the classes below it, except that in fair modes a flow still owed its share of the pool
+        goes in over the limit (_owed_waiter)."""
         q = lim.queue
         if not q:
             return  # the common case: every release calls this
@@ -413,6 +425,7 @@ class AdmissionController:
                 self.abandon(w, timed_out=True, regrant=False)
         arrivals = iter(list(q)) if q.mode == "fifo" else None  # fifo: one pass, the order does not change
         skipped: set[str] = set()  # fair modes: pools this class found no room on in this pass
+        above = set(blocked) if blocked else ()  # pools a higher class waits for: no over-commit there
         while True:
             w = next(arrivals, None) if arrivals is not None else self._next_fair(q, skipped)
             if w is None:
@@ -424,9 +437,15 @@ class AdmissionController:
             gate = w.gate
             if gate is not None and blocked is not None and not gate.guaranteed(lim.rank, w.units):
                 if gate.name in blocked or not gate.fits(lim.rank, w.units, now):
-                    blocked.add(gate.name)
-                    skipped.add(w.pool)
-                    continue
+                    owed = None if arrivals is not None or gate.name in above else \
+                        self._owed_waiter(lim, gate, w.pool, now)
+                    if owed is None:
+                        blocked.add(gate.name)
+                        skipped.add(w.pool)
+                        continue
+                    w = owed
+                    if not lim.has_room(w.cost):
+                        return
             protector = self.state.saturated_protector(lim.name)
             if protector is not None:
                 self._shed_queue(lim, protector, now)
@@ -439,6 +458,22 @@ class AdmissionController:
             ticket = self._admit(lim, w.tenant, w.pool, now, w.charge, waited, gate, w.units, w.flow)
             ticket.trickle = w.trickle
             self._resolve(w, Admit(R_DEQUEUED, lim.name, w.tenant, ticket, waited_s=waited, cluster=w.pool))
+
+    def _owed_waiter(self, lim: ClassLimiter, gate, pool: str, now: float) -> Waiter | None:
+        """On a full pool, the next waiter for it of a flow still owed its share (of those, the flow holding
+        least per weight), or None. O(flows)."""
+        q = lim.queue
+        if self._higher_waits(gate, lim):
+            return None
+        total = q.active_weight()
+        best, least = None, math.inf
+        for key, weight, w in q.heads_for(pool):
+            if gate.owed(lim.rank, key, w.units, weight / total, now):
+                held = gate.flows[lim.rank].get(key)
+                per_weight = (held[0] if held is not None else 0.0) / weight
+                if per_weight < least:
+                    best, least = w, per_weight
+        return best
 
     @staticmethod
     def _next_fair(q, skipped: set[str]) -> Waiter | None:
@@ -519,7 +554,7 @@ class AdmissionController:
                 lim.inflight_cost -= ticket.cost
             lim.queue.released(ticket.flow, ticket.cost)
             if ticket.gate is not None:
-                ticket.gate.give_back(ticket.rank, ticket.units)
+                ticket.gate.give_back(ticket.rank, ticket.units, ticket.flow)
             if charge is not None and charge.session is not None:
                 self.sessions.release(charge.session, ticket.cost)
             if not ran and charge is not None and charge.tenant is not None:
@@ -530,7 +565,7 @@ class AdmissionController:
     def hold_pool(self, ticket: Ticket, gate, units: float) -> None:
         """The ticket holds `units` of its pool's limit (released with its slot)."""
         ticket.gate, ticket.units, ticket.rank = gate, units, ticket.limiter.rank
-        gate.take(ticket.rank, units)
+        gate.take(ticket.rank, units, ticket.flow)
 
     # --- the end of an admitted request ---
 

@@ -237,6 +237,31 @@ class FairQueue:
             return None
         return longest.entries[-1][2]
 
+    def waiting_in(self, key: str) -> bool:
+        """Whether flow `key` has waiters (fifo: whether anyone waits)."""
+        flow = self._flows.get("" if self.mode == "fifo" else key)
+        return flow is not None and bool(flow.entries)
+
+    def heads_for(self, pool: str) -> Iterator[tuple[str, float, Any]]:
+        """Each waiting flow's next waiter bound for `pool`: (flow key, its weight, waiter)."""
+        for flow in self._backlogged.values():
+            entry = flow.first_for(pool)
+            if entry is not None:
+                yield flow.key, flow.weight, entry[2]
+
+    def active_weight(self, key: str | None = None) -> float:
+        """The weights of the flows active in the class (waiting or in flight), with `key`'s if it is not."""
+        total = sum(f.weight for f in self._flows.values() if f.entries or f.inflight > 0)
+        own = self._flows.get(key) if key is not None else None
+        if key is not None and (own is None or not (own.entries or own.inflight > 0)):
+            total += own.weight if own is not None else self.weights.get(key, 1.0)
+        return total
+
+    def share(self, key: str) -> float:
+        """Flow `key`'s weighted share of the class among the flows active in it and `key` itself."""
+        own = self._flows.get(key)
+        return (own.weight if own is not None else self.weights.get(key, 1.0)) / self.active_weight(key)
+
     def overdue(self, now: float) -> list[Any]:
         """Waiters whose deadline has passed, earliest first (q[0] need not be the earliest in fair modes)."""
         late = [e for _, e, _ in self._where.values() if e[2].deadline <= now]

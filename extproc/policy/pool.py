@@ -203,6 +203,8 @@ class PoolGate:
         self.held = [0.0] * len(min_shares)    # units held per class rank
         self.count = [0] * len(min_shares)     # requests held per class rank
         self.waiting = [0] * len(min_shares)   # requests queued for this pool per class rank
+        # per class rank: flow -> [units, requests] it holds (a flow under its share may over-commit, see owed)
+        self.flows: list[dict[str, list[float]]] = [{} for _ in min_shares]
         self.short = False                     # a request waited for room under the limit since the last move
         self.min_shares = min_shares
         self.squeeze_rank = len(min_shares)    # classes ranked below this get only their guarantee...
@@ -260,15 +262,37 @@ class PoolGate:
         self.squeeze_until = max(self.squeeze_until, until)
         return True
 
-    def take(self, rank: int, units: float) -> None:
+    def owed(self, rank: int, flow: str, units: float, share: float, now: float) -> bool:
+        """The owner's return: a flow that, with this request, holds no more than its `share` of what its class
+        holds here (and of the class's room under the limit) goes in even on a full pool; the flows over their
+        share (borrowers) wait until the pool is back under the limit. So a flood's long requests holding the
+        pool make the flood wait, not the others. Over-commit is bounded: owners hold at most their shares of the
+        limit, i.e. the pool at most twice the limit."""
+        if share <= 0.0 or (rank > self.squeeze_rank and now < self.squeeze_until):
+            return False
+        mine = self.flows[rank].get(flow)
+        mine = mine[0] if mine is not None else 0.0
+        cap = self.limit if rank == 0 else self.limit * LOWER_FILL
+        return mine + units <= share * min(self.held[rank] + units, cap)
+
+    def take(self, rank: int, units: float, flow: str = "") -> None:
         self.inflight += units
         self.held[rank] += units
         self.count[rank] += 1
+        mine = self.flows[rank].setdefault(flow, [0.0, 0])
+        mine[0] += units
+        mine[1] += 1
 
-    def give_back(self, rank: int, units: float) -> None:
+    def give_back(self, rank: int, units: float, flow: str = "") -> None:
         self.inflight -= units
         self.held[rank] -= units
         self.count[rank] -= 1
+        mine = self.flows[rank].get(flow)
+        if mine is not None:
+            mine[0] -= units
+            mine[1] -= 1
+            if mine[1] <= 0:  # keys may be unbounded (a header): keep only flows that hold something
+                del self.flows[rank][flow]
 
     def update(self, now: float, saturation) -> bool:
         """Move the limit (tick). True when it rose: waiters may fit now."""

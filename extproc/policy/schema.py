@@ -156,7 +156,10 @@ class FairnessSpec:
         "`fair`: the waiting flow that was admitted the fewest GPU-seconds relative to its tenant's `weight` "
         "goes next (virtual-time fairness in the cost model's units, corrected by learned usage), a flow under "
         "its tenant's `guaranteed_share` first. Work-conserving in every mode: a free slot never idles while "
-        "someone waits. Inside a flow (round_robin, fair) the earliest deadline goes first.", "fifo")
+        "someone waits. Inside a flow (round_robin, fair) the earliest deadline goes first. Under a pool-wide "
+        "limit (round_robin, fair), a flow holding no more than its weighted share of what the class holds on "
+        "the pool goes in even when the limit is full; the flows over their share wait until the pool is back "
+        "under it.", "fifo")
     key: Literal["tenant", "header"] = doc(
         "The flow a request counts against: its tenant, or the value of `classify.fairness_header` (needs it "
         "set; a request without the header counts against its tenant).", "tenant")

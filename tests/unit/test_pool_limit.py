@@ -238,3 +238,42 @@ def test_a_breaker_that_stays_open_squeezes_lower_classes_once(clock):
     clock.advance(1.0)
     core.decide(req("interactive"))
     assert gate.squeeze_until == first_until  # the same opening does not renew it
+
+
+def tenants_core(clock, mode: str) -> AdmissionController:
+    """One interactive class of two tenants of equal weight under a pool limit of 1000 tokens."""
+    classes = {"interactive": {**BIG, "max_wait_ms": 200, "fairness": {"mode": mode}},
+               "batch": {**BIG, "max_wait_ms": 5000}}
+    tenants = [{"name": n, "api_keys": [f"sk-{n}"], "max_class": "interactive", "default_class": "interactive"}
+               for n in ("a", "b")]
+    return AdmissionController(make_policy(
+        classes=classes, shed={}, tenants=tenants,
+        pools={"pool_a": {"limit": {"enabled": True, "unit": "tokens", "initial": 1000, "min": 1, "max": 1000}}}),
+        clock=clock)
+
+
+def treq(tenant: str, tokens: int) -> RequestFacts:
+    return RequestFacts(api_key=f"sk-{tenant}", model="llama", max_tokens=100, doc={"prompt": "x" * (4 * tokens)})
+
+
+@pytest.mark.parametrize("mode", ["fifo", "fair"])
+def test_a_flow_under_its_share_goes_in_over_a_full_pool_and_the_borrower_waits(clock, mode):
+    core = tenants_core(clock, mode)
+    gate = core.gates["pool_a"]
+    a = [core.decide(treq("a", 400)) for _ in range(2)]  # 500 tokens each: a holds the whole limit
+    assert [d.kind for d in a] == [ACCEPT, ACCEPT] and gate.inflight == pytest.approx(1000)
+    b = [core.decide(treq("b", 100)) for _ in range(3)]  # 200 each; b's share: half of the class, <= 500
+    a3 = core.decide(treq("a", 400))
+    assert a3.kind == QUEUE
+    if mode == "fifo":  # today: b waits behind the pool a fills
+        assert [d.kind for d in b] == [QUEUE] * 3
+        return
+    # The owner's return: b goes in over the limit up to its share (two of 200, not a third); a, the borrower, waits.
+    assert [d.kind for d in b] == [ACCEPT, ACCEPT, QUEUE] and gate.inflight == pytest.approx(1400)
+    core.finish(b[0].ticket, Outcome.OK)  # still over the limit: b's waiter is owed its share, a's is not
+    assert b[2].waiter.result.kind == ACCEPT and a3.waiter.pending
+    assert gate.inflight == pytest.approx(1400) and gate.flows[0]["b"][0] == pytest.approx(400)
+    for d in (*a, b[1], b[2]):
+        core.finish(d.ticket if d.ticket is not None else d.waiter.result.ticket, Outcome.OK)
+    assert a3.waiter.result.kind == ACCEPT and gate.flows[0].keys() == {"a"}
+    assert gate.inflight == pytest.approx(500) == gate.flows[0]["a"][0]
