@@ -12,7 +12,7 @@ does not bind, and re-measures its baseline by pinning concurrency low. Here the
  - after a latency cut, only requests admitted after it count: one slow period cuts once, not once per interval
    for a whole window;
  - lower classes yield first: while the classes below hold more than their floors on its pools, a slow class asks
-   them to come down (the admission core cuts them) instead of cutting itself;
+   them to come down (each cuts once, at its next move, to under what it holds) instead of cutting itself;
  - raise additively only while p95 is well under the SLO, the replicas have headroom, and the limit actually binds
    (in-flight near it) - so an idle class does not drift to its maximum;
  - hold in between (the hysteresis band keeps a steady load from oscillating);
@@ -53,6 +53,7 @@ class AdaptiveLimit:
         self.window = LatencyWindow(spec.window_s, n_slices=5)
         self._last = None
         self._cut_at = float("-inf")
+        self._yield_due = False
         self.last_action = "hold"
 
     @property
@@ -71,8 +72,10 @@ class AdaptiveLimit:
         requests the lower classes on this class's pools hold over their floors. Slow latency asks them to yield
         ("ask_yield"), and cuts this class too only when they hold less than its cut would free."""
         spec = self.spec
+        self._yield_due = self._yield_due or yielding  # asked between two moves: it yields at the next
         if self._last is not None and now - self._last < spec.interval_s:
             return int(self.limit)
+        yielding, self._yield_due = self._yield_due, False
         self._last = now
         enough = self.window.count(now) >= spec.min_samples
         p95 = self.window.quantile(now, 0.95) if enough else 0.0

@@ -21,13 +21,13 @@ def test_limits_that_move_keep_the_slowed_fleet_within_the_slo_where_static_caps
     static, slo = second_half("demo-static.yaml")      # the playbook's static per-class caps
     adaptive, _ = second_half("demo-adaptive.yaml")    # per-class AIMD caps (issue 12)
     pool, _ = second_half("demo-full.yaml")            # one pool-wide limit in strict priority (issue 19)
-    # The per-class caps steer on service time and make the lower classes yield first (issue 20 (1)): 2.008 s
-    # with 1.99 req/s of full-model goodput, against 1.95 s and 1.71 req/s when they read our queue wait.
-    assert adaptive.p99 <= 1.01 * slo < static.p99
+    assert adaptive.p99 <= slo < static.p99
     # The pool limit aims its served p95 at 85% of the SLO and lands on it to within a few percent here (2.03 s:
     # docs/overload.md lists it as missed by that much), against the static caps' 9 s.
     assert pool.p99 <= 1.05 * slo < static.p99
-    assert pool.goodput >= adaptive.goodput  # full-model answers: the pool limit degrades less
+    # Full-model answers: since the per-class caps steer on service time and make the lower classes yield first
+    # (issue 20), they degrade less than the pool limit on this fleet (3.49 against 3.29 req/s; 1.71 before).
+    assert adaptive.goodput >= 0.9 * pool.goodput
 
 
 def test_limits_that_move_keep_the_shrunk_fleet_within_the_slo_where_static_caps_do_not():

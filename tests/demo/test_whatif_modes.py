@@ -137,11 +137,13 @@ def test_the_ordering_is_read_from_a_summary_json_old_or_split(tmp_path):
     assert from_summary(old) == {"d": {"p99": 2.65, "goodput_total": 26.6}}
 
 
-# kv-agents: the what-if ranks the five modes as the real run did in both spikes, but for d against e on
-# full-model goodput in the second spike, which the real run had 1.84 against 1.80 req/s (a tie within its noise)
-# and the what-if the other way round.
-KV_KNOWN = {("spike-1", "goodput"): set(), ("spike-1", "p99"): set(),
-            ("spike-2", "goodput"): {("d", "e")}, ("spike-2", "p99"): set()}
+# kv-agents: the what-if ranks the five modes as the real run did in both spikes on p99, and on full-model goodput
+# for every pair but mode e's: since issue 20's changes to the per-class caps (lower classes yield once per ask)
+# the real run put e above b in both spikes (1.40 / 2.04 against 1.22 / 1.13 req/s) and above d in the second
+# (2.04 against 1.84), and the what-if puts e below b (1.09 / 1.38 against 1.22 / 1.42) and below d. The
+# engine model gives interactive less when batch and agent yield than the simulator does; docs/adaptive.md.
+KV_KNOWN = {("spike-1", "goodput"): {("e", "b")}, ("spike-1", "p99"): set(),
+            ("spike-2", "goodput"): {("e", "b"), ("e", "d")}, ("spike-2", "p99"): set()}
 
 
 @pytest.fixture(scope="module")
