@@ -4,12 +4,17 @@
 the three policies the scenario names (c = fifo, d = round_robin, e = fair; they differ only in `fairness.mode`)
 and prints the table of docs/demo.md's "Noisy neighbour" section. Both scenarios run at the flood scenario's
 measured capacity. With --plot it also draws each tenant's full-model goodput over time, fifo against fair, in the
-flood scenario (docs/img/noisy-neighbour.png).
+flood scenario (docs/img/noisy-neighbour.png). With --tradeoff it runs the fair policy on the flood scenario with
+tenant A held to a few request rates (`requests_per_minute`) and prints B's and C's p99 against the pool's output:
+how far A must be held back before B's and C's p99 return to their no-flood level.
 """
 
 from __future__ import annotations
 
 import sys
+import tempfile
+
+import yaml
 
 from extproc.policy.fairness import jain_index
 from extproc.tools.demo.results import rolling_rate, window_stats
@@ -94,6 +99,30 @@ def main(modes: str = "cde", plot_path: str | None = None) -> None:
         plot(drawn, kinds, flood, plot_path)
 
 
+def tradeoff(rates=(None, 300, 200, 120)) -> None:
+    """The fair policy with tenant A's requests per minute capped (burst 2 s): per-tenant p99 / goodput and the pool's
+    output tokens/s in the flood window."""
+    sc = Scenario.load(SCENARIOS[0])
+    capacity = sc.fleet_capacity()
+    kinds = [k.name for k in sc.workload.kinds]
+    span = sc.report_windows()[WINDOW]
+    with open(sc.policies["e"], encoding="utf-8") as f:
+        base = yaml.safe_load(f)
+    print("| tenant-a requests/min | " + " | ".join(f"{k} p99 s / goodput" for k in kinds) + " | pool output tok/s |")
+    print("|---|" + "---:|" * (len(kinds) + 1))
+    for rpm in rates:
+        doc = yaml.safe_load(yaml.safe_dump(base, sort_keys=False))
+        for tenant in doc["tenants"]:
+            if tenant["name"] == "tenant-a" and rpm:
+                tenant.update(requests_per_minute=rpm, burst_s=2)
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+            yaml.safe_dump(doc, f, sort_keys=False)
+        res = what_if(sc, f.name, capacity)
+        per = {k: window_stats(res.records, span, k, sc.slo_p95_s, sc.client_timeout_s, True) for k in kinds}
+        cells = " | ".join(f"{per[k].p99:.2f} / {per[k].goodput:.2f}" for k in kinds)
+        print(f"| {rpm or 'none'} | {cells} | {per[kinds[0]].tokens_per_s:.0f} |", flush=True)
+
+
 if __name__ == "__main__":
     args = sys.argv[1:]
     out = None
@@ -101,4 +130,7 @@ if __name__ == "__main__":
         i = args.index("--plot")
         out = args[i + 1]
         del args[i:i + 2]
-    main(*args, plot_path=out)
+    if "--tradeoff" in args:
+        tradeoff()
+    else:
+        main(*args, plot_path=out)
