@@ -12,7 +12,7 @@ does not bind, and re-measures its baseline by pinning concurrency low. Here the
  - after a latency cut, only requests admitted after it count: one slow period cuts once, not once per interval
    for a whole window;
  - lower classes yield first: while the classes below hold more than their floors on its pools, a slow class asks
-   them to come down (each cuts once, at its next move, to under what it holds) instead of cutting itself;
+   them to come down (each at its next move, to under what it holds) instead of cutting itself;
  - raise additively only while p95 is well under the SLO, the replicas have headroom, and the limit actually binds
    (in-flight near it) - so an idle class does not drift to its maximum;
  - hold in between (the hysteresis band keeps a steady load from oscillating);

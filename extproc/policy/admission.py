@@ -65,7 +65,7 @@ class AdmissionController:
         self.cost_models, self.tenant_limits, self.sessions = st.cost_models, st.tenant_limits, st.sessions
         self.clusters = st.clusters
         self.gates = st.gates  # Envoy cluster -> its pool-wide limit (empty: per-class caps only)
-        self._yield_asked: set[str] = set()  # ungated pools where lower classes yield once at the next tick
+        self._yield_asked: set[str] = set()  # ungated pools whose lower classes yield at the next tick
         self._sessions_on = st.sessions.enabled
         self.shadow.configure(policy)
         self._lease_s = policy.lease_ms / 1000.0
@@ -469,8 +469,7 @@ class AdmissionController:
         best, least = None, math.inf
         for key, weight, w in q.heads_for(pool):
             if gate.owed(lim.rank, key, w.units, weight / total, now):
-                held = gate.flows[lim.rank].get(key)
-                per_weight = (held[0] if held is not None else 0.0) / weight
+                per_weight = gate.held_by(lim.rank, key) / weight
                 if per_weight < least:
                     best, least = w, per_weight
         return best
@@ -633,6 +632,8 @@ class AdmissionController:
             controller = lim.controller
             excess = self._lower_excess(lim, lim.pools)
             new = controller.update(now, lim.inflight, self._class_saturation(lim), yielding, excess)
+            # Its latest move found it slow (it asked, or cut itself): until its next move, the classes below that
+            # are over their floors are asked to yield, each at its own next move (_yield_due).
             if excess and getattr(controller, "last_action", None) in ("ask_yield", "cut_latency"):
                 self._yield_asked.update(self._ungated(lim.pools))
             struggling |= self._struggling_pools(lim, now)
@@ -661,10 +662,10 @@ class AdmissionController:
                    if not low.pools.isdisjoint(pools))
 
     def _struggling_pools(self, lim: ClassLimiter, now: float) -> set[str]:
-        """The ungated pools where this class misses its latency SLO (it asked the lower classes to yield there in
-        this tick, or its latency breaker is not closed): the per-class limits below it yield on those pools
-        first, once per ask (issue 19's order, for policies without a pool-wide limit; a pool limit orders its
-        classes itself). Yielding at every tick of a window starved batch at 60% load (24 refusals)."""
+        """The ungated pools where this class misses its latency SLO (it asks the lower classes to yield there, or
+        its latency breaker is not closed): the per-class limits below it yield on those pools first, each at its
+        next move (issue 19's order, for policies without a pool-wide limit; a pool limit orders its classes
+        itself). Yielding at every move for a whole window starved batch at 60% load (24 refusals)."""
         out = set()
         for pool in self._ungated(lim.pools):
             if pool in self._yield_asked or any(

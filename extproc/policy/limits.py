@@ -19,7 +19,7 @@ class Limit(Protocol):
     limit: float  # the current limit
     floor: float  # the lowest it goes (a lower class above it can still yield to a higher one)
 
-    def observe(self, now: float, latency_s: float) -> None: ...
+    def observe(self, now: float, latency_s: float, admitted_at: float | None = None) -> None: ...
     def update(self, now: float, inflight: int, saturation: Any, yielding: bool = False,
                lower_excess: float = 0.0) -> int: ...
 
@@ -36,7 +36,7 @@ class StaticLimit:
     def floor(self) -> float:
         return self.limit  # a static cap does not move
 
-    def observe(self, now: float, latency_s: float) -> None:
+    def observe(self, now: float, latency_s: float, admitted_at: float | None = None) -> None:
         pass
 
     def update(self, now: float, inflight: int, saturation: Any, yielding: bool = False,

@@ -270,10 +270,13 @@ class PoolGate:
         limit, i.e. the pool at most twice the limit."""
         if share <= 0.0 or (rank > self.squeeze_rank and now < self.squeeze_until):
             return False
-        mine = self.flows[rank].get(flow)
-        mine = mine[0] if mine is not None else 0.0
         cap = self.limit if rank == 0 else self.limit * LOWER_FILL
-        return mine + units <= share * min(self.held[rank] + units, cap)
+        return self.held_by(rank, flow) + units <= share * min(self.held[rank] + units, cap)
+
+    def held_by(self, rank: int, flow: str) -> float:
+        """The units one flow of the class at `rank` holds here."""
+        mine = self.flows[rank].get(flow)
+        return mine[0] if mine is not None else 0.0
 
     def take(self, rank: int, units: float, flow: str = "") -> None:
         self.inflight += units
