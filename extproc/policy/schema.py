@@ -352,7 +352,8 @@ class StoreSpec:
     """Where class slots are counted: in this process only, or in Redis shared by every ext_proc replica."""
 
     kind: Literal["memory", "redis"] = doc(
-        "`memory`: each ext_proc counts its own slots (one replica, or caps meant per replica). `redis`: every "
+        "`memory`: each ext_proc counts its own slots (one replica, or caps meant per replica); the workers of one "
+        "`extproc serve --workers N` share them through the host's memory. `redis`: every "
         "replica pointing at the same Redis and `key_prefix` shares each class's `max_concurrency` and "
         "`max_inflight_gpu_seconds`; a request admitted locally also takes a global slot (one round trip) and "
         "waits up to the class's `max_wait_ms` for one. Changes to this section apply on restart.", "memory")

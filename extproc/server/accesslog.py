@@ -23,6 +23,12 @@ log = logging.getLogger("extproc.accesslog")
 
 TICKET_HEADER = "x-extproc-ticket"
 
+
+def ticket_value(worker: int | None, ticket_id: int) -> str:
+    """The ticket header: the ticket's id, after `<worker>-` when the ext_proc is one of several workers (Envoy
+    then sends each worker's access-log entries to that worker, matched on the prefix: envoyconf.render)."""
+    return str(ticket_id) if worker is None else f"{worker}-{ticket_id}"
+
 # Response flags meaning the upstream side failed the request (it may still have sent a 200 first).
 _UPSTREAM_FLAGS = ("upstream_remote_reset", "upstream_connection_failure", "upstream_connection_termination",
                    "upstream_request_timeout", "no_healthy_upstream", "upstream_overflow", "upstream_protocol_error",
@@ -66,8 +72,10 @@ class NoCompletionReportEvents:
 class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
     """Receives Envoy's access log stream and reports each admitted request's completion to the core."""
 
-    def __init__(self, core: AdmissionController, events: CompletionReportEvents | None = None):
+    def __init__(self, core: AdmissionController, events: CompletionReportEvents | None = None,
+                 worker: int | None = None):
         self.core = core
+        self._prefix = "" if worker is None else f"{worker}-"  # this worker's tickets (ticket_value)
         self.events: CompletionReportEvents = events or NoCompletionReportEvents()
         self._closing = asyncio.Event()
 
@@ -102,8 +110,11 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
             headers = entry.request.request_headers  # Envoy logs only requests carrying a ticket (envoy.yaml)
             if TICKET_HEADER not in headers:
                 continue
+            value = headers[TICKET_HEADER]
+            if not value.startswith(self._prefix):
+                continue  # another worker's
             try:
-                ticket_id = int(headers[TICKET_HEADER])
+                ticket_id = int(value[len(self._prefix):])
             except ValueError:
                 continue
             if self.core.report(ticket_id, completion_of(entry)):

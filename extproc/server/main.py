@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
+import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 import grpc
 from aiohttp import web
@@ -19,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ..policy.admission import AdmissionController
 from ..policy.sustained import SustainedLoad
 from ..policy.schema import Policy, PolicyError, load_policy_file
-from ..store import open_store
+from ..store import host_store, open_store
 from ..store.shared_slots import SharedSlots
 from ..telemetry import StoreTelemetry, Telemetry
 from .accesslog import AccessLogReceiver
@@ -61,6 +66,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default=os.environ.get("EXTPROC_LOG_LEVEL", "INFO"))
     p.add_argument("--log-accept-sample", type=float, default=0.0, metavar="FRACTION",
                    help="also log this share of accepted requests (refusals are always logged), e.g. 0.01")
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="run N ext_proc processes (one core each), worker i on the --grpc and --metrics ports + i, "
+                        "sharing the caps through this host's memory (policy `store: {kind: memory}`) or the "
+                        "policy's Redis store; list every worker in Envoy's ext_proc cluster (`extproc "
+                        "envoy-config --workers N`)")
+    p.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)  # set for each worker
+    p.add_argument("--host-store", default=None, help=argparse.SUPPRESS)  # the workers' shared table (kind: memory)
 
 
 class Server:
@@ -73,13 +85,13 @@ class Server:
         self.core = AdmissionController(policy, events=self.telemetry)
         self.sustained = SustainedLoad(policy.sustained_window_s)
         self.telemetry.watch(self.core, self.sustained)
-        store = open_store(policy.store)
+        store = open_store(policy.store, host=_host_store(args))
         self.shared: SharedSlots | None = None
         if store.shared:
             self.shared = SharedSlots(self.core, store, StoreTelemetry(self.telemetry.registry))
         self.servicer = ExtProcServicer(self.core, max_body_bytes=args.max_body_bytes, shared=self.shared,
-                                        on_error=self.telemetry.stream_errors.inc)
-        self.access_log = AccessLogReceiver(self.core, self.telemetry)
+                                        on_error=self.telemetry.stream_errors.inc, worker=args.worker_index)
+        self.access_log = AccessLogReceiver(self.core, self.telemetry, worker=args.worker_index)
         self.scrapers = SaturationScrapers(self.core)
         self._mtime = _mtime(policy_path)
         self.status = STARTING
@@ -256,6 +268,13 @@ def _mtime(path: str) -> float:
         return 0.0
 
 
+def _host_store(args: argparse.Namespace) -> host_store.HostStore | None:
+    """This worker's view of the table its supervisor shares between the workers (None: not a worker)."""
+    if not args.host_store:
+        return None
+    return host_store.HostStore(Path(args.host_store), args.worker_index, args.workers)
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s",
                         stream=sys.stderr)
@@ -266,6 +285,8 @@ def run(args: argparse.Namespace) -> int:
         for line in e.errors:
             print(f"  {line}", file=sys.stderr)
         return 1
+    if args.workers > 1 and args.worker_index is None:
+        return supervise(args, policy.store.kind == "memory")
     server = Server(args.policy, policy, args)
     try:
         if args.no_uvloop:
@@ -276,3 +297,54 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def worker_argv(args: argparse.Namespace, i: int) -> list[str]:
+    """`extproc serve` for worker i: the same options, its own ports (the given ones + i)."""
+    (host, port), (mhost, mport) = args.grpc, args.metrics
+    argv = [sys.executable, "-m", "extproc.cli", "serve", "--policy", args.policy, "--grpc", f"{host}:{port + i}",
+            "--metrics", f"{mhost}:{mport + i}", "--max-body-bytes", str(args.max_body_bytes),
+            "--watch-interval", str(args.watch_interval), "--drain-s", str(args.drain_s), "--grace-s",
+            str(args.grace_s), "--log-level", args.log_level, "--log-accept-sample", str(args.log_accept_sample),
+            "--workers", str(args.workers), "--worker-index", str(i)]
+    if args.host_store:
+        argv += ["--host-store", args.host_store]
+    return argv + (["--no-uvloop"] if args.no_uvloop else [])
+
+
+def supervise(args: argparse.Namespace, host_memory: bool) -> int:
+    """Run the workers; pass SIGTERM, SIGINT and SIGHUP on to every one of them. When one exits on its own, stop
+    the others and exit with its status, so the process supervisor (Kubernetes, systemd) restarts the lot.
+    `host_memory` (policy store `memory`): the workers share the caps through a table in this host's memory,
+    created here and removed on exit; with `redis` they share them through Redis."""
+    with contextlib.ExitStack() as stack:
+        if host_memory:
+            table = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="extproc-workers-")))
+            host_store.create(table, args.workers)
+            args.host_store = str(table)
+        return _run_workers(args)
+
+
+def _run_workers(args: argparse.Namespace) -> int:
+    workers = [subprocess.Popen(worker_argv(args, i)) for i in range(args.workers)]
+    stopping = False
+
+    def forward(sig: int, _frame) -> None:
+        nonlocal stopping
+        stopping = stopping or sig != signal.SIGHUP
+        for w in workers:
+            if w.poll() is None:
+                w.send_signal(sig)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
+    status = 0
+    while any(w.poll() is None for w in workers):
+        for w in workers:
+            code = w.poll()
+            if code is not None and not stopping:
+                log.error("worker pid %d exited with %d: stopping the others", w.pid, code)
+                status = code or 1
+                forward(signal.SIGTERM, None)
+        time.sleep(0.2)
+    return status or max((w.returncode for w in workers), default=0)

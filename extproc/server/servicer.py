@@ -27,8 +27,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     """One gRPC stream per HTTP request. Every message gets an answer of its own phase; slots are freed once."""
 
     def __init__(self, core: AdmissionController, max_body_bytes: int = 4 << 20, queue_grace_s: float = 0.5,
-                 shared: SharedSlots | None = None, on_error: Callable[[], None] = _nothing) -> None:
-        self.processor = Processor(core, shared, max_body_bytes)
+                 shared: SharedSlots | None = None, on_error: Callable[[], None] = _nothing,
+                 worker: int | None = None) -> None:
+        self.processor = Processor(core, shared, max_body_bytes, worker)
         self.queue_grace_s = queue_grace_s   # added to Envoy's timeout while a request waits for its admission
         self._on_error = on_error            # called once per failed stream (the extproc_stream_errors counter)
 

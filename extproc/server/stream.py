@@ -68,8 +68,9 @@ class Processor:
     """What every stream of one server shares: the core, the shared store, the open tickets, the usage sample."""
 
     def __init__(self, core: AdmissionController, shared: SharedSlots | None = None,
-                 max_body_bytes: int = 4 << 20):
+                 max_body_bytes: int = 4 << 20, worker: int | None = None):
         self.core = core
+        self.worker = worker                 # this process's index among `extproc serve --workers N`
         self.shared = shared                 # global slots from a shared store (policy `store: {kind: redis}`)
         self.max_body_bytes = max_body_bytes
         self.live: set[Ticket] = set()       # tickets whose stream is still open (their leases get renewed)
@@ -265,7 +266,8 @@ class Stream:
             note = ("x-extproc-degraded", f"{','.join(changed) or 'none'}; reason={d.reason}")
         elif d.shadow_would is not None:
             note = ("x-extproc-shadow", f"would-{d.shadow_would.kind}; reason={d.shadow_would.reason}")
-        answer = protocol.forward(d, queue_wait_ms, note, dump_json(body.doc) if body.rewrite else None)
+        answer = protocol.forward(d, queue_wait_ms, note, dump_json(body.doc) if body.rewrite else None,
+                                  self.processor.worker)
         self._enter(Phase.FORWARDING)
         return answer
 

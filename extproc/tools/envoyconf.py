@@ -32,13 +32,15 @@ def render(base: dict[str, Any], *, listen_port: int, admin_port: int,
            extproc: Endpoint | list[Endpoint] | None, pools: dict[str, list[Endpoint]],
            listen_host: str = "127.0.0.1", mode: str = "extproc", lb_policy: str | None = None,
            adaptive: dict[str, Any] | None = None, health_check_interval_s: float | None = None,
-           failure_mode_allow: bool | None = None) -> dict[str, Any]:
+           failure_mode_allow: bool | None = None, workers: bool = False) -> dict[str, Any]:
     """A copy of `base` with addresses replaced; everything else (filters, timeouts, limits) is kept as is.
 
     `extproc` is one ext_proc endpoint or several (instances behind the one `extproc` cluster, which Envoy
     health-checks and balances). `health_check_interval_s` applies to the pools' health checks only: the ext_proc
     cluster's (1 s) is what the drain on SIGTERM is sized against, and is rendered as shipped.
-    `failure_mode_allow` overrides the ext_proc filter's (None keeps the file's): False is the fail-closed variant."""
+    `failure_mode_allow` overrides the ext_proc filter's (None keeps the file's): False is the fail-closed variant.
+    `workers`: the `extproc` endpoints are the workers of one `extproc serve --workers N`, in order: each worker
+    gets its own access log, carrying only the requests it admitted (ticket header `<i>-<id>`)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}")
     cfg = copy.deepcopy(base)
@@ -77,12 +79,36 @@ def render(base: dict[str, Any], *, listen_port: int, admin_port: int,
                 if "route" in r:  # the default-deny 404 stays a 404
                     r["route"]["cluster"] = next(iter(pools))
                 r.pop("typed_per_filter_config", None)
+    if workers and mode == "extproc" and isinstance(extproc, list) and len(extproc) > 1:
+        _access_log_per_worker(cfg, hcm, extproc)
     if failure_mode_allow is not None and mode == "extproc":
         (ext_proc,) = [f for f in hcm["http_filters"] if f["name"] == EXT_PROC]
         ext_proc["typed_config"]["failure_mode_allow"] = failure_mode_allow
     if mode == "adaptive":
         hcm["http_filters"].insert(0, {"name": ADAPTIVE, "typed_config": adaptive_filter(**(adaptive or {}))})
     return cfg
+
+
+def _access_log_per_worker(cfg: dict[str, Any], hcm: dict[str, Any], workers: list[Endpoint]) -> None:
+    """Envoy streams each access log to one host of its cluster: one log and one cluster per worker, each log
+    taking the requests whose ticket that worker issued, so every completion report reaches its own worker."""
+    (template,) = [log for log in hcm["access_log"] if log["name"] == "envoy.access_loggers.http_grpc"]
+    (cluster,) = [c for c in cfg["static_resources"]["clusters"] if c["name"] == "extproc"]
+    logs = []
+    for i, endpoint in enumerate(workers):
+        sink = copy.deepcopy(cluster)
+        sink["name"] = f"extproc_worker_{i}"
+        for key in ("health_checks", "outlier_detection"):  # a log sink only; the `extproc` cluster checks them
+            sink.pop(key, None)
+        _set_endpoints(sink, [endpoint])
+        cfg["static_resources"]["clusters"].append(sink)
+        log = copy.deepcopy(template)
+        log["filter"] = {"header_filter": {"header": {"name": "x-extproc-ticket",
+                                                      "string_match": {"prefix": f"{i}-"}}}}
+        log["typed_config"]["common_config"]["grpc_service"] = {"envoy_grpc": {"cluster_name": sink["name"]}}
+        log["typed_config"]["common_config"]["log_name"] = f"extproc_worker_{i}"
+        logs.append(log)
+    hcm["access_log"] = [log for log in hcm["access_log"] if log is not template] + logs
 
 
 def adaptive_filter(*, concurrency_update_interval: str = "0.5s", sample_aggregate_percentile: float = 90.0,
@@ -151,6 +177,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool", action="append", default=[], metavar="CLUSTER=HOST:PORT[,HOST:PORT]",
                    help="endpoints of a model pool (repeat per pool)")
     p.add_argument("--mode", choices=MODES, default="extproc")
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="the ext_proc is `extproc serve --workers N` at each --extproc address (worker i on its "
+                        "port + i): every worker in the cluster, and an access log per worker")
     p.add_argument("-o", "--output", help="file to write (default: stdout)")
     p.add_argument("--validate", action="store_true", help="run envoy --mode validate on the result")
 
@@ -163,9 +192,14 @@ def run(args: argparse.Namespace) -> int:
     if not pools:
         print("at least one --pool CLUSTER=HOST:PORT is required", file=sys.stderr)
         return 2
+    if args.workers > 1 and len(args.extproc or ()) > 1:
+        print("--workers N renders the workers of one ext_proc host: give one --extproc", file=sys.stderr)
+        return 2
+    extproc = [(host, port + i) for host, port in args.extproc or [("127.0.0.1", 50051)]
+               for i in range(args.workers)]
     cfg = render(load_source(Path(args.source)), listen_port=args.listen[1], listen_host=args.listen[0],
-                 admin_port=args.admin_port, extproc=args.extproc or [("127.0.0.1", 50051)], pools=pools,
-                 mode=args.mode)
+                 admin_port=args.admin_port, extproc=extproc, pools=pools, mode=args.mode,
+                 workers=args.workers > 1)
     text = yaml.safe_dump(cfg, sort_keys=False)
     if not args.output:
         sys.stdout.write(text)

@@ -24,19 +24,6 @@ CAP = 4
 
 
 @pytest.fixture
-def upstream():
-    """tests/upstream.py in its own process: it records the most requests it ever had in service at once."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, str(HERE.parent / "upstream.py"), str(port)], start_new_session=True)
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health", timeout=20)
-        yield ("127.0.0.1", port)
-    finally:
-        proc.kill()  # no graceful drain: some tests leave long requests running
-        proc.wait(10)
-
-
-@pytest.fixture
 def replicas(tmp_path, upstream, redis_server):
     """Two stacks with the same policy: interactive capped at CAP across both, leases of 2 s."""
     policy = policy_file(tmp_path, classes={

@@ -186,6 +186,33 @@ def test_the_access_log_receiver_reports_matched_and_unmatched_completions():
     assert sample(t, "extproc_request_duration_seconds_count", **{"class": "batch", "outcome": "ok"}) == 1
 
 
+def test_a_worker_reports_only_the_tickets_it_issued():
+    t = Telemetry()
+    core = limited_core(t)
+    d = core.decide(RequestFacts(api_key="kf", model="llama"))
+    core.finish(d.ticket, Outcome.ENDED)
+    receiver = AccessLogReceiver(core, t, worker=1)
+    stream = AccessLogStream(log_entries(f"0-{d.ticket.id}", str(d.ticket.id), f"1-{d.ticket.id}"))
+    asyncio.run(receiver.StreamAccessLogs(None, stream))
+    assert sample(t, "extproc_completion_reports_total", result="matched") == 1
+    assert sample(t, "extproc_completion_reports_total", result="unmatched") == 2
+
+
+def test_envoy_config_for_workers_gives_each_its_own_access_log():
+    from extproc.tools import envoyconf
+    cfg = envoyconf.render(envoyconf.load_source(), listen_port=1, admin_port=2, extproc=[("h", 5), ("h", 6)],
+                           pools={"vllm_llama70b": [("u", 7)]}, workers=True)
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    logs = [(log["filter"]["header_filter"]["header"]["string_match"]["prefix"],
+             log["typed_config"]["common_config"]["grpc_service"]["envoy_grpc"]["cluster_name"])
+            for log in hcm["access_log"]]
+    assert logs == [("0-", "extproc_worker_0"), ("1-", "extproc_worker_1")]
+    clusters = {c["name"]: c for c in cfg["static_resources"]["clusters"]}
+    port = clusters["extproc_worker_1"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+    assert port["address"]["socket_address"]["port_value"] == 6
+    assert len(clusters["extproc"]["load_assignment"]["endpoints"][0]["lb_endpoints"]) == 2
+
+
 def serve(tmp_path, policy: str) -> Server:
     path = tmp_path / "policy.yaml"
     path.write_text(policy)

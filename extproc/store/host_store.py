@@ -1,0 +1,191 @@
+"""SlotStore shared by the workers of one `extproc serve --workers N` through this host's memory.
+
+The supervisor creates a directory with a small memory-mapped table; every worker opens it. Per class and worker
+the table holds the slots taken, their GPU-seconds and whether the worker has requests waiting; an admission
+checks the sum over the workers under a file lock (a few microseconds, against a Redis round trip's ~300 us of
+client CPU). A release wakes the other workers that wait for that class with a datagram on their Unix socket.
+
+No leases: a worker only ever frees its own slots, and when one dies the supervisor stops the rest (they are
+restarted together, on a fresh table), so a dead worker's slots cannot outlive it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import mmap
+import os
+import socket
+import struct
+from pathlib import Path
+from typing import Callable
+
+from ..policy.slot_store import SlotClaim
+
+MAX_CLASSES = 64
+_NAME = 56                       # bytes of a class name in the table (longer names are refused: schema names are short)
+_CELL = struct.Struct("=qdq")    # per worker: slots, GPU-seconds, waiting (1/0)
+_TABLE = "slots.bin"
+_LOCK = "slots.lock"
+
+
+def table_size(workers: int) -> int:
+    return MAX_CLASSES * (_NAME + workers * _CELL.size)
+
+
+def create(directory: Path, workers: int) -> None:
+    """The supervisor's part: an empty table for `workers` workers in `directory`."""
+    (directory / _TABLE).write_bytes(bytes(table_size(workers)))
+    (directory / _LOCK).touch()
+
+
+def _socket_path(directory: Path, worker: int) -> str:
+    return str(directory / f"worker-{worker}.sock")
+
+
+class HostStore:
+    """The caps of every class, shared by the N workers of one host (`extproc serve --workers N`, `kind:
+    memory`). Never unavailable: the calls are local and do not fail."""
+
+    shared = True
+
+    def __init__(self, directory: Path, worker: int, workers: int):
+        self.directory, self.worker, self.workers = Path(directory), worker, workers
+        self._file = open(self.directory / _TABLE, "r+b")  # noqa: SIM115 - held for the store's life
+        self._map = mmap.mmap(self._file.fileno(), table_size(workers))
+        self._lock_fd = os.open(self.directory / _LOCK, os.O_RDWR)
+        self._rows: dict[str, int] = {}                       # class -> row, found or claimed once per process
+        self._held: dict[tuple[str, str], float] = {}          # (class, holder) -> GPU-seconds, this worker's
+        self._listeners: list[Callable[[str], None]] = []
+        self._inbox: socket.socket | None = None
+        self._outbox = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._outbox.setblocking(False)
+
+    # --- the table (callers hold the lock) ---
+
+    @contextlib.contextmanager
+    def _locked(self):
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def _row(self, cls: str) -> int:
+        row = self._rows.get(cls)
+        if row is not None:
+            return row
+        name = cls.encode()
+        if len(name) > _NAME:
+            raise ValueError(f"class name longer than {_NAME} bytes: {cls!r}")
+        stride = _NAME + self.workers * _CELL.size
+        for row in range(MAX_CLASSES):
+            stored = self._map[row * stride: row * stride + _NAME].rstrip(b"\0")
+            if stored == name or not stored:
+                if not stored:
+                    self._map[row * stride: row * stride + len(name)] = name
+                self._rows[cls] = row
+                return row
+        raise RuntimeError(f"more than {MAX_CLASSES} classes in the shared table")
+
+    def _offset(self, row: int, worker: int) -> int:
+        return row * (_NAME + self.workers * _CELL.size) + _NAME + worker * _CELL.size
+
+    def _cells(self, row: int) -> list[tuple[int, float, int]]:
+        return [_CELL.unpack_from(self._map, self._offset(row, w)) for w in range(self.workers)]
+
+    def _set(self, row: int, slots: int, gpu: float, waiting: int) -> None:
+        _CELL.pack_into(self._map, self._offset(row, self.worker), slots, gpu, waiting)
+
+    # --- SlotStore ---
+
+    async def acquire(self, claim: SlotClaim) -> bool:
+        key = (claim.cls, claim.holder)
+        with self._locked():
+            row = self._row(claim.cls)
+            cells = self._cells(row)
+            mine = cells[self.worker]
+            if key in self._held:  # idempotent: already held
+                return True
+            slots = sum(c[0] for c in cells)
+            gpu = sum(c[1] for c in cells)
+            granted = slots < claim.cap and (claim.budget is None or gpu + claim.cost <= claim.budget * (1 + 1e-9))
+            if granted:
+                self._set(row, mine[0] + 1, mine[1] + claim.cost, 0)
+                self._held[key] = claim.cost
+            else:
+                self._set(row, mine[0], mine[1], 1)  # a release elsewhere wakes this worker
+        return granted
+
+    async def release(self, slots: list[tuple[str, str]]) -> None:
+        wake: set[tuple[str, int]] = set()
+        with self._locked():
+            for cls, holder in slots:
+                cost = self._held.pop((cls, holder), None)
+                if cost is None:
+                    continue  # idempotent
+                row = self._row(cls)
+                cells = self._cells(row)
+                n, gpu, waiting = cells[self.worker]
+                self._set(row, n - 1, max(gpu - cost, 0.0) if n > 1 else 0.0, waiting)
+                wake.update((cls, w) for w, c in enumerate(cells) if c[2] and w != self.worker)
+        for cls, w in wake:
+            with contextlib.suppress(OSError):  # a full or closed inbox: that worker's poll_ms retry covers it
+                self._outbox.sendto(cls.encode(), _socket_path(self.directory, w))
+
+    async def renew(self, held: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        return [slot for slot in held if slot not in self._held]
+
+    async def adopt(self, claims: list[SlotClaim]) -> None:
+        """Never needed on one host (the store does not fail); recorded past the cap like the Redis store."""
+        with self._locked():
+            for c in claims:
+                if (c.cls, c.holder) in self._held:
+                    continue
+                row = self._row(c.cls)
+                n, gpu, waiting = self._cells(row)[self.worker]
+                self._set(row, n + 1, gpu + c.cost, waiting)
+                self._held[(c.cls, c.holder)] = c.cost
+
+    async def ping(self) -> None:
+        pass
+
+    def count(self, cls: str) -> int:
+        """Slots of a class held on this host right now (tests and tools)."""
+        with self._locked():
+            return sum(c[0] for c in self._cells(self._row(cls)))
+
+    def on_release(self, callback: Callable[[str], None]) -> None:
+        self._listeners.append(callback)
+
+    async def start(self) -> None:
+        path = _socket_path(self.directory, self.worker)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        self._inbox = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._inbox.bind(path)
+        self._inbox.setblocking(False)
+        asyncio.get_running_loop().add_reader(self._inbox.fileno(), self._on_datagrams)
+
+    def _on_datagrams(self) -> None:
+        classes = set()
+        while True:
+            try:
+                classes.add(self._inbox.recv(256).decode())
+            except (BlockingIOError, InterruptedError):
+                break
+        for cls in classes:
+            for callback in self._listeners:
+                callback(cls)
+
+    async def close(self) -> None:
+        if self._inbox is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(self._inbox.fileno())
+            self._inbox.close()
+            self._inbox = None
+        self._outbox.close()
+        self._map.close()
+        self._file.close()
+        os.close(self._lock_fd)

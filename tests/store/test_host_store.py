@@ -1,0 +1,90 @@
+"""HostStore: the caps the workers of one `extproc serve --workers N` share through this host's memory. Two
+workers' stores on one table, in one process (the table and the wake-ups work the same across processes)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from extproc.policy.slot_store import SlotClaim
+from extproc.store import host_store
+from extproc.store.host_store import HostStore
+
+
+def claim(holder: str, cls: str = "interactive", cap: int = 2, cost: float = 1.0,
+          budget: float | None = None) -> SlotClaim:
+    return SlotClaim(cls, holder, cost, cap, budget)
+
+
+@pytest.fixture
+async def pair(tmp_path):
+    """Workers 0 and 1 of a table for two, started (their wake-up sockets bound)."""
+    host_store.create(tmp_path, 2)
+    stores = [HostStore(tmp_path, w, 2) for w in range(2)]
+    for s in stores:
+        await s.start()
+    yield stores
+    for s in stores:
+        await s.close()
+
+
+async def test_one_cap_across_the_workers(pair):
+    a, b = pair
+    assert await a.acquire(claim("a:1"))
+    assert await b.acquire(claim("b:1"))
+    assert not await a.acquire(claim("a:2"))  # 2 held on the host, one by each worker
+    assert not await b.acquire(claim("b:2"))
+    assert a.count("interactive") == b.count("interactive") == 2
+    await b.release([("interactive", "b:1")])
+    assert await a.acquire(claim("a:2"))
+    assert b.count("interactive") == 2
+
+
+async def test_classes_and_budgets_are_counted_apart(pair):
+    a, b = pair
+    assert await a.acquire(claim("a:1", cls="batch", cap=10, cost=3.0, budget=5.0))
+    assert not await b.acquire(claim("b:1", cls="batch", cap=10, cost=3.0, budget=5.0))  # 6 GPU-s > 5
+    assert await b.acquire(claim("b:2", cls="batch", cap=10, cost=2.0, budget=5.0))
+    assert await b.acquire(claim("b:3", cls="interactive", cap=1))  # another class, its own count
+    await a.release([("batch", "a:1")])
+    assert await b.acquire(claim("b:1", cls="batch", cap=10, cost=3.0, budget=5.0))
+
+
+async def test_release_and_acquire_are_idempotent_and_renew_reports_what_is_not_held(pair):
+    a, b = pair
+    assert await a.acquire(claim("a:1", cap=1))
+    assert await a.acquire(claim("a:1", cap=1))  # the same holder again: still one slot
+    assert a.count("interactive") == 1
+    await a.release([("interactive", "a:1"), ("interactive", "a:1"), ("interactive", "nobody")])
+    assert a.count("interactive") == 0
+    assert await b.acquire(claim("b:1", cap=1))
+    assert await b.renew([("interactive", "b:1"), ("interactive", "b:gone")]) == [("interactive", "b:gone")]
+
+
+async def test_a_release_wakes_the_worker_that_waits_and_only_it(pair):
+    a, b = pair
+    heard: dict[str, list[str]] = {"a": [], "b": []}
+    a.on_release(heard["a"].append)
+    b.on_release(heard["b"].append)
+    assert await a.acquire(claim("a:1", cap=1))
+    await a.release([("interactive", "a:1")])
+    await asyncio.sleep(0.05)
+    assert heard == {"a": [], "b": []}  # nobody waited
+    assert await a.acquire(claim("a:1", cap=1))
+    assert not await b.acquire(claim("b:1", cap=1))  # b waits now
+    await a.release([("interactive", "a:1")])
+    for _ in range(100):
+        if heard["b"]:
+            break
+        await asyncio.sleep(0.01)
+    assert heard == {"a": [], "b": ["interactive"]}
+
+
+async def test_adopted_slots_count_past_the_cap(pair):
+    a, b = pair
+    assert await b.acquire(claim("b:1", cap=1))
+    await a.adopt([claim("a:1", cap=1)])
+    assert a.count("interactive") == 2
+    await b.release([("interactive", "b:1")])
+    assert not await b.acquire(claim("b:2", cap=1))  # a's adopted slot still counts

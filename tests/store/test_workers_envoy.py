@@ -1,0 +1,145 @@
+"""`extproc serve --workers 2` behind one Envoy rendered for it (`envoyconf.render(workers=True)`): the workers share
+the caps through this host's memory (policy store `memory`) or through Redis, so one cap holds exactly across them,
+and each worker's access log brings back the completions of the requests it admitted (ticket header `<i>-<id>`)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+import pytest
+import yaml
+
+from extproc.tools import envoyconf
+from extproc.tools.stack import free_port, wait_http
+from tests.conftest import policy_file
+from tests.integration.helpers import chat, metrics, post, sample, sample_once, upstream_reset, upstream_stats
+
+CAP = 4
+WORKERS = 2
+
+
+def free_ports(n: int) -> int:
+    """A port p with p .. p+n-1 free: worker i listens on the given port + i."""
+    while True:
+        base = free_port()
+        if all(_free(base + i) for i in range(1, n)):
+            return base
+
+
+def _free(port: int) -> bool:
+    import socket
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def worker(supervisor: int, index: int) -> tuple[int, list[str]]:
+    """(pid, argv) of the supervisor's worker `index`."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().decode().split("\0")
+            ppid = int((cmdline.parent / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            continue
+        if ppid == supervisor and "--worker-index" in argv and argv[argv.index("--worker-index") + 1] == str(index):
+            return int(cmdline.parent.name), argv
+    raise LookupError(f"worker {index} of {supervisor} not found")
+
+
+def serve(policy: Path, grpc: int, metrics_port: int, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "extproc.cli", "serve", "--policy", str(policy),
+                             "--grpc", f"127.0.0.1:{grpc}", "--metrics", f"127.0.0.1:{metrics_port}",
+                             "--drain-s", "0", "--grace-s", "1", "--workers", str(WORKERS)],
+                            stdout=subprocess.DEVNULL, stderr=open(log, "wb"), start_new_session=True)
+
+
+@pytest.fixture(params=["memory", "redis"])
+def workers(request, tmp_path, upstream):
+    """(Envoy URL, the workers' metrics URLs, the supervisor) for a cap of CAP shared by two workers."""
+    if request.param == "redis":
+        redis = request.getfixturevalue("redis_server")
+        store = {"kind": "redis", "url": redis.url, "key_prefix": f"w{free_port()}:"}
+    else:
+        store = {"kind": "memory"}
+    policy = policy_file(tmp_path, classes={"interactive": {"max_concurrency": CAP, "max_queue": 100,
+                                                            "max_wait_ms": 10_000},
+                                            "batch": {"max_concurrency": 2}}, store=store)
+    grpc, mport = free_ports(WORKERS), free_ports(WORKERS)
+    sup = serve(policy, grpc, mport, tmp_path / "extproc.log")
+    listen, admin = free_port(), free_port()
+    cfg = envoyconf.render(envoyconf.load_source(), listen_port=listen, admin_port=admin,
+                           extproc=[("127.0.0.1", grpc + i) for i in range(WORKERS)],
+                           pools={"vllm_llama70b": [upstream], "vllm_llama8b": [upstream]}, workers=True)
+    (tmp_path / "envoy.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    envoy = subprocess.Popen([envoyconf.envoy_binary(), "-c", str(tmp_path / "envoy.yaml"), "--concurrency", "1",
+                              "--log-level", "error", "--base-id", str(admin), "--disable-hot-restart"],
+                             start_new_session=True)
+    metrics_urls = [f"http://127.0.0.1:{mport + i}" for i in range(WORKERS)]
+    try:
+        for url in metrics_urls:
+            wait_http(f"{url}/healthz", timeout=30, proc=sup)
+        wait_http(f"http://127.0.0.1:{admin}/ready", proc=envoy)
+        time.sleep(2.5)  # Envoy's gRPC health check (1 s interval) marks both workers healthy
+        yield f"http://127.0.0.1:{listen}", metrics_urls, sup
+    finally:
+        envoy.terminate()
+        envoy.wait(10)
+        if sup.poll() is None:
+            sup.send_signal(signal.SIGTERM)
+            sup.wait(20)
+
+
+async def test_two_workers_hold_one_cap_and_each_hears_its_own_completions(workers, upstream):
+    url, metrics_urls, _ = workers
+    async with aiohttp.ClientSession() as http:
+        await upstream_reset(http, upstream)
+
+        async def client() -> list[int]:
+            return [(await post(http, url, chat(), {"x-test-delay-ms": "60"}))[0] for _ in range(3)]
+
+        results = await asyncio.gather(*[client() for _ in range(16)])
+        assert sorted({s for r in results for s in r}) == [200]
+        assert (await upstream_stats(http, upstream))["max_in_service"] == CAP  # one cap, not one per worker
+        accepted = []
+        for m in metrics_urls:
+            ms = await metrics(http, m)
+            accepted.append(sample(ms, "extproc_requests_total", decision="accept"))
+            # Every admission of this worker comes back through its own access log, none of the other's.
+            assert await sample_once(http, m, "extproc_completion_reports_total", accepted[-1],
+                                     result="matched") == accepted[-1]
+            assert sample(ms, "extproc_completion_reports_total", result="unmatched") == 0
+        assert sum(accepted) == 48 and min(accepted) > 0  # Envoy spread the streams over both workers
+
+
+def test_the_supervisor_stops_every_worker_on_sigterm_and_cleans_up(workers, request):
+    _, metrics_urls, sup = workers
+    with urllib.request.urlopen(f"{metrics_urls[0]}/metrics") as r:
+        assert 'extproc_store_state{state="shared"} 1.0' in r.read().decode()
+    _, argv = worker(sup.pid, 0)
+    table = Path(argv[argv.index("--host-store") + 1]) if "--host-store" in argv else None
+    assert (table is not None) == (request.node.callspec.params["workers"] == "memory")
+    sup.send_signal(signal.SIGTERM)
+    assert sup.wait(20) == 0
+    for m in metrics_urls:
+        with pytest.raises(OSError):
+            wait_http(f"{m}/healthz", timeout=0.5)
+    assert table is None or not table.exists()  # the supervisor removed the workers' table
+
+
+def test_a_dead_worker_stops_the_others(workers):
+    _, metrics_urls, sup = workers
+    os.kill(worker(sup.pid, 1)[0], signal.SIGKILL)
+    assert sup.wait(20) != 0  # exits with the dead worker's status: the pod restarts whole, on a fresh table
+    with pytest.raises(OSError):
+        wait_http(f"{metrics_urls[0]}/healthz", timeout=0.5)
