@@ -46,6 +46,8 @@ bench: venv system-deps
 	$(BIN)/python bench/decision.py
 	$(BIN)/python bench/cost_estimate.py
 	$(BIN)/python bench/overhead.py
+	$(BIN)/python bench/transport.py
+	$(BIN)/python bench/workers.py
 
 # Regenerate the configuration reference from the policy schema (a test fails when it is stale).
 docs: venv

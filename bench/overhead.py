@@ -2,16 +2,24 @@
 
 The upstream is a second Envoy answering every request with a fixed OpenAI-shaped JSON (`direct_response`), so
 neither the upstream nor Python on the upstream side limits the numbers. Both front configurations are rendered
-from envoy/envoy.yaml; "alone" only drops the ext_proc filter. Run:  python bench/overhead.py [--duration 10]
+from envoy/envoy.yaml; "alone" only drops the ext_proc filter.
+`--baseline REF` adds a third setup, the ext_proc and envoy.yaml of another commit (e.g. `main`), in the same run.
+`--scenario` picks what each request takes: `common` (admitted, nothing rewritten), `degrade` (cap 1, overflow
+degraded with a body rewrite: the body path at 64 connections), `learn` (every response's usage read).
+Run:  python bench/overhead.py [--duration 10] [--baseline main] [--scenario common]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import re
+import signal
 import subprocess
+import tarfile
 import sys
 import tempfile
 import time
@@ -34,6 +42,19 @@ REPLY = json.dumps({"id": "chatcmpl-bench", "object": "chat.completion", "create
 
 POLICY = {"classes": {"interactive": {"max_concurrency": 10000, "max_queue": 0, "max_wait_ms": 0}},
           "models": {"llama-70b": {"cluster": "vllm_llama70b"}}}
+SCENARIOS = {
+    "common": POLICY,
+    # One slot, no queue: at 64 connections nearly every request overflows into a degrade that rewrites the body
+    # (max_tokens clamped): the body is read and written back. At 1 connection the slot is always free.
+    "degrade": {"classes": {"interactive": {"max_concurrency": 1, "max_queue": 0, "max_wait_ms": 0,
+                                            "on_overflow": "fallback",
+                                            "fallback": {"action": "degrade", "max_tokens": 8,
+                                                         "max_concurrency": 10000}}},
+                "models": {"llama-70b": {"cluster": "vllm_llama70b"}}},
+    # Every response's usage read for cost learning (the response headers and body come to the ext_proc).
+    "learn": {**POLICY, "learn_sample": 1.0},
+}
+SETUPS = {"plain": "Envoy alone", "baseline": "Envoy + ext_proc (baseline)", "extproc": "Envoy + ext_proc"}
 
 
 def upstream_config(port: int, admin: int) -> dict:
@@ -88,6 +109,39 @@ def _ms(text: str) -> float:
     return float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit]
 
 
+def export_tree(ref: str, dest: Path) -> Path:
+    """The repository at `ref`, as files (git archive: no worktree to clean up)."""
+    dest.mkdir(parents=True)
+    tar = subprocess.run(["git", "-C", str(ROOT), "archive", ref], capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(tar)) as t:
+        t.extractall(dest, filter="data")
+    return dest
+
+
+@contextlib.contextmanager
+def baseline_stack(tree: Path, workdir: Path, pools: dict, policy: Path):
+    """`extproc stack` run from another commit's tree (its ext_proc, its envoy.yaml): (url, ext_proc pid)."""
+    pool_args = [a for name, eps in pools.items() for a in ("--pool", f"{name}=" + ",".join(f"{h}:{p}" for h, p in eps))]
+    proc = subprocess.Popen([sys.executable, "-m", "extproc.cli", "stack", "--policy", str(policy), *pool_args,
+                             "--workdir", str(workdir)], cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        info = json.loads(proc.stdout.readline())
+        yield info["url"], _child_serving(proc.pid)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+
+
+def _child_serving(parent: int) -> int:
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == parent and b"serve" in (stat.parent / "cmdline").read_bytes():
+                return int(stat.parent.name)
+    raise RuntimeError("the baseline's ext_proc process was not found")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--duration", type=int, default=10, help="seconds per wrk run")
@@ -95,6 +149,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="alternate the two setups this many times")
     ap.add_argument("--output", help="append the markdown table to this file")
     ap.add_argument("--no-uvloop", action="store_true", help="run the ext_proc on asyncio's default event loop")
+    ap.add_argument("--baseline", metavar="REF", help="also measure the ext_proc + envoy.yaml of this git ref")
+    ap.add_argument("--scenario", choices=SCENARIOS, default="common")
+    ap.add_argument("--extproc-arg", action="append", default=[], help="extra `extproc serve` argument (repeat)")
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="extproc-bench-"))
@@ -104,21 +161,21 @@ def main() -> int:
     upstream = subprocess.Popen([envoy_binary(), "-c", str(cfg), "--concurrency", "1", "--log-level", "error",
                                  "--base-id", str(up_admin), "--disable-hot-restart"], start_new_session=True)
     policy = work / "policy.yaml"
-    policy.write_text(yaml.safe_dump(POLICY))
+    policy.write_text(yaml.safe_dump(SCENARIOS[args.scenario]))
+    baseline = export_tree(args.baseline, work / "baseline-tree") if args.baseline else None
+    modes = ("plain", "baseline", "extproc") if baseline else ("plain", "extproc")
     script = work / "post.lua"
     script.write_text(WRK_LUA)
     pools = {"vllm_llama70b": [("127.0.0.1", up_port)]}
     results: dict[tuple[str, int], list[dict]] = {}
     try:
         wait_http(f"http://127.0.0.1:{up_admin}/ready")
-        for _ in range(args.rounds):
-            for mode in ("plain", "extproc"):
-                with Stack(work / mode, pools, policy_path=policy, mode=mode,
-                           extproc_args=["--no-uvloop"] if args.no_uvloop else []) as stack:
-                    wrk(stack.url, 4, 2, script)  # warm up connections and code paths
-                    pid = stack.process("extproc").popen.pid if mode == "extproc" else None
+        for n in range(args.rounds):
+            for mode in modes:
+                with _setup(mode, work / f"{mode}{n}", pools, policy, baseline, args) as (url, pid):
+                    wrk(url, 4, 2, script)  # warm up connections and code paths
                     for c in args.connections:
-                        r = wrk(stack.url, c, args.duration, script, pid)
+                        r = wrk(url, c, args.duration, script, pid)
                         results.setdefault((mode, c), []).append(r)
                         print(f"  {mode:8s} c={c:<3d} {r['rps']:9.0f} req/s  p50 {r['p50']:.3f} ms  "
                               f"p99 {r['p99']:.3f} ms  ext_proc CPU {r['cpu_us']:.0f} us/req  non2xx {r['non2xx']} "
@@ -127,12 +184,24 @@ def main() -> int:
     finally:
         upstream.terminate()
         upstream.wait(10)
-    table = render(results, args)
+    table = render(results, args, modes)
     print(table)
     if args.output:
         with open(args.output, "a", encoding="utf-8") as f:
             f.write(table + "\n")
     return 0
+
+
+@contextlib.contextmanager
+def _setup(mode: str, workdir: Path, pools: dict, policy: Path, baseline: Path | None, args):
+    """(url, ext_proc pid or None) of one setup, for the time of the `with`."""
+    if mode == "baseline":
+        with baseline_stack(baseline, workdir, pools, policy) as got:
+            yield got
+        return
+    extproc_args = (["--no-uvloop"] if args.no_uvloop else []) + args.extproc_arg
+    with Stack(workdir, pools, policy_path=policy, mode=mode, extproc_args=extproc_args) as stack:
+        yield stack.url, stack.process("extproc").popen.pid if mode == "extproc" else None
 
 
 def _median(xs: list[float]) -> float:
@@ -141,22 +210,21 @@ def _median(xs: list[float]) -> float:
     return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
 
 
-def render(results: dict, args) -> str:
-    lines = [f"Envoy alone vs Envoy + ext_proc; wrk -t1, {args.duration}s per run, median of {args.rounds} "
-             "alternating rounds; POST /v1/chat/completions with a JSON body, full ext_proc lifecycle "
-             "(request headers + buffered body + response headers + stream end).", "",
+def render(results: dict, args, modes: tuple[str, ...]) -> str:
+    lines = [f"Envoy alone vs Envoy + ext_proc; scenario `{args.scenario}`; wrk -t1, {args.duration}s per run, "
+             f"median of {args.rounds} alternating rounds; POST /v1/chat/completions with a JSON body"
+             + (f"; baseline = {args.baseline}" if args.baseline else "") + ".", "",
              "| connections | setup | req/s | p50 ms | p99 ms | added p50 ms | added p99 ms | req/s ratio | "
              "ext_proc CPU per request |",
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for c in args.connections:
         base = {k: _median([r[k] for r in results[("plain", c)]]) for k in ("rps", "p50", "p99")}
-        for mode in ("plain", "extproc"):
+        for mode in modes:
             m = {k: _median([r[k] for r in results[(mode, c)]]) for k in ("rps", "p50", "p99", "cpu_us")}
-            added = (f"{m['p50'] - base['p50']:+.3f} | {m['p99'] - base['p99']:+.3f}" if mode == "extproc"
+            added = (f"{m['p50'] - base['p50']:+.3f} | {m['p99'] - base['p99']:+.3f}" if mode != "plain"
                      else "  |  ")
-            label = "Envoy alone" if mode == "plain" else "Envoy + ext_proc"
-            cpu = f"{m['cpu_us']:.0f} us" if mode == "extproc" else ""
-            lines.append(f"| {c} | {label} | {m['rps']:.0f} | {m['p50']:.3f} | {m['p99']:.3f} | {added} | "
+            cpu = f"{m['cpu_us']:.0f} us" if mode != "plain" else ""
+            lines.append(f"| {c} | {SETUPS[mode]} | {m['rps']:.0f} | {m['p50']:.3f} | {m['p99']:.3f} | {added} | "
                          f"{m['rps'] / base['rps']:.2f} | {cpu} |")
     return "\n".join(lines)
 
