@@ -129,16 +129,30 @@ def baseline_stack(tree: Path, workdir: Path, pools: dict, policy: Path):
         info = json.loads(proc.stdout.readline())
         yield info["url"], _child_serving(proc.pid)
     finally:
+        # An older `extproc stack` left its ext_proc and Envoy (each in a session of its own) running after
+        # SIGTERM: stop them by pid.
+        children = _children(proc.pid)
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _children(parent: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                out.append(int(stat.parent.name))
+    return out
 
 
 def _child_serving(parent: int) -> int:
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for pid in _children(parent):
         with contextlib.suppress(OSError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[1]) == parent and b"serve" in (stat.parent / "cmdline").read_bytes():
-                return int(stat.parent.name)
+            if b"serve" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
     raise RuntimeError("the baseline's ext_proc process was not found")
 
 
