@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import hashlib
 import mmap
 import os
 import socket
@@ -23,8 +24,8 @@ from typing import Callable
 
 from ..policy.slot_store import SlotClaim
 
-MAX_CLASSES = 64
-_NAME = 56                       # bytes of a class name in the table (longer names are refused: schema names are short)
+MAX_CLASSES = 256                # rows in the table (a policy has a handful of classes)
+_NAME = 56                       # bytes of a class name in the table (a longer name is stored as its hash)
 _CELL = struct.Struct("=qdq")    # per worker: slots, GPU-seconds, waiting (1/0)
 _TABLE = "slots.bin"
 _LOCK = "slots.lock"
@@ -78,7 +79,7 @@ class HostStore:
             return row
         name = cls.encode()
         if len(name) > _NAME:
-            raise ValueError(f"class name longer than {_NAME} bytes: {cls!r}")
+            name = b"#" + hashlib.blake2b(name, digest_size=(_NAME - 1) // 2).hexdigest().encode()
         stride = _NAME + self.workers * _CELL.size
         for row in range(MAX_CLASSES):
             stored = self._map[row * stride: row * stride + _NAME].rstrip(b"\0")

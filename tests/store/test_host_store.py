@@ -88,3 +88,12 @@ async def test_adopted_slots_count_past_the_cap(pair):
     assert a.count("interactive") == 2
     await b.release([("interactive", "b:1")])
     assert not await b.acquire(claim("b:2", cap=1))  # a's adopted slot still counts
+
+
+async def test_a_long_class_name_has_its_own_row(pair):
+    a, b = pair
+    long_a, long_b = "x" * 80 + "a", "x" * 80 + "b"  # equal in their first 56 bytes
+    assert await a.acquire(claim("a:1", cls=long_a, cap=1))
+    assert await b.acquire(claim("b:1", cls=long_b, cap=1))
+    assert not await b.acquire(claim("b:2", cls=long_a, cap=1))
+    assert a.count(long_a) == b.count(long_b) == 1
