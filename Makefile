@@ -48,6 +48,7 @@ bench: venv system-deps
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/transport.py
 	$(BIN)/python bench/workers.py
+	$(BIN)/python bench/slot_drift.py
 
 # Regenerate the configuration reference from the policy schema (a test fails when it is stale).
 docs: venv
