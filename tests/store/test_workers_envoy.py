@@ -17,9 +17,12 @@ import aiohttp
 import pytest
 import yaml
 
+from extproc.policy.schema import StoreSpec
+from extproc.store.host_store import HostStore
+from extproc.store.redis_store import RedisStore
 from extproc.tools import envoyconf
 from extproc.tools.stack import free_port, wait_http
-from tests.conftest import policy_file
+from tests.conftest import policy_file, until
 from tests.integration.helpers import chat, metrics, post, sample, sample_once, upstream_reset, upstream_stats
 
 CAP = 4
@@ -91,7 +94,7 @@ def workers(request, tmp_path, upstream):
             wait_http(f"{url}/healthz", timeout=30, proc=sup)
         wait_http(f"http://127.0.0.1:{admin}/ready", proc=envoy)
         time.sleep(2.5)  # Envoy's gRPC health check (1 s interval) marks both workers healthy
-        yield f"http://127.0.0.1:{listen}", metrics_urls, sup
+        yield f"http://127.0.0.1:{listen}", metrics_urls, sup, store
     finally:
         envoy.terminate()
         envoy.wait(10)
@@ -101,7 +104,7 @@ def workers(request, tmp_path, upstream):
 
 
 async def test_two_workers_hold_one_cap_and_each_hears_its_own_completions(workers, upstream):
-    url, metrics_urls, _ = workers
+    url, metrics_urls, sup, store = workers
     async with aiohttp.ClientSession() as http:
         await upstream_reset(http, upstream)
 
@@ -120,10 +123,27 @@ async def test_two_workers_hold_one_cap_and_each_hears_its_own_completions(worke
                                      result="matched") == accepted[-1]
             assert sample(ms, "extproc_completion_reports_total", result="unmatched") == 0
         assert sum(accepted) == 48 and min(accepted) > 0  # Envoy spread the streams over both workers
+    assert await until(lambda: shared_count(sup, store), holds=lambda n: n == 0) == 0  # every slot given back
+
+
+async def shared_count(sup: subprocess.Popen, store: dict) -> int:
+    """Slots of `interactive` held in the store the workers share, read from outside them."""
+    if store["kind"] == "redis":
+        shared = RedisStore(StoreSpec(kind="redis", url=store["url"], key_prefix=store["key_prefix"]))
+        try:
+            return await shared.count("interactive")
+        finally:
+            await shared.close()
+    _, argv = worker(sup.pid, 0)
+    table = HostStore(Path(argv[argv.index("--host-store") + 1]), 0, WORKERS)
+    try:
+        return table.count("interactive")
+    finally:
+        await table.close()
 
 
 def test_the_supervisor_stops_every_worker_on_sigterm_and_cleans_up(workers, request):
-    _, metrics_urls, sup = workers
+    _, metrics_urls, sup, _ = workers
     with urllib.request.urlopen(f"{metrics_urls[0]}/metrics") as r:
         assert 'extproc_store_state{state="shared"} 1.0' in r.read().decode()
     _, argv = worker(sup.pid, 0)
@@ -138,7 +158,7 @@ def test_the_supervisor_stops_every_worker_on_sigterm_and_cleans_up(workers, req
 
 
 def test_a_dead_worker_stops_the_others(workers):
-    _, metrics_urls, sup = workers
+    _, metrics_urls, sup, _ = workers
     os.kill(worker(sup.pid, 1)[0], signal.SIGKILL)
     assert sup.wait(20) != 0  # exits with the dead worker's status: the pod restarts whole, on a fresh table
     with pytest.raises(OSError):
