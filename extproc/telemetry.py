@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -45,13 +46,47 @@ class _Children(dict):
         return child
 
 
+class LogBudget:
+    """At most `per_s` decision lines a second for each (class, decision, reason); the rest are counted and
+    summed up in one line when that key's next second begins. A spike refuses or degrades thousands of requests a
+    second: a line each would cost more CPU than the decisions (the metrics count every one). 0: no limit."""
+
+    def __init__(self, per_s: int, clock=time.monotonic):
+        self.per_s = per_s
+        self.clock = clock
+        self._windows: dict[tuple, list] = {}  # key -> [second it counts, lines written, lines suppressed]
+
+    def allow(self, key: tuple) -> bool:
+        if not self.per_s:
+            return True
+        now = self.clock()
+        w = self._windows.get(key)
+        if w is None or now - w[0] >= 1.0:
+            if w is not None and w[2]:
+                _suppressed(key, w[2], now - w[0])
+            w = self._windows[key] = [now, 0, 0]
+        if w[1] < self.per_s:
+            w[1] += 1
+            return True
+        w[2] += 1
+        return False
+
+
+def _suppressed(key: tuple, count: int, over_s: float) -> None:
+    cls, kind, reason = key
+    decision_log.info(json.dumps({"event": "decisions_suppressed", "class": cls, "decision": kind, "reason": reason,
+                                  "count": count, "over_s": round(over_s, 3)}, separators=(",", ":")))
+
+
 class Telemetry:
     """Implements the core's AdmissionEvents and the access log's CompletionReportEvents; owns the registry."""
 
-    def __init__(self, registry: CollectorRegistry | None = None, log_accept_sample: float = 0.0):
+    def __init__(self, registry: CollectorRegistry | None = None, log_accept_sample: float = 0.0,
+                 log_per_s: int = 0, clock=time.monotonic):
         self.registry = registry or CollectorRegistry()
         self.log_accept_sample = log_accept_sample  # share of accepted requests logged too (refusals always are)
         self._accept_credit = 0.0
+        self.log_budget = LogBudget(log_per_s, clock)  # decision lines per second per (class, decision, reason)
         r = self.registry
         # Labelled metrics are kept as their cached children (see _Children); `.metric` is the metric itself.
         self.requests = _Children(Counter(
@@ -132,7 +167,8 @@ class Telemetry:
             self.queue_wait[d.cls].observe(d.waited_s)
             self.tenant_wait[d.cls, d.tenant].observe(d.waited_s)
         if d.kind != ACCEPT or d.shadow_would is not None or (self.log_accept_sample and self._sample_accept()):
-            self.log_decision(d)
+            if self.log_budget.allow((d.cls, d.kind, d.reason)):
+                self.log_decision(d)
 
     def rate_limit_checked(self, tenant: str, exceeded: str | None) -> None:
         if exceeded is None:

@@ -66,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default=os.environ.get("EXTPROC_LOG_LEVEL", "INFO"))
     p.add_argument("--log-accept-sample", type=float, default=0.0, metavar="FRACTION",
                    help="also log this share of accepted requests (refusals are always logged), e.g. 0.01")
+    p.add_argument("--log-decisions-per-s", type=int, default=20, metavar="N",
+                   help="at most N decision lines a second per (class, decision, reason); the rest are summed up "
+                        "in one `decisions_suppressed` line a second (the metrics count every decision); 0: no limit")
     p.add_argument("--workers", type=int, default=1, metavar="N",
                    help="run N ext_proc processes (one core each), worker i on the --grpc and --metrics ports + i, "
                         "sharing the caps through this host's memory (policy `store: {kind: memory}`) or the "
@@ -81,7 +84,7 @@ class Server:
     def __init__(self, policy_path: str, policy: Policy, args: argparse.Namespace):
         self.policy_path = policy_path
         self.args = args
-        self.telemetry = Telemetry(log_accept_sample=args.log_accept_sample)
+        self.telemetry = Telemetry(log_accept_sample=args.log_accept_sample, log_per_s=args.log_decisions_per_s)
         self.core = AdmissionController(policy, events=self.telemetry)
         self.sustained = SustainedLoad(policy.sustained_window_s)
         self.telemetry.watch(self.core, self.sustained)
@@ -306,6 +309,7 @@ def worker_argv(args: argparse.Namespace, i: int) -> list[str]:
             "--metrics", f"{mhost}:{mport + i}", "--max-body-bytes", str(args.max_body_bytes),
             "--watch-interval", str(args.watch_interval), "--drain-s", str(args.drain_s), "--grace-s",
             str(args.grace_s), "--log-level", args.log_level, "--log-accept-sample", str(args.log_accept_sample),
+            "--log-decisions-per-s", str(args.log_decisions_per_s),
             "--workers", str(args.workers), "--worker-index", str(i)]
     if args.host_store:
         argv += ["--host-store", args.host_store]

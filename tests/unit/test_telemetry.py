@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 
 import grpc.aio
 from envoy.service.accesslog.v3 import als_pb2
@@ -252,3 +253,34 @@ def test_flows_are_exported_per_tenant_with_keys_from_a_header_folded_into_other
     core.finish(first.ticket, Outcome.OK)
     assert sample(t, "extproc_tenant_queue_waited_seconds_total", **{"class": "batch", "tenant": "other"}) == 0.5
     assert sample(t, "extproc_tenant_queue_wait_seconds_count", **{"class": "batch", "tenant": "acme"}) == 1
+
+
+def test_refusals_past_the_log_budget_are_summed_up_in_one_line_not_written_each(caplog):
+    """A spike refuses thousands of requests a second: at most `log_per_s` lines a second per (class, decision,
+    reason), then one `decisions_suppressed` line with the count; the metric still counts every refusal."""
+    now = [0.0]
+    t = Telemetry(log_per_s=3, clock=lambda: now[0])
+    core = limited_core(t)
+    facts = RequestFacts(api_key="kf", model="nope")  # 404 unknown_model, a refusal each
+    caplog.set_level("INFO", logger="extproc.decisions")
+    for _ in range(10):
+        core.decide(facts)
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "extproc.decisions"]
+    assert [line["event"] for line in lines] == ["decision"] * 3
+    now[0] = 1.5
+    core.decide(facts)
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "extproc.decisions"]
+    summary = lines[3]
+    assert (summary["event"], summary["count"]) == ("decisions_suppressed", 7)
+    assert [line["event"] for line in lines[4:]] == ["decision"]
+    assert sample(t, "extproc_requests_total", **{"class": summary["class"] or "unclassified",
+                                                  "decision": summary["decision"], "reason": summary["reason"]}) == 11
+
+
+def test_a_log_budget_of_zero_logs_every_refusal(caplog):
+    t = Telemetry(log_per_s=0)
+    core = limited_core(t)
+    caplog.set_level("INFO", logger="extproc.decisions")
+    for _ in range(30):
+        core.decide(RequestFacts(api_key="kf", model="nope"))
+    assert sum(1 for r in caplog.records if r.name == "extproc.decisions") == 30
