@@ -84,7 +84,7 @@ class Telemetry:
     def __init__(self, registry: CollectorRegistry | None = None, log_accept_sample: float = 0.0,
                  log_per_s: int = 0, clock=time.monotonic):
         self.registry = registry or CollectorRegistry()
-        self.log_accept_sample = log_accept_sample  # share of accepted requests logged too (refusals always are)
+        self.log_accept_sample = log_accept_sample  # share of accepted requests logged too (all others are)
         self._accept_credit = 0.0
         self.log_budget = LogBudget(log_per_s, clock)  # decision lines per second per (class, decision, reason)
         r = self.registry

@@ -65,7 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "30; a signal during it cuts them at once)")
     p.add_argument("--log-level", default=os.environ.get("EXTPROC_LOG_LEVEL", "INFO"))
     p.add_argument("--log-accept-sample", type=float, default=0.0, metavar="FRACTION",
-                   help="also log this share of accepted requests (refusals are always logged), e.g. 0.01")
+                   help="also log this share of accepted requests (refusals and degrades are logged, within "
+                        "--log-decisions-per-s), e.g. 0.01")
     p.add_argument("--log-decisions-per-s", type=int, default=20, metavar="N",
                    help="at most N decision lines a second per (class, decision, reason); the rest are summed up "
                         "in one `decisions_suppressed` line a second (the metrics count every decision); 0: no limit")
