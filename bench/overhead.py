@@ -5,7 +5,7 @@ neither the upstream nor Python on the upstream side limits the numbers. Both fr
 from envoy/envoy.yaml; "alone" only drops the ext_proc filter.
 `--baseline REF` adds a third setup, the ext_proc and envoy.yaml of another commit (e.g. `main`), in the same run.
 `--scenario` picks what each request takes: `common` (admitted, nothing rewritten), `degrade` (cap 1, overflow
-degraded with a body rewrite: the body path at 64 connections), `learn` (every response's usage read).
+degraded with a body rewrite: the body path at 64 connections), `reject` (cap 1: nearly all refused), `learn` (every response's usage read).
 Run:  python bench/overhead.py [--duration 10] [--baseline main] [--scenario common]
 """
 
@@ -51,6 +51,10 @@ SCENARIOS = {
                                             "fallback": {"action": "degrade", "max_tokens": 8,
                                                          "max_concurrency": 10000}}},
                 "models": {"llama-70b": {"cluster": "vllm_llama70b"}}},
+    # One slot, no queue, no fallback: at 64 connections nearly every request is refused (429 with its JSON body,
+    # answered by the ext_proc itself): how fast a flood is told no. At 1 connection the slot is always free.
+    "reject": {"classes": {"interactive": {"max_concurrency": 1, "max_queue": 0, "max_wait_ms": 0}},
+               "models": {"llama-70b": {"cluster": "vllm_llama70b"}}},
     # Every response's usage read for cost learning (the response headers and body come to the ext_proc).
     "learn": {**POLICY, "learn_sample": 1.0},
 }
