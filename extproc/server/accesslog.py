@@ -24,10 +24,11 @@ log = logging.getLogger("extproc.accesslog")
 TICKET_HEADER = "x-extproc-ticket"
 
 
-def ticket_value(worker: int | None, ticket_id: int) -> str:
-    """The ticket header: the ticket's id, after `<worker>-` when the ext_proc is one of several workers (Envoy
-    then sends each worker's access-log entries to that worker, matched on the prefix: envoyconf.render)."""
-    return str(ticket_id) if worker is None else f"{worker}-{ticket_id}"
+def ticket_prefix(worker: int | None) -> str:
+    """What a worker's ticket headers start with: `<worker>-` when the ext_proc is one of several workers (Envoy
+    then sends each worker's access-log entries to that worker, matched on the prefix: envoyconf.render), else
+    nothing. The ticket's id follows."""
+    return "" if worker is None else f"{worker}-"
 
 # Response flags meaning the upstream side failed the request (it may still have sent a 200 first).
 _UPSTREAM_FLAGS = ("upstream_remote_reset", "upstream_connection_failure", "upstream_connection_termination",
@@ -75,7 +76,7 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
     def __init__(self, core: AdmissionController, events: CompletionReportEvents | None = None,
                  worker: int | None = None):
         self.core = core
-        self._prefix = "" if worker is None else f"{worker}-"  # this worker's tickets (ticket_value)
+        self._prefix = ticket_prefix(worker)  # this worker's tickets
         self.events: CompletionReportEvents = events or NoCompletionReportEvents()
         self._closing = asyncio.Event()
 

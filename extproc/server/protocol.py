@@ -10,7 +10,7 @@ from google.protobuf import duration_pb2
 
 from ..policy.admission import Decision
 from ..policy.reasons import R_ADMISSION_ERROR, say
-from .accesslog import TICKET_HEADER, ticket_value
+from .accesslog import TICKET_HEADER
 from .openai import BadRequest, RequestBody, canned_body, error_body
 
 CLUSTER_HEADER = "x-extproc-cluster"
@@ -177,12 +177,12 @@ def canned(d: Decision, body: RequestBody) -> pb.ProcessingResponse:
 
 
 def forward(d: Decision, queue_wait_ms: int | None, note: tuple[str, str] | None,
-            body: bytes | None, worker: int | None = None) -> pb.ProcessingResponse:
+            body: bytes | None, ticket_prefix: str = "") -> pb.ProcessingResponse:
     """An admission: route to `d.cluster`, tag the request, and send `body` instead of the client's if given."""
     # The pool to route to; the rest is echoed to the client by the route's response_headers_to_add and ties
     # Envoy's access log entry back to this ticket.
     headers = [header(CLUSTER_HEADER, d.cluster), header("x-extproc-class", d.cls),
-               header("x-extproc-decision", d.kind), header(TICKET_HEADER, ticket_value(worker, d.ticket.id))]
+               header("x-extproc-decision", d.kind), header(TICKET_HEADER, ticket_prefix + str(d.ticket.id))]
     if queue_wait_ms is not None:
         headers.append(header("x-extproc-queue-wait-ms", str(queue_wait_ms)))
     for k, v in d.headers:

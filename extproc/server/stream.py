@@ -15,6 +15,7 @@ from ..policy.reasons import (R_BODY_TOO_LARGE, R_CONFLICTING_KEYS, R_METHOD_NOT
 from ..policy.schema import Policy
 from ..store.shared_slots import SharedSlots
 from . import protocol
+from .accesslog import ticket_prefix
 from .final_admission import FinalAdmission
 from .openai import (ENDPOINTS, BadRequest, Endpoint, RequestBody, degrade_body, dump_json, empty_body,
                      parse_body)
@@ -70,7 +71,7 @@ class Processor:
     def __init__(self, core: AdmissionController, shared: SharedSlots | None = None,
                  max_body_bytes: int = 4 << 20, worker: int | None = None):
         self.core = core
-        self.worker = worker                 # this process's index among `extproc serve --workers N`
+        self.ticket_prefix = ticket_prefix(worker)  # this worker's, among `extproc serve --workers N`
         self.shared = shared                 # global slots from a shared store (policy `store: {kind: redis}`)
         self.max_body_bytes = max_body_bytes
         self.live: set[Ticket] = set()       # tickets whose stream is still open (their leases get renewed)
@@ -267,7 +268,7 @@ class Stream:
         elif d.shadow_would is not None:
             note = ("x-extproc-shadow", f"would-{d.shadow_would.kind}; reason={d.shadow_would.reason}")
         answer = protocol.forward(d, queue_wait_ms, note, dump_json(body.doc) if body.rewrite else None,
-                                  self.processor.worker)
+                                  self.processor.ticket_prefix)
         self._enter(Phase.FORWARDING)
         return answer
 

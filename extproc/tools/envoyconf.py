@@ -12,6 +12,8 @@ from typing import Any
 
 import yaml
 
+from ..server.accesslog import TICKET_HEADER, ticket_prefix
+
 SOURCE = Path(__file__).resolve().parents[2] / "envoy" / "envoy.yaml"
 EXT_PROC = "envoy.filters.http.ext_proc"
 ADAPTIVE = "envoy.filters.http.adaptive_concurrency"
@@ -103,8 +105,8 @@ def _access_log_per_worker(cfg: dict[str, Any], hcm: dict[str, Any], workers: li
         _set_endpoints(sink, [endpoint])
         cfg["static_resources"]["clusters"].append(sink)
         log = copy.deepcopy(template)
-        log["filter"] = {"header_filter": {"header": {"name": "x-extproc-ticket",
-                                                      "string_match": {"prefix": f"{i}-"}}}}
+        log["filter"] = {"header_filter": {"header": {"name": TICKET_HEADER,
+                                                      "string_match": {"prefix": ticket_prefix(i)}}}}
         log["typed_config"]["common_config"]["grpc_service"] = {"envoy_grpc": {"cluster_name": sink["name"]}}
         log["typed_config"]["common_config"]["log_name"] = f"extproc_worker_{i}"
         logs.append(log)
