@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -29,36 +28,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from overhead import WRK_LUA, upstream_config, wrk  # noqa: E402
+from overhead import WRK_LUA, _children, cpu_seconds, upstream_config, wrk  # noqa: E402
 
 from extproc.store.local_redis import RedisServer  # noqa: E402
 from extproc.tools import envoyconf  # noqa: E402
-from extproc.tools.stack import free_port, wait_http  # noqa: E402
-
-
-def free_run(n: int) -> int:
-    """A port p with p .. p+n-1 all free (the workers listen on consecutive ports)."""
-    while True:
-        base = free_port()
-        with contextlib.ExitStack() as stack:
-            try:
-                for i in range(n):
-                    s = stack.enter_context(__import__("socket").socket())
-                    s.bind(("127.0.0.1", base + i))
-                return base
-            except OSError:
-                continue
+from extproc.tools.stack import free_port, free_ports, wait_http  # noqa: E402
 
 
 def cpu_of_children(parent: int) -> float:
     """User + system CPU seconds of `parent` and its children (the workers)."""
-    total = 0.0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[1]) == parent or int(stat.parent.name) == parent:
-                total += (int(fields[11]) + int(fields[12]))
-    return total / os.sysconf("SC_CLK_TCK")
+    return cpu_seconds(parent) + sum(cpu_seconds(pid) for pid in _children(parent))
 
 
 @contextlib.contextmanager
@@ -67,7 +46,7 @@ def edge(work: Path, workers: int, policy: dict, pool: tuple[str, int]):
     work.mkdir(parents=True)
     policy_path = work / "policy.yaml"
     policy_path.write_text(yaml.safe_dump(policy))
-    grpc, metrics = free_run(workers), free_run(workers)
+    grpc, metrics = free_ports(workers), free_ports(workers)
     sup = subprocess.Popen([sys.executable, "-m", "extproc.cli", "serve", "--policy", str(policy_path),
                             "--grpc", f"127.0.0.1:{grpc}", "--metrics", f"127.0.0.1:{metrics}", "--drain-s", "0",
                             "--grace-s", "2", "--workers", str(workers), "--log-level", "WARNING"],

@@ -26,6 +26,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int, host: str = "127.0.0.1") -> int:
+    """A port p with p .. p+n-1 all free (`extproc serve --workers n` listens on consecutive ports)."""
+    while True:
+        base = free_port(host)
+        with contextlib.ExitStack() as held:
+            try:
+                for i in range(1, n):
+                    held.enter_context(socket.socket()).bind((host, base + i))
+                return base
+            except OSError:
+                continue
+
+
 def wait_http(url: str, timeout: float = 30.0, ok=(200,), proc: subprocess.Popen | None = None) -> None:
     """Poll `url` until it answers with an `ok` status; give up early if `proc` exits."""
     deadline = time.monotonic() + timeout

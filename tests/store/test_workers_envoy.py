@@ -21,30 +21,12 @@ from extproc.policy.schema import StoreSpec
 from extproc.store.host_store import HostStore
 from extproc.store.redis_store import RedisStore
 from extproc.tools import envoyconf
-from extproc.tools.stack import free_port, wait_http
+from extproc.tools.stack import free_port, free_ports, wait_http
 from tests.conftest import policy_file, until
 from tests.integration.helpers import chat, metrics, post, sample, sample_once, upstream_reset, upstream_stats
 
 CAP = 4
 WORKERS = 2
-
-
-def free_ports(n: int) -> int:
-    """A port p with p .. p+n-1 free: worker i listens on the given port + i."""
-    while True:
-        base = free_port()
-        if all(_free(base + i) for i in range(1, n)):
-            return base
-
-
-def _free(port: int) -> bool:
-    import socket
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 def worker(supervisor: int, index: int) -> tuple[int, list[str]]:
