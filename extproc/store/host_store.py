@@ -103,12 +103,12 @@ class HostStore:
 
     async def acquire(self, claim: SlotClaim) -> bool:
         key = (claim.cls, claim.holder)
+        if key in self._held:  # idempotent: already held (only this worker writes its own holdings)
+            return True
         with self._locked():
             row = self._row(claim.cls)
             cells = self._cells(row)
             mine = cells[self.worker]
-            if key in self._held:  # idempotent: already held
-                return True
             slots = sum(c[0] for c in cells)
             gpu = sum(c[1] for c in cells)
             granted = slots < claim.cap and (claim.budget is None or gpu + claim.cost <= claim.budget * (1 + 1e-9))
