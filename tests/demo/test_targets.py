@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from extproc.tools.demo.results import WindowStats, calm_windows, spike_windows, targets, window_stats
+from extproc.tools.demo.results import (WindowStats, adaptive_targets, calm_windows, spike_windows, targets,
+                                       window_stats)
 from extproc.tools.demo.scenario import Scenario
 from extproc.tools.loadgen import RequestRecord
 
@@ -109,6 +110,15 @@ def test_nothing_refused_or_degraded_at_low_load():
     found = by_name(targets(spike_and_calm(ws(), ws(refused=0, degraded=1)), ["spike"], ["phase normal"], 2.0))
     t = found["d: requests refused or degraded (== 0)"]
     assert not t.reached and t.value == 1
+
+
+def test_mode_e_is_held_to_the_calm_phase_target_too():
+    # Issue 20 (3): the adaptive caps must not refuse at normal load, before or after a spike.
+    stats = {"e": {"spike": ws(), "phase normal": ws(), "phase after": ws(refused=2, degraded=3)}}
+    found = {t.name: t for t in adaptive_targets(stats, ["spike"], 2.0, calm=("phase normal", "phase after"))}
+    assert found["e: phase normal: requests refused or degraded (== 0)"].reached
+    after = found["e: phase after: requests refused or degraded (== 0)"]
+    assert not after.reached and after.value == 5
 
 
 @pytest.mark.parametrize("held, degraded, reached", [(60.2, 60.5, True), (61.0, 60.5, False),

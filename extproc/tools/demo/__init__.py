@@ -56,7 +56,8 @@ def print_tables(results: list[ModeResult], scenario: Scenario) -> tuple[dict, d
     degraded = {r.mode.key: 100.0 * sum(1 for x in r.records if x.ok and x.degraded) / max(1, len(r.records))
                 for r in results}
     found = targets(stats, list(spike_windows(scenario)), list(calm_windows(scenario)), scenario.slo_p95_s)
-    found += adaptive_targets(stats, list(scenario.report_windows()), scenario.slo_p95_s)
+    found += adaptive_targets(stats, list(scenario.report_windows()), scenario.slo_p95_s,
+                              calm=tuple(calm_windows(scenario)))
     print()
     print(tables(stats, {r.mode.key: r.mode.label for r in results}, scenario, degraded))
     if found:

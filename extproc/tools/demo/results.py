@@ -231,9 +231,10 @@ def targets(stats: dict[str, dict[str, WindowStats]], spikes: list[str], calm: l
 
 
 def adaptive_targets(stats: dict[str, dict[str, WindowStats]], windows: list[str], slo_s: float,
-                     static: tuple[str, ...] = ("c", "d")) -> list[Target]:
+                     static: tuple[str, ...] = ("c", "d"), calm: tuple[str, ...] = ()) -> list[Target]:
     """Issue 12's targets for mode e in every report window: p99 within the SLO, goodput >= the best static
-    setting run (c, d) and >= Envoy's adaptive_concurrency (b)."""
+    setting run (c, d) and >= Envoy's adaptive_concurrency (b); and issue 20's: nothing refused or degraded in a
+    phase at <= 60% load (`calm`), the phases after a spike included."""
     e = stats.get("e")
     if e is None:
         return []
@@ -248,4 +249,7 @@ def adaptive_targets(stats: dict[str, dict[str, WindowStats]], windows: list[str
             b = stats["b"][w].goodput
             out.append(Target(f"e vs b: full-model interactive goodput ({w}), req/s", e[w].goodput, b,
                               e[w].goodput >= b))
+    for w in calm:
+        n = e[w].refused + e[w].degraded
+        out.append(Target(f"e: {w}: requests refused or degraded (== 0)", n, 0, n == 0))
     return out
