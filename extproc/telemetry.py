@@ -48,8 +48,10 @@ class _Children(dict):
 
 class LogBudget:
     """At most `per_s` decision lines a second for each (class, decision, reason); the rest are counted and
-    summed up in one line when that key's next second begins. A spike refuses or degrades thousands of requests a
-    second: a line each would cost more CPU than the decisions (the metrics count every one). 0: no limit."""
+    summed up in one line when that key's next second begins, or at the next `flush()` after its second ended
+    (the server flushes once a second, so a burst that stops is still summed up). A spike refuses or degrades
+    thousands of requests a second: a line each would cost more CPU than the decisions (the metrics count every
+    one). 0: no limit."""
 
     def __init__(self, per_s: int, clock=time.monotonic):
         self.per_s = per_s
@@ -70,6 +72,14 @@ class LogBudget:
             return True
         w[2] += 1
         return False
+
+    def flush(self) -> None:
+        """Sum up the keys whose second has ended, and forget them (off the request path: the housekeeping)."""
+        now = self.clock()
+        for key in [k for k, w in self._windows.items() if now - w[0] >= 1.0]:
+            w = self._windows.pop(key)
+            if w[2]:
+                _suppressed(key, w[2], now - w[0])
 
 
 def _suppressed(key: tuple, count: int, over_s: float) -> None:

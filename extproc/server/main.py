@@ -127,11 +127,12 @@ class Server:
             self.core.tick()
 
     async def housekeeping(self) -> None:
-        """Renew live leases, reap expired ones, and pick up policy file changes."""
+        """Renew live leases, reap expired ones, sum up suppressed decision lines, pick up policy file changes."""
         last_watch = 0.0
         while True:
             await asyncio.sleep(1.0)
             self.servicer.renew_live()
+            self.telemetry.log_budget.flush()
             expired = self.core.reap()
             if self.shared is not None:
                 for t in expired:

@@ -277,6 +277,24 @@ def test_refusals_past_the_log_budget_are_summed_up_in_one_line_not_written_each
                                                   "decision": summary["decision"], "reason": summary["reason"]}) == 11
 
 
+def test_a_burst_that_stops_is_still_summed_up_by_the_flush(caplog):
+    """The key never recurs after its burst: the once-a-second flush writes its summary instead."""
+    now = [0.0]
+    t = Telemetry(log_per_s=2, clock=lambda: now[0])
+    core = limited_core(t)
+    caplog.set_level("INFO", logger="extproc.decisions")
+    for _ in range(5):
+        core.decide(RequestFacts(api_key="kf", model="nope"))
+    now[0] = 0.5
+    t.log_budget.flush()  # its second has not ended: nothing yet
+    assert [json.loads(r.getMessage())["event"] for r in caplog.records] == ["decision"] * 2
+    now[0] = 1.2
+    t.log_budget.flush()
+    t.log_budget.flush()  # once only
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "extproc.decisions"]
+    assert [(x["event"], x.get("count")) for x in lines[2:]] == [("decisions_suppressed", 3)]
+
+
 def test_a_log_budget_of_zero_logs_every_refusal(caplog):
     t = Telemetry(log_per_s=0)
     core = limited_core(t)
