@@ -232,8 +232,14 @@ class PoolGate:
             return False
         if self.inflight + units <= (self.limit if rank == 0 else self.limit * LOWER_FILL):
             return True
+        if rank == 0 and self.spec.borrow_lower and self.inflight - self.lower_excess() + units <= self.limit:
+            return True
         self.short = True
         return False
+
+    def lower_excess(self) -> float:
+        """What the classes below the first hold over their guarantees (`borrow_lower` lends it to the first)."""
+        return sum(max(0.0, self.held[r] - self.min_shares[r] * self.limit) for r in range(1, len(self.held)))
 
     def can_cut(self) -> bool:
         """Whether the limit has room to come down: latency trouble is then the limit's to fix, not a degrade's."""

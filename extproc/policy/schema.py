@@ -127,6 +127,11 @@ class PoolLimitSpec:
                           "the target cuts in proportion, down to it.", 0.8, minimum=0.1, maximum=0.99)
     max_raise: float = doc("Largest raise in one interval, as a fraction of the limit.", 0.05, minimum=0.01,
                            maximum=2)
+    borrow_lower: bool = doc(
+        "The first class may go over the limit by what the classes below it hold above their `min_share`: their "
+        "running requests are counted as lent to it (no new ones of theirs are admitted while it waits, so the pool "
+        "comes back under the limit as they end). Fewer first-class degrades and more full-model goodput, for a "
+        "higher worst-window p99 (docs/overload.md, \"Over many seeds\").", False)
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,8 @@ degrade last, exact release on every path, and the controller finding its level 
 
 import pytest
 
-from extproc.policy.adaptive import PoolSaturation
-from extproc.policy.admission import ACCEPT, DEGRADE, QUEUE, REJECT, AdmissionController, RequestFacts
-from extproc.policy.limits import Completion, Outcome
+from extproc.policy.admission import ACCEPT, DEGRADE, QUEUE, AdmissionController, RequestFacts
+from extproc.policy.limits import Outcome
 from extproc.policy.pool import PoolLimit
 from extproc.policy.schema import PoolLimitSpec
 from tests.conftest import make_policy
@@ -13,7 +12,7 @@ from tests.conftest import make_policy
 BIG = {"max_concurrency": 100, "max_queue": 10}
 
 
-def pool_policy(limit: float = 4, unit: str = "requests", **classes):
+def pool_policy(limit: float = 4, unit: str = "requests", borrow_lower: bool = False, **classes):
     spec = {"interactive": {**BIG, "max_wait_ms": 200, "slo_p95_ms": 2000, "on_overflow": "fallback",
                             "fallback": {"action": "degrade", "model": "small"},
                             "latency_breaker": {"window_s": 10, "min_samples": 5, "cooldown_s": 5}},
@@ -23,7 +22,7 @@ def pool_policy(limit: float = 4, unit: str = "requests", **classes):
         spec[name] = {**spec[name], **extra}
     return make_policy(classes=spec, shed={},
                        pools={"pool_a": {"limit": {"enabled": True, "unit": unit, "initial": limit, "min": 1,
-                                                   "max": limit}}})
+                                                   "max": limit, "borrow_lower": borrow_lower}}})
 
 
 def req(cls, model="llama", tokens=0):
@@ -64,6 +63,22 @@ def test_a_class_keeps_one_request_in_flight_whatever_waits_above_it(pcore):
     assert pcore.decide(req("interactive")).kind == QUEUE
     assert pcore.decide(req("batch")).kind == ACCEPT  # its guarantee: nothing starves
     assert pcore.decide(req("batch")).kind == QUEUE
+
+
+def test_borrow_lower_lets_the_first_class_use_what_lower_classes_hold_over_their_guarantee(clock):
+    def fill(core):
+        batch = [core.decide(req("batch")) for _ in range(8)]  # 85% of 10, then queued
+        assert [d.kind for d in batch].count(ACCEPT) == 8
+        return [core.decide(req("interactive")).kind for _ in range(9)]
+
+    # Off (the default): the first class gets only the room left, 2 of 10.
+    plain = AdmissionController(pool_policy(limit=10, batch={"min_share": 0.3}), clock=clock)
+    assert fill(plain) == [ACCEPT] * 2 + [QUEUE] * 7
+    # On: batch's 8 over its guarantee of 3 are lent, so 5 more go in, the pool at most limit + lent.
+    core = AdmissionController(pool_policy(limit=10, borrow_lower=True, batch={"min_share": 0.3}), clock=clock)
+    assert fill(core) == [ACCEPT] * 7 + [QUEUE] * 2
+    assert core.decide(req("batch")).kind == QUEUE  # and the lower class is not admitted again meanwhile
+    assert held(core)[0] == 15
 
 
 def test_min_share_is_a_guarantee_in_the_limits_unit(clock):
