@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from extproc.tools.demo.results import overload_onsets, window_stats
+from extproc.tools.demo.results import scenario_stats
 from extproc.tools.demo.scenario import Scenario
 from extproc.tools.demo.whatif import what_if
 
@@ -39,10 +39,9 @@ def main() -> None:
             capacity = sc.fleet_capacity()
             for unit in ("tokens", "requests"):
                 res = what_if(sc, with_unit(policy, unit, Path(tmp)), capacity)
-                for window, span in sc.report_windows().items():
-                    onsets = tuple(t for t in overload_onsets(sc) if span[0] <= t < span[1]) or (span[0],)
-                    s = window_stats(res.records, span, sc.slo_class, sc.slo_p95_s, sc.client_timeout_s, True,
-                                     onsets)
+                stats = scenario_stats(res.records, sc, True)
+                for window in sc.report_windows():
+                    s = stats[window]
                     print(f"| {name} | {window} | {unit} | {s.p99:.2f} | {s.p99_worst_window:.2f} | "
                           f"{s.goodput:.2f} | {s.goodput_degraded:.2f} |")
 

@@ -21,13 +21,9 @@ from pathlib import Path
 
 import yaml
 
-from extproc.tools.demo import mode_stats
-from extproc.tools.demo.baselines import admitter_for
-from extproc.tools.demo.modes import parse_modes, with_policies
+from extproc.tools.demo import what_if_stats
 from extproc.tools.demo.results import calm_windows, spike_windows
-from extproc.tools.demo.runner import ModeResult
 from extproc.tools.demo.scenario import Scenario
-from extproc.tools.demo.whatif import what_if
 
 DEFAULT = {"spike": (7, 8, 9), "kv-agents": (19, 20, 21, 22), "ramp": (23, 24, 25, 26)}
 
@@ -50,14 +46,6 @@ def with_seed(name: str, seed: int, folder: Path, limit: dict) -> Scenario:
     return Scenario.load(str(path))
 
 
-def run(scenario: Scenario) -> dict:
-    out = {}
-    for m in with_policies(parse_modes("b,d"), scenario.policies):
-        res = what_if(scenario, admitter_for(m), scenario.fleet_capacity())
-        out[m.key] = mode_stats(ModeResult(m, res.records, 0.0, served_elsewhere=res.served_elsewhere), scenario)
-    return out
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--limit", action="append", default=[], metavar="KEY=VALUE",
@@ -76,7 +64,7 @@ def main() -> None:
         for name, seeds in sets.items():
             for seed in seeds:
                 sc = with_seed(name, seed, Path(tmp), limit)
-                st = run(sc)
+                st = what_if_stats(sc, "b,d")
                 parts = []
                 for w in spike_windows(sc):
                     d, b = st["d"][w], st["b"][w]

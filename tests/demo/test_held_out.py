@@ -1,26 +1,14 @@
 """The pool-wide limit on a scenario no policy was tuned on (scenarios/ramp.yaml, docs/overload.md "Held out"):
 what carried over from the tuned scenarios must keep carrying over."""
 
-from extproc.tools.demo import mode_stats
-from extproc.tools.demo.baselines import admitter_for
-from extproc.tools.demo.modes import parse_modes, with_policies
+from extproc.tools.demo import what_if_stats
 from extproc.tools.demo.results import calm_windows
-from extproc.tools.demo.runner import ModeResult
 from extproc.tools.demo.scenario import Scenario
-from extproc.tools.demo.whatif import what_if
-
-
-def run(scenario: Scenario, modes: str) -> dict:
-    out = {}
-    for m in with_policies(parse_modes(modes), scenario.policies):
-        res = what_if(scenario, admitter_for(m), scenario.fleet_capacity())
-        out[m.key] = mode_stats(ModeResult(m, res.records, 0.0, served_elsewhere=res.served_elsewhere), scenario)
-    return out
 
 
 def test_the_pool_limit_holds_the_slo_and_sheds_batch_first_on_a_ramp_it_was_not_tuned_on():
     scenario = Scenario.load("scenarios/ramp.yaml")
-    stats = run(scenario, "a,b,d")
+    stats = what_if_stats(scenario, "a,b,d")
     a, b, d = stats["a"]["climb"], stats["b"]["climb"], stats["d"]["climb"]
     slo = scenario.slo_p95_s
     # Measured 2.07 s worst window, 1.97 s over the climb (the controller lands on the SLO, not under it).

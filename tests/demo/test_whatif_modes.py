@@ -7,7 +7,7 @@ import math
 import pytest
 
 from extproc.policy.admission import Admit, RequestFacts
-from extproc.tools.demo import mode_stats, what_if_tables
+from extproc.tools.demo import mode_stats, what_if_stats, what_if_tables
 from extproc.tools.demo.baselines import EnvoyAdaptive, GradientController, NoAdmission, admitter_for
 from extproc.tools.demo.modes import ADAPTIVE_TUNED, MODES, with_policies
 from extproc.tools.demo.ordering import (RECORDED_REAL_KV_AGENTS, RECORDED_REAL_RUNS, disagreements, from_summary, ranking, settled_pairs,
@@ -89,13 +89,7 @@ def test_what_if_runs_all_five_modes(capsys):
 @pytest.fixture(scope="module")
 def spike_what_if():
     """Every mode on scenarios/spike.yaml in the what-if: the spike window's values per mode (~6 s)."""
-    scenario = Scenario.load("scenarios/spike.yaml")
-    capacity = scenario.fleet_capacity()
-    stats = {}
-    for key, mode in MODES.items():
-        res = what_if(scenario, admitter_for(mode), capacity)
-        stats[key] = mode_stats(ModeResult(mode, res.records, 0.0), scenario)
-    return stats
+    return what_if_stats(Scenario.load("scenarios/spike.yaml"), ",".join(MODES))
 
 
 def test_mode_a_collapses_and_b_refuses_with_503_in_the_what_if(spike_what_if):

@@ -13,8 +13,7 @@ from pathlib import Path
 from .baselines import admitter_for
 from .modes import DEFAULT_MODES, MODES, parse_modes, with_policies
 from .report import tables, write_report
-from .results import (WindowStats, adaptive_targets, calm_windows, overload_onsets, spike_windows, targets,
-                      window_stats)
+from .results import WindowStats, adaptive_targets, calm_windows, scenario_stats, spike_windows, targets
 from .runner import ModeResult, RunSettings, run_mode
 from .scenario import Scenario
 from .whatif import what_if
@@ -38,12 +37,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def mode_stats(res: ModeResult, scenario: Scenario) -> dict[str, WindowStats]:
     """The mode's numbers in each of the scenario's report windows (default: the spike) and over the whole run."""
-    windows = {**scenario.report_windows(), **calm_windows(scenario), "overall": (0.0, scenario.duration_s)}
-    has_extproc = res.mode.stack_mode == "extproc"
-    onsets = overload_onsets(scenario)
-    return {name: window_stats(res.records, w, scenario.slo_class, scenario.slo_p95_s, scenario.client_timeout_s,
-                               has_extproc, tuple(t for t in onsets if w[0] <= t < w[1]) or (w[0],))
-            for name, w in windows.items()}
+    return scenario_stats(res.records, scenario, res.mode.stack_mode == "extproc")
+
+
+def what_if_stats(scenario: Scenario, modes: str) -> dict[str, dict[str, WindowStats]]:
+    """mode key -> mode_stats, for `modes` (e.g. "b,d") run in the what-if with the scenario's policies."""
+    capacity = scenario.fleet_capacity()
+    out = {}
+    for m in with_policies(parse_modes(modes), scenario.policies):
+        res = what_if(scenario, admitter_for(m), capacity)
+        out[m.key] = mode_stats(ModeResult(m, res.records, 0.0, served_elsewhere=res.served_elsewhere), scenario)
+    return out
 
 
 def load_scenario(args: argparse.Namespace) -> Scenario:
