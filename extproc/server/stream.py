@@ -252,8 +252,7 @@ class Stream:
         if type(d) is Canned:
             self._enter(Phase.ANSWERED)
             return protocol.canned(d, body)
-        self.held = d.ticket
-        self.processor.live.add(d.ticket)
+        self.held = d.ticket  # from here on end() gives it back, whatever fails below
         if self.usage is not None:
             self.usage.ask_for_usage(body)
         cls = self.processor.core.policy.classes.get(d.cls)
@@ -267,10 +266,25 @@ class Stream:
             note = ("x-extproc-degraded", f"{','.join(changed) or 'none'}; reason={d.reason}")
         elif d.shadow_would is not None:
             note = ("x-extproc-shadow", f"would-{d.shadow_would.kind}; reason={d.shadow_would.reason}")
-        answer = protocol.forward(d, queue_wait_ms, note, dump_json(body.doc) if body.rewrite else None,
-                                  self.processor.ticket_prefix)
+        rewritten = dump_json(body.doc) if body.rewrite else None
+        if rewritten is not None and len(rewritten) > self.processor.max_body_bytes:
+            return self._too_large_rewritten(len(rewritten))
+        self.processor.live.add(d.ticket)
+        answer = protocol.forward(d, queue_wait_ms, note, rewritten, self.processor.ticket_prefix)
         self._enter(Phase.FORWARDING)
         return answer
+
+    def _too_large_rewritten(self, size: int) -> Answer:
+        """Re-encoding can lengthen a body (orjson writes 1e15 as 1000000000000000.0). Over the limit it would
+        fail the gRPC write or Envoy's buffer after admission, and a failed ext_proc answer lets Envoy's
+        failure_mode_allow forward the client's original body unadmitted: give the slot back and refuse."""
+        ticket, self.held = self.held, None
+        self.processor.close(ticket, Outcome.CLIENT_ABORT)  # it never went upstream: no latency, no error
+        limit = self.processor.max_body_bytes
+        return self._refuse(BadRequest(
+            f"{say(R_BODY_TOO_LARGE, limit=limit)} (the body as forwarded to the model server, re-encoded by the "
+            f"gateway, is {size} bytes; numbers written as 1e15 grow when re-encoded).",
+            code=R_BODY_TOO_LARGE, status=413))
 
     def _refuse(self, e: BadRequest) -> Answer:
         d = self.processor.core.invalid(e.status, e.code, e.message, self.request.facts)

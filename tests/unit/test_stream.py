@@ -169,6 +169,22 @@ def test_a_body_over_the_size_limit_is_refused_413(clock):
     assert immediate_status(s.receive(request_body(b"{" + b" " * 2000 + b"}"))) == 413
 
 
+def test_a_body_that_grows_over_the_limit_when_rewritten_is_refused_413_and_its_slot_given_back(clock):
+    # 1e15 is re-encoded as 1000000000000000.0: within the limit as sent, over it as it would be forwarded. A
+    # failed write of the admission would let Envoy's failure_mode_allow forward the original unadmitted.
+    p = processor(clock, **one_class(max_concurrency=1))
+    raw = b'{"model": "llama", "messages": [], "priority": -100, "x": [' + b",".join([b"1e15"] * 150) + b"]}"
+    assert len(raw) < p.max_body_bytes
+    s = Stream(p)
+    s.receive(request_headers())
+    answer = s.receive(request_body(raw))
+    assert immediate_status(answer) == 413 and s.phase is Phase.ANSWERED
+    assert b"re-encoded" in answer.immediate_response.body
+    assert inflight(p) == 0 and not p.live
+    s.end(normal_end=True)
+    admitted(p)  # the one slot is free again
+
+
 def test_a_body_that_is_not_json_is_refused_400(clock):
     s = Stream(processor(clock))
     s.receive(request_headers())
