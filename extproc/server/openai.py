@@ -28,11 +28,15 @@ class Endpoint:
     def __init__(self, group: str, kind: str, token_fields: tuple[str, ...] = (), canned: bool = False):
         self.group = group                # the policy's `endpoints.<group>` switch
         self.kind = kind                  # chat | completions | responses | input (prefill only, no output)
-        self.token_fields = token_fields  # body fields that cap the output; empty: the endpoint generates none
+        # Body fields that cap the output, the one the server obeys first when several are set (empty: the
+        # endpoint generates none); the last is the one a degrade writes when the client set none (the oldest,
+        # which every server version reads).
+        self.token_fields = token_fields
         self.canned = canned              # a canned answer can take this endpoint's shape
 
 
-CHAT = Endpoint("chat", "chat", ("max_tokens", "max_completion_tokens"), canned=True)
+# vLLM's chat request: `max_tokens = max_completion_tokens or max_tokens` (OpenAI deprecated the older field).
+CHAT = Endpoint("chat", "chat", ("max_completion_tokens", "max_tokens"), canned=True)
 COMPLETIONS = Endpoint("completions", "completions", ("max_tokens",), canned=True)
 RESPONSES = Endpoint("responses", "responses", ("max_output_tokens",))
 POOLING = Endpoint("embeddings", "input")
@@ -96,12 +100,14 @@ def parse_body(raw: bytes, endpoint: Endpoint, class_field: str,
     if not isinstance(model, str) or not model:
         raise BadRequest("You must provide a model parameter (a non-empty string).", "model")
     body.model = model
-    for field in endpoint.token_fields:
+    for field in endpoint.token_fields:  # every one is checked; the first set is the one the replica obeys
         value = _positive_int(doc, field)
-        if value is not None:
-            body.max_tokens = value if body.max_tokens is None else min(body.max_tokens, value)
+        if body.max_tokens is None:
+            body.max_tokens = value
     if endpoint.token_fields:
         body.sequences = max(_positive_int(doc, "n") or 1, _positive_int(doc, "best_of") or 1)
+        if endpoint.kind == "completions":
+            body.sequences *= _prompt_count(doc.get("prompt"))
     stream = doc.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise BadRequest("`stream` must be true or false.", "stream")
@@ -160,6 +166,13 @@ def _invocation_kind(doc: dict[str, Any]) -> Endpoint:
                      "body.", code="invalid_body")
 
 
+def _prompt_count(prompt: Any) -> int:
+    """Prompts in a completions body: vLLM runs a list of strings, or of token-id lists, as one request each."""
+    if type(prompt) is list and prompt and all(type(p) is str or type(p) is list for p in prompt):
+        return len(prompt)
+    return 1  # one string, or one prompt of token ids
+
+
 def _positive_int(doc: dict[str, Any], field: str) -> int | None:
     value = doc.get(field)
     if value is None:
@@ -209,9 +222,9 @@ def degrade_body(body: RequestBody, model: str | None, max_tokens: int | None, s
         changed.append(f"model={model}")
     fields = body.endpoint.token_fields
     if fields and max_tokens is not None and (body.max_tokens is None or body.max_tokens > max_tokens):
-        for field in fields:
-            if field in doc or field == fields[0]:
-                doc[field] = max_tokens
+        present = [f for f in fields if doc.get(f) is not None]
+        for field in present or fields[-1:]:
+            doc[field] = max_tokens
         changed.append(f"max_tokens={max_tokens}")
     if stream is False and body.stream:
         doc["stream"] = False

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from extproc.server.openai import CHAT, BadRequest, error_body, parse_body
+from extproc.server.openai import CHAT, COMPLETIONS, BadRequest, degrade_body, error_body, parse_body
 
 CLASSES = {"interactive", "batch"}
 
@@ -19,9 +19,32 @@ def test_reads_model_max_tokens_and_stream():
     assert (b.model, b.max_tokens, b.stream, b.rewrite) == ("m", 7, True, False)
 
 
-def test_max_completion_tokens_counts_and_the_smaller_limit_wins():
+def test_max_completion_tokens_wins_over_max_tokens_as_in_vllm():
+    # vLLM's chat request reads `max_completion_tokens or max_tokens`: charging the smaller of the two let a
+    # client pay for 1 token and generate 3,000.
     assert parse({"model": "m", "max_completion_tokens": 9}).max_tokens == 9
+    assert parse({"model": "m", "max_tokens": 1, "max_completion_tokens": 3000}).max_tokens == 3000
     assert parse({"model": "m", "max_tokens": 20, "max_completion_tokens": 9}).max_tokens == 9
+    with pytest.raises(BadRequest):  # both are still checked
+        parse({"model": "m", "max_tokens": -1, "max_completion_tokens": 9})
+
+
+@pytest.mark.parametrize("prompt,sequences", [
+    ("one", 1), (["one"], 1), (["a", "b", "c"], 3), ([1, 2, 3], 1), ([[1, 2], [3], [4]], 3)])
+def test_a_batch_of_prompts_is_charged_one_generation_per_prompt(prompt, sequences):
+    b = parse_body(json.dumps({"model": "m", "prompt": prompt, "n": 2}).encode(), COMPLETIONS, "priority", CLASSES)
+    assert b.sequences == 2 * sequences
+
+
+@pytest.mark.parametrize("doc,written", [
+    ({"max_completion_tokens": 100}, {"max_completion_tokens": 8}),
+    ({"max_tokens": 100, "max_completion_tokens": 100}, {"max_tokens": 8, "max_completion_tokens": 8}),
+    ({}, {"max_tokens": 8}),
+])
+def test_a_degrade_clamps_every_output_cap_the_client_set(doc, written):
+    b = parse({"model": "m", "messages": [], **doc})
+    degrade_body(b, None, 8, None)
+    assert {k: v for k, v in b.doc.items() if k.startswith("max_")} == written
 
 
 def test_class_name_in_the_body_is_claimed_and_stripped():
