@@ -34,7 +34,10 @@ class UsageReader:
             return
         opts = body.doc.get("stream_options")
         if not (isinstance(opts, dict) and opts.get("include_usage")):
-            body.doc["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
+            # continuous_usage_stats acts only with include_usage: a client that set it without include_usage
+            # saw no usage, and must not start getting it in every chunk because we need the last one.
+            body.doc["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True,
+                                          "continuous_usage_stats": False}
             body.rewrite = True
             self.strip = True
 

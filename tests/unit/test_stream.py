@@ -332,7 +332,16 @@ USAGE_EVENT = b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_token
 def test_a_learned_stream_asks_vllm_for_its_usage_chunk(clock):
     _, answer = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": [], "stream": True})
     body = json.loads(answer.request_body.response.body_mutation.body)
-    assert body["stream_options"] == {"include_usage": True}
+    assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": False}
+
+
+def test_a_learned_stream_does_not_turn_on_the_clients_continuous_usage(clock):
+    # continuous_usage_stats acts only with include_usage: the client saw no usage and must not get it per chunk
+    doc = {"model": "llama", "messages": [], "stream": True,
+           "stream_options": {"include_usage": False, "continuous_usage_stats": True}}
+    _, answer = admitted(processor(clock, learn_sample=1.0), doc)
+    body = json.loads(answer.request_body.response.body_mutation.body)
+    assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": False}
 
 
 def test_the_usage_chunk_the_client_did_not_ask_for_is_stripped(clock):
