@@ -30,6 +30,12 @@ def load_source(path: Path = SOURCE) -> dict[str, Any]:
 Endpoint = tuple[str, int]
 
 
+def cluster_names(base: dict[str, Any] | None = None) -> set[str]:
+    """The model pools (clusters other than the ext_proc's) that envoy.yaml defines."""
+    cfg = base if base is not None else load_source()
+    return {c["name"] for c in cfg["static_resources"]["clusters"]} - {"extproc"}
+
+
 def render(base: dict[str, Any], *, listen_port: int, admin_port: int,
            extproc: Endpoint | list[Endpoint] | None, pools: dict[str, list[Endpoint]],
            listen_host: str = "127.0.0.1", mode: str = "extproc", lb_policy: str | None = None,

@@ -211,10 +211,19 @@ def run(args: argparse.Namespace) -> int:
     if not pools:
         print("give --pool CLUSTER=HOST:PORT (e.g. from `extproc sim`)", file=sys.stderr)
         return 2
+    clusters = envoyconf.cluster_names()
+    unknown = sorted(set(pools) - clusters)
+    if unknown:
+        print(f"envoy.yaml has no cluster {', '.join(unknown)} (its pools: {', '.join(sorted(clusters))})",
+              file=sys.stderr)
+        return 2
+    # Blocked before anything starts, so that SIGTERM/SIGINT wait for sigwait() below instead of killing this
+    # process and leaving Envoy and the ext_proc running on their own.
+    stop_signals = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
     stack = Stack(Path(args.workdir), pools, policy_path=Path(args.policy), mode=args.mode)
     with stack:
         print(json.dumps({"url": stack.url, "metrics": stack.metrics_url, "admin": stack.admin_url,
                           "logs": str(stack.workdir)}), flush=True)
-        with contextlib.suppress(KeyboardInterrupt):
-            signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        signal.sigwait(stop_signals)
     return 0
