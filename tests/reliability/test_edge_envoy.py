@@ -91,7 +91,10 @@ async def test_every_method_and_unknown_path_is_refused_at_the_edge_and_read_onl
                                      (b"POST", b"/v1/models", 404), (b"POST", b"/health", 404),
                                      (b"GET", b"/metrics", 404), (b"POST", b"/v1/files", 404),
                                      (b"POST", b"/v1/audio/transcriptions", 404),
-                                     (b"POST", b"/reset_prefix_cache", 404), (b"GET", b"/", 404)]:
+                                     (b"POST", b"/reset_prefix_cache", 404), (b"GET", b"/", 404),
+                                     # refused by Envoy before any route, its own body empty: we say why
+                                     (b"POST", b"/v1/chat/completions#x", 400),
+                                     (b"POST", b"/v1/chat/completions%00", 400), (b"OPTIONS", b"*", 404)]:
             got, headers, text = await raw_request(stack.listen_port, [CT], b"{}", method=method, path=path)
             assert got == status, (method, path, got, text)
             assert headers["content-type"] == "application/json", (path, headers)
@@ -307,3 +310,38 @@ async def _inflight(http, metrics_url) -> bool:
     ms = await metrics(http, metrics_url)
     return sample(ms, "extproc_inflight", **{"class": "interactive"}) >= 1
 
+
+
+async def test_a_client_that_trickles_its_headers_is_cut_with_a_json_408(stack, upstream):
+    """A byte now and then never looks idle to stream_idle_timeout (300 s): envoy.yaml's request_headers_timeout
+    (10 s) cuts such a client, with an OpenAI-style body, and nothing reaches a replica."""
+    async with aiohttp.ClientSession() as http:
+        await upstream_reset(http, upstream)
+    reader, writer = await asyncio.open_connection("127.0.0.1", stack.listen_port)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: test\r\n")
+    started = asyncio.get_running_loop().time()
+    data = b""
+    async with asyncio.timeout(20):
+        while not (b"\r\n\r\n" in data and data.rstrip().endswith(b"}")):
+            try:
+                writer.write(b"x-slow: 1\r\n")  # one header line every half second, never the blank line
+                await writer.drain()
+            except ConnectionError:
+                pass
+            try:
+                async with asyncio.timeout(0.5):
+                    chunk = await reader.read(65536)
+                if not chunk:
+                    break
+                data += chunk
+            except TimeoutError:
+                continue
+    writer.close()
+    waited = asyncio.get_running_loop().time() - started
+    assert data.startswith(b"HTTP/1.1 408"), data[:200]
+    assert 9 <= waited <= 15, waited
+    err = json.loads(data.partition(b"\r\n\r\n")[2])["error"]
+    assert err["message"] and err["type"] == "invalid_request_error", err
+    async with aiohttp.ClientSession() as http:
+        seen = await (await http.get(f"http://{upstream[0]}:{upstream[1]}/test/seen")).json()
+    assert seen == [], seen
