@@ -112,15 +112,18 @@ def deadline_ms(raw: bytes) -> float | None:
     return ms if 0.0 <= ms < float("inf") else None
 
 
-def read_response_headers(msg: pb.HttpHeaders) -> tuple[int, bytes]:
-    """(status, content-type) of an upstream response."""
-    status, content_type = 0, b""
+def read_response_headers(msg: pb.HttpHeaders) -> tuple[int, bytes, int | None]:
+    """(status, content-type, content-length or None) of an upstream response."""
+    status, content_type, length = 0, b"", None
     for h in msg.headers.headers:
-        if h.key == ":status":
+        k = h.key
+        if k == ":status":
             status = int(h.raw_value or b"0")
-        elif h.key == "content-type":
+        elif k == "content-type":
             content_type = h.raw_value
-    return status, content_type
+        elif k == "content-length" and h.raw_value.isdigit():
+            length = int(h.raw_value)
+    return status, content_type, length
 
 
 # --- out: answers ---

@@ -294,13 +294,17 @@ class Stream:
     # --- the response (only requests whose usage is read send these phases) ---
 
     def _on_response_headers(self, msg: pb.HttpHeaders) -> Answer:
-        self.status, content_type = protocol.read_response_headers(msg)
+        self.status, content_type, length = protocol.read_response_headers(msg)
         r = self.usage
         if self.phase is not Phase.FORWARDING or r is None or self.status != 200:
             return CONTINUE["response_headers"]
         r.sse = content_type.startswith(b"text/event-stream")
         if r.sse and not r.learn:
             return CONTINUE["response_headers"]  # a stream's usage costs a message per chunk: sampled ones only
+        if not r.sse and (length is None or length > self.processor.max_body_bytes):
+            # Envoy buffers a body it hands us whole, up to its buffer limit: past it the client got a 500 for an
+            # answer the replica had computed. An answer we cannot size is not read either (usage stays estimated).
+            return CONTINUE["response_headers"]
         self._enter(Phase.READING_USAGE)
         return protocol.LEARN_BODY[r.sse]
 

@@ -33,10 +33,13 @@ def request_body(doc: dict | bytes | None = None) -> pb.ProcessingRequest:
     return pb.ProcessingRequest(request_body=pb.HttpBody(body=raw, end_of_stream=True))
 
 
-def response_headers(status: int = 200, content_type: bytes = b"application/json") -> pb.ProcessingRequest:
-    return pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
-        base_pb2.HeaderValue(key=":status", raw_value=str(status).encode()),
-        base_pb2.HeaderValue(key="content-type", raw_value=content_type)])))
+def response_headers(status: int = 200, content_type: bytes = b"application/json",
+                     content_length: int | None = 100) -> pb.ProcessingRequest:
+    hs = [base_pb2.HeaderValue(key=":status", raw_value=str(status).encode()),
+          base_pb2.HeaderValue(key="content-type", raw_value=content_type)]
+    if content_length is not None and content_type != b"text/event-stream":
+        hs.append(base_pb2.HeaderValue(key="content-length", raw_value=str(content_length).encode()))
+    return pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=hs)))
 
 
 def response_body(raw: bytes, eos: bool = False) -> pb.ProcessingRequest:
@@ -313,6 +316,15 @@ def test_an_event_stream_is_read_only_for_a_learning_sample(clock):
     s, _ = admitted(refunded(clock), {"model": "llama", "messages": [], "stream": True},
                     authorization=b"Bearer sk-acme")
     assert s.receive(response_headers(content_type=b"text/event-stream")) is CONTINUE["response_headers"]
+    assert s.phase is Phase.FORWARDING
+
+
+@pytest.mark.parametrize("length", [1001, None])
+def test_a_response_over_the_buffer_limit_or_of_unknown_size_is_not_read(clock, length):
+    # Envoy buffers a body it hands over whole only up to its limit: past it the client got a 500 for an answer
+    # the replica had computed
+    s, _ = admitted(processor(clock, learn_sample=1.0))
+    assert s.receive(response_headers(content_length=length)) is CONTINUE["response_headers"]
     assert s.phase is Phase.FORWARDING
 
 
