@@ -34,7 +34,7 @@ SECTIONS: dict[str, str] = {
     "Breakers and degrade": "",
     "Budgets and rate limits (429, 413)": "",
     "Shadow mode": "",
-    "Invalid requests (400, 401, 404, 405, 413, 500)": """\
+    "Invalid requests (400, 401, 404, 405, 413, 415, 500)": """\
 Refused before admission; they never hold a slot. The ext_proc answers these with `x-extproc-decision: invalid`;
 the reason is in the body's `error.code` (and `x-extproc-reason` for `unknown_model`).""",
 }
@@ -198,22 +198,22 @@ Compare those counts with the SLO before switching to `mode: enforce` (`docs/tun
 Shadow only (`extproc_shadow_decisions_total{would="queue"}`): enforce mode would still have had this request
 waiting in the queue when it actually finished. Many of these mean the queue would be holding requests for about
 as long as they take to serve: the class cap is tight for the load."""),
-    Reason("unknown_model", "Invalid requests (400, 401, 404, 405, 413, 500)", 404, NO_RETRY,
+    Reason("unknown_model", "Invalid requests (400, 401, 404, 405, 413, 415, 500)", 404, NO_RETRY,
            "The model `{model}` does not exist.",
            """\
 **404.** The body's `model` is not a key of the policy's `models:`. Add the model (mapped to its Envoy cluster) or
 fix the client's model name; `GET /v1/models` lists what the replicas serve."""),
-    Reason("invalid_json", "Invalid requests (400, 401, 404, 405, 413, 500)", 400, NO_RETRY,
+    Reason("invalid_json", "Invalid requests (400, 401, 404, 405, 413, 415, 500)", 400, NO_RETRY,
            "",
            """\
 **400.** The body is not JSON, or not a JSON object. Also numbers JSON cannot hold as a double (`1e400`) and
 `NaN`/`Infinity`, which are not JSON."""),
-    Reason("json_too_deep", "Invalid requests (400, 401, 404, 405, 413, 500)", 400, NO_RETRY,
+    Reason("json_too_deep", "Invalid requests (400, 401, 404, 405, 413, 415, 500)", 400, NO_RETRY,
            "The request body nests JSON deeper than {depth} levels.",
            """\
 **400.** The body nests objects/arrays more than 64 levels deep (a tool's parameter schema rarely passes 20).
 Deeper bodies are refused before anything walks them: they used to exhaust Python's recursion."""),
-    Reason("invalid_body", "Invalid requests (400, 401, 404, 405, 413, 500)", 400, NO_RETRY,
+    Reason("invalid_body", "Invalid requests (400, 401, 404, 405, 413, 415, 500)", 400, NO_RETRY,
            "",
            """\
 **400.** The JSON is an object but a field admission reads is wrong; `error.param` names it: `model` missing or
@@ -221,23 +221,29 @@ not a non-empty string, `max_tokens`/`max_completion_tokens` not a positive inte
 class field (`classify.body_field`, default `priority`) neither a class name nor an integer, or `n`/`best_of` not a
 positive integer. Also an empty body on a compute endpoint. (A client's integer `priority`, vLLM's scheduling
 priority, is accepted and removed: the policy's `classes.<name>.vllm_priority` sets it.)"""),
-    Reason("body_too_large", "Invalid requests (400, 401, 404, 405, 413, 500)", 413, NO_RETRY,
+    Reason("body_too_large", "Invalid requests (400, 401, 404, 405, 413, 415, 500)", 413, NO_RETRY,
            "The request body exceeds {limit} bytes.",
            """\
 **413.** The body is larger than the ext_proc's `--max-body-bytes` (default 4 MiB). Bodies larger than Envoy's
 `per_connection_buffer_limit_bytes` get a 413 from Envoy itself, without `x-extproc-*` headers. Keep the two limits
 equal."""),
-    Reason("unknown_url", "Invalid requests (400, 401, 404, 405, 413, 500)", 404, NO_RETRY,
+    Reason("unsupported_content_encoding", "Invalid requests (400, 401, 404, 405, 413, 415, 500)", 415, NO_RETRY,
+           "Request bodies with Content-Encoding `{encoding}` are not supported; send the JSON uncompressed.",
+           """\
+**415.** The request carries a `Content-Encoding` other than `identity` (gzip, deflate, br, ...). Neither the
+gateway nor vLLM decompresses request bodies, so a compressed body could not be read for admission and would be
+refused by the replica anyway. Send it uncompressed."""),
+    Reason("unknown_url", "Invalid requests (400, 401, 404, 405, 413, 415, 500)", 404, NO_RETRY,
            "Invalid URL ({method} {path}).",
            """\
 **404.** The path is not one the gateway serves: Envoy's default route answers it (`x-extproc-*` headers absent)
 without reaching a replica. Served paths: vLLM's compute endpoints (through admission) and `GET /v1/models`,
 `/health`, `/ping`, `/version` (docs/envoy-integration.md §3). Case and trailing slashes matter, as in vLLM."""),
-    Reason("method_not_allowed", "Invalid requests (400, 401, 404, 405, 413, 500)", 405, NO_RETRY,
+    Reason("method_not_allowed", "Invalid requests (400, 401, 404, 405, 413, 415, 500)", 405, NO_RETRY,
            "{path} takes POST, not {method}.",
            """\
 **405.** A compute endpoint called with another method than POST."""),
-    Reason("unsupported_endpoint", "Invalid requests (400, 401, 404, 405, 413, 500)", 404, NO_RETRY,
+    Reason("unsupported_endpoint", "Invalid requests (400, 401, 404, 405, 413, 415, 500)", 404, NO_RETRY,
            (
             "{path} is not served here: the gateway's policy does not admit `{group}` requests (policy "
             "`endpoints`)."),
@@ -245,25 +251,25 @@ without reaching a replica. Served paths: vLLM's compute endpoints (through admi
 **404.** A vLLM compute endpoint whose group the policy's `endpoints` switches off (embeddings and tokenize are off
 by default; audio is always refused, its uploads cannot be costed). Switch the group on if the replicas should
 serve it; the request never reached one."""),
-    Reason("missing_api_key", "Invalid requests (400, 401, 404, 405, 413, 500)", 401, NO_RETRY,
+    Reason("missing_api_key", "Invalid requests (400, 401, 404, 405, 413, 415, 500)", 401, NO_RETRY,
            (
             "You didn't provide an API key. Send it as `Authorization: Bearer <key>` (or `api-key: "
             "<key>`)."),
            """\
 **401.** `anonymous.allow: false` and the request has no key in `Authorization: Bearer <key>` or `api-key`.
 Other Authorization schemes (Basic, ...) carry no key for us."""),
-    Reason("invalid_api_key", "Invalid requests (400, 401, 404, 405, 413, 500)", 401, NO_RETRY,
+    Reason("invalid_api_key", "Invalid requests (400, 401, 404, 405, 413, 415, 500)", 401, NO_RETRY,
            "Incorrect API key provided.",
            """\
 **401.** `anonymous.allow: false` and the key belongs to no tenant. The key is never echoed or logged."""),
-    Reason("conflicting_api_keys", "Invalid requests (400, 401, 404, 405, 413, 500)", 401, NO_RETRY,
+    Reason("conflicting_api_keys", "Invalid requests (400, 401, 404, 405, 413, 415, 500)", 401, NO_RETRY,
            (
             "The request presents more than one API key (several Authorization or api-key headers): "
             "send exactly one."),
            """\
 **401.** The request carries two different keys (two `Authorization` headers, which Envoy joins with a comma, or a
 Bearer key and a different `api-key`). Send one."""),
-    Reason("admission_error", "Invalid requests (400, 401, 404, 405, 413, 500)", 500, NO_RETRY,
+    Reason("admission_error", "Invalid requests (400, 401, 404, 405, 413, 415, 500)", 500, NO_RETRY,
            (
             "The admission service failed on this request; it was not forwarded. Retrying may help; "
             "report it if it persists."),
@@ -302,6 +308,7 @@ R_JSON_TOO_DEEP = "json_too_deep"
 R_INVALID_BODY = "invalid_body"
 R_BODY_TOO_LARGE = "body_too_large"
 R_UNKNOWN_URL = "unknown_url"
+R_UNSUPPORTED_ENCODING = "unsupported_content_encoding"
 R_METHOD_NOT_ALLOWED = "method_not_allowed"
 R_UNSUPPORTED_ENDPOINT = "unsupported_endpoint"
 R_ADMISSION_ERROR = "admission_error"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any
@@ -127,13 +128,28 @@ def load_json_object(raw: bytes) -> dict[str, Any]:
     try:
         doc = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
-        raise BadRequest(f"The request body is not valid JSON: {e}", code="invalid_json") from None
+        doc = _loads_other_unicode(raw, e)
     if not isinstance(doc, dict):
         raise BadRequest("The request body must be a JSON object.", code="invalid_json")
     # Depth cannot exceed the number of brackets: only bodies with many of them need the walk.
     if raw.count(b"{") + raw.count(b"[") > MAX_JSON_DEPTH and json_depth(doc) > MAX_JSON_DEPTH:
         raise BadRequest(say(R_JSON_TOO_DEEP, depth=MAX_JSON_DEPTH), code=R_JSON_TOO_DEEP)
     return doc
+
+
+def _loads_other_unicode(raw: bytes, error: orjson.JSONDecodeError) -> Any:
+    """A body orjson (UTF-8 only) refused: vLLM's server reads JSON bytes as Python's json does, which also takes
+    UTF-8 with a BOM and UTF-16/32, so read those the same way; anything else is refused, saying why."""
+    encoding = json.detect_encoding(raw)
+    if encoding != "utf-8":
+        try:
+            return orjson.loads(raw.decode(encoding))
+        except (UnicodeDecodeError, orjson.JSONDecodeError):
+            pass
+    if "UTF-8" in str(error):
+        raise BadRequest("The request body is not valid UTF-8 (JSON bodies must be UTF-8, or UTF-16/32 with a "
+                         "byte order mark).", code="invalid_json") from None
+    raise BadRequest(f"The request body is not valid JSON: {error}", code="invalid_json") from None
 
 
 def json_depth(doc: Any) -> int:

@@ -11,7 +11,7 @@ from ..policy.admission import AdmissionController, Canned, Decision, Degrade, Q
 from ..policy.classify import ConflictingKeys, presented_key
 from ..policy.limits import Outcome, Ticket
 from ..policy.reasons import (R_BODY_TOO_LARGE, R_CONFLICTING_KEYS, R_METHOD_NOT_ALLOWED, R_UNKNOWN_URL,
-                              R_UNSUPPORTED_ENDPOINT, say)
+                              R_UNSUPPORTED_ENCODING, R_UNSUPPORTED_ENDPOINT, say)
 from ..policy.schema import Policy
 from ..store.shared_slots import SharedSlots
 from . import protocol
@@ -217,6 +217,9 @@ class Stream:
             return protocol.refusal(d)
         if head.end_of_stream:  # a POST without a body
             return self._refuse(empty_body())
+        if head.content_encoding is not None:
+            return self._refuse(BadRequest(say(R_UNSUPPORTED_ENCODING, encoding=head.content_encoding),
+                                           code=R_UNSUPPORTED_ENCODING, status=415))
         self.usage = self.processor.usage_reader(facts.api_key)
         self._enter(Phase.BODY)
         # A response whose usage is read needs its headers phase, where the body mode is picked.

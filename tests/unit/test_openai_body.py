@@ -85,3 +85,15 @@ def test_error_body_is_openai_shaped():
     doc = json.loads(error_body(429, "class 'interactive' is at capacity", "queue_full"))
     assert doc == {"error": {"message": "class 'interactive' is at capacity", "type": "rate_limit_error",
                              "param": None, "code": "queue_full"}}
+
+
+@pytest.mark.parametrize("raw", ['\ufeff{"model": "m"}'.encode("utf-8"), '{"model": "m"}'.encode("utf-16"),
+                                 '{"model": "m"}'.encode("utf-16-le"), '{"model": "m"}'.encode("utf-32")])
+def test_json_in_the_other_unicode_encodings_vllm_reads_is_read_the_same_way(raw):
+    assert parse(raw).model == "m"
+
+
+def test_a_body_that_is_not_utf8_is_refused_in_words():
+    with pytest.raises(BadRequest) as e:
+        parse(b'{"model": "m\xff"}')
+    assert "not valid UTF-8" in e.value.message and "surrogates" not in e.value.message

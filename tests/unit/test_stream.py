@@ -128,6 +128,20 @@ def test_headers_that_end_the_request_are_refused_as_an_empty_body(clock):
     assert immediate_status(s.receive(request_headers(eos=True))) == 400
 
 
+@pytest.mark.parametrize("encoding", [b"gzip", b"deflate, br"])
+def test_a_compressed_body_is_refused_415(clock, encoding):
+    # neither we nor vLLM decompress a request body: refused in words, not as JSON that is "not valid UTF-8"
+    s = Stream(processor(clock))
+    answer = s.receive(request_headers(content_encoding=encoding))
+    assert immediate_status(answer) == 415 and s.phase is Phase.ANSWERED
+    assert json.loads(answer.immediate_response.body)["error"]["code"] == "unsupported_content_encoding"
+
+
+def test_an_identity_content_encoding_is_no_compression(clock):
+    s = Stream(processor(clock))
+    assert s.receive(request_headers(content_encoding=b"identity")) is CONTINUE["request_headers"]
+
+
 def test_a_learning_sample_asks_for_the_response_headers(clock):
     s = Stream(processor(clock, learn_sample=1.0))
     assert s.receive(request_headers()) is LEARN_HEADERS
