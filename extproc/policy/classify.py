@@ -73,7 +73,8 @@ class Classifier:
         tenant = self.tenant_for(api_key)
         key = self._fairness_key(fairness_id)
         if objective:
-            objective = self._objectives.get(objective, objective)
+            name = objective.lower()  # like the other claims: class and objective names are lower case
+            objective = self._objectives.get(name, name)
         claim = header_claim or objective or body_claim
         if not claim:
             return Classification(tenant.default_class, tenant.name, fairness_key=key)

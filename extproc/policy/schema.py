@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -18,9 +20,10 @@ class PolicyError(ValueError):
 
 
 def doc(text: str, default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING,
-        minimum: float | None = None, maximum: float | None = None) -> Any:
-    """A schema field: its documentation, default and numeric bounds travel together."""
-    meta = {"doc": text, "min": minimum, "max": maximum}
+        minimum: float | None = None, maximum: float | None = None, header_name: bool = False) -> Any:
+    """A schema field: its documentation, default and numeric bounds travel together. `header_name`: an HTTP
+    header name, lower-cased on load (Envoy hands the ext_proc lower-case keys; header names ignore case)."""
+    meta = {"doc": text, "min": minimum, "max": maximum, "header_name": header_name}
     if factory is not dataclasses.MISSING:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -136,10 +139,11 @@ class PoolLimitSpec:
 
 @dataclass(frozen=True)
 class PoolSpec:
-    """A model pool's replicas, scraped for vLLM's own saturation signals."""
+    """A model pool's replicas, scraped for vLLM's own saturation signals. A pool that names neither `replicas`
+    nor `envoy_admin` is not scraped: its limit and the adaptive caps on it run on latency alone."""
 
-    replicas: list[str] = doc("HOST:PORT of each replica (its vLLM /metrics). Empty with `envoy_admin`: taken "
-                              "from Envoy's cluster membership.", factory=list)
+    replicas: list[str] = doc("HOST:PORT of each replica (its vLLM /metrics; no scheme, no path). Empty with "
+                              "`envoy_admin`: taken from Envoy's cluster membership.", factory=list)
     envoy_admin: str | None = doc("Envoy admin URL (e.g. http://127.0.0.1:9901) to read the cluster's "
                                   "endpoints from, when `replicas` is empty.", None)
     scrape_interval_ms: int = doc("How often each replica's /metrics is read.", 200, minimum=20)
@@ -150,6 +154,11 @@ class PoolSpec:
     waiting_saturated: float = doc("vllm:num_requests_waiting per replica at or above this is saturation.", 1.0,
                                    minimum=0)
     limit: PoolLimitSpec = doc("The pool-wide limit (off unless enabled).", factory=PoolLimitSpec)
+
+    @property
+    def scraped(self) -> bool:
+        """Whether it names anything to scrape (replicas, or an Envoy admin to find them through)."""
+        return bool(self.replicas or self.envoy_admin)
 
 
 @dataclass(frozen=True)
@@ -209,29 +218,33 @@ class ClassSpec:
 
 @dataclass(frozen=True)
 class ClassifySpec:
-    """Where a request may claim its class."""
+    """Where a request may claim its class. Header names are case-insensitive (lower-cased on load), and so are
+    claims: every claim (class header, objective header, body field) is lower-cased before it is matched against
+    the class names, which are lower case."""
 
-    header: str = doc("Request header holding the claimed class name (lower case).", "x-priority")
+    header: str = doc("Request header holding the claimed class name.", "x-priority", header_name=True)
     body_field: str = doc("Top-level JSON body field holding the claimed class name. Removed from the body "
                           "before it reaches vLLM when it names a class (vLLM's own `priority` is an integer).",
                           "priority")
     objective_header: str | None = doc(
         "Request header naming the request's objective, read as a class claim after `header` and before "
-        "`body_field` (lower case; Gateway API Inference Extension: `x-gateway-inference-objective`, an "
-        "InferenceObjective's name; newer llm-d routers call it `x-llm-d-router-inference-objective`). Like any "
-        "claim it is capped by the tenant's `max_class`. Unset: not read.", None)
-    objectives: dict[str, str] = doc("Objective name -> class, for `objective_header`; a name not listed is "
-                                     "taken as a class name.", factory=dict)
+        "`body_field` (Gateway API Inference Extension: `x-gateway-inference-objective`, an "
+        "InferenceObjective's name; newer llm-d routers call it `x-llm-d-router-inference-objective`). Its value "
+        "is lower-cased like any claim, and like any claim it is capped by the tenant's `max_class`. Unset: not "
+        "read.", None, header_name=True)
+    objectives: dict[str, str] = doc("Objective name (lower case, as Kubernetes names are) -> class, for "
+                                     "`objective_header`; a name not listed is taken as a class name.",
+                                     factory=dict)
     fairness_header: str | None = doc(
         "Request header whose value is the fairness key (the flow whose share a request counts against) instead "
-        "of the tenant (lower case; Gateway API Inference Extension: `x-gateway-inference-fairness-id`). Set it "
+        "of the tenant (Gateway API Inference Extension: `x-gateway-inference-fairness-id`). Set it "
         "only where the gateway in front sets or strips that header: a client that picks its own key can join "
         "another flow or split its traffic over many. Values are cut to 128 characters; metrics label keys "
-        "that are not tenant names as `other`. Unset: the tenant is the key.", None)
+        "that are not tenant names as `other`. Unset: the tenant is the key.", None, header_name=True)
     deadline_header: str | None = doc(
-        "Request header carrying the request's own deadline, in milliseconds from its arrival (lower case). "
-        "It waits in its class's queue at most that long (never longer than the class's `max_wait_ms`), and "
-        "queues with a fairness mode serve the earliest deadline of a flow first. Unset: not read.", None)
+        "Request header carrying the request's own deadline, in milliseconds from its arrival. It waits in its "
+        "class's queue at most that long (never longer than the class's `max_wait_ms`), and queues with a "
+        "fairness mode serve the earliest deadline of a flow first. Unset: not read.", None, header_name=True)
 
 
 @dataclass(frozen=True)
@@ -262,7 +275,8 @@ class TenantSpec:
 class SessionSpec:
     """Agent sessions: requests carrying the same session id share one budget, like one customer."""
 
-    header: str = doc("Request header carrying the session id.", "x-session-id")
+    header: str = doc("Request header carrying the session id (case-insensitive).", "x-session-id",
+                      header_name=True)
     max_inflight_gpu_seconds: float | None = doc("GPU-seconds a session may have in flight at once.", None,
                                                  minimum=0.001)
     gpu_seconds_per_minute: float | None = doc("GPU-seconds a session may start per minute (token bucket).",
@@ -290,7 +304,8 @@ class AnonymousSpec:
     max_class: str | None = doc("Highest class an anonymous request may claim. Default: the lowest class, so "
                                 "dropping or mangling a key never raises a request's class.", None)
     default_class: str | None = doc("Class of anonymous requests that claim none. Default: `default_class`, "
-                                    "capped by `max_class`.", None)
+                                    "capped by `max_class`. Set above `max_class` (or above the lowest class, "
+                                    "when `max_class` is unset), it is refused.", None)
     requests_per_minute: int | None = doc("Rate limit shared by all anonymous requests; 429 beyond it.", None,
                                           minimum=1)
     tokens_per_minute: int | None = doc("Token rate limit shared by all anonymous requests.", None, minimum=1)
@@ -390,7 +405,9 @@ class Policy:
     """The admission policy."""
 
     classes: dict[str, ClassSpec] = doc("Traffic classes, highest priority first (order matters for shedding "
-                                        "and tenant caps).")
+                                        "and tenant caps). Names are lower case: claims are lower-cased before "
+                                        "they are matched, and a name is also a metric label and a header "
+                                        "value, so it has one spelling.")
     models: dict[str, ModelSpec] = doc("Models by the name clients send; any other model gets 404.")
     default_class: str | None = doc("Class of requests that claim none and have no tenant default. "
                                     "Default: the first class.", None)
@@ -450,6 +467,7 @@ def load_policy(data: Any) -> Policy:
     policy = _build(Policy, data, "", errors)
     if policy is not None and not errors:
         _check_references(policy, errors)
+        _check_pools(policy, errors)
     if errors or policy is None:
         raise PolicyError(errors or ["(root): not a mapping"])
     return policy
@@ -457,6 +475,10 @@ def load_policy(data: Any) -> Policy:
 
 def policy_warnings(p: Policy) -> list[str]:
     """Things that validate but are probably wrong: e.g. tenant rate limits that sum past the fleet."""
+    return _rate_limit_warnings(p) + _pool_warnings(p)
+
+
+def _rate_limit_warnings(p: Policy) -> list[str]:
     warnings = []
     for key, unit in (("requests_per_minute", "requests/min"), ("tokens_per_minute", "tokens/min")):
         fleet = getattr(p.fleet, key)
@@ -472,17 +494,73 @@ def policy_warnings(p: Policy) -> list[str]:
     return warnings
 
 
-def load_policy_file(path: str) -> Policy:
-    import yaml  # local: the core stays importable without YAML when policies are built in code
+def _pool_warnings(p: Policy) -> list[str]:
+    return [f"pools.{name}: names neither `replicas` nor `envoy_admin`, so nothing is scraped and its limit (and "
+            "the adaptive caps on it) run on latency only: list the vLLM replicas as HOST:PORT in `replicas`, or "
+            "set `envoy_admin` to read them from Envoy" for name, pool in p.pools.items() if not pool.scraped]
 
+
+def load_policy_file(path: str) -> Policy:
+    """Read, parse and validate a policy file; any problem with it is a PolicyError (a reload counts it as
+    refused and keeps the running policy)."""
+    return load_policy(_parse_yaml(path, _read_text(path)))
+
+
+def _read_text(path: str) -> str:
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+        with open(path, "rb") as f:
+            raw = f.read()
     except OSError as e:
         raise PolicyError([f"{path}: {e.strerror}"]) from e
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise PolicyError([f"{path}: not valid UTF-8: byte 0x{raw[e.start]:02x} at offset {e.start} (line {line}); "
+                           "save the file as UTF-8"]) from e
+
+
+def _parse_yaml(path: str, text: str) -> Any:
+    import yaml  # local: the core stays importable without YAML when policies are built in code
+
+    loader = _strict_loader()(text)
+    loader.name = path  # errors point into the file, not "<unicode string>"
+    try:
+        return loader.get_single_data()
     except yaml.YAMLError as e:
         raise PolicyError([f"{path}: not valid YAML: {e}"]) from e
-    return load_policy(data)
+    finally:
+        loader.dispose()
+
+
+@functools.cache
+def _strict_loader() -> type:
+    """yaml.SafeLoader that refuses a key given twice in one mapping: plain YAML keeps the last one silently, so a
+    second `classes:` block would replace the first without a word."""
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+            _refuse_duplicate_keys(self, node)
+            return super().construct_mapping(node, deep=deep)
+
+    return StrictLoader
+
+
+def _refuse_duplicate_keys(loader: Any, node: Any) -> None:
+    first_line: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue  # `<<: *defaults`: keys written next to it may override the merged ones
+        key = loader.construct_object(key_node, deep=True)
+        line = key_node.start_mark.line + 1
+        try:
+            first = first_line.get(key)
+        except TypeError:
+            continue  # an unhashable key: the constructor reports it
+        if first is not None:
+            raise PolicyError([f"{loader.name}: line {line}: duplicate key {key!r} (first at line {first})"])
+        first_line[key] = line
 
 
 def _join(path: str, key: str) -> str:
@@ -526,11 +604,22 @@ def _build(tp: Any, value: Any, path: str, errors: list[str]) -> Any:
 
 def _build_scalar(tp: type, value: Any, where: str, errors: list[str]) -> Any:
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        value = _int_to_float(value)
     if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
         errors.append(f"{where}: must be {_type_name(tp)}, got {value!r}")
         return None
+    if tp is float and not math.isfinite(value):
+        # NaN passes every bound (each comparison with it is false) and an infinite one never moves anything.
+        errors.append(f"{where}: must be a finite number, got {value}")
+        return None
     return value
+
+
+def _int_to_float(value: int) -> float:
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf  # past the largest float: refused as not finite
 
 
 def _type_name(tp: type) -> str:
@@ -556,6 +645,8 @@ def _build_dataclass(cls: type, value: Any, path: str, errors: list[str]) -> Any
             continue
         built = _build(hints[name], value[name], key_path, errors)
         _check_bounds(f, built, key_path, errors)
+        if f.metadata.get("header_name") and isinstance(built, str):
+            built = built.lower()  # Envoy hands the ext_proc lower-case header keys
         kwargs[name] = built
     try:
         return cls(**kwargs)
@@ -586,9 +677,20 @@ def _check_references(p: Policy, errors: list[str]) -> None:
         if value is not None and value not in rank:
             errors.append(f"{path}: unknown class {value!r} (classes: {', '.join(names)})")
 
+    def default_under_max(max_class: str | None, default_class: str | None, base: str, note: str = "") -> None:
+        if max_class in rank and default_class in rank and rank[default_class] < rank[max_class]:
+            errors.append(f"{base}.default_class: {default_class!r} is above max_class {max_class!r}{note}")
+
+    for name in names:
+        if name != name.lower():
+            errors.append(f"classes.{name}: class names must be lower case (claims are lower-cased before they are "
+                          f"matched, so this one could never be claimed): write {name.lower()!r}")
     need_class(p.default_class, "default_class")
     need_class(p.anonymous.max_class, "anonymous.max_class")
     need_class(p.anonymous.default_class, "anonymous.default_class")
+    if names:  # anonymous.max_class defaults to the lowest class
+        default_under_max(p.anonymous.max_class or names[-1], p.anonymous.default_class, "anonymous",
+                          "" if p.anonymous.max_class else " (anonymous.max_class defaults to the lowest class)")
     seen_keys: dict[str, str] = {}
     seen_names: set[str] = set()
     for i, t in enumerate(p.tenants):
@@ -601,23 +703,12 @@ def _check_references(p: Policy, errors: list[str]) -> None:
         seen_names.add(t.name)
         need_class(t.max_class, f"{base}.max_class")
         need_class(t.default_class, f"{base}.default_class")
-        if t.max_class in rank and t.default_class in rank and rank[t.default_class] < rank[t.max_class]:
-            errors.append(f"{base}.default_class: {t.default_class!r} is above max_class {t.max_class!r}")
+        default_under_max(t.max_class, t.default_class, base)
         for j, key in enumerate(t.api_keys):
             if key in seen_keys:
                 # Never echo the key itself: policy errors end up in logs.
                 errors.append(f"{base}.api_keys[{j}]: key already belongs to tenant {seen_keys[key]!r}")
             seen_keys[key] = t.name
-    clusters = {m.cluster for m in p.models.values()}
-    for name in p.pools:
-        if name not in clusters:
-            errors.append(f"pools.{name}: no model routes to this cluster (clusters: {', '.join(sorted(clusters))})")
-    for name, pool in p.pools.items():
-        lim = pool.limit
-        if lim.min > lim.max:
-            errors.append(f"pools.{name}.limit.min: above max")
-        if lim.initial is not None and not lim.min <= lim.initial <= lim.max:
-            errors.append(f"pools.{name}.limit.initial: outside min..max")
     if sum(spec.min_share for spec in p.classes.values()) > 1:
         errors.append("classes: the min_share of every class add up to more than 1")
     for name, spec in p.classes.items():
@@ -641,9 +732,35 @@ def _check_references(p: Policy, errors: list[str]) -> None:
             errors.append(f"classes.{name}.fairness.key: `header` needs classify.fairness_header")
     for objective, cls in p.classify.objectives.items():
         need_class(cls, f"classify.objectives.{objective}")
+        if objective != objective.lower():
+            errors.append(f"classify.objectives.{objective}: objective names must be lower case (the header's "
+                          f"value is lower-cased before it is matched): write {objective.lower()!r}")
     for protector, shed in p.shed_map().items():
         need_class(protector, f"shed.{protector}")
         for j, c in enumerate(shed):
             need_class(c, f"shed.{protector}[{j}]")
             if c == protector:
                 errors.append(f"shed.{protector}[{j}]: a class cannot shed itself")
+
+
+def _check_pools(p: Policy, errors: list[str]) -> None:
+    clusters = {m.cluster for m in p.models.values()}
+    for name, pool in p.pools.items():
+        if name not in clusters:
+            errors.append(f"pools.{name}: no model routes to this cluster (clusters: {', '.join(sorted(clusters))})")
+        for j, address in enumerate(pool.replicas):
+            if not _is_host_port(address):
+                errors.append(f"pools.{name}.replicas[{j}]: {address!r} is not HOST:PORT (no scheme, no path: "
+                              "e.g. 10.0.0.1:8000)")
+        lim = pool.limit
+        if lim.min > lim.max:
+            errors.append(f"pools.{name}.limit.min: above max")
+        if lim.initial is not None and not lim.min <= lim.initial <= lim.max:
+            errors.append(f"pools.{name}.limit.initial: outside min..max")
+
+
+def _is_host_port(address: str) -> bool:
+    """HOST:PORT as the scraper puts it into http://HOST:PORT/metrics ([::1]:8000 for IPv6)."""
+    host, _, port = address.rpartition(":")
+    return (bool(host) and not any(c in "/@ " for c in host) and port.isascii() and port.isdigit()
+            and 0 < int(port) < 65536)

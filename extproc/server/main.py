@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
@@ -98,17 +99,28 @@ class Server:
         self.access_log = AccessLogReceiver(self.core, self.telemetry, worker=args.worker_index)
         self.scrapers = SaturationScrapers(self.core)
         self._mtime = _mtime(policy_path)
+        self._watched_at = 0.0
         self.status = STARTING
 
     def reload(self) -> bool:
-        """Apply the policy file if it validates; otherwise keep serving the old one."""
+        """Apply the policy file if it validates; otherwise keep serving the old one. Never raises: it runs in the
+        SIGHUP callback and the housekeeping loop, where an exception would be lost or end the loop."""
         self._mtime = _mtime(self.policy_path)
         try:
-            policy = load_policy_file(self.policy_path)
+            self._apply(load_policy_file(self.policy_path))
         except PolicyError as e:
             self.telemetry.policy_reloaded(applied=False)
             log.error("policy reload refused, keeping the current policy:\n  %s", "\n  ".join(e.errors))
             return False
+        except Exception:
+            self.telemetry.policy_reloaded(applied=False)
+            log.exception("policy reload from %s failed", self.policy_path)
+            return False
+        self.telemetry.policy_reloaded(applied=True)
+        log.info("policy reloaded from %s", self.policy_path)
+        return True
+
+    def _apply(self, policy: Policy) -> None:
         if policy.store != self.core.policy.store:
             log.warning("policy reload: changes to `store` apply on restart; keeping the running store")
         if self.shared is not None:
@@ -116,35 +128,33 @@ class Server:
         else:
             self.core.apply(policy)
         asyncio.get_running_loop().create_task(self.scrapers.configure(policy.pools))
-        self.telemetry.policy_reloaded(applied=True)
-        log.info("policy reloaded from %s", self.policy_path)
-        return True
 
     async def control(self) -> None:
         """Adaptive caps move on their own interval; tick often enough that none waits long for its turn."""
-        while True:
-            await asyncio.sleep(0.1)
-            self.core.tick()
+        await _every(0.1, self._tick, "control tick")
+
+    async def _tick(self) -> None:
+        self.core.tick()
 
     async def housekeeping(self) -> None:
+        await _every(1.0, self.housekeep, "housekeeping")
+
+    async def housekeep(self) -> None:
         """Renew live leases, reap expired ones, sum up suppressed decision lines, pick up policy file changes."""
-        last_watch = 0.0
-        while True:
-            await asyncio.sleep(1.0)
-            self.servicer.renew_live()
-            self.telemetry.log_budget.flush()
-            expired = self.core.reap()
-            if self.shared is not None:
-                for t in expired:
-                    self.shared.release(t)
-                await self.shared.tick()
-            now = self.core.clock()
-            self.sustained.window_s = self.core.policy.sustained_window_s
-            self.sustained.sample(now, self.core.snapshot())
-            if self.args.watch_interval and now - last_watch >= self.args.watch_interval:
-                last_watch = now
-                if _mtime(self.policy_path) != self._mtime:
-                    self.reload()
+        self.servicer.renew_live()
+        self.telemetry.log_budget.flush()
+        expired = self.core.reap()
+        if self.shared is not None:
+            for t in expired:
+                self.shared.release(t)
+            await self.shared.tick()
+        now = self.core.clock()
+        self.sustained.window_s = self.core.policy.sustained_window_s
+        self.sustained.sample(now, self.core.snapshot())
+        if self.args.watch_interval and now - self._watched_at >= self.args.watch_interval:
+            self._watched_at = now
+            if _mtime(self.policy_path) != self._mtime:
+                self.reload()
 
     async def run(self) -> None:
         grpc_server = grpc.aio.server(options=[
@@ -259,6 +269,17 @@ class _Signals:
             return True
         except TimeoutError:
             return False
+
+
+async def _every(seconds: float, step: Callable[[], Awaitable[None]], what: str) -> None:
+    """Run `step` every `seconds` until cancelled. A failed run is logged with its traceback and the next one goes
+    ahead: a background loop that died would stop its work (lease renewal, reaping, reloads) without a word."""
+    while True:
+        await asyncio.sleep(seconds)
+        try:
+            await step()
+        except Exception:
+            log.exception("%s failed; it runs again in %g s", what, seconds)
 
 
 def _count(counter) -> int:

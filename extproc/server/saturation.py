@@ -2,7 +2,9 @@
 
 vLLM knows it is saturated before any latency shows it: requests waiting in its scheduler, the KV cache nearly
 full, preemptions. Reading them every ~200 ms lets adaptive caps react to in-flight growth at once instead of
-waiting for slow completions. A replica that cannot be read is counted as saturated, not as headroom.
+waiting for slow completions. A replica that cannot be read is counted as saturated, not as headroom. A pool that
+names nothing to scrape (no replicas, no Envoy admin) is not scraped at all: it has no saturation signal, and its
+limit and adaptive caps run on latency alone.
 """
 
 from __future__ import annotations
@@ -150,14 +152,22 @@ class SaturationScrapers:
     async def configure(self, pools: dict[str, PoolSpec]) -> None:
         if pools == self._config:
             return
+        self._config = pools  # first: stop() forgets the readings of the pools no longer scraped
         await self.stop()
-        self._config = pools
-        if not pools:
+        scraped = self._scraped()
+        for name in [n for n in pools if n not in scraped]:
+            log.warning("pool %s names neither replicas nor envoy_admin: not scraped, its limit and adaptive caps "
+                        "run on latency only", name)
+        if not scraped:
             return
         self._session = aiohttp.ClientSession()
-        for name, spec in pools.items():
-            self._tasks.append(asyncio.create_task(PoolScraper(self.core, name, spec, self._session).run()))
-        log.info("scraping vLLM saturation for pools: %s", ", ".join(pools))
+        for name in scraped:
+            self._tasks.append(asyncio.create_task(PoolScraper(self.core, name, pools[name], self._session).run()))
+        log.info("scraping vLLM saturation for pools: %s", ", ".join(scraped))
+
+    def _scraped(self) -> list[str]:
+        """The configured pools that name something to scrape (not those with no saturation signal at all)."""
+        return [name for name, spec in (self._config or {}).items() if spec.scraped]
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -167,6 +177,7 @@ class SaturationScrapers:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        scraped = self._scraped()
         for name in list(self.core.saturation):
-            if self._config is None or name not in self._config:
+            if name not in scraped:  # no longer scraped: not scraped (None), not stuck at its last reading
                 self.core.set_saturation(name, None)

@@ -1,0 +1,73 @@
+"""The server's reloads and background loops (extproc/server/main.py): a bad file or a failing round is logged
+and counted, never the end of the loop or an exception out of the SIGHUP callback."""
+
+import argparse
+import asyncio
+import logging
+import os
+
+from extproc.policy.schema import load_policy_file
+from extproc.server.main import Server, _every, add_arguments
+
+GOOD = "classes: {interactive: {max_concurrency: 1}}\nmodels: {llama: {cluster: pool_a}}\n"
+
+
+def serve(tmp_path) -> Server:
+    path = tmp_path / "policy.yaml"
+    path.write_text(GOOD)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return Server(str(path), load_policy_file(str(path)), parser.parse_args(["--policy", str(path)]))
+
+
+def reloads(server: Server, result: str) -> float:
+    return server.telemetry.registry.get_sample_value("extproc_config_reload_total", {"result": result})
+
+
+def test_a_policy_file_changed_to_latin1_is_a_refused_reload_and_the_old_policy_stays(tmp_path, caplog):
+    server = serve(tmp_path)
+    before = server.core.policy
+    path = tmp_path / "policy.yaml"
+    path.write_bytes(GOOD.replace("llama", "caf\u00e9").encode("latin-1"))
+    os.utime(path, (1, 1))  # a change the file watch sees, however coarse the file system's clock
+    asyncio.run(server.housekeep())  # the watch's round: it used to raise UnicodeDecodeError and end the loop
+    assert reloads(server, "invalid") == 1 and not reloads(server, "applied")
+    assert server.core.policy is before
+    assert "not valid UTF-8: byte 0xe9" in caplog.text
+
+
+def test_a_reload_that_fails_unexpectedly_is_logged_counted_and_does_not_raise(tmp_path, caplog, monkeypatch):
+    server = serve(tmp_path)
+
+    def broken(policy):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(server.core, "apply", broken)
+
+    async def sighup() -> bool:
+        return server.reload()  # what the SIGHUP callback runs
+
+    assert asyncio.run(sighup()) is False
+    assert reloads(server, "invalid") == 1
+    (record,) = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert record.exc_info is not None and "injected" in caplog.text
+
+
+def test_a_failed_background_round_is_logged_with_its_traceback_and_the_next_round_runs(caplog):
+    rounds = []
+
+    async def step() -> None:
+        rounds.append(1)
+        if len(rounds) == 1:
+            raise RuntimeError("injected")
+
+    async def run_rounds() -> None:
+        loop = asyncio.create_task(_every(0.001, step, "housekeeping"))
+        while len(rounds) < 3:
+            await asyncio.sleep(0.001)
+        loop.cancel()
+
+    asyncio.run(asyncio.wait_for(run_rounds(), 5))
+    (record,) = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert record.getMessage() == "housekeeping failed; it runs again in 0.001 s"
+    assert record.exc_info is not None
