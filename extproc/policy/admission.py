@@ -57,8 +57,10 @@ class AdmissionController:
     # --- the running policy (PolicyState builds it) ---
 
     def apply(self, policy: Policy) -> None:
-        """Install a (validated) policy. Held slots stay with the limiter they were taken from."""
+        """Install a (validated) policy. Held slots stay with the limiter they were taken from; what they hold of a
+        pool's limit moves to the pool's new gate."""
         removed = self.state.apply(policy)
+        self.state.move_pool_holds(self.tickets.values(), self._unreported.values())
         st = self.state  # plain attributes, not properties: the hot path reads them on every request
         self.policy, self.limiters, self.degraded, self.classifier = st.policy, st.limiters, st.degraded, \
             st.classifier
@@ -551,6 +553,8 @@ class AdmissionController:
             else:
                 lim.inflight -= 1
                 lim.inflight_cost -= ticket.cost
+            if lim.inflight == 0:
+                lim.inflight_cost = 0.0  # a float sum drifts: nothing held is exactly 0, not -8e-17
             lim.queue.released(ticket.flow, ticket.cost)
             if ticket.gate is not None:
                 ticket.gate.give_back(ticket.rank, ticket.units, ticket.flow)

@@ -179,14 +179,21 @@ class FairQueue:
     def configure(self, mode: Mode, weights: dict[str, float], guaranteed: dict[str, float],
                   tenants: Iterable[str]) -> None:
         """A reloaded policy: new mode, weights, guarantees and labels. Waiters keep their arrival order and
-        flows what they were served; a changed mode re-sorts the waiters into its flows."""
+        flows what they were served; a changed mode re-sorts the waiters into its flows. New labels move what
+        waits and what runs to its key's new label: a request is released from the label it is counted under."""
         if mode not in MODES:
             raise ValueError(f"unknown fairness mode {mode!r} (modes: {', '.join(MODES)})")
-        waiters = list(self) if mode != self.mode or set(tenants) != self._labels else []
+        labels = set(tenants)
+        relabel = labels != self._labels
+        waiters = list(self) if mode != self.mode or relabel else []
         for w in waiters:
             self._take(w)
+        running = [(f, self.label(f.key)) for f in self._flows.values() if relabel and f.inflight]
         self.mode = mode
-        self.weights, self.guaranteed, self._labels = dict(weights), dict(guaranteed), set(tenants)
+        self.weights, self.guaranteed, self._labels = dict(weights), dict(guaranteed), labels
+        for flow, was in running:
+            self._counts(was).inflight -= flow.inflight
+            self._stats(flow.key).inflight += flow.inflight
         for flow in self._flows.values():
             flow.weight = self.weights.get(flow.key, 1.0)
             flow.guaranteed = self.guaranteed.get(flow.key, 0.0)
@@ -372,7 +379,9 @@ class FairQueue:
         return flow.guaranteed > 0.0 and flow.inflight < flow.guaranteed * self.capacity
 
     def _stats(self, key: str) -> TenantStats:
-        label = self.label(key)
+        return self._counts(self.label(key))
+
+    def _counts(self, label: str) -> TenantStats:
         st = self.stats.get(label)
         if st is None:
             st = self.stats[label] = TenantStats()

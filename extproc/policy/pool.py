@@ -99,6 +99,15 @@ class PoolLimit:
         self.slos = slos
         self.windows = {r: self.windows.get(r) or self._window() for r in slos}
 
+    def respec(self, spec: PoolLimitSpec, slos: dict[int, float], ranks: dict[int, int]) -> None:
+        """A reload changed the knobs or the classes but not the unit: keep what was learned (the limit, within
+        the new bounds; each class's calm baseline and samples under its new rank, `ranks`: old -> new)."""
+        self.spec = spec
+        self.limit = min(spec.max, max(spec.min, self.limit))
+        self.baseline = {ranks[r]: b for r, b in self.baseline.items() if r in ranks}
+        self.windows = {ranks[r]: w for r, w in self.windows.items() if r in ranks}
+        self.reconfigure(slos)
+
     def observe(self, rank: int, admitted_at: float, now: float, service_s: float) -> None:
         window = self.windows.get(rank)
         if window is not None and admitted_at >= self.counted_since:
@@ -192,14 +201,15 @@ class PoolGate:
     """One pool's limit and what each class holds of it; classes are ranked (0 = highest priority)."""
 
     def __init__(self, name: str, spec: PoolLimitSpec, slos: dict[int, float], min_shares: list[float],
-                 class_names: list[str]):
+                 class_names: list[str], previous: PoolGate | None = None):
         self.name = name
         self.class_names = class_names         # by rank: a reload keeps this gate only for the same classes
         self.spec = spec
         self.tokens = spec.unit == "tokens"
-        self.controller = PoolLimit(spec, slos)
+        self.controller = self._controller(spec, slos, previous)
         self.limit = self.controller.limit
-        self.inflight = 0.0                    # units held, every class
+        self.inflight = 0.0                    # units held, every class (and classes a reload removed)
+        self.holding = 0                       # requests held, every class (and classes a reload removed)
         self.held = [0.0] * len(min_shares)    # units held per class rank
         self.count = [0] * len(min_shares)     # requests held per class rank
         self.waiting = [0] * len(min_shares)   # requests queued for this pool per class rank
@@ -211,10 +221,25 @@ class PoolGate:
         self.squeeze_until = -math.inf         # ...until then (a latency breaker of a higher class asked)
         self._squeezed_for: tuple[int, float] | None = None  # (rank, breaker opened at) last squeezed for
 
+    def _controller(self, spec: PoolLimitSpec, slos: dict[int, float], previous: PoolGate | None) -> PoolLimit:
+        """The limit this gate starts from: what the gate it replaces (a reload) learned, unless the unit changed
+        (a limit in requests says nothing in tokens) or a new `initial` asks to start again."""
+        if previous is None or previous.spec.unit != spec.unit or previous.spec.initial != spec.initial:
+            return PoolLimit(spec, slos)
+        controller = previous.controller
+        controller.limit = previous.limit
+        ranks = {r: self.class_names.index(c) for r, c in enumerate(previous.class_names) if c in self.class_names}
+        controller.respec(spec, slos, ranks)
+        return controller
+
     def reconfigure(self, slos: dict[int, float], min_shares: list[float]) -> None:
         """A reload kept the limit spec and the classes: keep the learned limit and what is held."""
         self.controller.reconfigure(slos)
         self.min_shares = min_shares
+
+    def rank_of(self, cls: str) -> int | None:
+        """A class's rank here; None for one the policy no longer has (what it holds counts, as no class's)."""
+        return self.class_names.index(cls) if cls in self.class_names else None
 
     def units(self, prompt_tokens: int, expected_output: float) -> float:
         """What one request weighs against the limit."""
@@ -284,18 +309,25 @@ class PoolGate:
         mine = self.flows[rank].get(flow)
         return mine[0] if mine is not None else 0.0
 
-    def take(self, rank: int, units: float, flow: str = "") -> None:
+    def take(self, rank: int | None, units: float, flow: str = "") -> None:
         self.inflight += units
+        self.holding += 1
+        if rank is None:
+            return  # a class a reload removed (rank_of): it holds the pool, no class's share of it
         self.held[rank] += units
         self.count[rank] += 1
         mine = self.flows[rank].setdefault(flow, [0.0, 0])
         mine[0] += units
         mine[1] += 1
 
-    def give_back(self, rank: int, units: float, flow: str = "") -> None:
-        self.inflight -= units
-        self.held[rank] -= units
+    def give_back(self, rank: int | None, units: float, flow: str = "") -> None:
+        # A float sum drifts: with nothing left it is exactly 0, not -2e-13 (a gauge, and a limit's comparisons).
+        self.holding -= 1
+        self.inflight = self.inflight - units if self.holding else 0.0
+        if rank is None:
+            return
         self.count[rank] -= 1
+        self.held[rank] = self.held[rank] - units if self.count[rank] else 0.0
         mine = self.flows[rank].get(flow)
         if mine is not None:
             mine[0] -= units

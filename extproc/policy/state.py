@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterable
 
 from .breakers import Breaker, ErrorBreaker, LatencyBreaker
 from .classify import ANONYMOUS, Classifier
 from .cost import CostModel
-from .limits import ClassLimiter, LimitFactory, default_limit
+from .limits import ClassLimiter, LimitFactory, Ticket, Waiter, default_limit
 from .pool import PoolGate
 from .ratelimit import SessionBudgets, TenantLimits
 from .schema import ClassSpec, Policy
 
 
 class PolicyState:
-    """The policy as running state. A reload keeps what must survive it: slots held under a limiter, learned cost
+    """The policy as running state. A reload keeps what must survive it: slots held under a limiter and what they
+    hold of a pool's limit (its learned limit too, unless its unit or `initial` changed), learned cost
     coefficients (unless the model's profile changed), tenant buckets and session budgets (unless their spec
     changed), breaker state (unless the class's breaker specs changed) and adaptive limits."""
 
@@ -77,8 +78,9 @@ class PolicyState:
         return [lim for name, lim in old.items() if name not in self.limiters]
 
     def _gates(self, policy: Policy) -> dict[str, PoolGate]:
-        """A gate per pool with a limit. One whose limit spec and classes are unchanged keeps what it learned and
-        holds; otherwise it starts again (requests held under the old one are given back to it alone)."""
+        """A gate per pool with a limit. One whose limit spec and classes are unchanged is kept; otherwise a new
+        one replaces it, starting from the limit it learned (PoolGate._controller) and holding what it held
+        (move_pool_holds)."""
         slos = {rank: spec.slo_p95_ms / 1000.0 for rank, spec in enumerate(policy.classes.values())
                 if spec.slo_p95_ms}
         shares = [spec.min_share for spec in policy.classes.values()]
@@ -90,9 +92,54 @@ class PolicyState:
             if gate is not None and gate.spec == pool.limit and gate.class_names == list(policy.classes):
                 gate.reconfigure(slos, shares)
             else:
-                gate = PoolGate(name, pool.limit, slos, shares, list(policy.classes))
+                gate = PoolGate(name, pool.limit, slos, shares, list(policy.classes), previous=gate)
             gates[name] = gate
         return gates
+
+    def move_pool_holds(self, tickets: Iterable[Ticket], ended: Iterable[Ticket]) -> None:
+        """Nothing in flight is lost on a reload: what open `tickets` hold of a gate the reload replaced moves to
+        the pool's new gate (in its unit, at the class's rank there), and so do the waiters' places: the limit
+        holds across the reload and each ticket ends on the gate that holds it. Tickets that `ended` but are not
+        accounted yet follow too, so their latency teaches the new gate."""
+        for t in tickets:
+            if t.gate is not None and self.gates.get(t.gate.name) is not t.gate:
+                t.gate.give_back(t.rank, t.units, t.flow)
+                t.gate, t.rank, t.units = self._moved(t.gate, t.cls, t.units, t.charge)
+                if t.gate is not None:
+                    t.gate.take(t.rank, t.units, t.flow)
+        for t in ended:
+            if t.gate is not None and self.gates.get(t.gate.name) is not t.gate:
+                t.gate, t.rank, t.units = self._moved(t.gate, t.cls, t.units, t.charge)
+        for lim in self.limiters.values():
+            for w in lim.queue:
+                self._move_place(w)
+
+    def _move_place(self, w: Waiter) -> None:
+        """A queued waiter waits for its pool's gate now (a pool that lost its limit: for its class alone)."""
+        gate, old, cls = self.gates.get(w.pool), w.gate, w.limiter.name
+        if old is gate:
+            return
+        if old is not None:
+            old.waiting[old.class_names.index(cls)] -= 1
+        w.units = self._units(gate, old, w.units, w.charge) if gate is not None else 0.0
+        w.gate = gate
+        if gate is not None:
+            gate.waiting[w.limiter.rank] += 1
+
+    def _moved(self, old: PoolGate, cls: str, units: float, charge) -> tuple[PoolGate | None, int | None, float]:
+        """(gate, rank, units) of a hold on `old` once the reload replaced it (None: the pool has no limit now)."""
+        gate = self.gates.get(old.name)
+        if gate is None:
+            return None, None, 0.0
+        return gate, gate.rank_of(cls), self._units(gate, old, units, charge)
+
+    @staticmethod
+    def _units(gate: PoolGate, old: PoolGate | None, units: float, charge) -> float:
+        """What a request weighs on `gate`, given what it weighed on `old` (the same, unless the unit changed)."""
+        if old is not None and old.tokens == gate.tokens:
+            return units
+        est = charge.estimate if charge is not None else None
+        return gate.units(est.prompt_tokens, est.expected_output) if est is not None else gate.units(0, 0)
 
     def _limiter(self, lim: ClassLimiter | None, name: str, spec: ClassSpec) -> ClassLimiter:
         if lim is None:

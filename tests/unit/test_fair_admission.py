@@ -172,6 +172,19 @@ def test_a_reload_to_another_mode_keeps_the_waiters_and_reorders_them(clock):
     assert grants(core, running, 3) == ["a", "b", "c"]
 
 
+def test_a_reload_that_removes_a_tenant_under_load_leaves_every_tenant_gauge_at_zero_after_it(clock):
+    core = core_with(clock, "fair")
+    admitted = [ask(core, "c"), ask(core, "a")]
+    queued = ask(core, "c")
+    assert queued.kind == QUEUE
+    core.apply(policy("fair", tenants=TENANTS[:2]))
+    for d in admitted:
+        core.finish(d.ticket, Outcome.OK)
+    core.finish(queued.waiter.result.ticket, Outcome.OK)
+    q = core.limiters["interactive"].queue
+    assert {label: (st.inflight, st.waiting) for label, st in q.stats.items() if st.inflight or st.waiting} == {}
+
+
 def test_a_full_queue_gives_the_flooding_tenants_last_place_to_a_tenant_with_fewer_waiting(clock):
     core = AdmissionController(make_policy(
         classes={"interactive": {"max_concurrency": 1, "max_queue": 2, "max_wait_ms": 1000,

@@ -393,6 +393,17 @@ def test_waits_and_inflight_are_counted_per_label():
     assert st_a.inflight == 0
 
 
+def test_a_reload_moves_what_runs_to_its_keys_new_label_so_each_end_leaves_the_label_it_counts_under():
+    q = FairQueue("fair", tenants=["a", "c"])
+    q.admitted("c", 1.0)
+    q.admitted("d", 1.0)  # not a tenant yet: counted as "other"
+    q.configure("fair", {}, {}, ["a", "d"])  # c removed, d added, both still running
+    assert {k: s.inflight for k, s in q.stats.items()} == {"c": 0, "other": 1, "d": 1}
+    q.released("c", 1.0)
+    q.released("d", 1.0)
+    assert {k: s.inflight for k, s in q.stats.items()} == {"c": 0, "other": 0, "d": 0}
+
+
 def test_overdue_lists_every_late_waiter_earliest_first():
     q = FairQueue("fair", tenants=TENANTS)
     late_b, late_a, fine = W("b", deadline=2.0), W("a", deadline=1.0), W("a", deadline=9.0)

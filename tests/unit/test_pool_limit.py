@@ -5,14 +5,15 @@ import pytest
 
 from extproc.policy.admission import ACCEPT, DEGRADE, QUEUE, AdmissionController, RequestFacts
 from extproc.policy.limits import Outcome
-from extproc.policy.pool import PoolLimit
+from extproc.policy.pool import PoolGate, PoolLimit
 from extproc.policy.schema import PoolLimitSpec
 from tests.conftest import make_policy
 
 BIG = {"max_concurrency": 100, "max_queue": 10}
 
 
-def pool_policy(limit: float = 4, unit: str = "requests", borrow_lower: bool = False, **classes):
+def pool_policy(limit: float = 4, unit: str = "requests", borrow_lower: bool = False, knobs: dict | None = None,
+                order: tuple[str, ...] = ("interactive", "batch", "internal"), **classes):
     spec = {"interactive": {**BIG, "max_wait_ms": 200, "slo_p95_ms": 2000, "on_overflow": "fallback",
                             "fallback": {"action": "degrade", "model": "small"},
                             "latency_breaker": {"window_s": 10, "min_samples": 5, "cooldown_s": 5}},
@@ -20,9 +21,9 @@ def pool_policy(limit: float = 4, unit: str = "requests", borrow_lower: bool = F
             "internal": {**BIG, "max_wait_ms": 5000}}
     for name, extra in classes.items():
         spec[name] = {**spec[name], **extra}
-    return make_policy(classes=spec, shed={},
+    return make_policy(classes={name: spec[name] for name in order}, shed={},
                        pools={"pool_a": {"limit": {"enabled": True, "unit": unit, "initial": limit, "min": 1,
-                                                   "max": limit, "borrow_lower": borrow_lower}}})
+                                                   "max": limit, "borrow_lower": borrow_lower, **(knobs or {})}}})
 
 
 def req(cls, model="llama", tokens=0):
@@ -151,9 +152,74 @@ def test_a_reload_keeps_what_is_held_and_the_learned_limit(clock):
     gate.limit = 3.0
     core.apply(pool_policy())
     assert core.gates["pool_a"] is gate and gate.limit == 3.0 and gate.inflight == 1
-    core.apply(pool_policy(limit=6))  # a changed limit spec starts a new gate; the old ticket returns to the old
+    core.apply(pool_policy(limit=6))  # a changed limit spec: a new gate takes over what the old one held
+    assert gate.inflight == 0 and core.gates["pool_a"].inflight == 1
     core.finish(t, Outcome.OK)
     assert gate.inflight == 0 and core.gates["pool_a"].inflight == 0
+
+
+def test_a_reload_that_tunes_the_limit_carries_what_is_held_and_waits_so_the_limit_holds(pcore):
+    running = [pcore.decide(req("interactive")).ticket for _ in range(4)]
+    assert pcore.decide(req("interactive")).kind == QUEUE
+    pcore.apply(pool_policy(knobs={"min": 4, "target": 0.8}))  # the limit fixed at 4; one knob tuned
+    assert pcore.gates["pool_a"].spec.target == 0.8 and held(pcore) == (4, [4, 0, 0], [1, 0, 0])
+    assert pcore.decide(req("interactive")).kind == QUEUE  # not a fifth running against a limit of 4
+    for t in running:
+        pcore.finish(t, Outcome.OK)  # the old tickets end on the gate that holds them now
+        assert 2 <= pcore.gates["pool_a"].inflight <= 4
+    assert held(pcore) == (2, [2, 0, 0], [0, 0, 0])  # the two waiters, granted as the old tickets ended
+
+
+def test_a_class_that_moves_rank_on_a_reload_holds_and_gives_back_under_its_new_rank(pcore):
+    batch = pcore.decide(req("batch")).ticket
+    old = pcore.gates["pool_a"]
+    old.controller.baseline = {1: 0.5}  # batch's calm latency, learned at rank 1
+    pcore.apply(pool_policy(order=("batch", "interactive", "internal")))
+    gate = pcore.gates["pool_a"]
+    assert gate.class_names[0] == "batch" and held(pcore) == (1, [1, 0, 0], [0, 0, 0])
+    assert gate.controller.baseline == {0: 0.5}
+    pcore.finish(batch, Outcome.OK)
+    assert held(pcore) == (0, [0, 0, 0], [0, 0, 0]) and old.inflight == 0
+
+
+def test_a_class_removed_on_a_reload_holds_the_pool_until_its_requests_end(pcore):
+    internal = [pcore.decide(req("internal")).ticket for _ in range(3)]
+    pcore.apply(pool_policy(order=("interactive", "batch")))
+    assert held(pcore) == (3, [0, 0], [0, 0])  # the pool's, no class's: the limit still counts them
+    assert [pcore.decide(req("interactive")).kind for _ in range(2)] == [ACCEPT, QUEUE]
+    for t in internal:
+        pcore.finish(t, Outcome.OK)
+    assert held(pcore) == (2, [2, 0], [0, 0])
+
+
+def test_the_limit_learned_survives_a_reload_of_its_knobs_within_the_new_bounds(clock):
+    core = AdmissionController(pool_policy(limit=10), clock=clock)
+    gate = core.gates["pool_a"]
+    gate.limit = gate.controller.limit = 6.0
+    core.apply(pool_policy(limit=10, knobs={"target": 0.8}))
+    assert core.gates["pool_a"] is not gate and core.gates["pool_a"].limit == 6.0
+    core.apply(pool_policy(limit=10, knobs={"target": 0.8, "min": 8}))
+    assert core.gates["pool_a"].limit == 8.0
+    core.apply(pool_policy(limit=10, unit="tokens"))  # another unit: the limit says nothing in it, start again
+    assert core.gates["pool_a"].limit == 10.0
+
+
+def test_a_reload_to_another_unit_weighs_what_is_held_in_the_new_unit(clock):
+    core = AdmissionController(pool_policy(limit=1000), clock=clock)
+    t = core.decide(req("interactive", tokens=500)).ticket
+    core.apply(pool_policy(limit=1000, unit="tokens"))
+    assert core.gates["pool_a"].inflight == pytest.approx(600)  # 500 prompt + 100 output
+    core.finish(t, Outcome.OK)
+    assert held(core) == (0, [0, 0, 0], [0, 0, 0])
+
+
+def test_what_is_held_is_exactly_zero_once_nothing_holds_it():
+    gate = PoolGate("pool_a", spec(unit="tokens"), {}, [0.0], ["interactive"])
+    for units in (0.1, 0.2):
+        gate.take(0, units)
+    for units in (0.1, 0.2):
+        gate.give_back(0, units)
+    assert gate.inflight == 0.0 and gate.held == [0.0]  # float sums drift: 2.8e-17 is not nothing
 
 
 def spec(**kw) -> PoolLimitSpec:
@@ -292,3 +358,10 @@ def test_a_flow_under_its_share_goes_in_over_a_full_pool_and_the_borrower_waits(
         core.finish(d.ticket if d.ticket is not None else d.waiter.result.ticket, Outcome.OK)
     assert a3.waiter.result.kind == ACCEPT and gate.flows[0].keys() == {"a"}
     assert gate.inflight == pytest.approx(500) == gate.flows[0]["a"][0]
+
+
+def test_the_gpu_seconds_a_class_holds_are_exactly_zero_once_its_requests_end(pcore):
+    tickets = [pcore.decide(req("interactive", tokens=n)).ticket for n in (25, 500, 9)]
+    for t in tickets:
+        pcore.finish(t, Outcome.OK)
+    assert pcore.snapshot()["interactive"]["inflight_cost"] == 0.0  # not a float sum's leftover (1e-17)
