@@ -129,7 +129,7 @@ class AdmissionController:
         cluster = self.clusters.get(facts.model) if facts.model is not None else None
         if cluster is None:
             return self._emit(Refusal(INVALID, R_UNKNOWN_MODEL, c.cls, c.tenant, 404,
-                                      say(R_UNKNOWN_MODEL, model=facts.model), classification=c))
+                                      say(R_UNKNOWN_MODEL, model=_shown(facts.model)), classification=c))
         context_tokens = self.cost_models[facts.model].spec.max_context_tokens
         if context_tokens and facts.max_tokens is not None and facts.max_tokens > context_tokens:
             return self._emit(Refusal(INVALID, R_MAX_TOKENS, c.cls, c.tenant, 400,
@@ -764,3 +764,8 @@ class AdmissionController:
             out.setdefault(lim.name, {"inflight": lim.inflight, "queue": 0, "limit": 0,
                                       "inflight_cost": lim.inflight_cost, "degraded_inflight": 0})
         return out
+
+
+def _shown(name: str | None) -> str | None:
+    """A client's string as an error message quotes it: cut short (a 4 MB `model` must not come back whole)."""
+    return name if name is None or len(name) <= 128 else name[:128] + "..."

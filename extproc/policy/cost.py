@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import orjson
@@ -201,9 +202,12 @@ def _prompt_text(doc: dict[str, Any]) -> str:
 
 
 def _load_tokenizer(path: str):
-    """A `tokenizers` tokenizer, or None when the package or the file is missing (fast estimate then)."""
+    """A `tokenizers` tokenizer, or None when the package or the file is missing (fast estimate then, said once
+    in the log: a mistyped path would otherwise cost its accuracy without a word)."""
     try:
         from tokenizers import Tokenizer
         return Tokenizer.from_file(path)
-    except Exception:  # noqa: BLE001 - optional accuracy, never a reason to fail admission
+    except Exception as e:  # noqa: BLE001 - optional accuracy, never a reason to fail admission
+        logging.getLogger("extproc.cost").warning(
+            "cost.tokenizer %s cannot be loaded (%s): prompt sizes are estimated from characters", path, e)
         return None

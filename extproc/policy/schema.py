@@ -482,7 +482,9 @@ def _rate_limit_warnings(p: Policy) -> list[str]:
     warnings = []
     for key, unit in (("requests_per_minute", "requests/min"), ("tokens_per_minute", "tokens/min")):
         fleet = getattr(p.fleet, key)
-        total = sum(getattr(t, key) or 0 for t in p.tenants)
+        # Anonymous callers share one bucket of their own: it counts against the fleet like a tenant.
+        limited = [*p.tenants, p.anonymous] if p.anonymous.allow else list(p.tenants)
+        total = sum(getattr(t, key) or 0 for t in limited)
         unlimited = [t.name for t in p.tenants if getattr(t, key) is None]
         if fleet is None:
             continue

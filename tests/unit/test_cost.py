@@ -208,3 +208,10 @@ def test_a_configured_tokenizer_gives_exact_prompt_counts(tmp_path):
     assert exact == MESSAGE_OVERHEAD_TOKENS + len(tok.encode("the queue is short", add_special_tokens=False).ids)
     missing = CostModel(CostSpec(tokenizer=str(tmp_path / "absent.json"))).prompt_tokens(doc)
     assert missing == CostModel(CostSpec()).prompt_tokens(doc)  # falls back to the fast estimate
+
+
+def test_a_tokenizer_that_cannot_be_loaded_is_said_once_in_the_log(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="extproc.cost"):
+        model = CostModel(CostSpec(tokenizer=str(tmp_path / "missing.json")))
+    assert model.prompt_tokens({"messages": [{"role": "user", "content": "hello there"}]}) > 0
+    assert "cannot be loaded" in caplog.text and "missing.json" in caplog.text

@@ -153,3 +153,17 @@ def test_a_pool_with_nothing_to_scrape_is_warned_about():
                               "limit (and the adaptive caps on it) run on latency only")
     for scraped in ({"replicas": ["10.0.0.1:8000"]}, {"envoy_admin": "http://127.0.0.1:9901"}):
         assert policy_warnings(load_policy({**BASE, "pools": {"c": scraped}})) == []
+
+
+def test_the_anonymous_rate_limit_counts_against_the_fleet_in_the_warning():
+    fleet = {"fleet": {"requests_per_minute": 100},
+             "tenants": [{"name": "t", "api_keys": ["k"], "requests_per_minute": 80}]}
+    assert policy_warnings(load_policy({**BASE, **fleet})) == []
+    (warning,) = policy_warnings(load_policy({**BASE, **fleet, "anonymous": {"requests_per_minute": 40}}))
+    assert warning.startswith("tenants: requests_per_minute sum to 120 requests/min, past fleet.requests_per_minute")
+
+
+def test_an_unknown_model_is_quoted_short_in_its_error():
+    core = AdmissionController(load_policy(BASE))
+    d = core.decide(RequestFacts(model="x" * 5000))
+    assert d.status == 404 and len(d.message) < 300 and "xxx..." in d.message
