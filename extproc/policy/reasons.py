@@ -164,7 +164,8 @@ model's learned output ratio times `max_tokens`) and not corrected. Headers as a
            """\
 **429.** Requests carrying the same session id (`sessions.header`, default `x-session-id`) already hold
 `sessions.max_inflight_gpu_seconds` of estimated GPU time in flight: an agent loop fanning out counts as one
-customer. It clears as the session's requests finish (`Retry-After: 1`). A single request larger than the budget
+customer. It clears as the session's requests finish (`Retry-After`: the class's drain estimate, like the load
+refusals). A single request larger than the budget
 is still admitted when the session has nothing else in flight. Counted in `extproc_session_rejections_total`."""),
     Reason("session_gpu_seconds_per_minute", "Budgets and rate limits (429, 413)", 429, BUCKET,
            "this agent session is over its GPU-seconds budget (per minute)",
