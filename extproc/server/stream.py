@@ -20,7 +20,7 @@ from .final_admission import FinalAdmission
 from .openai import (ENDPOINTS, BadRequest, Endpoint, RequestBody, degrade_body, dump_json, empty_body,
                      parse_body)
 from .protocol import CONTINUE
-from .usage import FIRST_TOKEN, UsageReader, split_usage_event, usage_of
+from .usage import FIRST_TOKEN, UsageReader, split_usage_event, usage_of, whole_events
 
 Answer = pb.ProcessingResponse
 
@@ -318,7 +318,8 @@ class Stream:
             if msg.end_of_stream:
                 self._learn_usage(usage_of(r.buffered))
             return CONTINUE["response_body"]
-        chunk = msg.body
+        chunk = whole_events(r, msg.body, msg.end_of_stream)
+        rewritten = len(chunk) != len(msg.body)  # events held back, or earlier ones released
         if not r.first_token_seen and FIRST_TOKEN.search(chunk):
             # Time to first token, measured where the protocol lets us see it: the first body chunk carrying
             # generated text, on the sampled streams whose body the ext_proc reads anyway.
@@ -326,18 +327,35 @@ class Stream:
             core = self.processor.core
             core.first_token(self.held, core.clock() - self.request.arrived)
         if b'"usage"' not in chunk or b'"choices":[]' not in chunk:
-            return CONTINUE["response_body"]
+            return protocol.replace_response_body(chunk) if rewritten else CONTINUE["response_body"]
         kept, usage = split_usage_event(chunk)
         self._learn_usage(usage)
-        return protocol.replace_response_body(kept) if r.strip else CONTINUE["response_body"]
+        if r.strip:
+            return protocol.replace_response_body(kept)
+        return protocol.replace_response_body(chunk) if rewritten else CONTINUE["response_body"]
 
     def _learn_usage(self, usage: dict | None) -> None:
-        if usage:
-            try:
-                self.processor.core.usage(self.held, int(usage["prompt_tokens"]), int(usage["completion_tokens"]))
-            except (KeyError, TypeError, ValueError):
-                pass  # not a usage object we understand; learn nothing
+        if not usage:
+            return
+        try:
+            prompt, completion = int(usage["prompt_tokens"]), int(usage["completion_tokens"])
+        except (KeyError, TypeError, ValueError, OverflowError):
+            return  # not a usage object we understand; learn nothing
+        if self._plausible(prompt, completion):
+            self.processor.core.usage(self.held, prompt, completion)
 
+    def _plausible(self, prompt: int, completion: int) -> bool:
+        """Usage a replica could have produced for this request. One absurd answer (a completion of 9e18 tokens)
+        would otherwise lock its tenant's token bucket for ages and teach the cost model nonsense."""
+        charge = self.held.charge
+        est = charge.estimate if charge is not None else None
+        most_output = est.max_tokens if est is not None and est.max_tokens else USAGE_CEILING
+        return 0 <= prompt <= USAGE_CEILING and 0 <= completion <= most_output
+
+
+# More tokens than any model's context (prompt, or output when the request's cap is unknown): usage past it is
+# not a real answer's.
+USAGE_CEILING = 1 << 22
 
 Handler = Callable[[Stream, object], "Answer | FinalAdmission"]
 

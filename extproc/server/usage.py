@@ -15,7 +15,7 @@ FIRST_TOKEN = re.compile(rb'"(?:content|text)":"[^"]')
 class UsageReader:
     """Per stream whose usage is read: why, and how far the response has been read."""
 
-    __slots__ = ("learn", "sse", "strip", "buffered", "first_token_seen")
+    __slots__ = ("learn", "sse", "strip", "buffered", "first_token_seen", "partial")
 
     def __init__(self, learn: bool) -> None:
         self.learn = learn               # a learning sample; otherwise read (if not streamed) for the refund only
@@ -23,6 +23,7 @@ class UsageReader:
         self.strip = False               # ... carrying a usage chunk the client did not ask for
         self.buffered = b""              # a non-streamed response body, until its end
         self.first_token_seen = False
+        self.partial = b""               # a stream's last event, held back until its end (blank line) arrives
 
     def reads_usage(self, body: RequestBody) -> bool:
         """Whether this request's real usage will be read (its tokens-per-minute charge is then refunded)."""
@@ -40,6 +41,28 @@ class UsageReader:
                                           "continuous_usage_stats": False}
             body.rewrite = True
             self.strip = True
+
+
+# A partial event held back longer than this is passed on as it is: a stream that never ends its events is not
+# ours to buffer without bound.
+MAX_PARTIAL = 64 << 10
+
+
+def whole_events(r: UsageReader, chunk: bytes, last: bool) -> bytes:
+    """The complete SSE events of `chunk` after what was held back; the trailing incomplete one is held back for the
+    next chunk (a usage event split over two writes must still be found and stripped). A client cannot use an
+    event before its blank line anyway, so holding it costs it nothing."""
+    if r.partial:
+        chunk, r.partial = r.partial + chunk, b""
+    if last:
+        return chunk
+    end = chunk.rfind(b"\n\n") + 2
+    if end == 1:  # no event ends in it
+        end = 0
+    if len(chunk) - end > MAX_PARTIAL:
+        return chunk
+    r.partial = chunk[end:]
+    return chunk[:end]
 
 
 def usage_of(raw: bytes) -> dict | None:

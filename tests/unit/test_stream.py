@@ -378,6 +378,40 @@ def test_the_usage_chunk_the_client_did_not_ask_for_is_stripped(clock):
     assert s.held.usage == (5, 7)
 
 
+def test_a_usage_event_split_over_two_chunks_is_still_stripped_and_learned(clock):
+    # the replica wrote it in two writes: the client must not get a "choices":[] chunk it never asked for
+    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": [], "stream": True})
+    s.receive(response_headers(content_type=SSE))
+    token = b'data: {"choices":[{"delta":{"content":"Hi"}}]}\n\n'
+    first = s.receive(response_body(token + USAGE_EVENT[:30]))
+    assert first.response_body.response.body_mutation.body == token  # the incomplete event is held back
+    second = s.receive(response_body(USAGE_EVENT[30:] + b"\n\ndata: [DONE]\n\n", eos=True))
+    assert second.response_body.response.body_mutation.body == b"data: [DONE]\n\n"
+    assert s.held.usage == (5, 7)
+
+
+def test_events_are_passed_on_whole_and_nothing_is_lost_at_the_end(clock):
+    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": [], "stream": True,
+                                                         "stream_options": {"include_usage": True}})
+    s.receive(response_headers(content_type=SSE))
+    out = [s.receive(response_body(part, eos=last)) for part, last in
+           ((b"data: {\"a\":", False), (b"1}\n\ndata: {\"b\"", False), (b":2}\n\n", True))]
+    sent = [a.response_body.response.body_mutation.body if a.response_body.response.HasField("body_mutation")
+            else part for a, part in zip(out, (b"data: {\"a\":", b"1}\n\ndata: {\"b\"", b":2}\n\n"))]
+    assert sent == [b"", b'data: {"a":1}\n\n', b'data: {"b":2}\n\n']
+
+
+@pytest.mark.parametrize("usage", [{"prompt_tokens": 5, "completion_tokens": 9_000_000_000_000_000_000},
+                                   {"prompt_tokens": -1, "completion_tokens": 3},
+                                   {"prompt_tokens": 5, "completion_tokens": 1000}])
+def test_usage_no_answer_to_this_request_could_have_is_not_learned(clock, usage):
+    # one absurd answer would lock the tenant's token bucket for ages (Retry-After 1.8e17 s) and skew the model
+    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": [], "max_tokens": 100})
+    s.receive(response_headers())
+    s.receive(response_body(json.dumps({"usage": usage}).encode(), eos=True))
+    assert s.held.usage is None
+
+
 def test_the_usage_chunk_the_client_asked_for_is_kept(clock):
     s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": [], "stream": True,
                                                          "stream_options": {"include_usage": True}})
