@@ -229,7 +229,9 @@ class RedisStore:
         await self._call(self._adopt(keys=keys, args=args))
 
     async def ping(self) -> None:
-        await self._call(self.client.ping())
+        """Whether the store takes writes, not only answers: a replica demoted to read-only by a failover, or full
+        under `noeviction`, answers PING but refuses every slot script (the state then flapped every second)."""
+        await self._call(self.client.set(f"{self.prefix}probe", "1", px=self.lease_ms))
 
     async def count(self, cls: str) -> int:
         """Slots of a class held right now, expired ones excluded (for tests and tools)."""

@@ -152,3 +152,25 @@ async def test_an_unreachable_store_fails_within_its_timeout():
         await store.ping()
     assert time.monotonic() - started < 2.0  # two 50 ms timeouts; loose for a loaded machine, not a hang
     await store.close()
+
+
+async def test_a_store_that_answers_but_takes_no_writes_is_unavailable(redis_server):
+    """Full under noeviction (or read-only after a failover), Redis still answers PING but refuses every slot
+    script: the probe must be a write, or the store state flaps between shared and local every second."""
+    import redis.asyncio as aioredis
+
+    store = RedisStore(spec(redis_server.url))
+    await store.ping()
+    admin = aioredis.from_url(redis_server.url)
+    await admin.config_set("maxmemory-policy", "noeviction")
+    await admin.config_set("maxmemory", "1")
+    try:
+        assert await admin.ping()
+        with pytest.raises(StoreUnavailable):
+            await store.ping()
+        with pytest.raises(StoreUnavailable):
+            await store.acquire(claim("a"))
+    finally:
+        await admin.config_set("maxmemory", "0")
+        await admin.aclose()
+        await store.close()
