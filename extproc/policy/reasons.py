@@ -130,9 +130,12 @@ Alert `ExtprocBreakerNotClosed` fires when a breaker has not closed for 5 minute
     Reason("error_breaker_open", "Breakers and degrade", 0, DRAIN,
            "the error breaker of class {cls!r} is open (upstream failures)",
            """\
-The class's error breaker is open: the share of 5xx, upstream resets and timeouts in its window crossed the
-threshold. The upstream is failing, not slow: check replica health (`/health`), Envoy's cluster stats
-(`upstream_rq_5xx`, `upstream_cx_connect_fail`) and the vLLM logs. Same half-open cycle and alert as above.
+The class's error breaker is open: the share of 5xx, upstream resets, connect failures and lease expiries in its
+window crossed the threshold. The upstream is failing, not slow: check replica health (`/health`), Envoy's cluster
+stats (`upstream_rq_5xx`, `upstream_cx_connect_fail`) and the vLLM logs. Same half-open cycle and alert as above.
+A replica that hangs without answering is not seen here: the route has no timeout (generation may take minutes),
+so such a request ends when its client gives up, counted as a client abort; Envoy's health checks take the
+replica out when `/health` stops answering too.
 
 Either breaker reason also appears with `decision="degrade"` when the class's `fallback.action` is `degrade` or
 `canned`; the response then carries `x-extproc-degraded: <what changed>; reason=<reason>`. With
