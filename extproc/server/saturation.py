@@ -2,7 +2,9 @@
 
 vLLM knows it is saturated before any latency shows it: requests waiting in its scheduler, the KV cache nearly
 full, preemptions. Reading them every ~200 ms lets adaptive caps react to in-flight growth at once instead of
-waiting for slow completions. A replica that cannot be read is counted as saturated, not as headroom. A pool that
+waiting for slow completions. A replica that cannot be read is counted as saturated, not as headroom: one that did
+not answer, answered too much, or answered without the series admission needs (or with values that are not finite
+and non-negative) keeps its last good reading, which counts as saturated once older than `stale_ms`. A pool that
 names nothing to scrape (no replicas, no Envoy admin) is not scraped at all: it has no saturation signal, and its
 limit and adaptive caps run on latency alone.
 """
@@ -11,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import re
 import time
 
 import aiohttp
@@ -23,36 +27,79 @@ log = logging.getLogger("extproc.saturation")
 
 _WANTED = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
            "vllm:kv_cache_usage_perc": "kv", "vllm:num_preemptions_total": "preemptions"}
+# Without these a scrape says nothing about load. vLLM 0.32 (tests/fixtures/vllm/metrics.txt) emits all four; the
+# older name vllm:gpu_cache_usage_perc is gone from it and is not read.
+_REQUIRED = ("vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+
+# A real vLLM /metrics is ~60 KB (the fixture: 58 KB for one engine and two served names; more engines, LoRA
+# adapters or buckets multiply that by a few). 4 MiB is ~70 times that, and reading and searching it costs
+# ~15 ms of the event loop; a body past it is not a vLLM's and is not read on.
+MAX_METRICS_BYTES = 4 * 1024 * 1024
+COMPLAIN_EVERY_S = 60.0  # a replica that stays unreadable is logged once a minute, not once a scrape
+
+# Only the lines of the series we read are looked at: name, optional {labels} (values may hold spaces, braces and
+# escaped quotes), value, optional timestamp (milliseconds).
+_SAMPLE = re.compile(rb"^(" + b"|".join(re.escape(n.encode()) for n in _WANTED) + rb")([{ \t][^\n]*)", re.M)
+_REST = re.compile(rb'(?:\{(?:[^"}\n]|"(?:[^"\\\n]|\\.)*")*\}[ \t]*|[ \t]+)(\S+)(?:[ \t]+-?\d+(?:\.\d+)?)?[ \t]*\r?')
 
 
-def parse_vllm_metrics(text: str) -> dict[str, float]:
-    """The few vLLM series admission reads, summed over label sets (one engine may serve several names)."""
+class UnreadableMetrics(ValueError):
+    """A /metrics answer that says nothing trustworthy about the replica's load; the message says why."""
+
+
+def parse_vllm_metrics(body: bytes | str) -> dict[str, float]:
+    """The few vLLM series admission reads, summed over label sets (one engine may serve several names); the KV
+    cache usage is the highest. Raises UnreadableMetrics when a required series is missing, a sample line of a
+    read series is malformed, or a value is not finite and non-negative."""
+    if isinstance(body, str):
+        body = body.encode()
     out = dict.fromkeys(_WANTED.values(), 0.0)
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        key = _WANTED.get(name)
-        if key is None:
-            continue
+    seen = set()
+    for match in _SAMPLE.finditer(body):
+        name = match.group(1).decode()
+        sample = _REST.fullmatch(match.group(2))
         try:
-            value = float(line.rsplit(" ", 1)[1])
-        except (IndexError, ValueError):
-            continue
+            value = float(sample.group(1)) if sample else math.nan
+        except ValueError:
+            value = math.nan
+        if sample is None or not math.isfinite(value) or value < 0:
+            raise UnreadableMetrics(f"{name} has no finite non-negative value: {match.group(0)[:200]!r}")
+        key = _WANTED[name]
         out[key] = max(out[key], value) if key == "kv" else out[key] + value
+        seen.add(name)
+    missing = [n for n in _REQUIRED if n not in seen]
+    if missing:
+        raise UnreadableMetrics(f"no {' or '.join(missing)} in /metrics")
     return out
 
 
-class ScrapedReplica:
-    """One replica as its scrapes saw it: the last metrics read, when, and the preemption counter to diff."""
+async def read_capped(resp: aiohttp.ClientResponse, limit: int = MAX_METRICS_BYTES) -> bytes:
+    """The response body, or UnreadableMetrics as soon as it is known to be over `limit` bytes (after any
+    decompression: the cap is on what we would parse)."""
+    if resp.content_length is not None and resp.content_length > limit:
+        raise UnreadableMetrics(f"/metrics is {resp.content_length} bytes, over the {limit}-byte cap")
+    body = bytearray()
+    async for chunk in resp.content.iter_chunked(64 * 1024):
+        body += chunk
+        if len(body) > limit:
+            resp.close()  # not drained: the connection goes
+            raise UnreadableMetrics(f"/metrics is over the {limit}-byte cap")
+    return bytes(body)
 
-    __slots__ = ("address", "metrics", "at", "preemptions")
+
+class ScrapedReplica:
+    """One replica as its scrapes saw it: the last good metrics and when they were read, the preemption counter to
+    diff, and when its being unreadable was last logged."""
+
+    __slots__ = ("address", "metrics", "at", "preemptions", "complained_at", "failing")
 
     def __init__(self, address: str):
         self.address = address
         self.metrics: dict[str, float] | None = None
         self.at = -1.0
         self.preemptions: float | None = None
+        self.complained_at = -math.inf
+        self.failing = False  # its being unreadable was logged, and it has not been read since
 
 
 class PoolScraper:
@@ -67,34 +114,72 @@ class PoolScraper:
         self.clock = clock
         self.replicas: dict[str, ScrapedReplica] = {a: ScrapedReplica(a) for a in spec.replicas}
         self._last_discovery = -1e9
+        self._published_at = clock()  # as if just published: the first round has stale_ms to fail before it counts
+        self._round_complained_at = -math.inf
 
     async def run(self) -> None:
+        """Scrape, aggregate and publish every interval until cancelled. Nothing a replica sends ends it, and
+        neither does a bug in one round: that is logged, and the pool counts as saturated once its last published
+        reading is older than stale_ms."""
         interval = self.spec.scrape_interval_ms / 1000.0
         while True:
             started = self.clock()
-            if not self.spec.replicas and self.spec.envoy_admin and started - self._last_discovery > 5.0:
-                await self._discover()
-            await asyncio.gather(*(self._scrape(r) for r in list(self.replicas.values())))
-            self.core.set_saturation(self.name, self.aggregate(self.clock()))
+            try:
+                await self._round(started)
+            except Exception:  # noqa: BLE001 - the loop must outlive any one round
+                self._round_failed()
             await asyncio.sleep(max(interval - (self.clock() - started), 0.0))
+
+    async def _round(self, started: float) -> None:
+        if not self.spec.replicas and self.spec.envoy_admin and started - self._last_discovery > 5.0:
+            await self._discover()
+        await asyncio.gather(*(self._scrape(r) for r in list(self.replicas.values())))
+        now = self.clock()
+        self.core.set_saturation(self.name, self.aggregate(now))
+        self._published_at = now
+
+    def _round_failed(self) -> None:
+        now = self.clock()
+        if now - self._round_complained_at >= COMPLAIN_EVERY_S:
+            self._round_complained_at = now
+            log.exception("pool %s: saturation scrape round failed; scraping goes on", self.name)
+        if now - self._published_at > self.spec.stale_ms / 1000.0:
+            try:
+                self.core.set_saturation(self.name, saturated_reading(now))
+            except Exception:  # noqa: BLE001
+                pass  # the same bug as above, already logged
 
     async def _scrape(self, r: ScrapedReplica) -> None:
         timeout = aiohttp.ClientTimeout(total=max(self.spec.scrape_interval_ms / 1000.0 * 2, 0.5))
         try:
             async with self.session.get(f"http://{r.address}/metrics", timeout=timeout) as resp:
                 if resp.status != 200:
-                    return
-                m = parse_vllm_metrics(await resp.text())
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                    raise UnreadableMetrics(f"/metrics answered HTTP {resp.status}")
+                m = parse_vllm_metrics(await read_capped(resp))
+        except Exception as e:  # noqa: BLE001 - whatever it was, this replica was not read this round
+            self._unreadable(r, e)
             return  # stays stale: counted as saturated once older than stale_ms
         self.record(r, m)
 
+    def _unreadable(self, r: ScrapedReplica, error: Exception) -> None:
+        now = self.clock()
+        if now - r.complained_at < COMPLAIN_EVERY_S:
+            return
+        r.complained_at, r.failing = now, True
+        why = str(error) if isinstance(error, UnreadableMetrics) else repr(error)
+        log.warning("pool %s: replica %s unreadable (%s); counted as saturated once its last reading is over %d ms "
+                    "old (logged once a minute)", self.name, r.address, why, self.spec.stale_ms)
+
     def record(self, r: ScrapedReplica, m: dict[str, float]) -> None:
-        """Take one scrape's parsed metrics for replica r (what changed since its previous scrape included)."""
+        """Take one good scrape's parsed metrics for replica r (what changed since its previous scrape included);
+        the stale rule goes by the time of the last one."""
         prev = r.preemptions
         r.preemptions = m["preemptions"]
         m["preempting"] = float(prev is not None and m["preemptions"] > prev)
         r.metrics, r.at = m, self.clock()
+        if r.failing:
+            r.failing = False
+            log.info("pool %s: replica %s readable again", self.name, r.address)
 
     def aggregate(self, now: float) -> PoolSaturation:
         spec, sat = self.spec, PoolSaturation()
@@ -124,33 +209,54 @@ class PoolScraper:
             async with self.session.get(f"{self.spec.envoy_admin}/clusters?format=json",
                                         timeout=aiohttp.ClientTimeout(total=2)) as resp:
                 doc = await resp.json(content_type=None)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+            found = _cluster_hosts(doc, self.name)
+        except Exception as e:  # noqa: BLE001 - membership stays as it was until the next try
+            log.debug("pool %s: Envoy admin %s not read: %r", self.name, self.spec.envoy_admin, e)
             return
-        for cluster in doc.get("cluster_statuses", []):
-            if cluster.get("name") != self.name:
-                continue
-            found = set()
-            for host in cluster.get("host_statuses", []):
-                sa = host.get("address", {}).get("socket_address", {})
-                if "address" in sa:
-                    found.add(f"{sa['address']}:{sa.get('port_value', 80)}")
-            for gone in set(self.replicas) - found:
-                del self.replicas[gone]
-            for new in found - set(self.replicas):
-                self.replicas[new] = ScrapedReplica(new)
+        if found is None:
+            return
+        for gone in set(self.replicas) - found:
+            del self.replicas[gone]
+        for new in found - set(self.replicas):
+            self.replicas[new] = ScrapedReplica(new)
+
+
+def _cluster_hosts(doc: dict, cluster_name: str) -> set[str] | None:
+    """The host:port of each endpoint of the named cluster in Envoy's /clusters?format=json, None if not listed."""
+    for cluster in doc.get("cluster_statuses", []):
+        if cluster.get("name") != cluster_name:
+            continue
+        found = set()
+        for host in cluster.get("host_statuses", []):
+            sa = host.get("address", {}).get("socket_address", {})
+            if "address" in sa:
+                found.add(f"{sa['address']}:{sa.get('port_value', 80)}")
+        return found
+    return None
+
+
+def saturated_reading(now: float) -> PoolSaturation:
+    """What a pool without a fresh reading reports: saturated."""
+    sat = PoolSaturation()
+    sat.saturated, sat.updated_at = True, now
+    return sat
 
 
 class SaturationScrapers:
-    """All pools of the policy; restarted when a reload changes `pools`."""
+    """All pools of the policy; restarted when a reload changes `pools`, and a scraper that ended is restarted by
+    the next configure (a reload) even when `pools` did not change."""
 
     def __init__(self, core: AdmissionController):
         self.core = core
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: dict[str, asyncio.Task] = {}
         self._session: aiohttp.ClientSession | None = None
         self._config: dict | None = None
 
     async def configure(self, pools: dict[str, PoolSpec]) -> None:
         if pools == self._config:
+            for name in [n for n, t in self._tasks.items() if t.done()]:
+                log.warning("pool %s: restarting its saturation scraper, which had stopped", name)
+                self._start(name, pools[name])
             return
         self._config = pools  # first: stop() forgets the readings of the pools no longer scraped
         await self.stop()
@@ -162,18 +268,34 @@ class SaturationScrapers:
             return
         self._session = aiohttp.ClientSession()
         for name in scraped:
-            self._tasks.append(asyncio.create_task(PoolScraper(self.core, name, pools[name], self._session).run()))
+            self._start(name, pools[name])
         log.info("scraping vLLM saturation for pools: %s", ", ".join(scraped))
+
+    def _start(self, name: str, spec: PoolSpec) -> None:
+        task = asyncio.create_task(PoolScraper(self.core, name, spec, self._session).run())
+        task.add_done_callback(lambda t: self._ended(name, t))
+        self._tasks[name] = task
+
+    def _ended(self, name: str, task: asyncio.Task) -> None:
+        """A scraper ended without being stopped (PoolScraper.run does not return): its last reading must not be
+        trusted on, so the pool reads as saturated until a reload restarts it."""
+        if task.cancelled():
+            return
+        log.error("pool %s: saturation scraper stopped; the pool counts as saturated until a reload (SIGHUP) restarts "
+                  "it", name, exc_info=task.exception())
+        if self._tasks.get(name) is task:
+            self.core.set_saturation(name, saturated_reading(time.monotonic()))
 
     def _scraped(self) -> list[str]:
         """The configured pools that name something to scrape (not those with no saturation signal at all)."""
         return [name for name, spec in (self._config or {}).items() if spec.scraped]
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        tasks = list(self._tasks.values())
         self._tasks.clear()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # an error that ended one was logged by _ended
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -1,0 +1,295 @@
+"""Reading vLLM's /metrics (extproc/server/saturation.py): what a replica sends never stops the scraper, and a
+replica that sends nothing trustworthy counts toward stale (saturated), never as idle headroom."""
+
+import asyncio
+import contextlib
+import logging
+import re
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from extproc.policy.schema import PoolSpec
+from extproc.server import saturation
+from extproc.server.saturation import (MAX_METRICS_BYTES, PoolScraper, SaturationScrapers, UnreadableMetrics,
+                                       parse_vllm_metrics)
+from tests.conftest import FakeClock
+
+REAL_METRICS = (Path(__file__).resolve().parents[1] / "fixtures" / "vllm" / "metrics.txt").read_bytes()
+
+
+def real_metrics_with(waiting: str = "0.0", kv: str = "0.0", running: str = "0.0") -> bytes:
+    """The captured vLLM 0.32 /metrics with these gauges set."""
+    body = REAL_METRICS
+    for name, value in (("num_requests_waiting", waiting), ("kv_cache_usage_perc", kv),
+                        ("num_requests_running", running)):
+        body = re.sub(rb"^(vllm:" + name.encode() + rb"\{[^}]*\}) \S+$", rb"\g<1> " + value.encode(), body,
+                      flags=re.M)
+    return body
+
+
+class RecordingCore:
+    """Stands in for the AdmissionController: keeps what the scraper published."""
+
+    def __init__(self):
+        self.published = []
+
+    def set_saturation(self, pool, saturation):
+        self.published.append(saturation)
+
+
+@contextlib.asynccontextmanager
+async def replica(handler):
+    """A stand-in vLLM on 127.0.0.1 answering GET /metrics with `handler`; yields its HOST:PORT."""
+    app = web.Application()
+    app.router.add_get("/metrics", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    finally:
+        await runner.cleanup()
+
+
+def answering(body: bytes, status: int = 200, content_type: str = "text/plain"):
+    async def handler(request):
+        return web.Response(body=body, status=status, content_type=content_type)
+    return handler
+
+
+async def scrape_once(handler, clock=None) -> PoolScraper:
+    """One scrape of one replica; the scraper, to look at what it kept."""
+    async with replica(handler) as address, aiohttp.ClientSession() as session:
+        scraper = PoolScraper(RecordingCore(), "pool_a", PoolSpec(replicas=[address]), session,
+                              clock=clock or FakeClock())
+        await scraper._scrape(scraper.replicas[address])
+        return scraper
+
+
+def only_replica(scraper: PoolScraper):
+    (r,) = scraper.replicas.values()
+    return r
+
+
+# --- the happy path: the real vLLM 0.32 /metrics ---
+
+def test_the_real_vllm_metrics_are_read():
+    m = parse_vllm_metrics(real_metrics_with(waiting="3.0", kv="0.42", running="2.0"))
+    assert m == {"running": 2.0, "waiting": 3.0, "kv": 0.42, "preemptions": 0.0}
+
+
+def test_a_replica_serving_the_real_vllm_metrics_is_read_and_not_saturated():
+    scraper = asyncio.run(scrape_once(answering(real_metrics_with(kv="0.5"))))
+    sat = scraper.aggregate(scraper.clock())
+    assert only_replica(scraper).metrics["kv"] == 0.5
+    assert not sat.saturated and sat.kv_usage == 0.5
+
+
+# --- bug 1: nothing a replica sends stops the scraper ---
+
+def test_a_non_utf8_metrics_body_does_not_stop_the_pool_scraper():
+    async def scrape_a_while():
+        core = RecordingCore()
+        async with replica(answering(b"vllm:num_requests_waiting 3\n\xff\xfe")) as address, \
+                aiohttp.ClientSession() as session:
+            spec = PoolSpec(replicas=[address], scrape_interval_ms=20, stale_ms=100)
+            task = asyncio.create_task(PoolScraper(core, "pool_a", spec, session).run())
+            await asyncio.sleep(0.4)
+            alive = not task.done()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        return alive, core.published
+
+    alive, published = asyncio.run(scrape_a_while())
+    assert alive
+    assert len(published) >= 5 and all(s.saturated for s in published)  # never read: saturated, every round
+
+
+def test_any_error_reading_one_replica_makes_it_unreadable_for_that_round(monkeypatch):
+    def broken_parser(body):
+        raise RuntimeError("a bug in parsing")
+    monkeypatch.setattr(saturation, "parse_vllm_metrics", broken_parser)
+    scraper = asyncio.run(scrape_once(answering(REAL_METRICS)))
+    assert only_replica(scraper).metrics is None
+    assert scraper.aggregate(scraper.clock()).saturated
+
+
+def test_a_failing_round_is_logged_and_scraping_goes_on_saturated_once_stale(monkeypatch, caplog):
+    rounds = []
+
+    def broken_aggregate(now):
+        rounds.append(now)
+        raise RuntimeError("a bug in aggregating")
+
+    async def scrape_a_while():
+        core = RecordingCore()
+        async with replica(answering(REAL_METRICS)) as address, aiohttp.ClientSession() as session:
+            scraper = PoolScraper(core, "pool_a", PoolSpec(replicas=[address], scrape_interval_ms=20, stale_ms=100),
+                                  session)
+            monkeypatch.setattr(scraper, "aggregate", broken_aggregate)
+            task = asyncio.create_task(scraper.run())
+            await asyncio.sleep(0.4)
+            alive = not task.done()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        return alive, core.published
+
+    with caplog.at_level(logging.ERROR, "extproc.saturation"):
+        alive, published = asyncio.run(scrape_a_while())
+    assert alive and len(rounds) >= 5
+    assert published and all(s.saturated for s in published)  # no reading for stale_ms: saturated
+    assert len([r for r in caplog.records if "round failed" in r.getMessage()]) == 1  # once a minute
+
+
+def test_an_unreadable_replica_is_logged_once_a_minute_and_again_when_it_recovers(caplog):
+    clock = FakeClock()
+    healthy = [False]
+
+    async def flaky(request):
+        return web.Response(body=REAL_METRICS if healthy[0] else b"\xff\xfe", content_type="text/plain")
+
+    async def scrape_for(seconds):
+        async with replica(flaky) as address, aiohttp.ClientSession() as session:
+            scraper = PoolScraper(RecordingCore(), "pool_a", PoolSpec(replicas=[address]), session, clock=clock)
+            for _ in range(int(seconds / 0.2)):
+                await scraper._scrape(scraper.replicas[address])
+                clock.advance(0.2)
+            healthy[0] = True
+            await scraper._scrape(scraper.replicas[address])
+
+    with caplog.at_level(logging.INFO, "extproc.saturation"):
+        asyncio.run(scrape_for(90))  # 450 failed scrapes over 90 s, then a good one
+    messages = [r.getMessage() for r in caplog.records]
+    unreadable = [m for m in messages if "unreadable" in m]
+    assert len(unreadable) == 2 and "vllm:kv_cache_usage_perc" in unreadable[0]
+    assert sum("readable again" in m for m in messages) == 1
+
+
+def test_a_frozen_reading_counts_as_saturated_once_older_than_stale_ms():
+    clock = FakeClock()
+    body = [real_metrics_with()]
+
+    async def changing(request):
+        return web.Response(body=body[0], content_type="text/plain")
+
+    async def read_then_fail():
+        async with replica(changing) as address, aiohttp.ClientSession() as session:
+            scraper = PoolScraper(RecordingCore(), "pool_a", PoolSpec(replicas=[address], stale_ms=1500), session,
+                                  clock=clock)
+            r = scraper.replicas[address]
+            await scraper._scrape(r)
+            body[0] = b"<html>login</html>"
+            states = []
+            for _ in range(10):
+                clock.advance(0.2)
+                await scraper._scrape(r)
+                states.append(scraper.aggregate(clock()).saturated)
+            return states
+
+    assert asyncio.run(read_then_fail()) == [False] * 7 + [True] * 3  # the good read is 1.6 s old at the 8th
+
+
+def test_a_scraper_that_ended_reads_as_saturated_and_is_restarted_by_the_next_configure(monkeypatch):
+    core = RecordingCore()
+    core.saturation = {}
+    runs = []
+
+    async def dies(self):
+        runs.append(self.name)
+        raise RuntimeError("a scraper bug")
+
+    async def lives(self):
+        runs.append(self.name)
+        await asyncio.Event().wait()
+
+    async def reload_twice():
+        scrapers = SaturationScrapers(core)
+        pools = {"pool_a": PoolSpec(replicas=["127.0.0.1:9"])}
+        monkeypatch.setattr(PoolScraper, "run", dies)
+        await scrapers.configure(pools)
+        await asyncio.sleep(0.01)
+        saturated_after_death = core.published[-1].saturated
+        monkeypatch.setattr(PoolScraper, "run", lives)
+        await scrapers.configure(dict(pools))  # SIGHUP with the same pools
+        await asyncio.sleep(0.01)
+        alive = not scrapers._tasks["pool_a"].done()
+        await scrapers.stop()
+        return saturated_after_death, alive
+
+    saturated_after_death, alive = asyncio.run(reload_twice())
+    assert saturated_after_death
+    assert runs == ["pool_a", "pool_a"] and alive
+
+
+# --- bug 2: a huge body is not read whole ---
+
+def test_a_metrics_body_over_the_cap_is_unreadable():
+    scraper = asyncio.run(scrape_once(answering(REAL_METRICS + b"# " + b"x" * MAX_METRICS_BYTES + b"\n")))
+    assert only_replica(scraper).metrics is None
+
+
+def test_a_streamed_metrics_body_is_read_no_further_than_the_cap():
+    sent = [0]
+
+    async def endless(request):
+        resp = web.StreamResponse()
+        resp.content_type = "text/plain"
+        await resp.prepare(request)
+        await resp.write(REAL_METRICS)
+        chunk = b"# " + b"x" * 65533 + b"\n"
+        with contextlib.suppress(ConnectionError):
+            for _ in range(8 * MAX_METRICS_BYTES // len(chunk)):
+                await resp.write(chunk)
+                sent[0] += len(chunk)
+            await resp.write_eof()
+        return resp
+
+    scraper = asyncio.run(scrape_once(endless))
+    assert only_replica(scraper).metrics is None
+    assert sent[0] < 4 * MAX_METRICS_BYTES  # the scraper hung up instead of reading on (socket buffers aside)
+
+
+# --- bug 3: an answer without the series we need, or with values that are not load, is unreadable ---
+
+@pytest.mark.parametrize("body, why", [
+    (b"", "vllm:num_requests_waiting or vllm:kv_cache_usage_perc"),
+    (b"<html><body>login</body></html>", "vllm:num_requests_waiting"),
+    (REAL_METRICS.replace(b"vllm:kv_cache_usage_perc", b"vllm:gpu_cache_usage_perc"), "vllm:kv_cache_usage_perc"),
+    (re.sub(rb"^vllm:num_requests_waiting\{.*\n", b"", REAL_METRICS, flags=re.M), "vllm:num_requests_waiting"),
+    (real_metrics_with(waiting="NaN"), "vllm:num_requests_waiting"),
+    (real_metrics_with(kv="+Inf"), "vllm:kv_cache_usage_perc"),
+    (real_metrics_with(waiting="-50"), "vllm:num_requests_waiting"),
+    (real_metrics_with(running="-3"), "vllm:num_requests_running"),
+    (real_metrics_with(kv="zero"), "vllm:kv_cache_usage_perc"),
+], ids=["empty", "html", "pre_v1_kv_name", "no_waiting", "nan", "inf", "negative_waiting", "negative_running",
+        "not_a_number"])
+def test_metrics_without_trustworthy_series_are_unreadable_and_say_which(body, why):
+    with pytest.raises(UnreadableMetrics, match=re.escape(why)):
+        parse_vllm_metrics(body)
+
+
+def test_a_replica_answering_200_without_the_series_is_not_idle_headroom():
+    clock = FakeClock()
+    scraper = asyncio.run(scrape_once(answering(b"<html>login</html>", content_type="text/html"), clock=clock))
+    assert only_replica(scraper).metrics is None
+    assert scraper.aggregate(clock()).saturated
+
+
+# --- bug 4: the exposition format: name{labels} value [timestamp] ---
+
+def test_a_sample_timestamp_is_not_read_as_its_value():
+    m = parse_vllm_metrics(b'vllm:num_requests_waiting{engine="0",model_name="m"} 0 1700000000000\n'
+                           b'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25 1700000000000\n')
+    assert m["waiting"] == 0.0 and m["kv"] == 0.25
+
+
+def test_label_values_may_hold_spaces_braces_and_escaped_quotes():
+    m = parse_vllm_metrics(b'vllm:num_requests_waiting{model_name="a \\"quoted\\" } name",engine="0"} 2 17\n'
+                           b'vllm:num_requests_waiting{model_name="b\\\\",engine="0"} 3\n'
+                           b'vllm:num_requests_waiting_by_reason{reason="capacity"} 99\n'
+                           b'vllm:kv_cache_usage_perc 0.5\n')
+    assert m["waiting"] == 5.0 and m["kv"] == 0.5
