@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .policy.admission import ACCEPT, AdmissionController, Decision
 from .policy.breakers import STATE_VALUES, Breaker, LatencyBreaker
+from .policy.decision import Canned
 from .policy.sustained import SustainedLoad
 from .policy.limits import Outcome, Ticket, Waiter
 from .store.shared_slots import STORE_STATES
@@ -111,7 +112,9 @@ class Telemetry:
             "extproc_tenant_queue_wait_seconds", "Time queued requests waited for a decision, by class and tenant "
             "(a configured tenant or anonymous).", ["class", "tenant"], buckets=WAIT_BUCKETS, registry=r))
         self.duration = _Children(Histogram(
-            "extproc_request_duration_seconds", "Admission to end of response, by class and how the request ended.",
+            "extproc_request_duration_seconds", "What clients waited for admitted requests, by class and how they "
+            "ended: request start to the last response byte, time queued for a slot included (Envoy's access log; "
+            "without its report, the time queued plus admission to end of response).",
             ["class", "outcome"], buckets=LATENCY_BUCKETS, registry=r))
         self.ttfb = _Children(Histogram(
             "extproc_time_to_first_byte_seconds", "Request start to the first response byte sent to the client (the "
@@ -127,6 +130,10 @@ class Telemetry:
         self.unknown_class = _Children(Counter(
             "extproc_unknown_class_claims", "Requests that claimed a class the policy does not define (given the "
             "default).", ["tenant"], registry=r))
+        self.canned = _Children(Counter(
+            "extproc_canned_responses", "Requests answered at once with the class's canned fallback, by class, "
+            "reason and the status sent. extproc_requests_total counts them as decision=\"degrade\"; a 4xx or 5xx "
+            "status is a refusal to the client.", ["class", "reason", "status"], registry=r))
         self.shadow_decisions = _Children(Counter(
             "extproc_shadow_decisions", "Shadow mode: what enforce mode would have decided for requests it did not "
             "simply accept.", ["class", "would", "reason"], registry=r))
@@ -167,6 +174,8 @@ class Telemetry:
 
     def decided(self, d: Decision) -> None:
         self.requests[d.cls or "unclassified", d.kind, d.reason].inc()
+        if type(d) is Canned:
+            self.canned[d.cls, d.reason, str(d.status)].inc()
         c = d.classification
         if c is not None:
             if c.demoted:
@@ -232,8 +241,9 @@ class Telemetry:
         self.queue_entries[waiter.limiter.name].inc()
 
     def finished(self, ticket: Ticket, outcome: Outcome, duration_s: float) -> None:
-        self.duration[ticket.cls, outcome.value].observe(duration_s)
+        """`duration_s` runs from admission (service only); the histogram is what the client waited."""
         c = ticket.completion
+        self.duration[ticket.cls, outcome.value].observe(client_latency(ticket, duration_s))
         if c is not None and c.first_byte_s is not None and outcome is Outcome.OK:
             self.ttfb[ticket.cls].observe(c.first_byte_s)
 
@@ -265,6 +275,22 @@ class Telemetry:
     def watch(self, core: AdmissionController, sustained: SustainedLoad | None = None) -> None:
         """Register gauges read from the core at scrape time (no per-request gauge updates)."""
         self.registry.register(_CoreGauges(core, sustained))
+
+
+def client_latency(ticket: Ticket, service_s: float) -> float:
+    """Arrival to end as the client saw it: Envoy's total time when its report has one (as the latency breaker
+    reads it, AdmissionController._account), else the time queued before admission plus `service_s`."""
+    c = ticket.completion
+    return c.total_s if c is not None and c.total_s else ticket.waited_s + service_s
+
+
+def cap_scope(core: AdmissionController) -> str:
+    """What a class cap of this ext_proc bounds (extproc_class_limit{scope}): its own slots (`instance`), the slots
+    of the workers of one `serve --workers N` through the host's memory (`host`), or those of every ext_proc on
+    the same Redis store (`fleet`)."""
+    if not core.shared_slots:
+        return "instance"
+    return "fleet" if core.policy.store.kind == "redis" else "host"
 
 
 class StoreTelemetry:
@@ -306,8 +332,12 @@ class _CoreGauges:
         degraded = GaugeMetricFamily("extproc_degraded_inflight", "Degraded requests (on a fallback) not yet "
                                      "ended.", labels=["class"])
         queue = GaugeMetricFamily("extproc_queue_depth", "Requests waiting in the class queue.", labels=["class"])
-        limit = GaugeMetricFamily("extproc_class_limit", "Current concurrency cap of the class.",
-                                  labels=["class"])
+        limit = GaugeMetricFamily("extproc_class_limit", "Current concurrency cap of the class, and what it bounds "
+                                  "(scope): instance (this ext_proc's slots: the fleet's cap is the sum over "
+                                  "instances), host (the workers of one `serve --workers N` share it: count it once "
+                                  "per host) or fleet (every ext_proc on the Redis store shares it: count it once; "
+                                  "while extproc_store_state{state=\"local\"} is 1 it is this instance's share).",
+                                  labels=["class", "scope"])
         gpu = GaugeMetricFamily("extproc_inflight_gpu_seconds", "Estimated GPU-seconds of the class's admitted "
                                 "requests not yet ended.", labels=["class"])
         slo = GaugeMetricFamily("extproc_class_slo_seconds", "The class's p95 latency SLO from the policy.",
@@ -316,12 +346,13 @@ class _CoreGauges:
             if spec.slo_p95_ms:
                 slo.add_metric([cls], spec.slo_p95_ms / 1000.0)
         yield slo
+        scope = cap_scope(self._core)
         for cls, s in self._core.snapshot().items():
             gpu.add_metric([cls], s["inflight_cost"])
             inflight.add_metric([cls], s["inflight"])
             degraded.add_metric([cls], s["degraded_inflight"])
             queue.add_metric([cls], s["queue"])
-            limit.add_metric([cls], s["limit"])
+            limit.add_metric([cls, scope], s["limit"])
         yield from (inflight, degraded, queue, limit, gpu)
         if self._sustained is not None:
             yield from self._sustained_load()
@@ -386,7 +417,9 @@ class _CoreGauges:
         window = f"{self._sustained.window_s:g}s"
         q = GaugeMetricFamily("extproc_queue_depth_avg", "Queue depth averaged over the sustained window: the "
                               "autoscaling signal (bursts are admission control's job).", labels=["class", "window"])
-        r = GaugeMetricFamily("extproc_inflight_ratio_avg", "In-flight / cap averaged over the sustained window.",
+        r = GaugeMetricFamily("extproc_inflight_ratio_avg", "This instance's in-flight / its extproc_class_limit, "
+                              "averaged over the sustained window: the fleet's ratio only with one ext_proc (with a "
+                              "shared cap, scope fleet or host, the instances' ratios add up).",
                               labels=["class", "window"])
         for cls, (depth, ratio) in self._sustained.averages().items():
             q.add_metric([cls, window], depth)

@@ -9,7 +9,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
+from extproc.telemetry import StoreTelemetry
 from extproc.tools.stack import free_port, wait_http
 
 from .promql import PROMETHEUS_SERIES, exposed_names, recorded_names
@@ -60,9 +62,16 @@ def replica_metrics_text() -> str:
     return scrape_once(["sim", "--port", str(port)], port, "/health")
 
 
+def store_metrics_text() -> str:
+    """The shared slot store's families, which an ext_proc exports only where one runs (`store: {kind: redis}`)."""
+    registry = CollectorRegistry()
+    StoreTelemetry(registry)
+    return generate_latest(registry).decode()
+
+
 @pytest.fixture(scope="session")
 def known_metric_names(live_metrics_text, replica_metrics_text) -> set[str]:
-    """Names a dashboard or rule may use: exported by the ext_proc or a vLLM replica, recorded by our rules, or
-    attached by Prometheus."""
-    return (exposed_names(live_metrics_text) | exposed_names(replica_metrics_text)
-            | recorded_names(RULE_FILES) | PROMETHEUS_SERIES)
+    """Names a dashboard or rule may use: exported by the ext_proc (its shared store's included) or a vLLM replica,
+    recorded by our rules, or attached by Prometheus."""
+    return (exposed_names(live_metrics_text) | exposed_names(store_metrics_text())
+            | exposed_names(replica_metrics_text) | recorded_names(RULE_FILES) | PROMETHEUS_SERIES)

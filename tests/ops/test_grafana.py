@@ -18,7 +18,7 @@ REQUIRED = {
     "time to first token": "class:extproc_time_to_first_byte_seconds:p95_5m",
     "decisions by reason": "extproc_requests_total",
     "in-flight": "extproc_inflight",
-    "cap": "extproc_class_limit",
+    "cap": "class:extproc_class_limit:fleet",
     "queue depth": "extproc_queue_depth",
     "breaker state": "extproc_breaker_state",
     "sustained queue depth": "class:extproc_queue_depth:avg5m",

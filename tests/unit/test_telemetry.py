@@ -7,11 +7,12 @@ import asyncio
 import json
 
 import grpc.aio
+import pytest
 from envoy.service.accesslog.v3 import als_pb2
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
-from extproc.policy.admission import ACCEPT, REJECT, AdmissionController, RequestFacts
+from extproc.policy.admission import ACCEPT, DEGRADE, REJECT, AdmissionController, RequestFacts
 from extproc.policy.limits import Completion, Outcome
 from extproc.policy.schema import load_policy_file
 from extproc.server.accesslog import TICKET_HEADER, AccessLogReceiver
@@ -25,6 +26,7 @@ from .conftest import make_policy
 # label set breaks them silently. (Counters are exposed with a _total suffix.)
 METRICS = {
     "extproc_breaker_transitions": ("counter", ("class", "pool", "kind", "to")),
+    "extproc_canned_responses": ("counter", ("class", "reason", "status")),
     "extproc_class_demotions": ("counter", ("tenant",)),
     "extproc_completion_reports": ("counter", ("result",)),
     "extproc_config_last_reload_successful": ("gauge", ()),
@@ -225,7 +227,7 @@ def serve(tmp_path, policy: str) -> Server:
 def test_serve_exports_the_store_metrics_with_a_shared_store_only(tmp_path):
     policy = "classes: {interactive: {max_concurrency: 1}}\nmodels: {llama: {cluster: pool_a}}\n"
     local = generate_latest(serve(tmp_path, policy).telemetry.registry).decode()
-    assert "extproc_store_" not in local
+    assert "# TYPE extproc_store_" not in local
     assert 'extproc_completion_reports_total{result="unmatched"} 0.0' in local
     shared = serve(tmp_path, policy + "store: {kind: redis, url: 'redis://127.0.0.1:1'}\n")  # not started here
     exposed = generate_latest(shared.telemetry.registry).decode()
@@ -302,3 +304,81 @@ def test_a_log_budget_of_zero_logs_every_refusal(caplog):
     for _ in range(30):
         core.decide(RequestFacts(api_key="kf", model="nope"))
     assert sum(1 for r in caplog.records if r.name == "extproc.decisions") == 30
+
+
+def class_limits(t: Telemetry) -> dict[tuple[str, str], float]:
+    """(class, scope) -> extproc_class_limit."""
+    return {(s.labels["class"], s.labels["scope"]): s.value for fam in t.registry.collect()
+            if fam.name == "extproc_class_limit" for s in fam.samples}
+
+
+def test_a_cap_of_its_own_is_exported_with_scope_instance():
+    t = Telemetry()
+    t.watch(limited_core(t))
+    assert class_limits(t) == {("batch", "instance"): 100}
+
+
+def test_a_cap_shared_through_redis_is_exported_with_scope_fleet(tmp_path):
+    policy = "classes: {interactive: {max_concurrency: 24}}\nmodels: {llama: {cluster: pool_a}}\n"
+    server = serve(tmp_path, policy + "store: {kind: redis, url: 'redis://127.0.0.1:1', instances: 2}\n")
+    assert class_limits(server.telemetry) == {("interactive", "fleet"): 24}
+
+
+def test_a_cap_the_workers_of_one_host_share_is_exported_with_scope_host():
+    t = Telemetry()
+    core = limited_core(t)
+    core.gate_on_store(True)  # what SharedSlots does with the workers' host store (store kind memory)
+    t.watch(core)
+    assert class_limits(t) == {("batch", "host"): 100}
+
+
+def duration_sum(t: Telemetry, cls: str = "interactive") -> float:
+    return sample(t, "extproc_request_duration_seconds_sum", **{"class": cls, "outcome": "ok"})
+
+
+def queued_core(t: Telemetry, clock) -> AdmissionController:
+    policy = make_policy(classes={"interactive": {"max_concurrency": 1, "max_queue": 5, "max_wait_ms": 5000}},
+                         tenants=[])
+    return AdmissionController(policy, clock=clock, events=t)
+
+
+def test_the_request_duration_includes_the_time_queued_before_admission():
+    """A request that waited 1.2 s for a slot and then ran 1.1 s: the client waited 2.3 s."""
+    now = [1000.0]
+    t = Telemetry()
+    core = queued_core(t, lambda: now[0])
+    first = core.decide(RequestFacts(model="llama"))
+    second = core.decide(RequestFacts(model="llama"))
+    now[0] += 1.2
+    core.finish(first.ticket, Outcome.OK)
+    assert second.waiter.result.ticket.waited_s == pytest.approx(1.2)
+    now[0] += 1.1
+    core.finish(second.waiter.result.ticket, Outcome.OK)
+    now[0] += 60.0  # past the wait for a completion report: accounted from the ticket's own times
+    core.reap()
+    assert duration_sum(t) == pytest.approx(1.2 + 2.3)
+
+
+def test_the_request_duration_is_envoys_total_time_when_the_report_has_it():
+    now = [1000.0]
+    t = Telemetry()
+    core = queued_core(t, lambda: now[0])
+    d = core.decide(RequestFacts(model="llama"))
+    now[0] += 1.0
+    core.finish(d.ticket, Outcome.OK)
+    core.report(d.ticket.id, Completion(Outcome.OK, 200, 0.2, 1.05))
+    assert duration_sum(t) == pytest.approx(1.05)
+
+
+def test_canned_answers_are_counted_by_the_status_sent():
+    t = Telemetry()
+    policy = make_policy(classes={"interactive": {"max_concurrency": 1, "max_queue": 0, "max_wait_ms": 0,
+                                                  "on_overflow": "fallback",
+                                                  "fallback": {"action": "canned", "status": 503}}},
+                         tenants=[])
+    core = AdmissionController(policy, clock=lambda: 1000.0, events=t)
+    core.decide(RequestFacts(model="llama"))
+    assert core.decide(RequestFacts(model="llama")).kind == DEGRADE
+    labels = {"class": "interactive", "reason": "queue_full"}
+    assert sample(t, "extproc_canned_responses_total", **labels, status="503") == 1
+    assert sample(t, "extproc_requests_total", **labels, decision="degrade") == 1
