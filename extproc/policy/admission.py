@@ -261,6 +261,7 @@ class AdmissionController:
             waiter = Waiter(lim, c.tenant, cluster, now, cost, flow, deadline_ms)
             waiter.trickle = trickle
             waiter.charge = charge
+            waiter.classification = c
             if gate is not None:
                 waiter.gate, waiter.units = gate, units
                 gate.waiting[lim.rank] += 1
@@ -459,6 +460,7 @@ class AdmissionController:
                 continue
             ticket = self._admit(lim, w.tenant, w.pool, now, w.charge, waited, gate, w.units, w.flow)
             ticket.trickle = w.trickle
+            ticket.queued = True
             self._resolve(w, Admit(R_DEQUEUED, lim.name, w.tenant, ticket, waited_s=waited, cluster=w.pool))
 
     def _owed_waiter(self, lim: ClassLimiter, gate, pool: str, now: float) -> Waiter | None:
@@ -508,8 +510,11 @@ class AdmissionController:
                        cluster=w.pool)
 
     def _resolve(self, w: Waiter, d: Decision) -> None:
+        """A waiter's final decision: its request's own, so it carries how the request was classified (counted
+        here, once: a queued decision is not counted when it is made)."""
         w.result = d
         d.charge = w.charge
+        d.classification = w.classification
         if self.shadow.resolved(w, d):
             return
         self._emit(d)
@@ -547,6 +552,8 @@ class AdmissionController:
         ticket.released_at = now
         self.tickets.pop(ticket.id, None)
         lim, charge = ticket.limiter, ticket.charge
+        if ticket.awaiting_store:  # revoked (or its lease ran out) while it waited for the shared store
+            self._store_answered(ticket)
         if ticket.holds_slot:
             if ran:
                 lim.give_back(ticket.cost, now)
@@ -722,11 +729,30 @@ class AdmissionController:
         return (self.shared_slots and t is not None and t.holds_slot and not t.degraded and not t.closed
                 and not self.shadow.covers(t.limiter))
 
+    def await_store(self, d: Decision) -> None:
+        """The shared store has no global slot for this gated admission now, and it waits for one: until confirm()
+        or revoke() its class slot is only reserved, so it counts as queued (queue depth), not in flight, and as one
+        queue entry unless it already waited in its class queue. Once per admission."""
+        t = d.ticket
+        if t.awaiting_store or t.closed:
+            return
+        t.awaiting_store = True
+        t.limiter.reserve(t.cost)
+        if not t.queued:
+            t.queued = True
+            self.events.queued(t)  # what it reads of a Waiter, a ticket has too: its class (`limiter`)
+
+    def _store_answered(self, t: Ticket) -> None:
+        t.awaiting_store = False
+        t.limiter.unreserve(t.cost)
+
     def confirm(self, d: Decision, waited_s: float = 0.0) -> Decision:
         """The shared store granted the global slot, after `waited_s` in its wait (0: at once): the admission
         stands and is counted now. A wait counts as queueing; the request's service starts now."""
+        t = d.ticket
+        if t.awaiting_store:
+            self._store_answered(t)
         if waited_s > 0.0:
-            t = d.ticket
             t.waited_s += waited_s
             t.admitted_at += waited_s
             t.lease_until += waited_s
@@ -751,18 +777,21 @@ class AdmissionController:
             out = Refusal(REJECT, reason, lim.name, t.tenant, REASONS[reason].status, message,
                           lim.retry_after_s(now, self._retry_ceiling), waited_s=waited, cluster=t.pool)
         out.headers = d.headers
+        out.classification = d.classification
         self._grant(lim, now)
         return self._emit(out)
 
     # --- introspection (metrics collectors read this at scrape time) ---
 
     def snapshot(self) -> dict[str, dict[str, float]]:
-        out = {name: {"inflight": lim.inflight, "queue": len(lim.queue), "limit": lim.limit,
-                      "inflight_cost": lim.inflight_cost, "degraded_inflight": self.degraded[name].inflight}
+        """Per class: requests running and their estimated cost, requests waiting (in the class queue, or holding a
+        reserved slot while the shared store has no global slot for them), the cap, degraded requests running."""
+        out = {name: {"inflight": lim.running, "queue": lim.waiting, "limit": lim.limit,
+                      "inflight_cost": lim.running_cost, "degraded_inflight": self.degraded[name].inflight}
                for name, lim in self.limiters.items()}
         for lim in self._retired:
-            out.setdefault(lim.name, {"inflight": lim.inflight, "queue": 0, "limit": 0,
-                                      "inflight_cost": lim.inflight_cost, "degraded_inflight": 0})
+            out.setdefault(lim.name, {"inflight": lim.running, "queue": lim.reserved, "limit": 0,
+                                      "inflight_cost": lim.running_cost, "degraded_inflight": 0})
         return out
 
 

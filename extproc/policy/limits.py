@@ -88,7 +88,7 @@ class Ticket:
 
     __slots__ = ("id", "limiter", "cls", "tenant", "pool", "admitted_at", "lease_until", "cost", "closed", "waited_s",
                  "released_at", "stream_outcome", "completion", "trickle", "degraded", "holds_slot", "charge",
-                 "usage", "gate", "units", "rank", "flow")
+                 "usage", "gate", "units", "rank", "flow", "queued", "awaiting_store")
 
     def __init__(self, limiter: ClassLimiter, tenant: str, pool: str, now: float, lease_s: float, cost: float,
                  waited_s: float, holds_slot: bool = True):
@@ -114,13 +114,17 @@ class Ticket:
         self.units = 0.0
         self.rank = 0                   # its class's rank when it took them
         self.flow = tenant              # the fairness key it counts against in its class's queue
+        self.queued = False             # counted as a queue entry: it waited in its class queue or for the store
+        # It waits for the shared store's global slot (AdmissionController.await_store): its class slot is only
+        # reserved, and it counts as queued, not in flight, until the store confirms or it is revoked.
+        self.awaiting_store = False
 
 
 class Waiter:
     """A request waiting in a class queue. Its result (a Decision) is set exactly once."""
 
     __slots__ = ("limiter", "tenant", "pool", "trickle", "enqueued_at", "deadline", "cost", "result", "on_result",
-                 "charge", "gate", "units", "flow")
+                 "charge", "gate", "units", "flow", "classification")
 
     def __init__(self, limiter: ClassLimiter, tenant: str, pool: str, now: float, cost: float,
                  flow: str | None = None, wait_ms: float | None = None):
@@ -138,6 +142,7 @@ class Waiter:
         self.charge: Any = None
         self.gate: Any = None           # the PoolGate it waits for as well as its class (None: class only)
         self.units = 0.0
+        self.classification: Any = None  # how decide() classified it: its final decision carries it (metrics)
 
     @property
     def pending(self) -> bool:
@@ -189,14 +194,16 @@ class ClassLimiter:
     decisions live in admission."""
 
     __slots__ = ("name", "spec", "limit", "inflight", "inflight_cost", "queue", "drain", "controller", "pools",
-                 "rank")
+                 "rank", "reserved", "reserved_cost")
 
     def __init__(self, name: str, spec: ClassSpec):
         self.name = name
         self.spec = spec
         self.limit = spec.max_concurrency
-        self.inflight = 0
+        self.inflight = 0               # slots held, `reserved` ones included (the cap counts them all)
         self.inflight_cost = 0.0
+        self.reserved = 0               # held for admissions waiting for the shared store's global slot: not running
+        self.reserved_cost = 0.0
         self.queue = FairQueue("fifo", key=flow_key)  # policy state configures its mode, weights and clock
         self.drain = DrainRate()
         self.controller: Limit = StaticLimit(spec.max_concurrency)  # the algorithm that sets `limit`
@@ -236,6 +243,31 @@ class ClassLimiter:
     def take(self, cost: float) -> None:
         self.inflight += 1
         self.inflight_cost += cost
+
+    def reserve(self, cost: float) -> None:
+        """A held slot's admission waits for the shared store's global slot: it is queued, not running."""
+        self.reserved += 1
+        self.reserved_cost += cost
+
+    def unreserve(self, cost: float) -> None:
+        """The store answered (or the request left): the slot runs its request, or is about to be given back."""
+        self.reserved -= 1
+        self.reserved_cost = self.reserved_cost - cost if self.reserved else 0.0
+
+    @property
+    def running(self) -> int:
+        """Requests admitted and running (holding a slot, not waiting for the shared store)."""
+        return self.inflight - self.reserved
+
+    @property
+    def running_cost(self) -> float:
+        """Estimated GPU-seconds of the running requests."""
+        return self.inflight_cost - self.reserved_cost if self.running else 0.0
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting: in the class queue, or holding a slot while they wait for the shared store."""
+        return len(self.queue) + self.reserved
 
     def give_back(self, cost: float, now: float) -> None:
         self.inflight -= 1

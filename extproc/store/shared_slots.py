@@ -120,10 +120,12 @@ class SharedSlots:
         return None
 
     async def wait(self, d: Decision) -> Decision:
-        """Wait in this replica's FIFO for a global slot until the class's deadline; then 429 like a queue."""
+        """Wait in this replica's FIFO for a global slot until the class's deadline; then 429 like a queue. While
+        it waits the request counts as queued, not in flight (core.await_store)."""
         t = d.ticket
         claim = self.claim(t)
         started = self.core.clock()
+        self.core.await_store(d)
         w = _Waiting(t, claim, asyncio.get_running_loop().create_future())
         self._waiting.setdefault(claim.cls, deque()).append(w)
         self._pump(claim.cls)

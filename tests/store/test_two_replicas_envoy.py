@@ -108,8 +108,8 @@ async def test_a_redis_outage_switches_to_local_shares_and_back(replicas, upstre
 
 
 async def in_flight_here(http, s: Stack) -> tuple[int, int]:
-    """(local places taken, queued) of interactive on one replica: running and waiting-for-a-global-slot both
-    take a local place."""
+    """(running, waiting) of interactive on one replica: a request waiting for a global slot holds a local place,
+    but is reported as waiting, like one queued locally."""
     async with http.get(f"{s.metrics_url}/healthz") as r:
         c = (await r.json())["classes"]["interactive"]
     return c["inflight"], c["queue"]
@@ -131,8 +131,8 @@ async def share_holds_through_an_outage(http, replicas, upstream, outage, recove
         assert await until(lambda: equals(upstream_in_service(http, upstream), n * share), timeout=5)
     for s in replicas:
         tasks += [asyncio.create_task(post(http, s.url, chat(), delay(200))) for _ in range(2 * share)]
-    for s in replicas:  # 2 running + 2 waiting for a global slot hold local places, 2 more queue locally
-        assert await until(lambda: equals(in_flight_here(http, s), (2 * share, share)), timeout=5)
+    for s in replicas:  # 2 running, 2 waiting for a global slot (holding local places), 2 more queued locally
+        assert await until(lambda: equals(in_flight_here(http, s), (share, 2 * share)), timeout=5)
     outage()
     try:
         for s in replicas:

@@ -1,0 +1,168 @@
+"""A request waiting for a shared store's global slot is waiting, not running: it counts in its class's queue depth
+and once as a queue entry, holds its local slot only as a reservation, and gives it back once however it ends."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client import CollectorRegistry
+
+from extproc.policy.admission import ACCEPT, QUEUE, AdmissionController, RequestFacts
+from extproc.policy.limits import Outcome
+from extproc.server.final_admission import FinalAdmission
+from extproc.store.shared_slots import SharedSlots
+from extproc.telemetry import Telemetry
+from tests.conftest import FakeClock, make_policy, until
+from tests.store.test_share_fallback import FakeStore
+
+
+class Recorder:
+    def __init__(self):
+        self.decisions = []
+        self.entries = []
+
+    def decided(self, d):
+        self.decisions.append((d.kind, d.reason))
+
+    def queued(self, w):
+        self.entries.append(w.limiter.name)
+
+    def __getattr__(self, name):
+        return lambda *a, **k: None
+
+
+def facts() -> RequestFacts:
+    return RequestFacts(header_class="interactive", model="llama", max_tokens=10)
+
+
+def gated_core(**overrides) -> tuple[AdmissionController, Recorder, FakeClock]:
+    clock, events = FakeClock(), Recorder()
+    core = AdmissionController(make_policy(**overrides), clock=clock, events=events)
+    core.shared_slots = True
+    return core, events, clock
+
+
+def counts(core: AdmissionController, cls: str = "interactive") -> tuple[float, float]:
+    s = core.snapshot()[cls]
+    return s["inflight"], s["queue"]
+
+
+def test_an_admission_waiting_for_the_store_is_queued_not_in_flight():
+    core, events, clock = gated_core()
+    d = core.decide(facts())
+    core.await_store(d)
+    assert counts(core) == (0, 1) and core.snapshot()["interactive"]["inflight_cost"] == 0
+    assert events.entries == ["interactive"] and events.decisions == []
+    core.await_store(d)  # once per admission
+    assert counts(core) == (0, 1) and events.entries == ["interactive"]
+    clock.advance(0.3)
+    core.confirm(d, 0.3)
+    assert counts(core) == (1, 0) and events.decisions == [(ACCEPT, "dequeued")]
+    assert events.entries == ["interactive"]  # counted as queued once, when it began to wait
+    core.finish(d.ticket, Outcome.OK)
+    assert counts(core) == (0, 0) and core.limiters["interactive"].inflight == 0
+
+
+def test_a_slot_granted_by_the_store_at_once_is_never_queued():
+    core, events, _ = gated_core()
+    d = core.decide(facts())
+    assert counts(core) == (1, 0)
+    core.confirm(d)
+    assert counts(core) == (1, 0) and events.entries == []
+
+
+def test_a_revoked_wait_gives_its_reserved_slot_back_once():
+    core, events, _ = gated_core()
+    d = core.decide(facts())
+    core.await_store(d)
+    core.revoke(d, "client_disconnected", "left")
+    core.revoke(d, "client_disconnected", "again")
+    lim = core.limiters["interactive"]
+    assert counts(core) == (0, 0) and (lim.inflight, lim.reserved) == (0, 0) and not core.tickets
+
+
+def test_a_lease_that_expires_while_waiting_for_the_store_frees_the_reservation():
+    core, events, clock = gated_core()
+    d = core.decide(facts())
+    core.await_store(d)
+    clock.advance(core.policy.lease_ms / 1000.0 + 1)
+    core.reap()
+    lim = core.limiters["interactive"]
+    assert counts(core) == (0, 0) and (lim.inflight, lim.reserved) == (0, 0)
+
+
+def test_a_request_queued_locally_then_waiting_for_the_store_is_one_queue_entry():
+    core, events, clock = gated_core()
+    held = [core.decide(facts()) for _ in range(2)]
+    for d in held:
+        core.confirm(d)
+    q = core.decide(facts())
+    assert q.kind == QUEUE and counts(core) == (2, 1) and events.entries == ["interactive"]
+    core.finish(held[0].ticket, Outcome.OK)
+    granted = q.waiter.result
+    assert core.gated(granted)
+    core.await_store(granted)
+    assert counts(core) == (1, 1) and events.entries == ["interactive"]
+    core.confirm(granted, 0.1)
+    assert counts(core) == (2, 0) and events.entries == ["interactive"]
+
+
+def replica(store: FakeStore, registry: CollectorRegistry) -> SharedSlots:
+    policy = make_policy(classes={"interactive": {"max_concurrency": 4, "max_queue": 10, "max_wait_ms": 5000}},
+                         tenants=[], store={"kind": "redis", "url": "redis://fake", "poll_ms": 20})
+    telemetry = Telemetry(registry)
+    core = AdmissionController(policy, events=telemetry)
+    telemetry.watch(core)
+    return SharedSlots(core, store)
+
+
+async def settle(r: SharedSlots) -> tuple[FinalAdmission, asyncio.Task]:
+    """What the stream does: decide, then await the final admission (here always a gated one)."""
+    d = r.core.decide(facts())
+    assert d.kind == ACCEPT and r.core.gated(d)
+    fa = FinalAdmission(r.core, r, d)
+
+    async def extend(seconds: float) -> None:
+        pass
+
+    return fa, asyncio.create_task(fa.settle(extend))
+
+
+async def test_two_replicas_sharing_a_cap_of_4_report_4_in_flight_and_4_queued_in_all():
+    store = FakeStore()
+    registries = [CollectorRegistry(), CollectorRegistry()]
+    a, b = (replica(store, reg) for reg in registries)
+    await a.start(), await b.start()
+    pending = [(r, *await settle(r)) for r in (a, b) for _ in range(4)]
+    await until(lambda: sum(t.done() for _, _, t in pending), holds=lambda n: n == 4)
+    await asyncio.sleep(0.05)  # the waiters' polls: none may be admitted (what must NOT happen needs a wait)
+    running = [(r, t.result()) for r, _, t in pending if t.done()]
+    assert len(running) == 4 and all(d.kind == ACCEPT for _, d in running)
+
+    def total(name: str) -> float:
+        return sum(reg.get_sample_value(name, {"class": "interactive"}) or 0.0 for reg in registries)
+
+    assert (total("extproc_inflight"), total("extproc_queue_depth")) == (4, 4)
+    assert total("extproc_queue_entries_total") == 4
+
+    # A waiting client leaves: its reservation and its place at the store go, once.
+    fa, task = next((fa, t) for _, fa, t in pending if not t.done())
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert fa.give_back() is None
+    assert (total("extproc_inflight"), total("extproc_queue_depth")) == (4, 3)
+
+    # The running ones end: the 3 still waiting get the freed global slots.
+    for r, d in running:
+        r.core.finish(d.ticket, Outcome.OK)
+        r.release(d.ticket)
+    await until(lambda: sum(t.done() for _, _, t in pending), holds=lambda n: n == 8)
+    later = [t.result() for _, _, t in pending if not t.cancelled() and t.result().reason == "dequeued"]
+    assert len(later) == 3 and all(d.kind == ACCEPT for d in later)
+    assert await until(lambda: len(store.slots["interactive"]), holds=lambda n: n == 3) == 3
+    assert (total("extproc_inflight"), total("extproc_queue_depth")) == (3, 0)
+    assert total("extproc_queue_entries_total") == 4
+    for r in (a, b):
+        lim = r.core.limiters["interactive"]
+        assert lim.reserved == 0 and lim.inflight == len(r.held)
+    await a.close(), await b.close()
