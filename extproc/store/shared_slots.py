@@ -74,6 +74,10 @@ class SharedSlots:
         self._released: dict[str, asyncio.Event] = {}
         self._pumps: dict[str, asyncio.Task] = {}
         self._to_release: list[SlotClaim] = []
+        # Releases the store did not take (it stalled or went away as they were sent), with when they failed:
+        # sent again before anything else once it answers, or a class would stay full of finished requests on an
+        # idle fleet until their leases ran out.
+        self._unreleased: list[tuple[float, SlotClaim]] = []
         self._releaser: asyncio.Task | None = None
         core.gate_on_store(store.shared)
         store.on_release(self._wake)
@@ -200,12 +204,30 @@ class SharedSlots:
                 try:
                     await self.store.release([(c.cls, c.holder) for c in batch])
                 except StoreUnavailable as e:
-                    self._fail(e)  # the leases free the slots by themselves
+                    now = self.core.clock()
+                    self._unreleased.extend((now, c) for c in batch)
+                    self._fail(e)
                     continue
                 for cls in {c.cls for c in batch}:
                     self._wake(cls)
         finally:
             self._releaser = None
+
+    async def _release_again(self) -> None:
+        """Send the releases the store did not take; those older than a lease have expired there already."""
+        if not self._unreleased:
+            return
+        oldest = self.core.clock() - self.policy.store.lease_ms / 1000.0
+        pending, self._unreleased = [(t, c) for t, c in self._unreleased if t >= oldest], []
+        if not pending:
+            return
+        try:
+            await self.store.release([(c.cls, c.holder) for _, c in pending])
+        except StoreUnavailable:
+            self._unreleased = pending + self._unreleased
+            raise
+        for cls in {c.cls for _, c in pending}:
+            self._wake(cls)
 
     # --- waiting ---
 
@@ -274,10 +296,12 @@ class SharedSlots:
         if self.state != SHARED:
             try:
                 await self.store.ping()
+                await self._release_again()
             except StoreUnavailable:
                 return
             self._switch(SHARED, "slot store answers again; caps are shared")
         try:
+            await self._release_again()
             if not self.held and not self.unshared:
                 await self.store.ping()  # nothing to renew: still notice an outage before a request does
             lost = await self.store.renew([(c.cls, c.holder) for c in self.held.values()])

@@ -127,3 +127,28 @@ async def test_redis_down_fails_closed_with_503(redis_server):
     await r.tick()
     assert r.state == SHARED and (await admit(r)).kind == ACCEPT
     await r.close()
+
+
+async def test_releases_the_store_missed_during_a_stall_are_sent_again_when_it_answers(redis_server):
+    """Redis stalled (SIGSTOP, a long command, a failover) as four requests ended: their releases failed. Dropped,
+    the four global slots stayed held until their leases ran out and the class refused everything on an idle
+    fleet."""
+    import os
+    import signal
+
+    r = replica(redis_server.url, cap=4, instances=2, on_failure="local", lease_ms=30000)
+    await r.start()
+    done = [await admit(r) for _ in range(4)]
+    assert await r.store.count("interactive") == 4
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        for d in done:
+            finish(r, d)
+        assert await until(lambda: r.state == LOCAL, timeout=5)  # the releases timed out
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    await r.tick()
+    assert r.state == SHARED
+    assert await r.store.count("interactive") == 0
+    assert (await admit(r)).kind == ACCEPT
+    await r.close()
