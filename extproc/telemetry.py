@@ -220,7 +220,7 @@ class Telemetry:
         """One JSON line: who, what and why. Never the API key, never the prompt."""
         if not decision_log.isEnabledFor(logging.INFO):
             return
-        line = {"event": "decision", "request_id": d.charge.request_id if d.charge else "", "tenant": d.tenant,
+        line = {"event": "decision", "request_id": d.charge.request_id if d.charge else d.request_id, "tenant": d.tenant,
                 "class": d.cls, "decision": d.kind, "reason": d.reason, "status": d.status}
         if d.retry_after:
             line["retry_after"] = d.retry_after

@@ -111,7 +111,8 @@ class AdmissionController:
             return None
         c = self.classifier.classify(None, None, None)
         reason = R_MISSING_KEY if facts.api_key is None else R_INVALID_KEY  # never echo the key: it may be real
-        return self._emit(Refusal(INVALID, reason, c.cls, ANONYMOUS, 401, say(reason), classification=c))
+        return self._emit(_with_id(Refusal(INVALID, reason, c.cls, ANONYMOUS, 401, say(reason), classification=c),
+                                   facts))
 
     def reads_usage(self, api_key: str | None) -> bool:
         """Whether this caller's responses must be read for their usage: its tokens-per-minute bucket is
@@ -128,13 +129,14 @@ class AdmissionController:
                                      facts.fairness_id)
         cluster = self.clusters.get(facts.model) if facts.model is not None else None
         if cluster is None:
-            return self._emit(Refusal(INVALID, R_UNKNOWN_MODEL, c.cls, c.tenant, 404,
-                                      say(R_UNKNOWN_MODEL, model=_shown(facts.model)), classification=c))
+            return self._emit(_with_id(Refusal(INVALID, R_UNKNOWN_MODEL, c.cls, c.tenant, 404,
+                                               say(R_UNKNOWN_MODEL, model=_shown(facts.model)), classification=c),
+                                       facts))
         context_tokens = self.cost_models[facts.model].spec.max_context_tokens
         if context_tokens and facts.max_tokens is not None and facts.max_tokens > context_tokens:
-            return self._emit(Refusal(INVALID, R_MAX_TOKENS, c.cls, c.tenant, 400,
-                                      say(R_MAX_TOKENS, max_tokens=facts.max_tokens, context=context_tokens),
-                                      classification=c))
+            return self._emit(_with_id(Refusal(INVALID, R_MAX_TOKENS, c.cls, c.tenant, 400,
+                                               say(R_MAX_TOKENS, max_tokens=facts.max_tokens,
+                                                   context=context_tokens), classification=c), facts))
         charge = self._estimate(facts, c, now)
         lim = self.limiters[c.cls]
         d = self._enforce(c, lim, cluster, now, charge, facts.deadline_ms)
@@ -363,7 +365,7 @@ class AdmissionController:
             c = self.classifier.classify(facts.api_key, facts.header_class, facts.body_class, facts.objective,
                                          facts.fairness_id)
             cls, tenant = c.cls, c.tenant
-        return self._emit(Refusal(INVALID, reason, cls, tenant, status, message))
+        return self._emit(_with_id(Refusal(INVALID, reason, cls, tenant, status, message), facts))
 
     # --- the queue ---
 
@@ -798,3 +800,10 @@ class AdmissionController:
 def _shown(name: str | None) -> str | None:
     """A client's string as an error message quotes it: cut short (a 4 MB `model` must not come back whole)."""
     return name if name is None or len(name) <= 128 else name[:128] + "..."
+
+
+def _with_id(d: Decision, facts: RequestFacts | None) -> Decision:
+    """A decision made before the request is charged carries the client's request id itself (for its log line)."""
+    if facts is not None:
+        d.request_id = facts.request_id
+    return d

@@ -64,7 +64,8 @@ class Decision:
     Canned. A type's own fields exist only on it; on the others they read as nothing (None, 0, "") so a consumer
     that logs any decision can ask for them."""
 
-    __slots__ = ("reason", "cls", "tenant", "classification", "cluster", "waited_s", "headers", "charge")
+    __slots__ = ("reason", "cls", "tenant", "classification", "cluster", "waited_s", "headers", "charge",
+                 "request_id")
     kind = ""
     ticket: Ticket | None = None
     waiter: Waiter | None = None
@@ -84,6 +85,7 @@ class Decision:
         self.waited_s = waited_s
         self.headers: list[tuple[str, str]] = []  # extra response headers (x-ratelimit-*)
         self.charge: Charge | None = None         # what the request was estimated to cost (for logs)
+        self.request_id = ""                      # the client's x-request-id, for decisions made before a charge
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.kind}, {self.reason}, cls={self.cls}, status={self.status})"
@@ -163,7 +165,8 @@ class AdmissionEvents(Protocol):
     """What the core tells the outside world (metrics, logs). Implementations must be cheap and never raise."""
 
     def decided(self, decision: Decision) -> None: ...
-    def queued(self, waiter: Waiter) -> None: ...
+    # A request started waiting: in its class queue (a Waiter), or for a shared store's global slot (its Ticket).
+    def queued(self, waiter: Waiter | Ticket) -> None: ...
     def finished(self, ticket: Ticket, outcome: Outcome, duration_s: float) -> None: ...
     def shadow(self, cls: str, would: str, reason: str) -> None: ...
     def breaker_changed(self, cls: str, pool: str, breaker: Breaker, state: str) -> None: ...
@@ -180,7 +183,7 @@ class NoEvents:
     def decided(self, decision: Decision) -> None:
         pass
 
-    def queued(self, waiter: Waiter) -> None:
+    def queued(self, waiter: Waiter | Ticket) -> None:
         pass
 
     def finished(self, ticket: Ticket, outcome: Outcome, duration_s: float) -> None:

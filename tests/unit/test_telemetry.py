@@ -382,3 +382,15 @@ def test_canned_answers_are_counted_by_the_status_sent():
     labels = {"class": "interactive", "reason": "queue_full"}
     assert sample(t, "extproc_canned_responses_total", **labels, status="503") == 1
     assert sample(t, "extproc_requests_total", **labels, decision="degrade") == 1
+
+
+def test_a_refusal_before_any_charge_logs_the_clients_request_id(caplog):
+    """Invalid requests (an unknown model, a bad body) are refused before the request is charged: their log line
+    must still carry the x-request-id an operator greps for."""
+    t = Telemetry()
+    core = limited_core(t)
+    caplog.set_level("INFO", logger="extproc.decisions")
+    core.decide(RequestFacts(api_key="kf", model="nope", request_id="req-123"))
+    core.invalid(400, "invalid_body", "bad", RequestFacts(api_key="kf", request_id="req-456"))
+    ids = [json.loads(r.getMessage())["request_id"] for r in caplog.records if r.name == "extproc.decisions"]
+    assert ids == ["req-123", "req-456"]
