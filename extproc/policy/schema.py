@@ -19,6 +19,10 @@ class PolicyError(ValueError):
         super().__init__("invalid policy:\n  " + "\n  ".join(errors))
 
 
+MAX_CLASSES = 256      # the workers' shared table has this many rows (extproc/store/host_store.py)
+MAX_CLASS_NAME = 64    # bytes
+
+
 def doc(text: str, default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING,
         minimum: float | None = None, maximum: float | None = None, header_name: bool = False) -> Any:
     """A schema field: its documentation, default and numeric bounds travel together. `header_name`: an HTTP
@@ -683,7 +687,13 @@ def _check_references(p: Policy, errors: list[str]) -> None:
         if max_class in rank and default_class in rank and rank[default_class] < rank[max_class]:
             errors.append(f"{base}.default_class: {default_class!r} is above max_class {max_class!r}{note}")
 
+    if len(names) > MAX_CLASSES:
+        errors.append(f"classes: {len(names)} classes; at most {MAX_CLASSES} (each is a row of the workers' shared "
+                      "table, a set of metric series and a queue)")
     for name in names:
+        if len(name.encode()) > MAX_CLASS_NAME:
+            errors.append(f"classes.{name[:40]}...: class names are at most {MAX_CLASS_NAME} bytes (a name is a "
+                          "metric label and a header value)")
         if name != name.lower():
             errors.append(f"classes.{name}: class names must be lower case (claims are lower-cased before they are "
                           f"matched, so this one could never be claimed): write {name.lower()!r}")

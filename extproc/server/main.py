@@ -168,9 +168,12 @@ class Server:
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
         host, port = self.args.grpc
-        bound = grpc_server.add_insecure_port(f"{host}:{port}")
+        try:
+            bound = grpc_server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError:  # grpcio raises on a port in use rather than returning 0
+            bound = 0
         if not bound:
-            raise SystemExit(f"cannot listen on {host}:{port} for gRPC")
+            raise SystemExit(f"extproc: cannot listen on {host}:{port} for gRPC (in use, or not an address here)")
         await grpc_server.start()
         if self.shared is not None:
             await self.shared.start()
@@ -234,7 +237,11 @@ class Server:
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         host, port = self.args.metrics
-        await web.TCPSite(runner, host, port).start()
+        try:
+            await web.TCPSite(runner, host, port).start()
+        except OSError as e:
+            await runner.cleanup()
+            raise SystemExit(f"extproc: cannot listen on {host}:{port} for /metrics ({e.strerror})") from None
         return runner
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -313,6 +320,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if args.workers > 1 and args.worker_index is None:
         return supervise(args, policy.store.kind == "memory")
+    if args.worker_index is not None:
+        _die_with_the_supervisor()
     server = Server(args.policy, policy, args)
     try:
         if args.no_uvloop:
@@ -353,7 +362,11 @@ def supervise(args: argparse.Namespace, host_memory: bool) -> int:
 
 
 def _run_workers(args: argparse.Namespace) -> int:
-    workers = [subprocess.Popen(worker_argv(args, i)) for i in range(args.workers)]
+    # A SIGHUP before a worker has installed its reload handler would kill it: workers start with SIGHUP ignored
+    # (the ignore is inherited through exec) until their event loop takes the signal over.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    env = {**os.environ, SUPERVISOR_ENV: str(os.getpid())}
+    workers = [subprocess.Popen(worker_argv(args, i), env=env) for i in range(args.workers)]
     stopping = False
 
     def forward(sig: int, _frame) -> None:
@@ -366,12 +379,41 @@ def _run_workers(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
     status = 0
-    while any(w.poll() is None for w in workers):
-        for w in workers:
+    reported: set[int] = set()
+    while True:
+        for i, w in enumerate(workers):
             code = w.poll()
-            if code is not None and not stopping:
-                log.error("worker pid %d exited with %d: stopping the others", w.pid, code)
-                status = code or 1
+            if code is None or i in reported:
+                continue
+            reported.add(i)
+            if not stopping:
+                log.error("worker %d (pid %d) exited with %s: stopping the others", i, w.pid, _status_text(code))
+                status = _exit_status(code)
                 forward(signal.SIGTERM, None)
+        if len(reported) == len(workers):
+            break
         time.sleep(0.2)
-    return status or max((w.returncode for w in workers), default=0)
+    return status or max((_exit_status(w.returncode) for w in workers), default=0)
+
+
+SUPERVISOR_ENV = "EXTPROC_SUPERVISOR_PID"
+
+
+def _exit_status(code: int) -> int:
+    """A child's return code as a shell reports it: a worker killed by signal N is 128 + N (SIGKILL: 137)."""
+    return 128 - code if code < 0 else code
+
+
+def _status_text(code: int) -> str:
+    return f"signal {-code}" if code < 0 else f"status {code}"
+
+
+def _die_with_the_supervisor() -> None:
+    """A worker whose supervisor is gone (SIGKILL) must not go on serving unwatched: the kernel sends it SIGTERM
+    (PR_SET_PDEATHSIG, Linux), which drains it like any stop."""
+    with contextlib.suppress(Exception):
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+        supervisor = os.environ.get(SUPERVISOR_ENV)
+        if supervisor and os.getppid() != int(supervisor):  # it died before the call: nobody would signal us
+            os.kill(os.getpid(), signal.SIGTERM)

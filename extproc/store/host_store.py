@@ -22,9 +22,10 @@ import struct
 from pathlib import Path
 from typing import Callable
 
+from ..policy import schema
 from ..policy.slot_store import SlotClaim
 
-MAX_CLASSES = 256                # rows in the table (a policy has a handful of classes)
+MAX_CLASSES = schema.MAX_CLASSES  # rows in the table (a policy has a handful; the schema refuses more)
 _NAME = 56                       # bytes of a class name in the table (a longer name is stored as its hash)
 _CELL = struct.Struct("=qdq")    # per worker: slots, GPU-seconds, waiting (1/0)
 _TABLE = "slots.bin"
@@ -173,7 +174,7 @@ class HostStore:
         classes = set()
         while True:
             try:
-                classes.add(self._inbox.recv(256).decode())
+                classes.add(self._inbox.recv(4096).decode(errors="replace"))  # names are at most 64 bytes
             except (BlockingIOError, InterruptedError):
                 break
         for cls in classes:

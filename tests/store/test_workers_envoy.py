@@ -142,6 +142,44 @@ def test_the_supervisor_stops_every_worker_on_sigterm_and_cleans_up(workers, req
 def test_a_dead_worker_stops_the_others(workers):
     _, metrics_urls, sup, _ = workers
     os.kill(worker(sup.pid, 1)[0], signal.SIGKILL)
-    assert sup.wait(20) != 0  # exits with the dead worker's status: the pod restarts whole, on a fresh table
+    # Exits with the dead worker's status as a shell reports it (128 + 9): the pod restarts whole, on a fresh table
+    assert sup.wait(20) == 137
     with pytest.raises(OSError):
         wait_http(f"{metrics_urls[0]}/healthz", timeout=0.5)
+
+
+def test_workers_do_not_outlive_a_killed_supervisor(workers):
+    """SIGKILL leaves the supervisor no chance to stop its workers: they get SIGTERM from the kernel
+    (PR_SET_PDEATHSIG) and drain, instead of serving on unwatched."""
+    _, metrics_urls, sup, _ = workers
+    pids = [worker(sup.pid, i)[0] for i in range(WORKERS)]
+    sup.kill()
+    sup.wait(10)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
+        time.sleep(0.2)
+    assert not any(Path(f"/proc/{p}").exists() for p in pids), pids
+
+
+def test_a_sighup_at_start_up_kills_no_worker(tmp_path):
+    """The supervisor forwards SIGHUP (reload) at once; a worker that had not installed its handler yet died of
+    it, and the service exited without a word."""
+    policy = policy_file(tmp_path, store={"kind": "memory"})
+    grpc, mport = free_ports(WORKERS), free_ports(WORKERS)
+    sup = serve(policy, grpc, mport, tmp_path / "extproc.log")
+    try:
+        deadline = time.monotonic() + 20
+        while True:  # the workers exist, still starting (importing, loading the policy): reload them now
+            try:
+                worker(sup.pid, WORKERS - 1)
+                break
+            except LookupError:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        sup.send_signal(signal.SIGHUP)
+        for i in range(WORKERS):
+            wait_http(f"http://127.0.0.1:{mport + i}/healthz", timeout=30, proc=sup)
+        assert sup.poll() is None
+    finally:
+        sup.send_signal(signal.SIGTERM)
+        sup.wait(20)

@@ -167,3 +167,13 @@ def test_an_unknown_model_is_quoted_short_in_its_error():
     core = AdmissionController(load_policy(BASE))
     d = core.decide(RequestFacts(model="x" * 5000))
     assert d.status == 404 and len(d.message) < 300 and "xxx..." in d.message
+
+
+def test_class_counts_and_name_lengths_the_runtime_cannot_hold_are_refused_at_load():
+    # the workers' shared table has 256 rows (the 257th class failed every request at run time), and a class name
+    # travels in a wake-up datagram, a metric label and a header
+    many = {f"c{i}": {"max_concurrency": 1} for i in range(257)}
+    assert any("at most 256" in e for e in errors_of({**BASE, "classes": many, "default_class": "c0"}))
+    long = "a" * 65
+    assert any("at most 64 bytes" in e for e in errors_of({**BASE, "classes": {long: {"max_concurrency": 1}},
+                                                            "default_class": long}))
