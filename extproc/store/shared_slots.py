@@ -11,7 +11,8 @@ from collections import deque
 from typing import Protocol
 
 from ..policy.admission import AdmissionController, Decision
-from ..policy.reasons import R_CLIENT_GONE, R_QUEUE_FULL, R_QUEUE_TIMEOUT, R_STORE_UNAVAILABLE, say
+from ..policy.reasons import (R_CLASS_REMOVED, R_CLIENT_GONE, R_QUEUE_FULL, R_QUEUE_TIMEOUT, R_STORE_UNAVAILABLE,
+                              say)
 from ..policy.limits import Ticket
 from ..policy.schema import Policy
 from ..policy.slot_store import SlotClaim, SlotStore, StoreUnavailable, local_share, share_has_room
@@ -21,6 +22,7 @@ log = logging.getLogger("extproc.store")
 SHARED, LOCAL, CLOSED = "shared", "local", "closed"  # store states (extproc_store_state{state})
 STORE_STATES = (SHARED, LOCAL, CLOSED)
 _CLOSED = object()  # a waiter's result when the store failed while it waited and the policy fails closed
+_REMOVED = object()  # ... when a reload removed its class
 
 
 class _Waiting:
@@ -89,6 +91,15 @@ class SharedSlots:
         """Install a policy: as written while the store is shared, the replica's share while failing open."""
         self.policy = policy
         self.core.apply(local_share(policy, self.instances) if self.state == LOCAL else policy)
+        # Waiters of a class the reload removed are refused, as its local queue is (they would run later under
+        # no class); the others ask with the new cap at their next attempt (_serve_queue refreshes the claim).
+        for cls, q in self._waiting.items():
+            if cls not in self.core.limiters:
+                for w in q:
+                    if not w.future.done():
+                        w.future.set_result(_REMOVED)
+            else:
+                self._wake(cls)
 
     # --- admission ---
 
@@ -141,6 +152,8 @@ class SharedSlots:
                                                             max_wait_ms=t.limiter.spec.max_wait_ms))
         if result is _CLOSED:
             return self._closed(d)
+        if result is _REMOVED:
+            return self.core.revoke(d, R_CLASS_REMOVED, say(R_CLASS_REMOVED, cls=claim.cls))
         return self.core.confirm(d, self.core.clock() - started)
 
     def abandon(self, d: Decision) -> None:
@@ -252,6 +265,7 @@ class SharedSlots:
                     q.popleft()
                     continue
                 ev.clear()
+                w.claim = self.claim(w.ticket)  # the cap now: a reload may have changed it while it waited
                 if await self._take(w.ticket, w.claim):
                     if q and q[0] is w:
                         q.popleft()

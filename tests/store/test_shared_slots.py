@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 from prometheus_client import CollectorRegistry
@@ -152,3 +153,31 @@ async def test_releases_the_store_missed_during_a_stall_are_sent_again_when_it_a
     assert await r.store.count("interactive") == 0
     assert (await admit(r)).kind == ACCEPT
     await r.close()
+
+
+async def test_a_reload_reaches_requests_waiting_for_a_global_slot(redis_server):
+    """Waiters kept the claim (and the cap) they were queued with: after a reload lowered the cap from 2 to 1 they
+    were still let in under 2, and waiters of a class the reload removed ran later under no class."""
+    a, b = replica(redis_server.url, cap=2), replica(redis_server.url, cap=2)
+    await a.start(), await b.start()
+    running = [await admit(a), await admit(a)]
+    waiting = [asyncio.create_task(admit(b)) for _ in range(2)]
+    await asyncio.sleep(0.2)
+    assert not any(w.done() for w in waiting)
+    lower = make_policy(classes={"interactive": {"max_concurrency": 1, "max_queue": 5, "max_wait_ms": 2000},
+                                 "batch": {"max_concurrency": 3}}, store=dataclasses.asdict(b.policy.store))
+    b.apply(lower)
+    finish(a, running[0])  # 1 of the old 2 is still running: under the new cap of 1, nobody may start
+    await asyncio.sleep(0.3)
+    assert not any(w.done() for w in waiting)
+    finish(a, running[1])
+    assert await until(lambda: sum(w.done() for w in waiting) == 1)
+    await asyncio.sleep(0.3)  # and not the second: the cap is 1 now
+    assert sum(w.done() for w in waiting) == 1 and await b.store.count("interactive") == 1
+    removed = make_policy(classes={"batch": {"max_concurrency": 3}}, default_class="batch", tenants=[],
+                          store=dataclasses.asdict(b.policy.store))
+    b.apply(removed)
+    (last,) = [w for w in waiting if not w.done()]
+    refused = await asyncio.wait_for(last, 5)
+    assert (refused.kind, refused.status, refused.reason) == (REJECT, 503, "class_removed")
+    await a.close(), await b.close()
