@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -153,12 +154,17 @@ def test_workers_do_not_outlive_a_killed_supervisor(workers):
     (PR_SET_PDEATHSIG) and drain, instead of serving on unwatched."""
     _, metrics_urls, sup, _ = workers
     pids = [worker(sup.pid, i)[0] for i in range(WORKERS)]
+    _, argv = worker(sup.pid, 0)
+    table = Path(argv[argv.index("--host-store") + 1]) if "--host-store" in argv else None
     sup.kill()
     sup.wait(10)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
         time.sleep(0.2)
     assert not any(Path(f"/proc/{p}").exists() for p in pids), pids
+    if table is not None:  # a killed supervisor cannot remove its table: the test does
+        assert table.name.startswith("extproc-workers-"), table  # the supervisor's own temporary directory
+        shutil.rmtree(table, ignore_errors=True)
 
 
 def test_a_sighup_at_start_up_kills_no_worker(tmp_path):
