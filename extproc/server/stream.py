@@ -319,7 +319,9 @@ class Stream:
                 self._learn_usage(usage_of(r.buffered))
             return CONTINUE["response_body"]
         chunk = whole_events(r, msg.body, msg.end_of_stream)
-        rewritten = len(chunk) != len(msg.body)  # events held back, or earlier ones released
+        # Events held back, or earlier ones released: compared by content, since a release and a hold of the same
+        # length leave the length as it was.
+        rewritten = chunk != msg.body
         if not r.first_token_seen and FIRST_TOKEN.search(chunk):
             # Time to first token, measured where the protocol lets us see it: the first body chunk carrying
             # generated text, on the sampled streams whose body the ext_proc reads anyway.

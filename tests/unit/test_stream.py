@@ -401,6 +401,18 @@ def test_events_are_passed_on_whole_and_nothing_is_lost_at_the_end(clock):
     assert sent == [b"", b'data: {"a":1}\n\n', b'data: {"b":2}\n\n']
 
 
+def test_a_held_back_event_as_long_as_the_one_released_does_not_repeat_or_lose_a_byte(clock):
+    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": [], "stream": True,
+                                                         "stream_options": {"include_usage": True}})
+    s.receive(response_headers(content_type=SSE))
+    parts = (b'data: {"a":1', b'0}\n\ndata: {"bb":', b'2}\n\n')  # the second holds back as much as it releases
+    out = b""
+    for i, part in enumerate(parts):
+        answer = s.receive(response_body(part, eos=i == len(parts) - 1)).response_body.response
+        out += answer.body_mutation.body if answer.HasField("body_mutation") else part
+    assert out == b'data: {"a":10}\n\ndata: {"bb":2}\n\n'
+
+
 @pytest.mark.parametrize("usage", [{"prompt_tokens": 5, "completion_tokens": 9_000_000_000_000_000_000},
                                    {"prompt_tokens": -1, "completion_tokens": 3},
                                    {"prompt_tokens": 5, "completion_tokens": 1000}])
