@@ -220,8 +220,9 @@ class Telemetry:
         """One JSON line: who, what and why. Never the API key, never the prompt."""
         if not decision_log.isEnabledFor(logging.INFO):
             return
-        line = {"event": "decision", "request_id": d.charge.request_id if d.charge else d.request_id, "tenant": d.tenant,
-                "class": d.cls, "decision": d.kind, "reason": d.reason, "status": d.status}
+        request_id = d.charge.request_id if d.charge else d.request_id
+        line = {"event": "decision", "request_id": request_id, "tenant": d.tenant, "class": d.cls, "decision": d.kind,
+                "reason": d.reason, "status": d.status}
         if d.retry_after:
             line["retry_after"] = d.retry_after
         if d.waited_s:
@@ -240,10 +241,9 @@ class Telemetry:
     def queued(self, waiter: Waiter) -> None:
         self.queue_entries[waiter.limiter.name].inc()
 
-    def finished(self, ticket: Ticket, outcome: Outcome, duration_s: float) -> None:
-        """`duration_s` runs from admission (service only); the histogram is what the client waited."""
+    def finished(self, ticket: Ticket, outcome: Outcome, latency_s: float) -> None:
         c = ticket.completion
-        self.duration[ticket.cls, outcome.value].observe(client_latency(ticket, duration_s))
+        self.duration[ticket.cls, outcome.value].observe(latency_s)
         if c is not None and c.first_byte_s is not None and outcome is Outcome.OK:
             self.ttfb[ticket.cls].observe(c.first_byte_s)
 
@@ -275,13 +275,6 @@ class Telemetry:
     def watch(self, core: AdmissionController, sustained: SustainedLoad | None = None) -> None:
         """Register gauges read from the core at scrape time (no per-request gauge updates)."""
         self.registry.register(_CoreGauges(core, sustained))
-
-
-def client_latency(ticket: Ticket, service_s: float) -> float:
-    """Arrival to end as the client saw it: Envoy's total time when its report has one (as the latency breaker
-    reads it, AdmissionController._account), else the time queued before admission plus `service_s`."""
-    c = ticket.completion
-    return c.total_s if c is not None and c.total_s else ticket.waited_s + service_s
 
 
 def cap_scope(core: AdmissionController) -> str:

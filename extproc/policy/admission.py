@@ -626,9 +626,10 @@ class AdmissionController:
         """One completion event, to the metrics and to every outcome listener."""
         c = ticket.completion
         outcome = c.outcome if c is not None else ticket.stream_outcome
-        self.events.finished(ticket, outcome, ticket.released_at - ticket.admitted_at)
+        # What the client waited: Envoy's total when its report has one, else queued + admission to end.
         latency = c.total_s if c is not None and c.total_s else \
             ticket.released_at - ticket.admitted_at + ticket.waited_s
+        self.events.finished(ticket, outcome, latency)
         event = Completed(ticket, outcome, c, latency, self.clock(), ticket.cls in self.policy.classes)
         for listener in self.listeners:
             listener.completed(event)
