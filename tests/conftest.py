@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from extproc.policy.decision import NoEvents
 from extproc.policy.schema import Policy, load_policy
 
 
@@ -88,3 +89,28 @@ class FakeClock:
 @pytest.fixture
 def clock():
     return FakeClock()
+
+
+class RecordedEvents(NoEvents):
+    """The core's events as a test reads them: every decision counted, the class of every queue entry, the shadow
+    calls; the rest ignored."""
+
+    def __init__(self) -> None:
+        self.decisions: list = []
+        self.entries: list[str] = []
+        self.shadow_calls: list[tuple[str, str, str]] = []
+
+    def decided(self, d) -> None:
+        self.decisions.append(d)
+
+    def queued(self, waiter) -> None:
+        self.entries.append(waiter.limiter.name)
+
+    def shadow(self, cls: str, would: str, reason: str) -> None:
+        self.shadow_calls.append((cls, would, reason))
+
+    @property
+    def outcomes(self) -> list[tuple[str, str]]:
+        """(kind, reason) of every decision counted."""
+        return [(d.kind, d.reason) for d in self.decisions]
+

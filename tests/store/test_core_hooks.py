@@ -4,26 +4,15 @@ from __future__ import annotations
 
 from extproc.policy.admission import ACCEPT, DEGRADE, QUEUE, REJECT, AdmissionController, RequestFacts
 from extproc.policy.slot_store import local_share
-from tests.conftest import FakeClock, make_policy
-
-
-class Recorder:
-    def __init__(self):
-        self.decisions = []
-
-    def decided(self, d):
-        self.decisions.append((d.kind, d.reason))
-
-    def __getattr__(self, name):
-        return lambda *a, **k: None
+from tests.conftest import FakeClock, RecordedEvents, make_policy
 
 
 def facts(cls: str = "interactive") -> RequestFacts:
     return RequestFacts(header_class=cls, model="llama", max_tokens=10)
 
 
-def gated_core(**overrides) -> tuple[AdmissionController, Recorder, FakeClock]:
-    clock, events = FakeClock(), Recorder()
+def gated_core(**overrides) -> tuple[AdmissionController, RecordedEvents, FakeClock]:
+    clock, events = FakeClock(), RecordedEvents()
     core = AdmissionController(make_policy(**overrides), clock=clock, events=events)
     core.shared_slots = True
     return core, events, clock
@@ -33,9 +22,9 @@ def test_a_gated_admission_is_counted_when_confirmed_not_when_decided():
     core, events, _ = gated_core()
     d = core.decide(facts())
     assert d.kind == ACCEPT and core.gated(d)
-    assert events.decisions == []
+    assert events.outcomes == []
     core.confirm(d)
-    assert events.decisions == [(ACCEPT, "slot_free")]
+    assert events.outcomes == [(ACCEPT, "slot_free")]
 
 
 def test_revoke_gives_the_local_slot_back_and_counts_only_the_refusal():
@@ -46,7 +35,7 @@ def test_revoke_gives_the_local_slot_back_and_counts_only_the_refusal():
     assert (r.kind, r.status, r.reason) == (REJECT, 429, "queue_timeout")
     assert abs(r.waited_s - 0.2) < 1e-9 and r.retry_after >= 1
     assert core.limiters["interactive"].inflight == 0 and not core.tickets
-    assert events.decisions == [(REJECT, "queue_timeout")]
+    assert events.outcomes == [(REJECT, "queue_timeout")]
     assert core.revoke(d, "queue_timeout", "again").kind == REJECT  # the slot is not given back twice
     assert core.limiters["interactive"].inflight == 0
 
@@ -68,7 +57,7 @@ def test_a_timed_out_global_wait_takes_the_class_fallback_when_configured():
     d = core.decide(facts())
     r = core.revoke(d, "queue_timeout", "no global slot")
     assert r.kind == DEGRADE and r.ticket is not None and r.cluster == "pool_b" and not core.gated(r)
-    assert events.decisions == [(DEGRADE, "queue_timeout")]
+    assert events.outcomes == [(DEGRADE, "queue_timeout")]
 
 
 def test_shadow_and_degraded_admissions_are_not_gated():

@@ -12,31 +12,16 @@ from extproc.policy.limits import Outcome
 from extproc.server.final_admission import FinalAdmission
 from extproc.store.shared_slots import SharedSlots
 from extproc.telemetry import Telemetry
-from tests.conftest import FakeClock, make_policy, until
+from tests.conftest import FakeClock, RecordedEvents, make_policy, until
 from tests.store.test_share_fallback import FakeStore
-
-
-class Recorder:
-    def __init__(self):
-        self.decisions = []
-        self.entries = []
-
-    def decided(self, d):
-        self.decisions.append((d.kind, d.reason))
-
-    def queued(self, w):
-        self.entries.append(w.limiter.name)
-
-    def __getattr__(self, name):
-        return lambda *a, **k: None
 
 
 def facts() -> RequestFacts:
     return RequestFacts(header_class="interactive", model="llama", max_tokens=10)
 
 
-def gated_core(**overrides) -> tuple[AdmissionController, Recorder, FakeClock]:
-    clock, events = FakeClock(), Recorder()
+def gated_core(**overrides) -> tuple[AdmissionController, RecordedEvents, FakeClock]:
+    clock, events = FakeClock(), RecordedEvents()
     core = AdmissionController(make_policy(**overrides), clock=clock, events=events)
     core.shared_slots = True
     return core, events, clock
@@ -52,12 +37,12 @@ def test_an_admission_waiting_for_the_store_is_queued_not_in_flight():
     d = core.decide(facts())
     core.await_store(d)
     assert counts(core) == (0, 1) and core.snapshot()["interactive"]["inflight_cost"] == 0
-    assert events.entries == ["interactive"] and events.decisions == []
+    assert events.entries == ["interactive"] and events.outcomes == []
     core.await_store(d)  # once per admission
     assert counts(core) == (0, 1) and events.entries == ["interactive"]
     clock.advance(0.3)
     core.confirm(d, 0.3)
-    assert counts(core) == (1, 0) and events.decisions == [(ACCEPT, "dequeued")]
+    assert counts(core) == (1, 0) and events.outcomes == [(ACCEPT, "dequeued")]
     assert events.entries == ["interactive"]  # counted as queued once, when it began to wait
     core.finish(d.ticket, Outcome.OK)
     assert counts(core) == (0, 0) and core.limiters["interactive"].inflight == 0

@@ -2,7 +2,7 @@
 
 from extproc.policy.admission import ACCEPT, DEGRADE, QUEUE, REJECT, SHED, AdmissionController, RequestFacts
 from extproc.policy.limits import Completion, Outcome
-from tests.conftest import make_policy
+from tests.conftest import RecordedEvents, make_policy
 
 
 def req(cls="interactive", model="llama"):
@@ -125,27 +125,6 @@ def test_queue_timeout_can_take_the_fallback(clock):
     assert (d.kind, d.reason) == (DEGRADE, "queue_timeout") and d.waited_s > 0.2
 
 
-class Recorder:
-    def __init__(self):
-        self.shadow_calls = []
-        self.decisions = []
-
-    def decided(self, d):
-        self.decisions.append((d.kind, d.reason))
-
-    def queued(self, w):
-        pass
-
-    def finished(self, t, o, s):
-        pass
-
-    def shadow(self, cls, would, reason):
-        self.shadow_calls.append((cls, would, reason))
-
-    def breaker_changed(self, *a):
-        pass
-
-
 def sequence(core, clock):
     """A fixed request sequence: 6 arrivals while 2 slots, 1 queue place; then everything ends."""
     ds = [core.decide(req()) for _ in range(4)]
@@ -159,7 +138,7 @@ def sequence(core, clock):
 
 
 def test_shadow_mode_admits_everything_and_counts_exactly_what_enforce_refuses(clock):
-    enforce_events, shadow_events = Recorder(), Recorder()
+    enforce_events, shadow_events = RecordedEvents(), RecordedEvents()
     enforce = AdmissionController(policy(), clock=clock, events=enforce_events)
     ds = sequence(enforce, clock)
     refused = sorted((d.kind, d.reason) for d in ds if d.kind not in (ACCEPT, QUEUE))

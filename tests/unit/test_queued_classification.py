@@ -9,20 +9,7 @@ from extproc.policy.admission import ACCEPT, QUEUE, REJECT, AdmissionController,
 from extproc.policy.limits import Outcome
 from extproc.telemetry import Telemetry
 
-from tests.conftest import FakeClock, make_policy
-
-
-class Recorder:
-    """The decisions counted, with their classification."""
-
-    def __init__(self):
-        self.decisions = []
-
-    def decided(self, d):
-        self.decisions.append(d)
-
-    def __getattr__(self, name):
-        return lambda *a, **k: None
+from tests.conftest import FakeClock, RecordedEvents, make_policy
 
 
 def demoted(key: str = "sk-acme") -> RequestFacts:
@@ -31,13 +18,13 @@ def demoted(key: str = "sk-acme") -> RequestFacts:
 
 
 def core(events=None, clock=None, shared: bool = False) -> AdmissionController:
-    c = AdmissionController(make_policy(), clock=clock or FakeClock(), events=events or Recorder())
+    c = AdmissionController(make_policy(), clock=clock or FakeClock(), events=events or RecordedEvents())
     c.shared_slots = shared
     return c
 
 
 def test_a_granted_waiter_carries_its_classification_and_is_counted_once():
-    events = Recorder()
+    events = RecordedEvents()
     c = core(events)
     first = [c.decide(demoted()) for _ in range(3)]
     queued = [c.decide(demoted()) for _ in range(3)]
@@ -51,7 +38,7 @@ def test_a_granted_waiter_carries_its_classification_and_is_counted_once():
 
 
 def test_a_waiter_refused_at_its_deadline_carries_its_classification():
-    clock, events = FakeClock(), Recorder()
+    clock, events = FakeClock(), RecordedEvents()
     c = core(events, clock)
     for _ in range(3):
         c.decide(demoted())
@@ -90,7 +77,7 @@ def test_eight_demoted_claims_half_of_them_queued_are_eight_demotions():
 
 
 def test_a_queued_admission_gated_on_the_store_is_counted_once_with_its_classification():
-    events = Recorder()
+    events = RecordedEvents()
     c = core(events, shared=True)
     first = [c.decide(demoted()) for _ in range(3)]
     for d in first:
@@ -104,7 +91,7 @@ def test_a_queued_admission_gated_on_the_store_is_counted_once_with_its_classifi
 
 
 def test_a_revoked_gated_admission_keeps_its_classification():
-    events = Recorder()
+    events = RecordedEvents()
     c = core(events, shared=True)
     d = c.decide(demoted())
     r = c.revoke(d, "queue_timeout", "no global slot")
