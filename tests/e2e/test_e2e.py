@@ -154,7 +154,7 @@ async def test_admission_cap_forces_429(make_stack, target):
     """Cap 2, no queue: of 6 concurrent long streams exactly 2 run (also at vLLM), 4 get 429 + Retry-After."""
     s = make_stack(policy(target, classes={"interactive": {"max_concurrency": 2, "max_queue": 0,
                                                            "max_wait_ms": 0}}))
-    body = json.dumps(chat(target, max_tokens=600, stream=True, ignore_eos=True)).encode()
+    body = json.dumps(chat(target, max_tokens=1500, stream=True, ignore_eos=True)).encode()
     async with aiohttp.ClientSession() as http:
         opened: list[aiohttp.ClientResponse] = []
 
@@ -283,13 +283,17 @@ async def test_overflow_degrades_to_the_second_model_name(make_stack, target):
     async with aiohttp.ClientSession() as http:
         small_before = await _envoy_counter(http, s.admin_url, "cluster.vllm_llama8b.upstream_rq_total")
         big_before = await _envoy_counter(http, s.admin_url, "cluster.vllm_llama70b.upstream_rq_total")
-        body = json.dumps(chat(target, max_tokens=400, stream=True, ignore_eos=True)).encode()
+        # 1500 tokens: ~3 s on the CPU vLLM here. 400 (~0.8 s) once ended before the second request was decided on
+        # a loaded CI machine, so the second found the slot free and was accepted.
+        body = json.dumps(chat(target, max_tokens=1500, stream=True, ignore_eos=True)).encode()
         async with http.post(s.url + "/v1/chat/completions", data=body, headers=JSON) as first:
             assert first.status == 200 and first.headers["x-extproc-decision"] == "accept"
             assert "x-extproc-degraded" not in first.headers
             head = await first.content.readuntil(b"\n\n")  # holding the class's one slot
             status, headers, raw = await post(http, s.url, "/v1/chat/completions", chat(target, max_tokens=8))
+            held = (await healthz(http, s.metrics_url))["classes"]["interactive"]["inflight"]
             first_raw = head + await first.content.read()
+        assert held == 1 or headers["x-extproc-decision"] == "degrade", "the held stream ended before the second request"
         assert status == 200, raw[:300]
         assert headers["x-extproc-decision"] == "degrade"
         # What the ext_proc changed in the body, and why.
