@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -20,8 +21,35 @@ import yaml
 from . import envoyconf
 
 
+LOWEST_PORT = 10000
+_given: set[int] = set()  # ports this process handed out: not handed out twice before their server binds them
+
+
+def _ephemeral_low() -> int:
+    """The bottom of the kernel's ephemeral range (where outgoing connections get their local ports)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A port nothing listens on now, for a server started next. Picked below the ephemeral range: a port the
+    kernel hands out for a bind to 0 comes from that range, and any outgoing connection (a test's client, Envoy's
+    upstream pool) may be given it before the server binds it (a CI run failed on exactly that)."""
+    low = _ephemeral_low()
+    for _ in range(200 if low - LOWEST_PORT > 1000 else 0):
+        port = random.randrange(LOWEST_PORT, low)
+        if port in _given:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _given.add(port)
+        return port
+    with socket.socket() as s:  # no room below the ephemeral range on this machine
         s.bind((host, 0))
         return s.getsockname()[1]
 
@@ -103,6 +131,9 @@ class Stack:
     def __post_init__(self) -> None:
         self.workdir = Path(self.workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self.pick_ports()
+
+    def pick_ports(self) -> None:
         self.listen_port = free_port()
         self.admin_port = free_port()
         self.grpc_ports = [free_port() for _ in range(self.extprocs)]
@@ -167,15 +198,24 @@ class Stack:
             raise RuntimeError(f"envoy did not start:\n{proc.tail()}") from None
         return proc
 
-    def start(self) -> "Stack":
-        try:
-            if self.mode == "extproc":
-                for i in range(self.extprocs):
-                    self.start_extproc(i)
-            self.start_envoy()
-        except BaseException:
-            self.stop()
-            raise
+    def start(self, attempts: int = 3) -> "Stack":
+        """Start the ext_proc(s), then Envoy. A port taken between picking it and binding it (another process on
+        the machine) is not this stack's failure: pick new ports and start again."""
+        for attempt in range(attempts):
+            try:
+                if self.mode == "extproc":
+                    for i in range(self.extprocs):
+                        self.start_extproc(i)
+                self.start_envoy()
+                return self
+            except RuntimeError as e:
+                self.stop()
+                if "in use" not in str(e) or attempt == attempts - 1:
+                    raise
+                self.pick_ports()
+            except BaseException:
+                self.stop()
+                raise
         return self
 
     def stop(self) -> None:
