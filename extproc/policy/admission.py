@@ -32,6 +32,8 @@ from .state import PolicyState
 
 # How long a released ticket waits for the data plane's completion report before it is accounted without one.
 REPORT_WAIT_S = 5.0
+# A pool's saturation reading not refreshed for this many `stale_ms` is ignored (AdmissionController._reading).
+STALE_READINGS = 3
 
 
 class AdmissionController:
@@ -659,7 +661,7 @@ class AdmissionController:
         self._yield_asked.clear()
         raised = False
         for gate in self.gates.values():
-            raised = gate.update(now, self.saturation.get(gate.name)) or raised
+            raised = gate.update(now, self._reading(gate.name, now)) or raised
         if raised:
             self._grant(self.state.ranked[0], now)
 
@@ -688,11 +690,22 @@ class AdmissionController:
                 out.add(pool)
         return out
 
+    def _reading(self, pool: str, now: float) -> PoolSaturation | None:
+        """The pool's last saturation reading; None (unknown: the limits go by latency alone) when the scraper has
+        not refreshed it for STALE_READINGS times the pool's `stale_ms`. A replica that does not answer counts as
+        saturated (the scraper's rule); a reading nobody refreshes means the scraper itself is stuck or gone,
+        which says nothing about the replicas, and must not hold a limit on what they said minutes ago."""
+        sat = self.saturation.get(pool)
+        spec = self.policy.pools.get(pool)
+        if sat is not None and spec is not None and now - sat.updated_at > STALE_READINGS * spec.stale_ms / 1000.0:
+            return None
+        return sat
+
     def _class_saturation(self, lim: ClassLimiter) -> PoolSaturation | None:
         """The worst of the pools the class sends to: saturated if any of them is."""
-        worst = None
+        worst, now = None, self.clock()
         for pool in lim.pools:
-            sat = self.saturation.get(pool)
+            sat = self._reading(pool, now)
             if sat is not None and (worst is None or sat.saturated):
                 worst = sat
         return worst

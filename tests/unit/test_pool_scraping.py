@@ -52,3 +52,27 @@ def test_listed_replicas_that_were_never_read_still_count_as_saturated():
     core = AdmissionController(unscraped_pool_policy(), clock=FakeClock())
     scraper = PoolScraper(core, "pool_a", PoolSpec(replicas=["10.0.0.1:8000"]), session=None, clock=lambda: 100.0)
     assert scraper.aggregate(100.0).saturated
+
+
+def test_a_reading_nobody_refreshes_stops_counting():
+    """The scraper's loop stuck or gone: its last reading (saturated) holds the limits down only while it is
+    recent; after STALE_READINGS x stale_ms the limits go by latency alone, as for a pool not scraped."""
+    clock = FakeClock()
+    core = AdmissionController(unscraped_pool_policy(), clock=clock)
+    core.gates["pool_a"].take(0, 40.0)  # 40 requests in flight
+    reading = PoolSaturation()
+    reading.saturated, reading.updated_at = True, clock()
+    core.set_saturation("pool_a", reading)
+    for _ in range(2):  # two saturated moves in a row: cut below what is in flight
+        clock.advance(1.0)
+        core.tick()
+    cut = core.gates["pool_a"].limit
+    assert cut < 40
+    clock.advance(3 * 1.5)  # past 3 x the default stale_ms (1500) since the reading
+    for _ in range(10):
+        clock.advance(1.0)
+        core.tick()
+    assert core.gates["pool_a"].limit == cut  # held (no latency samples either), not cut further
+    assert core._reading("pool_a", clock()) is None
+    reading.updated_at = clock()  # the scraper is back
+    assert core._reading("pool_a", clock()) is reading
