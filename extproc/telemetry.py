@@ -387,7 +387,11 @@ class _CoreGauges:
                                "replicas (0-1).", labels=["pool"])
         waiting = GaugeMetricFamily("extproc_pool_waiting", "Highest vllm:num_requests_waiting among the pool's "
                                     "replicas.", labels=["pool"])
-        for pool, s in list(self._core.saturation.items()):
+        now = self._core.clock()
+        for pool in list(self._core.saturation):
+            s = self._core.pool_reading(pool, now)  # one nobody refreshes is not shown (nor used)
+            if s is None:
+                continue
             sat.add_metric([pool], float(s.saturated))
             kv.add_metric([pool], s.kv_usage)
             waiting.add_metric([pool], s.waiting)

@@ -32,7 +32,7 @@ from .state import PolicyState
 
 # How long a released ticket waits for the data plane's completion report before it is accounted without one.
 REPORT_WAIT_S = 5.0
-# A pool's saturation reading not refreshed for this many `stale_ms` is ignored (AdmissionController._reading).
+# A pool's saturation reading not refreshed for this many `stale_ms` is ignored (AdmissionController.pool_reading).
 STALE_READINGS = 3
 
 
@@ -661,7 +661,7 @@ class AdmissionController:
         self._yield_asked.clear()
         raised = False
         for gate in self.gates.values():
-            raised = gate.update(now, self._reading(gate.name, now)) or raised
+            raised = gate.update(now, self.pool_reading(gate.name, now)) or raised
         if raised:
             self._grant(self.state.ranked[0], now)
 
@@ -690,7 +690,7 @@ class AdmissionController:
                 out.add(pool)
         return out
 
-    def _reading(self, pool: str, now: float) -> PoolSaturation | None:
+    def pool_reading(self, pool: str, now: float) -> PoolSaturation | None:
         """The pool's last saturation reading; None (unknown: the limits go by latency alone) when the scraper has
         not refreshed it for STALE_READINGS times the pool's `stale_ms`. A replica that does not answer counts as
         saturated (the scraper's rule); a reading nobody refreshes means the scraper itself is stuck or gone,
@@ -705,7 +705,7 @@ class AdmissionController:
         """The worst of the pools the class sends to: saturated if any of them is."""
         worst, now = None, self.clock()
         for pool in lim.pools:
-            sat = self._reading(pool, now)
+            sat = self.pool_reading(pool, now)
             if sat is not None and (worst is None or sat.saturated):
                 worst = sat
         return worst

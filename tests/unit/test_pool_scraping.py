@@ -73,6 +73,6 @@ def test_a_reading_nobody_refreshes_stops_counting():
         clock.advance(1.0)
         core.tick()
     assert core.gates["pool_a"].limit == cut  # held (no latency samples either), not cut further
-    assert core._reading("pool_a", clock()) is None
+    assert core.pool_reading("pool_a", clock()) is None
     reading.updated_at = clock()  # the scraper is back
-    assert core._reading("pool_a", clock()) is reading
+    assert core.pool_reading("pool_a", clock()) is reading
