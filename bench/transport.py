@@ -8,8 +8,11 @@ once), and one grpc.aio server on uvloop answering every call at once with one h
 - `ext_proc headers`: request headers only, the stream held likewise;
 - `ext_authz`: a unary Check with the buffered body (what ext_authz can do: route and refuse; not rewrite a body
   nor learn a response);
-- `ext_authz headers`: a unary Check without the body.
-The server's CPU per request is what grpc.aio costs for that transport, before any policy.
+- `ext_authz headers`: a unary Check without the body;
+- `ext_proc sync`: the production lifecycle again, answered by grpcio's threaded (non-asyncio) server in its own
+  process: the same protocol without asyncio's event loop and its cross-thread wake-ups.
+The server's CPU per request is what grpc.aio (or the threaded server) costs for that transport, before any
+policy.
 """
 
 from __future__ import annotations
@@ -32,7 +35,39 @@ from overhead import WRK_LUA, _median, upstream_config, wrk  # noqa: E402
 from extproc.tools.envoyconf import envoy_binary  # noqa: E402
 from extproc.tools.stack import free_port, wait_http  # noqa: E402
 
-SETUPS = ["alone", "ext_proc", "ext_proc headers", "ext_authz", "ext_authz headers"]
+SETUPS = ["alone", "ext_proc", "ext_proc headers", "ext_authz", "ext_authz headers", "ext_proc sync"]
+SYNC_THREADS = 256  # the threaded server holds a thread per open stream: more than the most connections run
+
+
+def serve_sync(port: int) -> None:
+    """The do-nothing ext_proc on grpcio's threaded server (`python bench/transport.py --serve-sync PORT`)."""
+    from concurrent import futures
+
+    import grpc
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep, external_processor_pb2_grpc as ep_grpc
+
+    mark = base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="x-admitted", raw_value=b"1"))
+
+    class Processor(ep_grpc.ExternalProcessorServicer):
+        def Process(self, request_iterator, context):
+            for message in request_iterator:
+                answer = ep.ProcessingResponse()
+                phase = message.WhichOneof("request")
+                if phase == "request_headers":
+                    answer.request_headers.response.header_mutation.set_headers.append(mark)
+                elif phase == "request_body":
+                    answer.request_body.response.SetInParent()
+                else:
+                    continue
+                yield answer
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=SYNC_THREADS),
+                         maximum_concurrent_rpcs=SYNC_THREADS)
+    ep_grpc.add_ExternalProcessorServicer_to_server(Processor(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    server.wait_for_termination()
 
 
 def serve(port: int) -> None:
@@ -108,7 +143,7 @@ def cluster(name: str, port: int, http2: bool = False) -> dict:
     return c
 
 
-def front(setup: str, port: int, admin: int, upstream: int, side: int) -> dict:
+def front(setup: str, port: int, admin: int, upstream: int, side: int, side_sync: int) -> dict:
     hcm = {"@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
                     "HttpConnectionManager",
            "stat_prefix": "front",
@@ -123,7 +158,8 @@ def front(setup: str, port: int, admin: int, upstream: int, side: int) -> dict:
                                "filter_chains": [{"filters": [{
                                    "name": "envoy.filters.network.http_connection_manager",
                                    "typed_config": hcm}]}]}],
-                "clusters": [cluster("upstream", upstream), cluster("side", side, http2=True)]}}
+                "clusters": [cluster("upstream", upstream),
+                             cluster("side", side_sync if setup.endswith("sync") else side, http2=True)]}}
 
 
 def envoy(config: Path, admin: int) -> subprocess.Popen:
@@ -137,24 +173,29 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--connections", type=int, nargs="+", default=[64, 1])
     ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--serve-sync", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
         serve(args.serve)
         return 0
+    if args.serve_sync:
+        serve_sync(args.serve_sync)
+        return 0
     work = Path(tempfile.mkdtemp(prefix="extproc-transport-"))
     script = work / "post.lua"
     script.write_text(WRK_LUA)
-    up, up_admin, side = free_port(), free_port(), free_port()
+    up, up_admin, side, side_sync = free_port(), free_port(), free_port(), free_port()
     (work / "upstream.yaml").write_text(yaml.safe_dump(upstream_config(up, up_admin)))
     procs = [envoy(work / "upstream.yaml", up_admin)]
     server = subprocess.Popen([sys.executable, __file__, "--serve", str(side)], start_new_session=True)
-    procs.append(server)
+    threaded = subprocess.Popen([sys.executable, __file__, "--serve-sync", str(side_sync)], start_new_session=True)
+    procs += [server, threaded]
     urls = {}
     try:
         for setup in SETUPS:
             port, admin = free_port(), free_port()
             path = work / f"{setup.replace(' ', '_')}.yaml"
-            path.write_text(yaml.safe_dump(front(setup, port, admin, up, side)))
+            path.write_text(yaml.safe_dump(front(setup, port, admin, up, side, side_sync)))
             procs.append(envoy(path, admin))
             wait_http(f"http://127.0.0.1:{admin}/ready")
             urls[setup] = f"http://127.0.0.1:{port}"
@@ -165,7 +206,8 @@ def main() -> int:
             for c in args.connections:
                 for setup in SETUPS:
                     wrk(urls[setup], 4, 1, script)
-                    r = wrk(urls[setup], c, args.duration, script, None if setup == "alone" else server.pid)
+                    pid = None if setup == "alone" else (threaded if setup.endswith("sync") else server).pid
+                    r = wrk(urls[setup], c, args.duration, script, pid)
                     results.setdefault((setup, c), []).append(r)
                     print(f"  {setup:18s} c={c:<3d} {r['rps']:8.0f} req/s  p50 {r['p50']:.3f} ms  "
                           f"CPU {r['cpu_us']:.0f} us/req  non2xx {r['non2xx']}", flush=True)
@@ -178,7 +220,7 @@ def main() -> int:
 
 
 def render(results: dict, args) -> str:
-    lines = [f"A do-nothing grpc.aio server behind Envoy; wrk -t1, {args.duration}s per run, median of {args.rounds} "
+    lines = [f"A do-nothing grpc.aio server (ext_proc sync: grpcio's threaded server) behind Envoy; wrk -t1, {args.duration}s per run, median of {args.rounds} "
              "rounds.", "",
              "| connections | call-out | req/s | p50 ms | added p50 ms | server CPU per request |",
              "|---:|---|---:|---:|---:|---:|"]
