@@ -257,13 +257,29 @@ def run(args: argparse.Namespace) -> int:
         print(f"envoy.yaml has no cluster {', '.join(unknown)} (its pools: {', '.join(sorted(clusters))})",
               file=sys.stderr)
         return 2
-    # Blocked before anything starts, so that SIGTERM/SIGINT wait for sigwait() below instead of killing this
-    # process and leaving Envoy and the ext_proc running on their own.
-    stop_signals = {signal.SIGINT, signal.SIGTERM}
-    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
-    stack = Stack(Path(args.workdir), pools, policy_path=Path(args.policy), mode=args.mode)
-    with stack:
-        print(json.dumps({"url": stack.url, "metrics": stack.metrics_url, "admin": stack.admin_url,
-                          "logs": str(stack.workdir)}), flush=True)
-        signal.sigwait(stop_signals)
-    return 0
+    # SIGTERM/SIGINT unwind through `with stack` (which stops Envoy and the ext_proc), also while they start, so
+    # that neither is left running on its own. Handlers, not a blocked mask: children inherit a blocked mask
+    # across exec, and Envoy and the ext_proc would then ignore the SIGTERM that stops them.
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _stop_requested)
+    try:
+        with Stack(Path(args.workdir), pools, policy_path=Path(args.policy), mode=args.mode) as stack:
+            print(json.dumps({"url": stack.url, "metrics": stack.metrics_url, "admin": stack.admin_url,
+                              "logs": str(stack.workdir)}), flush=True)
+            while True:
+                signal.pause()
+    except StopRequested:
+        return 0
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopRequested(Exception):
+    """SIGTERM or SIGINT reached `extproc stack`."""
+
+
+def _stop_requested(signum, frame) -> None:
+    for sig in STOP_SIGNALS:  # a second signal must not cut short the stop the first one started
+        signal.signal(sig, signal.SIG_IGN)
+    raise StopRequested()
