@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import json
 import re
+import signal
 import sys
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -108,6 +109,7 @@ class Calibration:
     identity: TargetIdentity | None = None
     is_moe: bool = False
     moe_note: str = "dense model"
+    interrupted: bool = False  # Ctrl-C (SIGINT) stopped the sweep
     started_at: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
 
     def margin_applied(self) -> float:
@@ -125,7 +127,8 @@ class Calibration:
         self.moe_note = f"MoE margin: guessed from {hint!r}, --no-moe to override" if hint else "dense model"
 
     async def execute(self, progress: bool = True) -> None:
-        """Probe the target, then measure steps until the sweep ends."""
+        """Probe the target, then measure steps until the sweep ends or SIGINT (Ctrl-C) stops it."""
+        self._stop_on_sigint()
         self.identity = await probe(self.target, self.model)
         self.decide_moe()
         if self.time_scale is None:
@@ -136,12 +139,27 @@ class Calibration:
             print(f"warning: streaming at time scale {self.time_scale:g}: one SSE event per token costs this "
                   f"client (and a local simulator) CPU, which shows up as latency; prefer --no-stream or a "
                   f"lower --speed", file=sys.stderr)
-        while (concurrency := self.sweep.next_concurrency()) is not None:
+        while not self.interrupted and (concurrency := self.sweep.next_concurrency()) is not None:
             n = len(self.sweep.steps) + 1
             bar = StepProgress(f"step {n} ({self.sweep.phase}) c={concurrency}") if progress else None
             step = await measure_step([self.identity.url], self.identity.model, self.workload, concurrency,
-                                      self.plan, self.sweep.config, self.sweep.phase, bar)
-            self.sweep.record(step)
+                                      self.plan, self.sweep.config, self.sweep.phase, bar,
+                                      stop=lambda: self.interrupted)
+            if not self.interrupted:  # a step cut short is not a measurement
+                self.sweep.record(step)
+
+    def _stop_on_sigint(self) -> None:
+        """Ctrl-C sets `interrupted` (the sweep stops at once and keeps what it measured) as well as cancelling
+        the run: the flag holds even where a cancellation is absorbed on its way up (one was, under load)."""
+        task = asyncio.current_task()
+
+        def interrupt() -> None:
+            self.interrupted = True
+            task.cancel()
+        try:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGINT, interrupt)
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass  # not the main thread (a test's loop): Ctrl-C stays Python's KeyboardInterrupt
 
 
 def _default_out(identity: TargetIdentity | None) -> Path:
@@ -195,7 +213,9 @@ def run(args: argparse.Namespace) -> int:
     except TargetError as e:
         print(f"extproc calibrate: {e}", file=sys.stderr)
         return EXIT_NO_CAP
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        calibration.interrupted = True
+    if calibration.interrupted:
         calibration.sweep.interrupt()
         print("\ninterrupted: partial results follow", file=sys.stderr)
     return report(calibration, args)

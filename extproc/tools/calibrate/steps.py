@@ -6,7 +6,7 @@ import asyncio
 import sys
 import time
 from dataclasses import dataclass
-from typing import TextIO
+from typing import Callable, TextIO
 
 from .sweep import StepResult, SweepConfig
 from extproc.tools.loadgen import LoadClient, Workload, run_closed_loop, summarize
@@ -70,8 +70,10 @@ def _early_stop(records: list, warmup_s: float, config: SweepConfig) -> str | No
 
 
 async def measure_step(urls: list[str], model: str, workload: Workload, concurrency: int, plan: StepPlan,
-                       config: SweepConfig, phase: str, progress: StepProgress | None = None) -> StepResult:
-    """One closed-loop step at `concurrency`; latencies in the target's seconds."""
+                       config: SweepConfig, phase: str, progress: StepProgress | None = None,
+                       stop: Callable[[], bool] = lambda: False) -> StepResult:
+    """One closed-loop step at `concurrency`; latencies in the target's seconds. `stop()` true ends it early (the
+    caller drops such a step)."""
     scale = plan.time_scale
     real_total = None if plan.duration_s is None else (plan.warmup_s + plan.duration_s) / scale
     async with LoadClient(urls, timeout_s=plan.request_timeout_s / scale, time_scale=scale, pool=concurrency,
@@ -82,7 +84,7 @@ async def measure_step(urls: list[str], model: str, workload: Workload, concurre
         started = time.monotonic()
         stopped = None
         try:
-            while not run.done():
+            while not run.done() and not stop():
                 await asyncio.wait([run], timeout=POLL_S)
                 records = client.records
                 if progress is not None:
