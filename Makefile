@@ -49,6 +49,8 @@ bench: venv system-deps
 	$(BIN)/python bench/transport.py
 	$(BIN)/python bench/workers.py
 	$(BIN)/python bench/slot_drift.py
+	$(BIN)/python bench/ttft.py
+	$(BIN)/python bench/store.py
 
 # Regenerate the configuration reference from the policy schema (a test fails when it is stale).
 docs: venv

@@ -5,6 +5,7 @@ Run:  python bench/cost_estimate.py   (prints a markdown table; medians of repea
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -57,4 +58,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help; no options
     sys.exit(main())

@@ -8,6 +8,7 @@ Run:  python bench/decision.py   (prints a markdown table; medians of repeated t
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -71,4 +72,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help; no options
     sys.exit(main())

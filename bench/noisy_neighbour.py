@@ -11,7 +11,7 @@ how far A must be held back before B's and C's p99 return to their no-flood leve
 
 from __future__ import annotations
 
-import sys
+import argparse
 import tempfile
 
 import yaml
@@ -124,13 +124,12 @@ def tradeoff(rates=(None, 300, 200, 120)) -> None:
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    out = None
-    if "--plot" in args:
-        i = args.index("--plot")
-        out = args[i + 1]
-        del args[i:i + 2]
-    if "--tradeoff" in args:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("modes", nargs="?", default="cde", help="mode keys to run (c fifo, d round_robin, e fair)")
+    ap.add_argument("--plot", metavar="PNG", help="also draw each tenant's goodput over time into PNG")
+    ap.add_argument("--tradeoff", action="store_true", help="the fair policy with tenant A's rate capped instead")
+    args = ap.parse_args()
+    if args.tradeoff:
         tradeoff()
     else:
-        main(*args, plot_path=out)
+        main(args.modes, plot_path=args.plot)

@@ -4,7 +4,9 @@ so each was SIGKILLed after the 8 s stop timeout instead."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -30,6 +32,7 @@ def _blocked_mask(pid: int) -> int:
 
 def test_sigterm_stops_the_stack_and_its_children_gracefully(tmp_path, upstream):
     host, port = upstream
+    children: list[int] = []
     proc = subprocess.Popen([sys.executable, "-m", "extproc.cli", "stack", "--pool",
                              f"vllm_llama70b={host}:{port}", "--pool", f"vllm_llama8b={host}:{port}",
                              "--workdir", str(tmp_path / "w")], stdout=subprocess.PIPE, text=True,
@@ -37,7 +40,7 @@ def test_sigterm_stops_the_stack_and_its_children_gracefully(tmp_path, upstream)
     try:
         started = json.loads(proc.stdout.readline())
         assert started["url"].startswith("http://127.0.0.1:")
-        children = _children(proc.pid)
+        children += _children(proc.pid)
         assert len(children) == 2  # Envoy and the ext_proc
         for pid in children:
             assert _blocked_mask(pid) & BLOCKED == 0, f"{pid} starts with SIGTERM/SIGINT blocked"
@@ -51,3 +54,6 @@ def test_sigterm_stops_the_stack_and_its_children_gracefully(tmp_path, upstream)
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+        for pid in children:  # what a killed stack leaves (its children have their own sessions)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
