@@ -25,6 +25,7 @@ import yaml
 
 from extproc.tools.stack import Stack
 from tests.conftest import policy_doc
+from tests.integration import conftest as integration
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL, SMALL_MODEL = "tiny-llama", "tiny-llama-small"
@@ -101,14 +102,16 @@ def target(request, tmp_path_factory):
 
 @contextlib.contextmanager
 def own_target(kind: str, workdir: Path, sim_profile: str | Path = "cpu-tiny-llama", sim_args: tuple = (),
-               vllm_args: tuple = ()):
+               vllm_args: tuple = (), max_model_len: int | None = None):
     """A target started for the caller and stopped after: the simulator (`sim_profile`, `sim_args`), or a real
     vLLM of its own (scripts/vllm/serve.py, `vllm_args` added to its command line: e.g. `--scheduling-policy
-    priority`), for tests that need a server started with other flags than the session's."""
+    priority`), for tests that need a server started with other flags than the session's. `max_model_len`: the
+    real vLLM's (the simulator's comes from its profile)."""
     if kind == "vllm":
         from scripts.vllm.serve import VLLMServer
 
-        with VLLMServer(extra_args=vllm_args, log_path=workdir / "vllm.log") as server:
+        sized = {"max_model_len": max_model_len} if max_model_len else {}
+        with VLLMServer(extra_args=vllm_args, log_path=workdir / "vllm.log", **sized) as server:
             yield Target("vllm", server.url)
         return
     proc, url = _start_sim(workdir, sim_profile, *sim_args)
@@ -131,15 +134,18 @@ def policy(target: Target, classes: dict | None = None, **overrides) -> dict:
     return policy_doc(classes=classes, models=models, tenants=[], **overrides)
 
 
+upstream = integration.upstream  # the test upstream (tests/upstream.py), a fixture here too
+
+
 @pytest.fixture
 def make_stack(tmp_path, target):
     """Start Envoy + the ext_proc with a policy (a dict) in front of the target; stopped after the test."""
     stacks: list[Stack] = []
 
-    def start(document: dict | None = None) -> Stack:
+    def start(document: dict | None = None, pools: dict | None = None) -> Stack:
         path = tmp_path / f"policy{len(stacks)}.yaml"
         path.write_text(yaml.safe_dump(document or policy(target), sort_keys=False))
-        pools = {"vllm_llama70b": [target.endpoint], "vllm_llama8b": [target.endpoint]}
+        pools = pools or {"vllm_llama70b": [target.endpoint], "vllm_llama8b": [target.endpoint]}
         s = Stack(tmp_path / f"stack{len(stacks)}", pools, policy_path=path)
         stacks.append(s)
         return s.start()
