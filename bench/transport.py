@@ -39,28 +39,42 @@ SETUPS = ["alone", "ext_proc", "ext_proc headers", "ext_authz", "ext_authz heade
 SYNC_THREADS = 256  # the threaded server holds a thread per open stream: more than the most connections run
 
 
+def _answers():
+    """(the header both servers add, the do-nothing answer to one ext_proc message: None when the phase needs
+    none). Imported here, not at the top: only the server processes need the protos."""
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+    mark = base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="x-admitted", raw_value=b"1"))
+
+    def answer(message):
+        phase = message.WhichOneof("request")
+        out = ep.ProcessingResponse()
+        if phase == "request_headers":
+            out.request_headers.response.header_mutation.set_headers.append(mark)
+        elif phase == "request_body":
+            out.request_body.response.SetInParent()
+        else:
+            return None
+        return out
+
+    return mark, answer
+
+
 def serve_sync(port: int) -> None:
     """The do-nothing ext_proc on grpcio's threaded server (`python bench/transport.py --serve-sync PORT`)."""
     from concurrent import futures
 
     import grpc
-    from envoy.config.core.v3 import base_pb2
-    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep, external_processor_pb2_grpc as ep_grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
-    mark = base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="x-admitted", raw_value=b"1"))
+    _, answer = _answers()
 
     class Processor(ep_grpc.ExternalProcessorServicer):
         def Process(self, request_iterator, context):
             for message in request_iterator:
-                answer = ep.ProcessingResponse()
-                phase = message.WhichOneof("request")
-                if phase == "request_headers":
-                    answer.request_headers.response.header_mutation.set_headers.append(mark)
-                elif phase == "request_body":
-                    answer.request_body.response.SetInParent()
-                else:
-                    continue
-                yield answer
+                if (out := answer(message)) is not None:
+                    yield out
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=SYNC_THREADS),
                          maximum_concurrent_rpcs=SYNC_THREADS)
@@ -74,11 +88,10 @@ def serve(port: int) -> None:
     """The do-nothing server (run in its own process: `python bench/transport.py --serve PORT`)."""
     import grpc
     import uvloop
-    from envoy.config.core.v3 import base_pb2
     from envoy.service.auth.v3 import external_auth_pb2 as auth, external_auth_pb2_grpc as auth_grpc
-    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep, external_processor_pb2_grpc as ep_grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
-    mark = base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="x-admitted", raw_value=b"1"))
+    mark, answer = _answers()
 
     class Authorization(auth_grpc.AuthorizationServicer):
         async def Check(self, request, context):
@@ -89,15 +102,8 @@ def serve(port: int) -> None:
     class Processor(ep_grpc.ExternalProcessorServicer):
         async def Process(self, request_iterator, context):
             async for message in request_iterator:
-                answer = ep.ProcessingResponse()
-                phase = message.WhichOneof("request")
-                if phase == "request_headers":
-                    answer.request_headers.response.header_mutation.set_headers.append(mark)
-                elif phase == "request_body":
-                    answer.request_body.response.SetInParent()
-                else:
-                    continue
-                yield answer
+                if (out := answer(message)) is not None:
+                    yield out
 
     async def main() -> None:
         server = grpc.aio.server()
