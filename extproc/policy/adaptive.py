@@ -15,7 +15,11 @@ does not bind, and re-measures its baseline by pinning concurrency low. Here the
    them to come down (each at its next move, to under what it holds) instead of cutting itself;
  - raise additively only while p95 is well under the SLO, the replicas have headroom, and the limit actually binds
    (in-flight near it) - so an idle class does not drift to its maximum;
- - hold in between (the hysteresis band keeps a steady load from oscillating);
+ - hold in between (the hysteresis band keeps a steady load from oscillating), except to recover: while the cap
+   binds, the replicas are not saturated and the p95 is within LOAD_TOLERANCE of the class's calm p95 (taken
+   while the cap did not bind), load is not what makes it slow, so the cap rises a step per window. A mix whose
+   p95 sits inside the band at any load (256-token answers: 1.4 s of a 2 s SLO) otherwise kept a spike's cuts
+   for good and refused at 60% load afterwards (docs/adaptive.md);
  - probe upward when the window has too few completions to judge (a low cap completes few requests: at 2 slots
    and 1.5 s each, a 5 s window never reaches 10 samples, and a cap cut to its floor during a slowdown stayed
    there after capacity returned), if the cap binds, the replicas are not saturated, and none of the (at least
@@ -26,6 +30,11 @@ from __future__ import annotations
 
 from .breakers import LatencyWindow
 from .schema import AdaptiveSpec
+
+# The p95 counts as calm (not slowed by load) within this factor of the calm p95 (as the pool limit's baseline).
+LOAD_TOLERANCE = 1.15
+CALM_DRIFT = 0.01  # per move: the calm p95 follows a slower mix within a minute or two
+RECOVER_WINDOWS = 1.0  # inside the band, at most one raise per this share of the window: its effect must show
 
 
 class PoolSaturation:
@@ -54,6 +63,8 @@ class AdaptiveLimit:
         self._last = None
         self._cut_at = float("-inf")
         self._yield_due = False
+        self.calm_p95: float | None = None  # the p95 while the cap did not bind: what this mix costs unloaded
+        self._recovered_at = float("-inf")
         self.last_action = "hold"
 
     @property
@@ -82,6 +93,8 @@ class AdaptiveLimit:
         saturated = saturation is not None and saturation.saturated
         binding = inflight >= spec.binding * self.limit
         slow = enough and p95 > spec.cut_at * self.slo_s
+        if enough and not binding and not saturated:
+            self.calm_p95 = p95 if self.calm_p95 is None else min(p95, self.calm_p95 * (1 + CALM_DRIFT))
         if yielding:  # strict priority: down to under what it holds at once, not a step at a time
             self.limit = max(spec.min_limit, min(self.limit, inflight) * spec.decrease)
             self.last_action = "cut_yield"
@@ -104,9 +117,19 @@ class AdaptiveLimit:
         elif not enough and binding and not saturated and self._no_slow_sample(now):
             self.limit = min(spec.max_limit, self.limit + spec.increase)
             self.last_action = "probe"
+        elif enough and binding and not saturated and self._calm(p95) \
+                and now - self._recovered_at >= RECOVER_WINDOWS * spec.window_s:
+            self.limit = min(spec.max_limit, self.limit + spec.increase)
+            self._recovered_at = now
+            self.last_action = "recover"
         else:
             self.last_action = "hold"
         return int(self.limit)
+
+    def _calm(self, p95: float) -> bool:
+        """The p95 is what this mix costs without load (within LOAD_TOLERANCE): a lower cap would not make it
+        faster, only refuse."""
+        return self.calm_p95 is not None and p95 <= LOAD_TOLERANCE * self.calm_p95
 
     def _no_slow_sample(self, now: float) -> bool:
         """At least half the samples a raise needs, and the slowest under the raise threshold: no evidence of

@@ -99,8 +99,10 @@ class AdaptiveSpec:
     cut_at: float = doc("Cut when the window's p95 exceeds this fraction of the SLO (lower classes on the same "
                         "pools yield first while they hold more than their `min_limit`).", 0.9, minimum=0.1,
                         maximum=2)
-    raise_below: float = doc("Raise only while the p95 is under this fraction of the SLO.", 0.7, minimum=0.05,
-                             maximum=1)
+    raise_below: float = doc("Raise while the p95 is under this fraction of the SLO; between this and `cut_at` "
+                             "the cap holds, unless it binds and the p95 is no more than 15% over the class's "
+                             "calm p95 (taken while the cap did not bind): then it rises a step per `window_s` "
+                             "(a mix slow at any load gets back what a spike cut).", 0.7, minimum=0.05, maximum=1)
     binding: float = doc("...and in-flight is at least this fraction of the cap (an idle class does not drift "
                          "up).", 0.8, minimum=0, maximum=1)
     decrease: float = doc("Multiplicative cut.", 0.8, minimum=0.1, maximum=0.99)

@@ -312,3 +312,36 @@ def test_a_tripped_latency_breaker_lets_the_lower_class_yield_before_it_degrades
         core.finish(t, Outcome.OK)  # batch down to its floor
     serve_slow(core, clock, 6, 3.0)
     assert core.decide(RequestFacts(header_class="interactive", model="llama")).kind == DEGRADE
+
+
+def test_a_mix_slow_at_any_load_gets_back_the_cap_a_spike_cut():
+    """The spike scenario's interactive p95 is ~1.4 s of a 2 s SLO at any load: inside the band (raise under
+    0.6, cut over 0.8). After a spike's cuts, at calm load again, the cap bound, nothing was slow, and it held:
+    60% load was refused until the run ended. At the p95 it had while the cap did not bind, it recovers."""
+    spec = AdaptiveSpec(enabled=True, min_limit=4, max_limit=48, interval_s=1.0, window_s=5, min_samples=10,
+                        cut_at=0.8, raise_below=0.6)
+    ctl = AdaptiveLimit(spec, slo_s=2.0, initial=16)
+    sat = PoolSaturation()
+    calm = run(ctl, 0, 20, latency=1.4, inflight=8, sat=sat)          # calm: the cap does not bind
+    assert set(calm) == {16} and 1.4 <= ctl.calm_p95 < 1.55  # (the window's quantile is bucketed)
+    sat.saturated = True
+    spike = run(ctl, 20, 5, latency=1.9, inflight=lambda c: c.limit, sat=sat)
+    assert spike[-1] <= 6
+    sat.saturated = False
+    after = run(ctl, 25, 40, latency=1.4, inflight=lambda c: c.limit, sat=sat)  # binding, p95 back at calm
+    assert after[-1] >= 12, after
+    assert all(0 <= b - a <= spec.increase for a, b in zip(after[1:], after[2:])), after  # a step at a time
+
+
+def test_no_recovery_while_load_keeps_the_p95_over_its_calm_level():
+    # The same cut, but the p95 stays 1.4 s with a calm p95 of 1.0 s: load is what slows it, so the band holds.
+    spec = AdaptiveSpec(enabled=True, min_limit=4, max_limit=48, interval_s=1.0, window_s=5, min_samples=10,
+                        cut_at=0.8, raise_below=0.6)
+    ctl = AdaptiveLimit(spec, slo_s=2.0, initial=16)
+    sat = PoolSaturation()
+    run(ctl, 0, 20, latency=1.0, inflight=8, sat=sat)
+    sat.saturated = True
+    cut = run(ctl, 20, 5, latency=1.9, inflight=lambda c: c.limit, sat=sat)[-1]
+    sat.saturated = False
+    after = run(ctl, 25, 40, latency=1.4, inflight=lambda c: c.limit, sat=sat)
+    assert after[-1] <= cut and set(after[5:]) == {after[-1]} and ctl.last_action == "hold", after
