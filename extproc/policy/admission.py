@@ -270,6 +270,7 @@ class AdmissionController:
                 waiter.gate, waiter.units = gate, units
                 gate.waiting[lim.rank] += 1
             lim.queue.append(waiter)
+            self._prepay(charge, now)
             self.events.queued(waiter)
             return Queued(R_CLASS_FULL, c.cls, c.tenant, waiter, cluster=cluster, classification=c)
         return self._overflow(lim, c, cluster, R_QUEUE_FULL, now, charge,
@@ -349,16 +350,31 @@ class AdmissionController:
             why += f" (its `{fb.action}` fallback cannot serve this endpoint)"
         if fb.action == "degrade" and allowed:
             deg = self.degraded[cls]
-            if deg.has_room():
-                target = self.clusters[fb.model] if fb.model else cluster
-                ticket = self._admit(deg, tenant, target, now, charge, waited_s)
+            target = self.clusters[fb.model] if fb.model else cluster
+            # A degrade onto a pool with a limit (its own pool with fewer tokens, or another) weighs on that
+            # limit like any request of its class: it is a cheaper answer, not a way around the pool's limit.
+            gate = self.gates.get(target) if self.gates else None
+            units = self._degraded_units(gate, charge, fb) if gate is not None else 0.0
+            if deg.has_room() and (gate is None or self._pool_admits(gate, deg, units, now)):
+                ticket = self._admit(deg, tenant, target, now, charge, waited_s, gate, units)
                 ticket.degraded = True
                 return Degrade(reason, cls, tenant, ticket, fb, why, cluster=target, classification=c,
                                waited_s=waited_s)
+            if deg.has_room():
+                why += f" (the degraded answer's pool {target} is at its limit too)"
             reason, why = R_DEGRADED_FULL, say(R_DEGRADED_FULL, why=why)
         return Refusal(REJECT, reason, cls, tenant, 429 if overflow else 503, why,
                        lim.retry_after_s(now, self._retry_ceiling), classification=c, cluster=cluster,
                        waited_s=waited_s)
+
+    @staticmethod
+    def _degraded_units(gate, charge: Charge | None, fb) -> float:
+        """What a degraded request weighs on its pool's limit: its output clamped to the fallback's max_tokens."""
+        if charge is None:
+            return gate.units(0, 0.0)
+        est = charge.estimate
+        expected = min(est.expected_output, fb.max_tokens) if fb.max_tokens else est.expected_output
+        return gate.units(est.prompt_tokens, expected)
 
     def invalid(self, status: int, reason: str, message: str, facts: RequestFacts | None = None) -> Decision:
         """A request refused before admission (bad body, bad headers): counted, never holding a slot."""
@@ -518,6 +534,8 @@ class AdmissionController:
         here, once: a queued decision is not counted when it is made)."""
         w.result = d
         d.charge = w.charge
+        if d.ticket is None:
+            self._refund(w.charge)
         d.classification = w.classification
         if self.shadow.resolved(w, d):
             return
@@ -539,15 +557,35 @@ class AdmissionController:
         if gate is not None:
             self.hold_pool(ticket, gate, units)
         if charge is not None:
-            if charge.tenant is not None:
+            if charge.tenant is not None and not charge.prepaid:
                 charge.tenant.charge(charge.tokens, now)
             if charge.session is not None:
-                self.sessions.charge(charge.session, cost, now)
+                self.sessions.charge(charge.session, cost, now, rate=not charge.prepaid)
         self.tickets[ticket.id] = ticket
         if lim.saturated:
             for shed in self.state.sheds.get(lim.name, ()):
                 self._shed_queue(shed, lim, now)
         return ticket
+
+    def _prepay(self, charge: Charge, now: float) -> None:
+        """A queued request takes its share of the tenant's and the session's per-minute budgets now: checked
+        only on arrival and charged only on admission, a burst queued ahead of its tenant's limit and was
+        served in full."""
+        if charge.tenant is not None:
+            charge.tenant.charge(charge.tokens, now)
+        if charge.session is not None:
+            self.sessions.charge_rate(charge.session, charge.estimate.gpu_seconds, now)
+        charge.prepaid = True
+
+    def _refund(self, charge: Charge | None) -> None:
+        """A queued request that was never admitted gives back what it prepaid."""
+        if charge is None or not charge.prepaid:
+            return
+        charge.prepaid = False
+        if charge.tenant is not None:
+            charge.tenant.refund(charge.tokens)
+        if charge.session is not None:
+            self.sessions.refund_rate(charge.session, charge.estimate.gpu_seconds)
 
     def _release(self, ticket: Ticket, now: float, ran: bool) -> None:
         """Close the ticket and give back what it holds (slot, session budget). A request that never ran (its

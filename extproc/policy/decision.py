@@ -43,7 +43,7 @@ class RequestFacts:
 class Charge:
     """What one request is estimated to cost, and whom it is charged to; settled once when it ends."""
 
-    __slots__ = ("model", "estimate", "tenant", "session", "request_id", "tokens", "fallbacks")
+    __slots__ = ("model", "estimate", "tenant", "session", "request_id", "tokens", "fallbacks", "prepaid")
 
     def __init__(self, model: str, estimate: CostEstimate, tenant: TenantLimits | None, session: Session | None,
                  request_id: str = "", reads_usage: bool = True):
@@ -57,6 +57,9 @@ class Charge:
         self.tokens = estimate.tokens if reads_usage else \
             estimate.prompt_tokens + math.ceil(estimate.expected_output)
         self.fallbacks = ("reject", "degrade", "canned")  # the fallback actions this request's endpoint allows
+        # Taken from the tenant's and the session's per-minute buckets when it was queued: a queue must not hold
+        # more of a tenant's requests than its rate allows (given back if it is never admitted).
+        self.prepaid = False
 
 
 class Decision:

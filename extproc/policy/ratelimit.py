@@ -70,6 +70,13 @@ class TenantLimits:
         if self.tokens is not None:
             self.tokens.take(tokens, now)
 
+    def refund(self, tokens: int) -> None:
+        """A request charged when it was queued that was never admitted (refused, shed, its client left)."""
+        if self.requests is not None:
+            self.requests.give(1)
+        if self.tokens is not None:
+            self.tokens.give(tokens)
+
     def correct(self, charged: int, actual: int) -> None:
         """Real usage is known: refund what was over-charged (or charge the rest)."""
         if self.tokens is not None:
@@ -141,10 +148,21 @@ class SessionBudgets:
                 return "session_rate", wait
         return None, 0.0
 
-    def charge(self, s: Session, gpu_s: float, now: float) -> None:
+    def charge(self, s: Session, gpu_s: float, now: float, rate: bool = True) -> None:
+        """In flight from now; `rate`: also take it from the per-minute bucket (False: taken when queued)."""
         s.inflight_gpu_s += gpu_s
+        if rate:
+            self.charge_rate(s, gpu_s, now)
+
+    @staticmethod
+    def charge_rate(s: Session, gpu_s: float, now: float) -> None:
         if s.bucket is not None:
             s.bucket.take(gpu_s, now)
+
+    @staticmethod
+    def refund_rate(s: Session, gpu_s: float) -> None:
+        if s.bucket is not None:
+            s.bucket.give(gpu_s)
 
     @staticmethod
     def release(s: Session, gpu_s: float) -> None:

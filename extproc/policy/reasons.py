@@ -144,15 +144,18 @@ Either breaker reason also appears with `decision="degrade"` when the class's `f
            "{why}, and its degraded capacity is full too",
            """\
 **503** (breaker) or **429** (overflow). The class's fallback is `degrade`, but its degraded requests already fill
-`fallback.max_concurrency` (default: the class's own cap). The fallback pool is protected like any other: raise
-that cap only if the small model's replicas have room (watch `extproc_degraded_inflight`), or add replicas there."""),
+`fallback.max_concurrency` (default: the class's own cap), or the fallback pool has a pool-wide limit and no room
+under it (the message names the pool). The fallback pool is protected like any other: raise that cap only if the
+small model's replicas have room (watch `extproc_degraded_inflight`), or add replicas there."""),
     Reason("tenant_requests_per_minute", "Budgets and rate limits (429, 413)", 429, BUCKET,
            "tenant {tenant!r} is over its requests per minute limit",
            """\
 **429.** The tenant's `requests_per_minute` token bucket is empty. `Retry-After` is the time until one request's
 worth refills; `x-ratelimit-limit-requests`, `x-ratelimit-remaining-requests` and `x-ratelimit-reset-requests`
 say where the bucket stands (as OpenAI reports them). This is per-client fairness, separate from admission: it
-fires even when the fleet is idle. Raise the tenant's limit or `burst_s` if the tenant is entitled to more;
+fires even when the fleet is idle. A request that waits in a class queue has paid on arrival (and is refunded if it
+is never admitted), so a queue never holds more of a tenant's requests than its bucket allowed. Raise the tenant's
+limit or `burst_s` if the tenant is entitled to more;
 `extproc check` warns when the tenants' limits add up past `fleet`."""),
     Reason("tenant_tokens_per_minute", "Budgets and rate limits (429, 413)", 429, BUCKET,
            "tenant {tenant!r} is over its tokens per minute limit",

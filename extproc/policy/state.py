@@ -74,6 +74,8 @@ class PolicyState:
         self.ranked = list(self.limiters.values())
         for rank, lim in enumerate(self.ranked):
             lim.rank = rank
+            if lim.name in self.degraded:  # a degraded request weighs on a pool limit as its class does
+                self.degraded[lim.name].rank = rank
         self.gates = self._gates(policy)
         return [lim for name, lim in old.items() if name not in self.limiters]
 

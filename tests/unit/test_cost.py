@@ -142,6 +142,25 @@ def test_tenant_request_rate_limit_is_429_with_retry_after_and_openai_headers(cl
     assert core.decide(RequestFacts(api_key="k", model="llama", header_class="batch")).kind == ACCEPT
 
 
+def test_a_queue_holds_no_more_of_a_tenant_than_its_rate(clock):
+    # Checked on arrival but charged only on admission, a burst queued ahead of the limit and was served in full
+    # (10 requests/minute: 22 served in 2 s, then refused as queue_full). A queued request now pays on arrival.
+    core = tenant_core(clock, requests_per_minute=60, burst_s=5)  # bucket of 5; batch: 3 slots, 5 places
+    ds = [core.decide(RequestFacts(api_key="k", model="llama", header_class="batch")) for _ in range(10)]
+    assert [d.kind for d in ds] == [ACCEPT] * 3 + [QUEUE] * 2 + [REJECT] * 5
+    assert {d.reason for d in ds[5:]} == {"tenant_requests_per_minute"}
+    # A queued request that is never admitted gives its share back: the next arrival may queue.
+    core.abandon(ds[4].waiter, timed_out=False)
+    assert core.decide(RequestFacts(api_key="k", model="llama", header_class="batch")).kind == QUEUE
+    # One that is admitted from the queue is not charged twice.
+    core.finish(ds[0].ticket, Outcome.OK)
+    assert ds[3].waiter.result.kind == ACCEPT
+    assert core.decide(RequestFacts(api_key="k", model="llama", header_class="batch")).reason \
+        == "tenant_requests_per_minute"
+    clock.advance(1.0)
+    assert core.decide(RequestFacts(api_key="k", model="llama", header_class="batch")).kind == QUEUE
+
+
 def test_tenant_token_limit_is_corrected_by_real_usage(clock):
     core = tenant_core(clock, tokens_per_minute=600, burst_s=60)
     d = core.decide(RequestFacts(api_key="k", model="llama", max_tokens=500, header_class="batch",

@@ -365,3 +365,36 @@ def test_the_gpu_seconds_a_class_holds_are_exactly_zero_once_its_requests_end(pc
     for t in tickets:
         pcore.finish(t, Outcome.OK)
     assert pcore.snapshot()["interactive"]["inflight_cost"] == 0.0  # not a float sum's leftover (1e-17)
+
+
+def test_a_degrade_that_stays_on_its_pool_weighs_on_the_pool_limit(clock):
+    # `fallback: {action: degrade, max_tokens: 128}` with no model sends the overflow back to the same pool. It
+    # went in without the pool's limit (a user's what-if: worst window 5.98 s against a 3 s SLO); now it holds
+    # its units like its class and is refused when the pool has no room for it either.
+    policy = pool_policy(limit=2, interactive={"max_wait_ms": 0, "max_queue": 0,
+                                               "fallback": {"action": "degrade", "max_tokens": 16}})
+    core = AdmissionController(policy, clock=clock)
+    a, b = core.decide(req("interactive")), core.decide(req("interactive"))
+    assert (a.kind, b.kind) == (ACCEPT, ACCEPT) and held(core)[0] == 2
+    over = core.decide(req("interactive"))
+    assert over.kind == "reject" and over.reason == "degraded_capacity_full" and "at its limit" in over.message
+    core.finish(a.ticket, Outcome.OK)
+    assert held(core)[0] == 1  # the refused degrade held nothing
+
+
+def test_a_degraded_request_holds_its_class_rank_and_clamped_tokens_on_the_fallback_pools_limit(clock):
+    policy = make_policy(
+        classes={"interactive": {**BIG, "max_concurrency": 1, "max_queue": 0, "max_wait_ms": 0,
+                                 "on_overflow": "fallback",
+                                 "fallback": {"action": "degrade", "model": "small", "max_tokens": 10}},
+                 "batch": {**BIG, "max_wait_ms": 5000}},
+        shed={}, pools={"pool_b": {"limit": {"enabled": True, "unit": "tokens", "initial": 1000, "min": 1,
+                                             "max": 1000}}})
+    core = AdmissionController(policy, clock=clock)
+    assert core.decide(req("interactive")).kind == ACCEPT       # pool_a: no limit there
+    d = core.decide(req("interactive", tokens=200))              # overflow: degraded onto pool_b
+    gate = core.gates["pool_b"]
+    assert d.kind == DEGRADE and d.ticket.rank == 0 and gate.count == [1, 0]
+    assert 200 <= gate.inflight <= 200 + 10                      # its prompt and at most max_tokens
+    core.finish(d.ticket, Outcome.OK)
+    assert gate.inflight == 0 and gate.count == [0, 0]
