@@ -511,7 +511,13 @@ def _pool_warnings(p: Policy) -> list[str]:
 def load_policy_file(path: str) -> Policy:
     """Read, parse and validate a policy file; any problem with it is a PolicyError (a reload counts it as
     refused and keeps the running policy)."""
-    return load_policy(_parse_yaml(path, _read_text(path)))
+    return load_policy(read_policy_doc(path))
+
+
+def read_policy_doc(path: str) -> Any:
+    """The policy file's YAML document, read as `extproc check` and `serve` read it (UTF-8, no key given twice),
+    before validation: for the tools that edit it first (the demo scales its durations)."""
+    return _parse_yaml(str(path), _read_text(str(path)))
 
 
 def _read_text(path: str) -> str:

@@ -210,6 +210,9 @@ class RequestRecord:
     asked_model: str | None = None  # the `model` the request named
     model: str | None = None  # the model that answered, as the response names it (vLLM echoes its served name)
     queued: bool = False  # the admission layer held it in a queue first (x-extproc-queue-wait-ms > 0)
+    # The admission layer degraded it (x-extproc-decision: degrade): another model, or the same one with fewer
+    # tokens or no streaming, which the answer's model name alone does not show.
+    degraded_by_policy: bool = False
     retry_after: float | None = None  # the refusal's Retry-After (scaled by time_scale)
     session: str | None = None  # an agent session's id (the x-session-id header)
     call: int | None = None  # the call's index in its session, from 0
@@ -222,8 +225,10 @@ class RequestRecord:
 
     @property
     def degraded(self) -> bool:
-        """Answered by another model than the one asked for (a degrade to a smaller model's pool)."""
-        return self.model is not None and self.asked_model is not None and self.model != self.asked_model
+        """Not the answer asked for: another model's (a degrade to a smaller model's pool), or one the admission
+        layer degraded on the same model (clamped max_tokens, no streaming)."""
+        return self.degraded_by_policy or (self.model is not None and self.asked_model is not None
+                                           and self.model != self.asked_model)
 
 
 def plan_request(index: int, workload: Workload, rng: random.Random, at: float = 0.0,
@@ -356,6 +361,7 @@ class LoadClient:
                                               headers=headers) as resp:
                     record.status = resp.status
                     record.queued = float(resp.headers.get("x-extproc-queue-wait-ms") or 0) > 0
+                    record.degraded_by_policy = resp.headers.get("x-extproc-decision") == "degrade"
                     if resp.status != 200:
                         record.error = _error_type(await resp.read())
                         record.retry_after = _retry_after(resp.headers.get("retry-after"), scale)

@@ -202,4 +202,4 @@ def test_what_if_runs_the_kv_agents_scenario_with_its_policies(capsys):
                               "--phase-s", "15"])
     assert what_if_tables(args) == 0
     out = capsys.readouterr().out
-    assert "(spike-1)" in out and "(spike-2)" in out and "agent rejected / shed / timeout / degraded %" in out
+    assert "(spike-1)" in out and "(spike-2)" in out and "agent rejected / shed / timeout / error / degraded %" in out

@@ -37,6 +37,23 @@ def test_a_degraded_answer_is_not_full_model_goodput():
     assert w.useful_tokens_per_s == pytest.approx(1.0) and w.degraded_tokens_per_s == pytest.approx(5.0)
 
 
+def test_a_degrade_on_the_same_model_is_not_full_model_goodput_either():
+    # `fallback: {action: degrade, max_tokens: 128}`: the same model answers, fewer tokens; the ext_proc says so
+    # in x-extproc-decision, and the record keeps it (a user's report showed such a run as 0% degraded).
+    clamped = rec(2)
+    clamped.degraded_by_policy = True
+    w = stats([rec(1), clamped])
+    assert w.goodput == pytest.approx(0.1) and w.goodput_degraded == pytest.approx(0.1) and w.degraded == 1
+
+
+def test_other_http_errors_are_counted_and_are_no_latency():
+    # Every request a 404 (a model name typo in a scenario) printed p99 0.00 s and every target reached.
+    w = stats([rec(1, status=404, error="invalid_request_error", latency=0.002), rec(2, status=401, latency=0.002)])
+    assert math.isnan(w.p99) and w.failed == 2 and w.refused == 0 and w.goodput == 0
+    found = by_name(targets(spike_and_calm(ws(), ws(failed=3)), ["spike"], ["phase normal"], 2.0))
+    assert not found["d: requests refused, degraded or failed (== 0)"].reached
+
+
 def test_an_interactive_answer_past_the_slo_is_neither_goodput_nor_useful_tokens():
     w = stats([rec(1, latency=3.0), rec(2, kind="batch", latency=3.0)])
     assert w.goodput == 0 and w.tokens_per_s == pytest.approx(2.0) and w.useful_tokens_per_s == pytest.approx(1.0)
@@ -95,7 +112,7 @@ def test_targets_are_on_the_full_model_against_a_and_b():
     assert found["d vs a: full-model interactive goodput, req/s (>= a's)"].reached
     tokens = found["d vs a: full-model useful output tokens/s (>= 0.96 x a's)"]
     assert tokens.reached and tokens.bound == pytest.approx(960)
-    assert found["d: requests refused or degraded (== 0)"].reached
+    assert found["d: requests refused, degraded or failed (== 0)"].reached
     assert found["d: first batch refused/queued before the first interactive degrade, s"].reached  # no degrade
 
     # Degraded answers do not make up for the full model: b's 7.5 req/s is not reached with 7 + 20 degraded.
@@ -108,7 +125,7 @@ def test_targets_are_on_the_full_model_against_a_and_b():
 
 def test_nothing_refused_or_degraded_at_low_load():
     found = by_name(targets(spike_and_calm(ws(), ws(refused=0, degraded=1)), ["spike"], ["phase normal"], 2.0))
-    t = found["d: requests refused or degraded (== 0)"]
+    t = found["d: requests refused, degraded or failed (== 0)"]
     assert not t.reached and t.value == 1
 
 
@@ -116,8 +133,8 @@ def test_mode_e_is_held_to_the_calm_phase_target_too():
     # Issue 20 (3): the adaptive caps must not refuse at normal load, before or after a spike.
     stats = {"e": {"spike": ws(), "phase normal": ws(), "phase after": ws(refused=2, degraded=3)}}
     found = {t.name: t for t in adaptive_targets(stats, ["spike"], 2.0, calm=("phase normal", "phase after"))}
-    assert found["e: phase normal: requests refused or degraded (== 0)"].reached
-    after = found["e: phase after: requests refused or degraded (== 0)"]
+    assert found["e: phase normal: requests refused, degraded or failed (== 0)"].reached
+    after = found["e: phase after: requests refused, degraded or failed (== 0)"]
     assert not after.reached and after.value == 5
 
 

@@ -11,7 +11,9 @@ import time
 from pathlib import Path
 
 from .baselines import admitter_for
-from .modes import DEFAULT_MODES, MODES, parse_modes, with_policies
+from extproc.policy.schema import PolicyError
+
+from .modes import DEFAULT_MODES, MODES, Mode, parse_modes, with_policies
 from .report import tables, write_report
 from .results import WindowStats, adaptive_targets, calm_windows, scenario_stats, spike_windows, targets
 from .runner import ModeResult, RunSettings, run_mode
@@ -32,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--what-if", action="store_true",
                    help="no processes: every mode against engine models in simulated time (policies through the "
                         "real core, the Envoy-only modes modelled; seconds; for tuning a policy, see docs/demo.md)")
-    p.add_argument("--show-limits", action="store_true", help="with --what-if: print every move of adaptive caps")
+    p.add_argument("--show-limits", action="store_true", help="with --what-if: print every move of the class caps and of each pool-wide limit (pool:NAME, in its unit)")
 
 
 def mode_stats(res: ModeResult, scenario: Scenario) -> dict[str, WindowStats]:
@@ -52,7 +54,14 @@ def what_if_stats(scenario: Scenario, modes: str) -> dict[str, dict[str, WindowS
 
 def load_scenario(args: argparse.Namespace) -> Scenario:
     scenario = Scenario.load(args.scenario)
+    for w in scenario.warnings:
+        print(f"warning: {args.scenario}: {w}", file=sys.stderr)
     return scenario.shortened(args.phase_s) if args.phase_s else scenario
+
+
+def policy_lines(modes: list[Mode]) -> str:
+    """Which policy file each ext_proc mode runs (a scenario's `policies:` may name its own)."""
+    return "\n".join(f"   mode {m.key}: policy {m.policy}" for m in modes if m.policy)
 
 
 def print_tables(results: list[ModeResult], scenario: Scenario) -> tuple[dict, dict, list]:
@@ -77,7 +86,10 @@ def what_if_tables(args: argparse.Namespace) -> int:
     scenario = load_scenario(args)
     capacity = scenario.fleet_capacity()
     results = []
-    for m in with_policies(parse_modes(args.modes), scenario.policies):
+    modes = with_policies(parse_modes(args.modes), scenario.policies)
+    if any(m.policy for m in modes):
+        print(f"scenario {scenario.name}, what-if:\n{policy_lines(modes)}")
+    for m in modes:
         res = what_if(scenario, admitter_for(m), capacity)
         results.append(ModeResult(m, res.records, 0.0, served_elsewhere=res.served_elsewhere))
         if args.show_limits:
@@ -100,6 +112,8 @@ async def demo(args: argparse.Namespace, command: str) -> int:
           f"({', '.join(f'{p.replicas}x {p.profile}' for p in scenario.pools)}); speed {args.speed:g}; "
           f"about {len(modes) * (scenario.duration_s / args.speed + 8):.0f}s of wall time; results in {out}",
           flush=True)
+    if any(m.policy for m in modes):
+        print(policy_lines(modes), flush=True)
     results: list[ModeResult] = []
     for mode in modes:
         print(f"== mode {mode.key}: {mode.label}", flush=True)
@@ -131,11 +145,23 @@ def run(args: argparse.Namespace) -> int:
     import uvloop
 
     if args.what_if:
-        return what_if_tables(args)
+        try:
+            return what_if_tables(args)
+        except (ValueError, PolicyError, OSError) as e:
+            return _bad_input(e)
 
     command = "extproc demo " + shlex.join(sys.argv[2:]) if sys.argv[1:2] == ["demo"] else "extproc demo"
     try:
         return uvloop.run(_main(args, command))
+    except (ValueError, PolicyError, OSError) as e:  # a scenario, policy or mode the run cannot start from
+        return _bad_input(e)
     except (KeyboardInterrupt, asyncio.CancelledError):
         print("\ninterrupted: every process the demo started has been stopped", file=sys.stderr)
         return 130
+
+
+def _bad_input(e: Exception) -> int:
+    """One line that names what is wrong, not a traceback (a scenario, policy or mode given on the command line)."""
+    text = "; ".join(e.errors) if isinstance(e, PolicyError) else str(e)
+    print(f"extproc demo: {text}", file=sys.stderr)
+    return 2

@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from extproc.policy.schema import load_policy
+from extproc.policy.schema import load_policy, read_policy_doc
 
 # Policy keys ending in _ms/_s are wall-clock durations for the ext_proc: the demo divides them by --speed. These
 # are not (or need not be) scaled: the lease is a safety net far above any request, Retry-After goes to clients.
@@ -97,7 +97,7 @@ def render_policy(source: str | Path, speed: float, dest: Path,
 
     `endpoints` (pool -> the started replicas): a `pools` entry that names neither replicas nor an Envoy admin URL
     is filled with its pool's replica addresses, so the ext_proc scrapes this run's simulated replicas."""
-    data = yaml.safe_load(Path(source).read_text(encoding="utf-8"))
+    data = read_policy_doc(str(source))
     for name, pool in (data.get("pools") or {}).items():
         if endpoints and name in endpoints and not pool.get("replicas") and not pool.get("envoy_admin"):
             pool["replicas"] = [f"{host}:{port}" for host, port in endpoints[name]]

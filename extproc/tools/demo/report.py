@@ -74,14 +74,14 @@ def class_goodput_table(stats: dict[str, dict[str, WindowStats]], labels: dict[s
 def outcome_table(stats: dict[str, dict[str, WindowStats]], labels: dict[str, str],
                   degraded: dict[str, float]) -> str:
     classes = sorted({c for w in stats.values() for c in w["overall"].outcomes})
-    head = " | ".join(f"{c} rejected / shed / timeout / degraded %" for c in classes)
+    head = " | ".join(f"{c} rejected / shed / timeout / error / degraded %" for c in classes)
     rows = [f"| mode | {head} | degraded % (all) |", "|---|" + "---|" * len(classes) + "---:|"]
     for key, w in stats.items():
         cells = []
         for c in classes:
             o = w["overall"].outcomes.get(c, {})
             cells.append(f"{o.get('rejected', 0):.1f} / {o.get('shed', 0):.1f} / {o.get('timeout', 0):.1f} "
-                         f"/ {o.get('degraded', 0):.1f}")
+                         f"/ {o.get('error', 0):.1f} / {o.get('degraded', 0):.1f}")
         rows.append(f"| {key}: {labels[key]} | " + " | ".join(cells) + f" | {degraded.get(key, 0.0):.1f} |")
     return "\n".join(rows)
 

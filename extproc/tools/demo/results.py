@@ -48,6 +48,7 @@ class WindowStats:
     p99_worst_window: float = float("nan")
     p99_worst_window_at: float | None = None
     refused: int = 0  # requests of every class refused (429/503)
+    failed: int = 0  # requests of every class answered with another HTTP error (400, 401, 404, 413, 5xx...)
     degraded: int = 0  # requests of every class answered by another model
     # When the first SLO-class request answered by another model, and the first request of another class refused
     # or queued, arrived (None: none did): lower classes must be held back before the SLO class is degraded
@@ -55,9 +56,15 @@ class WindowStats:
     first_other_held_at: float | None = None
 
 
+def failed(r: RequestRecord) -> bool:
+    """An HTTP error that is not a refusal for capacity: a bad request (400, 404, 413), a refused key (401), an
+    upstream failure (500, 502). Its latency is no service, so it is left out of the percentiles and counted."""
+    return r.status >= 400 and r.status not in REFUSED
+
+
 def served_latency(r: RequestRecord, timeout_s: float) -> float | None:
     """End-to-end latency of a request the fleet took on: completed, or timed out (counted at the timeout)."""
-    if r.status in REFUSED:
+    if r.status in REFUSED or failed(r):
         return None
     if r.error == "timeout":
         return timeout_s
@@ -65,7 +72,7 @@ def served_latency(r: RequestRecord, timeout_s: float) -> float | None:
 
 
 def first_token(r: RequestRecord, timeout_s: float) -> float | None:
-    if r.status in REFUSED:
+    if r.status in REFUSED or failed(r):
         return None
     if r.ttft is not None:
         return r.ttft
@@ -116,6 +123,7 @@ def window_stats(records: list[RequestRecord], window: tuple[float, float], slo_
         sum(r.output_tokens for r in useful if r.degraded) / span,
         len(started), outcomes, by_class, worst, worst_at,
         refused=sum(1 for r in started if r.status in REFUSED), degraded=sum(1 for r in started if r.ok and r.degraded),
+        failed=sum(1 for r in started if failed(r)),
         first_degraded_at=degraded_slo[0] if degraded_slo else None, first_other_held_at=held[0] if held else None)
 
 
@@ -239,11 +247,11 @@ def targets(stats: dict[str, dict[str, WindowStats]], spikes: list[str], calm: l
 
 
 def calm_targets(mode: dict[str, WindowStats], key: str, calm) -> list[Target]:
-    """Nothing refused and nothing degraded in each phase at or under CALM x capacity (issues 19 and 20)."""
+    """Nothing refused, degraded or failed in each phase at or under CALM x capacity (issues 19 and 20)."""
     out = []
     for w in calm:
-        n = mode[w].refused + mode[w].degraded
-        out.append(Target(f"{key}: {w}: requests refused or degraded (== 0)", n, 0, n == 0))
+        n = mode[w].refused + mode[w].degraded + mode[w].failed
+        out.append(Target(f"{key}: {w}: requests refused, degraded or failed (== 0)", n, 0, n == 0))
     return out
 
 

@@ -6,8 +6,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from extproc.policy.schema import PolicyError, read_policy_doc
 from extproc.tools.loadgen import PlannedRequest, Workload, plan_arrivals
 from extproc.tools.sim.engine import SCHEDULING_POLICIES
 from extproc.tools.sim.profile import load_profile
@@ -35,6 +34,23 @@ class Phase:
     rate: float  # multiple of the fleet capacity
     # kind name -> factor on that kind's arrival rate in this phase (the other kinds keep theirs)
     weights: dict[str, float] = field(default_factory=dict)
+
+
+SCENARIO_KEYS = frozenset({"name", "description", "seed", "pools", "phases", "workload", "slo", "client_timeout_s",
+                           "capacity", "capacity_concurrency", "events", "windows", "policies"})
+POOL_KEYS = frozenset({"profile", "replicas", "model_names", "scheduling_policy"})
+PHASE_KEYS = frozenset({"name", "duration_s", "rate", "weights"})
+SLO_KEYS = frozenset({"class", "p95_s"})
+EVENT_KEYS = frozenset({"at_s", "pool", "replica", "fault"})
+
+
+def _check_keys(d: Any, where: str, known: frozenset[str]) -> None:
+    """A misspelt key must not be ignored: a `polices:` ran the shipped policies instead of the user's."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{where.rstrip('.') or 'the scenario'}: a mapping is expected, got {type(d).__name__}")
+    unknown = sorted(str(k) for k in d if k not in known)
+    if unknown:
+        raise ValueError(f"{where}{unknown[0]}: unknown key (known here: {', '.join(sorted(known))})")
 
 
 @dataclass(frozen=True)
@@ -65,13 +81,31 @@ class Scenario:
     windows: dict[str, list[str]] | None = None
     # Mode key -> policy file for this traffic (extproc.tools.demo.modes.MODES' policy where not given).
     policies: dict[str, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)  # what the demo prints before it runs
 
     @classmethod
     def load(cls, path: str | Path) -> Scenario:
-        return cls.from_dict(yaml.safe_load(Path(path).read_text(encoding="utf-8")))
+        """Read a scenario file (UTF-8, no key given twice, as policies are read). ValueError names what is wrong."""
+        try:
+            doc = read_policy_doc(str(path))
+        except PolicyError as e:
+            raise ValueError("; ".join(e.errors)) from None
+        try:
+            return cls.from_dict(doc)
+        except (KeyError, TypeError, ValueError) as e:
+            what = f"missing key {e}" if isinstance(e, KeyError) else str(e)
+            raise ValueError(f"{path}: {what}") from None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Scenario:
+        _check_keys(d, "", SCENARIO_KEYS)
+        for name, p in (d.get("pools") or {}).items():
+            _check_keys(p, f"pools.{name}.", POOL_KEYS)
+        for i, p in enumerate(d.get("phases") or []):
+            _check_keys(p, f"phases[{i}].", PHASE_KEYS)
+        _check_keys(d.get("slo") or {}, "slo.", SLO_KEYS)
+        for i, e in enumerate(d.get("events") or []):
+            _check_keys(e, f"events[{i}].", EVENT_KEYS)
         pools = [Pool(name, p["profile"], int(p.get("replicas", 1)), list(p.get("model_names", [])),
                       p.get("scheduling_policy"))
                  for name, p in d["pools"].items()]
@@ -89,17 +123,33 @@ class Scenario:
             if set(p.weights) - names:
                 raise ValueError(f"phase {p.name!r}: weights name no kind of the workload: "
                                  f"{', '.join(sorted(set(p.weights) - names))} (kinds: {', '.join(sorted(names))})")
+            if not p.duration_s > 0 or not p.rate >= 0:
+                raise ValueError(f"phase {p.name!r}: duration_s must be > 0 and rate >= 0 (a share of the capacity), "
+                                 f"got {p.duration_s:g} and {p.rate:g}")
+        slo_class = (d.get("slo") or {}).get("class", "interactive")
+        warnings = [] if slo_class in names else [
+            f"slo.class: {slo_class!r} names no kind of the workload (kinds: {', '.join(sorted(names))}): the "
+            "report's latency, goodput and targets are that kind's, so they print NaN"]
+        capacity = d.get("capacity", "auto")
+        if capacity != "auto" and not (isinstance(capacity, (int, float)) and not isinstance(capacity, bool)
+                                       and capacity > 0):
+            raise ValueError(f"capacity: 'auto' or requests/s > 0, got {capacity!r}")
+        phase_names = {p.name for p in phases}
+        for w, listed in (d.get("windows") or {}).items():
+            unknown = [x for x in listed if x not in phase_names]
+            if unknown:
+                raise ValueError(f"windows.{w}: {', '.join(map(str, unknown))} name no phase "
+                                 f"(phases: {', '.join(p.name for p in phases)})")
         return cls(name=d.get("name", "scenario"), description=d.get("description", ""), seed=int(d.get("seed", 0)),
                    pools=pools, phases=phases, workload=workload,
-                   slo_class=d.get("slo", {}).get("class", "interactive"),
-                   slo_p95_s=float(d.get("slo", {}).get("p95_s", 2.0)),
+                   slo_class=slo_class, slo_p95_s=float((d.get("slo") or {}).get("p95_s", 2.0)),
                    client_timeout_s=float(d.get("client_timeout_s", 60.0)),
-                   capacity=d.get("capacity", "auto"), capacity_concurrency=int(d.get("capacity_concurrency", 32)),
+                   capacity=capacity, capacity_concurrency=int(d.get("capacity_concurrency", 32)),
                    events=tuple(FleetEvent(float(e["at_s"]), e["pool"], int(e.get("replica", 0)),
                                            {k: float(v) for k, v in e["fault"].items()})
                                 for e in d.get("events", [])),
                    windows={k: list(v) for k, v in d["windows"].items()} if d.get("windows") else None,
-                   policies={str(k): str(v) for k, v in (d.get("policies") or {}).items()})
+                   policies={str(k): str(v) for k, v in (d.get("policies") or {}).items()}, warnings=warnings)
 
     def shortened(self, phase_s: float) -> Scenario:
         """The same scenario with every phase cut to `phase_s` simulated seconds (tests, quick looks)."""

@@ -17,32 +17,45 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import yaml
+from envoy.service.ext_proc.v3.external_processor_pb2 import HttpHeaders
 
 from extproc.policy.admission import QUEUE, AdmissionController, Admit, Decision, Degrade, RequestFacts
-from extproc.policy.classify import presented_key
+from extproc.policy.classify import ConflictingKeys, presented_key
 from extproc.policy.limits import Completion, LimitFactory, Outcome, default_limit
-from extproc.policy.schema import load_policy
+from extproc.policy.schema import ClassifySpec, SessionSpec, load_policy_file
+from extproc.server.protocol import HeaderNames, read_request_headers
 from extproc.server.saturation import PoolScraper, ScrapedReplica
-from extproc.tools.loadgen import CLIENT_ERROR, PlannedRequest, RequestRecord
+from extproc.tools.loadgen import CLIENT_ERROR, ENDPOINTS, PlannedRequest, RequestRecord
 from extproc.tools.sim.engine import Engine
 from extproc.tools.sim.profile import load_profile
 
 from .scenario import Scenario
 
+# The schema's default header names (a mode without the ext_proc reads nothing by them).
+DEFAULT_HEADERS = HeaderNames(ClassifySpec().header, SessionSpec().header)
 TICK_S = 0.25  # simulated seconds between core.tick() calls (the ext_proc ticks every 0.1 wall s)
 
 # Event kinds, in the order they run when due at the same instant.
 _ITERATION, _TIMEOUT, _TIMER, _FAULT = range(4)
 
 
-def _facts(kind, prompt_tokens: int, session_id: str | None = None) -> RequestFacts:
-    auth = kind.headers.get("Authorization")
+def _facts(kind, prompt_tokens: int, session_id: str | None = None,
+           names: HeaderNames = DEFAULT_HEADERS) -> RequestFacts:
+    """The request as the ext_proc reads it: its headers through the server's own reader with the policy's header
+    names (class, objective, fairness, deadline; both API key headers), the body fields the load generator sends."""
+    msg = HttpHeaders()
+    for k, v in ((":method", "POST"), (":path", ENDPOINTS[kind.endpoint]), *kind.headers.items()):
+        msg.headers.headers.add(key=k.lower(), raw_value=str(v).encode("latin-1"))
+    head = read_request_headers(msg, names)
+    try:
+        api_key = presented_key(head.authorization, head.api_key)
+    except ConflictingKeys:
+        raise ValueError(f"request kind {kind.name!r} sends two different API keys") from None
     # A body of the prompt's size, for the core's own prompt estimate (characters / chars_per_token).
     doc = {"prompt": "x" * (4 * prompt_tokens)}
-    return RequestFacts(api_key=presented_key([auth] if auth else [], []),
-                        header_class=kind.headers.get("x-priority"), model=kind.model,
-                        max_tokens=kind.max_tokens, stream=kind.stream, doc=doc, session_id=session_id)
+    return RequestFacts(api_key=api_key, header_class=head.claim, model=kind.model, max_tokens=kind.max_tokens,
+                        stream=kind.stream, doc=doc, session_id=session_id or head.session,
+                        objective=head.objective, fairness_id=head.fairness_id, deadline_ms=head.deadline_ms)
 
 
 @dataclass
@@ -95,7 +108,8 @@ class PolicyAdmitter:
     lb_policy = "least_request"  # Envoy's LEAST_REQUEST (envoy/envoy.yaml)
 
     def __init__(self, policy_path: str, limit_factory: LimitFactory = default_limit):
-        self.policy = load_policy(yaml.safe_load(open(policy_path, encoding="utf-8")))
+        self.policy = load_policy_file(policy_path)  # as `extproc check` and `serve` read it
+        self.header_names = HeaderNames.of(self.policy)
         self.limit_factory = limit_factory
         self.limits: list[tuple[float, dict[str, int]]] = []
         self.core: AdmissionController | None = None
@@ -117,17 +131,24 @@ class PolicyAdmitter:
                 core.set_saturation(name, s.aggregate(clock()))
             timers.append((spec.scrape_interval_ms / 1000.0, scrape))
         if core.gates or any(lim.spec.adaptive.enabled for lim in core.limiters.values()):
+            def limits() -> dict[str, int]:
+                # Each class's cap, and each pool-wide limit (in its unit) as "pool:<name>".
+                out = {n: lim.limit for n, lim in core.limiters.items()}
+                out.update((f"pool:{n}", round(g.limit)) for n, g in core.gates.items())
+                return out
+
             def tick() -> None:
-                before = {n: lim.limit for n, lim in core.limiters.items()}
+                before = limits()
                 core.tick()
-                after = {n: lim.limit for n, lim in core.limiters.items()}
+                after = limits()
                 if after != before or not self.limits:
                     self.limits.append((clock(), after))
             timers.append((TICK_S, tick))
         return timers
 
     def decide(self, facts: RequestFacts) -> Decision:
-        return self.core.decide(facts)
+        refused = self.core.authenticate(facts)  # `anonymous.allow: false` refuses requests without a known key
+        return refused if refused is not None else self.core.decide(facts)
 
     def engine_priority(self, d: Admit | Degrade) -> int:
         # As the ext_proc writes it into the body (server/stream.py): the class's `vllm_priority`, else none.
@@ -202,6 +223,7 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
             fb = d.fallback
             mt = min(max_tokens, fb.max_tokens) if fb.max_tokens else max_tokens
             record.model = fb.model or record.asked_model
+            record.degraded_by_policy = True
             start(record, d.ticket, d.cluster if d.cluster in pools else first, prompt, mt, admitter.engine_priority(d))
         elif isinstance(d, Admit):
             record.model = record.asked_model
@@ -284,7 +306,8 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
             record.session, record.call, record.calls = planned.session.id, planned.call, planned.session.calls
             record.retry = planned.retry
             sessions[id(record)] = planned
-        d = admitter.decide(_facts(kind, planned.prompt_tokens, planned.session.id if planned.session else None))
+        d = admitter.decide(_facts(kind, planned.prompt_tokens, planned.session.id if planned.session else None,
+                                   getattr(admitter, "header_names", DEFAULT_HEADERS)))
         max_tokens = kind.max_tokens or pools[first].profile.default_max_tokens
         if d.kind == QUEUE:
             record.queued = True

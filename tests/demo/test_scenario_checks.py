@@ -1,0 +1,74 @@
+"""What a user's own scenario and policy get from the demo tools: a misspelt key or an impossible number is named,
+not ignored, and the what-if reads requests as the ext_proc does (found by writing them from the docs)."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from extproc.tools.demo import run
+from extproc.tools.demo.scenario import Scenario
+from extproc.tools.demo.whatif import what_if
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def spike_doc() -> dict:
+    return yaml.safe_load((ROOT / "scenarios" / "spike.yaml").read_text())
+
+
+def write(tmp_path: Path, doc: dict, name: str = "s.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.update(polices=d.pop("policies", {"d": "x.yaml"})), "polices: unknown key"),
+    (lambda d: d.update(capacity=0), "capacity: 'auto' or requests/s > 0"),
+    (lambda d: d["phases"][0].update(duration_s=-5), "duration_s must be > 0"),
+    (lambda d: d["phases"][0].update(rat=1), "phases[0].rat: unknown key"),
+    (lambda d: d.update(windows={"w": ["nope"]}), "windows.w: nope name no phase"),
+])
+def test_a_scenario_mistake_is_named(tmp_path, edit, message):
+    doc = spike_doc()
+    edit(doc)
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")):
+        Scenario.load(write(tmp_path, doc))
+
+
+def test_a_key_given_twice_is_refused_as_in_a_policy(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text((ROOT / "scenarios" / "spike.yaml").read_text() + "\nseed: 3\nseed: 4\n")
+    with pytest.raises(ValueError, match="duplicate key 'seed'"):
+        Scenario.load(path)
+
+
+def test_the_demo_answers_a_bad_scenario_with_one_line(tmp_path, capsys):
+    doc = spike_doc()
+    doc["capacity"] = -1
+    args = type("A", (), {"what_if": True, "scenario": str(write(tmp_path, doc)), "phase_s": None, "modes": "d",
+                          "show_limits": False})()
+    assert run(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("extproc demo: ") and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_what_if_reads_the_policys_headers_and_refuses_unknown_callers(tmp_path):
+    # `anonymous.allow: false`, and the class claimed in a header the policy names: the what-if admitted every
+    # request and read only `x-priority`.
+    policy = yaml.safe_load((ROOT / "policies" / "demo-full.yaml").read_text())
+    policy["anonymous"] = {"allow": False}
+    policy["classify"] = {**policy.get("classify", {}), "header": "x-tier"}
+    pol = write(tmp_path, policy, "p.yaml")
+    doc = spike_doc()
+    doc["phases"] = [{"name": "normal", "duration_s": 20, "rate": 0.5}]
+    chat, batch = doc["workload"]["kinds"]
+    chat["headers"] = {"Authorization": "Bearer sk-chat-1", "x-tier": "interactive"}
+    batch["headers"] = {"x-tier": "batch"}  # no key: refused with 401
+    scenario = Scenario.from_dict(doc)
+    res = what_if(scenario, str(pol), 6.0)
+    statuses = {}
+    for r in res.records:
+        statuses.setdefault(r.kind, set()).add(r.status)
+    assert statuses["batch"] == {401} and 401 not in statuses["interactive"], statuses
