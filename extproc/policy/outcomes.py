@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 from .breakers import LatencyBreaker
@@ -40,7 +41,10 @@ class CostLearning:
 
     def completed(self, c: Completed) -> None:
         t = c.ticket
-        if t.usage is None or t.charge is None:
+        if t.charge is None:
+            return
+        if t.usage is None:
+            self._settle_without_usage(c)
             return
         charge, (prompt, completion) = t.charge, t.usage
         model = self.state.cost_models.get(charge.model)
@@ -56,6 +60,22 @@ class CostLearning:
         model.learn(est, prompt, completion, service if not t.degraded else None)
         if charge.tenant is not None and t.holds_slot:
             charge.tenant.correct(charge.tokens, prompt + completion)
+
+    @staticmethod
+    def _settle_without_usage(c: Completed) -> None:
+        """A tokens-per-minute tenant is charged the worst case up front and refunded from the usage it reads. With
+        no usage to read, the worst case stood: a request the replica refused (max_tokens past its context: a 400)
+        cost the tenant its whole bucket. Refused or failed upstream: nothing to charge. Ended early by the client:
+        the expected output, not the worst case."""
+        t, charge = c.ticket, c.ticket.charge
+        if charge.tenant is None or not t.holds_slot:
+            return
+        est = charge.estimate
+        failed = c.outcome is Outcome.UPSTREAM_ERROR or (c.report is not None and c.report.status >= 400)
+        if failed:
+            charge.tenant.correct(charge.tokens, 0)
+        elif c.outcome is Outcome.CLIENT_ABORT:
+            charge.tenant.correct(charge.tokens, min(charge.tokens, est.prompt_tokens + math.ceil(est.expected_output)))
 
 
 class PoolLearning:

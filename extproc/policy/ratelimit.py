@@ -9,7 +9,9 @@ from .schema import SessionSpec, TenantSpec
 
 
 class TokenBucket:
-    """`rate` units per second, holding at most `capacity`. May go negative when usage is corrected upward."""
+    """`rate` units per second, holding at most `capacity`. May go negative (a request larger than what is left,
+    usage corrected upward), but never below -capacity: one request of max_tokens 2**31 charged its worst case
+    locked its tenant out for 36 hours; the debt now refills within two burst windows at most."""
 
     __slots__ = ("rate", "capacity", "level", "_at")
 
@@ -36,7 +38,7 @@ class TokenBucket:
 
     def take(self, n: float, now: float) -> None:
         self.refill(now)
-        self.level -= n
+        self.level = max(self.level - n, -self.capacity)
 
     def give(self, n: float) -> None:
         self.level = min(self.capacity, self.level + n)
@@ -83,7 +85,7 @@ class TenantLimits:
             if actual < charged:
                 self.tokens.give(charged - actual)
             else:
-                self.tokens.level -= actual - charged
+                self.tokens.level = max(self.tokens.level - (actual - charged), -self.tokens.capacity)
 
     def headers(self, now: float) -> list[tuple[str, str]]:
         out = []

@@ -220,6 +220,13 @@ fix the client's model name; `GET /v1/models` lists what the replicas serve.""")
            """\
 **400.** The body nests objects/arrays more than 64 levels deep (a tool's parameter schema rarely passes 20).
 Deeper bodies are refused before anything walks them: they used to exhaust Python's recursion."""),
+    Reason("json_too_many_containers", "Invalid requests (400, 401, 404, 405, 413, 415, 500)", 400, NO_RETRY,
+           "The request body holds {count} JSON objects and arrays; at most {limit} are accepted.",
+           """\
+**400.** The body holds more than 20,000 JSON objects and arrays (outside strings). A real request needs a few per
+message, content part or tool, so no context window holds a request that large; a body of a million empty arrays
+made the ext_proc's parse take a second, past Envoy's `message_timeout`, which with `failure_mode_allow` let
+requests through unadmitted. Counted on the raw bytes before the body is parsed."""),
     Reason("invalid_body", "Invalid requests (400, 401, 404, 405, 413, 415, 500)", 400, NO_RETRY,
            "",
            """\
@@ -312,6 +319,7 @@ R_INVALID_KEY = "invalid_api_key"
 R_CONFLICTING_KEYS = "conflicting_api_keys"
 R_INVALID_JSON = "invalid_json"
 R_JSON_TOO_DEEP = "json_too_deep"
+R_JSON_TOO_MANY = "json_too_many_containers"
 R_INVALID_BODY = "invalid_body"
 R_BODY_TOO_LARGE = "body_too_large"
 R_UNKNOWN_URL = "unknown_url"

@@ -191,8 +191,10 @@ class ClassSpec:
 
     max_concurrency: int = doc("Requests of this class admitted at once (the cap).", minimum=1)
     max_queue: int = doc("Requests that may wait for a slot; arrivals beyond it get 429.", 20, minimum=0)
-    max_wait_ms: int = doc("Longest a request waits in the queue before it gets 429.", 200, minimum=0,
-                           maximum=60_000)
+    max_wait_ms: int = doc("Longest a request waits in the queue before it gets 429. At most 29 s: Envoy's "
+                           "`max_message_timeout` (30 s in envoy/envoy.yaml) must cover the wait and the ext_proc's "
+                           "0.5 s grace, or Envoy stops waiting and `failure_mode_allow` forwards the request "
+                           "unadmitted.", 200, minimum=0, maximum=29_000)
     slo_p95_ms: int | None = doc("The class's end-to-end latency SLO (p95). Enables the latency breaker.", None,
                                  minimum=1)
     max_inflight_gpu_seconds: float | None = doc(

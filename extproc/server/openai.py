@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 
-from ..policy.reasons import R_JSON_TOO_DEEP, error_type, say
+from ..policy.reasons import R_JSON_TOO_DEEP, R_JSON_TOO_MANY, error_type, say
 
 # Larger max_tokens values mean nothing for any model, and past ~1e308 they cannot even become a float for the
 # cost estimate (an OverflowError there failed the stream, and Envoy's failure_mode_allow let the request through
@@ -19,6 +19,11 @@ MAX_TOKENS_CEILING = 2**31 - 1
 # levels); deeper ones could exhaust the recursion of a JSON encoder later (orjson refuses past ~250) and must be
 # refused here, as a 400, before anything else touches them.
 MAX_JSON_DEPTH = 64
+# Most JSON objects and arrays a body may hold (outside strings). Parsing and walking cost per container: 1.4
+# million empty arrays in 4 MiB took the parse and the walks over a second of the event loop, past Envoy's
+# message_timeout (failure_mode_allow then forwards requests unadmitted). A real request has a few per message,
+# part or tool: this many is beyond any context window.
+MAX_JSON_CONTAINERS = 20_000
 
 
 class Endpoint:
@@ -113,6 +118,11 @@ def parse_body(raw: bytes, endpoint: Endpoint, class_field: str,
     if stream is not None and not isinstance(stream, bool):
         raise BadRequest("`stream` must be true or false.", "stream")
     body.stream = bool(stream)
+    # Checked here, as vLLM would, so the answer does not depend on whether the gateway rewrites it (a learned
+    # stream gets include_usage added): `"stream_options": "yes"` got 200 or 400 by chance.
+    if doc.get("stream_options") is not None and not isinstance(doc["stream_options"], dict):
+        raise BadRequest(f"`stream_options` must be an object, got {_show(doc['stream_options'])}.",
+                         "stream_options")
     _read_claim(body, class_field, class_names)
     return body
 
@@ -125,6 +135,7 @@ def load_json_object(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object no deeper than MAX_JSON_DEPTH, or BadRequest."""
     if not raw:
         raise empty_body()
+    containers = _bound_containers(raw)
     try:
         doc = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
@@ -132,9 +143,30 @@ def load_json_object(raw: bytes) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise BadRequest("The request body must be a JSON object.", code="invalid_json")
     # Depth cannot exceed the number of brackets: only bodies with many of them need the walk.
-    if raw.count(b"{") + raw.count(b"[") > MAX_JSON_DEPTH and json_depth(doc) > MAX_JSON_DEPTH:
+    if containers > MAX_JSON_DEPTH and json_depth(doc) > MAX_JSON_DEPTH:
         raise BadRequest(say(R_JSON_TOO_DEEP, depth=MAX_JSON_DEPTH), code=R_JSON_TOO_DEEP)
     return doc
+
+
+def _bound_containers(raw: bytes) -> int:
+    """Refuse a body with more than MAX_JSON_CONTAINERS objects and arrays before it is parsed, in C-speed passes
+    over the bytes: brackets are counted outside strings only when the raw count is over the limit (source code in
+    a prompt has many). UTF-16/32 bodies are counted once decoded. Returns the count (an upper bound on depth)."""
+    count = raw.count(b"{") + raw.count(b"[")
+    if count <= MAX_JSON_CONTAINERS:
+        return count
+    outside = _outside_strings(raw)
+    count = outside.count(b"{") + outside.count(b"[")
+    if count > MAX_JSON_CONTAINERS:
+        raise BadRequest(say(R_JSON_TOO_MANY, count=count, limit=MAX_JSON_CONTAINERS), code=R_JSON_TOO_MANY)
+    return count
+
+
+def _outside_strings(raw: bytes) -> bytes:
+    """The JSON text with its strings' contents removed. Escaped backslashes go first, then escaped quotes, so
+    every quote left delimits a string (valid JSON has no backslash outside strings)."""
+    plain = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    return b"".join(plain.split(b'"')[0::2])
 
 
 def _loads_other_unicode(raw: bytes, error: orjson.JSONDecodeError) -> Any:
@@ -143,9 +175,15 @@ def _loads_other_unicode(raw: bytes, error: orjson.JSONDecodeError) -> Any:
     encoding = json.detect_encoding(raw)
     if encoding != "utf-8":
         try:
-            return orjson.loads(raw.decode(encoding))
-        except (UnicodeDecodeError, orjson.JSONDecodeError):
-            pass
+            text = raw.decode(encoding)
+        except UnicodeDecodeError:
+            text = None
+        if text is not None:
+            _bound_containers(text.encode("utf-8"))
+            try:
+                return orjson.loads(text)
+            except orjson.JSONDecodeError:
+                pass
     if "UTF-8" in str(error):
         raise BadRequest("The request body is not valid UTF-8 (JSON bodies must be UTF-8, or UTF-16/32 with a "
                          "byte order mark).", code="invalid_json") from None
@@ -190,7 +228,7 @@ def _prompt_count(prompt: Any) -> int:
 
 
 def _positive_int(doc: dict[str, Any], field: str) -> int | None:
-    value = doc.get(field)
+    value = _whole(doc.get(field))
     if value is None:
         return None
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -204,10 +242,17 @@ def _show(value: Any) -> str:
     return orjson.dumps(value).decode()[:40] if isinstance(value, (str, int, float, bool)) else type(value).__name__
 
 
+def _whole(value: Any) -> Any:
+    """A whole-number float (`10.0`) as the int it is: vLLM's pydantic models take it, so the gateway does too."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
+
+
 def _read_claim(body: RequestBody, class_field: str, class_names) -> None:
     """The class a body claims, and vLLM's `priority`: both are ours, so neither reaches vLLM as sent."""
     doc = body.doc
-    claim = doc.get(class_field)
+    claim = _whole(doc.get(class_field))
     if isinstance(claim, str):
         body.claimed_class = claim.strip().lower()
     elif claim is not None and (not isinstance(claim, int) or isinstance(claim, bool)):

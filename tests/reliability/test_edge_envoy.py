@@ -225,6 +225,10 @@ def nested(depth: int) -> dict:
      b"]" * (MAX_JSON_DEPTH + 5) + b"}", 400, "json_too_deep"),
     ("a deep tools[].function.parameters", json.dumps(nested(400)).encode(), 400, "json_too_deep"),
     ("a tool schema just past the limit", json.dumps(nested(MAX_JSON_DEPTH)).encode(), 400, "json_too_deep"),
+    ("30,000 empty arrays (a parse that stalled the loop past message_timeout)",
+     b'{"model": "llama-70b", "messages": [' + b",".join([b"[]"] * 30000) + b"]}", 400, "json_too_many_containers"),
+    ("30,000 brackets inside a prompt are text", json.dumps(chat(messages=[{"role": "user", "content": "[{" * 15000}]
+                                                                 )).encode(), 200, None),
     ("messages: a string", json.dumps(chat(messages="hi")).encode(), 200, None),
     ("n: \"many\"", json.dumps(chat(n="many")).encode(), 400, "n"),
     ("n: 0", json.dumps(chat(n=0)).encode(), 400, "n"),

@@ -175,6 +175,19 @@ def test_tenant_token_limit_is_corrected_by_real_usage(clock):
         == ACCEPT  # 450 tokens refunded
 
 
+def test_a_request_that_produced_nothing_does_not_cost_the_tenant_its_bucket(clock):
+    # Charged prompt + max_tokens up front and refunded only from the usage read; a 400 from the replica (max_tokens
+    # past its context) has none, and max_tokens 2**31 locked the tenant out for 36 hours (a hostile-client audit).
+    core = tenant_core(clock, tokens_per_minute=1000, burst_s=60)
+    huge = core.decide(RequestFacts(api_key="k", model="llama", max_tokens=2**31 - 1, header_class="batch"))
+    assert huge.kind == ACCEPT
+    blocked = core.decide(RequestFacts(api_key="k", model="llama", max_tokens=10, header_class="batch"))
+    assert blocked.kind == REJECT and blocked.retry_after <= 120  # the debt is at most one bucket
+    core.finish(huge.ticket, Outcome.OK)
+    core.report(huge.ticket.id, Completion(Outcome.OK, 400, 0.01, 0.01))  # the replica refused it: no usage
+    assert core.decide(RequestFacts(api_key="k", model="llama", max_tokens=10, header_class="batch")).kind == ACCEPT
+
+
 def session_core(clock):
     return AdmissionController(make_policy(
         classes={"batch": {"max_concurrency": 100}}, default_class="batch",

@@ -10,8 +10,8 @@ from extproc.policy.admission import (ACCEPT, DEGRADE, INVALID, REJECT, R_INVALI
 from extproc.policy.classify import Classifier, ConflictingKeys, presented_key
 from extproc.policy.cost import CostModel, text_size
 from extproc.policy.schema import CostSpec, PolicyError
-from extproc.server.openai import (CHAT, ENDPOINTS, INVOCATIONS, MAX_JSON_DEPTH, POOLING, RESPONSES, BadRequest,
-                                   degrade_body, json_depth, load_json_object, parse_body)
+from extproc.server.openai import (CHAT, ENDPOINTS, INVOCATIONS, MAX_JSON_CONTAINERS, MAX_JSON_DEPTH, POOLING,
+                                   RESPONSES, BadRequest, degrade_body, json_depth, load_json_object, parse_body)
 from tests.conftest import make_policy
 
 
@@ -152,6 +152,25 @@ def test_nesting_past_the_limit_is_a_400(depth, ok):
     assert e.value.code in ("json_too_deep", "invalid_json")
 
 
+def test_a_body_of_too_many_objects_and_arrays_is_refused_before_it_is_parsed():
+    # 1.4 million empty arrays in 4 MiB: over a second of parse and walks on the event loop, past Envoy's
+    # message_timeout, and failure_mode_allow forwarded requests unadmitted meanwhile (a hostile-client audit).
+    for item in (b"[]", b"{}", b'{"role": "user", "content": "x"}'):
+        raw = b'{"model": "m", "messages": [' + b",".join([item] * (MAX_JSON_CONTAINERS + 1)) + b"]}"
+        with pytest.raises(BadRequest) as e:
+            load_json_object(raw)
+        assert e.value.code == "json_too_many_containers" and str(MAX_JSON_CONTAINERS) in e.value.message
+    # Brackets in strings are text, escaped quotes and backslashes included; the limit itself is accepted.
+    text = '\\"[' * (MAX_JSON_CONTAINERS + 1)
+    doc = {"model": "m", "messages": [{"role": "user", "content": text}], "stop": ["[{"] * 10}
+    assert load_json_object(json.dumps(doc).encode()) == doc
+    raw = b'{"model": "m", "x": [' + b",".join([b"[]"] * (MAX_JSON_CONTAINERS - 2)) + b"]}"  # with the outer two
+    assert len(load_json_object(raw)["x"]) == MAX_JSON_CONTAINERS - 2
+    utf16 = json.dumps({"model": "m", "x": [[]] * (MAX_JSON_CONTAINERS + 1)}).encode("utf-16")
+    with pytest.raises(BadRequest):
+        load_json_object(utf16)
+
+
 def test_invocations_takes_the_shape_its_body_names():
     assert parse_body(b'{"model": "m", "messages": []}', INVOCATIONS, "priority", {"a"}).endpoint is CHAT
     assert parse_body(b'{"model": "m", "input": "x"}', INVOCATIONS, "priority", {"a"}).endpoint is POOLING
@@ -170,3 +189,21 @@ def test_every_endpoint_group_has_a_policy_switch_except_audio():
     groups = {e.group for e in ENDPOINTS.values()}
     policy = make_policy()
     assert {g for g in groups if not hasattr(policy.endpoints, g)} == {"audio"}
+
+
+def test_whole_number_floats_are_taken_as_vllm_takes_them():
+    body = parse_body(b'{"model": "m", "max_tokens": 10.0, "n": 2.0, "priority": 1.0, "messages": []}', CHAT,
+                      "priority", {"a"})
+    assert (body.max_tokens, body.sequences) == (10, 2) and "priority" not in body.doc
+    with pytest.raises(BadRequest) as e:
+        parse_body(b'{"model": "m", "max_tokens": 10.5, "messages": []}', CHAT, "priority", {"a"})
+    assert e.value.param == "max_tokens"
+
+
+@pytest.mark.parametrize("options", [b'"yes"', b"[]", b"true", b"1"])
+def test_stream_options_that_are_not_an_object_are_refused_every_time(options):
+    # A learned stream gets include_usage added: the same invalid request got 200 or 400 by chance.
+    with pytest.raises(BadRequest) as e:
+        parse_body(b'{"model": "m", "stream": true, "messages": [], "stream_options": ' + options + b"}", CHAT,
+                   "priority", {"a"})
+    assert e.value.param == "stream_options"

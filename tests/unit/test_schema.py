@@ -90,3 +90,13 @@ def test_not_yaml_is_a_clear_error(tmp_path):
     with pytest.raises(PolicyError) as e:
         load_policy_file(str(bad))
     assert "not valid YAML" in e.value.errors[0]
+
+
+def test_a_queue_wait_envoy_would_not_wait_out_is_refused():
+    # Envoy's max_message_timeout (30 s) caps the ext_proc's extension of its timeout for a queued request; a
+    # longer max_wait_ms had the queued request forwarded unadmitted after message_timeout (0.5 s).
+    ok = {**BASE, "classes": {"a": {"max_concurrency": 1, "max_wait_ms": 29_000}}}
+    load_policy(ok)
+    too_long = {**BASE, "classes": {"a": {"max_concurrency": 1, "max_wait_ms": 29_001}}}
+    assert any("classes.a.max_wait_ms" in e and "29000" in e.replace(",", "").replace("_", "") for e in
+               errors_of(too_long)), errors_of(too_long)
