@@ -157,7 +157,8 @@ class PoolSpec:
                         "healthy headroom).", 1500, minimum=100)
     kv_saturated: float = doc("vllm:kv_cache_usage_perc at or above this is saturation.", 0.9, minimum=0.1,
                               maximum=1)
-    waiting_saturated: float = doc("vllm:num_requests_waiting per replica at or above this is saturation.", 1.0,
+    waiting_saturated: float = doc("vllm:num_requests_waiting per replica at or above this is saturation (0: "
+                                   "waiting requests are not a signal).", 1.0,
                                    minimum=0)
     limit: PoolLimitSpec = doc("The pool-wide limit (off unless enabled).", factory=PoolLimitSpec)
 
@@ -483,7 +484,34 @@ def load_policy(data: Any) -> Policy:
 
 def policy_warnings(p: Policy) -> list[str]:
     """Things that validate but are probably wrong: e.g. tenant rate limits that sum past the fleet."""
-    return _rate_limit_warnings(p) + _pool_warnings(p)
+    return _rate_limit_warnings(p) + _pool_warnings(p) + _slip_warnings(p)
+
+
+def _slip_warnings(p: Policy) -> list[str]:
+    """Values a user writes by mistake that still load (found by writing policies from the docs)."""
+    out = []
+    limited = any(pool.limit.enabled for pool in p.pools.values())
+    fair = any(c.fairness.mode != "fifo" for c in p.classes.values())
+    for name, c in p.classes.items():
+        if c.slo_p95_ms is not None and c.slo_p95_ms < 50:
+            out.append(f"classes.{name}.slo_p95_ms: {c.slo_p95_ms} ms; the SLO is in milliseconds "
+                       f"({c.slo_p95_ms * 1000} for {c.slo_p95_ms} s)")
+        a = c.adaptive
+        if a.enabled and not a.min_limit <= c.max_concurrency <= a.max_limit:
+            out.append(f"classes.{name}.max_concurrency: {c.max_concurrency} is outside adaptive.min_limit .. "
+                       f"max_limit ({a.min_limit} .. {a.max_limit}); the cap starts at the nearest bound")
+        if c.min_share and not limited:
+            out.append(f"classes.{name}.min_share: no pool has a `limit`, so the share guarantees nothing")
+    for pname, pool in p.pools.items():
+        if pool.stale_ms <= pool.scrape_interval_ms:
+            out.append(f"pools.{pname}.stale_ms: {pool.stale_ms} ms is not longer than scrape_interval_ms "
+                       f"({pool.scrape_interval_ms} ms): readings go stale between scrapes and the pool counts as "
+                       "saturated; give it a few intervals (e.g. 10x)")
+    for t in p.tenants:
+        if t.guaranteed_share and not fair:
+            out.append(f"tenants.{t.name}.guaranteed_share: no class has `fairness.mode: fair` (or "
+                       "round_robin), so the share guarantees nothing")
+    return out
 
 
 def _rate_limit_warnings(p: Policy) -> list[str]:
@@ -505,9 +533,19 @@ def _rate_limit_warnings(p: Policy) -> list[str]:
 
 
 def _pool_warnings(p: Policy) -> list[str]:
-    return [f"pools.{name}: names neither `replicas` nor `envoy_admin`, so nothing is scraped and its limit (and "
-            "the adaptive caps on it) run on latency only: list the vLLM replicas as HOST:PORT in `replicas`, or "
-            "set `envoy_admin` to read them from Envoy" for name, pool in p.pools.items() if not pool.scraped]
+    fix = "list the vLLM replicas as HOST:PORT in `replicas`, or set `envoy_admin` to read them from Envoy"
+    slo = any(c.slo_p95_ms for c in p.classes.values())
+    out = []
+    for name, pool in p.pools.items():
+        if pool.scraped:
+            continue
+        if pool.limit.enabled and not slo:
+            out.append(f"pools.{name}: names neither `replicas` nor `envoy_admin` and no class has `slo_p95_ms`, "
+                       f"so its limit has nothing to move on and stays at its `max`: {fix}, or give a class an SLO")
+        else:
+            out.append(f"pools.{name}: names neither `replicas` nor `envoy_admin`, so nothing is scraped and its "
+                       f"limit (and the adaptive caps on it) run on latency only: {fix}")
+    return out
 
 
 def load_policy_file(path: str) -> Policy:

@@ -193,10 +193,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except (ValueError, OSError, yaml.YAMLError) as e:  # a bad --pool, a missing --source: one line, no traceback
+        print(f"extproc envoy-config: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     pools = {}
     for spec in args.pool:
         name, _, eps = spec.partition("=")
-        pools[name] = [_endpoint(e) for e in eps.split(",") if e]
+        try:
+            pools[name] = [_endpoint(e) for e in eps.split(",") if e]
+        except ValueError:
+            raise ValueError(f"--pool {spec!r}: expected CLUSTER=HOST:PORT[,HOST:PORT]") from None
     if not pools:
         print("at least one --pool CLUSTER=HOST:PORT is required", file=sys.stderr)
         return 2

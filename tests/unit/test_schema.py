@@ -100,3 +100,17 @@ def test_a_queue_wait_envoy_would_not_wait_out_is_refused():
     too_long = {**BASE, "classes": {"a": {"max_concurrency": 1, "max_wait_ms": 29_001}}}
     assert any("classes.a.max_wait_ms" in e and "29000" in e.replace(",", "").replace("_", "") for e in
                errors_of(too_long)), errors_of(too_long)
+
+
+def test_slips_that_load_are_warned_about():
+    from extproc.policy.schema import policy_warnings
+    p = load_policy({**BASE, "classes": {
+        "a": {"max_concurrency": 30, "slo_p95_ms": 2, "min_share": 0.2,
+              "adaptive": {"enabled": True, "max_limit": 8}}},
+        "pools": {"c": {"scrape_interval_ms": 500, "stale_ms": 500, "replicas": ["h:1"]}},
+        "tenants": [{"name": "t", "api_keys": ["k"], "guaranteed_share": 0.5}]})
+    text = "\n".join(policy_warnings(p))
+    for expected in ("classes.a.slo_p95_ms: 2 ms", "classes.a.max_concurrency: 30 is outside",
+                     "classes.a.min_share: no pool has a `limit`", "pools.c.stale_ms: 500 ms",
+                     "tenants.t.guaranteed_share: no class"):
+        assert expected in text, text
