@@ -72,3 +72,11 @@ def test_the_what_if_reads_the_policys_headers_and_refuses_unknown_callers(tmp_p
     for r in res.records:
         statuses.setdefault(r.kind, set()).add(r.status)
     assert statuses["batch"] == {401} and 401 not in statuses["interactive"], statuses
+
+
+def test_the_shipped_names_work_from_any_directory(tmp_path, monkeypatch):
+    from extproc.tools.demo.modes import parse_modes, repo_path, with_policies
+    monkeypatch.chdir(tmp_path)
+    (d,) = with_policies(parse_modes("d"), {})
+    assert Path(d.policy).is_file() and Path(repo_path("scenarios/spike.yaml")).is_file()
+    assert repo_path("mine.yaml") == "mine.yaml"  # not shipped: as given, for the error to name it

@@ -13,7 +13,7 @@ from pathlib import Path
 from .baselines import admitter_for
 from extproc.policy.schema import PolicyError
 
-from .modes import DEFAULT_MODES, MODES, Mode, parse_modes, with_policies
+from .modes import DEFAULT_MODES, MODES, Mode, parse_modes, repo_path, with_policies
 from .report import tables, write_report
 from .results import WindowStats, adaptive_targets, calm_windows, scenario_stats, spike_windows, targets
 from .runner import ModeResult, RunSettings, run_mode
@@ -53,7 +53,7 @@ def what_if_stats(scenario: Scenario, modes: str) -> dict[str, dict[str, WindowS
 
 
 def load_scenario(args: argparse.Namespace) -> Scenario:
-    scenario = Scenario.load(args.scenario)
+    scenario = Scenario.load(repo_path(args.scenario))
     for w in scenario.warnings:
         print(f"warning: {args.scenario}: {w}", file=sys.stderr)
     return scenario.shortened(args.phase_s) if args.phase_s else scenario

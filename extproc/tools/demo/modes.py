@@ -60,13 +60,25 @@ def parse_modes(text: str) -> list[Mode]:
     return [MODES[k] for k in keys]
 
 
+REPO = Path(__file__).resolve().parents[3]  # a checkout's root: policies/ and scenarios/ live there
+
+
+def repo_path(path: str) -> str:
+    """`path` as given when it exists from here, else from the checkout's root: the shipped `policies/...` and
+    `scenarios/...` names then work from any directory."""
+    if Path(path).exists() or Path(path).is_absolute() or not (REPO / path).exists():
+        return path
+    return str(REPO / path)
+
+
 def with_policies(modes: list[Mode], policies: dict[str, str]) -> list[Mode]:
     """The modes with the policy files a scenario names for them (its `policies:`, mode key -> file)."""
     wrong = [k for k in policies if k not in MODES or not MODES[k].policy]
     if wrong:
         raise ValueError(f"policies: {', '.join(wrong)} are not ext_proc modes "
                          f"({', '.join(k for k, m in MODES.items() if m.policy)})")
-    return [replace(m, policy=policies[m.key]) if m.key in policies else m for m in modes]
+    chosen = [replace(m, policy=policies[m.key]) if m.key in policies else m for m in modes]
+    return [replace(m, policy=repo_path(m.policy)) if m.policy else m for m in chosen]
 
 
 def scale_durations(data: Any, speed: float, unscaled: frozenset[str] = UNSCALED_POLICY_KEYS) -> Any:
