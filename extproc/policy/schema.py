@@ -474,9 +474,16 @@ def load_policy(data: Any) -> Policy:
     """Build a Policy from parsed YAML, or raise PolicyError listing every problem with its key path."""
     errors: list[str] = []
     policy = _build(Policy, data, "", errors)
-    if policy is not None and not errors:
-        _check_references(policy, errors)
-        _check_pools(policy, errors)
+    if policy is not None:
+        # Cross-field rules too when some field is wrong: every problem at once, not a second round after the first
+        # is fixed. A part that failed to build may trip them; its own error is already listed.
+        checked = list(errors)
+        try:
+            _check_references(policy, checked)
+            _check_pools(policy, checked)
+        except (AttributeError, TypeError, KeyError, ValueError):
+            pass
+        errors[:] = list(dict.fromkeys(checked))
     if errors or policy is None:
         raise PolicyError(errors or ["(root): not a mapping"])
     return policy

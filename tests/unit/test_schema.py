@@ -114,3 +114,12 @@ def test_slips_that_load_are_warned_about():
                      "classes.a.min_share: no pool has a `limit`", "pools.c.stale_ms: 500 ms",
                      "tenants.t.guaranteed_share: no class"):
         assert expected in text, text
+
+
+def test_every_problem_is_listed_at_once():
+    # Cross-references were checked only once every field was valid: fixing two errors showed two new ones.
+    errors = errors_of({"classes": {"a": {"max_concurrency": -1},
+                                    "b": {"max_concurrency": 1, "fallback": {"action": "degrade", "model": "nope"}}},
+                        "models": {"m": {"cluster": "c"}}, "shed": {"zz": ["a"]}})
+    assert any("classes.a.max_concurrency" in e for e in errors)
+    assert any("classes.b.fallback.model" in e for e in errors) and any("shed.zz" in e for e in errors)
