@@ -558,7 +558,7 @@ class AdmissionController:
             self.hold_pool(ticket, gate, units)
         if charge is not None:
             if charge.tenant is not None and not charge.prepaid:
-                charge.tenant.charge(charge.tokens, now)
+                charge.tokens = charge.tenant.charge(charge.tokens, now)
             if charge.session is not None:
                 self.sessions.charge(charge.session, cost, now, rate=not charge.prepaid)
         self.tickets[ticket.id] = ticket
@@ -572,7 +572,7 @@ class AdmissionController:
         only on arrival and charged only on admission, a burst queued ahead of its tenant's limit and was
         served in full."""
         if charge.tenant is not None:
-            charge.tenant.charge(charge.tokens, now)
+            charge.tokens = charge.tenant.charge(charge.tokens, now)
         if charge.session is not None:
             self.sessions.charge_rate(charge.session, charge.estimate.gpu_seconds, now)
         charge.prepaid = True

@@ -36,9 +36,11 @@ class TokenBucket:
             return math.inf
         return (n - level) / self.rate
 
-    def take(self, n: float, now: float) -> None:
-        self.refill(now)
+    def take(self, n: float, now: float) -> float:
+        """Take `n` (down to the debt floor); returns what was taken, the most a refund may give back."""
+        before = self.refill(now)
         self.level = max(self.level - n, -self.capacity)
+        return before - self.level
 
     def give(self, n: float) -> None:
         self.level = min(self.capacity, self.level + n)
@@ -66,11 +68,14 @@ class TenantLimits:
                 return "tokens", wait
         return None, 0.0
 
-    def charge(self, tokens: int, now: float) -> None:
+    def charge(self, tokens: int, now: float) -> int:
+        """Returns the tokens taken: fewer than asked when the bucket's debt floor clipped them (later refunds and
+        corrections are relative to what was taken, so they cannot make up tokens the bucket never gave)."""
         if self.requests is not None:
             self.requests.take(1, now)
         if self.tokens is not None:
-            self.tokens.take(tokens, now)
+            return math.ceil(self.tokens.take(tokens, now))
+        return tokens
 
     def refund(self, tokens: int) -> None:
         """A request charged when it was queued that was never admitted (refused, shed, its client left)."""

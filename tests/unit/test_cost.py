@@ -185,7 +185,10 @@ def test_a_request_that_produced_nothing_does_not_cost_the_tenant_its_bucket(clo
     assert blocked.kind == REJECT and blocked.retry_after <= 120  # the debt is at most one bucket
     core.finish(huge.ticket, Outcome.OK)
     core.report(huge.ticket.id, Completion(Outcome.OK, 400, 0.01, 0.01))  # the replica refused it: no usage
-    assert core.decide(RequestFacts(api_key="k", model="llama", max_tokens=10, header_class="batch")).kind == ACCEPT
+    d = core.decide(RequestFacts(api_key="k", model="llama", max_tokens=10, header_class="batch"))
+    assert d.kind == ACCEPT
+    # Given back exactly what was taken (down to the debt floor), not the 2**31 asked: the bucket is where it was.
+    assert dict(d.headers)["x-ratelimit-remaining-tokens"] == str(1000 - d.charge.tokens)
 
 
 def session_core(clock):
