@@ -38,7 +38,12 @@ class TokenBucket:
 
     def take(self, n: float, now: float) -> float:
         """Take `n` (down to the debt floor); returns what was taken, the most a refund may give back."""
-        before = self.refill(now)
+        self.refill(now)
+        return self.debit(n)
+
+    def debit(self, n: float) -> float:
+        """Take `n` without refilling first, down to -capacity at most; returns what was taken."""
+        before = self.level
         self.level = max(self.level - n, -self.capacity)
         return before - self.level
 
@@ -90,7 +95,7 @@ class TenantLimits:
             if actual < charged:
                 self.tokens.give(charged - actual)
             else:
-                self.tokens.level = max(self.tokens.level - (actual - charged), -self.tokens.capacity)
+                self.tokens.debit(actual - charged)
 
     def headers(self, now: float) -> list[tuple[str, str]]:
         out = []

@@ -477,13 +477,11 @@ def load_policy(data: Any) -> Policy:
     if policy is not None:
         # Cross-field rules too when some field is wrong: every problem at once, not a second round after the first
         # is fixed. A part that failed to build may trip them; its own error is already listed.
-        checked = list(errors)
         try:
-            _check_references(policy, checked)
-            _check_pools(policy, checked)
+            _check_references(policy, errors)
+            _check_pools(policy, errors)
         except (AttributeError, TypeError, KeyError, ValueError):
             pass
-        errors[:] = list(dict.fromkeys(checked))
     if errors or policy is None:
         raise PolicyError(errors or ["(root): not a mapping"])
     return policy

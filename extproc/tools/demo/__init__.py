@@ -34,7 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--what-if", action="store_true",
                    help="no processes: every mode against engine models in simulated time (policies through the "
                         "real core, the Envoy-only modes modelled; seconds; for tuning a policy, see docs/demo.md)")
-    p.add_argument("--show-limits", action="store_true", help="with --what-if: print every move of the class caps and of each pool-wide limit (pool:NAME, in its unit)")
+    p.add_argument("--show-limits", action="store_true",
+                   help="with --what-if: print every move of the class caps and of each pool-wide limit (pool:NAME, "
+                        "in its unit)")
 
 
 def mode_stats(res: ModeResult, scenario: Scenario) -> dict[str, WindowStats]:
@@ -144,15 +146,9 @@ async def _main(args: argparse.Namespace, command: str) -> int:
 def run(args: argparse.Namespace) -> int:
     import uvloop
 
-    if args.what_if:
-        try:
-            return what_if_tables(args)
-        except (ValueError, PolicyError, OSError) as e:
-            return _bad_input(e)
-
     command = "extproc demo " + shlex.join(sys.argv[2:]) if sys.argv[1:2] == ["demo"] else "extproc demo"
     try:
-        return uvloop.run(_main(args, command))
+        return what_if_tables(args) if args.what_if else uvloop.run(_main(args, command))
     except (ValueError, PolicyError, OSError) as e:  # a scenario, policy or mode the run cannot start from
         return _bad_input(e)
     except (KeyboardInterrupt, asyncio.CancelledError):

@@ -64,7 +64,7 @@ def failed(r: RequestRecord) -> bool:
 
 def served_latency(r: RequestRecord, timeout_s: float) -> float | None:
     """End-to-end latency of a request the fleet took on: completed, or timed out (counted at the timeout)."""
-    if r.status in REFUSED or failed(r):
+    if r.status >= 400:  # refused (REFUSED) or failed: no service, no latency
         return None
     if r.error == "timeout":
         return timeout_s
@@ -72,7 +72,7 @@ def served_latency(r: RequestRecord, timeout_s: float) -> float | None:
 
 
 def first_token(r: RequestRecord, timeout_s: float) -> float | None:
-    if r.status in REFUSED or failed(r):
+    if r.status >= 400:  # refused or failed
         return None
     if r.ttft is not None:
         return r.ttft
