@@ -387,6 +387,9 @@ class _CoreGauges:
                                "replicas (0-1).", labels=["pool"])
         waiting = GaugeMetricFamily("extproc_pool_waiting", "Highest vllm:num_requests_waiting among the pool's "
                                     "replicas.", labels=["pool"])
+        stalled = GaugeMetricFamily("extproc_pool_stalled_replicas", "Replicas that hold requests while their "
+                                    "token counters stood still for the pool's stall_ms (a hung engine).",
+                                    labels=["pool"])
         now = self._core.clock()
         for pool in list(self._core.saturation):
             s = self._core.pool_reading(pool, now)  # one nobody refreshes is not shown (nor used)
@@ -395,7 +398,8 @@ class _CoreGauges:
             sat.add_metric([pool], float(s.saturated))
             kv.add_metric([pool], s.kv_usage)
             waiting.add_metric([pool], s.waiting)
-        yield from (sat, kv, waiting)
+            stalled.add_metric([pool], s.stalled)
+        yield from (sat, kv, waiting, stalled)
         limit = GaugeMetricFamily("extproc_pool_limit", "The pool-wide limit now, in its unit (tokens: prompt + "
                                   "expected output of the requests held; requests).", labels=["pool", "unit"])
         held = GaugeMetricFamily("extproc_pool_inflight", "What each class holds of the pool-wide limit, in its "

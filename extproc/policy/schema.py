@@ -160,6 +160,11 @@ class PoolSpec:
     waiting_saturated: float = doc("vllm:num_requests_waiting per replica at or above this is saturation (0: "
                                    "waiting requests are not a signal).", 1.0,
                                    minimum=0)
+    stall_ms: int = doc("A replica that holds requests (running or waiting) while its token counters "
+                        "(vllm:prompt_tokens_total + vllm:generation_tokens_total) stand still this long is "
+                        "reported stalled (extproc_pool_stalled_replicas, a warning log): a wedged engine whose "
+                        "HTTP server still answers. Keep it above your longest prefill on an otherwise idle "
+                        "replica (0: off).", 30000, minimum=0)
     limit: PoolLimitSpec = doc("The pool-wide limit (off unless enabled).", factory=PoolLimitSpec)
 
     @property

@@ -4,9 +4,10 @@ vLLM knows it is saturated before any latency shows it: requests waiting in its 
 full, preemptions. Reading them every ~200 ms lets adaptive caps react to in-flight growth at once instead of
 waiting for slow completions. A replica that cannot be read is counted as saturated, not as headroom: one that did
 not answer, answered too much, or answered without the series admission needs (or with values that are not finite
-and non-negative) keeps its last good reading, which counts as saturated once older than `stale_ms`. A pool that
-names nothing to scrape (no replicas, no Envoy admin) is not scraped at all: it has no saturation signal, and its
-limit and adaptive caps run on latency alone.
+and non-negative) keeps its last good reading, which counts as saturated once older than `stale_ms`. A replica
+that holds requests while its token counters stand still for `stall_ms` (a wedged engine whose HTTP server still
+answers) is reported as stalled. A pool that names nothing to scrape (no replicas, no Envoy admin) is not scraped
+at all: it has no saturation signal, and its limit and adaptive caps run on latency alone.
 """
 
 from __future__ import annotations
@@ -26,7 +27,11 @@ from ..policy.schema import PoolSpec
 log = logging.getLogger("extproc.saturation")
 
 _WANTED = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
-           "vllm:kv_cache_usage_perc": "kv", "vllm:num_preemptions_total": "preemptions"}
+           "vllm:kv_cache_usage_perc": "kv", "vllm:num_preemptions_total": "preemptions",
+           "vllm:prompt_tokens_total": "tokens", "vllm:generation_tokens_total": "tokens"}
+# The token counters are progress: a replica that holds requests while neither moves is stalled (`stall_ms`).
+# Optional: without them (an older vLLM, another server) the stall rule is off for that replica.
+_PROGRESS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
 # Without these a scrape says nothing about load. vLLM 0.32 (tests/fixtures/vllm/metrics.txt) emits all four; the
 # older name vllm:gpu_cache_usage_perc is gone from it and is not read.
 _REQUIRED = ("vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
@@ -49,8 +54,9 @@ class UnreadableMetrics(ValueError):
 
 def parse_vllm_metrics(body: bytes | str) -> dict[str, float]:
     """The few vLLM series admission reads, summed over label sets (one engine may serve several names); the KV
-    cache usage is the highest. Raises UnreadableMetrics when a required series is missing, a sample line of a
-    read series is malformed, or a value is not finite and non-negative."""
+    cache usage is the highest; `tokens` is prompt + generated tokens so far (NaN when neither counter is there).
+    Raises UnreadableMetrics when a required series is missing, a sample line of a read series is malformed, or a
+    value is not finite and non-negative."""
     if isinstance(body, str):
         body = body.encode()
     out = dict.fromkeys(_WANTED.values(), 0.0)
@@ -70,6 +76,8 @@ def parse_vllm_metrics(body: bytes | str) -> dict[str, float]:
     missing = [n for n in _REQUIRED if n not in seen]
     if missing:
         raise UnreadableMetrics(f"no {' or '.join(missing)} in /metrics")
+    if not any(n in seen for n in _PROGRESS):
+        out["tokens"] = math.nan
     return out
 
 
@@ -91,7 +99,8 @@ class ScrapedReplica:
     """One replica as its scrapes saw it: the last good metrics and when they were read, the preemption counter to
     diff, and when its being unreadable was last logged."""
 
-    __slots__ = ("address", "metrics", "at", "preemptions", "complained_at", "failing")
+    __slots__ = ("address", "metrics", "at", "preemptions", "complained_at", "failing", "tokens", "progressed_at",
+                 "stalled")
 
     def __init__(self, address: str):
         self.address = address
@@ -100,6 +109,9 @@ class ScrapedReplica:
         self.preemptions: float | None = None
         self.complained_at = -math.inf
         self.failing = False  # its being unreadable was logged, and it has not been read since
+        self.tokens = math.nan  # its token counters' sum at the last scrape
+        self.progressed_at = -math.inf  # when it was last seen idle or with its token counters moving
+        self.stalled = False  # as last judged (logged when it changes)
 
 
 class PoolScraper:
@@ -177,6 +189,10 @@ class PoolScraper:
         r.preemptions = m["preemptions"]
         m["preempting"] = float(prev is not None and m["preemptions"] > prev)
         r.metrics, r.at = m, self.clock()
+        # Progress: idle, or a token counter moved (a smaller sum is a restarted replica), or no counters to judge.
+        before, r.tokens = r.tokens, m.get("tokens", math.nan)
+        if m["running"] + m["waiting"] == 0 or math.isnan(r.tokens) or r.tokens != before:
+            r.progressed_at = r.at
         if r.failing:
             r.failing = False
             log.info("pool %s: replica %s readable again", self.name, r.address)
@@ -193,6 +209,7 @@ class PoolScraper:
             if m is None or r.at < stale:
                 sat.saturated = True
                 continue
+            sat.stalled += self._stalled(r, now)
             sat.kv_usage = max(sat.kv_usage, m["kv"])
             sat.waiting = max(sat.waiting, m["waiting"])
             sat.running += m["running"]
@@ -201,6 +218,23 @@ class PoolScraper:
                 or sat.preempting:
             sat.saturated = True
         return sat
+
+    def _stalled(self, r: ScrapedReplica, now: float) -> bool:
+        """Whether r holds requests and its token counters stood still for `stall_ms`: reported (a gauge, a log
+        line), for an operator to restart it. Admission reads it as before: the queue a hung engine builds
+        (Envoy still routes to it while its /health answers) reads as saturation, so the pool takes less; leaving
+        its readings out instead sent more requests into it (least-request picks it once the others hold more)."""
+        stalled = (self.spec.stall_ms > 0 and math.isfinite(r.progressed_at)  # not judged before its first record
+                   and now - r.progressed_at > self.spec.stall_ms / 1000.0)
+        if stalled != r.stalled:
+            r.stalled = stalled
+            if stalled:
+                log.warning("pool %s: replica %s holds %d requests and generated nothing for %d ms: stalled (a "
+                            "restart is needed; Envoy still routes to it while its /health answers)", self.name,
+                            r.address, r.metrics["running"] + r.metrics["waiting"], 1000 * (now - r.progressed_at))
+            else:
+                log.info("pool %s: replica %s is making progress again", self.name, r.address)
+        return stalled
 
     async def _discover(self) -> None:
         """Take the pool's endpoints from Envoy's admin API (Envoy is the source of truth for membership)."""

@@ -197,3 +197,27 @@ async def test_fault_injection_extra_latency(fleet, http):
     async with http.post(url + "/v1/completions", json={**COMPLETION, "max_tokens": 1}) as resp:
         assert resp.status == 200
     assert loop.time() - start >= 0.19
+
+
+async def test_a_hung_engine_holds_its_requests_with_its_counters_still_and_goes_on_when_released(fleet, http):
+    url = fleet.urls[0]
+    async with http.post(url + "/sim/fault", json={"hang": 1}) as resp:
+        assert (await resp.json())["hang"] == 1.0
+    request = asyncio.ensure_future(http.post(url + "/v1/completions", json=COMPLETION))
+    await asyncio.sleep(0.3)  # 15 simulated seconds: a 7-token answer takes well under one
+    assert not request.done()
+    async with http.get(url + "/sim/state") as resp:
+        state = await resp.json()
+    assert state["waiting"] + state["running"] == 1 and state["generation_tokens"] == 0
+    async with http.get(url + "/health") as resp:
+        assert resp.status == 200  # the server answers: only the engine is stuck
+    async with http.get(url + "/metrics") as resp:
+        text = await resp.text()
+    assert 'vllm:generation_tokens_total{engine="0"' in text and "vllm:prompt_tokens_total" in text
+    counters = [line for line in text.splitlines() if line.startswith(("vllm:generation_tokens_total",
+                                                                       "vllm:prompt_tokens_total"))]
+    assert all(line.endswith(" 0.0") or line.endswith(" 0") for line in counters), counters
+    async with http.post(url + "/sim/fault", json={"reset": True}) as resp:
+        assert resp.status == 200
+    async with await asyncio.wait_for(request, 5) as resp:
+        assert resp.status == 200 and (await resp.json())["usage"]["completion_tokens"] == 7

@@ -80,7 +80,7 @@ def test_reacts_within_seconds_to_a_spike():
 
 def test_scrape_parsing_reads_the_real_vllm_metrics_fixture():
     m = parse_vllm_metrics((FIXTURES / "metrics.txt").read_text())
-    assert set(m) == {"running", "waiting", "kv", "preemptions"}
+    assert set(m) == {"running", "waiting", "kv", "preemptions", "tokens"}
     assert all(v >= 0 for v in m.values()) and m["kv"] <= 1.0
 
 

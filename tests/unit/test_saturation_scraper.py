@@ -79,7 +79,7 @@ def only_replica(scraper: PoolScraper):
 
 def test_the_real_vllm_metrics_are_read():
     m = parse_vllm_metrics(real_metrics_with(waiting="3.0", kv="0.42", running="2.0"))
-    assert m == {"running": 2.0, "waiting": 3.0, "kv": 0.42, "preemptions": 0.0}
+    assert m == {"running": 2.0, "waiting": 3.0, "kv": 0.42, "preemptions": 0.0, "tokens": 2341.0 + 8193.0}
 
 
 def test_a_replica_serving_the_real_vllm_metrics_is_read_and_not_saturated():
@@ -293,3 +293,56 @@ def test_label_values_may_hold_spaces_braces_and_escaped_quotes():
                            b'vllm:num_requests_waiting_by_reason{reason="capacity"} 99\n'
                            b'vllm:kv_cache_usage_perc 0.5\n')
     assert m["waiting"] == 5.0 and m["kv"] == 0.5
+
+
+# --- a replica that holds requests and makes no progress (a wedged engine whose HTTP server still answers) ---
+
+def reading(running=0.0, waiting=0.0, tokens=0.0) -> dict:
+    return {"running": running, "waiting": waiting, "kv": 0.1, "preemptions": 0.0, "tokens": tokens}
+
+
+def stall_run(readings, stall_ms=3000, every_s=1.0):
+    """Feed one replica these readings, one scrape each `every_s`; what the pool read after each."""
+    clock = FakeClock()
+    scraper = PoolScraper(RecordingCore(), "pool_a", PoolSpec(replicas=["r:1"], stall_ms=stall_ms), None,
+                          clock=clock)
+    out = []
+    for m in readings:
+        scraper.record(scraper.replicas["r:1"], m)
+        sat = scraper.aggregate(clock())
+        out.append((sat.saturated, sat.stalled))
+        clock.advance(every_s)
+    return out
+
+
+def test_a_replica_holding_requests_with_its_token_counters_still_is_stalled_after_stall_ms(caplog):
+    caplog.set_level(logging.INFO, logger="extproc.saturation")
+    busy = [reading(running=2, tokens=100 + 10 * i) for i in range(3)]  # moving: 3 s
+    hung = [reading(running=3, tokens=120.0)] * 6  # still from the 3rd reading on
+    moving_again = [reading(running=2, tokens=130.0)]
+    states = stall_run(busy + hung + moving_again)
+    assert states == [(False, 0)] * 6 + [(False, 1)] * 3 + [(False, 0)]  # still since t=2: stalled past t=5
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("stalled" in m for m in messages) == 1 and "holds 3 requests" in messages[0]
+    assert sum("progress again" in m for m in messages) == 1
+
+
+def test_an_idle_replica_is_never_stalled_however_long_its_counters_stand_still():
+    assert stall_run([reading(tokens=500.0)] * 10) == [(False, 0)] * 10
+
+
+def test_a_restarted_replica_whose_counters_fell_is_progress_not_a_stall():
+    states = stall_run([reading(running=1, tokens=9000.0)] * 3 + [reading(running=1, tokens=5.0)] * 3)
+    assert states == [(False, 0)] * 6
+
+
+def test_without_token_counters_or_with_stall_ms_0_the_stall_rule_is_off():
+    no_counters = [reading(running=3, tokens=float("nan"))] * 10
+    assert stall_run(no_counters) == [(False, 0)] * 10
+    assert stall_run([reading(running=3, tokens=7.0)] * 10, stall_ms=0) == [(False, 0)] * 10
+
+
+def test_metrics_without_token_counters_are_still_read_with_the_stall_rule_off():
+    body = re.sub(rb"^vllm:(prompt|generation)_tokens_total\{.*\n", b"", real_metrics_with(running="2.0"), flags=re.M)
+    m = parse_vllm_metrics(body)
+    assert m["running"] == 2.0 and m["tokens"] != m["tokens"]  # NaN

@@ -76,6 +76,7 @@ class _Pool:
         self.busy = [False] * replicas
         self.finished = 0
         self.draining: set[int] = set()  # replicas the load balancer no longer sends new requests to
+        self.hung: set[int] = set()  # replicas whose engine does not step (fault `hang`)
 
 
 class Admitter(Protocol):
@@ -127,7 +128,9 @@ class PolicyAdmitter:
                 for i, eng in enumerate(pool.engines):  # what the replica's /metrics would say, taken like a scrape
                     s.record(s.replicas[f"{name}/{i}"], {"running": float(len(eng.running)),
                                                         "waiting": float(len(eng.waiting)), "kv": eng.kv_usage,
-                                                        "preemptions": float(eng.stats.preemptions)})
+                                                        "preemptions": float(eng.stats.preemptions),
+                                                        "tokens": float(eng.stats.prompt_tokens
+                                                                        + eng.stats.generation_tokens)})
                 core.set_saturation(name, s.aggregate(clock()))
             timers.append((spec.scrape_interval_ms / 1000.0, scrape))
         if core.gates or any(lim.spec.adaptive.enabled for lim in core.limiters.values()):
@@ -190,7 +193,7 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
         heapq.heappush(events, (at, kind, order, payload))
 
     def kick(pool: _Pool, i: int) -> None:
-        if pool.busy[i]:
+        if pool.busy[i] or i in pool.hung:
             return
         duration = pool.engines[i].begin_iteration(clock[0])
         if duration is not None:
@@ -274,6 +277,12 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
                 pool.engines[payload.replica].slowdown = payload.fault["slowdown"]
             if payload.fault.get("draining"):  # out of the load balancer at once (Envoy: after its health checks)
                 pool.draining.add(payload.replica)
+            if "hang" in payload.fault:  # the engine stops stepping; Envoy still routes to it (its /health answers)
+                if payload.fault["hang"]:
+                    pool.hung.add(payload.replica)
+                else:
+                    pool.hung.discard(payload.replica)
+                    kick(pool, payload.replica)
 
     # Arrivals, earliest first: the scenario's, then each session's next call (or retry) once its previous one
     # ended (`ended`), `think_s` (or Retry-After) later.

@@ -134,7 +134,6 @@ class Engine:
                        priority=priority)
         self._next_id += 1
         self.waiting.append(seq)
-        self.stats.prompt_tokens += prompt_tokens
         return seq
 
     def abort(self, seq: Sequence, now: float) -> None:
@@ -185,6 +184,8 @@ class Engine:
                 continue  # a prefill chunk; more to compute before sampling
             seq.generated += 1
             self.stats.generation_tokens += 1
+            if seq.generated == 1:  # vLLM counts a prompt's tokens when its prefill is done (its first token)
+                self.stats.prompt_tokens += seq.prompt_tokens
             inter_token = None if seq.last_token is None else now - seq.last_token
             if seq.first_token is None:
                 seq.first_token = now

@@ -22,12 +22,16 @@ GENERATION_PATHS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS
 
 @dataclass
 class Faults:
-    """Injected misbehaviour (POST /sim/fault): added latency, random 500s, slower iterations, draining."""
+    """Injected misbehaviour (POST /sim/fault): added latency, random 500s, slower iterations, draining, a hung
+    engine."""
 
     extra_latency_s: float = 0.0  # simulated seconds before a request reaches the engine
     error_rate: float = 0.0  # fraction of generation requests answered with 500
     slowdown: float = 1.0  # multiplies every iteration's duration
     draining: float = 0.0  # 1: /health answers 503, so the load balancer takes the replica out; it still serves
+    # 1: the engine stops stepping (a wedged GPU or engine core): requests are taken and held, no token comes,
+    # /health and /metrics still answer, the token counters stand still. 0 again: it goes on where it stopped.
+    hang: float = 0.0
 
 
 class SimClock:
@@ -88,11 +92,12 @@ class Replica:
         loop = asyncio.get_running_loop()
         clock, engine = self._clock, self.engine
         while True:
-            if not engine.has_work:
+            if self.faults.hang or not engine.has_work:
                 self._wake.clear()
                 await self._wake.wait()
-                # Idle time passes in simulated time too; while busy, iterations follow each other exactly.
+                # Idle (or hung) time passes in simulated time too; while busy, iterations follow each other exactly.
                 self._sim_t = max(self._sim_t, clock.now())
+                continue
             duration = engine.begin_iteration(self._sim_t)
             if duration is None:  # nothing schedulable right now; wait for an arrival or abort
                 self._wake.clear()
@@ -176,6 +181,8 @@ class Replica:
             writer.send(400, error_body(400, f"bad fault: {exc}", "BadRequestError"))
             return
         self.engine.slowdown = self.faults.slowdown
+        if self._wake is not None:
+            self._wake.set()  # a hung engine goes on (or an idle one notices nothing)
         writer.send(200, json.dumps(asdict(self.faults)).encode())
 
     def _generation(self, kind: str, request: HttpRequest, writer: ResponseWriter) -> None:
