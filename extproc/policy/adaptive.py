@@ -6,7 +6,8 @@ does not bind, and re-measures its baseline by pinning concurrency low. Here the
  - the latency is the service time the replicas give (our own queue wait left out: under overload the wait is at
    its bound whatever the cap, and a limit that read it cut itself to its floor, issue 20 (1));
  - cut multiplicatively the moment the replicas say they are saturated (requests waiting in vLLM, KV cache nearly
-   full, preemptions, or stale metrics), or the short-window p95 approaches the SLO: reacts within one interval
+   full, preemptions, or stale metrics; again only once what is in flight is back under the cap: a queue that
+   does not drain must not cut it to its floor), or the short-window p95 approaches the SLO: reacts within one interval
    (also when the cap is far above what is in flight: a cap that starts too high must come down to where it binds;
    cutting only while it binds left the shifted-fleet what-if over its SLO, docs/adaptive.md);
  - after a latency cut, only requests admitted after it count: one slow period cuts once, not once per interval
@@ -99,6 +100,8 @@ class AdaptiveLimit:
         if yielding:  # strict priority: down to under what it holds at once, not a step at a time
             self.limit = max(spec.min_limit, min(self.limit, inflight) * spec.decrease)
             self.last_action = "cut_yield"
+        elif saturated and inflight > self.limit:
+            self.last_action = "hold"  # the last cut has not drained yet (see PoolLimit.update)
         elif saturated:
             self.limit = max(spec.min_limit, self.limit * spec.decrease)
             self.last_action = "cut_saturated"

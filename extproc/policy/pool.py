@@ -8,7 +8,7 @@ first; each class keeps a small guaranteed share (`min_share`, at least one requ
 
 The limit (PoolLimit) finds its own operating point:
  - the replicas say they are saturated (requests waiting in vLLM, KV cache nearly full, preemptions): cut at
-   once to below what is in flight;
+   once to below what is in flight, and again only once that has drained under the limit;
  - otherwise each class with an SLO compares a quantile of its *service* time on this pool (the replicas', not
    our queueing) with `target` x SLO. Over it, and up from the class's calm baseline (load is what slows it):
    cut in proportion (at most `decrease` a step). Under it, while requests wait for room: raise in proportion
@@ -145,7 +145,11 @@ class PoolLimit:
         # Saturation for two moves in a row: a single scrape with a request waiting one engine step behind a
         # long prefill is not a full pool.
         persistent, self._was_saturated = saturated and self._was_saturated, bool(saturated)
-        if persistent:
+        if persistent and inflight > self.limit:
+            # The last cut has not drained yet: cutting again would count the same queue twice, and a queue that
+            # never drains (a hung replica's, until it is seen stalled) took the limit to its floor in seconds.
+            self.last_action = "hold"
+        elif persistent:
             self._cut(now, min(self.limit, inflight) * spec.decrease, "cut_saturated", clear=False)
         elif ratio is not None and ratio < 1.0 and loaded:
             self._cut(now, min(self.limit, max(avg, inflight)) * max(ratio, spec.decrease), "cut_latency")

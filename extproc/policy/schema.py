@@ -162,9 +162,11 @@ class PoolSpec:
                                    minimum=0)
     stall_ms: int = doc("A replica that holds requests (running or waiting) while its token counters "
                         "(vllm:prompt_tokens_total + vllm:generation_tokens_total) stand still this long is "
-                        "reported stalled (extproc_pool_stalled_replicas, a warning log): a wedged engine whose "
-                        "HTTP server still answers. Keep it above your longest prefill on an otherwise idle "
-                        "replica (0: off).", 30000, minimum=0)
+                        "stalled: a wedged engine whose HTTP server still answers. It is reported "
+                        "(extproc_pool_stalled_replicas, a warning log) and its readings are left out of the "
+                        "pool's until it moves (its queue grows whatever the load); the pool is saturated only "
+                        "if every replica is stalled. A prefill longer than this on an otherwise idle replica "
+                        "reads as a short stall (0: off).", 10000, minimum=0)
     limit: PoolLimitSpec = doc("The pool-wide limit (off unless enabled).", factory=PoolLimitSpec)
 
     @property

@@ -6,8 +6,9 @@ waiting for slow completions. A replica that cannot be read is counted as satura
 not answer, answered too much, or answered without the series admission needs (or with values that are not finite
 and non-negative) keeps its last good reading, which counts as saturated once older than `stale_ms`. A replica
 that holds requests while its token counters stand still for `stall_ms` (a wedged engine whose HTTP server still
-answers) is reported as stalled. A pool that names nothing to scrape (no replicas, no Envoy admin) is not scraped
-at all: it has no saturation signal, and its limit and adaptive caps run on latency alone.
+answers) is reported as stalled and left out of the pool's reading (saturated only when every replica is stalled).
+A pool that names nothing to scrape (no replicas, no Envoy admin) is not scraped at all: it has no saturation
+signal, and its limit and adaptive caps run on latency alone.
 """
 
 from __future__ import annotations
@@ -209,29 +210,33 @@ class PoolScraper:
             if m is None or r.at < stale:
                 sat.saturated = True
                 continue
-            sat.stalled += self._stalled(r, now)
+            if self._stalled(r, now):
+                sat.stalled += 1
+                continue
             sat.kv_usage = max(sat.kv_usage, m["kv"])
             sat.waiting = max(sat.waiting, m["waiting"])
             sat.running += m["running"]
             sat.preempting = sat.preempting or bool(m["preempting"])
         if sat.kv_usage >= spec.kv_saturated or (spec.waiting_saturated and sat.waiting >= spec.waiting_saturated) \
-                or sat.preempting:
+                or sat.preempting or sat.stalled == len(self.replicas):
             sat.saturated = True
         return sat
 
     def _stalled(self, r: ScrapedReplica, now: float) -> bool:
-        """Whether r holds requests and its token counters stood still for `stall_ms`: reported (a gauge, a log
-        line), for an operator to restart it. Admission reads it as before: the queue a hung engine builds
-        (Envoy still routes to it while its /health answers) reads as saturation, so the pool takes less; leaving
-        its readings out instead sent more requests into it (least-request picks it once the others hold more)."""
+        """Whether r holds requests and its token counters stood still for `stall_ms`. Reported (a gauge, a log
+        line) for an operator to restart it, and left out of the pool's reading: the queue a hung engine builds
+        (Envoy still routes to it while its /health answers) grows whatever the load, and read as saturation it
+        held the limits at their floors while the other replicas idled. Its requests still hold their slots until
+        their clients give up, and Envoy's least-request still sends it one whenever the others hold more."""
         stalled = (self.spec.stall_ms > 0 and math.isfinite(r.progressed_at)  # not judged before its first record
                    and now - r.progressed_at > self.spec.stall_ms / 1000.0)
         if stalled != r.stalled:
             r.stalled = stalled
             if stalled:
-                log.warning("pool %s: replica %s holds %d requests and generated nothing for %d ms: stalled (a "
-                            "restart is needed; Envoy still routes to it while its /health answers)", self.name,
-                            r.address, r.metrics["running"] + r.metrics["waiting"], 1000 * (now - r.progressed_at))
+                log.warning("pool %s: replica %s holds %d requests and generated nothing for %d ms: stalled, left "
+                            "out of the pool's saturation until it moves (restart it: Envoy routes to it while its "
+                            "/health answers)", self.name, r.address, r.metrics["running"] + r.metrics["waiting"],
+                            1000 * (now - r.progressed_at))
             else:
                 log.info("pool %s: replica %s is making progress again", self.name, r.address)
         return stalled

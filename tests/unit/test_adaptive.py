@@ -78,6 +78,17 @@ def test_reacts_within_seconds_to_a_spike():
     assert limits[-1] <= before * 0.8 ** 3
 
 
+def test_saturation_cuts_again_only_once_what_is_in_flight_is_back_under_the_cap():
+    ctl = AdaptiveLimit(SPEC, slo_s=2.0, initial=20)
+    sat = PoolSaturation()
+    sat.saturated = True
+    assert ctl.update(0.0, 18, sat) == 16 and ctl.last_action == "cut_saturated"
+    for t in range(1, 6):  # a queue that does not drain (a hung replica) must not take the cap to its floor
+        assert ctl.update(float(t), 18, sat) == 16
+    assert ctl.last_action == "hold"
+    assert ctl.update(6.0, 15, sat) == 12 and ctl.last_action == "cut_saturated"
+
+
 def test_scrape_parsing_reads_the_real_vllm_metrics_fixture():
     m = parse_vllm_metrics((FIXTURES / "metrics.txt").read_text())
     assert set(m) == {"running", "waiting", "kv", "preemptions", "tokens"}

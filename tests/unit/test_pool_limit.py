@@ -228,12 +228,19 @@ def spec(**kw) -> PoolLimitSpec:
     return PoolLimitSpec(**{**base, **kw})
 
 
-def test_saturation_for_two_moves_cuts_below_what_is_in_flight():
+def test_saturation_for_two_moves_cuts_below_what_is_in_flight_once_per_drain():
     c = PoolLimit(spec(), {0: 2.0})
-    c.update(0.0, 30, False, True)  # one saturated scrape is not enough (a blip behind a long prefill)
+    c.update(0.0, 18, False, True)  # one saturated scrape is not enough (a blip behind a long prefill)
     assert c.limit == 20.0
-    c.update(0.5, 30, False, True)
-    assert c.limit == pytest.approx(16.0) and c.last_action == "cut_saturated"
+    c.update(0.5, 18, False, True)
+    assert c.limit == pytest.approx(14.4) and c.last_action == "cut_saturated"
+    # Still saturated, but what is in flight has not come down to the new limit: the cut has not shown yet, and a
+    # queue that never drains (a hung replica's) must not take the limit to its floor.
+    for t in (1.0, 1.5, 2.0, 2.5):
+        c.update(t, 16, False, True)
+    assert c.limit == pytest.approx(14.4) and c.last_action == "hold"
+    c.update(3.0, 14, False, True)  # drained under it, still saturated: cut again
+    assert c.limit == pytest.approx(11.2) and c.last_action == "cut_saturated"
 
 
 def test_latency_over_target_cuts_only_when_load_is_what_slows_it():

@@ -301,14 +301,18 @@ def reading(running=0.0, waiting=0.0, tokens=0.0) -> dict:
     return {"running": running, "waiting": waiting, "kv": 0.1, "preemptions": 0.0, "tokens": tokens}
 
 
-def stall_run(readings, stall_ms=3000, every_s=1.0):
-    """Feed one replica these readings, one scrape each `every_s`; what the pool read after each."""
+def stall_run(readings, stall_ms=3000, every_s=1.0, alone=False):
+    """Feed replica r:1 these readings (and r:2, unless `alone`, an idle one), one scrape each `every_s`; what the
+    pool read after each: (saturated, stalled replicas)."""
     clock = FakeClock()
-    scraper = PoolScraper(RecordingCore(), "pool_a", PoolSpec(replicas=["r:1"], stall_ms=stall_ms), None,
+    replicas = ["r:1"] if alone else ["r:1", "r:2"]
+    scraper = PoolScraper(RecordingCore(), "pool_a", PoolSpec(replicas=replicas, stall_ms=stall_ms), None,
                           clock=clock)
     out = []
     for m in readings:
         scraper.record(scraper.replicas["r:1"], m)
+        if not alone:
+            scraper.record(scraper.replicas["r:2"], reading())
         sat = scraper.aggregate(clock())
         out.append((sat.saturated, sat.stalled))
         clock.advance(every_s)
@@ -325,6 +329,12 @@ def test_a_replica_holding_requests_with_its_token_counters_still_is_stalled_aft
     messages = [r.getMessage() for r in caplog.records]
     assert sum("stalled" in m for m in messages) == 1 and "holds 3 requests" in messages[0]
     assert sum("progress again" in m for m in messages) == 1
+
+
+def test_a_stalled_replicas_queue_is_not_read_as_the_pools_saturation_unless_every_replica_is_stalled():
+    hung = [reading(running=4, waiting=6, tokens=50.0)] * 6  # its queue grows whatever the load
+    assert stall_run(hung) == [(True, 0)] * 4 + [(False, 1)] * 2  # saturated by its queue until seen stalled
+    assert stall_run(hung, alone=True) == [(True, 0)] * 4 + [(True, 1)] * 2  # nothing else left to serve
 
 
 def test_an_idle_replica_is_never_stalled_however_long_its_counters_stand_still():
