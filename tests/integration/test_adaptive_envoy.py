@@ -185,3 +185,44 @@ async def test_a_cap_cut_to_its_floor_comes_back_once_the_service_time_does(make
         finally:
             load.cancel()
             await asyncio.gather(load, return_exceptions=True)
+
+
+async def test_a_hung_replica_is_reported_stalled_and_its_queue_is_not_the_pools_saturation(make_stack, tmp_path):
+    # Two replicas; one's engine hangs (its /health and /metrics still answer, as a wedged vLLM's do).
+    big = SimFleet("h100-llama70b-awq", replicas=2, speed=SPEED, model_names=["llama-70b"])
+    small = SimFleet("h100-llama8b", replicas=1, speed=SPEED, model_names=["llama-8b"])
+    async with big, small:
+        hung, working = big.urls
+        replicas = [f"127.0.0.1:{p}" for p in big.ports]
+        s = make_stack(write_policy(tmp_path, {"replicas": replicas, "stall_ms": 1000}),
+                       pools={"vllm_llama70b": [("127.0.0.1", p) for p in big.ports],
+                              "vllm_llama8b": [("127.0.0.1", small.ports[0])]})
+        async with aiohttp.ClientSession() as http:
+            async def state() -> tuple[float, float]:
+                ms = await metrics(http, s.metrics_url)
+                return (sample(ms, "extproc_pool_stalled_replicas", pool="vllm_llama70b"),
+                        sample(ms, "extproc_pool_saturated", pool="vllm_llama70b"))
+
+            assert await until(state, 10, holds=lambda g: g == (0, 0)) == (0, 0)
+            async with http.post(f"{hung}/sim/fault", json={"hang": 1}) as r:
+                assert r.status == 200
+            # Requests until some sit in the hung replica (Envoy's least-request sends it its share at first).
+            timeout = aiohttp.ClientTimeout(total=30)
+            pending = [asyncio.ensure_future(http.post(f"{s.url}/v1/chat/completions", json=chat(max_tokens=200),
+                                                       timeout=timeout)) for _ in range(10)]
+
+            async def held() -> int:
+                async with http.get(f"{hung}/sim/state") as r:
+                    st = await r.json()
+                return st["running"] + st["waiting"]
+
+            assert await until(held, 10, holds=lambda n: n >= 2) >= 2
+            # Seen stalled once its counters stood still for stall_ms; its queue (at least 2 waiting, over this
+            # policy's waiting_saturated) is left out, so the pool does not read as saturated.
+            assert await until(state, 10, holds=lambda g: g == (1, 0)) == (1, 0)
+            async with http.post(f"{hung}/sim/fault", json={"reset": True}) as r:
+                assert r.status == 200
+            for f in pending:  # released, it finishes what it held: nothing was lost
+                async with await f as resp:
+                    assert resp.status == 200
+            assert await until(state, 10, holds=lambda g: g == (0, 0)) == (0, 0)
