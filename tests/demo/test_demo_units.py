@@ -41,7 +41,16 @@ def test_policy_durations_are_divided_by_speed_except_the_lease_and_retry_after(
 def test_demo_policies_validate_and_render_at_speed(tmp_path, name):
     load_policy_file(name)
     rendered = load_policy_file(str(render_policy(name, 5.0, tmp_path / "p.yaml")))
+    original = load_policy_file(name)
     assert rendered.classes["interactive"].max_wait_ms == 40
+    # Durations the file leaves to the schema's defaults are scaled too (they ran at wall-clock speed before).
+    breaker = rendered.classes["interactive"].latency_breaker
+    assert breaker.cooldown_s == original.classes["interactive"].latency_breaker.cooldown_s / 5
+    for pool_name, pool in rendered.pools.items():
+        assert pool.scrape_interval_ms == max(20, round(original.pools[pool_name].scrape_interval_ms / 5))
+        assert pool.stall_ms == round(original.pools[pool_name].stall_ms / 5)
+        assert pool.limit.interval_s == original.pools[pool_name].limit.interval_s / 5
+    assert rendered.lease_ms == original.lease_ms  # a safety net, not a simulated duration
 
 
 def test_adaptive_time_knobs_become_wall_clock_durations():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -113,8 +114,11 @@ def render_policy(source: str | Path, speed: float, dest: Path,
     for name, pool in (data.get("pools") or {}).items():
         if endpoints and name in endpoints and not pool.get("replicas") and not pool.get("envoy_admin"):
             pool["replicas"] = [f"{host}:{port}" for host, port in endpoints[name]]
-    scaled = scale_durations(data, speed)
-    load_policy(scaled)  # raises PolicyError naming the key path
+    # Every duration the ext_proc will use, the schema's defaults included (load_policy raises PolicyError naming
+    # the key path): a default the file leaves out ran at wall-clock speed, so at speed 5 a pool limit that moves
+    # every 0.5 s moved every 2.5 simulated s, where the what-if (simulated time throughout) moved it every 0.5.
+    scaled = scale_durations(dataclasses.asdict(load_policy(data)), speed)
+    load_policy(scaled)
     dest.write_text(yaml.safe_dump(scaled, sort_keys=False), encoding="utf-8")
     return dest
 
