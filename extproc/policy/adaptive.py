@@ -41,7 +41,8 @@ RECOVER_WINDOWS = 1.0  # inside the band, at most one raise per this share of th
 class PoolSaturation:
     """The replicas' own view of load, as last scraped (fed by the server's scraper)."""
 
-    __slots__ = ("saturated", "kv_usage", "waiting", "running", "preempting", "stalled", "updated_at")
+    __slots__ = ("saturated", "kv_usage", "waiting", "running", "preempting", "stalled", "stalled_requests",
+                 "updated_at")
 
     def __init__(self) -> None:
         self.saturated = False
@@ -50,6 +51,7 @@ class PoolSaturation:
         self.running = 0.0
         self.preempting = False
         self.stalled = 0  # replicas that hold requests but make no progress (server.saturation, `stall_ms`)
+        self.stalled_requests = 0.0  # the requests those replicas hold (running + waiting there)
         self.updated_at = -1.0
 
 

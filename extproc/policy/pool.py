@@ -220,6 +220,7 @@ class PoolGate:
         # per class rank: flow -> [units, requests] it holds (a flow under its share may over-commit, see owed)
         self.flows: list[dict[str, list[float]]] = [{} for _ in min_shares]
         self.short = False                     # a request waited for room under the limit since the last move
+        self.stuck = 0.0                       # units held by requests a stalled replica holds (not the pool's)
         self.min_shares = min_shares
         self.squeeze_rank = len(min_shares)    # classes ranked below this get only their guarantee...
         self.squeeze_until = -math.inf         # ...until then (a latency breaker of a higher class asked)
@@ -259,7 +260,7 @@ class PoolGate:
             return True
         if rank > self.squeeze_rank and now < self.squeeze_until:
             return False
-        if self.inflight + units <= (self.limit if rank == 0 else self.limit * LOWER_FILL):
+        if self.inflight - self.stuck + units <= (self.limit if rank == 0 else self.limit * LOWER_FILL):
             return True
         if rank == 0 and self.spec.borrow_lower and self.inflight - self.lower_excess() + units <= self.limit:
             return True
@@ -283,7 +284,7 @@ class PoolGate:
 
     def full(self, now: float) -> bool:
         """In flight near the limit: what a lower class holds is what a higher one lacks."""
-        return self.inflight >= BINDING * self.limit
+        return self.inflight - self.stuck >= BINDING * self.limit
 
     def squeeze(self, rank: int, opened_at: float, until: float) -> bool:
         """Classes below `rank` get only their guarantee until `until` (their running requests finish). Once per
@@ -343,10 +344,16 @@ class PoolGate:
         """Move the limit (tick). True when it rose: waiters may fit now."""
         before = self.limit
         saturated = roomy = None
+        self.stuck = 0.0
         if saturation is not None:
             saturated = saturation.saturated
             roomy = not saturated and saturation.waiting == 0 and saturation.kv_usage < ROOMY_KV
-        self.limit = self.controller.update(now, self.inflight, self.short, saturated, bool(roomy))
+            if saturation.stalled_requests and self.holding:
+                # A hung replica's requests load nothing the limit measures, and end only when their clients give
+                # up: counted, they held the limit shut while the working replicas idled. Which of ours they are
+                # is unknown, so they weigh the mean of what is held.
+                self.stuck = min(self.inflight, saturation.stalled_requests * self.inflight / self.holding)
+        self.limit = self.controller.update(now, self.inflight - self.stuck, self.short, saturated, bool(roomy))
         if self.controller.moved_at == now:
             self.short = False
         return self.limit > before

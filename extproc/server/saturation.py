@@ -212,6 +212,7 @@ class PoolScraper:
                 continue
             if self._stalled(r, now):
                 sat.stalled += 1
+                sat.stalled_requests += m["running"] + m["waiting"]
                 continue
             sat.kv_usage = max(sat.kv_usage, m["kv"])
             sat.waiting = max(sat.waiting, m["waiting"])

@@ -62,7 +62,8 @@ def render(base: dict[str, Any], *, listen_port: int, admin_port: int,
         if name not in clusters:
             raise KeyError(f"envoy.yaml has no cluster {name!r} (clusters: {', '.join(clusters)})")
         _set_endpoints(clusters[name], endpoints)
-        if lb_policy:
+        if lb_policy:  # instead of envoy.yaml's least-request policy
+            clusters[name].pop("load_balancing_policy", None)
             clusters[name]["lb_policy"] = lb_policy
         if health_check_interval_s is not None:
             for hc in clusters[name].get("health_checks", []):

@@ -3,6 +3,7 @@ degrade last, exact release on every path, and the controller finding its level 
 
 import pytest
 
+from extproc.policy.adaptive import PoolSaturation
 from extproc.policy.admission import ACCEPT, DEGRADE, QUEUE, AdmissionController, RequestFacts
 from extproc.policy.limits import Outcome
 from extproc.policy.pool import PoolGate, PoolLimit
@@ -405,3 +406,16 @@ def test_a_degraded_request_holds_its_class_rank_and_clamped_tokens_on_the_fallb
     assert 200 <= gate.inflight <= 200 + 10                      # its prompt and at most max_tokens
     core.finish(d.ticket, Outcome.OK)
     assert gate.inflight == 0 and gate.count == [0, 0]
+
+
+def test_requests_a_stalled_replica_holds_do_not_hold_the_limit_shut():
+    gate = PoolGate("pool_a", spec(initial=10.0), {}, [0.0, 0.0], ["interactive", "batch"])
+    for _ in range(10):
+        gate.take(0, 1.0)
+    assert not gate.fits(0, 1.0, 0.0)  # full
+    hung = PoolSaturation()
+    hung.stalled, hung.stalled_requests = 1, 4.0  # a hung replica holds 4 of the 10
+    gate.update(1.0, hung)
+    assert gate.stuck == 4.0 and gate.fits(0, 1.0, 1.0) and not gate.full(1.0)
+    gate.update(2.0, PoolSaturation())  # it moves again (or its requests ended): they count again
+    assert gate.stuck == 0.0 and gate.full(2.0)

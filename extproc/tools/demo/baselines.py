@@ -105,7 +105,7 @@ class NoAdmission:
 class EnvoyAdaptive:
     """Mode b: Envoy's adaptive_concurrency filter in front of the clients' pool (least request)."""
 
-    lb_policy = "least_request"  # envoy/envoy.yaml's pools; mode b does not override it
+    lb_policy = "least_request"  # envoy/envoy.yaml's pools (FULL_SCAN); mode b does not override it
 
     def __init__(self, knobs: dict[str, Any]):
         if "min_rtt_fixed_s" not in knobs:

@@ -106,7 +106,7 @@ class PolicyAdmitter:
     ext_proc: `core.tick()` every TICK_S, and for each pool in the policy's `pools`, the engines' own state is
     "scraped" every `scrape_interval_ms` and aggregated by the ext_proc's PoolScraper.aggregate."""
 
-    lb_policy = "least_request"  # Envoy's LEAST_REQUEST (envoy/envoy.yaml)
+    lb_policy = "least_request"  # envoy/envoy.yaml: least request over every replica (FULL_SCAN)
 
     def __init__(self, policy_path: str, limit_factory: LimitFactory = default_limit):
         self.policy = load_policy_file(policy_path)  # as `extproc check` and `serve` read it
