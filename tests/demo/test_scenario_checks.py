@@ -29,12 +29,23 @@ def write(tmp_path: Path, doc: dict, name: str = "s.yaml") -> Path:
     (lambda d: d["phases"][0].update(duration_s=-5), "duration_s must be > 0"),
     (lambda d: d["phases"][0].update(rat=1), "phases[0].rat: unknown key"),
     (lambda d: d.update(windows={"w": ["nope"]}), "windows.w: nope name no phase"),
+    (lambda d: d.update(events=[{"at_s": 30, "pool": "vllm_llama70b", "fault": {"slow_down": 2}}]),
+     "events[0].fault.slow_down: unknown key"),
 ])
 def test_a_scenario_mistake_is_named(tmp_path, edit, message):
     doc = spike_doc()
     edit(doc)
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")):
         Scenario.load(write(tmp_path, doc))
+
+
+def test_a_fault_the_what_if_does_not_model_is_said_before_it_runs(tmp_path):
+    doc = spike_doc()
+    doc["events"] = [{"at_s": 30, "pool": "vllm_llama70b", "fault": {"error_rate": 0.5}},
+                     {"at_s": 40, "pool": "vllm_llama70b", "fault": {"hang": 1}}]
+    warnings = Scenario.load(write(tmp_path, doc)).warnings
+    assert warnings == ["events[0].fault.error_rate: applied on the real stack only (the what-if models draining, "
+                        "hang, slowdown)"]
 
 
 def test_a_key_given_twice_is_refused_as_in_a_policy(tmp_path):

@@ -174,6 +174,13 @@ async def test_fault_injection_error_rate_and_reset(fleet, http):
         assert resp.status == 200
 
 
+async def test_a_misspelt_fault_is_refused_not_ignored(fleet, http):
+    async with http.post(fleet.urls[0] + "/sim/fault", json={"slow_down": 3}) as resp:
+        assert resp.status == 400 and "unknown fault 'slow_down'" in (await resp.json())["error"]["message"]
+    async with http.get(fleet.urls[0] + "/sim/state") as resp:
+        assert (await resp.json())["faults"]["slowdown"] == 1.0
+
+
 async def test_a_draining_replica_fails_its_health_check_and_still_serves(fleet, http):
     url = fleet.urls[0]
     async with http.post(url + "/sim/fault", json={"draining": 1}) as resp:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +10,7 @@ from extproc.policy.schema import PolicyError, read_policy_doc
 from extproc.tools.loadgen import PlannedRequest, Workload, plan_arrivals
 from extproc.tools.sim.engine import SCHEDULING_POLICIES
 from extproc.tools.sim.profile import load_profile
+from extproc.tools.sim.replica import Faults
 
 from .capacity import closed_loop_mix
 
@@ -42,6 +43,10 @@ POOL_KEYS = frozenset({"profile", "replicas", "model_names", "scheduling_policy"
 PHASE_KEYS = frozenset({"name", "duration_s", "rate", "weights"})
 SLO_KEYS = frozenset({"class", "p95_s"})
 EVENT_KEYS = frozenset({"at_s", "pool", "replica", "fault"})
+# A fault is a POST /sim/fault body (extproc.tools.sim.replica.Faults). The what-if models these; the others act
+# on the real stack only.
+FAULT_KEYS = frozenset({f.name for f in fields(Faults)} | {"reset"})
+WHATIF_FAULTS = frozenset({"slowdown", "draining", "hang"})
 
 
 def _check_keys(d: Any, where: str, known: frozenset[str]) -> None:
@@ -104,8 +109,11 @@ class Scenario:
         for i, p in enumerate(d.get("phases") or []):
             _check_keys(p, f"phases[{i}].", PHASE_KEYS)
         _check_keys(d.get("slo") or {}, "slo.", SLO_KEYS)
+        unmodelled = []
         for i, e in enumerate(d.get("events") or []):
             _check_keys(e, f"events[{i}].", EVENT_KEYS)
+            _check_keys(e.get("fault") or {}, f"events[{i}].fault.", FAULT_KEYS)
+            unmodelled += [f"events[{i}].fault.{k}" for k in e.get("fault") or {} if k not in WHATIF_FAULTS]
         pools = [Pool(name, p["profile"], int(p.get("replicas", 1)), list(p.get("model_names", [])),
                       p.get("scheduling_policy"))
                  for name, p in d["pools"].items()]
@@ -130,6 +138,9 @@ class Scenario:
         warnings = [] if slo_class in names else [
             f"slo.class: {slo_class!r} names no kind of the workload (kinds: {', '.join(sorted(names))}): the "
             "report's latency, goodput and targets are that kind's, so they print NaN"]
+        if unmodelled:
+            warnings.append(f"{', '.join(unmodelled)}: applied on the real stack only (the what-if models "
+                            f"{', '.join(sorted(WHATIF_FAULTS))})")
         capacity = d.get("capacity", "auto")
         if capacity != "auto" and not (isinstance(capacity, (int, float)) and not isinstance(capacity, bool)
                                        and capacity > 0):

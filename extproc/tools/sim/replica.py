@@ -172,6 +172,10 @@ class Replica:
     def _set_faults(self, request: HttpRequest, writer: ResponseWriter) -> None:
         try:
             body = json.loads(request.body or b"{}")
+            known = {f.name for f in fields(Faults)} | {"reset"}
+            unknown = sorted(set(body) - known)
+            if unknown:  # a misspelt fault must not be a silent no-op
+                raise ValueError(f"unknown fault {unknown[0]!r} (known: {', '.join(sorted(known))})")
             if body.get("reset"):
                 self.faults = Faults()
             for f in fields(Faults):
