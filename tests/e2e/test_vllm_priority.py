@@ -169,6 +169,12 @@ async def test_interactive_queued_behind_batch_starts_first_whatever_the_batch_c
                                                                      stream=True), {}))
         waiting = await until(lambda: gauge(http, target, "vllm:num_requests_waiting"), 15,
                               holds=lambda n: n == 2)
+        if waiting != 2 and await gauge(http, target, "vllm:request_success_total") > finished:
+            for task in (holding, jumper, interactive):
+                task.cancel()
+            await asyncio.gather(holding, jumper, interactive, return_exceptions=True)
+            pytest.skip("no second request could queue: the CPU vLLM ran the holding stream to its end (3,800 "
+                        "tokens) before the interactive request reached its engine (docs/vllm.md)")
         assert waiting == 2, "the interactive request never queued"
         holding.cancel()  # the stream's client goes away: its slot frees, the engine picks from its queue
         with contextlib.suppress(asyncio.CancelledError):
