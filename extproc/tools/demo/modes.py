@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +116,7 @@ def render_policy(source: str | Path, speed: float, dest: Path,
     # Every duration the ext_proc will use, the schema's defaults included (load_policy raises PolicyError naming
     # the key path): a default the file leaves out ran at wall-clock speed, so at speed 5 a pool limit that moves
     # every 0.5 s moved every 2.5 simulated s, where the what-if (simulated time throughout) moved it every 0.5.
-    scaled = scale_durations(dataclasses.asdict(load_policy(data)), speed)
+    scaled = scale_durations(asdict(load_policy(data)), speed)
     load_policy(scaled)
     dest.write_text(yaml.safe_dump(scaled, sort_keys=False), encoding="utf-8")
     return dest

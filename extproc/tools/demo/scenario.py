@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +10,7 @@ from extproc.policy.schema import PolicyError, read_policy_doc
 from extproc.tools.loadgen import PlannedRequest, Workload, plan_arrivals
 from extproc.tools.sim.engine import SCHEDULING_POLICIES
 from extproc.tools.sim.profile import load_profile
-from extproc.tools.sim.replica import Faults
+from extproc.tools.sim.replica import FAULT_KEYS
 
 from .capacity import closed_loop_mix
 
@@ -43,9 +43,8 @@ POOL_KEYS = frozenset({"profile", "replicas", "model_names", "scheduling_policy"
 PHASE_KEYS = frozenset({"name", "duration_s", "rate", "weights"})
 SLO_KEYS = frozenset({"class", "p95_s"})
 EVENT_KEYS = frozenset({"at_s", "pool", "replica", "fault"})
-# A fault is a POST /sim/fault body (extproc.tools.sim.replica.Faults). The what-if models these; the others act
-# on the real stack only.
-FAULT_KEYS = frozenset({f.name for f in fields(Faults)} | {"reset"})
+# A fault is a POST /sim/fault body (extproc.tools.sim.replica.FAULT_KEYS). The what-if models these; the others
+# act on the real stack only.
 WHATIF_FAULTS = frozenset({"slowdown", "draining", "hang"})
 
 

@@ -34,6 +34,9 @@ class Faults:
     hang: float = 0.0
 
 
+FAULT_KEYS = frozenset({f.name for f in fields(Faults)} | {"reset"})  # what a POST /sim/fault body may hold
+
+
 class SimClock:
     """Simulated seconds since start: real time on the event loop's clock, times `speed`."""
 
@@ -172,10 +175,9 @@ class Replica:
     def _set_faults(self, request: HttpRequest, writer: ResponseWriter) -> None:
         try:
             body = json.loads(request.body or b"{}")
-            known = {f.name for f in fields(Faults)} | {"reset"}
-            unknown = sorted(set(body) - known)
+            unknown = sorted(set(body) - FAULT_KEYS)
             if unknown:  # a misspelt fault must not be a silent no-op
-                raise ValueError(f"unknown fault {unknown[0]!r} (known: {', '.join(sorted(known))})")
+                raise ValueError(f"unknown fault {unknown[0]!r} (known: {', '.join(sorted(FAULT_KEYS))})")
             if body.get("reset"):
                 self.faults = Faults()
             for f in fields(Faults):
