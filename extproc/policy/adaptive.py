@@ -42,7 +42,7 @@ class PoolSaturation:
     """The replicas' own view of load, as last scraped (fed by the server's scraper)."""
 
     __slots__ = ("saturated", "kv_usage", "waiting", "running", "preempting", "stalled", "stalled_requests",
-                 "updated_at")
+                 "working", "updated_at")
 
     def __init__(self) -> None:
         self.saturated = False
@@ -52,6 +52,9 @@ class PoolSaturation:
         self.preempting = False
         self.stalled = 0  # replicas that hold requests but make no progress (server.saturation, `stall_ms`)
         self.stalled_requests = 0.0  # the requests those replicas hold (running + waiting there)
+        # While some replica is stalled: (Envoy's address, running + waiting) of each one that works, to send new
+        # requests to (policy.steering); empty otherwise.
+        self.working: tuple[tuple[str, float], ...] = ()
         self.updated_at = -1.0
 
 

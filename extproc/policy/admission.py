@@ -29,6 +29,7 @@ from .reasons import (R_CLASS_FULL, R_CLASS_REMOVED, R_CLIENT_GONE, R_DEADLINE, 
 from .schema import Policy
 from .shadow import ShadowMode
 from .state import PolicyState
+from .steering import ReplicaSteering
 
 # How long a released ticket waits for the data plane's completion report before it is accounted without one.
 REPORT_WAIT_S = 5.0
@@ -47,6 +48,8 @@ class AdmissionController:
         self.pool_breakers = self.state.pool_breakers  # bound once: called on every decision
         self.tickets: dict[int, Ticket] = {}   # open tickets, for the lease safety net
         self.saturation: dict[str, PoolSaturation] = {}  # pool -> the replicas' own load (set_saturation)
+        self.steering = ReplicaSteering()
+        self.replicas_for = self.steering.pick  # Envoy cluster -> its override-host list, None: Envoy picks
         self._unreported: OrderedDict[int, Ticket] = OrderedDict()  # released, completion report pending
         self._retired: list[ClassLimiter] = []
         self.shadow = ShadowMode(self)
@@ -90,6 +93,7 @@ class AdmissionController:
             self.saturation.pop(pool, None)
         else:
             self.saturation[pool] = saturation
+        self.steering.update(pool, saturation.working if saturation is not None else ())
 
     def gate_on_store(self, shared: bool) -> None:
         """A shared store confirms each admission from now on (extproc.store.shared_slots.SharedSlots)."""

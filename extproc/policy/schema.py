@@ -163,10 +163,12 @@ class PoolSpec:
     stall_ms: int = doc("A replica that holds requests (running or waiting) while its token counters "
                         "(vllm:prompt_tokens_total + vllm:generation_tokens_total) stand still this long is "
                         "stalled: a wedged engine whose HTTP server still answers. It is reported "
-                        "(extproc_pool_stalled_replicas, a warning log) and its readings are left out of the "
-                        "pool's until it moves (its queue grows whatever the load); the pool is saturated only "
-                        "if every replica is stalled. A prefill longer than this on an otherwise idle replica "
-                        "reads as a short stall (0: off).", 10000, minimum=0)
+                        "(extproc_pool_stalled_replicas, a warning log), its readings are left out of the "
+                        "pool's (its queue grows whatever the load; the pool is saturated only if every replica "
+                        "is stalled), and new requests are sent to the other replicas (x-extproc-replica, for "
+                        "the pool cluster's override_host load balancing) until its counters move. A prefill "
+                        "longer than this on an otherwise idle replica reads as a short stall (0: off).", 10000,
+                        minimum=0)
     limit: PoolLimitSpec = doc("The pool-wide limit (off unless enabled).", factory=PoolLimitSpec)
 
     @property

@@ -14,6 +14,9 @@ from .accesslog import TICKET_HEADER
 from .openai import BadRequest, RequestBody, canned_body, error_body
 
 CLUSTER_HEADER = "x-extproc-cluster"
+# The replicas of the pool to send to, read by the pool clusters' override_host load balancing (envoy.yaml); set
+# only while one of them is stalled (policy.steering).
+REPLICA_HEADER = "x-extproc-replica"
 _Mode = processing_mode_pb2.ProcessingMode
 
 # Constant answers, built once (grpc serialises them on send; they are never mutated).
@@ -183,8 +186,9 @@ def canned(d: Decision, body: RequestBody) -> pb.ProcessingResponse:
 
 
 def forward(d: Decision, queue_wait_ms: int | None, note: tuple[str, str] | None,
-            body: bytes | None, ticket_prefix: str = "") -> pb.ProcessingResponse:
-    """An admission: route to `d.cluster`, tag the request, and send `body` instead of the client's if given."""
+            body: bytes | None, ticket_prefix: str = "", replicas: str | None = None) -> pb.ProcessingResponse:
+    """An admission: route to `d.cluster`, tag the request, and send `body` instead of the client's if given;
+    `replicas`: the pool's replicas to use, first choice first (policy.steering), None to let Envoy pick."""
     # The pool to route to; the rest is echoed to the client by the route's response_headers_to_add and ties
     # Envoy's access log entry back to this ticket.
     headers = [header(CLUSTER_HEADER, d.cluster), header("x-extproc-class", d.cls),
@@ -195,6 +199,8 @@ def forward(d: Decision, queue_wait_ms: int | None, note: tuple[str, str] | None
         headers.append(header(k, v))
     if note is not None:  # x-extproc-degraded or x-extproc-shadow
         headers.append(header(*note))
+    if replicas is not None:
+        headers.append(header(REPLICA_HEADER, replicas))
     common = pb.CommonResponse(clear_route_cache=True)
     if body is not None:
         common.body_mutation.body = body

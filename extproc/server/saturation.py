@@ -14,7 +14,9 @@ signal, and its limit and adaptive caps run on latency alone.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
+import socket
 import math
 import re
 import time
@@ -100,11 +102,14 @@ class ScrapedReplica:
     """One replica as its scrapes saw it: the last good metrics and when they were read, the preemption counter to
     diff, and when its being unreadable was last logged."""
 
-    __slots__ = ("address", "metrics", "at", "preemptions", "complained_at", "failing", "tokens", "progressed_at",
-                 "stalled")
+    __slots__ = ("address", "endpoint", "metrics", "at", "preemptions", "complained_at", "failing", "tokens",
+                 "progressed_at", "stalled")
 
     def __init__(self, address: str):
         self.address = address
+        # IP:PORT, as Envoy knows the replica (its override-host list names it so): the address itself when it is
+        # one, else resolved while a replica of the pool is stalled (PoolScraper._resolve).
+        self.endpoint = address if _ip_address(address) else None
         self.metrics: dict[str, float] | None = None
         self.at = -1.0
         self.preemptions: float | None = None
@@ -147,6 +152,8 @@ class PoolScraper:
         if not self.spec.replicas and self.spec.envoy_admin and started - self._last_discovery > 5.0:
             await self._discover()
         await asyncio.gather(*(self._scrape(r) for r in list(self.replicas.values())))
+        if any(r.stalled for r in self.replicas.values()):
+            await self._resolve()
         now = self.clock()
         self.core.set_saturation(self.name, self.aggregate(now))
         self._published_at = now
@@ -190,9 +197,13 @@ class PoolScraper:
         r.preemptions = m["preemptions"]
         m["preempting"] = float(prev is not None and m["preemptions"] > prev)
         r.metrics, r.at = m, self.clock()
-        # Progress: idle, or a token counter moved (a smaller sum is a restarted replica), or no counters to judge.
+        # Progress: a token counter moved (a smaller sum is a restarted replica), no counters to judge, or idle. Idle
+        # is no news from a replica already stalled: its requests were given up on, none are sent to it now
+        # (policy.steering), and one sent because it looked idle again would hang too. It stays stalled until
+        # its counters move: a restart (they start again from 0), or an engine that resumes what it holds.
         before, r.tokens = r.tokens, m.get("tokens", math.nan)
-        if m["running"] + m["waiting"] == 0 or math.isnan(r.tokens) or r.tokens != before:
+        idle = m["running"] + m["waiting"] == 0
+        if (idle and not r.stalled) or math.isnan(r.tokens) or r.tokens != before:
             r.progressed_at = r.at
         if r.failing:
             r.failing = False
@@ -205,15 +216,18 @@ class PoolScraper:
         if not self.replicas:
             sat.saturated = True
             return sat
+        working = []
         for r in self.replicas.values():
             m = r.metrics
             if m is None or r.at < stale:
                 sat.saturated = True
+                working.append((r.endpoint or r.address, math.inf))  # unread: named last, for Envoy to fall to
                 continue
             if self._stalled(r, now):
                 sat.stalled += 1
                 sat.stalled_requests += m["running"] + m["waiting"]
                 continue
+            working.append((r.endpoint or r.address, m["running"] + m["waiting"]))
             sat.kv_usage = max(sat.kv_usage, m["kv"])
             sat.waiting = max(sat.waiting, m["waiting"])
             sat.running += m["running"]
@@ -221,26 +235,42 @@ class PoolScraper:
         if sat.kv_usage >= spec.kv_saturated or (spec.waiting_saturated and sat.waiting >= spec.waiting_saturated) \
                 or sat.preempting or sat.stalled == len(self.replicas):
             sat.saturated = True
+        if sat.stalled:  # new requests go to the others (policy.steering)
+            sat.working = tuple(working)
         return sat
 
     def _stalled(self, r: ScrapedReplica, now: float) -> bool:
-        """Whether r holds requests and its token counters stood still for `stall_ms`. Reported (a gauge, a log
-        line) for an operator to restart it, and left out of the pool's reading: the queue a hung engine builds
-        (Envoy still routes to it while its /health answers) grows whatever the load, and read as saturation it
-        held the limits at their floors while the other replicas idled. Its requests still hold their slots until
-        their clients give up, and Envoy's least-request still sends it one whenever the others hold more."""
+        """Whether r holds requests (or held them when last judged stalled) and its token counters stood still for
+        `stall_ms`. Reported (a gauge, a log line) for an operator to restart it, and left out of the pool's
+        reading: the queue a hung engine builds grows whatever the load, and read as saturation it held the
+        limits at their floors while the other replicas idled. New requests go to the others (aggregate's
+        `working`, policy.steering); the ones it holds keep their slots until their clients give up."""
         stalled = (self.spec.stall_ms > 0 and math.isfinite(r.progressed_at)  # not judged before its first record
                    and now - r.progressed_at > self.spec.stall_ms / 1000.0)
         if stalled != r.stalled:
             r.stalled = stalled
             if stalled:
                 log.warning("pool %s: replica %s holds %d requests and generated nothing for %d ms: stalled, left "
-                            "out of the pool's saturation until it moves (restart it: Envoy routes to it while its "
-                            "/health answers)", self.name, r.address, r.metrics["running"] + r.metrics["waiting"],
-                            1000 * (now - r.progressed_at))
+                            "out of the pool's saturation and sent no new requests until it moves (restart it: "
+                            "its /health still answers)", self.name, r.address,
+                            r.metrics["running"] + r.metrics["waiting"], 1000 * (now - r.progressed_at))
             else:
                 log.info("pool %s: replica %s is making progress again", self.name, r.address)
         return stalled
+
+    async def _resolve(self) -> None:
+        """The IP of each replica named by host name, for the override-host list: looked up again every round
+        while a replica of the pool is stalled (a restarted pod may have a new one); a failed lookup keeps the
+        last."""
+        loop = asyncio.get_running_loop()
+        for r in [r for r in self.replicas.values() if not _ip_address(r.address)]:
+            host, _, port = r.address.rpartition(":")
+            try:
+                found = await asyncio.wait_for(loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM), 1.0)
+            except Exception:  # noqa: BLE001 - not resolved this round: Envoy ignores a name it does not know
+                continue
+            ip = found[0][4][0]
+            r.endpoint = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
     async def _discover(self) -> None:
         """Take the pool's endpoints from Envoy's admin API (Envoy is the source of truth for membership)."""
@@ -270,9 +300,20 @@ def _cluster_hosts(doc: dict, cluster_name: str) -> set[str] | None:
         for host in cluster.get("host_statuses", []):
             sa = host.get("address", {}).get("socket_address", {})
             if "address" in sa:
-                found.add(f"{sa['address']}:{sa.get('port_value', 80)}")
+                host = f"[{sa['address']}]" if ":" in sa["address"] else sa["address"]  # IPv6: as in a URL
+                found.add(f"{host}:{sa.get('port_value', 80)}")
         return found
     return None
+
+
+def _ip_address(address: str) -> bool:
+    """Whether HOST:PORT names its host by an IP address (IPv6 in brackets), as Envoy's override host needs it."""
+    host = address.rpartition(":")[0]
+    try:
+        ipaddress.ip_address(host[1:-1] if host.startswith("[") else host)
+    except ValueError:
+        return False
+    return True
 
 
 def saturated_reading(now: float) -> PoolSaturation:

@@ -273,7 +273,8 @@ class Stream:
         if rewritten is not None and len(rewritten) > self.processor.max_body_bytes:
             return self._too_large_rewritten(len(rewritten))
         self.processor.live.add(d.ticket)
-        answer = protocol.forward(d, queue_wait_ms, note, rewritten, self.processor.ticket_prefix)
+        answer = protocol.forward(d, queue_wait_ms, note, rewritten, self.processor.ticket_prefix,
+                                  self.processor.core.replicas_for(d.cluster))
         self._enter(Phase.FORWARDING)
         return answer
 

@@ -21,7 +21,7 @@ SPEED = 10.0
 START_LIMIT = 16
 
 
-def write_policy(tmp_path, pool: dict) -> object:
+def write_policy(tmp_path, pool: dict, batch_cap: int = 4) -> object:
     interactive = {"max_concurrency": START_LIMIT, "max_queue": 0, "max_wait_ms": 0, "slo_p95_ms": 60_000,
                    "latency_breaker": {"enabled": False},
                    "adaptive": {"enabled": True, "min_limit": 2, "max_limit": START_LIMIT, "interval_s": 0.2,
@@ -31,7 +31,7 @@ def write_policy(tmp_path, pool: dict) -> object:
     # The burst leaves 12 waiting, far above either.
     pools = {"vllm_llama70b": {"scrape_interval_ms": 50, "stale_ms": 500, "waiting_saturated": 2, **pool}}
     return policy_file(tmp_path, classes={"interactive": interactive,
-                                          "batch": {"max_concurrency": 4, "max_queue": 0, "max_wait_ms": 0}},
+                                          "batch": {"max_concurrency": batch_cap, "max_queue": 0, "max_wait_ms": 0}},
                        tenants=[], shed={}, pools=pools)
 
 
@@ -187,14 +187,15 @@ async def test_a_cap_cut_to_its_floor_comes_back_once_the_service_time_does(make
             await asyncio.gather(load, return_exceptions=True)
 
 
-async def test_a_hung_replica_is_reported_stalled_and_its_queue_is_not_the_pools_saturation(make_stack, tmp_path):
+async def test_a_hung_replica_is_reported_stalled_its_queue_is_not_the_pools_saturation_and_it_gets_no_more(
+        make_stack, tmp_path):
     # Two replicas; one's engine hangs (its /health and /metrics still answer, as a wedged vLLM's do).
     big = SimFleet("h100-llama70b-awq", replicas=2, speed=SPEED, model_names=["llama-70b"])
     small = SimFleet("h100-llama8b", replicas=1, speed=SPEED, model_names=["llama-8b"])
     async with big, small:
         hung, working = big.urls
         replicas = [f"127.0.0.1:{p}" for p in big.ports]
-        s = make_stack(write_policy(tmp_path, {"replicas": replicas, "stall_ms": 1000}),
+        s = make_stack(write_policy(tmp_path, {"replicas": replicas, "stall_ms": 1000}, batch_cap=32),
                        pools={"vllm_llama70b": [("127.0.0.1", p) for p in big.ports],
                               "vllm_llama8b": [("127.0.0.1", small.ports[0])]})
         async with aiohttp.ClientSession() as http:
@@ -220,6 +221,17 @@ async def test_a_hung_replica_is_reported_stalled_and_its_queue_is_not_the_pools
             # Seen stalled once its counters stood still for stall_ms; its queue (at least 2 waiting, over this
             # policy's waiting_saturated) is left out, so the pool does not read as saturated.
             assert await until(state, 10, holds=lambda g: g == (1, 0)) == (1, 0)
+            # From then on new requests are sent around it (x-extproc-replica, Envoy's override_host): each is
+            # answered while it still hangs, and it holds no more than before. Without that, least-request sends it
+            # one whenever the working replica holds as many: here, at once. (As batch: the interactive cap still
+            # counts what the hung replica holds.)
+            before = await held()
+            for _ in range(2):
+                answers = await asyncio.wait_for(asyncio.gather(
+                    *(post(http, s.url, chat(max_tokens=20), {"x-priority": "batch"}) for _ in range(before + 4))),
+                    20)
+                assert [status for status, _, _ in answers] == [200] * (before + 4)
+            assert await held() == before
             async with http.post(f"{hung}/sim/fault", json={"reset": True}) as r:
                 assert r.status == 200
             for f in pending:  # released, it finishes what it held: nothing was lost

@@ -356,3 +356,60 @@ def test_metrics_without_token_counters_are_still_read_with_the_stall_rule_off()
     body = re.sub(rb"^vllm:(prompt|generation)_tokens_total\{.*\n", b"", real_metrics_with(running="2.0"), flags=re.M)
     m = parse_vllm_metrics(body)
     assert m["running"] == 2.0 and m["tokens"] != m["tokens"]  # NaN
+
+
+def test_a_stalled_replica_that_goes_idle_stays_stalled_until_its_counters_move():
+    # Its requests' clients gave up (or a wedged vLLM's gauges read 0): idle is no news from a hung engine, and
+    # looking well again it would be sent requests that hang too. A restart or a resumed engine moves its counters.
+    hung = [reading(running=3, tokens=120.0)] * 5  # stalled past 3 s
+    idle = [reading(tokens=120.0)] * 4
+    states = stall_run(hung + idle + [reading(running=1, tokens=125.0)])
+    assert states == [(False, 0)] * 4 + [(False, 1)] * 5 + [(False, 0)]
+    # An idle replica that was never stalled is not judged by its still counters (above), nor is this one after.
+    assert stall_run([reading(tokens=120.0)] * 6) == [(False, 0)] * 6
+
+
+def steer_run(hung_readings, other=None, stall_ms=2000):
+    """r:1 given `hung_readings` one a second, r:2 `other` (a working reading): the last aggregate."""
+    clock = FakeClock()
+    scraper = PoolScraper(RecordingCore(), "pool_a", PoolSpec(replicas=["10.0.0.1:8000", "10.0.0.2:8000",
+                                                                        "10.0.0.3:8000"], stall_ms=stall_ms),
+                          None, clock=clock)
+    r1, r2, r3 = scraper.replicas.values()
+    for m in hung_readings:
+        scraper.record(r1, m)
+        scraper.record(r2, other or reading(running=2, tokens=clock()))
+        if clock() < 1003:  # r3 stops answering after a while: its last reading goes stale
+            scraper.record(r3, reading(running=1, tokens=clock()))
+        sat = scraper.aggregate(clock())
+        clock.advance(1.0)
+    return sat
+
+
+def test_while_a_replica_is_stalled_the_reading_names_the_others_with_their_load():
+    sat = steer_run([reading(running=3, tokens=50.0)] * 5)
+    assert sat.stalled == 1
+    # The working one with its running + waiting, the unread one last (named only for Envoy to fall back to).
+    assert sat.working == (("10.0.0.2:8000", 2.0), ("10.0.0.3:8000", float("inf")))
+    assert steer_run([reading(running=3, tokens=50.0 + i) for i in range(5)]).working == ()  # nothing stalled
+
+
+def test_a_replica_named_by_host_name_is_named_by_its_ip_once_resolved():
+    scraper = PoolScraper(RecordingCore(), "pool_a", PoolSpec(replicas=["localhost:8000", "[::1]:8001",
+                                                                        "127.0.0.1:8002"]), None)
+    r1, r2, r3 = scraper.replicas.values()
+    assert (r1.endpoint, r2.endpoint, r3.endpoint) == (None, "[::1]:8001", "127.0.0.1:8002")
+    asyncio.run(scraper._resolve())
+    assert r1.endpoint in ("127.0.0.1:8000", "[::1]:8000")
+
+
+def test_envoys_cluster_membership_gives_each_host_as_ip_port_ipv6_in_brackets():
+    doc = {"cluster_statuses": [
+        {"name": "other", "host_statuses": [{"address": {"socket_address": {"address": "10.9.9.9", "port_value": 1}}}]},
+        {"name": "pool_a", "host_statuses": [
+            {"address": {"socket_address": {"address": "10.0.0.1", "port_value": 8000}}},
+            {"address": {"socket_address": {"address": "fd00::2", "port_value": 8000}}},
+            {"address": {"pipe": {"path": "/tmp/x"}}}]}]}
+    assert saturation._cluster_hosts(doc, "pool_a") == {"10.0.0.1:8000", "[fd00::2]:8000"}
+    assert saturation._cluster_hosts(doc, "missing") is None
+    assert saturation.ScrapedReplica("[fd00::2]:8000").endpoint == "[fd00::2]:8000"

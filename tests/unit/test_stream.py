@@ -8,6 +8,7 @@ import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from extproc.policy.adaptive import PoolSaturation
 from extproc.policy.admission import AdmissionController
 from extproc.policy.limits import Outcome
 from extproc.server import protocol
@@ -171,6 +172,15 @@ def test_a_body_with_a_free_slot_is_forwarded_to_its_pool(clock):
     assert (hs[protocol.CLUSTER_HEADER], hs["x-extproc-class"], hs["x-extproc-decision"]) == \
         (b"pool_a", b"interactive", b"accept")
     assert inflight(p) == 1 and p.live == {s.held}
+
+
+def test_while_a_replica_of_its_pool_is_stalled_the_others_are_named_for_envoy(clock):
+    p = processor(clock)
+    assert protocol.REPLICA_HEADER not in set_headers(admitted(p)[1])  # none stalled: Envoy's balancer picks
+    sat = PoolSaturation()
+    sat.stalled, sat.working = 1, (("10.0.0.2:8000", 1.0), ("10.0.0.3:8000", 0.0))
+    p.core.set_saturation("pool_a", sat)
+    assert set_headers(admitted(p)[1])[protocol.REPLICA_HEADER] == b"10.0.0.3:8000,10.0.0.2:8000"
 
 
 def test_a_rewritten_body_carries_its_new_content_length(clock):

@@ -95,6 +95,9 @@ class NoAdmission:
     def engine_priority(self, d: Decision) -> int:
         return 0  # no ext_proc: the client's body goes through (the scenarios send none)
 
+    def replicas_for(self, pool: str) -> str | None:
+        return None  # no ext_proc: Envoy's load balancer picks
+
     def ended(self, ticket: Any, record: RequestRecord) -> None:
         pass
 
@@ -138,6 +141,9 @@ class EnvoyAdaptive:
 
     def engine_priority(self, d: Decision) -> int:
         return 0  # no ext_proc: the client's body goes through (the scenarios send none)
+
+    def replicas_for(self, pool: str) -> str | None:
+        return None  # no ext_proc: Envoy's load balancer picks
 
     def ended(self, ticket: Any, record: RequestRecord) -> None:
         if record.ok:

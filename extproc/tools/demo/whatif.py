@@ -58,6 +58,11 @@ def _facts(kind, prompt_tokens: int, session_id: str | None = None,
                         objective=head.objective, fairness_id=head.fairness_id, deadline_ms=head.deadline_ms)
 
 
+def _replica_indexes(named: str) -> list[int]:
+    """The replica indexes of an override-host list naming the what-if's scraped replicas ("<pool>/<index>")."""
+    return [int(name.rpartition("/")[2]) for name in named.split(",")]
+
+
 @dataclass
 class WhatIfResult:
     records: list[RequestRecord]
@@ -94,6 +99,9 @@ class Admitter(Protocol):
 
     def engine_priority(self, d: Admit | Degrade) -> int:
         """The body's `priority` an admitted request reaches vLLM with (0: vLLM's default)."""
+
+    def replicas_for(self, pool: str) -> str | None:
+        """The override-host list a request to `pool` is sent with (x-extproc-replica), None: the LB picks."""
 
     def ended(self, ticket: Any, record: RequestRecord) -> None:
         """An admitted request ended: completed (record.ok) or given up by its client (record.error)."""
@@ -153,6 +161,9 @@ class PolicyAdmitter:
         refused = self.core.authenticate(facts)  # `anonymous.allow: false` refuses requests without a known key
         return refused if refused is not None else self.core.decide(facts)
 
+    def replicas_for(self, pool: str) -> str | None:
+        return self.core.replicas_for(pool)
+
     def engine_priority(self, d: Admit | Degrade) -> int:
         # As the ext_proc writes it into the body (server/stream.py): the class's `vllm_priority`, else none.
         spec = self.policy.classes.get(d.cls)
@@ -206,7 +217,11 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
         # The replicas still in the load balancer (all of them if every one is draining): least request, or
         # round robin (Envoy's ROUND_ROBIN, mode a).
         live = [j for j in range(len(engines)) if j not in pool.draining] or list(range(len(engines)))
-        if admitter.lb_policy == "round_robin":
+        named = admitter.replicas_for(pool_name)  # Envoy's override_host: the first named replica it can use
+        chosen = next((j for j in _replica_indexes(named) if j in live), None) if named else None
+        if chosen is not None:
+            i = chosen
+        elif admitter.lb_policy == "round_robin":
             i = live[next_replica[pool_name] % len(live)]
             next_replica[pool_name] += 1
         else:

@@ -1,0 +1,41 @@
+"""ReplicaSteering: while a pool's replica is stalled, each request names the working replicas, least loaded
+first by the last scrape plus what was sent since; with none stalled it names nothing (Envoy picks)."""
+
+from extproc.policy.adaptive import PoolSaturation
+from extproc.policy.admission import AdmissionController
+from extproc.policy.steering import ReplicaSteering
+from tests.conftest import FakeClock, make_policy
+
+
+def test_nothing_is_named_without_a_stalled_replica():
+    s = ReplicaSteering()
+    assert s.pick("pool") is None
+    s.update("pool", ())
+    assert s.pick("pool") is None
+
+
+def test_the_least_loaded_goes_first_counting_what_was_sent_since_the_reading():
+    s = ReplicaSteering()
+    s.update("pool", (("a:1", 3.0), ("b:1", 1.0), ("c:1", float("inf"))))
+    picks = [s.pick("pool") for _ in range(4)]
+    assert picks == ["b:1,a:1,c:1", "b:1,a:1,c:1", "a:1,b:1,c:1", "b:1,a:1,c:1"]  # b: 1, 2, 3 = a's 3, then a
+    s.update("pool", (("a:1", 0.0), ("b:1", 5.0)))  # a new reading replaces the counts
+    assert s.pick("pool") == "a:1,b:1"
+    s.update("pool", (("b:1", 0.0),))
+    assert s.pick("pool") == "b:1"
+    assert s.pick("other") is None
+    s.update("pool", ())  # none stalled any more
+    assert s.pick("pool") is None
+
+
+def test_the_core_takes_it_from_each_saturation_reading():
+    core = AdmissionController(make_policy(), clock=FakeClock())
+    sat = PoolSaturation()
+    sat.stalled, sat.working = 1, (("10.0.0.2:8000", 0.0),)
+    core.set_saturation("vllm_llama70b", sat)
+    assert core.replicas_for("vllm_llama70b") == "10.0.0.2:8000"
+    core.set_saturation("vllm_llama70b", PoolSaturation())
+    assert core.replicas_for("vllm_llama70b") is None
+    core.set_saturation("vllm_llama70b", sat)
+    core.set_saturation("vllm_llama70b", None)  # no longer scraped
+    assert core.replicas_for("vllm_llama70b") is None
