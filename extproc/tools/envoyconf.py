@@ -68,6 +68,8 @@ def render(base: dict[str, Any], *, listen_port: int, admin_port: int,
         if health_check_interval_s is not None:
             for hc in clusters[name].get("health_checks", []):
                 hc["interval"] = f"{health_check_interval_s}s"
+                if "no_traffic_interval" in hc:
+                    hc["no_traffic_interval"] = f"{health_check_interval_s}s"
     # Pools not given an address are dropped, with any route that names them, so a partial local stack validates.
     unused = [n for n in clusters if n != "extproc" and n not in pools]
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
