@@ -124,13 +124,15 @@ class PoolScraper:
     """One pool: scrape every replica each interval, aggregate, and publish a PoolSaturation to the core."""
 
     def __init__(self, core: AdmissionController, name: str, spec: PoolSpec, session: aiohttp.ClientSession,
-                 clock=time.monotonic):
+                 clock=time.monotonic, known: dict[str, ScrapedReplica] | None = None):
         self.core = core
         self.name = name
         self.spec = spec
         self.session = session
         self.clock = clock
-        self.replicas: dict[str, ScrapedReplica] = {a: ScrapedReplica(a) for a in spec.replicas}
+        # `known`: the replicas a previous scraper of this pool saw (a reload), taken over by address.
+        self._known = known or {}
+        self.replicas: dict[str, ScrapedReplica] = {a: self._replica(a) for a in spec.replicas}
         self._last_discovery = -1e9
         self._published_at = clock()  # as if just published: the first round has stale_ms to fail before it counts
         self._round_complained_at = -math.inf
@@ -288,7 +290,10 @@ class PoolScraper:
         for gone in set(self.replicas) - found:
             del self.replicas[gone]
         for new in found - set(self.replicas):
-            self.replicas[new] = ScrapedReplica(new)
+            self.replicas[new] = self._replica(new)
+
+    def _replica(self, address: str) -> ScrapedReplica:
+        return self._known.get(address) or ScrapedReplica(address)
 
 
 def _cluster_hosts(doc: dict, cluster_name: str) -> set[str] | None:
@@ -330,6 +335,9 @@ class SaturationScrapers:
     def __init__(self, core: AdmissionController):
         self.core = core
         self._tasks: dict[str, asyncio.Task] = {}
+        # Each pool's replicas as last seen, kept across a reload that restarts the scrapers: a replica found
+        # stalled stays stalled (and sent nothing) instead of being trusted afresh.
+        self._seen: dict[str, dict[str, ScrapedReplica]] = {}
         self._session: aiohttp.ClientSession | None = None
         self._config: dict | None = None
 
@@ -342,6 +350,7 @@ class SaturationScrapers:
         self._config = pools  # first: stop() forgets the readings of the pools no longer scraped
         await self.stop()
         scraped = self._scraped()
+        self._seen = {name: seen for name, seen in self._seen.items() if name in scraped}
         for name in [n for n in pools if n not in scraped]:
             log.warning("pool %s names neither replicas nor envoy_admin: not scraped, its limit and adaptive caps "
                         "run on latency only", name)
@@ -353,7 +362,9 @@ class SaturationScrapers:
         log.info("scraping vLLM saturation for pools: %s", ", ".join(scraped))
 
     def _start(self, name: str, spec: PoolSpec) -> None:
-        task = asyncio.create_task(PoolScraper(self.core, name, spec, self._session).run())
+        scraper = PoolScraper(self.core, name, spec, self._session, known=self._seen.get(name))
+        self._seen[name] = scraper.replicas  # the same dict: what discovery adds and removes included
+        task = asyncio.create_task(scraper.run())
         task.add_done_callback(lambda t: self._ended(name, t))
         self._tasks[name] = task
 

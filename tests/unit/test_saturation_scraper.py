@@ -413,3 +413,35 @@ def test_envoys_cluster_membership_gives_each_host_as_ip_port_ipv6_in_brackets()
     assert saturation._cluster_hosts(doc, "pool_a") == {"10.0.0.1:8000", "[fd00::2]:8000"}
     assert saturation._cluster_hosts(doc, "missing") is None
     assert saturation.ScrapedReplica("[fd00::2]:8000").endpoint == "[fd00::2]:8000"
+
+
+def test_a_reload_that_restarts_the_scrapers_keeps_what_they_knew_of_each_replica(monkeypatch):
+    # A replica seen stalled must not be trusted afresh (and sent requests that hang) because a reload changed the
+    # pool's settings; one no longer listed is forgotten.
+    started = []
+
+    async def idle(self):
+        started.append(self)
+        await asyncio.Event().wait()
+
+    async def reload():
+        core = RecordingCore()
+        core.saturation = {}
+        scrapers = SaturationScrapers(core)
+        monkeypatch.setattr(PoolScraper, "run", idle)
+        await scrapers.configure({"pool_a": PoolSpec(replicas=["10.0.0.1:8000", "10.0.0.2:8000"])})
+        await asyncio.sleep(0)
+        hung = started[-1].replicas["10.0.0.1:8000"]
+        hung.stalled = True
+        await scrapers.configure({"pool_a": PoolSpec(replicas=["10.0.0.1:8000"], stall_ms=5000)})
+        await asyncio.sleep(0)
+        kept = started[-1].replicas
+        await scrapers.configure({"pool_b": PoolSpec(replicas=["10.0.0.1:8000"])})
+        await asyncio.sleep(0)
+        other_pool = started[-1].replicas
+        await scrapers.stop()
+        return hung, kept, other_pool
+
+    hung, kept, other_pool = asyncio.run(reload())
+    assert kept == {"10.0.0.1:8000": hung} and kept["10.0.0.1:8000"].stalled
+    assert not other_pool["10.0.0.1:8000"].stalled  # another pool's replica of that address is its own
