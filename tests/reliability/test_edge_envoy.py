@@ -348,4 +348,4 @@ async def test_a_client_that_trickles_its_headers_is_cut_with_a_json_408(stack, 
     assert err["message"] and err["type"] == "invalid_request_error", err
     async with aiohttp.ClientSession() as http:
         seen = await (await http.get(f"http://{upstream[0]}:{upstream[1]}/test/seen")).json()
-    assert seen == [], seen
+    assert [r for r in seen if r["path"] != "/health"] == [], seen  # Envoy's own health checks aside
