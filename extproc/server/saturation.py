@@ -16,9 +16,9 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-import socket
 import math
 import re
+import socket
 import time
 
 import aiohttp
@@ -222,6 +222,10 @@ class PoolScraper:
         for r in self.replicas.values():
             m = r.metrics
             if m is None or r.at < stale:
+                if r.stalled:  # seen hung, and now its /metrics does not answer either: hung still
+                    sat.stalled += 1
+                    sat.stalled_requests += m["running"] + m["waiting"]
+                    continue
                 sat.saturated = True
                 working.append((r.endpoint or r.address, math.inf))  # unread: named last, for Envoy to fall to
                 continue
@@ -264,15 +268,19 @@ class PoolScraper:
         """The IP of each replica named by host name, for the override-host list: looked up again every round
         while a replica of the pool is stalled (a restarted pod may have a new one); a failed lookup keeps the
         last."""
+        named = [r for r in self.replicas.values() if not _ip_address(r.address)]
+        await asyncio.gather(*(self._resolve_one(r) for r in named))
+
+    @staticmethod
+    async def _resolve_one(r: ScrapedReplica) -> None:
+        host, _, port = r.address.rpartition(":")
         loop = asyncio.get_running_loop()
-        for r in [r for r in self.replicas.values() if not _ip_address(r.address)]:
-            host, _, port = r.address.rpartition(":")
-            try:
-                found = await asyncio.wait_for(loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM), 1.0)
-            except Exception:  # noqa: BLE001 - not resolved this round: Envoy ignores a name it does not know
-                continue
-            ip = found[0][4][0]
-            r.endpoint = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+        try:
+            found = await asyncio.wait_for(loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM), 1.0)
+        except Exception:  # noqa: BLE001 - not resolved this round: Envoy ignores a name it does not know
+            return
+        ip = found[0][4][0]
+        r.endpoint = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
     async def _discover(self) -> None:
         """Take the pool's endpoints from Envoy's admin API (Envoy is the source of truth for membership)."""

@@ -445,3 +445,20 @@ def test_a_reload_that_restarts_the_scrapers_keeps_what_they_knew_of_each_replic
     hung, kept, other_pool = asyncio.run(reload())
     assert kept == {"10.0.0.1:8000": hung} and kept["10.0.0.1:8000"].stalled
     assert not other_pool["10.0.0.1:8000"].stalled  # another pool's replica of that address is its own
+
+
+def test_a_stalled_replica_whose_metrics_stop_answering_stays_stalled_and_is_not_named():
+    # A wedged server whose /metrics hangs too: unread, it would count as saturation (any unread replica does)
+    # and stop being stalled, so requests would be steered to it again.
+    clock = FakeClock()
+    scraper = PoolScraper(RecordingCore(), "pool_a", PoolSpec(replicas=["10.0.0.1:8000", "10.0.0.2:8000"],
+                                                              stall_ms=2000, stale_ms=1500), None, clock=clock)
+    hung, ok = scraper.replicas.values()
+    for i in range(8):
+        if i < 4:
+            scraper.record(hung, reading(running=3, tokens=50.0))  # then its /metrics stops answering too
+        scraper.record(ok, reading(running=1, tokens=float(i)))
+        sat = scraper.aggregate(clock())
+        clock.advance(1.0)
+    assert hung.stalled and sat.stalled == 1 and sat.stalled_requests == 3 and not sat.saturated
+    assert sat.working == (("10.0.0.2:8000", 1.0),)
