@@ -49,7 +49,6 @@ class AdmissionController:
         self.tickets: dict[int, Ticket] = {}   # open tickets, for the lease safety net
         self.saturation: dict[str, PoolSaturation] = {}  # pool -> the replicas' own load (set_saturation)
         self.steering = ReplicaSteering()
-        self.replicas_for = self.steering.pick  # Envoy cluster -> its override-host list, None: Envoy picks
         self._unreported: OrderedDict[int, Ticket] = OrderedDict()  # released, completion report pending
         self._retired: list[ClassLimiter] = []
         self.shadow = ShadowMode(self)
@@ -86,6 +85,15 @@ class AdmissionController:
     @property
     def breakers(self) -> dict[tuple[str, str], list[Breaker]]:
         return self.state.breakers
+
+    def replicas_for(self, cluster: str) -> str | None:
+        """The override-host list for a request forwarded to `cluster` (policy.steering), None: Envoy picks."""
+        steering = self.steering
+        return steering.pick(cluster, self.clock()) if steering.active else None
+
+    def replica_answered(self, address: str, failed: bool) -> None:
+        """A replica's answer, as the access log reports it (only counted while some pool is steered)."""
+        self.steering.answered(address, failed, self.clock())
 
     def set_saturation(self, pool: str, saturation: PoolSaturation | None) -> None:
         """The replicas' own view of a pool's load (a scraper's), or None when the pool is no longer watched."""

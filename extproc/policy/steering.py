@@ -4,21 +4,46 @@ Envoy balances a pool's requests over its replicas by itself (least request), an
 whose engine hangs while its HTTP server answers: /health says it is fine, and every request it takes waits until
 the client gives up. The scraper sees such a replica as stalled (server.saturation, `stall_ms`). While one is, each
 request forwarded to that pool names the replicas that work, in `x-extproc-replica` (read by the override_host
-load-balancing policy of envoy/envoy.yaml's pool clusters: the first of them that Envoy can use, the next if it
-cannot): the least loaded first, by the last scrape's running + waiting plus what was sent there since. With no
-replica stalled nothing is named and Envoy's own least-request picks, as without the ext_proc.
+load-balancing policy of envoy/envoy.yaml's pool clusters, which takes the first of them it has): the least loaded
+first, by the last scrape's running + waiting plus what was sent there since. With no replica stalled nothing is
+named and Envoy's own least-request picks, as without the ext_proc.
+
+Envoy takes the first named host it has, whatever its health: override_host does not skip a host its health
+checks failed or its outlier detection ejected (later names only matter to a retry). So what Envoy would not use
+is left out here: a replica whose /health does not answer 200 (the scraper asks while a replica is stalled), and
+one whose last FAILURES answers in a row were errors, for EJECT_S after the last (Envoy's own outlier rule in
+envoy.yaml, seen through the access log's upstream address).
 """
 
 from __future__ import annotations
 
 
+FAILURES = 5  # envoy.yaml's outlier_detection.consecutive_5xx
+EJECT_S = 30.0  # and its base_ejection_time
+
+
 class ReplicaSteering:
     """Per pool, the working replicas as last scraped, each with its load and what was sent to it since."""
 
-    __slots__ = ("_pools",)
+    __slots__ = ("_pools", "_failing")
 
     def __init__(self) -> None:
         self._pools: dict[str, list[list]] = {}  # pool -> [[address, load], ...]; only pools with a stalled replica
+        self._failing: dict[str, list[float]] = {}  # address -> [errors in a row, when the last was]
+
+    @property
+    def active(self) -> bool:
+        """Whether any pool is steered now (only then are answers per replica worth counting)."""
+        return bool(self._pools)
+
+    def answered(self, address: str, failed: bool, now: float) -> None:
+        """One answer of the replica at `address` (IP:PORT, as Envoy names its hosts): an error or not."""
+        if not failed:
+            self._failing.pop(address, None)
+            return
+        errors = self._failing.setdefault(address, [0.0, now])
+        errors[0] += 1.0
+        errors[1] = now
 
     def update(self, pool: str, working: tuple[tuple[str, float], ...]) -> None:
         """A new reading: `working` lists each working replica with its load, empty when none is stalled."""
@@ -27,16 +52,31 @@ class ReplicaSteering:
         else:
             self._pools.pop(pool, None)
 
-    def pick(self, pool: str) -> str | None:
-        """The override-host list for one request to `pool` (counted as sent), or None: no replica is stalled."""
+    def pick(self, pool: str, now: float) -> str | None:
+        """The override-host list for one request to `pool` (counted as sent), or None: no replica is stalled, or
+        every working one is failing (Envoy's own balancing then knows best)."""
         replicas = self._pools.get(pool)
         if replicas is None:
             return None
+        if self._failing:
+            replicas = [r for r in replicas if not self._ejected(r[0], now)]
+            if not replicas:
+                return None
         first = min(replicas, key=_load)
         first[1] += 1.0
         if len(replicas) == 1:
             return first[0]
         return ",".join([first[0], *(r[0] for r in replicas if r is not first)])
+
+
+    def _ejected(self, address: str, now: float) -> bool:
+        errors = self._failing.get(address)
+        if errors is None:
+            return False
+        if now - errors[1] > EJECT_S:
+            del self._failing[address]
+            return False
+        return errors[0] >= FAILURES
 
 
 def _load(replica: list) -> float:

@@ -30,6 +30,8 @@ def ticket_prefix(worker: int | None) -> str:
     nothing. The ticket's id follows."""
     return "" if worker is None else f"{worker}-"
 
+_ANSWERED = (Outcome.OK, Outcome.UPSTREAM_ERROR)  # a client abort says nothing about the replica
+
 # Response flags meaning the upstream side failed the request (it may still have sent a 200 first).
 _UPSTREAM_FLAGS = ("upstream_remote_reset", "upstream_connection_failure", "upstream_connection_termination",
                    "upstream_request_timeout", "no_healthy_upstream", "upstream_overflow", "upstream_protocol_error",
@@ -118,7 +120,18 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
                 ticket_id = int(value[len(self._prefix):])
             except ValueError:
                 continue
-            if self.core.report(ticket_id, completion_of(entry)):
+            completion = completion_of(entry)
+            if self.core.report(ticket_id, completion):
                 matched += 1
+            if self.core.steering.active and completion.outcome in _ANSWERED:
+                self._answered(entry, completion.outcome is Outcome.UPSTREAM_ERROR)
         # The others carry no ticket the core knows: e.g. one issued before a restart, or by another instance.
         self.events.completions_reported(matched, len(entries) - matched)
+
+    def _answered(self, entry: accesslog_pb2.HTTPAccessLogEntry, failed: bool) -> None:
+        """Which replica answered matters only while a pool is steered (policy.steering): Envoy's own outlier
+        detection does not stop it from taking a host the ext_proc names."""
+        upstream = entry.common_properties.upstream_remote_address.socket_address
+        if upstream.address:
+            host = f"[{upstream.address}]" if ":" in upstream.address else upstream.address
+            self.core.replica_answered(f"{host}:{upstream.port_value}", failed)

@@ -31,7 +31,9 @@ log = logging.getLogger("extproc.saturation")
 
 _WANTED = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
            "vllm:kv_cache_usage_perc": "kv", "vllm:num_preemptions_total": "preemptions",
-           "vllm:prompt_tokens_total": "tokens", "vllm:generation_tokens_total": "tokens"}
+           "vllm:prompt_tokens_total": "tokens", "vllm:generation_tokens_total": "tokens",
+           "process_start_time_seconds": "started"}
+_HIGHEST = ("kv", "started")  # the highest of their label sets (processes), not the sum
 # The token counters are progress: a replica that holds requests while neither moves is stalled (`stall_ms`).
 # Optional: without them (an older vLLM, another server) the stall rule is off for that replica.
 _PROGRESS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
@@ -43,7 +45,8 @@ _REQUIRED = ("vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
 # adapters or buckets multiply that by a few). 4 MiB is ~70 times that, and reading and searching it costs
 # ~15 ms of the event loop; a body past it is not a vLLM's and is not read on.
 MAX_METRICS_BYTES = 4 * 1024 * 1024
-COMPLAIN_EVERY_S = 60.0  # a replica that stays unreadable is logged once a minute, not once a scrape
+COMPLAIN_EVERY_S = 60.0
+RESOLVE_EVERY_S = 30.0  # replicas named by host name are looked up this often (every round while one is stalled)  # a replica that stays unreadable is logged once a minute, not once a scrape
 
 # Only the lines of the series we read are looked at: name, optional {labels} (values may hold spaces, braces and
 # escaped quotes), value, optional timestamp (milliseconds).
@@ -74,13 +77,15 @@ def parse_vllm_metrics(body: bytes | str) -> dict[str, float]:
         if sample is None or not math.isfinite(value) or value < 0:
             raise UnreadableMetrics(f"{name} has no finite non-negative value: {match.group(0)[:200]!r}")
         key = _WANTED[name]
-        out[key] = max(out[key], value) if key == "kv" else out[key] + value
+        out[key] = max(out[key], value) if key in _HIGHEST else out[key] + value
         seen.add(name)
     missing = [n for n in _REQUIRED if n not in seen]
     if missing:
         raise UnreadableMetrics(f"no {' or '.join(missing)} in /metrics")
     if not any(n in seen for n in _PROGRESS):
         out["tokens"] = math.nan
+    if "process_start_time_seconds" not in seen:
+        out["started"] = math.nan
     return out
 
 
@@ -103,12 +108,12 @@ class ScrapedReplica:
     diff, and when its being unreadable was last logged."""
 
     __slots__ = ("address", "endpoint", "metrics", "at", "preemptions", "complained_at", "failing", "tokens",
-                 "progressed_at", "stalled")
+                 "started", "progressed_at", "stalled", "stalled_since", "healthy")
 
     def __init__(self, address: str):
         self.address = address
         # IP:PORT, as Envoy knows the replica (its override-host list names it so): the address itself when it is
-        # one, else resolved while a replica of the pool is stalled (PoolScraper._resolve).
+        # one, else what its name resolves to (PoolScraper._resolve; several, comma-separated).
         self.endpoint = address if _ip_address(address) else None
         self.metrics: dict[str, float] | None = None
         self.at = -1.0
@@ -116,8 +121,11 @@ class ScrapedReplica:
         self.complained_at = -math.inf
         self.failing = False  # its being unreadable was logged, and it has not been read since
         self.tokens = math.nan  # its token counters' sum at the last scrape
+        self.started = math.nan  # its process_start_time_seconds at the last scrape (a change is a restart)
         self.progressed_at = -math.inf  # when it was last seen idle or with its token counters moving
         self.stalled = False  # as last judged (logged when it changes)
+        self.stalled_since = -math.inf  # its progressed_at when it was judged stalled
+        self.healthy = True  # its /health answered 200 when last asked (asked only while one of the pool is stalled)
 
 
 class PoolScraper:
@@ -134,6 +142,7 @@ class PoolScraper:
         self._known = known or {}
         self.replicas: dict[str, ScrapedReplica] = {a: self._replica(a) for a in spec.replicas}
         self._last_discovery = -1e9
+        self._resolved_at = -math.inf
         self._published_at = clock()  # as if just published: the first round has stale_ms to fail before it counts
         self._round_complained_at = -math.inf
 
@@ -155,7 +164,14 @@ class PoolScraper:
             await self._discover()
         await asyncio.gather(*(self._scrape(r) for r in list(self.replicas.values())))
         if any(r.stalled for r in self.replicas.values()):
-            await self._resolve()
+            # Envoy takes a named replica whatever its health: name only those its health check would pass.
+            await asyncio.gather(self._resolve(), *(self._check_health(r) for r in self.replicas.values()
+                                                    if not r.stalled))
+        else:
+            for r in self.replicas.values():
+                r.healthy = True
+            if started - self._resolved_at > RESOLVE_EVERY_S:  # names known before a stall needs them
+                await self._resolve()
         now = self.clock()
         self.core.set_saturation(self.name, self.aggregate(now))
         self._published_at = now
@@ -199,13 +215,15 @@ class PoolScraper:
         r.preemptions = m["preemptions"]
         m["preempting"] = float(prev is not None and m["preemptions"] > prev)
         r.metrics, r.at = m, self.clock()
-        # Progress: a token counter moved (a smaller sum is a restarted replica), no counters to judge, or idle. Idle
-        # is no news from a replica already stalled: its requests were given up on, none are sent to it now
-        # (policy.steering), and one sent because it looked idle again would hang too. It stays stalled until
-        # its counters move: a restart (they start again from 0), or an engine that resumes what it holds.
+        # Progress: a token counter moved (a smaller sum is a restarted replica), a restart (its process start
+        # time changed: one that hung before its first token restarts with its counters at 0 again), no counters
+        # to judge, or idle. Idle is no news from a replica already stalled: its requests were given up on, none
+        # are sent to it now (policy.steering), and one sent because it looked idle again would hang too.
         before, r.tokens = r.tokens, m.get("tokens", math.nan)
+        was_started, r.started = r.started, m.get("started", math.nan)
+        restarted = was_started != r.started and not math.isnan(was_started) and not math.isnan(r.started)
         idle = m["running"] + m["waiting"] == 0
-        if (idle and not r.stalled) or math.isnan(r.tokens) or r.tokens != before:
+        if (idle and not r.stalled) or restarted or math.isnan(r.tokens) or r.tokens != before:
             r.progressed_at = r.at
         if r.failing:
             r.failing = False
@@ -227,13 +245,15 @@ class PoolScraper:
                     sat.stalled_requests += m["running"] + m["waiting"]
                     continue
                 sat.saturated = True
-                working.append((r.endpoint or r.address, math.inf))  # unread: named last, for Envoy to fall to
+                if r.healthy:  # unread: named last, for Envoy to fall back to
+                    working.append((r.endpoint or r.address, math.inf))
                 continue
             if self._stalled(r, now):
                 sat.stalled += 1
                 sat.stalled_requests += m["running"] + m["waiting"]
                 continue
-            working.append((r.endpoint or r.address, m["running"] + m["waiting"]))
+            if r.healthy:
+                working.append((r.endpoint or r.address, m["running"] + m["waiting"]))
             sat.kv_usage = max(sat.kv_usage, m["kv"])
             sat.waiting = max(sat.waiting, m["waiting"])
             sat.running += m["running"]
@@ -251,10 +271,15 @@ class PoolScraper:
         reading: the queue a hung engine builds grows whatever the load, and read as saturation it held the
         limits at their floors while the other replicas idled. New requests go to the others (aggregate's
         `working`, policy.steering); the ones it holds keep their slots until their clients give up."""
-        stalled = (self.spec.stall_ms > 0 and math.isfinite(r.progressed_at)  # not judged before its first record
-                   and now - r.progressed_at > self.spec.stall_ms / 1000.0)
+        if self.spec.stall_ms <= 0:
+            stalled = False
+        elif r.stalled and r.progressed_at == r.stalled_since:
+            stalled = True  # no progress since: stays stalled, whatever stall_ms a reload set meanwhile
+        else:
+            stalled = (math.isfinite(r.progressed_at)  # not judged before its first record
+                       and now - r.progressed_at > self.spec.stall_ms / 1000.0)
         if stalled != r.stalled:
-            r.stalled = stalled
+            r.stalled, r.stalled_since = stalled, r.progressed_at
             if stalled:
                 log.warning("pool %s: replica %s holds %d requests and generated nothing for %d ms: stalled, left "
                             "out of the pool's saturation and sent no new requests until it moves (restart it: "
@@ -264,12 +289,22 @@ class PoolScraper:
                 log.info("pool %s: replica %s is making progress again", self.name, r.address)
         return stalled
 
+    async def _check_health(self, r: ScrapedReplica) -> None:
+        timeout = aiohttp.ClientTimeout(total=max(self.spec.scrape_interval_ms / 1000.0 * 2, 0.5))
+        try:
+            async with self.session.get(f"http://{r.address}/health", timeout=timeout) as resp:
+                r.healthy = resp.status == 200
+        except Exception:  # noqa: BLE001 - no answer is not healthy
+            r.healthy = False
+
     async def _resolve(self) -> None:
-        """The IP of each replica named by host name, for the override-host list: looked up again every round
-        while a replica of the pool is stalled (a restarted pod may have a new one); a failed lookup keeps the
-        last."""
+        """The IPs of each replica named by host name, for the override-host list: looked up every
+        RESOLVE_EVERY_S, and every round while a replica of the pool is stalled (a restarted pod may have a new
+        one); a failed lookup keeps the last."""
+        self._resolved_at = self.clock()
         named = [r for r in self.replicas.values() if not _ip_address(r.address)]
-        await asyncio.gather(*(self._resolve_one(r) for r in named))
+        if named:
+            await asyncio.gather(*(self._resolve_one(r) for r in named))
 
     @staticmethod
     async def _resolve_one(r: ScrapedReplica) -> None:
@@ -279,8 +314,9 @@ class PoolScraper:
             found = await asyncio.wait_for(loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM), 1.0)
         except Exception:  # noqa: BLE001 - not resolved this round: Envoy ignores a name it does not know
             return
-        ip = found[0][4][0]
-        r.endpoint = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+        # Every address: which one Envoy holds depends on its DNS settings, and it skips the names it has not.
+        ips = dict.fromkeys(info[4][0] for info in found)
+        r.endpoint = ",".join(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips)
 
     async def _discover(self) -> None:
         """Take the pool's endpoints from Envoy's admin API (Envoy is the source of truth for membership)."""

@@ -13,7 +13,7 @@ import aiohttp
 from extproc.tools.sim.fleet import SimFleet
 from tests.conftest import policy_file, until
 
-from .helpers import chat, post
+from .helpers import chat, metrics, post, sample
 
 SPEED = 10.0
 
@@ -66,3 +66,42 @@ async def test_a_replica_answering_errors_is_ejected_and_the_pool_serves_on_with
             for pause in (0, 0, 0, 3.5, 0, 0):
                 await asyncio.sleep(pause)
                 assert await burst() == [200] * 6
+
+
+async def test_while_a_replica_is_stalled_one_answering_errors_is_not_named_either(make_stack, tmp_path):
+    # Envoy's override_host takes the first replica the ext_proc names whatever its health, and one failing fast
+    # shows the lowest load: the ext_proc leaves out a replica with 5 errors in a row (the access log's upstream
+    # address), as Envoy's outlier detection would.
+    big = SimFleet("h100-llama70b-awq", replicas=3, speed=SPEED, model_names=["llama-70b"])
+    small = SimFleet("h100-llama8b", replicas=1, speed=SPEED, model_names=["llama-8b"])
+    async with big, small:
+        hung, failing, working = big.urls
+        interactive = {"max_concurrency": 32, "max_queue": 8, "max_wait_ms": 2000,
+                       "latency_breaker": {"enabled": False}, "error_breaker": {"enabled": False}}
+        pools = {"vllm_llama70b": {"replicas": [f"127.0.0.1:{p}" for p in big.ports], "stall_ms": 1000,
+                                   "scrape_interval_ms": 50, "stale_ms": 500}}
+        s = await asyncio.to_thread(make_stack, policy_file(tmp_path, classes={"interactive": interactive},
+                                                            tenants=[], shed={}, pools=pools),
+                                    pools={"vllm_llama70b": [("127.0.0.1", p) for p in big.ports],
+                                           "vllm_llama8b": [("127.0.0.1", small.ports[0])]})
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as http:
+            async def stalled() -> float:
+                return sample(await metrics(http, s.metrics_url), "extproc_pool_stalled_replicas",
+                              pool="vllm_llama70b")
+
+            async with http.post(f"{hung}/sim/fault", json={"hang": 1}) as r:
+                assert r.status == 200
+            held = [asyncio.ensure_future(post(http, s.url, chat(max_tokens=50))) for _ in range(6)]
+            assert await until(stalled, 10, holds=lambda n: n == 1) == 1
+            async with http.post(f"{failing}/sim/fault", json={"error_rate": 1}) as r:
+                assert r.status == 200
+            statuses = []
+            for _ in range(15):
+                answers = await asyncio.gather(*(post(http, s.url, chat(max_tokens=16)) for _ in range(4)))
+                statuses += [status for status, _, _ in answers]
+                await asyncio.sleep(0.15)  # the access log's flush (0.1 s) reports each batch
+            async with http.post(f"{hung}/sim/fault", json={"reset": True}) as r:
+                assert r.status == 200
+            await asyncio.gather(*held, return_exceptions=True)
+    assert statuses.count(500) >= 1  # the failing replica was named (it looked least loaded) ...
+    assert statuses[-20:] == [200] * 20, statuses  # ... until its errors in a row left it out

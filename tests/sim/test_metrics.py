@@ -1,5 +1,7 @@
 """/metrics parses with the Prometheus parser and carries vLLM's names, types and labels."""
 
+import time
+
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -34,7 +36,9 @@ async def test_metrics_parse_with_vllm_names_types_and_counts():
     families = {f.name: f for f in text_string_to_metric_families(text)}
     assert {name: families[name].type for name in EXPECTED} == EXPECTED
     samples = {(s.name, s.labels.get("finished_reason"), s.labels.get("le")): s
-               for f in families.values() for s in f.samples}
+               for f in families.values() for s in f.samples if f.name.startswith("vllm:")}
+    # prometheus_client's process start time, unlabelled, as in real vLLM's /metrics: a restart changes it.
+    assert 0 < time.time() - families["process_start_time_seconds"].samples[0].value < 600
     for sample in samples.values():
         assert sample.labels["model_name"] == model and sample.labels["engine"] == "0"
     assert samples[("vllm:prompt_tokens_total", None, None)].value == 300

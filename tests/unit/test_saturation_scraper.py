@@ -41,10 +41,15 @@ class RecordingCore:
 
 
 @contextlib.asynccontextmanager
-async def replica(handler):
-    """A stand-in vLLM on 127.0.0.1 answering GET /metrics with `handler`; yields its HOST:PORT."""
+async def replica(handler, health: int = 200):
+    """A stand-in vLLM on 127.0.0.1 answering GET /metrics with `handler` (and /health with `health`); yields its
+    HOST:PORT."""
     app = web.Application()
     app.router.add_get("/metrics", handler)
+    async def health_check(request):
+        return web.Response(status=health)
+
+    app.router.add_get("/health", health_check)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -79,7 +84,8 @@ def only_replica(scraper: PoolScraper):
 
 def test_the_real_vllm_metrics_are_read():
     m = parse_vllm_metrics(real_metrics_with(waiting="3.0", kv="0.42", running="2.0"))
-    assert m == {"running": 2.0, "waiting": 3.0, "kv": 0.42, "preemptions": 0.0, "tokens": 2341.0 + 8193.0}
+    assert m == {"running": 2.0, "waiting": 3.0, "kv": 0.42, "preemptions": 0.0, "tokens": 2341.0 + 8193.0,
+                 "started": 1.79621509968e+09}
 
 
 def test_a_replica_serving_the_real_vllm_metrics_is_read_and_not_saturated():
@@ -400,7 +406,7 @@ def test_a_replica_named_by_host_name_is_named_by_its_ip_once_resolved():
     r1, r2, r3 = scraper.replicas.values()
     assert (r1.endpoint, r2.endpoint, r3.endpoint) == (None, "[::1]:8001", "127.0.0.1:8002")
     asyncio.run(scraper._resolve())
-    assert r1.endpoint in ("127.0.0.1:8000", "[::1]:8000")
+    assert set(r1.endpoint.split(",")) <= {"127.0.0.1:8000", "[::1]:8000"} and r1.endpoint  # every address
 
 
 def test_envoys_cluster_membership_gives_each_host_as_ip_port_ipv6_in_brackets():
@@ -462,3 +468,75 @@ def test_a_stalled_replica_whose_metrics_stop_answering_stays_stalled_and_is_not
         clock.advance(1.0)
     assert hung.stalled and sat.stalled == 1 and sat.stalled_requests == 3 and not sat.saturated
     assert sat.working == (("10.0.0.2:8000", 1.0),)
+
+
+def test_a_stalled_replica_that_restarts_idle_is_progress_even_with_its_counters_at_0_again():
+    # It hung before its first token (counters 0), and comes back from a restart idle with counters 0: only its
+    # process start time says it is a new process.
+    clock = FakeClock()
+    scraper = PoolScraper(RecordingCore(), "pool_a", PoolSpec(replicas=["10.0.0.1:8000"], stall_ms=2000), None,
+                          clock=clock)
+    (r,) = scraper.replicas.values()
+    states = []
+    for m in [reading(running=2)] * 4 + [reading()] * 2 + [{**reading(), "started": 2.0e9}] * 2:
+        m.setdefault("started", 1.0e9)
+        scraper.record(r, m)
+        states.append(scraper.aggregate(clock()).stalled)
+        clock.advance(1.0)
+    assert states == [0, 0, 0, 1, 1, 1, 0, 0]
+
+
+def test_a_reload_that_raises_stall_ms_keeps_a_stalled_replica_stalled_until_it_moves():
+    clock = FakeClock()
+    core = RecordingCore()
+    scraper = PoolScraper(core, "pool_a", PoolSpec(replicas=["10.0.0.1:8000"], stall_ms=1000), None, clock=clock)
+    (r,) = scraper.replicas.values()
+    for _ in range(3):
+        scraper.record(r, reading(running=2, tokens=5.0))
+        scraper.aggregate(clock())
+        clock.advance(1.0)
+    assert r.stalled
+    longer = PoolScraper(core, "pool_a", PoolSpec(replicas=["10.0.0.1:8000"], stall_ms=60000), None, clock=clock,
+                         known=scraper.replicas)
+    longer.record(r, reading(tokens=5.0))  # idle now, still no progress
+    assert longer.aggregate(clock()).stalled == 1
+    off = PoolScraper(core, "pool_a", PoolSpec(replicas=["10.0.0.1:8000"], stall_ms=0), None, clock=clock,
+                      known=longer.replicas)
+    off.record(r, reading(tokens=5.0))
+    assert off.aggregate(clock()).stalled == 0  # stall_ms 0: the rule is off
+
+
+def test_while_a_replica_is_stalled_one_whose_health_check_fails_is_not_named():
+    # Envoy takes a named replica whatever its health checks say: one draining (/health 503) must not be named.
+    sat = steer_run([reading(running=3, tokens=50.0)] * 5)
+    assert sat.working[0][0] == "10.0.0.2:8000"
+    clock = FakeClock()
+    scraper = PoolScraper(RecordingCore(), "pool_a", PoolSpec(replicas=["10.0.0.1:8000", "10.0.0.2:8000",
+                                                                        "10.0.0.3:8000"], stall_ms=2000),
+                          None, clock=clock)
+    r1, r2, r3 = scraper.replicas.values()
+    r2.healthy = False
+    for i in range(4):
+        scraper.record(r1, reading(running=3, tokens=50.0))
+        scraper.record(r2, reading(tokens=float(i)))
+        scraper.record(r3, reading(running=1, tokens=float(i)))
+        sat = scraper.aggregate(clock())
+        clock.advance(1.0)
+    assert sat.stalled == 1 and sat.working == (("10.0.0.3:8000", 1.0),)
+
+
+def test_while_a_replica_is_stalled_each_round_asks_the_others_health():
+    async def rounds():
+        hung = real_metrics_with(running="3.0")  # its token counters never move
+        async with replica(answering(hung)) as a, replica(answering(real_metrics_with()), health=503) as b, \
+                aiohttp.ClientSession() as session:
+            clock = FakeClock()
+            core = RecordingCore()
+            scraper = PoolScraper(core, "pool_a", PoolSpec(replicas=[a, b], stall_ms=1000), session, clock=clock)
+            for _ in range(4):
+                await scraper._round(clock())
+                clock.advance(1.0)
+            return core.published[-1], scraper.replicas[b].healthy
+
+    sat, b_healthy = asyncio.run(rounds())
+    assert sat.stalled == 1 and not b_healthy and sat.working == ()  # b draining: nothing to name

@@ -1,31 +1,32 @@
 """ReplicaSteering: while a pool's replica is stalled, each request names the working replicas, least loaded
-first by the last scrape plus what was sent since; with none stalled it names nothing (Envoy picks)."""
+first by the last scrape plus what was sent since; with none stalled it names nothing (Envoy picks). A replica
+Envoy has ejected for errors in a row is not named (Envoy would take it anyway)."""
 
 from extproc.policy.adaptive import PoolSaturation
 from extproc.policy.admission import AdmissionController
-from extproc.policy.steering import ReplicaSteering
+from extproc.policy.steering import EJECT_S, FAILURES, ReplicaSteering
 from tests.conftest import FakeClock, make_policy
 
 
 def test_nothing_is_named_without_a_stalled_replica():
     s = ReplicaSteering()
-    assert s.pick("pool") is None
+    assert s.pick("pool", 0.0) is None
     s.update("pool", ())
-    assert s.pick("pool") is None
+    assert s.pick("pool", 0.0) is None
 
 
 def test_the_least_loaded_goes_first_counting_what_was_sent_since_the_reading():
     s = ReplicaSteering()
     s.update("pool", (("a:1", 3.0), ("b:1", 1.0), ("c:1", float("inf"))))
-    picks = [s.pick("pool") for _ in range(4)]
+    picks = [s.pick("pool", 0.0) for _ in range(4)]
     assert picks == ["b:1,a:1,c:1", "b:1,a:1,c:1", "a:1,b:1,c:1", "b:1,a:1,c:1"]  # b: 1, 2, 3 = a's 3, then a
     s.update("pool", (("a:1", 0.0), ("b:1", 5.0)))  # a new reading replaces the counts
-    assert s.pick("pool") == "a:1,b:1"
+    assert s.pick("pool", 0.0) == "a:1,b:1"
     s.update("pool", (("b:1", 0.0),))
-    assert s.pick("pool") == "b:1"
-    assert s.pick("other") is None
+    assert s.pick("pool", 0.0) == "b:1"
+    assert s.pick("other", 0.0) is None
     s.update("pool", ())  # none stalled any more
-    assert s.pick("pool") is None
+    assert s.pick("pool", 0.0) is None
 
 
 def test_the_core_takes_it_from_each_saturation_reading():
@@ -39,3 +40,23 @@ def test_the_core_takes_it_from_each_saturation_reading():
     core.set_saturation("vllm_llama70b", sat)
     core.set_saturation("vllm_llama70b", None)  # no longer scraped
     assert core.replicas_for("vllm_llama70b") is None
+
+
+def test_a_replica_failing_in_a_row_is_left_out_until_its_ejection_would_be_over():
+    s = ReplicaSteering()
+    s.update("pool", (("a:1", 0.0), ("b:1", 5.0)))
+    assert s.active
+    for _ in range(FAILURES - 1):
+        s.answered("a:1", True, 10.0)
+    assert s.pick("pool", 10.0).startswith("a:1")  # not yet FAILURES in a row
+    s.answered("a:1", True, 10.0)
+    assert s.pick("pool", 11.0) == "b:1"
+    assert s.pick("pool", 10.0 + EJECT_S + 1).startswith("a:1")  # Envoy would have taken it back by now
+    for _ in range(FAILURES):
+        s.answered("a:1", True, 50.0)
+    s.answered("a:1", False, 51.0)  # an answer in between: not in a row
+    assert s.pick("pool", 52.0).startswith("a:1")
+    for _ in range(FAILURES):
+        s.answered("a:1", True, 60.0)
+        s.answered("b:1", True, 60.0)
+    assert s.pick("pool", 61.0) is None  # every one failing: Envoy's own balancing knows best

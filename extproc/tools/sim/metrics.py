@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 
 from extproc.tools.sim.engine import Emission, Engine, Sequence
@@ -60,6 +61,7 @@ class ReplicaMetrics:
 
     def __init__(self, model_name: str, engine_index: str = "0"):
         self.labels = f'engine="{engine_index}",model_name="{model_name}"'
+        self.started = time.time()  # prometheus_client's process_start_time_seconds, as vLLM's /metrics has it
         self.ttft = Histogram(TTFT_BUCKETS)
         self.e2e = Histogram(REQUEST_LATENCY_BUCKETS)
         self.queue = Histogram(REQUEST_LATENCY_BUCKETS)
@@ -91,6 +93,9 @@ class ReplicaMetrics:
         def family(name: str, kind: str, help_text: str) -> None:
             lines.append(f"# HELP {name} {help_text}")
             lines.append(f"# TYPE {name} {kind}")
+
+        family("process_start_time_seconds", "gauge", "Start time of the process since unix epoch in seconds.")
+        lines.append(f"process_start_time_seconds {self.started!r}")
 
         # Text format 0.0.4 names counter families with their _total suffix, as prometheus_client writes them.
         for name, kind, value in (
