@@ -17,7 +17,6 @@ envoy.yaml, seen through the access log's upstream address).
 
 from __future__ import annotations
 
-
 FAILURES = 5  # envoy.yaml's outlier_detection.consecutive_5xx
 EJECT_S = 30.0  # and its base_ejection_time
 
@@ -67,7 +66,6 @@ class ReplicaSteering:
         if len(replicas) == 1:
             return first[0]
         return ",".join([first[0], *(r[0] for r in replicas if r is not first)])
-
 
     def _ejected(self, address: str, now: float) -> bool:
         errors = self._failing.get(address)

@@ -18,6 +18,7 @@ from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
 from ..policy.admission import AdmissionController
 from ..policy.limits import Completion, Outcome
+from .saturation import host_port
 
 log = logging.getLogger("extproc.accesslog")
 
@@ -133,5 +134,4 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
         detection does not stop it from taking a host the ext_proc names."""
         upstream = entry.common_properties.upstream_remote_address.socket_address
         if upstream.address:
-            host = f"[{upstream.address}]" if ":" in upstream.address else upstream.address
-            self.core.replica_answered(f"{host}:{upstream.port_value}", failed)
+            self.core.replica_answered(host_port(upstream.address, upstream.port_value), failed)

@@ -45,8 +45,8 @@ _REQUIRED = ("vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
 # adapters or buckets multiply that by a few). 4 MiB is ~70 times that, and reading and searching it costs
 # ~15 ms of the event loop; a body past it is not a vLLM's and is not read on.
 MAX_METRICS_BYTES = 4 * 1024 * 1024
-COMPLAIN_EVERY_S = 60.0
-RESOLVE_EVERY_S = 30.0  # replicas named by host name are looked up this often (every round while one is stalled)  # a replica that stays unreadable is logged once a minute, not once a scrape
+COMPLAIN_EVERY_S = 60.0  # a replica that stays unreadable is logged once a minute, not once a scrape
+RESOLVE_EVERY_S = 30.0  # replicas named by host name are looked up this often (every round while one is stalled)
 
 # Only the lines of the series we read are looked at: name, optional {labels} (values may hold spaces, braces and
 # escaped quotes), value, optional timestamp (milliseconds).
@@ -188,9 +188,8 @@ class PoolScraper:
                 pass  # the same bug as above, already logged
 
     async def _scrape(self, r: ScrapedReplica) -> None:
-        timeout = aiohttp.ClientTimeout(total=max(self.spec.scrape_interval_ms / 1000.0 * 2, 0.5))
         try:
-            async with self.session.get(f"http://{r.address}/metrics", timeout=timeout) as resp:
+            async with self.session.get(f"http://{r.address}/metrics", timeout=self._timeout()) as resp:
                 if resp.status != 200:
                     raise UnreadableMetrics(f"/metrics answered HTTP {resp.status}")
                 m = parse_vllm_metrics(await read_capped(resp))
@@ -289,10 +288,13 @@ class PoolScraper:
                 log.info("pool %s: replica %s is making progress again", self.name, r.address)
         return stalled
 
+    def _timeout(self) -> aiohttp.ClientTimeout:
+        """For a call to a replica: two scrape intervals, at least half a second."""
+        return aiohttp.ClientTimeout(total=max(self.spec.scrape_interval_ms / 1000.0 * 2, 0.5))
+
     async def _check_health(self, r: ScrapedReplica) -> None:
-        timeout = aiohttp.ClientTimeout(total=max(self.spec.scrape_interval_ms / 1000.0 * 2, 0.5))
         try:
-            async with self.session.get(f"http://{r.address}/health", timeout=timeout) as resp:
+            async with self.session.get(f"http://{r.address}/health", timeout=self._timeout()) as resp:
                 r.healthy = resp.status == 200
         except Exception:  # noqa: BLE001 - no answer is not healthy
             r.healthy = False
@@ -316,7 +318,7 @@ class PoolScraper:
             return
         # Every address: which one Envoy holds depends on its DNS settings, and it skips the names it has not.
         ips = dict.fromkeys(info[4][0] for info in found)
-        r.endpoint = ",".join(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips)
+        r.endpoint = ",".join(host_port(ip, port) for ip in ips)
 
     async def _discover(self) -> None:
         """Take the pool's endpoints from Envoy's admin API (Envoy is the source of truth for membership)."""
@@ -349,10 +351,14 @@ def _cluster_hosts(doc: dict, cluster_name: str) -> set[str] | None:
         for host in cluster.get("host_statuses", []):
             sa = host.get("address", {}).get("socket_address", {})
             if "address" in sa:
-                host = f"[{sa['address']}]" if ":" in sa["address"] else sa["address"]  # IPv6: as in a URL
-                found.add(f"{host}:{sa.get('port_value', 80)}")
+                found.add(host_port(sa["address"], sa.get("port_value", 80)))
         return found
     return None
+
+
+def host_port(host: str, port: int | str) -> str:
+    """HOST:PORT as a URL and Envoy's override host write it: an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _ip_address(address: str) -> bool:

@@ -79,7 +79,17 @@ class _Forwarded:
     """The ticket of a request every admitter here forwards: no state."""
 
 
-class NoAdmission:
+class _EnvoyOnly:
+    """What a mode without the ext_proc leaves as the client sent it."""
+
+    def engine_priority(self, d: Decision) -> int:
+        return 0  # no ext_proc: the client's body goes through (the scenarios send none)
+
+    def replicas_for(self, pool: str) -> str | None:
+        return None  # no ext_proc: Envoy's load balancer picks
+
+
+class NoAdmission(_EnvoyOnly):
     """Mode a: Envoy forwards everything to the clients' pool (round robin, or least request)."""
 
     def __init__(self, lb_policy: str = "round_robin"):
@@ -92,12 +102,6 @@ class NoAdmission:
     def decide(self, facts: RequestFacts) -> Decision:
         return Admit("forwarded", "", "", None)
 
-    def engine_priority(self, d: Decision) -> int:
-        return 0  # no ext_proc: the client's body goes through (the scenarios send none)
-
-    def replicas_for(self, pool: str) -> str | None:
-        return None  # no ext_proc: Envoy's load balancer picks
-
     def ended(self, ticket: Any, record: RequestRecord) -> None:
         pass
 
@@ -105,7 +109,7 @@ class NoAdmission:
         pass
 
 
-class EnvoyAdaptive:
+class EnvoyAdaptive(_EnvoyOnly):
     """Mode b: Envoy's adaptive_concurrency filter in front of the clients' pool (least request)."""
 
     lb_policy = "least_request"  # envoy/envoy.yaml's pools (FULL_SCAN); mode b does not override it
@@ -138,12 +142,6 @@ class EnvoyAdaptive:
         if self.controller.try_forward():
             return Admit("forwarded", "", "", _Forwarded())
         return Refusal(REJECT, "adaptive_concurrency", "", "", 503, "reached concurrency limit")
-
-    def engine_priority(self, d: Decision) -> int:
-        return 0  # no ext_proc: the client's body goes through (the scenarios send none)
-
-    def replicas_for(self, pool: str) -> str | None:
-        return None  # no ext_proc: Envoy's load balancer picks
 
     def ended(self, ticket: Any, record: RequestRecord) -> None:
         if record.ok:

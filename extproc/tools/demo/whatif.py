@@ -217,7 +217,9 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
         # The replicas still in the load balancer (all of them if every one is draining): least request, or
         # round robin (Envoy's ROUND_ROBIN, mode a).
         live = [j for j in range(len(engines)) if j not in pool.draining] or list(range(len(engines)))
-        named = admitter.replicas_for(pool_name)  # Envoy's override_host: the first named replica it can use
+        # Envoy's override_host takes the first named replica it has; the ext_proc names none its health check
+        # fails (here: draining), so skipping those is the same.
+        named = admitter.replicas_for(pool_name)
         chosen = next((j for j in _replica_indexes(named) if j in live), None) if named else None
         if chosen is not None:
             i = chosen
