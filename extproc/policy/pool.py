@@ -113,9 +113,10 @@ class PoolLimit:
         if window is not None and admitted_at >= self.counted_since:
             window.add(now, service_s)
 
-    def latency_ratio(self, now: float) -> tuple[float | None, bool]:
+    def latency_ratio(self, now: float, calm: bool = True) -> tuple[float | None, bool]:
         """(target x SLO over the served quantile, for the class furthest from its target (None: too few
-        samples); whether that class's latency is up from its calm baseline, i.e. load is what slows it)."""
+        samples); whether that class's latency is up from its calm baseline, i.e. load is what slows it).
+        `calm`: the limit does not bind, so the baseline may follow a slower mix."""
         worst, loaded = None, False
         for rank, window in self.windows.items():
             served = window.quantile(now, self.spec.quantile, self.spec.window_s,
@@ -123,7 +124,9 @@ class PoolLimit:
             if served is None:
                 continue
             # The calm baseline: the lowest quantile seen, drifting up slowly so a changed mix is followed.
-            base = min(served, self.baseline.get(rank, served) * (1 + BASELINE_DRIFT))
+            # Only while the limit does not bind: under a slow ramp or a long overload the latency is the load's,
+            # and a baseline drifting after it stopped the cuts within seconds (the limit froze over the SLO).
+            base = min(served, self.baseline.get(rank, served) * (1 + BASELINE_DRIFT * calm))
             self.baseline[rank] = base
             ratio = self.spec.target * self.slos[rank] / max(served, 1e-6)
             if worst is None or ratio < worst:
@@ -141,7 +144,7 @@ class PoolLimit:
         self.moved_at = now
         avg = self.inflight_avg
         binding = short or inflight >= BINDING * self.limit
-        ratio, loaded = self.latency_ratio(now)
+        ratio, loaded = self.latency_ratio(now, calm=not binding)
         # Saturation for two moves in a row: a single scrape with a request waiting one engine step behind a
         # long prefill is not a full pool.
         persistent, self._was_saturated = saturated and self._was_saturated, bool(saturated)
