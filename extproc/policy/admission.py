@@ -488,7 +488,7 @@ class AdmissionController:
             q.take(w)
             self._dequeue(w)
             waited = now - w.enqueued_at
-            if self.shadow.grant(w, lim, waited):
+            if self.shadow.grant(w, lim, waited, now):
                 continue
             ticket = self._admit(lim, w.tenant, w.pool, now, w.charge, waited, gate, w.units, w.flow)
             ticket.trickle = w.trickle
@@ -560,7 +560,7 @@ class AdmissionController:
     def _admit(self, lim: ClassLimiter, tenant: str, pool: str, now: float, charge: Charge | None,
                waited_s: float, gate=None, units: float = 0.0, flow: str | None = None) -> Ticket:
         cost = charge.estimate.gpu_seconds if charge is not None else 0.0
-        lim.take(cost)
+        lim.take(cost, now)
         lim.pools.add(pool)
         ticket = Ticket(lim, tenant, pool, now, self._lease_s, cost, waited_s)
         ticket.flow = flow or tenant
@@ -612,8 +612,7 @@ class AdmissionController:
             if ran:
                 lim.give_back(ticket.cost, now)
             else:
-                lim.inflight -= 1
-                lim.inflight_cost -= ticket.cost
+                lim.untake(ticket.cost, now)
             if lim.inflight == 0:
                 lim.inflight_cost = 0.0  # a float sum drifts: nothing held is exactly 0, not -8e-17
             lim.queue.released(ticket.flow, ticket.cost)

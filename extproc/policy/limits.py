@@ -161,31 +161,52 @@ def flow_key(waiter: Waiter) -> str:
 
 
 class DrainRate:
-    """Completions per second over roughly the last `tau_s` seconds (exponentially decayed count)."""
+    """Completions per second of the time the class was busy (had requests in flight), over roughly the last
+    `tau_s` busy seconds (exponentially decayed count). Idle time is left out: a class's pace is how fast it frees
+    slots while it has some to free, and a rate diluted by a quiet minute predicted waits of seconds for a queue
+    that drains in half of one, so early rejection refused requests it would have served (found by an audit)."""
 
-    __slots__ = ("tau_s", "_count", "_first", "_last")
+    __slots__ = ("tau_s", "_count", "_first", "_last", "_idle_s", "_idle_since")
 
     def __init__(self, tau_s: float = 10.0):
         self.tau_s = tau_s
         self._count = 0.0
         self._first: float | None = None
         self._last = 0.0
+        self._idle_s = 0.0                   # idle seconds so far (the busy clock is now less these)
+        self._idle_since: float | None = None
+
+    def idle(self, now: float) -> None:
+        """Nothing in flight any more: the busy clock stops."""
+        if self._idle_since is None:
+            self._idle_since = now
+
+    def busy(self, now: float) -> None:
+        """A request in flight again: the busy clock goes on from where it stopped."""
+        if self._idle_since is not None:
+            self._idle_s += max(now - self._idle_since, 0.0)
+            self._idle_since = None
+
+    def _clock(self, now: float) -> float:
+        return (now if self._idle_since is None else self._idle_since) - self._idle_s
 
     def record(self, now: float) -> None:
+        t = self._clock(now)
         if self._first is None:
-            self._first = now
+            self._first = t
         else:
-            self._count *= math.exp(-(now - self._last) / self.tau_s)
+            self._count *= math.exp(-(t - self._last) / self.tau_s)
         self._count += 1.0
-        self._last = now
+        self._last = t
 
     def rate(self, now: float) -> float:
-        """The decayed count over the decayed span it covers; a stalled class's rate falls towards 0."""
+        """The decayed count over the decayed busy span it covers; a stalled class's rate falls towards 0."""
         if self._first is None:
             return 0.0
-        count = self._count * math.exp(-max(now - self._last, 0.0) / self.tau_s)
+        t = self._clock(now)
+        count = self._count * math.exp(-max(t - self._last, 0.0) / self.tau_s)
         # A steady rate r observed for `span` seconds leaves count = r * tau * (1 - exp(-span / tau)).
-        span = max(now - self._first, 0.05)
+        span = max(t - self._first, 0.05)
         return count / (self.tau_s * (1.0 - math.exp(-span / self.tau_s)))
 
 
@@ -240,9 +261,19 @@ class ClassLimiter:
     def queue_has_room(self) -> bool:
         return self.spec.max_wait_ms > 0 and len(self.queue) < self.spec.max_queue
 
-    def take(self, cost: float) -> None:
+    def take(self, cost: float, now: float) -> None:
+        if self.inflight == 0:
+            self.drain.busy(now)
         self.inflight += 1
         self.inflight_cost += cost
+
+    def untake(self, cost: float, now: float) -> None:
+        """A slot given back by a request that never ran (its admission was revoked): no completion."""
+        self.inflight -= 1
+        self.inflight_cost -= cost
+        if self.inflight == 0:
+            self.inflight_cost = 0.0  # a float sum drifts: nothing held is exactly 0, not -8e-17
+            self.drain.idle(now)
 
     def reserve(self, cost: float) -> None:
         """A held slot's admission waits for the shared store's global slot: it is queued, not running."""
@@ -273,6 +304,8 @@ class ClassLimiter:
         self.inflight -= 1
         self.inflight_cost -= cost
         self.drain.record(now)
+        if self.inflight == 0:
+            self.drain.idle(now)
 
     def retry_after_s(self, now: float, ceiling: int) -> int:
         """Whole seconds until this class has likely drained the queue ahead of a new arrival (>= 1)."""

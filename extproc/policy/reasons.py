@@ -76,7 +76,7 @@ refusing work the fleet cannot serve in time, by design: the client should back 
             "({queued} ahead at its current drain rate)"),
            """\
 **429** (or the class's fallback with `on_overflow: fallback`). Deadline-aware early rejection: at arrival, the
-queue ahead of this request, at the class's observed drain rate (completions per second), would take longer than
+queue ahead of this request, at the class's observed drain rate (completions per second while it is busy), would take longer than
 `max_wait_ms` to clear - so the request is refused at once instead of waiting and then timing out. Once the
 model's cost coefficients are learned it also refuses when that wait plus the predicted service time exceeds the
 class's `slo_p95_ms`. It is the early form of `queue_timeout`: the same causes and fixes. Turn it off per class

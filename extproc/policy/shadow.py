@@ -52,13 +52,13 @@ class ShadowMode:
         passed.charge = charge
         return core._emit(passed)
 
-    def grant(self, w: Waiter, lim: ClassLimiter, waited_s: float) -> bool:
+    def grant(self, w: Waiter, lim: ClassLimiter, waited_s: float, now: float) -> bool:
         """The queue reached a virtual place: the running request now holds the slot enforce gives it."""
         t = self.running.pop(id(w), None)
         if t is None:
             return False
         self.places.pop(t.id, None)
-        lim.take(w.cost)
+        lim.take(w.cost, now)
         t.cost, t.holds_slot, t.flow = w.cost, True, w.flow
         lim.queue.admitted(w.flow, w.cost)
         if w.gate is not None:

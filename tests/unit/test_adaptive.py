@@ -148,6 +148,19 @@ def test_rejects_at_arrival_when_the_queue_ahead_cannot_clear_within_the_deadlin
     assert "queue deadline" in d.message
 
 
+def test_idle_time_does_not_dilute_the_drain_rate(clock):
+    # Found by an audit through Envoy: after a quiet spell the rate counted the idle seconds, predicted a wait of
+    # seconds for a queue that drains in a fraction of one, and refused a burst it would have served.
+    core = early_core(clock, max_wait_ms=2000)
+    drain_at(core, clock, per_s=2)                   # busy: one completion every 0.5 s
+    clock.advance(40.0)                              # nothing in flight for 40 s
+    core.decide(RequestFacts(header_class="interactive", model="llama"))
+    burst = [core.decide(RequestFacts(header_class="interactive", model="llama")) for _ in range(3)]
+    assert [d.kind for d in burst] == [QUEUE, QUEUE, QUEUE]  # ~0.5, 1.0, 1.5 s ahead: within 2 s
+    more = [core.decide(RequestFacts(header_class="interactive", model="llama")) for _ in range(3)]
+    assert (more[-1].kind, more[-1].reason) == (REJECT, "deadline_unmeetable")  # ~3 s ahead: the pace binds
+
+
 def test_early_rejection_can_degrade_and_can_be_turned_off(clock):
     core = early_core(clock, on_overflow="fallback", fallback={"action": "degrade", "model": "small"})
     drain_at(core, clock, per_s=2)
