@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from extproc.tools.loadgen import Workload
 from extproc.tools.sim.engine import Engine
+from extproc.tools.sim.openai_api import clamp_max_tokens, fixed_output_tokens, ignores_eos
 from extproc.tools.sim.profile import Profile
 from extproc.tools.stats import percentile
 
@@ -25,22 +26,29 @@ class Capacity:
     running: float  # mean sequences running (holding KV), of `concurrency` in the engine
 
 
+def _earlier_output(profile: Profile, max_tokens: int | None, ignore_eos: bool, rng: random.Random) -> int:
+    """The output of one of a session's earlier calls: its max_tokens under ignore_eos, else the profile's draw
+    capped by it."""
+    ceiling = max_tokens or profile.default_max_tokens
+    return ceiling if ignore_eos else min(ceiling, profile.natural_output_tokens(rng))
+
+
 def closed_loop_mix(profile: Profile, workload: Workload, concurrency: int, requests: int = 3000,
                     seed: int = 0) -> Capacity:
     """Keep `concurrency` requests of the mix in one engine; each one finished is replaced at once. A session
     kind's request is one of its calls, drawn with the context its earlier calls grew (no think time: a closed
-    loop)."""
+    loop). Each request reaches the engine as the simulator's server passes it on (sim/replica.py): max_tokens
+    clamped to the context, and a kind whose body says `ignore_eos` runs every answer to it."""
     engine = Engine(profile, seed=seed)
     rng = random.Random(seed)
     now = 0.0
 
-    def earlier_output() -> int:
-        return profile.natural_output_tokens(rng)
-
     def add() -> None:
         kind = workload.pick(rng)
-        max_tokens = kind.max_tokens or profile.default_max_tokens
-        engine.add_request(kind.sample_call_prompt(rng, lambda: min(max_tokens, earlier_output())), max_tokens, now)
+        ignore_eos = ignores_eos(kind.body)
+        prompt = kind.sample_call_prompt(rng, lambda: _earlier_output(profile, kind.max_tokens, ignore_eos, rng))
+        max_tokens = clamp_max_tokens(kind.max_tokens, prompt, profile.max_model_len, profile.default_max_tokens)
+        engine.add_request(prompt, max_tokens, now, natural_tokens=fixed_output_tokens(max_tokens, ignore_eos))
 
     for _ in range(concurrency):
         add()

@@ -9,6 +9,7 @@ from typing import Any
 from extproc.policy.schema import PolicyError, read_policy_doc
 from extproc.tools.loadgen import PlannedRequest, Workload, plan_arrivals
 from extproc.tools.sim.engine import SCHEDULING_POLICIES
+from extproc.tools.sim.openai_api import ApiError, ignores_eos
 from extproc.tools.sim.profile import load_profile
 from extproc.tools.sim.replica import FAULT_KEYS
 
@@ -55,6 +56,17 @@ def _check_keys(d: Any, where: str, known: frozenset[str]) -> None:
     unknown = sorted(str(k) for k in d if k not in known)
     if unknown:
         raise ValueError(f"{where}{unknown[0]}: unknown key (known here: {', '.join(sorted(known))})")
+
+
+def _check_bodies(workload: Workload) -> None:
+    """A kind's `body.ignore_eos` is read by the what-if and the capacity measurement as the simulator reads it; a
+    value it would refuse (400 for every request) is an error here rather than a crash mid-replay."""
+    for kind in workload.kinds:
+        try:
+            ignores_eos(kind.body)
+        except ApiError as e:
+            raise ValueError(f"workload kind {kind.name!r}: {e.param}: not a boolean: "
+                             f"{kind.body.get('ignore_eos')!r}") from None
 
 
 @dataclass(frozen=True)
@@ -125,6 +137,7 @@ class Scenario:
         if not pools or not phases:
             raise ValueError("a scenario needs at least one pool and one phase")
         workload = Workload.from_dict(d["workload"])
+        _check_bodies(workload)
         names = {k.name for k in workload.kinds}
         for p in phases:
             if set(p.weights) - names:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from envoy.service.ext_proc.v3.external_processor_pb2 import HttpHeaders
@@ -25,8 +25,9 @@ from extproc.policy.limits import Completion, LimitFactory, Outcome, default_lim
 from extproc.policy.schema import ClassifySpec, SessionSpec, load_policy_file
 from extproc.server.protocol import HeaderNames, read_request_headers
 from extproc.server.saturation import PoolScraper, ScrapedReplica
-from extproc.tools.loadgen import CLIENT_ERROR, ENDPOINTS, PlannedRequest, RequestRecord
-from extproc.tools.sim.engine import Engine
+from extproc.tools.loadgen import CLIENT_ERROR, ENDPOINTS, PlannedRequest, RequestKind, RequestRecord
+from extproc.tools.sim.engine import Engine, Sequence
+from extproc.tools.sim.openai_api import clamp_max_tokens, fixed_output_tokens, ignores_eos
 from extproc.tools.sim.profile import load_profile
 
 from .scenario import Scenario
@@ -61,6 +62,35 @@ def _facts(kind, prompt_tokens: int, session_id: str | None = None,
 def _replica_indexes(named: str) -> list[int]:
     """The replica indexes of an override-host list naming the what-if's scraped replicas ("<pool>/<index>")."""
     return [int(name.rpartition("/")[2]) for name in named.split(",")]
+
+
+@dataclass(frozen=True)
+class _Ask:
+    """What a request's body asks of the engine (extproc.tools.loadgen.LoadClient.body)."""
+
+    prompt_tokens: int
+    max_tokens: int | None  # None: the replica's default
+    ignore_eos: bool  # the kind's `body: {ignore_eos: true}`: every answer runs to max_tokens
+
+    @classmethod
+    def of(cls, kind: RequestKind, prompt_tokens: int) -> _Ask:
+        return cls(prompt_tokens, kind.max_tokens, ignores_eos(kind.body))
+
+    def degraded(self, ceiling: int | None) -> _Ask:
+        """As the ext_proc's degrade_body rewrites it: the fallback's max_tokens when the body asks for more, or
+        for none. ignore_eos stays in the body, so a degraded answer runs to the lower ceiling."""
+        if ceiling is None or (self.max_tokens is not None and self.max_tokens <= ceiling):
+            return self
+        return replace(self, max_tokens=ceiling)
+
+    def add_to(self, engine: Engine, now: float, priority: int) -> Sequence:
+        """Queue it as the simulator's server does (sim/replica.py), or the what-if's lengths would not be the
+        real run's: max_tokens (unset: the profile's default) clamped to the context left, and under ignore_eos
+        the answer's length is that, not the profile's draw."""
+        p = engine.profile
+        max_tokens = clamp_max_tokens(self.max_tokens, self.prompt_tokens, p.max_model_len, p.default_max_tokens)
+        return engine.add_request(self.prompt_tokens, max_tokens, now,
+                                  natural_tokens=fixed_output_tokens(max_tokens, self.ignore_eos), priority=priority)
 
 
 @dataclass
@@ -211,7 +241,7 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
             pool.busy[i] = True
             push(clock[0] + duration, _ITERATION, (pool, i))
 
-    def start(record: RequestRecord, ticket, pool_name: str, prompt: int, max_tokens: int, priority: int) -> None:
+    def start(record: RequestRecord, ticket, pool_name: str, ask: _Ask, priority: int) -> None:
         pool = pools[pool_name]
         engines = pool.engines
         # The replicas still in the load balancer (all of them if every one is draining): least request, or
@@ -228,7 +258,7 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
             next_replica[pool_name] += 1
         else:
             i = min(live, key=lambda j: len(engines[j].running) + len(engines[j].waiting))
-        seq = engines[i].add_request(prompt, max_tokens, clock[0], priority=priority)
+        seq = ask.add_to(engines[i], clock[0], priority)
         owner[(pool.name, i, seq.id)] = (record, ticket)
         push(record.start + scenario.client_timeout_s, _TIMEOUT, (pool, i, seq))
         kick(pool, i)
@@ -238,16 +268,16 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
         record.retry_after = retry_after
         ended(record)
 
-    def admitted(record: RequestRecord, d, prompt: int, max_tokens: int) -> None:
+    def admitted(record: RequestRecord, d, ask: _Ask) -> None:
         if isinstance(d, Degrade):
             fb = d.fallback
-            mt = min(max_tokens, fb.max_tokens) if fb.max_tokens else max_tokens
             record.model = fb.model or record.asked_model
             record.degraded_by_policy = True
-            start(record, d.ticket, d.cluster if d.cluster in pools else first, prompt, mt, admitter.engine_priority(d))
+            start(record, d.ticket, d.cluster if d.cluster in pools else first, ask.degraded(fb.max_tokens),
+                  admitter.engine_priority(d))
         elif isinstance(d, Admit):
             record.model = record.asked_model
-            start(record, d.ticket, d.cluster or first, prompt, max_tokens, admitter.engine_priority(d))
+            start(record, d.ticket, d.cluster or first, ask, admitter.engine_priority(d))
         else:  # a refusal, or a canned answer (no engine time): its status as the reason table gives it
             refuse(record, d.status if d.status >= 400 else 200, d.reason, d.retry_after or None)
 
@@ -334,15 +364,15 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
             sessions[id(record)] = planned
         d = admitter.decide(_facts(kind, planned.prompt_tokens, planned.session.id if planned.session else None,
                                    getattr(admitter, "header_names", DEFAULT_HEADERS)))
-        max_tokens = kind.max_tokens or pools[first].profile.default_max_tokens
+        ask = _Ask.of(kind, planned.prompt_tokens)
         if d.kind == QUEUE:
             record.queued = True
 
-            def done(final, record=record, prompt=planned.prompt_tokens, max_tokens=max_tokens):
-                admitted(record, final, prompt, max_tokens)
+            def done(final, record=record, ask=ask):
+                admitted(record, final, ask)
             d.waiter.notify(done)
         else:
-            admitted(record, d, planned.prompt_tokens, max_tokens)
+            admitted(record, d, ask)
     served_elsewhere = sum(p.finished for name, p in pools.items() if name != first)
     preemptions = {name: sum(e.stats.preemptions for e in p.engines) for name, p in pools.items()}
     return WhatIfResult(records, served_elsewhere, admitter.limits, preemptions)

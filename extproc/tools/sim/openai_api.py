@@ -141,6 +141,25 @@ def _bool_field(body: dict, name: str, prefix: str = "body") -> bool:
                            "Input should be a valid boolean", value)
 
 
+def ignores_eos(body: dict) -> bool:
+    """The body's `ignore_eos` (a lax boolean): the answer runs to its max_tokens, the end-of-sequence token
+    ignored. The simulator's server, the what-if and the capacity measurement all read it here."""
+    return _bool_field(body, "ignore_eos")
+
+
+def clamp_max_tokens(max_tokens: int | None, prompt_tokens: int, max_model_len: int, default_max_tokens: int) -> int:
+    """The output tokens a request may generate: its max_tokens (unset: `default_max_tokens`), clamped to the
+    context left after the prompt. vLLM 0.32 clamps silently rather than refusing."""
+    room = max_model_len - prompt_tokens
+    return min(room, default_max_tokens if max_tokens is None else max_tokens)
+
+
+def fixed_output_tokens(max_tokens: int, ignore_eos: bool) -> int | None:
+    """Engine.add_request's `natural_tokens` for a request: its (clamped) max_tokens under ignore_eos, else None
+    (the profile draws the length at which the model would stop by itself)."""
+    return max_tokens if ignore_eos else None
+
+
 def _prompt_tokens(kind: str, body: dict) -> int:
     if kind == CHAT:
         if "messages" not in body:
@@ -199,7 +218,7 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
     max_field = "max_tokens"
     if kind == CHAT and body.get("max_completion_tokens") is not None:
         max_tokens, max_field = _int_field(body, "max_completion_tokens"), "max_completion_tokens"
-    ignore_eos = _bool_field(body, "ignore_eos")
+    ignore_eos = ignores_eos(body)
     priority = _priority_field(body)
     model = model or served[0]
     if model not in served:
@@ -221,11 +240,7 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
                               f"prompt contains at least {shown} input tokens, which exceeds this limit even "
                               f"without any output tokens. Please reduce the length of the input prompt.",
                               "input_tokens", shown)
-    room = max_model_len - prompt_tokens
-    if max_tokens is None:
-        max_tokens = min(room, default_max_tokens)
-    else:
-        max_tokens = min(max_tokens, room)  # clamped silently, not an error
+    max_tokens = clamp_max_tokens(max_tokens, prompt_tokens, max_model_len, default_max_tokens)
     # vLLM 0.32 answers every request with its first served name, whichever alias was asked for
     # (tests/fixtures/vllm/chat_small_model.json): `model` in the responses is served[0].
     return GenerationRequest(kind, served[0], prompt_tokens, max_tokens, stream, include_usage, ignore_eos,

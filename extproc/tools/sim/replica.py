@@ -11,8 +11,8 @@ from extproc.tools.sim.engine import Emission, Engine, Sequence
 from extproc.tools.sim.http11 import HttpRequest, ResponseWriter
 from extproc.tools.sim.metrics import ReplicaMetrics
 from extproc.tools.sim.openai_api import (CHAT, COMPLETIONS, PRIORITY_HEADER, SIM_VERSION, ApiError, GenerationRequest,
-                                          ResponseRenderer, error_body, header_priority, models_body,
-                                          parse_generation)
+                                          ResponseRenderer, error_body, fixed_output_tokens, header_priority,
+                                          models_body, parse_generation)
 from extproc.tools.sim.profile import Profile
 
 # If the loop falls this far behind simulated time (CPU starved), it stops trying to catch up.
@@ -220,7 +220,7 @@ class Replica:
         renderer = ResponseRenderer(parsed)
         max_tokens = parsed.max_tokens
         seq = self.engine.add_request(parsed.prompt_tokens, max_tokens, self._clock.now(),
-                                      natural_tokens=max_tokens if parsed.ignore_eos else None,
+                                      natural_tokens=fixed_output_tokens(max_tokens, parsed.ignore_eos),
                                       priority=parsed.priority)
         self._active[seq.id] = _Active(seq, writer, renderer)
         writer.on_disconnect = lambda: self._abort(seq)

@@ -1,0 +1,75 @@
+"""A kind's `body: {ignore_eos: true}`: the what-if and the capacity measurement run its answers to max_tokens (clamped
+to the context) as the simulator does, instead of drawing their length from the profile."""
+
+import statistics
+
+import aiohttp
+import pytest
+
+from extproc.tools.demo.baselines import NoAdmission
+from extproc.tools.demo.capacity import closed_loop_mix
+from extproc.tools.demo.scenario import Scenario
+from extproc.tools.demo.whatif import _Ask, what_if
+from extproc.tools.loadgen import Workload
+from extproc.tools.sim.fleet import SimFleet
+from extproc.tools.sim.profile import load_profile
+
+PROFILE = "h100-llama70b-awq"  # max_model_len 8192, outputs drawn with median 154
+MODEL = "meta-llama/Llama-3.1-70B-Instruct-AWQ"
+
+
+def kind(name, max_tokens, ignore_eos, prompt_tokens=500, endpoint="chat"):
+    body = {"ignore_eos": ignore_eos} if ignore_eos is not None else {}
+    return {"name": name, "endpoint": endpoint, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
+            "body": body}
+
+
+def scenario(*kinds) -> Scenario:
+    return Scenario.from_dict({"seed": 3, "pools": {"big": {"profile": PROFILE, "replicas": 2}},
+                               "phases": [{"name": "only", "duration_s": 20, "rate": 1.0}],
+                               "workload": {"kinds": list(kinds)}, "capacity": 1.0, "client_timeout_s": 600})
+
+
+def outputs(result, name):
+    done = [r for r in result.records if r.kind == name]
+    assert done and all(r.ok for r in done)
+    return [r.output_tokens for r in done]
+
+
+def test_what_if_runs_an_ignore_eos_kind_to_max_tokens():
+    s = scenario(kind("eos", 1500, True), kind("drawn", 1500, None))
+    res = what_if(s, NoAdmission("least_request"), s.fleet_capacity())
+    assert set(outputs(res, "eos")) == {1500}  # before the fix: the profile's draw, median ~40-150
+    assert statistics.median(outputs(res, "drawn")) < 1000
+
+
+async def test_what_if_clamps_an_ignore_eos_answer_to_the_context_like_the_simulator():
+    # 8,000 prompt tokens + max_tokens 1,500 > 8,192: the simulator clamps max_tokens to the 192 left.
+    request = {"model": MODEL, "prompt": [1] * 8000, "max_tokens": 1500, "ignore_eos": True}
+    async with SimFleet(PROFILE, replicas=1, port=0, speed=50) as fleet, aiohttp.ClientSession() as http:
+        async with http.post(fleet.urls[0] + "/v1/completions", json=request) as resp:
+            simulated = (await resp.json())["usage"]["completion_tokens"]
+    s = scenario(kind("long", 1500, True, prompt_tokens=8000, endpoint="completions"))
+    res = what_if(s, NoAdmission("least_request"), s.fleet_capacity())
+    assert simulated == 192 and set(outputs(res, "long")) == {simulated}
+
+
+def test_a_degrade_lowers_max_tokens_as_the_ext_proc_rewrites_the_body():
+    assert _Ask(100, 1500, True).degraded(128) == _Ask(100, 128, True)  # ignore_eos stays in the body
+    assert _Ask(100, None, True).degraded(128) == _Ask(100, 128, True)  # no max_tokens: the ceiling is written
+    assert _Ask(100, 64, True).degraded(128) == _Ask(100, 64, True)
+    assert _Ask(100, 64, True).degraded(None) == _Ask(100, 64, True)
+
+
+def test_capacity_of_an_ignore_eos_mix_counts_max_tokens_per_request():
+    profile = load_profile(PROFILE)
+    eos = closed_loop_mix(profile, Workload.from_dict({"kinds": [kind("eos", 400, True)]}), 8, requests=200)
+    drawn = closed_loop_mix(profile, Workload.from_dict({"kinds": [kind("drawn", 400, None)]}), 8, requests=200)
+    assert eos.output_tokens_per_s / eos.requests_per_s == pytest.approx(400, rel=0.05)
+    assert drawn.output_tokens_per_s / drawn.requests_per_s < 250
+    assert eos.requests_per_s < drawn.requests_per_s / 1.5  # longer answers: fewer requests/s
+
+
+def test_a_scenario_refuses_an_ignore_eos_the_simulator_would_refuse():
+    with pytest.raises(ValueError, match="'eos': body.ignore_eos: not a boolean"):
+        scenario(kind("eos", 100, "maybe"))
