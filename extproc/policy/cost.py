@@ -34,19 +34,26 @@ def prompt_size(doc: dict[str, Any]) -> tuple[int, int]:
     Walks messages and parts, not bytes: string lengths are O(1), so a 1 MB body costs as much as its number
     of messages and parts, not its size. Token-id prompts count exactly.
     """
-    chars = tokens = 0
+    texts: list[str | bytes] = []
+    tokens = _prompt_texts(doc, texts)
+    return sum(map(len, texts)), tokens
+
+
+def _prompt_texts(doc: dict[str, Any], out: list[str | bytes]) -> int:
+    """Appends to `out` every text of a generation body that reaches the model's prompt (the body's own strings,
+    not copies; tool schemas serialised), so the fast estimate and the tokenizer count the same texts. Returns
+    the tokens known without a tokenizer (token ids, media parts, per-message overhead)."""
+    tokens = 0
+    if isinstance(doc.get("instructions"), str):  # the Responses API's system message
+        out.append(doc["instructions"])
     for key in ("messages", "prompt", "input"):  # chat; completions; Responses API (and embeddings) input
         value = doc.get(key)
         if value is not None:
-            c, t = _prompt_like(value)
-            chars += c
-            tokens += t
-    if isinstance(doc.get("instructions"), str):
-        chars += len(doc["instructions"])
+            tokens += _prompt_like(value, out)
     for key in ("tools", "functions"):
         if doc.get(key):
-            chars += len(orjson.dumps(doc[key]))  # tool schemas go into the prompt through the template
-    return chars, tokens
+            out.append(orjson.dumps(doc[key]))  # tool schemas go into the prompt through the template
+    return tokens
 
 
 def text_size(doc: Any) -> tuple[int, int]:
@@ -67,53 +74,92 @@ def text_size(doc: Any) -> tuple[int, int]:
     return chars, tokens
 
 
-def _prompt_like(value: Any) -> tuple[int, int]:
-    """A string, token ids, a list of either, or a list of messages (with a role and content)."""
+def _prompt_like(value: Any, out: list[str | bytes]) -> int:
+    """A string, token ids, a list of either, or a list of messages (chat) or items (Responses API)."""
     if isinstance(value, str):
-        return len(value), 0
+        out.append(value)
+        return 0
     if not isinstance(value, list) or not value:
-        return 0, 0
+        return 0
     if isinstance(value[0], int):
-        return 0, len(value)                     # token ids
-    chars = tokens = 0
+        return len(value)                        # token ids
+    tokens = 0
     for item in value:
-        if isinstance(item, str):
-            chars += len(item)
-        elif isinstance(item, list):
+        if type(item) is dict:
+            tokens += _message_texts(item, out)
+        elif type(item) is str:
+            out.append(item)
+        elif type(item) is list:
             tokens += len(item)                  # a batch of token-id prompts
-        elif isinstance(item, dict):
-            c, t = _message_size(item)
-            chars += c
-            tokens += t
-    return chars, tokens
+    return tokens
 
 
-def _message_size(m: dict[str, Any]) -> tuple[int, int]:
-    chars, tokens = 0, MESSAGE_OVERHEAD_TOKENS
-    content = m.get("content")
-    if isinstance(content, str):
-        chars += len(content)
-    elif isinstance(content, list):
-        for part in content:
-            c, t = _part_size(part)
-            chars += c
-            tokens += t
-    if m.get("tool_calls"):
-        chars += len(orjson.dumps(m["tool_calls"]))
-    return chars, tokens
+# Fields of a chat message or Responses input item whose text vLLM puts into the prompt: content; an assistant
+# turn's reasoning (vLLM reads `reasoning`, else `reasoning_content`) and tool calls; a Responses reasoning item's
+# summary, a function_call's arguments and a function_call_output's output. Never encrypted_content or ids.
+_TEXT, _REASONING_CONTENT, _TOOL_CALLS = 0, 1, 2
+MESSAGE_FIELDS = {"content": _TEXT, "output": _TEXT, "arguments": _TEXT, "summary": _TEXT, "reasoning": _TEXT,
+                  "reasoning_content": _REASONING_CONTENT, "tool_calls": _TOOL_CALLS}
 
 
-def _part_size(part: Any) -> tuple[int, int]:
-    if not isinstance(part, dict):
-        return 0, 0
-    kind = part.get("type")
-    if kind in ("text", "input_text") and isinstance(part.get("text"), str):
-        return len(part["text"]), 0
-    if kind in ("image_url", "image", "input_image"):
-        return 0, IMAGE_PART_TOKENS
-    if kind in ("input_audio", "audio_url"):
-        return 0, AUDIO_PART_TOKENS
-    return 0, 0
+def _message_texts(m: dict[str, Any], out: list[str | bytes]) -> int:
+    # Over the message's own keys (two or three), not over every field it might have: this runs per message.
+    tokens = MESSAGE_OVERHEAD_TOKENS
+    for key, value in m.items():
+        field = MESSAGE_FIELDS.get(key)
+        if field is None:
+            continue
+        if type(value) is str:
+            if field is not _REASONING_CONTENT or not m.get("reasoning"):
+                out.append(value)
+        elif type(value) is list:
+            if field is _TOOL_CALLS:
+                _tool_call_texts(value, out)
+            else:
+                tokens += _parts_texts(value, out)
+    return tokens
+
+
+# What a non-text part costs, by type. Its payload (a URL, base64 data) is never counted as text.
+MEDIA_PART_TOKENS = {"image_url": IMAGE_PART_TOKENS, "image": IMAGE_PART_TOKENS, "input_image": IMAGE_PART_TOKENS,
+                     "input_audio": AUDIO_PART_TOKENS, "audio_url": AUDIO_PART_TOKENS}
+# Where a text part keeps its text when not in `text` (text, input_text, output_text, summary_text, ...).
+TEXT_PART_FIELD = {"refusal": "refusal", "thinking": "thinking"}
+
+
+def _parts_texts(parts: list[Any], out: list[str | bytes]) -> int:
+    tokens = 0
+    for part in parts:
+        if isinstance(part, str):
+            out.append(part)                     # vLLM takes a bare string in a content list as a text part
+            continue
+        if not isinstance(part, dict):
+            continue
+        kind = part.get("type")
+        if not isinstance(kind, str):
+            kind = ""                            # (a list as a type would not hash)
+        media = MEDIA_PART_TOKENS.get(kind)
+        if media is not None:
+            tokens += media
+            continue
+        text = part.get(TEXT_PART_FIELD.get(kind, "text"))
+        if isinstance(text, str):
+            out.append(text)
+    return tokens
+
+
+def _tool_call_texts(calls: list[Any], out: list[str | bytes]) -> None:
+    """An assistant turn's tool calls: the template writes each one's name and arguments."""
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict):
+            continue
+        for key in ("name", "arguments"):
+            value = fn.get(key)
+            if isinstance(value, str):
+                out.append(value)
+            elif isinstance(value, (dict, list)):
+                out.append(orjson.dumps(value))  # arguments sent as an object rather than a JSON string
 
 
 class CostModel:
@@ -133,9 +179,14 @@ class CostModel:
 
     def prompt_tokens(self, doc: dict[str, Any], generates: bool = True) -> int:
         """Prompt tokens of a generation body (its prompt fields), or of any other body (all its text)."""
-        chars, tokens = prompt_size(doc) if generates else text_size(doc)
-        if self._tokenizer is not None and chars and generates:
-            return tokens + len(self._tokenizer.encode(_prompt_text(doc), add_special_tokens=False).ids)
+        if not generates:
+            chars, tokens = text_size(doc)
+        else:
+            texts: list[str | bytes] = []
+            tokens = _prompt_texts(doc, texts)
+            if self._tokenizer is not None and texts:
+                return tokens + len(self._tokenizer.encode(_joined(texts), add_special_tokens=False).ids)
+            chars = sum(map(len, texts))
         return tokens + int(chars / self.spec.chars_per_token + 0.999)
 
     def estimate(self, prompt_tokens: int, max_tokens: int | None, sequences: int = 1,
@@ -187,18 +238,8 @@ def _bounded(value: float, configured: float) -> float:
     return min(max(value, configured / 4.0), configured * 4.0)
 
 
-def _prompt_text(doc: dict[str, Any]) -> str:
-    parts: list[str] = []
-    for m in doc.get("messages") or ():
-        if isinstance(m, dict):
-            c = m.get("content")
-            if isinstance(c, str):
-                parts.append(c)
-            elif isinstance(c, list):
-                parts.extend(p["text"] for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
-    if isinstance(doc.get("prompt"), str):
-        parts.append(doc["prompt"])
-    return "\n".join(parts)
+def _joined(texts: list[str | bytes]) -> str:
+    return "\n".join(t if isinstance(t, str) else t.decode() for t in texts)
 
 
 def _load_tokenizer(path: str):

@@ -5,7 +5,8 @@ import random
 import pytest
 
 from extproc.policy.admission import ACCEPT, INVALID, QUEUE, REJECT, AdmissionController, RequestFacts
-from extproc.policy.cost import IMAGE_PART_TOKENS, MESSAGE_OVERHEAD_TOKENS, CostModel, prompt_size
+from extproc.policy.cost import (AUDIO_PART_TOKENS, IMAGE_PART_TOKENS, MESSAGE_OVERHEAD_TOKENS, CostModel,
+                                 prompt_size)
 from extproc.policy.limits import Completion, Outcome
 from extproc.policy.ratelimit import TokenBucket
 from extproc.policy.schema import CostSpec, load_policy, policy_warnings
@@ -23,6 +24,71 @@ def test_chat_prompt_counts_text_parts_images_and_tools():
     assert tokens == 2 * MESSAGE_OVERHEAD_TOKENS + IMAGE_PART_TOKENS
     assert chars > 440
     assert CostModel(SPEC).prompt_tokens(doc) == tokens + -(-chars // 4)
+
+
+BIG = "w" * 200_000
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": BIG}}
+
+
+# Every text vLLM puts into the prompt, in each form it takes one: a 200,000-character text in any of them was
+# charged a handful of tokens.
+@pytest.mark.parametrize("doc", [
+    pytest.param({"messages": [{"role": "user", "content": [BIG]}]}, id="bare string in a content list"),
+    *(pytest.param({"messages": [{"role": "assistant", "content": [part]}]}, id=part["type"]) for part in (
+        {"type": "output_text", "text": BIG}, {"type": "input_text", "text": BIG},
+        {"type": "refusal", "refusal": BIG}, {"type": "thinking", "thinking": BIG, "signature": "s"})),
+    pytest.param({"messages": [{"role": "assistant", "content": "", "reasoning": BIG}]}, id="reasoning"),
+    pytest.param({"messages": [{"role": "assistant", "reasoning_content": BIG}]}, id="reasoning_content"),
+    pytest.param({"messages": [{"role": "assistant", "tool_calls": [CALL]}]}, id="tool call arguments"),
+    pytest.param({"input": [{"type": "function_call_output", "call_id": "c1", "output": BIG}]},
+                 id="responses function_call_output"),
+    pytest.param({"input": [{"type": "function_call_output", "call_id": "c1",
+                             "output": [{"type": "input_text", "text": BIG}]}]}, id="responses output parts"),
+    pytest.param({"input": [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": BIG}]},
+                 id="responses function_call"),
+    pytest.param({"input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": BIG}]}]},
+                 id="responses input message"),
+    pytest.param({"input": [{"type": "message", "role": "assistant",
+                             "content": [{"type": "output_text", "text": BIG, "annotations": []}]}]},
+                 id="responses output message"),
+    pytest.param({"input": [{"type": "reasoning", "id": "r1", "summary": [{"type": "summary_text", "text": BIG}]}]},
+                 id="responses reasoning summary"),
+])
+def test_every_text_that_reaches_the_prompt_is_counted(doc):
+    chars, _ = prompt_size(doc)
+    assert chars >= len(BIG)
+    assert CostModel(SPEC).prompt_tokens(doc) >= len(BIG) // 4
+
+
+def test_reasoning_content_is_not_counted_twice_beside_reasoning():
+    # vLLM reads `reasoning`, else `reasoning_content`
+    both = {"messages": [{"role": "assistant", "reasoning": "r" * 100, "reasoning_content": "r" * 100}]}
+    assert prompt_size(both) == (100, MESSAGE_OVERHEAD_TOKENS)
+
+
+def test_tool_call_arguments_sent_as_an_object_count_as_their_json():
+    doc = {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {"a": "x"}}}]}]}
+    assert prompt_size(doc)[0] == len("f") + len('{"a":"x"}')
+
+
+DATA_URL = "data:image/png;base64," + "A" * 200_000
+
+
+@pytest.mark.parametrize("part, tokens", [
+    ({"type": "image_url", "image_url": {"url": DATA_URL}}, IMAGE_PART_TOKENS),
+    ({"type": "input_image", "image_url": DATA_URL}, IMAGE_PART_TOKENS),
+    ({"type": "input_audio", "input_audio": {"data": "A" * 200_000, "format": "wav"}}, AUDIO_PART_TOKENS),
+    ({"type": "input_file", "file_data": "A" * 200_000}, 0),
+])
+def test_media_payloads_are_never_counted_as_text(part, tokens):
+    for doc in ({"messages": [{"role": "user", "content": [part]}]},
+                {"input": [{"type": "message", "role": "user", "content": [part]}]}):
+        assert prompt_size(doc) == (0, MESSAGE_OVERHEAD_TOKENS + tokens)
+
+
+def test_a_responses_reasoning_items_encrypted_content_is_not_text():
+    doc = {"input": [{"type": "reasoning", "summary": [], "encrypted_content": "e" * 10_000}]}
+    assert prompt_size(doc) == (0, MESSAGE_OVERHEAD_TOKENS)
 
 
 def test_completion_prompts_strings_lists_and_token_ids():
@@ -241,6 +307,10 @@ def test_a_configured_tokenizer_gives_exact_prompt_counts(tmp_path):
     doc = {"messages": [{"role": "user", "content": "the queue is short"}]}
     exact = CostModel(CostSpec(tokenizer=str(path))).prompt_tokens(doc)
     assert exact == MESSAGE_OVERHEAD_TOKENS + len(tok.encode("the queue is short", add_special_tokens=False).ids)
+    # the tokenizer reads the same texts as the fast estimate: a Responses body's instructions and items too
+    items = {"instructions": "the queue", "input": [{"type": "function_call_output", "output": "is short"}]}
+    expected = len(tok.encode("the queue\nis short", add_special_tokens=False).ids)
+    assert CostModel(CostSpec(tokenizer=str(path))).prompt_tokens(items) == MESSAGE_OVERHEAD_TOKENS + expected
     missing = CostModel(CostSpec(tokenizer=str(tmp_path / "absent.json"))).prompt_tokens(doc)
     assert missing == CostModel(CostSpec()).prompt_tokens(doc)  # falls back to the fast estimate
 
