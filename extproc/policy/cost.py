@@ -18,14 +18,18 @@ AUDIO_PART_TOKENS = 512
 class CostEstimate:
     """What admission counts for one request."""
 
-    __slots__ = ("prompt_tokens", "max_tokens", "expected_output", "gpu_seconds", "tokens")
+    __slots__ = ("prompt_tokens", "max_tokens", "expected_output", "gpu_seconds", "tokens", "most_output")
 
-    def __init__(self, prompt_tokens: int, max_tokens: int, expected_output: float, gpu_seconds: float):
+    def __init__(self, prompt_tokens: int, max_tokens: int, expected_output: float, gpu_seconds: float,
+                 most_output: int = 0):
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens          # requested (or defaulted), clamped to the context
         self.expected_output = expected_output
         self.gpu_seconds = gpu_seconds
         self.tokens = prompt_tokens + max_tokens  # prompt + requested output: the worst case a token limit charges
+        # The most output a replica can really produce: the client's cap, else the context (vLLM's own default
+        # is the rest of it; the policy's default_max_tokens is only an assumption). 0: unknown.
+        self.most_output = most_output
 
 
 def prompt_size(doc: dict[str, Any]) -> tuple[int, int]:
@@ -203,7 +207,9 @@ class CostModel:
         expected = requested * self.output_ratio
         gpu = (self.prefill_per_token * prompt_tokens + self.decode_per_token * expected) * \
             (1.0 + spec.variance_margin)
-        return CostEstimate(prompt_tokens, requested, expected, gpu)
+        # Not clamped by the prompt estimate, which may be high: the replica counts the real prompt.
+        most = (max_tokens if max_tokens is not None else spec.max_context_tokens or 0) * sequences
+        return CostEstimate(prompt_tokens, requested, expected, gpu, most)
 
     def actual(self, prompt_tokens: int, completion_tokens: int) -> float:
         """GPU-seconds of what really ran, under the current coefficients."""

@@ -349,15 +349,17 @@ class Stream:
 
     def _plausible(self, prompt: int, completion: int) -> bool:
         """Usage a replica could have produced for this request. One absurd answer (a completion of 9e18 tokens)
-        would otherwise lock its tenant's token bucket for ages and teach the cost model nonsense."""
+        would otherwise lock its tenant's token bucket for ages and teach the cost model nonsense. Without a
+        client cap the bound is the context, not the policy's assumed default_max_tokens: vLLM generates up to
+        the rest of the context, and a real answer past the assumption must be charged and learned."""
         charge = self.held.charge
         est = charge.estimate if charge is not None else None
-        most_output = est.max_tokens if est is not None and est.max_tokens else USAGE_CEILING
+        most_output = est.most_output if est is not None and est.most_output else USAGE_CEILING
         return 0 <= prompt <= USAGE_CEILING and 0 <= completion <= most_output
 
 
-# More tokens than any model's context (prompt, or output when the request's cap is unknown): usage past it is
-# not a real answer's.
+# More tokens than any model's context (prompt, or output when neither the request's cap nor the model's context
+# is known): usage past it is not a real answer's.
 USAGE_CEILING = 1 << 22
 
 Handler = Callable[[Stream, object], "Answer | FinalAdmission"]

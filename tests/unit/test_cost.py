@@ -107,6 +107,14 @@ def test_missing_max_tokens_takes_the_models_default_and_the_context_clamps():
     assert clamped.max_tokens == 48
 
 
+def test_the_most_output_believed_is_the_clients_cap_else_the_context():
+    # the assumed default_max_tokens is not a bound on what vLLM generates: its own default is the rest of the context
+    assert CostModel(SPEC).estimate(1000, None).most_output == 0  # unknown: the caller's absolute ceiling
+    assert CostModel(CostSpec(max_context_tokens=8192)).estimate(1000, None, sequences=2).most_output == 2 * 8192
+    # the client's cap, not clamped by a prompt estimate that may be high
+    assert CostModel(CostSpec(max_context_tokens=2048)).estimate(2000, 1000).most_output == 1000
+
+
 def test_variance_margin_widens_the_estimate():
     plain = CostModel(SPEC).estimate(1000, 100).gpu_seconds
     moe = CostModel(CostSpec(prefill_s_per_1k_tokens=0.1, decode_s_per_token=0.002, variance_margin=0.35))

@@ -10,7 +10,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.policy.adaptive import PoolSaturation
 from extproc.policy.admission import AdmissionController
-from extproc.policy.limits import Outcome
+from extproc.policy.limits import Completion, Outcome
 from extproc.server import protocol
 from extproc.server.final_admission import FinalAdmission
 from extproc.server.protocol import CONTINUE, LEARN_BODY, LEARN_HEADERS
@@ -432,6 +432,43 @@ def test_usage_no_answer_to_this_request_could_have_is_not_learned(clock, usage)
     s.receive(response_headers())
     s.receive(response_body(json.dumps({"usage": usage}).encode(), eos=True))
     assert s.held.usage is None
+
+
+def settled(clock, doc: dict, usage: dict, **models):
+    """A refunded tenant's non-streamed request answered with `usage`: (its ticket, tokens the bucket lost, the model's
+    cost profile)."""
+    p = processor(clock, tenants=[{"name": "acme", "api_keys": ["sk-acme"], "tokens_per_minute": 10**6}],
+                  models={"llama": {"cluster": "pool_a", **models}})
+    s, _ = admitted(p, doc, authorization=b"Bearer sk-acme")
+    bucket = s.held.charge.tenant.tokens
+    before = bucket.capacity  # full until this request
+    s.receive(response_headers())
+    s.receive(response_body(json.dumps({"usage": usage}).encode(), eos=True))
+    ticket = s.held
+    s.end(normal_end=True)
+    p.core.report(ticket.id, Completion(Outcome.OK, 200, 0.1, 1.0))  # Envoy's access log: the usage is settled
+    return ticket, before - bucket.level, p.core.cost_models["llama"]
+
+
+NO_CAP = {"model": "llama", "messages": [{"role": "user", "content": "write a long story"}]}
+
+
+def test_usage_past_the_assumed_output_is_charged_and_learned_when_the_client_set_no_cap(clock):
+    # vLLM's own default is the rest of the context, not the policy's default_max_tokens (1024 here)
+    ticket, spent, model = settled(clock, NO_CAP, {"prompt_tokens": 12, "completion_tokens": 5000})
+    assert ticket.charge.estimate.max_tokens == 1024
+    assert ticket.usage == (12, 5000)
+    assert spent == pytest.approx(5012, abs=1)
+    assert model.samples == 1
+
+
+def test_without_a_cap_usage_past_the_models_context_is_still_not_believed(clock):
+    ticket, spent, model = settled(clock, NO_CAP, {"prompt_tokens": 12, "completion_tokens": 9000},
+                                   cost={"max_context_tokens": 8192})
+    assert ticket.usage is None and model.samples == 0
+    ticket, _, _ = settled(clock, NO_CAP, {"prompt_tokens": 12, "completion_tokens": 8000},
+                           cost={"max_context_tokens": 8192})
+    assert ticket.usage == (12, 8000)
 
 
 def test_the_usage_chunk_the_client_asked_for_is_kept(clock):
