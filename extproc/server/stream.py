@@ -20,7 +20,8 @@ from .final_admission import FinalAdmission
 from .openai import (ENDPOINTS, BadRequest, Endpoint, RequestBody, degrade_body, dump_json, empty_body,
                      parse_body)
 from .protocol import CONTINUE
-from .usage import FIRST_TOKEN, UsageReader, split_usage_event, usage_of, whole_events
+from .usage import (FIRST_TOKEN, UsageReader, completed_usage, split_usage_event, token_counts, usage_of,
+                    whole_events)
 
 Answer = pb.ProcessingResponse
 
@@ -329,23 +330,19 @@ class Stream:
             r.first_token_seen = True
             core = self.processor.core
             core.first_token(self.held, core.clock() - self.request.arrived)
-        if b'"usage"' not in chunk or b'"choices":[]' not in chunk:
-            return protocol.replace_response_body(chunk) if rewritten else CONTINUE["response_body"]
-        kept, usage = split_usage_event(chunk)
-        self._learn_usage(usage)
-        if r.strip:
-            return protocol.replace_response_body(kept)
+        if r.responses:
+            self._learn_usage(completed_usage(chunk))  # the client's own last event: never stripped
+        elif b'"usage"' in chunk and b'"choices":[]' in chunk:
+            kept, usage = split_usage_event(chunk)
+            self._learn_usage(usage)
+            if r.strip:
+                return protocol.replace_response_body(kept)
         return protocol.replace_response_body(chunk) if rewritten else CONTINUE["response_body"]
 
-    def _learn_usage(self, usage: dict | None) -> None:
-        if not usage:
-            return
-        try:
-            prompt, completion = int(usage["prompt_tokens"]), int(usage["completion_tokens"])
-        except (KeyError, TypeError, ValueError, OverflowError):
-            return  # not a usage object we understand; learn nothing
-        if self._plausible(prompt, completion):
-            self.processor.core.usage(self.held, prompt, completion)
+    def _learn_usage(self, usage: object) -> None:
+        counts = token_counts(usage)
+        if counts is not None and self._plausible(*counts):  # else not a usage object we understand: learn nothing
+            self.processor.core.usage(self.held, *counts)
 
     def _plausible(self, prompt: int, completion: int) -> bool:
         """Usage a replica could have produced for this request. One absurd answer (a completion of 9e18 tokens)

@@ -8,17 +8,19 @@ import orjson
 
 from .openai import RequestBody
 
-# A chat delta or completion choice with at least one character of text (the role chunk's content is "").
-FIRST_TOKEN = re.compile(rb'"(?:content|text)":"[^"]')
+# A chat delta or completion choice with at least one character of text (the role chunk's content is ""), or a
+# Responses API delta event (a chat chunk's delta is an object, never a string).
+FIRST_TOKEN = re.compile(rb'"(?:content|text|delta)":"[^"]')
 
 
 class UsageReader:
     """Per stream whose usage is read: why, and how far the response has been read."""
 
-    __slots__ = ("learn", "sse", "strip", "buffered", "first_token_seen", "partial")
+    __slots__ = ("learn", "responses", "sse", "strip", "buffered", "first_token_seen", "partial")
 
     def __init__(self, learn: bool) -> None:
         self.learn = learn               # a learning sample; otherwise read (if not streamed) for the refund only
+        self.responses = False           # a Responses API answer: its stream's last event carries the usage
         self.sse = False                 # the response is an event stream
         self.strip = False               # ... carrying a usage chunk the client did not ask for
         self.buffered = b""              # a non-streamed response body, until its end
@@ -30,8 +32,10 @@ class UsageReader:
         return self.learn or not body.stream
 
     def ask_for_usage(self, body: RequestBody) -> None:
-        """A learned stream needs vLLM's usage chunk; the client gets it only if it asked."""
-        if not (self.learn and body.stream):
+        """Once admitted. A learned chat or completions stream needs vLLM's usage chunk; the client gets it only if
+        it asked. A Responses API stream always ends with its usage: nothing to ask for, nothing to strip."""
+        self.responses = body.endpoint.kind == "responses"
+        if not (self.learn and body.stream) or self.responses:
             return
         opts = body.doc.get("stream_options")
         if not (isinstance(opts, dict) and opts.get("include_usage")):
@@ -65,6 +69,23 @@ def whole_events(r: UsageReader, chunk: bytes, last: bool) -> bytes:
     return chunk[:end]
 
 
+# Chat and completions name them prompt and completion tokens; the Responses API input and output tokens.
+USAGE_NAMES = (("prompt_tokens", "completion_tokens"), ("input_tokens", "output_tokens"))
+
+
+def token_counts(usage: object) -> tuple[int, int] | None:
+    """(prompt, completion) tokens of a usage object, or None for one we do not understand."""
+    if not isinstance(usage, dict):
+        return None
+    for prompt, completion in USAGE_NAMES:
+        if prompt in usage:
+            try:
+                return int(usage[prompt]), int(usage[completion])
+            except (KeyError, TypeError, ValueError, OverflowError):
+                return None
+    return None
+
+
 def usage_of(raw: bytes) -> dict | None:
     try:
         doc = orjson.loads(raw)
@@ -83,3 +104,30 @@ def split_usage_event(chunk: bytes) -> tuple[bytes, dict | None]:
                 continue
         kept.append(event)
     return b"\n\n".join(kept), usage
+
+
+def completed_usage(chunk: bytes) -> dict | None:
+    """The usage in a Responses API stream's last event (response.completed, .incomplete or .failed: the whole
+    response). vLLM writes each event as `event: <type>` then `data: <compact json>`; the earlier events that
+    carry the response have `"usage":null`, so only the last one is parsed."""
+    if b'"usage":{' not in chunk:
+        return None
+    for event in chunk.split(b"\n\n"):
+        start = event.find(b"data: {")
+        if start < 0 or b'"usage":{' not in event:
+            continue
+        end = event.find(b"\n", start)
+        usage = _response_usage(event[start + 6:end if end >= 0 else len(event)])
+        if usage is not None:
+            return usage
+    return None
+
+
+def _response_usage(raw: bytes) -> dict | None:
+    try:
+        doc = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    response = doc.get("response") if isinstance(doc, dict) else None
+    usage = response.get("usage") if isinstance(response, dict) else None
+    return usage if isinstance(usage, dict) else None

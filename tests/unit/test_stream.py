@@ -425,7 +425,9 @@ def test_a_held_back_event_as_long_as_the_one_released_does_not_repeat_or_lose_a
 
 @pytest.mark.parametrize("usage", [{"prompt_tokens": 5, "completion_tokens": 9_000_000_000_000_000_000},
                                    {"prompt_tokens": -1, "completion_tokens": 3},
-                                   {"prompt_tokens": 5, "completion_tokens": 1000}])
+                                   {"prompt_tokens": 5, "completion_tokens": 1000},
+                                   {"input_tokens": 5, "output_tokens": 9_000_000_000_000_000_000},
+                                   {"input_tokens": 5}, 5, "5"])
 def test_usage_no_answer_to_this_request_could_have_is_not_learned(clock, usage):
     # one absurd answer would lock the tenant's token bucket for ages (Retry-After 1.8e17 s) and skew the model
     s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": [], "max_tokens": 100})
@@ -434,12 +436,12 @@ def test_usage_no_answer_to_this_request_could_have_is_not_learned(clock, usage)
     assert s.held.usage is None
 
 
-def settled(clock, doc: dict, usage: dict, **models):
+def settled(clock, doc: dict, usage: dict, path: bytes = CHAT, **models):
     """A refunded tenant's non-streamed request answered with `usage`: (its ticket, tokens the bucket lost, the model's
     cost profile)."""
     p = processor(clock, tenants=[{"name": "acme", "api_keys": ["sk-acme"], "tokens_per_minute": 10**6}],
                   models={"llama": {"cluster": "pool_a", **models}})
-    s, _ = admitted(p, doc, authorization=b"Bearer sk-acme")
+    s, _ = admitted(p, doc, path=path, authorization=b"Bearer sk-acme")
     bucket = s.held.charge.tenant.tokens
     before = bucket.capacity  # full until this request
     s.receive(response_headers())
@@ -469,6 +471,59 @@ def test_without_a_cap_usage_past_the_models_context_is_still_not_believed(clock
     ticket, _, _ = settled(clock, NO_CAP, {"prompt_tokens": 12, "completion_tokens": 8000},
                            cost={"max_context_tokens": 8192})
     assert ticket.usage == (12, 8000)
+
+
+RESPONSES = b"/v1/responses"
+RESPONSES_USAGE = {"input_tokens": 12, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 3000,
+                   "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 3012}
+
+
+def responses_event(kind: str, **fields) -> bytes:
+    """One Responses API stream event as vLLM writes it: a named event, its JSON compact."""
+    return b"event: %s\ndata: %s\n\n" % (kind.encode(), json.dumps({"type": kind, **fields},
+                                                                       separators=(",", ":")).encode())
+
+
+def test_a_non_streamed_responses_answer_settles_the_tenant_at_its_real_usage(clock):
+    # the Responses API says input/output tokens; its usage was never read, so the worst case stood
+    doc = {"model": "llama", "input": "write a long story"}
+    ticket, spent, model = settled(clock, doc, RESPONSES_USAGE, path=RESPONSES)
+    assert ticket.usage == (12, 3000)
+    assert spent == pytest.approx(3012, abs=1)
+    assert model.samples == 1
+
+
+def test_a_streamed_responses_answer_is_learned_from_its_completed_event_which_reaches_the_client(clock):
+    p = processor(clock, learn_sample=1.0)
+    s, answer = admitted(p, {"model": "llama", "input": "hi", "stream": True}, path=RESPONSES)
+    # its last event always carries the usage: the body goes upstream as the client wrote it
+    assert not answer.request_body.response.HasField("body_mutation")
+    s.receive(response_headers(content_type=SSE))
+    created = responses_event("response.created", sequence_number=0,
+                              response={"id": "resp_1", "status": "in_progress", "usage": None})
+    delta = responses_event("response.output_text.delta", sequence_number=1, item_id="m1", output_index=0,
+                            content_index=0, delta="Hi")
+    completed = responses_event("response.completed", sequence_number=2,
+                                response={"id": "resp_1", "status": "completed", "usage": RESPONSES_USAGE})
+    assert s.receive(response_body(created + delta)) is CONTINUE["response_body"]
+    assert s.held.usage is None
+    first = s.receive(response_body(completed[:40]))  # split over two writes: held back until whole
+    assert first.response_body.response.body_mutation.body == b""
+    last = s.receive(response_body(completed[40:], eos=True))
+    assert last.response_body.response.body_mutation.body == completed
+    assert s.held.usage == (12, 3000)
+
+
+def test_a_responses_stream_reports_its_first_token_at_the_first_delta(clock):
+    seen = []
+    p = processor(clock, learn_sample=1.0)
+    p.core.events.first_token = lambda ticket, seconds: seen.append(seconds)
+    s, _ = admitted(p, {"model": "llama", "input": "hi", "stream": True}, path=RESPONSES)
+    s.receive(response_headers(content_type=SSE))
+    s.receive(response_body(responses_event("response.created", response={"id": "r", "usage": None})))
+    clock.advance(0.5)
+    s.receive(response_body(responses_event("response.output_text.delta", delta="Hi")))
+    assert seen == [0.5]
 
 
 def test_the_usage_chunk_the_client_asked_for_is_kept(clock):
