@@ -168,9 +168,10 @@ def refusal(d: Decision) -> pb.ProcessingResponse:
 
 def bad_request(e: BadRequest, d: Decision) -> pb.ProcessingResponse:
     """A request refused before admission (`d` is the core's count of it)."""
-    return _error(e.status, e.message, e.code,
-                  [("x-extproc-class", d.cls), ("x-extproc-decision", d.kind), ("x-extproc-reason", e.code)],
-                  e.param)
+    headers = [("x-extproc-class", d.cls), ("x-extproc-decision", d.kind), ("x-extproc-reason", e.code)]
+    if e.status == 405:
+        headers.append(("allow", "POST"))  # RFC 9110: a 405 names the methods the resource takes
+    return _error(e.status, e.message, e.code, headers, e.param)
 
 
 def canned(d: Decision, body: RequestBody) -> pb.ProcessingResponse:

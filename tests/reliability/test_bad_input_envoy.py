@@ -60,6 +60,7 @@ async def test_malformed_requests_get_clear_4xx_and_take_no_slot(make_stack, tmp
             assert hs["content-type"] == "application/json", (case, hs)
             err = openai_error(text)
             assert err["type"] == "invalid_request_error" and err["code"] == code and err["message"], (case, err)
+            assert "param" in err and err["param"] is None, (case, err)  # the ext_proc's shape, key for key
             table.append((case, got, f"Envoy: {err['code']}"))
 
         snap = await wait_idle(http, s.metrics_url)  # a slot is released when Envoy's trailers/ALS arrive

@@ -102,7 +102,10 @@ def test_an_unknown_path_is_refused_404(clock):
 
 def test_a_method_other_than_post_is_refused_405(clock):
     s = Stream(processor(clock))
-    assert immediate_status(s.receive(request_headers(method=b"GET"))) == 405
+    answer = s.receive(request_headers(method=b"GET"))
+    assert immediate_status(answer) == 405
+    headers = {h.header.key: h.header.raw_value for h in answer.immediate_response.headers.set_headers}
+    assert headers["allow"] == b"POST"  # RFC 9110 (found by an audit)
 
 
 def test_a_switched_off_endpoint_group_is_refused_404(clock):
