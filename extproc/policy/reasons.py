@@ -161,10 +161,11 @@ limit or `burst_s` if the tenant is entitled to more;
            "tenant {tenant!r} is over its tokens per minute limit",
            """\
 **429.** The tenant's `tokens_per_minute` bucket cannot cover this request's prompt plus its output. A non-streamed
-request is charged prompt + `max_tokens` (times `n`) up front and refunded from the response's `usage`, which is
-read for every such request of a tenant with this limit (one ext_proc message). A stream's usage costs a message per
-chunk, so only the sampled share (`learn_sample`) is read: other streams are charged prompt + expected output (the
-model's learned output ratio times `max_tokens`) and not corrected. Headers as above, with `-tokens`."""),
+request is charged prompt + `max_tokens` (times `n`) up front and settled from the response's `usage` (refunded, or
+the rest charged when a request without `max_tokens` outgrew `default_max_tokens`), which is read for every such
+request of a tenant with this limit (one ext_proc message). A stream's usage costs a message per chunk, so only the
+sampled share (`learn_sample`) is read: other streams are charged prompt + expected output (the model's learned
+output ratio times `max_tokens`) and not corrected. Headers as above, with `-tokens`."""),
     Reason("session_inflight_budget", "Budgets and rate limits (429, 413)", 429, DRAIN,
            "this agent session is over its GPU-seconds budget (in flight)",
            """\
