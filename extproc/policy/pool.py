@@ -44,6 +44,10 @@ ROOMY_KV = 0.6
 LOAD_TOLERANCE = 1.2
 BASELINE_DRIFT = 0.01  # per interval: the baseline follows a slower mix within a minute or two
 RAISE_GAIN = 4.0  # a raise takes its full `max_raise` step once the latency is 25% under the target
+# Raises compound: within one feedback delay (the classes' median service time: what a raise takes to show in
+# latency) the limit rises at most this much. Short requests never meet it (a raise shows within a few
+# intervals); with 10 s answers a raise every interval had compounded to 3x before the first one showed.
+RAISE_PER_DELAY = 0.25
 
 
 class RecentLatencies:
@@ -90,6 +94,7 @@ class PoolLimit:
         self.moved_at: float | None = None  # when the limit last had its interval's chance to move
         self._sampled_at: float | None = None
         self._was_saturated = False
+        self._raises: deque[tuple[float, float]] = deque()  # (when, factor) of the recent raises
 
     def _window(self) -> RecentLatencies:
         return RecentLatencies(WINDOW_SAMPLES)
@@ -159,8 +164,11 @@ class PoolLimit:
         elif ratio is not None and avg > 0:
             if binding:  # requests wait for room and the latency has some to give: raise, by how much it has
                 step = spec.max_raise * min(1.0, max(0.0, ratio - 1.0) * RAISE_GAIN)
+                step = min(step, self._raise_room(now))
                 self.limit = min(spec.max, self.limit * (1 + step))
                 self.last_action = "raise" if step > 0 else "hold"
+                if step > 0:
+                    self._raises.append((now, 1 + step))
             else:
                 # Not binding: come down towards what the load needs, with room for a burst, so that a limit
                 # far above any load cannot let a spike's first seconds overfill the pool.
@@ -177,6 +185,27 @@ class PoolLimit:
         else:
             self.last_action = "hold"
         return self.limit
+
+    def _raise_room(self, now: float) -> float:
+        """How much the limit may still rise now: RAISE_PER_DELAY within the last feedback delay, less the raises
+        already made in it."""
+        delay = self._feedback_delay(now)
+        raised = 1.0
+        for at, factor in self._raises:
+            if now - at < delay:
+                raised *= factor
+        while self._raises and now - self._raises[0][0] >= delay:
+            self._raises.popleft()
+        return max(0.0, (1 + RAISE_PER_DELAY) / raised - 1)
+
+    def _feedback_delay(self, now: float) -> float:
+        """The slowest class's median service time over its window (0 without samples)."""
+        delay = 0.0
+        for window in self.windows.values():
+            median = window.quantile(now, 0.5, self.spec.window_s, MAX_AGE_WINDOWS * self.spec.window_s, 1)
+            if median is not None:
+                delay = max(delay, median)
+        return delay
 
     def _cut(self, now: float, new: float, action: str, clear: bool = True) -> None:
         self.limit = max(self.spec.min, min(self.limit, new))

@@ -280,6 +280,23 @@ def test_a_slow_ramp_cannot_drag_the_calm_baseline_up_while_the_limit_binds():
     assert "cut_latency" in actions and c.limit < 20.0
 
 
+def test_raises_compound_at_most_a_quarter_within_one_median_service_time():
+    # Found by a user's long-answer chat (median 1,200 output tokens, 5-15 s requests): a raise every interval
+    # took the limit from 27K to 83K tokens before the first raise showed in latency.
+    def raised_over(service_s: float, seconds: float) -> float:
+        c = PoolLimit(spec(), {0: 40.0})  # an SLO far away: every raise takes its full step
+        now = 0.0
+        while now < seconds:
+            for _ in range(10):
+                c.observe(0, now, now, service_s)
+            c.update(now, c.limit, True, False)
+            now += 0.5
+        return c.limit / 20.0
+    assert raised_over(10.0, 9.9) == pytest.approx(1.25)   # 20 intervals, one feedback delay: a quarter
+    assert raised_over(10.0, 19.9) == pytest.approx(1.25 ** 2, rel=0.05)  # a quarter per delay
+    assert raised_over(0.4, 9.9) == pytest.approx(1.05 ** 20)  # short requests: 5% every interval, as before
+
+
 def test_raises_in_proportion_to_the_room_left_while_binding_and_settles_when_idle():
     c = PoolLimit(spec(), {0: 2.0})
     now = 0.0

@@ -73,6 +73,8 @@ def print_tables(results: list[ModeResult], scenario: Scenario) -> tuple[dict, d
     found = targets(stats, list(spike_windows(scenario)), list(calm_windows(scenario)), scenario.slo_p95_s)
     found += adaptive_targets(stats, list(scenario.report_windows()), scenario.slo_p95_s,
                               calm=tuple(calm_windows(scenario)))
+    for t in found:  # the targets are the SLO class's: say which, where a scenario names another
+        t.name = t.name.replace("interactive", scenario.slo_class)
     print()
     print(tables(stats, {r.mode.key: r.mode.label for r in results}, scenario, degraded))
     if found:

@@ -136,4 +136,8 @@ def load_profile(name_or_path: str) -> Profile:
         if not resource.is_file():
             raise ValueError(f"unknown profile {name_or_path!r}; shipped: {', '.join(shipped_profile_names())}")
         text, source = resource.read_text(), name_or_path
-    return profile_from_dict(yaml.safe_load(text), source)
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:  # a hand-written profile's typo: say where, not a parser traceback
+        raise ValueError(f"{source}: not valid YAML: {exc}") from exc
+    return profile_from_dict(data, source)
