@@ -431,9 +431,13 @@ def _retry_after(value: str | None, scale: float) -> float | None:
 
 
 def _error_type(body: bytes) -> str:
+    """The OpenAI error's type, and its code when it has one ("rate_limit_error: queue_timeout"): the type alone
+    made every refusal of the admission layer read as rate limiting, whatever its reason."""
     try:
-        return json.loads(body)["error"]["type"]
-    except (ValueError, KeyError, TypeError):
+        err = json.loads(body)["error"]
+        code = err.get("code")
+        return f"{err['type']}: {code}" if isinstance(code, str) and code else err["type"]
+    except (ValueError, KeyError, TypeError, AttributeError):
         return "http_error"
 
 

@@ -103,7 +103,8 @@ async def test_soak(make_stack, tmp_path, sims):
             outcomes["ok"] += 1
         elif r.error == "abort":
             outcomes["client abort (intended)"] += 1
-        elif r.status in (429, 503) and r.error in ("rate_limit_error", "service_unavailable_error"):
+        elif r.status in (429, 503) and (r.error or "").partition(":")[0] in ("rate_limit_error",
+                                                                              "service_unavailable_error"):
             outcomes[f"{r.status} from admission (intended)"] += 1
         else:
             outcomes[f"UNEXPECTED {r.status} {r.error}"] += 1

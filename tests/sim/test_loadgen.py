@@ -41,3 +41,12 @@ async def test_open_loop_counts_prompt_tokens_aborts_and_tokens():
     summary = summarize(records)
     assert summary["requests"] == len(records) and summary["by_status"] == {"200": len(records)}
     assert summary["latency_p50"] > 0 and summary["ttft_p50"] > 0
+
+
+def test_a_refusal_is_recorded_with_its_reason_not_only_its_type():
+    from extproc.tools.loadgen import _error_type
+    body = b'{"error": {"message": "m", "type": "rate_limit_error", "param": null, "code": "queue_timeout"}}'
+    assert _error_type(body) == "rate_limit_error: queue_timeout"
+    assert _error_type(b'{"error": {"message": "m", "type": "server_error", "code": null}}') == "server_error"
+    assert _error_type(b"upstream connect error") == "http_error"
+    assert _error_type(b'{"error": "text"}') == "http_error"
