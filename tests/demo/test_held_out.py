@@ -43,6 +43,6 @@ def test_the_pool_limit_rises_at_the_pace_long_answers_show_their_latency():
     scenario = Scenario.load("scenarios/verbose-chat.yaml")
     stats = what_if_stats(scenario, "b,d")
     b, d = stats["b"]["surge"], stats["d"]["surge"]
-    # Measured 11.85 s worst window, full-model goodput 1.52 req/s against Envoy's 0.27.
+    # Measured 11.85 s worst window, full-model goodput 1.52 req/s against Envoy's 0.52 (tuned for the mix).
     assert d.p99_worst_window <= 1.05 * scenario.slo_p95_s
-    assert d.goodput >= 3 * b.goodput
+    assert d.goodput >= 2 * b.goodput

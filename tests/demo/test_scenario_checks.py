@@ -28,6 +28,8 @@ def write(tmp_path: Path, doc: dict, name: str = "s.yaml") -> Path:
     (lambda d: d.update(capacity=0), "capacity: 'auto' or requests/s > 0"),
     (lambda d: d["phases"][0].update(duration_s=-5), "duration_s must be > 0"),
     (lambda d: d["phases"][0].update(rat=1), "phases[0].rat: unknown key"),
+    (lambda d: d.update(envoy_adaptive={"min_rtt_s": 4}), "envoy_adaptive.min_rtt_s: unknown key"),
+    (lambda d: d.update(envoy_adaptive={"min_rtt_fixed_s": 0}), "envoy_adaptive.min_rtt_fixed_s: a number > 0"),
     (lambda d: d.update(windows={"w": ["nope"]}), "windows.w: nope name no phase"),
     (lambda d: d.update(events=[{"at_s": 30, "pool": "vllm_llama70b", "fault": {"slow_down": 2}}]),
      "events[0].fault.slow_down: unknown key"),
@@ -91,3 +93,13 @@ def test_the_shipped_names_work_from_any_directory(tmp_path, monkeypatch):
     (d,) = with_policies(parse_modes("d"), {})
     assert Path(d.policy).is_file() and Path(repo_path("scenarios/spike.yaml")).is_file()
     assert repo_path("mine.yaml") == "mine.yaml"  # not shipped: as given, for the error to name it
+
+
+def test_a_scenario_retunes_envoys_filter_for_its_traffic(tmp_path):
+    from extproc.tools.demo.modes import ADAPTIVE_TUNED, parse_modes, with_policies
+    doc = spike_doc()
+    doc["envoy_adaptive"] = {"min_rtt_fixed_s": 4.0}
+    sc = Scenario.load(str(write(tmp_path, doc)))
+    a, b, d = with_policies(parse_modes("a,b,d"), sc.policies, sc.envoy_adaptive)
+    assert b.adaptive == {**ADAPTIVE_TUNED, "min_rtt_fixed_s": 4.0}
+    assert not a.adaptive and not d.adaptive

@@ -48,7 +48,7 @@ def what_if_stats(scenario: Scenario, modes: str) -> dict[str, dict[str, WindowS
     """mode key -> mode_stats, for `modes` (e.g. "b,d") run in the what-if with the scenario's policies."""
     capacity = scenario.fleet_capacity()
     out = {}
-    for m in with_policies(parse_modes(modes), scenario.policies):
+    for m in with_policies(parse_modes(modes), scenario.policies, scenario.envoy_adaptive):
         res = what_if(scenario, admitter_for(m), capacity)
         out[m.key] = mode_stats(ModeResult(m, res.records, 0.0, served_elsewhere=res.served_elsewhere), scenario)
     return out
@@ -90,7 +90,7 @@ def what_if_tables(args: argparse.Namespace) -> int:
     scenario = load_scenario(args)
     capacity = scenario.fleet_capacity()
     results = []
-    modes = with_policies(parse_modes(args.modes), scenario.policies)
+    modes = with_policies(parse_modes(args.modes), scenario.policies, scenario.envoy_adaptive)
     if any(m.policy for m in modes):
         print(f"scenario {scenario.name}, what-if:\n{policy_lines(modes)}")
     for m in modes:
@@ -105,7 +105,7 @@ def what_if_tables(args: argparse.Namespace) -> int:
 
 async def demo(args: argparse.Namespace, command: str) -> int:
     scenario = load_scenario(args)
-    modes = with_policies(parse_modes(args.modes), scenario.policies)
+    modes = with_policies(parse_modes(args.modes), scenario.policies, scenario.envoy_adaptive)
     out = Path(args.out or f"results/{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     capacity = scenario.fleet_capacity()

@@ -39,7 +39,7 @@ class Phase:
 
 
 SCENARIO_KEYS = frozenset({"name", "description", "seed", "pools", "phases", "workload", "slo", "client_timeout_s",
-                           "capacity", "capacity_concurrency", "events", "windows", "policies"})
+                           "capacity", "capacity_concurrency", "events", "windows", "policies", "envoy_adaptive"})
 POOL_KEYS = frozenset({"profile", "replicas", "model_names", "scheduling_policy"})
 PHASE_KEYS = frozenset({"name", "duration_s", "rate", "weights"})
 SLO_KEYS = frozenset({"class", "p95_s"})
@@ -47,6 +47,19 @@ EVENT_KEYS = frozenset({"at_s", "pool", "replica", "fault"})
 # A fault is a POST /sim/fault body (extproc.tools.sim.replica.FAULT_KEYS). The what-if models these; the others
 # act on the real stack only.
 WHATIF_FAULTS = frozenset({"slowdown", "draining", "hang"})
+
+
+def _envoy_adaptive(d: Any) -> dict[str, float]:
+    from .modes import ADAPTIVE_TUNED  # the knobs mode b has; modes imports nothing from here
+    if d is None:
+        return {}
+    _check_keys(d, "envoy_adaptive.", frozenset(ADAPTIVE_TUNED))
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise ValueError(f"envoy_adaptive.{k}: a number > 0 is expected, got {v!r}")
+        out[k] = v
+    return out
 
 
 def _check_keys(d: Any, where: str, known: frozenset[str]) -> None:
@@ -97,6 +110,9 @@ class Scenario:
     windows: dict[str, list[str]] | None = None
     # Mode key -> policy file for this traffic (extproc.tools.demo.modes.MODES' policy where not given).
     policies: dict[str, str] = field(default_factory=dict)
+    # Mode b's Envoy adaptive_concurrency knobs for this traffic, over modes.ADAPTIVE_TUNED (tuned on the spike's
+    # 1-2 s requests: a fixed 1 s minimum RTT refuses most of a mix whose requests last 10 s).
+    envoy_adaptive: dict[str, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)  # what the demo prints before it runs
 
     @classmethod
@@ -172,7 +188,8 @@ class Scenario:
                                            {k: float(v) for k, v in e["fault"].items()})
                                 for e in d.get("events", [])),
                    windows={k: list(v) for k, v in d["windows"].items()} if d.get("windows") else None,
-                   policies={str(k): str(v) for k, v in (d.get("policies") or {}).items()}, warnings=warnings)
+                   policies={str(k): str(v) for k, v in (d.get("policies") or {}).items()},
+                   envoy_adaptive=_envoy_adaptive(d.get("envoy_adaptive")), warnings=warnings)
 
     def shortened(self, phase_s: float) -> Scenario:
         """The same scenario with every phase cut to `phase_s` simulated seconds (tests, quick looks)."""
