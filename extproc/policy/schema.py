@@ -185,8 +185,9 @@ class FairnessSpec:
         "`fifo`: one line in arrival order, whoever sent it. `round_robin`: flows take turns, one grant each. "
         "`fair`: the waiting flow that was admitted the fewest GPU-seconds relative to its tenant's `weight` "
         "goes next (virtual-time fairness in the cost model's units, corrected by learned usage), a flow under "
-        "its tenant's `guaranteed_share` first. Work-conserving in every mode: a free slot never idles while "
-        "someone waits. Inside a flow (round_robin, fair) the earliest deadline goes first. Under a pool-wide "
+        "its tenant's `guaranteed_share` first. Work-conserving in every mode: a release hands its room to the "
+        "next waiter that fits (not when a waiter times out: the ones behind it wait for the next release, "
+        "docs/overload.md). Inside a flow (round_robin, fair) the earliest deadline goes first. Under a pool-wide "
         "limit (round_robin, fair), a flow holding no more than its weighted share of what the class holds on "
         "the pool goes in even when the limit is full; the flows over their share wait until the pool is back "
         "under it.", "fifo")
