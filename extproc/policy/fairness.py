@@ -35,6 +35,8 @@ OTHER = "other"
 # The least a grant charges, in GPU-seconds: a stream of zero-cost requests must still move its flow's virtual
 # time, or it could keep another flow waiting for ever.
 MIN_CHARGE_S = 1e-3
+# The fairness index reads at most this many flows (the most recently served): header keys are unbounded.
+INDEX_FLOWS = 1024
 
 
 def jain_index(values: Iterable[float]) -> float:
@@ -50,7 +52,7 @@ def jain_index(values: Iterable[float]) -> float:
 class TenantStats:
     """One label's counters and gauges, for metrics."""
 
-    __slots__ = ("waiting", "inflight", "admitted", "served_gpu_s", "waited_s", "recent_gpu_s", "recent_at")
+    __slots__ = ("waiting", "inflight", "admitted", "served_gpu_s", "waited_s")
 
     def __init__(self) -> None:
         self.waiting = 0          # gauge: waiters queued now
@@ -58,8 +60,6 @@ class TenantStats:
         self.admitted = 0         # counter: admissions (queued or not)
         self.served_gpu_s = 0.0   # counter: GPU-seconds admitted, corrected by settle()
         self.waited_s = 0.0       # counter: seconds waited by the waiters popped from the queue
-        self.recent_gpu_s = 0.0   # served GPU-seconds, exponentially decayed (the fairness index's input)
-        self.recent_at = 0.0
 
 
 class _Flow:
@@ -113,6 +113,9 @@ class FairQueue:
         self.index_tau_s = index_tau_s
         self._labels = set(tenants)
         self.stats: dict[str, TenantStats] = {}
+        # flow key -> [served GPU-seconds decayed over index_tau_s, when]: the fairness index's input, per flow
+        # (not per metric label: header keys all fold into "other" there), the most recently served INDEX_FLOWS
+        self._recent: OrderedDict[str, list[float]] = OrderedDict()
         self._flows: dict[str, _Flow] = {}          # every flow with waiters, in flight, or configured
         self._backlogged: OrderedDict[str, _Flow] = OrderedDict()  # flows with waiters; round_robin: turn order
         # id(waiter) -> its flow, its entry, and its own key (fifo keeps every waiter in one flow)
@@ -285,7 +288,7 @@ class FairQueue:
         st = self._stats(key)
         st.admitted += 1
         st.inflight += 1
-        self._serve(st, cost)
+        self._serve(st, key, cost)
         self._head = None
 
     def released(self, key: str, cost: float) -> None:
@@ -303,7 +306,7 @@ class FairQueue:
         flow = self._flows.get(key)
         if flow is not None:
             flow.vtime += (actual - estimated) / flow.weight
-        self._serve(self._stats(key), actual - estimated)
+        self._serve(self._stats(key), key, actual - estimated)
         self._head = None
 
     def virtual_time(self, key: str) -> float:
@@ -311,16 +314,15 @@ class FairQueue:
         return flow.vtime if flow is not None else self._vfloor
 
     def fairness_index(self) -> float:
-        """Jain's index over the recent served GPU-seconds per weight of the labels that were served lately
-        (decayed over `index_tau_s`; without a clock, over all time). Labels with no recent work are left out:
-        a tenant that asks for nothing is not treated unfairly."""
+        """Jain's index over the recent served GPU-seconds per weight of the flows served lately (decayed over
+        `index_tau_s`; without a clock, over all time). Flows with no recent work are left out: a tenant that asks
+        for nothing is not treated unfairly. Per flow, so flows named by a header count one by one."""
         now = self.clock() if self.clock is not None else None
         values = []
-        for label, st in self.stats.items():
-            recent = st.recent_gpu_s if now is None else \
-                st.recent_gpu_s * math.exp(-max(now - st.recent_at, 0.0) / self.index_tau_s)
+        for key, (gpu_s, at) in self._recent.items():
+            recent = gpu_s if now is None else gpu_s * math.exp(-max(now - at, 0.0) / self.index_tau_s)
             if recent > 1e-9:
-                values.append(recent / self.weights.get(label, 1.0))
+                values.append(recent / self.weights.get(key, 1.0))
         return jain_index(values)
 
     def label(self, key: str) -> str:
@@ -387,14 +389,21 @@ class FairQueue:
             st = self.stats[label] = TenantStats()
         return st
 
-    def _serve(self, st: TenantStats, gpu_s: float) -> None:
+    def _serve(self, st: TenantStats, key: str, gpu_s: float) -> None:
         st.served_gpu_s += gpu_s
+        mine = self._recent.get(key)
+        if mine is None:
+            mine = self._recent[key] = [0.0, 0.0]
+            if len(self._recent) > INDEX_FLOWS:
+                self._recent.popitem(last=False)  # the flow served least recently
+        else:
+            self._recent.move_to_end(key)
         if self.clock is None:
-            st.recent_gpu_s += gpu_s
+            mine[0] += gpu_s
             return
         now = self.clock()
-        st.recent_gpu_s = st.recent_gpu_s * math.exp(-max(now - st.recent_at, 0.0) / self.index_tau_s) + gpu_s
-        st.recent_at = now
+        mine[0] = mine[0] * math.exp(-max(now - mine[1], 0.0) / self.index_tau_s) + gpu_s
+        mine[1] = now
 
 
 def _order(entry: tuple[float, int, Any]) -> tuple[float, int]:

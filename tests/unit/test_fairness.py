@@ -427,6 +427,26 @@ def test_fairness_index_of_a_class_counts_served_work_per_weight():
     assert q.fairness_index() < 0.9
 
 
+def test_the_fairness_index_sees_flows_a_header_names_one_by_one():
+    # Found by an audit: the index was taken over metric labels, so 59 header ids folded into "other" and it read
+    # the same ~0.5 whether one id took 43% of the class or 19%.
+    q = FairQueue("fair", tenants=["tenant-a"])
+    for i in range(60):
+        q.admitted(f"id-{i}", 1.0)
+    assert q.fairness_index() == pytest.approx(1.0)
+    q.admitted("id-0", 60.0)  # one id takes half the work
+    assert q.fairness_index() < 0.1
+    assert q.label("id-0") == "other"  # the metric labels stay bounded
+
+
+def test_the_fairness_index_reads_a_bounded_number_of_flows():
+    from extproc.policy.fairness import INDEX_FLOWS
+    q = FairQueue("fair")
+    for i in range(INDEX_FLOWS + 50):
+        q.admitted(f"id-{i}", 1.0)
+    assert len(q._recent) == INDEX_FLOWS and "id-0" not in q._recent
+
+
 def test_rejects_unknown_modes_and_bad_weights():
     with pytest.raises(ValueError):
         FairQueue("lottery")
