@@ -98,6 +98,7 @@ class Telemetry:
         self.log_accept_sample = log_accept_sample  # share of accepted requests logged too (all others are)
         self._accept_credit = 0.0
         self.log_budget = LogBudget(log_per_s, clock)  # decision lines per second per (class, decision, reason)
+        self._core: AdmissionController | None = None  # set by watch()
         r = self.registry
         # Labelled metrics are kept as their cached children (see _Children); `.metric` is the metric itself.
         self.requests = _Children(Counter(
@@ -269,11 +270,23 @@ class Telemetry:
         """A policy reload was applied, or refused because the file did not validate."""
         self.reloads["applied" if applied else "invalid"].inc()
         self.reload_ok.set(1 if applied else 0)
+        if applied and self._core is not None:
+            self._alerted_at_zero(self._core)
+
+    def _alerted_at_zero(self, core: AdmissionController) -> None:
+        """Create at 0 the series an alert takes increase() of: one that first appears at 1 gives increase() 0, so
+        the first bad reload or lease expiry of a process (every pod restart) went unalerted (an operator audit)."""
+        for result in ("applied", "invalid"):
+            self.reloads[result]
+        for cls in core.policy.classes:
+            self.duration[(cls, "lease_expired")]
 
     # --- scrape-time gauges ---
 
     def watch(self, core: AdmissionController, sustained: SustainedLoad | None = None) -> None:
         """Register gauges read from the core at scrape time (no per-request gauge updates)."""
+        self._core = core
+        self._alerted_at_zero(core)
         self.registry.register(_CoreGauges(core, sustained))
 
 

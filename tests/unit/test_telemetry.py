@@ -77,6 +77,18 @@ def sample(t: Telemetry, name: str, **labels) -> float:
     return t.registry.get_sample_value(name, labels) or 0.0
 
 
+def test_the_series_an_alert_takes_increase_of_exist_at_zero_from_the_start():
+    # An operator audit: a counter child first created at 1 gives increase() 0, so ExtprocConfigReloadFailed and
+    # ExtprocLeaseExpired missed the first bad reload or expiry of every process (every pod restart).
+    t = Telemetry()
+    core = AdmissionController(make_policy(), clock=lambda: 0.0, events=t)
+    t.watch(core)
+    text = generate_latest(t.registry).decode()
+    assert 'extproc_config_reload_total{result="invalid"} 0.0' in text
+    for cls in core.policy.classes:
+        assert f'extproc_request_duration_seconds_count{{class="{cls}",outcome="lease_expired"}} 0.0' in text
+
+
 def test_rate_limit_checks_are_counted_by_tenant_limit_and_result():
     t = Telemetry()
     core = limited_core(t, requests_per_minute=60, burst_s=2)  # a bucket of 2 requests
