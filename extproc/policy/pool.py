@@ -48,6 +48,10 @@ RAISE_GAIN = 4.0  # a raise takes its full `max_raise` step once the latency is 
 # latency) the limit rises at most this much. Short requests never meet it (a raise shows within a few
 # intervals); with 10 s answers a raise every interval had compounded to 3x before the first one showed.
 RAISE_PER_DELAY = 0.25
+# The settle never goes below this share of the last limit proven under load (binding with the latency in target,
+# or just cut): idle, the recent peak decays to nothing and the limit fell to its floor (1) in seconds, so the
+# next burst ran one request at a time for most of a minute while it climbed back 5% a step (an operator audit).
+PROVEN_FLOOR = 0.5
 
 
 class RecentLatencies:
@@ -90,6 +94,7 @@ class PoolLimit:
         self.inflight_peak = 0.0   # the most held at once lately (decays over the window)
         self.baseline: dict[int, float] = {}  # class rank -> its served quantile when calm
         self.counted_since = -math.inf  # requests admitted before this say nothing about the current limit
+        self.proven = 0.0               # the last limit proven under load (see PROVEN_FLOOR); 0: none yet
         self.last_action = "hold"
         self.moved_at: float | None = None  # when the limit last had its interval's chance to move
         self._sampled_at: float | None = None
@@ -165,6 +170,7 @@ class PoolLimit:
             if binding:  # requests wait for room and the latency has some to give: raise, by how much it has
                 step = spec.max_raise * min(1.0, max(0.0, ratio - 1.0) * RAISE_GAIN)
                 step = min(step, self._raise_room(now))
+                self.proven = self.limit  # it held requests back with the latency in target
                 self.limit = min(spec.max, self.limit * (1 + step))
                 self.last_action = "raise" if step > 0 else "hold"
                 if step > 0:
@@ -172,7 +178,7 @@ class PoolLimit:
             else:
                 # Not binding: come down towards what the load needs, with room for a burst, so that a limit
                 # far above any load cannot let a spike's first seconds overfill the pool.
-                level = self.inflight_peak * (1 + SETTLE_HEADROOM)
+                level = max(self.inflight_peak * (1 + SETTLE_HEADROOM), PROVEN_FLOOR * self.proven)
                 if level < self.limit:
                     self.limit = max(spec.min, level)
                     self.last_action = "settle"
@@ -208,7 +214,7 @@ class PoolLimit:
         return delay
 
     def _cut(self, now: float, new: float, action: str, clear: bool = True) -> None:
-        self.limit = max(self.spec.min, min(self.limit, new))
+        self.limit = self.proven = max(self.spec.min, min(self.limit, new))
         if clear:
             self._fresh(now, action)
         else:

@@ -297,6 +297,20 @@ def test_raises_compound_at_most_a_quarter_within_one_median_service_time():
     assert raised_over(0.4, 9.9) == pytest.approx(1.05 ** 20)  # short requests: 5% every interval, as before
 
 
+def test_an_idle_pool_keeps_half_the_limit_it_last_proved_under_load():
+    # An operator audit: after 12 s idle the settle took the limit to its floor (1), and the next burst ran one
+    # request at a time for most of a minute while raises climbed back 5% a step.
+    c = PoolLimit(spec(), {0: 2.0})
+    for _ in range(10):
+        c.observe(0, 0.0, 0.0, 1.0)
+    c.update(0.0, 20, True, False)  # binding, latency in target: 20 is proven
+    now = 0.0
+    while now < 60.0:  # idle: nothing in flight
+        now += 0.5
+        c.update(now, 0, False, False)
+    assert c.limit == pytest.approx(10.0) and c.last_action in ("settle", "hold")
+
+
 def test_raises_in_proportion_to_the_room_left_while_binding_and_settles_when_idle():
     c = PoolLimit(spec(), {0: 2.0})
     now = 0.0
