@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..policy.admission import AdmissionController
+from ..policy.changes import policy_changes
 from ..policy.sustained import SustainedLoad
 from ..policy.schema import Policy, PolicyError, load_policy_file
 from ..store import host_store, open_store
@@ -106,6 +107,7 @@ class Server:
         """Apply the policy file if it validates; otherwise keep serving the old one. Never raises: it runs in the
         SIGHUP callback and the housekeeping loop, where an exception would be lost or end the loop."""
         self._mtime = _mtime(self.policy_path)
+        before = self.core.policy
         try:
             self._apply(load_policy_file(self.policy_path))
         except PolicyError as e:
@@ -117,7 +119,7 @@ class Server:
             log.exception("policy reload from %s failed", self.policy_path)
             return False
         self.telemetry.policy_reloaded(applied=True)
-        log.info("policy reloaded from %s", self.policy_path)
+        log.info("policy reloaded from %s: %s", self.policy_path, policy_changes(before, self.core.policy))
         return True
 
     def _apply(self, policy: Policy) -> None:

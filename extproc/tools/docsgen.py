@@ -25,7 +25,9 @@ HEADER = """\
 
 Every key of the policy YAML (`extproc serve --policy FILE`), its type, default and meaning. Validate a file with
 `extproc check FILE`: errors name the key path as written here (`classes.batch.max_queue`, `tenants[0].name`).
-The ext_proc reloads the file on change or SIGHUP; an invalid file is refused and the running policy stays.
+The ext_proc reloads the file on change or SIGHUP; an invalid file is refused and the running policy stays. An
+applied reload logs what it changed (`policy reloaded from FILE: classes -internal; classes.interactive.max_concurrency
+48 -> 24`).
 
 In key paths, `<name>` stands for a key you choose (a class or model name) and `[]` for a list item.
 """
