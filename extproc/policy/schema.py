@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -22,6 +23,9 @@ class PolicyError(ValueError):
 MAX_CLASSES = 256      # the workers' shared table has this many rows (extproc/store/host_store.py)
 MAX_CLASS_NAME = 64    # bytes
 
+
+# RFC 9110 token: what a header name may be (a name with a space or a colon can never match a request's header).
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9a-z]+")
 
 def doc(text: str, default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING,
         minimum: float | None = None, maximum: float | None = None, header_name: bool = False) -> Any:
@@ -200,7 +204,8 @@ class FairnessSpec:
 class ClassSpec:
     """One traffic class: its concurrency cap, its bounded deadline queue, its SLO and breakers."""
 
-    max_concurrency: int = doc("Requests of this class admitted at once (the cap).", minimum=1)
+    max_concurrency: int = doc("Requests of this class admitted at once (the cap).", minimum=1,
+                               maximum=1_000_000)
     max_queue: int = doc("Requests that may wait for a slot; arrivals beyond it get 429.", 20, minimum=0)
     max_wait_ms: int = doc("Longest a request waits in the queue before it gets 429. At most 29 s: Envoy's "
                            "`max_message_timeout` (30 s in envoy/envoy.yaml) must cover the wait and the ext_proc's "
@@ -258,7 +263,8 @@ class ClassifySpec:
         "Request header whose value is the fairness key (the flow whose share a request counts against) instead "
         "of the tenant (Gateway API Inference Extension: `x-gateway-inference-fairness-id`). Set it "
         "only where the gateway in front sets or strips that header: a client that picks its own key can join "
-        "another flow or split its traffic over many. Values are cut to 128 characters; metrics label keys "
+        "another flow or split its traffic over many, and a value that is a tenant's name takes that tenant's "
+        "`weight` and `guaranteed_share`. Values are cut to 128 characters; metrics label keys "
         "that are not tenant names as `other`. Unset: the tenant is the key.", None, header_name=True)
     deadline_header: str | None = doc(
         "Request header carrying the request's own deadline, in milliseconds from its arrival. It waits in its "
@@ -716,6 +722,9 @@ def _build_dataclass(cls: type, value: Any, path: str, errors: list[str]) -> Any
         _check_bounds(f, built, key_path, errors)
         if f.metadata.get("header_name") and isinstance(built, str):
             built = built.lower()  # Envoy hands the ext_proc lower-case header keys
+            if not _HEADER_NAME.fullmatch(built):
+                errors.append(f"{key_path}: {value[name]!r} is not an HTTP header name (letters, digits and "
+                              "!#$%&'*+-.^_`|~ only; no spaces or colons)")
         kwargs[name] = built
     try:
         return cls(**kwargs)
@@ -810,6 +819,8 @@ def _check_references(p: Policy, errors: list[str]) -> None:
         if objective != objective.lower():
             errors.append(f"classify.objectives.{objective}: objective names must be lower case (the header's "
                           f"value is lower-cased before it is matched): write {objective.lower()!r}")
+    if p.store.kind == "redis" and not p.store.url.startswith(("redis://", "rediss://", "unix://")):
+        errors.append(f"store.url: {p.store.url!r} is not a Redis URL (redis://host:6379/0, rediss:// or unix://)")
     for protector, shed in p.shed_map().items():
         need_class(protector, f"shed.{protector}")
         for j, c in enumerate(shed):

@@ -123,3 +123,15 @@ def test_every_problem_is_listed_at_once():
                         "models": {"m": {"cluster": "c"}}, "shed": {"zz": ["a"]}})
     assert any("classes.a.max_concurrency" in e for e in errors)
     assert any("classes.b.fallback.model" in e for e in errors) and any("shed.zz" in e for e in errors)
+
+
+def test_values_that_cannot_work_are_refused_at_check_time():
+    # An operator audit: a header name with a space (it can never match), a cap past any real fleet, and a store
+    # URL that is not Redis's (it failed only when the server started) were accepted.
+    errs = errors_of({**BASE, "classify": {"header": "bad header"},
+                      "classes": {"a": {"max_concurrency": 10 ** 20}},
+                      "store": {"kind": "redis", "url": "http://x"}})
+    assert any(e.startswith("classify.header: 'bad header' is not an HTTP header name") for e in errs), errs
+    assert any(e.startswith("classes.a.max_concurrency: must be <=") for e in errs), errs
+    assert any(e.startswith("store.url: 'http://x' is not a Redis URL") for e in errs), errs
+    load_policy({**BASE, "classify": {"header": "X-Priority"}, "store": {"kind": "redis", "url": "rediss://h:1/0"}})
