@@ -12,9 +12,10 @@ The limit (PoolLimit) finds its own operating point:
  - otherwise each class with an SLO compares a quantile of its *service* time on this pool (the replicas', not
    our queueing) with `target` x SLO. Over it, and up from the class's calm baseline (load is what slows it):
    cut in proportion (at most `decrease` a step). Under it, while requests wait for room: raise in proportion
-   to the room left (at most `max_raise` a step). While it does not bind, the limit settles to the recent peak
-   in flight plus headroom (a limit far above any load would let a spike's first seconds overfill the pool
-   before any latency showed it).
+   to the room left (at most `max_raise` a step, and RAISE_PER_DELAY per median service time). While it does
+   not bind, the limit settles to the recent peak in flight plus headroom (a limit far above any load would let
+   a spike's first seconds overfill the pool before any latency showed it), never below half the last limit
+   proven under load (PROVEN_FLOOR).
 Latency is counted only for requests admitted after the limit was last cut on latency: a cut shows in latency
 seconds later, and one slow period must not cut twice. Raises are small steps for the same reason.
 """
