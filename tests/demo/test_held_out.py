@@ -1,5 +1,8 @@
-"""The pool-wide limit on a scenario no policy was tuned on (scenarios/ramp.yaml, docs/overload.md "Held out"):
-what carried over from the tuned scenarios must keep carrying over."""
+"""The pool-wide limit on scenarios no policy was tuned on (scenarios/ramp.yaml, and one-model-ramp.yaml and
+verbose-chat.yaml written by sessions testing as new users; docs/overload.md "Held out"): what carried over from
+the tuned scenarios must keep carrying over."""
+
+from pathlib import Path
 
 from extproc.tools.demo import what_if_stats
 from extproc.tools.demo.results import calm_windows
@@ -52,7 +55,7 @@ def test_a_burst_after_an_idle_spell_gets_the_full_model(tmp_path):
     # An operator audit: idle, the settle took the pool limit to its floor (1), so a burst after a quiet spell
     # waited one request at a time and was mostly degraded (what-if: 2.07 req/s full model, 8.67 degraded).
     import yaml
-    doc = yaml.safe_load(open("scenarios/spike.yaml", encoding="utf-8"))
+    doc = yaml.safe_load(Path("scenarios/spike.yaml").read_text(encoding="utf-8"))
     doc["phases"] = [{"name": "normal", "duration_s": 30, "rate": 0.6}, {"name": "idle", "duration_s": 30, "rate": 0.0},
                      {"name": "burst", "duration_s": 30, "rate": 0.9}]
     doc["windows"] = {"burst": ["burst"]}
