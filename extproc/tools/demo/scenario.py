@@ -14,6 +14,7 @@ from extproc.tools.sim.profile import load_profile
 from extproc.tools.sim.replica import FAULT_KEYS
 
 from .capacity import closed_loop_mix
+from .modes import ADAPTIVE_TUNED
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ WHATIF_FAULTS = frozenset({"slowdown", "draining", "hang"})
 
 
 def _envoy_adaptive(d: Any) -> dict[str, float]:
-    from .modes import ADAPTIVE_TUNED  # the knobs mode b has; modes imports nothing from here
+    """A scenario's knobs for mode b, over ADAPTIVE_TUNED's."""
     if d is None:
         return {}
     _check_keys(d, "envoy_adaptive.", frozenset(ADAPTIVE_TUNED))
