@@ -86,12 +86,18 @@ def token_counts(usage: object) -> tuple[int, int] | None:
     return None
 
 
-def usage_of(raw: bytes) -> dict | None:
+def _json_object(raw: bytes) -> dict | None:
+    """A JSON object, or None for anything else (not JSON, or another JSON value)."""
     try:
         doc = orjson.loads(raw)
     except orjson.JSONDecodeError:
         return None
-    return doc.get("usage") if isinstance(doc, dict) else None
+    return doc if isinstance(doc, dict) else None
+
+
+def usage_of(raw: bytes) -> dict | None:
+    doc = _json_object(raw)
+    return doc.get("usage") if doc is not None else None
 
 
 def split_usage_event(chunk: bytes) -> tuple[bytes, dict | None]:
@@ -124,10 +130,7 @@ def completed_usage(chunk: bytes) -> dict | None:
 
 
 def _response_usage(raw: bytes) -> dict | None:
-    try:
-        doc = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return None
-    response = doc.get("response") if isinstance(doc, dict) else None
+    doc = _json_object(raw)
+    response = doc.get("response") if doc is not None else None
     usage = response.get("usage") if isinstance(response, dict) else None
     return usage if isinstance(usage, dict) else None
