@@ -41,6 +41,17 @@ def test_a_scenario_mistake_is_named(tmp_path, edit, message):
         Scenario.load(write(tmp_path, doc))
 
 
+def test_a_prompt_longer_than_the_pools_context_is_named(tmp_path):
+    # The simulator answers 400 to it; the what-if ran it as a near-empty answer and printed sub-second latencies.
+    doc = spike_doc()
+    doc["workload"]["kinds"][1]["prompt_tokens"] = {"min": 6000, "max": 12000}
+    with pytest.raises(ValueError, match="workload kind 'batch': prompts of up to 12000 tokens, but pool "
+                                         "'vllm_llama70b' \\(profile h100-llama70b-awq\\) has max_model_len 8192"):
+        Scenario.load(write(tmp_path, doc))
+    doc["workload"]["kinds"][1]["prompt_tokens"] = {"min": 6000, "max": 8000}
+    Scenario.load(write(tmp_path, doc))
+
+
 def test_a_fault_the_what_if_does_not_model_is_said_before_it_runs(tmp_path):
     doc = spike_doc()
     doc["events"] = [{"at_s": 30, "pool": "vllm_llama70b", "fault": {"error_rate": 0.5}},

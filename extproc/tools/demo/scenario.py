@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from extproc.policy.schema import PolicyError, read_policy_doc
-from extproc.tools.loadgen import PlannedRequest, Workload, plan_arrivals
+from extproc.tools.loadgen import PlannedRequest, RequestKind, Workload, plan_arrivals
 from extproc.tools.sim.engine import SCHEDULING_POLICIES
 from extproc.tools.sim.openai_api import ApiError, ignores_eos
 from extproc.tools.sim.profile import load_profile
@@ -70,6 +70,35 @@ def _check_keys(d: Any, where: str, known: frozenset[str]) -> None:
     unknown = sorted(str(k) for k in d if k not in known)
     if unknown:
         raise ValueError(f"{where}{unknown[0]}: unknown key (known here: {', '.join(sorted(known))})")
+
+
+def _largest_prompt(kind: RequestKind) -> int | None:
+    """The longest prompt a kind's first call can send (None: unbounded, a log-normal without `max`)."""
+    spec = kind.prompt_tokens
+    if isinstance(spec, int):
+        return spec
+    if "median" in spec:
+        return int(spec["max"]) if "max" in spec else None
+    return int(spec["max"])
+
+
+def _check_context(workload: Workload, pools: list[Pool]) -> None:
+    """A prompt as long as the context is a 400 from the simulator (and vLLM), but the what-if and the capacity
+    measurement clamp its output to a negative room and run it as a near-empty answer: a RAG scenario of 6-12K-token
+    prompts on an 8K-context profile printed sub-second latencies in the what-if for requests the real stack refuses
+    every one of. Refuse it here, naming the kind, the pool and the context."""
+    for kind in workload.kinds:
+        largest = _largest_prompt(kind)
+        if largest is None:
+            continue
+        serving = [p for p in pools if kind.model in p.model_names] or pools[:1]
+        for pool in serving:
+            context = load_profile(pool.profile).max_model_len
+            if largest >= context:
+                raise ValueError(f"workload kind {kind.name!r}: prompts of up to {largest} tokens, but pool "
+                                 f"{pool.name!r} (profile {pool.profile}) has max_model_len {context}: the simulator "
+                                 "answers 400 to a prompt that long (give the pool a profile file with a longer "
+                                 "context, docs/simulator.md \"Profiles\")")
 
 
 def _check_bodies(workload: Workload) -> None:
@@ -155,6 +184,7 @@ class Scenario:
             raise ValueError("a scenario needs at least one pool and one phase")
         workload = Workload.from_dict(d["workload"])
         _check_bodies(workload)
+        _check_context(workload, pools)
         names = {k.name for k in workload.kinds}
         for p in phases:
             if set(p.weights) - names:
