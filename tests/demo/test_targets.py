@@ -155,3 +155,11 @@ def test_spike_windows_hold_an_overload_and_calm_windows_are_the_phases_at_or_be
     shifted = Scenario.load("scenarios/shifted-fleet.yaml")
     assert list(spike_windows(shifted)) == ["first-half", "second-half"]
     assert list(calm_windows(shifted)) == ["phase normal-1", "phase normal-2"]
+
+
+def test_a_missed_target_never_prints_the_same_number_as_its_bound():
+    # A worst-window p99 of 2.004 s against a 2 s SLO printed "MISSED ... 2.00 (target 2.00)".
+    from extproc.tools.demo.results import Target
+    assert Target("p99", 2.004, 2.0, False).line() == "MISSED   p99: 2.004 (target 2.000)"
+    assert Target("p99", 1.5, 2.0, True).line() == "reached  p99: 1.50 (target 2.00)"
+    assert Target("zero", 0.0, 0.0, True).line() == "reached  zero: 0.00 (target 0.00)"
