@@ -108,7 +108,7 @@ class; if clients still send that class, they now land in their tenant's default
 no replica can know whether the class has a free slot, and the policy chose to refuse rather than guess. Check
 `extproc_store_state` and the ext_proc log (`store state -> closed: ...`); the ext_proc probes Redis every second
 and switches back by itself (`store state -> shared`). With `on_failure: local` the replicas admit against their
-share of each cap instead (the cap divided by `store.instances`)."""),
+share of each cap instead (the cap divided by `store.instances`, and by N for each of `--workers N`)."""),
     Reason("higher_class_saturated", "Shed (503)", 503, DRAIN,
            "class {cls!r} is shed while class {protector!r} is saturated",
            """\

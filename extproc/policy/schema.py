@@ -415,9 +415,10 @@ class StoreSpec:
     poll_ms: int = doc("redis: a request waiting for a global slot retries at least this often. Releases are "
                        "announced on a pub/sub channel, so most waits end sooner; expired leases are not "
                        "announced, and this bounds how late they are noticed.", 100, minimum=10, maximum=5_000)
-    instances: int = doc("redis: ext_proc replicas sharing the caps. Only used while Redis is unreachable "
-                         "with `on_failure: local`: each replica then admits its share, the cap divided by "
-                         "this (at least 1 per class).", 1, minimum=1)
+    instances: int = doc("redis: ext_proc replicas sharing the caps (each `extproc serve`, however many "
+                         "`--workers` it runs). Only used while Redis is unreachable with `on_failure: local`: "
+                         "each replica then admits its share, the cap divided by this (at least 1 per class), "
+                         "and each of its N workers a further 1/N of that.", 1, minimum=1)
     on_failure: Literal["local", "closed"] = doc(
         "redis: while Redis is unreachable or slower than `timeout_ms`: `local` admits against per-replica "
         "caps (fail open), `closed` refuses requests that would need a global slot with 503 "

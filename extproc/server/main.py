@@ -94,7 +94,8 @@ class Server:
         store = open_store(policy.store, host=_host_store(args))
         self.shared: SharedSlots | None = None
         if store.shared:
-            self.shared = SharedSlots(self.core, store, StoreTelemetry(self.telemetry.registry))
+            self.shared = SharedSlots(self.core, store, StoreTelemetry(self.telemetry.registry),
+                                      workers=args.workers)
         self.servicer = ExtProcServicer(self.core, max_body_bytes=args.max_body_bytes, shared=self.shared,
                                         on_error=self.telemetry.stream_errors.inc, worker=args.worker_index)
         self.access_log = AccessLogReceiver(self.core, self.telemetry, worker=args.worker_index)

@@ -59,13 +59,16 @@ class SharedSlots:
     second tick() renews every held lease in one round trip, or probes the store and switches back when it answers.
     """
 
-    def __init__(self, core: AdmissionController, store: SlotStore, events: StoreEvents | None = None):
+    def __init__(self, core: AdmissionController, store: SlotStore, events: StoreEvents | None = None,
+                 workers: int = 1):
         self.core = core
         self.events: StoreEvents = events or NoStoreEvents()
         self.store = store
         spec = core.policy.store
         self.on_failure = spec.on_failure
-        self.instances = spec.instances
+        # The share is per process: each worker of a `serve --workers N` replica admits on its own while the
+        # store is away (the host table is not used with Redis), so `instances` replicas run instances x N shares.
+        self.instances = spec.instances * workers
         self.poll_s = spec.poll_ms / 1000.0
         self.replica = uuid.uuid4().hex[:12]   # holder ids are "<replica>:<ticket id>", unique across replicas
         self.policy = core.policy              # as written; the core runs local_share() of it while failing open

@@ -162,3 +162,34 @@ async def test_the_fallback_admits_waiters_up_to_the_share_when_it_has_room():
     assert (await asyncio.wait_for(waiting[1], 1)).kind == ACCEPT  # in arrival order
     assert not waiting[2].done() and running(r) == SHARE
     await r.close()
+
+
+async def test_each_worker_of_a_replica_admits_its_part_of_the_share():
+    """`serve --workers 2` with Redis: both workers fail open at once, each on its own, so each may take only half
+    of what `instances` gives the replica (one replica here), or the host runs twice the cap while Redis is down."""
+    policy = make_policy(classes={"interactive": {"max_concurrency": CAP, "max_queue": 10, "max_wait_ms": 1000}},
+                         tenants=[], store={"kind": "redis", "url": "redis://fake", "instances": 1,
+                                            "on_failure": "local", "poll_ms": 20})
+    store = FakeStore()
+    r = SharedSlots(AdmissionController(policy), store, workers=2)
+    await r.start()
+    store.state = "down"
+    first = await admit(r)  # the outage is found by this request's own round trip
+    assert r.state == LOCAL and first.kind == ACCEPT
+    assert r.core.limiters["interactive"].limit == CAP // 2
+    await r.close()
+
+
+def test_the_server_passes_its_worker_count_to_the_shared_slots(tmp_path):
+    import argparse
+
+    from extproc.policy.schema import load_policy_file
+    from extproc.server.main import Server, add_arguments
+    path = tmp_path / "policy.yaml"
+    path.write_text("classes: {interactive: {max_concurrency: 4}}\nmodels: {llama: {cluster: pool_a}}\n"
+                    "store: {kind: redis, url: 'redis://127.0.0.1:1/0', instances: 3}\n")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--policy", str(path), "--workers", "2", "--worker-index", "1"])
+    server = Server(str(path), load_policy_file(str(path)), args)
+    assert server.shared.instances == 6  # 3 replicas of 2 workers: 6 processes fail open on their own
