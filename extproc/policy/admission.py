@@ -63,7 +63,8 @@ class AdmissionController:
     def apply(self, policy: Policy) -> None:
         """Install a (validated) policy. Held slots stay with the limiter they were taken from; what they hold of a
         pool's limit moves to the pool's new gate."""
-        removed = self.state.apply(policy)
+        removed = self.state.apply(policy, self._retired)
+        self._retired = [lim for lim in self._retired if self.state.limiters.get(lim.name) is not lim]
         self.state.move_pool_holds(self.tickets.values(), self._unreported.values())
         st = self.state  # plain attributes, not properties: the hot path reads them on every request
         self.policy, self.limiters, self.degraded, self.classifier = st.policy, st.limiters, st.degraded, \

@@ -97,8 +97,9 @@ client to wait longer; many of these mean the queue only adds latency that nobod
            "class {cls!r} was removed from the policy while this request waited",
            """\
 **503.** A policy reload removed the class while this request waited in its queue. Requests already admitted under
-the class finish normally (their slots are released against the old class). Expected once per reload that drops a
-class; if clients still send that class, they now land in their tenant's default class."""),
+the class finish normally (their slots are released against the old class; a reload that puts the class back while
+they run counts them against its cap again). Expected once per reload that drops a class; if clients still send that
+class, they now land in their tenant's default class."""),
     Reason("store_unavailable", "Rejected (429, 499, 503)", 503, DRAIN,
            (
             "the shared slot store is unreachable and the policy fails closed (store.on_failure: "

@@ -35,9 +35,11 @@ class PolicyState:
         self.gates: dict[str, PoolGate] = {}          # Envoy cluster -> its pool-wide limit (pools.<name>.limit)
         self.ranked: list[ClassLimiter] = []          # the classes' limiters, highest priority first
 
-    def apply(self, policy: Policy) -> list[ClassLimiter]:
-        """Install a (validated) policy; return the limiters of classes it removed."""
-        old = self.limiters
+    def apply(self, policy: Policy, retired: list[ClassLimiter] = ()) -> list[ClassLimiter]:
+        """Install a (validated) policy; return the limiters of classes it removed. `retired`: limiters of classes
+        an earlier reload removed that still hold slots; a class put back takes its old limiter up again, so the
+        requests still running under it count against its cap (a fresh limiter would admit a whole cap more)."""
+        old = {**{lim.name: lim for lim in retired}, **self.limiters}
         self.limiters = {name: self._limiter(old.get(name), name, spec) for name, spec in policy.classes.items()}
         for name, spec in policy.classes.items():
             deg_spec = ClassSpec(max_concurrency=spec.fallback.max_concurrency or spec.max_concurrency,
@@ -77,7 +79,7 @@ class PolicyState:
             if lim.name in self.degraded:  # a degraded request weighs on a pool limit as its class does
                 self.degraded[lim.name].rank = rank
         self.gates = self._gates(policy)
-        return [lim for name, lim in old.items() if name not in self.limiters]
+        return [lim for name, lim in old.items() if name not in self.limiters and lim not in retired]
 
     def _gates(self, policy: Policy) -> dict[str, PoolGate]:
         """A gate per pool with a limit. One whose limit spec and classes are unchanged is kept; otherwise a new

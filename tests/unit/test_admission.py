@@ -190,6 +190,20 @@ def test_reload_removing_a_class_rejects_its_waiters_and_drains_its_slots(core):
     assert "internal" not in core.snapshot()
 
 
+def test_a_class_put_back_while_its_old_requests_run_counts_them_against_its_cap(core):
+    """Remove a class and put it back (a bad deploy reverted): its requests still running hold its slots, or the
+    class runs its whole cap again on top of them."""
+    three = {"interactive": {"max_concurrency": 2}, "batch": {"max_concurrency": 3}, "internal": {"max_concurrency": 1}}
+    held = fill(core, "internal", 1)[0].ticket
+    core.apply(make_policy(classes={k: v for k, v in three.items() if k != "internal"}, tenants=[]))
+    core.apply(make_policy(classes=three, tenants=[]))
+    assert core.snapshot()["internal"]["inflight"] == 1
+    (late,) = fill(core, "internal", 1)
+    assert late.kind != ACCEPT  # the one slot is still held by the request admitted before the removal
+    core.finish(held, Outcome.OK)
+    assert late.waiter.result.kind == ACCEPT and core.limiters["internal"].inflight == 1
+
+
 def test_raising_a_cap_on_reload_admits_waiters_at_once(core):
     fill(core, "batch", 3)
     (q,) = fill(core, "batch", 1)
