@@ -7,6 +7,9 @@ not answer, answered too much, or answered without the series admission needs (o
 and non-negative) keeps its last good reading, which counts as saturated once older than `stale_ms`. A replica
 that holds requests while its token counters stand still for `stall_ms` (a wedged engine whose HTTP server still
 answers) is reported as stalled and left out of the pool's reading (saturated only when every replica is stalled).
+A replica that refuses the connection (nothing listens: the process died or is restarting) is not load either: it
+is left out of the reading too, as Envoy's health checks leave it out of the pool, and the pool is saturated only
+when no replica is left to read (one dead replica of two cut the pool limit to its floor for as long as it was down).
 A pool that names nothing to scrape (no replicas, no Envoy admin) is not scraped at all: it has no saturation
 signal, and its limit and adaptive caps run on latency alone.
 """
@@ -108,7 +111,7 @@ class ScrapedReplica:
     diff, and when its being unreadable was last logged."""
 
     __slots__ = ("address", "endpoint", "metrics", "at", "preemptions", "complained_at", "failing", "tokens",
-                 "started", "progressed_at", "stalled", "stalled_since", "healthy")
+                 "started", "progressed_at", "stalled", "stalled_since", "healthy", "refused")
 
     def __init__(self, address: str):
         self.address = address
@@ -126,6 +129,7 @@ class ScrapedReplica:
         self.stalled = False  # as last judged (logged when it changes)
         self.stalled_since = -math.inf  # its progressed_at when it was judged stalled
         self.healthy = True  # its /health answered 200 when last asked (asked only while one of the pool is stalled)
+        self.refused = False  # its last scrape found nothing listening (a dead or restarting process)
 
 
 class PoolScraper:
@@ -194,8 +198,9 @@ class PoolScraper:
                     raise UnreadableMetrics(f"/metrics answered HTTP {resp.status}")
                 m = parse_vllm_metrics(await read_capped(resp))
         except Exception as e:  # noqa: BLE001 - whatever it was, this replica was not read this round
+            r.refused = _refused(e)
             self._unreadable(r, e)
-            return  # stays stale: counted as saturated once older than stale_ms
+            return  # stays stale: counted as saturated once older than stale_ms (left out if it refused)
         self.record(r, m)
 
     def _unreadable(self, r: ScrapedReplica, error: Exception) -> None:
@@ -204,6 +209,10 @@ class PoolScraper:
             return
         r.complained_at, r.failing = now, True
         why = str(error) if isinstance(error, UnreadableMetrics) else repr(error)
+        if r.refused:
+            log.warning("pool %s: replica %s refuses connections (%s); left out of the pool's reading until it "
+                        "answers (logged once a minute)", self.name, r.address, why)
+            return
         log.warning("pool %s: replica %s unreadable (%s); counted as saturated once its last reading is over %d ms "
                     "old (logged once a minute)", self.name, r.address, why, self.spec.stale_ms)
 
@@ -213,7 +222,7 @@ class PoolScraper:
         prev = r.preemptions
         r.preemptions = m["preemptions"]
         m["preempting"] = float(prev is not None and m["preemptions"] > prev)
-        r.metrics, r.at = m, self.clock()
+        r.metrics, r.at, r.refused = m, self.clock(), False
         # Progress: a token counter moved (a smaller sum is a restarted replica), a restart (its process start
         # time changed: one that hung before its first token restarts with its counters at 0 again), no counters
         # to judge, or idle. Idle is no news from a replica already stalled: its requests were given up on, none
@@ -235,13 +244,16 @@ class PoolScraper:
         if not self.replicas:
             sat.saturated = True
             return sat
-        working = []
+        working, gone = [], 0
         for r in self.replicas.values():
             m = r.metrics
             if m is None or r.at < stale:
                 if r.stalled:  # seen hung, and now its /metrics does not answer either: hung still
                     sat.stalled += 1
                     sat.stalled_requests += m["running"] + m["waiting"]
+                    continue
+                if r.refused:  # nothing listens: no capacity, and no load either (Envoy sends it nothing)
+                    gone += 1
                     continue
                 sat.saturated = True
                 if r.healthy:  # unread: named last, for Envoy to fall back to
@@ -258,7 +270,7 @@ class PoolScraper:
             sat.running += m["running"]
             sat.preempting = sat.preempting or bool(m["preempting"])
         if sat.kv_usage >= spec.kv_saturated or (spec.waiting_saturated and sat.waiting >= spec.waiting_saturated) \
-                or sat.preempting or sat.stalled == len(self.replicas):
+                or sat.preempting or sat.stalled + gone == len(self.replicas):
             sat.saturated = True
         if sat.stalled:  # new requests go to the others (policy.steering)
             sat.working = tuple(working)
@@ -369,6 +381,16 @@ def _ip_address(address: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _refused(error: BaseException) -> bool:
+    """Whether a failed scrape found nothing listening at the replica's address (connection refused), as opposed to
+    one that did not answer in time or answered badly, which may be a replica too loaded to answer."""
+    while error is not None:
+        if isinstance(error, ConnectionRefusedError):
+            return True
+        error = getattr(error, "os_error", None) or error.__cause__
+    return False
 
 
 def saturated_reading(now: float) -> PoolSaturation:

@@ -15,6 +15,7 @@ from extproc.policy.schema import PoolSpec
 from extproc.server import saturation
 from extproc.server.saturation import (MAX_METRICS_BYTES, PoolScraper, SaturationScrapers, UnreadableMetrics,
                                        parse_vllm_metrics)
+from extproc.tools.stack import free_port
 from tests.conftest import FakeClock
 
 REAL_METRICS = (Path(__file__).resolve().parents[1] / "fixtures" / "vllm" / "metrics.txt").read_bytes()
@@ -232,6 +233,47 @@ def test_a_scraper_that_ended_reads_as_saturated_and_is_restarted_by_the_next_co
 
 
 # --- bug 2: a huge body is not read whole ---
+
+def test_a_replica_that_refuses_connections_is_left_out_not_read_as_the_pools_saturation():
+    """One replica of two dead (SIGKILL): Envoy's health checks take it out of the pool, and the other serves on.
+    Read as saturated, it cut the pool limit to its floor for as long as it was down, the other one idle."""
+    clock = FakeClock()
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there: connection refused
+
+    async def run():
+        async with replica(answering(real_metrics_with())) as alive, aiohttp.ClientSession() as session:
+            scraper = PoolScraper(RecordingCore(), "pool_a", PoolSpec(replicas=[alive, dead], stale_ms=1500),
+                                  session, clock=clock)
+            await scraper._scrape(scraper.replicas[dead])
+            clock.advance(2.0)  # past stale_ms: the dead one has never been read
+            await asyncio.gather(*(scraper._scrape(r) for r in scraper.replicas.values()))
+            one_left = scraper.aggregate(clock())
+            del scraper.replicas[alive]
+            none_left = scraper.aggregate(clock())
+            return one_left.saturated, none_left.saturated
+
+    assert asyncio.run(run()) == (False, True)  # saturated only when no replica is left to serve
+
+
+def test_a_replica_that_does_not_answer_in_time_still_counts_as_saturated():
+    """A timeout is not a dead replica: it may be one too loaded to answer, which is no headroom."""
+    clock = FakeClock()
+
+    async def slow(request):
+        await asyncio.sleep(1.0)  # past the scrape's timeout (0.5 s at least)
+        return web.Response(body=b"")
+
+    async def run():
+        async with replica(answering(real_metrics_with())) as alive, replica(slow) as hung, \
+                aiohttp.ClientSession() as session:
+            scraper = PoolScraper(RecordingCore(), "pool_a", PoolSpec(replicas=[alive, hung], stale_ms=1500,
+                                                                      scrape_interval_ms=50), session, clock=clock)
+            clock.advance(2.0)
+            await asyncio.gather(*(scraper._scrape(r) for r in scraper.replicas.values()))
+            return scraper.aggregate(clock()).saturated
+
+    assert asyncio.run(run()) is True
+
 
 def test_a_metrics_body_over_the_cap_is_unreadable():
     scraper = asyncio.run(scrape_once(answering(REAL_METRICS + b"# " + b"x" * MAX_METRICS_BYTES + b"\n")))
