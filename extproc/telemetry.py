@@ -405,6 +405,9 @@ class _CoreGauges:
         stalled = GaugeMetricFamily("extproc_pool_stalled_replicas", "Replicas that hold requests while their "
                                     "token counters stood still for the pool's stall_ms (a hung engine).",
                                     labels=["pool"])
+        slow = GaugeMetricFamily("extproc_pool_slow_replicas", "Replicas whose inter-token latency is over the "
+                                 "pool's slow_ratio times its fastest replica's (classes with an SLO are sent "
+                                 "to the others).", labels=["pool"])
         now = self._core.clock()
         for pool in list(self._core.saturation):
             s = self._core.pool_reading(pool, now)  # one nobody refreshes is not shown (nor used)
@@ -414,7 +417,8 @@ class _CoreGauges:
             kv.add_metric([pool], s.kv_usage)
             waiting.add_metric([pool], s.waiting)
             stalled.add_metric([pool], s.stalled)
-        yield from (sat, kv, waiting, stalled)
+            slow.add_metric([pool], s.slow)
+        yield from (sat, kv, waiting, stalled, slow)
         limit = GaugeMetricFamily("extproc_pool_limit", "The pool-wide limit now, in its unit (tokens: prompt + "
                                   "expected output of the requests held; requests).", labels=["pool", "unit"])
         held = GaugeMetricFamily("extproc_pool_inflight", "What each class holds of the pool-wide limit, in its "

@@ -42,7 +42,7 @@ class PoolSaturation:
     """The replicas' own view of load, as last scraped (fed by the server's scraper)."""
 
     __slots__ = ("saturated", "kv_usage", "waiting", "running", "preempting", "stalled", "stalled_requests",
-                 "working", "updated_at")
+                 "slow", "working", "updated_at")
 
     def __init__(self) -> None:
         self.saturated = False
@@ -52,9 +52,10 @@ class PoolSaturation:
         self.preempting = False
         self.stalled = 0  # replicas that hold requests but make no progress (server.saturation, `stall_ms`)
         self.stalled_requests = 0.0  # the requests those replicas hold (running + waiting there)
-        # While some replica is stalled: (Envoy's address, running + waiting) of each one that works, to send new
-        # requests to (policy.steering); empty otherwise.
-        self.working: tuple[tuple[str, float], ...] = ()
+        self.slow = 0  # replicas markedly slower than the pool's fastest (policy.replica_speed)
+        # While some replica is stalled or slow: (Envoy's address, running + waiting, pace) of each one that works,
+        # to send new requests to (policy.steering; pace over 1: slow); empty otherwise.
+        self.working: tuple[tuple[str, float, float], ...] = ()
         self.updated_at = -1.0
 
 

@@ -87,10 +87,25 @@ class AdmissionController:
     def breakers(self) -> dict[tuple[str, str], list[Breaker]]:
         return self.state.breakers
 
-    def replicas_for(self, cluster: str) -> str | None:
-        """The override-host list for a request forwarded to `cluster` (policy.steering), None: Envoy picks."""
+    def replicas_for(self, cluster: str, cls: str | None = None) -> str | None:
+        """The override-host list for a request of class `cls` forwarded to `cluster` (policy.steering), None:
+        Envoy picks. A class with an SLO is kept off the pool's slow replicas."""
         steering = self.steering
-        return steering.pick(cluster, self.clock()) if steering.active else None
+        if not steering.active:
+            return None
+        lim = self.limiters.get(cls) if cls is not None else None
+        tight = lim is not None and lim.spec.slo_p95_ms is not None and self._fits_fast(cluster, lim.rank)
+        return steering.pick(cluster, self.clock(), tight_slo=tight)
+
+    def _fits_fast(self, cluster: str, rank: int) -> bool:
+        """Whether the class of `rank` and those above it hold less of the pool-wide limit than the pool's fast
+        replicas' share of it: only then are its requests gathered onto them. Past that, gathered there, they
+        would run those replicas over the SLO while the limit's lever (the lower classes yield) works on the slow
+        one, where the lower classes went."""
+        gate = self.gates.get(cluster)
+        if gate is None:
+            return True
+        return sum(gate.held[:rank + 1]) < gate.limit * self.steering.fast_share(cluster)
 
     def replica_answered(self, address: str, failed: bool) -> None:
         """A replica's answer, as the access log reports it (only counted while some pool is steered)."""
@@ -102,7 +117,10 @@ class AdmissionController:
             self.saturation.pop(pool, None)
         else:
             self.saturation[pool] = saturation
-        self.steering.update(pool, saturation.working if saturation is not None else ())
+        if saturation is None:
+            self.steering.update(pool, ())
+        else:
+            self.steering.update(pool, saturation.working, stalled=saturation.stalled > 0)
 
     def gate_on_store(self, shared: bool) -> None:
         """A shared store confirms each admission from now on (extproc.store.shared_slots.SharedSlots)."""

@@ -175,6 +175,15 @@ class PoolSpec:
                         "the pool cluster's override_host load balancing) until its counters move. A prefill "
                         "longer than this on an otherwise idle replica reads as a short stall (0: off).", 10000,
                         minimum=0)
+    slow_ratio: float = doc("A replica whose mean inter-token latency (vllm:inter_token_latency_seconds) over "
+                            "the last 25 scrapes is over this many times the pool's fastest replica's is slow "
+                            "(a throttled GPU, a noisy neighbour): it is reported "
+                            "(extproc_pool_slow_replicas, a warning log) and requests of classes with an "
+                            "`slo_p95_ms` are sent to the other replicas (x-extproc-replica, as for a stalled one) "
+                            "while the classes without one still go to it. It is slow until back within half "
+                            "that margin, or until it has generated too little to judge for that long. Needs two "
+                            "or more replicas with 50 tokens each in the window (0: off).", 1.5,
+                            minimum=0)
     limit: PoolLimitSpec = doc("The pool-wide limit (off unless enabled).", factory=PoolLimitSpec)
 
     @property
@@ -841,6 +850,9 @@ def _check_pools(p: Policy, errors: list[str]) -> None:
             if not _is_host_port(address):
                 errors.append(f"pools.{name}.replicas[{j}]: {address!r} is not HOST:PORT (no scheme, no path: "
                               "e.g. 10.0.0.1:8000)")
+        if 0 < pool.slow_ratio <= 1:
+            errors.append(f"pools.{name}.slow_ratio: {pool.slow_ratio:g} would call the fastest replica slow (over 1, "
+                          "or 0: off)")
         lim = pool.limit
         if lim.min > lim.max:
             errors.append(f"pools.{name}.limit.min: above max")

@@ -1,4 +1,4 @@
-"""Which replicas new requests go to while one of their pool's replicas is stalled.
+"""Which replicas new requests go to while one of their pool's replicas is stalled or slow.
 
 Envoy balances a pool's requests over its replicas by itself (least request), and goes on doing so for a replica
 whose engine hangs while its HTTP server answers: /health says it is fine, and every request it takes waits until
@@ -7,6 +7,12 @@ request forwarded to that pool names the replicas that work, in `x-extproc-repli
 load-balancing policy of envoy/envoy.yaml's pool clusters, which takes the first of them it has): the least loaded
 first, by the last scrape's running + waiting plus what was sent there since. With no replica stalled nothing is
 named and Envoy's own least-request picks, as without the ext_proc.
+
+A replica that is slow (policy.replica_speed: its inter-token latency well over the fastest replica's) still
+works, only not fast enough for a tight SLO. A request of a class with an SLO goes where it should finish first:
+the least (load + 1) x pace, a slow replica's pace being its inter-token latency over the fastest's (1 for the
+others), so a slow replica gets such requests only once the others hold `pace` times its load. The other classes
+are left to Envoy's balancing, which, with the SLO classes gone elsewhere, finds the slow replica least loaded.
 
 Envoy takes the first named host it has, whatever its health: override_host does not skip a host its health
 checks failed or its outlier detection ejected (later names only matter to a retry). So what Envoy would not use
@@ -24,10 +30,12 @@ EJECT_S = 30.0  # and its base_ejection_time
 class ReplicaSteering:
     """Per pool, the working replicas as last scraped, each with its load and what was sent to it since."""
 
-    __slots__ = ("_pools", "_failing")
+    __slots__ = ("_pools", "_stalled", "_failing")
 
     def __init__(self) -> None:
-        self._pools: dict[str, list[list]] = {}  # pool -> [[address, load], ...]; only pools with a stalled replica
+        # pool -> [[address, load, pace], ...]; only pools with a stalled or a slow replica
+        self._pools: dict[str, list[list]] = {}
+        self._stalled: set[str] = set()  # those of them with a stalled replica (not only a slow one)
         self._failing: dict[str, list[float]] = {}  # address -> [errors in a row, when the last was]
 
     @property
@@ -44,28 +52,44 @@ class ReplicaSteering:
         errors[0] += 1.0
         errors[1] = now
 
-    def update(self, pool: str, working: tuple[tuple[str, float], ...]) -> None:
-        """A new reading: `working` lists each working replica with its load, empty when none is stalled."""
+    def update(self, pool: str, working: tuple[tuple[str, float, float], ...], stalled: bool = True) -> None:
+        """A new reading: `working` lists each working replica with its load and pace (over 1: slow), empty when
+        none is stalled or slow; `stalled`: some replica of the pool is (not only slow)."""
         if working:
-            self._pools[pool] = [[address, load] for address, load in working]
+            self._pools[pool] = [[address, load, pace] for address, load, pace in working]
         else:
             self._pools.pop(pool, None)
+        if working and stalled:
+            self._stalled.add(pool)
+        else:
+            self._stalled.discard(pool)
 
-    def pick(self, pool: str, now: float) -> str | None:
-        """The override-host list for one request to `pool` (counted as sent), or None: no replica is stalled, or
-        every working one is failing (Envoy's own balancing then knows best)."""
+    def fast_share(self, pool: str) -> float:
+        """The share of the pool's working replicas that are not slow (1.0 when it is not steered)."""
         replicas = self._pools.get(pool)
-        if replicas is None:
+        if not replicas:
+            return 1.0
+        return sum(1 for r in replicas if _pace(r) <= 1.0) / len(replicas)
+
+    def pick(self, pool: str, now: float, tight_slo: bool = False) -> str | None:
+        """The override-host list for one request to `pool` (counted as sent), or None: no replica is stalled or
+        slow, or only a slow one and the request is not to be kept off it (`tight_slo`), or every working one is
+        failing (Envoy's own balancing then knows best)."""
+        replicas = self._pools.get(pool)
+        if replicas is None or not (tight_slo or pool in self._stalled):
             return None
         if self._failing:
             replicas = [r for r in replicas if not self._ejected(r[0], now)]
             if not replicas:
                 return None
-        first = min(replicas, key=_load)
+        first = min(replicas, key=_finish_first if tight_slo else _load)
         first[1] += 1.0
         if len(replicas) == 1:
             return first[0]
-        return ",".join([first[0], *(r[0] for r in replicas if r is not first)])
+        rest = (r for r in replicas if r is not first)
+        if tight_slo:  # later names only matter to a retry: the slow ones last there too
+            rest = sorted(rest, key=_pace)
+        return ",".join([first[0], *(r[0] for r in rest)])
 
     def _ejected(self, address: str, now: float) -> bool:
         errors = self._failing.get(address)
@@ -79,3 +103,11 @@ class ReplicaSteering:
 
 def _load(replica: list) -> float:
     return replica[1]
+
+
+def _pace(replica: list) -> float:
+    return replica[2]
+
+
+def _finish_first(replica: list) -> float:
+    return (replica[1] + 1.0) * replica[2]

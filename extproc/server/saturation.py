@@ -28,6 +28,7 @@ import aiohttp
 
 from ..policy.adaptive import PoolSaturation
 from ..policy.admission import AdmissionController
+from ..policy.replica_speed import TokenPace, judge_slow
 from ..policy.schema import PoolSpec
 
 log = logging.getLogger("extproc.saturation")
@@ -35,11 +36,15 @@ log = logging.getLogger("extproc.saturation")
 _WANTED = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
            "vllm:kv_cache_usage_perc": "kv", "vllm:num_preemptions_total": "preemptions",
            "vllm:prompt_tokens_total": "tokens", "vllm:generation_tokens_total": "tokens",
-           "process_start_time_seconds": "started"}
+           "process_start_time_seconds": "started",
+           "vllm:inter_token_latency_seconds_sum": "itl_sum", "vllm:inter_token_latency_seconds_count": "itl_count"}
 _HIGHEST = ("kv", "started")  # the highest of their label sets (processes), not the sum
 # The token counters are progress: a replica that holds requests while neither moves is stalled (`stall_ms`).
 # Optional: without them (an older vLLM, another server) the stall rule is off for that replica.
 _PROGRESS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
+# The inter-token latency histogram's sum and count give a replica's pace (policy.replica_speed). Optional too.
+_PACE = ("vllm:inter_token_latency_seconds_sum", "vllm:inter_token_latency_seconds_count")
+PACE_SCRAPES = 100  # a replica's pace is its mean inter-token latency over this many scrape intervals
 # Without these a scrape says nothing about load. vLLM 0.32 (tests/fixtures/vllm/metrics.txt) emits all four; the
 # older name vllm:gpu_cache_usage_perc is gone from it and is not read.
 _REQUIRED = ("vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
@@ -89,6 +94,8 @@ def parse_vllm_metrics(body: bytes | str) -> dict[str, float]:
         out["tokens"] = math.nan
     if "process_start_time_seconds" not in seen:
         out["started"] = math.nan
+    if not all(n in seen for n in _PACE):
+        out["itl_sum"] = out["itl_count"] = math.nan
     return out
 
 
@@ -111,7 +118,7 @@ class ScrapedReplica:
     diff, and when its being unreadable was last logged."""
 
     __slots__ = ("address", "endpoint", "metrics", "at", "preemptions", "complained_at", "failing", "tokens",
-                 "started", "progressed_at", "stalled", "stalled_since", "healthy", "refused")
+                 "started", "progressed_at", "stalled", "stalled_since", "healthy", "refused", "pace")
 
     def __init__(self, address: str):
         self.address = address
@@ -130,6 +137,7 @@ class ScrapedReplica:
         self.stalled_since = -math.inf  # its progressed_at when it was judged stalled
         self.healthy = True  # its /health answered 200 when last asked (asked only while one of the pool is stalled)
         self.refused = False  # its last scrape found nothing listening (a dead or restarting process)
+        self.pace = TokenPace(0.0)  # its inter-token latency lately; the window is set by its scraper (record)
 
 
 class PoolScraper:
@@ -167,7 +175,7 @@ class PoolScraper:
         if not self.spec.replicas and self.spec.envoy_admin and started - self._last_discovery > 5.0:
             await self._discover()
         await asyncio.gather(*(self._scrape(r) for r in list(self.replicas.values())))
-        if any(r.stalled for r in self.replicas.values()):
+        if any(r.stalled or r.pace.slow for r in self.replicas.values()):
             # Envoy takes a named replica whatever its health: name only those its health check would pass.
             await asyncio.gather(self._resolve(), *(self._check_health(r) for r in self.replicas.values()
                                                     if not r.stalled))
@@ -223,6 +231,8 @@ class PoolScraper:
         r.preemptions = m["preemptions"]
         m["preempting"] = float(prev is not None and m["preemptions"] > prev)
         r.metrics, r.at, r.refused = m, self.clock(), False
+        r.pace.window_s = PACE_SCRAPES * self.spec.scrape_interval_ms / 1000.0
+        r.pace.add(r.at, m.get("itl_sum", math.nan), m.get("itl_count", math.nan))
         # Progress: a token counter moved (a smaller sum is a restarted replica), a restart (its process start
         # time changed: one that hung before its first token restarts with its counters at 0 again), no counters
         # to judge, or idle. Idle is no news from a replica already stalled: its requests were given up on, none
@@ -244,7 +254,7 @@ class PoolScraper:
         if not self.replicas:
             sat.saturated = True
             return sat
-        working, gone = [], 0
+        working, gone, paced = [], 0, []
         for r in self.replicas.values():
             m = r.metrics
             if m is None or r.at < stale:
@@ -257,14 +267,15 @@ class PoolScraper:
                     continue
                 sat.saturated = True
                 if r.healthy:  # unread: named last, for Envoy to fall back to
-                    working.append((r.endpoint or r.address, math.inf))
+                    working.append((r, math.inf))
                 continue
             if self._stalled(r, now):
                 sat.stalled += 1
                 sat.stalled_requests += m["running"] + m["waiting"]
                 continue
             if r.healthy:
-                working.append((r.endpoint or r.address, m["running"] + m["waiting"]))
+                working.append((r, m["running"] + m["waiting"]))
+            paced.append(r)
             sat.kv_usage = max(sat.kv_usage, m["kv"])
             sat.waiting = max(sat.waiting, m["waiting"])
             sat.running += m["running"]
@@ -272,9 +283,27 @@ class PoolScraper:
         if sat.kv_usage >= spec.kv_saturated or (spec.waiting_saturated and sat.waiting >= spec.waiting_saturated) \
                 or sat.preempting or sat.stalled + gone == len(self.replicas):
             sat.saturated = True
-        if sat.stalled:  # new requests go to the others (policy.steering)
-            sat.working = tuple(working)
+        self._judge_pace(paced, now)
+        sat.slow = sum(r.pace.slow for r in paced)
+        if sat.stalled or sat.slow:  # new requests go to the others, or those of classes with an SLO do
+            sat.working = tuple((r.endpoint or r.address, load, r.pace.factor) for r, load in working)
         return sat
+
+    def _judge_pace(self, paced: list[ScrapedReplica], now: float) -> None:
+        """Which of the replicas read this round run markedly slower than the fastest (policy.replica_speed);
+        the others' verdicts are cleared (a stalled or unread replica is not judged on its pace)."""
+        for r in self.replicas.values():
+            if r.pace.slow and r not in paced:
+                r.pace.slow = False
+        by_pace = {id(r.pace): r for r in paced}
+        for pace in judge_slow([r.pace for r in paced], now, self.spec.slow_ratio):
+            r = by_pace[id(pace)]
+            if pace.slow:
+                log.warning("pool %s: replica %s is slow: its inter-token latency is %.1fx the fastest "
+                            "replica's (slow_ratio %g); requests of classes with an SLO go to the others first",
+                            self.name, r.address, pace.relative, self.spec.slow_ratio)
+            else:
+                log.info("pool %s: replica %s is no longer slow", self.name, r.address)
 
     def _stalled(self, r: ScrapedReplica, now: float) -> bool:
         """Whether r holds requests (or held them when last judged stalled) and its token counters stood still for

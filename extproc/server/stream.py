@@ -275,7 +275,7 @@ class Stream:
             return self._too_large_rewritten(len(rewritten))
         self.processor.live.add(d.ticket)
         answer = protocol.forward(d, queue_wait_ms, note, rewritten, self.processor.ticket_prefix,
-                                  self.processor.core.replicas_for(d.cluster))
+                                  self.processor.core.replicas_for(d.cluster, d.cls))
         self._enter(Phase.FORWARDING)
         return answer
 

@@ -86,7 +86,7 @@ def only_replica(scraper: PoolScraper):
 def test_the_real_vllm_metrics_are_read():
     m = parse_vllm_metrics(real_metrics_with(waiting="3.0", kv="0.42", running="2.0"))
     assert m == {"running": 2.0, "waiting": 3.0, "kv": 0.42, "preemptions": 0.0, "tokens": 2341.0 + 8193.0,
-                 "started": 1.79621509968e+09}
+                 "started": 1.79621509968e+09, "itl_sum": 52.43323827200152, "itl_count": 8085.0}
 
 
 def test_a_replica_serving_the_real_vllm_metrics_is_read_and_not_saturated():
@@ -438,7 +438,7 @@ def test_while_a_replica_is_stalled_the_reading_names_the_others_with_their_load
     sat = steer_run([reading(running=3, tokens=50.0)] * 5)
     assert sat.stalled == 1
     # The working one with its running + waiting, the unread one last (named only for Envoy to fall back to).
-    assert sat.working == (("10.0.0.2:8000", 2.0), ("10.0.0.3:8000", float("inf")))
+    assert sat.working == (("10.0.0.2:8000", 2.0, 1.0), ("10.0.0.3:8000", float("inf"), 1.0))
     assert steer_run([reading(running=3, tokens=50.0 + i) for i in range(5)]).working == ()  # nothing stalled
 
 
@@ -509,7 +509,7 @@ def test_a_stalled_replica_whose_metrics_stop_answering_stays_stalled_and_is_not
         sat = scraper.aggregate(clock())
         clock.advance(1.0)
     assert hung.stalled and sat.stalled == 1 and sat.stalled_requests == 3 and not sat.saturated
-    assert sat.working == (("10.0.0.2:8000", 1.0),)
+    assert sat.working == (("10.0.0.2:8000", 1.0, 1.0),)
 
 
 def test_a_stalled_replica_that_restarts_idle_is_progress_even_with_its_counters_at_0_again():
@@ -564,7 +564,7 @@ def test_while_a_replica_is_stalled_one_whose_health_check_fails_is_not_named():
         scraper.record(r3, reading(running=1, tokens=float(i)))
         sat = scraper.aggregate(clock())
         clock.advance(1.0)
-    assert sat.stalled == 1 and sat.working == (("10.0.0.3:8000", 1.0),)
+    assert sat.stalled == 1 and sat.working == (("10.0.0.3:8000", 1.0, 1.0),)
 
 
 def test_while_a_replica_is_stalled_each_round_asks_the_others_health():

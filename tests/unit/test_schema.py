@@ -135,3 +135,10 @@ def test_values_that_cannot_work_are_refused_at_check_time():
     assert any(e.startswith("classes.a.max_concurrency: must be <=") for e in errs), errs
     assert any(e.startswith("store.url: 'http://x' is not a Redis URL") for e in errs), errs
     load_policy({**BASE, "classify": {"header": "X-Priority"}, "store": {"kind": "redis", "url": "rediss://h:1/0"}})
+
+
+def test_a_slow_ratio_that_would_call_the_fastest_replica_slow_is_refused():
+    assert errors_of({**BASE, "pools": {"c": {"slow_ratio": 1.0}}}) == [
+        "pools.c.slow_ratio: 1 would call the fastest replica slow (over 1, or 0: off)"]
+    load_policy({**BASE, "pools": {"c": {"slow_ratio": 0}}})
+    assert load_policy({**BASE, "pools": {"c": {}}}).pools["c"].slow_ratio == 1.5

@@ -17,12 +17,12 @@ def test_nothing_is_named_without_a_stalled_replica():
 
 def test_the_least_loaded_goes_first_counting_what_was_sent_since_the_reading():
     s = ReplicaSteering()
-    s.update("pool", (("a:1", 3.0), ("b:1", 1.0), ("c:1", float("inf"))))
+    s.update("pool", (("a:1", 3.0, 1.0), ("b:1", 1.0, 1.0), ("c:1", float("inf"), 1.0)))
     picks = [s.pick("pool", 0.0) for _ in range(4)]
     assert picks == ["b:1,a:1,c:1", "b:1,a:1,c:1", "a:1,b:1,c:1", "b:1,a:1,c:1"]  # b: 1, 2, 3 = a's 3, then a
-    s.update("pool", (("a:1", 0.0), ("b:1", 5.0)))  # a new reading replaces the counts
+    s.update("pool", (("a:1", 0.0, 1.0), ("b:1", 5.0, 1.0)))  # a new reading replaces the counts
     assert s.pick("pool", 0.0) == "a:1,b:1"
-    s.update("pool", (("b:1", 0.0),))
+    s.update("pool", (("b:1", 0.0, 1.0),))
     assert s.pick("pool", 0.0) == "b:1"
     assert s.pick("other", 0.0) is None
     s.update("pool", ())  # none stalled any more
@@ -32,7 +32,7 @@ def test_the_least_loaded_goes_first_counting_what_was_sent_since_the_reading():
 def test_the_core_takes_it_from_each_saturation_reading():
     core = AdmissionController(make_policy(), clock=FakeClock())
     sat = PoolSaturation()
-    sat.stalled, sat.working = 1, (("10.0.0.2:8000", 0.0),)
+    sat.stalled, sat.working = 1, (("10.0.0.2:8000", 0.0, 1.0),)
     core.set_saturation("vllm_llama70b", sat)
     assert core.replicas_for("vllm_llama70b") == "10.0.0.2:8000"
     core.set_saturation("vllm_llama70b", PoolSaturation())
@@ -44,7 +44,7 @@ def test_the_core_takes_it_from_each_saturation_reading():
 
 def test_a_replica_failing_in_a_row_is_left_out_until_its_ejection_would_be_over():
     s = ReplicaSteering()
-    s.update("pool", (("a:1", 0.0), ("b:1", 5.0)))
+    s.update("pool", (("a:1", 0.0, 1.0), ("b:1", 5.0, 1.0)))
     assert s.active
     for _ in range(FAILURES - 1):
         s.answered("a:1", True, 10.0)

@@ -181,7 +181,7 @@ def test_while_a_replica_of_its_pool_is_stalled_the_others_are_named_for_envoy(c
     p = processor(clock)
     assert protocol.REPLICA_HEADER not in set_headers(admitted(p)[1])  # none stalled: Envoy's balancer picks
     sat = PoolSaturation()
-    sat.stalled, sat.working = 1, (("10.0.0.2:8000", 1.0), ("10.0.0.3:8000", 0.0))
+    sat.stalled, sat.working = 1, (("10.0.0.2:8000", 1.0, 1.0), ("10.0.0.3:8000", 0.0, 1.0))
     p.core.set_saturation("pool_a", sat)
     assert set_headers(admitted(p)[1])[protocol.REPLICA_HEADER] == b"10.0.0.3:8000,10.0.0.2:8000"
 

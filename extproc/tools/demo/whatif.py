@@ -130,8 +130,9 @@ class Admitter(Protocol):
     def engine_priority(self, d: Admit | Degrade) -> int:
         """The body's `priority` an admitted request reaches vLLM with (0: vLLM's default)."""
 
-    def replicas_for(self, pool: str) -> str | None:
-        """The override-host list a request to `pool` is sent with (x-extproc-replica), None: the LB picks."""
+    def replicas_for(self, pool: str, cls: str) -> str | None:
+        """The override-host list a request of class `cls` to `pool` is sent with (x-extproc-replica), None: the
+        LB picks."""
 
     def ended(self, ticket: Any, record: RequestRecord) -> None:
         """An admitted request ended: completed (record.ok) or given up by its client (record.error)."""
@@ -168,7 +169,9 @@ class PolicyAdmitter:
                                                         "waiting": float(len(eng.waiting)), "kv": eng.kv_usage,
                                                         "preemptions": float(eng.stats.preemptions),
                                                         "tokens": float(eng.stats.prompt_tokens
-                                                                        + eng.stats.generation_tokens)})
+                                                                        + eng.stats.generation_tokens),
+                                                        "itl_sum": eng.stats.inter_token_s,
+                                                        "itl_count": float(eng.stats.inter_tokens)})
                 core.set_saturation(name, s.aggregate(clock()))
             timers.append((spec.scrape_interval_ms / 1000.0, scrape))
         if core.gates or any(lim.spec.adaptive.enabled for lim in core.limiters.values()):
@@ -191,8 +194,8 @@ class PolicyAdmitter:
         refused = self.core.authenticate(facts)  # `anonymous.allow: false` refuses requests without a known key
         return refused if refused is not None else self.core.decide(facts)
 
-    def replicas_for(self, pool: str) -> str | None:
-        return self.core.replicas_for(pool)
+    def replicas_for(self, pool: str, cls: str) -> str | None:
+        return self.core.replicas_for(pool, cls)
 
     def engine_priority(self, d: Admit | Degrade) -> int:
         # As the ext_proc writes it into the body (server/stream.py): the class's `vllm_priority`, else none.
@@ -241,7 +244,7 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
             pool.busy[i] = True
             push(clock[0] + duration, _ITERATION, (pool, i))
 
-    def start(record: RequestRecord, ticket, pool_name: str, ask: _Ask, priority: int) -> None:
+    def start(record: RequestRecord, ticket, pool_name: str, ask: _Ask, priority: int, cls: str) -> None:
         pool = pools[pool_name]
         engines = pool.engines
         # The replicas still in the load balancer (all of them if every one is draining): least request, or
@@ -249,7 +252,7 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
         live = [j for j in range(len(engines)) if j not in pool.draining] or list(range(len(engines)))
         # Envoy's override_host takes the first named replica it has; the ext_proc names none its health check
         # fails (here: draining), so skipping those is the same.
-        named = admitter.replicas_for(pool_name)
+        named = admitter.replicas_for(pool_name, cls)
         chosen = next((j for j in _replica_indexes(named) if j in live), None) if named else None
         if chosen is not None:
             i = chosen
@@ -274,10 +277,10 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
             record.model = fb.model or record.asked_model
             record.degraded_by_policy = True
             start(record, d.ticket, d.cluster if d.cluster in pools else first, ask.degraded(fb.max_tokens),
-                  admitter.engine_priority(d))
+                  admitter.engine_priority(d), d.cls)
         elif isinstance(d, Admit):
             record.model = record.asked_model
-            start(record, d.ticket, d.cluster or first, ask, admitter.engine_priority(d))
+            start(record, d.ticket, d.cluster or first, ask, admitter.engine_priority(d), d.cls)
         else:  # a refusal, or a canned answer (no engine time): its status as the reason table gives it
             refuse(record, d.status if d.status >= 400 else 200, d.reason, d.retry_after or None)
 

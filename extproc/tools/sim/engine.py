@@ -103,6 +103,8 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     iterations: int = 0
+    inter_token_s: float = 0.0  # the inter-token latency histogram's sum and count (vllm:inter_token_latency_seconds)
+    inter_tokens: int = 0
     finished: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
 
 
@@ -187,6 +189,9 @@ class Engine:
             if seq.generated == 1:  # vLLM counts a prompt's tokens when its prefill is done (its first token)
                 self.stats.prompt_tokens += seq.prompt_tokens
             inter_token = None if seq.last_token is None else now - seq.last_token
+            if inter_token is not None:
+                self.stats.inter_token_s += inter_token
+                self.stats.inter_tokens += 1
             if seq.first_token is None:
                 seq.first_token = now
             seq.last_token = now

@@ -1,0 +1,51 @@
+"""A replica that turns slow under steady load (scenarios/slow-replica-steady.yaml: one of three 70B replicas 2x
+slower from 60 s, the fleet at 80% of its capacity), in the engine-only what-if. With the slow-replica rule
+(`pools.<name>.slow_ratio`, on by default) the scraper finds it by its inter-token latency and the interactive
+class goes where it finishes first, so the pool-wide limit no longer cuts the healthy replicas' admissions for
+one replica's slowness: more of interactive is answered by the 70B within its SLO and far less is degraded.
+With the rule off (slow_ratio 0) the same run is the one before it was built."""
+
+from pathlib import Path
+
+from extproc.policy.admission import AdmissionController
+from extproc.tools.demo.results import window_stats
+from extproc.tools.demo.scenario import Scenario
+from extproc.tools.demo.whatif import what_if
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def after_the_slowdown(tmp_path: Path, slow_ratio: float | None):
+    policy = (ROOT / "policies" / "slow-replica-full.yaml").read_text()
+    if slow_ratio is not None:
+        policy = policy.replace("  vllm_llama70b:\n", f"  vllm_llama70b:\n    slow_ratio: {slow_ratio}\n", 1)
+    (tmp_path / "policy.yaml").write_text(policy)
+    scenario = Scenario.load(ROOT / "scenarios" / "slow-replica-steady.yaml")
+    res = what_if(scenario, str(tmp_path / "policy.yaml"), scenario.fleet_capacity())
+    return window_stats(res.records, (60.0, scenario.duration_s), scenario.slo_class, scenario.slo_p95_s,
+                        scenario.client_timeout_s, True)
+
+
+def test_interactive_goes_where_it_finishes_first_once_a_replica_is_slow(tmp_path):
+    steered = after_the_slowdown(tmp_path, None)
+    blind = after_the_slowdown(tmp_path, 0)
+    assert steered.goodput > 1.2 * blind.goodput  # 14.8 against 11.8 req/s (2026-12-04)
+    assert steered.degraded + steered.refused < 0.5 * (blind.degraded + blind.refused)
+    assert steered.p99 < blind.p99
+
+
+def test_healthy_replicas_prefilling_long_prompts_are_not_called_slow(monkeypatch):
+    # kv-agents: 2-7K-token prompts keep a replica prefilling for seconds at a time, which slows its decoding;
+    # over a 5 s window healthy replicas read 1.5x apart there. The 20 s window must not call either slow.
+    seen = []
+    set_saturation = AdmissionController.set_saturation
+
+    def recording(self, pool, sat):
+        if sat is not None:
+            seen.append(sat.slow)
+        return set_saturation(self, pool, sat)
+
+    monkeypatch.setattr(AdmissionController, "set_saturation", recording)
+    scenario = Scenario.load(ROOT / "scenarios" / "kv-agents.yaml")
+    what_if(scenario, str(ROOT / "policies" / "agents-full.yaml"), scenario.fleet_capacity())
+    assert len(seen) > 1000 and not any(seen)

@@ -1,0 +1,142 @@
+"""A slow replica (policy.replica_speed, server.saturation, policy.steering): its inter-token latency, from vLLM's
+histogram counters over a window, well over the pool's fastest replica's; requests of classes with an SLO go
+where they should finish first, while the classes below still use it; and not while gathering them would hold
+more than the fast replicas' share of the pool-wide limit."""
+
+import logging
+
+from extproc.policy.adaptive import PoolSaturation
+from extproc.policy.admission import AdmissionController
+from extproc.policy.decision import Admit, RequestFacts
+from extproc.policy.replica_speed import MIN_TOKENS, TokenPace, judge_slow
+from extproc.policy.schema import PoolSpec
+from extproc.policy.steering import ReplicaSteering
+from extproc.server.saturation import PACE_SCRAPES, PoolScraper
+from tests.conftest import FakeClock, make_policy
+from tests.unit.test_saturation_scraper import RecordingCore
+
+
+def paced(seconds_per_token: float, tokens: int = 200, window_s: float = 20.0, at: float = 10.0) -> TokenPace:
+    pace = TokenPace(window_s)
+    pace.add(0.0, 0.0, 0.0)
+    pace.add(at, seconds_per_token * tokens, tokens)
+    return pace
+
+
+def test_a_pace_is_the_mean_inter_token_latency_over_its_window():
+    pace = TokenPace(10.0)
+    assert pace.seconds_per_token(0.0) is None
+    pace.add(0.0, 5.0, 100.0)  # counters since the replica started: only what they add counts
+    pace.add(5.0, 6.0, 200.0)
+    assert pace.seconds_per_token(5.0) == 1.0 / 100
+    pace.add(12.0, 10.0, 300.0)
+    assert pace.seconds_per_token(12.0) == 5.0 / 200
+    assert pace.seconds_per_token(16.0) == 4.0 / 100  # the step at 5 s is out of the window
+    assert pace.seconds_per_token(30.0) is None
+
+
+def test_too_few_tokens_a_restart_or_no_histogram_give_no_pace():
+    assert paced(0.01, tokens=MIN_TOKENS - 1).seconds_per_token(10.0) is None
+    pace = paced(0.01)
+    pace.add(11.0, 0.5, 20.0)  # counters went back: a restarted replica
+    assert pace.seconds_per_token(11.0) is None
+    pace = paced(0.01)
+    pace.add(11.0, float("nan"), float("nan"))  # a scrape without the histogram: what follows starts over
+    pace.add(12.0, 3.0, 300.0)
+    assert pace.seconds_per_token(12.0) is None
+    for t in range(13, 18):
+        pace.add(float(t), 3.0 + (t - 12) * 0.5, 300.0 + (t - 12) * 50)
+    assert pace.seconds_per_token(17.0) == 0.01
+
+
+def test_slow_past_the_ratio_and_back_within_half_the_margin():
+    fast, slow = paced(0.010), paced(0.016)
+    assert judge_slow([fast, slow], 10.0, 1.5) == [slow] and slow.slow and not fast.slow
+    assert slow.relative == 1.6 and slow.factor == 1.6 and fast.factor == 1.0
+    slow.add(15.0, 0.016 * 200 + 0.013 * 2000, 2200)  # 1.32x over the window: still past 1.25
+    assert judge_slow([fast, slow], 15.0, 1.5) == [] and slow.slow
+    slow.add(20.0, 0.016 * 200 + 0.013 * 2000 + 0.011 * 4000, 6200)  # 1.19x
+    assert judge_slow([fast, slow], 20.0, 1.5) == [slow] and not slow.slow
+    assert judge_slow([paced(0.010), paced(0.014)], 10.0, 1.5) == []  # 1.4x: not slow
+
+
+def test_nothing_is_slow_with_the_rule_off_or_one_replica_to_compare():
+    fast, slow = paced(0.010), paced(0.030)
+    judge_slow([fast, slow], 10.0, 1.5)
+    assert judge_slow([fast, slow], 10.0, 0) == [slow] and not slow.slow
+    alone = paced(0.030)
+    assert judge_slow([alone, TokenPace(20.0)], 10.0, 1.5) == [] and not alone.slow  # the other is idle
+
+
+def reading(itl_sum: float, itl_count: float, running: float = 4.0) -> dict:
+    return {"running": running, "waiting": 0.0, "kv": 0.2, "preemptions": 0.0, "tokens": itl_count,
+            "itl_sum": itl_sum, "itl_count": itl_count}
+
+
+def test_the_scraper_names_a_slow_replica_last_with_its_pace(caplog):
+    caplog.set_level(logging.INFO, logger="extproc.saturation")
+    clock = FakeClock()
+    spec = PoolSpec(replicas=["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"], scrape_interval_ms=200)
+    scraper = PoolScraper(RecordingCore(), "pool_a", spec, None, clock=clock)
+    paces = {"10.0.0.1:8000": 0.01, "10.0.0.2:8000": 0.025, "10.0.0.3:8000": 0.011}
+    for step in range(20):  # 100 tokens a scrape each
+        for address, r in scraper.replicas.items():
+            scraper.record(r, reading(paces[address] * 100 * step, 100.0 * step))
+        sat = scraper.aggregate(clock())
+        clock.advance(0.2)
+    assert sat.slow == 1 and sat.stalled == 0 and not sat.saturated
+    assert [(a, p) for a, _, p in sat.working] == [("10.0.0.1:8000", 1.0), ("10.0.0.2:8000", 2.5),
+                                                    ("10.0.0.3:8000", 1.0)]
+    assert PACE_SCRAPES * spec.scrape_interval_ms / 1000 == scraper.replicas["10.0.0.2:8000"].pace.window_s
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "10.0.0.2:8000 is slow" in warnings[0] and "2.5x" in warnings[0]
+    paces["10.0.0.2:8000"] = 0.01  # back to speed: its window forgets the slow tokens
+    for step in range(20, 20 + PACE_SCRAPES + 1):
+        for address, r in scraper.replicas.items():
+            before = r.metrics
+            scraper.record(r, reading(before["itl_sum"] + paces[address] * 100, 100.0 * step))
+        sat = scraper.aggregate(clock())
+        clock.advance(0.2)
+    assert sat.slow == 0 and sat.working == ()
+    assert any("no longer slow" in r.getMessage() for r in caplog.records)
+
+
+def test_a_class_with_an_slo_goes_where_it_should_finish_first_the_others_to_envoy():
+    s = ReplicaSteering()
+    s.update("pool", (("a:1", 4.0, 1.0), ("b:1", 0.0, 2.0), ("c:1", 5.0, 1.0)), stalled=False)
+    assert s.fast_share("pool") == 2 / 3
+    assert s.pick("pool", 0.0) is None  # no SLO: Envoy's least request (which now finds b the least loaded)
+    # (load + 1) x pace, each pick counted: b 2, then b 4, then a 5, then a, b and c all at 6 (the first named).
+    picks = [s.pick("pool", 0.0, tight_slo=True) for _ in range(4)]
+    assert [p.split(",")[0] for p in picks] == ["b:1", "b:1", "a:1", "a:1"]
+    assert picks[-1] == "a:1,c:1,b:1"  # after the first, the slow one last (a retry's order)
+    s.update("pool", (("a:1", 0.0, 1.0), ("b:1", 0.0, 2.0)), stalled=False)
+    assert [s.pick("pool", 0.0, tight_slo=True) for _ in range(3)] == ["a:1,b:1", "a:1,b:1", "b:1,a:1"]
+
+
+def core_with_a_slow_replica() -> AdmissionController:
+    """pool_a: a pool-wide limit of 10 requests, two replicas, the second slow (2x); interactive has an SLO."""
+    classes = {"interactive": {"max_concurrency": 20, "max_queue": 2, "max_wait_ms": 200, "slo_p95_ms": 2000},
+               "batch": {"max_concurrency": 20, "max_queue": 5, "max_wait_ms": 5000}}
+    policy = make_policy(classes=classes, pools={"pool_a": {"limit": {"enabled": True, "unit": "requests",
+                                                                      "initial": 10, "min": 1}}})
+    core = AdmissionController(policy, clock=FakeClock())
+    sat = PoolSaturation()
+    sat.slow, sat.working = 1, (("10.0.0.1:8000", 0.0, 1.0), ("10.0.0.2:8000", 0.0, 2.0))
+    core.set_saturation("pool_a", sat)
+    return core
+
+
+def test_the_core_keeps_a_class_with_an_slo_off_a_slow_replica_while_it_fits_on_the_others():
+    core = core_with_a_slow_replica()
+    assert core.replicas_for("pool_a", "batch") is None  # no SLO: Envoy picks
+    assert core.replicas_for("pool_a", "interactive") == "10.0.0.1:8000,10.0.0.2:8000"
+    d = core.decide(RequestFacts(header_class="interactive", model="llama"))
+    assert isinstance(d, Admit) and d.cluster == "pool_a"
+    assert core.replicas_for(d.cluster, d.cls).startswith("10.0.0.1:8000")
+    gate = core.gates["pool_a"]
+    gate.held[core.limiters["interactive"].rank] = 5.0  # half the limit: the fast replicas' share (1 of 2)
+    assert core.replicas_for("pool_a", "interactive") is None  # gathered no further: spread again
+    core.set_saturation("pool_a", PoolSaturation())  # no longer slow
+    gate.held[core.limiters["interactive"].rank] = 0.0
+    assert core.replicas_for("pool_a", "interactive") is None
