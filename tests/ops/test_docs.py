@@ -146,3 +146,14 @@ def test_envoy_integration_snippets_match_envoy_yaml():
     assert doc_paths == {k: hcm[k] for k in ("normalize_path", "merge_slashes", "path_with_escaped_slashes_action")}
     (doc_replies,) = [b["local_reply_config"] for b in blocks if isinstance(b, dict) and "local_reply_config" in b]
     assert doc_replies == hcm["local_reply_config"]
+
+
+def test_envoy_yaml_comments_name_only_files_that_exist():
+    """envoy/envoy.yaml is the file infra teams read first: a path its comments name must be there."""
+    text = (ROOT / "envoy" / "envoy.yaml").read_text()
+    comments = "\n".join(line.split("#", 1)[1] for line in text.splitlines() if "#" in line)
+    refs = re.findall(r"(?<![\w/.-])((?:docs|compose|deploy|envoy|policies|extproc|scripts|tests)/[\w./-]*\w\.\w+)",
+                      comments)
+    assert "deploy/k8s/base/vllm-llama70b.yaml" in refs  # the scan finds what the comments name
+    for ref in refs:
+        assert (ROOT / ref).exists(), ref
