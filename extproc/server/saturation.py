@@ -27,7 +27,7 @@ import time
 import aiohttp
 
 from ..policy.adaptive import PoolSaturation
-from ..policy.admission import AdmissionController
+from ..policy.admission import STALE_READINGS, AdmissionController
 from ..policy.replica_speed import TokenPace, judge_slow
 from ..policy.schema import PoolSpec
 
@@ -471,11 +471,14 @@ class SaturationScrapers:
 
     def _ended(self, name: str, task: asyncio.Task) -> None:
         """A scraper ended without being stopped (PoolScraper.run does not return): its last reading must not be
-        trusted on, so the pool reads as saturated until a reload restarts it."""
+        trusted on, so the pool reads as saturated; once that reading is STALE_READINGS x `stale_ms` old nobody has
+        refreshed it, and the pool's limits go by latency alone (AdmissionController.pool_reading) until a reload
+        restarts the scraper."""
         if task.cancelled():
             return
-        log.error("pool %s: saturation scraper stopped; the pool counts as saturated until a reload (SIGHUP) restarts "
-                  "it", name, exc_info=task.exception())
+        log.error("pool %s: saturation scraper stopped; the pool reads as saturated for %d x stale_ms, then its "
+                  "limits go by latency alone until a reload (SIGHUP) restarts it", name, STALE_READINGS,
+                  exc_info=task.exception())
         if self._tasks.get(name) is task:
             self.core.set_saturation(name, saturated_reading(time.monotonic()))
 
