@@ -36,7 +36,7 @@ SECTIONS: dict[str, str] = {
     "Shadow mode": "",
     "Invalid requests (400, 401, 404, 405, 413, 415, 500)": """\
 Refused before admission; they never hold a slot. The ext_proc answers these with `x-extproc-decision: invalid`;
-the reason is in the body's `error.code` (and `x-extproc-reason` for `unknown_model`).""",
+the reason is in the body's `error.code` and in `x-extproc-reason`.""",
 }
 
 REASONS: dict[str, Reason] = {r.code: r for r in (

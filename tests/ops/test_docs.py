@@ -157,3 +157,29 @@ def test_envoy_yaml_comments_name_only_files_that_exist():
     assert "deploy/k8s/base/vllm-llama70b.yaml" in refs  # the scan finds what the comments name
     for ref in refs:
         assert (ROOT / ref).exists(), ref
+
+
+def test_troubleshooting_names_every_final_decision_and_where_the_reason_header_is():
+    """The page's header says which decisions exist and which answers carry x-extproc-reason: check both against
+    the responses the ext_proc builds (a refusal of each kind, a request refused before admission)."""
+    from extproc.policy.decision import ACCEPT, DEGRADE, INVALID, QUEUE, REJECT, SHED, Refusal
+    from extproc.server import protocol
+    from extproc.server.openai import BadRequest
+
+    text = (DOCS / "troubleshooting.md").read_text()
+    intro = text.split("Where to read it", 1)[0]
+    named = set(re.findall(r"`(\w+)`", intro.split("**decision**", 1)[1].split("**reason**", 1)[0]))
+    assert named == {ACCEPT, DEGRADE, REJECT, SHED, INVALID} and QUEUE not in named, named
+
+    def headers(resp):
+        return {h.header.key: h.header.raw_value.decode() or h.header.value
+                for h in resp.immediate_response.headers.set_headers}
+
+    carry = {kind for kind in (REJECT, SHED)
+             if "x-extproc-reason" in headers(protocol.refusal(Refusal(kind, "queue_full", "batch", "t", 429, "m")))}
+    invalid = Refusal(INVALID, "invalid_json", "batch", "t", 400, "m")
+    if "x-extproc-reason" in headers(protocol.bad_request(BadRequest("m", code="invalid_json"), invalid)):
+        carry.add(INVALID)
+    (row,) = [line for line in text.splitlines() if line.startswith("| response headers |")]
+    said = set(re.findall(r"`(\w+)`", row.split("`x-extproc-reason` on", 1)[1].split(";", 1)[0]))
+    assert said == carry, (said, carry)
