@@ -140,7 +140,8 @@ replica out when `/health` stops answering too.
 
 Either breaker reason also appears with `decision="degrade"` when the class's `fallback.action` is `degrade` or
 `canned`; the response then carries `x-extproc-degraded: <what changed>; reason=<reason>`. With
-`on_overflow: fallback`, `queue_full` and `queue_timeout` appear with `decision="degrade"` too."""),
+`on_overflow: fallback`, `queue_full`, `queue_timeout` and `deadline_unmeetable` appear with `decision="degrade"`
+too."""),
     Reason("degraded_capacity_full", "Breakers and degrade", 503, DRAIN,
            "{why}, and its degraded capacity is full too",
            """\

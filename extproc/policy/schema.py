@@ -234,8 +234,8 @@ class ClassSpec:
     fallback: FallbackSpec = doc("What requests get while a breaker of this class is open.",
                                  factory=FallbackSpec)
     on_overflow: Literal["reject", "fallback"] = doc(
-        "When the queue is full or the wait expires: `reject` with 429, or take the `fallback` (e.g. send "
-        "interactive overflow to the small model).", "reject")
+        "When the queue is full, the wait expires or early rejection finds the deadline out of reach: `reject` "
+        "with 429, or take the `fallback` (e.g. send interactive overflow to the small model).", "reject")
     shadow: bool = doc("Shadow this class only: decide and count, but admit everything.", False)
     adaptive: AdaptiveSpec = doc("Adaptive cap.", factory=AdaptiveSpec)
     vllm_priority: int | None = doc(
