@@ -22,6 +22,10 @@ REQUIRED = {
     "queue depth": "extproc_queue_depth",
     "breaker state": "extproc_breaker_state",
     "sustained queue depth": "class:extproc_queue_depth:avg5m",
+    # What docs/troubleshooting.md sends operators to look at: the fallback's slots (degraded_capacity_full) and
+    # the shared store going away (store_unavailable, extproc_store_switches_total).
+    "degraded in-flight": "extproc_degraded_inflight",
+    "shared store switches": "extproc_store_switches_total",
 }
 
 
