@@ -471,8 +471,11 @@ class Policy:
     lease_ms: int = doc("Safety net: a slot whose request was never seen to end is freed after this long, "
                         "unless its gRPC stream is still alive (live streams renew their lease).", 600_000,
                         minimum=1_000)
-    sustained_window_s: float = doc("Window of the sustained-load gauges (extproc_queue_depth_avg, "
-                                    "extproc_inflight_ratio_avg) that autoscalers should read.", 300.0, minimum=10)
+    sustained_window_s: float = doc("Window of the ext_proc's own sustained-load gauges (extproc_queue_depth_avg, "
+                                    "extproc_inflight_ratio_avg; each instance's own, its ratio over its own cap). "
+                                    "The shipped dashboard and KEDA example read Prometheus's 5-minute recording "
+                                    "rules instead, which add the instances up (docs/autoscaling.md).", 300.0,
+                                    minimum=10)
     retry_after_max_s: int = doc("Upper bound on the Retry-After seconds of load refusals (429/503 from caps, "
                                  "queues, shedding, breakers), which are estimates. Rate-limit refusals say "
                                  "exactly when the bucket will hold the request, however long that is.", 60,
