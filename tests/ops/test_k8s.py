@@ -487,3 +487,22 @@ def test_envoy_patch_policy_values_pass_envoy_validate(gateway, tmp_path):
     config.write_text(yaml.safe_dump(base))
     out = run_tool([envoyconf.envoy_binary(), "--mode", "validate", "-c", str(config), "--log-level", "error"])
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_envoy_gateway_routes_every_compute_endpoint_through_admission_and_nothing_else_around_it(gateway):
+    """As envoy/envoy.yaml: every path on which vLLM computes is on the route the ext_proc runs on, and the only
+    other routes are the read-only GETs. A catch-all route without admission would let /v1/responses,
+    /invocations, embeddings or vLLM's admin endpoints reach the replicas unadmitted."""
+    from extproc.server.openai import ENDPOINTS
+
+    admitted = gateway.get("HTTPRoute", gateway.get("EnvoyExtensionPolicy", "extproc-admission")
+                           ["spec"]["targetRefs"][0]["name"])
+    paths = {m["path"]["value"] for rule in admitted["spec"]["rules"] for m in rule["matches"]
+             if m["path"]["type"] == "Exact"}
+    assert paths == set(ENDPOINTS)
+    assert all(m["path"]["type"] == "Exact" for rule in admitted["spec"]["rules"] for m in rule["matches"])
+    for route in (o for o in gateway.objects if o["kind"] == "HTTPRoute" and o is not admitted):
+        for rule in route["spec"]["rules"]:
+            for m in rule["matches"]:
+                assert m["path"]["type"] == "Exact" and m.get("method") == "GET", (route["metadata"]["name"], m)
+                assert m["path"]["value"] in {"/v1/models", "/health", "/ping", "/version"}, m
