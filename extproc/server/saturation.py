@@ -7,9 +7,10 @@ not answer, answered too much, or answered without the series admission needs (o
 and non-negative) keeps its last good reading, which counts as saturated once older than `stale_ms`. A replica
 that holds requests while its token counters stand still for `stall_ms` (a wedged engine whose HTTP server still
 answers) is reported as stalled and left out of the pool's reading (saturated only when every replica is stalled).
-A replica that refuses the connection (nothing listens: the process died or is restarting) is not load either: it
-is left out of the reading too, as Envoy's health checks leave it out of the pool, and the pool is saturated only
-when no replica is left to read (one dead replica of two cut the pool limit to its floor for as long as it was down).
+A replica that refuses the connection (nothing listens: the process died or is restarting), or whose /health does not
+answer 200 either (frozen whole: SIGSTOP, a hung host), is not load either: it is left out of the reading too, as
+Envoy's health checks leave it out of the pool, and the pool is saturated only when no replica is left to read (one
+dead or frozen replica of two cut the pool limit to its floor for as long as it was down).
 A pool that names nothing to scrape (no replicas, no Envoy admin) is not scraped at all: it has no saturation
 signal, and its limit and adaptive caps run on latency alone.
 """
@@ -184,6 +185,11 @@ class PoolScraper:
                 r.healthy = True
             if started - self._resolved_at > RESOLVE_EVERY_S:  # names known before a stall needs them
                 await self._resolve()
+            # One whose /metrics does not answer may be too loaded to (saturated) or frozen whole (SIGSTOP, a
+            # hung host): its /health tells them apart, as Envoy's health check does.
+            stale = self.clock() - self.spec.stale_ms / 1000.0
+            await asyncio.gather(*(self._check_health(r) for r in self.replicas.values()
+                                   if r.at < stale and not r.refused))
         now = self.clock()
         self.core.set_saturation(self.name, self.aggregate(now))
         self._published_at = now
@@ -262,7 +268,7 @@ class PoolScraper:
                     sat.stalled += 1
                     sat.stalled_requests += m["running"] + m["waiting"]
                     continue
-                if r.refused:  # nothing listens: no capacity, and no load either (Envoy sends it nothing)
+                if r.refused or not r.healthy:  # dead, or frozen whole: out of Envoy's pool too (health checks)
                     gone += 1
                     continue
                 sat.saturated = True
