@@ -107,9 +107,10 @@ class, they now land in their tenant's default class."""),
            """\
 **503**, only with `store: {kind: redis, on_failure: closed}`: Redis did not answer within `store.timeout_ms`, so
 no replica can know whether the class has a free slot, and the policy chose to refuse rather than guess. Check
-`extproc_store_state` and the ext_proc log (`store state -> closed: ...`); the ext_proc probes Redis every second
-and switches back by itself (`store state -> shared`). With `on_failure: local` the replicas admit against their
-share of each cap instead (the cap divided by `store.instances`, and by N for each of `--workers N`)."""),
+`extproc_store_state` (alert `ExtprocStoreNotShared` after a minute) and the ext_proc log (`store state -> closed:
+...`); the ext_proc probes Redis every second and switches back by itself (`store state -> shared`). With
+`on_failure: local` the replicas admit against their share of each cap instead (the cap divided by
+`store.instances`, and by N for each of `--workers N`)."""),
     Reason("higher_class_saturated", "Shed (503)", 503, DRAIN,
            "class {cls!r} is shed while class {protector!r} is saturated",
            """\
