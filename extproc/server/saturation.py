@@ -136,7 +136,8 @@ class ScrapedReplica:
         self.progressed_at = -math.inf  # when it was last seen idle or with its token counters moving
         self.stalled = False  # as last judged (logged when it changes)
         self.stalled_since = -math.inf  # its progressed_at when it was judged stalled
-        self.healthy = True  # its /health answered 200 when last asked (asked only while one of the pool is stalled)
+        # Its /health answered 200 when last asked: asked while one of the pool is stalled, or its /metrics is stale.
+        self.healthy = True
         self.refused = False  # its last scrape found nothing listening (a dead or restarting process)
         self.pace = TokenPace(0.0)  # its inter-token latency lately; the window is set by its scraper (record)
 
@@ -421,7 +422,9 @@ def _ip_address(address: str) -> bool:
 def _refused(error: BaseException) -> bool:
     """Whether a failed scrape found nothing listening at the replica's address (connection refused), as opposed to
     one that did not answer in time or answered badly, which may be a replica too loaded to answer."""
-    while error is not None:
+    for _ in range(8):  # aiohttp wraps the OSError once or twice; a chain is never this long (nor a cycle followed)
+        if error is None:
+            return False
         if isinstance(error, ConnectionRefusedError):
             return True
         error = getattr(error, "os_error", None) or error.__cause__
