@@ -322,11 +322,14 @@ class SharedSlots:
             if not self.held and not self.unshared:
                 await self.store.ping()  # nothing to renew: still notice an outage before a request does
             lost = await self.store.renew([(c.cls, c.holder) for c in self.held.values()])
+            # A request that ended during the round trip gave its slot back (release() dropped it from `held`):
+            # its lease is not lost, and there is nothing to adopt for it.
+            by_holder = {c.holder: tid for tid, c in self.held.items()}
+            lost = [holder for _, holder in lost if holder in by_holder]
             if lost:
                 self.events.store_leases_lost(len(lost))
                 log.warning("%d global slots expired before their renewal; adopting them again", len(lost))
-                by_holder = {c.holder: tid for tid, c in self.held.items()}
-                for _, holder in lost:
+                for holder in lost:
                     tid = by_holder[holder]
                     self.unshared[tid] = self.held.pop(tid)
             if self.unshared:

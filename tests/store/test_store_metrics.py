@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from prometheus_client import CollectorRegistry
 
 from extproc.policy.admission import AdmissionController
+from extproc.policy.limits import Outcome
 from extproc.store.shared_slots import CLOSED, LOCAL, SHARED, SharedSlots
 from extproc.telemetry import StoreTelemetry
 
@@ -54,4 +57,36 @@ async def test_leases_lost_at_renewal_are_counted():
     await admit(r), await admit(r)
     await r.tick()
     assert registry.get_sample_value("extproc_store_leases_lost_total") == 2
+    await r.close()
+
+
+class SlowLosingStore(LosingStore):
+    """Like LosingStore, with the renewal's round trip long enough for a request to end meanwhile."""
+
+    def __init__(self):
+        super().__init__()
+        self.renewing = asyncio.Event()
+
+    async def renew(self, held):
+        self.renewing.set()
+        await asyncio.sleep(0.05)
+        return await super().renew(held)
+
+
+async def test_a_request_that_ends_during_the_renewal_is_not_a_lost_lease_nor_a_failed_tick():
+    """Seen with two workers on Redis, a worker SIGSTOPped past lease_ms then resumed: a lease reported lost whose
+    request had ended during the round trip raised KeyError out of tick() (housekeeping failed, adoption of the
+    other lost leases waited a second) and was counted as lost."""
+    registry = CollectorRegistry()
+    store = SlowLosingStore()
+    r = replica(store, registry)
+    await r.start()
+    ending, running = await admit(r), await admit(r)
+    tick = asyncio.create_task(r.tick())
+    await store.renewing.wait()
+    r.core.finish(ending.ticket, Outcome.OK)
+    r.release(ending.ticket)
+    await tick  # raised KeyError before
+    assert registry.get_sample_value("extproc_store_leases_lost_total") == 1  # only the running one
+    assert list(r.held) == [running.ticket.id]  # adopted again
     await r.close()
