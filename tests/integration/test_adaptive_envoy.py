@@ -238,3 +238,56 @@ async def test_a_hung_replica_is_reported_stalled_its_queue_is_not_the_pools_sat
                 async with await f as resp:
                     assert resp.status == 200
             assert await until(state, 10, holds=lambda g: g == (0, 0)) == (0, 0)
+
+
+async def test_a_slow_replica_is_seen_by_its_inter_token_latency_and_the_slo_class_goes_to_the_fast_one(
+        make_stack, tmp_path):
+    # Two replicas; one turns 3x slower (a throttled GPU: it still answers everything, only slowly).
+    big = SimFleet("h100-llama70b-awq", replicas=2, speed=SPEED, model_names=["llama-70b"])
+    small = SimFleet("h100-llama8b", replicas=1, speed=SPEED, model_names=["llama-8b"])
+    async with big, small:
+        slow, fast = big.urls
+        replicas = [f"127.0.0.1:{p}" for p in big.ports]
+        # 20 ms scrapes: the pace's window (100 scrapes) is 2 s here.
+        s = make_stack(write_policy(tmp_path, {"replicas": replicas, "scrape_interval_ms": 20}, batch_cap=8),
+                       pools={"vllm_llama70b": [("127.0.0.1", p) for p in big.ports],
+                              "vllm_llama8b": [("127.0.0.1", small.ports[0])]})
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{slow}/sim/fault", json={"slowdown": 3.0}) as r:
+                assert r.status == 200
+
+            async def done(url: str) -> tuple[int, int]:
+                """(requests finished, tokens generated) by the replica at `url`."""
+                async with http.get(f"{url}/sim/state") as r:
+                    st = await r.json()
+                return sum(st["finished"].values()), st["generation_tokens"]
+
+            async def slow_replicas() -> float:
+                return sample(await metrics(http, s.metrics_url), "extproc_pool_slow_replicas", pool="vllm_llama70b")
+
+            async def load(priority: str, n: int, tokens: int) -> None:
+                for _ in range(n):
+                    status, _, _ = await post(http, s.url, chat(max_tokens=tokens, ignore_eos=True),
+                                              {"x-priority": priority})
+                    assert status == 200
+
+            # Both replicas busy (Envoy's least request spreads batch) until the slow one is seen.
+            warm = asyncio.gather(*(load("batch", 30, BATCH_TOKENS) for _ in range(3)))
+            try:
+                assert await until(slow_replicas, 20, holds=lambda n: n == 1) == 1
+            finally:
+                await warm
+            # Interactive (it has an SLO) now goes where it finishes first; batch (no SLO) is still spread by
+            # Envoy and keeps the slow replica busy, and so judged. Interactive answers are INTERACTIVE_TOKENS
+            # long, batch ones BATCH_TOKENS: the slow replica's tokens tell how many of each it served.
+            before = await done(slow)
+            await asyncio.gather(*(load("batch", 12, BATCH_TOKENS) for _ in range(3)),
+                                 load("interactive", 8, INTERACTIVE_TOKENS))
+            after = await done(slow)
+            served, tokens = after[0] - before[0], after[1] - before[1]
+            interactive = (tokens - BATCH_TOKENS * served) / (INTERACTIVE_TOKENS - BATCH_TOKENS)
+            assert served >= 6 and interactive <= 1, (served, tokens, interactive)
+            assert await slow_replicas() == 1
+
+
+BATCH_TOKENS, INTERACTIVE_TOKENS = 13, 97
