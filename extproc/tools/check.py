@@ -26,6 +26,10 @@ def run(args: argparse.Namespace) -> int:
         for w in policy_warnings(policy):
             print(f"{path}: warning: {w}", file=sys.stderr)
         classes = ", ".join(f"{n}={c.max_concurrency}" for n, c in policy.classes.items())
-        print(f"{path}: ok ({len(policy.classes)} classes: {classes}; {len(policy.models)} models; "
-              f"{len(policy.tenants)} tenants)")
+        print(f"{path}: ok ({_count(policy.classes, 'class', 'classes')}: {classes}; "
+              f"{_count(policy.models, 'model', 'models')}; {_count(policy.tenants, 'tenant', 'tenants')})")
     return 1 if failed else 0
+
+
+def _count(items, one: str, many: str) -> str:
+    return f"{len(items)} {one if len(items) == 1 else many}"

@@ -187,12 +187,15 @@ async def test_a_draining_replica_fails_its_health_check_and_still_serves(fleet,
         assert (await resp.json())["draining"] == 1.0
     async with http.get(url + "/health") as resp:
         assert resp.status == 503  # Envoy's health check takes it out of the load balancer
+    async with http.get(url + "/ping") as resp:
+        assert resp.status == 503  # as vLLM, /ping is /health (the gateway overlay routes it to the replicas)
     async with http.post(url + "/v1/completions", json=COMPLETION) as resp:
         assert resp.status == 200  # what was already sent to it is still served
     async with http.post(url + "/sim/fault", json={"reset": True}) as resp:
         assert resp.status == 200
-    async with http.get(url + "/health") as resp:
-        assert resp.status == 200
+    for path in ("/health", "/ping"):
+        async with http.get(url + path) as resp:
+            assert resp.status == 200
 
 
 async def test_fault_injection_extra_latency(fleet, http):

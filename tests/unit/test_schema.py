@@ -82,6 +82,10 @@ def test_check_command_prints_paths_and_exits_1(tmp_path):
     good = subprocess.run([sys.executable, "-m", "extproc.cli", "check", str(ROOT / "policies/default.yaml")],
                           capture_output=True, text=True)
     assert good.returncode == 0, good.stderr
+    one = tmp_path / "one.yaml"
+    one.write_text("classes: {a: {max_concurrency: 3}}\nmodels: {m: {cluster: c}}\n")
+    run = subprocess.run([sys.executable, "-m", "extproc.cli", "check", str(one)], capture_output=True, text=True)
+    assert run.stdout == f"{one}: ok (1 class: a=3; 1 model; 0 tenants)\n"
 
 
 def test_not_yaml_is_a_clear_error(tmp_path):

@@ -147,7 +147,7 @@ class Replica:
         kind = GENERATION_PATHS.get(path)
         if kind is not None:
             self._generation(kind, request, writer)
-        elif path == "/health":
+        elif path in ("/health", "/ping"):  # vLLM answers /ping (SageMaker's health path) as /health
             writer.send(503 if self.faults.draining else 200, b"")
         elif path == "/metrics":
             writer.send(200, self.metrics.render(self.engine).encode(), "text/plain; version=0.0.4; charset=utf-8")
