@@ -157,6 +157,7 @@ async def test_replica_down_before_headers_is_a_503_from_envoy(make_stack, tmp_p
         assert headers["content-type"] == "application/json", headers  # envoy.yaml's local_reply_config
         err = json.loads(text)["error"]
         assert err["type"] == "server_error" and err["message"].startswith("upstream connect error"), err
+        assert headers["retry-after"] == "1"  # transient: when to try again, as for our own 503s
         assert await until(lambda: equals(inflight(http, s), 0), timeout=3)
         print(f"\nRELIABILITY replica down: 503 {headers.get('content-type')} {text[:120]!r}")
 
