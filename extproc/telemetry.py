@@ -170,6 +170,10 @@ class Telemetry:
             "ext_proc instance: that outcome is lost).", ["result"], registry=r)
         self._matched = self.completion_reports.labels("matched")  # both exported from the start, at 0
         self._unmatched = self.completion_reports.labels("unmatched")
+        self.unadmitted = Counter(
+            "extproc_unadmitted_requests", "Requests Envoy sent to a replica without admission (no ticket): "
+            "failure_mode_allow let them through while the ext_proc was down, slower than message_timeout, or "
+            "failing. From Envoy's access log; those of a whole outage may not be reported.", registry=r)
 
     # --- AdmissionEvents ---
 
@@ -263,6 +267,9 @@ class Telemetry:
             self._matched.inc(matched)
         if unmatched:
             self._unmatched.inc(unmatched)
+
+    def unadmitted_reported(self, count: int) -> None:
+        self.unadmitted.inc(count)
 
     # --- the server ---
 

@@ -67,9 +67,15 @@ class CompletionReportEvents(Protocol):
     # Once per batch of entries: how many matched a ticket the core knows, how many did not.
     def completions_reported(self, matched: int, unmatched: int) -> None: ...
 
+    # Requests that reached a replica with no ticket: Envoy's failure_mode_allow let them through unadmitted.
+    def unadmitted_reported(self, count: int) -> None: ...
+
 
 class NoCompletionReportEvents:
     def completions_reported(self, matched: int, unmatched: int) -> None:
+        pass
+
+    def unadmitted_reported(self, count: int) -> None:
         pass
 
 
@@ -109,10 +115,11 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
 
     def _report(self, msg: als_pb2.StreamAccessLogsMessage) -> None:
         entries = msg.http_logs.log_entry
-        matched = 0
+        matched = unadmitted = 0
         for entry in entries:
-            headers = entry.request.request_headers  # Envoy logs only requests carrying a ticket (envoy.yaml)
-            if TICKET_HEADER not in headers:
+            headers = entry.request.request_headers
+            if TICKET_HEADER not in headers:  # envoy.yaml logs these only when they reached a replica unadmitted
+                unadmitted += 1
                 continue
             value = headers[TICKET_HEADER]
             if not value.startswith(self._prefix):
@@ -127,7 +134,9 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
             if self.core.steering.active and completion.outcome in _ANSWERED:
                 self._answered(entry, completion.outcome is Outcome.UPSTREAM_ERROR)
         # The others carry no ticket the core knows: e.g. one issued before a restart, or by another instance.
-        self.events.completions_reported(matched, len(entries) - matched)
+        self.events.completions_reported(matched, len(entries) - matched - unadmitted)
+        if unadmitted:
+            self.events.unadmitted_reported(unadmitted)
 
     def _answered(self, entry: accesslog_pb2.HTTPAccessLogEntry, failed: bool) -> None:
         """Which replica answered matters only while a pool is steered (policy.steering): Envoy's own outlier

@@ -103,7 +103,8 @@ def render(base: dict[str, Any], *, listen_port: int, admin_port: int,
 def _access_log_per_worker(cfg: dict[str, Any], hcm: dict[str, Any], workers: list[Endpoint]) -> None:
     """Envoy streams each access log to one host of its cluster: one log and one cluster per worker, each log
     taking the requests whose ticket that worker issued, so every completion report reaches its own worker."""
-    (template,) = [log for log in hcm["access_log"] if log["name"] == "envoy.access_loggers.http_grpc"]
+    (template,) = [log for log in hcm["access_log"]
+                   if log["typed_config"].get("common_config", {}).get("log_name") == "extproc"]
     (cluster,) = [c for c in cfg["static_resources"]["clusters"] if c["name"] == "extproc"]
     logs = []
     for i, endpoint in enumerate(workers):

@@ -246,10 +246,17 @@ async def test_extproc_frozen_past_message_timeout_fails_open_and_leaves_no_stuc
         assert 0.45 <= waited < 2.0, waited
         # The late messages the ext_proc reads after SIGCONT must not leave slots behind.
         assert await until(lambda: equals(inflight(http, s), 0), timeout=5), await healthz(http, s.metrics_url)
+        # Envoy's access log tells the ext_proc about them once it runs again: the bypass is counted (and alerted
+        # on), the admitted requests before and after are not, nor the read-only routes.
+        assert await sample_once(http, s.metrics_url, "extproc_unadmitted_requests_total", 6) == 6
         burst = await asyncio.gather(*[post(http, s.url, chat(), {"x-test-delay-ms": "400"}) for _ in range(6)])
         assert sorted(st for st, _, _ in burst) == [200] * 4 + [429] * 2, "the full cap is available again"
+        async with http.get(f"{s.url}/v1/models") as r:
+            await r.read()
         assert await until(lambda: equals(inflight(http, s), 0), timeout=3)
+        await asyncio.sleep(1.5)  # the unadmitted log's flush interval is 1 s
         ms = await metrics(http, s.metrics_url)
+        assert sample(ms, "extproc_unadmitted_requests_total") == 6
         print(f"\nRELIABILITY SIGSTOP: 6 requests during a 1.2 s freeze each waited ~{waited:.2f}s and passed "
               f"unadmitted; after SIGCONT admitted by the late process: "
               f"{sample(ms, 'extproc_requests_total', decision='accept') - 1 - 4:.0f}; in flight 0, full cap back")

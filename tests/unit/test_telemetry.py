@@ -29,6 +29,7 @@ METRICS = {
     "extproc_canned_responses": ("counter", ("class", "reason", "status")),
     "extproc_class_demotions": ("counter", ("tenant",)),
     "extproc_completion_reports": ("counter", ("result",)),
+    "extproc_unadmitted_requests": ("counter", ()),
     "extproc_config_last_reload_successful": ("gauge", ()),
     "extproc_config_reload": ("counter", ("result",)),
     "extproc_cost_estimate_error_ratio": ("histogram", ("class",)),
@@ -197,7 +198,9 @@ def test_the_access_log_receiver_reports_matched_and_unmatched_completions():
     stream = AccessLogStream(log_entries(str(d.ticket.id), "999999", None), log_entries(str(d.ticket.id)))
     asyncio.run(receiver.StreamAccessLogs(None, stream))
     assert sample(t, "extproc_completion_reports_total", result="matched") == 1
-    assert sample(t, "extproc_completion_reports_total", result="unmatched") == 3  # once reported, a ticket is gone
+    assert sample(t, "extproc_completion_reports_total", result="unmatched") == 2  # once reported, a ticket is gone
+    # No ticket at all: a request Envoy let through unadmitted (envoy.yaml's second logger sends only those).
+    assert sample(t, "extproc_unadmitted_requests_total") == 1
     assert sample(t, "extproc_request_duration_seconds_count", **{"class": "batch", "outcome": "ok"}) == 1
 
 
@@ -218,10 +221,11 @@ def test_envoy_config_for_workers_gives_each_its_own_access_log():
     cfg = envoyconf.render(envoyconf.load_source(), listen_port=1, admin_port=2, extproc=[("h", 5), ("h", 6)],
                            pools={"vllm_llama70b": [("u", 7)]}, workers=True)
     hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    logs = [(log["filter"]["header_filter"]["header"]["string_match"]["prefix"],
+    logs = [(log["filter"].get("header_filter", {}).get("header", {}).get("string_match", {}).get("prefix"),
              log["typed_config"]["common_config"]["grpc_service"]["envoy_grpc"]["cluster_name"])
             for log in hcm["access_log"]]
-    assert logs == [("0-", "extproc_worker_0"), ("1-", "extproc_worker_1")]
+    # The unadmitted requests' log (no ticket) goes to any worker: each counts what it gets, Prometheus sums them.
+    assert logs == [(None, "extproc"), ("0-", "extproc_worker_0"), ("1-", "extproc_worker_1")]
     clusters = {c["name"]: c for c in cfg["static_resources"]["clusters"]}
     port = clusters["extproc_worker_1"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
     assert port["address"]["socket_address"]["port_value"] == 6
