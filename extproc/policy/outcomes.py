@@ -57,7 +57,11 @@ class CostLearning:
             t.limiter.queue.settle(t.flow, est.gpu_seconds, actual)
         r = c.report
         service = (r.total_s - t.waited_s) if r is not None and r.total_s else t.released_at - t.admitted_at
-        model.learn(est, prompt, completion, service if not t.degraded else None)
+        if not t.degraded:
+            # A degraded answer came clamped to the fallback's max_tokens, or from another model: its length says
+            # nothing about how the requested model answers, and learning it drove that model's output ratio
+            # down under overload (when degrades are many), making its estimates too low just when they matter.
+            model.learn(est, prompt, completion, service)
         if charge.tenant is not None and t.holds_slot:
             charge.tenant.correct(charge.tokens, prompt + completion)
 

@@ -158,3 +158,19 @@ def test_shadow_per_class_only_affects_that_class(clock):
         "batch": {"max_concurrency": 1, "max_queue": 0, "max_wait_ms": 0}}, tenants=[], shed={}), clock=clock)
     assert [core.decide(req()).kind for _ in range(3)] == [ACCEPT] * 3
     assert [core.decide(req("batch")).kind for _ in range(2)] == [ACCEPT, REJECT]
+
+
+def test_a_degraded_answer_teaches_the_cost_model_nothing(clock):
+    # A degrade clamps max_tokens (and may answer from another model): its short answer is the gateway's doing,
+    # not how long the requested model answers. Learned, it drove the full model's output ratio down under
+    # overload, exactly when its estimates had to stay honest.
+    core = AdmissionController(policy({"action": "degrade", "model": "small", "max_tokens": 8}), clock=clock)
+    run_slow(core, clock, 5, 3.0)
+    before = {name: (m.output_ratio, m.samples) for name, m in core.cost_models.items()}
+    for _ in range(20):
+        d = core.decide(RequestFacts(header_class="interactive", model="llama", max_tokens=1000))
+        assert d.kind == DEGRADE
+        core.usage(d.ticket, 20, 8)
+        core.finish(d.ticket, Outcome.OK)
+        core.report(d.ticket.id, Completion(Outcome.OK, 200, 0.1, 0.2))
+    assert {name: (m.output_ratio, m.samples) for name, m in core.cost_models.items()} == before
