@@ -186,7 +186,7 @@ class AdmissionController:
         """What the request is expected to cost, and whom it is charged to."""
         model = self.cost_models[facts.model]
         prompt = model.prompt_tokens(facts.doc, facts.generates) if facts.doc else 0
-        est = model.estimate(prompt, facts.max_tokens, facts.sequences, facts.generates)
+        est = model.estimate(prompt, facts.max_tokens, facts.sequences, facts.generates, facts.prompts)
         session = None
         if facts.session_id and self._sessions_on:
             session = self.sessions.get(c.tenant, facts.session_id, now)

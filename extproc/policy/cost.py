@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import orjson
@@ -194,15 +195,20 @@ class CostModel:
         return tokens + int(chars / self.spec.chars_per_token + 0.999)
 
     def estimate(self, prompt_tokens: int, max_tokens: int | None, sequences: int = 1,
-                 generates: bool = True) -> CostEstimate:
-        """`sequences` outputs (n, best_of) of up to `max_tokens` each; none for prefill-only endpoints."""
+                 generates: bool = True, prompts: int = 1) -> CostEstimate:
+        """`sequences` outputs (n, best_of, times the prompts of a list) of up to `max_tokens` each; none for
+        prefill-only endpoints. `prompt_tokens` is all `prompts` together."""
         spec = self.spec
         if not generates:
             gpu = self.prefill_per_token * prompt_tokens * (1.0 + spec.variance_margin)
             return CostEstimate(prompt_tokens, 0, 0.0, gpu)
         requested = max_tokens if max_tokens is not None else spec.default_max_tokens
         if spec.max_context_tokens:
-            requested = max(min(requested, spec.max_context_tokens - prompt_tokens), 1)  # vLLM clamps likewise
+            # vLLM clamps likewise, each prompt of a list in its own context: against the prompts' sum a list
+            # clamped to almost nothing. The mean prompt gives an upper bound of the per-prompt clamps (min is
+            # concave), which is the safe side of an estimate.
+            per_prompt = math.ceil(prompt_tokens / max(prompts, 1))
+            requested = max(min(requested, spec.max_context_tokens - per_prompt), 1)
         requested *= sequences  # every sequence decodes; the prompt is prefilled once and shared
         expected = requested * self.output_ratio
         gpu = (self.prefill_per_token * prompt_tokens + self.decode_per_token * expected) * \

@@ -78,7 +78,8 @@ class BadRequest(Exception):
 class RequestBody:
     """The fields of a request body that admission reads, and the body to forward."""
 
-    __slots__ = ("endpoint", "model", "max_tokens", "sequences", "stream", "claimed_class", "doc", "rewrite")
+    __slots__ = ("endpoint", "model", "max_tokens", "sequences", "prompts", "stream", "claimed_class", "doc",
+                 "rewrite")
 
     def __init__(self, doc: dict[str, Any], endpoint: Endpoint = CHAT):
         self.doc = doc
@@ -86,6 +87,7 @@ class RequestBody:
         self.model: str | None = None
         self.max_tokens: int | None = None
         self.sequences = 1        # output sequences generated (n, best_of): each one decodes
+        self.prompts = 1          # prompts in the body (a completions list): each has a context of its own
         self.stream = False
         self.claimed_class: str | None = None
         self.rewrite = False      # the body must be re-serialised before it goes upstream
@@ -113,7 +115,8 @@ def parse_body(raw: bytes, endpoint: Endpoint, class_field: str,
     if endpoint.token_fields:
         body.sequences = max(_positive_int(doc, "n") or 1, _positive_int(doc, "best_of") or 1)
         if endpoint.kind == "completions":
-            body.sequences *= _prompt_count(doc.get("prompt"))
+            body.prompts = _prompt_count(doc.get("prompt"))
+            body.sequences *= body.prompts
     stream = doc.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise BadRequest("`stream` must be true or false.", "stream")

@@ -61,7 +61,7 @@ class ParsedRequest:
         facts.model, facts.max_tokens, facts.stream = body.model, body.max_tokens, body.stream
         facts.body_class = body.claimed_class
         facts.doc = body.doc
-        facts.sequences, facts.generates = body.sequences, body.generates
+        facts.sequences, facts.prompts, facts.generates = body.sequences, body.prompts, body.generates
         facts.cannable = body.endpoint.canned
         facts.reads_usage = reads_usage
 

@@ -672,3 +672,17 @@ def test_the_deadline_header_bounds_the_wait_of_a_queued_request(clock):
 def test_a_deadline_that_is_not_a_number_is_ignored():
     assert protocol.deadline_ms(b"soon") is None and protocol.deadline_ms(b"-5") is None
     assert protocol.deadline_ms(b"inf") is None and protocol.deadline_ms(b"250") == 250.0
+
+
+def test_a_list_of_prompts_is_clamped_to_the_context_one_prompt_at_a_time(clock):
+    # vLLM runs each prompt of a completions list as its own request, each with its own context: three 1,000-token
+    # prompts with max_tokens 1,000 in a 2,048 context make 3,000 tokens of output. Clamped against the prompts'
+    # sum (3,000 > 2,048) the estimate was 3 tokens of output, and the batch was admitted almost for free.
+    models = {"llama": {"cluster": "pool_a", "cost": {"max_context_tokens": 2048}}, "small": {"cluster": "pool_b"}}
+    p = Processor(AdmissionController(make_policy(models=models), clock=clock), max_body_bytes=100_000)
+    prompt = "word " * 800  # 4,000 characters: 1,000 tokens at the default 4 characters a token
+    s, _ = admitted(p, {"model": "llama", "prompt": [prompt] * 3, "max_tokens": 1000},
+                    path=b"/v1/completions")
+    est = s.held.charge.estimate
+    assert (est.prompt_tokens, est.max_tokens) == (3000, 3000)
+    assert est.tokens == 6000  # what a tokens-per-minute tenant is charged up front
