@@ -79,8 +79,11 @@ class FallbackSpec:
     model: str | None = doc("degrade: route to this model (a key of `models`) and rewrite the body's `model`.",
                             None)
     max_tokens: int | None = doc("degrade: clamp `max_tokens` to this ceiling.", None, minimum=1)
-    stream: bool | None = doc("degrade: `false` turns streaming off. Only for classes whose clients accept a "
-                              "non-streamed answer to a streamed request.", None)
+    stream: bool | None = doc("degrade: `false` asks the replica for one answer instead of a stream (chat and "
+                              "completions; a Responses API stream keeps streaming). A client that asked to stream "
+                              "still reads a stream: the whole answer as one chunk per choice (and the usage chunk "
+                              "if it asked), once the answer is complete. A policy that sets it has the ext_proc "
+                              "read every response's headers (one more message per request).", None)
     max_concurrency: int | None = doc("degrade: degraded requests of this class in flight at once (their own "
                                       "slots; beyond it they are rejected). Default: the class's cap.", None,
                                       minimum=1)

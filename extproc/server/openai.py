@@ -290,7 +290,9 @@ def degrade_body(body: RequestBody, model: str | None, max_tokens: int | None, s
         for field in present or fields[-1:]:
             doc[field] = max_tokens
         changed.append(f"max_tokens={max_tokens}")
-    if stream is False and body.stream:
+    # Only where the answer can be turned back into the stream the client reads (sse_from_answer): a Responses API
+    # stream is a sequence of typed events, not chunks, and keeps streaming.
+    if stream is False and body.stream and body.endpoint.canned:
         doc["stream"] = False
         doc.pop("stream_options", None)
         changed.append("stream=off")
@@ -327,3 +329,51 @@ def canned_body(body: RequestBody, text: str) -> tuple[bytes, str]:
     else:
         events = [event({"index": 0, "text": text, "logprobs": None, "finish_reason": "stop"})]
     return ("".join(events) + "data: [DONE]\n\n").encode(), "text/event-stream; charset=utf-8"
+
+
+def wants_stream_usage(body: RequestBody) -> bool:
+    """The client asked for the usage chunk at the end of its stream (read before the gateway rewrites the body)."""
+    opts = body.doc.get("stream_options")
+    return body.stream and isinstance(opts, dict) and bool(opts.get("include_usage"))
+
+
+def sse_from_answer(kind: str, raw: bytes, include_usage: bool) -> bytes | None:
+    """A complete non-streamed chat or completions answer as the event stream its client asked for: one chunk per
+    choice carrying the whole choice, the usage chunk if asked, then [DONE]. A degrade that turned streaming off
+    answers this way, since an OpenAI client library reading a stream finds no events in a JSON body and returns an
+    empty answer without an error. None: not an answer of that shape (it is passed on as it is)."""
+    try:
+        doc = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(doc, dict) or not isinstance(doc.get("choices"), list):
+        return None
+    chat = kind == "chat"
+    head = {"id": doc.get("id"), "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": doc.get("created"), "model": doc.get("model")}
+    events = []
+    for i, choice in enumerate(doc["choices"]):
+        if not isinstance(choice, dict):
+            return None
+        events.append({**head, "choices": [_chunk_choice(choice, i, chat)]})
+    if include_usage and doc.get("usage") is not None:
+        events.append({**head, "choices": [], "usage": doc["usage"]})
+    return b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+
+def _chunk_choice(choice: dict, i: int, chat: bool) -> dict:
+    """A non-streamed choice as the one stream chunk that carries all of it."""
+    out = {"index": choice.get("index", i), "logprobs": choice.get("logprobs"),
+           "finish_reason": choice.get("finish_reason")}
+    if "stop_reason" in choice:
+        out["stop_reason"] = choice["stop_reason"]
+    if not chat:
+        out["text"] = choice.get("text", "")
+        return out
+    message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
+    delta = {k: v for k, v in message.items() if v is not None}
+    calls = delta.get("tool_calls")
+    if isinstance(calls, list):  # a stream's tool call deltas say which call they extend
+        delta["tool_calls"] = [{"index": n, **c} if isinstance(c, dict) else c for n, c in enumerate(calls)]
+    out["delta"] = delta
+    return out

@@ -215,6 +215,15 @@ def replace_response_body(body: bytes) -> pb.ProcessingResponse:
         response=pb.CommonResponse(body_mutation=pb.BodyMutation(body=body))))
 
 
+def replace_response(body: bytes, content_type: str) -> pb.ProcessingResponse:
+    """A buffered response's body replaced by another kind of content: its headers, not yet sent while Envoy
+    buffers the body, say so (and the new length, or Envoy's client sees a truncated or hanging body)."""
+    mutation = pb.HeaderMutation(set_headers=[header("content-type", content_type),
+                                              header("content-length", str(len(body)))])
+    return pb.ProcessingResponse(response_body=pb.BodyResponse(
+        response=pb.CommonResponse(header_mutation=mutation, body_mutation=pb.BodyMutation(body=body))))
+
+
 def wait_override(seconds: float) -> pb.ProcessingResponse:
     """Extend Envoy's message timeout: not an answer, the stream's request still waits for one."""
     whole = int(seconds)

@@ -18,7 +18,7 @@ from . import protocol
 from .accesslog import ticket_prefix
 from .final_admission import FinalAdmission
 from .openai import (ENDPOINTS, BadRequest, Endpoint, RequestBody, degrade_body, dump_json, empty_body,
-                     parse_body)
+                     parse_body, sse_from_answer, wants_stream_usage)
 from .protocol import CONTINUE
 from .usage import (FIRST_TOKEN, UsageReader, completed_usage, split_usage_event, token_counts, usage_of,
                     whole_events)
@@ -78,12 +78,20 @@ class Processor:
         self.live: set[Ticket] = set()       # tickets whose stream is still open (their leases get renewed)
         self._learn_credit = 0.0
         self._names: tuple[object, protocol.HeaderNames] | None = None
+        self._restreams: tuple[object, bool] | None = None
 
     def header_names(self, policy: Policy) -> protocol.HeaderNames:
         """The headers this policy reads (rebuilt when a reload installs another policy)."""
         if self._names is None or self._names[0] is not policy:
             self._names = (policy, protocol.HeaderNames.of(policy))
         return self._names[1]
+
+    def may_restream(self, policy: Policy) -> bool:
+        """Whether a class of this policy degrades with streaming off (rebuilt when a reload installs another)."""
+        if self._restreams is None or self._restreams[0] is not policy:
+            self._restreams = (policy, any(c.fallback.action == "degrade" and c.fallback.stream is False
+                                           for c in policy.classes.values()))
+        return self._restreams[1]
 
     def usage_reader(self, api_key: str | None) -> UsageReader | None:
         """Read this response's usage? A deterministic share of requests for cost learning, and those whose
@@ -139,7 +147,7 @@ class Stream:
     once, however the stream ended.
     """
 
-    __slots__ = ("processor", "phase", "request", "held", "usage", "status", "_handlers")
+    __slots__ = ("processor", "phase", "request", "held", "usage", "status", "restream", "_handlers")
 
     def __init__(self, processor: Processor):
         self.processor = processor
@@ -149,6 +157,7 @@ class Stream:
         self.held: Ticket | FinalAdmission | None = None
         self.usage: UsageReader | None = None  # set when this response's usage is read
         self.status = 0                         # the upstream response status, once seen
+        self.restream: Restream | None = None   # a streamed request a degrade answered without streaming
         self._enter(Phase.HEADERS)
 
     def _enter(self, phase: Phase) -> None:
@@ -223,8 +232,12 @@ class Stream:
                                            code=R_UNSUPPORTED_ENCODING, status=415))
         self.usage = self.processor.usage_reader(facts.api_key)
         self._enter(Phase.BODY)
-        # A response whose usage is read needs its headers phase, where the body mode is picked.
-        return CONTINUE["request_headers"] if self.usage is None else protocol.LEARN_HEADERS
+        # A response whose usage is read needs its headers phase, where the body mode is picked; so does one a
+        # degrade may answer without streaming (Envoy takes a mode change only in a headers phase, and whether the
+        # request streams and is degraded is known only from its body).
+        if self.usage is None and not self.processor.may_restream(policy):
+            return CONTINUE["request_headers"]
+        return protocol.LEARN_HEADERS
 
     def _on_request_body(self, msg: pb.HttpBody) -> Answer | FinalAdmission:
         p = self.processor
@@ -257,6 +270,7 @@ class Stream:
             self._enter(Phase.ANSWERED)
             return protocol.canned(d, body)
         self.held = d.ticket  # from here on end() gives it back, whatever fails below
+        usage_asked = wants_stream_usage(body)  # by the client: the usage reader may add it, a degrade drop it
         if self.usage is not None:
             self.usage.ask_for_usage(body)
         cls = self.processor.core.policy.classes.get(d.cls)
@@ -267,6 +281,8 @@ class Stream:
         if type(d) is Degrade:
             fb = d.fallback
             changed = degrade_body(body, fb.model, fb.max_tokens, fb.stream)
+            if "stream=off" in changed:
+                self.restream = Restream(body.endpoint.kind, usage_asked)
             note = ("x-extproc-degraded", f"{','.join(changed) or 'none'}; reason={d.reason}")
         elif d.shadow_would is not None:
             note = ("x-extproc-shadow", f"would-{d.shadow_would.kind}; reason={d.shadow_would.reason}")
@@ -300,6 +316,12 @@ class Stream:
 
     def _on_response_headers(self, msg: pb.HttpHeaders) -> Answer:
         self.status, content_type, length = protocol.read_response_headers(msg)
+        if self.restream is not None and self.phase is Phase.FORWARDING:
+            if self.status == 200 and content_type.startswith(b"application/json") and length is not None \
+                    and length <= self.processor.max_body_bytes:
+                self._enter(Phase.READING_USAGE)  # the whole answer, to send it on as the stream asked for
+                return protocol.LEARN_BODY[False]
+            self.restream = None  # an error (or an answer too large to buffer) goes to the client as it is
         r = self.usage
         if self.phase is not Phase.FORWARDING or r is None or self.status != 200:
             return CONTINUE["response_headers"]
@@ -314,6 +336,8 @@ class Stream:
         return protocol.LEARN_BODY[r.sse]
 
     def _on_response_body(self, msg: pb.HttpBody) -> Answer:
+        if self.restream is not None:
+            return self._restreamed(msg)
         r = self.usage
         if not r.sse:
             r.buffered += msg.body
@@ -339,6 +363,19 @@ class Stream:
                 return protocol.replace_response_body(kept)
         return protocol.replace_response_body(chunk) if rewritten else CONTINUE["response_body"]
 
+    def _restreamed(self, msg: pb.HttpBody) -> Answer:
+        """The degraded answer, whole (Envoy buffers it), as the event stream its client asked for."""
+        rs = self.restream
+        rs.buffered += msg.body
+        if not msg.end_of_stream:
+            return CONTINUE["response_body"]
+        if self.usage is not None:
+            self._learn_usage(usage_of(rs.buffered))
+        events = sse_from_answer(rs.kind, rs.buffered, rs.include_usage)
+        if events is None:
+            return CONTINUE["response_body"]
+        return protocol.replace_response(events, SSE_CONTENT_TYPE)
+
     def _learn_usage(self, usage: object) -> None:
         counts = token_counts(usage)
         if counts is not None and self._plausible(*counts):  # else not a usage object we understand: learn nothing
@@ -353,6 +390,21 @@ class Stream:
         est = charge.estimate if charge is not None else None
         most_output = est.most_output if est is not None and est.most_output else USAGE_CEILING
         return 0 <= prompt <= USAGE_CEILING and 0 <= completion <= most_output
+
+
+class Restream:
+    """A streamed chat or completions request whose degrade turned streaming off upstream: its JSON answer is
+    buffered and sent on as an event stream (an OpenAI client reading a stream finds nothing in a JSON body)."""
+
+    __slots__ = ("kind", "include_usage", "buffered")
+
+    def __init__(self, kind: str, include_usage: bool):
+        self.kind = kind                    # chat | completions
+        self.include_usage = include_usage  # the client asked for the usage chunk
+        self.buffered = b""
+
+
+SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"  # as vLLM sends it
 
 
 # More tokens than any model's context (prompt, or output when neither the request's cap nor the model's context

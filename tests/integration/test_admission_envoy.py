@@ -211,3 +211,31 @@ async def test_client_cannot_choose_the_cluster_header(make_stack, upstream):
             assert status == 200 and await sent_to_8b() == "cluster.vllm_llama8b.upstream_rq_total: 0", extproc_up
             status, body = await denied_path_with_header()
             assert status == 404 and body["error"]["code"] == "unknown_url", (extproc_up, status, body)
+
+async def test_a_stream_degraded_to_no_streaming_still_reaches_its_client_as_a_stream(make_stack, upstream, tmp_path):
+    # `fallback.stream: false` asks the replica for one JSON answer. Sent on as JSON to a client that asked to
+    # stream, the OpenAI SDKs read no events from it and return an empty answer without an error: the client gets
+    # the answer as the event stream it asked for, the usage chunk only if it asked for one, and Envoy's
+    # content-type and content-length match the body.
+    policy = policy_file(tmp_path, classes={"interactive": {
+        "max_concurrency": 1, "max_queue": 0, "on_overflow": "fallback",
+        "fallback": {"action": "degrade", "max_tokens": 3, "stream": False}}}, tenants=[])
+    s = make_stack(policy)
+    async with aiohttp.ClientSession() as http:
+        hold = asyncio.create_task(post(http, s.url, chat(), {"x-test-delay-ms": "3000"}))
+        assert await until(lambda: healthz(http, s.metrics_url), holds=lambda h: h["classes"]["interactive"]["inflight"] == 1)
+        for usage_asked in (False, True):
+            body = chat(max_tokens=50, stream=True, **({"stream_options": {"include_usage": True}} if usage_asked
+                                                       else {}))
+            status, headers, raw = await post(http, s.url, body)
+            assert status == 200 and headers["x-extproc-degraded"] == "max_tokens=3,stream=off; reason=queue_full"
+            assert headers["content-type"].startswith("text/event-stream")
+            events = raw.decode().split("\n\n")
+            assert events[-2:] == ["data: [DONE]", ""]
+            chunks = [json.loads(e[len("data: "):]) for e in events[:-2]]
+            assert chunks[0]["object"] == "chat.completion.chunk"
+            assert chunks[0]["choices"][0]["delta"]["content"] == "x x x "
+            assert chunks[0]["choices"][0]["finish_reason"] == "length"
+            assert (chunks[-1].get("usage") or {}).get("completion_tokens") == (3 if usage_asked else None)
+        assert (await hold)[0] == 200
+        assert all(c["inflight"] == 0 for c in (await wait_idle(http, s.metrics_url)).values())

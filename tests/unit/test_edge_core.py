@@ -207,3 +207,35 @@ def test_stream_options_that_are_not_an_object_are_refused_every_time(options):
         parse_body(b'{"model": "m", "stream": true, "messages": [], "stream_options": ' + options + b"}", CHAT,
                    "priority", {"a"})
     assert e.value.param == "stream_options"
+
+
+def test_a_non_streamed_answer_becomes_the_stream_an_sdk_reads():
+    from extproc.server.openai import sse_from_answer
+
+    chat = {"id": "c", "object": "chat.completion", "created": 1, "model": "m", "usage": {"prompt_tokens": 1},
+            "choices": [{"index": 0, "finish_reason": "tool_calls", "logprobs": None,
+                         "message": {"role": "assistant", "content": None, "reasoning": None, "tool_calls": [
+                             {"id": "t", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}},
+                        {"index": 1, "finish_reason": "stop", "message": {"role": "assistant", "content": "b"}}]}
+    events = sse_from_answer("chat", json.dumps(chat).encode(), include_usage=False).split(b"\n\n")
+    assert events[-2:] == [b"data: [DONE]", b""] and len(events) == 4  # a chunk per choice, no usage: not asked
+    first, second = (json.loads(e[6:]) for e in events[:2])
+    assert first["object"] == "chat.completion.chunk" and first["choices"][0]["finish_reason"] == "tool_calls"
+    assert first["choices"][0]["delta"] == {"role": "assistant", "tool_calls": [  # stream deltas carry the index
+        {"index": 0, "id": "t", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    assert second["choices"][0]["index"] == 1 and second["choices"][0]["delta"]["content"] == "b"
+    completion = {"id": "x", "object": "text_completion", "created": 1, "model": "m",
+                  "choices": [{"index": 0, "text": "t", "finish_reason": "length", "logprobs": None}],
+                  "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+    events = sse_from_answer("completions", json.dumps(completion).encode(), include_usage=True).split(b"\n\n")
+    chunk, usage = (json.loads(e[6:]) for e in events[:2])
+    assert chunk["object"] == "text_completion" and chunk["choices"][0]["text"] == "t"
+    assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 2
+    assert sse_from_answer("chat", b'{"error": {}}', True) is None  # not an answer: passed on as it is
+
+
+def test_a_responses_api_stream_keeps_streaming_under_a_no_streaming_degrade():
+    # Its events are typed (response.created, output_text.delta, ...), not chunks the gateway can rebuild.
+    body = parse_body(json.dumps({"model": "m", "input": "hi", "stream": True}).encode(), RESPONSES, "priority",
+                      {"interactive"})
+    assert degrade_body(body, None, None, False) == [] and body.doc["stream"] is True

@@ -686,3 +686,46 @@ def test_a_list_of_prompts_is_clamped_to_the_context_one_prompt_at_a_time(clock)
     est = s.held.charge.estimate
     assert (est.prompt_tokens, est.max_tokens) == (3000, 3000)
     assert est.tokens == 6000  # what a tokens-per-minute tenant is charged up front
+
+
+NO_STREAMING = one_class(max_concurrency=1, max_queue=0, on_overflow="fallback",
+                         fallback={"action": "degrade", "max_tokens": 2, "stream": False})
+
+
+def test_a_policy_that_may_turn_streaming_off_asks_for_every_response_headers(clock):
+    # Envoy takes a mode change only in a headers phase, and whether a request streams and is degraded is known
+    # only from its body: the response headers are the last place to ask for the degraded answer's body.
+    s = Stream(processor(clock, **NO_STREAMING))
+    assert s.receive(request_headers()) is LEARN_HEADERS
+    assert Stream(processor(clock)).receive(request_headers()) is CONTINUE["request_headers"]
+
+
+def test_a_stream_degraded_to_no_streaming_gets_its_answer_back_as_a_stream(clock):
+    p = processor(clock, **NO_STREAMING)
+    admitted(p)
+    s, answer = admitted(p, {"model": "llama", "messages": [], "max_tokens": 50, "stream": True,
+                             "stream_options": {"include_usage": True}})
+    forwarded = json.loads(answer.request_body.response.body_mutation.body)
+    assert forwarded["stream"] is False and "stream_options" not in forwarded
+    assert s.receive(response_headers(200, b"application/json", 200)) is LEARN_BODY[False]
+    answer_json = {"id": "c1", "object": "chat.completion", "created": 1, "model": "llama",
+                   "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
+                                "finish_reason": "length"}],
+                   "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+    out = s.receive(response_body(json.dumps(answer_json).encode(), eos=True)).response_body.response
+    headers = {h.header.key: h.header.raw_value for h in out.header_mutation.set_headers}
+    sse = out.body_mutation.body
+    assert headers == {"content-type": b"text/event-stream; charset=utf-8", "content-length": str(len(sse)).encode()}
+    events = [json.loads(e[6:]) for e in sse.split(b"\n\n")[:-2]]
+    assert sse.endswith(b"data: [DONE]\n\n")
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": "hi"}
+    assert events[1]["choices"] == [] and events[1]["usage"]["completion_tokens"] == 2
+    s.end(True)
+    assert inflight(p) == 1  # the first request still holds its slot; the degraded one gave its own back
+
+
+def test_an_error_to_a_stream_degraded_to_no_streaming_is_passed_on_as_it_is(clock):
+    p = processor(clock, **NO_STREAMING)
+    admitted(p)
+    s, _ = admitted(p, {"model": "llama", "messages": [], "stream": True})
+    assert s.receive(response_headers(400, b"application/json", 80)) is CONTINUE["response_headers"]
