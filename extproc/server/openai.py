@@ -303,31 +303,38 @@ def degrade_body(body: RequestBody, model: str | None, max_tokens: int | None, s
 
 def canned_body(body: RequestBody, text: str) -> tuple[bytes, str]:
     """A complete OpenAI-shaped chat or completions answer carrying `text`, as JSON or as an SSE stream:
-    (bytes, content-type)."""
+    (bytes, content-type). One choice per sequence the client asked for (`n`, per prompt of a completions list),
+    since clients read choices[i]; a stream ends with the usage chunk when the client asked for it."""
     chat = body.endpoint.kind == "chat"
     created = int(time.time())
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     model = body.model
+    choices = range((_positive_int(body.doc, "n") or 1) * body.prompts)
+    usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
     if not body.stream:
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                   "finish_reason": "stop"} if chat else
-                  {"index": 0, "text": text, "logprobs": None, "finish_reason": "stop"})
         doc = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-               "model": model, "choices": [choice],
-               "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}}
+               "model": model, "choices": [
+                   {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                    "finish_reason": "stop"} if chat else
+                   {"index": i, "text": text, "logprobs": None, "finish_reason": "stop"} for i in choices],
+               "usage": usage}
         return orjson.dumps(doc), "application/json"
     obj = "chat.completion.chunk" if chat else "text_completion"
 
-    def event(choice: dict) -> str:
+    def event(choice: dict | None, **extra) -> str:
         return "data: " + orjson.dumps({"id": rid, "object": obj, "created": created, "model": model,
-                                        "choices": [choice]}).decode() + "\n\n"
+                                        "choices": [choice] if choice else [], **extra}).decode() + "\n\n"
 
-    if chat:
-        events = [event({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None}),
-                  event({"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": "stop"})]
-    else:
-        events = [event({"index": 0, "text": text, "logprobs": None, "finish_reason": "stop"})]
+    events = []
+    for i in choices:
+        if chat:
+            events += [event({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}),
+                       event({"index": i, "delta": {"content": text}, "logprobs": None, "finish_reason": "stop"})]
+        else:
+            events.append(event({"index": i, "text": text, "logprobs": None, "finish_reason": "stop"}))
+    if wants_stream_usage(body):
+        events.append(event(None, usage=usage))
     return ("".join(events) + "data: [DONE]\n\n").encode(), "text/event-stream; charset=utf-8"
 
 

@@ -729,3 +729,32 @@ def test_an_error_to_a_stream_degraded_to_no_streaming_is_passed_on_as_it_is(clo
     admitted(p)
     s, _ = admitted(p, {"model": "llama", "messages": [], "stream": True})
     assert s.receive(response_headers(400, b"application/json", 80)) is CONTINUE["response_headers"]
+
+
+def canned_answer(clock, doc: dict, path: bytes = CHAT) -> bytes:
+    p = processor(clock, **one_class(max_concurrency=1, max_queue=0, on_overflow="fallback",
+                                     fallback={"action": "canned", "status": 200, "message": "busy"}))
+    admitted(p)
+    s = Stream(p)
+    s.receive(request_headers(path=path))
+    return s.receive(request_body(doc)).immediate_response.body
+
+
+def test_a_canned_answer_has_every_choice_the_client_asked_for(clock):
+    # An SDK client reads choices[i] for its i-th sequence (n) or prompt (a completions list): with one choice
+    # only, the rest were silently missing (an IndexError, or prompts without answers).
+    chat = json.loads(canned_answer(clock, {"model": "llama", "messages": [], "n": 2}))
+    assert [c["index"] for c in chat["choices"]] == [0, 1]
+    listed = json.loads(canned_answer(clock, {"model": "llama", "prompt": ["a", "b", "c"], "n": 2},
+                                      b"/v1/completions"))
+    assert [c["index"] for c in listed["choices"]] == list(range(6))
+
+
+def test_a_canned_stream_ends_with_the_usage_chunk_when_the_client_asked_for_it(clock):
+    raw = canned_answer(clock, {"model": "llama", "messages": [], "stream": True, "n": 2,
+                                "stream_options": {"include_usage": True}})
+    events = [json.loads(e[6:]) for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
+    assert {c["index"] for e in events for c in e["choices"]} == {0, 1}
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["total_tokens"] == 0
+    plain = canned_answer(clock, {"model": "llama", "messages": [], "stream": True})
+    assert b'"usage"' not in plain
