@@ -78,7 +78,11 @@ class FallbackSpec:
         "below. `canned`: answer at once with a fixed OpenAI-shaped response.", "reject")
     model: str | None = doc("degrade: route to this model (a key of `models`) and rewrite the body's `model`.",
                             None)
-    max_tokens: int | None = doc("degrade: clamp `max_tokens` to this ceiling.", None, minimum=1)
+    max_tokens: int | None = doc("degrade: clamp `max_tokens` to this ceiling. A clamped answer ends as any "
+                                 "answer cut by its cap does (`finish_reason: length`, usage counting what was "
+                                 "generated): the openai SDK's `parse()` and `stream()` helpers raise "
+                                 "LengthFinishReasonError on it, and structured output comes cut off.", None,
+                                 minimum=1)
     stream: bool | None = doc("degrade: `false` asks the replica for one answer instead of a stream (chat and "
                               "completions; a Responses API stream keeps streaming). A client that asked to stream "
                               "still reads a stream: the whole answer as one chunk per choice (and the usage chunk "
