@@ -387,6 +387,10 @@ class AdmissionController:
             gate = self.gates.get(target) if self.gates else None
             units = self._degraded_units(gate, charge, fb) if gate is not None else 0.0
             if deg.has_room() and (gate is None or self._pool_admits(gate, deg, units, now)):
+                # In shadow the request runs as it asked on its own pool: charged as asked, too.
+                if charge is not None and fb.max_tokens is not None and not (self.shadow.everything or
+                                                                             lim.spec.shadow):
+                    self._clamp_charge(charge, fb.max_tokens)
                 ticket = self._admit(deg, tenant, target, now, charge, waited_s, gate, units)
                 ticket.degraded = True
                 return Degrade(reason, cls, tenant, ticket, fb, why, cluster=target, classification=c,
@@ -397,6 +401,23 @@ class AdmissionController:
         return Refusal(REJECT, reason, cls, tenant, 429 if overflow else 503, why,
                        lim.retry_after_s(now, self._retry_ceiling), classification=c, cluster=cluster,
                        waited_s=waited_s)
+
+    def _clamp_charge(self, charge: Charge, max_tokens: int) -> None:
+        """A degrade that clamps max_tokens: charge (tenant tokens, GPU-seconds) the output the request can still
+        get, not what it asked for. An unsampled stream's charge is never corrected from usage, so its tenant paid
+        for tokens the gateway itself cut. What a queued request prepaid for the difference is given back."""
+        est = charge.estimate
+        if not est.max_tokens or est.max_tokens <= max_tokens * est.sequences:
+            return
+        clamped = self.cost_models[charge.model].estimate(est.prompt_tokens, max_tokens, est.sequences,
+                                                          prompts=est.prompts)
+        tokens = charge.tokens_for(clamped)
+        if charge.prepaid:
+            if charge.tenant is not None:
+                charge.tenant.correct(charge.tokens, min(tokens, charge.tokens))
+            if charge.session is not None:
+                self.sessions.refund_rate(charge.session, max(est.gpu_seconds - clamped.gpu_seconds, 0.0))
+        charge.estimate, charge.tokens = clamped, min(tokens, charge.tokens)
 
     @staticmethod
     def _degraded_units(gate, charge: Charge | None, fb) -> float:

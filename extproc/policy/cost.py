@@ -19,7 +19,8 @@ AUDIO_PART_TOKENS = 512
 class CostEstimate:
     """What admission counts for one request."""
 
-    __slots__ = ("prompt_tokens", "max_tokens", "expected_output", "gpu_seconds", "tokens", "most_output")
+    __slots__ = ("prompt_tokens", "max_tokens", "expected_output", "gpu_seconds", "tokens", "most_output",
+                 "sequences", "prompts")
 
     def __init__(self, prompt_tokens: int, max_tokens: int, expected_output: float, gpu_seconds: float,
                  most_output: int = 0):
@@ -31,6 +32,8 @@ class CostEstimate:
         # The most output a replica can really produce: the client's cap, else the context (vLLM's own default
         # is the rest of it; the policy's default_max_tokens is only an assumption). 0: unknown.
         self.most_output = most_output
+        self.sequences = 1  # outputs it was made for (a degrade's clamp is per output), and prompts among them
+        self.prompts = 1
 
 
 def prompt_size(doc: dict[str, Any]) -> tuple[int, int]:
@@ -215,7 +218,9 @@ class CostModel:
             (1.0 + spec.variance_margin)
         # Not clamped by the prompt estimate, which may be high: the replica counts the real prompt.
         most = (max_tokens if max_tokens is not None else spec.max_context_tokens or 0) * sequences
-        return CostEstimate(prompt_tokens, requested, expected, gpu, most)
+        est = CostEstimate(prompt_tokens, requested, expected, gpu, most)
+        est.sequences, est.prompts = sequences, prompts
+        return est
 
     def actual(self, prompt_tokens: int, completion_tokens: int) -> float:
         """GPU-seconds of what really ran, under the current coefficients."""

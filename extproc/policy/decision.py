@@ -44,7 +44,8 @@ class RequestFacts:
 class Charge:
     """What one request is estimated to cost, and whom it is charged to; settled once when it ends."""
 
-    __slots__ = ("model", "estimate", "tenant", "session", "request_id", "tokens", "fallbacks", "prepaid")
+    __slots__ = ("model", "estimate", "tenant", "session", "request_id", "tokens", "fallbacks", "prepaid",
+                 "reads_usage")
 
     def __init__(self, model: str, estimate: CostEstimate, tenant: TenantLimits | None, session: Session | None,
                  request_id: str = "", reads_usage: bool = True):
@@ -55,12 +56,16 @@ class Charge:
         self.session = session
         # Tokens a tokens-per-minute limit charges up front: the worst case when real usage will be read and
         # refunded, else the expected output (a request whose usage is never read is never corrected).
-        self.tokens = estimate.tokens if reads_usage else \
-            estimate.prompt_tokens + math.ceil(estimate.expected_output)
+        self.reads_usage = reads_usage
+        self.tokens = self.tokens_for(estimate)
         self.fallbacks = ("reject", "degrade", "canned")  # the fallback actions this request's endpoint allows
         # Taken from the tenant's and the session's per-minute buckets when it was queued: a queue must not hold
         # more of a tenant's requests than its rate allows (given back if it is never admitted).
         self.prepaid = False
+
+
+    def tokens_for(self, estimate: CostEstimate) -> int:
+        return estimate.tokens if self.reads_usage else estimate.prompt_tokens + math.ceil(estimate.expected_output)
 
 
 class Decision:

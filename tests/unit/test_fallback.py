@@ -174,3 +174,49 @@ def test_a_degraded_answer_teaches_the_cost_model_nothing(clock):
         core.finish(d.ticket, Outcome.OK)
         core.report(d.ticket.id, Completion(Outcome.OK, 200, 0.1, 0.2))
     assert {name: (m.output_ratio, m.samples) for name, m in core.cost_models.items()} == before
+
+
+def clamping(clock, max_queue: int) -> AdmissionController:
+    return AdmissionController(make_policy(
+        classes={"interactive": {"max_concurrency": 1, "max_queue": max_queue, "max_wait_ms": 100,
+                                 "on_overflow": "fallback", "fallback": {"action": "degrade", "max_tokens": 8}}},
+        tenants=[{"name": "t", "api_keys": ["k"], "tokens_per_minute": 60_000, "max_class": "interactive"}]),
+        clock=clock)
+
+
+def stream_of(max_tokens: int, sequences: int = 1) -> RequestFacts:
+    return RequestFacts(api_key="k", model="llama", max_tokens=max_tokens, stream=True, sequences=sequences)
+
+
+def test_a_clamping_degrade_charges_the_tenant_for_the_output_it_can_still_get(clock):
+    # An unsampled stream's charge is never corrected from usage: charged for its own max_tokens, a stream the
+    # degrade cut to 8 tokens cost its tenant 1,000 tokens of its per-minute budget, 125x what it could receive.
+    core = clamping(clock, max_queue=0)
+    bucket = core.tenant_limits["t"].tokens
+    held = core.decide(stream_of(1000))
+    assert held.kind == ACCEPT and bucket.level == 60_000 - 1000
+    d = core.decide(stream_of(1000))
+    assert d.kind == DEGRADE and d.charge.tokens == 8 and bucket.level == 60_000 - 1000 - 8
+    assert d.charge.estimate.max_tokens == 8 and d.ticket.cost < held.ticket.cost
+
+
+def test_a_queued_request_degraded_when_its_wait_ends_gets_the_clamped_part_back(clock):
+    core = clamping(clock, max_queue=1)
+    bucket = core.tenant_limits["t"].tokens
+    assert core.decide(stream_of(1000)).kind == ACCEPT
+    queued = core.decide(stream_of(1000, sequences=2))  # its tokens are taken when it is queued
+    assert queued.kind == QUEUE and bucket.level == 60_000 - 1000 - 2000
+    d = core.abandon(queued.waiter, timed_out=True)
+    assert d.kind == DEGRADE and d.charge.tokens == 16 and bucket.level == 60_000 - 1000 - 16
+
+
+def test_in_shadow_a_would_be_clamped_request_is_charged_as_it_asked(clock):
+    # Shadow degrades nothing: the request runs with its own max_tokens, so its tenant pays for that.
+    core = AdmissionController(make_policy(
+        mode="shadow", classes={"interactive": {"max_concurrency": 1, "max_queue": 0, "on_overflow": "fallback",
+                                                "fallback": {"action": "degrade", "max_tokens": 8}}},
+        tenants=[{"name": "t", "api_keys": ["k"], "tokens_per_minute": 60_000, "max_class": "interactive"}]),
+        clock=clock)
+    core.decide(stream_of(1000))
+    d = core.decide(stream_of(1000))
+    assert d.shadow_would.kind == DEGRADE and d.charge.tokens == 1000
