@@ -223,7 +223,8 @@ async def test_a_stream_degraded_to_no_streaming_still_reaches_its_client_as_a_s
     s = make_stack(policy)
     async with aiohttp.ClientSession() as http:
         hold = asyncio.create_task(post(http, s.url, chat(), {"x-test-delay-ms": "3000"}))
-        assert await until(lambda: healthz(http, s.metrics_url), holds=lambda h: h["classes"]["interactive"]["inflight"] == 1)
+        assert await until(lambda: healthz(http, s.metrics_url),
+                           holds=lambda h: h["classes"]["interactive"]["inflight"] == 1)
         for usage_asked in (False, True):
             body = chat(max_tokens=50, stream=True, **({"stream_options": {"include_usage": True}} if usage_asked
                                                        else {}))
