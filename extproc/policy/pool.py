@@ -265,12 +265,6 @@ class PoolGate:
         self.squeeze_until = -math.inf         # ...until then (a latency breaker of a higher class asked)
         self._squeezed_for: tuple[int, float] | None = None  # (rank, breaker opened at) last squeezed for
 
-    @property
-    def binding(self) -> bool:
-        """Whether the limit decides now: a request waited for room since its last move, one waits, or the pool
-        holds nearly all of it."""
-        return self.short or any(self.waiting) or self.inflight >= BINDING * self.limit
-
     def _controller(self, spec: PoolLimitSpec, slos: dict[int, float], previous: PoolGate | None) -> PoolLimit:
         """The limit this gate starts from: what the gate it replaces (a reload) learned, unless the unit changed
         (a limit in requests says nothing in tokens) or a new `initial` asks to start again."""

@@ -302,9 +302,9 @@ class PoolScraper:
         for r in self.replicas.values():
             if r.pace.slow and r not in paced:
                 r.pace.slow = False
-        by_pace = {id(r.pace): r for r in paced}
-        for pace in judge_slow([r.pace for r in paced], now, self.spec.slow_ratio):
-            r = by_pace[id(pace)]
+        changed = {id(pace) for pace in judge_slow([r.pace for r in paced], now, self.spec.slow_ratio)}
+        for r in (r for r in paced if id(r.pace) in changed):
+            pace = r.pace
             if pace.slow:
                 log.warning("pool %s: replica %s is slow: its inter-token latency is %.1fx the fastest "
                             "replica's (slow_ratio %g); requests of classes with an SLO go to the others first",
