@@ -22,11 +22,14 @@ def test_limits_that_move_keep_the_slowed_fleet_within_the_slo_where_static_caps
     adaptive, _ = second_half("demo-adaptive.yaml")    # per-class AIMD caps (issue 12)
     pool, _ = second_half("demo-full.yaml")            # one pool-wide limit in strict priority (issue 19)
     assert adaptive.p99 <= slo < static.p99
-    # The pool limit aims its served p95 at 85% of the SLO and lands on it to within a few percent here (2.03 s:
-    # docs/overload.md lists it as missed by that much), against the static caps' 9 s.
-    assert pool.p99 <= 1.05 * slo < static.p99
+    # The pool limit aims its served p95 at 85% of the SLO and lands near it here, against the static caps' 9 s:
+    # 2.03 s before the slow-replica rule, 2.14 s with it, which keeps interactive off the slowed replica and
+    # answers 41% more of it with the full model (4.63 against 3.29 req/s; docs/reliability.md).
+    assert pool.p99 <= 1.1 * slo < static.p99
+    assert pool.goodput >= 4.0
     # Full-model answers: since the per-class caps steer on service time and make the lower classes yield first
-    # (issue 20), they degrade less than the pool limit on this fleet (3.49 against 3.29 req/s; 1.71 before).
+    # (issue 20), they degrade less than the pool limit on this fleet (5.80 against 4.63 req/s with the
+    # slow-replica rule; 3.49 against 3.29 before it, 1.71 before issue 20).
     assert adaptive.goodput >= 0.9 * pool.goodput
 
 

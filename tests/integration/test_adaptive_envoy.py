@@ -277,7 +277,7 @@ async def test_a_slow_replica_is_seen_by_its_inter_token_latency_and_the_slo_cla
                 assert await until(slow_replicas, 20, holds=lambda n: n == 1) == 1
             finally:
                 await warm
-            # Interactive (it has an SLO) now goes where it finishes first; batch (no SLO) is still spread by
+            # Interactive (it has an SLO) now goes to the fast replica; batch (no SLO) is still spread by
             # Envoy and keeps the slow replica busy, and so judged. Interactive answers are INTERACTIVE_TOKENS
             # long, batch ones BATCH_TOKENS: the slow replica's tokens tell how many of each it served.
             before = await done(slow)
