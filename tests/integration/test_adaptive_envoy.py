@@ -187,17 +187,27 @@ async def test_a_cap_cut_to_its_floor_comes_back_once_the_service_time_does(make
             await asyncio.gather(load, return_exceptions=True)
 
 
+def two_replicas_and_a_small_one() -> tuple[SimFleet, SimFleet]:
+    """The 70B pool's two simulated replicas, and the 8B one the demo policies degrade to."""
+    return (SimFleet("h100-llama70b-awq", replicas=2, speed=SPEED, model_names=["llama-70b"]),
+            SimFleet("h100-llama8b", replicas=1, speed=SPEED, model_names=["llama-8b"]))
+
+
+def stack_scraping(make_stack, tmp_path, big: SimFleet, small: SimFleet, pool: dict, batch_cap: int):
+    """A stack in front of both fleets whose policy scrapes the 70B replicas (`pool`: more of its pool keys)."""
+    replicas = [f"127.0.0.1:{p}" for p in big.ports]
+    return make_stack(write_policy(tmp_path, {"replicas": replicas, **pool}, batch_cap=batch_cap),
+                      pools={"vllm_llama70b": [("127.0.0.1", p) for p in big.ports],
+                             "vllm_llama8b": [("127.0.0.1", small.ports[0])]})
+
+
 async def test_a_hung_replica_is_reported_stalled_its_queue_is_not_the_pools_saturation_and_it_gets_no_more(
         make_stack, tmp_path):
     # Two replicas; one's engine hangs (its /health and /metrics still answer, as a wedged vLLM's do).
-    big = SimFleet("h100-llama70b-awq", replicas=2, speed=SPEED, model_names=["llama-70b"])
-    small = SimFleet("h100-llama8b", replicas=1, speed=SPEED, model_names=["llama-8b"])
+    big, small = two_replicas_and_a_small_one()
     async with big, small:
         hung, working = big.urls
-        replicas = [f"127.0.0.1:{p}" for p in big.ports]
-        s = make_stack(write_policy(tmp_path, {"replicas": replicas, "stall_ms": 1000}, batch_cap=32),
-                       pools={"vllm_llama70b": [("127.0.0.1", p) for p in big.ports],
-                              "vllm_llama8b": [("127.0.0.1", small.ports[0])]})
+        s = stack_scraping(make_stack, tmp_path, big, small, {"stall_ms": 1000}, batch_cap=32)
         async with aiohttp.ClientSession() as http:
             async def state() -> tuple[float, float]:
                 ms = await metrics(http, s.metrics_url)
@@ -243,15 +253,11 @@ async def test_a_hung_replica_is_reported_stalled_its_queue_is_not_the_pools_sat
 async def test_a_slow_replica_is_seen_by_its_inter_token_latency_and_the_slo_class_goes_to_the_fast_one(
         make_stack, tmp_path):
     # Two replicas; one turns 3x slower (a throttled GPU: it still answers everything, only slowly).
-    big = SimFleet("h100-llama70b-awq", replicas=2, speed=SPEED, model_names=["llama-70b"])
-    small = SimFleet("h100-llama8b", replicas=1, speed=SPEED, model_names=["llama-8b"])
+    big, small = two_replicas_and_a_small_one()
     async with big, small:
         slow, fast = big.urls
-        replicas = [f"127.0.0.1:{p}" for p in big.ports]
         # 20 ms scrapes: the pace's window (100 scrapes) is 2 s here.
-        s = make_stack(write_policy(tmp_path, {"replicas": replicas, "scrape_interval_ms": 20}, batch_cap=8),
-                       pools={"vllm_llama70b": [("127.0.0.1", p) for p in big.ports],
-                              "vllm_llama8b": [("127.0.0.1", small.ports[0])]})
+        s = stack_scraping(make_stack, tmp_path, big, small, {"scrape_interval_ms": 20}, batch_cap=8)
         async with aiohttp.ClientSession() as http:
             async with http.post(f"{slow}/sim/fault", json={"slowdown": 3.0}) as r:
                 assert r.status == 200
