@@ -10,7 +10,9 @@ once), and one grpc.aio server on uvloop answering every call at once with one h
   nor learn a response);
 - `ext_authz headers`: a unary Check without the body;
 - `ext_proc sync`: the production lifecycle again, answered by grpcio's threaded (non-asyncio) server in its own
-  process: the same protocol without asyncio's event loop and its cross-thread wake-ups.
+  process: the same protocol without asyncio's event loop and its cross-thread wake-ups;
+- `ext_proc uds`: the production lifecycle to the same grpc.aio server over a Unix socket (Envoy's `pipe`
+  address) instead of loopback TCP: what a sidecar ext_proc on a shared volume would save.
 The server's CPU per request is what grpc.aio (or the threaded server) costs for that transport, before any
 policy.
 """
@@ -35,7 +37,7 @@ from overhead import WRK_LUA, _median, upstream_config, wrk  # noqa: E402
 from extproc.tools.envoyconf import envoy_binary  # noqa: E402
 from extproc.tools.stack import free_port, wait_http  # noqa: E402
 
-SETUPS = ["alone", "ext_proc", "ext_proc headers", "ext_authz", "ext_authz headers", "ext_proc sync"]
+SETUPS = ["alone", "ext_proc", "ext_proc headers", "ext_authz", "ext_authz headers", "ext_proc sync", "ext_proc uds"]
 SYNC_THREADS = 256  # the threaded server holds a thread per open stream: more than the most connections run
 
 
@@ -84,6 +86,11 @@ def serve_sync(port: int) -> None:
     server.wait_for_termination()
 
 
+def _socket(port: int) -> str:
+    """The Unix socket the do-nothing server also listens on (named after its TCP port: one per run)."""
+    return f"{tempfile.gettempdir()}/extproc-transport-{port}.sock"
+
+
 def serve(port: int) -> None:
     """The do-nothing server (run in its own process: `python bench/transport.py --serve PORT`)."""
     import grpc
@@ -110,6 +117,7 @@ def serve(port: int) -> None:
         auth_grpc.add_AuthorizationServicer_to_server(Authorization(), server)
         ep_grpc.add_ExternalProcessorServicer_to_server(Processor(), server)
         server.add_insecure_port(f"127.0.0.1:{port}")
+        server.add_insecure_port(f"unix:{_socket(port)}")
         await server.start()
         await server.wait_for_termination()
 
@@ -136,10 +144,10 @@ def call_out(setup: str) -> list[dict]:
     return [{"name": "envoy.filters.http.ext_authz", "typed_config": authz}]
 
 
-def cluster(name: str, port: int, http2: bool = False) -> dict:
+def cluster(name: str, port: int, http2: bool = False, pipe: str | None = None) -> dict:
+    address = {"pipe": {"path": pipe}} if pipe else {"socket_address": {"address": "127.0.0.1", "port_value": port}}
     c = {"name": name, "type": "STATIC", "connect_timeout": "1s", "load_assignment": {
-        "cluster_name": name, "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {"socket_address": {
-            "address": "127.0.0.1", "port_value": port}}}}]}]},
+        "cluster_name": name, "endpoints": [{"lb_endpoints": [{"endpoint": {"address": address}}]}]},
         "circuit_breakers": {"thresholds": [{"max_connections": 100000, "max_pending_requests": 100000,
                                              "max_requests": 100000}]}}
     if http2:
@@ -165,7 +173,8 @@ def front(setup: str, port: int, admin: int, upstream: int, side: int, side_sync
                                    "name": "envoy.filters.network.http_connection_manager",
                                    "typed_config": hcm}]}]}],
                 "clusters": [cluster("upstream", upstream),
-                             cluster("side", side_sync if setup.endswith("sync") else side, http2=True)]}}
+                             cluster("side", side_sync if setup.endswith("sync") else side, http2=True,
+                                     pipe=_socket(side) if setup.endswith("uds") else None)]}}
 
 
 def envoy(config: Path, admin: int) -> subprocess.Popen:
@@ -221,6 +230,7 @@ def main() -> int:
         for p in procs:
             p.terminate()
             p.wait(10)
+        Path(_socket(side)).unlink(missing_ok=True)
     print(render(results, args))
     return 0
 
