@@ -324,6 +324,23 @@ def test_raises_in_proportion_to_the_room_left_while_binding_and_settles_when_id
     assert c.last_action == "settle" and 2.0 < c.limit < 21.0
 
 
+def test_a_pool_serving_far_under_its_target_settles_with_room_for_a_burst():
+    # scenarios/shared-small: a small model's pool beside a large one, answers in a fifth of the SLO and one or
+    # two requests in flight. At the recent peak + 50% a burst of three waited out its 200 ms and was refused.
+    def settled(latency_s: float, roomy: bool) -> float:
+        c = PoolLimit(spec(), {0: 2.0})  # target 0.85 x 2 s
+        now = 0.0
+        while now < 20.0:
+            now += 0.5
+            c.observe(0, now, now, latency_s)
+            c.update(now, 2, False, False, roomy=roomy)
+        return c.limit
+
+    assert settled(0.34, roomy=True) == pytest.approx(2 * (1 + 0.5 * 4), rel=0.05)  # latency at a fifth: 5 - 1
+    assert settled(0.34, roomy=False) == pytest.approx(3.0, rel=0.05)  # the replicas' word is needed for more
+    assert settled(1.0, roomy=True) == pytest.approx(3.0, rel=0.05)  # nearer the target: + 50%, as before
+
+
 def test_the_what_if_holds_the_slo_in_the_spike_with_the_pool_limit_and_gives_full_model_answers():
     from extproc.tools.demo.scenario import Scenario
     from extproc.tools.demo.whatif import what_if
