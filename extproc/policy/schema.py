@@ -184,8 +184,8 @@ class PoolSpec:
                         "longer than this on an otherwise idle replica reads as a short stall (0: off).", 10000,
                         minimum=0)
     slow_ratio: float = doc("A replica whose mean inter-token latency (vllm:inter_token_latency_seconds) over "
-                            "the last 25 scrapes is over this many times the pool's fastest replica's is slow "
-                            "(a throttled GPU, a noisy neighbour): it is reported "
+                            "the last 100 scrapes (20 s at the default interval) is over this many times the "
+                            "pool's fastest replica's is slow (a throttled GPU, a noisy neighbour): it is reported "
                             "(extproc_pool_slow_replicas, a warning log) and requests of classes with an "
                             "`slo_p95_ms` are sent to the other replicas (x-extproc-replica, as for a stalled one) "
                             "while they hold less of the pool-wide limit than those replicas' share; the classes "
