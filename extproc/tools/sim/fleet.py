@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from extproc.tools.sim.http11 import HttpServerProtocol
+from extproc.tools.sim.lora import parse_module, runtime_updating_from_env
 from extproc.tools.sim.profile import Profile, load_profile
 from extproc.tools.sim.replica import Replica
 
@@ -14,7 +15,10 @@ class SimFleet:
 
     def __init__(self, profile: Profile | str, replicas: int = 1, host: str = "127.0.0.1", port: int = 0,
                  speed: float = 1.0, model_names: list[str] | None = None, seed: int = 0,
-                 scheduling_policy: str | None = None):
+                 scheduling_policy: str | None = None, lora_modules: list[str] = (),
+                 runtime_lora: bool | None = None):
+        """`lora_modules`: vLLM's `--lora-modules` values (`name=path` or JSON); `runtime_lora`: serve the
+        load/unload endpoints (default: as VLLM_ALLOW_RUNTIME_LORA_UPDATING says, as vLLM does)."""
         profile = load_profile(profile) if isinstance(profile, str) else profile
         if model_names:
             profile = profile.with_model_names(model_names)
@@ -25,7 +29,10 @@ class SimFleet:
         self.profile = profile
         self.host = host
         self.base_port = port
-        self.replicas = [Replica(profile, speed=speed, seed=seed + i) for i in range(replicas)]
+        adapters = [parse_module(m) for m in lora_modules]
+        runtime = runtime_updating_from_env() if runtime_lora is None else runtime_lora
+        self.replicas = [Replica(profile, speed=speed, seed=seed + i, lora_modules=adapters, runtime_lora=runtime)
+                         for i in range(replicas)]
         self.servers: list[asyncio.AbstractServer] = []
         self.ports: list[int] = []
 

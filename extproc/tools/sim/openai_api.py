@@ -6,6 +6,7 @@ import hashlib
 import json
 import time
 import uuid
+from collections.abc import Container, Iterable
 from dataclasses import dataclass
 
 from extproc.tools.sim.tokens import FILLER_WORDS, estimate_chat_tokens, estimate_text_tokens, filler_text
@@ -185,12 +186,13 @@ def _prompt_tokens(kind: str, body: dict) -> int:
 
 
 def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_len: int,
-                     default_max_tokens: int) -> GenerationRequest:
+                     default_max_tokens: int, adapters: Container[str] = ()) -> GenerationRequest:
     """Validate a request body like vLLM 0.32 does, or raise ApiError with vLLM's status, type and message.
 
     Order as in vLLM: JSON and field types (pydantic: 400 "Bad Request", param "body.<field>"), then the model
     (404 NotFoundError), then the semantic checks (400 BadRequestError). A prompt plus max_tokens beyond the context
-    is not an error: max_tokens is clamped to the room left (tests/fixtures/vllm/errors.json).
+    is not an error: max_tokens is clamped to the room left (tests/fixtures/vllm/errors.json). `adapters`: the LoRA
+    adapter names the replica serves besides its served names.
     """
     try:
         body = json.loads(raw)
@@ -221,7 +223,7 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
     ignore_eos = ignores_eos(body)
     priority = _priority_field(body)
     model = model or served[0]
-    if model not in served:
+    if model not in served and model not in adapters:
         raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {', '.join(served)}.",
                        "NotFoundError", "model")
     if n not in (None, 1):
@@ -242,8 +244,10 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
                               "input_tokens", shown)
     max_tokens = clamp_max_tokens(max_tokens, prompt_tokens, max_model_len, default_max_tokens)
     # vLLM 0.32 answers every request with its first served name, whichever alias was asked for
-    # (tests/fixtures/vllm/chat_small_model.json): `model` in the responses is served[0].
-    return GenerationRequest(kind, served[0], prompt_tokens, max_tokens, stream, include_usage, ignore_eos,
+    # (tests/fixtures/vllm/chat_small_model.json): `model` in the responses is served[0]. A LoRA adapter's answers
+    # carry the adapter's name (vLLM's OpenAIServingModels.model_name).
+    answered = model if model in adapters and model not in served else served[0]
+    return GenerationRequest(kind, answered, prompt_tokens, max_tokens, stream, include_usage, ignore_eos,
                              continuous and include_usage, requested_model=model, priority=priority)
 
 
@@ -355,14 +359,18 @@ class ResponseRenderer:
         return json.dumps(body).encode()
 
 
-def models_body(served: tuple[str, ...], max_model_len: int, root: str | None = None) -> bytes:
-    """/v1/models as vLLM lists its served model names (root: the model's path; here the first name)."""
+def models_body(served: tuple[str, ...], max_model_len: int, root: str | None = None,
+                adapters: Iterable[tuple[str, str, str]] = ()) -> bytes:
+    """/v1/models as vLLM lists its served model names (root: the model's path; here the first name), then its
+    LoRA adapters as (name, path, parent): `root` the adapter's path, `parent` its base model, no max_model_len."""
     created = int(time.time())
-    data = [{"id": name, "object": "model", "created": created, "owned_by": "vllm", "root": root or served[0],
-             "parent": None, "max_model_len": max_model_len,
+    cards = [(name, root or served[0], None, max_model_len) for name in served]
+    cards += [(name, path, parent, None) for name, path, parent in adapters]
+    data = [{"id": name, "object": "model", "created": created, "owned_by": "vllm", "root": card_root,
+             "parent": parent, "max_model_len": length,
              "permission": [{"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission",
                              "created": created, "allow_create_engine": False, "allow_sampling": True,
                              "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
                              "allow_fine_tuning": False, "organization": "*", "group": None,
-                             "is_blocking": False}]} for name in served]
+                             "is_blocking": False}]} for name, card_root, parent, length in cards]
     return json.dumps({"object": "list", "data": data}).encode()

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, fields
 
 from extproc.tools.sim.engine import Emission, Engine, Sequence
 from extproc.tools.sim.http11 import HttpRequest, ResponseWriter
+from extproc.tools.sim.lora import Adapter, LoraRegistry
 from extproc.tools.sim.metrics import ReplicaMetrics
 from extproc.tools.sim.openai_api import (CHAT, COMPLETIONS, PRIORITY_HEADER, SIM_VERSION, ApiError, GenerationRequest,
                                           ResponseRenderer, error_body, fixed_output_tokens, header_priority,
@@ -18,6 +19,7 @@ from extproc.tools.sim.profile import Profile
 # If the loop falls this far behind simulated time (CPU starved), it stops trying to catch up.
 MAX_LAG_REAL_S = 0.25
 GENERATION_PATHS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS}
+LORA_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
 @dataclass
@@ -63,9 +65,13 @@ class _Active:
 class Replica:
     """A simulated vLLM replica: HTTP handler plus the engine loop that paces iterations in real time."""
 
-    def __init__(self, profile: Profile, speed: float = 1.0, seed: int = 0):
+    def __init__(self, profile: Profile, speed: float = 1.0, seed: int = 0, lora_modules: list[Adapter] = (),
+                 runtime_lora: bool = False):
         self.profile = profile
         self.speed = speed
+        self.loras = LoraRegistry(profile.model_names, lora_modules)
+        # vLLM registers the load/unload endpoints only with VLLM_ALLOW_RUNTIME_LORA_UPDATING set.
+        self.runtime_lora = runtime_lora
         self.engine = Engine(profile, seed=seed)
         self.metrics = ReplicaMetrics(profile.model_names[0])
         self.faults = Faults()
@@ -152,7 +158,10 @@ class Replica:
         elif path == "/metrics":
             writer.send(200, self.metrics.render(self.engine).encode(), "text/plain; version=0.0.4; charset=utf-8")
         elif path == "/v1/models":
-            writer.send(200, models_body(self.profile.model_names, self.profile.max_model_len))
+            cards = [(a.name, a.path, self.loras.parent(a)) for a in self.loras.adapters.values()]
+            writer.send(200, models_body(self.profile.model_names, self.profile.max_model_len, adapters=cards))
+        elif path in LORA_PATHS and self.runtime_lora:
+            self._lora_update(path, request, writer)
         elif path == "/version":
             writer.send(200, json.dumps({"version": SIM_VERSION}).encode())
         elif path == "/sim/state":
@@ -165,7 +174,8 @@ class Replica:
     def state(self) -> dict:
         """Engine and fault state, for tests and the operator (GET /sim/state)."""
         e = self.engine
-        return {"profile": self.profile.name, "models": list(self.profile.model_names), "speed": self.speed,
+        return {"profile": self.profile.name, "models": list(self.profile.model_names),
+                "lora_adapters": list(self.loras.adapters), "speed": self.speed,
                 "scheduling_policy": self.profile.scheduling_policy,
                 "sim_time_s": self._clock.now() if self._clock else 0.0, "running": len(e.running),
                 "waiting": len(e.waiting), "kv_cache_usage": e.kv_usage, "free_blocks": e.free_blocks,
@@ -191,6 +201,18 @@ class Replica:
             self._wake.set()  # a hung engine goes on (or an idle one notices nothing)
         writer.send(200, json.dumps(asdict(self.faults)).encode())
 
+    def _lora_update(self, path: str, request: HttpRequest, writer: ResponseWriter) -> None:
+        """POST /v1/load_lora_adapter or /v1/unload_lora_adapter: vLLM answers success as plain text (no
+        content-type), errors as its JSON error object."""
+        if request.method != "POST":
+            writer.send(405, json.dumps({"detail": "Method Not Allowed"}).encode(), headers={"allow": "POST"})
+            return
+        update = self.loras.load if path == LORA_PATHS[0] else self.loras.unload
+        try:
+            writer.send(200, update(request.body).encode(), None)
+        except ApiError as exc:
+            writer.send(exc.status, exc.body())
+
     def _generation(self, kind: str, request: HttpRequest, writer: ResponseWriter) -> None:
         if request.method != "POST":
             writer.send(405, json.dumps({"detail": "Method Not Allowed"}).encode(),  # the web framework's body
@@ -198,7 +220,8 @@ class Replica:
             return
         p = self.profile
         try:
-            parsed = parse_generation(kind, request.body, p.model_names, p.max_model_len, p.default_max_tokens)
+            parsed = parse_generation(kind, request.body, p.model_names, p.max_model_len, p.default_max_tokens,
+                                      self.loras)
         except ApiError as exc:
             writer.send(exc.status, exc.body())
             return

@@ -1,0 +1,89 @@
+"""LoRA adapters as vLLM serves them: --lora-modules, /v1/models cards, runtime load/unload, errors."""
+
+import json
+
+import aiohttp
+import pytest
+
+from extproc.tools.sim.fleet import SimFleet
+from extproc.tools.sim.lora import parse_module
+
+BASE = "llama-70b"
+
+
+@pytest.fixture
+async def http():
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+def chat(model: str) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+
+async def test_static_adapters_are_listed_with_parent_and_root_and_answer_under_their_name(http):
+    modules = ["sql-lora=/adapters/sql", '{"name": "chat-lora", "path": "/adapters/chat", "base_model_name": "l70"}']
+    async with SimFleet("h100-llama70b-awq", port=0, speed=50, model_names=[BASE, "l70"],
+                        lora_modules=modules) as fleet:
+        url = fleet.urls[0]
+        async with http.get(url + "/v1/models") as resp:
+            cards = {c["id"]: c for c in (await resp.json())["data"]}
+        assert list(cards) == [BASE, "l70", "sql-lora", "chat-lora"]
+        assert cards[BASE]["parent"] is None and cards[BASE]["max_model_len"] == 8192
+        assert (cards["sql-lora"]["root"], cards["sql-lora"]["parent"]) == ("/adapters/sql", BASE)
+        assert (cards["chat-lora"]["root"], cards["chat-lora"]["parent"]) == ("/adapters/chat", "l70")
+        assert cards["sql-lora"]["max_model_len"] is None and cards["sql-lora"]["owned_by"] == "vllm"
+        async with http.post(url + "/v1/chat/completions", json=chat("sql-lora")) as resp:
+            assert resp.status == 200
+            assert (await resp.json())["model"] == "sql-lora"  # vLLM names the adapter, not the base
+        async with http.post(url + "/v1/chat/completions", json=chat("l70")) as resp:
+            assert (await resp.json())["model"] == BASE  # an alias is answered under the first served name
+
+
+async def test_runtime_endpoints_exist_only_when_enabled(http):
+    async with SimFleet("h100-llama70b-awq", port=0, speed=50, model_names=[BASE], runtime_lora=False) as fleet:
+        async with http.post(fleet.urls[0] + "/v1/load_lora_adapter",
+                             json={"lora_name": "a", "lora_path": "/a"}) as resp:
+            assert resp.status == 404 and await resp.json() == {"detail": "Not Found"}
+
+
+async def test_runtime_load_and_unload_as_vllm_answers(http):
+    async with SimFleet("h100-llama70b-awq", port=0, speed=50, model_names=[BASE], runtime_lora=True) as fleet:
+        url = fleet.urls[0]
+        async with http.post(url + "/v1/chat/completions", json=chat("late-lora")) as resp:
+            err = (await resp.json())["error"]
+            assert resp.status == 404 and err["type"] == "NotFoundError" and err["param"] == "model"
+            assert err["message"].startswith("The model `late-lora` does not exist.") and err["code"] == 404
+        load = {"lora_name": "late-lora", "lora_path": "/adapters/late"}
+        async with http.post(url + "/v1/load_lora_adapter", json=load) as resp:
+            assert resp.status == 200 and "content-type" not in resp.headers
+            assert await resp.text() == "Success: LoRA adapter 'late-lora' added successfully."
+        async with http.post(url + "/v1/load_lora_adapter", json=load) as resp:
+            err = (await resp.json())["error"]
+            assert resp.status == 400 and err["type"] == "InvalidUserInput" and "already been loaded" in err["message"]
+        async with http.post(url + "/v1/load_lora_adapter", json={**load, "load_inplace": True}) as resp:
+            assert resp.status == 200
+        async with http.post(url + "/v1/load_lora_adapter", json={"lora_name": "", "lora_path": "/x"}) as resp:
+            assert resp.status == 400
+            assert (await resp.json())["error"]["message"] == "Both 'lora_name' and 'lora_path' must be provided."
+        async with http.post(url + "/v1/chat/completions", json=chat("late-lora")) as resp:
+            assert resp.status == 200 and (await resp.json())["model"] == "late-lora"
+        async with http.get(url + "/v1/models") as resp:
+            assert [c["id"] for c in (await resp.json())["data"]] == [BASE, "late-lora"]
+        async with http.post(url + "/v1/unload_lora_adapter", json={"lora_name": "late-lora"}) as resp:
+            assert resp.status == 200
+            assert await resp.text() == "Success: LoRA adapter 'late-lora' removed successfully."
+        async with http.post(url + "/v1/unload_lora_adapter", json={"lora_name": "late-lora"}) as resp:
+            err = (await resp.json())["error"]
+            assert resp.status == 404 and err == {"message": "The lora adapter 'late-lora' cannot be found.",
+                                                  "type": "NotFoundError", "param": None, "code": 404}
+        async with http.post(url + "/v1/unload_lora_adapter", data=b"{}") as resp:
+            assert resp.status == 400 and (await resp.json())["error"]["param"] == "body.lora_name"
+
+
+def test_lora_module_forms():
+    assert parse_module("a=/p") == parse_module(json.dumps({"name": "a", "path": "/p"}))
+    assert parse_module('{"name": "a", "path": "/p", "base_model_name": "b"}').base == "b"
+    for bad in ("a", "=p", "a=", '{"name": "a"}'):
+        with pytest.raises(ValueError):
+            parse_module(bad)
