@@ -70,7 +70,7 @@ class AdmissionController:
         self.policy, self.limiters, self.degraded, self.classifier = st.policy, st.limiters, st.degraded, \
             st.classifier
         self.cost_models, self.tenant_limits, self.sessions = st.cost_models, st.tenant_limits, st.sessions
-        self.clusters = st.clusters
+        self.clusters, self.model_names = st.clusters, st.model_names
         self.gates = st.gates  # Envoy cluster -> its pool-wide limit (empty: per-class caps only)
         self._yield_asked: set[str] = set()  # ungated pools whose lower classes yield at the next tick
         self._sessions_on = st.sessions.enabled
@@ -160,17 +160,18 @@ class AdmissionController:
         now = self.clock()
         c = self.classifier.classify(facts.api_key, facts.header_class, facts.body_class, facts.objective,
                                      facts.fairness_id)
-        cluster = self.clusters.get(facts.model) if facts.model is not None else None
-        if cluster is None:
+        model = self.model_names.get(facts.model) if facts.model is not None else None
+        if model is None:
             return self._emit(_with_id(Refusal(INVALID, R_UNKNOWN_MODEL, c.cls, c.tenant, 404,
                                                say(R_UNKNOWN_MODEL, model=_shown(facts.model)), classification=c),
                                        facts))
-        context_tokens = self.cost_models[facts.model].spec.max_context_tokens
+        cluster = self.clusters[model]
+        context_tokens = self.cost_models[model].spec.max_context_tokens
         if context_tokens and facts.max_tokens is not None and facts.max_tokens > context_tokens:
             return self._emit(_with_id(Refusal(INVALID, R_MAX_TOKENS, c.cls, c.tenant, 400,
                                                say(R_MAX_TOKENS, max_tokens=facts.max_tokens,
                                                    context=context_tokens), classification=c), facts))
-        charge = self._estimate(facts, c, now)
+        charge = self._estimate(facts, model, c, now)
         lim = self.limiters[c.cls]
         d = self._enforce(c, lim, cluster, now, charge, facts.deadline_ms)
         d.charge = charge
@@ -182,15 +183,16 @@ class AdmissionController:
             self._emit(d)
         return d
 
-    def _estimate(self, facts: RequestFacts, c: Classification, now: float) -> Charge:
-        """What the request is expected to cost, and whom it is charged to."""
-        model = self.cost_models[facts.model]
+    def _estimate(self, facts: RequestFacts, name: str, c: Classification, now: float) -> Charge:
+        """What the request is expected to cost as model `name` (the key of `models` its name resolved to), and
+        whom it is charged to."""
+        model = self.cost_models[name]
         prompt = model.prompt_tokens(facts.doc, facts.generates) if facts.doc else 0
         est = model.estimate(prompt, facts.max_tokens, facts.sequences, facts.generates, facts.prompts)
         session = None
         if facts.session_id and self._sessions_on:
             session = self.sessions.get(c.tenant, facts.session_id, now)
-        charge = Charge(facts.model, est, self.tenant_limits.get(c.tenant), session, facts.request_id,
+        charge = Charge(name, est, self.tenant_limits.get(c.tenant), session, facts.request_id,
                         facts.reads_usage)
         if not (facts.generates and facts.cannable):
             charge.fallbacks = ("reject", *(("degrade",) if facts.generates else ()),

@@ -212,8 +212,10 @@ as long as they take to serve: the class cap is tight for the load."""),
     Reason("unknown_model", "Invalid requests (400, 401, 404, 405, 413, 415, 500)", 404, NO_RETRY,
            "The model `{model}` does not exist.",
            """\
-**404.** The body's `model` is not a key of the policy's `models:`. Add the model (mapped to its Envoy cluster) or
-fix the client's model name; `GET /v1/models` lists what the replicas serve."""),
+**404.** The body's `model` is neither a key of the policy's `models:` nor one of their `aliases`. Add the model
+(mapped to its Envoy cluster), or the name to the `aliases` of the model that serves it (another
+`--served-model-name`, a LoRA adapter), or fix the client's model name; `GET /v1/models` lists what the replicas
+serve."""),
     Reason("invalid_json", "Invalid requests (400, 401, 404, 405, 413, 415, 500)", 400, NO_RETRY,
            "",
            """\

@@ -410,6 +410,11 @@ class ModelSpec:
 
     cluster: str = doc("Envoy cluster name that serves this model (must exist in envoy.yaml).")
     cost: CostSpec = doc("GPU-time profile used by cost-aware admission.", factory=CostSpec)
+    aliases: list[str] = doc(
+        "Other names clients send for this model, routed to its cluster unchanged: its other "
+        "`--served-model-name`s and the LoRA adapters its replicas serve (`--lora-modules`). They are admitted, "
+        "estimated, learned from and counted in metrics as this model (an adapter runs at its base model's speed). "
+        "A name is a key or an alias of one model only.", factory=list)
 
 
 @dataclass(frozen=True)
@@ -774,6 +779,7 @@ def _check_references(p: Policy, errors: list[str]) -> None:
         errors.append("classes: at least one class is required")
     if not p.models:
         errors.append("models: at least one model is required")
+    _check_model_names(p, errors)
 
     def need_class(value: str | None, path: str) -> None:
         if value is not None and value not in rank:
@@ -851,6 +857,20 @@ def _check_references(p: Policy, errors: list[str]) -> None:
             need_class(c, f"shed.{protector}[{j}]")
             if c == protector:
                 errors.append(f"shed.{protector}[{j}]: a class cannot shed itself")
+
+
+def _check_model_names(p: Policy, errors: list[str]) -> None:
+    """Every name a client may send routes to one model: an alias is no other model's key or alias."""
+    owner = {name: name for name in p.models}
+    for name, m in p.models.items():
+        for j, alias in enumerate(m.aliases):
+            where = f"models.{name}.aliases[{j}]"
+            if not alias:
+                errors.append(f"{where}: empty name")
+            elif alias in owner:
+                errors.append(f"{where}: {alias!r} already names model {owner[alias]!r}")
+            else:
+                owner[alias] = name
 
 
 def _check_pools(p: Policy, errors: list[str]) -> None:

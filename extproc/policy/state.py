@@ -51,6 +51,8 @@ class PolicyState:
         self.policy = policy
         self.classifier = Classifier(policy)
         self.clusters = {name: m.cluster for name, m in policy.models.items()}
+        # Every name a client may send -> the model it is admitted, charged and counted as (a key of `models`).
+        self.model_names = {alias: name for name, m in policy.models.items() for alias in (name, *m.aliases)}
         self.cost_models = {name: self.cost_models[name] if self._same_cost(name, m.cost) else CostModel(m.cost)
                             for name, m in policy.models.items()}
         tenants = [*policy.tenants, policy.anonymous.as_tenant()]
