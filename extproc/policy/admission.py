@@ -70,7 +70,7 @@ class AdmissionController:
         self.policy, self.limiters, self.degraded, self.classifier = st.policy, st.limiters, st.degraded, \
             st.classifier
         self.cost_models, self.tenant_limits, self.sessions = st.cost_models, st.tenant_limits, st.sessions
-        self.clusters, self.model_names = st.clusters, st.model_names
+        self.clusters, self.model_names, self.served_names = st.clusters, st.model_names, st.served_names
         self.gates = st.gates  # Envoy cluster -> its pool-wide limit (empty: per-class caps only)
         self._yield_asked: set[str] = set()  # ungated pools whose lower classes yield at the next tick
         self._sessions_on = st.sessions.enabled
@@ -122,6 +122,15 @@ class AdmissionController:
         else:
             self.steering.update(pool, saturation.working, stalled=saturation.stalled > 0)
 
+    def wants_listings(self, pool: str) -> bool:
+        """Whether this pool's replicas' /v1/models are to be read (models.<name>.names_from_replicas)."""
+        return self.state.wants_listings(pool)
+
+    def set_listings(self, pool: str, listings: list) -> dict[str, str]:
+        """The pool's replicas' /v1/models `data`, one list per replica (a scraper's); returns the names it now
+        serves beyond the policy's, -> the model each is admitted as."""
+        return self.state.set_listings(pool, listings)
+
     def gate_on_store(self, shared: bool) -> None:
         """A shared store confirms each admission from now on (extproc.store.shared_slots.SharedSlots)."""
         self.shared_slots = shared
@@ -160,7 +169,8 @@ class AdmissionController:
         now = self.clock()
         c = self.classifier.classify(facts.api_key, facts.header_class, facts.body_class, facts.objective,
                                      facts.fairness_id)
-        model = self.model_names.get(facts.model) if facts.model is not None else None
+        name = facts.model
+        model = (self.model_names.get(name) or self.served_names.get(name)) if name is not None else None
         if model is None:
             return self._emit(_with_id(Refusal(INVALID, R_UNKNOWN_MODEL, c.cls, c.tenant, 404,
                                                say(R_UNKNOWN_MODEL, model=_shown(facts.model)), classification=c),

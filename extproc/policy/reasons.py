@@ -212,10 +212,12 @@ as long as they take to serve: the class cap is tight for the load."""),
     Reason("unknown_model", "Invalid requests (400, 401, 404, 405, 413, 415, 500)", 404, NO_RETRY,
            "The model `{model}` does not exist.",
            """\
-**404.** The body's `model` is neither a key of the policy's `models:` nor one of their `aliases`. Add the model
-(mapped to its Envoy cluster), or the name to the `aliases` of the model that serves it (another
-`--served-model-name`, a LoRA adapter), or fix the client's model name; `GET /v1/models` lists what the replicas
-serve."""),
+**404.** The body's `model` is neither a key of the policy's `models:` nor one of their `aliases`, nor a name the
+replicas of a model with `names_from_replicas` list for it. Add the model (mapped to its Envoy cluster), or the
+name to the `aliases` of the model that serves it (another `--served-model-name`, a LoRA adapter), or set
+`names_from_replicas` on that model; or fix the client's model name. `GET /v1/models` lists what the replicas
+serve. A LoRA adapter just loaded at runtime is admitted once a replica lists it (within the pool's
+`models_interval_ms`); one listed by replicas of two pools is refused."""),
     Reason("invalid_json", "Invalid requests (400, 401, 404, 405, 413, 415, 500)", 400, NO_RETRY,
            "",
            """\

@@ -193,6 +193,8 @@ class PoolSpec:
                             "that margin, or until it has generated too little to judge for that long. Needs two "
                             "or more replicas with 50 tokens each in the window (0: off).", 1.5,
                             minimum=0)
+    models_interval_ms: int = doc("How often each replica's `GET /v1/models` is read, for the models routed here "
+                                  "with `names_from_replicas` (not read otherwise).", 2000, minimum=200)
     limit: PoolLimitSpec = doc("The pool-wide limit (off unless enabled).", factory=PoolLimitSpec)
 
     @property
@@ -415,6 +417,13 @@ class ModelSpec:
         "`--served-model-name`s and the LoRA adapters its replicas serve (`--lora-modules`). They are admitted, "
         "estimated, learned from and counted in metrics as this model (an adapter runs at its base model's speed). "
         "A name is a key or an alias of one model only.", factory=list)
+    names_from_replicas: bool = doc(
+        "Also admit, as this model, every other name its pool's replicas list in `GET /v1/models` for it: their "
+        "other served names and the LoRA adapters whose `parent` is one of them, including adapters loaded at "
+        "runtime (`/v1/load_lora_adapter`), admitted within `pools.<cluster>.models_interval_ms` of the first "
+        "replica listing them and until none does. Needs the cluster under `pools` with `replicas` or "
+        "`envoy_admin`. A name the policy names keeps its own model; a name two pools list is refused (404).",
+        False)
 
 
 @dataclass(frozen=True)
@@ -875,6 +884,10 @@ def _check_model_names(p: Policy, errors: list[str]) -> None:
 
 def _check_pools(p: Policy, errors: list[str]) -> None:
     clusters = {m.cluster for m in p.models.values()}
+    for name, m in p.models.items():
+        if m.names_from_replicas and not (m.cluster in p.pools and p.pools[m.cluster].scraped):
+            errors.append(f"models.{name}.names_from_replicas: needs pools.{m.cluster} with `replicas` or "
+                          "`envoy_admin` (the replicas whose /v1/models name what this model serves)")
     for name, pool in p.pools.items():
         if name not in clusters:
             errors.append(f"pools.{name}: no model routes to this cluster (clusters: {', '.join(sorted(clusters))})")

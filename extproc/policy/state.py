@@ -9,6 +9,7 @@ from .classify import ANONYMOUS, Classifier
 from .cost import CostModel
 from .limits import ClassLimiter, LimitFactory, Ticket, Waiter, default_limit
 from .pool import PoolGate
+from . import served
 from .ratelimit import SessionBudgets, TenantLimits
 from .schema import ClassSpec, Policy
 
@@ -34,6 +35,10 @@ class PolicyState:
         self.shed_by: dict[str, list[ClassLimiter]] = {}   # class -> the classes that shed it
         self.gates: dict[str, PoolGate] = {}          # Envoy cluster -> its pool-wide limit (pools.<name>.limit)
         self.ranked: list[ClassLimiter] = []          # the classes' limiters, highest priority first
+        # models.<name>.names_from_replicas: each pool's replicas' last /v1/models listings (their `data`), and the
+        # names they give that the policy does not, -> their model. Updated in place: the hot path holds the dict.
+        self.listings: dict[str, list] = {}
+        self.served_names: dict[str, str] = {}
 
     def apply(self, policy: Policy, retired: list[ClassLimiter] = ()) -> list[ClassLimiter]:
         """Install a (validated) policy; return the limiters of classes it removed. `retired`: limiters of classes
@@ -53,6 +58,7 @@ class PolicyState:
         self.clusters = {name: m.cluster for name, m in policy.models.items()}
         # Every name a client may send -> the model it is admitted, charged and counted as (a key of `models`).
         self.model_names = {alias: name for name, m in policy.models.items() for alias in (name, *m.aliases)}
+        self._merge_served()
         self.cost_models = {name: self.cost_models[name] if self._same_cost(name, m.cost) else CostModel(m.cost)
                             for name, m in policy.models.items()}
         tenants = [*policy.tenants, policy.anonymous.as_tenant()]
@@ -155,6 +161,28 @@ class PolicyState:
         lim.controller = self.limit_factory(spec)
         lim.limit = int(lim.controller.limit)
         return lim
+
+    def wants_listings(self, cluster: str) -> bool:
+        """Whether a model routed to this cluster takes names from its replicas' /v1/models."""
+        return any(m.names_from_replicas and m.cluster == cluster for m in self.policy.models.values())
+
+    def set_listings(self, cluster: str, listings: list) -> dict[str, str]:
+        """A pool's replicas' /v1/models `data` (one list per replica); returns the names now taken from them."""
+        self.listings[cluster] = listings
+        self._merge_served()
+        return {name: model for name, model in self.served_names.items()
+                if self.policy.models[model].cluster == cluster}
+
+    def _merge_served(self) -> None:
+        by_pool = {}
+        for cluster, listings in self.listings.items():
+            known = {alias: name for alias, name in self.model_names.items()
+                     if self.policy.models[name].names_from_replicas and self.policy.models[name].cluster == cluster}
+            by_pool[cluster] = served.pool_names(listings, known) if known else {}
+        fresh = served.merge(by_pool, self.model_names)
+        if fresh != self.served_names:
+            self.served_names.clear()
+            self.served_names.update(fresh)
 
     def _same_cost(self, model: str, spec) -> bool:
         return model in self.cost_models and self.cost_models[model].spec == spec

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import json
 import logging
 import math
 import re
@@ -119,7 +120,7 @@ class ScrapedReplica:
     diff, and when its being unreadable was last logged."""
 
     __slots__ = ("address", "endpoint", "metrics", "at", "preemptions", "complained_at", "failing", "tokens",
-                 "started", "progressed_at", "stalled", "stalled_since", "healthy", "refused", "pace")
+                 "started", "progressed_at", "stalled", "stalled_since", "healthy", "refused", "pace", "listing")
 
     def __init__(self, address: str):
         self.address = address
@@ -140,6 +141,7 @@ class ScrapedReplica:
         self.healthy = True
         self.refused = False  # its last scrape found nothing listening (a dead or restarting process)
         self.pace = TokenPace(0.0)  # its inter-token latency lately; the window is set by its scraper (record)
+        self.listing: list | None = None  # its last GET /v1/models `data` (models.<name>.names_from_replicas)
 
 
 class PoolScraper:
@@ -159,6 +161,8 @@ class PoolScraper:
         self._resolved_at = -math.inf
         self._published_at = clock()  # as if just published: the first round has stale_ms to fail before it counts
         self._round_complained_at = -math.inf
+        self._listed_at = -math.inf
+        self._served: dict[str, str] = {}  # the names last taken from the replicas' /v1/models
 
     async def run(self) -> None:
         """Scrape, aggregate and publish every interval until cancelled. Nothing a replica sends ends it, and
@@ -194,6 +198,32 @@ class PoolScraper:
         now = self.clock()
         self.core.set_saturation(self.name, self.aggregate(now))
         self._published_at = now
+        if started - self._listed_at >= self.spec.models_interval_ms / 1000.0 and self.core.wants_listings(self.name):
+            await self._read_listings(started)
+
+    async def _read_listings(self, started: float) -> None:
+        """Every replica's /v1/models, for the names it serves (policy.served). One that does not answer keeps its
+        last listing (a replica too loaded to answer still serves its adapters); one that refuses the connection
+        (dead, restarting) and one that left the pool list nothing."""
+        self._listed_at = started
+        await asyncio.gather(*(self._list(r) for r in self.replicas.values()))
+        listings = [r.listing for r in self.replicas.values() if r.listing is not None and not r.refused]
+        served = self.core.set_listings(self.name, listings)
+        if served != self._served:
+            added, gone = sorted(set(served) - set(self._served)), sorted(set(self._served) - set(served))
+            log.info("pool %s: names from its replicas' /v1/models: %d (added: %s; gone: %s)", self.name,
+                     len(served), ", ".join(added[:20]) or "-", ", ".join(gone[:20]) or "-")
+            self._served = served
+
+    async def _list(self, r: ScrapedReplica) -> None:
+        try:
+            async with self.session.get(f"http://{r.address}/v1/models", timeout=self._timeout()) as resp:
+                if resp.status != 200:
+                    return
+                doc = json.loads(await read_capped(resp))
+        except Exception:  # noqa: BLE001 - not read this time: its last listing stands (a refusal shows in r.refused)
+            return
+        r.listing = doc.get("data") if isinstance(doc, dict) and isinstance(doc.get("data"), list) else []
 
     def _round_failed(self) -> None:
         now = self.clock()

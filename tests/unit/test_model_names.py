@@ -60,3 +60,63 @@ def test_a_name_belongs_to_one_model(models, error):
     with pytest.raises(PolicyError) as e:
         make_policy(models=models, classes={"interactive": {"max_concurrency": 1}}, tenants=[])
     assert error in e.value.errors
+
+
+# --- names_from_replicas: the names a pool's replicas list in /v1/models ---
+
+def card(name, parent=None):
+    return {"id": name, "object": "model", "root": f"/models/{name}", "parent": parent}
+
+
+LISTED = {"llama": {"cluster": "pool_a", "names_from_replicas": True}, "small": {"cluster": "pool_b"}}
+POOLS = {"pool_a": {"replicas": ["10.0.0.1:8000"]}}
+
+
+def listed_core(clock, **models):
+    return AdmissionController(make_policy(models={**LISTED, **models}, pools=POOLS, tenants=[]), clock=clock)
+
+
+def test_adapters_and_aliases_listed_by_the_replicas_are_admitted_as_their_model(clock):
+    core = listed_core(clock)
+    assert core.wants_listings("pool_a") and not core.wants_listings("pool_b")
+    assert core.decide(RequestFacts(header_class="batch", model="late-lora")).reason == "unknown_model"
+    served = core.set_listings("pool_a", [
+        [card("llama"), card("llama-3.1-70b"), card("sql-lora", "llama")],
+        [card("llama"), card("llama-3.1-70b"), card("late-lora", "llama-3.1-70b"), card("other", "not-ours")]])
+    assert served == {"llama-3.1-70b": "llama", "sql-lora": "llama", "late-lora": "llama"}
+    for name in served:
+        d = core.decide(RequestFacts(header_class="batch", model=name))
+        assert (d.kind, d.cluster, d.charge.model) == (ACCEPT, "pool_a", "llama"), name
+        core.finish(d.ticket, Outcome.OK)
+    assert core.decide(RequestFacts(header_class="batch", model="other")).reason == "unknown_model"
+    core.set_listings("pool_a", [[card("llama")]])  # unloaded everywhere: refused again
+    assert core.decide(RequestFacts(header_class="batch", model="late-lora")).reason == "unknown_model"
+
+
+def test_a_replica_names_nothing_for_a_model_it_does_not_serve(clock):
+    core = listed_core(clock)
+    # A replica of the pool serving another base (or a listing of any shape) admits none of its names.
+    assert core.set_listings("pool_a", [[card("mistral"), card("m-lora", "mistral")], "junk", [None, 3]]) == {}
+    assert core.decide(RequestFacts(header_class="batch", model="m-lora")).reason == "unknown_model"
+
+
+def test_a_listed_name_never_takes_a_name_from_the_policy(clock):
+    core = listed_core(clock)
+    core.set_listings("pool_a", [[card("llama"), card("small")]])  # a replica of pool_a says it serves `small`
+    d = core.decide(RequestFacts(header_class="batch", model="small"))
+    assert (d.cluster, d.charge.model) == ("pool_b", "small")
+
+
+def test_reload_without_names_from_replicas_forgets_them(clock):
+    core = listed_core(clock)
+    core.set_listings("pool_a", [[card("llama"), card("sql-lora", "llama")]])
+    assert core.decide(RequestFacts(header_class="batch", model="sql-lora")).kind == ACCEPT
+    core.apply(make_policy(models={"llama": {"cluster": "pool_a"}, "small": {"cluster": "pool_b"}}, pools=POOLS,
+                           tenants=[]))
+    assert core.decide(RequestFacts(header_class="batch", model="sql-lora")).reason == "unknown_model"
+
+
+def test_names_from_replicas_needs_a_scraped_pool():
+    with pytest.raises(PolicyError) as e:
+        make_policy(models=LISTED, tenants=[])
+    assert any(err.startswith("models.llama.names_from_replicas: needs pools.pool_a") for err in e.value.errors)

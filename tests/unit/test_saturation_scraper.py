@@ -34,19 +34,29 @@ def real_metrics_with(waiting: str = "0.0", kv: str = "0.0", running: str = "0.0
 class RecordingCore:
     """Stands in for the AdmissionController: keeps what the scraper published."""
 
-    def __init__(self):
+    def __init__(self, listings: bool = False):
         self.published = []
+        self.listings = [] if listings else None  # what set_listings got, when models.names_from_replicas is on
 
     def set_saturation(self, pool, saturation):
         self.published.append(saturation)
 
+    def wants_listings(self, pool):
+        return self.listings is not None
+
+    def set_listings(self, pool, listings):
+        self.listings.append(listings)
+        return {}
+
 
 @contextlib.asynccontextmanager
-async def replica(handler, health: int = 200):
-    """A stand-in vLLM on 127.0.0.1 answering GET /metrics with `handler` (and /health with `health`); yields its
-    HOST:PORT."""
+async def replica(handler, health: int = 200, models=None):
+    """A stand-in vLLM on 127.0.0.1 answering GET /metrics with `handler` (and /health with `health`, GET /v1/models
+    with `models`); yields its HOST:PORT."""
     app = web.Application()
     app.router.add_get("/metrics", handler)
+    if models is not None:
+        app.router.add_get("/v1/models", models)
     async def health_check(request):
         return web.Response(status=health)
 
@@ -596,3 +606,24 @@ def test_while_a_replica_is_stalled_each_round_asks_the_others_health():
 
     sat, b_healthy = asyncio.run(rounds())
     assert sat.stalled == 1 and not b_healthy and sat.working == ()  # b draining: nothing to name
+
+
+# --- models.<name>.names_from_replicas: each replica's /v1/models is handed to the core ---
+
+def test_each_replicas_models_listing_is_handed_over_and_a_silent_one_keeps_its_last():
+    cards = [{"id": "llama", "parent": None}, {"id": "sql-lora", "parent": "llama"}]
+    answers = [web.json_response({"object": "list", "data": cards}), web.Response(status=500)]
+
+    async def models(request):
+        return answers.pop(0)
+
+    async def list_twice():
+        core = RecordingCore(listings=True)
+        async with replica(answering(real_metrics_with()), models=models) as address, \
+                aiohttp.ClientSession() as session:
+            scraper = PoolScraper(core, "pool_a", PoolSpec(replicas=[address]), session, clock=FakeClock())
+            await scraper._read_listings(scraper.clock())
+            await scraper._read_listings(scraper.clock())  # it answers 500 now: its last listing stands
+            return core.listings
+
+    assert asyncio.run(list_twice()) == [[cards], [cards]]

@@ -1,0 +1,58 @@
+"""The names a pool's replicas serve for a policy model, read from their `/v1/models`
+(`models.<name>.names_from_replicas`).
+
+vLLM lists a replica's served names (`--served-model-name`: cards without a `parent`, all of them the one model the
+process runs) and then its LoRA adapters (cards whose `parent` is the base model's name), those given at start-up
+and those loaded at runtime alike. A replica of pool P whose served names include a name of model M (M routed to
+P, with names_from_replicas on) serves every name it lists for M: its other served names and the adapters whose
+parent is one of them. Those names are admitted as M (M's cost model, M's metric labels), so a client reaches only
+a pool that the policy routes its model to and never adds a label; a name two pools serve is left out, a name the
+policy itself names keeps the policy's model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+MAX_NAMES_PER_POOL = 10_000  # a listing longer than any real fleet's is cut here: memory stays bounded
+
+
+def replica_names(cards: Any, known: dict[str, str]) -> dict[str, str]:
+    """One replica's `/v1/models` `data` -> each name it serves -> the policy model it is, given `known` (the
+    names the policy admits for this pool, with names_from_replicas on -> their model). Empty when its served names
+    include none of them, or when the listing is not vLLM's shape."""
+    if not isinstance(cards, list):
+        return {}
+    ids = [(c.get("id"), c.get("parent")) for c in cards if isinstance(c, dict)]
+    bases = [i for i, parent in ids if isinstance(i, str) and parent is None]
+    model = next((known[b] for b in bases if b in known), None)
+    if model is None:
+        return {}
+    served = dict.fromkeys(bases, model)
+    served.update((i, model) for i, parent in ids if isinstance(i, str) and parent in served)
+    return served
+
+
+def pool_names(listings: list[Any], known: dict[str, str]) -> dict[str, str]:
+    """What a pool serves: the union of its replicas' names (a runtime adapter is loaded one replica at a time:
+    admitted once the first has it), at most MAX_NAMES_PER_POOL."""
+    names: dict[str, str] = {}
+    for cards in listings:
+        for name, model in replica_names(cards, known).items():
+            if len(names) >= MAX_NAMES_PER_POOL:
+                return names
+            names.setdefault(name, model)
+    return names
+
+
+def merge(pools: dict[str, dict[str, str]], static: dict[str, str]) -> dict[str, str]:
+    """Every pool's names in one map, less those the policy names itself (its mapping wins) and those two pools
+    serve (which pool a client meant is not known: it gets 404, as before)."""
+    merged: dict[str, str] = {}
+    twice: set[str] = set()
+    for names in pools.values():
+        for name, model in names.items():
+            if name in merged and merged[name] != model:
+                twice.add(name)
+            merged[name] = model
+    return {name: model for name, model in merged.items() if name not in static and name not in twice}

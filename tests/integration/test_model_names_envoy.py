@@ -1,0 +1,78 @@
+"""One base model, many names, through real Envoy + the ext_proc + simulated vLLM replicas: LoRA adapters (given at
+start-up and loaded at runtime) and a served-name alias reach their model's pool, are counted as that model, an
+adapter's class degrades to the small model, and names nobody serves neither pass nor become metric labels."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+
+from extproc.tools.sim.fleet import SimFleet
+from tests.conftest import policy_file, until
+
+from .helpers import chat, metrics, post
+
+SPEED = 10.0
+ADAPTERS = [f"ft-{i}" for i in range(8)]
+
+
+def write_policy(tmp_path, replicas: list[str]):
+    tuned = {"max_concurrency": 1, "max_queue": 0, "max_wait_ms": 0, "on_overflow": "fallback",
+             "fallback": {"action": "degrade", "model": "llama-8b", "max_tokens": 2}}
+    models = {"llama-70b": {"cluster": "vllm_llama70b", "names_from_replicas": True},
+              "llama-8b": {"cluster": "vllm_llama8b", "aliases": ["llama-3.1-8b-instruct"]}}
+    return policy_file(tmp_path, classes={"interactive": {"max_concurrency": 8, "max_queue": 0, "max_wait_ms": 0},
+                                          "tuned": tuned},
+                       models=models, tenants=[], shed={},
+                       pools={"vllm_llama70b": {"replicas": replicas, "models_interval_ms": 200}})
+
+
+async def answer(http, url: str, model: str, **extra):
+    status, headers, body = await post(http, url, chat(model=model, **extra))
+    doc = json.loads(body)
+    return status, headers.get("x-extproc-decision"), doc.get("model") or doc["error"]["message"]
+
+
+async def test_adapters_and_aliases_reach_their_models_pool_and_degrade_to_the_small_model(make_stack, tmp_path):
+    big = SimFleet("h100-llama70b-awq", replicas=2, speed=SPEED, model_names=["llama-70b"],
+                   lora_modules=[f"{a}=/adapters/{a}" for a in ADAPTERS], runtime_lora=True)
+    small = SimFleet("h100-llama8b", replicas=1, speed=SPEED, model_names=["llama-8b", "llama-3.1-8b-instruct"])
+    async with big, small, aiohttp.ClientSession() as http:
+        s = make_stack(write_policy(tmp_path, [f"127.0.0.1:{p}" for p in big.ports]),
+                       pools={"vllm_llama70b": [("127.0.0.1", p) for p in big.ports],
+                              "vllm_llama8b": [("127.0.0.1", small.ports[0])]})
+        # An adapter given at start-up: admitted once the replicas' /v1/models were read, answered by the 70B pool.
+        assert await until(lambda: answer(http, s.url, "ft-3"), 10, holds=lambda a: a[0] == 200) == \
+            (200, "accept", "ft-3")
+        # The 8B's alias reaches the 8B pool (which answers under its first served name).
+        assert await answer(http, s.url, "llama-3.1-8b-instruct") == (200, "accept", "llama-8b")
+
+        # An adapter loaded at runtime: refused until a replica lists it, then served.
+        assert (await answer(http, s.url, "late-a"))[:2] == (404, "invalid")
+        for url in big.urls:
+            async with http.post(url + "/v1/load_lora_adapter",
+                                 json={"lora_name": "late-a", "lora_path": "/adapters/late-a"}) as r:
+                assert r.status == 200
+        assert await until(lambda: answer(http, s.url, "late-a"), 10, holds=lambda a: a[0] == 200) == \
+            (200, "accept", "late-a")
+
+        # The adapter's class is full: the next request of the class degrades to the 8B model, its body rewritten.
+        held = asyncio.create_task(post(http, s.url, chat(model="ft-1", max_tokens=3000, ignore_eos=True),
+                                        {"x-priority": "tuned"}))
+        await until(lambda: metrics(http, s.metrics_url),
+                    holds=lambda ms: ms.get(("extproc_inflight", frozenset({("class", "tuned")}))) == 1)
+        status, headers, body = await post(http, s.url, chat(model="ft-2", max_tokens=50), {"x-priority": "tuned"})
+        doc = json.loads(body)
+        assert (status, headers.get("x-extproc-decision"), doc["model"]) == (200, "degrade", "llama-8b")
+        assert doc["usage"]["completion_tokens"] <= 2
+        held.cancel()
+
+        # Names nobody serves: 404 from the ext_proc, and no metric series of their own.
+        for i in range(200):
+            assert (await answer(http, s.url, f"bogus-{i}"))[:2] == (404, "invalid")
+        ms = await metrics(http, s.metrics_url)
+        models = {dict(labels).get("model") for _, labels in ms} - {None}
+        assert models <= {"llama-70b", "llama-8b"}, models
+        assert not any("bogus" in value for _, labels in ms for _, value in labels)
