@@ -162,6 +162,7 @@ class PoolScraper:
         self._published_at = clock()  # as if just published: the first round has stale_ms to fail before it counts
         self._round_complained_at = -math.inf
         self._listed_at = -math.inf
+        self._listing: asyncio.Task | None = None  # the /v1/models read in flight
         self._served: dict[str, str] = {}  # the names last taken from the replicas' /v1/models
 
     async def run(self) -> None:
@@ -169,13 +170,17 @@ class PoolScraper:
         neither does a bug in one round: that is logged, and the pool counts as saturated once its last published
         reading is older than stale_ms."""
         interval = self.spec.scrape_interval_ms / 1000.0
-        while True:
-            started = self.clock()
-            try:
-                await self._round(started)
-            except Exception:  # noqa: BLE001 - the loop must outlive any one round
-                self._round_failed()
-            await asyncio.sleep(max(interval - (self.clock() - started), 0.0))
+        try:
+            while True:
+                started = self.clock()
+                try:
+                    await self._round(started)
+                except Exception:  # noqa: BLE001 - the loop must outlive any one round
+                    self._round_failed()
+                await asyncio.sleep(max(interval - (self.clock() - started), 0.0))
+        finally:
+            if self._listing is not None:
+                self._listing.cancel()
 
     async def _round(self, started: float) -> None:
         if not self.spec.replicas and self.spec.envoy_admin and started - self._last_discovery > 5.0:
@@ -199,16 +204,23 @@ class PoolScraper:
         self.core.set_saturation(self.name, self.aggregate(now))
         self._published_at = now
         if started - self._listed_at >= self.spec.models_interval_ms / 1000.0 and self.core.wants_listings(self.name):
-            await self._read_listings(started)
+            # Beside the rounds, not in them: a replica slow to list its models must not delay the saturation
+            # reading (stale_ms counts from it). One read at a time.
+            self._listed_at = started
+            if self._listing is None or self._listing.done():
+                self._listing = asyncio.create_task(self._read_listings())
 
-    async def _read_listings(self, started: float) -> None:
+    async def _read_listings(self) -> None:
         """Every replica's /v1/models, for the names it serves (policy.served). One that does not answer keeps its
         last listing (a replica too loaded to answer still serves its adapters); one that refuses the connection
         (dead, restarting) and one that left the pool list nothing."""
-        self._listed_at = started
-        await asyncio.gather(*(self._list(r) for r in self.replicas.values()))
+        await asyncio.gather(*(self._list(r) for r in list(self.replicas.values())))
         listings = [r.listing for r in self.replicas.values() if r.listing is not None and not r.refused]
-        served = self.core.set_listings(self.name, listings)
+        try:
+            served = self.core.set_listings(self.name, listings)
+        except Exception:  # noqa: BLE001 - the names stay as they were; the next read tries again
+            log.exception("pool %s: the replicas' /v1/models listings were not taken", self.name)
+            return
         if served != self._served:
             added, gone = sorted(set(served) - set(self._served)), sorted(set(self._served) - set(served))
             log.info("pool %s: names from its replicas' /v1/models: %d (added: %s; gone: %s)", self.name,

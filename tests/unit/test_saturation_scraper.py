@@ -622,8 +622,27 @@ def test_each_replicas_models_listing_is_handed_over_and_a_silent_one_keeps_its_
         async with replica(answering(real_metrics_with()), models=models) as address, \
                 aiohttp.ClientSession() as session:
             scraper = PoolScraper(core, "pool_a", PoolSpec(replicas=[address]), session, clock=FakeClock())
-            await scraper._read_listings(scraper.clock())
-            await scraper._read_listings(scraper.clock())  # it answers 500 now: its last listing stands
+            await scraper._read_listings()
+            await scraper._read_listings()  # it answers 500 now: its last listing stands
             return core.listings
 
     assert asyncio.run(list_twice()) == [[cards], [cards]]
+
+
+def test_a_replica_slow_to_list_its_models_does_not_delay_the_saturation_readings():
+    async def slow_models(request):
+        await asyncio.sleep(1.5)  # past the scraper's 0.5 s timeout
+        return web.json_response({"data": []})
+
+    async def run_a_while():
+        core = RecordingCore(listings=True)
+        async with replica(answering(real_metrics_with()), models=slow_models) as address, \
+                aiohttp.ClientSession() as session:
+            spec = PoolSpec(replicas=[address], scrape_interval_ms=50, models_interval_ms=200)
+            task = asyncio.create_task(PoolScraper(core, "pool_a", spec, session).run())
+            await asyncio.sleep(0.6)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        return len(core.published)
+
+    assert asyncio.run(run_a_while()) >= 6  # a round every 50 ms, none waiting for /v1/models
