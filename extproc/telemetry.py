@@ -236,6 +236,8 @@ class Telemetry:
             est = d.charge.estimate
             line.update(model=d.charge.model, prompt_tokens=est.prompt_tokens, max_tokens=est.max_tokens,
                         gpu_seconds=round(est.gpu_seconds, 4))
+            if d.charge.alias is not None:
+                line["model_alias"] = d.charge.alias
         if d.shadow_would is not None:
             line.update(would=d.shadow_would.kind, would_reason=d.shadow_would.reason)
         decision_log.info(json.dumps(line, separators=(",", ":")))

@@ -204,6 +204,8 @@ class AdmissionController:
             session = self.sessions.get(c.tenant, facts.session_id, now)
         charge = Charge(name, est, self.tenant_limits.get(c.tenant), session, facts.request_id,
                         facts.reads_usage)
+        if facts.model != name:
+            charge.alias = facts.model  # an alias or adapter: for the decision log, never a metric label
         if not (facts.generates and facts.cannable):
             charge.fallbacks = ("reject", *(("degrade",) if facts.generates else ()),
                                 *(("canned",) if facts.cannable else ()))

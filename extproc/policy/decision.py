@@ -45,7 +45,7 @@ class Charge:
     """What one request is estimated to cost, and whom it is charged to; settled once when it ends."""
 
     __slots__ = ("model", "estimate", "tenant", "session", "request_id", "tokens", "fallbacks", "prepaid",
-                 "reads_usage")
+                 "reads_usage", "alias")
 
     def __init__(self, model: str, estimate: CostEstimate, tenant: TenantLimits | None, session: Session | None,
                  request_id: str = "", reads_usage: bool = True):
@@ -62,6 +62,7 @@ class Charge:
         # Taken from the tenant's and the session's per-minute buckets when it was queued: a queue must not hold
         # more of a tenant's requests than its rate allows (given back if it is never admitted).
         self.prepaid = False
+        self.alias: str | None = None  # the name the client sent, when it is another name of `model`
 
 
     def tokens_for(self, estimate: CostEstimate) -> int:

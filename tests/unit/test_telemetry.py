@@ -410,3 +410,16 @@ def test_a_refusal_before_any_charge_logs_the_clients_request_id(caplog):
     core.invalid(400, "invalid_body", "bad", RequestFacts(api_key="kf", request_id="req-456"))
     ids = [json.loads(r.getMessage())["request_id"] for r in caplog.records if r.name == "extproc.decisions"]
     assert ids == ["req-123", "req-456"]
+
+
+def test_the_decision_log_names_the_adapter_a_request_asked_for_and_no_metric_does(caplog):
+    """Aliases and LoRA adapters are admitted and counted as their model; the log line keeps the name sent."""
+    t = Telemetry(log_per_s=0, log_accept_sample=1.0)
+    policy = make_policy(models={"llama": {"cluster": "pool_a", "aliases": ["sql-lora"]}}, tenants=[])
+    core = AdmissionController(policy, clock=lambda: 1000.0, events=t)
+    caplog.set_level("INFO", logger="extproc.decisions")
+    core.decide(RequestFacts(header_class="batch", model="sql-lora"))
+    core.decide(RequestFacts(header_class="batch", model="llama"))
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "extproc.decisions"]
+    assert [(x["model"], x.get("model_alias")) for x in lines] == [("llama", "sql-lora"), ("llama", None)]
+    assert b"sql-lora" not in generate_latest(t.registry)
