@@ -1,5 +1,6 @@
 """LoRA adapters as vLLM serves them: --lora-modules, /v1/models cards, runtime load/unload, errors."""
 
+import asyncio
 import json
 
 import aiohttp
@@ -87,3 +88,56 @@ def test_lora_module_forms():
     for bad in ("a", "=p", "a=", '{"name": "a"}'):
         with pytest.raises(ValueError):
             parse_module(bad)
+
+
+def test_max_loras_passes_over_requests_for_another_adapter_as_vllm_does():
+    from extproc.tools.sim.engine import Engine
+    from extproc.tools.sim.profile import load_profile
+
+    def running_after_one_step(max_loras):
+        engine = Engine(load_profile("h100-llama70b-awq"), max_loras=max_loras)
+        for lora in (1, 2, 1, 0, 2):
+            engine.add_request(16, 4, 0.0, natural_tokens=4, lora=lora)
+        engine.end_iteration(engine.begin_iteration(0.0))
+        return sorted(s.lora for s in engine.running), sorted(s.lora for s in engine.waiting), engine
+
+    running, waiting, engine = running_after_one_step(1)
+    # adapter 2 waits behind adapter 1 (the base model's request is no adapter and goes by), in its order
+    assert (running, waiting) == ([0, 1, 1], [2, 2]) and [s.id for s in engine.waiting] == [1, 4]
+    t = 0.0
+    while any(s.lora == 1 for s in engine.running):  # until adapter 1's requests end
+        t += engine.begin_iteration(t)
+        engine.end_iteration(t)
+    engine.begin_iteration(t)
+    assert sorted(s.lora for s in engine.running if s.lora) == [2, 2]
+    assert running_after_one_step(2)[:2] == ([0, 1, 1, 2, 2], [])
+    assert running_after_one_step(None)[:2] == ([0, 1, 1, 2, 2], [])
+
+
+async def test_a_fleet_serving_adapters_runs_one_adapter_at_a_time_by_default(http):
+    async with SimFleet("h100-llama70b-awq", port=0, speed=5, model_names=[BASE],
+                        lora_modules=["a=/a", "b=/b"]) as fleet:
+        replica = fleet.replicas[0]
+        assert replica.engine.max_loras == 1 and replica.loras.ids == {"a": 1, "b": 2}
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "ignore_eos": True}
+        calls = [http.post(fleet.urls[0] + "/v1/chat/completions", json={**body, "model": m}) for m in "ab"]
+        tasks = [asyncio.ensure_future(c) for c in calls]
+        await asyncio.sleep(0.1)
+        state = replica.state()
+        assert (state["running"], state["waiting"]) == (1, 1)
+        for t in tasks:
+            (await t).release()
+
+
+def test_requests_held_back_by_the_lora_budget_are_waiting_for_reason_deferred():
+    from extproc.tools.sim.engine import Engine
+    from extproc.tools.sim.metrics import ReplicaMetrics
+    from extproc.tools.sim.profile import load_profile
+
+    engine = Engine(load_profile("h100-llama70b-awq"), max_loras=1)
+    for lora in (1, 2, 3):
+        engine.add_request(16, 4, 0.0, lora=lora)
+    engine.begin_iteration(0.0)
+    text = ReplicaMetrics(BASE).render(engine)
+    assert 'vllm:num_requests_waiting{engine="0",model_name="llama-70b"} 2.0' in text
+    assert 'reason="deferred"} 2.0' in text and 'reason="capacity"} 0.0' in text

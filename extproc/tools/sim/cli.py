@@ -23,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="LoRA adapters served on top of the model, as vLLM's flag: name=path or JSON "
                              "{\"name\", \"path\", \"base_model_name\"}; with VLLM_ALLOW_RUNTIME_LORA_UPDATING=true "
                              "in the environment POST /v1/load_lora_adapter and /v1/unload_lora_adapter add more")
+    parser.add_argument("--max-loras", type=int, default=1,
+                        help="vLLM's --max-loras: LoRA adapters in one batch at most (vLLM's default 1); a request "
+                             "for another adapter waits until one's requests end")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=None,
                         help="vLLM's --scheduling-policy: priority orders by the request's `priority` (lower first) "
@@ -37,7 +40,8 @@ async def _serve(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     async with SimFleet(args.profile, replicas=args.replicas, host=args.host, port=args.port, speed=args.speed,
                         model_names=args.model_names, seed=args.seed,
-                        scheduling_policy=args.scheduling_policy, lora_modules=args.lora_modules) as fleet:
+                        scheduling_policy=args.scheduling_policy, lora_modules=args.lora_modules,
+                        max_loras=args.max_loras) as fleet:
         print(f"sim ready: {' '.join(fleet.urls)} profile={fleet.profile.name} "
               f"models={','.join(fleet.profile.model_names)} "
               f"lora={','.join(fleet.replicas[0].loras.adapters) or '-'} speed={args.speed:g} "

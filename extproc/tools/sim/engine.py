@@ -47,6 +47,7 @@ class Sequence:
     finish_reason: str | None = None
     preemptions: int = 0
     priority: int = 0  # the request's `priority`: lower runs first (only under the priority policy)
+    lora: int = 0  # its LoRA adapter's id (vLLM's lora_int_id, from 1); 0: the base model
 
     @property
     def length(self) -> int:
@@ -111,8 +112,11 @@ class EngineStats:
 class Engine:
     """Continuous-batching scheduler and cost model for one simulated replica."""
 
-    def __init__(self, profile: Profile, seed: int = 0):
+    def __init__(self, profile: Profile, seed: int = 0, max_loras: int | None = None):
         self.profile = profile
+        # vLLM's --max-loras with --enable-lora (None: LoRA off): adapters in one batch at most; a waiting request
+        # for another adapter is passed over (it stays waiting, and counts as waiting) until one's requests end.
+        self.max_loras = max_loras
         self.rng = random.Random(seed)
         self.priority = profile.scheduling_policy == PRIORITY
         self.waiting: deque[Sequence] | PriorityWaiting = PriorityWaiting() if self.priority else deque()
@@ -125,7 +129,7 @@ class Engine:
 
     # -- requests -------------------------------------------------------------------------------------------
     def add_request(self, prompt_tokens: int, max_tokens: int, now: float,
-                    natural_tokens: int | None = None, priority: int = 0) -> Sequence:
+                    natural_tokens: int | None = None, priority: int = 0, lora: int = 0) -> Sequence:
         """Queue a request; its output length is drawn now so it is fixed by the seed and arrival order.
         `priority` orders it only under the priority policy (fcfs ignores it, as vLLM does)."""
         natural = self.profile.natural_output_tokens(self.rng)
@@ -133,7 +137,7 @@ class Engine:
             natural = natural_tokens
         cost = self.profile.cost_multiplier.sample(self.rng)
         seq = Sequence(self._next_id, prompt_tokens, max_tokens, min(max_tokens, natural), now, cost,
-                       priority=priority)
+                       priority=priority, lora=lora)
         self._next_id += 1
         self.waiting.append(seq)
         return seq
@@ -151,6 +155,17 @@ class Engine:
     @property
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
+
+    @property
+    def deferred(self) -> int:
+        """Waiting requests held back by the LoRA budget alone (vLLM 0.32's waiting reason `deferred`): for an
+        adapter other than the --max-loras ones running now."""
+        if self.max_loras is None:
+            return 0
+        running = {s.lora for s in self.running if s.lora}
+        if len(running) < self.max_loras:
+            return 0
+        return sum(1 for s in self.waiting if s.lora and s.lora not in running)
 
     @property
     def kv_usage(self) -> float:
@@ -237,9 +252,14 @@ class Engine:
             budget -= n
             i += 1
         # Like vLLM, admit nobody new in an iteration that had to preempt: memory is the bottleneck.
+        loras = {s.lora for s, _ in batch if s.lora}
+        passed_over: list[Sequence] = []
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.profile.max_num_seqs):
             seq = self.waiting[0]
+            if seq.lora and self.max_loras is not None and len(loras) >= self.max_loras and seq.lora not in loras:
+                passed_over.append(self.waiting.popleft())  # as vLLM: skipped, the ones behind it may go
+                continue
             n = min(seq.length - seq.computed, budget)
             if not self._allocate(seq, seq.computed + n):
                 break  # FIFO: the head waits for memory, nobody overtakes it
@@ -250,6 +270,10 @@ class Engine:
             self.running.append(seq)
             batch.append((seq, n))
             budget -= n
+            if seq.lora:
+                loras.add(seq.lora)
+        for seq in reversed(passed_over):  # back at the head, in their order
+            self.waiting.appendleft(seq)
         return batch
 
     def _victim(self) -> Sequence:

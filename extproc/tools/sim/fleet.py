@@ -16,9 +16,10 @@ class SimFleet:
     def __init__(self, profile: Profile | str, replicas: int = 1, host: str = "127.0.0.1", port: int = 0,
                  speed: float = 1.0, model_names: list[str] | None = None, seed: int = 0,
                  scheduling_policy: str | None = None, lora_modules: list[str] = (),
-                 runtime_lora: bool | None = None):
+                 runtime_lora: bool | None = None, max_loras: int = 1):
         """`lora_modules`: vLLM's `--lora-modules` values (`name=path` or JSON); `runtime_lora`: serve the
-        load/unload endpoints (default: as VLLM_ALLOW_RUNTIME_LORA_UPDATING says, as vLLM does)."""
+        load/unload endpoints (default: as VLLM_ALLOW_RUNTIME_LORA_UPDATING says, as vLLM does); `max_loras`:
+        vLLM's --max-loras (default 1, as vLLM's): adapters in one batch at most."""
         profile = load_profile(profile) if isinstance(profile, str) else profile
         if model_names:
             profile = profile.with_model_names(model_names)
@@ -31,8 +32,8 @@ class SimFleet:
         self.base_port = port
         adapters = [parse_module(m) for m in lora_modules]
         runtime = runtime_updating_from_env() if runtime_lora is None else runtime_lora
-        self.replicas = [Replica(profile, speed=speed, seed=seed + i, lora_modules=adapters, runtime_lora=runtime)
-                         for i in range(replicas)]
+        self.replicas = [Replica(profile, speed=speed, seed=seed + i, lora_modules=adapters, runtime_lora=runtime,
+                                 max_loras=max_loras) for i in range(replicas)]
         self.servers: list[asyncio.AbstractServer] = []
         self.ports: list[int] = []
 

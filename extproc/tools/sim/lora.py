@@ -50,11 +50,16 @@ class LoraRegistry:
     def __init__(self, served: tuple[str, ...], modules: list[Adapter] = ()):
         self.served = served
         self.adapters: dict[str, Adapter] = {}
+        self.ids: dict[str, int] = {}  # vLLM's lora_int_id: from 1, kept by a load in place
         for a in modules:
-            self.adapters[a.name] = self._based(a)
+            self._add(self._based(a))
 
     def __contains__(self, name: str) -> bool:
         return name in self.adapters
+
+    def _add(self, a: Adapter) -> None:
+        self.adapters[a.name] = a
+        self.ids.setdefault(a.name, max(self.ids.values(), default=0) + 1)
 
     def parent(self, a: Adapter) -> str:
         return a.base or self.served[0]
@@ -73,7 +78,7 @@ class LoraRegistry:
         if name in self.adapters and not inplace:
             raise ApiError(400, f"The lora adapter '{name}' has already been loaded. If you want to load the "
                                 f"adapter in place, set 'load_inplace' to True.", "InvalidUserInput")
-        self.adapters[name] = Adapter(name, path)
+        self._add(Adapter(name, path))
         return f"Success: LoRA adapter '{name}' added successfully."
 
     def unload(self, raw: bytes) -> str:
@@ -83,6 +88,7 @@ class LoraRegistry:
             raise ApiError(400, "'lora_name' needs to be provided to unload a LoRA adapter.", "InvalidUserInput")
         if self.adapters.pop(name, None) is None:
             raise ApiError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+        del self.ids[name]
         return f"Success: LoRA adapter '{name}' removed successfully."
 
 

@@ -114,9 +114,10 @@ class ReplicaMetrics:
             lines.append(f'vllm:request_success_total{{{labels},finished_reason="{reason}"}} {float(count)!r}')
         family("vllm:num_requests_waiting_by_reason", "gauge",
                "Number of requests waiting to be processed, by reason.")
-        waiting = float(len(engine.waiting))
+        deferred = engine.deferred
+        waiting = float(len(engine.waiting) - deferred)
         lines.append(f'vllm:num_requests_waiting_by_reason{{{labels},reason="capacity"}} {waiting!r}')
-        lines.append(f'vllm:num_requests_waiting_by_reason{{{labels},reason="deferred"}} 0.0')
+        lines.append(f'vllm:num_requests_waiting_by_reason{{{labels},reason="deferred"}} {float(deferred)!r}')
         for name, hist, help_text in (
             ("vllm:time_to_first_token_seconds", self.ttft, "Histogram of time to first token in seconds."),
             ("vllm:inter_token_latency_seconds", self.inter_token, "Histogram of inter-token latency in seconds."),

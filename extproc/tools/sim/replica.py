@@ -66,13 +66,14 @@ class Replica:
     """A simulated vLLM replica: HTTP handler plus the engine loop that paces iterations in real time."""
 
     def __init__(self, profile: Profile, speed: float = 1.0, seed: int = 0, lora_modules: list[Adapter] = (),
-                 runtime_lora: bool = False):
+                 runtime_lora: bool = False, max_loras: int = 1):
         self.profile = profile
         self.speed = speed
         self.loras = LoraRegistry(profile.model_names, lora_modules)
         # vLLM registers the load/unload endpoints only with VLLM_ALLOW_RUNTIME_LORA_UPDATING set.
         self.runtime_lora = runtime_lora
-        self.engine = Engine(profile, seed=seed)
+        # LoRA is on (vLLM's --enable-lora) when adapters are given or may be loaded; then --max-loras applies.
+        self.engine = Engine(profile, seed=seed, max_loras=max_loras if lora_modules or runtime_lora else None)
         self.metrics = ReplicaMetrics(profile.model_names[0])
         self.faults = Faults()
         self._fault_rng = random.Random(seed + 7919)
@@ -244,7 +245,7 @@ class Replica:
         max_tokens = parsed.max_tokens
         seq = self.engine.add_request(parsed.prompt_tokens, max_tokens, self._clock.now(),
                                       natural_tokens=fixed_output_tokens(max_tokens, parsed.ignore_eos),
-                                      priority=parsed.priority)
+                                      priority=parsed.priority, lora=self.loras.ids.get(parsed.model, 0))
         self._active[seq.id] = _Active(seq, writer, renderer)
         writer.on_disconnect = lambda: self._abort(seq)
         if parsed.stream:
