@@ -410,7 +410,8 @@ class _CoreGauges:
         kv = GaugeMetricFamily("extproc_pool_kv_cache_usage", "Highest vllm:kv_cache_usage_perc among the pool's "
                                "replicas (0-1).", labels=["pool"])
         waiting = GaugeMetricFamily("extproc_pool_waiting", "Highest vllm:num_requests_waiting among the pool's "
-                                    "replicas.", labels=["pool"])
+                                    "replicas, less those deferred by the LoRA budget (vLLM's "
+                                    "num_requests_waiting_by_reason{reason=\"deferred\"}).", labels=["pool"])
         stalled = GaugeMetricFamily("extproc_pool_stalled_replicas", "Replicas that hold requests while their "
                                     "token counters stood still for the pool's stall_ms (a hung engine).",
                                     labels=["pool"])

@@ -171,7 +171,10 @@ class PoolSpec:
                         minimum=100)
     kv_saturated: float = doc("vllm:kv_cache_usage_perc at or above this is saturation.", 0.9, minimum=0.1,
                               maximum=1)
-    waiting_saturated: float = doc("vllm:num_requests_waiting per replica at or above this is saturation (0: "
+    waiting_saturated: float = doc("vllm:num_requests_waiting per replica at or above this is saturation, not "
+                                   "counting requests vLLM defers for its LoRA budget (`--max-loras`: "
+                                   "num_requests_waiting_by_reason{reason=\"deferred\"}), which wait for an adapter "
+                                   "slot, not for room (0: "
                                    "waiting requests are not a signal).", 1.0,
                                    minimum=0)
     stall_ms: int = doc("A replica that holds requests (running or waiting) while its token counters "

@@ -39,7 +39,13 @@ _WANTED = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": 
            "vllm:kv_cache_usage_perc": "kv", "vllm:num_preemptions_total": "preemptions",
            "vllm:prompt_tokens_total": "tokens", "vllm:generation_tokens_total": "tokens",
            "process_start_time_seconds": "started",
-           "vllm:inter_token_latency_seconds_sum": "itl_sum", "vllm:inter_token_latency_seconds_count": "itl_count"}
+           "vllm:inter_token_latency_seconds_sum": "itl_sum", "vllm:inter_token_latency_seconds_count": "itl_count",
+           "vllm:num_requests_waiting_by_reason": "deferred"}
+# vLLM 0.32 splits the waiting requests by reason (tests/fixtures/vllm/metrics.txt): `capacity`, and `deferred by
+# transient constraints (LoRA budget, KV transfer, blocked status)`. Only the line of the deferred is read: they wait
+# for an adapter slot (--max-loras, 1 by default), not for room, and must not read as saturation (eight requests for
+# eight adapters kept seven waiting with the KV cache empty, and the pool read saturated).
+_DEFERRED = re.compile(rb'[{,][ \t]*reason="deferred"')
 _HIGHEST = ("kv", "started")  # the highest of their label sets (processes), not the sum
 # The token counters are progress: a replica that holds requests while neither moves is stalled (`stall_ms`).
 # Optional: without them (an older vLLM, another server) the stall rule is off for that replica.
@@ -87,6 +93,8 @@ def parse_vllm_metrics(body: bytes | str) -> dict[str, float]:
         if sample is None or not math.isfinite(value) or value < 0:
             raise UnreadableMetrics(f"{name} has no finite non-negative value: {match.group(0)[:200]!r}")
         key = _WANTED[name]
+        if key == "deferred" and not _DEFERRED.search(match.group(2)):
+            continue  # reason="capacity" (or another): counted in the total already
         out[key] = max(out[key], value) if key in _HIGHEST else out[key] + value
         seen.add(name)
     missing = [n for n in _REQUIRED if n not in seen]
@@ -326,7 +334,7 @@ class PoolScraper:
                 working.append((r, m["running"] + m["waiting"]))
             paced.append(r)
             sat.kv_usage = max(sat.kv_usage, m["kv"])
-            sat.waiting = max(sat.waiting, m["waiting"])
+            sat.waiting = max(sat.waiting, m["waiting"] - min(m.get("deferred", 0.0), m["waiting"]))
             sat.running += m["running"]
             sat.preempting = sat.preempting or bool(m["preempting"])
         if sat.kv_usage >= spec.kv_saturated or (spec.waiting_saturated and sat.waiting >= spec.waiting_saturated) \

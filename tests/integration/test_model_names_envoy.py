@@ -26,7 +26,8 @@ def write_policy(tmp_path, replicas: list[str]):
     return policy_file(tmp_path, classes={"interactive": {"max_concurrency": 8, "max_queue": 0, "max_wait_ms": 0},
                                           "tuned": tuned},
                        models=models, tenants=[], shed={},
-                       pools={"vllm_llama70b": {"replicas": replicas, "models_interval_ms": 200}})
+                       pools={"vllm_llama70b": {"replicas": replicas, "models_interval_ms": 200,
+                                                "scrape_interval_ms": 100}})
 
 
 async def answer(http, url: str, model: str, **extra):
@@ -68,6 +69,19 @@ async def test_adapters_and_aliases_reach_their_models_pool_and_degrade_to_the_s
         assert (status, headers.get("x-extproc-decision"), doc["model"]) == (200, "degrade", "llama-8b")
         assert doc["usage"]["completion_tokens"] <= 2
         held.cancel()
+
+        # Requests for six adapters at once: vLLM (--max-loras 1) runs one adapter's at a time per replica and keeps
+        # the others waiting, deferred for its LoRA budget. That is not saturation: the pool must not read saturated.
+        burst = asyncio.gather(*[post(http, s.url, chat(model=f"ft-{i}", max_tokens=1000, ignore_eos=True))
+                                 for i in range(6)])
+        deferred = saturated = 0
+        while not burst.done():
+            deferred = max([deferred] + [r.engine.deferred for r in big.replicas])
+            ms = await metrics(http, s.metrics_url)
+            saturated = max(saturated, ms.get(("extproc_pool_saturated", frozenset({("pool", "vllm_llama70b")}))))
+            await asyncio.sleep(0.05)
+        assert all(status == 200 for status, _, _ in await burst)
+        assert deferred >= 1 and saturated == 0, (deferred, saturated)
 
         # Names nobody serves: 404 from the ext_proc, and no metric series of their own.
         for i in range(200):

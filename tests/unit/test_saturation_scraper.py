@@ -96,7 +96,7 @@ def only_replica(scraper: PoolScraper):
 def test_the_real_vllm_metrics_are_read():
     m = parse_vllm_metrics(real_metrics_with(waiting="3.0", kv="0.42", running="2.0"))
     assert m == {"running": 2.0, "waiting": 3.0, "kv": 0.42, "preemptions": 0.0, "tokens": 2341.0 + 8193.0,
-                 "started": 1.79621509968e+09, "itl_sum": 52.43323827200152, "itl_count": 8085.0}
+                 "started": 1.79621509968e+09, "itl_sum": 52.43323827200152, "itl_count": 8085.0, "deferred": 0.0}
 
 
 def test_a_replica_serving_the_real_vllm_metrics_is_read_and_not_saturated():
@@ -646,3 +646,20 @@ def test_a_replica_slow_to_list_its_models_does_not_delay_the_saturation_reading
         return len(core.published)
 
     assert asyncio.run(run_a_while()) >= 6  # a round every 50 ms, none waiting for /v1/models
+
+
+def test_requests_vllm_defers_for_its_lora_budget_are_not_saturation():
+    """vLLM 0.32 (--max-loras, 1 by default) keeps requests for a second adapter waiting while the first one's run:
+    num_requests_waiting counts them, num_requests_waiting_by_reason{reason="deferred"} says they wait for an
+    adapter slot, not for room."""
+    body = real_metrics_with(waiting="7.0", running="1.0")
+    body = body.replace(b'reason="deferred"} 0.0', b'reason="deferred"} 7.0')
+    m = parse_vllm_metrics(body)
+    assert (m["waiting"], m["deferred"]) == (7.0, 7.0)
+    scraper = asyncio.run(scrape_once(answering(body)))
+    sat = scraper.aggregate(scraper.clock())
+    assert not sat.saturated and sat.waiting == 0
+    # One waiting for room besides them is saturation again, as before.
+    scraper = asyncio.run(scrape_once(answering(body.replace(b'reason="capacity"} 0.0', b'reason="capacity"} 1.0')
+                                                .replace(b'reason="deferred"} 7.0', b'reason="deferred"} 6.0'))))
+    assert scraper.aggregate(scraper.clock()).saturated
