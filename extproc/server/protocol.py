@@ -31,10 +31,10 @@ CONTINUE = {
 # A request whose usage is learned: also send the response headers (the body mode is picked there).
 # mode_override replaces the whole mode, so every phase is spelled out (an unset one means NONE/SKIP).
 LEARN_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse(), mode_override=_Mode(
-    request_header_mode=_Mode.SEND, request_body_mode=_Mode.BUFFERED, request_trailer_mode=_Mode.SKIP,
+    request_header_mode=_Mode.SEND, request_body_mode=_Mode.BUFFERED, request_trailer_mode=_Mode.SEND,
     response_header_mode=_Mode.SEND, response_body_mode=_Mode.NONE, response_trailer_mode=_Mode.SEND))
 LEARN_BODY = {sse: pb.ProcessingResponse(response_headers=pb.HeadersResponse(), mode_override=_Mode(
-    request_header_mode=_Mode.SEND, request_body_mode=_Mode.BUFFERED, request_trailer_mode=_Mode.SKIP,
+    request_header_mode=_Mode.SEND, request_body_mode=_Mode.BUFFERED, request_trailer_mode=_Mode.SEND,
     response_header_mode=_Mode.SEND, response_body_mode=_Mode.STREAMED if sse else _Mode.BUFFERED,
     response_trailer_mode=_Mode.SEND)) for sse in (False, True)}
 

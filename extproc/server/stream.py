@@ -261,6 +261,11 @@ class Stream:
             return self.held
         return self._answer(d, None)
 
+    def _on_request_trailers(self, msg: pb.HttpTrailers) -> Answer:
+        # An HTTP/2 request may end with trailers and no DATA at all; Envoy then sends no body message, and a
+        # CONTINUE here would let it upstream undecided. It has no body: refuse it as an empty one.
+        return self._refuse(empty_body())
+
     def _answer(self, d: Decision, queue_wait_ms: int | None) -> Answer:
         body = self.request.body
         if type(d) is Refusal:
@@ -422,7 +427,8 @@ _NO_MESSAGES = dict.fromkeys(("request_headers", "request_body", "request_traile
 # changes nothing.
 TRANSITIONS: dict[Phase, dict[str, Handler]] = {
     Phase.HEADERS: {"request_headers": Stream._on_request_headers},    # -> BODY, or ANSWERED (refused)
-    Phase.BODY: {"request_body": Stream._on_request_body},             # -> FORWARDING, ANSWERED or ADMITTING
+    Phase.BODY: {"request_body": Stream._on_request_body,              # -> FORWARDING, ANSWERED or ADMITTING
+                 "request_trailers": Stream._on_request_trailers},     # -> ANSWERED (no body came)
     Phase.ADMITTING: _NO_MESSAGES,                                     # admitted() -> FORWARDING or ANSWERED
     Phase.FORWARDING: {"response_headers": Stream._on_response_headers},  # -> READING_USAGE (usage read)
     Phase.READING_USAGE: {"response_headers": Stream._on_response_headers,

@@ -468,8 +468,8 @@ def test_envoy_patch_policy_values_pass_envoy_validate(gateway, tmp_path):
         op, value = p["operation"], p["operation"].get("value")
         if p["type"].endswith("Cluster"):
             clusters.append(value)
-        elif op["path"] == "/response_trailer_mode":
-            ext_proc["processing_mode"]["response_trailer_mode"] = value
+        elif op["path"] in ("/request_trailer_mode", "/response_trailer_mode"):
+            ext_proc["processing_mode"][op["path"][1:]] = value
         elif op["path"] == "/max_message_timeout":
             ext_proc["max_message_timeout"] = value
         elif op["path"] == "/early_header_mutation_extensions":

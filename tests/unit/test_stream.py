@@ -132,6 +132,30 @@ def test_headers_that_end_the_request_are_refused_as_an_empty_body(clock):
     assert immediate_status(s.receive(request_headers(eos=True))) == 400
 
 
+REQUEST_TRAILERS = pb.ProcessingRequest(request_trailers=pb.HttpTrailers())
+
+
+def test_trailers_that_end_the_request_before_any_body_are_refused_as_an_empty_body(clock):
+    # HTTP/2: HEADERS, then trailers, no DATA. Envoy sends no body message; a CONTINUE let it upstream undecided.
+    s = Stream(processor(clock))
+    assert s.receive(request_headers()) is CONTINUE["request_headers"]
+    answer = s.receive(REQUEST_TRAILERS)
+    assert immediate_status(answer) == 400 and s.phase is Phase.ANSWERED
+    assert json.loads(answer.immediate_response.body)["error"]["code"] == "invalid_body"
+
+
+def test_trailers_after_the_body_are_continued(clock):
+    s, _ = admitted(processor(clock))
+    assert s.receive(REQUEST_TRAILERS) is CONTINUE["request_trailers"]
+    assert s.phase is Phase.FORWARDING
+
+
+def test_the_learned_modes_still_send_the_request_trailers(clock):
+    # mode_override replaces the whole mode: a learned request must not lose the trailers check above
+    for answer in (LEARN_HEADERS, *LEARN_BODY.values()):
+        assert answer.mode_override.request_trailer_mode == answer.mode_override.SEND
+
+
 @pytest.mark.parametrize("encoding", [b"gzip", b"deflate, br"])
 def test_a_compressed_body_is_refused_415(clock, encoding):
     # neither we nor vLLM decompress a request body: refused in words, not as JSON that is "not valid UTF-8"
