@@ -12,7 +12,7 @@ import shutil
 import aiohttp
 import pytest
 
-from tests.conftest import policy_file
+from tests.conftest import policy_file, until
 from tests.integration.helpers import chat, metrics, sample, upstream_reset, wait_idle
 
 RECV_HEADER = re.compile(r"recv \(stream_id=\d+\) ([^:\s][^:]*|:status): (.*)$")
@@ -70,3 +70,80 @@ async def test_a_body_followed_by_trailers_is_admitted_as_usual(make_stack, upst
         assert [r["ticket"] for r in await seen_upstream(http, upstream)] == [True]
         snap = await wait_idle(http, s.metrics_url)
         assert all(c["inflight"] == 0 for c in snap.values()), snap
+
+
+# --- a client that ignores the limits Envoy announces (raw frames: nghttp and h2load keep to them) ---
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+HEADERS, SETTINGS = 0x1, 0x4
+END_HEADERS, ACK = 0x4, 0x1
+
+
+def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
+
+
+def literal(name: bytes, value: bytes) -> bytes:
+    """An HPACK literal field, not indexed, no Huffman (names and values under 127 bytes)."""
+    return b"\x00" + bytes([len(name)]) + name + bytes([len(value)]) + value
+
+
+REQUEST_HEAD = b"".join(literal(k, v) for k, v in (
+    (b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/v1/chat/completions"), (b":authority", b"test"),
+    (b"content-type", b"application/json")))
+
+
+async def read_frames(reader: asyncio.StreamReader, seconds: float, stop=lambda kind, payload: False) -> list:
+    """(type, payload) of the frames Envoy sends, up to one that `stop`s, for at most `seconds` or until it closes
+    the connection."""
+    frames = []
+    try:
+        async with asyncio.timeout(seconds):
+            while True:
+                head = await reader.readexactly(9)
+                frames.append((head[3], await reader.readexactly(int.from_bytes(head[:3], "big"))))
+                if stop(*frames[-1]):
+                    break
+    except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+        pass
+    return frames
+
+
+async def envoy_stat(http: aiohttp.ClientSession, admin_url: str, name: str) -> int:
+    async with http.get(f"{admin_url}/stats", params={"filter": f"^{re.escape(name)}$"}) as r:
+        return int((await r.text()).split(":")[1])
+
+
+async def test_one_connection_holds_at_most_100_streams_undecided(make_stack, tmp_path):
+    """Before: Envoy's default of 1,024 concurrent streams per HTTP/2 connection. A stream whose body never comes
+    holds an ext_proc stream for request_timeout (120 s): measured 22 KiB in the ext_proc and 30 KiB in Envoy each,
+    so 98 connections fill the ext_proc cluster's 100,000-request circuit breaker, past which Envoy skips the
+    ext_proc and failure_mode_allow sends every request upstream unadmitted (seen with the breaker lowered to 40).
+    HTTP/1.1 cannot get there under the 50,000-connection cap. Now Envoy announces 100 (its edge guidance), and a
+    client that opens more anyway loses the connection, and with it every stream it held."""
+    s = make_stack(policy_file(tmp_path))
+    reader, writer = await asyncio.open_connection("127.0.0.1", s.listen_port)
+    async with aiohttp.ClientSession() as http:
+        async def held() -> int:
+            return await envoy_stat(http, s.admin_url, "cluster.extproc.upstream_rq_active")
+
+        try:
+            writer.write(PREFACE + frame(SETTINGS, 0, 0))
+            (kind, settings), = (await read_frames(reader, 5.0, lambda kind, p: kind == SETTINGS and p))[-1:]
+            assert kind == SETTINGS, kind
+            announced = {int.from_bytes(settings[i:i + 2], "big"): int.from_bytes(settings[i + 2:i + 6], "big")
+                         for i in range(0, len(settings), 6)}
+            assert announced.get(0x3) == 100, announced  # SETTINGS_MAX_CONCURRENT_STREAMS
+            # Acknowledged, so the limit applies; then 100 requests that send their headers and never a body.
+            writer.write(frame(SETTINGS, ACK, 0))
+            writer.write(b"".join(frame(HEADERS, END_HEADERS, 2 * i + 1, REQUEST_HEAD) for i in range(100)))
+            await writer.drain()
+            assert await until(held, holds=lambda n: n == 100) == 100
+            writer.write(frame(HEADERS, END_HEADERS, 201, REQUEST_HEAD))  # one more
+            await writer.drain()
+            await read_frames(reader, 5.0)  # until Envoy closes the connection (a second's delayed close)
+            assert reader.at_eof()
+            assert await envoy_stat(http, s.admin_url, "http.openai.downstream_cx_protocol_error") == 1
+            assert await until(held, holds=lambda n: n == 0) == 0
+        finally:
+            writer.close()
