@@ -431,6 +431,19 @@ def test_envoy_gateway_overlay_replaces_our_envoy(gateway):
     gateway.get(target["kind"], target["name"])
 
 
+def test_envoy_gateway_ext_proc_breaker_is_as_high_as_envoy_yamls(gateway):
+    # Every request holds an ext_proc stream; Envoy Gateway's default breaker (1,024) let a thousand held streams
+    # turn admission off (failOpen passes the rest unadmitted), where envoy.yaml's cluster allows 100,000.
+    ours = yaml.safe_load((ROOT / "envoy" / "envoy.yaml").read_text())
+    (cluster,) = [c for c in ours["static_resources"]["clusters"] if c["name"] == "extproc"]
+    (limits,) = cluster["circuit_breakers"]["thresholds"]
+    (ext,) = gateway.get("EnvoyExtensionPolicy", "extproc-admission")["spec"]["extProc"]
+    breaker = ext["backendSettings"]["circuitBreaker"]
+    assert breaker["maxConnections"] >= limits["max_connections"]
+    assert breaker["maxPendingRequests"] >= limits["max_pending_requests"]
+    assert breaker["maxParallelRequests"] >= limits["max_requests"]
+
+
 def test_envoy_patch_policy_names_the_resources_envoy_gateway_generates_for_ours(gateway):
     ext = gateway.get("EnvoyExtensionPolicy", "extproc-admission")
     ns, name = ext["metadata"]["namespace"], ext["metadata"]["name"]
