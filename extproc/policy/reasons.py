@@ -111,6 +111,17 @@ no replica can know whether the class has a free slot, and the policy chose to r
 ...`); the ext_proc probes Redis every second and switches back by itself (`store state -> shared`). With
 `on_failure: local` the replicas admit against their share of each cap instead (the cap divided by
 `store.instances`, and by N for each of `--workers N`)."""),
+    Reason("bodies_pending", "Rejected (429, 499, 503)", 503, DRAIN,
+           "the gateway already holds {held} requests whose body has not arrived (--max-pending-bodies)",
+           """\
+**503** with `Retry-After: 1`, before the request is classified. Each request holds an ext_proc stream (and one
+of Envoy's `extproc` circuit-breaker slots) from its headers on, also while its body is still on the way. A client
+that sends headers and then withholds or trickles its bodies could hold enough of them to fill the breaker, past
+which Envoy stops asking the ext_proc and `failure_mode_allow` lets every request through unadmitted; this bound,
+per ext_proc process, refuses new requests instead (fail closed) and keeps the breaker out of reach. Seen in normal
+traffic it means thousands of uploads in flight at once: raise `extproc serve --max-pending-bodies` (keep it, times
+the workers and instances, well under the breaker's 100,000), or find the client holding them (Envoy's
+`downstream_cx_active`, the access log's slow requests)."""),
     Reason("higher_class_saturated", "Shed (503)", 503, DRAIN,
            "class {cls!r} is shed while class {protector!r} is saturated",
            """\
@@ -310,6 +321,7 @@ R_CLIENT_GONE = "client_disconnected"
 R_CLASS_REMOVED = "class_removed"
 R_STORE_UNAVAILABLE = "store_unavailable"
 R_HIGHER_SATURATED = "higher_class_saturated"
+R_BODIES_PENDING = "bodies_pending"
 R_LATENCY_BREAKER = "latency_breaker_open"
 R_ERROR_BREAKER = "error_breaker_open"
 R_DEGRADED_FULL = "degraded_capacity_full"

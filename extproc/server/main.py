@@ -56,6 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="HTTP /metrics and /healthz address (default 127.0.0.1:9090; keep it off public interfaces)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20,
                    help="largest request body accepted (match Envoy's per_connection_buffer_limit_bytes)")
+    p.add_argument("--max-pending-bodies", type=int, default=10_000, metavar="N",
+                   help="requests whose body has not arrived yet held at once (default 10,000); past it new requests "
+                        "get 503 bodies_pending: held streams must not fill Envoy's extproc circuit breaker "
+                        "(100,000), past which failure_mode_allow lets requests through unadmitted")
     p.add_argument("--watch-interval", type=float, default=2.0,
                    help="seconds between checks of the policy file for changes (0 disables; SIGHUP always works)")
     p.add_argument("--drain-s", type=float, default=10.0, metavar="SECONDS",
@@ -97,7 +101,8 @@ class Server:
             self.shared = SharedSlots(self.core, store, StoreTelemetry(self.telemetry.registry),
                                       workers=args.workers)
         self.servicer = ExtProcServicer(self.core, max_body_bytes=args.max_body_bytes, shared=self.shared,
-                                        on_error=self.telemetry.stream_errors.inc, worker=args.worker_index)
+                                        on_error=self.telemetry.stream_errors.inc, worker=args.worker_index,
+                                        max_pending_bodies=args.max_pending_bodies)
         self.access_log = AccessLogReceiver(self.core, self.telemetry, worker=args.worker_index)
         self.scrapers = SaturationScrapers(self.core)
         self._mtime = _mtime(policy_path)
@@ -342,9 +347,9 @@ def worker_argv(args: argparse.Namespace, i: int) -> list[str]:
     (host, port), (mhost, mport) = args.grpc, args.metrics
     argv = [sys.executable, "-m", "extproc.cli", "serve", "--policy", args.policy, "--grpc", f"{host}:{port + i}",
             "--metrics", f"{mhost}:{mport + i}", "--max-body-bytes", str(args.max_body_bytes),
-            "--watch-interval", str(args.watch_interval), "--drain-s", str(args.drain_s), "--grace-s",
-            str(args.grace_s), "--log-level", args.log_level, "--log-accept-sample", str(args.log_accept_sample),
-            "--log-decisions-per-s", str(args.log_decisions_per_s),
+            "--max-pending-bodies", str(args.max_pending_bodies), "--watch-interval", str(args.watch_interval),
+            "--drain-s", str(args.drain_s), "--grace-s", str(args.grace_s), "--log-level", args.log_level,
+            "--log-accept-sample", str(args.log_accept_sample), "--log-decisions-per-s", str(args.log_decisions_per_s),
             "--workers", str(args.workers), "--worker-index", str(i)]
     if args.host_store:
         argv += ["--host-store", args.host_store]

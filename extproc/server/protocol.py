@@ -171,6 +171,8 @@ def bad_request(e: BadRequest, d: Decision) -> pb.ProcessingResponse:
     headers = [("x-extproc-class", d.cls), ("x-extproc-decision", d.kind), ("x-extproc-reason", e.code)]
     if e.status == 405:
         headers.append(("allow", "POST"))  # RFC 9110: a 405 names the methods the resource takes
+    elif e.status == 503:
+        headers.append(("retry-after", "1"))  # load of the gateway's own (bodies_pending): try again shortly
     return _error(e.status, e.message, e.code, headers, e.param)
 
 

@@ -10,8 +10,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from ..policy.admission import AdmissionController, Canned, Decision, Degrade, Queued, Refusal, RequestFacts
 from ..policy.classify import ConflictingKeys, presented_key
 from ..policy.limits import Outcome, Ticket
-from ..policy.reasons import (R_BODY_TOO_LARGE, R_CONFLICTING_KEYS, R_METHOD_NOT_ALLOWED, R_UNKNOWN_URL,
-                              R_UNSUPPORTED_ENCODING, R_UNSUPPORTED_ENDPOINT, say)
+from ..policy.reasons import (R_BODIES_PENDING, R_BODY_TOO_LARGE, R_CONFLICTING_KEYS, R_METHOD_NOT_ALLOWED,
+                              R_UNKNOWN_URL, R_UNSUPPORTED_ENCODING, R_UNSUPPORTED_ENDPOINT, say)
 from ..policy.schema import Policy
 from ..store.shared_slots import SharedSlots
 from . import protocol
@@ -70,11 +70,15 @@ class Processor:
     """What every stream of one server shares: the core, the shared store, the open tickets, the usage sample."""
 
     def __init__(self, core: AdmissionController, shared: SharedSlots | None = None,
-                 max_body_bytes: int = 4 << 20, worker: int | None = None):
+                 max_body_bytes: int = 4 << 20, worker: int | None = None, max_pending_bodies: int = 10_000):
         self.core = core
         self.ticket_prefix = ticket_prefix(worker)  # this worker's, among `extproc serve --workers N`
         self.shared = shared                 # global slots from a shared store (policy `store: {kind: redis}`)
         self.max_body_bytes = max_body_bytes
+        # Streams whose request body has not arrived: each holds an Envoy circuit-breaker slot, and a full breaker
+        # lets requests through unadmitted (failure_mode_allow); past this bound new requests are refused instead.
+        self.max_pending_bodies = max_pending_bodies
+        self.pending_bodies = 0
         self.live: set[Ticket] = set()       # tickets whose stream is still open (their leases get renewed)
         self._learn_credit = 0.0
         self._names: tuple[object, protocol.HeaderNames] | None = None
@@ -158,9 +162,12 @@ class Stream:
         self.usage: UsageReader | None = None  # set when this response's usage is read
         self.status = 0                         # the upstream response status, once seen
         self.restream: Restream | None = None   # a streamed request a degrade answered without streaming
-        self._enter(Phase.HEADERS)
+        self.phase = Phase.HEADERS
+        self._handlers = TRANSITIONS[Phase.HEADERS]
 
     def _enter(self, phase: Phase) -> None:
+        if self.phase is Phase.BODY:  # its body came, or the stream ended or failed without it
+            self.processor.pending_bodies -= 1
         self.phase = phase
         self._handlers = TRANSITIONS[phase]
 
@@ -230,8 +237,13 @@ class Stream:
         if head.content_encoding is not None:
             return self._refuse(BadRequest(say(R_UNSUPPORTED_ENCODING, encoding=head.content_encoding),
                                            code=R_UNSUPPORTED_ENCODING, status=415))
-        self.usage = self.processor.usage_reader(facts.api_key)
+        processor = self.processor
+        if processor.pending_bodies >= processor.max_pending_bodies:
+            return self._refuse(BadRequest(say(R_BODIES_PENDING, held=processor.pending_bodies),
+                                           code=R_BODIES_PENDING, status=503))
+        self.usage = processor.usage_reader(facts.api_key)
         self._enter(Phase.BODY)
+        processor.pending_bodies += 1
         # A response whose usage is read needs its headers phase, where the body mode is picked; so does one a
         # degrade may answer without streaming (Envoy takes a mode change only in a headers phase, and whether the
         # request streams and is degraded is known only from its body).

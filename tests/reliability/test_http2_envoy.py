@@ -147,3 +147,30 @@ async def test_one_connection_holds_at_most_100_streams_undecided(make_stack, tm
             assert await until(held, holds=lambda n: n == 0) == 0
         finally:
             writer.close()
+
+
+async def test_held_bodies_are_refused_past_the_bound_not_let_through_unadmitted(make_stack, upstream, tmp_path):
+    """100 streams per connection still let ~1,000 connections fill the extproc cluster's circuit breaker with
+    streams whose body never comes, and past it Envoy skips the ext_proc (failure_mode_allow: unadmitted). The
+    ext_proc now bounds the requests awaiting their body (--max-pending-bodies) and refuses new ones past it with
+    503 bodies_pending, which ends their streams: the breaker stays out of reach, and admission fails closed."""
+    s = make_stack(policy_file(tmp_path), extproc_args=["--max-pending-bodies", "5"])
+    reader, writer = await asyncio.open_connection("127.0.0.1", s.listen_port)
+    async with aiohttp.ClientSession() as http:
+        await upstream_reset(http, upstream)
+        try:
+            writer.write(PREFACE + frame(SETTINGS, 0, 0) + frame(SETTINGS, ACK, 0))
+            writer.write(b"".join(frame(HEADERS, END_HEADERS, 2 * i + 1, REQUEST_HEAD) for i in range(5)))
+            await writer.drain()
+            held = lambda: envoy_stat(http, s.admin_url, "cluster.extproc.upstream_rq_active")  # noqa: E731
+            assert await until(held, holds=lambda n: n == 5) == 5
+            headers = await nghttp(f"{s.url}/v1/chat/completions", json.dumps(chat()).encode(), tmp_path)
+            assert (headers[":status"], headers.get("x-extproc-reason"), headers.get("retry-after")) == (
+                "503", "bodies_pending", "1"), headers
+            assert await seen_upstream(http, upstream) == []
+        finally:
+            writer.close()
+        # The held streams gone, requests are admitted again.
+        assert await until(held, holds=lambda n: n == 0) == 0
+        headers = await nghttp(f"{s.url}/v1/chat/completions", json.dumps(chat()).encode(), tmp_path)
+        assert (headers[":status"], headers.get("x-extproc-decision")) == ("200", "accept"), headers

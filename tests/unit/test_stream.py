@@ -94,6 +94,31 @@ def test_the_headers_of_a_served_post_are_continued_and_the_body_awaited(clock):
     assert s.phase is Phase.BODY
 
 
+def test_requests_awaiting_their_body_are_bounded_and_every_way_out_gives_its_place_back(clock):
+    # Held streams (headers sent, body withheld) each take one of Envoy's extproc circuit-breaker slots; a full
+    # breaker lets requests through unadmitted (found by the HTTP/2 audit: ~1,000 connections x 100 streams).
+    p = processor(clock)
+    p.max_pending_bodies = 3
+    waiting = [Stream(p) for _ in range(3)]
+    for s in waiting:
+        s.receive(request_headers())
+    assert p.pending_bodies == 3
+    refused = Stream(p).receive(request_headers())
+    assert immediate_status(refused) == 503
+    assert {h.header.key: h.header.raw_value for h in refused.immediate_response.headers.set_headers}[
+        "retry-after"] == b"1"
+    assert json.loads(refused.immediate_response.body)["error"]["code"] == "bodies_pending"
+    waiting[0].receive(request_body())  # admitted
+    waiting[1].end(False)                # the client left before its body
+    assert p.pending_bodies == 1
+    waiting[2].fail()                    # our own failure
+    assert p.pending_bodies == 0
+    s = Stream(p)
+    s.receive(request_headers())
+    s.receive(request_body(b"not json"))  # refused on its body
+    assert p.pending_bodies == 0 and s.phase is Phase.ANSWERED
+
+
 def test_an_unknown_path_is_refused_404(clock):
     s = Stream(processor(clock))
     assert immediate_status(s.receive(request_headers(path=b"/v1/models"))) == 404
