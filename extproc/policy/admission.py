@@ -393,9 +393,14 @@ class AdmissionController:
             return Canned(reason, cls, tenant, fb, retry, classification=c, cluster=cluster, waited_s=waited_s)
         if fb.action != "reject" and not allowed:
             why += f" (its `{fb.action}` fallback cannot serve this endpoint)"
+        target = self.clusters[fb.model] if fb.model else cluster
+        if fb.action == "degrade" and allowed and target == cluster and fb.max_tokens is None and fb.stream is None:
+            # A request for the fallback's own model (the small model's customers in a class that degrades to
+            # it): the "degrade" would send it unchanged to the pool that just had no room, counted as degraded.
+            allowed = False
+            why += " (its degrade fallback is the model it asked for)"
         if fb.action == "degrade" and allowed:
             deg = self.degraded[cls]
-            target = self.clusters[fb.model] if fb.model else cluster
             # A degrade onto a pool with a limit (its own pool with fewer tokens, or another) weighs on that
             # limit like any request of its class: it is a cheaper answer, not a way around the pool's limit.
             gate = self.gates.get(target) if self.gates else None

@@ -220,3 +220,16 @@ def test_in_shadow_a_would_be_clamped_request_is_charged_as_it_asked(clock):
     core.decide(stream_of(1000))
     d = core.decide(stream_of(1000))
     assert d.shadow_would.kind == DEGRADE and d.charge.tokens == 1000
+
+
+def test_a_request_for_the_fallback_model_itself_is_not_degraded_onto_the_pool_that_had_no_room(clock):
+    # scenarios/shared-small: the 8B's own customers share the class that degrades to the 8B. On overflow their
+    # "degrade" sent them unchanged to the same full pool, counted as degraded answers.
+    core = AdmissionController(policy({"action": "degrade", "model": "small"}, max_concurrency=1, max_queue=0,
+                                      on_overflow="fallback"), clock=clock)
+    assert core.decide(req(model="small")).kind == ACCEPT
+    d = core.decide(req(model="small"))
+    assert (d.kind, d.status, d.reason) == (REJECT, 429, "queue_full")
+    assert "the model it asked for" in d.message and core.degraded["interactive"].inflight == 0
+    d = core.decide(req(model="llama"))  # the class is full: a request for the large model still degrades
+    assert (d.kind, d.cluster) == (DEGRADE, "pool_b")
