@@ -148,6 +148,13 @@ def test_batch_is_held_back_before_the_first_interactive_degrade(held, degraded,
     assert (math.isnan(t.value) if held is None else t.value == held)
 
 
+def test_a_scenario_of_one_class_has_no_lower_class_to_hold_back():
+    # It printed "MISSED ... nan" for every degrade, as if batch had been served first.
+    d = ws(first_other_held_at=None, first_degraded_at=60.5, outcomes={"interactive": {}})
+    found = by_name(targets(spike_and_calm(d), ["spike"], [], 2.0))
+    assert "d: first batch refused/queued before the first interactive degrade, s" not in found
+
+
 def test_spike_windows_hold_an_overload_and_calm_windows_are_the_phases_at_or_below_60_percent():
     spike = Scenario.load("scenarios/spike.yaml")
     assert spike_windows(spike) == {"spike": (60.0, 120.0)}

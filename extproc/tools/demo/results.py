@@ -250,9 +250,10 @@ def targets(stats: dict[str, dict[str, WindowStats]], spikes: list[str], calm: l
                               s.useful_tokens_per_s, bound, s.useful_tokens_per_s >= bound))
         held, degraded = s.first_other_held_at, s.first_degraded_at
         nan = float("nan")
-        out.append(Target(f"{ours}: {w}: first batch refused/queued before the first interactive degrade, s",
-                          nan if held is None else held, nan if degraded is None else degraded,
-                          degraded is None or (held is not None and held <= degraded)))
+        if len(s.outcomes) != 1:  # none with a single kind of request: no other class to hold back
+            out.append(Target(f"{ours}: {w}: first batch refused/queued before the first interactive degrade, s",
+                              nan if held is None else held, nan if degraded is None else degraded,
+                              degraded is None or (held is not None and held <= degraded)))
     out += calm_targets(o, ours, calm)
     return out
 
