@@ -386,7 +386,13 @@ class _CoreGauges:
                                     labels=labels)
         served = GaugeMetricFamily("extproc_tenant_served_gpu_seconds", "Estimated GPU-seconds admitted for the "
                                    "tenant in the class since start, corrected by learned usage (so it may step "
-                                   "down; use deriv(), not rate()).", labels=labels)
+                                   "down): the charged minus the refunded counter. For a rate, rate() those two.",
+                                   labels=labels)
+        charged = CounterMetricFamily("extproc_tenant_charged_gpu_seconds", "Estimated GPU-seconds admitted for the "
+                                      "tenant in the class, plus learned usage above the estimates.", labels=labels)
+        refunded = CounterMetricFamily("extproc_tenant_refunded_gpu_seconds", "Learned usage below the estimates of "
+                                       "the tenant's requests in the class, in GPU-seconds (served = charged - "
+                                       "refunded).", labels=labels)
         waited = CounterMetricFamily("extproc_tenant_queue_waited_seconds", "Seconds the tenant's granted requests "
                                      "waited in the class's queue.", labels=labels)
         index = GaugeMetricFamily("extproc_class_fairness_index", "Jain's index (1: equal, 1/n: one tenant has all) "
@@ -400,9 +406,11 @@ class _CoreGauges:
                 inflight.add_metric([cls, label], st.inflight)
                 waiting.add_metric([cls, label], st.waiting)
                 served.add_metric([cls, label], st.served_gpu_s)
+                charged.add_metric([cls, label], st.charged_gpu_s)
+                refunded.add_metric([cls, label], st.refunded_gpu_s)
                 waited.add_metric([cls, label], st.waited_s)
             index.add_metric([cls], q.fairness_index())
-        yield from (inflight, waiting, served, waited, index)
+        yield from (inflight, waiting, served, charged, refunded, waited, index)
 
     def _pools(self):
         sat = GaugeMetricFamily("extproc_pool_saturated", "1 while the pool's replicas report saturation (vLLM "

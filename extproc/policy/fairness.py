@@ -52,14 +52,22 @@ def jain_index(values: Iterable[float]) -> float:
 class TenantStats:
     """One label's counters and gauges, for metrics."""
 
-    __slots__ = ("waiting", "inflight", "admitted", "served_gpu_s", "waited_s")
+    __slots__ = ("waiting", "inflight", "admitted", "charged_gpu_s", "refunded_gpu_s", "waited_s")
 
     def __init__(self) -> None:
         self.waiting = 0          # gauge: waiters queued now
         self.inflight = 0         # gauge: admitted and not yet released
         self.admitted = 0         # counter: admissions (queued or not)
-        self.served_gpu_s = 0.0   # counter: GPU-seconds admitted, corrected by settle()
+        # Two counters, not one sum: learned usage below the estimate lowers what was served, and a series that
+        # steps down cannot be rated (rate() reads it as a reset; deriv() of a gauge that restarts from 0 with the
+        # process, or with its class after a reload removed it, read served traffic as negative for 5 minutes).
+        self.charged_gpu_s = 0.0   # counter: estimates at admission, plus learned usage above them
+        self.refunded_gpu_s = 0.0  # counter: learned usage below the estimates
         self.waited_s = 0.0       # counter: seconds waited by the waiters popped from the queue
+
+    @property
+    def served_gpu_s(self) -> float:
+        return self.charged_gpu_s - self.refunded_gpu_s
 
 
 class _Flow:
@@ -390,7 +398,10 @@ class FairQueue:
         return st
 
     def _serve(self, st: TenantStats, key: str, gpu_s: float) -> None:
-        st.served_gpu_s += gpu_s
+        if gpu_s >= 0.0:
+            st.charged_gpu_s += gpu_s
+        else:
+            st.refunded_gpu_s -= gpu_s
         mine = self._recent.get(key)
         if mine is None:
             mine = self._recent[key] = [0.0, 0.0]

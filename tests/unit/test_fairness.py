@@ -359,6 +359,21 @@ def test_settle_corrects_the_charge_with_the_learned_cost():
     assert [q.popleft().tenant for _ in range(2)] == ["b", "b"]
 
 
+def test_served_gpu_seconds_are_two_counters_that_never_step_down():
+    """What a tenant was served is charged minus refunded, each only ever growing, so Prometheus can rate() them
+    through a restart; the one sum stepped down on every refund, which rate() reads as a reset."""
+    q = FairQueue("fair", tenants=TENANTS)
+    q.append(W("a"))
+    q.admitted(q.popleft().tenant, 2.0)
+    q.settle("a", 2.0, 0.5)   # it cost less than estimated: refunded, the charge stays
+    q.append(W("a", n=1))
+    q.admitted(q.popleft().tenant, 1.0)
+    q.settle("a", 1.0, 3.0)   # more than estimated: charged on top
+    st = q.stats["a"]
+    assert (st.charged_gpu_s, st.refunded_gpu_s) == (pytest.approx(5.0), pytest.approx(1.5))
+    assert st.served_gpu_s == pytest.approx(3.5)
+
+
 def test_labels_are_bounded_by_the_configured_tenants():
     q = FairQueue("fair", tenants=["a"], key=lambda w: w.tenant)
     for i in range(100):

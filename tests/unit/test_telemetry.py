@@ -265,7 +265,10 @@ def test_flows_are_exported_per_tenant_with_keys_from_a_header_folded_into_other
     core.decide(RequestFacts(api_key="k", model="llama", fairness_id="team-7"))
     assert sample(t, "extproc_tenant_inflight", **{"class": "batch", "tenant": "acme"}) == 1
     assert sample(t, "extproc_tenant_waiting", **{"class": "batch", "tenant": "other"}) == 1
-    assert sample(t, "extproc_tenant_served_gpu_seconds", **{"class": "batch", "tenant": "acme"}) > 0
+    served = sample(t, "extproc_tenant_served_gpu_seconds", **{"class": "batch", "tenant": "acme"})
+    assert served > 0
+    assert sample(t, "extproc_tenant_charged_gpu_seconds_total", **{"class": "batch", "tenant": "acme"}) == served
+    assert sample(t, "extproc_tenant_refunded_gpu_seconds_total", **{"class": "batch", "tenant": "acme"}) == 0
     assert sample(t, "extproc_class_fairness_index", **{"class": "batch"}) == 1.0  # one tenant served so far
     now[0] += 0.5
     core.finish(first.ticket, Outcome.OK)
