@@ -289,6 +289,7 @@ class Telemetry:
             self.reloads[result]
         for cls in core.policy.classes:
             self.duration[(cls, "lease_expired")]
+            self.duration[(cls, "upstream_error")]  # ExtprocUpstreamErrors rates it
 
     # --- scrape-time gauges ---
 
