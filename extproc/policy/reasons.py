@@ -139,7 +139,8 @@ samples), so new requests take the class's fallback (a smaller model, a canned r
 making the pool slower. It half-opens after the cooldown and lets a trickle through; one slow trickle request
 re-opens it. Look at the pool's replicas (vLLM's running/waiting requests and KV-cache usage on the dashboard):
 usually the cap admits more than the SLO allows, a replica is degraded, or the prompt mix shifted to long prompts.
-Alert `ExtprocBreakerNotClosed` fires when a breaker has not closed for 5 minutes."""),
+Alert `ExtprocBreakerNotClosed` fires when a breaker has kept tripping for 5 minutes (open or half-open at some
+point of every 3 minutes: under a persistently slow replica it closes for a few seconds between trips)."""),
     Reason("error_breaker_open", "Breakers and degrade", 0, DRAIN,
            "the error breaker of class {cls!r} is open (upstream failures)",
            """\
