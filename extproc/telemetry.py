@@ -257,6 +257,12 @@ class Telemetry:
     def shadow(self, cls: str, would: str, reason: str) -> None:
         self.shadow_decisions[cls, would, reason].inc()  # the request's own log line carries `would`
 
+    def breaker_created(self, cls: str, pool: str, breaker: Breaker) -> None:
+        """Its transition series start at 0: one born at 1 gives rate() nothing, and the dashboard's transitions
+        panel missed the first trip of every breaker of every process."""
+        for state in STATE_VALUES:
+            self.breaker_transitions[cls, pool, breaker.kind, state]
+
     def breaker_changed(self, cls: str, pool: str, breaker: Breaker, state: str) -> None:
         self.breaker_transitions[cls, pool, breaker.kind, state].inc()
         logging.getLogger("extproc.breakers").warning(json.dumps(

@@ -44,7 +44,7 @@ class AdmissionController:
                  events: AdmissionEvents | None = None, limit_factory: LimitFactory = default_limit):
         self.clock = clock
         self.events: AdmissionEvents = events or NoEvents()
-        self.state = PolicyState(clock, self._breaker_changed, limit_factory)
+        self.state = PolicyState(clock, self._breaker_changed, limit_factory, self._breaker_created)
         self.pool_breakers = self.state.pool_breakers  # bound once: called on every decision
         self.tickets: dict[int, Ticket] = {}   # open tickets, for the lease safety net
         self.saturation: dict[str, PoolSaturation] = {}  # pool -> the replicas' own load (set_saturation)
@@ -141,6 +141,9 @@ class AdmissionController:
             self._resolve(w, self._reject(w, 503, R_CLASS_REMOVED, say(R_CLASS_REMOVED, cls=lim.name), now))
         if lim.inflight:
             self._retired.append(lim)
+
+    def _breaker_created(self, cls: str, pool: str, breaker: Breaker) -> None:
+        self.events.breaker_created(cls, pool, breaker)
 
     def _breaker_changed(self, cls: str, pool: str, breaker: Breaker, state: str) -> None:
         self.events.breaker_changed(cls, pool, breaker, state)

@@ -21,9 +21,11 @@ class PolicyState:
     changed), breaker state (unless the class's breaker specs changed) and adaptive limits."""
 
     def __init__(self, clock: Callable[[], float], on_breaker_change: Callable[[str, str, Breaker, str], None],
-                 limit_factory: LimitFactory = default_limit):
+                 limit_factory: LimitFactory = default_limit,
+                 on_breaker_created: Callable[[str, str, Breaker], None] = lambda cls, pool, b: None):
         self.clock = clock
         self.on_breaker_change = on_breaker_change
+        self.on_breaker_created = on_breaker_created
         self.limit_factory = limit_factory
         self.limiters: dict[str, ClassLimiter] = {}
         self.degraded: dict[str, ClassLimiter] = {}   # per class: slots for requests served by its fallback
@@ -205,6 +207,8 @@ class PolicyState:
         if bs is None:
             bs = [self._breaker(cls, pool, spec) for spec in self._breaker_specs(cls)]
             self.breakers[(cls, pool)] = bs
+            for b in bs:
+                self.on_breaker_created(cls, pool, b)
         return bs
 
     def _breaker(self, cls: str, pool: str, spec) -> Breaker:

@@ -91,6 +91,22 @@ def test_the_series_an_alert_takes_increase_of_exist_at_zero_from_the_start():
             assert f'extproc_request_duration_seconds_count{{class="{cls}",outcome="{outcome}"}} 0.0' in text
 
 
+def test_breaker_transitions_exist_at_zero_from_the_breakers_creation():
+    """A transition series born at 1 gives rate() nothing: the dashboard's Breaker transitions panel missed the first
+    open, half-open and close of every breaker of every process (in a long run read back from Prometheus, the
+    increase over the run counted 12 opens of 14)."""
+    t = Telemetry()
+    policy = make_policy(classes={"interactive": {"max_concurrency": 4, "slo_p95_ms": 1000}}, tenants=[])
+    core = AdmissionController(policy, clock=lambda: 0.0, events=t)
+    t.watch(core)
+    core.decide(RequestFacts(model="llama"))  # the class's breakers on the model's pool are created on first use
+    text = generate_latest(t.registry).decode()
+    for kind in ("latency", "error"):
+        for to in ("open", "half_open", "closed"):
+            assert (f'extproc_breaker_transitions_total{{class="interactive",kind="{kind}",pool="pool_a",to="{to}"}}'
+                    f' 0.0') in text, (kind, to)
+
+
 def test_rate_limit_checks_are_counted_by_tenant_limit_and_result():
     t = Telemetry()
     core = limited_core(t, requests_per_minute=60, burst_s=2)  # a bucket of 2 requests
