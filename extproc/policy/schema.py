@@ -405,7 +405,10 @@ class CostSpec:
                                          minimum=16)
     chars_per_token: float = doc("Fast prompt estimate: characters per token.", 4.0, minimum=0.5, maximum=16)
     tokenizer: str | None = doc("Path to a Hugging Face tokenizer.json for exact prompt counts (needs the "
-                                "`tokenizers` package; falls back to the fast estimate without it).", None)
+                                "`tokenizers` package; falls back to the fast estimate without it). Exact for the "
+                                "first 16,384 characters of a prompt; the rest is counted at the rate of those, "
+                                "never below the fast estimate's, so a huge prompt cannot hold the event loop.",
+                                None)
     learn: bool = doc("Correct the coefficients and the output ratio online from real usage.", True)
 
 

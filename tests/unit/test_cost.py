@@ -5,8 +5,8 @@ import random
 import pytest
 
 from extproc.policy.admission import ACCEPT, INVALID, QUEUE, REJECT, AdmissionController, RequestFacts
-from extproc.policy.cost import (AUDIO_PART_TOKENS, IMAGE_PART_TOKENS, MESSAGE_OVERHEAD_TOKENS, CostModel,
-                                 prompt_size)
+from extproc.policy.cost import (AUDIO_PART_TOKENS, IMAGE_PART_TOKENS, MESSAGE_OVERHEAD_TOKENS,
+                                 TOKENIZE_MAX_CHARS, CostModel, prompt_size)
 from extproc.policy.limits import Completion, Outcome
 from extproc.policy.ratelimit import TokenBucket
 from extproc.policy.schema import CostSpec, load_policy, policy_warnings
@@ -321,6 +321,49 @@ def test_a_configured_tokenizer_gives_exact_prompt_counts(tmp_path):
     assert CostModel(CostSpec(tokenizer=str(path))).prompt_tokens(items) == MESSAGE_OVERHEAD_TOKENS + expected
     missing = CostModel(CostSpec(tokenizer=str(tmp_path / "absent.json"))).prompt_tokens(doc)
     assert missing == CostModel(CostSpec()).prompt_tokens(doc)  # falls back to the fast estimate
+
+
+def whitespace_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["the queue in front of the model is short today"] * 50,
+                            trainers.BpeTrainer(vocab_size=200, special_tokens=["[UNK]"]))
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    return str(path)
+
+
+class Spy:
+    """Wraps a tokenizer and records how many characters each encode() was given."""
+
+    def __init__(self, inner):
+        self.inner, self.seen = inner, []
+
+    def encode(self, text, **kwargs):
+        self.seen.append(len(text))
+        return self.inner.encode(text, **kwargs)
+
+
+def test_the_tokenizer_counts_a_bounded_head_of_a_huge_prompt_and_the_estimate_stays_large(tmp_path):
+    """Before: the whole prompt went to the tokenizer, on the event loop: 2-4 s for 4 MB (bench in
+    docs/benchmarks.md), every other request's decision waiting behind it."""
+    model = CostModel(CostSpec(tokenizer=whitespace_tokenizer(tmp_path)))
+    model._tokenizer = spy = Spy(model._tokenizer)
+    sentence = "the queue, in front; of the model. "  # denser than the fast estimate's 4 characters a token
+    small = {"messages": [{"role": "user", "content": sentence * 10}]}
+    exact = model.prompt_tokens(small)  # short prompts are still counted exactly
+    assert exact == MESSAGE_OVERHEAD_TOKENS + len(spy.inner.encode(sentence * 10, add_special_tokens=False).ids)
+    huge = {"messages": [{"role": "user", "content": sentence * (4_000_000 // len(sentence))}] * 3}
+    got = model.prompt_tokens(huge)
+    assert max(spy.seen) <= TOKENIZE_MAX_CHARS
+    per_char = (exact - MESSAGE_OVERHEAD_TOKENS) / len(sentence * 10)
+    chars = 3 * 4_000_000
+    assert per_char > 1 / 4 and got == pytest.approx(per_char * chars, rel=0.01)  # the head's rate carries over
+    # A cheap head does not make a dense tail cheap: the tail counts at least at the fast estimate's rate.
+    tricky = {"messages": [{"role": "user", "content": "the " * 10_000}, {"role": "user", "content": "x" * 400_000}]}
+    assert model.prompt_tokens(tricky) >= 400_000 / 4
 
 
 def test_a_tokenizer_that_cannot_be_loaded_is_said_once_in_the_log(tmp_path, caplog):
