@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from extproc.policy.admission import AdmissionController, RequestFacts  # noqa: E402
 from extproc.policy.limits import Outcome  # noqa: E402
 from extproc.policy.schema import load_policy  # noqa: E402
-from extproc.server.openai import ENDPOINTS, parse_body  # noqa: E402
+from extproc.server.openai import ENDPOINTS, BadRequest, parse_body  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MB = 4_000_000
@@ -53,6 +53,8 @@ def bodies():
         "name": f"f{i}", "description": "d" * 4000, "parameters": {"type": "object"}}} for i in range(1000)]))
     yield "completions: 400,000 prompts", COMPLETIONS, d({"model": "llama-70b", "max_tokens": 1,
                                                           "prompt": ["ab"] * 400_000})
+    yield "completions: 1.36M empty prompts", COMPLETIONS, b'{"model": "llama-70b", "max_tokens": 1, "prompt": [' + \
+        b",".join([b'""'] * 1_360_000) + b"]}"
     yield "completions: 500,000 token ids", COMPLETIONS, d({"model": "llama-70b", "max_tokens": 1,
                                                             "prompt": list(range(10, 500_010))})
     yield "responses: 4 MB input", RESPONSES, d({"model": "llama-70b", "max_output_tokens": 16,
@@ -75,6 +77,13 @@ def train_tokenizer(path: Path) -> str:
     return str(path)
 
 
+def _parsed(raw: bytes, endpoint, core):
+    try:
+        return parse_body(raw, endpoint, "priority", core.limiters)
+    except BadRequest as e:
+        return e
+
+
 def median_s(fn, reps: int = 3) -> float:
     runs = []
     for _ in range(reps):
@@ -94,7 +103,11 @@ def main(tokenizer: str | None) -> int:
             "| body | bytes | parse | decide | prompt tokens estimated |", "|---|---:|---:|---:|---:|"]
     for label, path, raw in bodies():
         endpoint = ENDPOINTS[path]
-        body = parse_body(raw, endpoint, "priority", core.limiters)
+        parse_s = median_s(lambda: _parsed(raw, endpoint, core))
+        body = _parsed(raw, endpoint, core)
+        if isinstance(body, BadRequest):
+            rows.append(f"| {label} | {len(raw):,} | {parse_s * 1e3:.1f} ms | - | refused: {body.code} |")
+            continue
         facts = RequestFacts(api_key="sk-acme-1", model=body.model, max_tokens=body.max_tokens, doc=body.doc)
         facts.sequences, facts.prompts, facts.generates = body.sequences, body.prompts, body.generates
 
@@ -104,7 +117,6 @@ def main(tokenizer: str | None) -> int:
                 core.finish(d.ticket, Outcome.OK)
             return d
 
-        parse_s = median_s(lambda: parse_body(raw, endpoint, "priority", core.limiters))
         decide_s = median_s(decide)
         d = decide()
         prompt = f"{d.charge.estimate.prompt_tokens:,}" if d.charge is not None else d.reason

@@ -247,6 +247,14 @@ Deeper bodies are refused before anything walks them: they used to exhaust Pytho
 message, content part or tool, so no context window holds a request that large; a body of a million empty arrays
 made the ext_proc's parse take a second, past Envoy's `message_timeout`, which with `failure_mode_allow` let
 requests through unadmitted. Counted on the raw bytes before the body is parsed."""),
+    Reason("json_too_many_strings", "Invalid requests (400, 401, 404, 405, 413, 415, 500)", 400, NO_RETRY,
+           "The request body holds {count} JSON strings; at most {limit} are accepted.",
+           """\
+**400.** The body holds more than 100,000 JSON strings (keys included). A chat message needs four, a content part
+or a prompt of a list two or more, so no context window holds a request that large; a completions `prompt` of a
+million empty strings cost the ext_proc's event loop ~180 ms, and a few such bodies a second held other clients'
+requests past Envoy's `message_timeout` (`failure_mode_allow` then let them through unadmitted). Counted on the
+raw bytes before the body is parsed."""),
     Reason("invalid_body", "Invalid requests (400, 401, 404, 405, 413, 415, 500)", 400, NO_RETRY,
            "",
            """\
@@ -341,6 +349,7 @@ R_CONFLICTING_KEYS = "conflicting_api_keys"
 R_INVALID_JSON = "invalid_json"
 R_JSON_TOO_DEEP = "json_too_deep"
 R_JSON_TOO_MANY = "json_too_many_containers"
+R_JSON_TOO_MANY_STRINGS = "json_too_many_strings"
 R_INVALID_BODY = "invalid_body"
 R_BODY_TOO_LARGE = "body_too_large"
 R_UNKNOWN_URL = "unknown_url"

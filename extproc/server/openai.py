@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 
-from ..policy.reasons import R_JSON_TOO_DEEP, R_JSON_TOO_MANY, error_type, say
+from ..policy.reasons import R_JSON_TOO_DEEP, R_JSON_TOO_MANY, R_JSON_TOO_MANY_STRINGS, error_type, say
 
 # Larger max_tokens values mean nothing for any model, and past ~1e308 they cannot even become a float for the
 # cost estimate (an OverflowError there failed the stream, and Envoy's failure_mode_allow let the request through
@@ -24,6 +24,11 @@ MAX_JSON_DEPTH = 64
 # message_timeout (failure_mode_allow then forwards requests unadmitted). A real request has a few per message,
 # part or tool: this many is beyond any context window.
 MAX_JSON_CONTAINERS = 20_000
+# Most JSON strings (keys included) a body may hold. Each one is a Python object the parse makes and the prompt
+# walks visit: a completions `prompt` of 1.36 million empty strings (4 MiB) took ~180 ms of the event loop, and
+# eight such bodies a second held other clients' requests past message_timeout. A chat message needs four and a
+# content part or prompt at least two: this many is far past what a context window holds.
+MAX_JSON_STRINGS = 100_000
 
 
 class Endpoint:
@@ -139,6 +144,7 @@ def load_json_object(raw: bytes) -> dict[str, Any]:
     if not raw:
         raise empty_body()
     containers = _bound_containers(raw)
+    _bound_strings(raw)
     try:
         doc = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
@@ -165,6 +171,17 @@ def _bound_containers(raw: bytes) -> int:
     return count
 
 
+def _bound_strings(raw: bytes) -> None:
+    """Refuse a body with more than MAX_JSON_STRINGS strings before it is parsed: two quotes a string, escaped
+    ones left out only when the raw count is over the limit (UTF-16/32 bodies are counted once decoded)."""
+    if len(raw) < 3 * MAX_JSON_STRINGS or raw.count(b'"') <= 2 * MAX_JSON_STRINGS:
+        return  # (a string and its comma take three bytes at least)
+    count = raw.replace(b"\\\\", b"").replace(b'\\"', b"").count(b'"') // 2
+    if count > MAX_JSON_STRINGS:
+        raise BadRequest(say(R_JSON_TOO_MANY_STRINGS, count=count, limit=MAX_JSON_STRINGS),
+                         code=R_JSON_TOO_MANY_STRINGS)
+
+
 def _outside_strings(raw: bytes) -> bytes:
     """The JSON text with its strings' contents removed. Escaped backslashes go first, then escaped quotes, so
     every quote left delimits a string (valid JSON has no backslash outside strings)."""
@@ -182,7 +199,9 @@ def _loads_other_unicode(raw: bytes, error: orjson.JSONDecodeError) -> Any:
         except UnicodeDecodeError:
             text = None
         if text is not None:
-            _bound_containers(text.encode("utf-8"))
+            utf8 = text.encode("utf-8")
+            _bound_containers(utf8)
+            _bound_strings(utf8)
             try:
                 return orjson.loads(text)
             except orjson.JSONDecodeError:

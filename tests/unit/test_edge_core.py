@@ -3,6 +3,7 @@ body may nest, what an endpoint's cost and fallbacks are (the through-Envoy view
 
 import json
 
+import orjson
 import pytest
 
 from extproc.policy.admission import (ACCEPT, DEGRADE, INVALID, REJECT, R_INVALID_KEY, R_MISSING_KEY,
@@ -10,8 +11,9 @@ from extproc.policy.admission import (ACCEPT, DEGRADE, INVALID, REJECT, R_INVALI
 from extproc.policy.classify import Classifier, ConflictingKeys, presented_key
 from extproc.policy.cost import CostModel, text_size
 from extproc.policy.schema import CostSpec, PolicyError
-from extproc.server.openai import (CHAT, ENDPOINTS, INVOCATIONS, MAX_JSON_CONTAINERS, MAX_JSON_DEPTH, POOLING,
-                                   RESPONSES, BadRequest, degrade_body, json_depth, load_json_object, parse_body)
+from extproc.server.openai import (CHAT, ENDPOINTS, INVOCATIONS, MAX_JSON_CONTAINERS, MAX_JSON_DEPTH,
+                                   MAX_JSON_STRINGS, POOLING, RESPONSES, BadRequest, degrade_body, json_depth,
+                                   load_json_object, parse_body)
 from tests.conftest import make_policy
 
 
@@ -169,6 +171,23 @@ def test_a_body_of_too_many_objects_and_arrays_is_refused_before_it_is_parsed():
     utf16 = json.dumps({"model": "m", "x": [[]] * (MAX_JSON_CONTAINERS + 1)}).encode("utf-16")
     with pytest.raises(BadRequest):
         load_json_object(utf16)
+
+
+def test_a_body_of_too_many_strings_is_refused_before_it_is_parsed():
+    # A completions prompt of 1.36 million empty strings (4 MiB): ~180 ms of parse and prompt walks on the event
+    # loop each, and eight a second held other clients' requests past Envoy's message_timeout (hostile-client audit).
+    for raw in (orjson.dumps({"model": "m", "prompt": [""] * 1_360_000}),
+                orjson.dumps({"model": "m", "input": ["ab"] * (MAX_JSON_STRINGS + 1)}),
+                json.dumps({"model": "m", "input": [""] * (MAX_JSON_STRINGS + 1)}).encode("utf-16")):
+        with pytest.raises(BadRequest) as e:
+            load_json_object(raw)
+        assert e.value.code == "json_too_many_strings" and str(MAX_JSON_STRINGS) in e.value.message
+    # Quotes inside strings are text; the limit itself is accepted (the keys count: "model" and its value, "x").
+    text = '\\"' * (3 * MAX_JSON_STRINGS)
+    doc = {"model": "m", "messages": [{"role": "user", "content": text}]}
+    assert load_json_object(json.dumps(doc).encode()) == doc
+    raw = orjson.dumps({"model": "m", "x": [""] * (MAX_JSON_STRINGS - 3)})
+    assert len(load_json_object(raw)["x"]) == MAX_JSON_STRINGS - 3
 
 
 def test_invocations_takes_the_shape_its_body_names():
