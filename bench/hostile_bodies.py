@@ -57,6 +57,8 @@ def bodies():
         b",".join([b'""'] * 1_360_000) + b"]}"
     yield "completions: 500,000 token ids", COMPLETIONS, d({"model": "llama-70b", "max_tokens": 1,
                                                             "prompt": list(range(10, 500_010))})
+    yield "embeddings: 20,000 token-id lists", "/v1/embeddings", b'{"model": "llama-70b", "input": [' + \
+        b",".join([b"[" + b"1," * 100 + b"1]"] * 19_990) + b"]}"
     yield "responses: 4 MB input", RESPONSES, d({"model": "llama-70b", "max_output_tokens": 16,
                                                  "input": "abcd " * (MB // 5)})
 

@@ -71,7 +71,11 @@ def _prompt_texts(doc: dict[str, Any], out: list[str | bytes]) -> int:
 def text_size(doc: Any) -> tuple[int, int]:
     """(characters, token ids) of every string and integer list anywhere in a body: the estimate for endpoints
     whose inputs are spread over their own fields (embeddings, score, rerank, classify, tokenize). The body's
-    depth is bounded before it gets here (extproc.server.openai.MAX_JSON_DEPTH)."""
+    depth is bounded before it gets here (extproc.server.openai.MAX_JSON_DEPTH).
+
+    A list that starts with an integer is counted as token ids by its length, not visited: 2 million ids in
+    20,000 lists took the visit 90 ms of the event loop. vLLM's typed fields refuse a list that mixes ids with
+    anything else, so nothing it would run is missed."""
     chars = tokens = 0
     stack = [doc]
     while stack:
@@ -81,6 +85,8 @@ def text_size(doc: Any) -> tuple[int, int]:
                 chars += len(v)
             elif type(v) is int:
                 tokens += 1
+            elif type(v) is list and v and type(v[0]) is int:
+                tokens += len(v)
             elif type(v) is dict or type(v) is list:
                 stack.append(v)
     return chars, tokens
