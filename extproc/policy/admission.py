@@ -159,6 +159,11 @@ class AdmissionController:
         return self._emit(_with_id(Refusal(INVALID, reason, c.cls, ANONYMOUS, 401, say(reason), classification=c),
                                    facts))
 
+    def body_limit(self, api_key: str | None, server_limit: int) -> int:
+        """The largest body this caller may send: its tenant's `max_body_bytes` under the server's own limit."""
+        own = self.classifier.tenant_for(api_key).max_body_bytes
+        return server_limit if own is None else min(own, server_limit)
+
     def reads_usage(self, api_key: str | None) -> bool:
         """Whether this caller's responses must be read for their usage: its tokens-per-minute bucket is
         charged the worst case up front and refunded from the real count."""

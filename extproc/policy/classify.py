@@ -28,6 +28,7 @@ class _TenantLimits:
     name: str
     max_rank: int
     default_class: str
+    max_body_bytes: int | None = None
 
 
 class Classifier:
@@ -41,24 +42,26 @@ class Classifier:
         self._names = names
         self._by_key: dict[str, _TenantLimits] = {}
         for t in policy.tenants:
-            limits = self._limits(t.name, t.max_class, t.default_class, policy)
+            limits = self._limits(t.name, t.max_class, t.default_class, policy, t.max_body_bytes)
             for key in t.api_keys:
                 self._by_key[key] = limits
         a = policy.anonymous
         # Anonymous defaults to the lowest class: a key dropped, mangled or put where we do not read it must
         # never be worth more than a real one.
-        self._anonymous = self._limits(ANONYMOUS, a.max_class or names[-1], a.default_class, policy)
+        self._anonymous = self._limits(ANONYMOUS, a.max_class or names[-1], a.default_class, policy,
+                                       a.max_body_bytes)
         self.tenant_names = [t.name for t in policy.tenants] + [ANONYMOUS]
         self._objectives = dict(policy.classify.objectives)
         self._reads_fairness = policy.classify.fairness_header is not None
 
-    def _limits(self, name: str, max_class: str | None, default: str | None, policy: Policy) -> _TenantLimits:
+    def _limits(self, name: str, max_class: str | None, default: str | None, policy: Policy,
+                max_body_bytes: int | None = None) -> _TenantLimits:
         max_rank = self._rank[max_class] if max_class else 0
         default = default or policy.fallback_class()
         # A default above the cap (only possible through the global default) is capped too.
         if self._rank[default] < max_rank:
             default = self._names[max_rank]
-        return _TenantLimits(name, max_rank, default)
+        return _TenantLimits(name, max_rank, default, max_body_bytes)
 
     def knows(self, api_key: str | None) -> bool:
         return api_key is not None and api_key in self._by_key

@@ -266,9 +266,10 @@ priority, is accepted and removed: the policy's `classes.<name>.vllm_priority` s
     Reason("body_too_large", "Invalid requests (400, 401, 404, 405, 413, 415, 500)", 413, NO_RETRY,
            "The request body exceeds {limit} bytes.",
            """\
-**413.** The body is larger than the ext_proc's `--max-body-bytes` (default 4 MiB). Bodies larger than Envoy's
-`per_connection_buffer_limit_bytes` get a 413 from Envoy itself, without `x-extproc-*` headers. Keep the two limits
-equal."""),
+**413.** The body is larger than the ext_proc's `--max-body-bytes` (default 4 MiB), or than its tenant's
+`max_body_bytes` (`tenants[].max_body_bytes`, `anonymous.max_body_bytes`). Bodies larger than Envoy's
+`per_connection_buffer_limit_bytes` get a 413 from Envoy itself, without `x-extproc-*` headers. Keep those two
+limits equal."""),
     Reason("unsupported_content_encoding", "Invalid requests (400, 401, 404, 405, 413, 415, 500)", 415, NO_RETRY,
            "Request bodies with Content-Encoding `{encoding}` are not supported; send the JSON uncompressed.",
            """\

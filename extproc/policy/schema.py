@@ -319,6 +319,11 @@ class TenantSpec:
     guaranteed_share: float = doc("In a class with `fairness.mode: fair`: the share of the class's slots this "
                                   "tenant is served first up to, whatever it was served before. Idle share is "
                                   "lent to the tenants that wait.", 0.0, minimum=0, maximum=1)
+    max_body_bytes: int | None = doc("Largest request body this tenant may send; larger ones get 413 "
+                                     "`body_too_large` before they are parsed. Parsing is the ext_proc's one "
+                                     "per-request cost that grows with the body (a 4 MiB body of numbers ~60 ms of "
+                                     "its event loop): a low-priority tenant's cap keeps it from stalling everyone's "
+                                     "admission. Default: the ext_proc's `--max-body-bytes`.", None, minimum=1024)
 
 
 @dataclass(frozen=True)
@@ -360,11 +365,14 @@ class AnonymousSpec:
                                           minimum=1)
     tokens_per_minute: int | None = doc("Token rate limit shared by all anonymous requests.", None, minimum=1)
     burst_s: float = doc("Bucket depth, in seconds of the rate.", 60.0, minimum=1)
+    max_body_bytes: int | None = doc("Largest request body an anonymous request may send (413 beyond it, before "
+                                     "parsing; see `tenants[].max_body_bytes`). Default: the ext_proc's "
+                                     "`--max-body-bytes`.", None, minimum=1024)
 
     def as_tenant(self) -> "TenantSpec":
         return TenantSpec(name="anonymous", max_class=self.max_class, default_class=self.default_class,
                           requests_per_minute=self.requests_per_minute, tokens_per_minute=self.tokens_per_minute,
-                          burst_s=self.burst_s)
+                          burst_s=self.burst_s, max_body_bytes=self.max_body_bytes)
 
 
 @dataclass(frozen=True)

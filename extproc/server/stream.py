@@ -253,10 +253,10 @@ class Stream:
 
     def _on_request_body(self, msg: pb.HttpBody) -> Answer | FinalAdmission:
         p = self.processor
-        if len(msg.body) > p.max_body_bytes:
-            return self._refuse(BadRequest(say(R_BODY_TOO_LARGE, limit=p.max_body_bytes), code=R_BODY_TOO_LARGE,
-                                           status=413))
         core, request = p.core, self.request
+        limit = core.body_limit(request.facts.api_key, p.max_body_bytes)
+        if len(msg.body) > limit:  # before the parse, the one cost that grows with the body
+            return self._refuse(BadRequest(say(R_BODY_TOO_LARGE, limit=limit), code=R_BODY_TOO_LARGE, status=413))
         policy = core.policy
         try:
             body = parse_body(msg.body, request.endpoint, policy.classify.body_field, core.limiters)

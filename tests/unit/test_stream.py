@@ -248,6 +248,26 @@ def test_a_body_over_the_size_limit_is_refused_413(clock):
     assert immediate_status(s.receive(request_body(b"{" + b" " * 2000 + b"}"))) == 413
 
 
+def test_a_tenants_body_limit_refuses_its_larger_bodies_413_before_they_are_parsed(clock):
+    # Parsing is the per-request cost that grows with the body: a low-priority tenant's cap keeps its 4 MiB bodies
+    # (~60 ms of the event loop each when full of numbers) from stalling everyone's admission.
+    p = Processor(AdmissionController(make_policy(
+        tenants=[{"name": "acme", "api_keys": ["sk-acme"], "max_body_bytes": 2048}],
+        anonymous={"max_class": "interactive", "max_body_bytes": 1024}), clock=clock), max_body_bytes=4096)
+    body = {"model": "llama", "messages": [{"role": "user", "content": "x" * 1500}]}
+    for headers, status in (({}, 413), ({"authorization": b"Bearer sk-acme"}, None)):
+        s = Stream(p)
+        s.receive(request_headers(**headers))
+        answer = s.receive(request_body(body))
+        assert (immediate_status(answer) if status else s.phase) == (status or Phase.FORWARDING), answer
+        s.end(normal_end=True)
+    s = Stream(p)
+    s.receive(request_headers(authorization=b"Bearer sk-acme"))
+    answer = s.receive(request_body(b'{"model": "llama", "messages": [], "x": "' + b"y" * 2100 + b'"}'))
+    assert immediate_status(answer) == 413 and b"2048 bytes" in answer.immediate_response.body
+    assert p.core.body_limit("sk-unknown", 4096) == 1024 and p.core.body_limit("sk-acme", 1500) == 1500
+
+
 def test_a_body_that_grows_over_the_limit_when_rewritten_is_refused_413_and_its_slot_given_back(clock):
     # 1e15 is re-encoded as 1000000000000000.0: within the limit as sent, over it as it would be forwarded. A
     # failed write of the admission would let Envoy's failure_mode_allow forward the original unadmitted.
