@@ -35,6 +35,10 @@ from .steering import ReplicaSteering
 REPORT_WAIT_S = 5.0
 # A pool's saturation reading not refreshed for this many `stale_ms` is ignored (AdmissionController.pool_reading).
 STALE_READINGS = 3
+# Most choices a `canned` answer is written with (one per sequence the client asked for); past it the fallback
+# rejects instead. Each costs the event loop ~1 µs and ~100 bytes: `n: 2147483647` on an overflowing class had it
+# build two billion of them (n 1,000,000 alone: 1.3 s of the loop and a 100 MB answer no gRPC write takes).
+CANNED_MAX_CHOICES = 1024
 
 
 class AdmissionController:
@@ -214,9 +218,10 @@ class AdmissionController:
                         facts.reads_usage)
         if facts.model != name:
             charge.alias = facts.model  # an alias or adapter: for the decision log, never a metric label
-        if not (facts.generates and facts.cannable):
+        cannable = facts.cannable and facts.sequences <= CANNED_MAX_CHOICES
+        if not (facts.generates and cannable):
             charge.fallbacks = ("reject", *(("degrade",) if facts.generates else ()),
-                                *(("canned",) if facts.cannable else ()))
+                                *(("canned",) if cannable else ()))
         return charge
 
     def _enforce(self, c: Classification, lim: ClassLimiter, cluster: str, now: float, charge: Charge,
@@ -400,7 +405,7 @@ class AdmissionController:
             retry = lim.retry_after_s(now, self._retry_ceiling) if fb.status in (429, 503) else 0
             return Canned(reason, cls, tenant, fb, retry, classification=c, cluster=cluster, waited_s=waited_s)
         if fb.action != "reject" and not allowed:
-            why += f" (its `{fb.action}` fallback cannot serve this endpoint)"
+            why += f" (its `{fb.action}` fallback cannot serve this request)"
         target = self.clusters[fb.model] if fb.model else cluster
         if fb.action == "degrade" and allowed and target == cluster and fb.max_tokens is None and fb.stream is None:
             # A request for the fallback's own model (the small model's customers in a class that degrades to

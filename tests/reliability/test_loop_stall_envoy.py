@@ -12,7 +12,7 @@ import time
 
 import aiohttp
 
-from tests.conftest import policy_file
+from tests.conftest import policy_file, until
 from tests.integration.helpers import chat, metrics, post, sample
 
 
@@ -124,3 +124,35 @@ async def test_a_tenants_body_limit_keeps_its_megabyte_bodies_from_stalling_ever
     assert all(st == 200 and d == "accept" for st, d, _ in answers), answers
     assert max(took for _, _, took in answers) < 0.5, answers
     assert unadmitted == 0
+
+
+async def test_a_canned_fallback_does_not_write_a_choice_per_sequence_of_a_huge_n(make_stack, tmp_path):
+    """Before: a class whose overflow answers `canned` wrote one choice per sequence asked for: `n: 300000` held
+    the event loop past message_timeout building a 30 MB answer, and Envoy's failure_mode_allow forwarded the
+    request unadmitted to the full class's pool (200 from the replica after 0.5 s, counted unadmitted);
+    `n: 2147483647` would have built two billion. Past CANNED_MAX_CHOICES the fallback rejects instead."""
+    classes = {"interactive": {"max_concurrency": 1, "max_queue": 0, "max_wait_ms": 0, "on_overflow": "fallback",
+                               "fallback": {"action": "canned", "status": 200}}}
+    s = make_stack(policy_file(tmp_path, classes=classes, default_class="interactive", tenants=[]))
+    async with aiohttp.ClientSession() as http:
+        held = asyncio.ensure_future(post(http, s.url, chat(), {"x-test-delay-ms": "1500"}))
+        await until(lambda: _inflight(http, s.metrics_url), timeout=5)
+        t = time.monotonic()
+        status, headers, body = await post(http, s.url, chat(n=300_000))
+        took = time.monotonic() - t
+        canned = await post(http, s.url, chat(n=2))
+        await held
+        await asyncio.sleep(1.5)  # the unadmitted log's flush interval is 1 s
+        ms = await metrics(http, s.metrics_url)
+    print(f"\nCANNED n=300000: {status} {headers.get('x-extproc-decision')} {len(body):,} B in {took:.2f}s; "
+          f"unadmitted {sample(ms, 'extproc_unadmitted_requests_total')}, "
+          f"stream errors {sample(ms, 'extproc_stream_errors_total')}")
+    assert status == 429 and headers["x-extproc-decision"] == "reject", (status, dict(headers), body[:300])
+    assert b"cannot serve this request" in body
+    assert canned[0] == 200 and len(json.loads(canned[2])["choices"]) == 2  # a small n is still answered
+    assert sample(ms, "extproc_unadmitted_requests_total") == 0
+    assert sample(ms, "extproc_stream_errors_total") == 0
+
+
+async def _inflight(http, metrics_url) -> bool:
+    return sample(await metrics(http, metrics_url), "extproc_inflight", **{"class": "interactive"}) >= 1

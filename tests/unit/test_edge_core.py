@@ -121,7 +121,7 @@ def test_a_degrade_cannot_serve_a_pooling_request_and_refuses_it_instead(clock):
     chat = core.decide(RequestFacts(model="llama"))
     pooled = core.decide(RequestFacts(model="llama", generates=False, cannable=False))
     assert chat.kind == DEGRADE
-    assert pooled.kind == REJECT and "cannot serve this endpoint" in pooled.message
+    assert pooled.kind == REJECT and "cannot serve this request" in pooled.message
 
 
 def test_a_canned_503_carries_retry_after(clock):

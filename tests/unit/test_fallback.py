@@ -1,6 +1,7 @@
 """Breakers, fallbacks and shadow mode inside the admission core."""
 
-from extproc.policy.admission import ACCEPT, DEGRADE, QUEUE, REJECT, SHED, AdmissionController, RequestFacts
+from extproc.policy.admission import (ACCEPT, CANNED_MAX_CHOICES, DEGRADE, QUEUE, REJECT, SHED, AdmissionController,
+                                      RequestFacts)
 from extproc.policy.limits import Completion, Outcome
 from tests.conftest import RecordedEvents, make_policy
 
@@ -63,6 +64,19 @@ def test_canned_fallback(clock):
     run_slow(core, clock, 5, 3.0)
     d = core.decide(req())
     assert d.kind == DEGRADE and d.ticket is None and d.message == "busy" and d.status == 200
+
+
+def test_a_canned_fallback_rejects_a_request_for_more_choices_than_it_writes(clock):
+    """Before: the canned answer had one choice per sequence asked for, so `n: 2147483647` on an overflowing class
+    built two billion of them on the event loop (n 1,000,000: 1.3 s and a 100 MB answer)."""
+    core = AdmissionController(policy({"action": "canned", "status": 200, "message": "busy"}), clock=clock)
+    run_slow(core, clock, 5, 3.0)
+    many = RequestFacts(header_class="interactive", model="llama", sequences=CANNED_MAX_CHOICES + 1)
+    d = core.decide(many)
+    assert (d.kind, d.status, d.reason) == (REJECT, 503, "latency_breaker_open"), d
+    assert "cannot serve this request" in d.message
+    few = RequestFacts(header_class="interactive", model="llama", sequences=CANNED_MAX_CHOICES)
+    assert core.decide(few).kind == DEGRADE
 
 
 def test_breakers_are_per_class_a_slow_batch_never_trips_interactive(clock):
