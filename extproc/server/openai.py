@@ -143,8 +143,12 @@ def load_json_object(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object no deeper than MAX_JSON_DEPTH, or BadRequest."""
     if not raw:
         raise empty_body()
-    containers = _bound_containers(raw)
-    _bound_strings(raw)
+    # Counted on UTF-8 only: a UTF-16/32 body's code units hold quote and bracket bytes (丢 is 0x4E22), so it is
+    # counted once re-encoded (_loads_other_unicode), and its depth then checked whatever its count.
+    containers = MAX_JSON_CONTAINERS
+    if json.detect_encoding(raw) == "utf-8":
+        containers = _bound_containers(raw)
+        _bound_strings(raw)
     try:
         doc = orjson.loads(raw)
     except orjson.JSONDecodeError as e:

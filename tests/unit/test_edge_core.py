@@ -210,6 +210,15 @@ def test_a_body_of_too_many_strings_is_refused_before_it_is_parsed():
         with pytest.raises(BadRequest) as e:
             load_json_object(raw)
         assert e.value.code == "json_too_many_strings" and str(MAX_JSON_STRINGS) in e.value.message
+    # A UTF-16 body is counted as the text it is: 250,000 丢 (0x4E22) are no quotes, nor 字 (0x5B57) brackets.
+    for text in ("丢" * 250_000, "丢字" * 60_000):
+        doc = {"model": "m", "messages": [{"role": "user", "content": text}]}
+        assert load_json_object(json.dumps(doc, ensure_ascii=False).encode("utf-16")) == doc
+    for raw in (b"\xef\xbb\xbf" + orjson.dumps({"model": "m", "x": [""] * MAX_JSON_STRINGS}),  # a UTF-8 BOM
+                b"\xef\xbb\xbf" + b'{"x": ' + b"[" * (MAX_JSON_DEPTH + 5) + b"]" * (MAX_JSON_DEPTH + 5) + b"}"):
+        with pytest.raises(BadRequest) as e:
+            load_json_object(raw)
+        assert e.value.code in ("json_too_many_strings", "json_too_deep")
     # Quotes inside strings are text; the limit itself is accepted (the keys count: "model" and its value, "x").
     text = '\\"' * (3 * MAX_JSON_STRINGS)
     doc = {"model": "m", "messages": [{"role": "user", "content": text}]}
