@@ -22,7 +22,7 @@ JSON_FILES = [
     "chat.json", "chat_stop.json", "chat_small_model.json", "completions.json",
     "chat_stream.json", "chat_stream_usage.json", "chat_stream_continuous_usage.json", "chat_stream_stop.json",
     "completions_stream.json", "completions_stream_usage.json",
-    "errors.json", "abort.json", "overload.json", "metrics.json",
+    "errors.json", "abort.json", "overload.json", "metrics.json", "lora.json", "lora_metrics.json",
 ]
 STREAM_FILES = [f for f in JSON_FILES if "_stream" in f]
 EVENT_KINDS = {"role", "content", "finish", "usage", "done"}
@@ -148,6 +148,19 @@ def test_health_models_version():
 
 
 # --------------------------------------------------------------------------- the server, without vLLM installed
+def test_lora():
+    fx = load("lora.json")
+    assert fx["server_env"] == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} and "--enable-lora" in fx["server_args"]
+    statuses = {"models": 200, "chat_a1": 200, "chat_unknown_model": 404, "load_a2": 200, "chat_a2": 200,
+                "load_a2_again": 400, "load_missing_path": 404, "unload_a2": 200, "chat_a2_after_unload": 404,
+                "unload_a2_again": 404}
+    assert {k: fx[k]["status"] for k in statuses} == statuses
+    assert [c["id"] for c in fx["models_after_load"]["body"]["data"]] == ["tiny-llama", "tiny-llama-small", "a1", "a2"]
+    assert fx["load_a2"]["text"].startswith("Success: ") and fx["load_a2"]["shape"] is None
+    metrics = load("lora_metrics.json")
+    assert metrics["deferred"]["while_both_held"]["num_requests_waiting_by_reason"]["reason=deferred"] == 1.0
+
+
 def test_server_command_and_env(tmp_path):
     srv = serve.VLLMServer(port=18123, kv_blocks=24, home=tmp_path)
     cmd = srv.command()

@@ -4,6 +4,7 @@
     python3 -m scripts.vllm.record_fixtures                 # starts vLLM (scripts/vllm/serve.py), records, stops
     python3 -m scripts.vllm.record_fixtures --url http://127.0.0.1:8000   # against a running server
     python3 -m scripts.vllm.record_fixtures --no-perf       # skip the latency / throughput measurements
+    python3 -m scripts.vllm.record_fixtures --only-lora      # only lora*.json (one server with --enable-lora)
 
 The file format is described in tests/fixtures/vllm/README.md; the shape rules in scripts/vllm/fixture_format.py.
 """
@@ -353,6 +354,114 @@ def perf(client: Client) -> dict:
     return res
 
 
+# ---------------------------------------------------------------------------------------------------- LoRA
+LORA_DIR = ROOT / ".cache" / "vllm-model"
+LORA_RANK = 8  # scripts/vllm/build_lora.py
+LORA_SERVER_ARGS = ["--enable-lora", "--max-loras", "1", "--max-lora-rank", str(LORA_RANK)]
+LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+
+
+def any_record(request: dict, status: int, headers, payload: bytes) -> dict:
+    """A response that may be JSON or plain text (vLLM's load/unload answer text)."""
+    try:
+        decoded = json.loads(payload)
+    except ValueError:
+        return {"request": request, "status": status, "headers": header_record(headers, keep_length=True),
+                "shape": None, "text": payload.decode(errors="replace")}
+    return json_record(request, status, headers, decoded) | {"headers": header_record(headers, keep_length=True)}
+
+
+def lora_metrics(text: str) -> dict:
+    """The /metrics lines about LoRA and the waiting-by-reason gauge, verbatim but for the engine label."""
+    lines = [re.sub(r'engine="[^"]*",?', "", ln) for ln in text.splitlines()
+             if "lora" in ln.lower() or "num_requests_waiting_by_reason" in ln]
+    return {"lines": lines,
+            "num_requests_waiting_by_reason": metric_values(text, "vllm:num_requests_waiting_by_reason")}
+
+
+def lora_deferred(client: Client, names: tuple[str, str], hold_s: float = 10.0) -> dict:
+    """Two long streams for two adapters on a --max-loras 1 server: the second waits for the first's slot.
+    What /metrics says while it waits."""
+    socks = []
+    for name in names:
+        body = {"model": name, "prompt": PROMPT, "max_tokens": 1800, "stream": True, "ignore_eos": True}
+        payload = json.dumps(body).encode()
+        sock = socket.create_connection((client.host, client.port), timeout=30)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+        socks.append(sock)
+        time.sleep(0.3)  # the first is running before the second arrives
+    try:
+        seen = None
+        deadline = time.monotonic() + hold_s
+        while time.monotonic() < deadline:
+            text = get_metrics(client)
+            seen = {"num_requests_running": sum(metric_values(text, "vllm:num_requests_running").values()),
+                    "num_requests_waiting": sum(metric_values(text, "vllm:num_requests_waiting").values()),
+                    **lora_metrics(text)}
+            if seen["num_requests_running"] == 1 and seen["num_requests_waiting"] == 1:
+                break
+            time.sleep(0.1)
+    finally:
+        for sock in socks:
+            sock.close()
+    return {"requests": [{"method": "POST", "path": "/v1/completions",
+                          "body": {"model": n, "prompt": PROMPT, "max_tokens": 1800, "stream": True,
+                                   "ignore_eos": True}} for n in names],
+            "while_both_held": seen}
+
+
+def record_lora(client: Client, out: Path) -> None:
+    """Against a server started with LORA_SERVER_ARGS, --lora-modules a1=.cache/vllm-model/lora-a1 and
+    LORA_ENV: the adapter's card, answers under its name, runtime load/unload, errors, LoRA metrics."""
+    a2_path = str(LORA_DIR / "lora-a2")
+
+    def write(name: str, obj) -> None:
+        # Absolute paths of this checkout become "<repo>" so the files do not depend on where it lives.
+        (out / name).write_text(dumps(obj).replace(str(ROOT), "<repo>"))
+        print(f"[record] {name}")
+
+    def call(method: str, path: str, body=None) -> dict:
+        s, h, payload, _ = client.request(method, path, body)
+        return any_record({"method": method, "path": path, "body": body}, s, h, payload)
+
+    def models() -> dict:
+        rec = call("GET", "/v1/models")
+        rec["roots"] = {c["id"]: c["root"] for c in json.loads(client.request("GET", "/v1/models")[2])["data"]}
+        return rec
+
+    def chat(model: str) -> dict:
+        return call("POST", "/v1/chat/completions",
+                    {"model": model, "messages": CHAT_MESSAGES, "max_tokens": 4, "temperature": 0})
+
+    load_a2 = {"lora_name": "a2", "lora_path": a2_path}
+    rec: dict = {"server_args": LORA_SERVER_ARGS + ["--lora-modules", f"a1={LORA_DIR / 'lora-a1'}"],
+                 "server_env": LORA_ENV}
+    rec["models"] = models()
+    rec["chat_a1"] = chat("a1")
+    rec["completions_a1"] = call("POST", "/v1/completions", {"model": "a1", "prompt": PROMPT, "max_tokens": 4,
+                                                             "temperature": 0})
+    rec["chat_unknown_model"] = chat("no-such-lora")
+    rec["load_a2"] = call("POST", "/v1/load_lora_adapter", load_a2)
+    rec["models_after_load"] = models()
+    rec["chat_a2"] = chat("a2")
+    rec["load_a2_again"] = call("POST", "/v1/load_lora_adapter", load_a2)
+    rec["load_a2_inplace"] = call("POST", "/v1/load_lora_adapter", load_a2 | {"load_inplace": True})
+    rec["load_missing_path"] = call("POST", "/v1/load_lora_adapter",
+                                    {"lora_name": "ghost", "lora_path": str(LORA_DIR / "no-such-adapter")})
+    rec["models_after_failed_load"] = models()
+    rec["load_empty_name"] = call("POST", "/v1/load_lora_adapter", {"lora_name": "", "lora_path": a2_path})
+    rec["load_no_path"] = call("POST", "/v1/load_lora_adapter", {"lora_name": "a3"})
+    deferred = lora_deferred(client, ("a1", "a2"))
+    rec["unload_a2"] = call("POST", "/v1/unload_lora_adapter", {"lora_name": "a2"})
+    rec["models_after_unload"] = models()
+    rec["chat_a2_after_unload"] = chat("a2")
+    rec["unload_a2_again"] = call("POST", "/v1/unload_lora_adapter", {"lora_name": "a2"})
+    rec["unload_empty_name"] = call("POST", "/v1/unload_lora_adapter", {"lora_name": ""})
+    write("lora.json", rec)
+    write("lora_metrics.json", {"server_args": rec["server_args"], "deferred": deferred,
+                                "after_all": lora_metrics(get_metrics(client))})
+
 # ---------------------------------------------------------------------------------------------------- main
 def record(client: Client, out: Path, do_perf: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
@@ -529,25 +638,38 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-perf", action="store_true")
     ap.add_argument("--no-overload", action="store_true",
                     help="skip overload.json (it starts a second server with small queue limits)")
+    ap.add_argument("--no-lora", action="store_true",
+                    help="skip lora*.json (it starts a server with --enable-lora and the adapters of build_lora.py)")
+    ap.add_argument("--only-lora", action="store_true", help="record lora*.json and nothing else")
+    ap.add_argument("--lora-url", help="a running server started with the arguments and environment of "
+                                       "lora.json's server_args / server_env, for lora*.json")
     ap.add_argument("--overload-url", help="a running server started with --max-num-seqs 2 "
                                            "--max-num-queued-reqs 4, for overload.json")
     args = ap.parse_args(argv)
     seqs, queued = 2, 4
-    if args.url:
-        record(Client(args.url), args.out, not args.no_perf)
-    else:
-        with VLLMServer() as server:
-            print(f"[record] vLLM healthy after {server.startup_seconds:.1f}s at {server.url}")
-            record(Client(server.url), args.out, not args.no_perf)
-    if args.overload_url:
-        (args.out / "overload.json").write_text(dumps(overload(Client(args.overload_url), seqs, queued)))
-        print("[record] overload.json")
-    elif not args.no_overload and not args.url:
-        extra = ["--max-num-seqs", str(seqs), "--max-num-queued-reqs", str(queued)]
-        with VLLMServer(extra_args=extra) as server:
-            print(f"[record] second vLLM ({' '.join(extra)}) healthy after {server.startup_seconds:.1f}s")
-            (args.out / "overload.json").write_text(dumps(overload(Client(server.url), seqs, queued)))
+    if not args.only_lora:
+        if args.url:
+            record(Client(args.url), args.out, not args.no_perf)
+        else:
+            with VLLMServer() as server:
+                print(f"[record] vLLM healthy after {server.startup_seconds:.1f}s at {server.url}")
+                record(Client(server.url), args.out, not args.no_perf)
+        if args.overload_url:
+            (args.out / "overload.json").write_text(dumps(overload(Client(args.overload_url), seqs, queued)))
             print("[record] overload.json")
+        elif not args.no_overload and not args.url:
+            extra = ["--max-num-seqs", str(seqs), "--max-num-queued-reqs", str(queued)]
+            with VLLMServer(extra_args=extra) as server:
+                print(f"[record] second vLLM ({' '.join(extra)}) healthy after {server.startup_seconds:.1f}s")
+                (args.out / "overload.json").write_text(dumps(overload(Client(server.url), seqs, queued)))
+                print("[record] overload.json")
+    if args.lora_url:
+        record_lora(Client(args.lora_url), args.out)
+    elif not args.no_lora and not args.url:
+        extra = LORA_SERVER_ARGS + ["--lora-modules", f"a1={LORA_DIR / 'lora-a1'}"]
+        with VLLMServer(extra_args=extra, extra_env=LORA_ENV) as server:
+            print(f"[record] LoRA vLLM healthy after {server.startup_seconds:.1f}s")
+            record_lora(Client(server.url), args.out)
     return 0
 
 

@@ -105,6 +105,7 @@ class VLLMServer:
         log_path: Path | str | None = None,
         startup_timeout: float = 240.0,
         die_with_parent: bool = True,
+        extra_env: dict | None = None,
     ):
         self.host = host
         self.port = port or free_port(host)
@@ -126,6 +127,7 @@ class VLLMServer:
         self.startup_seconds: float | None = None
         self.stop_seconds: float | None = None
         self._log = None
+        self.extra_env = dict(extra_env or {})  # e.g. VLLM_ALLOW_RUNTIME_LORA_UPDATING for the LoRA fixtures
 
     @property
     def url(self) -> str:
@@ -160,7 +162,7 @@ class VLLMServer:
         self._log = open(self.log_path, "ab")
         t0 = time.monotonic()
         self.proc = subprocess.Popen(
-            self.command(), cwd=str(ROOT), env=vllm_env(self.home, self.kv_cache_gib),
+            self.command(), cwd=str(ROOT), env=vllm_env(self.home, self.kv_cache_gib) | self.extra_env,
             stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
             start_new_session=True,  # own process group: stop() takes the engine-core children down too
             preexec_fn=_die_with_parent if self.die_with_parent else None,
