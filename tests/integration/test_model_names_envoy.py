@@ -52,9 +52,11 @@ async def test_adapters_and_aliases_reach_their_models_pool_and_degrade_to_the_s
 
         # An adapter loaded at runtime: refused until a replica lists it, then served.
         assert (await answer(http, s.url, "late-a"))[:2] == (404, "invalid")
+        (tmp_path / "late-a").mkdir()
+        (tmp_path / "late-a" / "adapter_config.json").write_text("{}")  # a runtime load reads its local path
         for url in big.urls:
             async with http.post(url + "/v1/load_lora_adapter",
-                                 json={"lora_name": "late-a", "lora_path": "/adapters/late-a"}) as r:
+                                 json={"lora_name": "late-a", "lora_path": str(tmp_path / "late-a")}) as r:
                 assert r.status == 200
         assert await until(lambda: answer(http, s.url, "late-a"), 10, holds=lambda a: a[0] == 200) == \
             (200, "accept", "late-a")

@@ -48,14 +48,15 @@ async def test_runtime_endpoints_exist_only_when_enabled(http):
             assert resp.status == 404 and await resp.json() == {"detail": "Not Found"}
 
 
-async def test_runtime_load_and_unload_as_vllm_answers(http):
+async def test_runtime_load_and_unload_as_vllm_answers(http, tmp_path):
+    (tmp_path / "adapter_config.json").write_text("{}")  # a runtime load reads a local path (see below)
     async with SimFleet("h100-llama70b-awq", port=0, speed=50, model_names=[BASE], runtime_lora=True) as fleet:
         url = fleet.urls[0]
         async with http.post(url + "/v1/chat/completions", json=chat("late-lora")) as resp:
             err = (await resp.json())["error"]
             assert resp.status == 404 and err["type"] == "NotFoundError" and err["param"] == "model"
             assert err["message"].startswith("The model `late-lora` does not exist.") and err["code"] == 404
-        load = {"lora_name": "late-lora", "lora_path": "/adapters/late"}
+        load = {"lora_name": "late-lora", "lora_path": str(tmp_path)}
         async with http.post(url + "/v1/load_lora_adapter", json=load) as resp:
             assert resp.status == 200 and "content-type" not in resp.headers
             assert await resp.text() == "Success: LoRA adapter 'late-lora' added successfully."
@@ -80,6 +81,22 @@ async def test_runtime_load_and_unload_as_vllm_answers(http):
                                                   "type": "NotFoundError", "param": None, "code": 404}
         async with http.post(url + "/v1/unload_lora_adapter", data=b"{}") as resp:
             assert resp.status == 400 and (await resp.json())["error"]["param"] == "body.lora_name"
+
+
+async def test_a_runtime_load_finds_no_adapter_where_vllm_finds_none(http, tmp_path):
+    async with SimFleet("h100-llama70b-awq", port=0, speed=50, model_names=[BASE], runtime_lora=True) as fleet:
+        url = fleet.urls[0]
+        # no such folder; a folder without adapter_config.json (under /tmp, which vLLM's messages hide)
+        for path, shown in (("/adapters/nowhere", "/adapters/nowhere"), (str(tmp_path), "<path>")):
+            async with http.post(url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": path}) as resp:
+                assert resp.status == 404 and (await resp.json())["error"] == {
+                    "message": f"Loading lora x failed: No adapter found for {shown}", "type": "NotFoundError",
+                    "param": None, "code": 404}
+        # a name that is no local path is a hub id: vLLM downloads it; the simulator, without a hub, loads it
+        async with http.post(url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "org/x"}) as resp:
+            assert resp.status == 200
+        async with http.get(url + "/v1/models") as resp:
+            assert [c["id"] for c in (await resp.json())["data"]] == [BASE, "x"]
 
 
 def test_lora_module_forms():

@@ -4,12 +4,14 @@ adapters' cards in `/v1/models` (`root` their path, `parent` their base model).
 
 An adapter here is a name and a path: no weights are read, and a request for it runs on the replica's engine at
 the base model's speed, which is what an adapter costs on vLLM (a small extra per step that the profile's timing
-already averages in)."""
+already averages in). A runtime load checks only that a local path holds an adapter_config.json, as vLLM finds
+out when it reads the adapter."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 
 from extproc.tools.sim.openai_api import ApiError, validation_error
@@ -78,6 +80,10 @@ class LoraRegistry:
         if name in self.adapters and not inplace:
             raise ApiError(400, f"The lora adapter '{name}' has already been loaded. If you want to load the "
                                 f"adapter in place, set 'load_inplace' to True.", "InvalidUserInput")
+        if not_an_adapter(path):
+            # vLLM 0.32 (recorded): 404 and nothing added, the message's path hidden as its error handler hides it.
+            raise ApiError(404, _hide_paths(f"Loading lora {name} failed: No adapter found for {path}"),
+                           "NotFoundError")
         self._add(Adapter(name, path))
         return f"Success: LoRA adapter '{name}' added successfully."
 
@@ -90,6 +96,26 @@ class LoraRegistry:
             raise ApiError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
         del self.ids[name]
         return f"Success: LoRA adapter '{name}' removed successfully."
+
+
+def not_an_adapter(path: str) -> bool:
+    """True when vLLM would find no adapter at `path`: an absolute (or ~) path, or a relative one that exists, is
+    read from disk and must hold an adapter_config.json. Any other name is a hub id, which vLLM downloads and the
+    simulator, without a hub, takes as found."""
+    local = os.path.expanduser(path)
+    if not (os.path.isabs(local) or os.path.exists(local)):
+        return False
+    return not os.path.isfile(os.path.join(local, "adapter_config.json"))
+
+
+# vLLM's error handler replaces paths in messages by "<path>": those under the usual system roots, and any path
+# that ends in a file name with an extension.
+_SYSTEM_PATH = re.compile(r"/(?:home|usr|opt|var|tmp|root|lib|mnt|srv)(?:/[\w.\-]+)+")
+_FILE_PATH = re.compile(r"(?:/[\w\-]+)+/[\w\-]+\.\w+")
+
+
+def _hide_paths(message: str) -> str:
+    return _FILE_PATH.sub("<path>", _SYSTEM_PATH.sub("<path>", message)).strip()
 
 
 def _json_object(raw: bytes) -> dict:
