@@ -10,7 +10,9 @@ simulator has no tokenizer) and the web server's own headers. A mismatch is a si
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 from pathlib import Path
 
 import aiohttp
@@ -70,3 +72,50 @@ async def test_lora_cases_answer_as_the_real_vllm_did(tmp_path):
                 assert cards(doc, roots) == cards(real, here(rec["roots"], tmp_path)), case
             else:
                 assert doc["model"] == real["model"], case
+
+
+def families(lines: list[str]) -> dict:
+    """{family: (HELP text, sorted label names of its samples)} from /metrics lines."""
+    out: dict = {}
+    for line in lines:
+        if line.startswith("# HELP "):
+            name, _, text = line[7:].partition(" ")
+            out[name] = (text, set())
+        elif line and not line.startswith("#"):
+            name, _, rest = line.partition("{")
+            if name in out:
+                out[name][1].update(k for k in re.findall(r'(\w+)="', rest.partition("}")[0]) if k != "engine")
+    return {k: (text, sorted(labels)) for k, (text, labels) in out.items() if k.startswith("vllm:")}
+
+
+async def test_lora_metrics_are_named_and_labelled_as_the_real_vllm_did(tmp_path):
+    fx, recorded = load("lora.json"), load("lora_metrics.json")
+    real = recorded["deferred"]["while_both_held"]
+    async with lora_fleet(fx, tmp_path) as fleet, aiohttp.ClientSession() as http:
+        url = fleet.urls[0]
+        a2 = here(fx["load_a2"]["request"]["body"], tmp_path)
+        async with http.post(url + "/v1/load_lora_adapter", json=a2) as r:
+            assert r.status == 200
+        # the recorder's two long streams, a1 then a2: one runs, the other waits for the --max-loras 1 slot
+        held = [asyncio.ensure_future(http.post(url + req["path"], json=req["body"]))
+                for req in recorded["deferred"]["requests"]]
+        text = ""
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            async with http.get(url + "/metrics") as r:
+                text = await r.text()
+            if 'reason="deferred"} 1.0' in text and "vllm:num_requests_running{" in text:
+                break
+        for task in held:
+            task.cancel()
+    lines = text.splitlines()
+    want, got = families(real["lines"]), families(lines)
+    assert {name: got.get(name) for name in want} == want  # names, HELP texts, label names
+    running = {ln.split(" ")[0] for ln in lines if ln.startswith("vllm:lora_requests_info{")}
+    newest = max((ln for ln in real["lines"] if ln.startswith("vllm:lora_requests_info{")),
+                 key=lambda ln: float(ln.rsplit(" ", 1)[1]))
+    # the adapter running is both labels' value; the one deferred for the LoRA budget is in neither (as vLLM)
+    assert 'vllm:lora_requests_info{max_lora="1",running_lora_adapters="a1",waiting_lora_adapters="a1"}' in running
+    assert "a2" not in " ".join(running) and 'running_lora_adapters="a1"' in newest
+    assert real["num_requests_waiting_by_reason"] == {"reason=capacity": 0.0, "reason=deferred": 1.0}
+    assert 'vllm:num_requests_waiting_by_reason{engine="0",model_name="tiny-llama",reason="deferred"} 1.0' in lines

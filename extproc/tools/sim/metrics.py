@@ -26,6 +26,11 @@ HELP = {
     "vllm:prompt_tokens_total": "Number of prefill tokens processed.",
     "vllm:generation_tokens_total": "Number of generation tokens processed.",
 }
+# vLLM 0.32's texts, as recorded (tests/fixtures/vllm/metrics.json, lora_metrics.json).
+WAITING_BY_REASON_HELP = ("Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling "
+                          "capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, "
+                          "blocked status). Sum of all reasons equals vllm:num_requests_waiting.")
+LORA_INFO_HELP = "Running stats on lora requests."
 
 
 class Histogram:
@@ -66,6 +71,10 @@ class ReplicaMetrics:
         self.e2e = Histogram(REQUEST_LATENCY_BUCKETS)
         self.queue = Histogram(REQUEST_LATENCY_BUCKETS)
         self.inter_token = Histogram(INTER_TOKEN_BUCKETS)
+        # vllm:lora_requests_info, with --enable-lora only (max_loras set): one series per adapter list ever current,
+        # its value the unix time it last was (vLLM sets it to the current time at every engine step's stats).
+        self.max_loras: int | None = None
+        self.lora_info: dict[str, float] = {}
 
     def observe_emissions(self, emissions: list[Emission]) -> None:
         """Record TTFT or inter-token latency per token, and request-level times for finished ones."""
@@ -83,6 +92,13 @@ class ReplicaMetrics:
         self.e2e.observe(max(0.0, seq.finished - seq.arrival))
         if seq.first_scheduled is not None:
             self.queue.observe(max(0.0, seq.first_scheduled - seq.arrival))
+
+    def observe_loras(self, adapters: list[str]) -> None:
+        """After an engine step: the adapters of the requests it runs. vLLM 0.32 writes the same list (adapters
+        with a request its front end has seen queued or scheduled) into both running_lora_adapters and
+        waiting_lora_adapters; a request deferred for the LoRA budget is in neither until it runs (recorded)."""
+        if self.max_loras is not None:
+            self.lora_info[",".join(dict.fromkeys(adapters))] = time.time()  # series stay in creation order
 
     def render(self, engine: Engine) -> str:
         """Prometheus text exposition (version 0.0.4) of the replica's current state."""
@@ -112,12 +128,16 @@ class ReplicaMetrics:
         for reason in FINISH_REASONS:
             count = stats.finished[reason] if reason in COUNTED_REASONS else 0
             lines.append(f'vllm:request_success_total{{{labels},finished_reason="{reason}"}} {float(count)!r}')
-        family("vllm:num_requests_waiting_by_reason", "gauge",
-               "Number of requests waiting to be processed, by reason.")
+        family("vllm:num_requests_waiting_by_reason", "gauge", WAITING_BY_REASON_HELP)
         deferred = engine.deferred
         waiting = float(len(engine.waiting) - deferred)
         lines.append(f'vllm:num_requests_waiting_by_reason{{{labels},reason="capacity"}} {waiting!r}')
         lines.append(f'vllm:num_requests_waiting_by_reason{{{labels},reason="deferred"}} {float(deferred)!r}')
+        if self.max_loras is not None:
+            family("vllm:lora_requests_info", "gauge", LORA_INFO_HELP)
+            for adapters, at in self.lora_info.items():
+                lines.append(f'vllm:lora_requests_info{{max_lora="{self.max_loras}",running_lora_adapters="{adapters}",'
+                             f'waiting_lora_adapters="{adapters}"}} {at!r}')
         for name, hist, help_text in (
             ("vllm:time_to_first_token_seconds", self.ttft, "Histogram of time to first token in seconds."),
             ("vllm:inter_token_latency_seconds", self.inter_token, "Histogram of inter-token latency in seconds."),

@@ -75,6 +75,7 @@ class Replica:
         # LoRA is on (vLLM's --enable-lora) when adapters are given or may be loaded; then --max-loras applies.
         self.engine = Engine(profile, seed=seed, max_loras=max_loras if lora_modules or runtime_lora else None)
         self.metrics = ReplicaMetrics(profile.model_names[0])
+        self.metrics.max_loras = self.engine.max_loras
         self.faults = Faults()
         self._fault_rng = random.Random(seed + 7919)
         self._active: dict[int, _Active] = {}
@@ -129,6 +130,9 @@ class Replica:
 
     def _deliver(self, emissions: list[Emission]) -> None:
         self.metrics.observe_emissions(emissions)
+        if self.engine.max_loras is not None:
+            names = {i: name for name, i in self.loras.ids.items()}
+            self.metrics.observe_loras([names[seq.lora] for seq in self.engine.running if seq.lora in names])
         active = self._active
         for emission in emissions:
             entry = active.get(emission.seq.id)
