@@ -4,7 +4,7 @@ The fixtures were recorded from a real server (--enable-lora --max-loras 1, adap
 unloaded at runtime; see tests/fixtures/vllm/README.md). The same requests go to a simulated replica started the
 same way, with the adapters' folders recreated under tmp_path ("<repo>" in the files). Compared: statuses, JSON
 shapes, every error body, the load/unload texts, the `model` an adapter is answered under, and the `/v1/models`
-cards (ids, parent, max_model_len, an adapter's root). Not compared: token counts and generated text (the
+cards (ids, parent, max_model_len, an adapter's root), and the content-length of identical bodies. Not compared: token counts and generated text (the
 simulator has no tokenizer) and the web server's own headers. A mismatch is a simulator bug, not a fixture to edit.
 """
 
@@ -57,16 +57,17 @@ async def test_lora_cases_answer_as_the_real_vllm_did(tmp_path):
                 continue
             req = here(rec["request"], tmp_path)
             async with http.request(req["method"], fleet.urls[0] + req["path"], json=req["body"]) as r:
-                status, payload = r.status, await r.read()
+                status, payload, length = r.status, await r.read(), r.headers.get("content-length")
             assert status == rec["status"], f"{case}: {status} {payload[:200]!r}"
             if rec["shape"] is None:  # plain text: the load/unload success
-                assert payload.decode() == rec["text"], case
+                assert payload.decode() == rec["text"] and length == rec["headers"]["content-length"], case
                 continue
             doc = json.loads(payload)
             assert shape(doc) == rec["shape"], f"{case}: shape differs"
             real = here(rec["body"], tmp_path)
             if "error" in real:
                 assert doc == real, case
+                assert length == rec["headers"]["content-length"], f"{case}: the same body written otherwise"
             elif "data" in real:
                 roots = {c["id"]: c["root"] for c in doc["data"]}
                 assert cards(doc, roots) == cards(real, here(rec["roots"], tmp_path)), case

@@ -32,9 +32,14 @@ class ApiError(Exception):
         return error_body(self.status, str(self), self.error_type, self.param)
 
 
+def vllm_json(doc) -> bytes:
+    """A JSON body as vLLM's web server writes one: without spaces (recorded content-lengths, tests/fixtures/vllm)."""
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
 def error_body(status: int, message: str, error_type: str, param: str | None = None) -> bytes:
     """`{"error": {"message", "type", "param", "code"}}` as vLLM writes it."""
-    return json.dumps({"error": {"message": message, "type": error_type, "param": param, "code": status}}).encode()
+    return vllm_json({"error": {"message": message, "type": error_type, "param": param, "code": status}})
 
 
 @dataclass
@@ -356,7 +361,7 @@ class ResponseRenderer:
         if r.kind == CHAT:
             body.update(prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)
         body.update(kv_transfer_params=None, ec_transfer_params=None, metrics=None)
-        return json.dumps(body).encode()
+        return vllm_json(body)
 
 
 def models_body(served: tuple[str, ...], max_model_len: int, root: str | None = None,
@@ -373,4 +378,4 @@ def models_body(served: tuple[str, ...], max_model_len: int, root: str | None = 
                              "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
                              "allow_fine_tuning": False, "organization": "*", "group": None,
                              "is_blocking": False}]} for name, card_root, parent, length in cards]
-    return json.dumps({"object": "list", "data": data}).encode()
+    return vllm_json({"object": "list", "data": data})

@@ -13,7 +13,7 @@ from extproc.tools.sim.lora import Adapter, LoraRegistry
 from extproc.tools.sim.metrics import ReplicaMetrics
 from extproc.tools.sim.openai_api import (CHAT, COMPLETIONS, PRIORITY_HEADER, SIM_VERSION, ApiError, GenerationRequest,
                                           ResponseRenderer, error_body, fixed_output_tokens, header_priority,
-                                          models_body, parse_generation)
+                                          models_body, parse_generation, vllm_json)
 from extproc.tools.sim.profile import Profile
 
 # If the loop falls this far behind simulated time (CPU starved), it stops trying to catch up.
@@ -168,13 +168,13 @@ class Replica:
         elif path in LORA_PATHS and self.runtime_lora:
             self._lora_update(path, request, writer)
         elif path == "/version":
-            writer.send(200, json.dumps({"version": SIM_VERSION}).encode())
+            writer.send(200, vllm_json({"version": SIM_VERSION}))
         elif path == "/sim/state":
             writer.send(200, json.dumps(self.state()).encode())
         elif path == "/sim/fault" and request.method == "POST":
             self._set_faults(request, writer)
         else:
-            writer.send(404, json.dumps({"detail": "Not Found"}).encode())
+            writer.send(404, vllm_json({"detail": "Not Found"}))
 
     def state(self) -> dict:
         """Engine and fault state, for tests and the operator (GET /sim/state)."""
@@ -210,7 +210,7 @@ class Replica:
         """POST /v1/load_lora_adapter or /v1/unload_lora_adapter: vLLM answers success as plain text (no
         content-type), errors as its JSON error object."""
         if request.method != "POST":
-            writer.send(405, json.dumps({"detail": "Method Not Allowed"}).encode(), headers={"allow": "POST"})
+            writer.send(405, vllm_json({"detail": "Method Not Allowed"}), headers={"allow": "POST"})
             return
         update = self.loras.load if path == LORA_PATHS[0] else self.loras.unload
         try:
@@ -220,7 +220,7 @@ class Replica:
 
     def _generation(self, kind: str, request: HttpRequest, writer: ResponseWriter) -> None:
         if request.method != "POST":
-            writer.send(405, json.dumps({"detail": "Method Not Allowed"}).encode(),  # the web framework's body
+            writer.send(405, vllm_json({"detail": "Method Not Allowed"}),  # the web framework's body
                         headers={"allow": "POST"})
             return
         p = self.profile
