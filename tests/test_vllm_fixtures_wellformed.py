@@ -151,12 +151,14 @@ def test_health_models_version():
 def test_lora():
     fx = load("lora.json")
     assert fx["server_env"] == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} and "--enable-lora" in fx["server_args"]
-    statuses = {"models": 200, "chat_a1": 200, "chat_unknown_model": 404, "load_a2": 200, "chat_a2": 200,
+    statuses = {"models": 200, "chat_a1": 200, "chat_a3": 200, "chat_unknown_model": 404, "load_a2": 200, "chat_a2": 200,
                 "load_a2_again": 400, "load_missing_path": 404, "unload_a2": 200, "chat_a2_after_unload": 404,
                 "unload_a2_again": 404}
     assert {k: fx[k]["status"] for k in statuses} == statuses
-    assert [c["id"] for c in fx["models_after_load"]["body"]["data"]] == ["tiny-llama", "tiny-llama-small", "a1", "a2"]
+    assert [c["id"] for c in fx["models_after_load"]["body"]["data"]] == ["tiny-llama", "tiny-llama-small", "a1", "a3", "a2"]
     assert fx["load_a2"]["text"].startswith("Success: ") and fx["load_a2"]["shape"] is None
+    assert [(c["id"], c["parent"]) for c in fx["models"]["body"]["data"][2:]] == [("a1", "tiny-llama"),
+                                                                                ("a3", "tiny-llama-small")]
     metrics = load("lora_metrics.json")
     assert metrics["deferred"]["while_both_held"]["num_requests_waiting_by_reason"]["reason=deferred"] == 1.0
 

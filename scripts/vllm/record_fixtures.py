@@ -359,6 +359,9 @@ LORA_DIR = ROOT / ".cache" / "vllm-model"
 LORA_RANK = 8  # scripts/vllm/build_lora.py
 LORA_SERVER_ARGS = ["--enable-lora", "--max-loras", "1", "--max-lora-rank", str(LORA_RANK)]
 LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+# At start-up: a1 in the name=path form, a3 in the JSON form naming the second served name as its base model.
+LORA_MODULES = [f"a1={LORA_DIR / 'lora-a1'}",
+                json.dumps({"name": "a3", "path": str(LORA_DIR / "lora-a2"), "base_model_name": "tiny-llama-small"})]
 
 
 def any_record(request: dict, status: int, headers, payload: bytes) -> dict:
@@ -412,8 +415,8 @@ def lora_deferred(client: Client, names: tuple[str, str], hold_s: float = 10.0) 
 
 
 def record_lora(client: Client, out: Path) -> None:
-    """Against a server started with LORA_SERVER_ARGS, --lora-modules a1=.cache/vllm-model/lora-a1 and
-    LORA_ENV: the adapter's card, answers under its name, runtime load/unload, errors, LoRA metrics."""
+    """Against a server started with LORA_SERVER_ARGS, --lora-modules LORA_MODULES and LORA_ENV: the adapters'
+    cards, answers under their names, runtime load/unload, errors, LoRA metrics."""
     a2_path = str(LORA_DIR / "lora-a2")
 
     def write(name: str, obj) -> None:
@@ -435,10 +438,11 @@ def record_lora(client: Client, out: Path) -> None:
                     {"model": model, "messages": CHAT_MESSAGES, "max_tokens": 4, "temperature": 0})
 
     load_a2 = {"lora_name": "a2", "lora_path": a2_path}
-    rec: dict = {"server_args": LORA_SERVER_ARGS + ["--lora-modules", f"a1={LORA_DIR / 'lora-a1'}"],
+    rec: dict = {"server_args": LORA_SERVER_ARGS + ["--lora-modules", *LORA_MODULES],
                  "server_env": LORA_ENV}
     rec["models"] = models()
     rec["chat_a1"] = chat("a1")
+    rec["chat_a3"] = chat("a3")
     rec["completions_a1"] = call("POST", "/v1/completions", {"model": "a1", "prompt": PROMPT, "max_tokens": 4,
                                                              "temperature": 0})
     rec["chat_unknown_model"] = chat("no-such-lora")
@@ -666,7 +670,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.lora_url:
         record_lora(Client(args.lora_url), args.out)
     elif not args.no_lora and not args.url:
-        extra = LORA_SERVER_ARGS + ["--lora-modules", f"a1={LORA_DIR / 'lora-a1'}"]
+        extra = LORA_SERVER_ARGS + ["--lora-modules", *LORA_MODULES]
         with VLLMServer(extra_args=extra, extra_env=LORA_ENV) as server:
             print(f"[record] LoRA vLLM healthy after {server.startup_seconds:.1f}s")
             record_lora(Client(server.url), args.out)

@@ -35,7 +35,8 @@ def here(value, repo: Path):
 
 def lora_fleet(fx: dict, repo: Path) -> SimFleet:
     args = here(fx["server_args"], repo)
-    modules = [args[i + 1] for i, a in enumerate(args) if a == "--lora-modules"]
+    start = args.index("--lora-modules") + 1
+    modules = args[start:next((i for i in range(start, len(args)) if args[i].startswith("--")), len(args))]
     for name in ("lora-a1", "lora-a2"):  # what scripts/vllm/build_lora.py leaves for the server to read
         folder = repo / ".cache" / "vllm-model" / name
         folder.mkdir(parents=True)
