@@ -701,6 +701,7 @@ class AdmissionController:
         """The ticket holds `units` of its pool's limit (released with its slot)."""
         ticket.gate, ticket.units, ticket.rank = gate, units, ticket.limiter.rank
         gate.take(ticket.rank, units, ticket.flow)
+        gate.controller.admitted(ticket.rank, ticket.admitted_at)
 
     # --- the end of an admitted request ---
 

@@ -324,6 +324,41 @@ def test_raises_in_proportion_to_the_room_left_while_binding_and_settles_when_id
     assert c.last_action == "settle" and 2.0 < c.limit < 21.0
 
 
+def test_after_a_latency_cut_the_quickest_first_completions_do_not_raise_the_limit():
+    # scenarios/big-fleet.yaml: at ~150 completions a second, min_samples came within milliseconds of a cut, all
+    # of them the shortest answers; the window read the latency at 40% of its target and the limit rose again
+    # before the long answers admitted with them had ended (a saw-tooth, the p99 over the SLO through a spike).
+    def cut_at_one_second() -> PoolLimit:
+        c = PoolLimit(spec(), {0: 2.0})  # target 0.85 x 2 s = 1.7 s
+        for _ in range(10):
+            c.observe(0, 0.0, 0.0, 1.0)  # calm
+        c.update(0.0, 20, True, False)
+        for _ in range(30):
+            c.observe(0, 1.0, 1.0, 3.0)  # load
+        c.update(1.0, 20, True, False)
+        assert c.last_action == "cut_latency"
+        for _ in range(40):              # the first interval's admissions after the cut
+            c.admitted(0, 1.1)
+        for _ in range(10):              # the quickest ten of them are back: 0.4 s each
+            c.observe(0, 1.1, 1.5, 0.4)
+        return c
+
+    c = cut_at_one_second()
+    cut = c.limit
+    c.update(1.5, cut, True, False)
+    assert c.last_action == "hold" and c.limit == cut  # 10 of 40 served: the window cannot speak for them yet
+    for _ in range(28):                  # 38 of 40 served (95%), well in target
+        c.observe(0, 1.1, 2.0, 0.9)
+    c.update(2.0, cut, True, False)
+    assert c.last_action == "raise" and c.limit > cut
+    # A first interval that never completes (aborts, errors) holds the raise for target x SLO at most.
+    c = cut_at_one_second()
+    c.update(2.0, c.limit, True, False)
+    assert c.last_action == "hold"
+    c.update(2.8, c.limit, True, False)
+    assert c.last_action == "raise"
+
+
 def test_a_pool_serving_far_under_its_target_settles_with_room_for_a_burst():
     # scenarios/shared-small: a small model's pool beside a large one, answers in a fifth of the SLO and one or
     # two requests in flight. At the recent peak + 50% a burst of three waited out its 200 ms and was refused.
