@@ -304,21 +304,17 @@ def test_check_warns_when_tenant_limits_sum_past_the_fleet():
 
 
 def test_a_configured_tokenizer_gives_exact_prompt_counts(tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer
 
-    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(["the queue in front of the model is short today"] * 50,
-                            trainers.BpeTrainer(vocab_size=200, special_tokens=["[UNK]"]))
-    path = tmp_path / "tokenizer.json"
-    tok.save(str(path))
+    path = whitespace_tokenizer(tmp_path)
+    tok = Tokenizer.from_file(path)
     doc = {"messages": [{"role": "user", "content": "the queue is short"}]}
-    exact = CostModel(CostSpec(tokenizer=str(path))).prompt_tokens(doc)
+    exact = CostModel(CostSpec(tokenizer=path)).prompt_tokens(doc)
     assert exact == MESSAGE_OVERHEAD_TOKENS + len(tok.encode("the queue is short", add_special_tokens=False).ids)
     # the tokenizer reads the same texts as the fast estimate: a Responses body's instructions and items too
     items = {"instructions": "the queue", "input": [{"type": "function_call_output", "output": "is short"}]}
     expected = len(tok.encode("the queue\nis short", add_special_tokens=False).ids)
-    assert CostModel(CostSpec(tokenizer=str(path))).prompt_tokens(items) == MESSAGE_OVERHEAD_TOKENS + expected
+    assert CostModel(CostSpec(tokenizer=path)).prompt_tokens(items) == MESSAGE_OVERHEAD_TOKENS + expected
     missing = CostModel(CostSpec(tokenizer=str(tmp_path / "absent.json"))).prompt_tokens(doc)
     assert missing == CostModel(CostSpec()).prompt_tokens(doc)  # falls back to the fast estimate
 
