@@ -180,17 +180,21 @@ def _bound_strings(raw: bytes) -> None:
     ones left out only when the raw count is over the limit (UTF-16/32 bodies are counted once decoded)."""
     if len(raw) < 3 * MAX_JSON_STRINGS or raw.count(b'"') <= 2 * MAX_JSON_STRINGS:
         return  # (a string and its comma take three bytes at least)
-    count = raw.replace(b"\\\\", b"").replace(b'\\"', b"").count(b'"') // 2
+    count = _unescaped(raw).count(b'"') // 2
     if count > MAX_JSON_STRINGS:
         raise BadRequest(say(R_JSON_TOO_MANY_STRINGS, count=count, limit=MAX_JSON_STRINGS),
                          code=R_JSON_TOO_MANY_STRINGS)
 
 
+def _unescaped(raw: bytes) -> bytes:
+    """The JSON text without its escaped backslashes, then its escaped quotes: every quote left delimits a string
+    (valid JSON has no backslash outside strings)."""
+    return raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+
+
 def _outside_strings(raw: bytes) -> bytes:
-    """The JSON text with its strings' contents removed. Escaped backslashes go first, then escaped quotes, so
-    every quote left delimits a string (valid JSON has no backslash outside strings)."""
-    plain = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
-    return b"".join(plain.split(b'"')[0::2])
+    """The JSON text with its strings' contents removed."""
+    return b"".join(_unescaped(raw).split(b'"')[0::2])
 
 
 def _loads_other_unicode(raw: bytes, error: orjson.JSONDecodeError) -> tuple[Any, bytes]:
