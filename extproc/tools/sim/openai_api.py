@@ -311,7 +311,7 @@ class ResponseRenderer:
                               "completion_tokens": 0, "completion_tokens_details": None}
         chunk["prompt_token_ids"] = None
         chunk["prompt_text"] = None
-        return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+        return b"data: " + vllm_json(chunk) + b"\n\n"
 
     def token_event(self, index: int, finish_reason: str | None) -> bytes:
         """The SSE event carrying output token number `index` (0-based); the last one carries finish_reason."""
@@ -337,7 +337,7 @@ class ResponseRenderer:
                  "usage": {"prompt_tokens": p, "total_tokens": p + completion_tokens,
                            "completion_tokens": completion_tokens},
                  "system_fingerprint": SYSTEM_FINGERPRINT}
-        return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n" + tail
+        return b"data: " + vllm_json(chunk) + b"\n\n" + tail
 
     def full_response(self, completion_tokens: int, finish_reason: str) -> bytes:
         """The non-streaming response body, with vLLM's explicit nulls."""
