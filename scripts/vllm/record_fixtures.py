@@ -385,9 +385,10 @@ def lora_metrics(text: str) -> dict:
 def lora_deferred(client: Client, names: tuple[str, str], hold_s: float = 10.0) -> dict:
     """Two long streams for two adapters on a --max-loras 1 server: the second waits for the first's slot.
     What /metrics says while it waits."""
+    bodies = [{"model": name, "prompt": PROMPT, "max_tokens": 1800, "stream": True, "ignore_eos": True}
+              for name in names]
     socks = []
-    for name in names:
-        body = {"model": name, "prompt": PROMPT, "max_tokens": 1800, "stream": True, "ignore_eos": True}
+    for body in bodies:
         payload = json.dumps(body).encode()
         sock = socket.create_connection((client.host, client.port), timeout=30)
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -408,9 +409,7 @@ def lora_deferred(client: Client, names: tuple[str, str], hold_s: float = 10.0) 
     finally:
         for sock in socks:
             sock.close()
-    return {"requests": [{"method": "POST", "path": "/v1/completions",
-                          "body": {"model": n, "prompt": PROMPT, "max_tokens": 1800, "stream": True,
-                                   "ignore_eos": True}} for n in names],
+    return {"requests": [{"method": "POST", "path": "/v1/completions", "body": body} for body in bodies],
             "while_both_held": seen}
 
 
@@ -429,8 +428,10 @@ def record_lora(client: Client, out: Path) -> None:
         return any_record({"method": method, "path": path, "body": body}, s, h, payload)
 
     def models() -> dict:
-        rec = call("GET", "/v1/models")
-        rec["roots"] = {c["id"]: c["root"] for c in json.loads(client.request("GET", "/v1/models")[2])["data"]}
+        """One GET /v1/models: its record, and the cards' roots (paths), which the record's shape leaves out."""
+        s, h, payload, _ = client.request("GET", "/v1/models")
+        rec = any_record({"method": "GET", "path": "/v1/models", "body": None}, s, h, payload)
+        rec["roots"] = {c["id"]: c["root"] for c in json.loads(payload)["data"]}
         return rec
 
     def chat(model: str) -> dict:
