@@ -166,10 +166,13 @@ class Telemetry:
         self.completion_reports = Counter(
             "extproc_completion_reports", "Completion reports (Envoy's gRPC access log entries, one per admitted "
             "request) by result: matched (a ticket of this instance: the request's outcome and time to first byte "
-            "are learned) or unmatched (a ticket it does not know, e.g. issued before a restart or by another "
-            "ext_proc instance: that outcome is lost).", ["result"], registry=r)
-        self._matched = self.completion_reports.labels("matched")  # both exported from the start, at 0
+            "are learned), relayed (another instance's ticket, sent on to it through the shared Redis store, "
+            "where it counts as matched) or unmatched (a ticket it does not know, e.g. issued before a restart, "
+            "or by another instance with no Redis store between them: that outcome is lost).", ["result"],
+            registry=r)
+        self._matched = self.completion_reports.labels("matched")  # all exported from the start, at 0
         self._unmatched = self.completion_reports.labels("unmatched")
+        self._relayed = self.completion_reports.labels("relayed")
         self.unadmitted = Counter(
             "extproc_unadmitted_requests", "Requests Envoy sent to a replica without admission (no ticket): "
             "failure_mode_allow let them through while the ext_proc was down, slower than message_timeout, or "
@@ -270,11 +273,13 @@ class Telemetry:
 
     # --- CompletionReportEvents (the access log receiver, once per batch of entries) ---
 
-    def completions_reported(self, matched: int, unmatched: int) -> None:
+    def completions_reported(self, matched: int, unmatched: int, relayed: int = 0) -> None:
         if matched:
             self._matched.inc(matched)
         if unmatched:
             self._unmatched.inc(unmatched)
+        if relayed:
+            self._relayed.inc(relayed)
 
     def unadmitted_reported(self, count: int) -> None:
         self.unadmitted.inc(count)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator, Protocol
+import secrets
+from typing import AsyncIterator, Callable, Protocol, runtime_checkable
 
 import grpc
 from envoy.data.accesslog.v3 import accesslog_pb2
@@ -30,6 +31,43 @@ def ticket_prefix(worker: int | None) -> str:
     then sends each worker's access-log entries to that worker, matched on the prefix: envoyconf.render), else
     nothing. The ticket's id follows."""
     return "" if worker is None else f"{worker}-"
+
+
+class TicketTags:
+    """The ticket header's value, `[<worker>-]<id>.<instance>`, and its parse.
+
+    Ticket ids are counters that start at 1 in every process, so two ext_proc instances behind one Envoy (which
+    sends each of its workers' access log to one of them) issue the same ids nearly in step, and a restarted one
+    issues the ids its predecessor's last requests still carry: a bare id would hand one request's status and
+    timings to another's breakers and pool limit. The instance part, random per process, tells them apart."""
+
+    def __init__(self, worker: int | None = None, instance: str | None = None):
+        self.prefix = ticket_prefix(worker)
+        self.instance = instance or secrets.token_hex(4)
+        self._suffix = "." + self.instance
+
+    def value(self, ticket_id: int) -> str:
+        return f"{self.prefix}{ticket_id}{self._suffix}"
+
+    def parse(self, value: str) -> tuple[int, str] | None:
+        """(ticket id, instance) of a value with this worker's prefix; None for anything else."""
+        if not value.startswith(self.prefix):
+            return None
+        ticket_id, dot, instance = value[len(self.prefix):].partition(".")
+        if not dot or not instance or not ticket_id.isdigit():
+            return None
+        return int(ticket_id), instance
+
+
+@runtime_checkable
+class ReportRelay(Protocol):
+    """Carries completion reports to the ext_proc instance that admitted the request, through the store the
+    instances share (Redis): Envoy streams each of its workers' access log to one instance, whichever admitted
+    the request. Reports are [ticket id, outcome name, status, first byte s, total s] lists."""
+
+    def relay(self, instance: str, reports: list[list]) -> None: ...  # fire and forget; lost if the store is away
+
+    def on_reports(self, instance: str, callback: Callable[[list[list]], None]) -> None: ...
 
 _ANSWERED = (Outcome.OK, Outcome.UPSTREAM_ERROR)  # a client abort says nothing about the replica
 
@@ -54,6 +92,14 @@ def _seconds(d) -> float | None:
     return d.seconds + d.nanos / 1e9 if d.seconds or d.nanos else None
 
 
+def _seconds_or_none(value) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError("seconds")
+    return float(value)
+
+
 def completion_of(entry: accesslog_pb2.HTTPAccessLogEntry) -> Completion:
     outcome, status = outcome_of(entry)
     common = entry.common_properties
@@ -65,14 +111,15 @@ class CompletionReportEvents(Protocol):
     """What the receiver tells the outside world (telemetry implements it). Must be cheap and never raise."""
 
     # Once per batch of entries: how many matched a ticket the core knows, how many did not.
-    def completions_reported(self, matched: int, unmatched: int) -> None: ...
+    # `relayed`: entries of another instance's tickets sent on to it (it counts them as matched when they arrive).
+    def completions_reported(self, matched: int, unmatched: int, relayed: int = 0) -> None: ...
 
     # Requests that reached a replica with no ticket: Envoy's failure_mode_allow let them through unadmitted.
     def unadmitted_reported(self, count: int) -> None: ...
 
 
 class NoCompletionReportEvents:
-    def completions_reported(self, matched: int, unmatched: int) -> None:
+    def completions_reported(self, matched: int, unmatched: int, relayed: int = 0) -> None:
         pass
 
     def unadmitted_reported(self, count: int) -> None:
@@ -83,10 +130,13 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
     """Receives Envoy's access log stream and reports each admitted request's completion to the core."""
 
     def __init__(self, core: AdmissionController, events: CompletionReportEvents | None = None,
-                 worker: int | None = None):
+                 tags: TicketTags | None = None, relay: ReportRelay | None = None):
         self.core = core
-        self._prefix = ticket_prefix(worker)  # this worker's tickets
+        self.tags = tags or TicketTags()  # this process's tickets
         self.events: CompletionReportEvents = events or NoCompletionReportEvents()
+        self.relay = relay
+        if relay is not None:
+            relay.on_reports(self.tags.instance, self._relayed_in)
         self._closing = asyncio.Event()
 
     def close(self) -> None:
@@ -115,28 +165,52 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
 
     def _report(self, msg: als_pb2.StreamAccessLogsMessage) -> None:
         entries = msg.http_logs.log_entry
-        matched = unadmitted = 0
+        matched = unadmitted = relayed = 0
+        others: dict[str, list[list]] | None = None  # another instance's reports, by instance
         for entry in entries:
             headers = entry.request.request_headers
             if TICKET_HEADER not in headers:  # envoy.yaml logs these only when they reached a replica unadmitted
                 unadmitted += 1
                 continue
-            value = headers[TICKET_HEADER]
-            if not value.startswith(self._prefix):
-                continue  # another worker's
-            try:
-                ticket_id = int(value[len(self._prefix):])
-            except ValueError:
-                continue
+            tag = self.tags.parse(headers[TICKET_HEADER])
+            if tag is None:
+                continue  # another worker's, or not a ticket of ours at all
+            ticket_id, instance = tag
             completion = completion_of(entry)
-            if self.core.report(ticket_id, completion):
-                matched += 1
+            if instance == self.tags.instance:
+                matched += self.core.report(ticket_id, completion)
+            elif self.relay is not None:
+                if others is None:
+                    others = {}
+                others.setdefault(instance, []).append(
+                    [ticket_id, completion.outcome.value, completion.status, completion.first_byte_s,
+                     completion.total_s])
+                relayed += 1
             if self.core.steering.active and completion.outcome in _ANSWERED:
                 self._answered(entry, completion.outcome is Outcome.UPSTREAM_ERROR)
-        # The others carry no ticket the core knows: e.g. one issued before a restart, or by another instance.
-        self.events.completions_reported(matched, len(entries) - matched - unadmitted)
+        if others:
+            for instance, reports in others.items():
+                self.relay.relay(instance, reports)
+        # The rest carry no ticket the core knows: e.g. one issued before a restart, or by another instance while
+        # no store relays reports between instances.
+        self.events.completions_reported(matched, len(entries) - matched - unadmitted - relayed, relayed)
         if unadmitted:
             self.events.unadmitted_reported(unadmitted)
+
+    def _relayed_in(self, reports: list[list]) -> None:
+        """Reports another instance received for this one's tickets. Never raises (it runs in the store's
+        subscriber): a malformed report counts as unmatched."""
+        matched = 0
+        for report in reports:
+            try:
+                ticket_id, outcome, status, first_byte_s, total_s = report
+                completion = Completion(Outcome(outcome), int(status), _seconds_or_none(first_byte_s),
+                                        _seconds_or_none(total_s))
+                ticket_id = int(ticket_id)
+            except (TypeError, ValueError):
+                continue
+            matched += self.core.report(ticket_id, completion)
+        self.events.completions_reported(matched, len(reports) - matched)
 
     def _answered(self, entry: accesslog_pb2.HTTPAccessLogEntry, failed: bool) -> None:
         """Which replica answered matters only while a pool is steered (policy.steering): Envoy's own outlier

@@ -29,7 +29,7 @@ from ..policy.schema import Policy, PolicyError, load_policy_file
 from ..store import host_store, open_store
 from ..store.shared_slots import SharedSlots
 from ..telemetry import StoreTelemetry, Telemetry
-from .accesslog import AccessLogReceiver
+from .accesslog import AccessLogReceiver, ReportRelay, TicketTags
 from .saturation import SaturationScrapers
 from .servicer import ExtProcServicer
 
@@ -100,10 +100,13 @@ class Server:
         if store.shared:
             self.shared = SharedSlots(self.core, store, StoreTelemetry(self.telemetry.registry),
                                       workers=args.workers)
+        tags = TicketTags(args.worker_index)
         self.servicer = ExtProcServicer(self.core, max_body_bytes=args.max_body_bytes, shared=self.shared,
-                                        on_error=self.telemetry.stream_errors.inc, worker=args.worker_index,
+                                        on_error=self.telemetry.stream_errors.inc, tags=tags,
                                         max_pending_bodies=args.max_pending_bodies)
-        self.access_log = AccessLogReceiver(self.core, self.telemetry, worker=args.worker_index)
+        # Instances sharing a Redis store pass each other the reports Envoy sent to the wrong one.
+        self.access_log = AccessLogReceiver(self.core, self.telemetry, tags,
+                                            relay=store if isinstance(store, ReportRelay) else None)
         self.scrapers = SaturationScrapers(self.core)
         self._mtime = _mtime(policy_path)
         self._watched_at = 0.0

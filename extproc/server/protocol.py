@@ -189,13 +189,14 @@ def canned(d: Decision, body: RequestBody) -> pb.ProcessingResponse:
 
 
 def forward(d: Decision, queue_wait_ms: int | None, note: tuple[str, str] | None,
-            body: bytes | None, ticket_prefix: str = "", replicas: str | None = None) -> pb.ProcessingResponse:
+            body: bytes | None, ticket: str, replicas: str | None = None) -> pb.ProcessingResponse:
     """An admission: route to `d.cluster`, tag the request, and send `body` instead of the client's if given;
-    `replicas`: the pool's replicas to use, first choice first (policy.steering), None to let Envoy pick."""
+    `ticket`: the ticket header's value (accesslog.TicketTags); `replicas`: the pool's replicas to use, first
+    choice first (policy.steering), None to let Envoy pick."""
     # The pool to route to; the rest is echoed to the client by the route's response_headers_to_add and ties
     # Envoy's access log entry back to this ticket.
     headers = [header(CLUSTER_HEADER, d.cluster), header("x-extproc-class", d.cls),
-               header("x-extproc-decision", d.kind), header(TICKET_HEADER, ticket_prefix + str(d.ticket.id))]
+               header("x-extproc-decision", d.kind), header(TICKET_HEADER, ticket)]
     if queue_wait_ms is not None:
         headers.append(header("x-extproc-queue-wait-ms", str(queue_wait_ms)))
     for k, v in d.headers:

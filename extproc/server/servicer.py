@@ -12,6 +12,7 @@ from grpc.aio import EOF, InternalError
 from ..policy.admission import AdmissionController
 from ..policy.limits import Ticket
 from ..store.shared_slots import SharedSlots
+from .accesslog import TicketTags
 from .final_admission import FinalAdmission
 from .protocol import wait_override
 from .stream import Processor, Stream
@@ -28,8 +29,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
 
     def __init__(self, core: AdmissionController, max_body_bytes: int = 4 << 20, queue_grace_s: float = 0.5,
                  shared: SharedSlots | None = None, on_error: Callable[[], None] = _nothing,
-                 worker: int | None = None, max_pending_bodies: int = 10_000) -> None:
-        self.processor = Processor(core, shared, max_body_bytes, worker, max_pending_bodies)
+                 tags: TicketTags | None = None, max_pending_bodies: int = 10_000) -> None:
+        self.processor = Processor(core, shared, max_body_bytes, tags, max_pending_bodies)
         self.queue_grace_s = queue_grace_s   # added to Envoy's timeout while a request waits for its admission
         self._on_error = on_error            # called once per failed stream (the extproc_stream_errors counter)
 

@@ -15,7 +15,7 @@ from ..policy.reasons import (R_BODIES_PENDING, R_BODY_TOO_LARGE, R_CONFLICTING_
 from ..policy.schema import Policy
 from ..store.shared_slots import SharedSlots
 from . import protocol
-from .accesslog import ticket_prefix
+from .accesslog import TicketTags
 from .final_admission import FinalAdmission
 from .openai import (ENDPOINTS, BadRequest, Endpoint, RequestBody, degrade_body, dump_json, empty_body,
                      parse_body, sse_from_answer, wants_stream_usage)
@@ -70,9 +70,9 @@ class Processor:
     """What every stream of one server shares: the core, the shared store, the open tickets, the usage sample."""
 
     def __init__(self, core: AdmissionController, shared: SharedSlots | None = None,
-                 max_body_bytes: int = 4 << 20, worker: int | None = None, max_pending_bodies: int = 10_000):
+                 max_body_bytes: int = 4 << 20, tags: TicketTags | None = None, max_pending_bodies: int = 10_000):
         self.core = core
-        self.ticket_prefix = ticket_prefix(worker)  # this worker's, among `extproc serve --workers N`
+        self.tags = tags or TicketTags()  # how this process names its tickets to Envoy's access log
         self.shared = shared                 # global slots from a shared store (policy `store: {kind: redis}`)
         self.max_body_bytes = max_body_bytes
         # Streams whose request body has not arrived: each holds an Envoy circuit-breaker slot, and a full breaker
@@ -307,7 +307,7 @@ class Stream:
         if rewritten is not None and len(rewritten) > self.processor.max_body_bytes:
             return self._too_large_rewritten(len(rewritten))
         self.processor.live.add(d.ticket)
-        answer = protocol.forward(d, queue_wait_ms, note, rewritten, self.processor.ticket_prefix,
+        answer = protocol.forward(d, queue_wait_ms, note, rewritten, self.processor.tags.value(d.ticket.id),
                                   self.processor.core.replicas_for(d.cluster, d.cls))
         self._enter(Phase.FORWARDING)
         return answer

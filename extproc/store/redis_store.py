@@ -7,6 +7,7 @@ import contextlib
 import logging
 from typing import Callable
 
+import orjson
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -145,6 +146,8 @@ class RedisStore:
         self._acquirer: asyncio.Task | None = None
         self._busy = False  # an acquire call is on its way
         self._subscriber: asyncio.Task | None = None
+        self._reports: tuple[str, Callable[[list[list]], None]] | None = None  # this instance's channel, handler
+        self._relaying: set[asyncio.Task] = set()  # publishes in flight (held: the loop keeps only weak refs)
 
     def keys(self, cls: str) -> list[str]:
         return [f"{self.prefix}slots:{cls}", f"{self.prefix}cost:{cls}"]
@@ -242,6 +245,26 @@ class RedisStore:
     def on_release(self, callback: Callable[[str], None]) -> None:
         self._listeners.append(callback)
 
+    # --- completion reports between instances (server.accesslog.ReportRelay) ---
+
+    def _reports_channel(self, instance: str) -> str:
+        return f"{self.prefix}reports:{instance}"
+
+    def relay(self, instance: str, reports: list[list]) -> None:
+        """Publish reports to the instance that admitted them. Fire and forget: while Redis is away they are lost
+        and those requests end as `ended`, as without a relay."""
+        task = asyncio.get_running_loop().create_task(self._publish(self._reports_channel(instance), reports))
+        self._relaying.add(task)
+        task.add_done_callback(self._relaying.discard)
+
+    async def _publish(self, channel: str, reports: list[list]) -> None:
+        with contextlib.suppress(StoreUnavailable):
+            await self._call(self.client.publish(channel, orjson.dumps(reports)))
+
+    def on_reports(self, instance: str, callback: Callable[[list[list]], None]) -> None:
+        """Hear the reports relayed to `instance` (before start())."""
+        self._reports = (self._reports_channel(instance), callback)
+
     async def start(self) -> None:
         self._subscriber = asyncio.create_task(self._subscribe(), name="extproc-store-subscriber")
 
@@ -255,18 +278,24 @@ class RedisStore:
         await self.client.aclose()
 
     async def _subscribe(self) -> None:
-        """Hear every replica's releases; reconnect while Redis is away (waiters poll meanwhile)."""
+        """Hear every replica's releases, and the reports relayed to this one; reconnect while Redis is away
+        (waiters poll meanwhile)."""
+        reports, on_reports = self._reports or (None, None)
         while True:
             pubsub = self.client.pubsub(ignore_subscribe_messages=True)
             try:
-                await pubsub.subscribe(self.channel)
+                await pubsub.subscribe(*(c for c in (self.channel, reports) if c))
                 while True:
                     # No socket timeout here: a quiet channel is normal. get_message bounds each wait itself.
                     msg = await pubsub.get_message(timeout=1.0)
-                    if msg is not None and msg["type"] == "message":
-                        cls = msg["data"].decode() if isinstance(msg["data"], bytes) else str(msg["data"])
-                        for callback in self._listeners:
-                            callback(cls)
+                    if msg is None or msg["type"] != "message":
+                        continue
+                    if on_reports is not None and _text(msg["channel"]) == reports:
+                        on_reports(_reports_of(msg["data"]))
+                        continue
+                    cls = _text(msg["data"])
+                    for callback in self._listeners:
+                        callback(cls)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - any failure means: reconnect later
@@ -275,3 +304,16 @@ class RedisStore:
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()
             await asyncio.sleep(1.0)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _reports_of(data: bytes | str) -> list[list]:
+    """A relayed batch; anything else (another version's format, a stray publish) is an empty one."""
+    try:
+        reports = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return []
+    return [r for r in reports if isinstance(r, list)] if isinstance(reports, list) else []

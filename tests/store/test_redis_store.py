@@ -174,3 +174,31 @@ async def test_a_store_that_answers_but_takes_no_writes_is_unavailable(redis_ser
         await admin.config_set("maxmemory", "0")
         await admin.aclose()
         await store.close()
+
+
+async def test_completion_reports_reach_the_instance_they_are_relayed_to(redis_server):
+    """Only the named instance hears a relayed batch, and the release channel keeps working beside it."""
+    owner, other, sender = (RedisStore(spec(redis_server.url)) for _ in range(3))
+    heard: dict[str, list] = {"owner": [], "other": [], "released": []}
+    owner.on_reports("own1", heard["owner"].append)
+    other.on_reports("oth2", heard["other"].append)
+    owner.on_release(heard["released"].append)
+    for store in (owner, other, sender):
+        await store.start()
+    try:
+        reports = [[17, "ok", 200, 0.05, 1.25], [18, "upstream_error", 503, None, 0.01]]
+        # Subscriptions take a moment: send until the owner has heard a batch.
+        assert await until(lambda: _relay_and_wait(sender, heard["owner"], reports))
+        assert heard["owner"][0] == reports and heard["other"] == []
+        assert await owner.acquire(claim("h1")) is True
+        await sender.release([("c", "h1")])
+        assert await until(lambda: heard["released"])
+    finally:
+        for store in (owner, other, sender):
+            await store.close()
+
+
+async def _relay_and_wait(sender: RedisStore, heard: list, reports: list) -> bool:
+    sender.relay("own1", reports)
+    await asyncio.sleep(0.05)
+    return bool(heard)

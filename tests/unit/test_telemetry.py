@@ -15,7 +15,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from extproc.policy.admission import ACCEPT, DEGRADE, REJECT, AdmissionController, RequestFacts
 from extproc.policy.limits import Completion, Outcome
 from extproc.policy.schema import load_policy_file
-from extproc.server.accesslog import TICKET_HEADER, AccessLogReceiver
+from extproc.server.accesslog import TICKET_HEADER, AccessLogReceiver, TicketTags
 from extproc.server.main import Server, add_arguments
 from extproc.store.shared_slots import CLOSED, LOCAL, SHARED
 from extproc.telemetry import StoreTelemetry, Telemetry
@@ -211,8 +211,10 @@ def test_the_access_log_receiver_reports_matched_and_unmatched_completions():
     core = limited_core(t)
     d = core.decide(RequestFacts(api_key="kf", model="llama"))
     core.finish(d.ticket, Outcome.ENDED)
-    receiver = AccessLogReceiver(core, t)
-    stream = AccessLogStream(log_entries(str(d.ticket.id), "999999", None), log_entries(str(d.ticket.id)))
+    tags = TicketTags(instance="a1")
+    receiver = AccessLogReceiver(core, t, tags)
+    stream = AccessLogStream(log_entries(tags.value(d.ticket.id), tags.value(999999), None),
+                             log_entries(tags.value(d.ticket.id)))
     asyncio.run(receiver.StreamAccessLogs(None, stream))
     assert sample(t, "extproc_completion_reports_total", result="matched") == 1
     assert sample(t, "extproc_completion_reports_total", result="unmatched") == 2  # once reported, a ticket is gone
@@ -226,11 +228,76 @@ def test_a_worker_reports_only_the_tickets_it_issued():
     core = limited_core(t)
     d = core.decide(RequestFacts(api_key="kf", model="llama"))
     core.finish(d.ticket, Outcome.ENDED)
-    receiver = AccessLogReceiver(core, t, worker=1)
-    stream = AccessLogStream(log_entries(f"0-{d.ticket.id}", str(d.ticket.id), f"1-{d.ticket.id}"))
+    receiver = AccessLogReceiver(core, t, TicketTags(1, instance="a1"))
+    stream = AccessLogStream(log_entries(f"0-{d.ticket.id}.a1", f"{d.ticket.id}.a1", f"1-{d.ticket.id}.a1"))
     asyncio.run(receiver.StreamAccessLogs(None, stream))
     assert sample(t, "extproc_completion_reports_total", result="matched") == 1
     assert sample(t, "extproc_completion_reports_total", result="unmatched") == 2
+
+
+class RecordingRelay:
+    def __init__(self):
+        self.sent: list[tuple[str, list[list]]] = []
+        self.handlers = {}
+
+    def relay(self, instance, reports):
+        self.sent.append((instance, reports))
+
+    def on_reports(self, instance, callback):
+        self.handlers[instance] = callback
+
+
+def two_instances(relay=None):
+    """Two instances' cores whose tickets carry the same ids, as two ext_procs' counters run nearly in step."""
+    out = []
+    for name in ("a1", "b2"):
+        t = Telemetry()
+        core = limited_core(t)
+        ticket = core.decide(RequestFacts(api_key="kf", model="llama")).ticket
+        if out:
+            ticket.id = out[0][2].id
+        core.finish(ticket, Outcome.ENDED)
+        out.append((t, core, ticket, AccessLogReceiver(core, t, TicketTags(instance=name), relay=relay)))
+    return out
+
+
+def test_another_instances_report_never_lands_on_a_ticket_with_the_same_id():
+    (ta, _, ticket_a, receiver_a), (_, _, ticket_b, receiver_b) = two_instances()
+    assert ticket_b.id == ticket_a.id  # the counters collide
+    # Envoy's access log reaches instance a only; the entry is b's request (an upstream error).
+    msg = log_entries(receiver_b.tags.value(ticket_b.id))
+    msg.http_logs.log_entry[0].response.response_code.value = 503
+    asyncio.run(receiver_a.StreamAccessLogs(None, AccessLogStream(msg)))
+    assert sample(ta, "extproc_completion_reports_total", result="matched") == 0
+    assert sample(ta, "extproc_completion_reports_total", result="unmatched") == 1
+    assert ticket_a.completion is None  # before: a's request took b's 503
+
+
+def test_reports_for_another_instance_are_relayed_to_it_and_matched_there():
+    relay = RecordingRelay()
+    (ta, _, ticket_a, receiver_a), (tb, _, ticket_b, _) = two_instances(relay)
+    msg = log_entries(TicketTags(instance="b2").value(ticket_b.id), TicketTags(instance="a1").value(ticket_a.id))
+    msg.http_logs.log_entry[0].common_properties.time_to_last_downstream_tx_byte.FromMilliseconds(1250)
+    asyncio.run(receiver_a.StreamAccessLogs(None, AccessLogStream(msg)))
+    assert sample(ta, "extproc_completion_reports_total", result="matched") == 1
+    assert sample(ta, "extproc_completion_reports_total", result="relayed") == 1
+    assert sample(ta, "extproc_completion_reports_total", result="unmatched") == 0
+    [(instance, reports)] = relay.sent
+    assert instance == "b2"
+    relay.handlers["b2"](reports + [["junk"], [1, "no such outcome", 200, None, None], [2, "ok", 200, "x", None]])
+    assert sample(tb, "extproc_completion_reports_total", result="matched") == 1
+    assert sample(tb, "extproc_completion_reports_total", result="unmatched") == 3
+    assert ticket_b.completion.outcome is Outcome.OK and ticket_b.completion.total_s == 1.25
+    assert sample(tb, "extproc_request_duration_seconds_sum", **{"class": "batch", "outcome": "ok"}) == 1.25
+
+
+def test_ticket_tags_parse_only_their_own_workers_values():
+    tags = TicketTags(3, instance="ab12")
+    assert tags.value(17) == "3-17.ab12"
+    assert tags.parse("3-17.ab12") == (17, "ab12")
+    assert tags.parse("3-17.other") == (17, "other")
+    for value in ("13-17.ab12", "17.ab12", "3-17", "3-17.", "3-x.ab12", "3--1.ab12", "3-.ab12"):
+        assert tags.parse(value) is None, value
 
 
 def test_envoy_config_for_workers_gives_each_its_own_access_log():
