@@ -411,7 +411,10 @@ class CostSpec:
     max_context_tokens: int | None = doc("Context length: prompt + output are clamped to it as vLLM does, and a "
                                          "max_tokens beyond it is refused with 400. Unset: no clamp.", None,
                                          minimum=16)
-    chars_per_token: float = doc("Fast prompt estimate: characters per token.", 4.0, minimum=0.5, maximum=16)
+    chars_per_token: float = doc(
+        "Fast prompt estimate: UTF-8 bytes of prompt text per token (one byte is one character of English; CJK "
+        "takes 3 a character, about a token). 4 holds within ~1.4x for the common tokenizers and scripts; "
+        "`tokenizer` is exact.", 4.0, minimum=0.5, maximum=16)
     tokenizer: str | None = doc("Path to a Hugging Face tokenizer.json for exact prompt counts (needs the "
                                 "`tokenizers` package; falls back to the fast estimate without it). Exact for the "
                                 "first 16,384 characters of a prompt; the rest is counted at the rate of those, "

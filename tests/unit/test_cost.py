@@ -98,6 +98,27 @@ def test_completion_prompts_strings_lists_and_token_ids():
     assert m.prompt_tokens({"prompt": list(range(77))}) == 77
 
 
+@pytest.mark.parametrize("text, real_per_char", [
+    ("你好，世界。今天天气很好。", 1.0),     # CJK: tokenizers give about a token a character
+    ("こんにちは、世界", 1.0),
+    ("😀🚀🎉", 1.0),                          # an emoji is one token or more
+    ("Привет, как дела? ", 0.3),            # Cyrillic: about 3 characters a token
+])
+def test_the_fast_estimate_counts_other_scripts_by_their_utf8_size(text, real_per_char):
+    """Counted by characters, CJK and emoji were 3-4x low (a quarter token a character): a tenant's token budget
+    and the pool's token limit took such prompts at a fraction of their size."""
+    m = CostModel(SPEC)
+    text = text * 50
+    estimate = m.prompt_tokens({"prompt": text})
+    assert 0.7 * real_per_char * len(text) <= estimate <= 2.2 * real_per_char * len(text)
+    assert estimate == m.prompt_tokens({"prompt": text}, generates=False)  # embeddings and the like alike
+    assert m.prompt_tokens({"prompt": "plain ascii " * 50}) == 150  # English unchanged: a byte is a character
+
+
+def test_a_lone_surrogate_from_a_json_escape_is_counted_not_an_error():
+    assert CostModel(SPEC).prompt_tokens({"prompt": "\ud800" * 8}) == 6
+
+
 def test_missing_max_tokens_takes_the_models_default_and_the_context_clamps():
     m = CostModel(SPEC)
     est = m.estimate(1000, None)

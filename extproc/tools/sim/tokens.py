@@ -16,8 +16,10 @@ FILLER_WORDS = tuple(f" {w}" for w in (
 
 
 def estimate_text_tokens(text: str) -> int:
-    """Token count of a completion prompt: about four characters per token, at least one."""
-    return max(1, -(-len(text) // CHARS_PER_TOKEN))
+    """Token count of a completion prompt: about four UTF-8 bytes per token (a character of English, a token per
+    CJK character: as real tokenizers give, within ~1.4x), at least one."""
+    size = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+    return max(1, -(-size // CHARS_PER_TOKEN))
 
 
 def estimate_chat_tokens(messages: list[dict]) -> int:
