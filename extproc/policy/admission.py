@@ -277,7 +277,7 @@ class AdmissionController:
     def _pool_admits(self, gate, lim: ClassLimiter, units: float, now: float) -> bool:
         """Strict priority on the pool: within its guarantee a class goes in; beyond it, only while no higher
         class waits for this pool (a waiter held back by its own class cap does not wait for the pool)."""
-        if gate.guaranteed(lim.rank, units):
+        if gate.guaranteed(lim.rank, units, now):
             return True
         return not self._higher_waits(gate, lim) and gate.fits(lim.rank, units, now)
 
@@ -542,7 +542,7 @@ class AdmissionController:
             if not lim.has_room(w.cost):
                 return
             gate = w.gate
-            if gate is not None and blocked is not None and not gate.guaranteed(lim.rank, w.units):
+            if gate is not None and blocked is not None and not gate.guaranteed(lim.rank, w.units, now):
                 if gate.name in blocked or not gate.fits(lim.rank, w.units, now):
                     owed = None if arrivals is not None or gate.name in above else \
                         self._owed_waiter(lim, gate, w.pool, now)
@@ -690,6 +690,8 @@ class AdmissionController:
             lim.queue.released(ticket.flow, ticket.cost)
             if ticket.gate is not None:
                 ticket.gate.give_back(ticket.rank, ticket.units, ticket.flow)
+                if ticket.rest:
+                    ticket.gate.rest(ticket.rank, now + (now - ticket.admitted_at) * ticket.rest)
             if charge is not None and charge.session is not None:
                 self.sessions.release(charge.session, ticket.cost)
             if not ran and charge is not None and charge.tenant is not None:
@@ -700,6 +702,8 @@ class AdmissionController:
     def hold_pool(self, ticket: Ticket, gate, units: float) -> None:
         """The ticket holds `units` of its pool's limit (released with its slot)."""
         ticket.gate, ticket.units, ticket.rank = gate, units, ticket.limiter.rank
+        if ticket.rank and (self._higher_waits(gate, ticket.limiter) or not gate.room(ticket.rank, units)):
+            ticket.rest = gate.rest_after(ticket.rank, units)  # let in over its share: the class's guarantee
         gate.take(ticket.rank, units, ticket.flow)
         gate.controller.admitted(ticket.rank, ticket.admitted_at)
 

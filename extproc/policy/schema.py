@@ -256,8 +256,10 @@ class ClassSpec:
         "Set the body's `priority` to this for vLLM started with `--scheduling-policy priority` (lower runs "
         "first). A client-sent `priority` never reaches vLLM either way: it is removed.", None)
     min_share: float = doc("Under a pool-wide limit (`pools.<name>.limit`): the share of that limit this class "
-                           "may always use, even while higher classes wait. Whatever the share, a class keeps at "
-                           "least one request in flight per pool, so nothing starves.", 0.0, minimum=0,
+                           "may always use, even while higher classes wait. A class holding nothing on the pool may "
+                           "also run one request larger than its share, then rests in proportion, so that it holds "
+                           "its share on average (1% of the limit when its share is less): nothing starves.", 0.0,
+                           minimum=0,
                            maximum=1)
     early_reject: bool = doc("Refuse (or fall back) at arrival when the queue ahead, at the class's observed "
                              "drain rate, cannot clear within `max_wait_ms` - instead of letting the request wait "

@@ -67,6 +67,36 @@ def test_a_class_keeps_one_request_in_flight_whatever_waits_above_it(pcore):
     assert pcore.decide(req("batch")).kind == QUEUE
 
 
+def test_a_request_over_the_share_rests_its_class_so_it_holds_its_share_on_average(clock):
+    # min_share 0.1 of 4 requests: 0.4, so one batch request is 2.5x the share. Taken while interactive waits, it
+    # runs 10 s; the class then takes nothing over its share for 10 x (2.5 - 1) = 15 s: 10 s in 25 on average.
+    core = AdmissionController(pool_policy(batch={"min_share": 0.1}), clock=clock)
+    for _ in range(4):
+        core.decide(req("interactive"))
+    assert core.decide(req("interactive")).kind == QUEUE
+    first = core.decide(req("batch"))
+    assert first.kind == ACCEPT  # the class holds nothing: nothing starves
+    clock.advance(10)
+    core.finish(first.ticket, Outcome.OK)
+    clock.advance(14.9)
+    waiting = core.decide(req("batch"))
+    assert waiting.kind == QUEUE  # resting: its next one waits behind interactive
+    core.abandon(waiting.waiter, timed_out=False)
+    clock.advance(0.2)
+    assert core.decide(req("batch")).kind == ACCEPT
+
+
+def test_a_request_over_the_share_taken_into_room_does_not_rest_its_class(clock):
+    core = AdmissionController(pool_policy(batch={"min_share": 0.1}), clock=clock)
+    first = core.decide(req("batch"))  # the pool is empty: room, not the guarantee
+    clock.advance(10)
+    core.finish(first.ticket, Outcome.OK)
+    for _ in range(4):
+        core.decide(req("interactive"))
+    assert core.decide(req("interactive")).kind == QUEUE
+    assert core.decide(req("batch")).kind == ACCEPT  # no rest owed: its guarantee holds at once
+
+
 def test_borrow_lower_lets_the_first_class_use_what_lower_classes_hold_over_their_guarantee(clock):
     def fill(core):
         batch = [core.decide(req("batch")) for _ in range(8)]  # 85% of 10, then queued
