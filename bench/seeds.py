@@ -4,7 +4,7 @@ One seed is one path through a controller that reacts to its own past: a change 
 hurt the next one (kv-agents has 8-14 full-model interactive completions per 5 s, so its worst 10 s window is
 nearly its slowest request). Judge a change of the controller or of a default here, not on one run.
 
-`python bench/seeds.py [--limit KEY=VALUE ...] [--scenario NAME:SEED,SEED ...]` runs d and Envoy's
+`python bench/seeds.py [--limit KEY=VALUE ...] [--scenario NAME:SEED,SEED ...] [--instances N]` runs d and Envoy's
 adaptive_concurrency model (b) on every scenario and seed (default: spike 7-9, kv-agents 19-22, ramp 23-26),
 with the scenario's own d policy; `--limit` overrides a field of every enabled `pools.<name>.limit` in it (e.g.
 `--limit target=0.75`). It prints per seed the worst-window p99 and full-model goodput (d against b) of each
@@ -50,6 +50,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--limit", action="append", default=[], metavar="KEY=VALUE",
                    help="override a pools.<name>.limit field of d's policy (repeat)")
+    p.add_argument("--instances", type=int, default=1, metavar="N",
+                   help="d's policy run by N ext_proc instances, each its own core (what-if InstancesAdmitter)")
     p.add_argument("--scenario", action="append", default=[], metavar="NAME:SEED,SEED",
                    help="scenario (scenarios/NAME.yaml) and seeds (repeat; default: spike, kv-agents, ramp)")
     args = p.parse_args()
@@ -64,7 +66,7 @@ def main() -> None:
         for name, seeds in sets.items():
             for seed in seeds:
                 sc = with_seed(name, seed, Path(tmp), limit)
-                st = what_if_stats(sc, "b,d")
+                st = what_if_stats(sc, "b,d", args.instances)
                 parts = []
                 for w in spike_windows(sc):
                     d, b = st["d"][w], st["b"][w]

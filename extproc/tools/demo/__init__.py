@@ -34,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--what-if", action="store_true",
                    help="no processes: every mode against engine models in simulated time (policies through the "
                         "real core, the Envoy-only modes modelled; seconds; for tuning a policy, see docs/demo.md)")
+    p.add_argument("--instances", type=int, default=1, metavar="N",
+                   help="with --what-if: the ext_proc modes' policy run by N instances (or workers), each its own "
+                        "core, requests spread round robin (what stays per instance: docs/envoy-integration.md)")
     p.add_argument("--show-limits", action="store_true",
                    help="with --what-if: print every move of the class caps and of each pool-wide limit (pool:NAME, "
                         "in its unit)")
@@ -44,12 +47,12 @@ def mode_stats(res: ModeResult, scenario: Scenario) -> dict[str, WindowStats]:
     return scenario_stats(res.records, scenario, res.mode.stack_mode == "extproc")
 
 
-def what_if_stats(scenario: Scenario, modes: str) -> dict[str, dict[str, WindowStats]]:
+def what_if_stats(scenario: Scenario, modes: str, instances: int = 1) -> dict[str, dict[str, WindowStats]]:
     """mode key -> mode_stats, for `modes` (e.g. "b,d") run in the what-if with the scenario's policies."""
     capacity = scenario.fleet_capacity()
     out = {}
     for m in with_policies(parse_modes(modes), scenario.policies, scenario.envoy_adaptive):
-        res = what_if(scenario, admitter_for(m), capacity)
+        res = what_if(scenario, admitter_for(m, instances), capacity)
         out[m.key] = mode_stats(ModeResult(m, res.records, 0.0, served_elsewhere=res.served_elsewhere), scenario)
     return out
 
@@ -94,7 +97,7 @@ def what_if_tables(args: argparse.Namespace) -> int:
     if any(m.policy for m in modes):
         print(f"scenario {scenario.name}, what-if:\n{policy_lines(modes)}")
     for m in modes:
-        res = what_if(scenario, admitter_for(m), capacity)
+        res = what_if(scenario, admitter_for(m, args.instances), capacity)
         results.append(ModeResult(m, res.records, 0.0, served_elsewhere=res.served_elsewhere))
         if args.show_limits:
             moves = " ".join(f"{t:.0f}s:" + ",".join(f"{c}={v}" for c, v in lim.items()) for t, lim in res.limits)
@@ -149,6 +152,9 @@ def run(args: argparse.Namespace) -> int:
     import uvloop
 
     command = "extproc demo " + shlex.join(sys.argv[2:]) if sys.argv[1:2] == ["demo"] else "extproc demo"
+    if args.instances < 1 or (args.instances > 1 and not args.what_if):
+        print("extproc demo: --instances takes N >= 1 and goes with --what-if", file=sys.stderr)
+        return 2
     try:
         return what_if_tables(args) if args.what_if else uvloop.run(_main(args, command))
     except (ValueError, PolicyError, OSError) as e:  # a scenario, policy or mode the run cannot start from

@@ -23,7 +23,7 @@ from extproc.tools.loadgen import RequestRecord
 from extproc.tools.stats import percentile
 
 from .modes import Mode
-from .whatif import Admitter, PolicyAdmitter
+from .whatif import Admitter, InstancesAdmitter, PolicyAdmitter
 
 GRADIENT_RANGE = (0.5, 2.0)
 
@@ -153,10 +153,11 @@ class EnvoyAdaptive(_EnvoyOnly):
         pass
 
 
-def admitter_for(mode: Mode) -> Admitter:
-    """The what-if's model of `mode`: its policy through the real core, or a model of the Envoy-only modes."""
+def admitter_for(mode: Mode, instances: int = 1) -> Admitter:
+    """The what-if's model of `mode`: its policy through the real core (`instances` of it, each its own), or a
+    model of the Envoy-only modes."""
     if mode.policy:
-        return PolicyAdmitter(mode.policy)
+        return PolicyAdmitter(mode.policy) if instances == 1 else InstancesAdmitter(mode.policy, instances)
     if mode.stack_mode == "adaptive":
         return EnvoyAdaptive(mode.adaptive)
     if mode.stack_mode == "plain":

@@ -214,6 +214,46 @@ class PolicyAdmitter:
         self.core.reap()
 
 
+class InstancesAdmitter:
+    """The policy run by several ext_proc instances (or `serve --workers`) behind one Envoy: each its own core,
+    scraping the pools itself, with the requests spread round robin (the `extproc` cluster's policy) and each
+    completion reported to the instance that admitted it (the access-log relay). The shared caps of a Redis or
+    host store are not modelled: what it shows is what stays per instance (the pool-wide limit, the queues)."""
+
+    lb_policy = "least_request"
+
+    def __init__(self, policy_path: str, instances: int, limit_factory: LimitFactory = default_limit):
+        self.parts = [PolicyAdmitter(policy_path, limit_factory) for _ in range(instances)]
+        self.policy = self.parts[0].policy
+        self.header_names = self.parts[0].header_names
+        self.limits: list[tuple[float, dict[str, int]]] = []
+        self._next = itertools.cycle(self.parts)
+
+    def start(self, clock: Callable[[], float], pools: dict[str, _Pool]) -> list[tuple[float, Callable[[], None]]]:
+        return [timer for part in self.parts for timer in part.start(clock, pools)]
+
+    def decide(self, facts: RequestFacts) -> Decision:
+        return next(self._next).decide(facts)
+
+    def replicas_for(self, pool: str, cls: str) -> str | None:
+        return self.parts[0].replicas_for(pool, cls)
+
+    def engine_priority(self, d: Admit | Degrade) -> int:
+        return self.parts[0].engine_priority(d)
+
+    def ended(self, ticket, record: RequestRecord) -> None:
+        if ticket is None:
+            return
+        for part in self.parts:
+            if part.core.tickets.get(ticket.id) is ticket:
+                part.ended(ticket, record)
+                return
+
+    def reap(self) -> None:
+        for part in self.parts:
+            part.reap()
+
+
 def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
             limit_factory: LimitFactory = default_limit) -> WhatIfResult:
     """Records (simulated seconds) of the scenario's arrivals admitted by `admitter` (or the policy at that path)
