@@ -89,6 +89,12 @@ class TestUpstream:
             if status != 200:
                 return web.json_response({"error": {"message": "injected", "type": "test", "param": None,
                                                     "code": status}}, status=status)
+            cap = body.get("max_completion_tokens") or body.get("max_tokens")
+            if cap is not None and (body.get("min_tokens") or 0) > cap:  # vLLM's SamplingParams check, its 400
+                return web.json_response({"error": {"message": f"min_tokens must be less than or equal to "
+                                                    f"max_tokens={cap}, got {body['min_tokens']}.",
+                                                    "type": "BadRequestError", "param": None, "code": 400}},
+                                         status=400)
             if not body.get("stream"):
                 await asyncio.sleep(token_s * tokens)
                 self.served += 1

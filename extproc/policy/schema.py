@@ -78,7 +78,8 @@ class FallbackSpec:
         "below. `canned`: answer at once with a fixed OpenAI-shaped response.", "reject")
     model: str | None = doc("degrade: route to this model (a key of `models`) and rewrite the body's `model`.",
                             None)
-    max_tokens: int | None = doc("degrade: clamp `max_tokens` to this ceiling. A clamped answer ends as any "
+    max_tokens: int | None = doc("degrade: clamp `max_tokens` to this ceiling (and a `min_tokens` above it down "
+                                 "to it, which vLLM would refuse). A clamped answer ends as any "
                                  "answer cut by its cap does (`finish_reason: length`, usage counting what was "
                                  "generated): the openai SDK's `parse()` and `stream()` helpers raise "
                                  "LengthFinishReasonError on it, and structured output comes cut off.", None,

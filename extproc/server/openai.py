@@ -349,6 +349,11 @@ def degrade_body(body: RequestBody, model: str | None, max_tokens: int | None, s
         for field in present or fields[-1:]:
             doc[field] = max_tokens
         changed.append(f"max_tokens={max_tokens}")
+        # vLLM refuses min_tokens above max_tokens (400): the floor the client set comes down with the cap.
+        min_tokens = _whole(doc.get("min_tokens"))
+        if type(min_tokens) is int and min_tokens > max_tokens:
+            doc["min_tokens"] = max_tokens
+            changed.append(f"min_tokens={max_tokens}")
     # Only where the answer can be turned back into the stream the client reads (sse_from_answer): a Responses API
     # stream is a sequence of typed events, not chunks, and keeps streaming.
     if stream is False and body.stream and body.endpoint.canned:

@@ -240,3 +240,25 @@ async def test_a_stream_degraded_to_no_streaming_still_reaches_its_client_as_a_s
             assert (chunks[-1].get("usage") or {}).get("completion_tokens") == (3 if usage_asked else None)
         assert (await hold)[0] == 200
         assert all(c["inflight"] == 0 for c in (await wait_idle(http, s.metrics_url)).values())
+
+
+async def test_a_degrade_that_clamps_max_tokens_keeps_the_clients_min_tokens_valid(make_stack, upstream, tmp_path):
+    # vLLM refuses min_tokens > max_tokens with a 400: a clamp to 3 of a request with min_tokens 10 (valid as the
+    # client sent it) got the client vLLM's 400 for a body the gateway wrote. Found through Envoy to real vLLM 0.32.
+    policy = policy_file(tmp_path, classes={"interactive": {
+        "max_concurrency": 1, "max_queue": 0, "on_overflow": "fallback",
+        "fallback": {"action": "degrade", "max_tokens": 3}}}, tenants=[])
+    s = make_stack(policy)
+    async with aiohttp.ClientSession() as http:
+        hold = asyncio.create_task(post(http, s.url, chat(), {"x-test-delay-ms": "3000"}))
+        assert await until(lambda: healthz(http, s.metrics_url),
+                           holds=lambda h: h["classes"]["interactive"]["inflight"] == 1)
+        for asked in ({"max_tokens": 50, "min_tokens": 10}, {"max_completion_tokens": 50, "min_tokens": 10},
+                      {"max_tokens": 50, "min_tokens": 2}):
+            status, headers, raw = await post(http, s.url, chat(**asked))
+            assert status == 200, raw
+            assert headers["x-extproc-degraded"].startswith("max_tokens=3")
+            sent = (await upstream_stats(http, upstream))["last_body"]
+            assert sent["min_tokens"] == min(asked["min_tokens"], 3), sent
+        assert (await hold)[0] == 200
+        assert all(c["inflight"] == 0 for c in (await wait_idle(http, s.metrics_url)).values())

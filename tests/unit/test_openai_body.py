@@ -47,6 +47,16 @@ def test_a_degrade_clamps_every_output_cap_the_client_set(doc, written):
     assert {k: v for k, v in b.doc.items() if k.startswith("max_")} == written
 
 
+
+@pytest.mark.parametrize("min_tokens,written,note", [(20, 8, "max_tokens=8,min_tokens=8"), (20.0, 8, None),
+                                                     (5, 5, "max_tokens=8"), (None, None, "max_tokens=8")])
+def test_a_degrade_brings_min_tokens_down_to_the_clamp(min_tokens, written, note):
+    # vLLM answers min_tokens > max_tokens with a 400: a clamp below the client's floor made its valid request one.
+    b = parse({"model": "m", "messages": [], "max_tokens": 100, "min_tokens": min_tokens})
+    changed = degrade_body(b, None, 8, None)
+    assert b.doc["min_tokens"] == written and b.doc["max_tokens"] == 8
+    assert note is None or ",".join(changed) == note
+
 def test_class_name_in_the_body_is_claimed_and_stripped():
     b = parse({"model": "m", "priority": "Batch"})
     assert b.claimed_class == "batch" and b.rewrite and "priority" not in b.doc
