@@ -34,9 +34,10 @@ MAX_JSON_STRINGS = 100_000
 class Endpoint:
     """One of vLLM's compute endpoints: how its body is read, and what a fallback may do with it."""
 
-    __slots__ = ("group", "kind", "token_fields", "canned")
+    __slots__ = ("group", "kind", "token_fields", "canned", "default_max_tokens")
 
-    def __init__(self, group: str, kind: str, token_fields: tuple[str, ...] = (), canned: bool = False):
+    def __init__(self, group: str, kind: str, token_fields: tuple[str, ...] = (), canned: bool = False,
+                 default_max_tokens: int | None = None):
         self.group = group                # the policy's `endpoints.<group>` switch
         self.kind = kind                  # chat | completions | responses | input (prefill only, no output)
         # Body fields that cap the output, the one the server obeys first when several are set (empty: the
@@ -44,11 +45,15 @@ class Endpoint:
         # which every server version reads).
         self.token_fields = token_fields
         self.canned = canned              # a canned answer can take this endpoint's shape
+        # The cap the API itself sets when the body sets none (None: the rest of the context, as vLLM does).
+        self.default_max_tokens = default_max_tokens
 
 
 # vLLM's chat request: `max_tokens = max_completion_tokens or max_tokens` (OpenAI deprecated the older field).
 CHAT = Endpoint("chat", "chat", ("max_completion_tokens", "max_tokens"), canned=True)
-COMPLETIONS = Endpoint("completions", "completions", ("max_tokens",), canned=True)
+# The completions API caps output at 16 tokens when max_tokens is unset or null (OpenAI's default, and vLLM 0.32's
+# CompletionRequest): costed at the policy's default_max_tokens it was charged 64 times what it could generate.
+COMPLETIONS = Endpoint("completions", "completions", ("max_tokens",), canned=True, default_max_tokens=16)
 RESPONSES = Endpoint("responses", "responses", ("max_output_tokens",))
 POOLING = Endpoint("embeddings", "input")
 TOKENIZE = Endpoint("tokenize", "input")
@@ -117,6 +122,8 @@ def parse_body(raw: bytes, endpoint: Endpoint, class_field: str,
         value = _positive_int(doc, field)
         if body.max_tokens is None:
             body.max_tokens = value
+    if body.max_tokens is None:
+        body.max_tokens = endpoint.default_max_tokens
     if endpoint.token_fields:
         body.sequences = max(_positive_int(doc, "n") or 1, _positive_int(doc, "best_of") or 1)
         if endpoint.kind == "completions":

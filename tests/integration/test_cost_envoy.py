@@ -130,3 +130,20 @@ async def test_usage_is_learned_and_the_extra_usage_chunk_never_reaches_the_clie
         ms = await metrics(http, s.metrics_url)
         assert sample(ms, "extproc_cost_model", model="llama-70b", param="samples") == 3
         assert sample(ms, "extproc_cost_model", model="llama-70b", param="output_ratio") < 1.0
+
+
+async def test_a_completion_without_max_tokens_is_charged_the_16_tokens_it_can_generate(make_stack, tmp_path):
+    # The completions API's max_tokens defaults to 16 (OpenAI's and vLLM 0.32's CompletionRequest), not to the
+    # rest of the context as in chat: charged the policy's default_max_tokens (1,024) instead, a short completion
+    # with no max_tokens was refused outright under a 600 tokens-per-minute limit. Found through Envoy against a
+    # real vLLM 0.32, whose answer to such a request was 16 tokens.
+    s = make_stack(policy(tmp_path, tenants=[{"name": "acme", "api_keys": ["sk-acme"], "tokens_per_minute": 600,
+                                             "burst_s": 60}]))
+    async with aiohttp.ClientSession() as http:
+        for sent in (1, 2):  # the second was refused (429): the first had taken the whole bucket
+            async with http.post(f"{s.url}/v1/completions", json={"model": "llama-70b", "prompt": "Say hi"},
+                                 headers={"authorization": "Bearer sk-acme"}) as r:
+                assert r.status == 200, await r.read()
+                remaining = int(r.headers["x-ratelimit-remaining-tokens"])
+            assert remaining >= 600 - sent * (16 + 8)  # each charged its prompt (a few tokens) and 16 of output
+            assert sent > 1 or remaining < 600 - 16    # (the second after the refund of the first's usage)

@@ -57,6 +57,17 @@ def test_a_degrade_brings_min_tokens_down_to_the_clamp(min_tokens, written, note
     assert b.doc["min_tokens"] == written and b.doc["max_tokens"] == 8
     assert note is None or ",".join(changed) == note
 
+
+@pytest.mark.parametrize("doc", [{}, {"max_tokens": None}])
+def test_a_completion_without_max_tokens_is_capped_at_the_apis_16(doc):
+    # OpenAI's and vLLM 0.32's completions default; chat's is the rest of the context (left to the policy).
+    b = parse_body(json.dumps({"model": "m", "prompt": "p", **doc}).encode(), COMPLETIONS, "priority", CLASSES)
+    assert b.max_tokens == 16
+    assert parse({"model": "m", "messages": [], **doc}).max_tokens is None
+    # A degrade to more than 16 leaves it as it was: writing its ceiling would raise what the request generates.
+    assert degrade_body(b, None, 256, None) == [] and b.doc.get("max_tokens") is None
+    assert degrade_body(b, None, 8, None) == ["max_tokens=8"] and b.doc["max_tokens"] == 8
+
 def test_class_name_in_the_body_is_claimed_and_stripped():
     b = parse({"model": "m", "priority": "Batch"})
     assert b.claimed_class == "batch" and b.rewrite and "priority" not in b.doc
