@@ -259,7 +259,8 @@ raw bytes before the body is parsed."""),
            "",
            """\
 **400.** The JSON is an object but a field admission reads is wrong; `error.param` names it: `model` missing or
-not a non-empty string, `max_tokens`/`max_completion_tokens` not a positive integer, `stream` not a boolean, or the
+not a non-empty string, `max_tokens`/`max_completion_tokens` not a positive integer (a completions request with
+`echo: true` may set `max_tokens: 0`, to read its prompt's logprobs, as vLLM allows), `stream` not a boolean, or the
 class field (`classify.body_field`, default `priority`) neither a class name nor an integer, or `n`/`best_of` not a
 positive integer. Also an empty body on a compute endpoint. (A client's integer `priority`, vLLM's scheduling
 priority, is accepted and removed: the policy's `classes.<name>.vllm_priority` sets it.)"""),

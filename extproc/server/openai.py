@@ -118,8 +118,9 @@ def parse_body(raw: bytes, endpoint: Endpoint, class_field: str,
     if not isinstance(model, str) or not model:
         raise BadRequest("You must provide a model parameter (a non-empty string).", "model")
     body.model = model
+    scores_prompt = _scores_prompt_only(doc, endpoint)
     for field in endpoint.token_fields:  # every one is checked; the first set is the one the replica obeys
-        value = _positive_int(doc, field)
+        value = 1 if scores_prompt else _positive_int(doc, field)
         if body.max_tokens is None:
             body.max_tokens = value
     if body.max_tokens is None:
@@ -287,6 +288,13 @@ def _invocation_kind(doc: dict[str, Any]) -> Endpoint:
         return POOLING
     raise BadRequest("/invocations needs a chat (`messages`), completions (`prompt`) or embeddings (`input`) "
                      "body.", code="invalid_body")
+
+
+def _scores_prompt_only(doc: dict[str, Any], endpoint: Endpoint) -> bool:
+    """A completions request with echo and max_tokens 0: it asks for its prompt's logprobs, not for output
+    (lm-evaluation-harness's loglikelihood requests). vLLM runs it with one output token per prompt, and refuses
+    max_tokens 0 without echo, as the gateway does."""
+    return endpoint.kind == "completions" and doc.get("echo") is True and _whole(doc.get("max_tokens")) == 0
 
 
 def _prompt_count(prompt: Any) -> int:

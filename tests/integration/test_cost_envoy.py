@@ -11,7 +11,7 @@ import pytest
 from extproc.tools.sim.fleet import SimFleet
 from tests.conftest import policy_file
 
-from .helpers import chat, metrics, post, sample, sample_once, wait_idle
+from .helpers import chat, metrics, post, sample, sample_once, upstream_stats, wait_idle
 
 SPEED = 10.0
 COST = {"prefill_s_per_1k_tokens": 0.1, "decode_s_per_token": 0.001}
@@ -147,3 +147,19 @@ async def test_a_completion_without_max_tokens_is_charged_the_16_tokens_it_can_g
                 remaining = int(r.headers["x-ratelimit-remaining-tokens"])
             assert remaining >= 600 - sent * (16 + 8)  # each charged its prompt (a few tokens) and 16 of output
             assert sent > 1 or remaining < 600 - 16    # (the second after the refund of the first's usage)
+
+
+async def test_a_completion_that_only_scores_its_prompt_is_admitted(make_stack, tmp_path, upstream):
+    # echo with max_tokens 0 is how lm-evaluation-harness (and others) read a prompt's logprobs: vLLM 0.32 serves
+    # it, running one output token per prompt, and answers only max_tokens 0 without echo with a 400. The gateway
+    # refused both ("`max_tokens` must be a positive integer"). Found through Envoy against a real vLLM 0.32.
+    s = make_stack(policy(tmp_path))
+    body = {"model": "llama-70b", "prompt": ["Say hi", "Say bye"], "echo": True, "max_tokens": 0, "logprobs": 1}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{s.url}/v1/completions", json=body) as r:
+            assert r.status == 200, await r.read()
+            assert r.headers["x-extproc-decision"] == "accept"
+        sent = (await upstream_stats(http, upstream))["last_body"]
+        assert sent["max_tokens"] == 0 and sent["echo"] is True
+        async with http.post(f"{s.url}/v1/completions", json={**body, "echo": False}) as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] == "max_tokens"

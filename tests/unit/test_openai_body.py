@@ -68,6 +68,19 @@ def test_a_completion_without_max_tokens_is_capped_at_the_apis_16(doc):
     assert degrade_body(b, None, 256, None) == [] and b.doc.get("max_tokens") is None
     assert degrade_body(b, None, 8, None) == ["max_tokens=8"] and b.doc["max_tokens"] == 8
 
+
+def test_a_completion_scoring_its_prompt_runs_one_token_and_keeps_its_max_tokens_0():
+    b = parse_body(json.dumps({"model": "m", "prompt": "p", "echo": True, "max_tokens": 0}).encode(), COMPLETIONS,
+                   "priority", CLASSES)
+    assert b.max_tokens == 1  # what vLLM runs (and counts as completion_tokens) per prompt
+    assert degrade_body(b, None, 8, None) == [] and b.doc["max_tokens"] == 0
+    for refused in ({"echo": False, "max_tokens": 0}, {"max_tokens": 0}):  # vLLM's 400 too
+        with pytest.raises(BadRequest):
+            parse_body(json.dumps({"model": "m", "prompt": "p", **refused}).encode(), COMPLETIONS, "priority",
+                       CLASSES)
+    with pytest.raises(BadRequest):
+        parse({"model": "m", "messages": [], "echo": True, "max_tokens": 0})
+
 def test_class_name_in_the_body_is_claimed_and_stripped():
     b = parse({"model": "m", "priority": "Batch"})
     assert b.claimed_class == "batch" and b.rewrite and "priority" not in b.doc
