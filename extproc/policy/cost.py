@@ -228,7 +228,7 @@ class CostModel:
 
     def estimate(self, prompt_tokens: int, max_tokens: int | None, sequences: int = 1,
                  generates: bool = True, prompts: int = 1) -> CostEstimate:
-        """`sequences` outputs (n, best_of, times the prompts of a list) of up to `max_tokens` each; none for
+        """`sequences` outputs (n, times the prompts of a list) of up to `max_tokens` each; none for
         prefill-only endpoints. `prompt_tokens` is all `prompts` together."""
         spec = self.spec
         if not generates:

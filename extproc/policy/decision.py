@@ -30,7 +30,7 @@ class RequestFacts:
     request_id: str = ""
     session_id: str | None = None
     doc: dict | None = None      # the parsed JSON body, for the prompt-size estimate
-    sequences: int = 1           # outputs generated (n, best_of; times the prompts of a completions list)
+    sequences: int = 1           # outputs generated (n; times the prompts of a completions list)
     prompts: int = 1             # prompts in a completions list, each run in a context of its own
     generates: bool = True       # False: a prefill-only endpoint (embeddings, score, ...): no output tokens, and
                                  # no `degrade` fallback (another model's vectors are not an answer)

@@ -261,9 +261,10 @@ raw bytes before the body is parsed."""),
 **400.** The JSON is an object but a field admission reads is wrong; `error.param` names it: `model` missing or
 not a non-empty string, `max_tokens`/`max_completion_tokens` not a positive integer (a completions request with
 `echo: true` may set `max_tokens: 0`, to read its prompt's logprobs, as vLLM allows), `stream` not a boolean, or the
-class field (`classify.body_field`, default `priority`) neither a class name nor an integer, or `n`/`best_of` not a
-positive integer. Also an empty body on a compute endpoint. (A client's integer `priority`, vLLM's scheduling
-priority, is accepted and removed: the policy's `classes.<name>.vllm_priority` sets it.)"""),
+class field (`classify.body_field`, default `priority`) neither a class name nor an integer, or `n` not a positive
+integer (`best_of`, which vLLM 0.32 ignores, is neither read nor counted). Also an empty body on a compute
+endpoint. (A client's integer `priority`, vLLM's scheduling priority, is accepted and removed: the policy's
+`classes.<name>.vllm_priority` sets it.)"""),
     Reason("body_too_large", "Invalid requests (400, 401, 404, 405, 413, 415, 500)", 413, NO_RETRY,
            "The request body exceeds {limit} bytes.",
            """\

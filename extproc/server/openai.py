@@ -96,7 +96,7 @@ class RequestBody:
         self.endpoint = endpoint
         self.model: str | None = None
         self.max_tokens: int | None = None
-        self.sequences = 1        # output sequences generated (n, best_of): each one decodes
+        self.sequences = 1        # output sequences generated (n, per prompt): each one decodes
         self.prompts = 1          # prompts in the body (a completions list): each has a context of its own
         self.stream = False
         self.claimed_class: str | None = None
@@ -126,7 +126,8 @@ def parse_body(raw: bytes, endpoint: Endpoint, class_field: str,
     if body.max_tokens is None:
         body.max_tokens = endpoint.default_max_tokens
     if endpoint.token_fields:
-        body.sequences = max(_positive_int(doc, "n") or 1, _positive_int(doc, "best_of") or 1)
+        # Not best_of: vLLM 0.32 has none (an ignored field, one sequence generated); counted, it overcharged.
+        body.sequences = _positive_int(doc, "n") or 1
         if endpoint.kind == "completions":
             body.prompts = _prompt_count(doc.get("prompt"))
             body.sequences *= body.prompts

@@ -163,3 +163,17 @@ async def test_a_completion_that_only_scores_its_prompt_is_admitted(make_stack, 
         assert sent["max_tokens"] == 0 and sent["echo"] is True
         async with http.post(f"{s.url}/v1/completions", json={**body, "echo": False}) as r:
             assert r.status == 400 and (await r.json())["error"]["param"] == "max_tokens"
+
+
+async def test_best_of_which_vllm_ignores_is_not_charged(make_stack, tmp_path):
+    # vLLM 0.32 has no best_of (neither request model nor SamplingParams reads it): {"best_of": 5} is logged as an
+    # ignored field and one sequence is generated. Charged as five, a 600 tokens-per-minute tenant's 100-token
+    # completion left it under 100. Seen through Envoy against a real vLLM 0.32 (best_of 3: one choice, usage 4 of
+    # max_tokens 4).
+    s = make_stack(policy(tmp_path, tenants=[{"name": "acme", "api_keys": ["sk-acme"], "tokens_per_minute": 600,
+                                             "burst_s": 60}]))
+    body = {"model": "llama-70b", "prompt": "Say hi", "max_tokens": 100, "best_of": 5}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{s.url}/v1/completions", json=body, headers={"authorization": "Bearer sk-acme"}) as r:
+            assert r.status == 200, await r.read()
+            assert int(r.headers["x-ratelimit-remaining-tokens"]) >= 600 - 100 - 8
