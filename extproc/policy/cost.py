@@ -14,6 +14,7 @@ from .schema import CostSpec
 MESSAGE_OVERHEAD_TOKENS = 4
 IMAGE_PART_TOKENS = 768
 AUDIO_PART_TOKENS = 512
+VIDEO_PART_TOKENS = 32 * 128  # vLLM samples 32 frames of a video by default; ~128 tokens a frame after merging
 # Characters of prompt text a configured tokenizer counts; the rest is extrapolated (CostModel._tokenized). The
 # tokenizer runs on the event loop and holds the GIL, at a few MB/s: a 4 MB prompt held every other request's
 # decision for 2-4 s, past Envoy's 0.5 s message_timeout, and those went through unadmitted. This many cost ~3 ms.
@@ -148,8 +149,13 @@ def _message_texts(m: dict[str, Any], out: list[str | bytes]) -> int:
 
 
 # What a non-text part costs, by type. Its payload (a URL, base64 data) is never counted as text.
+# vLLM 0.32's media part types (its chat parser's map), the embeds among them: precomputed embeddings still fill
+# the prompt with their positions.
 MEDIA_PART_TOKENS = {"image_url": IMAGE_PART_TOKENS, "image": IMAGE_PART_TOKENS, "input_image": IMAGE_PART_TOKENS,
-                     "input_audio": AUDIO_PART_TOKENS, "audio_url": AUDIO_PART_TOKENS}
+                     "image_pil": IMAGE_PART_TOKENS, "image_embeds": IMAGE_PART_TOKENS,
+                     "input_audio": AUDIO_PART_TOKENS, "audio_url": AUDIO_PART_TOKENS,
+                     "audio_embeds": AUDIO_PART_TOKENS,
+                     "video_url": VIDEO_PART_TOKENS, "video_embeds": VIDEO_PART_TOKENS}
 # Where a text part keeps its text when not in `text` (text, input_text, output_text, summary_text, ...).
 TEXT_PART_FIELD = {"refusal": "refusal", "thinking": "thinking"}
 
@@ -163,7 +169,9 @@ def _parts_texts(parts: list[Any], out: list[str | bytes]) -> int:
         if not isinstance(part, dict):
             continue
         kind = part.get("type")
-        if not isinstance(kind, str):
+        if kind is None:
+            kind = _untyped_kind(part)
+        elif not isinstance(kind, str):
             kind = ""                            # (a list as a type would not hash)
         media = MEDIA_PART_TOKENS.get(kind)
         if media is not None:
@@ -173,6 +181,14 @@ def _parts_texts(parts: list[Any], out: list[str | bytes]) -> int:
         if isinstance(text, str):
             out.append(text)
     return tokens
+
+
+def _untyped_kind(part: dict[str, Any]) -> str:
+    """A part without `type`: vLLM takes it by the media key it holds (`{"image_url": ...}`), as it does here."""
+    for key in part:
+        if key in MEDIA_PART_TOKENS:
+            return key
+    return ""
 
 
 def _tool_call_texts(calls: list[Any], out: list[str | bytes]) -> None:

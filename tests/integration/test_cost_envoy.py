@@ -177,3 +177,19 @@ async def test_best_of_which_vllm_ignores_is_not_charged(make_stack, tmp_path):
         async with http.post(f"{s.url}/v1/completions", json=body, headers={"authorization": "Bearer sk-acme"}) as r:
             assert r.status == 200, await r.read()
             assert int(r.headers["x-ratelimit-remaining-tokens"]) >= 600 - 100 - 8
+
+
+async def test_video_and_untyped_media_parts_are_charged_like_media(make_stack, tmp_path):
+    # vLLM 0.32 takes video_url (and *_embeds) parts, and parts without `type` by their media key: all of them were
+    # costed as empty text, a 32-frame video as nothing at all (5 tokens charged through Envoy before the fix).
+    tenants = [{"name": name, "api_keys": [f"sk-{name}"], "tokens_per_minute": 60_000, "burst_s": 60}
+               for name in ("video", "untyped")]
+    s = make_stack(policy(tmp_path, tenants=tenants))
+    parts = {"video": ({"type": "video_url", "video_url": {"url": "https://example.com/clip.mp4"}}, 4096),
+             "untyped": ({"image_url": {"url": "https://example.com/cat.png"}}, 768)}
+    async with aiohttp.ClientSession() as http:
+        for name, (part, at_least) in parts.items():  # a tenant each: the first one's refund comes in between
+            body = chat(max_tokens=1, messages=[{"role": "user", "content": [part]}])
+            status, headers, raw = await post(http, s.url, body, {"authorization": f"Bearer sk-{name}"})
+            assert status == 200, raw
+            assert 60_000 - int(headers["x-ratelimit-remaining-tokens"]) >= at_least, name

@@ -5,8 +5,8 @@ import random
 import pytest
 
 from extproc.policy.admission import ACCEPT, INVALID, QUEUE, REJECT, AdmissionController, RequestFacts
-from extproc.policy.cost import (AUDIO_PART_TOKENS, IMAGE_PART_TOKENS, MESSAGE_OVERHEAD_TOKENS,
-                                 TOKENIZE_MAX_CHARS, CostModel, prompt_size)
+from extproc.policy.cost import (AUDIO_PART_TOKENS, IMAGE_PART_TOKENS, MESSAGE_OVERHEAD_TOKENS, TOKENIZE_MAX_CHARS,
+                                 VIDEO_PART_TOKENS, CostModel, prompt_size)
 from extproc.policy.limits import Completion, Outcome
 from extproc.policy.ratelimit import TokenBucket
 from extproc.policy.schema import CostSpec, load_policy, policy_warnings
@@ -79,6 +79,10 @@ DATA_URL = "data:image/png;base64," + "A" * 200_000
     ({"type": "input_image", "image_url": DATA_URL}, IMAGE_PART_TOKENS),
     ({"type": "input_audio", "input_audio": {"data": "A" * 200_000, "format": "wav"}}, AUDIO_PART_TOKENS),
     ({"type": "input_file", "file_data": "A" * 200_000}, 0),
+    ({"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}, VIDEO_PART_TOKENS),
+    ({"type": "image_embeds", "image_embeds": "A" * 200_000}, IMAGE_PART_TOKENS),
+    ({"image_url": {"url": DATA_URL}}, IMAGE_PART_TOKENS),   # no type: vLLM reads the media key
+    ({"video_url": "https://example.com/v.mp4", "uuid": None}, VIDEO_PART_TOKENS),
 ])
 def test_media_payloads_are_never_counted_as_text(part, tokens):
     for doc in ({"messages": [{"role": "user", "content": [part]}]},
