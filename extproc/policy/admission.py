@@ -210,7 +210,8 @@ class AdmissionController:
         whom it is charged to."""
         model = self.cost_models[name]
         prompt = model.prompt_tokens(facts.doc, facts.generates) if facts.doc else 0
-        est = model.estimate(prompt, facts.max_tokens, facts.sequences, facts.generates, facts.prompts)
+        est = model.estimate(prompt, facts.max_tokens, facts.sequences, facts.generates, facts.prompts,
+                             facts.min_output)
         session = None
         if facts.session_id and self._sessions_on:
             session = self.sessions.get(c.tenant, facts.session_id, now)
@@ -442,7 +443,7 @@ class AdmissionController:
         if not est.max_tokens or est.max_tokens <= max_tokens * est.sequences:
             return
         clamped = self.cost_models[charge.model].estimate(est.prompt_tokens, max_tokens, est.sequences,
-                                                          prompts=est.prompts)
+                                                          prompts=est.prompts, min_output=est.min_output)
         tokens = charge.tokens_for(clamped)
         if charge.prepaid:
             if charge.tenant is not None:

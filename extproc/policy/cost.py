@@ -25,7 +25,7 @@ class CostEstimate:
     """What admission counts for one request."""
 
     __slots__ = ("prompt_tokens", "max_tokens", "expected_output", "gpu_seconds", "tokens", "most_output",
-                 "sequences", "prompts")
+                 "sequences", "prompts", "min_output", "forced")
 
     def __init__(self, prompt_tokens: int, max_tokens: int, expected_output: float, gpu_seconds: float,
                  most_output: int = 0):
@@ -39,6 +39,8 @@ class CostEstimate:
         self.most_output = most_output
         self.sequences = 1  # outputs it was made for (a degrade's clamp is per output), and prompts among them
         self.prompts = 1
+        self.min_output: int | None = 0  # what it was made for: see CostModel.estimate
+        self.forced = 0     # output tokens the request will produce whatever the model says (all its sequences)
 
 
 def prompt_size(doc: dict[str, Any]) -> tuple[int, int]:
@@ -243,9 +245,10 @@ class CostModel:
         return counted + int(rest * per_char + 0.999)
 
     def estimate(self, prompt_tokens: int, max_tokens: int | None, sequences: int = 1,
-                 generates: bool = True, prompts: int = 1) -> CostEstimate:
+                 generates: bool = True, prompts: int = 1, min_output: int | None = 0) -> CostEstimate:
         """`sequences` outputs (n, times the prompts of a list) of up to `max_tokens` each; none for
-        prefill-only endpoints. `prompt_tokens` is all `prompts` together."""
+        prefill-only endpoints. `prompt_tokens` is all `prompts` together. `min_output`: tokens each output
+        produces at least (vLLM's min_tokens), None for all of its cap (ignore_eos)."""
         spec = self.spec
         if not generates:
             gpu = self.prefill_per_token * prompt_tokens * (1.0 + spec.variance_margin)
@@ -257,14 +260,18 @@ class CostModel:
             # concave), which is the safe side of an estimate.
             per_prompt = math.ceil(prompt_tokens / max(prompts, 1))
             requested = max(min(requested, spec.max_context_tokens - per_prompt), 1)
+        # Output the model cannot end early is expected in full, not at the learned ratio: an ignore_eos request
+        # (benchmarks) runs to its cap, 1 / output_ratio times what the ratio alone expected.
+        floor = requested if min_output is None else min(min_output, requested)
         requested *= sequences  # every sequence decodes; the prompt is prefilled once and shared
-        expected = requested * self.output_ratio
+        expected = max(requested * self.output_ratio, floor * sequences)
         gpu = (self.prefill_per_token * prompt_tokens + self.decode_per_token * expected) * \
             (1.0 + spec.variance_margin)
         # Not clamped by the prompt estimate, which may be high: the replica counts the real prompt.
         most = (max_tokens if max_tokens is not None else spec.max_context_tokens or 0) * sequences
         est = CostEstimate(prompt_tokens, requested, expected, gpu, most)
         est.sequences, est.prompts = sequences, prompts
+        est.min_output, est.forced = min_output, floor * sequences
         return est
 
     def actual(self, prompt_tokens: int, completion_tokens: int) -> float:
@@ -277,9 +284,10 @@ class CostModel:
         if not self.spec.learn or est.max_tokens == 0:
             return  # a prefill-only request says nothing about output ratios or decode cost
         self.samples += 1
-        ratio = min(max(completion_tokens / max(est.max_tokens, 1), 0.0), 1.0)
-        self.output_ratio += self.RATIO_RATE * (ratio - self.output_ratio)
-        self.output_ratio = min(max(self.output_ratio, 0.05), 1.0)
+        if not est.forced:  # a forced length (ignore_eos, min_tokens) says nothing about where answers end
+            ratio = min(max(completion_tokens / max(est.max_tokens, 1), 0.0), 1.0)
+            self.output_ratio += self.RATIO_RATE * (ratio - self.output_ratio)
+            self.output_ratio = min(max(self.output_ratio, 0.05), 1.0)
         if service_s is None or service_s <= 0 or prompt_tokens + completion_tokens == 0:
             return
         # Normalised LMS on service_s ~ a * prompt + b * completion, with the residual clipped to the

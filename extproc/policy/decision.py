@@ -32,6 +32,8 @@ class RequestFacts:
     doc: dict | None = None      # the parsed JSON body, for the prompt-size estimate
     sequences: int = 1           # outputs generated (n; times the prompts of a completions list)
     prompts: int = 1             # prompts in a completions list, each run in a context of its own
+    min_output: int | None = 0   # output tokens each sequence produces at least (min_tokens); None: all of its
+                                 # cap (ignore_eos)
     generates: bool = True       # False: a prefill-only endpoint (embeddings, score, ...): no output tokens, and
                                  # no `degrade` fallback (another model's vectors are not an answer)
     cannable: bool = True        # a `canned` fallback can answer it (chat and completions shapes)

@@ -89,7 +89,7 @@ class RequestBody:
     """The fields of a request body that admission reads, and the body to forward."""
 
     __slots__ = ("endpoint", "model", "max_tokens", "sequences", "prompts", "stream", "claimed_class", "doc",
-                 "rewrite")
+                 "rewrite", "min_output")
 
     def __init__(self, doc: dict[str, Any], endpoint: Endpoint = CHAT):
         self.doc = doc
@@ -98,6 +98,7 @@ class RequestBody:
         self.max_tokens: int | None = None
         self.sequences = 1        # output sequences generated (n, per prompt): each one decodes
         self.prompts = 1          # prompts in the body (a completions list): each has a context of its own
+        self.min_output: int | None = 0  # output each sequence produces at least; None: all of it (ignore_eos)
         self.stream = False
         self.claimed_class: str | None = None
         self.rewrite = False      # the body must be re-serialised before it goes upstream
@@ -131,6 +132,7 @@ def parse_body(raw: bytes, endpoint: Endpoint, class_field: str,
         if endpoint.kind == "completions":
             body.prompts = _prompt_count(doc.get("prompt"))
             body.sequences *= body.prompts
+        body.min_output = min_output_of(doc, endpoint.kind != "responses")
     stream = doc.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise BadRequest("`stream` must be true or false.", "stream")
@@ -289,6 +291,21 @@ def _invocation_kind(doc: dict[str, Any]) -> Endpoint:
         return POOLING
     raise BadRequest("/invocations needs a chat (`messages`), completions (`prompt`) or embeddings (`input`) "
                      "body.", code="invalid_body")
+
+
+# Strings pydantic (vLLM's request models) reads as true in a boolean field.
+_TRUE_STRINGS = frozenset(("1", "on", "t", "true", "y", "yes"))
+
+
+def min_output_of(doc: dict[str, Any], reads_min_tokens: bool = True) -> int | None:
+    """The output each sequence produces at least: None (all of its cap) under vLLM's ignore_eos, else its
+    min_tokens (vLLM checks the value: anything else is 0 here), which vLLM's Responses API does not read."""
+    ignore_eos = doc.get("ignore_eos")
+    if ignore_eos is True or (type(ignore_eos) is int and ignore_eos == 1) or \
+            (isinstance(ignore_eos, str) and ignore_eos.strip().lower() in _TRUE_STRINGS):
+        return None
+    min_tokens = _whole(doc.get("min_tokens")) if reads_min_tokens else None
+    return min(min_tokens, MAX_TOKENS_CEILING) if type(min_tokens) is int and min_tokens > 0 else 0
 
 
 def _scores_prompt_only(doc: dict[str, Any], endpoint: Endpoint) -> bool:

@@ -193,3 +193,32 @@ async def test_video_and_untyped_media_parts_are_charged_like_media(make_stack, 
             status, headers, raw = await post(http, s.url, body, {"authorization": f"Bearer sk-{name}"})
             assert status == 200, raw
             assert 60_000 - int(headers["x-ratelimit-remaining-tokens"]) >= at_least, name
+
+
+async def test_ignore_eos_is_costed_to_its_cap_and_never_taught_as_a_natural_length(make_stack, tmp_path):
+    # An ignore_eos request (benchmarks; vLLM runs it to max_tokens) was estimated at the learned output ratio,
+    # 1 / ratio times too low, and its full-length answers taught the ratio that answers run long.
+    s = make_stack(policy(tmp_path, learn_sample=1.0))
+    short, full = {"x-test-tokens": "5"}, {"x-test-tokens": "100"}
+
+    async def ratio(samples: int) -> float:
+        await sample_once(http, s.metrics_url, "extproc_cost_model", samples, model="llama-70b", param="samples")
+        return sample(await metrics(http, s.metrics_url), "extproc_cost_model", model="llama-70b",
+                      param="output_ratio")
+
+    async with aiohttp.ClientSession() as http:
+        for _ in range(20):  # answers that end on their own at 5 of 100 tokens: the ratio comes down to ~0.4
+            assert (await post(http, s.url, chat(max_tokens=100), short))[0] == 200
+        learned = await ratio(20)
+        assert learned < 0.5
+        for _ in range(10):
+            assert (await post(http, s.url, chat(max_tokens=100, ignore_eos=True), full))[0] == 200
+        assert await ratio(30) == pytest.approx(learned)
+        held = asyncio.create_task(post(http, s.url, chat(max_tokens=100, ignore_eos=True),
+                                        {**full, "x-test-delay-ms": "1500"}))
+        await sample_once(http, s.metrics_url, "extproc_inflight", 1, **{"class": "interactive"})
+        ms = await metrics(http, s.metrics_url)
+        decode = sample(ms, "extproc_cost_model", model="llama-70b", param="decode_s_per_token")
+        # Its 100 tokens of decode in full (under the learned coefficient), not 100 x the ratio.
+        assert sample(ms, "extproc_inflight_gpu_seconds", **{"class": "interactive"}) >= 100 * decode
+        assert (await held)[0] == 200

@@ -392,3 +392,18 @@ def test_a_tokenizer_that_cannot_be_loaded_is_said_once_in_the_log(tmp_path, cap
         model = CostModel(CostSpec(tokenizer=str(tmp_path / "missing.json")))
     assert model.prompt_tokens({"messages": [{"role": "user", "content": "hello there"}]}) > 0
     assert "cannot be loaded" in caplog.text and "missing.json" in caplog.text
+
+
+def test_output_that_cannot_end_early_is_expected_in_full_and_not_learned_from():
+    m = CostModel(SPEC)
+    m.output_ratio = 0.2
+    assert m.estimate(100, 500).expected_output == pytest.approx(100)
+    forced = m.estimate(100, 500, sequences=2, min_output=None)       # ignore_eos: runs to its cap
+    assert forced.expected_output == 1000 and forced.forced == 1000
+    assert m.estimate(100, 500, min_output=300).expected_output == 300  # min_tokens: at least that many
+    assert m.estimate(100, 500, min_output=20).expected_output == pytest.approx(100)
+    assert m.estimate(100, 50, min_output=300).expected_output == 50   # (vLLM refuses that one anyway)
+    m.learn(forced, 100, 1000, None)
+    assert m.output_ratio == 0.2 and m.samples == 1
+    m.learn(m.estimate(100, 500), 100, 500, None)
+    assert m.output_ratio > 0.2

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from extproc.server.openai import CHAT, COMPLETIONS, BadRequest, degrade_body, error_body, parse_body
+from extproc.server.openai import (CHAT, COMPLETIONS, BadRequest, degrade_body, error_body, min_output_of,
+                                  parse_body)
 
 CLASSES = {"interactive", "batch"}
 
@@ -131,3 +132,12 @@ def test_a_body_that_is_not_utf8_is_refused_in_words():
     with pytest.raises(BadRequest) as e:
         parse(b'{"model": "m\xff"}')
     assert "not valid UTF-8" in e.value.message and "surrogates" not in e.value.message
+
+
+@pytest.mark.parametrize("doc,min_output", [({}, 0), ({"min_tokens": 7}, 7), ({"min_tokens": 7.0}, 7),
+                                            ({"min_tokens": "x"}, 0), ({"ignore_eos": True}, None),
+                                            ({"ignore_eos": "true", "min_tokens": 7}, None),
+                                            ({"ignore_eos": False, "min_tokens": 7}, 7), ({"ignore_eos": 0}, 0)])
+def test_the_output_floor_is_read_as_vllm_reads_ignore_eos_and_min_tokens(doc, min_output):
+    assert min_output_of(doc) == min_output
+    assert min_output_of(doc, reads_min_tokens=False) == (None if min_output is None else 0)  # Responses API

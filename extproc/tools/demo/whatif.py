@@ -23,6 +23,7 @@ from extproc.policy.admission import QUEUE, AdmissionController, Admit, Decision
 from extproc.policy.classify import ConflictingKeys, presented_key
 from extproc.policy.limits import Completion, LimitFactory, Outcome, default_limit
 from extproc.policy.schema import ClassifySpec, SessionSpec, load_policy_file
+from extproc.server.openai import min_output_of
 from extproc.server.protocol import HeaderNames, read_request_headers
 from extproc.server.saturation import PoolScraper, ScrapedReplica
 from extproc.tools.loadgen import CLIENT_ERROR, ENDPOINTS, PlannedRequest, RequestKind, RequestRecord
@@ -55,7 +56,8 @@ def _facts(kind, prompt_tokens: int, session_id: str | None = None,
     # A body of the prompt's size, for the core's own prompt estimate (characters / chars_per_token).
     doc = {"prompt": "x" * (4 * prompt_tokens)}
     return RequestFacts(api_key=api_key, header_class=head.claim, model=kind.model, max_tokens=kind.max_tokens,
-                        stream=kind.stream, doc=doc, session_id=session_id or head.session,
+                        stream=kind.stream, doc=doc, min_output=min_output_of(kind.body),
+                        session_id=session_id or head.session,
                         objective=head.objective, fairness_id=head.fairness_id, deadline_ms=head.deadline_ms)
 
 
