@@ -77,6 +77,14 @@ async def test_ignore_eos_generates_exactly_max_tokens(fleet, http):
     assert body["usage"]["completion_tokens"] == 7 and body["choices"][0]["finish_reason"] == "length"
 
 
+async def test_a_completion_without_max_tokens_stops_at_16_like_vllm(fleet, http):
+    # vLLM 0.32 (CompletionRequest.max_tokens = 16; a null reads as unset); chat runs on to the context's end.
+    for cap in ({}, {"max_tokens": None}):
+        body = {k: v for k, v in COMPLETION.items() if k != "max_tokens"}
+        async with http.post(fleet.urls[0] + "/v1/completions", json={**body, **cap, "ignore_eos": True}) as resp:
+            assert (await resp.json())["usage"]["completion_tokens"] == 16
+
+
 async def test_chat_stream_with_usage(fleet, http):
     request = {**CHAT, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
     async with http.post(fleet.urls[0] + "/v1/chat/completions", json=request) as resp:

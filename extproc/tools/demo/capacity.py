@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from extproc.tools.loadgen import Workload
 from extproc.tools.sim.engine import Engine
-from extproc.tools.sim.openai_api import clamp_max_tokens, fixed_output_tokens, ignores_eos
+from extproc.tools.sim.openai_api import clamp_max_tokens, fixed_output_tokens, ignores_eos, requested_max_tokens
 from extproc.tools.sim.profile import Profile
 from extproc.tools.stats import percentile
 
@@ -46,8 +46,9 @@ def closed_loop_mix(profile: Profile, workload: Workload, concurrency: int, requ
     def add() -> None:
         kind = workload.pick(rng)
         ignore_eos = ignores_eos(kind.body)
-        prompt = kind.sample_call_prompt(rng, lambda: _earlier_output(profile, kind.max_tokens, ignore_eos, rng))
-        max_tokens = clamp_max_tokens(kind.max_tokens, prompt, profile.max_model_len, profile.default_max_tokens)
+        asked = requested_max_tokens(kind.endpoint, kind.max_tokens)
+        prompt = kind.sample_call_prompt(rng, lambda: _earlier_output(profile, asked, ignore_eos, rng))
+        max_tokens = clamp_max_tokens(asked, prompt, profile.max_model_len, profile.default_max_tokens)
         engine.add_request(prompt, max_tokens, now, natural_tokens=fixed_output_tokens(max_tokens, ignore_eos))
 
     for _ in range(concurrency):

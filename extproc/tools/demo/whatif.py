@@ -28,7 +28,7 @@ from extproc.server.protocol import HeaderNames, read_request_headers
 from extproc.server.saturation import PoolScraper, ScrapedReplica
 from extproc.tools.loadgen import CLIENT_ERROR, ENDPOINTS, PlannedRequest, RequestKind, RequestRecord
 from extproc.tools.sim.engine import Engine, Sequence
-from extproc.tools.sim.openai_api import clamp_max_tokens, fixed_output_tokens, ignores_eos
+from extproc.tools.sim.openai_api import clamp_max_tokens, fixed_output_tokens, ignores_eos, requested_max_tokens
 from extproc.tools.sim.profile import load_profile
 
 from .scenario import Scenario
@@ -55,7 +55,8 @@ def _facts(kind, prompt_tokens: int, session_id: str | None = None,
         raise ValueError(f"request kind {kind.name!r} sends two different API keys") from None
     # A body of the prompt's size, for the core's own prompt estimate (characters / chars_per_token).
     doc = {"prompt": "x" * (4 * prompt_tokens)}
-    return RequestFacts(api_key=api_key, header_class=head.claim, model=kind.model, max_tokens=kind.max_tokens,
+    max_tokens = requested_max_tokens(kind.endpoint, kind.max_tokens)  # as parse_body reads it
+    return RequestFacts(api_key=api_key, header_class=head.claim, model=kind.model, max_tokens=max_tokens,
                         stream=kind.stream, doc=doc, min_output=min_output_of(kind.body),
                         session_id=session_id or head.session,
                         objective=head.objective, fairness_id=head.fairness_id, deadline_ms=head.deadline_ms)
@@ -76,7 +77,7 @@ class _Ask:
 
     @classmethod
     def of(cls, kind: RequestKind, prompt_tokens: int) -> _Ask:
-        return cls(prompt_tokens, kind.max_tokens, ignores_eos(kind.body))
+        return cls(prompt_tokens, requested_max_tokens(kind.endpoint, kind.max_tokens), ignores_eos(kind.body))
 
     def degraded(self, ceiling: int | None) -> _Ask:
         """As the ext_proc's degrade_body rewrites it: the fallback's max_tokens when the body asks for more, or

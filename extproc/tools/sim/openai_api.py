@@ -153,6 +153,19 @@ def ignores_eos(body: dict) -> bool:
     return _bool_field(body, "ignore_eos")
 
 
+# vLLM 0.32's CompletionRequest caps a completion without max_tokens (or with null) at 16 tokens, as OpenAI's API
+# does; a chat request without one may generate the rest of the context.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+def requested_max_tokens(kind: str, max_tokens: int | None) -> int | None:
+    """The max_tokens a request of `kind` (chat | completions) runs with: its own, else its API's default (None:
+    the server's, the rest of the context)."""
+    if max_tokens is None and kind == COMPLETIONS:
+        return COMPLETIONS_DEFAULT_MAX_TOKENS
+    return max_tokens
+
+
 def clamp_max_tokens(max_tokens: int | None, prompt_tokens: int, max_model_len: int, default_max_tokens: int) -> int:
     """The output tokens a request may generate: its max_tokens (unset: `default_max_tokens`), clamped to the
     context left after the prompt. vLLM 0.32 clamps silently rather than refusing."""
@@ -247,7 +260,8 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
                               f"prompt contains at least {shown} input tokens, which exceeds this limit even "
                               f"without any output tokens. Please reduce the length of the input prompt.",
                               "input_tokens", shown)
-    max_tokens = clamp_max_tokens(max_tokens, prompt_tokens, max_model_len, default_max_tokens)
+    max_tokens = clamp_max_tokens(requested_max_tokens(kind, max_tokens), prompt_tokens, max_model_len,
+                                  default_max_tokens)
     # vLLM 0.32 answers every request with its first served name, whichever alias was asked for
     # (tests/fixtures/vllm/chat_small_model.json): `model` in the responses is served[0]. A LoRA adapter's answers
     # carry the adapter's name (vLLM's OpenAIServingModels.model_name).
