@@ -132,7 +132,8 @@ def parse_body(raw: bytes, endpoint: Endpoint, class_field: str,
         if endpoint.kind == "completions":
             body.prompts = _prompt_count(doc.get("prompt"))
             body.sequences *= body.prompts
-        body.min_output = min_output_of(doc, endpoint.kind != "responses")
+        # A prompt-scoring request's one token is forced too: it says nothing about where answers end.
+        body.min_output = None if scores_prompt else min_output_of(doc, endpoint.kind != "responses")
     stream = doc.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise BadRequest("`stream` must be true or false.", "stream")

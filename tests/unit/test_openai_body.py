@@ -74,6 +74,7 @@ def test_a_completion_scoring_its_prompt_runs_one_token_and_keeps_its_max_tokens
     b = parse_body(json.dumps({"model": "m", "prompt": "p", "echo": True, "max_tokens": 0}).encode(), COMPLETIONS,
                    "priority", CLASSES)
     assert b.max_tokens == 1  # what vLLM runs (and counts as completion_tokens) per prompt
+    assert b.min_output is None  # all of it, always: never learned as an answer's natural length
     assert degrade_body(b, None, 8, None) == [] and b.doc["max_tokens"] == 0
     for refused in ({"echo": False, "max_tokens": 0}, {"max_tokens": 0}):  # vLLM's 400 too
         with pytest.raises(BadRequest):
