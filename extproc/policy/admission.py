@@ -420,14 +420,16 @@ class AdmissionController:
             gate = self.gates.get(target) if self.gates else None
             units = self._degraded_units(gate, charge, fb) if gate is not None else 0.0
             if deg.has_room() and (gate is None or self._pool_admits(gate, deg, units, now)):
+                # The degrade body caps max_tokens at the fallback model's context too (vLLM refuses more).
+                context = self.cost_models[fb.model].spec.max_context_tokens if fb.model else None
+                ceilings = [t for t in (fb.max_tokens, context) if t]
                 # In shadow the request runs as it asked on its own pool: charged as asked, too.
-                if charge is not None and fb.max_tokens is not None and not (self.shadow.everything or
-                                                                             lim.spec.shadow):
-                    self._clamp_charge(charge, fb.max_tokens)
+                if charge is not None and ceilings and not (self.shadow.everything or lim.spec.shadow):
+                    self._clamp_charge(charge, min(ceilings))
                 ticket = self._admit(deg, tenant, target, now, charge, waited_s, gate, units)
                 ticket.degraded = True
                 return Degrade(reason, cls, tenant, ticket, fb, why, cluster=target, classification=c,
-                               waited_s=waited_s)
+                               waited_s=waited_s, context_tokens=context)
             if deg.has_room():
                 why += f" (the degraded answer's pool {target} is at its limit too)"
             reason, why = R_DEGRADED_FULL, say(R_DEGRADED_FULL, why=why)

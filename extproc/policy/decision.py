@@ -119,15 +119,17 @@ class Admit(Decision):
 class Degrade(Admit):
     """Admitted on the class's fallback: another pool and/or a changed body (model, max_tokens, stream)."""
 
-    __slots__ = ("fallback", "message")
+    __slots__ = ("fallback", "message", "context_tokens")
     kind = DEGRADE
 
     def __init__(self, reason: str, cls: str, tenant: str, ticket: Ticket, fallback: FallbackSpec, message: str,
                  cluster: str | None = None,
-                 classification: Classification | None = None, waited_s: float = 0.0):
+                 classification: Classification | None = None, waited_s: float = 0.0,
+                 context_tokens: int | None = None):
         Admit.__init__(self, reason, cls, tenant, ticket, cluster, classification, waited_s)
         self.fallback = fallback
         self.message = message    # why it was degraded
+        self.context_tokens = context_tokens  # the fallback model's context (its max_context_tokens), if known
 
 
 class Queued(Decision):

@@ -76,7 +76,8 @@ class FallbackSpec:
     action: Literal["reject", "degrade", "canned"] = doc(
         "`reject`: 503 (breaker) or 429 (overflow) with Retry-After. `degrade`: serve it anyway, changed as "
         "below. `canned`: answer at once with a fixed OpenAI-shaped response.", "reject")
-    model: str | None = doc("degrade: route to this model (a key of `models`) and rewrite the body's `model`.",
+    model: str | None = doc("degrade: route to this model (a key of `models`) and rewrite the body's `model`; a "
+                            "`max_tokens` beyond its `cost.max_context_tokens` is capped at it (vLLM refuses more).",
                             None)
     max_tokens: int | None = doc("degrade: clamp `max_tokens` to this ceiling (and a `min_tokens` above it down "
                                  "to it, which vLLM would refuse). A clamped answer ends as any "

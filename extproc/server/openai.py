@@ -371,9 +371,15 @@ def error_body(status: int, message: str, code: str, param: str | None = None) -
                                    "param": param, "code": code}})
 
 
-def degrade_body(body: RequestBody, model: str | None, max_tokens: int | None, stream: bool | None) -> list[str]:
-    """Apply a degrade to the forwarded body in place; return what changed (for x-extproc-degraded)."""
+def degrade_body(body: RequestBody, model: str | None, max_tokens: int | None, stream: bool | None,
+                 context: int | None = None) -> list[str]:
+    """Apply a degrade to the forwarded body in place; return what changed (for x-extproc-degraded). `context`:
+    the fallback model's context length, if known."""
     doc, changed = body.doc, []
+    if context is not None and body.max_tokens is not None and body.max_tokens > context:
+        # vLLM refuses a max_tokens beyond its max_model_len (400): a request sized for a larger model's context
+        # is capped at the smaller one's, where vLLM clamps it to the room its prompt leaves.
+        max_tokens = min(max_tokens or context, context)
     if model is not None and model != body.model:
         doc["model"] = model
         changed.append(f"model={model}")

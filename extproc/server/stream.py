@@ -298,7 +298,7 @@ class Stream:
         note = None
         if type(d) is Degrade:
             fb = d.fallback
-            changed = degrade_body(body, fb.model, fb.max_tokens, fb.stream)
+            changed = degrade_body(body, fb.model, fb.max_tokens, fb.stream, d.context_tokens)
             if "stream=off" in changed:
                 self.restream = Restream(body.endpoint.kind, usage_asked)
             note = ("x-extproc-degraded", f"{','.join(changed) or 'none'}; reason={d.reason}")

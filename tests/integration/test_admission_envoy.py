@@ -8,6 +8,7 @@ import signal
 
 import aiohttp
 
+from extproc.tools.sim.fleet import SimFleet
 from tests.conftest import policy_file, until
 
 from .helpers import chat, healthz, metrics, post, sample, sample_once, upstream_reset, upstream_stats, wait_idle
@@ -262,3 +263,25 @@ async def test_a_degrade_that_clamps_max_tokens_keeps_the_clients_min_tokens_val
             assert sent["min_tokens"] == min(asked["min_tokens"], 3), sent
         assert (await hold)[0] == 200
         assert all(c["inflight"] == 0 for c in (await wait_idle(http, s.metrics_url)).values())
+
+
+async def test_a_degrade_to_a_model_with_a_smaller_context_caps_max_tokens_at_it(make_stack, upstream, tmp_path):
+    # A request sized for a 32k model (max_tokens 16,000) degraded to an 8k one: vLLM (here its simulator, which
+    # answers as vLLM 0.32 does) refuses max_tokens beyond its max_model_len with a 400, so the degrade caps it at
+    # the fallback model's max_context_tokens.
+    models = {"llama-70b": {"cluster": "vllm_llama70b", "cost": {"max_context_tokens": 32768}},
+              "llama-8b": {"cluster": "vllm_llama8b", "cost": {"max_context_tokens": 8192}}}
+    policy = policy_file(tmp_path, models=models, tenants=[], classes={"interactive": {
+        "max_concurrency": 1, "max_queue": 0, "on_overflow": "fallback",
+        "fallback": {"action": "degrade", "model": "llama-8b"}}})
+    async with SimFleet("h100-llama8b", replicas=1, speed=20.0, model_names=["llama-8b"]) as small:
+        s = make_stack(policy, pools={"vllm_llama70b": [upstream], "vllm_llama8b": [("127.0.0.1", small.ports[0])]})
+        async with aiohttp.ClientSession() as http:
+            hold = asyncio.create_task(post(http, s.url, chat(), {"x-test-delay-ms": "3000"}))
+            assert await until(lambda: healthz(http, s.metrics_url),
+                               holds=lambda h: h["classes"]["interactive"]["inflight"] == 1)
+            status, headers, raw = await post(http, s.url, chat(max_tokens=16_000))
+            assert status == 200, raw
+            assert headers["x-extproc-degraded"] == "model=llama-8b,max_tokens=8192; reason=queue_full"
+            assert (await hold)[0] == 200
+            assert all(c["inflight"] == 0 for c in (await wait_idle(http, s.metrics_url)).values())

@@ -224,6 +224,20 @@ def test_a_queued_request_degraded_when_its_wait_ends_gets_the_clamped_part_back
     assert d.kind == DEGRADE and d.charge.tokens == 16 and bucket.level == 60_000 - 1000 - 16
 
 
+
+def test_a_degrade_to_a_smaller_context_is_charged_and_told_that_context(clock):
+    # The body is capped at the fallback model's context (vLLM refuses a max_tokens beyond it): so is the charge.
+    core = AdmissionController(make_policy(
+        classes={"interactive": {"max_concurrency": 1, "max_queue": 0, "on_overflow": "fallback",
+                                 "fallback": {"action": "degrade", "model": "small"}}},
+        models={"llama": {"cluster": "pool_a", "cost": {"max_context_tokens": 32768}},
+                "small": {"cluster": "pool_b", "cost": {"max_context_tokens": 8192}}},
+        tenants=[{"name": "t", "api_keys": ["k"], "tokens_per_minute": 60_000, "max_class": "interactive"}]),
+        clock=clock)
+    assert core.decide(stream_of(16_000)).kind == ACCEPT
+    d = core.decide(stream_of(16_000))
+    assert d.kind == DEGRADE and d.context_tokens == 8192 and d.charge.estimate.max_tokens == 8192
+
 def test_in_shadow_a_would_be_clamped_request_is_charged_as_it_asked(clock):
     # Shadow degrades nothing: the request runs with its own max_tokens, so its tenant pays for that.
     core = AdmissionController(make_policy(

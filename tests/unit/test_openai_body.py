@@ -83,6 +83,16 @@ def test_a_completion_scoring_its_prompt_runs_one_token_and_keeps_its_max_tokens
     with pytest.raises(BadRequest):
         parse({"model": "m", "messages": [], "echo": True, "max_tokens": 0})
 
+
+@pytest.mark.parametrize("doc,ceiling,written", [
+    ({"max_tokens": 16_000}, None, 8192), ({"max_tokens": 16_000}, 64, 64), ({"max_tokens": 4000}, None, 4000),
+    ({"max_completion_tokens": 16_000}, None, 8192), ({}, None, None)])
+def test_a_degrade_to_a_smaller_context_caps_max_tokens_at_it(doc, ceiling, written):
+    # vLLM answers max_tokens > max_model_len with a 400; within it, it clamps to the room the prompt leaves.
+    b = parse({"model": "big", "messages": [], **doc})
+    degrade_body(b, "small", ceiling, None, context=8192)
+    assert b.doc.get("max_completion_tokens", b.doc.get("max_tokens")) == written
+
 def test_class_name_in_the_body_is_claimed_and_stripped():
     b = parse({"model": "m", "priority": "Batch"})
     assert b.claimed_class == "batch" and b.rewrite and "priority" not in b.doc
