@@ -413,6 +413,11 @@ class AdmissionController:
             # it): the "degrade" would send it unchanged to the pool that just had no room, counted as degraded.
             allowed = False
             why += " (its degrade fallback is the model it asked for)"
+        if fb.action == "degrade" and allowed and not self._fits_context(fb.model, charge):
+            # vLLM answers a prompt its context cannot hold with a 400: a retry later on the requested model is
+            # the answer that can still succeed.
+            allowed = False
+            why += f" (its prompt does not fit the degrade model {fb.model}'s context)"
         if fb.action == "degrade" and allowed:
             deg = self.degraded[cls]
             # A degrade onto a pool with a limit (its own pool with fewer tokens, or another) weighs on that
@@ -436,6 +441,14 @@ class AdmissionController:
         return Refusal(REJECT, reason, cls, tenant, 429 if overflow else 503, why,
                        lim.retry_after_s(now, self._retry_ceiling), classification=c, cluster=cluster,
                        waited_s=waited_s)
+
+    def _fits_context(self, model: str | None, charge: Charge | None) -> bool:
+        """Whether the request's prompt (estimated, each prompt of a list on its own) fits `model`'s context."""
+        context = self.cost_models[model].spec.max_context_tokens if model else None
+        if not context or charge is None:
+            return True
+        est = charge.estimate
+        return est.prompt_tokens / max(est.prompts, 1) < context
 
     def _clamp_charge(self, charge: Charge, max_tokens: int) -> None:
         """A degrade that clamps max_tokens: charge (tenant tokens, GPU-seconds) the output the request can still

@@ -77,7 +77,9 @@ class FallbackSpec:
         "`reject`: 503 (breaker) or 429 (overflow) with Retry-After. `degrade`: serve it anyway, changed as "
         "below. `canned`: answer at once with a fixed OpenAI-shaped response.", "reject")
     model: str | None = doc("degrade: route to this model (a key of `models`) and rewrite the body's `model`; a "
-                            "`max_tokens` beyond its `cost.max_context_tokens` is capped at it (vLLM refuses more).",
+                            "`max_tokens` beyond its `cost.max_context_tokens` is capped at it (vLLM refuses more), "
+                            "and a request whose estimated prompt that context cannot hold is refused (429/503, "
+                            "to retry) rather than degraded into vLLM's 400.",
                             None)
     max_tokens: int | None = doc("degrade: clamp `max_tokens` to this ceiling (and a `min_tokens` above it down "
                                  "to it, which vLLM would refuse). A clamped answer ends as any "

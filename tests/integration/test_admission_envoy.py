@@ -265,7 +265,7 @@ async def test_a_degrade_that_clamps_max_tokens_keeps_the_clients_min_tokens_val
         assert all(c["inflight"] == 0 for c in (await wait_idle(http, s.metrics_url)).values())
 
 
-async def test_a_degrade_to_a_model_with_a_smaller_context_caps_max_tokens_at_it(make_stack, upstream, tmp_path):
+async def test_a_degrade_to_a_model_with_a_smaller_context_fits_the_request_to_it_or_refuses_it(make_stack, upstream, tmp_path):
     # A request sized for a 32k model (max_tokens 16,000) degraded to an 8k one: vLLM (here its simulator, which
     # answers as vLLM 0.32 does) refuses max_tokens beyond its max_model_len with a 400, so the degrade caps it at
     # the fallback model's max_context_tokens.
@@ -283,5 +283,10 @@ async def test_a_degrade_to_a_model_with_a_smaller_context_caps_max_tokens_at_it
             status, headers, raw = await post(http, s.url, chat(max_tokens=16_000))
             assert status == 200, raw
             assert headers["x-extproc-degraded"] == "model=llama-8b,max_tokens=8192; reason=queue_full"
+            # A prompt of ~10,000 tokens fits the 32k model, not the 8k one (a 400 there): refused, to retry.
+            long = chat(messages=[{"role": "user", "content": "word " * 8000}])
+            status, headers, raw = await post(http, s.url, long)
+            assert status == 429 and "does not fit the degrade model llama-8b" in json.loads(raw)["error"]["message"]
+            assert int(headers["retry-after"]) >= 1
             assert (await hold)[0] == 200
             assert all(c["inflight"] == 0 for c in (await wait_idle(http, s.metrics_url)).values())

@@ -237,6 +237,11 @@ def test_a_degrade_to_a_smaller_context_is_charged_and_told_that_context(clock):
     assert core.decide(stream_of(16_000)).kind == ACCEPT
     d = core.decide(stream_of(16_000))
     assert d.kind == DEGRADE and d.context_tokens == 8192 and d.charge.estimate.max_tokens == 8192
+    core.finish(d.ticket)
+    # A prompt the smaller context cannot hold would get vLLM's 400 there: the request is refused to retry instead.
+    long = RequestFacts(api_key="k", model="llama", max_tokens=10, doc={"prompt": "x" * 4 * 9000})
+    d = core.decide(long)
+    assert d.kind == REJECT and d.status == 429 and "does not fit the degrade model small's context" in d.message
 
 def test_in_shadow_a_would_be_clamped_request_is_charged_as_it_asked(clock):
     # Shadow degrades nothing: the request runs with its own max_tokens, so its tenant pays for that.
