@@ -97,7 +97,7 @@ def what_if_tables(args: argparse.Namespace) -> int:
     if any(m.policy for m in modes):
         print(f"scenario {scenario.name}, what-if:\n{policy_lines(modes)}")
     for m in modes:
-        res = what_if(scenario, admitter_for(m, args.instances), capacity)
+        res = what_if(scenario, admitter_for(m, getattr(args, "instances", 1)), capacity)
         results.append(ModeResult(m, res.records, 0.0, served_elsewhere=res.served_elsewhere))
         if args.show_limits:
             moves = " ".join(f"{t:.0f}s:" + ",".join(f"{c}={v}" for c, v in lim.items()) for t, lim in res.limits)
@@ -152,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
     import uvloop
 
     command = "extproc demo " + shlex.join(sys.argv[2:]) if sys.argv[1:2] == ["demo"] else "extproc demo"
-    if args.instances < 1 or (args.instances > 1 and not args.what_if):
+    instances = getattr(args, "instances", 1)
+    if instances < 1 or (instances > 1 and not args.what_if):
         print("extproc demo: --instances takes N >= 1 and goes with --what-if", file=sys.stderr)
         return 2
     try:
