@@ -368,8 +368,11 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
             pool = pools[payload.pool]
             if "slowdown" in payload.fault:
                 pool.engines[payload.replica].slowdown = payload.fault["slowdown"]
-            if payload.fault.get("draining"):  # out of the load balancer at once (Envoy: after its health checks)
-                pool.draining.add(payload.replica)
+            if "draining" in payload.fault:  # out of the load balancer at once (Envoy: after its health checks)
+                if payload.fault["draining"]:
+                    pool.draining.add(payload.replica)
+                else:  # back in (a replica an autoscaler adds: its /health answers 200 once it is ready)
+                    pool.draining.discard(payload.replica)
             if "hang" in payload.fault:  # the engine stops stepping; Envoy still routes to it (its /health answers)
                 if payload.fault["hang"]:
                     pool.hung.add(payload.replica)
