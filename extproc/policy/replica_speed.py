@@ -12,6 +12,14 @@ within half that margin, or after a window without tokens (it gets nothing to be
 The window is long (server.saturation: 100 scrapes, 20 s by default) because a replica's inter-token latency
 also depends on its mix: a replica prefilling long prompts decodes slower for a few seconds. Over 5 s, healthy
 replicas of the long-prompt scenario (scenarios/kv-agents.yaml) read 1.5x apart; over 20 s none did, on any seed.
+
+It also depends on the batch: every token of a step waits for the whole batch. Replicas are judged against each
+other only where the load cannot explain the gap: a replica is slow against one that ran at least as heavy a
+batch (the tokens' mean running requests over the window), and back only against one that ran no heavier. Once the SLO classes were sent away from a replica 2x slower by design (a
+pool mixing GPU generations, scenarios/mixed-pool.yaml), it ran 2 requests to the fast one's 13 and read only 1.2x
+its pace: it was let back, took interactive again at a p99 of 2.5-4 s, and went slow again, back and forth through
+the spike. And a replica an autoscaler had just added, still lightly loaded, made the busy ones read 1.5x slower
+than it (scenarios/scale-out.yaml).
 """
 
 from __future__ import annotations
@@ -20,6 +28,9 @@ import math
 from collections import deque
 
 MIN_TOKENS = 50  # inter-token observations in the window before a replica's pace is judged
+# Batches within this factor of each other count as the same load: least-request balancing keeps healthy
+# replicas' running requests about equal, not equal.
+LOAD_SLACK = 1.25
 
 
 class TokenPace:
@@ -34,13 +45,15 @@ class TokenPace:
         self.slow = False
         self.relative = 1.0  # its inter-token latency over the pool's fastest, as last judged (1: unknown)
 
-    def add(self, now: float, total_s: float, count: float) -> None:
-        """A reading of the cumulative counters (NaN: the replica does not export them)."""
+    def add(self, now: float, total_s: float, count: float, running: float = math.nan) -> None:
+        """A reading of the cumulative counters (NaN: the replica does not export them), and the requests it runs
+        now (the batch those tokens were made in; NaN: unknown)."""
         last, self._last = self._last, (total_s, count)
         if math.isnan(total_s) or math.isnan(count):
             self._last = None
         elif last is not None and count >= last[1] and total_s >= last[0]:
-            self._steps.append((now, total_s - last[0], count - last[1]))
+            added = count - last[1]
+            self._steps.append((now, total_s - last[0], added, added * running))
         else:  # first reading, or the counters went back (a restarted replica): start over
             self._steps.clear()
         self._trim(now)
@@ -58,6 +71,12 @@ class TokenPace:
             return None
         return sum(step[1] for step in self._steps) / count
 
+    def batch(self) -> float:
+        """The mean requests running alongside each token of the window (call after seconds_per_token); NaN when
+        a reading did not say: then it is compared with every replica, whatever their batches."""
+        count = sum(step[2] for step in self._steps)
+        return sum(step[3] for step in self._steps) / count if count else math.nan
+
     def _trim(self, now: float) -> None:
         steps = self._steps
         while steps and now - steps[0][0] > self.window_s:
@@ -65,24 +84,35 @@ class TokenPace:
 
 
 def judge_slow(paces: list[TokenPace], now: float, ratio: float) -> list[TokenPace]:
-    """Update each pace's `slow` against the fastest of them; returns those whose verdict changed. `ratio` <= 1:
-    nothing is slow. A replica without a pace (idle, or not exporting it) is not slow: it is judged again once
-    it has served a window's tokens."""
+    """Update each pace's `slow` against the others (see the module's note on load); returns those whose verdict
+    changed. `ratio` <= 1: nothing is slow. A replica without a pace (idle, or not exporting it) is not slow: it is
+    judged again once it has served a window's tokens. One with no other to be compared with keeps its verdict."""
     if ratio <= 1.0:
         return [p for p in paces if _set(p, False)]
-    seen = [(p, p.seconds_per_token(now)) for p in paces]
-    known = [s for _, s in seen if s is not None]
-    fastest = min(known) if len(known) >= 2 else None
+    seen = [(p, s, p.batch()) for p in paces if (s := p.seconds_per_token(now)) is not None]
     release = 1.0 + (ratio - 1.0) / 2  # hysteresis: a slow replica must be well back before it is trusted again
-    changed = []
-    for pace, s in seen:
-        if s is None or fastest is None:
-            slow, pace.relative = False, 1.0
-        else:
-            pace.relative = s / fastest
-            slow = pace.relative > (release if pace.slow else ratio)
-        if _set(pace, slow):
-            changed.append(pace)
+    changed = [p for p in paces if p.seconds_per_token(now) is None and _set(p, False)]
+    for p in paces:
+        if p.seconds_per_token(now) is None:
+            p.relative = 1.0
+    if len(seen) < 2:
+        return changed + [p for p, _, _ in seen if _set(p, False)]
+    for pace, s, batch in seen:
+        # The fastest of the others that ran at least as heavy a batch: slower than that is not the load's doing.
+        heavier = [s2 for p2, s2, b2 in seen if p2 is not pace and not b2 * LOAD_SLACK < batch]
+        if not pace.slow:
+            pace.relative = s / min(heavier) if heavier else 1.0
+            if pace.relative > ratio and _set(pace, True):
+                changed.append(pace)
+            continue
+        # Slow: back within half the margin of one that ran no heavier a batch. Reading as fast as a far busier
+        # one proves nothing (a 2x slower replica running 1 request read 1.07x one running 13); least request
+        # gives it a share of the classes without an SLO until its batch is the others' size, and then it is judged.
+        lighter = [s2 for p2, s2, b2 in seen if p2 is not pace and not b2 > batch * LOAD_SLACK]
+        if lighter:
+            pace.relative = s / min(lighter)
+            if pace.relative <= release and _set(pace, False):
+                changed.append(pace)
     return changed
 
 

@@ -16,10 +16,11 @@ from tests.conftest import FakeClock, make_policy
 from tests.unit.test_saturation_scraper import RecordingCore
 
 
-def paced(seconds_per_token: float, tokens: int = 200, window_s: float = 20.0, at: float = 10.0) -> TokenPace:
+def paced(seconds_per_token: float, tokens: int = 200, window_s: float = 20.0, at: float = 10.0,
+          running: float = 4.0) -> TokenPace:
     pace = TokenPace(window_s)
     pace.add(0.0, 0.0, 0.0)
-    pace.add(at, seconds_per_token * tokens, tokens)
+    pace.add(at, seconds_per_token * tokens, tokens, running)
     return pace
 
 
@@ -58,6 +59,24 @@ def test_slow_past_the_ratio_and_back_within_half_the_margin():
     slow.add(20.0, 0.016 * 200 + 0.013 * 2000 + 0.011 * 4000, 6200)  # 1.19x
     assert judge_slow([fast, slow], 20.0, 1.5) == [slow] and not slow.slow
     assert judge_slow([paced(0.010), paced(0.014)], 10.0, 1.5) == []  # 1.4x: not slow
+
+
+def test_paces_are_compared_only_where_the_batch_does_not_explain_the_gap():
+    # A replica an autoscaler just added runs 3 requests at 5 ms a token; the busy ones run 10 at 7.5 ms: 1.5x, the
+    # load's doing, not theirs (scenarios/scale-out.yaml). Against one as busy, the same 7.5 ms is slow.
+    new, busy = paced(0.005, running=3.0), paced(0.0075, running=10.0)
+    assert judge_slow([new, busy], 10.0, 1.4) == [] and not busy.slow
+    assert judge_slow([paced(0.005, running=9.0), busy], 10.0, 1.4) == [busy] and busy.slow
+    # A replica 2x slower by design, its SLO class sent away: it runs 1-2 requests to the fast one's 13, and reads
+    # 1.07x its pace (scenarios/mixed-pool.yaml). It stays slow until judged beside one that ran no heavier.
+    fast, slow = paced(0.005, running=4.0), paced(0.010, running=2.0)
+    assert judge_slow([fast, slow], 10.0, 1.5) == [slow] and slow.relative == 2.0
+    fast.add(20.0, 0.005 * 200 + 0.0074 * 2000, 2200, 13.0)
+    slow.add(20.0, 0.010 * 200 + 0.0079 * 200, 400, 1.0)
+    assert judge_slow([fast, slow], 20.0, 1.5) == [] and slow.slow
+    fast.add(40.0, 0.005 * 200 + 0.0074 * 2000 + 0.005 * 2000, 4200, 4.0)  # the spike's tokens out of the window
+    slow.add(40.0, 0.010 * 200 + 0.0079 * 200 + 0.0055 * 2000, 2400, 4.0)  # back to speed, as busy: let back
+    assert judge_slow([fast, slow], 41.0, 1.5) == [slow] and not slow.slow
 
 
 def test_nothing_is_slow_with_the_rule_off_or_one_replica_to_compare():
