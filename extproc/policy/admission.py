@@ -93,23 +93,14 @@ class AdmissionController:
 
     def replicas_for(self, cluster: str, cls: str | None = None) -> str | None:
         """The override-host list for a request of class `cls` forwarded to `cluster` (policy.steering), None:
-        Envoy picks. A class with an SLO is kept off the pool's slow replicas."""
+        Envoy picks. A class with an SLO is kept off the pool's slow replicas, however much of the pool-wide limit
+        it holds: the limit's latency is then the fast replicas', and bounds what it sends them."""
         steering = self.steering
         if not steering.active:
             return None
         lim = self.limiters.get(cls) if cls is not None else None
-        tight = lim is not None and lim.spec.slo_p95_ms is not None and self._fits_fast(cluster, lim.rank)
+        tight = lim is not None and lim.spec.slo_p95_ms is not None
         return steering.pick(cluster, self.clock(), tight_slo=tight)
-
-    def _fits_fast(self, cluster: str, rank: int) -> bool:
-        """Whether the class of `rank` and those above it hold less of the pool-wide limit than the pool's fast
-        replicas' share of it: only then are its requests gathered onto them. Past that, gathered there, they
-        would run those replicas over the SLO while the limit's lever (the lower classes yield) works on the slow
-        one, where the lower classes went."""
-        gate = self.gates.get(cluster)
-        if gate is None:
-            return True
-        return sum(gate.held[:rank + 1]) < gate.limit * self.steering.fast_share(cluster)
 
     def replica_answered(self, address: str, failed: bool) -> None:
         """A replica's answer, as the access log reports it (only counted while some pool is steered)."""

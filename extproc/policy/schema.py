@@ -195,9 +195,9 @@ class PoolSpec:
                             "pool's fastest replica's (of those that ran at least as heavy a batch: a busier replica "
                             "decodes slower) is slow (a throttled GPU, a noisy neighbour): it is reported "
                             "(extproc_pool_slow_replicas, a warning log) and requests of classes with an "
-                            "`slo_p95_ms` are sent to the other replicas (x-extproc-replica, as for a stalled one) "
-                            "while they hold less of the pool-wide limit than those replicas' share; the classes "
-                            "without one still go to it. It is slow until back within half "
+                            "`slo_p95_ms` are sent to the other replicas (x-extproc-replica, as for a stalled one), "
+                            "however much of the pool-wide limit they hold; the classes without one still go to "
+                            "it. It is slow until back within half "
                             "that margin, or until it has generated too little to judge for that long. Needs two "
                             "or more replicas with 50 tokens each in the window (0: off).", 1.5,
                             minimum=0)

@@ -10,9 +10,11 @@ named and Envoy's own least-request picks, as without the ext_proc.
 
 A replica that is slow (policy.replica_speed: its inter-token latency well over the fastest replica's) still
 works, only not fast enough for a tight SLO. A request of a class with an SLO names the other replicas first, the
-least loaded of them first, and the slow ones last; the caller (AdmissionController.replicas_for) does so only
-while the class fits on the fast replicas' share of the pool-wide limit. The other classes are left to Envoy's
-balancing, which, with the SLO classes gone elsewhere, finds the slow replica the least loaded. (Weighing the
+least loaded of them first, and the slow ones last, however many it sends there: the pool-wide limit, whose
+latency is then theirs, bounds it (spread past their share of the limit, it ran a replica 2x slower by design
+at a p99 of 2.5-4 s and the limit, cutting for it, fell to a third: scenarios/mixed-pool.yaml). The other
+classes are left to Envoy's balancing, which, with the SLO classes gone elsewhere, finds the slow replica the
+least loaded. (Weighing the
 slow replica by its measured pace instead, (load + 1) x pace, sent it too much: its pace measured at a lighter
 load than the others' reads nearer theirs than it is. On the real stack p99 2.46-2.59 s against 2.06-2.26 s.)
 
@@ -65,13 +67,6 @@ class ReplicaSteering:
             self._stalled.add(pool)
         else:
             self._stalled.discard(pool)
-
-    def fast_share(self, pool: str) -> float:
-        """The share of the pool's working replicas that are not slow (1.0 when it is not steered)."""
-        replicas = self._pools.get(pool)
-        if not replicas:
-            return 1.0
-        return sum(1 for r in replicas if _pace(r) <= 1.0) / len(replicas)
 
     def pick(self, pool: str, now: float, tight_slo: bool = False) -> str | None:
         """The override-host list for one request to `pool` (counted as sent), or None: no replica is stalled or
