@@ -32,7 +32,9 @@ def test_a_permanently_slow_replica_takes_no_slo_class_and_does_not_drag_the_lim
     stats = {w: window_stats(res.records, scenario.window(w), scenario.slo_class, scenario.slo_p95_s,
                              scenario.client_timeout_s, True) for w in ("spike", "after")}
     # Seed 41, spread / kept off (2026-12-05): spike p99 3.40 / 2.36 s (worst 10 s window 4.26 / 2.49), full-model
-    # goodput 8.7 / 10.6 req/s; after it, at 53% load: 37 / 0 degraded or refused, p99 2.02 / 1.60 s.
+    # goodput 8.7 / 10.6 req/s; after it, at 53% load: 37 / 0 degraded or refused, p99 2.02 / 1.60 s. Since the
+    # lower classes' request over their share rests them, 10 after it (8 batch queue_timeout: batch rests while
+    # interactive waits now and then; seeds 41-43: 10 / 4 / 9 against 0 / 5 / 10).
     assert stats["spike"].p99_worst_window < 3.0
-    assert stats["after"].degraded + stats["after"].refused <= 5
+    assert stats["after"].degraded + stats["after"].refused <= 12
     assert stats["after"].p99 < scenario.slo_p95_s
