@@ -9,38 +9,45 @@ from typing import Any
 from .schema import Policy
 
 KEYED = ("classes", "models", "pools")  # name -> spec: added, removed, and the fields that changed
+SECRET = ("api_keys", "url")  # tenants' keys and store.url (it may hold a password): named, never shown
 SHOWN = 40  # characters of a value shown
 
 
 def policy_changes(old: Policy, new: Policy) -> str:
-    """'classes.interactive.max_concurrency 48 -> 24; pools +vllm_b; tenants' style summary, or 'no change'."""
+    """'classes.interactive.max_concurrency 48 -> 24; pools +vllm_b; tenants -jobs' style summary, or 'no change'."""
     out: list[str] = []
     for f in dataclasses.fields(Policy):
         a, b = getattr(old, f.name), getattr(new, f.name)
-        if a == b and (f.name not in KEYED or list(a) == list(b)):  # dicts compare equal in any order
-            continue
         if f.name in KEYED:
             out += _keyed(f.name, a, b)
+        elif f.name == "tenants":  # a list, but each tenant is known by its (unique) name
+            out += _keyed(f.name, {t.name: t for t in a}, {t.name: t for t in b}, ordered=False)
         else:
-            out.append(f.name)
+            out += _fields(f.name, a, b)
     return "; ".join(out) or "no change"
 
 
-def _keyed(section: str, a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+def _keyed(section: str, a: dict[str, Any], b: dict[str, Any], ordered: bool = True) -> list[str]:
     out = [f"{section} +{k}" for k in b if k not in a] + [f"{section} -{k}" for k in a if k not in b]
     for k in a:
-        if k in b and a[k] != b[k]:
+        if k in b:
             out += _fields(f"{section}.{k}", a[k], b[k])
-    if list(a) != list(b) and set(a) == set(b):
+    if ordered and list(a) != list(b) and set(a) == set(b):
         out.append(f"{section} reordered")  # class order is priority
     return out
 
 
 def _fields(where: str, a: Any, b: Any) -> list[str]:
-    if not (dataclasses.is_dataclass(a) and type(a) is type(b)):
-        return [f"{where} {_short(a)} -> {_short(b)}"]
-    return [f"{where}.{f.name} {_short(getattr(a, f.name))} -> {_short(getattr(b, f.name))}"
-            for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name)]
+    """Each leaf that differs, by its full key path (`classes.x.fallback.action 'degrade' -> 'reject'`): a nested
+    section shown whole was cut to a few characters of its repr and hid what changed."""
+    if a == b:
+        return []
+    if dataclasses.is_dataclass(a) and type(a) is type(b):
+        return [line for f in dataclasses.fields(a) for line in _fields(f"{where}.{f.name}", getattr(a, f.name),
+                                                                         getattr(b, f.name))]
+    if where.rpartition(".")[2] in SECRET:
+        return [f"{where} changed"]
+    return [f"{where} {_short(a)} -> {_short(b)}"]
 
 
 def _short(v: Any) -> str:

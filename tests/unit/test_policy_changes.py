@@ -26,3 +26,25 @@ def test_a_reorder_is_a_change_of_priority():
     new = dataclasses.replace(old, classes=dict(reversed(list(old.classes.items()))))
     assert policy_changes(old, new) == "classes reordered"
     assert policy_changes(old, old) == "no change"
+
+
+def test_nested_top_level_and_tenant_changes_name_their_leaves():
+    """Found by editing a policy live: a fallback edit logged `classes.x.fallback FallbackSpec(action='degrade',
+    model=... -> FallbackSpec(...`, `mode: shadow` logged just `mode` and a tenant edit just `tenants`."""
+    old = make_policy()
+    first = next(iter(old.classes))
+    classes = dict(old.classes)
+    fb = dataclasses.replace(classes[first].fallback, action="canned", status=503)
+    classes[first] = dataclasses.replace(classes[first], fallback=fb)
+    kept = old.tenants[0]
+    tenants = [dataclasses.replace(kept, api_keys=["sk-new-secret"], weight=2.0),
+               dataclasses.replace(kept, name="jobs", api_keys=["sk-jobs"])]
+    new = dataclasses.replace(old, classes=classes, mode="shadow", tenants=tenants,
+                              store=dataclasses.replace(old.store, url="redis://:hunter2@h:6379/0"))
+    text = policy_changes(old, new)
+    assert f"classes.{first}.fallback.action {old.classes[first].fallback.action!r} -> 'canned'" in text
+    assert f"classes.{first}.fallback.status 200 -> 503" in text
+    assert "mode 'enforce' -> 'shadow'" in text
+    assert "tenants +jobs" in text and f"tenants.{kept.name}.weight 1.0 -> 2.0" in text
+    assert f"tenants.{kept.name}.api_keys changed" in text and "store.url changed" in text
+    assert "sk-new-secret" not in text and "hunter2" not in text  # keys and passwords never reach the log
