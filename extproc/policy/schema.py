@@ -435,7 +435,8 @@ class CostSpec:
 class ModelSpec:
     """A model name clients send in the body's `model`, and the Envoy cluster (pool) that serves it."""
 
-    cluster: str = doc("Envoy cluster name that serves this model (must exist in envoy.yaml).")
+    cluster: str = doc("Envoy cluster name that serves this model. It must exist in envoy.yaml, or Envoy answers "
+                       "the model's requests 503 `cluster_not_found` (`extproc check --envoy ENVOY_YAML` checks).")
     cost: CostSpec = doc("GPU-time profile used by cost-aware admission.", factory=CostSpec)
     aliases: list[str] = doc(
         "Other names clients send for this model, routed to its cluster unchanged: its other "
@@ -910,6 +911,8 @@ def _check_model_names(p: Policy, errors: list[str]) -> None:
 def _check_pools(p: Policy, errors: list[str]) -> None:
     clusters = {m.cluster for m in p.models.values()}
     for name, m in p.models.items():
+        if not m.cluster.strip():
+            errors.append(f"models.{name}.cluster: empty; name the Envoy cluster that serves this model")
         if m.names_from_replicas and not (m.cluster in p.pools and p.pools[m.cluster].scraped):
             errors.append(f"models.{name}.names_from_replicas: needs pools.{m.cluster} with `replicas` or "
                           "`envoy_admin` (the replicas whose /v1/models name what this model serves)")

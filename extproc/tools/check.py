@@ -5,18 +5,30 @@ from __future__ import annotations
 import argparse
 import sys
 
-from extproc.policy.schema import PolicyError, load_policy_file, policy_warnings
+from extproc.policy.schema import Policy, PolicyError, load_policy_file, policy_warnings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("files", nargs="+", metavar="FILE", help="policy YAML file(s)")
+    p.add_argument("--envoy", metavar="ENVOY_YAML",
+                   help="also refuse models whose `cluster` this Envoy config's static_resources does not define "
+                        "(e.g. envoy/envoy.yaml)")
 
 
 def run(args: argparse.Namespace) -> int:
+    clusters = None
+    if args.envoy:
+        try:
+            clusters = envoy_clusters(args.envoy)
+        except (OSError, ValueError) as e:
+            print(f"{args.envoy}: {e}", file=sys.stderr)
+            return 2
     failed = False
     for path in args.files:
         try:
             policy = load_policy_file(path)
+            if clusters is not None:
+                _check_clusters(policy, args.envoy, clusters)
         except PolicyError as e:
             failed = True
             print(f"{path}: invalid", file=sys.stderr)
@@ -29,6 +41,31 @@ def run(args: argparse.Namespace) -> int:
         print(f"{path}: ok ({_count(policy.classes, 'class', 'classes')}: {classes}; "
               f"{_count(policy.models, 'model', 'models')}; {_count(policy.tenants, 'tenant', 'tenants')})")
     return 1 if failed else 0
+
+
+def envoy_clusters(path: str) -> set[str]:
+    """The upstream clusters an Envoy config defines statically (the ext_proc's own left out)."""
+    import yaml
+
+    with open(path, encoding="utf-8") as f:
+        try:
+            cfg = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise ValueError(f"not valid YAML: {e}") from e
+    try:
+        return {c["name"] for c in cfg["static_resources"]["clusters"]} - {"extproc"}
+    except (KeyError, TypeError) as e:
+        raise ValueError("no static_resources.clusters with names (not an Envoy bootstrap config?)") from e
+
+
+def _check_clusters(policy: Policy, envoy: str, clusters: set[str]) -> None:
+    """A model routed to a cluster Envoy does not have is admitted, then answered 503 `cluster_not_found` by Envoy
+    (and trips its error breaker): a typo that validates on its own."""
+    errors = [f"models.{name}.cluster: {m.cluster!r} is not a cluster of {envoy} (clusters: "
+              f"{', '.join(sorted(clusters))}); Envoy answers its requests 503 cluster_not_found: fix the name or "
+              "add the cluster" for name, m in policy.models.items() if m.cluster not in clusters]
+    if errors:
+        raise PolicyError(errors)
 
 
 def _count(items, one: str, many: str) -> str:

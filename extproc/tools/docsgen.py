@@ -24,7 +24,8 @@ HEADER = """\
      Do not edit by hand: change the schema's docs and regenerate (a test fails when this file is stale). -->
 
 Every key of the policy YAML (`extproc serve --policy FILE`), its type, default and meaning. Validate a file with
-`extproc check FILE`: errors name the key path as written here (`classes.batch.max_queue`, `tenants[0].name`).
+`extproc check FILE`: errors name the key path as written here (`classes.batch.max_queue`, `tenants[0].name`);
+`extproc check --envoy envoy/envoy.yaml FILE` also refuses a model whose `cluster` that Envoy config lacks.
 The ext_proc reloads the file on change or SIGHUP; an invalid file is refused and the running policy stays. An
 applied reload logs what it changed (`policy reloaded from FILE: classes -internal; classes.interactive.max_concurrency
 48 -> 24`).

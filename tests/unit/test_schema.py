@@ -146,3 +146,29 @@ def test_a_slow_ratio_that_would_call_the_fastest_replica_slow_is_refused():
         "pools.c.slow_ratio: 1 would call the fastest replica slow (over 1, or 0: off)"]
     load_policy({**BASE, "pools": {"c": {"slow_ratio": 0}}})
     assert load_policy({**BASE, "pools": {"c": {}}}).pools["c"].slow_ratio == 1.5
+
+
+def test_check_with_envoy_refuses_a_model_on_a_cluster_envoy_lacks(tmp_path):
+    """Found by writing a policy from the docs: a typo'd `cluster` passed `extproc check`, and through the real
+    stack every request of that model was admitted, answered 503 cluster_not_found by Envoy and tripped the
+    class's error breaker on a pool that does not exist."""
+    policy = tmp_path / "p.yaml"
+    policy.write_text("classes: {a: {max_concurrency: 3}}\n"
+                      "models: {llama-70b: {cluster: vllm_llama70b}, tiny: {cluster: vllm_lama8b}}\n")
+    envoy = str(ROOT / "envoy/envoy.yaml")
+    run = subprocess.run([sys.executable, "-m", "extproc.cli", "check", "--envoy", envoy, str(policy)],
+                         capture_output=True, text=True)
+    assert run.returncode == 1
+    assert (f"models.tiny.cluster: 'vllm_lama8b' is not a cluster of {envoy} (clusters: vllm_llama70b, "
+            "vllm_llama8b)") in run.stderr
+    assert "llama-70b" not in run.stderr
+    good = subprocess.run([sys.executable, "-m", "extproc.cli", "check", "--envoy", envoy,
+                           str(ROOT / "policies/demo-full.yaml")], capture_output=True, text=True)
+    assert good.returncode == 0, good.stderr
+    bad_envoy = tmp_path / "envoy.yaml"
+    bad_envoy.write_text("admin: {}\n")
+    run = subprocess.run([sys.executable, "-m", "extproc.cli", "check", "--envoy", str(bad_envoy), str(policy)],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "no static_resources.clusters" in run.stderr and "Traceback" not in run.stderr
+    assert errors_of({**BASE, "models": {"m": {"cluster": ""}}}) == [
+        "models.m.cluster: empty; name the Envoy cluster that serves this model"]
