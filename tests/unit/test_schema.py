@@ -172,3 +172,14 @@ def test_check_with_envoy_refuses_a_model_on_a_cluster_envoy_lacks(tmp_path):
     assert run.returncode == 2 and "no static_resources.clusters" in run.stderr and "Traceback" not in run.stderr
     assert errors_of({**BASE, "models": {"m": {"cluster": ""}}}) == [
         "models.m.cluster: empty; name the Envoy cluster that serves this model"]
+
+
+def test_api_keys_no_request_can_present_are_refused_without_echoing_them():
+    """Found by writing tenants from the docs: a key pasted with a trailing space (or empty, or with a comma)
+    validated, but presented keys are trimmed and cut at commas, so the tenant's requests silently ran as
+    anonymous (the lowest class)."""
+    errs = errors_of({**BASE, "tenants": [{"name": "t", "api_keys": ["sk-ok", "sk-pasted \n", "", "sk-a,sk-b"]}]})
+    assert [e.split(":")[0] for e in errs] == ["tenants[0].api_keys[1]", "tenants[0].api_keys[2]",
+                                               "tenants[0].api_keys[3]"]
+    assert "starts or ends with whitespace" in errs[0] and "empty" in errs[1] and "holds a comma" in errs[2]
+    assert not any("sk-" in e for e in errs)
