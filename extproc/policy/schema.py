@@ -517,8 +517,12 @@ class Policy:
         "listed classes are shed with 503. Default: the first class protects every other class. `{}` disables "
         "shedding.", None)
     mode: Literal["enforce", "shadow"] = doc(
-        "`shadow` computes and counts every decision (extproc_shadow_decisions_total) but rejects, sheds and "
-        "degrades nothing. Ship in shadow first.", "enforce")
+        "`shadow` computes and counts every admission decision (caps, queues, shedding, breakers, rate limits and "
+        "budgets: extproc_shadow_decisions_total) but rejects, sheds and degrades nothing. Ship in shadow first. "
+        "Requests the policy does not take at all are still refused in shadow: no or an unknown API key under "
+        "`anonymous.allow: false` (401), a switched-off `endpoints` group or an unknown model (404), a body over "
+        "`max_body_bytes` (413), `max_tokens` over `max_context_tokens` (400); turn those on with enforce.",
+        "enforce")
     lease_ms: int = doc("Safety net: a slot whose request was never seen to end is freed after this long, "
                         "unless its gRPC stream is still alive (live streams renew their lease).", 600_000,
                         minimum=1_000)

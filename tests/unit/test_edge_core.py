@@ -295,3 +295,12 @@ def test_a_responses_api_stream_keeps_streaming_under_a_no_streaming_degrade():
     body = parse_body(json.dumps({"model": "m", "input": "hi", "stream": True}).encode(), RESPONSES, "priority",
                       {"interactive"})
     assert degrade_body(body, None, None, False) == [] and body.doc["stream"] is True
+
+
+def test_shadow_mode_still_refuses_requests_the_policy_does_not_take(clock):
+    """Found by shipping a policy in `mode: shadow` through the real stack: the docs said shadow refuses nothing,
+    but a keyless request under `anonymous.allow: false` got 401 (and a switched-off endpoint 404, a body over
+    max_body_bytes 413). Who may ask at all is not an admission decision: the docs now say so; this pins it."""
+    core = AdmissionController(make_policy(mode="shadow", anonymous={"allow": False}), clock=clock)
+    refused = core.authenticate(RequestFacts())
+    assert (refused.kind, refused.status, refused.reason) == (INVALID, 401, R_MISSING_KEY)
