@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import math
 import re
+import reprlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -674,6 +675,8 @@ def _parse_yaml(path: str, text: str) -> Any:
         return loader.get_single_data()
     except yaml.YAMLError as e:
         raise PolicyError([f"{path}: not valid YAML: {e}"]) from e
+    except RecursionError as e:  # PyYAML parses nested collections recursively
+        raise PolicyError([f"{path}: not valid YAML: nested too deeply (a policy needs a few levels)"]) from e
     finally:
         loader.dispose()
 
@@ -689,6 +692,15 @@ def _strict_loader() -> type:
             _refuse_duplicate_keys(self, node)
             return super().construct_mapping(node, deep=deep)
 
+        def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+            # Python refuses to read an int of more than 4,300 digits (a ValueError, not a YAML error).
+            try:
+                return super().construct_yaml_int(node)
+            except ValueError:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"a number of {len(node.value)} digits is too long to read", node.start_mark) from None
+
+    StrictLoader.add_constructor("tag:yaml.org,2002:int", StrictLoader.construct_yaml_int)
     return StrictLoader
 
 
@@ -708,6 +720,16 @@ def _refuse_duplicate_keys(loader: Any, node: Any) -> None:
         first_line[key] = line
 
 
+# A value quoted in an error: a few items and levels of it. YAML aliases can make a small file name millions of
+# values (each list aliasing the one before nine times), and a full repr() of those took 30 s and gigabytes.
+_QUOTE = reprlib.Repr()
+_QUOTE.maxlevel, _QUOTE.maxlist, _QUOTE.maxdict, _QUOTE.maxstring, _QUOTE.maxother = 2, 4, 4, 80, 80
+
+
+def _quoted(value: Any) -> str:
+    return _QUOTE.repr(value)
+
+
 def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
@@ -722,7 +744,7 @@ def _build(tp: Any, value: Any, path: str, errors: list[str]) -> Any:
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
-            errors.append(f"{where}: must be one of {', '.join(map(str, choices))}, got {value!r}")
+            errors.append(f"{where}: must be one of {', '.join(map(str, choices))}, got {_quoted(value)}")
         return value
     if origin is list:
         if not isinstance(value, list):
@@ -738,7 +760,7 @@ def _build(tp: Any, value: Any, path: str, errors: list[str]) -> Any:
         out = {}
         for k, v in value.items():
             if not isinstance(k, str) or not k:
-                errors.append(f"{where}: keys must be non-empty strings, got {k!r}")
+                errors.append(f"{where}: keys must be non-empty strings, got {_quoted(k)}")
                 continue
             out[k] = _build(item, v, _join(path, k), errors)
         return out
@@ -751,7 +773,7 @@ def _build_scalar(tp: type, value: Any, where: str, errors: list[str]) -> Any:
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         value = _int_to_float(value)
     if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
-        errors.append(f"{where}: must be {_type_name(tp)}, got {value!r}")
+        errors.append(f"{where}: must be {_type_name(tp)}, got {_quoted(value)}")
         return None
     if tp is float and not math.isfinite(value):
         # NaN passes every bound (each comparison with it is false) and an infinite one never moves anything.

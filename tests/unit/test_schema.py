@@ -183,3 +183,35 @@ def test_api_keys_no_request_can_present_are_refused_without_echoing_them():
                                                "tenants[0].api_keys[3]"]
     assert "starts or ends with whitespace" in errs[0] and "empty" in errs[1] and "holds a comma" in errs[2]
     assert not any("sk-" in e for e in errs)
+
+
+def _check_file(tmp_path, text: str) -> subprocess.CompletedProcess:
+    path = tmp_path / "p.yaml"
+    path.write_text(text)
+    return subprocess.run([sys.executable, "-m", "extproc.cli", "check", str(path)], capture_output=True, text=True,
+                          timeout=30)
+
+
+def test_yaml_the_parser_cannot_hold_is_an_error_not_a_traceback(tmp_path):
+    """Found by feeding `extproc check` odd files: a 5,000-digit number and 500 nested brackets ended in Python
+    tracebacks (int conversion limit, RecursionError), and a reload of either logged one."""
+    models = "models: {m: {cluster: c}}\n"
+    run = _check_file(tmp_path, "classes: {a: {max_concurrency: " + "1" * 5000 + "}}\n" + models)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-500:]
+    assert "line 1" in run.stderr and "5000 digits" in run.stderr and "set_int_max_str_digits" not in run.stderr
+    run = _check_file(tmp_path, "classes: {a: {max_concurrency: " + "[" * 500 + "]" * 500 + "}}\n" + models)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-500:]
+    assert "nested too deeply" in run.stderr
+
+
+def test_an_alias_bomb_is_refused_quickly_with_a_short_message(tmp_path):
+    """Found by trying YAML anchors: nine lists of nine aliases, eight deep, is a small file that names 43 million
+    strings. Loading shares them, but the error message repr()'d the whole value: `extproc check` ran 30 s
+    into gigabytes, and a reload would have held the ext_proc's event loop (and every admission) that long."""
+    lines = ['l0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 8)]
+    text = "\n".join(lines) + "\nclasses: {a: {max_concurrency: *l7}}\nmodels: {m: {cluster: c}}\n"
+    run = _check_file(tmp_path, text)
+    assert run.returncode == 1
+    assert "classes.a.max_concurrency: must be an integer, got [[[" in run.stderr
+    assert len(run.stderr) < 5000
