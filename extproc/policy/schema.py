@@ -793,12 +793,17 @@ def _type_name(tp: type) -> str:
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, tp.__name__)
 
 
+# Per class, once: get_type_hints evaluates the string annotations on every call, and it was 80% of validating a
+# policy of 20,000 tenants (4.7 of 5.9 s).
+_type_hints = functools.cache(typing.get_type_hints)
+
+
 def _build_dataclass(cls: type, value: Any, path: str, errors: list[str]) -> Any:
     where = path or "(root)"
     if not isinstance(value, dict):
         errors.append(f"{where}: must be a mapping, got {type(value).__name__}")
         return None
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in value:
         if key not in fields:

@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import logging
 import os
+import time
 
 from extproc.policy.schema import load_policy_file
 from extproc.server.main import Server, _every, add_arguments
@@ -30,7 +31,12 @@ def test_a_policy_file_changed_to_latin1_is_a_refused_reload_and_the_old_policy_
     path = tmp_path / "policy.yaml"
     path.write_bytes(GOOD.replace("llama", "caf\u00e9").encode("latin-1"))
     os.utime(path, (1, 1))  # a change the file watch sees, however coarse the file system's clock
-    asyncio.run(server.housekeep())  # the watch's round: it used to raise UnicodeDecodeError and end the loop
+
+    async def watch_round() -> None:
+        await server.housekeep()  # the watch's round: it used to raise UnicodeDecodeError and end the loop
+        await asyncio.gather(*server._reload_tasks)
+
+    asyncio.run(watch_round())
     assert reloads(server, "invalid") == 1 and not reloads(server, "applied")
     assert server.core.policy is before
     assert "not valid UTF-8: byte 0xe9" in caplog.text
@@ -45,7 +51,7 @@ def test_a_reload_that_fails_unexpectedly_is_logged_counted_and_does_not_raise(t
     monkeypatch.setattr(server.core, "apply", broken)
 
     async def sighup() -> bool:
-        return server.reload()  # what the SIGHUP callback runs
+        return await server.reload()  # what the SIGHUP callback's task runs
 
     assert asyncio.run(sighup()) is False
     assert reloads(server, "invalid") == 1
@@ -71,3 +77,31 @@ def test_a_failed_background_round_is_logged_with_its_traceback_and_the_next_rou
     (record,) = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert record.getMessage() == "housekeeping failed; it runs again in 0.001 s"
     assert record.exc_info is not None
+
+
+def test_a_slow_reload_leaves_the_event_loop_serving(tmp_path, monkeypatch):
+    """Found by reloading a 1.7 MB policy (20,000 tenants, 10 s of YAML) under load through the real stack: the
+    reload ran on the event loop, every admission waited for it, and past Envoy's 0.5 s message_timeout
+    failure_mode_allow sent 22 of 83 requests upstream unadmitted. The file is now read in a thread."""
+    server = serve(tmp_path)
+
+    def slow_load(path):
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:  # CPU-bound, as parsing is: the loop gets its turns only by the GIL's switch
+            pass
+        return load_policy_file(path)
+
+    monkeypatch.setattr("extproc.server.main.load_policy_file", slow_load)
+
+    async def run() -> float:
+        gaps, last = [], time.monotonic()
+        server.start_reload()  # as the SIGHUP callback does
+        while server._reload_tasks:
+            await asyncio.sleep(0.01)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+        return max(gaps)
+
+    assert asyncio.run(run()) < 0.5
+    assert reloads(server, "applied") == 1
