@@ -910,6 +910,10 @@ def _check_references(p: Policy, errors: list[str]) -> None:
                           f"(models: {', '.join(p.models)})")
         if fb.action == "degrade" and fb.model is None and fb.max_tokens is None and fb.stream is None:
             errors.append(f"classes.{name}.fallback: action degrade needs model, max_tokens or stream")
+        for key in _DEGRADE_ONLY:
+            if fb.action != "degrade" and getattr(fb, key) is not None:
+                errors.append(f"classes.{name}.fallback.{key}: only action degrade uses it, and the action is "
+                              f"{fb.action!r} (the default is reject): add `action: degrade`, or remove it")
     if sum(t.guaranteed_share for t in p.tenants) > 1:
         errors.append("tenants: the guaranteed_share of every tenant add up to more than 1")
     for name, spec in p.classes.items():
@@ -928,6 +932,11 @@ def _check_references(p: Policy, errors: list[str]) -> None:
             need_class(c, f"shed.{protector}[{j}]")
             if c == protector:
                 errors.append(f"shed.{protector}[{j}]: a class cannot shed itself")
+
+
+# FallbackSpec keys a degrade reads; with another action they would be ignored (`fallback: {model: llama-8b}`
+# without an action rejected while its writer expected the small model).
+_DEGRADE_ONLY = ("model", "max_tokens", "stream", "max_concurrency")
 
 
 def _unmatchable(key: str) -> str | None:

@@ -215,3 +215,18 @@ def test_an_alias_bomb_is_refused_quickly_with_a_short_message(tmp_path):
     assert run.returncode == 1
     assert "classes.a.max_concurrency: must be an integer, got [[[" in run.stderr
     assert len(run.stderr) < 5000
+
+
+def test_degrade_keys_without_action_degrade_are_refused():
+    """Found by writing fallbacks from the docs: `fallback: {model: llama-8b, max_tokens: 64}` (no action) validated
+    and meant reject - the default action - so an open breaker answered 503 instead of the small model."""
+    errs = errors_of({**BASE, "classes": {"a": {"max_concurrency": 1, "fallback": {"model": "m", "max_tokens": 64}},
+                                          "b": {"max_concurrency": 1,
+                                                "fallback": {"action": "canned", "max_concurrency": 2}}}})
+    assert errs == [
+        "classes.a.fallback.model: only action degrade uses it, and the action is 'reject' (the default is reject): "
+        "add `action: degrade`, or remove it",
+        "classes.a.fallback.max_tokens: only action degrade uses it, and the action is 'reject' (the default is "
+        "reject): add `action: degrade`, or remove it",
+        "classes.b.fallback.max_concurrency: only action degrade uses it, and the action is 'canned' (the default is "
+        "reject): add `action: degrade`, or remove it"]
