@@ -599,6 +599,12 @@ def _slip_warnings(p: Policy) -> list[str]:
             out.append(f"pools.{pname}.stale_ms: {pool.stale_ms} ms is not longer than scrape_interval_ms "
                        f"({pool.scrape_interval_ms} ms): readings go stale between scrapes and the pool counts as "
                        "saturated; give it a few intervals (e.g. 10x)")
+    rank = {n: i for i, n in enumerate(p.classes)}
+    for protector, shed in (p.shed or {}).items():
+        for j, c in enumerate(shed):
+            if c in rank and protector in rank and rank[c] < rank[protector]:
+                out.append(f"shed.{protector}[{j}]: {c} is listed above {protector} in `classes` (higher priority), "
+                           f"yet it is shed whenever {protector} is saturated; a class normally sheds those below it")
     for t in p.tenants:
         if t.guaranteed_share and not fair:
             out.append(f"tenants.{t.name}.guaranteed_share: no class has `fairness.mode: fair` (or "

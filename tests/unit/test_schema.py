@@ -230,3 +230,13 @@ def test_degrade_keys_without_action_degrade_are_refused():
         "reject): add `action: degrade`, or remove it",
         "classes.b.fallback.max_concurrency: only action degrade uses it, and the action is 'canned' (the default is "
         "reject): add `action: degrade`, or remove it"]
+
+
+def test_a_shed_map_that_sheds_a_higher_class_is_warned_about():
+    """Found by writing a `shed` map from the docs: `shed: {batch: [interactive]}` validated silently, and sheds
+    interactive (503) whenever batch is full - priority upside down, most likely the map written backwards."""
+    from extproc.policy.schema import policy_warnings
+    policy = load_policy({**BASE, "shed": {"b": ["a"]}})
+    assert ("shed.b[0]: a is listed above b in `classes` (higher priority), yet it is shed whenever b is saturated; "
+            "a class normally sheds those below it") in policy_warnings(policy)
+    assert not [w for w in policy_warnings(load_policy({**BASE, "shed": {"a": ["b"]}})) if w.startswith("shed")]
