@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -147,8 +148,14 @@ class Server:
         return True
 
     def _apply(self, policy: Policy) -> None:
-        if policy.store != self.core.policy.store:
-            log.warning("policy reload: changes to `store` apply on restart; keeping the running store")
+        running = self.core.policy.store
+        if policy.store != running:
+            # The store is opened once, at start: the policy in force keeps the running one, so the reload line,
+            # the next reload and cap_scope() speak of the store that runs, not of the file's.
+            pending = dataclasses.replace(policy, store=running)
+            log.warning("policy reload: `store` differs from the running store (%s); it applies on restart, the "
+                        "running store stays", policy_changes(pending, policy))
+            policy = pending
         if self.shared is not None:
             self.shared.apply(policy)
         else:

@@ -105,3 +105,33 @@ def test_a_slow_reload_leaves_the_event_loop_serving(tmp_path, monkeypatch):
 
     assert asyncio.run(run()) < 0.5
     assert reloads(server, "applied") == 1
+
+
+def test_a_store_change_waits_for_a_restart_and_the_running_store_stays_in_force(tmp_path, caplog):
+    """Found by editing `store` live: the reload warned that store changes apply on restart, yet installed the
+    file's `store` as the running policy's - so the reload line listed it as changed, a second reload said
+    nothing though the restart was still due, reverting the file warned of a change that restored the running
+    store, and extproc_class_limit{scope} (read from the policy's store.kind) would name a store not running."""
+    caplog.set_level(logging.INFO)
+    server = serve(tmp_path)
+    path = tmp_path / "policy.yaml"
+    path.write_text(GOOD + "store: {kind: redis, url: 'redis://:hunter2@10.0.0.9:6379/0'}\n")
+
+    async def reload() -> bool:
+        return await server.reload()
+
+    assert asyncio.run(reload())
+    assert server.core.policy.store.kind == "memory"  # what runs
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["policy reload: `store` differs from the running store (store.kind 'memory' -> 'redis'; "
+                        "store.url changed); it applies on restart, the running store stays"]
+    assert "reloaded from" in caplog.text and "hunter2" not in caplog.text
+    (line,) = [r.getMessage() for r in caplog.records if "reloaded from" in r.getMessage()]
+    assert line.endswith(": no change")  # what is in force did not change
+    caplog.clear()
+    assert asyncio.run(reload())  # still due: said again
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+    caplog.clear()
+    path.write_text(GOOD)
+    assert asyncio.run(reload())
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
