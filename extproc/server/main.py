@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ..policy.admission import AdmissionController
 from ..policy.changes import policy_changes
 from ..policy.sustained import SustainedLoad
-from ..policy.schema import Policy, PolicyError, load_policy_file
+from ..policy.schema import Policy, PolicyError, load_policy_file, policy_warnings
 from ..store import host_store, open_store
 from ..store.shared_slots import SharedSlots
 from ..telemetry import StoreTelemetry, Telemetry
@@ -109,6 +109,7 @@ class Server:
         self.access_log = AccessLogReceiver(self.core, self.telemetry, tags,
                                             relay=store if isinstance(store, ReportRelay) else None)
         self.scrapers = SaturationScrapers(self.core)
+        _log_warnings(policy)
         self._mtime = _mtime(policy_path)
         self._watched_at = 0.0
         self._reloading = asyncio.Lock()
@@ -145,6 +146,7 @@ class Server:
             return False
         self.telemetry.policy_reloaded(applied=True)
         log.info("policy reloaded from %s: %s", self.policy_path, policy_changes(before, self.core.policy))
+        _log_warnings(self.core.policy)
         return True
 
     def _apply(self, policy: Policy) -> None:
@@ -325,6 +327,13 @@ async def _every(seconds: float, step: Callable[[], Awaitable[None]], what: str)
 def _count(counter) -> int:
     """A label-less prometheus Counter's value (the one its servicer was handed to increment)."""
     return int(next(s.value for s in counter.collect()[0].samples if s.name.endswith("_total")))
+
+
+def _log_warnings(policy: Policy) -> None:
+    """What `extproc check` warns about (an SLO written in seconds, a shed map upside down), said by the server too:
+    a live edit of a ConfigMap is seldom checked first, and it applies without a word otherwise."""
+    for warning in policy_warnings(policy):
+        log.warning("policy warning: %s", warning)
 
 
 def _mtime(path: str) -> float:

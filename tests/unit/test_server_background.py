@@ -135,3 +135,18 @@ def test_a_store_change_waits_for_a_restart_and_the_running_store_stays_in_force
     path.write_text(GOOD)
     assert asyncio.run(reload())
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_a_reload_logs_what_extproc_check_would_warn_about(tmp_path, caplog):
+    """Found by editing a policy live: `slo_p95_ms: 2` (meant as 2 s) applied without a word - `extproc check` warns
+    that the SLO is in milliseconds, but the server never said its warnings, at start or on reload."""
+    server = serve(tmp_path)
+    (tmp_path / "policy.yaml").write_text(GOOD.replace("max_concurrency: 1", "max_concurrency: 1, slo_p95_ms: 2"))
+
+    async def reload() -> bool:
+        return await server.reload()
+
+    assert asyncio.run(reload())
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["policy warning: classes.interactive.slo_p95_ms: 2 ms; the SLO is in milliseconds (2000 for "
+                        "2 s)"]
