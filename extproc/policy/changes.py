@@ -24,7 +24,30 @@ def policy_changes(old: Policy, new: Policy) -> str:
             out += _keyed(f.name, {t.name: t for t in a}, {t.name: t for t in b}, ordered=False)
         else:
             out += _fields(f.name, a, b)
-    return "; ".join(out) or "no change"
+    return "; ".join(out + _defaults(old, new)) or "no change"
+
+
+def _defaults(old: Policy, new: Policy) -> list[str]:
+    """Defaults that follow the class list: a class added first or last moves them without their key changing
+    (a class put on top protected itself from everything below, anonymous requests fell to a class put last)."""
+    out = []
+    if old.shed is None and new.shed is None and old.shed_map() != new.shed_map():
+        out.append(f"shed (default) {_shed(old)} -> {_shed(new)}")
+    if old.default_class is None and new.default_class is None and old.fallback_class() != new.fallback_class():
+        out.append(f"default_class (default: the first class) {old.fallback_class()!r} -> {new.fallback_class()!r}")
+    highest = [next(iter(p.classes)) for p in (old, new)]
+    uncapped = [t.name for t in new.tenants if t.max_class is None]
+    if highest[0] != highest[1] and uncapped:
+        shown = ", ".join(uncapped[:5]) + (f" and {len(uncapped) - 5} more" if len(uncapped) > 5 else "")
+        out.append(f"tenants.max_class (default: the highest class) {highest[0]!r} -> {highest[1]!r} for {shown}")
+    lowest = [list(p.classes)[-1] for p in (old, new)]
+    if old.anonymous.max_class is None and new.anonymous.max_class is None and lowest[0] != lowest[1]:
+        out.append(f"anonymous.max_class (default: the lowest class) {lowest[0]!r} -> {lowest[1]!r}")
+    return out
+
+
+def _shed(p: Policy) -> str:
+    return "{" + "; ".join(f"{k}: {', '.join(v)}" for k, v in p.shed_map().items()) + "}"
 
 
 def _keyed(section: str, a: dict[str, Any], b: dict[str, Any], ordered: bool = True) -> list[str]:

@@ -24,7 +24,8 @@ def test_added_removed_and_changed_fields_are_named():
 def test_a_reorder_is_a_change_of_priority():
     old = make_policy()
     new = dataclasses.replace(old, classes=dict(reversed(list(old.classes.items()))))
-    assert policy_changes(old, new) == "classes reordered"
+    assert policy_changes(old, new) == ("classes reordered; shed (default) {interactive: batch, internal} -> "
+                                        "{internal: batch, interactive}")
     assert policy_changes(old, old) == "no change"
 
 
@@ -48,3 +49,21 @@ def test_nested_top_level_and_tenant_changes_name_their_leaves():
     assert "tenants +jobs" in text and f"tenants.{kept.name}.weight 1.0 -> 2.0" in text
     assert f"tenants.{kept.name}.api_keys changed" in text and "store.url changed" in text
     assert "sk-new-secret" not in text and "hunter2" not in text  # keys and passwords never reach the log
+
+
+def test_a_class_added_first_or_last_names_the_defaults_it_moves():
+    """Found by adding a class live: the line said only `classes +premium`, while the default shed map (the first
+    class protects every other) now shed interactive whenever premium was full; a class added last likewise
+    moved anonymous requests down to it without a word."""
+    old = make_policy(shed=None, anonymous={}, tenants=[{"name": "free", "api_keys": ["sk-free"]}])
+    names = list(old.classes)
+    spec = old.classes[names[0]]
+    top = dataclasses.replace(old, classes={"premium": spec, **old.classes})
+    text = policy_changes(old, top)
+    assert text.startswith("classes +premium; ")
+    assert f"shed (default) {{{names[0]}: {', '.join(names[1:])}}} -> {{premium: {', '.join(names)}}}" in text
+    # A tenant without a max_class may claim the highest class, whichever it is.
+    assert f"tenants.max_class (default: the highest class) {names[0]!r} -> 'premium' for free" in text
+    bottom = dataclasses.replace(old, classes={**old.classes, "scavenger": spec})
+    assert f"anonymous.max_class (default: the lowest class) {names[-1]!r} -> 'scavenger'" in policy_changes(old,
+                                                                                                          bottom)
