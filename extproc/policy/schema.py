@@ -885,6 +885,11 @@ def _check_references(p: Policy, errors: list[str]) -> None:
         base = f"tenants[{i}]"
         if t.name in seen_names:
             errors.append(f"{base}.name: duplicate tenant {t.name!r}")
+        if not t.name.strip():
+            errors.append(f"{base}.name: empty; a tenant's name is its metric label and log name")
+        if t.name == "other" and p.classify.fairness_header is not None:
+            errors.append(f"{base}.name: 'other' is the metric label of the classify.fairness_header keys that are "
+                          "no tenant's: name the tenant otherwise")
         if t.name == "anonymous":
             errors.append(f"{base}.name: 'anonymous' is reserved for requests without a known key "
                           "(configure it under `anonymous:`)")

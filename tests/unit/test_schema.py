@@ -240,3 +240,14 @@ def test_a_shed_map_that_sheds_a_higher_class_is_warned_about():
     assert ("shed.b[0]: a is listed above b in `classes` (higher priority), yet it is shed whenever b is saturated; "
             "a class normally sheds those below it") in policy_warnings(policy)
     assert not [w for w in policy_warnings(load_policy({**BASE, "shed": {"a": ["b"]}})) if w.startswith("shed")]
+
+
+def test_tenant_names_that_cannot_label_their_metrics_are_refused():
+    """Found by writing tenants from the docs: `name: ''` validated (an empty metric label, which Prometheus reads
+    as no label), and `name: other` merged its series with the fairness keys no tenant owns."""
+    tenants = [{"name": "", "api_keys": ["k1"]}, {"name": "other", "api_keys": ["k2"]}]
+    errs = errors_of({**BASE, "tenants": tenants, "classify": {"fairness_header": "x-flow"}})
+    assert errs == ["tenants[0].name: empty; a tenant's name is its metric label and log name",
+                    "tenants[1].name: 'other' is the metric label of the classify.fairness_header keys that are no "
+                    "tenant's: name the tenant otherwise"]
+    assert errors_of({**BASE, "tenants": tenants}) == errs[:1]  # without header keys, no label to share
