@@ -9,6 +9,7 @@ import re
 import reprlib
 import types
 import typing
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -987,6 +988,9 @@ def _check_pools(p: Policy, errors: list[str]) -> None:
     for name, pool in p.pools.items():
         if name not in clusters:
             errors.append(f"pools.{name}: no model routes to this cluster (clusters: {', '.join(sorted(clusters))})")
+        if pool.envoy_admin is not None and not _is_base_url(pool.envoy_admin):
+            errors.append(f"pools.{name}.envoy_admin: {pool.envoy_admin!r} is not the admin's base URL (http:// or "
+                          "https://, a host, no path: e.g. http://127.0.0.1:9901)")
         for j, address in enumerate(pool.replicas):
             if not _is_host_port(address):
                 errors.append(f"pools.{name}.replicas[{j}]: {address!r} is not HOST:PORT (no scheme, no path: "
@@ -999,6 +1003,16 @@ def _check_pools(p: Policy, errors: list[str]) -> None:
             errors.append(f"pools.{name}.limit.min: above max")
         if lim.initial is not None and not lim.min <= lim.initial <= lim.max:
             errors.append(f"pools.{name}.limit.initial: outside min..max")
+
+
+def _is_base_url(url: str) -> bool:
+    """scheme://host[:port][/], as the scraper puts it before /clusters?format=json."""
+    try:
+        u = urllib.parse.urlsplit(url)
+        u.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError:
+        return False
+    return u.scheme in ("http", "https") and bool(u.hostname) and u.path in ("", "/") and not u.query
 
 
 def _is_host_port(address: str) -> bool:

@@ -169,6 +169,7 @@ class PoolScraper:
         self._resolved_at = -math.inf
         self._published_at = clock()  # as if just published: the first round has stale_ms to fail before it counts
         self._round_complained_at = -math.inf
+        self._discovery_complained_at = -math.inf
         self._listed_at = -math.inf
         self._listing: asyncio.Task | None = None  # the /v1/models read in flight
         self._served: dict[str, str] = {}  # the names last taken from the replicas' /v1/models
@@ -422,19 +423,31 @@ class PoolScraper:
         """Take the pool's endpoints from Envoy's admin API (Envoy is the source of truth for membership)."""
         self._last_discovery = self.clock()
         try:
-            async with self.session.get(f"{self.spec.envoy_admin}/clusters?format=json",
+            async with self.session.get(f"{self.spec.envoy_admin.rstrip('/')}/clusters?format=json",
                                         timeout=aiohttp.ClientTimeout(total=2)) as resp:
                 doc = await resp.json(content_type=None)
             found = _cluster_hosts(doc, self.name)
         except Exception as e:  # noqa: BLE001 - membership stays as it was until the next try
-            log.debug("pool %s: Envoy admin %s not read: %r", self.name, self.spec.envoy_admin, e)
+            self._discovery_failed(repr(e))
             return
         if found is None:
+            self._discovery_failed(f"it lists no cluster {self.name!r}")
             return
         for gone in set(self.replicas) - found:
             del self.replicas[gone]
         for new in found - set(self.replicas):
             self.replicas[new] = self._replica(new)
+
+    def _discovery_failed(self, why: str) -> None:
+        """Said at warning level, once a minute: with no replica known the pool reads as saturated, so a wrong
+        `envoy_admin` held its limit and adaptive caps at their floor while only a debug line said why."""
+        now = self.clock()
+        if now - self._discovery_complained_at < COMPLAIN_EVERY_S:
+            return
+        self._discovery_complained_at = now
+        log.warning("pool %s: Envoy admin %s not read (%s); its replicas stay %s (logged once a minute)", self.name,
+                    self.spec.envoy_admin, why, "unknown, so the pool counts as saturated" if not self.replicas
+                    else "as last listed")
 
     def _replica(self, address: str) -> ScrapedReplica:
         return self._known.get(address) or ScrapedReplica(address)

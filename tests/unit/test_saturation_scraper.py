@@ -663,3 +663,33 @@ def test_requests_vllm_defers_for_its_lora_budget_are_not_saturation():
     scraper = asyncio.run(scrape_once(answering(body.replace(b'reason="capacity"} 0.0', b'reason="capacity"} 1.0')
                                                 .replace(b'reason="deferred"} 7.0', b'reason="deferred"} 6.0'))))
     assert scraper.aggregate(scraper.clock()).saturated
+
+
+async def test_an_envoy_admin_that_cannot_be_read_is_a_warning(caplog):
+    """Found by writing `pools.<name>.envoy_admin` from the docs through the real stack: with the admin written
+    without its scheme (127.0.0.1:9901) or naming no such cluster, no replica was ever found, so the pool read as
+    saturated and its limit sat at its floor (extproc_pool_limit 1) - and only a debug line said why."""
+    closed = free_port()
+    async def clusters(request):
+        return web.json_response({"cluster_statuses": [{"name": "other"}]})
+
+    app = web.Application()
+    app.router.add_get("/clusters", clusters)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    admin = free_port()
+    await web.TCPSite(runner, "127.0.0.1", admin).start()
+    clock = FakeClock()
+    try:
+        async with aiohttp.ClientSession() as session:
+            for url, why in ((f"http://127.0.0.1:{closed}", "ClientConnectorError"),
+                             (f"http://127.0.0.1:{admin}/", "it lists no cluster 'pool_a'")):
+                caplog.clear()
+                scraper = PoolScraper(RecordingCore(), "pool_a", PoolSpec(envoy_admin=url), session, clock=clock)
+                await scraper._discover()
+                await scraper._discover()  # said once a minute, not every try
+                (record,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+                assert record.getMessage().startswith(f"pool pool_a: Envoy admin {url} not read (")
+                assert why in record.getMessage() and "counts as saturated" in record.getMessage()
+    finally:
+        await runner.cleanup()

@@ -251,3 +251,14 @@ def test_tenant_names_that_cannot_label_their_metrics_are_refused():
                     "tenants[1].name: 'other' is the metric label of the classify.fairness_header keys that are no "
                     "tenant's: name the tenant otherwise"]
     assert errors_of({**BASE, "tenants": tenants}) == errs[:1]  # without header keys, no label to share
+
+
+def test_an_envoy_admin_that_is_not_a_base_url_is_refused():
+    """Found through the real stack: `envoy_admin: 127.0.0.1:9901` (no scheme) validated, the scraper never found a
+    replica, and the pool read as saturated for good (its limit at its floor)."""
+    for bad in ("127.0.0.1:9901", "http://127.0.0.1:9901/clusters", "", "ftp://h:1", "http://h:99999"):
+        errs = errors_of({**BASE, "pools": {"c": {"envoy_admin": bad}}})
+        assert errs == [f"pools.c.envoy_admin: {bad!r} is not the admin's base URL (http:// or https://, a host, "
+                        "no path: e.g. http://127.0.0.1:9901)"], bad
+    for good in ("http://127.0.0.1:9901", "http://envoy:9901/", "https://[::1]:9901"):
+        load_policy({**BASE, "pools": {"c": {"envoy_admin": good}}})
