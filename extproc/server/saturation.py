@@ -513,8 +513,15 @@ class SaturationScrapers:
         self._seen: dict[str, dict[str, ScrapedReplica]] = {}
         self._session: aiohttp.ClientSession | None = None
         self._config: dict | None = None
+        # Each reload starts a configure of its own: two at once interleaved at stop()'s await, both started
+        # scrapers (the first from the second's pools: a KeyError) and the replaced ones ran on, unstopped.
+        self._configuring = asyncio.Lock()
 
     async def configure(self, pools: dict[str, PoolSpec]) -> None:
+        async with self._configuring:
+            await self._configure(pools)
+
+    async def _configure(self, pools: dict[str, PoolSpec]) -> None:
         if pools == self._config:
             for name in [n for n, t in self._tasks.items() if t.done()]:
                 log.warning("pool %s: restarting its saturation scraper, which had stopped", name)

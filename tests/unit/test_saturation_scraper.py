@@ -693,3 +693,38 @@ async def test_an_envoy_admin_that_cannot_be_read_is_a_warning(caplog):
                 assert why in record.getMessage() and "counts as saturated" in record.getMessage()
     finally:
         await runner.cleanup()
+
+
+def test_two_reloads_at_once_leave_one_scraper_per_pool(monkeypatch):
+    """Found while editing `pools` live (the file watch and a SIGHUP close together): each reload starts
+    configure() as its own task, and the second one's stop() ran while the first was still in its own - both then
+    started scrapers, the later ones replacing the earlier in the task table without cancelling them. The orphans
+    ran on after stop(), publishing readings for pools the policy no longer had."""
+    core = RecordingCore()
+    core.saturation = {}
+    running: list[str] = []
+
+    async def lives(self):
+        running.append(self.name)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            running.remove(self.name)
+
+    monkeypatch.setattr(PoolScraper, "run", lives)
+
+    async def reload_twice() -> tuple[list[str], list[str]]:
+        scrapers = SaturationScrapers(core)
+        await scrapers.configure({"pool_a": PoolSpec(replicas=["127.0.0.1:9"])})
+        await asyncio.sleep(0.01)
+        await asyncio.gather(scrapers.configure({"pool_b": PoolSpec(replicas=["127.0.0.1:9"])}),
+                             scrapers.configure({"pool_c": PoolSpec(replicas=["127.0.0.1:9"])}))
+        await asyncio.sleep(0.01)
+        after_reloads = sorted(running)
+        await scrapers.stop()
+        await asyncio.sleep(0.01)
+        return after_reloads, list(running)
+
+    after_reloads, after_stop = asyncio.run(reload_twice())
+    assert after_reloads == ["pool_c"]  # the last configuration asked for, alone
+    assert after_stop == []
