@@ -377,4 +377,10 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: 
 
 
 def error_type(status: int) -> str:
-    return ERROR_TYPES.get(status, "api_error")
+    """Any other 4xx is the client's to fix, any other 5xx ours (a canned fallback may use any status; a 415 was
+    typed `api_error`, OpenAI's type for its own failures)."""
+    if status in ERROR_TYPES:
+        return ERROR_TYPES[status]
+    if 400 <= status < 500:
+        return "invalid_request_error"
+    return "server_error" if status >= 500 else "api_error"

@@ -187,7 +187,8 @@ def test_a_compressed_body_is_refused_415(clock, encoding):
     s = Stream(processor(clock))
     answer = s.receive(request_headers(content_encoding=encoding))
     assert immediate_status(answer) == 415 and s.phase is Phase.ANSWERED
-    assert json.loads(answer.immediate_response.body)["error"]["code"] == "unsupported_content_encoding"
+    err = json.loads(answer.immediate_response.body)["error"]
+    assert (err["code"], err["type"]) == ("unsupported_content_encoding", "invalid_request_error")
 
 
 def test_an_identity_content_encoding_is_no_compression(clock):
