@@ -75,3 +75,19 @@ async def test_a_compressed_body_is_refused_as_the_clients_error(make_stack, tmp
             assert "retry-after" not in headers
         assert await seen_upstream(http, upstream) == []
 
+
+async def test_a_transfer_encoding_envoy_does_not_implement_is_not_worth_a_retry(make_stack, tmp_path, upstream):
+    """Before: Envoy's 501 went through envoy.yaml's mapper for its transient 5xx: typed `server_error`, with
+    Retry-After: 1 and the message "Not Implemented", inviting the client to send again a request that can never
+    succeed."""
+    s = make_stack(policy_file(tmp_path))
+    async with aiohttp.ClientSession() as http:
+        await upstream_reset(http, upstream)
+        for encoding in (b"gzip, chunked", b"identity", b"chunked, chunked"):
+            data = request(chunked(BODY, 16), b"transfer-encoding: %s\r\n" % encoding, length=False)
+            [(status, headers, body)] = await exchange(s.listen_port, data)
+            err = openai_error(body)
+            assert (status, err["code"], err["type"]) == (501, "http1.invalid_transfer_encoding",
+                                                          "invalid_request_error"), (encoding, err)
+            assert "retry-after" not in headers and "Transfer-Encoding" in err["message"], (headers, err)
+        assert await seen_upstream(http, upstream) == []
