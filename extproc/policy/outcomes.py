@@ -69,16 +69,18 @@ class CostLearning:
     def _settle_without_usage(c: Completed) -> None:
         """A tokens-per-minute tenant is charged the worst case up front and refunded from the usage it reads. With
         no usage to read, the worst case stood: a request the replica refused (max_tokens past its context: a 400)
-        cost the tenant its whole bucket. Refused or failed upstream: nothing to charge. Ended early by the client:
-        the expected output, not the worst case."""
+        cost the tenant its whole bucket. Refused, or failed before the replica answered: nothing to charge. Ended
+        early, by the client or after the replica's 2xx: the expected output, not the worst case (a client that
+        stops reading a large answer is cut by Envoy's stream_idle_timeout, reported like a replica that failed
+        mid-answer, and a full refund made such answers free)."""
         t, charge = c.ticket, c.ticket.charge
         if charge.tenant is None or not t.holds_slot:
             return
         est = charge.estimate
-        failed = c.outcome is Outcome.UPSTREAM_ERROR or (c.report is not None and c.report.status >= 400)
-        if failed:
+        status = c.report.status if c.report is not None else 0
+        if status >= 400 or (c.outcome is Outcome.UPSTREAM_ERROR and not 200 <= status < 300):
             charge.tenant.correct(charge.tokens, 0)
-        elif c.outcome is Outcome.CLIENT_ABORT:
+        elif c.outcome is Outcome.CLIENT_ABORT or c.outcome is Outcome.UPSTREAM_ERROR:
             charge.tenant.correct(charge.tokens, min(charge.tokens, est.prompt_tokens + math.ceil(est.expected_output)))
 
 

@@ -8,10 +8,13 @@ import asyncio
 import gzip
 import json
 
+import socket
+
 import aiohttp
 
-from tests.conftest import policy_file
-from tests.integration.helpers import chat, healthz, metrics, sample, upstream_reset, wait_idle
+from extproc.tools.stack import Stack
+from tests.conftest import policy_file, until
+from tests.integration.helpers import chat, equals, healthz, metrics, post, sample, upstream_reset
 
 BODY = json.dumps(chat()).encode()
 
@@ -91,3 +94,48 @@ async def test_a_transfer_encoding_envoy_does_not_implement_is_not_worth_a_retry
                                                           "invalid_request_error"), (encoding, err)
             assert "retry-after" not in headers and "Transfer-Encoding" in err["message"], (headers, err)
         assert await seen_upstream(http, upstream) == []
+
+
+class QuickIdleStack(Stack):
+    """envoy.yaml with stream_idle_timeout at 2 s instead of 300 s, so a test can wait for it."""
+
+    def envoy_config(self) -> dict:
+        cfg = super().envoy_config()
+        cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
+            "stream_idle_timeout"] = "2s"
+        return cfg
+
+
+async def test_an_answer_the_client_stops_reading_is_still_charged_to_its_tenant(tmp_path, upstream):
+    """A streamed answer larger than Envoy's buffers (4 MiB), which the client does not read, holds its slot until
+    stream_idle_timeout, and the access log reports that like a replica failing mid-answer (200, flag SI). Before:
+    such a request was refunded in full, so a tokens-per-minute tenant that read most of each answer and then
+    stopped got all of them for free (docs/reliability.md, known limits)."""
+    tenants = [{"name": "acme", "api_keys": ["sk-acme-1"], "max_class": "interactive",
+                "tokens_per_minute": 6000, "burst_s": 60}]
+    policy = policy_file(tmp_path, tenants=tenants, learn_sample=0)
+    key = {"authorization": "Bearer sk-acme-1"}
+    with QuickIdleStack(tmp_path / "stack", {"vllm_llama70b": [upstream], "vllm_llama8b": [upstream]},
+                        policy_path=policy) as s:
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # and never read
+        client.connect(("127.0.0.1", s.listen_port))
+        client.sendall(request(json.dumps(chat(max_tokens=4000, stream=True)).encode(),
+                               b"content-type: application/json\r\nauthorization: Bearer sk-acme-1\r\n"
+                               b"x-test-tokens: 60000\r\n"))  # ~8 MB of SSE from the test upstream
+        async with aiohttp.ClientSession() as http:
+            async def inflight() -> int:
+                return (await healthz(http, s.metrics_url))["classes"]["interactive"]["inflight"]
+            assert await until(lambda: equals(inflight(), 1), timeout=5)
+            assert await until(lambda: equals(inflight(), 0), timeout=10)  # Envoy's reset, ~2 s later
+            assert await until(lambda: _reported(http, s.metrics_url), timeout=5)
+            status, headers, _ = await post(http, s.url, chat(max_tokens=1), key)
+        client.close()
+    assert status == 200
+    # 4,000 tokens charged for the stream (its expected output) stay charged; the refund gave back 6,000 - 10.
+    assert int(headers["x-ratelimit-remaining-tokens"]) < 3000, headers
+
+
+async def _reported(http, metrics_url: str) -> bool:
+    ms = await metrics(http, metrics_url)
+    return sample(ms, "extproc_request_duration_seconds_count", outcome="upstream_error") == 1

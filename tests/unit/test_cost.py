@@ -290,6 +290,26 @@ def test_a_request_that_produced_nothing_does_not_cost_the_tenant_its_bucket(clo
     assert dict(d.headers)["x-ratelimit-remaining-tokens"] == str(1000 - d.charge.tokens)
 
 
+
+def test_an_answer_that_broke_off_is_charged_like_an_abort_not_refunded(clock):
+    # A client that stops reading an answer larger than Envoy's buffers is cut by stream_idle_timeout, which the
+    # access log reports as the replica's failure (200, then SI): refunding it in full made every such answer free
+    # (a hostile-client audit). Refunded: what the replica refused or failed before answering.
+    def remaining_after(report: Completion | None) -> int:
+        core = tenant_core(clock, tokens_per_minute=1000, burst_s=60)
+        core.cost_models["llama"].output_ratio = 0.5
+        d = core.decide(RequestFacts(api_key="k", model="llama", max_tokens=400, header_class="batch"))
+        core.finish(d.ticket, Outcome.UPSTREAM_ERROR)
+        if report is not None:
+            core.report(d.ticket.id, report)
+        probe = core.decide(RequestFacts(api_key="k", model="llama", max_tokens=10, header_class="batch"))
+        return int(dict(probe.headers)["x-ratelimit-remaining-tokens"]) + probe.charge.tokens
+
+    assert remaining_after(Completion(Outcome.UPSTREAM_ERROR, 200, 0.01, None)) == 800  # ~200 expected output kept
+    assert remaining_after(Completion(Outcome.UPSTREAM_ERROR, 503, 0.01, 0.01)) == 1000  # refused: all back
+    assert remaining_after(Completion(Outcome.UPSTREAM_ERROR, 0, None, None)) == 1000    # reset before an answer
+
+
 def session_core(clock):
     return AdmissionController(make_policy(
         classes={"batch": {"max_concurrency": 100}}, default_class="batch",
