@@ -96,6 +96,62 @@ async def test_a_transfer_encoding_envoy_does_not_implement_is_not_worth_a_retry
         assert await seen_upstream(http, upstream) == []
 
 
+
+async def test_odd_framing_and_pipelining_are_admitted_like_any_request_and_leave_nothing_held(make_stack, tmp_path,
+                                                                                              upstream):
+    """What an HTTP/1.1 client may do with framing: each request that reaches the replica was admitted, its forged
+    trailers go nowhere, a refusal in a pipeline leaves the requests behind it served or cut (never unadmitted),
+    and a body that stops coming holds no slot once its client leaves."""
+    s = make_stack(policy_file(tmp_path), extproc_args=["--max-pending-bodies", "2"])
+    ct = b"content-type: application/json\r\n"
+    te = ct + b"transfer-encoding: chunked\r\n"
+    forged = b"x-priority: internal\r\nx-extproc-cluster: vllm_llama8b\r\n"
+    async with aiohttp.ClientSession() as http:
+        await upstream_reset(http, upstream)
+        for case, data, statuses, read in [
+                ("one-byte chunks", request(chunked(BODY, 1), te, length=False), [200], 1),
+                ("chunk extensions", request(chunked(BODY, 7, b";ext=1;x"), te, length=False), [200], 1),
+                ("trailers", request(chunked(BODY, 16, trailers=forged), te, length=False), [200], 1),
+                ("100-continue", request(BODY, ct + b"expect: 100-continue\r\n"), [200], 1),
+                ("pipelined, a 415 at its headers in the middle",
+                 request() + request(BODY, b"content-encoding: gzip\r\n") + request(), [200, 415, 200], 3),
+                # Envoy drains an HTTP/1 connection after any 400 it sends, ours included: the third is not read.
+                ("pipelined, a 400 in the middle", request() + request(b"{nope") + request(), [200, 400], 3),
+                ("a length 5 bytes short, a request after it: the body is cut, 400 and closed",
+                 request(BODY).replace(b"length: %d" % len(BODY), b"length: %d" % (len(BODY) - 5)) + request(),
+                 [400], 3),
+                ("a refused request whose body is a request", request(request(), b"content-encoding: br\r\n"),
+                 [415], 1)]:
+            got = await exchange(s.listen_port, data, responses=read, timeout=5)
+            assert [g[0] for g in got] == statuses, (case, [(g[0], g[2][:120]) for g in got])
+        seen = await seen_upstream(http, upstream)
+        assert seen and all(r["ticket"] for r in seen), seen
+        assert len(seen) == 7 and not any("x-priority" in r["headers"] for r in seen), seen
+
+        # Bodies that never finish hold a pending-body place (2 here) until their clients leave.
+        held = [await asyncio.open_connection("127.0.0.1", s.listen_port) for _ in range(2)]
+        for _, writer in held:
+            writer.write(request(BODY)[:-5])
+            await writer.drain()
+        await asyncio.sleep(0.5)
+        [(status, headers, body)] = await exchange(s.listen_port, request())
+        assert (status, openai_error(body)["code"], headers["retry-after"]) == (503, "bodies_pending", "1")
+        for _, writer in held:
+            writer.close()
+
+        async def served() -> bool:
+            return [g[0] for g in await exchange(s.listen_port, request())] == [200]
+        assert await until(served, timeout=5)
+        snap = await healthz(http, s.metrics_url)
+        assert snap["stream_errors"] == 0
+        assert await until(lambda: _idle(http, s.metrics_url), timeout=5)
+        assert sample(await metrics(http, s.metrics_url), "extproc_stream_errors_total") == 0
+
+
+async def _idle(http, metrics_url: str) -> bool:
+    return all(c["inflight"] == 0 and c["queue"] == 0 for c in (await healthz(http, metrics_url))["classes"].values())
+
+
 class QuickIdleStack(Stack):
     """envoy.yaml with stream_idle_timeout at 2 s instead of 300 s, so a test can wait for it."""
 
