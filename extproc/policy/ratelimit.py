@@ -61,6 +61,16 @@ class TenantLimits:
         self.tokens = (TokenBucket(spec.tokens_per_minute / 60.0, spec.tokens_per_minute * spec.burst_s / 60, now)
                        if spec.tokens_per_minute else None)
 
+    def carried_from(self, old: TenantLimits | None, now: float) -> TenantLimits:
+        """A reload changed the tenant's limits: each bucket both have keeps what was left of it (within the new
+        capacity and debt floor), so an edit does not hand the tenant a fresh burst, nor forgive its debt."""
+        if old is not None:
+            for new_bucket, old_bucket in ((self.requests, old.requests), (self.tokens, old.tokens)):
+                if new_bucket is not None and old_bucket is not None:
+                    level = old_bucket.refill(now)
+                    new_bucket.level = max(-new_bucket.capacity, min(new_bucket.capacity, level))
+        return self
+
     def check(self, tokens: int, now: float) -> tuple[str | None, float]:
         """(None, 0) if the request fits, else (which limit, seconds until it would)."""
         if self.requests is not None:

@@ -65,7 +65,8 @@ class PolicyState:
                             for name, m in policy.models.items()}
         tenants = [*policy.tenants, policy.anonymous.as_tenant()]
         now = self.clock()
-        self.tenant_limits = {t.name: self.tenant_limits[t.name] if self._same_tenant(t) else TenantLimits(t, now)
+        self.tenant_limits = {t.name: self.tenant_limits[t.name] if self._same_tenant(t) else
+                              TenantLimits(t, now).carried_from(self.tenant_limits.get(t.name), now)
                               for t in tenants if t.requests_per_minute or t.tokens_per_minute}
         if self.sessions is None or self.sessions.spec != policy.sessions:
             self.sessions = SessionBudgets(policy.sessions)

@@ -241,6 +241,19 @@ def test_tenant_request_rate_limit_is_429_with_retry_after_and_openai_headers(cl
     assert core.decide(RequestFacts(api_key="k", model="llama", header_class="batch")).kind == ACCEPT
 
 
+def test_a_reload_that_changes_a_tenants_limits_does_not_refill_its_bucket(clock):
+    core = tenant_core(clock, requests_per_minute=60, burst_s=2)  # bucket of 2 requests, 1/s
+    for _ in range(2):
+        core.decide(RequestFacts(api_key="k", model="llama", header_class="batch"))
+    # The operator raises the burst: the tenant keeps what it had left (nothing), at the new capacity.
+    core.apply(make_policy(tenants=[{"name": "acme", "api_keys": ["k"], "requests_per_minute": 60,
+                                     "burst_s": 10}], shed={}))
+    assert core.decide(RequestFacts(api_key="k", model="llama", header_class="batch")).reason \
+        == "tenant_requests_per_minute"
+    clock.advance(1.0)
+    assert core.decide(RequestFacts(api_key="k", model="llama", header_class="batch")).kind == ACCEPT
+
+
 def test_a_queue_holds_no_more_of_a_tenant_than_its_rate(clock):
     # Checked on arrival but charged only on admission, a burst queued ahead of the limit and was served in full
     # (10 requests/minute: 22 served in 2 s, then refused as queue_full). A queued request now pays on arrival.
