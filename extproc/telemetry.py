@@ -166,9 +166,10 @@ class Telemetry:
         self.completion_reports = Counter(
             "extproc_completion_reports", "Completion reports (Envoy's gRPC access log entries, one per admitted "
             "request) by result: matched (a ticket of this instance: the request's outcome and time to first byte "
-            "are learned), relayed (another instance's ticket, sent on to it through the shared Redis store, "
-            "where it counts as matched) or unmatched (a ticket it does not know, e.g. issued before a restart, "
-            "or by another instance with no Redis store between them: that outcome is lost).", ["result"],
+            "are learned), relayed (another instance's ticket, sent on to it through the shared Redis store and "
+            "heard there, where it counts as matched) or unmatched (a ticket no running instance knows, e.g. "
+            "issued before a restart, or by another instance with no Redis store between them or while Redis "
+            "was away: that outcome is lost).", ["result"],
             registry=r)
         self._matched = self.completion_reports.labels("matched")  # all exported from the start, at 0
         self._unmatched = self.completion_reports.labels("unmatched")

@@ -65,7 +65,9 @@ class ReportRelay(Protocol):
     instances share (Redis): Envoy streams each of its workers' access log to one instance, whichever admitted
     the request. Reports are [ticket id, outcome name, status, first byte s, total s] lists."""
 
-    def relay(self, instance: str, reports: list[list]) -> None: ...  # fire and forget; lost if the store is away
+    # Fire and forget; `heard(False)` once it is known that no instance heard them: the store was away, or nobody
+    # listens on that instance's channel (it restarted or stopped: its tickets died with it). `heard` never raises.
+    def relay(self, instance: str, reports: list[list], heard: Callable[[bool], None]) -> None: ...
 
     def on_reports(self, instance: str, callback: Callable[[list[list]], None]) -> None: ...
 
@@ -111,7 +113,8 @@ class CompletionReportEvents(Protocol):
     """What the receiver tells the outside world (telemetry implements it). Must be cheap and never raise."""
 
     # Once per batch of entries: how many matched a ticket the core knows, how many did not.
-    # `relayed`: entries of another instance's tickets sent on to it (it counts them as matched when they arrive).
+    # `relayed`: entries of another instance's tickets that reached it (it counts them as matched there); those
+    # nobody heard count as unmatched, later, in a call of their own.
     def completions_reported(self, matched: int, unmatched: int, relayed: int = 0) -> None: ...
 
     # Requests that reached a replica with no ticket: Envoy's failure_mode_allow let them through unadmitted.
@@ -165,7 +168,7 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
 
     def _report(self, msg: als_pb2.StreamAccessLogsMessage) -> None:
         entries = msg.http_logs.log_entry
-        matched = unadmitted = relayed = 0
+        matched = unadmitted = sent = 0
         others: dict[str, list[list]] | None = None  # another instance's reports, by instance
         for entry in entries:
             headers = entry.request.request_headers
@@ -185,17 +188,25 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
                 others.setdefault(instance, []).append(
                     [ticket_id, completion.outcome.value, completion.status, completion.first_byte_s,
                      completion.total_s])
-                relayed += 1
+                sent += 1
             if self.core.steering.active and completion.outcome in _ANSWERED:
                 self._answered(entry, completion.outcome is Outcome.UPSTREAM_ERROR)
         if others:
             for instance, reports in others.items():
-                self.relay.relay(instance, reports)
+                self.relay.relay(instance, reports, self._relay_result(len(reports)))
         # The rest carry no ticket the core knows: e.g. one issued before a restart, or by another instance while
-        # no store relays reports between instances.
-        self.events.completions_reported(matched, len(entries) - matched - unadmitted - relayed, relayed)
+        # no store relays reports between instances. Those sent on are counted when the store says who heard them.
+        self.events.completions_reported(matched, len(entries) - matched - unadmitted - sent)
         if unadmitted:
             self.events.unadmitted_reported(unadmitted)
+
+    def _relay_result(self, count: int) -> Callable[[bool], None]:
+        """Counts a relayed batch once its fate is known: `relayed` if its instance heard it, else `unmatched`
+        (published to a channel nobody listens on, an old process's after a restart, or lost with the store),
+        so the unmatched panel still shows reports that ended nowhere."""
+        def heard(delivered: bool) -> None:
+            self.events.completions_reported(0, 0 if delivered else count, count if delivered else 0)
+        return heard
 
     def _relayed_in(self, reports: list[list]) -> None:
         """Reports another instance received for this one's tickets. Never raises (it runs in the store's

@@ -250,16 +250,20 @@ class RedisStore:
     def _reports_channel(self, instance: str) -> str:
         return f"{self.prefix}reports:{instance}"
 
-    def relay(self, instance: str, reports: list[list]) -> None:
+    def relay(self, instance: str, reports: list[list], heard: Callable[[bool], None]) -> None:
         """Publish reports to the instance that admitted them. Fire and forget: while Redis is away they are lost
-        and those requests end as `ended`, as without a relay."""
-        task = asyncio.get_running_loop().create_task(self._publish(self._reports_channel(instance), reports))
+        and those requests end as `ended`, as without a relay. `heard` learns whether any subscriber got them."""
+        task = asyncio.get_running_loop().create_task(
+            self._publish(self._reports_channel(instance), reports, heard))
         self._relaying.add(task)
         task.add_done_callback(self._relaying.discard)
 
-    async def _publish(self, channel: str, reports: list[list]) -> None:
+    async def _publish(self, channel: str, reports: list[list], heard: Callable[[bool], None]) -> None:
+        receivers = 0
         with contextlib.suppress(StoreUnavailable):
-            await self._call(self.client.publish(channel, orjson.dumps(reports)))
+            # PUBLISH answers how many subscribers got the message: none when that process is gone.
+            receivers = await self._call(self.client.publish(channel, orjson.dumps(reports)))
+        heard(receivers > 0)
 
     def on_reports(self, instance: str, callback: Callable[[list[list]], None]) -> None:
         """Hear the reports relayed to `instance` (before start())."""

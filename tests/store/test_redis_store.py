@@ -198,7 +198,31 @@ async def test_completion_reports_reach_the_instance_they_are_relayed_to(redis_s
             await store.close()
 
 
-async def _relay_and_wait(sender: RedisStore, heard: list, reports: list) -> bool:
-    sender.relay("own1", reports)
+async def test_a_relay_says_whether_anyone_heard_it(redis_server):
+    """Reports for an instance that is gone (restarted: a new id) or sent while Redis is away reach nobody: the
+    sender learns so and counts them as unmatched, not relayed."""
+    owner, sender = RedisStore(spec(redis_server.url, timeout_ms=200)), RedisStore(spec(redis_server.url,
+                                                                                        timeout_ms=200))
+    owner.on_reports("own1", lambda reports: None)
+    await owner.start()
+    results: list[bool] = []
+    try:
+        assert await until(lambda: _relay_and_wait(sender, [], [[1, "ok", 200, None, None]], results), timeout=5)
+        assert results[-1] is True
+        results.clear()
+        sender.relay("gone", [[1, "ok", 200, None, None]], results.append)
+        assert await until(lambda: results) == [False]
+        redis_server.stop()
+        sender.relay("own1", [[2, "ok", 200, None, None]], results.append)
+        assert await until(lambda: len(results) == 2) and results[1] is False
+        assert not sender._relaying
+    finally:
+        await owner.close()
+        await sender.close()
+
+
+async def _relay_and_wait(sender: RedisStore, heard: list, reports: list, results: list | None = None) -> bool:
+    results = [] if results is None else results
+    sender.relay("own1", reports, results.append)
     await asyncio.sleep(0.05)
-    return bool(heard)
+    return bool(heard) or bool(results and results[-1])

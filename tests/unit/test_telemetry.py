@@ -240,8 +240,9 @@ class RecordingRelay:
         self.sent: list[tuple[str, list[list]]] = []
         self.handlers = {}
 
-    def relay(self, instance, reports):
+    def relay(self, instance, reports, heard):
         self.sent.append((instance, reports))
+        heard(instance in self.handlers)  # as PUBLISH answers: heard only where an instance subscribes
 
     def on_reports(self, instance, callback):
         self.handlers[instance] = callback
@@ -289,6 +290,20 @@ def test_reports_for_another_instance_are_relayed_to_it_and_matched_there():
     assert sample(tb, "extproc_completion_reports_total", result="unmatched") == 3
     assert ticket_b.completion.outcome is Outcome.OK and ticket_b.completion.total_s == 1.25
     assert sample(tb, "extproc_request_duration_seconds_sum", **{"class": "batch", "outcome": "ok"}) == 1.25
+
+
+def test_reports_relayed_to_an_instance_nobody_hears_count_as_unmatched():
+    """An instance restarted (a new id) or stopped while its requests ran: their reports go to a channel nobody
+    listens on. They counted as `relayed` before, so the unmatched panel missed every report that ended nowhere."""
+    relay = RecordingRelay()
+    (ta, _, ticket_a, receiver_a), _ = two_instances(relay)
+    msg = log_entries(TicketTags(instance="gone").value(7), TicketTags(instance="b2").value(7),
+                      TicketTags(instance="a1").value(ticket_a.id))
+    asyncio.run(receiver_a.StreamAccessLogs(None, AccessLogStream(msg)))
+    assert [instance for instance, _ in relay.sent] == ["gone", "b2"]
+    assert sample(ta, "extproc_completion_reports_total", result="matched") == 1
+    assert sample(ta, "extproc_completion_reports_total", result="relayed") == 1
+    assert sample(ta, "extproc_completion_reports_total", result="unmatched") == 1
 
 
 def test_ticket_tags_parse_only_their_own_workers_values():
