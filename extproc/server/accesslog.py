@@ -63,7 +63,8 @@ class TicketTags:
 class ReportRelay(Protocol):
     """Carries completion reports to the ext_proc instance that admitted the request, through the store the
     instances share (Redis): Envoy streams each of its workers' access log to one instance, whichever admitted
-    the request. Reports are [ticket id, outcome name, status, first byte s, total s] lists."""
+    the request. Reports are [ticket id, outcome name, status, first byte s, total s, replica] lists (replica:
+    the answering one's IP:PORT, or null; a report without it, from an older instance, is taken too)."""
 
     # Fire and forget; `heard(False)` once it is known that no instance heard them: the store was away, or nobody
     # listens on that instance's channel (it restarted or stopped: its tickets died with it). `heard` never raises.
@@ -187,10 +188,10 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
                     others = {}
                 others.setdefault(instance, []).append(
                     [ticket_id, completion.outcome.value, completion.status, completion.first_byte_s,
-                     completion.total_s])
+                     completion.total_s, _replica(entry)])
                 sent += 1
             if self.core.steering.active and completion.outcome in _ANSWERED:
-                self._answered(entry, completion.outcome is Outcome.UPSTREAM_ERROR)
+                self._answered(_replica(entry), completion.outcome is Outcome.UPSTREAM_ERROR)
         if others:
             for instance, reports in others.items():
                 self.relay.relay(instance, reports, self._relay_result(len(reports)))
@@ -214,18 +215,27 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
         matched = 0
         for report in reports:
             try:
-                ticket_id, outcome, status, first_byte_s, total_s = report
+                ticket_id, outcome, status, first_byte_s, total_s, *rest = report
                 completion = Completion(Outcome(outcome), int(status), _seconds_or_none(first_byte_s),
                                         _seconds_or_none(total_s))
                 ticket_id = int(ticket_id)
             except (TypeError, ValueError):
                 continue
             matched += self.core.report(ticket_id, completion)
+            # This instance steers its own requests: it must see its replicas fail wherever the log arrived.
+            replica = rest[0] if rest and isinstance(rest[0], str) else None
+            if self.core.steering.active and completion.outcome in _ANSWERED:
+                self._answered(replica, completion.outcome is Outcome.UPSTREAM_ERROR)
         self.events.completions_reported(matched, len(reports) - matched)
 
-    def _answered(self, entry: accesslog_pb2.HTTPAccessLogEntry, failed: bool) -> None:
+    def _answered(self, replica: str | None, failed: bool) -> None:
         """Which replica answered matters only while a pool is steered (policy.steering): Envoy's own outlier
         detection does not stop it from taking a host the ext_proc names."""
-        upstream = entry.common_properties.upstream_remote_address.socket_address
-        if upstream.address:
-            self.core.replica_answered(host_port(upstream.address, upstream.port_value), failed)
+        if replica:
+            self.core.replica_answered(replica, failed)
+
+
+def _replica(entry: accesslog_pb2.HTTPAccessLogEntry) -> str | None:
+    """IP:PORT of the replica that answered (as Envoy names its hosts), or None when none did."""
+    upstream = entry.common_properties.upstream_remote_address.socket_address
+    return host_port(upstream.address, upstream.port_value) if upstream.address else None

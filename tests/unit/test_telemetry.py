@@ -306,6 +306,27 @@ def test_reports_relayed_to_an_instance_nobody_hears_count_as_unmatched():
     assert sample(ta, "extproc_completion_reports_total", result="unmatched") == 1
 
 
+def test_an_instance_steering_its_pool_learns_its_replicas_failures_from_relayed_reports():
+    """While a pool is steered, each instance leaves out a replica whose last answers failed (Envoy takes a named
+    host even when its outlier detection ejected it). The instance Envoy's access log does not reach learned none
+    of them: it went on naming the failing replica for every one of its requests."""
+    from extproc.policy.steering import FAILURES
+    relay = RecordingRelay()
+    (_, _, _, receiver_a), (_, core_b, ticket_b, _) = two_instances(relay)
+    core_b.steering.update("pool", (("10.0.0.1:8000", 0.0, 1.0), ("10.0.0.2:8000", 5.0, 1.0)))
+    assert core_b.steering.pick("pool", 1000.0).startswith("10.0.0.1:8000")
+    msg = log_entries(*[TicketTags(instance="b2").value(ticket_b.id + i) for i in range(FAILURES)])
+    for entry in msg.http_logs.log_entry:
+        entry.response.response_code.value = 503
+        entry.common_properties.upstream_remote_address.socket_address.address = "10.0.0.1"
+        entry.common_properties.upstream_remote_address.socket_address.port_value = 8000
+    asyncio.run(receiver_a.StreamAccessLogs(None, AccessLogStream(msg)))
+    [(instance, reports)] = relay.sent
+    relay.handlers[instance](reports)
+    assert core_b.steering.pick("pool", 1001.0) == "10.0.0.2:8000"
+    relay.handlers[instance]([[1, "ok", 200, None, None]])  # an older instance's report, without the replica
+
+
 def test_ticket_tags_parse_only_their_own_workers_values():
     tags = TicketTags(3, instance="ab12")
     assert tags.value(17) == "3-17.ab12"
