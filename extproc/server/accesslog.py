@@ -50,13 +50,20 @@ class TicketTags:
         return f"{self.prefix}{ticket_id}{self._suffix}"
 
     def parse(self, value: str) -> tuple[int, str] | None:
-        """(ticket id, instance) of a value with this worker's prefix; None for anything else."""
-        if not value.startswith(self.prefix):
+        """(ticket id, process) of any worker's ticket value, the process being `[<worker>-]<instance>`, as
+        `process` names this one; None for anything else. A worker of `extproc serve --workers N` can get another
+        worker's reports (Envoy's `extproc` cluster listing the N ports under one access log, docs/kubernetes.md),
+        and passes them on like another instance's."""
+        head, dot, instance = value.partition(".")
+        worker, dash, ticket_id = head.rpartition("-")
+        if not dot or not instance or not ticket_id.isdigit() or (dash and not worker.isdigit()):
             return None
-        ticket_id, dot, instance = value[len(self.prefix):].partition(".")
-        if not dot or not instance or not ticket_id.isdigit():
-            return None
-        return int(ticket_id), instance
+        return int(ticket_id), f"{worker}{dash}{instance}"
+
+    @property
+    def process(self) -> str:
+        """This process among every instance's workers (the reports channel it listens on)."""
+        return self.prefix + self.instance
 
 
 @runtime_checkable
@@ -140,7 +147,7 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
         self.events: CompletionReportEvents = events or NoCompletionReportEvents()
         self.relay = relay
         if relay is not None:
-            relay.on_reports(self.tags.instance, self._relayed_in)
+            relay.on_reports(self.tags.process, self._relayed_in)
         self._closing = asyncio.Event()
 
     def close(self) -> None:
@@ -178,10 +185,10 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
                 continue
             tag = self.tags.parse(headers[TICKET_HEADER])
             if tag is None:
-                continue  # another worker's, or not a ticket of ours at all
+                continue  # not a ticket of ours at all
             ticket_id, instance = tag
             completion = completion_of(entry)
-            if instance == self.tags.instance:
+            if instance == self.tags.process:
                 matched += self.core.report(ticket_id, completion)
             elif self.relay is not None:
                 if others is None:

@@ -5,13 +5,19 @@ learn every one of its own requests' status and timings, and never another insta
 from __future__ import annotations
 
 import asyncio
+import signal
+import subprocess
+import time
 
 import aiohttp
 import pytest
+import yaml
 
-from extproc.tools.stack import Stack, free_port
+from extproc.tools import envoyconf
+from extproc.tools.stack import Stack, free_port, free_ports, wait_http
 from tests.conftest import policy_file, until
 from tests.integration.helpers import chat, metrics, post, sample
+from tests.store.test_workers_envoy import serve
 
 REQUESTS = 24  # every third fails upstream
 
@@ -28,9 +34,41 @@ def two_extprocs(tmp_path, upstream, redis_server):
         yield s
 
 
-async def outcomes(http, stack: Stack) -> list[dict]:
+@pytest.fixture
+def workers_one_log(tmp_path, upstream, redis_server):
+    """`extproc serve --workers 2` on Redis, both ports in Envoy's `extproc` cluster under envoy.yaml's one access
+    log, as docs/kubernetes.md has a pod run it: each worker gets the other's reports too. (Envoy, the metrics
+    ports.)"""
+    policy = policy_file(tmp_path, classes={
+        "interactive": {"max_concurrency": 8, "max_queue": 8, "max_wait_ms": 2000},
+        "batch": {"max_concurrency": 8, "max_queue": 8, "max_wait_ms": 2000}}, tenants=[], shed={},
+        store={"kind": "redis", "url": redis_server.url, "key_prefix": f"rw{free_port()}:", "timeout_ms": 500})
+    grpc, mport = free_ports(2), free_ports(2)
+    sup = serve(policy, grpc, mport, tmp_path / "extproc.log")
+    listen, admin = free_port(), free_port()
+    cfg = envoyconf.render(envoyconf.load_source(), listen_port=listen, admin_port=admin,
+                           extproc=[("127.0.0.1", grpc), ("127.0.0.1", grpc + 1)],
+                           pools={"vllm_llama70b": [upstream], "vllm_llama8b": [upstream]}, health_check_interval_s=1.0)
+    (tmp_path / "envoy.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    envoy = subprocess.Popen([envoyconf.envoy_binary(), "-c", str(tmp_path / "envoy.yaml"), "--concurrency", "1",
+                              "--log-level", "error", "--base-id", str(admin), "--disable-hot-restart"],
+                             start_new_session=True)
+    try:
+        for port in (mport, mport + 1):
+            wait_http(f"http://127.0.0.1:{port}/healthz", timeout=30, proc=sup)
+        wait_http(f"http://127.0.0.1:{admin}/ready", proc=envoy)
+        time.sleep(2.5)  # Envoy's gRPC health check (1 s interval) marks both workers healthy
+        yield f"http://127.0.0.1:{listen}", [mport, mport + 1]
+    finally:
+        envoy.terminate()
+        envoy.wait(10)
+        sup.send_signal(signal.SIGTERM)
+        sup.wait(20)
+
+
+async def outcomes(http, ports: list[int]) -> list[dict]:
     out = []
-    for port in stack.metrics_ports:
+    for port in ports:
         ms = await metrics(http, f"http://127.0.0.1:{port}")
         out.append({(c, o): sample(ms, "extproc_request_duration_seconds_count", **{"class": c, "outcome": o})
                     for c in ("interactive", "batch") for o in ("ok", "upstream_error", "ended")}
@@ -40,12 +78,22 @@ async def outcomes(http, stack: Stack) -> list[dict]:
 
 
 async def test_each_instance_learns_how_its_own_requests_ended(two_extprocs):
+    await each_learns_its_own(two_extprocs.url, two_extprocs.metrics_ports)
+
+
+async def test_each_worker_learns_how_its_own_requests_ended_under_one_access_log(workers_one_log):
+    """Before, a worker dropped the other worker's reports as not its own (unmatched): one worker accounted every
+    one of its requests as `ended`, none `ok` or `upstream_error`."""
+    await each_learns_its_own(*workers_one_log)
+
+
+async def each_learns_its_own(url: str, metrics_ports: list[int]) -> None:
     async with aiohttp.ClientSession() as http:
         for i in range(REQUESTS):
             # The failures are batch requests, the successes interactive: a report landing on the wrong ticket
             # would show up as a batch `ok` or an interactive `upstream_error`.
             failing = i % 3 == 0
-            status, headers, _ = await post(http, two_extprocs.url, chat(), {
+            status, headers, _ = await post(http, url, chat(), {
                 "x-priority": "batch" if failing else "interactive",
                 "x-test-status": "503" if failing else "200"})
             assert status == (503 if failing else 200) and headers["x-extproc-decision"] == "accept"
@@ -54,7 +102,7 @@ async def test_each_instance_learns_how_its_own_requests_ended(two_extprocs):
             return sum(p[k] for p in per for k in (("interactive", "ok"), ("batch", "upstream_error"),
                                                    ("interactive", "ended"), ("batch", "ended"))) == REQUESTS
 
-        per = await until(lambda: outcomes(http, two_extprocs), timeout=10, holds=settled)
+        per = await until(lambda: outcomes(http, metrics_ports), timeout=10, holds=settled)
     total = {k: sum(p[k] for p in per) for k in per[0]}
     assert min(p[("interactive", "ok")] + p[("batch", "upstream_error")] for p in per) > 0  # both admitted some
     assert total[("interactive", "ok")] == REQUESTS - REQUESTS // 3

@@ -327,13 +327,35 @@ def test_an_instance_steering_its_pool_learns_its_replicas_failures_from_relayed
     relay.handlers[instance]([[1, "ok", 200, None, None]])  # an older instance's report, without the replica
 
 
-def test_ticket_tags_parse_only_their_own_workers_values():
+def test_ticket_tags_parse_any_workers_values_and_name_the_process():
     tags = TicketTags(3, instance="ab12")
-    assert tags.value(17) == "3-17.ab12"
-    assert tags.parse("3-17.ab12") == (17, "ab12")
-    assert tags.parse("3-17.other") == (17, "other")
-    for value in ("13-17.ab12", "17.ab12", "3-17", "3-17.", "3-x.ab12", "3--1.ab12", "3-.ab12"):
+    assert tags.value(17) == "3-17.ab12" and tags.process == "3-ab12"
+    assert tags.parse("3-17.ab12") == (17, "3-ab12")
+    assert tags.parse("3-17.other") == (17, "3-other")
+    assert tags.parse("13-17.ab12") == (17, "13-ab12")  # another worker's: relayed to it
+    assert tags.parse("17.ab12") == (17, "ab12") and TicketTags(instance="ab12").process == "ab12"
+    for value in ("3-17", "3-17.", "3-x.ab12", "3--1.ab12", "3-.ab12", "-17.ab12", "x-17.ab12", ".ab12"):
         assert tags.parse(value) is None, value
+
+
+def test_a_worker_relays_another_workers_reports_to_it():
+    """`extproc serve --workers N` whose N ports Envoy's `extproc` cluster lists under one access log
+    (docs/kubernetes.md): a worker gets the other workers' reports, and dropped them as not its own."""
+    relay = RecordingRelay()
+    cores = []
+    for worker in (0, 1):
+        t = Telemetry()
+        core = limited_core(t)
+        ticket = core.decide(RequestFacts(api_key="kf", model="llama")).ticket
+        core.finish(ticket, Outcome.ENDED)
+        cores.append((t, ticket, AccessLogReceiver(core, t, TicketTags(worker, instance=f"w{worker}"), relay)))
+    (t0, _, receiver0), (t1, ticket1, receiver1) = cores
+    asyncio.run(receiver0.StreamAccessLogs(None, AccessLogStream(log_entries(receiver1.tags.value(ticket1.id)))))
+    [(process, reports)] = relay.sent
+    assert process == "1-w1" and sample(t0, "extproc_completion_reports_total", result="relayed") == 1
+    relay.handlers[process](reports)
+    assert ticket1.completion is not None and ticket1.completion.outcome is Outcome.OK
+    assert sample(t1, "extproc_completion_reports_total", result="matched") == 1
 
 
 def test_envoy_config_for_workers_gives_each_its_own_access_log():
