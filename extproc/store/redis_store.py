@@ -292,14 +292,8 @@ class RedisStore:
                 while True:
                     # No socket timeout here: a quiet channel is normal. get_message bounds each wait itself.
                     msg = await pubsub.get_message(timeout=1.0)
-                    if msg is None or msg["type"] != "message":
-                        continue
-                    if on_reports is not None and _text(msg["channel"]) == reports:
-                        on_reports(_reports_of(msg["data"]))
-                        continue
-                    cls = _text(msg["data"])
-                    for callback in self._listeners:
-                        callback(cls)
+                    if msg is not None and msg["type"] == "message":
+                        self._deliver(msg, reports, on_reports)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - any failure means: reconnect later
@@ -308,6 +302,21 @@ class RedisStore:
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()
             await asyncio.sleep(1.0)
+
+
+    def _deliver(self, msg: dict, reports: str | None, on_reports: Callable[[list[list]], None] | None) -> None:
+        """One message to its handlers. A message they cannot take (anything a Redis user may publish, such as
+        bytes that are not UTF-8) costs only itself: it used to drop the subscription for a second, and every
+        report relayed meanwhile with it."""
+        try:
+            if on_reports is not None and _text(msg["channel"]) == reports:
+                on_reports(_reports_of(msg["data"]))
+                return
+            cls = _text(msg["data"])
+            for callback in self._listeners:
+                callback(cls)
+        except Exception as e:  # noqa: BLE001 - a stray message is not worth the channel
+            log.debug("ignored a message on the store's channels (%s)", e)
 
 
 def _text(value: bytes | str) -> str:

@@ -221,6 +221,25 @@ async def test_a_relay_says_whether_anyone_heard_it(redis_server):
         await sender.close()
 
 
+async def test_a_stray_message_on_the_release_channel_keeps_the_subscription(redis_server):
+    """Anyone with access to Redis may publish there: bytes that are not UTF-8 dropped the subscription for a
+    second, and the reports relayed to this instance meanwhile reached nobody."""
+    owner, sender = RedisStore(spec(redis_server.url)), RedisStore(spec(redis_server.url))
+    heard: list = []
+    owner.on_reports("own1", heard.append)
+    await owner.start()
+    try:
+        assert await until(lambda: _relay_and_wait(sender, heard, [[1, "ok", 200, None, None]]))
+        await sender.client.publish(owner.channel, b"\xff\xfe")
+        await asyncio.sleep(0.3)  # the subscriber has read it
+        results: list[bool] = []
+        sender.relay("own1", [[2, "ok", 200, None, None]], results.append)
+        assert await until(lambda: results) == [True]
+    finally:
+        await owner.close()
+        await sender.close()
+
+
 async def _relay_and_wait(sender: RedisStore, heard: list, reports: list, results: list | None = None) -> bool:
     results = [] if results is None else results
     sender.relay("own1", reports, results.append)
