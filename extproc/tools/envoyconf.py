@@ -48,7 +48,7 @@ def render(base: dict[str, Any], *, listen_port: int, admin_port: int,
     cluster's (1 s) is what the drain on SIGTERM is sized against, and is rendered as shipped.
     `failure_mode_allow` overrides the ext_proc filter's (None keeps the file's): False is the fail-closed variant.
     `workers`: the `extproc` endpoints are the workers of one `extproc serve --workers N`, in order: each worker
-    gets its own access log, carrying only the requests it admitted (ticket header `<i>-<id>`)."""
+    gets its own access log, carrying only the requests it admitted (ticket header `<i>-<id>.<instance>`)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}")
     cfg = copy.deepcopy(base)

@@ -1,6 +1,6 @@
 """`extproc serve --workers 2` behind one Envoy rendered for it (`envoyconf.render(workers=True)`): the workers share
 the caps through this host's memory (policy store `memory`) or through Redis, so one cap holds exactly across them,
-and each worker's access log brings back the completions of the requests it admitted (ticket header `<i>-<id>`)."""
+and each worker's access log brings back the completions of the requests it admitted (ticket header `<i>-<id>.<instance>`)."""
 
 from __future__ import annotations
 
