@@ -304,6 +304,10 @@ class PoolGate:
         self.stuck = 0.0                       # units held by requests a stalled replica holds (not the pool's)
         self.min_shares = min_shares
         self.rest_until = [-math.inf] * len(min_shares)  # per class rank: no request over its share before then
+        if previous is not None:  # a reload that replaced the gate: a resting class rests on, under its new rank
+            for rank, cls in enumerate(previous.class_names):
+                if cls in class_names:
+                    self.rest_until[class_names.index(cls)] = previous.rest_until[rank]
         self.squeeze_rank = len(min_shares)    # classes ranked below this get only their guarantee...
         self.squeeze_until = -math.inf         # ...until then (a latency breaker of a higher class asked)
         self._squeezed_for: tuple[int, float] | None = None  # (rank, breaker opened at) last squeezed for
@@ -349,8 +353,9 @@ class PoolGate:
             return 0.0
         return max(0.0, units / (max(self.min_shares[rank], MIN_SHARE) * self.limit) - 1.0)
 
-    def rest(self, rank: int, until: float) -> None:
-        if rank < len(self.rest_until):
+    def rest(self, rank: int | None, until: float) -> None:
+        """No request over the share for the class before `until` (None: a class a reload removed rests no more)."""
+        if rank is not None:
             self.rest_until[rank] = max(self.rest_until[rank], until)
 
     def fits(self, rank: int, units: float, now: float) -> bool:

@@ -556,3 +556,40 @@ def test_requests_a_stalled_replica_holds_do_not_hold_the_limit_shut():
     assert gate.stuck == 4.0 and gate.fits(0, 1.0, 1.0) and not gate.full(1.0)
     gate.update(2.0, PoolSaturation())  # it moves again (or its requests ended): they count again
     assert gate.stuck == 0.0 and gate.full(2.0)
+
+
+def over_share(core, cls="batch"):
+    """A class with min_share 0.1 of 4 runs one request over its share while interactive waits (10 s: 15 s of
+    rest)."""
+    for _ in range(4):
+        core.decide(req("interactive"))
+    assert core.decide(req("interactive")).kind == QUEUE
+    return core.decide(req(cls)).ticket
+
+
+def test_a_resting_request_of_a_class_a_reload_removed_ends_cleanly(clock):
+    core = AdmissionController(pool_policy(internal={"min_share": 0.1}), clock=clock)
+    t = over_share(core, "internal")
+    assert t.rest > 0
+    core.apply(pool_policy(limit=6, order=("interactive", "batch")))  # a new gate; internal has no rank on it
+    gate = core.gates["pool_a"]
+    holding = gate.holding
+    clock.advance(10)
+    core.finish(t, Outcome.OK)  # raised TypeError: the rest was set for rank None
+    assert gate.holding == holding - 1
+
+
+@pytest.mark.parametrize("order", [("interactive", "batch", "internal"), ("interactive", "internal", "batch")])
+def test_a_class_rests_across_a_reload_that_replaces_its_gate_under_its_new_rank(clock, order):
+    core = AdmissionController(pool_policy(batch={"min_share": 0.1}), clock=clock)
+    t = over_share(core)
+    clock.advance(10)
+    core.finish(t, Outcome.OK)  # batch rests 15 s
+    core.apply(pool_policy(limit=5, order=order, batch={"min_share": 0.1}))  # a new gate (limit spec changed)
+    core.decide(req("interactive"))
+    assert core.decide(req("interactive")).kind == QUEUE
+    waiting = core.decide(req("batch"))
+    assert waiting.kind == QUEUE  # still resting: the reload did not hand it a fresh request over its share
+    core.abandon(waiting.waiter, timed_out=False)
+    clock.advance(15.1)
+    assert core.decide(req("batch")).kind == ACCEPT
