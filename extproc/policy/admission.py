@@ -697,7 +697,7 @@ class AdmissionController:
             lim.queue.released(ticket.flow, ticket.cost)
             if ticket.gate is not None:
                 ticket.gate.give_back(ticket.rank, ticket.units, ticket.flow)
-                if ticket.rest:
+                if ticket.rest and ran:  # one that never ran (revoked) held nothing of the replicas: nothing owed
                     ticket.gate.rest(ticket.rank, now + (now - ticket.admitted_at) * ticket.rest)
             if charge is not None and charge.session is not None:
                 self.sessions.release(charge.session, ticket.cost)

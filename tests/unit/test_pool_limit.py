@@ -593,3 +593,18 @@ def test_a_class_rests_across_a_reload_that_replaces_its_gate_under_its_new_rank
     core.abandon(waiting.waiter, timed_out=False)
     clock.advance(15.1)
     assert core.decide(req("batch")).kind == ACCEPT
+
+
+def test_a_request_over_the_share_that_never_ran_does_not_rest_its_class(clock):
+    # Its admission revoked (the shared store gave no global slot within its wait): nothing ran, nothing was held
+    # of the replicas, so nothing is owed. It rested the class 1.5x the time it waited for the store.
+    core = AdmissionController(pool_policy(batch={"min_share": 0.1}), clock=clock)
+    for _ in range(4):
+        core.decide(req("interactive"))
+    assert core.decide(req("interactive")).kind == QUEUE
+    d = core.decide(req("batch"))
+    assert d.ticket.rest > 0
+    clock.advance(5)
+    core.revoke(d, "queue_timeout", "no global slot")
+    assert core.decide(req("interactive")).kind == QUEUE
+    assert core.decide(req("batch")).kind == ACCEPT  # its guarantee holds at once
