@@ -698,7 +698,7 @@ class AdmissionController:
             if ticket.gate is not None:
                 ticket.gate.give_back(ticket.rank, ticket.units, ticket.flow)
                 if ticket.rest and ran:  # one that never ran (revoked) held nothing of the replicas: nothing owed
-                    ticket.gate.rest(ticket.rank, now + (now - ticket.admitted_at) * ticket.rest)
+                    ticket.gate.rest(ticket.rank, now + (now - ticket.admitted_at) * ticket.rest, now)
             if charge is not None and charge.session is not None:
                 self.sessions.release(charge.session, ticket.cost)
             if not ran and charge is not None and charge.tenant is not None:

@@ -57,6 +57,10 @@ PROVEN_FLOOR = 0.5
 # The share a class below the first holds on average through the request over its `min_share` it may run when it
 # holds nothing (PoolGate.guaranteed), when its `min_share` is smaller: no class starves for good.
 MIN_SHARE = 0.01
+# ...and rests at most this long after one: the share holds on average through contention shorter than that; through
+# a longer one a class whose requests dwarf its share still gets one a minute. Unbounded, a long request over a
+# limit just cut (units / share of 400) rested its class for hours, past the overload that owed it (an audit).
+MAX_REST_S = 60.0
 
 
 class RecentLatencies:
@@ -353,10 +357,11 @@ class PoolGate:
             return 0.0
         return max(0.0, units / (max(self.min_shares[rank], MIN_SHARE) * self.limit) - 1.0)
 
-    def rest(self, rank: int | None, until: float) -> None:
-        """No request over the share for the class before `until` (None: a class a reload removed rests no more)."""
+    def rest(self, rank: int | None, until: float, now: float) -> None:
+        """No request over the share for the class before `until`, at most MAX_REST_S after `now` (rank None: a
+        class a reload removed rests no more)."""
         if rank is not None:
-            self.rest_until[rank] = max(self.rest_until[rank], until)
+            self.rest_until[rank] = max(self.rest_until[rank], min(until, now + MAX_REST_S))
 
     def fits(self, rank: int, units: float, now: float) -> bool:
         """Room for this request now, before looking at who waits (see admits)."""

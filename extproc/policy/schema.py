@@ -265,7 +265,8 @@ class ClassSpec:
     min_share: float = doc("Under a pool-wide limit (`pools.<name>.limit`): the share of that limit this class "
                            "may always use, even while higher classes wait. A class holding nothing on the pool may "
                            "also run one request larger than its share, then rests in proportion, so that it holds "
-                           "its share on average (1% of the limit when its share is less): nothing starves.", 0.0,
+                           "its share on average (1% of the limit when its share is less; a minute's rest at "
+                           "most): nothing starves.", 0.0,
                            minimum=0,
                            maximum=1)
     early_reject: bool = doc("Refuse (or fall back) at arrival when the queue ahead, at the class's observed "

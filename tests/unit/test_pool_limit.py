@@ -86,6 +86,20 @@ def test_a_request_over_the_share_rests_its_class_so_it_holds_its_share_on_avera
     assert core.decide(req("batch")).kind == ACCEPT
 
 
+def test_a_class_rests_a_minute_at_most(clock):
+    # min_share 0.01 of 4 requests: one request is 25x the share. After 10 s it would owe 240 s; it rests 60.
+    core = AdmissionController(pool_policy(batch={"min_share": 0.01}), clock=clock)
+    for _ in range(4):
+        core.decide(req("interactive"))
+    assert core.decide(req("interactive")).kind == QUEUE
+    first = core.decide(req("batch"))
+    clock.advance(10)
+    core.finish(first.ticket, Outcome.OK)
+    assert core.gates["pool_a"].rest_until[1] == pytest.approx(clock() + 60)
+    clock.advance(60.1)
+    assert core.decide(req("batch")).kind == ACCEPT
+
+
 def test_a_request_over_the_share_taken_into_room_does_not_rest_its_class(clock):
     core = AdmissionController(pool_policy(batch={"min_share": 0.1}), clock=clock)
     first = core.decide(req("batch"))  # the pool is empty: room, not the guarantee
