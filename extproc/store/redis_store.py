@@ -303,7 +303,6 @@ class RedisStore:
                     await pubsub.aclose()
             await asyncio.sleep(1.0)
 
-
     def _deliver(self, msg: dict, reports: str | None, on_reports: Callable[[list[list]], None] | None) -> None:
         """One message to its handlers. A message they cannot take (anything a Redis user may publish, such as
         bytes that are not UTF-8) costs only itself: it used to drop the subscription for a second, and every
