@@ -100,8 +100,14 @@ def judge_slow(paces: list[TokenPace], now: float, ratio: float) -> list[TokenPa
     for pace, s, batch in seen:
         # The fastest of the others that ran at least as heavy a batch: slower than that is not the load's doing.
         heavier = [s2 for p2, s2, b2 in seen if p2 is not pace and not b2 * LOAD_SLACK < batch]
+        # Against one that ran a lighter batch, the gap over what that batch could cost if every token waited for
+        # all of it (pace in proportion to the batch, the most it costs): a slow replica holds its requests longer,
+        # so least request leaves it the heavier batch at low concurrency (2 to the fast one's 1 with three
+        # clients), and compared only with heavier ones it went unjudged.
+        lighter_gap = [s / s2 * b2 / batch for p2, s2, b2 in seen
+                       if p2 is not pace and b2 * LOAD_SLACK < batch and b2 > 0]
         if not pace.slow:
-            pace.relative = s / min(heavier) if heavier else 1.0
+            pace.relative = max(([s / min(heavier)] if heavier else []) + lighter_gap, default=1.0)
             if pace.relative > ratio and _set(pace, True):
                 changed.append(pace)
             continue

@@ -78,6 +78,17 @@ def test_paces_are_compared_only_where_the_batch_does_not_explain_the_gap():
     assert judge_slow([fast, slow], 41.0, 1.5) == [slow] and not slow.slow
 
 
+def test_a_slow_replica_holding_the_heavier_batch_is_still_judged():
+    # Least request at low concurrency leaves the slow replica, whose requests last longer, the heavier batch: 1.8
+    # to the fast one's 1.2 with three clients. 3x the pace is more than a batch 1.5x heavier can cost (1.5x at
+    # most), so it is slow; compared only with heavier replicas it went unjudged (a flaky integration test).
+    fast, slow = paced(0.005, running=1.2), paced(0.015, running=1.8)
+    assert judge_slow([fast, slow], 10.0, 1.5) == [slow] and abs(slow.relative - 2.0) < 1e-9
+    # A gap the batch explains is not slow: 1.4x the pace at a batch 1.5x heavier.
+    fast, busy = paced(0.005, running=1.2), paced(0.007, running=1.8)
+    assert judge_slow([fast, busy], 10.0, 1.5) == [] and not busy.slow
+
+
 def test_nothing_is_slow_with_the_rule_off_or_one_replica_to_compare():
     fast, slow = paced(0.010), paced(0.030)
     judge_slow([fast, slow], 10.0, 1.5)
