@@ -15,7 +15,8 @@ replicas of the long-prompt scenario (scenarios/kv-agents.yaml) read 1.5x apart;
 
 It also depends on the batch: every token of a step waits for the whole batch. Replicas are judged against each
 other only where the load cannot explain the gap: a replica is slow against one that ran at least as heavy a
-batch (the tokens' mean running requests over the window), and back only against one that ran no heavier. Once the SLO classes were sent away from a replica 2x slower by design (a
+batch (the tokens' mean running requests over the window), or against a lighter one by more than the batches'
+ratio, and back only against one that ran no heavier. Once the SLO classes were sent away from a replica 2x slower by design (a
 pool mixing GPU generations, scenarios/mixed-pool.yaml), it ran 2 requests to the fast one's 13 and read only 1.2x
 its pace: it was let back, took interactive again at a p99 of 2.5-4 s, and went slow again, back and forth through
 the spike. And a replica an autoscaler had just added, still lightly loaded, made the busy ones read 1.5x slower
