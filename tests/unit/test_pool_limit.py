@@ -67,14 +67,20 @@ def test_a_class_keeps_one_request_in_flight_whatever_waits_above_it(pcore):
     assert pcore.decide(req("batch")).kind == QUEUE
 
 
+def over_share(core, cls="batch"):
+    """Interactive fills the pool of 4 and waits; the class, holding nothing, then takes one request over its share
+    (its guarantee). Returns that decision."""
+    for _ in range(4):
+        core.decide(req("interactive"))
+    assert core.decide(req("interactive")).kind == QUEUE
+    return core.decide(req(cls))
+
+
 def test_a_request_over_the_share_rests_its_class_so_it_holds_its_share_on_average(clock):
     # min_share 0.1 of 4 requests: 0.4, so one batch request is 2.5x the share. Taken while interactive waits, it
     # runs 10 s; the class then takes nothing over its share for 10 x (2.5 - 1) = 15 s: 10 s in 25 on average.
     core = AdmissionController(pool_policy(batch={"min_share": 0.1}), clock=clock)
-    for _ in range(4):
-        core.decide(req("interactive"))
-    assert core.decide(req("interactive")).kind == QUEUE
-    first = core.decide(req("batch"))
+    first = over_share(core)
     assert first.kind == ACCEPT  # the class holds nothing: nothing starves
     clock.advance(10)
     core.finish(first.ticket, Outcome.OK)
@@ -89,10 +95,7 @@ def test_a_request_over_the_share_rests_its_class_so_it_holds_its_share_on_avera
 def test_a_class_rests_a_minute_at_most(clock):
     # min_share 0.01 of 4 requests: one request is 25x the share. After 10 s it would owe 240 s; it rests 60.
     core = AdmissionController(pool_policy(batch={"min_share": 0.01}), clock=clock)
-    for _ in range(4):
-        core.decide(req("interactive"))
-    assert core.decide(req("interactive")).kind == QUEUE
-    first = core.decide(req("batch"))
+    first = over_share(core)
     clock.advance(10)
     core.finish(first.ticket, Outcome.OK)
     assert core.gates["pool_a"].rest_until[1] == pytest.approx(clock() + 60)
@@ -572,18 +575,9 @@ def test_requests_a_stalled_replica_holds_do_not_hold_the_limit_shut():
     assert gate.stuck == 0.0 and gate.full(2.0)
 
 
-def over_share(core, cls="batch"):
-    """A class with min_share 0.1 of 4 runs one request over its share while interactive waits (10 s: 15 s of
-    rest)."""
-    for _ in range(4):
-        core.decide(req("interactive"))
-    assert core.decide(req("interactive")).kind == QUEUE
-    return core.decide(req(cls)).ticket
-
-
 def test_a_resting_request_of_a_class_a_reload_removed_ends_cleanly(clock):
     core = AdmissionController(pool_policy(internal={"min_share": 0.1}), clock=clock)
-    t = over_share(core, "internal")
+    t = over_share(core, "internal").ticket
     assert t.rest > 0
     core.apply(pool_policy(limit=6, order=("interactive", "batch")))  # a new gate; internal has no rank on it
     gate = core.gates["pool_a"]
@@ -596,7 +590,7 @@ def test_a_resting_request_of_a_class_a_reload_removed_ends_cleanly(clock):
 @pytest.mark.parametrize("order", [("interactive", "batch", "internal"), ("interactive", "internal", "batch")])
 def test_a_class_rests_across_a_reload_that_replaces_its_gate_under_its_new_rank(clock, order):
     core = AdmissionController(pool_policy(batch={"min_share": 0.1}), clock=clock)
-    t = over_share(core)
+    t = over_share(core).ticket
     clock.advance(10)
     core.finish(t, Outcome.OK)  # batch rests 15 s
     core.apply(pool_policy(limit=5, order=order, batch={"min_share": 0.1}))  # a new gate (limit spec changed)
@@ -613,10 +607,7 @@ def test_a_request_over_the_share_that_never_ran_does_not_rest_its_class(clock):
     # Its admission revoked (the shared store gave no global slot within its wait): nothing ran, nothing was held
     # of the replicas, so nothing is owed. It rested the class 1.5x the time it waited for the store.
     core = AdmissionController(pool_policy(batch={"min_share": 0.1}), clock=clock)
-    for _ in range(4):
-        core.decide(req("interactive"))
-    assert core.decide(req("interactive")).kind == QUEUE
-    d = core.decide(req("batch"))
+    d = over_share(core)
     assert d.ticket.rest > 0
     clock.advance(5)
     core.revoke(d, "queue_timeout", "no global slot")
