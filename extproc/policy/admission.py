@@ -709,8 +709,9 @@ class AdmissionController:
     def hold_pool(self, ticket: Ticket, gate, units: float) -> None:
         """The ticket holds `units` of its pool's limit (released with its slot)."""
         ticket.gate, ticket.units, ticket.rank = gate, units, ticket.limiter.rank
-        if ticket.rank and (self._higher_waits(gate, ticket.limiter) or not gate.room(ticket.rank, units)):
-            ticket.rest = gate.rest_after(ticket.rank, units)  # let in over its share: the class's guarantee
+        rest = gate.rest_after(ticket.rank, units)  # 0 for the first class and within the share: the usual case
+        if rest and (self._higher_waits(gate, ticket.limiter) or not gate.room(ticket.rank, units)):
+            ticket.rest = rest  # let in over its share while the pool is contended: the class's guarantee
         gate.take(ticket.rank, units, ticket.flow)
         gate.controller.admitted(ticket.rank, ticket.admitted_at)
 
