@@ -165,8 +165,9 @@ class Server:
         asyncio.get_running_loop().create_task(self.scrapers.configure(policy.pools))
 
     async def control(self) -> None:
-        """Adaptive caps move on their own interval; tick often enough that none waits long for its turn."""
-        await _every(0.1, self._tick, "control tick")
+        """Limits move on their own intervals; tick often enough that none waits long for its turn (the policy's
+        `tick_s`, which a reload may change)."""
+        await _every(lambda: self.core.tick_s, self._tick, "control tick")
 
     async def _tick(self) -> None:
         self.core.tick()
@@ -313,15 +314,17 @@ class _Signals:
             return False
 
 
-async def _every(seconds: float, step: Callable[[], Awaitable[None]], what: str) -> None:
-    """Run `step` every `seconds` until cancelled. A failed run is logged with its traceback and the next one goes
-    ahead: a background loop that died would stop its work (lease renewal, reaping, reloads) without a word."""
+async def _every(seconds: float | Callable[[], float], step: Callable[[], Awaitable[None]], what: str) -> None:
+    """Run `step` every `seconds` (or every `seconds()`, read before each wait) until cancelled. A failed run is
+    logged with its traceback and the next one goes ahead: a background loop that died would stop its work (lease
+    renewal, reaping, reloads) without a word."""
     while True:
-        await asyncio.sleep(seconds)
+        wait = seconds() if callable(seconds) else seconds
+        await asyncio.sleep(wait)
         try:
             await step()
         except Exception:
-            log.exception("%s failed; it runs again in %g s", what, seconds)
+            log.exception("%s failed; it runs again in %g s", what, wait)
 
 
 def _count(counter) -> int:

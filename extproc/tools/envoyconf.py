@@ -30,6 +30,16 @@ def load_source(path: Path = SOURCE) -> dict[str, Any]:
 Endpoint = tuple[str, int]
 
 
+def duration(seconds: float) -> str:
+    """A protobuf Duration string, at millisecond resolution (Envoy rejects more than 9 fractional digits)."""
+    return f"{max(seconds, 0.001):.3f}s"
+
+
+def seconds(text: str) -> float:
+    """A protobuf Duration string's seconds ("0.1s")."""
+    return float(text.removesuffix("s"))
+
+
 def cluster_names(base: dict[str, Any] | None = None) -> set[str]:
     """The model pools (clusters other than the ext_proc's) that envoy.yaml defines."""
     cfg = base if base is not None else load_source()
@@ -40,13 +50,16 @@ def render(base: dict[str, Any], *, listen_port: int, admin_port: int,
            extproc: Endpoint | list[Endpoint] | None, pools: dict[str, list[Endpoint]],
            listen_host: str = "127.0.0.1", mode: str = "extproc", lb_policy: str | None = None,
            adaptive: dict[str, Any] | None = None, health_check_interval_s: float | None = None,
-           failure_mode_allow: bool | None = None, workers: bool = False) -> dict[str, Any]:
+           failure_mode_allow: bool | None = None, workers: bool = False,
+           speed: float = 1.0) -> dict[str, Any]:
     """A copy of `base` with addresses replaced; everything else (filters, timeouts, limits) is kept as is.
 
     `extproc` is one ext_proc endpoint or several (instances behind the one `extproc` cluster, which Envoy
     health-checks and balances). `health_check_interval_s` applies to the pools' health checks only: the ext_proc
     cluster's (1 s) is what the drain on SIGTERM is sized against, and is rendered as shipped.
     `failure_mode_allow` overrides the ext_proc filter's (None keeps the file's): False is the fail-closed variant.
+    `speed`: the demo's time compression; the completion reports' flush interval is divided by it (they feed the
+    breakers and limits, whose own intervals the demo compresses in the policy).
     `workers`: the `extproc` endpoints are the workers of one `extproc serve --workers N`, in order: each worker
     gets its own access log, carrying only the requests it admitted (ticket header `<i>-<id>.<instance>`)."""
     if mode not in MODES:
@@ -90,6 +103,11 @@ def render(base: dict[str, Any], *, listen_port: int, admin_port: int,
                 if "route" in r:  # the default-deny 404 stays a 404
                     r["route"]["cluster"] = next(iter(pools))
                 r.pop("typed_per_filter_config", None)
+    if speed != 1.0 and mode == "extproc":
+        for log in hcm["access_log"]:
+            common = log["typed_config"].get("common_config", {})
+            if common.get("log_name") == "extproc" and "buffer_flush_interval" in common:
+                common["buffer_flush_interval"] = duration(seconds(common["buffer_flush_interval"]) / speed)
     if workers and mode == "extproc" and isinstance(extproc, list) and len(extproc) > 1:
         _access_log_per_worker(cfg, hcm, extproc)
     if failure_mode_allow is not None and mode == "extproc":

@@ -126,6 +126,7 @@ class Stack:
     extproc_args: list[str] = field(default_factory=list)
     extprocs: int = 1   # ext_proc instances behind Envoy's one `extproc` cluster (a rolling restart needs two)
     failure_mode_allow: bool | None = None  # override envoy.yaml's (False: fail closed)
+    speed: float = 1.0  # the demo's time compression (envoyconf.render's `speed`)
     processes: list[Process] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -184,7 +185,7 @@ class Stack:
         return envoyconf.render(envoyconf.load_source(), listen_port=self.listen_port, admin_port=self.admin_port,
                                 extproc=[("127.0.0.1", p) for p in self.grpc_ports], pools=self.pools, mode=self.mode,
                                 lb_policy=self.lb_policy, adaptive=self.adaptive, health_check_interval_s=1.0,
-                                failure_mode_allow=self.failure_mode_allow)
+                                failure_mode_allow=self.failure_mode_allow, speed=self.speed)
 
     def start_envoy(self) -> Process:
         path = self.workdir / "envoy.yaml"

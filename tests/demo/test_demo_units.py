@@ -2,10 +2,13 @@
 
 import pytest
 
+from extproc.policy.admission import tick_interval
 from extproc.policy.schema import load_policy_file
+from extproc.tools import envoyconf
 from extproc.tools.demo.modes import MODES, adaptive_knobs, parse_modes, render_policy, scale_durations, with_policies
 from extproc.tools.demo.results import window_stats
 from extproc.tools.demo.scenario import Scenario
+from extproc.tools.demo.whatif import TICK_S
 from extproc.tools.loadgen import RequestRecord
 
 SCENARIO = "scenarios/spike.yaml"
@@ -51,6 +54,21 @@ def test_demo_policies_validate_and_render_at_speed(tmp_path, name):
         assert pool.stall_ms == round(original.pools[pool_name].stall_ms / 5)
         assert pool.limit.interval_s == original.pools[pool_name].limit.interval_s / 5
     assert rendered.lease_ms == original.lease_ms  # a safety net, not a simulated duration
+
+
+def test_at_speed_the_ext_proc_ticks_and_hears_completions_as_the_what_if_does(tmp_path):
+    """The what-if ticks the core every 0.25 simulated s and hears every completion at once. At speed 5 the ext_proc
+    ticked every 0.1 wall s (0.5 simulated) and heard completions up to Envoy's 0.1 s flush (0.5 simulated) late:
+    both follow the speed now."""
+    rendered = load_policy_file(str(render_policy("policies/demo-full.yaml", 5.0, tmp_path / "p.yaml")))
+    assert tick_interval(rendered) * 5 == pytest.approx(TICK_S)
+    assert tick_interval(load_policy_file("policies/demo-full.yaml")) == 0.1  # as before, unscaled
+    cfg = envoyconf.render(envoyconf.load_source(), listen_port=1, admin_port=2, extproc=("127.0.0.1", 3),
+                           pools={"vllm_llama70b": [("127.0.0.1", 4)]}, speed=5.0)
+    flush = {log["typed_config"]["common_config"]["log_name"]: log["typed_config"]["common_config"]
+             ["buffer_flush_interval"] for log in cfg["static_resources"]["listeners"][0]["filter_chains"][0]
+             ["filters"][0]["typed_config"]["access_log"]}
+    assert flush == {"extproc": "0.020s", "extproc_unadmitted": "1s"}  # the count of unadmitted ones needs no hurry
 
 
 def test_adaptive_time_knobs_become_wall_clock_durations():

@@ -613,3 +613,14 @@ def test_a_request_over_the_share_that_never_ran_does_not_rest_its_class(clock):
     core.revoke(d, "queue_timeout", "no global slot")
     assert core.decide(req("interactive")).kind == QUEUE
     assert core.decide(req("batch")).kind == ACCEPT  # its guarantee holds at once
+
+
+def test_the_core_asks_to_be_ticked_at_half_its_quickest_limit_interval_within_bounds(clock):
+    core = AdmissionController(pool_policy(knobs={"interval_s": 0.1}), clock=clock)
+    assert core.tick_s == 0.05  # a move is at most half an interval late
+    core.apply(pool_policy(knobs={"interval_s": 0.05}))
+    assert core.tick_s == 0.025  # the floor: finer ticks cost more than they buy
+    core.apply(pool_policy(knobs={"interval_s": 5.0}))
+    assert core.tick_s == 0.1    # the ceiling: queue grants and the limit's in-flight samples still need it
+    core.apply(pool_policy(knobs={"enabled": False}))
+    assert core.tick_s == 0.1    # nothing moves by itself

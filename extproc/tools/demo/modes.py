@@ -9,6 +9,7 @@ from typing import Any
 import yaml
 
 from extproc.policy.schema import load_policy, read_policy_doc
+from extproc.tools.envoyconf import duration
 
 # Policy keys ending in _ms/_s are wall-clock durations for the ext_proc: the demo divides them by --speed. These
 # are not (or need not be) scaled: the lease is a safety net far above any request, Retry-After goes to clients.
@@ -129,14 +130,9 @@ def adaptive_knobs(knobs: dict[str, Any], speed: float) -> dict[str, Any]:
     """extproc.tools.envoyconf.adaptive_filter keyword arguments, durations converted to wall-clock seconds."""
     out = {k: v for k, v in knobs.items() if not k.endswith("_s")}
     if "min_rtt_fixed_s" in knobs:
-        out["min_rtt_fixed"] = _duration(knobs["min_rtt_fixed_s"] / speed)
+        out["min_rtt_fixed"] = duration(knobs["min_rtt_fixed_s"] / speed)
     if "min_rtt_interval_s" in knobs:
-        out["min_rtt_interval"] = _duration(knobs["min_rtt_interval_s"] / speed)
+        out["min_rtt_interval"] = duration(knobs["min_rtt_interval_s"] / speed)
     if "concurrency_update_interval_s" in knobs:
-        out["concurrency_update_interval"] = _duration(knobs["concurrency_update_interval_s"] / speed)
+        out["concurrency_update_interval"] = duration(knobs["concurrency_update_interval_s"] / speed)
     return out
-
-
-def _duration(seconds: float) -> str:
-    """A protobuf Duration string, at millisecond resolution (Envoy rejects more than 9 fractional digits)."""
-    return f"{max(seconds, 0.001):.3f}s"

@@ -92,7 +92,8 @@ def build_stack(mode: Mode, scenario: Scenario, settings: RunSettings) -> Stack:
     """A started stack for `mode`: the scenario's simulated pools, Envoy, and the ext_proc if the mode has one."""
     workdir = settings.workdir / f"mode-{mode.key}"
     adaptive = adaptive_knobs(mode.adaptive, settings.speed) if mode.stack_mode == "adaptive" else None
-    stack = Stack(workdir, {}, mode=mode.stack_mode, lb_policy=mode.lb_policy, adaptive=adaptive)
+    stack = Stack(workdir, {}, mode=mode.stack_mode, lb_policy=mode.lb_policy, adaptive=adaptive,
+                  speed=settings.speed)
     try:
         for i, pool in enumerate(scenario.pools):
             stack.pools[pool.name] = start_pool(stack, pool.name, pool.profile, pool.replicas, pool.model_names,

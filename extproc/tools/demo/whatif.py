@@ -35,7 +35,7 @@ from .scenario import Scenario
 
 # The schema's default header names (a mode without the ext_proc reads nothing by them).
 DEFAULT_HEADERS = HeaderNames(ClassifySpec().header, SessionSpec().header)
-TICK_S = 0.25  # simulated seconds between core.tick() calls (the ext_proc ticks every 0.1 wall s)
+TICK_S = 0.25  # simulated seconds between core.tick() calls (the ext_proc: every core.tick_s, at most 0.1 s)
 
 # Event kinds, in the order they run when due at the same instant.
 _ITERATION, _TIMEOUT, _TIMER, _FAULT = range(4)
