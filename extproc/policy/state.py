@@ -7,7 +7,7 @@ from typing import Callable, Iterable
 from .breakers import Breaker, ErrorBreaker, LatencyBreaker
 from .classify import ANONYMOUS, Classifier
 from .cost import CostModel
-from .limits import ClassLimiter, LimitFactory, Ticket, Waiter, default_limit
+from .limits import ClassLimiter, LimitFactory, StaticLimit, Ticket, Waiter, default_limit
 from .pool import PoolGate
 from . import served
 from .ratelimit import SessionBudgets, TenantLimits
@@ -51,10 +51,13 @@ class PolicyState:
         for name, spec in policy.classes.items():
             deg_spec = ClassSpec(max_concurrency=spec.fallback.max_concurrency or spec.max_concurrency,
                                  max_queue=0, max_wait_ms=0)
-            if name in self.degraded:
-                self.degraded[name].reconfigure(deg_spec)
-            else:
+            deg = self.degraded.get(name)
+            if deg is None:
                 self.degraded[name] = ClassLimiter(name, deg_spec)
+            else:  # reconfigure() keeps the limit for the limit algorithm to set: a degraded cap is static
+                deg.reconfigure(deg_spec)
+                deg.controller = StaticLimit(deg_spec.max_concurrency)
+                deg.limit = deg_spec.max_concurrency
         self.policy = policy
         self.classifier = Classifier(policy)
         self.clusters = {name: m.cluster for name, m in policy.models.items()}

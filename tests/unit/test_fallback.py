@@ -59,6 +59,21 @@ def test_degraded_capacity_is_bounded(clock):
     assert (d.kind, d.reason, d.status) == (REJECT, "degraded_capacity_full", 503)
 
 
+def test_a_reload_that_changes_the_degraded_capacity_applies_it(clock):
+    """fallback.max_concurrency (or the class cap it defaults to) edited on a reload: the degraded slots follow
+    (the degraded limiter kept the cap it was created with: raised, it still refused; lowered, it let more in)."""
+    core = AdmissionController(policy({"action": "degrade", "model": "small", "max_concurrency": 1}), clock=clock)
+    run_slow(core, clock, 5, 3.0)
+    held = core.decide(req())
+    assert held.kind == DEGRADE
+    core.apply(policy({"action": "degrade", "model": "small", "max_concurrency": 3}))
+    assert [core.decide(req()).kind for _ in range(3)] == [DEGRADE, DEGRADE, REJECT]
+    core.apply(policy({"action": "degrade", "model": "small"}, max_concurrency=2))  # the class cap, 2 < 3 held
+    assert core.degraded["interactive"].inflight == 3  # held slots stay held past the new cap
+    core.finish(held.ticket, Outcome.OK)
+    assert core.decide(req()).reason == "degraded_capacity_full"
+
+
 def test_canned_fallback(clock):
     core = AdmissionController(policy({"action": "canned", "status": 200, "message": "busy"}), clock=clock)
     run_slow(core, clock, 5, 3.0)
