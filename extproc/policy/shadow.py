@@ -73,8 +73,19 @@ class ShadowMode:
         if t is None:
             return False
         self.places.pop(t.id, None)
+        if d.ticket is not None:
+            self._hand_over(d.ticket, t)
         self.core.events.shadow(d.cls, d.kind, d.reason)
         return True
+
+    def _hand_over(self, held: Ticket, t: Ticket) -> None:
+        """The place's overflow took a degraded slot (on_overflow: fallback): the request already running in its
+        place holds it, as a degrade at arrival does (pass_through), and gives it back when it ends. Nobody
+        would ever finish `held` itself: its slot stayed taken until the lease ran out."""
+        self.core.tickets.pop(held.id, None)
+        held.closed = True
+        t.limiter, t.cost, t.holds_slot, t.flow = held.limiter, held.cost, True, held.flow
+        t.gate, t.units, t.rank, t.rest = held.gate, held.units, held.rank, held.rest
 
     def ended(self, ticket: Ticket) -> None:
         """The request ended while enforce mode would still have had it queued: its place goes too."""

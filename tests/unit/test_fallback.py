@@ -189,6 +189,22 @@ def test_shadow_per_class_only_affects_that_class(clock):
     assert [core.decide(req("batch")).kind for _ in range(2)] == [ACCEPT, REJECT]
 
 
+def test_in_shadow_a_place_that_times_out_into_the_fallback_frees_its_degraded_slot_when_the_request_ends(clock):
+    # The virtual place's overflow took a degraded slot for a request that already runs in its place: it was
+    # held by a ticket nobody finishes, so the class's degraded capacity leaked until the lease ran out.
+    core = AdmissionController(policy({"action": "degrade", "model": "small", "max_concurrency": 1},
+                                      on_overflow="fallback", shadow=True), clock=clock)
+    ds = [core.decide(req()) for _ in range(3)]  # 2 slots, the third waits in a virtual place
+    assert all(d.kind == ACCEPT for d in ds) and len(core.limiters["interactive"].queue) == 1
+    clock.advance(0.3)
+    core.reap()  # its place timed out: enforce mode would have degraded it
+    assert core.degraded["interactive"].inflight == 1
+    for d in ds:
+        core.finish(d.ticket, Outcome.OK)
+    assert core.degraded["interactive"].inflight == 0 and core.limiters["interactive"].inflight == 0
+    assert not core.tickets
+
+
 def test_a_degraded_answer_teaches_the_cost_model_nothing(clock):
     # A degrade clamps max_tokens (and may answer from another model): its short answer is the gateway's doing,
     # not how long the requested model answers. Learned, it drove the full model's output ratio down under
