@@ -145,6 +145,12 @@ class Breaker:
         elif self.state == HALF_OPEN and trickle and self._bad(sample):
             self._set(OPEN, now)
 
+    def take_state(self, old: Breaker | None) -> None:
+        """Go on from `old`'s open or half-open state (a reload rebuilt the breaker with new knobs): the new cooldown
+        or trickle period counts from when it began. Its window starts empty: the new knobs judge new samples."""
+        if old is not None and old.state != CLOSED:
+            self.state, self.since = old.state, old.since
+
     def reset(self, now: float) -> None:
         """Closed with an empty window: what tripped it has been dealt with another way (lower classes yielded)."""
         self._close(now)

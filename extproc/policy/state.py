@@ -18,7 +18,8 @@ class PolicyState:
     """The policy as running state. A reload keeps what must survive it: slots held under a limiter and what they
     hold of a pool's limit (its learned limit too, unless its unit or `initial` changed), learned cost
     coefficients (unless the model's profile changed), tenant buckets and session budgets (unless their spec
-    changed), breaker state (unless the class's breaker specs changed) and adaptive limits."""
+    changed), breaker state (a breaker whose specs changed is rebuilt, open or half-open if it was) and adaptive
+    limits."""
 
     def __init__(self, clock: Callable[[], float], on_breaker_change: Callable[[str, str, Breaker, str], None],
                  limit_factory: LimitFactory = default_limit,
@@ -73,8 +74,7 @@ class PolicyState:
                               for t in tenants if t.requests_per_minute or t.tokens_per_minute}
         if self.sessions is None or self.sessions.spec != policy.sessions:
             self.sessions = SessionBudgets(policy.sessions)
-        self.breakers = {key: bs for key, bs in self.breakers.items()
-                         if key[0] in policy.classes and self._breaker_specs(key[0]) == [b.spec for b in bs]}
+        self.breakers = {key: self._rebuilt(*key, bs) for key, bs in self.breakers.items() if key[0] in policy.classes}
         self.sheds, self.shed_by = {}, {}
         for protector, shed in policy.shed_map().items():
             self.sheds[protector] = [self.limiters[c] for c in shed]
@@ -204,6 +204,20 @@ class PolicyState:
         if spec.error_breaker.enabled:
             specs.append(spec.error_breaker)
         return specs
+
+    def _rebuilt(self, cls: str, pool: str, bs: list[Breaker]) -> list[Breaker]:
+        """A class's breakers on a pool under a reloaded policy: the same ones while their specs are unchanged,
+        else new ones, each open (or half-open) as the old one of its kind was. A reload that tunes a breaker
+        mid-incident (a longer cooldown_s) closed it, and sent the class's traffic back to the pool it kept it off."""
+        specs = self._breaker_specs(cls)
+        if specs == [b.spec for b in bs]:
+            return bs
+        old = {b.kind: b for b in bs}
+        new = [self._breaker(cls, pool, spec) for spec in specs]
+        for b in new:
+            b.take_state(old.get(b.kind))
+            self.on_breaker_created(cls, pool, b)
+        return new
 
     def pool_breakers(self, cls: str, pool: str) -> list[Breaker]:
         """The breakers of one class on one pool, created on first use."""

@@ -121,6 +121,22 @@ def test_error_breaker_trips_on_upstream_errors_but_not_on_client_aborts(clock):
     assert d.reason == "error_breaker_open"
 
 
+def test_a_reload_that_tunes_an_open_breaker_keeps_it_open(clock):
+    # Mid-incident an operator lengthens the cooldown (or gives the class an SLO): the rebuilt breakers started
+    # closed, and the reload sent the class's whole traffic back to the pool the breaker was keeping it off.
+    core = AdmissionController(policy(), clock=clock)
+    run_slow(core, clock, 4, 0.1, outcome=Outcome.UPSTREAM_ERROR)
+    assert core.decide(req()).reason == "error_breaker_open"
+    core.apply(policy(error_breaker={"min_requests": 4, "cooldown_s": 60}, slo_p95_ms=1500))
+    clock.advance(20)  # past the old cooldown, inside the new one
+    d = core.decide(req())
+    assert (d.kind, d.status, d.reason) == (REJECT, 503, "error_breaker_open")
+    assert [b.state for b in core.pool_breakers("interactive", "pool_a")] == ["closed", "open"]
+    clock.advance(41)  # the new cooldown, counted from when it opened: half-open
+    core.decide(req())
+    assert core.pool_breakers("interactive", "pool_a")[1].state == "half_open"
+
+
 def test_half_open_probes_pass_and_a_fast_probe_period_closes(clock):
     core = AdmissionController(policy(), clock=clock)
     run_slow(core, clock, 5, 3.0)
