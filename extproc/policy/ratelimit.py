@@ -138,6 +138,21 @@ class SessionBudgets:
         self.spec = spec
         self.sessions: OrderedDict[tuple[str, str], Session] = OrderedDict()
 
+    def carried_from(self, old: SessionBudgets | None, now: float) -> SessionBudgets:
+        """A reload changed the session knobs: the sessions go on, each with what it has in flight (its running
+        requests release against it) and what was left of its per-minute bucket (within the new capacity and debt
+        floor), so an edit does not hand every session a fresh budget."""
+        if old is None:
+            return self
+        rate = self.spec.gpu_seconds_per_minute
+        for key, s in old.sessions.items():
+            level = s.bucket.refill(now) if s.bucket is not None else None
+            s.bucket = TokenBucket(rate / 60.0, rate, now) if rate else None
+            if s.bucket is not None and level is not None:
+                s.bucket.level = max(-s.bucket.capacity, min(s.bucket.capacity, level))
+            self.sessions[key] = s
+        return self
+
     @property
     def enabled(self) -> bool:
         return bool(self.spec.max_inflight_gpu_seconds or self.spec.gpu_seconds_per_minute)

@@ -17,9 +17,9 @@ from .schema import ClassSpec, Policy
 class PolicyState:
     """The policy as running state. A reload keeps what must survive it: slots held under a limiter and what they
     hold of a pool's limit (its learned limit too, unless its unit or `initial` changed), learned cost
-    coefficients (unless the model's profile changed), tenant buckets and session budgets (unless their spec
-    changed), breaker state (a breaker whose specs changed is rebuilt, open or half-open if it was) and adaptive
-    limits."""
+    coefficients (unless the model's profile changed), tenant buckets and session budgets (what is left of them,
+    within a changed spec), breaker state (a breaker whose specs changed is rebuilt, open or half-open if it was)
+    and adaptive limits."""
 
     def __init__(self, clock: Callable[[], float], on_breaker_change: Callable[[str, str, Breaker, str], None],
                  limit_factory: LimitFactory = default_limit,
@@ -73,7 +73,7 @@ class PolicyState:
                               TenantLimits(t, now).carried_from(self.tenant_limits.get(t.name), now)
                               for t in tenants if t.requests_per_minute or t.tokens_per_minute}
         if self.sessions is None or self.sessions.spec != policy.sessions:
-            self.sessions = SessionBudgets(policy.sessions)
+            self.sessions = SessionBudgets(policy.sessions).carried_from(self.sessions, now)
         self.breakers = {key: self._rebuilt(*key, bs) for key, bs in self.breakers.items() if key[0] in policy.classes}
         self.sheds, self.shed_by = {}, {}
         for protector, shed in policy.shed_map().items():

@@ -343,6 +343,30 @@ def test_a_session_shares_one_in_flight_budget_and_others_are_unaffected(clock):
     assert core.decide(facts(4000, 200, api_key="ka", header_class="batch", session_id="s1")).kind == ACCEPT
 
 
+def test_a_reload_that_changes_the_session_knobs_keeps_what_each_session_has_in_flight_and_left(clock):
+    # A new SessionBudgets forgot every session: each one's running GPU-seconds (its in-flight budget let a full
+    # budget more in at once) and what it had spent of its per-minute bucket (a fresh minute's worth each).
+    def policy(**sessions):
+        return make_policy(classes={"batch": {"max_concurrency": 100}}, default_class="batch", shed={},
+                           tenants=[{"name": "a", "api_keys": ["ka"]}], sessions=sessions,
+                           models={"llama": {"cluster": "x", "cost": {"prefill_s_per_1k_tokens": 0.1,
+                                                                      "decode_s_per_token": 0.001}}})
+
+    # Each request: 0.3 GPU-s. At most 1.0 in flight, 1.1 a minute.
+    core = AdmissionController(policy(max_inflight_gpu_seconds=1.0, gpu_seconds_per_minute=1.1), clock=clock)
+    agent = [core.decide(facts(4000, 200, api_key="ka", header_class="batch", session_id="s1")) for _ in range(4)]
+    assert [d.kind for d in agent] == [ACCEPT] * 3 + [REJECT]
+    core.apply(policy(max_inflight_gpu_seconds=1.0, gpu_seconds_per_minute=1.1, max_sessions=50_000))
+    assert core.decide(facts(4000, 200, api_key="ka", header_class="batch", session_id="s1")).reason \
+        == "session_inflight_budget"
+    for d in agent[:3]:
+        core.finish(d.ticket, Outcome.OK)  # released against the session that holds them
+    assert core.sessions.sessions[("a", "s1")].inflight_gpu_s == 0.0
+    core.apply(policy(gpu_seconds_per_minute=1.1))  # no in-flight budget now; 0.9 of the minute's 1.1 spent
+    assert core.decide(facts(4000, 200, api_key="ka", header_class="batch", session_id="s1")).reason \
+        == "session_gpu_seconds_per_minute"
+
+
 def test_session_table_is_bounded():
     core = AdmissionController(make_policy(sessions={"max_inflight_gpu_seconds": 1.0, "max_sessions": 10},
                                            classes={"batch": {"max_concurrency": 100}}, default_class="batch",
