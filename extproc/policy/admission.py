@@ -946,6 +946,10 @@ class AdmissionController:
         for lim in self._retired:
             out.setdefault(lim.name, {"inflight": lim.running, "queue": lim.reserved, "limit": 0,
                                       "inflight_cost": lim.running_cost, "degraded_inflight": 0})
+        for name, deg in self.degraded.items():  # a removed class's degraded requests run on until they end too
+            if name not in self.limiters and deg.inflight:
+                out.setdefault(name, {"inflight": 0, "queue": 0, "limit": 0, "inflight_cost": 0.0})
+                out[name]["degraded_inflight"] = deg.inflight
         return out
 
 

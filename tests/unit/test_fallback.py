@@ -74,6 +74,19 @@ def test_a_reload_that_changes_the_degraded_capacity_applies_it(clock):
     assert core.decide(req()).reason == "degraded_capacity_full"
 
 
+def test_a_removed_class_shows_its_degraded_requests_until_they_end(clock):
+    # The snapshot listed a removed class only for its own slots, with degraded_inflight 0: its degraded requests
+    # still running were gone from extproc_degraded_inflight (or read 0 beside its running ones).
+    core = AdmissionController(policy({"action": "degrade", "model": "small"}), clock=clock)
+    run_slow(core, clock, 5, 3.0)
+    degraded = core.decide(req())
+    assert degraded.kind == DEGRADE
+    core.apply(make_policy(classes={"batch": {"max_concurrency": 2}}, default_class="batch", tenants=[]))
+    assert core.snapshot()["interactive"]["degraded_inflight"] == 1
+    core.finish(degraded.ticket, Outcome.OK)
+    assert "interactive" not in core.snapshot()
+
+
 def test_canned_fallback(clock):
     core = AdmissionController(policy({"action": "canned", "status": 200, "message": "busy"}), clock=clock)
     run_slow(core, clock, 5, 3.0)
