@@ -117,14 +117,21 @@ class PolicyState:
     def move_pool_holds(self, tickets: Iterable[Ticket], ended: Iterable[Ticket]) -> None:
         """Nothing in flight is lost on a reload: what open `tickets` hold of a gate the reload replaced moves to
         the pool's new gate (in its unit, at the class's rank there), and so do the waiters' places: the limit
-        holds across the reload and each ticket ends on the gate that holds it. Tickets that `ended` but are not
-        accounted yet follow too, so their latency teaches the new gate."""
+        holds across the reload and each ticket ends on the gate that holds it; a limit turned on counts what
+        already runs on its pool. Tickets that `ended` but are not accounted yet follow too, so their latency
+        teaches the new gate."""
         for t in tickets:
             if t.gate is not None and self.gates.get(t.gate.name) is not t.gate:
                 t.gate.give_back(t.rank, t.units, t.flow)
                 t.gate, t.rank, t.units = self._moved(t.gate, t.cls, t.units, t.charge)
                 if t.gate is not None:
                     t.gate.take(t.rank, t.units, t.flow)
+            elif t.gate is None and t.holds_slot and t.pool in self.gates:
+                # A limit turned on over requests already running on its pool: they hold it too, or it would let
+                # a whole limit more onto a pool that is likely why it was turned on.
+                gate = t.gate = self.gates[t.pool]
+                t.rank, t.units = gate.rank_of(t.cls), self._units(gate, None, 0.0, t.charge)
+                gate.take(t.rank, t.units, t.flow)
         for t in ended:
             if t.gate is not None and self.gates.get(t.gate.name) is not t.gate:
                 t.gate, t.rank, t.units = self._moved(t.gate, t.cls, t.units, t.charge)

@@ -240,6 +240,28 @@ def test_a_class_removed_on_a_reload_holds_the_pool_until_its_requests_end(pcore
     assert held(pcore) == (2, [2, 0], [0, 0])
 
 
+def test_a_limit_turned_on_by_a_reload_counts_the_requests_already_running_on_the_pool(clock):
+    # The operator enables the pool limit (or turns it back on) during an overload: the requests running had no
+    # gate to hold, so the new one started empty and let a whole limit more onto the pool on top of them.
+    unlimited = make_policy(classes={name: {**BIG, "max_wait_ms": 5000} for name in ("interactive", "batch",
+                                                                                    "internal")}, shed={})
+    core = AdmissionController(unlimited, clock=clock)
+    running = [core.decide(req("interactive")).ticket for _ in range(4)]
+    elsewhere = core.decide(req("batch", model="small")).ticket  # on another pool: not this limit's
+    core.apply(pool_policy(limit=4))
+    assert held(core) == (4, [4, 0, 0], [0, 0, 0])
+    fifth = core.decide(req("interactive"))
+    assert fifth.kind == QUEUE
+    core.apply(unlimited)
+    assert fifth.waiter.result.kind == ACCEPT  # no pool limit: the class has room
+    core.apply(pool_policy(limit=4))  # and on again
+    assert held(core) == (5, [5, 0, 0], [0, 0, 0])
+    assert core.decide(req("interactive")).kind == QUEUE
+    for t in running + [elsewhere]:
+        core.finish(t, Outcome.OK)
+    assert held(core) == (2, [2, 0, 0], [0, 0, 0])  # the fifth, and the sixth granted as the first four ended
+
+
 def test_the_limit_learned_survives_a_reload_of_its_knobs_within_the_new_bounds(clock):
     core = AdmissionController(pool_policy(limit=10), clock=clock)
     gate = core.gates["pool_a"]
