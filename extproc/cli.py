@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 # name -> (module, help). Each module defines add_arguments(parser) and run(args) -> int.
@@ -35,6 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if argv and argv[0] in SUBCOMMANDS:
+        if argv[0] == "serve":
+            # SIGHUP asks the server to reload, but its default action ends the process: one sent while it
+            # starts (a reload script racing a restart) killed it without a word. Ignored until the server's
+            # event loop takes it over; a file changed meanwhile is reloaded then (Server.run).
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
         module = importlib.import_module(SUBCOMMANDS[argv[0]][0])
         p = argparse.ArgumentParser(prog=f"extproc {argv[0]}", description=SUBCOMMANDS[argv[0]][1])
         module.add_arguments(p)

@@ -220,6 +220,8 @@ class Server:
         loop = asyncio.get_running_loop()
         signals = _Signals()
         loop.add_signal_handler(signal.SIGHUP, self.start_reload)
+        if _mtime(self.policy_path) != self._mtime:  # changed while it started: a SIGHUP then was ignored (cli)
+            self.start_reload()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, signals.received)
         housekeeping = asyncio.create_task(self.housekeeping())

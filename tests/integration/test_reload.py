@@ -6,10 +6,15 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
+import time
+import urllib.request
 
 import aiohttp
 import yaml
 
+from extproc.tools.stack import free_port, wait_http
 from tests.conftest import policy_file, until
 
 from .helpers import chat, equals, healthz, metrics, post, reloads, sample, wait_idle
@@ -78,3 +83,28 @@ async def test_in_flight_requests_keep_their_slots_when_caps_shrink(make_stack, 
         snap = await wait_idle(http, s.metrics_url)
         assert snap["interactive"]["inflight"] == 0  # released against their class exactly once
         assert (await post(http, s.url, chat()))[0] == 200
+
+
+def test_a_sighup_while_the_server_starts_is_a_reload_not_its_end(tmp_path):
+    # SIGHUP's default action ends a process: one sent before the event loop took it over (a reload script racing
+    # a restart) killed `extproc serve` without a line of log, and Envoy let traffic through unadmitted meanwhile.
+    path = policy_file(tmp_path)
+    metrics_port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "extproc.cli", "serve", "--policy", str(path), "--grpc",
+                             f"127.0.0.1:{free_port()}", "--metrics", f"127.0.0.1:{metrics_port}",
+                             "--watch-interval", "0", "--drain-s", "0"], start_new_session=True)
+    try:
+        time.sleep(0.2)  # importing its modules
+        rewrite(path, interactive={"max_concurrency": 7})
+        proc.send_signal(signal.SIGHUP)
+        wait_http(f"http://127.0.0.1:{metrics_port}/healthz", timeout=30, proc=proc)
+
+        def limit() -> int:
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/healthz") as r:
+                return json.load(r)["classes"]["interactive"]["limit"]
+
+        assert asyncio.run(until(limit, holds=lambda v: v == 7)) == 7  # the edit it was told of, applied
+        assert proc.poll() is None
+    finally:
+        proc.terminate()
+        proc.wait(30)
