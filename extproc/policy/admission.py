@@ -450,10 +450,11 @@ class AdmissionController:
         get, not what it asked for. An unsampled stream's charge is never corrected from usage, so its tenant paid
         for tokens the gateway itself cut. What a queued request prepaid for the difference is given back."""
         est = charge.estimate
-        if not est.max_tokens or est.max_tokens <= max_tokens * est.sequences:
+        model = self.cost_models.get(charge.model)  # None: a reload removed (or renamed) it while it was queued
+        if model is None or not est.max_tokens or est.max_tokens <= max_tokens * est.sequences:
             return
-        clamped = self.cost_models[charge.model].estimate(est.prompt_tokens, max_tokens, est.sequences,
-                                                          prompts=est.prompts, min_output=est.min_output)
+        clamped = model.estimate(est.prompt_tokens, max_tokens, est.sequences, prompts=est.prompts,
+                                 min_output=est.min_output)
         tokens = charge.tokens_for(clamped)
         if charge.prepaid:
             if charge.tenant is not None:

@@ -108,3 +108,32 @@ def test_a_sighup_while_the_server_starts_is_a_reload_not_its_end(tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+async def test_a_request_queued_for_a_model_a_reload_renamed_still_gets_its_fallback(make_stack, tmp_path, upstream):
+    # Its wait ended in a degrade that clamps max_tokens, re-estimated with the cost model of a model the reload
+    # had renamed: the ext_proc stream failed and the client that had waited got a 500.
+    path = policy_file(tmp_path)
+    data = yaml.safe_load(path.read_text())
+    data["classes"]["interactive"].update({"max_concurrency": 1, "max_queue": 1, "max_wait_ms": 1000,
+                                           "on_overflow": "fallback", "fallback": {
+                                               "action": "degrade", "model": "llama-8b", "max_tokens": 2}})
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    s = make_stack(path, extproc_args=["--watch-interval", "0"])
+    async with aiohttp.ClientSession() as http:
+        slow = {"x-test-delay-ms": "2500"}
+        running = asyncio.create_task(post(http, s.url, chat(max_tokens=50), slow))
+        assert (await until(lambda: healthz(http, s.metrics_url),
+                            holds=lambda h: h["classes"]["interactive"]["inflight"] == 1))
+        queued = asyncio.create_task(post(http, s.url, chat(max_tokens=50), slow))
+        assert (await until(lambda: healthz(http, s.metrics_url),
+                            holds=lambda h: h["classes"]["interactive"]["queue"] == 1))
+        data["models"] = {"llama-70b-v2" if k == "llama-70b" else k: m for k, m in data["models"].items()}
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        os.kill(s.process("extproc").popen.pid, signal.SIGHUP)
+        status, headers, _ = await queued
+        assert status == 200 and "reason=queue_timeout" in headers["x-extproc-degraded"]
+        assert (await running)[0] == 200
+        snap = await wait_idle(http, s.metrics_url)
+        assert snap["interactive"]["inflight"] == snap["interactive"]["degraded_inflight"] == 0
+        assert (await healthz(http, s.metrics_url))["stream_errors"] == 0

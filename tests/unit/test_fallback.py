@@ -234,6 +234,29 @@ def test_in_shadow_a_place_that_times_out_into_the_fallback_frees_its_degraded_s
     assert not core.tickets
 
 
+def test_a_queued_request_whose_model_a_reload_renamed_still_takes_its_clamping_fallback(clock):
+    # The clamp re-estimated the request with its model's cost model, gone from the reloaded policy: a KeyError
+    # in the timeout, and through Envoy a 500 and a stream error for the client that had waited.
+    def renamed(name):
+        return make_policy(classes={"interactive": {"max_concurrency": 1, "max_queue": 1, "max_wait_ms": 200,
+                                                    "on_overflow": "fallback", "fallback": {
+                                                        "action": "degrade", "model": "small", "max_tokens": 8}}},
+                           models={name: {"cluster": "pool_a"}, "small": {"cluster": "pool_b"}}, tenants=[])
+
+    core = AdmissionController(renamed("llama"), clock=clock)
+    running = core.decide(RequestFacts(model="llama", max_tokens=500))
+    queued = core.decide(RequestFacts(model="llama", max_tokens=500))
+    core.apply(renamed("llama-3"))
+    clock.advance(0.3)
+    core.reap()
+    d = queued.waiter.result
+    assert (d.kind, d.reason, d.cluster) == (DEGRADE, "queue_timeout", "pool_b")
+    assert d.charge.estimate.max_tokens == 500  # no cost model left to re-estimate it with: it stands
+    for t in (running.ticket, d.ticket):
+        core.finish(t, Outcome.OK)
+    assert not core.tickets
+
+
 def test_a_degraded_answer_teaches_the_cost_model_nothing(clock):
     # A degrade clamps max_tokens (and may answer from another model): its short answer is the gateway's doing,
     # not how long the requested model answers. Learned, it drove the full model's output ratio down under
