@@ -162,7 +162,11 @@ class Server:
             self.shared.apply(policy)
         else:
             self.core.apply(policy)
-        asyncio.get_running_loop().create_task(self.scrapers.configure(policy.pools))
+        # Held like the reload tasks: the loop keeps only a weak reference to a task, so one nobody holds may be
+        # collected before it has reconfigured the scrapers.
+        task = asyncio.get_running_loop().create_task(self.scrapers.configure(policy.pools))
+        self._reload_tasks.add(task)
+        task.add_done_callback(self._reload_tasks.discard)
 
     async def control(self) -> None:
         """Limits move on their own intervals; tick often enough that none waits long for its turn (the policy's

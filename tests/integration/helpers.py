@@ -56,12 +56,14 @@ async def sample_once(session, metrics_url: str, name: str, expected: float, tim
 
 
 async def wait_idle(session, metrics_url: str, timeout: float = 2.0) -> dict:
-    """Poll until no class has requests in flight or queued; return the last snapshot."""
+    """Poll until no class has requests in flight (its own or degraded) or queued; return the last snapshot. (A
+    client has its answer a moment before Envoy ends the ext_proc's stream, which frees the slot.)"""
     async def classes() -> dict:
         return (await healthz(session, metrics_url))["classes"]
 
     return await until(classes, timeout, interval=0.02,
-                       holds=lambda snap: all(c["inflight"] == 0 and c["queue"] == 0 for c in snap.values()))
+                       holds=lambda snap: all(c["inflight"] == 0 and c["queue"] == 0 and
+                                              c.get("degraded_inflight", 0) == 0 for c in snap.values()))
 
 
 async def upstream_stats(session, upstream: tuple[str, int]) -> dict:
