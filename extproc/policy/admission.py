@@ -88,6 +88,8 @@ class AdmissionController:
         now = self.clock()
         for lim in removed:
             self._retire(lim, now)
+        if not policy.anonymous.allow:
+            self._refuse_revoked(now)
         for lim in self.limiters.values():
             self._grant(lim, now)  # a raised cap may admit waiters at once
 
@@ -140,6 +142,18 @@ class AdmissionController:
             self._resolve(w, self._reject(w, 503, R_CLASS_REMOVED, say(R_CLASS_REMOVED, cls=lim.name), now))
         if lim.inflight:
             self._retired.append(lim)
+
+    def _refuse_revoked(self, now: float) -> None:
+        """Queued requests of a tenant the reload removed get the 401 of a key nobody owns, as they would now at
+        arrival: a revoked key is not served from the queue it waited in (found by a reload audit: they were
+        admitted when a slot freed). Those already running finish, as in a removed class."""
+        known = {t.name for t in self.policy.tenants}
+        for lim in self.limiters.values():
+            for w in [w for w in lim.queue if w.tenant != ANONYMOUS and w.tenant not in known]:
+                lim.queue.remove(w)
+                self._dequeue(w)
+                self._resolve(w, Refusal(INVALID, R_INVALID_KEY, lim.name, w.tenant, 401, say(R_INVALID_KEY),
+                                         waited_s=now - w.enqueued_at, cluster=w.pool))
 
     def _breaker_created(self, cls: str, pool: str, breaker: Breaker) -> None:
         self.events.breaker_created(cls, pool, breaker)

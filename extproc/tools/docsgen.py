@@ -28,7 +28,9 @@ Every key of the policy YAML (`extproc serve --policy FILE`), its type, default 
 `extproc check --envoy envoy/envoy.yaml FILE` also refuses a model whose `cluster` that Envoy config lacks.
 The ext_proc reloads the file on change or SIGHUP; an invalid file is refused and the running policy stays. An
 applied reload logs what it changed (`policy reloaded from FILE: classes -internal; classes.interactive.max_concurrency
-48 -> 24`).
+48 -> 24`). Requests in flight finish under the policy that admitted them, holding their slots; queued ones keep
+waiting, except those of a removed class (503 `class_removed`) and, when `anonymous.allow` is false, those of a
+removed tenant (401 `invalid_api_key`, as their key now gets at arrival).
 
 In key paths, `<name>` stands for a key you choose (a class or model name) and `[]` for a list item.
 """

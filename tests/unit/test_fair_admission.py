@@ -185,6 +185,24 @@ def test_a_reload_that_removes_a_tenant_under_load_leaves_every_tenant_gauge_at_
     assert {label: (st.inflight, st.waiting) for label, st in q.stats.items() if st.inflight or st.waiting} == {}
 
 
+@pytest.mark.parametrize("allow_anonymous", [False, True])
+def test_a_tenant_removed_while_its_requests_wait_is_not_served_from_the_queue_when_keys_are_required(
+        clock, allow_anonymous):
+    core = AdmissionController(policy(anonymous={"allow": allow_anonymous}), clock=clock)
+    running = [ask(core, "a"), ask(core, "b")]
+    revoked, kept = ask(core, "c"), ask(core, "a")
+    assert revoked.kind == kept.kind == QUEUE
+    core.apply(policy(tenants=TENANTS[:2], anonymous={"allow": allow_anonymous}))
+    if allow_anonymous:  # the key's requests are anonymous ones now: nothing to refuse
+        assert revoked.waiter.pending
+        return
+    assert (revoked.waiter.result.status, revoked.waiter.result.reason) == (401, "invalid_api_key")
+    assert kept.waiter.pending
+    core.finish(running[0].ticket, Outcome.OK)
+    assert kept.waiter.result.kind == ACCEPT  # the freed slot goes to a tenant that still exists
+    assert core.limiters["interactive"].queue.stats["c"].waiting == 0
+
+
 def test_a_full_queue_gives_the_flooding_tenants_last_place_to_a_tenant_with_fewer_waiting(clock):
     core = AdmissionController(make_policy(
         classes={"interactive": {"max_concurrency": 1, "max_queue": 2, "max_wait_ms": 1000,
