@@ -314,6 +314,15 @@ Other Authorization schemes (Basic, ...) carry no key for us."""),
            """\
 **401.** The request carries two different keys (two `Authorization` headers, which Envoy joins with a comma, or a
 Bearer key and a different `api-key`). Send one."""),
+    Reason("request_not_sent", "Invalid requests (400, 401, 404, 405, 413, 415, 500)", 500, NO_RETRY,
+           (
+            "The gateway is configured not to show this request's {part} to the admission service "
+            "({setting}), so it cannot be admitted; it was not forwarded. Report it to the gateway's operator."),
+           """\
+**500.** Envoy's ext_proc filter, on this route, does not send the request headers and the whole buffered body
+(a route's `typed_per_filter_config` that overrides `processing_mode`, or the filter's own mode): the ext_proc
+decides on both, and without them the request would reach a replica unadmitted. Fix the route or the filter
+(`request_header_mode: SEND`, `request_body_mode: BUFFERED`; `extproc check --envoy` flags it)."""),
     Reason("admission_error", "Invalid requests (400, 401, 404, 405, 413, 415, 500)", 500, NO_RETRY,
            (
             "The admission service failed on this request; it was not forwarded. Retrying may help; "
@@ -360,6 +369,7 @@ R_UNSUPPORTED_ENCODING = "unsupported_content_encoding"
 R_METHOD_NOT_ALLOWED = "method_not_allowed"
 R_UNSUPPORTED_ENDPOINT = "unsupported_endpoint"
 R_ADMISSION_ERROR = "admission_error"
+R_REQUEST_NOT_SENT = "request_not_sent"
 
 
 _TEMPLATES = {code: r.message.format for code, r in REASONS.items()}

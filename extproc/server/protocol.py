@@ -109,6 +109,15 @@ def read_request_headers(msg: pb.HttpHeaders, names: HeaderNames) -> RequestHead
     return head
 
 
+def unbuffered_body_mode(req: pb.ProcessingRequest) -> str | None:
+    """The request body mode Envoy reports on a stream's first message, when it is not BUFFERED (None: buffered, or
+    not reported, as older Envoys do not). A route's per-filter override can change it."""
+    if not req.HasField("protocol_config"):
+        return None
+    mode = req.protocol_config.request_body_mode
+    return None if mode == _Mode.BUFFERED else _Mode.BodySendMode.Name(mode)
+
+
 def deadline_ms(raw: bytes) -> float | None:
     """A deadline header's value: milliseconds from arrival; anything but a finite number >= 0 is ignored."""
     try:

@@ -11,7 +11,7 @@ from ..policy.admission import AdmissionController, Canned, Decision, Degrade, Q
 from ..policy.classify import ConflictingKeys, presented_key
 from ..policy.limits import Outcome, Ticket
 from ..policy.reasons import (R_BODIES_PENDING, R_BODY_TOO_LARGE, R_CONFLICTING_KEYS, R_METHOD_NOT_ALLOWED,
-                              R_UNKNOWN_URL, R_UNSUPPORTED_ENCODING, R_UNSUPPORTED_ENDPOINT, say)
+                              R_REQUEST_NOT_SENT, R_UNKNOWN_URL, R_UNSUPPORTED_ENCODING, R_UNSUPPORTED_ENDPOINT, say)
 from ..policy.schema import Policy
 from ..store.shared_slots import SharedSlots
 from . import protocol
@@ -176,6 +176,10 @@ class Stream:
 
     def receive(self, req: pb.ProcessingRequest) -> Answer | FinalAdmission:
         name = req.WhichOneof("request")
+        if self.phase is Phase.HEADERS:  # the first message says what Envoy will send us of this request
+            mode = protocol.unbuffered_body_mode(req)
+            if mode is not None:
+                return self._not_sent("body", f"request_body_mode {mode}")
         handler = self._handlers.get(name)
         if handler is None:
             return CONTINUE[name]  # nothing to decide in this phase
@@ -251,6 +255,17 @@ class Stream:
         if self.usage is None and not self.processor.may_restream(policy):
             return CONTINUE["request_headers"]
         return protocol.LEARN_HEADERS
+
+    def _headless(self, msg: object) -> Answer:
+        return self._not_sent("headers", "request_header_mode SKIP")
+
+    def _not_sent(self, part: str, setting: str) -> Answer:
+        """A route that overrides the ext_proc's processing mode (typed_per_filter_config) can keep the headers
+        or the whole body from us; answered `continue`, Envoy would send the request upstream undecided."""
+        if self.request is None:
+            self.request = ParsedRequest(RequestFacts(), self.processor.core.clock())
+        return self._refuse(BadRequest(say(R_REQUEST_NOT_SENT, part=part, setting=setting),
+                                       code=R_REQUEST_NOT_SENT, status=500))
 
     def _on_request_body(self, msg: pb.HttpBody) -> Answer | FinalAdmission:
         p = self.processor
@@ -439,7 +454,9 @@ _NO_MESSAGES = dict.fromkeys(("request_headers", "request_body", "request_traile
 # What each message does in each phase; a message not listed is answered CONTINUE (of its own phase) and
 # changes nothing.
 TRANSITIONS: dict[Phase, dict[str, Handler]] = {
-    Phase.HEADERS: {"request_headers": Stream._on_request_headers},    # -> BODY, or ANSWERED (refused)
+    Phase.HEADERS: {"request_headers": Stream._on_request_headers,     # -> BODY, or ANSWERED (refused)
+                    "request_body": Stream._headless,                  # -> ANSWERED (headers not sent)
+                    "request_trailers": Stream._headless},
     Phase.BODY: {"request_body": Stream._on_request_body,              # -> FORWARDING, ANSWERED or ADMITTING
                  "request_trailers": Stream._on_request_trailers},     # -> ANSWERED (no body came)
     Phase.ADMITTING: _NO_MESSAGES,                                     # admitted() -> FORWARDING or ANSWERED

@@ -210,11 +210,36 @@ def test_a_second_headers_message_is_continued_and_changes_nothing(clock):
 
 # --- request body ---
 
-def test_a_body_before_the_headers_is_continued_and_decides_nothing(clock):
+@pytest.mark.parametrize("message", [request_body(), REQUEST_TRAILERS])
+def test_a_body_or_trailers_without_headers_are_refused_not_continued(clock, message):
+    # request_header_mode SKIP (a route's typed_per_filter_config override): a CONTINUE sent the request
+    # upstream undecided (found by an infra-team audit of envoy.yaml edits, through Envoy 1.40)
     p = processor(clock)
     s = Stream(p)
-    assert s.receive(request_body()) is CONTINUE["request_body"]
-    assert s.phase is Phase.HEADERS and inflight(p) == 0
+    answer = s.receive(message)
+    assert immediate_status(answer) == 500 and s.phase is Phase.ANSWERED and inflight(p) == 0
+    assert json.loads(answer.immediate_response.body)["error"]["code"] == "request_not_sent"
+
+
+@pytest.mark.parametrize("mode", ["NONE", "STREAMED", "BUFFERED_PARTIAL"])
+def test_a_stream_whose_body_is_not_sent_buffered_is_refused_at_its_headers(clock, mode):
+    # Envoy reports the route's body mode on the first message; with NONE the request went upstream undecided
+    Mode = protocol._Mode
+    req = request_headers()
+    req.protocol_config.request_body_mode = Mode.BodySendMode.Value(mode)
+    p = processor(clock)
+    s = Stream(p)
+    answer = s.receive(req)
+    assert immediate_status(answer) == 500 and s.phase is Phase.ANSWERED and p.pending_bodies == 0
+    assert f"request_body_mode {mode}" in json.loads(answer.immediate_response.body)["error"]["message"]
+
+
+def test_a_stream_reported_buffered_is_decided_as_usual(clock):
+    req = request_headers()
+    req.protocol_config.request_body_mode = protocol._Mode.BUFFERED
+    s = Stream(processor(clock))
+    assert s.receive(req) is CONTINUE["request_headers"]
+    assert s.receive(request_body()) is not None and s.phase is Phase.FORWARDING
 
 
 def test_a_body_with_a_free_slot_is_forwarded_to_its_pool(clock):
