@@ -6,24 +6,29 @@ import argparse
 import sys
 
 from extproc.policy.schema import Policy, PolicyError, load_policy_file, policy_warnings
+from extproc.tools import envoylint
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("files", nargs="+", metavar="FILE", help="policy YAML file(s)")
     p.add_argument("--envoy", metavar="ENVOY_YAML",
-                   help="also refuse models whose `cluster` this Envoy config's static_resources does not define "
+                   help="also refuse models whose `cluster` this Envoy config's static_resources does not define, "
+                        "and routes or filter settings that let requests reach those clusters unadmitted "
                         "(e.g. envoy/envoy.yaml)")
 
 
 def run(args: argparse.Namespace) -> int:
-    clusters = None
+    clusters = envoy = None
     if args.envoy:
         try:
-            clusters = envoy_clusters(args.envoy)
+            envoy = _load_yaml(args.envoy)
+            clusters = envoy_clusters(envoy)
         except (OSError, ValueError) as e:
             print(f"{args.envoy}: {e}", file=sys.stderr)
             return 2
     failed = False
+    pools: set[str] = set()
+    admitted = 0  # the most requests any of the policies admits at once
     for path in args.files:
         try:
             policy = load_policy_file(path)
@@ -35,23 +40,43 @@ def run(args: argparse.Namespace) -> int:
             for line in e.errors:
                 print(f"  {line}", file=sys.stderr)
             continue
+        pools |= {m.cluster for m in policy.models.values()}
+        admitted = max(admitted, sum(c.max_concurrency for c in policy.classes.values()))
         for w in policy_warnings(policy):
             print(f"{path}: warning: {w}", file=sys.stderr)
         classes = ", ".join(f"{n}={c.max_concurrency}" for n, c in policy.classes.items())
         print(f"{path}: ok ({_count(policy.classes, 'class', 'classes')}: {classes}; "
               f"{_count(policy.models, 'model', 'models')}; {_count(policy.tenants, 'tenant', 'tenants')})")
+    if envoy is not None and pools and not _report_envoy(args.envoy, envoy, pools, admitted):
+        failed = True
     return 1 if failed else 0
 
 
-def envoy_clusters(path: str) -> set[str]:
-    """The upstream clusters an Envoy config defines statically (the ext_proc's own left out)."""
+def _report_envoy(path: str, cfg: dict, pools: set[str], admitted: int) -> bool:
+    """Print what lets requests for `pools` around admission in this Envoy config; False if anything does."""
+    found = envoylint.lint(cfg, pools, admitted)
+    for w in found.warnings:
+        print(f"{path}: warning: {w}", file=sys.stderr)
+    if found.errors:
+        print(f"{path}: invalid (requests can reach a model pool without admission, or on another pool)",
+              file=sys.stderr)
+        for line in found.errors:
+            print(f"  {line}", file=sys.stderr)
+    return not found.errors
+
+
+def _load_yaml(path: str) -> dict:
     import yaml
 
     with open(path, encoding="utf-8") as f:
         try:
-            cfg = yaml.safe_load(f)
+            return yaml.safe_load(f)
         except yaml.YAMLError as e:
             raise ValueError(f"not valid YAML: {e}") from e
+
+
+def envoy_clusters(cfg: dict) -> set[str]:
+    """The upstream clusters an Envoy config defines statically (the ext_proc's own left out)."""
     try:
         return {c["name"] for c in cfg["static_resources"]["clusters"]} - {"extproc"}
     except (KeyError, TypeError) as e:

@@ -25,7 +25,9 @@ HEADER = """\
 
 Every key of the policy YAML (`extproc serve --policy FILE`), its type, default and meaning. Validate a file with
 `extproc check FILE`: errors name the key path as written here (`classes.batch.max_queue`, `tenants[0].name`);
-`extproc check --envoy envoy/envoy.yaml FILE` also refuses a model whose `cluster` that Envoy config lacks.
+`extproc check --envoy envoy/envoy.yaml FILE` also refuses a model whose `cluster` that Envoy config lacks, and
+routes or ext_proc settings that let requests reach a model pool unadmitted or on another pool than they were
+counted against (docs/envoy-integration.md, section 7).
 The ext_proc reloads the file on change or SIGHUP; an invalid file is refused and the running policy stays. An
 applied reload logs what it changed (`policy reloaded from FILE: classes -internal; classes.interactive.max_concurrency
 48 -> 24`). Requests in flight finish under the policy that admitted them, holding their slots; queued ones keep

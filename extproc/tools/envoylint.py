@@ -1,0 +1,263 @@
+"""`extproc check --envoy`: the edits to an Envoy config that let a request reach a model pool without admission, or
+admitted against another pool than the one it runs on. Reads the parsed bootstrap (a dict); no I/O.
+
+Each finding was measured through Envoy 1.40 (docs/envoy-integration.md, section 7). Errors: requests
+pass unadmitted, run on a pool they were not counted against, or are admitted once and run several times at once.
+Warnings: admission holds, but the edit costs what the docs say.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+EXT_PROC_TYPE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
+HCM_TYPE = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+CLUSTER_HEADER = "x-extproc-cluster"
+# Read-only vLLM endpoints that skip the ext_proc by design (envoy.yaml), each matched exactly and for GET only.
+READ_ONLY = frozenset({"/v1/models", "/health", "/ping", "/version"})
+# Filters that can change the body, the path or the headers a route is chosen on: after the ext_proc decided,
+# what they change is not what was admitted.
+REWRITERS = ("envoy.filters.http.lua", "envoy.filters.http.wasm", "envoy.filters.http.golang",
+             "envoy.filters.http.header_mutation", "envoy.filters.http.ext_proc")
+
+
+class Findings:
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+        self.warnings: list[str] = []
+
+
+def lint(cfg: dict[str, Any], pools: set[str], admitted: int = 0) -> Findings:
+    """What in `cfg` lets requests for the clusters in `pools` (the policy's) around admission; `admitted` is how
+    many requests the policy admits at once at most (its classes' caps summed)."""
+    found = Findings()
+    for where, hcm in _connection_managers(cfg):
+        _lint_hcm(where, hcm, pools, found)
+    _lint_pool_breakers(cfg, pools, admitted, found)
+    return found
+
+
+def _lint_pool_breakers(cfg: dict[str, Any], pools: set[str], admitted: int, found: Findings) -> None:
+    """Envoy's circuit breakers on a pool refuse admitted requests (503 `overflow`, measured with max_requests 1),
+    which the ext_proc counts as the pool's errors: keep them above what admission lets through."""
+    for c in (cfg.get("static_resources") or {}).get("clusters") or []:
+        if c.get("name") not in pools:
+            continue
+        thresholds = ((c.get("circuit_breakers") or {}).get("thresholds") or [{}])[0]
+        low = {k: thresholds.get(k, 1024) for k in ("max_connections", "max_pending_requests", "max_requests")
+               if thresholds.get(k, 1024) < admitted}
+        if low:
+            found.warnings.append(
+                f"cluster {c['name']!r}: circuit_breakers {', '.join(f'{k} {v}' for k, v in low.items())} (1024 "
+                f"when unset) below the {admitted} requests the policy admits at once: Envoy answers the rest 503 "
+                "overflow after admission, and the ext_proc counts them as the pool's errors")
+
+
+def _connection_managers(cfg: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    listeners = ((cfg.get("static_resources") or {}).get("listeners")) or []
+    for listener in listeners:
+        chains = list(listener.get("filter_chains") or [])
+        if listener.get("default_filter_chain"):
+            chains.append(listener["default_filter_chain"])
+        for chain in chains:
+            for f in chain.get("filters") or []:
+                tc = f.get("typed_config") or {}
+                if f.get("name") == "envoy.filters.network.http_connection_manager" or tc.get("@type") == HCM_TYPE:
+                    yield f"listener {listener.get('name', '?')!r}", tc
+
+
+def _lint_hcm(where: str, hcm: dict[str, Any], pools: set[str], found: Findings) -> None:
+    rc = hcm.get("route_config")
+    if rc is None:
+        found.warnings.append(f"{where}: its routes come from RDS and are not checked: check the route table it "
+                              "serves against docs/envoy-integration.md")
+        return
+    name = _ext_proc_filter(where, hcm, rc, pools, found)
+    if name is None:
+        return
+    _lint_early_mutation(where, hcm, found)
+    for vh in rc.get("virtual_hosts") or []:
+        _lint_vhost(f"{where}, virtual host {vh.get('name', '?')!r}", vh, rc, name, pools, found)
+
+
+def _ext_proc_filter(where: str, hcm: dict[str, Any], rc: dict[str, Any], pools: set[str],
+                     found: Findings) -> str | None:
+    """The ext_proc filter's name, if it decides this connection manager's requests; else say why not."""
+    filters = hcm.get("http_filters") or []
+    names = [f.get("name", "") for f in filters]
+    i = next((i for i, f in enumerate(filters) if (f.get("typed_config") or {}).get("@type") == EXT_PROC_TYPE), None)
+    reaches = sorted({c for vh in rc.get("virtual_hosts") or [] for r in vh.get("routes") or []
+                      for c in _targets(r) if _pool(c, pools)})
+    if not reaches:
+        return None  # no route of it reaches a model pool
+    router = next((j for j, n in enumerate(names) if n == "envoy.filters.http.router"), len(names))
+    problem = ("has no ext_proc filter" if i is None else
+               "runs the ext_proc filter after the router" if i > router else
+               "has the ext_proc filter `disabled: true` (off unless a route turns it on)" if filters[i].get("disabled")
+               else None)
+    if problem is not None:
+        found.errors.append(f"{where} {problem}: its routes to {', '.join(reaches)} reach the replicas unadmitted")
+        return None
+    _lint_filter_config(where, filters[i]["typed_config"], found)
+    for n in names[i + 1:router]:
+        if n in REWRITERS:
+            found.warnings.append(f"{where}: {n} runs after the ext_proc: a body, path or header it changes is not "
+                                  "what was admitted (put it before the ext_proc)")
+    return filters[i].get("name", "envoy.filters.http.ext_proc")
+
+
+def _lint_filter_config(where: str, tc: dict[str, Any], found: Findings) -> None:
+    if tc.get("observability_mode"):
+        found.errors.append(f"{where}: the ext_proc runs in observability_mode: Envoy does not wait for its "
+                            "decisions, so every request reaches the replicas unadmitted")
+    mode = tc.get("processing_mode") or {}
+    for key, want, why in (
+            ("request_header_mode", "SEND", "the ext_proc refuses every request (500 request_not_sent)"),
+            ("request_body_mode", "BUFFERED", "the ext_proc refuses every request (500 request_not_sent)"),
+            ("request_trailer_mode", "SEND", "an HTTP/2 request that ends with trailers and no body reaches the "
+                                             "replica undecided"),
+            ("response_trailer_mode", "SEND", "slots are freed before the answer ends, so the caps stop holding")):
+        if mode.get(key, "SEND" if key == "request_header_mode" else None) != want:
+            found.errors.append(f"{where}: ext_proc processing_mode.{key} is {mode.get(key, 'unset')}, not {want}: "
+                                f"{why}")
+
+
+def _lint_early_mutation(where: str, hcm: dict[str, Any], found: Findings) -> None:
+    """Clients must not send our headers. The ext_proc overwrites them on what it admits (measured), so this matters
+    while it fails open: then a forged x-extproc-cluster picks the pool."""
+    prefixes = {((m.get("remove_on_match") or {}).get("key_matcher") or {}).get("prefix")
+                for ext in hcm.get("early_header_mutation_extensions") or []
+                for m in (ext.get("typed_config") or {}).get("mutations") or []}
+    if "x-extproc-" not in prefixes:
+        found.errors.append(f"{where}: no early_header_mutation_extensions removing the prefix x-extproc-: while "
+                            f"the ext_proc fails open, a client can send {CLUSTER_HEADER} and pick a pool, or a "
+                            "ticket and go uncounted in extproc_unadmitted_requests_total")
+
+
+def _lint_vhost(where: str, vh: dict[str, Any], rc: dict[str, Any], ext_proc: str, pools: set[str],
+                found: Findings) -> None:
+    routes = vh.get("routes") or []
+    first = next((i for i, r in enumerate(routes) if _is_pool_route(r)), None)
+    static: set[str] = set()  # where admitted requests run without a route on the header
+    for i, r in enumerate(routes):
+        targets = [c for c in _targets(r) if _pool(c, pools)]
+        what = f"{where}, route {i} ({_show_match(r)})"
+        off = _ext_proc_off(r, vh, rc, ext_proc)
+        if "direct_response" in r and off is None:
+            found.warnings.append(f"{what}: a direct_response with the ext_proc on: the ext_proc answers it first, "
+                                  "404 unknown_url (disable the ext_proc on it, as envoy.yaml's routes do)")
+        if not targets or _read_only(r):  # no admitted request is a GET on those exact paths
+            continue
+        if off == "disabled":
+            found.errors.append(f"{what} sends to {', '.join(targets)} with the ext_proc disabled: its requests "
+                                "reach the replicas unadmitted")
+            continue
+        if off is not None:
+            found.errors.append(f"{what} overrides the ext_proc's processing mode ({off}): the ext_proc refuses its "
+                                "requests (500 request_not_sent)")
+        if any(k in (r.get("route") or {}) for k in ("prefix_rewrite", "regex_rewrite", "path_rewrite_policy")):
+            found.warnings.append(f"{what}: the ext_proc sees the path before the route's rewrite and admits only "
+                                  "vLLM's own paths (others get 404 unknown_url), and an admitted request goes out "
+                                  f"by the route on {CLUSTER_HEADER}, unrewritten: rewrite before the ext_proc")
+        if i == first:
+            _lint_route_action(what, r, vh, found)
+        elif first is None:
+            static.update(targets)
+        elif i < first:
+            found.errors.append(f"{what} comes before the route on the {CLUSTER_HEADER} header: an admitted request "
+                                f"it matches runs on {', '.join(targets)}, not on the pool the ext_proc picked and "
+                                "counted it against (move it after)")
+    if static:
+        found.errors.append(f"{where}: no route is on the {CLUSTER_HEADER} header, so admitted requests run on "
+                            f"{', '.join(sorted(static))} by their path, not on the pool the ext_proc picked and "
+                            "counted them against (add envoy.yaml's first route, first)")
+    if first is not None and not _matches_everything(routes[first]):
+        found.warnings.append(f"{where}, route {first} ({_show_match(routes[first])}): the route on "
+                              f"{CLUSTER_HEADER} should match every path (prefix /): admitted requests it misses run "
+                              "on a static route's cluster, not on the pool the ext_proc picked")
+
+
+def _lint_route_action(what: str, r: dict[str, Any], vh: dict[str, Any], found: Findings) -> None:
+    """The route admitted requests take: what Envoy does to them after admission."""
+    action = r.get("route") or {}
+    hedge = action.get("hedge_policy") or vh.get("hedge_policy") or {}
+    retry = action.get("retry_policy") or vh.get("retry_policy")
+    if hedge.get("hedge_on_per_try_timeout") and retry:
+        found.errors.append(f"{what}: hedge_on_per_try_timeout starts another attempt at each per_try_timeout "
+                            "while the earlier ones run on: one admitted request generates up to num_retries + 1 "
+                            "times at once on one slot")
+    elif retry:
+        found.warnings.append(f"{what}: retry_policy: a retried request holds one slot and is counted once, but "
+                              "each attempt repeats its prefill on the pool, a per_try_timeout shorter than a "
+                              "non-streamed answer reruns it whole, and retrying 5xx into a saturated pool adds the "
+                              "load admission control sheds")
+    timeout = action.get("timeout", "15s (unset)")
+    if timeout not in ("0s", "0", 0):
+        found.warnings.append(f"{what}: route timeout {timeout}: a longer answer is cut mid-stream and counted as "
+                              "an upstream error, and enough of them open the class's error breaker; use 0s and "
+                              "bound waiting with the policy")
+
+
+def _ext_proc_off(r: dict[str, Any], vh: dict[str, Any], rc: dict[str, Any], name: str) -> str | None:
+    """'disabled', the processing-mode override that keeps the request from the ext_proc, or None (it decides).
+    The most specific per-filter config wins: route, then virtual host, then route table."""
+    for scope in (r, vh, rc):
+        per = (scope.get("typed_per_filter_config") or {}).get(name)
+        if per is not None:
+            return _per_route(per)
+    return None
+
+
+def _per_route(per: dict[str, Any]) -> str | None:
+    if per.get("disabled"):  # ExtProcPerRoute.disabled, or the generic FilterConfig's
+        return "disabled"
+    mode = ((per.get("overrides") or {}).get("processing_mode")) or {}
+    if not mode:
+        return None
+    bad = [f"{k} {mode.get(k, 'unset')}" for k, want in (("request_header_mode", "SEND"),
+                                                          ("request_body_mode", "BUFFERED"))
+           if mode.get(k, "SEND" if k == "request_header_mode" else "NONE") != want]
+    return ", ".join(bad) or None
+
+
+def _targets(r: dict[str, Any]) -> list[str]:
+    """The clusters a route sends to; a cluster picked per request (a header, a plugin) counts as any."""
+    action = r.get("route")
+    if not action:
+        return []  # direct_response, redirect: nothing upstream
+    if "cluster" in action:
+        return [action["cluster"]]
+    if "weighted_clusters" in action:
+        return [c.get("name", "?") for c in action["weighted_clusters"].get("clusters") or []]
+    if "cluster_header" in action:
+        return [f"the cluster named by {action['cluster_header']}"]
+    return ["a cluster picked per request"]
+
+
+def _pool(cluster: str, pools: set[str]) -> bool:
+    return cluster in pools or cluster.startswith(("the cluster named by", "a cluster picked"))
+
+
+def _is_pool_route(r: dict[str, Any]) -> bool:
+    return (r.get("route") or {}).get("cluster_header") == CLUSTER_HEADER
+
+
+def _matches_everything(r: dict[str, Any]) -> bool:
+    m = r.get("match") or {}
+    return m.get("prefix") == "/" and all(h.get("name") == CLUSTER_HEADER for h in m.get("headers") or [])
+
+
+def _read_only(r: dict[str, Any]) -> bool:
+    """A read-only endpoint route as envoy.yaml writes it: the exact path, GET only."""
+    m = r.get("match") or {}
+    get = any(h.get("name") == ":method" and (h.get("string_match") or {}).get("exact") == "GET"
+              and not h.get("invert_match") for h in m.get("headers") or [])
+    return m.get("path") in READ_ONLY and get
+
+
+def _show_match(r: dict[str, Any]) -> str:
+    m = r.get("match") or {}
+    where = next((f"{k} {m[k]}" for k in ("path", "prefix", "safe_regex", "path_separated_prefix",
+                                           "path_match_policy") if k in m), "any path")
+    headers = [h.get("name", "?") for h in m.get("headers") or []]
+    return where + (f" with header {', '.join(headers)}" if headers else "")

@@ -1,0 +1,102 @@
+"""Route edits infra teams make to envoy.yaml, through real Envoy: what each does to admission, and that
+`extproc check --envoy` refuses the config that holds them (tests/unit/test_envoy_lint.py has one edit a test)."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import aiohttp
+import pytest
+import yaml
+
+from extproc.tools.envoylint import lint
+from extproc.tools.stack import Stack, free_port, wait_http
+from tests.conftest import policy_file
+from tests.integration.conftest import HERE
+from tests.integration.helpers import chat, metrics, sample, sample_once, upstream_reset, upstream_stats
+
+PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
+
+
+def edit(cfg: dict) -> None:
+    """Four edits, each seen in real configs: a route on a model header ahead of the route on the ext_proc's
+    pool header; hedged retries on that route; a second virtual host (by :authority) with the static routes
+    only; the ext_proc switched off on a route a team thought cheap."""
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    vh = hcm["route_config"]["virtual_hosts"][0]
+    routes = vh["routes"]
+    routes[0]["route"].update(retry_policy={"retry_on": "5xx,reset", "num_retries": 2, "per_try_timeout": "0.3s"},
+                              hedge_policy={"hedge_on_per_try_timeout": True})
+    internal = copy.deepcopy(vh)
+    internal.update(name="internal", domains=["internal.example", "internal.example:*"], routes=routes[1:])
+    hcm["route_config"]["virtual_hosts"].insert(0, internal)
+    routes.insert(0, {"match": {"prefix": "/", "headers": [{"name": "x-model",
+                                                             "string_match": {"exact": "llama-8b"}}]},
+                      "route": {"cluster": "vllm_llama8b", "timeout": "0s"}})
+    next(r for r in routes if r["match"].get("path") == "/v1/embeddings")["typed_per_filter_config"] = {
+        "envoy.filters.http.ext_proc": {"@type": PER_ROUTE, "disabled": True}}
+
+
+class EditedStack(Stack):
+    def envoy_config(self) -> dict:
+        cfg = super().envoy_config()
+        edit(cfg)
+        return cfg
+
+
+@pytest.fixture
+def small_pool():
+    """A second test upstream for the 8B pool, so a test can tell where a request ran."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(HERE.parent / "upstream.py"), str(port)], start_new_session=True)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", timeout=20)
+        yield ("127.0.0.1", port)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+async def test_each_edit_moves_requests_around_admission_and_check_refuses_the_config(tmp_path, upstream,
+                                                                                      small_pool):
+    policy = policy_file(tmp_path, endpoints={"embeddings": True})
+    with EditedStack(tmp_path / "stack", {"vllm_llama70b": [upstream], "vllm_llama8b": [small_pool]},
+                     policy_path=policy) as s:
+        found = lint(s.envoy_config(), {"vllm_llama70b", "vllm_llama8b"})
+        async with aiohttp.ClientSession() as http:
+            async def send(path: str, body: dict, **headers) -> int:
+                for pool in (upstream, small_pool):
+                    await upstream_reset(http, pool)
+                async with http.post(f"{s.url}{path}", json=body, headers=headers) as r:
+                    await r.read()
+                    return r.status
+
+            # Admitted as llama-70b (counted against its pool), run on the 8B pool by the header.
+            assert await send("/v1/chat/completions", chat(), **{"x-model": "llama-8b"}) == 200
+            assert (await upstream_stats(http, small_pool))["served"] == 1
+            assert (await upstream_stats(http, upstream))["served"] == 0
+            # Admitted as llama-8b, run on the 70B pool: the internal host has no route on the pool header.
+            assert await send("/v1/chat/completions", chat(model="llama-8b"), host="internal.example") == 200
+            assert (await upstream_stats(http, upstream))["served"] == 1
+            # One admission, three generations at once: each per_try_timeout hedges another attempt.
+            assert await send("/v1/chat/completions", chat(), **{"x-test-delay-ms": "1000"}) == 200
+            assert (await upstream_stats(http, upstream))["max_in_service"] == 3
+            # No admission at all.
+            assert await send("/v1/embeddings", {"model": "llama-70b", "input": "hi"}) == 200
+            seen = await (await http.get(f"http://{upstream[0]}:{upstream[1]}/test/seen")).json()
+            assert [x["ticket"] for x in seen if x["path"] == "/v1/embeddings"] == [False]
+            assert await sample_once(http, s.metrics_url, "extproc_unadmitted_requests_total", 1.0) == 1.0
+            ms = await metrics(http, s.metrics_url)
+            assert sample(ms, "extproc_requests_total", decision="accept") == 3
+    errors = "\n".join(found.errors)
+    assert "route 0 (prefix / with header x-model) comes before the route on the x-extproc-cluster" in errors
+    assert "virtual host 'internal': no route is on the x-extproc-cluster header" in errors
+    assert "hedge_on_per_try_timeout starts another attempt" in errors
+    assert "(path /v1/embeddings) sends to vllm_llama70b with the ext_proc disabled" in errors
+    path = tmp_path / "edited.yaml"
+    path.write_text(yaml.safe_dump(s.envoy_config()))
+    run = subprocess.run([sys.executable, "-m", "extproc.cli", "check", "--envoy", str(path), str(policy)],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "invalid (requests can reach a model pool without admission" in run.stderr

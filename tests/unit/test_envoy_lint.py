@@ -1,0 +1,206 @@
+"""`extproc check --envoy` on the edits infra teams make to envoy.yaml: each edit that lets a request around
+admission (or onto another pool than it was counted against) is an error, each that costs something a warning, and
+the shipped config has neither. What each edit does through real Envoy: tests/reliability/test_route_edits_envoy.py."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from extproc.tools import envoyconf
+from extproc.tools.envoylint import lint
+
+ROOT = Path(__file__).resolve().parents[2]
+POOLS = {"vllm_llama70b", "vllm_llama8b"}
+EXT_PROC = "envoy.filters.http.ext_proc"
+PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
+
+
+def shipped() -> dict:
+    return copy.deepcopy(envoyconf.load_source())
+
+
+def hcm(cfg: dict) -> dict:
+    return cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+
+
+def routes(cfg: dict) -> list[dict]:
+    return hcm(cfg)["route_config"]["virtual_hosts"][0]["routes"]
+
+
+def route(cfg: dict, path: str) -> dict:
+    return next(r for r in routes(cfg) if r["match"].get("path") == path)
+
+
+def test_the_shipped_config_and_every_rendered_stack_have_no_findings():
+    found = lint(shipped(), POOLS, admitted=2000)
+    assert (found.errors, found.warnings) == ([], [])
+    rendered = envoyconf.render(shipped(), listen_port=1, admin_port=2, extproc=[("127.0.0.1", 3)],
+                                pools={"vllm_llama70b": [("127.0.0.1", 4)], "vllm_llama8b": [("127.0.0.1", 5)]})
+    found = lint(rendered, POOLS)
+    assert (found.errors, found.warnings) == ([], [])
+
+
+def disable_on_chat(cfg):
+    route(cfg, "/v1/chat/completions")["typed_per_filter_config"] = {EXT_PROC: {"@type": PER_ROUTE,
+                                                                                "disabled": True}}
+
+
+def body_none_on_completions(cfg):
+    route(cfg, "/v1/completions")["typed_per_filter_config"] = {EXT_PROC: {"@type": PER_ROUTE, "overrides": {
+        "processing_mode": {"request_header_mode": "SEND", "request_body_mode": "NONE"}}}}
+
+
+def catch_all_without_ext_proc(cfg):
+    # the default-deny route turned into a pass-through, keeping its per-filter config
+    deny = routes(cfg)[-1]
+    del deny["direct_response"], deny["response_headers_to_add"]
+    deny["route"] = {"cluster": "vllm_llama70b", "timeout": "0s"}
+
+
+def x_model_route_first(cfg):
+    routes(cfg).insert(0, {"match": {"prefix": "/", "headers": [
+        {"name": "x-model", "string_match": {"exact": "llama-8b"}}]}, "route": {"cluster": "vllm_llama8b"}})
+
+
+def authority_vhost_without_pool_route(cfg):
+    vh = copy.deepcopy(hcm(cfg)["route_config"]["virtual_hosts"][0])
+    vh.update(name="internal", domains=["internal.example"], routes=vh["routes"][1:])
+    hcm(cfg)["route_config"]["virtual_hosts"].insert(0, vh)
+
+
+def weighted_pool_route(cfg):
+    routes(cfg)[0]["route"] = {"weighted_clusters": {"clusters": [{"name": "vllm_llama70b", "weight": 90},
+                                                                   {"name": "vllm_llama8b", "weight": 10}]},
+                               "timeout": "0s"}
+
+
+def hedged_retries(cfg):
+    routes(cfg)[0]["route"].update(retry_policy={"retry_on": "5xx,reset", "num_retries": 3,
+                                                 "per_try_timeout": "10s"},
+                                   hedge_policy={"hedge_on_per_try_timeout": True})
+
+
+def filter_after_router(cfg):
+    filters = hcm(cfg)["http_filters"]
+    filters.append(filters.pop(0))
+
+
+def observability_mode(cfg):
+    hcm(cfg)["http_filters"][0]["typed_config"]["observability_mode"] = True
+
+
+def trailers_skipped(cfg):
+    hcm(cfg)["http_filters"][0]["typed_config"]["processing_mode"]["response_trailer_mode"] = "SKIP"
+
+
+def no_header_strip(cfg):
+    del hcm(cfg)["early_header_mutation_extensions"]
+
+
+def vhost_disables_ext_proc(cfg):
+    hcm(cfg)["route_config"]["virtual_hosts"][0]["typed_per_filter_config"] = {EXT_PROC: {"@type": PER_ROUTE,
+                                                                                          "disabled": True}}
+
+
+@pytest.mark.parametrize("edit, words", [
+    (disable_on_chat, "route 1 (path /v1/chat/completions) sends to vllm_llama70b with the ext_proc disabled"),
+    (body_none_on_completions, "overrides the ext_proc's processing mode (request_body_mode NONE)"),
+    (catch_all_without_ext_proc, "(prefix /) sends to vllm_llama70b with the ext_proc disabled"),
+    (x_model_route_first, "route 0 (prefix / with header x-model) comes before the route on the x-extproc-cluster"),
+    (authority_vhost_without_pool_route, "virtual host 'internal': no route is on the x-extproc-cluster header"),
+    (weighted_pool_route, "virtual host 'openai': no route is on the x-extproc-cluster header, so admitted "
+                          "requests run on vllm_llama70b, vllm_llama8b by their path"),
+    (hedged_retries, "hedge_on_per_try_timeout starts another attempt"),
+    (filter_after_router, "runs the ext_proc filter after the router"),
+    (observability_mode, "observability_mode"),
+    (trailers_skipped, "response_trailer_mode is SKIP, not SEND"),
+    (no_header_strip, "a client can send x-extproc-cluster and pick a pool"),
+    (vhost_disables_ext_proc, "with the ext_proc disabled"),
+])
+def test_an_edit_that_lets_requests_around_admission_is_an_error(edit, words):
+    cfg = shipped()
+    edit(cfg)
+    errors = lint(cfg, POOLS).errors
+    assert any(words in e for e in errors), errors
+
+
+def retries(cfg):
+    routes(cfg)[0]["route"]["retry_policy"] = {"retry_on": "5xx,reset,retriable-status-codes", "num_retries": 2,
+                                               "retriable_status_codes": [503], "per_try_timeout": "30s"}
+
+
+def short_route_timeout(cfg):
+    routes(cfg)[0]["route"]["timeout"] = "60s"
+
+
+def openai_prefix(cfg):
+    routes(cfg).insert(1, {"match": {"prefix": "/openai/v1/"},
+                           "route": {"cluster": "vllm_llama70b", "prefix_rewrite": "/v1/", "timeout": "0s"}})
+
+
+def lua_after_ext_proc(cfg):
+    hcm(cfg)["http_filters"].insert(1, {"name": "envoy.filters.http.lua", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua", "default_source_code": {
+            "inline_string": "function envoy_on_request(h) end"}}})
+
+
+def health_route_with_ext_proc(cfg):
+    routes(cfg).insert(1, {"match": {"path": "/healthz"}, "direct_response": {"status": 200}})
+
+
+def pool_breaker_lowered(cfg):
+    cfg["static_resources"]["clusters"][1]["circuit_breakers"] = {"thresholds": [{"max_requests": 64}]}
+
+
+@pytest.mark.parametrize("edit, words", [
+    (retries, "retry_policy: a retried request holds one slot and is counted once"),
+    (health_route_with_ext_proc, "route 1 (path /healthz): a direct_response with the ext_proc on"),
+    (pool_breaker_lowered, "cluster 'vllm_llama70b': circuit_breakers max_connections 1024, max_pending_requests "
+                           "1024, max_requests 64 (1024 when unset) below the 2000 requests"),
+    (short_route_timeout, "route timeout 60s"),
+    (openai_prefix, "route 1 (prefix /openai/v1/): the ext_proc sees the path before the route's rewrite"),
+    (lua_after_ext_proc, "envoy.filters.http.lua runs after the ext_proc"),
+])
+def test_an_edit_that_keeps_admission_but_costs_something_is_a_warning(edit, words):
+    cfg = shipped()
+    edit(cfg)
+    found = lint(cfg, POOLS, admitted=2000)
+    assert found.errors == [] and any(words in w for w in found.warnings), found.warnings
+
+
+def test_edits_that_keep_every_request_admitted_have_no_findings():
+    cfg = shipped()
+    rs = routes(cfg)
+    # a direct_response health route, and routes to other services, with the ext_proc off
+    rs.insert(1, {"match": {"path": "/healthz"}, "direct_response": {"status": 200},
+                  "typed_per_filter_config": rs[-1]["typed_per_filter_config"]})
+    rs.insert(1, {"match": {"prefix": "/docs"}, "route": {"cluster": "docs"},
+                  "typed_per_filter_config": rs[-1]["typed_per_filter_config"]})
+    # a weighted fallback route (taken only while the ext_proc fails open), after the route on the header
+    route(cfg, "/v1/chat/completions")["route"] = {"weighted_clusters": {"clusters": [
+        {"name": "vllm_llama70b", "weight": 1}, {"name": "vllm_llama8b", "weight": 1}]}, "timeout": "0s"}
+    # a second virtual host by :authority with the same route table
+    vh = copy.deepcopy(hcm(cfg)["route_config"]["virtual_hosts"][0])
+    vh.update(name="internal", domains=["internal.example"])
+    hcm(cfg)["route_config"]["virtual_hosts"].append(vh)
+    found = lint(cfg, POOLS)
+    assert (found.errors, found.warnings) == ([], [])
+
+
+def test_check_exits_1_on_an_envoy_config_with_a_bypass(tmp_path):
+    cfg = shipped()
+    disable_on_chat(cfg)
+    retries(cfg)
+    path = tmp_path / "envoy.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    run = subprocess.run([sys.executable, "-m", "extproc.cli", "check", "--envoy", str(path),
+                          str(ROOT / "policies/default.yaml")], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1, run.stderr
+    assert f"{path}: invalid (requests can reach a model pool without admission" in run.stderr
+    assert "with the ext_proc disabled" in run.stderr and f"{path}: warning: " in run.stderr
