@@ -155,6 +155,7 @@ def _lint_vhost(where: str, vh: dict[str, Any], rc: dict[str, Any], ext_proc: st
         if off is not None:
             found.errors.append(f"{what} overrides the ext_proc's processing mode ({off}): the ext_proc refuses its "
                                 "requests (500 request_not_sent)")
+        _lint_mirrors(what, r, vh, pools, found)
         if any(k in (r.get("route") or {}) for k in ("prefix_rewrite", "regex_rewrite", "path_rewrite_policy")):
             found.warnings.append(f"{what}: the ext_proc sees the path before the route's rewrite and admits only "
                                   "vLLM's own paths (others get 404 unknown_url), and an admitted request goes out "
@@ -175,6 +176,18 @@ def _lint_vhost(where: str, vh: dict[str, Any], rc: dict[str, Any], ext_proc: st
         found.warnings.append(f"{where}, route {first} ({_show_match(routes[first])}): the route on "
                               f"{CLUSTER_HEADER} should match every path (prefix /): admitted requests it misses run "
                               "on a static route's cluster, not on the pool the ext_proc picked")
+
+
+def _lint_mirrors(what: str, r: dict[str, Any], vh: dict[str, Any], pools: set[str], found: Findings) -> None:
+    """A mirrored request is sent on after admission, ticket and all: one slot, two generations (measured)."""
+    for m in ((r.get("route") or {}).get("request_mirror_policies") or []) + (vh.get("request_mirror_policies") or []):
+        cluster = m.get("cluster") or m.get("cluster_header") or "?"
+        if _pool(cluster, pools):
+            found.errors.append(f"{what} mirrors its requests to {cluster}: each admitted request runs there too, "
+                                "on the same slot")
+        else:
+            found.warnings.append(f"{what} mirrors its requests to {cluster}, which no model of the policy names: "
+                                  "what runs there is not admitted")
 
 
 def _lint_route_action(what: str, r: dict[str, Any], vh: dict[str, Any], found: Findings) -> None:
@@ -200,7 +213,12 @@ def _lint_route_action(what: str, r: dict[str, Any], vh: dict[str, Any], found: 
 
 def _ext_proc_off(r: dict[str, Any], vh: dict[str, Any], rc: dict[str, Any], name: str) -> str | None:
     """'disabled', the processing-mode override that keeps the request from the ext_proc, or None (it decides).
-    The most specific per-filter config wins: route, then virtual host, then route table."""
+    The most specific per-filter config wins: a weighted cluster, the route, its virtual host, the route table."""
+    weighted = ((r.get("route") or {}).get("weighted_clusters") or {}).get("clusters") or []
+    for c in weighted:  # the picked entry's config overrides the route's (measured: one disabling it passed)
+        per = (c.get("typed_per_filter_config") or {}).get(name)
+        if per is not None and _per_route(per) is not None:
+            return _per_route(per)
     for scope in (r, vh, rc):
         per = (scope.get("typed_per_filter_config") or {}).get(name)
         if per is not None:

@@ -13,7 +13,7 @@ import yaml
 
 from extproc.tools.envoylint import lint
 from extproc.tools.stack import Stack, free_port, wait_http
-from tests.conftest import policy_file
+from tests.conftest import policy_file, until
 from tests.integration.conftest import HERE
 from tests.integration.helpers import chat, metrics, sample, sample_once, upstream_reset, upstream_stats
 
@@ -21,14 +21,16 @@ PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtPr
 
 
 def edit(cfg: dict) -> None:
-    """Four edits, each seen in real configs: a route on a model header ahead of the route on the ext_proc's
-    pool header; hedged retries on that route; a second virtual host (by :authority) with the static routes
-    only; the ext_proc switched off on a route a team thought cheap."""
+    """Six edits, each seen in real configs: a route on a model header ahead of the route on the ext_proc's
+    pool header; hedged retries and a mirror (a canary pool) on that route; a second virtual host (by
+    :authority) with the static routes only; the ext_proc switched off on a route a team thought cheap, and on
+    one weighted cluster of another."""
     hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     vh = hcm["route_config"]["virtual_hosts"][0]
     routes = vh["routes"]
     routes[0]["route"].update(retry_policy={"retry_on": "5xx,reset", "num_retries": 2, "per_try_timeout": "0.3s"},
-                              hedge_policy={"hedge_on_per_try_timeout": True})
+                              hedge_policy={"hedge_on_per_try_timeout": True},
+                              request_mirror_policies=[{"cluster": "vllm_llama8b"}])
     internal = copy.deepcopy(vh)
     internal.update(name="internal", domains=["internal.example", "internal.example:*"], routes=routes[1:])
     hcm["route_config"]["virtual_hosts"].insert(0, internal)
@@ -37,6 +39,11 @@ def edit(cfg: dict) -> None:
                       "route": {"cluster": "vllm_llama8b", "timeout": "0s"}})
     next(r for r in routes if r["match"].get("path") == "/v1/embeddings")["typed_per_filter_config"] = {
         "envoy.filters.http.ext_proc": {"@type": PER_ROUTE, "disabled": True}}
+    next(r for r in routes if r["match"].get("path") == "/v1/completions")["route"] = {
+        "timeout": "0s", "weighted_clusters": {"clusters": [{"name": "vllm_llama70b", "weight": 1,
+                                                               "typed_per_filter_config": {
+                                                                   "envoy.filters.http.ext_proc": {
+                                                                       "@type": PER_ROUTE, "disabled": True}}}]}}
 
 
 class EditedStack(Stack):
@@ -66,6 +73,9 @@ async def test_each_edit_moves_requests_around_admission_and_check_refuses_the_c
                      policy_path=policy) as s:
         found = lint(s.envoy_config(), {"vllm_llama70b", "vllm_llama8b"})
         async with aiohttp.ClientSession() as http:
+            async def served(pool) -> int:
+                return (await upstream_stats(http, pool))["served"]
+
             async def send(path: str, body: dict, **headers) -> int:
                 for pool in (upstream, small_pool):
                     await upstream_reset(http, pool)
@@ -80,14 +90,18 @@ async def test_each_edit_moves_requests_around_admission_and_check_refuses_the_c
             # Admitted as llama-8b, run on the 70B pool: the internal host has no route on the pool header.
             assert await send("/v1/chat/completions", chat(model="llama-8b"), host="internal.example") == 200
             assert (await upstream_stats(http, upstream))["served"] == 1
-            # One admission, three generations at once: each per_try_timeout hedges another attempt.
+            # One admission, three generations at once (each per_try_timeout hedges another attempt), and a
+            # fourth on the mirror's pool, with the ticket: the replica cannot tell.
             assert await send("/v1/chat/completions", chat(), **{"x-test-delay-ms": "1000"}) == 200
             assert (await upstream_stats(http, upstream))["max_in_service"] == 3
+            assert await until(lambda: served(small_pool), holds=lambda n: n == 1) == 1
             # No admission at all.
-            assert await send("/v1/embeddings", {"model": "llama-70b", "input": "hi"}) == 200
-            seen = await (await http.get(f"http://{upstream[0]}:{upstream[1]}/test/seen")).json()
-            assert [x["ticket"] for x in seen if x["path"] == "/v1/embeddings"] == [False]
-            assert await sample_once(http, s.metrics_url, "extproc_unadmitted_requests_total", 1.0) == 1.0
+            for path, body in (("/v1/embeddings", {"model": "llama-70b", "input": "hi"}),
+                               ("/v1/completions", {"model": "llama-70b", "prompt": "hi", "max_tokens": 2})):
+                assert await send(path, body) == 200
+                seen = await (await http.get(f"http://{upstream[0]}:{upstream[1]}/test/seen")).json()
+                assert [x["ticket"] for x in seen if x["path"] == path] == [False]
+            assert await sample_once(http, s.metrics_url, "extproc_unadmitted_requests_total", 2.0) == 2.0
             ms = await metrics(http, s.metrics_url)
             assert sample(ms, "extproc_requests_total", decision="accept") == 3
     errors = "\n".join(found.errors)
@@ -95,6 +109,8 @@ async def test_each_edit_moves_requests_around_admission_and_check_refuses_the_c
     assert "virtual host 'internal': no route is on the x-extproc-cluster header" in errors
     assert "hedge_on_per_try_timeout starts another attempt" in errors
     assert "(path /v1/embeddings) sends to vllm_llama70b with the ext_proc disabled" in errors
+    assert "(path /v1/completions) sends to vllm_llama70b with the ext_proc disabled" in errors
+    assert "mirrors its requests to vllm_llama8b" in errors
     path = tmp_path / "edited.yaml"
     path.write_text(yaml.safe_dump(s.envoy_config()))
     run = subprocess.run([sys.executable, "-m", "extproc.cli", "check", "--envoy", str(path), str(policy)],

@@ -108,7 +108,21 @@ def vhost_disables_ext_proc(cfg):
                                                                                           "disabled": True}}
 
 
+def mirrored_to_a_pool(cfg):
+    routes(cfg)[0]["route"]["request_mirror_policies"] = [{"cluster": "vllm_llama8b"}]
+
+
+def weighted_entry_disables_ext_proc(cfg):
+    route(cfg, "/v1/completions")["route"] = {"timeout": "0s", "weighted_clusters": {"clusters": [
+        {"name": "vllm_llama70b", "weight": 9},
+        {"name": "vllm_llama8b", "weight": 1, "typed_per_filter_config": {EXT_PROC: {"@type": PER_ROUTE,
+                                                                                      "disabled": True}}}]}}
+
+
 @pytest.mark.parametrize("edit, words", [
+    (mirrored_to_a_pool, "mirrors its requests to vllm_llama8b: each admitted request runs there too"),
+    (weighted_entry_disables_ext_proc, "(path /v1/completions) sends to vllm_llama70b, vllm_llama8b with the "
+                                       "ext_proc disabled"),
     (disable_on_chat, "route 1 (path /v1/chat/completions) sends to vllm_llama70b with the ext_proc disabled"),
     (body_none_on_completions, "overrides the ext_proc's processing mode (request_body_mode NONE)"),
     (catch_all_without_ext_proc, "(prefix /) sends to vllm_llama70b with the ext_proc disabled"),
