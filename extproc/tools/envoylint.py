@@ -103,6 +103,11 @@ def _ext_proc_filter(where: str, hcm: dict[str, Any], rc: dict[str, Any], pools:
         if n in REWRITERS:
             found.warnings.append(f"{where}: {n} runs after the ext_proc: a body, path or header it changes is not "
                                   "what was admitted (put it before the ext_proc)")
+        elif n == "envoy.filters.http.compressor":
+            # Responses pass the filters in reverse: it compresses the answer before the ext_proc reads it.
+            found.warnings.append(f"{where}: {n} runs after the ext_proc, so the ext_proc gets compressed answers: "
+                                  "no usage is learned, and tokens-per-minute tenants are charged the estimate "
+                                  "instead of their real usage (put it before the ext_proc)")
     return filters[i].get("name", "envoy.filters.http.ext_proc")
 
 

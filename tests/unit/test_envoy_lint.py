@@ -172,8 +172,16 @@ def pool_breaker_lowered(cfg):
     cfg["static_resources"]["clusters"][1]["circuit_breakers"] = {"thresholds": [{"max_requests": 64}]}
 
 
+def compressor_after_ext_proc(cfg):
+    hcm(cfg)["http_filters"].insert(1, {"name": "envoy.filters.http.compressor", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.compressor.v3.Compressor",
+        "compressor_library": {"name": "gzip", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.compression.gzip.compressor.v3.Gzip"}}}})
+
+
 @pytest.mark.parametrize("edit, words", [
     (retries, "retry_policy: a retried request holds one slot and is counted once"),
+    (compressor_after_ext_proc, "the ext_proc gets compressed answers: no usage is learned"),
     (health_route_with_ext_proc, "route 1 (path /healthz): a direct_response with the ext_proc on"),
     (pool_breaker_lowered, "cluster 'vllm_llama70b': circuit_breakers max_connections 1024, max_pending_requests "
                            "1024, max_requests 64 (1024 when unset) below the 2000 requests"),
