@@ -29,6 +29,7 @@ def run(args: argparse.Namespace) -> int:
     failed = False
     pools: set[str] = set()
     admitted = 0  # the most requests any of the policies admits at once
+    longest_wait_s = 0.0  # the longest any of them lets a request queue
     for path in args.files:
         try:
             policy = load_policy_file(path)
@@ -42,19 +43,20 @@ def run(args: argparse.Namespace) -> int:
             continue
         pools |= {m.cluster for m in policy.models.values()}
         admitted = max(admitted, sum(c.max_concurrency for c in policy.classes.values()))
+        longest_wait_s = max([longest_wait_s] + [c.max_wait_ms / 1000 for c in policy.classes.values()])
         for w in policy_warnings(policy):
             print(f"{path}: warning: {w}", file=sys.stderr)
         classes = ", ".join(f"{n}={c.max_concurrency}" for n, c in policy.classes.items())
         print(f"{path}: ok ({_count(policy.classes, 'class', 'classes')}: {classes}; "
               f"{_count(policy.models, 'model', 'models')}; {_count(policy.tenants, 'tenant', 'tenants')})")
-    if envoy is not None and pools and not _report_envoy(args.envoy, envoy, pools, admitted):
+    if envoy is not None and pools and not _report_envoy(args.envoy, envoy, pools, admitted, longest_wait_s):
         failed = True
     return 1 if failed else 0
 
 
-def _report_envoy(path: str, cfg: dict, pools: set[str], admitted: int) -> bool:
+def _report_envoy(path: str, cfg: dict, pools: set[str], admitted: int, longest_wait_s: float) -> bool:
     """Print what lets requests for `pools` around admission in this Envoy config; False if anything does."""
-    found = envoylint.lint(cfg, pools, admitted)
+    found = envoylint.lint(cfg, pools, admitted, longest_wait_s)
     for w in found.warnings:
         print(f"{path}: warning: {w}", file=sys.stderr)
     if found.errors:

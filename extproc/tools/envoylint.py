@@ -27,12 +27,17 @@ class Findings:
         self.warnings: list[str] = []
 
 
-def lint(cfg: dict[str, Any], pools: set[str], admitted: int = 0) -> Findings:
+# What the ext_proc adds to a queued request's wait when it extends Envoy's message timeout (ExtProcServicer).
+QUEUE_GRACE_S = 0.5
+
+
+def lint(cfg: dict[str, Any], pools: set[str], admitted: int = 0, longest_wait_s: float = 0.0) -> Findings:
     """What in `cfg` lets requests for the clusters in `pools` (the policy's) around admission; `admitted` is how
-    many requests the policy admits at once at most (its classes' caps summed)."""
+    many requests the policy admits at once at most (its classes' caps summed), `longest_wait_s` the longest a
+    request may queue (its classes' max_wait_ms)."""
     found = Findings()
     for where, hcm in _connection_managers(cfg):
-        _lint_hcm(where, hcm, pools, found)
+        _lint_hcm(where, hcm, pools, longest_wait_s, found)
     _lint_pool_breakers(cfg, pools, admitted, found)
     return found
 
@@ -66,7 +71,7 @@ def _connection_managers(cfg: dict[str, Any]) -> Iterator[tuple[str, dict[str, A
                     yield f"listener {listener.get('name', '?')!r}", tc
 
 
-def _lint_hcm(where: str, hcm: dict[str, Any], pools: set[str], found: Findings) -> None:
+def _lint_hcm(where: str, hcm: dict[str, Any], pools: set[str], longest_wait_s: float, found: Findings) -> None:
     rc = hcm.get("route_config")
     if rc is None:
         found.warnings.append(f"{where}: its routes come from RDS and are not checked: check the route table it "
@@ -75,6 +80,7 @@ def _lint_hcm(where: str, hcm: dict[str, Any], pools: set[str], found: Findings)
     name = _ext_proc_filter(where, hcm, rc, pools, found)
     if name is None:
         return
+    _lint_waits(where, hcm, longest_wait_s, found)
     _lint_early_mutation(where, hcm, found)
     for vh in rc.get("virtual_hosts") or []:
         _lint_vhost(f"{where}, virtual host {vh.get('name', '?')!r}", vh, rc, name, pools, found)
@@ -125,6 +131,36 @@ def _lint_filter_config(where: str, tc: dict[str, Any], found: Findings) -> None
         if mode.get(key, "SEND" if key == "request_header_mode" else None) != want:
             found.errors.append(f"{where}: ext_proc processing_mode.{key} is {mode.get(key, 'unset')}, not {want}: "
                                 f"{why}")
+
+
+def _lint_waits(where: str, hcm: dict[str, Any], longest_wait_s: float, found: Findings) -> None:
+    """A queued request is held by extending Envoy's message timeout, which Envoy ignores past
+    max_message_timeout (unset: 0, every extension ignored). Measured: max_message_timeout 2s, max_wait_ms 6000,
+    the queued request went upstream unadmitted after message_timeout, past a full cap."""
+    if longest_wait_s <= 0:
+        return
+    tc = next(f["typed_config"] for f in hcm["http_filters"] if (f.get("typed_config") or {}).get("@type") ==
+              EXT_PROC_TYPE)
+    need = longest_wait_s + QUEUE_GRACE_S
+    most = _seconds(tc.get("max_message_timeout", "0s"))
+    if most is not None and most < need:
+        then = ("forwarded unadmitted (failure_mode_allow: true)" if tc.get("failure_mode_allow")
+                else "answered 504 (failure_mode_allow: false)")
+        found.errors.append(f"{where}: ext_proc max_message_timeout {most:g}s is below the longest queue wait, "
+                            f"{longest_wait_s:g}s + {QUEUE_GRACE_S:g}s: Envoy ignores the ext_proc's extension, and "
+                            f"a request queued past message_timeout is {then}")
+    cut = _seconds(hcm.get("request_timeout", "0s"))
+    if cut and cut < need:
+        found.warnings.append(f"{where}: request_timeout {cut:g}s is below the longest queue wait, "
+                              f"{longest_wait_s:g}s + {QUEUE_GRACE_S:g}s: queued requests get Envoy's 408 first")
+
+
+def _seconds(duration: Any) -> float | None:
+    """A protobuf Duration as Envoy's YAML writes it ("30s", "0.5s"); None if not in that form."""
+    try:
+        return float(str(duration).removesuffix("s"))
+    except ValueError:
+        return None
 
 
 def _lint_early_mutation(where: str, hcm: dict[str, Any], found: Findings) -> None:

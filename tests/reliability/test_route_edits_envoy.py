@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import subprocess
 import sys
@@ -116,3 +117,44 @@ async def test_each_edit_moves_requests_around_admission_and_check_refuses_the_c
     run = subprocess.run([sys.executable, "-m", "extproc.cli", "check", "--envoy", str(path), str(policy)],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 1 and "invalid (requests can reach a model pool without admission" in run.stderr
+
+
+class ShortExtensionStack(Stack):
+    """envoy.yaml with max_message_timeout lowered to 2 s, under a policy that queues for up to 6 s."""
+
+    def envoy_config(self) -> dict:
+        cfg = super().envoy_config()
+        hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        hcm["http_filters"][0]["typed_config"]["max_message_timeout"] = "2s"
+        return cfg
+
+
+async def test_a_queue_longer_than_max_message_timeout_lets_requests_through_and_check_refuses_it(tmp_path,
+                                                                                                 upstream):
+    """Envoy ignores an extension past max_message_timeout, so the queued request's message timeout (0.5 s) ran
+    out and failure_mode_allow sent it upstream past a full cap of 1. The schema caps max_wait_ms for the shipped
+    30 s, but nothing compared it with the Envoy config actually used."""
+    policy = policy_file(tmp_path, classes={"interactive": {"max_concurrency": 1, "max_queue": 4,
+                                                            "max_wait_ms": 6000}}, tenants=[])
+    with ShortExtensionStack(tmp_path / "stack", {"vllm_llama70b": [upstream], "vllm_llama8b": [upstream]},
+                             policy_path=policy) as s:
+        async with aiohttp.ClientSession() as http:
+            await upstream_reset(http, upstream)
+
+            async def one() -> int:
+                async with http.post(f"{s.url}/v1/chat/completions", json=chat(),
+                                     headers={"x-test-delay-ms": "3000"}) as r:
+                    await r.read()
+                    return r.status
+
+            assert await asyncio.gather(one(), one()) == [200, 200]
+            stats = await upstream_stats(http, upstream)
+            assert stats["max_in_service"] == 2 and stats["unticketed"] == 1, stats
+        found = lint(s.envoy_config(), {"vllm_llama70b", "vllm_llama8b"}, longest_wait_s=6.0)
+    assert any("max_message_timeout 2s is below the longest queue wait, 6s + 0.5s" in e and "forwarded unadmitted"
+               in e for e in found.errors), found.errors
+    path = tmp_path / "short.yaml"
+    path.write_text(yaml.safe_dump(s.envoy_config()))
+    run = subprocess.run([sys.executable, "-m", "extproc.cli", "check", "--envoy", str(path), str(policy)],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "max_message_timeout 2s" in run.stderr, run.stderr

@@ -196,6 +196,22 @@ def test_an_edit_that_keeps_admission_but_costs_something_is_a_warning(edit, wor
     assert found.errors == [] and any(words in w for w in found.warnings), found.warnings
 
 
+def test_a_queue_longer_than_envoy_holds_a_request_is_an_error_and_a_short_request_timeout_a_warning():
+    found = lint(shipped(), POOLS, longest_wait_s=29.0)  # the schema's most, under the shipped 30 s
+    assert (found.errors, found.warnings) == ([], [])
+    cfg = shipped()
+    hcm(cfg)["http_filters"][0]["typed_config"]["max_message_timeout"] = "10s"
+    hcm(cfg)["request_timeout"] = "5s"
+    found = lint(cfg, POOLS, longest_wait_s=12.0)
+    assert found.errors == ["listener 'openai': ext_proc max_message_timeout 10s is below the longest queue wait, "
+                            "12s + 0.5s: Envoy ignores the ext_proc's extension, and a request queued past "
+                            "message_timeout is forwarded unadmitted (failure_mode_allow: true)"]
+    assert found.warnings == ["listener 'openai': request_timeout 5s is below the longest queue wait, 12s + 0.5s: "
+                              "queued requests get Envoy's 408 first"]
+    del hcm(cfg)["http_filters"][0]["typed_config"]["max_message_timeout"]  # unset: every extension ignored
+    assert "max_message_timeout 0s" in lint(cfg, POOLS, longest_wait_s=0.2).errors[0]
+
+
 def test_edits_that_keep_every_request_admitted_have_no_findings():
     cfg = shipped()
     rs = routes(cfg)
