@@ -109,6 +109,9 @@ def _ext_proc_filter(where: str, hcm: dict[str, Any], rc: dict[str, Any], pools:
         if n in REWRITERS:
             found.warnings.append(f"{where}: {n} runs after the ext_proc: a body, path or header it changes is not "
                                   "what was admitted (put it before the ext_proc)")
+        elif n == "envoy.filters.http.cors":
+            found.warnings.append(f"{where}: {n} runs after the ext_proc, which answers a browser's preflight "
+                                  "(OPTIONS) 405 method_not_allowed before CORS can (put it before the ext_proc)")
         elif n == "envoy.filters.http.compressor":
             # Responses pass the filters in reverse: it compresses the answer before the ext_proc reads it.
             found.warnings.append(f"{where}: {n} runs after the ext_proc, so the ext_proc gets compressed answers: "

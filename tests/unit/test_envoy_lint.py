@@ -179,8 +179,14 @@ def compressor_after_ext_proc(cfg):
             "@type": "type.googleapis.com/envoy.extensions.compression.gzip.compressor.v3.Gzip"}}}})
 
 
+def cors_after_ext_proc(cfg):
+    hcm(cfg)["http_filters"].insert(1, {"name": "envoy.filters.http.cors", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.cors.v3.Cors"}})
+
+
 @pytest.mark.parametrize("edit, words", [
     (retries, "retry_policy: a retried request holds one slot and is counted once"),
+    (cors_after_ext_proc, "answers a browser's preflight (OPTIONS) 405 method_not_allowed"),
     (compressor_after_ext_proc, "the ext_proc gets compressed answers: no usage is learned"),
     (health_route_with_ext_proc, "route 1 (path /healthz): a direct_response with the ext_proc on"),
     (pool_breaker_lowered, "cluster 'vllm_llama70b': circuit_breakers max_connections 1024, max_pending_requests "
