@@ -175,7 +175,8 @@ class Telemetry:
         self._unmatched = self.completion_reports.labels("unmatched")
         self._relayed = self.completion_reports.labels("relayed")
         self.unadmitted = Counter(
-            "extproc_unadmitted_requests", "Requests Envoy sent to a replica without admission (no ticket): "
+            "extproc_unadmitted_requests", "Requests Envoy sent to a model pool (a cluster the policy's models or "
+            "pools name, an unknown one, or any on a compute path) without admission (no ticket): "
             "failure_mode_allow let them through while the ext_proc was down, slower than message_timeout, or "
             "failing. From Envoy's access log; those of a whole outage may not be reported.", registry=r)
 

@@ -19,6 +19,7 @@ from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
 from ..policy.admission import AdmissionController
 from ..policy.limits import Completion, Outcome
+from .openai import ENDPOINTS
 from .saturation import host_port
 
 log = logging.getLogger("extproc.accesslog")
@@ -146,6 +147,7 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
         self.tags = tags or TicketTags()  # this process's tickets
         self.events: CompletionReportEvents = events or NoCompletionReportEvents()
         self.relay = relay
+        self._pools: tuple[object, set[str]] | None = None  # the policy's pool clusters (rebuilt on a reload)
         if relay is not None:
             relay.on_reports(self.tags.process, self._relayed_in)
         self._closing = asyncio.Event()
@@ -176,12 +178,15 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
 
     def _report(self, msg: als_pb2.StreamAccessLogsMessage) -> None:
         entries = msg.http_logs.log_entry
-        matched = unadmitted = sent = 0
+        matched = unadmitted = sent = elsewhere = 0
         others: dict[str, list[list]] | None = None  # another instance's reports, by instance
         for entry in entries:
             headers = entry.request.request_headers
             if TICKET_HEADER not in headers:  # envoy.yaml logs these only when they reached a replica unadmitted
-                unadmitted += 1
+                if self._a_pool(entry.common_properties.upstream_cluster, entry.request.path):
+                    unadmitted += 1
+                else:
+                    elsewhere += 1
                 continue
             tag = self.tags.parse(headers[TICKET_HEADER])
             if tag is None:
@@ -204,9 +209,19 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
                 self.relay.relay(instance, reports, self._relay_result(len(reports)))
         # The rest carry no ticket the core knows: e.g. one issued before a restart, or by another instance while
         # no store relays reports between instances. Those sent on are counted when the store says who heard them.
-        self.events.completions_reported(matched, len(entries) - matched - unadmitted - sent)
+        self.events.completions_reported(matched, len(entries) - matched - unadmitted - elsewhere - sent)
         if unadmitted:
             self.events.unadmitted_reported(unadmitted)
+
+    def _a_pool(self, cluster: str, path: str) -> bool:
+        """Whether an unticketed request went to a model pool: envoy.yaml's logger cannot tell a route a team added
+        to another service (its own docs, an auth server: the ext_proc off, as it should be) from one to a pool,
+        and counting those raised the unadmitted-requests alert for nothing. Counted as well: no cluster known,
+        and a compute path (a pool the policy does not name is still a model server)."""
+        policy = self.core.policy
+        if self._pools is None or self._pools[0] is not policy:
+            self._pools = (policy, {m.cluster for m in policy.models.values()} | set(policy.pools))
+        return not cluster or cluster in self._pools[1] or path.split("?", 1)[0] in ENDPOINTS
 
     def _relay_result(self, count: int) -> Callable[[bool], None]:
         """Counts a relayed batch once its fate is known: `relayed` if its instance heard it, else `unmatched`

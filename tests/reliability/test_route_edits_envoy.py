@@ -158,3 +158,40 @@ async def test_a_queue_longer_than_max_message_timeout_lets_requests_through_and
     run = subprocess.run([sys.executable, "-m", "extproc.cli", "check", "--envoy", str(path), str(policy)],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 1 and "max_message_timeout 2s" in run.stderr, run.stderr
+
+
+class OtherServiceStack(Stack):
+    """envoy.yaml with a route a team adds beside the API: /docs to a service of its own, the ext_proc off (as on
+    envoy.yaml's read-only routes); and /v1/embeddings with the ext_proc off by mistake, which still counts."""
+
+    def envoy_config(self) -> dict:
+        cfg = super().envoy_config()
+        hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+        off = routes[-1]["typed_per_filter_config"]
+        routes.insert(1, {"match": {"prefix": "/docs"}, "route": {"cluster": "docs", "timeout": "5s"},
+                          "typed_per_filter_config": off})
+        next(r for r in routes if r["match"].get("path") == "/v1/embeddings")["typed_per_filter_config"] = off
+        pool = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "vllm_llama70b")
+        cfg["static_resources"]["clusters"].append({"name": "docs", "type": "STATIC", "connect_timeout": "1s",
+                                                    "load_assignment": {**pool["load_assignment"],
+                                                                        "cluster_name": "docs"}})
+        return cfg
+
+
+async def test_requests_to_another_service_are_not_counted_as_unadmitted(tmp_path, upstream):
+    policy = policy_file(tmp_path, endpoints={"embeddings": True})
+    with OtherServiceStack(tmp_path / "stack", {"vllm_llama70b": [upstream], "vllm_llama8b": [upstream]},
+                           policy_path=policy) as s:
+        async with aiohttp.ClientSession() as http:
+            for _ in range(3):
+                async with http.get(f"{s.url}/docs/index.html") as r:
+                    assert r.status == 404  # the test upstream's own: it reached the service
+            async with http.post(f"{s.url}/v1/embeddings", json={"model": "llama-70b", "input": "hi"}) as r:
+                assert r.status == 200
+            # Before: 4 (the docs GETs too), and the ExtprocRequestsUnadmitted alert for an ordinary route.
+            assert await sample_once(http, s.metrics_url, "extproc_unadmitted_requests_total", 1.0) == 1.0
+            await asyncio.sleep(1.2)  # the unadmitted log flushes every second: nothing more comes
+            ms = await metrics(http, s.metrics_url)
+            assert sample(ms, "extproc_unadmitted_requests_total") == 1
+            assert sample(ms, "extproc_completion_reports_total", result="unmatched") == 0

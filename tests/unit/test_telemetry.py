@@ -223,6 +223,22 @@ def test_the_access_log_receiver_reports_matched_and_unmatched_completions():
     assert sample(t, "extproc_request_duration_seconds_count", **{"class": "batch", "outcome": "ok"}) == 1
 
 
+def test_an_unticketed_request_to_a_cluster_no_model_names_is_not_counted_unadmitted():
+    # Found through Envoy: three GETs to a docs service a team routed beside the API (ext_proc off) raised
+    # extproc_unadmitted_requests_total to 3 and the alert with it.
+    t = Telemetry()
+    receiver = AccessLogReceiver(limited_core(t), t, TicketTags(instance="a1"))
+    msg = log_entries(None, None, None, None, None)
+    for entry, cluster, path in zip(msg.http_logs.log_entry, ("docs", "pool_a", "", "auth", "other_vllm"),
+                                    ("/docs", "/v1/chat/completions", "/x", "/login?next=/", "/v1/completions?a")):
+        entry.common_properties.upstream_cluster = cluster
+        entry.request.path = path
+    asyncio.run(receiver.StreamAccessLogs(None, AccessLogStream(msg)))
+    # the pool's, one whose cluster is unknown, and a compute path on a cluster the policy does not name
+    assert sample(t, "extproc_unadmitted_requests_total") == 3
+    assert sample(t, "extproc_completion_reports_total", result="unmatched") == 0
+
+
 def test_a_worker_reports_only_the_tickets_it_issued():
     t = Telemetry()
     core = limited_core(t)
