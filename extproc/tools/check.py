@@ -27,9 +27,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{args.envoy}: {e}", file=sys.stderr)
             return 2
     failed = False
-    pools: set[str] = set()
-    admitted = 0  # the most requests any of the policies admits at once
-    longest_wait_s = 0.0  # the longest any of them lets a request queue
+    needs = _EnvoyNeeds()
     for path in args.files:
         try:
             policy = load_policy_file(path)
@@ -41,22 +39,39 @@ def run(args: argparse.Namespace) -> int:
             for line in e.errors:
                 print(f"  {line}", file=sys.stderr)
             continue
-        pools |= {m.cluster for m in policy.models.values()}
-        admitted = max(admitted, sum(c.max_concurrency for c in policy.classes.values()))
-        longest_wait_s = max([longest_wait_s] + [c.max_wait_ms / 1000 for c in policy.classes.values()])
+        needs.add(policy)
         for w in policy_warnings(policy):
             print(f"{path}: warning: {w}", file=sys.stderr)
         classes = ", ".join(f"{n}={c.max_concurrency}" for n, c in policy.classes.items())
         print(f"{path}: ok ({_count(policy.classes, 'class', 'classes')}: {classes}; "
               f"{_count(policy.models, 'model', 'models')}; {_count(policy.tenants, 'tenant', 'tenants')})")
-    if envoy is not None and pools and not _report_envoy(args.envoy, envoy, pools, admitted, longest_wait_s):
+    if envoy is not None and needs.pools and not _report_envoy(args.envoy, envoy, needs):
         failed = True
     return 1 if failed else 0
 
 
-def _report_envoy(path: str, cfg: dict, pools: set[str], admitted: int, longest_wait_s: float) -> bool:
-    """Print what lets requests for `pools` around admission in this Envoy config; False if anything does."""
-    found = envoylint.lint(cfg, pools, admitted, longest_wait_s)
+class _EnvoyNeeds:
+    """What the valid policies checked need of the Envoy config (any of them may run behind it)."""
+
+    def __init__(self) -> None:
+        self.pools: set[str] = set()
+        self.admitted = 0             # the most requests a policy admits at once
+        self.longest_wait_s = 0.0     # the longest a policy lets a request queue
+        self.reads = set(envoylint.READS)  # the request headers the ext_proc reads
+
+    def add(self, policy: Policy) -> None:
+        self.pools |= {m.cluster for m in policy.models.values()}
+        self.admitted = max(self.admitted, sum(c.max_concurrency for c in policy.classes.values()))
+        self.longest_wait_s = max([self.longest_wait_s] + [c.max_wait_ms / 1000 for c in policy.classes.values()])
+        c = policy.classify
+        self.reads |= {h for h in (c.header, policy.sessions.header, c.objective_header, c.fairness_header,
+                                   c.deadline_header) if h}
+
+
+def _report_envoy(path: str, cfg: dict, needs: _EnvoyNeeds) -> bool:
+    """Print what lets requests for the policies' pools around admission in this Envoy config; False if anything
+    does."""
+    found = envoylint.lint(cfg, needs.pools, needs.admitted, needs.longest_wait_s, tuple(sorted(needs.reads)))
     for w in found.warnings:
         print(f"{path}: warning: {w}", file=sys.stderr)
     if found.errors:

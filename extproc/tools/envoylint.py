@@ -8,6 +8,7 @@ Warnings: admission holds, but the edit costs what the docs say.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Iterator
 
 EXT_PROC_TYPE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
@@ -27,17 +28,23 @@ class Findings:
         self.warnings: list[str] = []
 
 
+# Headers the ext_proc reads whatever the policy (protocol.read_request_headers); check adds the policy's own.
+READS = (":path", ":method", "authorization", "api-key", "content-encoding", "x-request-id")
+# Headers the ext_proc sets on an admitted request: the pool to route to, and the ticket its report is matched by.
+SETS = ("x-extproc-cluster", "x-extproc-ticket")
+
 # What the ext_proc adds to a queued request's wait when it extends Envoy's message timeout (ExtProcServicer).
 QUEUE_GRACE_S = 0.5
 
 
-def lint(cfg: dict[str, Any], pools: set[str], admitted: int = 0, longest_wait_s: float = 0.0) -> Findings:
+def lint(cfg: dict[str, Any], pools: set[str], admitted: int = 0, longest_wait_s: float = 0.0,
+         reads: tuple[str, ...] = READS) -> Findings:
     """What in `cfg` lets requests for the clusters in `pools` (the policy's) around admission; `admitted` is how
     many requests the policy admits at once at most (its classes' caps summed), `longest_wait_s` the longest a
-    request may queue (its classes' max_wait_ms)."""
+    request may queue (its classes' max_wait_ms), `reads` the request headers the ext_proc reads."""
     found = Findings()
     for where, hcm in _connection_managers(cfg):
-        _lint_hcm(where, hcm, pools, longest_wait_s, found)
+        _lint_hcm(where, hcm, pools, longest_wait_s, reads, found)
     _lint_pool_breakers(cfg, pools, admitted, found)
     return found
 
@@ -71,7 +78,8 @@ def _connection_managers(cfg: dict[str, Any]) -> Iterator[tuple[str, dict[str, A
                     yield f"listener {listener.get('name', '?')!r}", tc
 
 
-def _lint_hcm(where: str, hcm: dict[str, Any], pools: set[str], longest_wait_s: float, found: Findings) -> None:
+def _lint_hcm(where: str, hcm: dict[str, Any], pools: set[str], longest_wait_s: float, reads: tuple[str, ...],
+              found: Findings) -> None:
     rc = hcm.get("route_config")
     if rc is None:
         found.warnings.append(f"{where}: its routes come from RDS and are not checked: check the route table it "
@@ -81,6 +89,7 @@ def _lint_hcm(where: str, hcm: dict[str, Any], pools: set[str], longest_wait_s: 
     if name is None:
         return
     _lint_waits(where, hcm, longest_wait_s, found)
+    _lint_headers(where, _ext_proc_config(hcm), reads, found)
     _lint_early_mutation(where, hcm, found)
     for vh in rc.get("virtual_hosts") or []:
         _lint_vhost(f"{where}, virtual host {vh.get('name', '?')!r}", vh, rc, name, pools, found)
@@ -124,6 +133,15 @@ def _lint_filter_config(where: str, tc: dict[str, Any], found: Findings) -> None
     if tc.get("observability_mode"):
         found.errors.append(f"{where}: the ext_proc runs in observability_mode: Envoy does not wait for its "
                             "decisions, so every request reaches the replicas unadmitted")
+    if tc.get("disable_immediate_response"):
+        found.errors.append(f"{where}: the ext_proc's disable_immediate_response: Envoy ignores its refusals and "
+                            "sends the request on unadmitted (cap 1: three requests ran at once, two without a "
+                            "ticket)")
+    if tc.get("disable_clear_route_cache") or tc.get("route_cache_action") == "RETAIN":
+        found.errors.append(f"{where}: the ext_proc filter keeps the route cache (disable_clear_route_cache or "
+                            f"route_cache_action RETAIN): the route on {CLUSTER_HEADER} is never chosen, and a "
+                            "request admitted for one pool runs on the static route's (llama-8b ran on the 70B "
+                            "pool)")
     mode = tc.get("processing_mode") or {}
     for key, want, why in (
             ("request_header_mode", "SEND", "the ext_proc refuses every request (500 request_not_sent)"),
@@ -142,8 +160,7 @@ def _lint_waits(where: str, hcm: dict[str, Any], longest_wait_s: float, found: F
     the queued request went upstream unadmitted after message_timeout, past a full cap."""
     if longest_wait_s <= 0:
         return
-    tc = next(f["typed_config"] for f in hcm["http_filters"] if (f.get("typed_config") or {}).get("@type") ==
-              EXT_PROC_TYPE)
+    tc = _ext_proc_config(hcm)
     need = longest_wait_s + QUEUE_GRACE_S
     most = _seconds(tc.get("max_message_timeout", "0s"))
     if most is not None and most < need:
@@ -156,6 +173,58 @@ def _lint_waits(where: str, hcm: dict[str, Any], longest_wait_s: float, found: F
     if cut and cut < need:
         found.warnings.append(f"{where}: request_timeout {cut:g}s is below the longest queue wait, "
                               f"{longest_wait_s:g}s + {QUEUE_GRACE_S:g}s: queued requests get Envoy's 408 first")
+
+
+def _ext_proc_config(hcm: dict[str, Any]) -> dict[str, Any]:
+    return next(f["typed_config"] for f in hcm["http_filters"]
+                if (f.get("typed_config") or {}).get("@type") == EXT_PROC_TYPE)
+
+
+def _lint_headers(where: str, tc: dict[str, Any], reads: tuple[str, ...], found: Findings) -> None:
+    """The headers going to the ext_proc and coming back from it (each measured through Envoy 1.40)."""
+    rules = tc.get("forward_rules")
+    if rules:
+        unseen = [h for h in reads if not _forwarded(h, rules)]
+        if unseen:
+            found.errors.append(f"{where}: the ext_proc's forward_rules keep {', '.join(unseen)} from it: without "
+                                "the key every request is anonymous (a tenant's batch request ran as interactive, "
+                                "past its max_class and limits), without the path every request is refused")
+    mutation = tc.get("mutation_rules") or {}
+    blocked = [h for h in SETS if mutation.get("disallow_all") or _matches_regex(
+        (mutation.get("disallow_expression") or {}).get("regex"), h)]
+    if blocked:
+        then = ("every admitted request is answered 503 header_mutation_set_headers_failed"
+                if mutation.get("disallow_is_error") else
+                "admitted requests go upstream without them: on the static route's pool, reported by no ticket")
+        found.errors.append(f"{where}: the ext_proc's mutation_rules refuse {', '.join(blocked)}: {then}")
+
+
+def _forwarded(header: str, rules: dict[str, Any]) -> bool:
+    allowed = (rules.get("allowed_headers") or {}).get("patterns")
+    disallowed = (rules.get("disallowed_headers") or {}).get("patterns") or []
+    return (allowed is None or any(_string_matches(p, header) for p in allowed)) and \
+        not any(_string_matches(p, header) for p in disallowed)
+
+
+def _string_matches(p: dict[str, Any], value: str) -> bool:
+    """An Envoy StringMatcher (header names are lower-case, so ignore_case changes nothing for ours)."""
+    if "exact" in p:
+        return value == p["exact"].lower()
+    if "prefix" in p:
+        return value.startswith(p["prefix"].lower())
+    if "suffix" in p:
+        return value.endswith(p["suffix"].lower())
+    if "contains" in p:
+        return p["contains"].lower() in value
+    return _matches_regex((p.get("safe_regex") or {}).get("regex"), value)
+
+
+def _matches_regex(regex: str | None, value: str) -> bool:
+    """RE2 as Python reads it: close enough for header-name patterns."""
+    try:
+        return regex is not None and re.fullmatch(regex, value) is not None
+    except re.error:
+        return False
 
 
 def _seconds(duration: Any) -> float | None:

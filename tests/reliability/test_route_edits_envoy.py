@@ -195,3 +195,57 @@ async def test_requests_to_another_service_are_not_counted_as_unadmitted(tmp_pat
             ms = await metrics(http, s.metrics_url)
             assert sample(ms, "extproc_unadmitted_requests_total") == 1
             assert sample(ms, "extproc_completion_reports_total", result="unmatched") == 0
+
+
+class FilterOptionStack(Stack):
+    """envoy.yaml with one option of the ext_proc filter set, as found in teams' configs."""
+
+    option: dict = {}
+
+    def envoy_config(self) -> dict:
+        cfg = super().envoy_config()
+        hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        hcm["http_filters"][0]["typed_config"].update(self.option)
+        return cfg
+
+
+OPTIONS = {
+    "disable_immediate_response": {"disable_immediate_response": True},
+    "disable_clear_route_cache": {"disable_clear_route_cache": True},
+    "mutation_rules": {"mutation_rules": {"disallow_expression": {"regex": "x-extproc-.*"}}},
+    "forward_rules": {"forward_rules": {"allowed_headers": {"patterns": [{"prefix": ":"},
+                                                                         {"exact": "content-type"}]}}},
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+async def test_ext_proc_options_that_undo_admission_are_refused_by_check(tmp_path, upstream, small_pool, name):
+    """Cap 1, three llama-8b requests at once from tenant acme (max_class batch): what each option did."""
+    policy = policy_file(tmp_path, classes={"interactive": {"max_concurrency": 1, "max_queue": 0, "max_wait_ms": 0},
+                                            "batch": {"max_concurrency": 1, "max_queue": 0, "max_wait_ms": 0}})
+    stack = FilterOptionStack(tmp_path / "stack", {"vllm_llama70b": [upstream], "vllm_llama8b": [small_pool]},
+                              policy_path=policy)
+    stack.option = OPTIONS[name]
+    with stack as s:
+        async with aiohttp.ClientSession() as http:
+            for pool in (upstream, small_pool):
+                await upstream_reset(http, pool)
+
+            async def one() -> tuple[int, str | None]:
+                async with http.post(f"{s.url}/v1/chat/completions", json=chat(model="llama-8b"),
+                                     headers={"x-test-delay-ms": "800", "authorization": "Bearer sk-acme-1"}) as r:
+                    await r.read()
+                    return r.status, r.headers.get("x-extproc-class")
+
+            answers = await asyncio.gather(one(), one(), one())
+            big, small = await upstream_stats(http, upstream), await upstream_stats(http, small_pool)
+        found = lint(s.envoy_config(), {"vllm_llama70b", "vllm_llama8b"})
+    if name == "disable_immediate_response":  # refusals ignored: all three ran, two unadmitted on the static route
+        assert sorted(a[0] for a in answers) == [200, 200, 200] and big["unticketed"] == 2
+    elif name == "disable_clear_route_cache":  # admitted for the 8B pool, run on the static route's 70B pool
+        assert big["served"] == 1 and small["served"] == 0
+    elif name == "mutation_rules":  # admitted, but neither ticket nor pool header reached Envoy's router
+        assert big["served"] == 1 and big["unticketed"] == 1
+    else:  # the key never reached the ext_proc: acme's request ran as an anonymous interactive one
+        assert sorted(answers)[0] == (200, "interactive"), answers
+    assert any(name in e for e in found.errors), found.errors

@@ -119,7 +119,25 @@ def weighted_entry_disables_ext_proc(cfg):
                                                                                       "disabled": True}}}]}}
 
 
+def ext_proc_option(**options):
+    def edit(cfg):
+        hcm(cfg)["http_filters"][0]["typed_config"].update(options)
+    edit.__name__ = ",".join(options)
+    return edit
+
+
 @pytest.mark.parametrize("edit, words", [
+    (ext_proc_option(disable_immediate_response=True), "Envoy ignores its refusals"),
+    (ext_proc_option(disable_clear_route_cache=True), "the route on x-extproc-cluster is never chosen"),
+    (ext_proc_option(route_cache_action="RETAIN"), "the route on x-extproc-cluster is never chosen"),
+    (ext_proc_option(mutation_rules={"disallow_expression": {"regex": "x-extproc-.*"}}),
+     "mutation_rules refuse x-extproc-cluster, x-extproc-ticket: admitted requests go upstream without them"),
+    (ext_proc_option(mutation_rules={"disallow_all": True, "disallow_is_error": True}),
+     "every admitted request is answered 503 header_mutation_set_headers_failed"),
+    (ext_proc_option(forward_rules={"allowed_headers": {"patterns": [{"prefix": ":"}, {"exact": "content-type"}]}}),
+     "forward_rules keep authorization, api-key, content-encoding, x-request-id from it"),
+    (ext_proc_option(forward_rules={"disallowed_headers": {"patterns": [{"safe_regex": {"regex": "auth.*"}}]}}),
+     "forward_rules keep authorization from it"),
     (mirrored_to_a_pool, "mirrors its requests to vllm_llama8b: each admitted request runs there too"),
     (weighted_entry_disables_ext_proc, "(path /v1/completions) sends to vllm_llama70b, vllm_llama8b with the "
                                        "ext_proc disabled"),
@@ -220,6 +238,10 @@ def test_a_queue_longer_than_envoy_holds_a_request_is_an_error_and_a_short_reque
 
 def test_edits_that_keep_every_request_admitted_have_no_findings():
     cfg = shipped()
+    hcm(cfg)["http_filters"][0]["typed_config"].update(
+        mutation_rules={"disallow_expression": {"regex": "x-internal-.*"}},
+        forward_rules={"allowed_headers": {"patterns": [{"prefix": ":"}, {"prefix": "x-"}, {"exact": "authorization"},
+                                                        {"exact": "api-key"}, {"exact": "content-encoding"}]}})
     rs = routes(cfg)
     # a direct_response health route, and routes to other services, with the ext_proc off
     rs.insert(1, {"match": {"path": "/healthz"}, "direct_response": {"status": 200},
