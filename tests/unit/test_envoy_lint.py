@@ -151,7 +151,6 @@ def ext_proc_option(**options):
     (hedged_retries, "hedge_on_per_try_timeout starts another attempt"),
     (filter_after_router, "runs the ext_proc filter after the router"),
     (observability_mode, "observability_mode"),
-    (trailers_skipped, "response_trailer_mode is SKIP, not SEND"),
     (no_header_strip, "a client can send x-extproc-cluster and pick a pool"),
     (vhost_disables_ext_proc, "with the ext_proc disabled"),
 ])
@@ -204,6 +203,7 @@ def cors_after_ext_proc(cfg):
 
 @pytest.mark.parametrize("edit, words", [
     (retries, "retry_policy: a retried request holds one slot and is counted once"),
+    (trailers_skipped, "response_trailer_mode is SKIP, not SEND"),
     (cors_after_ext_proc, "answers a browser's preflight (OPTIONS) 405 method_not_allowed"),
     (compressor_after_ext_proc, "the ext_proc gets compressed answers: no usage is learned"),
     (health_route_with_ext_proc, "route 1 (path /healthz): a direct_response with the ext_proc on"),
