@@ -270,14 +270,7 @@ def _lint_vhost(where: str, vh: dict[str, Any], rc: dict[str, Any], ext_proc: st
             found.errors.append(f"{what} sends to {', '.join(targets)} with the ext_proc disabled: its requests "
                                 "reach the replicas unadmitted")
             continue
-        if off is not None:
-            found.errors.append(f"{what} overrides the ext_proc's processing mode ({off}): the ext_proc refuses its "
-                                "requests (500 request_not_sent)")
-        _lint_mirrors(what, r, vh, pools, found)
-        if any(k in (r.get("route") or {}) for k in ("prefix_rewrite", "regex_rewrite", "path_rewrite_policy")):
-            found.warnings.append(f"{what}: the ext_proc sees the path before the route's rewrite and admits only "
-                                  "vLLM's own paths (others get 404 unknown_url), and an admitted request goes out "
-                                  f"by the route on {CLUSTER_HEADER}, unrewritten: rewrite before the ext_proc")
+        _lint_decided_route(what, r, vh, off, pools, found)
         if i == first:
             _lint_route_action(what, r, vh, found)
         elif first is None:
@@ -294,6 +287,19 @@ def _lint_vhost(where: str, vh: dict[str, Any], rc: dict[str, Any], ext_proc: st
         found.warnings.append(f"{where}, route {first} ({_show_match(routes[first])}): the route on "
                               f"{CLUSTER_HEADER} should match every path (prefix /): admitted requests it misses run "
                               "on a static route's cluster, not on the pool the ext_proc picked")
+
+
+def _lint_decided_route(what: str, r: dict[str, Any], vh: dict[str, Any], off: str | None, pools: set[str],
+                        found: Findings) -> None:
+    """A route to a pool with the ext_proc on: what can still go around it."""
+    if off is not None:
+        found.errors.append(f"{what} overrides the ext_proc's processing mode ({off}): the ext_proc refuses its "
+                            "requests (500 request_not_sent)")
+    _lint_mirrors(what, r, vh, pools, found)
+    if any(k in (r.get("route") or {}) for k in ("prefix_rewrite", "regex_rewrite", "path_rewrite_policy")):
+        found.warnings.append(f"{what}: the ext_proc sees the path before the route's rewrite and admits only "
+                              "vLLM's own paths (others get 404 unknown_url), and an admitted request goes out "
+                              f"by the route on {CLUSTER_HEADER}, unrewritten: rewrite before the ext_proc")
 
 
 def _lint_mirrors(what: str, r: dict[str, Any], vh: dict[str, Any], pools: set[str], found: Findings) -> None:
