@@ -88,11 +88,12 @@ def _lint_hcm(where: str, hcm: dict[str, Any], pools: set[str], longest_wait_s: 
     name = _ext_proc_filter(where, hcm, rc, pools, found)
     if name is None:
         return
+    ext = (name, ((_ext_proc_config(hcm).get("grpc_service") or {}).get("envoy_grpc") or {}).get("cluster_name", ""))
     _lint_waits(where, hcm, longest_wait_s, found)
     _lint_headers(where, _ext_proc_config(hcm), reads, found)
     _lint_early_mutation(where, hcm, found)
     for vh in rc.get("virtual_hosts") or []:
-        _lint_vhost(f"{where}, virtual host {vh.get('name', '?')!r}", vh, rc, name, pools, found)
+        _lint_vhost(f"{where}, virtual host {vh.get('name', '?')!r}", vh, rc, ext, pools, found)
 
 
 def _ext_proc_filter(where: str, hcm: dict[str, Any], rc: dict[str, Any], pools: set[str],
@@ -252,7 +253,7 @@ def _lint_early_mutation(where: str, hcm: dict[str, Any], found: Findings) -> No
                             "ticket and go uncounted in extproc_unadmitted_requests_total")
 
 
-def _lint_vhost(where: str, vh: dict[str, Any], rc: dict[str, Any], ext_proc: str, pools: set[str],
+def _lint_vhost(where: str, vh: dict[str, Any], rc: dict[str, Any], ext: tuple[str, str], pools: set[str],
                 found: Findings) -> None:
     routes = vh.get("routes") or []
     first = next((i for i, r in enumerate(routes) if _is_pool_route(r)), None)
@@ -260,7 +261,7 @@ def _lint_vhost(where: str, vh: dict[str, Any], rc: dict[str, Any], ext_proc: st
     for i, r in enumerate(routes):
         targets = [c for c in _targets(r) if _pool(c, pools)]
         what = f"{where}, route {i} ({_show_match(r)})"
-        off = _ext_proc_off(r, vh, rc, ext_proc)
+        off = _ext_proc_off(r, vh, rc, ext)
         if "direct_response" in r and off is None:
             found.warnings.append(f"{what}: a direct_response with the ext_proc on: the ext_proc answers it first, "
                                   "404 unknown_url (disable the ext_proc on it, as envoy.yaml's routes do)")
@@ -293,8 +294,7 @@ def _lint_decided_route(what: str, r: dict[str, Any], vh: dict[str, Any], off: s
                         found: Findings) -> None:
     """A route to a pool with the ext_proc on: what can still go around it."""
     if off is not None:
-        found.errors.append(f"{what} overrides the ext_proc's processing mode ({off}): the ext_proc refuses its "
-                            "requests (500 request_not_sent)")
+        found.errors.append(f"{what} {off}")
     _lint_mirrors(what, r, vh, pools, found)
     if any(k in (r.get("route") or {}) for k in ("prefix_rewrite", "regex_rewrite", "path_rewrite_policy")):
         found.warnings.append(f"{what}: the ext_proc sees the path before the route's rewrite and admits only "
@@ -335,31 +335,36 @@ def _lint_route_action(what: str, r: dict[str, Any], vh: dict[str, Any], found: 
                               "bound waiting with the policy")
 
 
-def _ext_proc_off(r: dict[str, Any], vh: dict[str, Any], rc: dict[str, Any], name: str) -> str | None:
-    """'disabled', the processing-mode override that keeps the request from the ext_proc, or None (it decides).
-    The most specific per-filter config wins: a weighted cluster, the route, its virtual host, the route table."""
+def _ext_proc_off(r: dict[str, Any], vh: dict[str, Any], rc: dict[str, Any], ext: tuple[str, str]) -> str | None:
+    """'disabled', what else a per-route config does that keeps the request from our ext_proc (in words), or None
+    (it decides). The most specific per-filter config wins: a weighted cluster, the route, its virtual host, the
+    route table. `ext` is the filter's name and its gRPC cluster."""
     weighted = ((r.get("route") or {}).get("weighted_clusters") or {}).get("clusters") or []
     for c in weighted:  # the picked entry's config overrides the route's (measured: one disabling it passed)
-        per = (c.get("typed_per_filter_config") or {}).get(name)
-        if per is not None and _per_route(per) is not None:
-            return _per_route(per)
+        per = (c.get("typed_per_filter_config") or {}).get(ext[0])
+        if per is not None and _per_route(per, ext[1]) is not None:
+            return _per_route(per, ext[1])
     for scope in (r, vh, rc):
-        per = (scope.get("typed_per_filter_config") or {}).get(name)
+        per = (scope.get("typed_per_filter_config") or {}).get(ext[0])
         if per is not None:
-            return _per_route(per)
+            return _per_route(per, ext[1])
     return None
 
 
-def _per_route(per: dict[str, Any]) -> str | None:
+def _per_route(per: dict[str, Any], cluster: str) -> str | None:
     if per.get("disabled"):  # ExtProcPerRoute.disabled, or the generic FilterConfig's
         return "disabled"
-    mode = ((per.get("overrides") or {}).get("processing_mode")) or {}
-    if not mode:
-        return None
+    overrides = per.get("overrides") or {}
+    other = ((overrides.get("grpc_service") or {}).get("envoy_grpc") or {}).get("cluster_name", cluster)
+    if other != cluster:  # measured: a dead one failed open, and the request reached the replica unadmitted
+        return (f"sends its requests to another processor (cluster {other!r}): they are not admitted by this "
+                "policy, and while that processor fails open not at all")
+    mode = overrides.get("processing_mode") or {}
     bad = [f"{k} {mode.get(k, 'unset')}" for k, want in (("request_header_mode", "SEND"),
                                                           ("request_body_mode", "BUFFERED"))
-           if mode.get(k, "SEND" if k == "request_header_mode" else "NONE") != want]
-    return ", ".join(bad) or None
+           if mode and mode.get(k, "SEND" if k == "request_header_mode" else "NONE") != want]
+    return (f"overrides the ext_proc's processing mode ({', '.join(bad)}): the ext_proc refuses its requests (500 "
+            "request_not_sent)") if bad else None
 
 
 def _targets(r: dict[str, Any]) -> list[str]:

@@ -19,13 +19,14 @@ from tests.integration.conftest import HERE
 from tests.integration.helpers import chat, metrics, sample, sample_once, upstream_reset, upstream_stats
 
 PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
+DEAD_PORT = free_port()  # nothing listens there
 
 
 def edit(cfg: dict) -> None:
-    """Six edits, each seen in real configs: a route on a model header ahead of the route on the ext_proc's
+    """Seven edits, each seen in real configs: a route on a model header ahead of the route on the ext_proc's
     pool header; hedged retries and a mirror (a canary pool) on that route; a second virtual host (by
     :authority) with the static routes only; the ext_proc switched off on a route a team thought cheap, and on
-    one weighted cluster of another."""
+    one weighted cluster of another; a route given to another processor."""
     hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     vh = hcm["route_config"]["virtual_hosts"][0]
     routes = vh["routes"]
@@ -40,6 +41,16 @@ def edit(cfg: dict) -> None:
                       "route": {"cluster": "vllm_llama8b", "timeout": "0s"}})
     next(r for r in routes if r["match"].get("path") == "/v1/embeddings")["typed_per_filter_config"] = {
         "envoy.filters.http.ext_proc": {"@type": PER_ROUTE, "disabled": True}}
+    # a route sent to another processor (a staging policy), down: Envoy fails open
+    next(r for r in routes if r["match"].get("path") == "/v1/responses")["typed_per_filter_config"] = {
+        "envoy.filters.http.ext_proc": {"@type": PER_ROUTE, "overrides": {
+            "grpc_service": {"envoy_grpc": {"cluster_name": "policy_staging"}}}}}
+    staging = copy.deepcopy(next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "extproc"))
+    staging.pop("health_checks", None)
+    staging.update(name="policy_staging", load_assignment={"cluster_name": "policy_staging", "endpoints": [
+        {"lb_endpoints": [{"endpoint": {"address": {"socket_address": {"address": "127.0.0.1",
+                                                                       "port_value": DEAD_PORT}}}}]}]})
+    cfg["static_resources"]["clusters"].append(staging)
     next(r for r in routes if r["match"].get("path") == "/v1/completions")["route"] = {
         "timeout": "0s", "weighted_clusters": {"clusters": [{"name": "vllm_llama70b", "weight": 1,
                                                                "typed_per_filter_config": {
@@ -98,11 +109,12 @@ async def test_each_edit_moves_requests_around_admission_and_check_refuses_the_c
             assert await until(lambda: served(small_pool), holds=lambda n: n == 1) == 1
             # No admission at all.
             for path, body in (("/v1/embeddings", {"model": "llama-70b", "input": "hi"}),
-                               ("/v1/completions", {"model": "llama-70b", "prompt": "hi", "max_tokens": 2})):
+                               ("/v1/completions", {"model": "llama-70b", "prompt": "hi", "max_tokens": 2}),
+                               ("/v1/responses", {"model": "llama-70b", "input": "hi", "max_output_tokens": 2})):
                 assert await send(path, body) == 200
                 seen = await (await http.get(f"http://{upstream[0]}:{upstream[1]}/test/seen")).json()
                 assert [x["ticket"] for x in seen if x["path"] == path] == [False]
-            assert await sample_once(http, s.metrics_url, "extproc_unadmitted_requests_total", 2.0) == 2.0
+            assert await sample_once(http, s.metrics_url, "extproc_unadmitted_requests_total", 3.0) == 3.0
             ms = await metrics(http, s.metrics_url)
             assert sample(ms, "extproc_requests_total", decision="accept") == 3
     errors = "\n".join(found.errors)
@@ -112,6 +124,7 @@ async def test_each_edit_moves_requests_around_admission_and_check_refuses_the_c
     assert "(path /v1/embeddings) sends to vllm_llama70b with the ext_proc disabled" in errors
     assert "(path /v1/completions) sends to vllm_llama70b with the ext_proc disabled" in errors
     assert "mirrors its requests to vllm_llama8b" in errors
+    assert "(path /v1/responses) sends its requests to another processor (cluster 'policy_staging')" in errors
     path = tmp_path / "edited.yaml"
     path.write_text(yaml.safe_dump(s.envoy_config()))
     run = subprocess.run([sys.executable, "-m", "extproc.cli", "check", "--envoy", str(path), str(policy)],

@@ -126,7 +126,14 @@ def ext_proc_option(**options):
     return edit
 
 
+def another_processor_on_completions(cfg):
+    route(cfg, "/v1/completions")["typed_per_filter_config"] = {EXT_PROC: {"@type": PER_ROUTE, "overrides": {
+        "grpc_service": {"envoy_grpc": {"cluster_name": "policy_staging"}}}}}
+
+
 @pytest.mark.parametrize("edit, words", [
+    (another_processor_on_completions, "(path /v1/completions) sends its requests to another processor (cluster "
+                                       "'policy_staging')"),
     (ext_proc_option(disable_immediate_response=True), "Envoy ignores its refusals"),
     (ext_proc_option(disable_clear_route_cache=True), "the route on x-extproc-cluster is never chosen"),
     (ext_proc_option(route_cache_action="RETAIN"), "the route on x-extproc-cluster is never chosen"),
