@@ -131,7 +131,15 @@ def another_processor_on_completions(cfg):
         "grpc_service": {"envoy_grpc": {"cluster_name": "policy_staging"}}}}}
 
 
+def mode_without_trailers_on_completions(cfg):
+    route(cfg, "/v1/completions")["typed_per_filter_config"] = {EXT_PROC: {"@type": PER_ROUTE, "overrides": {
+        "processing_mode": {"request_header_mode": "SEND", "request_body_mode": "BUFFERED",
+                            "response_trailer_mode": "SEND"}}}}
+
+
 @pytest.mark.parametrize("edit, words", [
+    (mode_without_trailers_on_completions, "(path /v1/completions) overrides the ext_proc's processing mode with "
+                                           "request_trailer_mode unset"),
     (another_processor_on_completions, "(path /v1/completions) sends its requests to another processor (cluster "
                                        "'policy_staging')"),
     (ext_proc_option(disable_immediate_response=True), "Envoy ignores its refusals"),
