@@ -71,7 +71,12 @@ class _EnvoyNeeds:
 def _report_envoy(path: str, cfg: dict, needs: _EnvoyNeeds) -> bool:
     """Print what lets requests for the policies' pools around admission in this Envoy config; False if anything
     does."""
-    found = envoylint.lint(cfg, needs.pools, needs.admitted, needs.longest_wait_s, tuple(sorted(needs.reads)))
+    try:
+        found = envoylint.lint(cfg, needs.pools, needs.admitted, needs.longest_wait_s, tuple(sorted(needs.reads)))
+    except (AttributeError, TypeError, KeyError, StopIteration, ValueError) as e:  # a shape Envoy would refuse
+        print(f"{path}: invalid: its listeners are not an Envoy config this check can read ({e!r}); validate it "
+              "with `envoy --mode validate -c` first", file=sys.stderr)
+        return False
     for w in found.warnings:
         print(f"{path}: warning: {w}", file=sys.stderr)
     if found.errors:

@@ -285,3 +285,14 @@ def test_check_exits_1_on_an_envoy_config_with_a_bypass(tmp_path):
     assert run.returncode == 1, run.stderr
     assert f"{path}: invalid (requests can reach a model pool without admission" in run.stderr
     assert "with the ext_proc disabled" in run.stderr and f"{path}: warning: " in run.stderr
+
+
+def test_check_reads_a_malformed_listener_as_invalid_not_a_traceback(tmp_path):
+    cfg = shipped()
+    routes(cfg)[0] = "not a route"
+    path = tmp_path / "envoy.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    run = subprocess.run([sys.executable, "-m", "extproc.cli", "check", "--envoy", str(path),
+                          str(ROOT / "policies/default.yaml")], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "not an Envoy config this check can read" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr
