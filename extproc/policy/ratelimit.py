@@ -121,10 +121,11 @@ class TenantLimits:
 
 
 class Session:
-    __slots__ = ("inflight_gpu_s", "bucket", "tenant")
+    __slots__ = ("inflight_gpu_s", "inflight", "bucket", "tenant")
 
     def __init__(self, tenant: str):
         self.inflight_gpu_s = 0.0
+        self.inflight = 0  # requests: what says whether it runs (the GPU-seconds' float sum drifts)
         self.bucket: TokenBucket | None = None
         self.tenant = tenant
 
@@ -167,7 +168,7 @@ class SessionBudgets:
                 s.bucket = TokenBucket(rate / 60.0, rate, now)
             while len(self.sessions) > self.spec.max_sessions:
                 old_key, old = next(iter(self.sessions.items()))
-                if old.inflight_gpu_s > 0:  # still running: keep it, forget nothing in flight
+                if old.inflight > 0:  # still running: keep it, forget nothing in flight
                     self.sessions.move_to_end(old_key)
                     break
                 del self.sessions[old_key]
@@ -188,6 +189,7 @@ class SessionBudgets:
     def charge(self, s: Session, gpu_s: float, now: float, rate: bool = True) -> None:
         """In flight from now; `rate`: also take it from the per-minute bucket (False: taken when queued)."""
         s.inflight_gpu_s += gpu_s
+        s.inflight += 1
         if rate:
             self.charge_rate(s, gpu_s, now)
 
@@ -203,4 +205,7 @@ class SessionBudgets:
 
     @staticmethod
     def release(s: Session, gpu_s: float) -> None:
-        s.inflight_gpu_s = max(s.inflight_gpu_s - gpu_s, 0.0)
+        s.inflight = max(s.inflight - 1, 0)
+        # Nothing in flight is exactly 0: parallel calls' costs added and taken out in another order left dust
+        # (3e-17) that kept an idle session from ever being forgotten, and the table grew past max_sessions.
+        s.inflight_gpu_s = max(s.inflight_gpu_s - gpu_s, 0.0) if s.inflight else 0.0

@@ -377,6 +377,23 @@ def test_session_table_is_bounded():
     assert len(core.sessions.sessions) <= 10
 
 
+def test_session_table_stays_bounded_when_sessions_run_requests_side_by_side():
+    # An agent's parallel calls: their costs summed into the session's in-flight GPU-seconds and taken out again
+    # left float dust (0.1 + 0.2 - 0.1 - 0.2 = 3e-17), so an idle session read as running, was never forgotten and
+    # the table grew with every such session (a churn soak: 10744 sessions held under max_sessions 100).
+    core = AdmissionController(make_policy(sessions={"max_inflight_gpu_seconds": 100.0, "max_sessions": 10},
+                                           classes={"batch": {"max_concurrency": 100}}, default_class="batch",
+                                           tenants=[], shed={}))
+    rng = random.Random(1)
+    for i in range(200):
+        tickets = [core.decide(facts(rng.randrange(100, 4000), rng.randrange(1, 500), header_class="batch",
+                                     session_id=f"s{i}")).ticket for _ in range(3)]
+        for t in tickets:
+            core.finish(t, Outcome.OK)
+    assert len(core.sessions.sessions) <= 10
+    assert all(s.inflight_gpu_s == 0.0 for s in core.sessions.sessions.values())
+
+
 def test_check_warns_when_tenant_limits_sum_past_the_fleet():
     p = load_policy({"classes": {"a": {"max_concurrency": 1}}, "models": {"m": {"cluster": "c"}},
                      "fleet": {"tokens_per_minute": 1000},
