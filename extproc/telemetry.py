@@ -294,6 +294,17 @@ class Telemetry:
         self.reload_ok.set(1 if applied else 0)
         if applied and self._core is not None:
             self._alerted_at_zero(self._core)
+            self._end_removed_tenants(set(self._core.classifier.tenant_names))
+
+    def _end_removed_tenants(self, tenants: set[str]) -> None:
+        """End the series of tenants the policy no longer has: tenants come and go by reloads over a process's
+        life, and each one ever configured kept its series. (A request of a removed tenant still queued may bring
+        one back; the next reload ends it again.)"""
+        for children, at in ((self.demotions, None), (self.unknown_class, None), (self.ratelimit, 0),
+                             (self.session_rejections, 0), (self.tenant_wait, 1)):
+            for key in [k for k in children if (k if at is None else k[at]) not in tenants]:
+                children.metric.remove(*(key if at is not None else (key,)))
+                del children[key]
 
     def _alerted_at_zero(self, core: AdmissionController) -> None:
         """Create at 0 the series an alert takes increase() of: one that first appears at 1 gives increase() 0, so

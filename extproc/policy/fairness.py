@@ -210,6 +210,8 @@ class FairQueue:
             flow.guaranteed = self.guaranteed.get(flow.key, 0.0)
         for w in waiters:
             self.append(w)
+        for label in [label for label in self.stats if label not in labels and label != OTHER]:
+            del self.stats[label]  # a tenant the policy removed (what it had waiting and running moved above)
         self._head = None
 
     def first_for(self, pool: str) -> Any | None:
