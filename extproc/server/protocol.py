@@ -93,8 +93,8 @@ def read_request_headers(msg: pb.HttpHeaders, names: HeaderNames) -> RequestHead
             head.api_key.append(h.raw_value.decode("latin-1"))
         elif k == class_header:
             head.claim = h.raw_value.decode("latin-1").strip().lower() or None
-        elif k == "x-request-id":
-            head.request_id = h.raw_value.decode("latin-1")
+        elif k == "x-request-id":  # the client's own, if Envoy kept it: every refusal's log line carries it
+            head.request_id = h.raw_value[:256].decode("latin-1")
         elif k == session_header:
             head.session = h.raw_value.decode("latin-1")[:256] or None
         elif k == names.objective:

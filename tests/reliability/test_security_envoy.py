@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import string
 
@@ -91,6 +92,22 @@ async def test_metric_labels_come_only_from_config(make_stack, tmp_path):
             for label, values in allowed.items():
                 if label in smp.labels:
                     assert smp.labels[label] in values, (smp.name, smp.labels)
+
+
+async def test_a_huge_client_request_id_is_not_copied_whole_into_the_decision_log(make_stack, tmp_path):
+    # Envoy keeps a client's x-request-id (up to its 60 KiB of headers) and every refusal's log line carries it:
+    # 20 unknown-model requests with a 50,000-character id wrote 1 MB of log, 50 KB a line, so a client could
+    # turn the decision log budget (lines per second) into megabytes per second. Kept: the first 256 characters.
+    s = make_stack(security_policy(tmp_path))
+    rid = "r" * 50_000
+    async with aiohttp.ClientSession() as http:
+        for _ in range(5):
+            assert (await post(http, s.url, chat(model="no-such-model"), {"x-request-id": rid}))[0] == 404
+    s.stop()  # flush and close the logs
+    lines = [line for line in (s.workdir / "extproc.log").read_text().splitlines() if "extproc.decisions" in line]
+    assert len(lines) == 5
+    logged = [json.loads(line[line.index("{"):])["request_id"] for line in lines]
+    assert logged == [rid[:256]] * 5
 
 
 def test_admin_and_metrics_listen_on_loopback_by_default():
