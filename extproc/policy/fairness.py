@@ -205,9 +205,10 @@ class FairQueue:
         for flow, was in running:
             self._counts(was).inflight -= flow.inflight
             self._stats(flow.key).inflight += flow.inflight
-        for flow in self._flows.values():
+        for flow in list(self._flows.values()):
             flow.weight = self.weights.get(flow.key, 1.0)
             flow.guaranteed = self.guaranteed.get(flow.key, 0.0)
+            self._forget_if_idle(flow)  # configured no more: an idle one is kept no longer than any header key's
         for w in waiters:
             self.append(w)
         for label in [label for label in self.stats if label not in labels and label != OTHER]:

@@ -394,6 +394,22 @@ def test_unconfigured_flows_keep_no_state_once_idle():
     assert set(q._flows) <= {"a"}
 
 
+def test_a_flow_a_reload_unconfigured_keeps_no_state_once_idle():
+    # A configured flow (weight or guarantee) is kept while idle, for the virtual time it was served; once a reload
+    # removes its tenant it was kept for ever: with tenants coming and going by reloads, every class held a flow of
+    # every weighted tenant it ever served (and active_weight() walks them all on each admission).
+    q = FairQueue("fair", weights={"a": 2.0, "b": 3.0}, guaranteed={"c": 0.5}, tenants=["a", "b", "c"])
+    for key in ("a", "b", "c"):
+        q.admitted(key, 1.0)
+    q.released("a", 1.0)
+    q.released("c", 1.0)
+    assert set(q._flows) == {"a", "b", "c"}
+    q.configure("fair", {"d": 2.0}, {}, ["d"])
+    assert set(q._flows) == {"b"}  # b still runs: it is forgotten when it ends
+    q.released("b", 1.0)
+    assert not q._flows
+
+
 def test_waits_and_inflight_are_counted_per_label():
     now = [10.0]
     q = FairQueue("fair", tenants=["a"], clock=lambda: now[0])
