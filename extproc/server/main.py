@@ -21,7 +21,7 @@ from aiohttp import web
 from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..policy.admission import AdmissionController
 from ..policy.changes import policy_changes
@@ -287,8 +287,9 @@ class Server:
         return runner
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.telemetry.registry),
-                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+        families = self.telemetry.core_families()  # the core is read on the loop, the text written off it
+        body = await asyncio.to_thread(self.telemetry.exposition, families)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _healthz(self, request: web.Request) -> web.Response:
         snap = self.core.snapshot()
