@@ -11,6 +11,9 @@ from .schema import Policy
 KEYED = ("classes", "models", "pools")  # name -> spec: added, removed, and the fields that changed
 SECRET = ("api_keys", "url")  # tenants' keys and store.url (it may hold a password): named, never shown
 SHOWN = 40  # characters of a value shown
+# Entries (added, removed or changed) a section names; the rest are counted. A reload that raised each of 20,000
+# tenants' limits logged a line of ~1 MB, past what log shippers take as one line.
+NAMED = 10
 
 
 def policy_changes(old: Policy, new: Policy) -> str:
@@ -51,10 +54,15 @@ def _shed(p: Policy) -> str:
 
 
 def _keyed(section: str, a: dict[str, Any], b: dict[str, Any], ordered: bool = True) -> list[str]:
-    out = [f"{section} +{k}" for k in b if k not in a] + [f"{section} -{k}" for k in a if k not in b]
-    for k in a:
-        if k in b:
-            out += _fields(f"{section}.{k}", a[k], b[k])
+    entries = [(k, "+") for k in b if k not in a] + [(k, "-") for k in a if k not in b] + \
+        [(k, "") for k in a if k in b and a[k] != b[k]]
+    out = []
+    for k, sign in entries[:NAMED]:
+        out += [f"{section} {sign}{k}"] if sign else _fields(f"{section}.{k}", a[k], b[k])
+    rest = [sign for _, sign in entries[NAMED:]]
+    if rest:
+        out.append(f"{section}: {len(rest):,} more ({rest.count('+'):,} added, {rest.count('-'):,} removed, "
+                   f"{rest.count(''):,} changed)")
     if ordered and list(a) != list(b) and set(a) == set(b):
         out.append(f"{section} reordered")  # class order is priority
     return out

@@ -67,3 +67,18 @@ def test_a_class_added_first_or_last_names_the_defaults_it_moves():
     bottom = dataclasses.replace(old, classes={**old.classes, "scavenger": spec})
     assert f"anonymous.max_class (default: the lowest class) {names[-1]!r} -> 'scavenger'" in policy_changes(old,
                                                                                                           bottom)
+
+
+def test_a_reload_of_thousands_of_tenants_names_a_few_and_counts_the_rest():
+    # A reload that raised every one of 20,000 tenants' rate limits logged one line of 968,888 characters (and
+    # replacing them all, 737,778): past what log shippers take as a line, and built on the event loop.
+    old = make_policy(tenants=[{"name": f"t{i}", "api_keys": [f"k{i}"], "requests_per_minute": 600}
+                               for i in range(5000)])
+    new = make_policy(tenants=[{"name": f"t{i}", "api_keys": [f"k{i}"], "requests_per_minute": 700}
+                               for i in range(2, 5002)])
+    text = policy_changes(old, new)
+    assert len(text) < 2000
+    assert "tenants +t5000" in text and "tenants -t0" in text and "tenants.t2.requests_per_minute 600 -> 700" in text
+    assert text.endswith("tenants: 4,992 more (0 added, 0 removed, 4,992 changed)")
+    replaced = policy_changes(old, make_policy(tenants=[{"name": f"u{i}", "api_keys": [f"v{i}"]} for i in range(5000)]))
+    assert replaced.endswith("tenants: 9,990 more (4,990 added, 5,000 removed, 0 changed)")
