@@ -42,6 +42,14 @@ def create(directory: Path, workers: int) -> None:
     (directory / _LOCK).touch()
 
 
+def _stored_name(cls: str) -> bytes:
+    """A class's name as its row holds it (a name longer than the field is stored as its hash)."""
+    name = cls.encode()
+    if len(name) > _NAME:
+        name = b"#" + hashlib.blake2b(name, digest_size=(_NAME - 1) // 2).hexdigest().encode()
+    return name
+
+
 def _socket_path(directory: Path, worker: int) -> str:
     return str(directory / f"worker-{worker}.sock")
 
@@ -57,7 +65,7 @@ class HostStore:
         self._file = open(self.directory / _TABLE, "r+b")  # noqa: SIM115 - held for the store's life
         self._map = mmap.mmap(self._file.fileno(), table_size(workers))
         self._lock_fd = os.open(self.directory / _LOCK, os.O_RDWR)
-        self._rows: dict[str, int] = {}                       # class -> row, found or claimed once per process
+        self._rows: dict[str, tuple[int, bytes]] = {}         # class -> (row, its name there) when last found
         self._held: dict[tuple[str, str], float] = {}          # (class, holder) -> GPU-seconds, this worker's
         self._listeners: list[Callable[[str], None]] = []
         self._inbox: socket.socket | None = None
@@ -75,21 +83,40 @@ class HostStore:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
     def _row(self, cls: str) -> int:
-        row = self._rows.get(cls)
-        if row is not None:
-            return row
-        name = cls.encode()
-        if len(name) > _NAME:
-            name = b"#" + hashlib.blake2b(name, digest_size=(_NAME - 1) // 2).hexdigest().encode()
-        stride = _NAME + self.workers * _CELL.size
+        """The class's row: found by name, else an empty one, else (the table full) one of a class no worker holds
+        a slot of. Rows used to be claimed per name for the table's life, so reloads renaming classes over a
+        long life filled it and every request of the 257th name failed. A row can change hands, so a known row
+        is checked against its name on each use (56 bytes, under the lock)."""
+        known = self._rows.get(cls)
+        if known is not None and self._name_at(known[0]) == known[1]:
+            return known[0]
+        name = known[1] if known is not None else _stored_name(cls)
+        idle = None
         for row in range(MAX_CLASSES):
-            stored = self._map[row * stride: row * stride + _NAME].rstrip(b"\0")
-            if stored == name or not stored:
-                if not stored:
-                    self._map[row * stride: row * stride + len(name)] = name
-                self._rows[cls] = row
-                return row
-        raise RuntimeError(f"more than {MAX_CLASSES} classes in the shared table")
+            stored = self._name_at(row)
+            if stored == name:
+                break
+            if not stored:  # rows fill in order: the name is in none after this one
+                self._claim(row, name)
+                break
+            if idle is None and all(n == 0 and gpu == 0.0 for n, gpu, _ in self._cells(row)):
+                idle = row  # a worker still waiting for that class finds it again when it next asks
+        else:
+            if idle is None:
+                raise RuntimeError(f"more than {MAX_CLASSES} classes in use in the shared table")
+            row = idle
+            self._claim(row, name)
+        self._rows[cls] = (row, name)
+        return row
+
+    def _name_at(self, row: int) -> bytes:
+        start = row * (_NAME + self.workers * _CELL.size)
+        return self._map[start: start + _NAME].rstrip(b"\0")
+
+    def _claim(self, row: int, name: bytes) -> None:
+        """Write the name and clear the cells (an idle row's waiting flags were another class's)."""
+        stride = _NAME + self.workers * _CELL.size
+        self._map[row * stride: (row + 1) * stride] = name.ljust(stride, b"\0")
 
     def _offset(self, row: int, worker: int) -> int:
         return row * (_NAME + self.workers * _CELL.size) + _NAME + worker * _CELL.size

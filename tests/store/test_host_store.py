@@ -97,3 +97,23 @@ async def test_a_long_class_name_has_its_own_row(pair):
     assert await b.acquire(claim("b:1", cls=long_b, cap=1))
     assert not await b.acquire(claim("b:2", cls=long_a, cap=1))
     assert a.count(long_a) == b.count(long_b) == 1
+
+
+async def test_classes_renamed_over_a_long_life_reuse_the_rows_of_classes_nobody_holds(pair):
+    # A row was claimed per class name ever seen and never given back: reloads that rename classes over the life
+    # of one `serve --workers N` filled the 256 rows, and every request of the 257th name failed ("more than 256
+    # classes in the shared table", a stream error: failure_mode_allow sent it on unadmitted).
+    a, b = pair
+    assert await b.acquire(claim("b:1", cls="kept", cap=1))  # held throughout: its row is never taken
+    assert await b.acquire(claim("b:2", cls="gen-0", cap=5))
+    await b.release([("gen-0", "b:2")])  # b knows gen-0's row; it is idle now
+    for gen in range(1, host_store.MAX_CLASSES + 50):
+        assert await a.acquire(claim(f"a:{gen}", cls=f"gen-{gen}", cap=1))
+        await a.release([(f"gen-{gen}", f"a:{gen}")])
+    assert await a.acquire(claim("a:x", cls="gen-300", cap=1))
+    assert b.count("gen-300") == 1
+    assert not await a.acquire(claim("a:y", cls="kept", cap=1))  # b's slot still counts
+    assert await b.acquire(claim("b:3", cls="gen-0", cap=1))  # its row went to another class: found again
+    assert a.count("gen-0") == 1 and a.count("gen-300") == 1
+    await b.release([("kept", "b:1")])
+    assert a.count("kept") == 0
