@@ -59,6 +59,8 @@ class PolicyState:
                 deg.reconfigure(deg_spec)
                 deg.controller = StaticLimit(deg_spec.max_concurrency)
                 deg.limit = deg_spec.max_concurrency
+        # A removed class's degraded slots are forgotten once none runs (a class put back meanwhile counts them).
+        self.degraded = {name: d for name, d in self.degraded.items() if name in policy.classes or d.inflight}
         self.policy = policy
         self.classifier = Classifier(policy)
         self.clusters = {name: m.cluster for name, m in policy.models.items()}

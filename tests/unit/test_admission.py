@@ -204,6 +204,15 @@ def test_a_class_put_back_while_its_old_requests_run_counts_them_against_its_cap
     assert late.waiter.result.kind == ACCEPT and core.limiters["internal"].inflight == 1
 
 
+def test_reloads_renaming_classes_keep_no_state_of_the_classes_they_removed(core):
+    # Each class's degraded-slots limiter was created on first sight and never dropped: reloads that rename
+    # classes kept one per name ever.
+    for gen in range(50):
+        core.apply(make_policy(classes={f"c{gen}": {"max_concurrency": 2}}, default_class=f"c{gen}", shed={},
+                               tenants=[], anonymous={}))
+    assert set(core.state.degraded) == {"c49"}
+
+
 def test_raising_a_cap_on_reload_admits_waiters_at_once(core):
     fill(core, "batch", 3)
     (q,) = fill(core, "batch", 1)
