@@ -239,6 +239,10 @@ class Telemetry:
                 "reason": d.reason, "status": d.status}
         if d.retry_after:
             line["retry_after"] = d.retry_after
+        if d.cluster:
+            line["pool"] = d.cluster
+        if d.message:  # what held the request (its cap, or a pool-wide limit and which part of it): the client's text
+            line["message"] = d.message
         if d.waited_s:
             line["waited_s"] = round(d.waited_s, 4)
         if d.charge is not None:

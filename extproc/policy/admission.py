@@ -405,11 +405,11 @@ class AdmissionController:
 
     def _fallback(self, lim: ClassLimiter, cls: str, tenant: str, cluster: str, reason: str, now: float,
                   overflow: bool, c: Classification | None = None, waited_s: float = 0.0,
-                  charge: Charge | None = None) -> Decision:
+                  charge: Charge | None = None, where: str = "") -> Decision:
         """The class's fallback for a request its pool cannot take now (breaker open, or overflow)."""
         fb = lim.spec.fallback
         allowed = charge is None or fb.action in charge.fallbacks
-        why = say(reason, cls=cls, max_wait_ms=lim.spec.max_wait_ms, queued=len(lim.queue), where="",
+        why = say(reason, cls=cls, max_wait_ms=lim.spec.max_wait_ms, queued=len(lim.queue), where=where,
                   detail=f"{lim.inflight} running, queue full")
         if fb.action == "canned" and allowed:
             retry = lim.retry_after_s(now, self._retry_ceiling) if fb.status in (429, 503) else 0
@@ -523,11 +523,24 @@ class AdmissionController:
     def _overflowed(self, w: Waiter, reason: str, now: float) -> Decision:
         """A queued request that cannot wait on (its deadline passed, or its place was taken): its class's overflow."""
         lim = w.limiter
+        where = self._held_where(w, now)
         if lim.spec.on_overflow == "fallback":
             return self._fallback(lim, lim.name, w.tenant, w.pool, reason, now, overflow=True,
-                                  waited_s=now - w.enqueued_at, charge=w.charge)
-        return self._reject(w, 429, reason, say(reason, cls=lim.name, where="", max_wait_ms=lim.spec.max_wait_ms,
-                                                detail="queue full: its place went to a tenant with fewer waiting"), now)
+                                  waited_s=now - w.enqueued_at, charge=w.charge, where=where)
+        return self._reject(w, 429, reason, say(reason, cls=lim.name, where=where, max_wait_ms=lim.spec.max_wait_ms,
+                                                detail="queue full: its place went to a tenant with fewer "
+                                                       "waiting"), now)
+
+    def _held_where(self, w: Waiter, now: float) -> str:
+        """For a waiter's refusal: "" when its class's own cap holds it, else the pool-wide limit and what of it
+        does (the class's cap had room: raising it changes nothing)."""
+        gate, lim = w.gate, w.limiter
+        if gate is None or not lim.has_room(w.cost) or gate.guaranteed(lim.rank, w.units, now):
+            return ""
+        ranked = self.state.ranked
+        above = [ranked[r].name for r in range(lim.rank) if gate.waiting[r] and ranked[r].has_room()]
+        why = f"class {above[0]!r} waits for it first" if above else gate.held_back_by(lim.rank, now)
+        return f" on pool {gate.name!r} ({why})"
 
     def _overflow_waiter(self, w: Waiter, reason: str, now: float) -> None:
         w.limiter.queue.remove(w)

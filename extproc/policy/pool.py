@@ -376,6 +376,20 @@ class PoolGate:
         self.short = True
         return False
 
+    def held_back_by(self, rank: int, now: float) -> str:
+        """What keeps a request of the class at `rank` out of the pool now, beyond its guarantee, in words for its
+        refusal: an on-call reading "no free slot" looked at the class's cap, which had room (higher classes
+        waiting are the caller's to name: PoolGate does not see the queues)."""
+        if rank > self.squeeze_rank and now < self.squeeze_until:
+            return (f"held to its min_share for {self.squeeze_until - now:.0f} s more: a higher class's latency "
+                    "breaker opened on a full pool")
+        if self.count[rank] == 0 and now < self.rest_until[rank]:
+            return f"resting {self.rest_until[rank] - now:.0f} s more after a request over its min_share"
+        fill = "" if rank == 0 else f" ({LOWER_FILL:.0%} for classes below the first)"
+        unit, digits = ("tokens", 0) if self.tokens else ("requests", 1)
+        held = f"{self.inflight - self.stuck:.{digits}f} of {self.limit:.{digits}f} {unit}"
+        return f"the limit is full: {held} held{fill}"
+
     def room(self, rank: int, units: float) -> bool:
         """Under the limit with this request (classes below the first: under their fill of it)."""
         return self.inflight - self.stuck + units <= (self.limit if rank == 0 else self.limit * LOWER_FILL)

@@ -86,7 +86,12 @@ with `early_reject: false`."""),
            """\
 **429.** The request waited `max_wait_ms` in the class queue without a slot freeing up. The class's requests take
 longer than its queue deadline to drain: either the queue is deeper than the drain rate allows (lower `max_queue`,
-so arrivals get a fast `queue_full` instead of a slow timeout) or the cap is too low for the traffic."""),
+so arrivals get a fast `queue_full` instead of a slow timeout) or the cap is too low for the traffic.
+When the class's cap had room and a pool-wide limit held the request, the message (also in the decision log) says
+`on pool '<pool>' (...)` and why: a higher class waited for the pool (strict priority), the class was resting
+after a request over its `min_share` or held to it while a higher class's latency breaker was open, or the limit
+was full. Raising the cap then changes nothing: see `docs/overload.md` and the "Pool-wide limit and priority"
+row of the dashboard. With `on_overflow: fallback` the same text is in the degrade's log line."""),
     Reason("client_disconnected", "Rejected (429, 499, 503)", 499, NO_RETRY,
            "client disconnected while {waiting}",
            """\

@@ -646,3 +646,35 @@ def test_the_core_asks_to_be_ticked_at_half_its_quickest_limit_interval_within_b
     assert core.tick_s == 0.1    # the ceiling: queue grants and the limit's in-flight samples still need it
     core.apply(pool_policy(knobs={"enabled": False}))
     assert core.tick_s == 0.1    # nothing moves by itself
+
+
+def test_a_refusal_after_waiting_for_the_pool_names_the_pool_and_what_held_it(clock):
+    # An on-call reading "class 'batch' had no free slot" tuned batch's cap, which had room: the pool-wide limit
+    # (and the higher class waiting for it) held the request. The message says so; one held by its own cap does not.
+    core = AdmissionController(pool_policy(batch={"max_concurrency": 2}), clock=clock)
+    batch = [core.decide(req("batch")) for _ in range(3)]
+    assert [d.kind for d in batch] == [ACCEPT, ACCEPT, QUEUE]  # the third: batch's own cap of 2
+    capped = core.abandon(batch[2].waiter, timed_out=True)
+    assert "pool" not in capped.message
+    core.finish(batch[1].ticket, Outcome.OK)
+    for _ in range(3):
+        assert core.decide(req("interactive")).kind == ACCEPT
+    assert core.decide(req("interactive")).kind == QUEUE
+    waiting = core.decide(req("batch"))
+    assert waiting.kind == QUEUE  # batch has room under its cap of 2: the pool holds it
+    clock.advance(5.1)
+    refused = core.abandon(waiting.waiter, timed_out=True)
+    assert refused.reason == "queue_timeout"
+    assert "pool 'pool_a'" in refused.message and "'interactive' waits" in refused.message, refused.message
+
+
+def test_a_refusal_names_the_rest_that_held_its_class(clock):
+    core = AdmissionController(pool_policy(batch={"min_share": 0.1}), clock=clock)
+    first = over_share(core)
+    clock.advance(10)
+    core.finish(first.ticket, Outcome.OK)  # interactive's waiter takes the room; the class rests 15 s
+    waiting = core.decide(req("batch"))
+    assert waiting.kind == QUEUE
+    clock.advance(5.1)
+    refused = core.abandon(waiting.waiter, timed_out=True)
+    assert "resting" in refused.message and "min_share" in refused.message, refused.message

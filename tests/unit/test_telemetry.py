@@ -650,3 +650,21 @@ async def test_a_big_scrape_does_not_hold_the_event_loop(tmp_path):
     assert 'extproc_tenant_queue_wait_seconds_count{class="batch",tenant="t1499"} 1.0' in text
     assert 'extproc_class_limit{class="batch",scope="instance"} 1.0' in text  # the core's gauges, read on the loop
     assert max(gaps) < took / 2, (max(gaps), took)
+
+
+def test_the_decision_log_says_which_pool_and_why_a_queued_request_was_refused(caplog):
+    """An on-call reads the log for why a request was refused: "queue_timeout" alone sent them to the class's cap,
+    when the pool-wide limit held it. The line carries the pool and the refusal's message (which names it)."""
+    from tests.unit.test_pool_limit import pool_policy, req
+    now = [0.0]
+    t = Telemetry(clock=lambda: now[0])
+    core = AdmissionController(pool_policy(), clock=lambda: now[0], events=t)
+    for _ in range(4):
+        core.decide(req("interactive"))
+    waiting = core.decide(req("interactive"))
+    caplog.set_level("INFO", logger="extproc.decisions")
+    now[0] = 0.3
+    core.abandon(waiting.waiter, timed_out=True)
+    line = json.loads(caplog.records[-1].getMessage())
+    assert (line["decision"], line["reason"], line["pool"]) == ("degrade", "queue_timeout", "pool_b")  # where it went
+    assert "on pool 'pool_a' (the limit is full: 4.0 of 4.0 requests held)" in line["message"], line
