@@ -160,6 +160,11 @@ class Telemetry:
         self.pool_yields = _Children(Counter(
             "extproc_pool_yields", "Times a class's latency breaker would have degraded it on a pool with a "
             "pool-wide limit, and the lower classes gave way instead.", ["pool", "class"], registry=r))
+        self.pool_limit_moves = _Children(Counter(
+            "extproc_pool_limit_moves", "Moves of a pool-wide limit by why: cut_saturated (the replicas report "
+            "saturation), cut_latency (an SLO class's service time over its target), raise (requests wait and the "
+            "latency has room), settle (the limit does not bind: down towards the recent peak).",
+            ["pool", "action"], registry=r))
         self.reloads = _Children(Counter(
             "extproc_config_reload", "Policy reloads by result.", ["result"], registry=r))
         self.reload_ok = Gauge("extproc_config_last_reload_successful", "1 if the last policy reload applied, 0 "
@@ -214,6 +219,13 @@ class Telemetry:
 
     def pool_yielded(self, pool: str, cls: str) -> None:
         self.pool_yields[pool, cls].inc()
+
+    def pool_limit_moved(self, pool: str, action: str, before: float, after: float, inflight: float) -> None:
+        self.pool_limit_moves[pool, action].inc()
+        if action.startswith("cut"):  # at most one an interval per pool: the moves an incident review asks about
+            logging.getLogger("extproc.pool").info(json.dumps(
+                {"event": "pool_limit", "pool": pool, "action": action, "from": round(before, 1),
+                 "to": round(after, 1), "inflight": round(inflight, 1)}))
 
     def cost_observed(self, ticket: Ticket, estimated_s: float, actual_s: float) -> None:
         if ticket.usage is not None and ticket.charge is not None:

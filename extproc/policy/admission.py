@@ -827,7 +827,11 @@ class AdmissionController:
         self._yield_asked.clear()
         raised = False
         for gate in self.gates.values():
+            before = gate.limit
             raised = gate.update(now, self.pool_reading(gate.name, now)) or raised
+            if gate.limit != before:
+                self.events.pool_limit_moved(gate.name, gate.controller.last_action, before, gate.limit,
+                                             gate.inflight - gate.stuck)
         if raised:
             self._grant(self.state.ranked[0], now)
 

@@ -194,6 +194,8 @@ class AdmissionEvents(Protocol):
     def session_refused(self, tenant: str, reason: str) -> None: ...
     # A latency breaker of `cls` on `pool` would have degraded it; the classes below gave way instead.
     def pool_yielded(self, pool: str, cls: str) -> None: ...
+    # A pool-wide limit moved (`action`: PoolLimit.last_action) from `before` to `after`, with `inflight` held.
+    def pool_limit_moved(self, pool: str, action: str, before: float, after: float, inflight: float) -> None: ...
 
 
 class NoEvents:
@@ -228,4 +230,7 @@ class NoEvents:
         pass
 
     def pool_yielded(self, pool: str, cls: str) -> None:
+        pass
+
+    def pool_limit_moved(self, pool: str, action: str, before: float, after: float, inflight: float) -> None:
         pass

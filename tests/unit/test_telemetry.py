@@ -36,6 +36,7 @@ METRICS = {
     "extproc_cost_estimate_error_ratio": ("histogram", ("class",)),
     "extproc_learned_tokens": ("counter", ("model", "kind")),
     "extproc_pool_yields": ("counter", ("pool", "class")),
+    "extproc_pool_limit_moves": ("counter", ("pool", "action")),
     "extproc_queue_entries": ("counter", ("class",)),
     "extproc_queue_wait_seconds": ("histogram", ("class",)),
     "extproc_ratelimit_decisions": ("counter", ("tenant", "kind", "result")),
@@ -668,3 +669,28 @@ def test_the_decision_log_says_which_pool_and_why_a_queued_request_was_refused(c
     line = json.loads(caplog.records[-1].getMessage())
     assert (line["decision"], line["reason"], line["pool"]) == ("degrade", "queue_timeout", "pool_b")  # where it went
     assert "on pool 'pool_a' (the limit is full: 4.0 of 4.0 requests held)" in line["message"], line
+
+
+def test_the_pool_limit_s_moves_are_counted_by_why_and_its_cuts_logged(caplog):
+    """An on-call seeing extproc_pool_limit fall could not tell a saturation cut (the replicas' word) from a latency
+    cut (the SLO classes' service time) or a settle (no load): nothing exported why the limit moved."""
+    from extproc.policy.adaptive import PoolSaturation
+    from tests.unit.test_pool_limit import pool_policy, req
+    now = [0.0]
+    t = Telemetry(clock=lambda: now[0])
+    core = AdmissionController(pool_policy(limit=8), clock=lambda: now[0], events=t)
+    for _ in range(6):
+        core.decide(req("interactive"))
+    full = PoolSaturation()
+    full.saturated, full.updated_at = True, 0.0
+    core.set_saturation("pool_a", full)
+    caplog.set_level("INFO", logger="extproc.pool")
+    for step in range(3):
+        now[0] = step * 0.6
+        full.updated_at = now[0]
+        core.tick()
+    assert sample(t, "extproc_pool_limit_moves_total", pool="pool_a", action="cut_saturated") == 1
+    line = json.loads(caplog.records[-1].getMessage())
+    assert line == {"event": "pool_limit", "pool": "pool_a", "action": "cut_saturated", "from": 8.0,
+                    "to": round(core.gates["pool_a"].limit, 1), "inflight": 6.0}
+    assert core.gates["pool_a"].limit < 8
