@@ -341,15 +341,17 @@ class AdmissionController:
             self._prepay(charge, now)
             self.events.queued(waiter)
             return Queued(R_CLASS_FULL, c.cls, c.tenant, waiter, cluster=cluster, classification=c)
+        held = self._pool_hold(lim, gate, units, cost, now)  # its queue waits for the pool, not for its cap
         return self._overflow(lim, c, cluster, R_QUEUE_FULL, now, charge,
-                              say(R_QUEUE_FULL, cls=c.cls, detail=f"{lim.inflight} running, {len(lim.queue)} "
-                                  f"queued, queue limit {lim.spec.max_queue}"))
+                              say(R_QUEUE_FULL, cls=c.cls, detail=f"{_waits_for(cluster, held)}{lim.inflight} "
+                                  f"running, {len(lim.queue)} queued, queue limit {lim.spec.max_queue}"), held)
 
     def _overflow(self, lim: ClassLimiter, c: Classification, cluster: str, reason: str, now: float,
-                  charge: Charge, message: str) -> Decision:
+                  charge: Charge, message: str, held: str = "") -> Decision:
         """The class cannot take the request now: its fallback if overflow goes there, else 429."""
         if lim.spec.on_overflow == "fallback":
-            return self._fallback(lim, c.cls, c.tenant, cluster, reason, now, overflow=True, c=c, charge=charge)
+            return self._fallback(lim, c.cls, c.tenant, cluster, reason, now, overflow=True, c=c, charge=charge,
+                                  held=held)
         return Refusal(REJECT, reason, c.cls, c.tenant, 429, message, lim.retry_after_s(now, self._retry_ceiling),
                        classification=c, cluster=cluster)
 
@@ -405,12 +407,14 @@ class AdmissionController:
 
     def _fallback(self, lim: ClassLimiter, cls: str, tenant: str, cluster: str, reason: str, now: float,
                   overflow: bool, c: Classification | None = None, waited_s: float = 0.0,
-                  charge: Charge | None = None, where: str = "") -> Decision:
-        """The class's fallback for a request its pool cannot take now (breaker open, or overflow)."""
+                  charge: Charge | None = None, held: str = "") -> Decision:
+        """The class's fallback for a request its pool cannot take now (breaker open, or overflow; `held`: what
+        of the pool's limit held it, see _pool_hold)."""
         fb = lim.spec.fallback
         allowed = charge is None or fb.action in charge.fallbacks
-        why = say(reason, cls=cls, max_wait_ms=lim.spec.max_wait_ms, queued=len(lim.queue), where=where,
-                  detail=f"{lim.inflight} running, queue full")
+        why = say(reason, cls=cls, max_wait_ms=lim.spec.max_wait_ms, queued=len(lim.queue),
+                  where=_on_pool(cluster, held), detail=f"{_waits_for(cluster, held)}{lim.inflight} running, "
+                                                        "queue full")
         if fb.action == "canned" and allowed:
             retry = lim.retry_after_s(now, self._retry_ceiling) if fb.status in (429, 503) else 0
             return Canned(reason, cls, tenant, fb, retry, classification=c, cluster=cluster, waited_s=waited_s)
@@ -523,24 +527,24 @@ class AdmissionController:
     def _overflowed(self, w: Waiter, reason: str, now: float) -> Decision:
         """A queued request that cannot wait on (its deadline passed, or its place was taken): its class's overflow."""
         lim = w.limiter
-        where = self._held_where(w, now)
+        held = self._pool_hold(lim, w.gate, w.units, w.cost, now)
         if lim.spec.on_overflow == "fallback":
             return self._fallback(lim, lim.name, w.tenant, w.pool, reason, now, overflow=True,
-                                  waited_s=now - w.enqueued_at, charge=w.charge, where=where)
-        return self._reject(w, 429, reason, say(reason, cls=lim.name, where=where, max_wait_ms=lim.spec.max_wait_ms,
+                                  waited_s=now - w.enqueued_at, charge=w.charge, held=held)
+        return self._reject(w, 429, reason, say(reason, cls=lim.name, where=_on_pool(w.pool, held),
+                                                max_wait_ms=lim.spec.max_wait_ms,
                                                 detail="queue full: its place went to a tenant with fewer "
                                                        "waiting"), now)
 
-    def _held_where(self, w: Waiter, now: float) -> str:
-        """For a waiter's refusal: "" when its class's own cap holds it, else the pool-wide limit and what of it
-        does (the class's cap had room: raising it changes nothing)."""
-        gate, lim = w.gate, w.limiter
-        if gate is None or not lim.has_room(w.cost) or gate.guaranteed(lim.rank, w.units, now):
+    def _pool_hold(self, lim: ClassLimiter, gate, units: float, cost: float, now: float) -> str:
+        """What of its pool-wide limit keeps a request of `lim` out now, in words for its refusal; "" when nothing
+        does or the class's own cap holds it. An on-call reading "no free slot" raised the class's cap, which had
+        room: the pool held the request."""
+        if gate is None or not lim.has_room(cost) or gate.guaranteed(lim.rank, units, now):
             return ""
         ranked = self.state.ranked
         above = [ranked[r].name for r in range(lim.rank) if gate.waiting[r] and ranked[r].has_room()]
-        why = f"class {above[0]!r} waits for it first" if above else gate.held_back_by(lim.rank, now)
-        return f" on pool {gate.name!r} ({why})"
+        return f"class {above[0]!r} waits for it first" if above else gate.held_back_by(lim.rank, now)
 
     def _overflow_waiter(self, w: Waiter, reason: str, now: float) -> None:
         w.limiter.queue.remove(w)
@@ -1005,3 +1009,13 @@ def _with_id(d: Decision, facts: RequestFacts | None) -> Decision:
     if facts is not None:
         d.request_id = facts.request_id
     return d
+
+
+def _on_pool(pool: str, held: str) -> str:
+    """The `where` of a wait's refusal held by a pool-wide limit (_pool_hold); "" when the class's cap held it."""
+    return f" on pool {pool!r} ({held})" if held else ""
+
+
+def _waits_for(pool: str, held: str) -> str:
+    """The start of a full queue's `detail` when its requests wait for a pool-wide limit, not the class's cap."""
+    return f"its queue waits for pool {pool!r}: {held}; " if held else ""

@@ -69,7 +69,10 @@ refusing work the fleet cannot serve in time, by design: the client should back 
   re-run the cap-tuning ritual if the model, hardware or vLLM version changed (`docs/tuning.md`).
 - One tenant causing it: that is a fairness problem for per-tenant rate limits or the class's `fairness.mode`, not
   for the cap. Under `round_robin` or `fair` a full queue gives the place of the last waiter of the tenant with the
-  most waiting to an arrival of a tenant with at least two fewer: that waiter gets this reason."""),
+  most waiting to an arrival of a tenant with at least two fewer: that waiter gets this reason.
+- The message starts `its queue waits for pool '<pool>': ...`: the class's cap had room, its queue filled with
+  requests waiting for the pool-wide limit (why, as for `queue_timeout`); raising the cap or `max_queue` changes
+  nothing there."""),
     Reason("deadline_unmeetable", "Rejected (429, 499, 503)", 429, DRAIN,
            (
             "class {cls!r} would not reach this request within its {max_wait_ms} ms queue deadline "

@@ -678,3 +678,26 @@ def test_a_refusal_names_the_rest_that_held_its_class(clock):
     clock.advance(5.1)
     refused = core.abandon(waiting.waiter, timed_out=True)
     assert "resting" in refused.message and "min_share" in refused.message, refused.message
+
+
+def test_a_full_queue_of_requests_waiting_for_the_pool_says_so_not_that_the_class_is_at_capacity(clock):
+    core = AdmissionController(pool_policy(batch={"max_queue": 1}), clock=clock)
+    for _ in range(4):
+        core.decide(req("interactive"))
+    assert core.decide(req("interactive")).kind == QUEUE
+    assert [core.decide(req("batch")).kind for _ in range(2)] == [ACCEPT, QUEUE]  # its guarantee, then the pool
+    full = core.decide(req("batch"))
+    assert full.reason == "queue_full"
+    assert "pool 'pool_a'" in full.message and "'interactive' waits" in full.message, full.message
+    assert "its queue waits for pool" in full.message  # 1 of its 100 slots taken: not its cap
+
+
+def test_a_degrade_for_a_full_queue_waiting_for_the_pool_says_so(clock):
+    core = AdmissionController(pool_policy(interactive={"max_queue": 1}), clock=clock)
+    for _ in range(4):
+        core.decide(req("interactive"))
+    assert core.decide(req("interactive")).kind == QUEUE
+    degraded = core.decide(req("interactive"))
+    assert (degraded.kind, degraded.reason) == (DEGRADE, "queue_full")
+    assert "its queue waits for pool 'pool_a': the limit is full: 4.0 of 4.0 requests held" in degraded.message, \
+        degraded.message
