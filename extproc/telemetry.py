@@ -507,13 +507,20 @@ class _CoreGauges:
                                  "unit.", labels=["pool", "unit", "class"])
         queued = GaugeMetricFamily("extproc_pool_waiting_requests", "Requests queued for the pool, by class.",
                                    labels=["pool", "class"])
+        share = GaugeMetricFamily("extproc_pool_held_to_share_seconds", "Seconds the class still gets no more "
+                                  "than its min_share of the pool-wide limit, by why: rest (after a request over its "
+                                  "share while the pool was contended) or squeeze (a higher class's latency breaker "
+                                  "opened on a full pool; holds even with room).", labels=["pool", "class", "why"])
         for pool, g in list(self._core.gates.items()):
             unit = g.spec.unit
             limit.add_metric([pool, unit], g.limit)
-            for cls, units, waiting in zip(g.class_names, g.held, g.waiting):
+            for rank, (cls, units, waiting) in enumerate(zip(g.class_names, g.held, g.waiting)):
                 held.add_metric([pool, unit, cls], units)
                 queued.add_metric([pool, cls], waiting)
-        yield from (limit, held, queued)
+                rest, squeezed = g.held_to_share(rank, now)
+                share.add_metric([pool, cls, "rest"], rest)
+                share.add_metric([pool, cls, "squeeze"], squeezed)
+        yield from (limit, held, queued, share)
 
     def _sustained_load(self):
         window = f"{self._sustained.window_s:g}s"

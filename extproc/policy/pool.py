@@ -376,15 +376,23 @@ class PoolGate:
         self.short = True
         return False
 
+    def held_to_share(self, rank: int, now: float) -> tuple[float, float]:
+        """Seconds the class at `rank` still gets no more than its guarantee: (its rest after a request over its
+        share, the squeeze a higher class's latency breaker asked for). The squeeze holds even with room."""
+        rest = max(0.0, self.rest_until[rank] - now)
+        squeezed = max(0.0, self.squeeze_until - now) if rank > self.squeeze_rank else 0.0
+        return rest, squeezed
+
     def held_back_by(self, rank: int, now: float) -> str:
         """What keeps a request of the class at `rank` out of the pool now, beyond its guarantee, in words for its
         refusal: an on-call reading "no free slot" looked at the class's cap, which had room (higher classes
         waiting are the caller's to name: PoolGate does not see the queues)."""
-        if rank > self.squeeze_rank and now < self.squeeze_until:
-            return (f"held to its min_share for {self.squeeze_until - now:.0f} s more: a higher class's latency "
-                    "breaker opened on a full pool")
-        if self.count[rank] == 0 and now < self.rest_until[rank]:
-            return f"resting {self.rest_until[rank] - now:.0f} s more after a request over its min_share"
+        rest, squeezed = self.held_to_share(rank, now)
+        if squeezed:
+            return (f"held to its min_share for {squeezed:.1f} s more: a higher class's latency breaker opened on "
+                    "a full pool")
+        if rest and self.count[rank] == 0:
+            return f"resting {rest:.1f} s more after a request over its min_share"
         fill = "" if rank == 0 else f" ({LOWER_FILL:.0%} for classes below the first)"
         unit, digits = ("tokens", 0) if self.tokens else ("requests", 1)
         held = f"{self.inflight - self.stuck:.{digits}f} of {self.limit:.{digits}f} {unit}"

@@ -694,3 +694,29 @@ def test_the_pool_limit_s_moves_are_counted_by_why_and_its_cuts_logged(caplog):
     assert line == {"event": "pool_limit", "pool": "pool_a", "action": "cut_saturated", "from": 8.0,
                     "to": round(core.gates["pool_a"].limit, 1), "inflight": 6.0}
     assert core.gates["pool_a"].limit < 8
+
+
+def test_a_class_held_to_its_min_share_shows_for_how_long_and_why():
+    """The rest after a request over the share and the squeeze while a higher class's latency breaker is open keep
+    a class to its guarantee, the squeeze even with room on the pool: the on-call asking why batch waits at light
+    load saw neither (only the squeeze's yields counter, once per opening)."""
+    from tests.unit.test_pool_limit import over_share, pool_policy
+    now = [0.0]
+    t = Telemetry(clock=lambda: now[0])
+    core = AdmissionController(pool_policy(batch={"min_share": 0.1}), clock=lambda: now[0], events=t)
+    t.watch(core)
+    first = over_share(core)
+    now[0] = 10.0
+    core.finish(first.ticket, Outcome.OK)  # 2.5x the share for 10 s: the class rests 15 s
+    gate = core.gates["pool_a"]
+    gate.squeeze(0, 9.0, 14.0)  # interactive's latency breaker, opened at 9 s, cools down at 14 s
+
+    def shown(cls, why):
+        return t.registry.get_sample_value("extproc_pool_held_to_share_seconds",
+                                           {"pool": "pool_a", "class": cls, "why": why})
+    assert shown("batch", "rest") == pytest.approx(15.0)
+    assert shown("batch", "squeeze") == pytest.approx(4.0)
+    assert shown("internal", "squeeze") == pytest.approx(4.0) and shown("internal", "rest") == 0
+    assert shown("interactive", "squeeze") == 0
+    now[0] = 26.0
+    assert shown("batch", "rest") == 0 and shown("batch", "squeeze") == 0
