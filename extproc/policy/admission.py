@@ -320,11 +320,11 @@ class AdmissionController:
             return Admit(R_SLOT_FREE, c.cls, c.tenant, ticket, cluster=cluster, classification=c)
         # The class's drain rate predicts its own queue; a request waiting only for its pool is granted by
         # priority as the pool frees, which that rate does not measure: it waits up to its max wait instead.
-        if lim.queue_has_room() and lim.spec.early_reject and (gate is None or not lim.has_room(cost)) \
-                and self._cannot_make_it(lim, charge, now, deadline_ms, flow):
+        missed = lim.queue_has_room() and lim.spec.early_reject and (gate is None or not lim.has_room(cost)) \
+            and self._cannot_make_it(lim, charge, now, deadline_ms, flow)
+        if missed:
             return self._overflow(lim, c, cluster, R_DEADLINE, now, charge,
-                                  say(R_DEADLINE, cls=c.cls, max_wait_ms=lim.spec.max_wait_ms,
-                                      queued=len(lim.queue)))
+                                  say(R_DEADLINE, cls=c.cls, within=missed, queued=lim.queue.ahead(flow)))
         if not lim.queue_has_room() and lim.spec.max_wait_ms > 0:
             crowded = lim.queue.crowded_out_by(flow)  # fair modes: a flood does not keep the places either
             if crowded is not None:
@@ -344,33 +344,39 @@ class AdmissionController:
         held = self._pool_hold(lim, gate, units, cost, now)  # its queue waits for the pool, not for its cap
         return self._overflow(lim, c, cluster, R_QUEUE_FULL, now, charge,
                               say(R_QUEUE_FULL, cls=c.cls, detail=f"{_waits_for(cluster, held)}{lim.inflight} "
-                                  f"running, {len(lim.queue)} queued, queue limit {lim.spec.max_queue}"), held)
+                                  f"running, {len(lim.queue)} queued, queue limit {lim.spec.max_queue}"))
 
     def _overflow(self, lim: ClassLimiter, c: Classification, cluster: str, reason: str, now: float,
-                  charge: Charge, message: str, held: str = "") -> Decision:
-        """The class cannot take the request now: its fallback if overflow goes there, else 429."""
+                  charge: Charge, message: str) -> Decision:
+        """The class cannot take the request now: its fallback if overflow goes there (saying `message` too),
+        else 429."""
         if lim.spec.on_overflow == "fallback":
             return self._fallback(lim, c.cls, c.tenant, cluster, reason, now, overflow=True, c=c, charge=charge,
-                                  held=held)
+                                  why=message)
         return Refusal(REJECT, reason, c.cls, c.tenant, 429, message, lim.retry_after_s(now, self._retry_ceiling),
                        classification=c, cluster=cluster)
 
     def _cannot_make_it(self, lim: ClassLimiter, charge: Charge, now: float,
-                        deadline_ms: float | None = None, flow: str | None = None) -> bool:
+                        deadline_ms: float | None = None, flow: str | None = None) -> str:
         """Deadline-aware early rejection: the predicted queue wait (queue ahead over the observed drain rate)
         exceeds the request's max wait (the class's, or its own deadline if shorter), or wait plus the predicted
         service time exceeds its SLO. The service-time half is used only once the model's cost coefficients have
-        been learned from real durations."""
+        been learned from real durations. Returns the bound missed, in words for the refusal ("": none): a message
+        naming the class's max wait whatever was missed sent the on-call to a deadline that was met."""
         wait = lim.queue_wait_s(now, flow)
         if wait is None:
-            return False
-        max_wait_ms = lim.spec.max_wait_ms if deadline_ms is None else min(deadline_ms, lim.spec.max_wait_ms)
+            return ""
+        own = deadline_ms is not None and deadline_ms < lim.spec.max_wait_ms
+        max_wait_ms = deadline_ms if own else lim.spec.max_wait_ms
         if wait > max_wait_ms / 1000.0:
-            return True
+            return f"within the request's own {max_wait_ms:g} ms deadline" if own else \
+                f"within its {max_wait_ms:g} ms queue deadline"
         slo = lim.spec.slo_p95_ms
         model = self.cost_models.get(charge.model)
-        return bool(slo and model is not None and model.samples >= 20
-                    and wait + charge.estimate.gpu_seconds > slo / 1000.0)
+        service = charge.estimate.gpu_seconds
+        if slo and model is not None and model.samples >= 20 and wait + service > slo / 1000.0:
+            return f"within its {slo:g} ms SLO (predicted wait {wait:.2f} s + service {service:.2f} s)"
+        return ""
 
     def _budgets(self, c: Classification, lim: ClassLimiter, cluster: str, now: float,
                  charge: Charge) -> Decision | None:
@@ -407,14 +413,13 @@ class AdmissionController:
 
     def _fallback(self, lim: ClassLimiter, cls: str, tenant: str, cluster: str, reason: str, now: float,
                   overflow: bool, c: Classification | None = None, waited_s: float = 0.0,
-                  charge: Charge | None = None, held: str = "") -> Decision:
+                  charge: Charge | None = None, held: str = "", why: str = "") -> Decision:
         """The class's fallback for a request its pool cannot take now (breaker open, or overflow; `held`: what
-        of the pool's limit held it, see _pool_hold)."""
+        of the pool's limit held a waiter, see _pool_hold; `why`: the refusal's message, when already said)."""
         fb = lim.spec.fallback
         allowed = charge is None or fb.action in charge.fallbacks
-        why = say(reason, cls=cls, max_wait_ms=lim.spec.max_wait_ms, queued=len(lim.queue),
-                  where=_on_pool(cluster, held), detail=f"{_waits_for(cluster, held)}{lim.inflight} running, "
-                                                        "queue full")
+        why = why or say(reason, cls=cls, max_wait_ms=lim.spec.max_wait_ms, queued=len(lim.queue),
+                         where=_on_pool(cluster, held), detail=f"{lim.inflight} running, queue full")
         if fb.action == "canned" and allowed:
             retry = lim.retry_after_s(now, self._retry_ceiling) if fb.status in (429, 503) else 0
             return Canned(reason, cls, tenant, fb, retry, classification=c, cluster=cluster, waited_s=waited_s)

@@ -370,3 +370,19 @@ def test_no_recovery_while_load_keeps_the_p95_over_its_calm_level():
     sat.saturated = False
     after = run(ctl, 25, 40, latency=1.4, inflight=lambda c: c.limit, sat=sat)
     assert after[-1] <= cut and set(after[5:]) == {after[-1]} and ctl.last_action == "hold", after
+
+
+def test_an_early_rejection_names_the_bound_it_missed(clock):
+    # The message said "within its 200 ms queue deadline" whatever refused it: a request whose own deadline header
+    # was 50 ms, or one refused because wait + its predicted service time passed the SLO, sent the on-call to
+    # the class's max_wait_ms, which was met.
+    core = early_core(clock, max_wait_ms=2000, slo_p95_ms=300)
+    drain_at(core, clock, per_s=5)  # ~0.2 s a place
+    core.decide(RequestFacts(header_class="interactive", model="llama"))
+    own = core.decide(RequestFacts(header_class="interactive", model="llama", deadline_ms=50))
+    assert own.reason == "deadline_unmeetable"
+    assert "50 ms deadline" in own.message and "2000" not in own.message, own.message
+    core.cost_models["llama"].samples = 20  # learned: the SLO half applies
+    slo = core.decide(RequestFacts(header_class="interactive", model="llama"))
+    assert slo.reason == "deadline_unmeetable"
+    assert "300 ms SLO" in slo.message, slo.message
