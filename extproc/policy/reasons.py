@@ -149,6 +149,11 @@ samples), so new requests take the class's fallback (a smaller model, a canned r
 making the pool slower. It half-opens after the cooldown and lets a trickle through; one slow trickle request
 re-opens it. Look at the pool's replicas (vLLM's running/waiting requests and KV-cache usage on the dashboard):
 usually the cap admits more than the SLO allows, a replica is degraded, or the prompt mix shifted to long prompts.
+On a pool with a pool-wide limit an open latency breaker is the last resort: while the limit can still come down
+(it is over its `min`) or a lower class holds more than its `min_share`, the class's requests go on to the limit
+instead (the lower classes are held to their share for a cooldown, `extproc_pool_held_to_share_seconds`, and the
+limit cuts for the same latency, `extproc_pool_limit_moves_total{action="cut_latency"}`): the breaker's state then
+says the class's latency is over its SLO, and no request is degraded for this reason.
 Alert `ExtprocBreakerNotClosed` fires when a breaker has kept tripping for 5 minutes (open or half-open at some
 point of every 3 minutes: under a persistently slow replica it closes for a few seconds between trips)."""),
     Reason("error_breaker_open", "Breakers and degrade", 0, DRAIN,
