@@ -978,6 +978,11 @@ class AdmissionController:
 
     # --- introspection (metrics collectors read this at scrape time) ---
 
+    def pools_snapshot(self) -> dict[str, dict]:
+        """Per pool with a pool-wide limit: PoolGate.snapshot."""
+        now = self.clock()
+        return {name: gate.snapshot(now) for name, gate in self.gates.items()}
+
     def snapshot(self) -> dict[str, dict[str, float]]:
         """Per class: requests running and their estimated cost, requests waiting (in the class queue, or holding a
         reserved slot while the shared store has no global slot for them), the cap, degraded requests running."""

@@ -376,6 +376,17 @@ class PoolGate:
         self.short = True
         return False
 
+    def snapshot(self, now: float) -> dict:
+        """The gate as /healthz shows it: the limit, what is held (a stalled replica's share apart), the
+        controller's last move and, per class, what it holds, waits for and how long it is held to its share."""
+        classes = {}
+        for rank, cls in enumerate(self.class_names):
+            rest, squeezed = self.held_to_share(rank, now)
+            classes[cls] = {"held": round(self.held[rank], 1), "requests": self.count[rank],
+                            "waiting": self.waiting[rank], "rest_s": round(rest, 1), "squeeze_s": round(squeezed, 1)}
+        return {"unit": self.spec.unit, "limit": round(self.limit, 1), "held": round(self.inflight, 1),
+                "stalled_held": round(self.stuck, 1), "last_action": self.controller.last_action, "classes": classes}
+
     def held_to_share(self, rank: int, now: float) -> tuple[float, float]:
         """Seconds the class at `rank` still gets no more than its guarantee: (its rest after a request over its
         share, the squeeze a higher class's latency breaker asked for). The squeeze holds even with room."""

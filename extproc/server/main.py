@@ -293,7 +293,8 @@ class Server:
 
     async def _healthz(self, request: web.Request) -> web.Response:
         snap = self.core.snapshot()
-        body = {"status": self.status, "classes": snap, "stream_errors": _count(self.telemetry.stream_errors)}
+        body = {"status": self.status, "classes": snap, "pools": self.core.pools_snapshot(),
+                "stream_errors": _count(self.telemetry.stream_errors)}
         return web.json_response(body, status=200 if self.status == SERVING else 503)
 
 

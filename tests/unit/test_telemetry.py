@@ -720,3 +720,26 @@ def test_a_class_held_to_its_min_share_shows_for_how_long_and_why():
     assert shown("interactive", "squeeze") == 0
     now[0] = 26.0
     assert shown("batch", "rest") == 0 and shown("batch", "squeeze") == 0
+
+
+def test_healthz_shows_each_pool_limit_and_what_holds_it(tmp_path):
+    """/healthz showed the classes' caps only: an on-call without Prometheus could not see a pool-wide limit, who
+    held it, who waited for it or which class was held to its min_share."""
+    import yaml
+
+    from tests.conftest import CORE, policy_doc
+    from tests.unit.test_pool_limit import req
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump(policy_doc(CORE, classes={
+        "interactive": {"max_concurrency": 10, "max_wait_ms": 200},
+        "batch": {"max_concurrency": 10, "max_wait_ms": 5000}}, shed={},
+        pools={"pool_a": {"limit": {"enabled": True, "unit": "requests", "initial": 4, "max": 4}}}), sort_keys=False))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    server = Server(str(path), load_policy_file(str(path)), parser.parse_args(["--policy", str(path)]))
+    for _ in range(5):
+        server.core.decide(req("interactive"))
+    pools = json.loads(asyncio.run(server._healthz(None)).body)["pools"]
+    assert pools["pool_a"]["limit"] == 4 and pools["pool_a"]["unit"] == "requests"
+    assert pools["pool_a"]["classes"]["interactive"] == {"held": 4, "requests": 4, "waiting": 1, "rest_s": 0,
+                                                         "squeeze_s": 0}
