@@ -505,7 +505,8 @@ class _CoreGauges:
                                   "expected output of the requests held; requests).", labels=["pool", "unit"])
         held = GaugeMetricFamily("extproc_pool_inflight", "What each class holds of the pool-wide limit, in its "
                                  "unit.", labels=["pool", "unit", "class"])
-        queued = GaugeMetricFamily("extproc_pool_waiting_requests", "Requests queued for the pool, by class.",
+        queued = GaugeMetricFamily("extproc_pool_waiting_requests", "Requests queued for room under the pool-wide "
+                                   "limit, by class (not those whose class's own cap is full).",
                                    labels=["pool", "class"])
         share = GaugeMetricFamily("extproc_pool_held_to_share_seconds", "Seconds the class still gets no more "
                                   "than its min_share of the pool-wide limit, by why: rest (after a request over its "
@@ -514,7 +515,8 @@ class _CoreGauges:
         for pool, g in list(self._core.gates.items()):
             unit = g.spec.unit
             limit.add_metric([pool, unit], g.limit)
-            for rank, (cls, units, waiting) in enumerate(zip(g.class_names, g.held, g.waiting)):
+            waiters = self._core.waiting_for_pool(g)
+            for rank, (cls, units, waiting) in enumerate(zip(g.class_names, g.held, waiters)):
                 held.add_metric([pool, unit, cls], units)
                 queued.add_metric([pool, cls], waiting)
                 rest, squeezed = g.held_to_share(rank, now)

@@ -981,7 +981,14 @@ class AdmissionController:
     def pools_snapshot(self) -> dict[str, dict]:
         """Per pool with a pool-wide limit: PoolGate.snapshot."""
         now = self.clock()
-        return {name: gate.snapshot(now) for name, gate in self.gates.items()}
+        return {name: gate.snapshot(now, self.waiting_for_pool(gate)) for name, gate in self.gates.items()}
+
+    def waiting_for_pool(self, gate) -> list[int]:
+        """Per class rank, its requests queued for this pool that wait for the pool: none while the class's own
+        cap is full (those wait for the cap, as _higher_waits counts them)."""
+        ranked = self.state.ranked
+        return [n if n and rank < len(ranked) and ranked[rank].has_room() else 0
+                for rank, n in enumerate(gate.waiting)]
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """Per class: requests running and their estimated cost, requests waiting (in the class queue, or holding a

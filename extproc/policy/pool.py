@@ -376,14 +376,15 @@ class PoolGate:
         self.short = True
         return False
 
-    def snapshot(self, now: float) -> dict:
+    def snapshot(self, now: float, waiting: list[int]) -> dict:
         """The gate as /healthz shows it: the limit, what is held (a stalled replica's share apart), the
-        controller's last move and, per class, what it holds, waits for and how long it is held to its share."""
+        controller's last move and, per class, what it holds, how many of its requests wait for the pool
+        (`waiting`, by rank) and how long it is held to its share."""
         classes = {}
         for rank, cls in enumerate(self.class_names):
             rest, squeezed = self.held_to_share(rank, now)
             classes[cls] = {"held": round(self.held[rank], 1), "requests": self.count[rank],
-                            "waiting": self.waiting[rank], "rest_s": round(rest, 1), "squeeze_s": round(squeezed, 1)}
+                            "waiting": waiting[rank], "rest_s": round(rest, 1), "squeeze_s": round(squeezed, 1)}
         return {"unit": self.spec.unit, "limit": round(self.limit, 1), "held": round(self.inflight, 1),
                 "stalled_held": round(self.stuck, 1), "last_action": self.controller.last_action, "classes": classes}
 

@@ -743,3 +743,21 @@ def test_healthz_shows_each_pool_limit_and_what_holds_it(tmp_path):
     assert pools["pool_a"]["limit"] == 4 and pools["pool_a"]["unit"] == "requests"
     assert pools["pool_a"]["classes"]["interactive"] == {"held": 4, "requests": 4, "waiting": 1, "rest_s": 0,
                                                          "squeeze_s": 0}
+
+
+def test_requests_waiting_for_their_class_cap_are_not_shown_waiting_for_the_pool():
+    """extproc_pool_waiting_requests counted every queued request with a pool limit, also those its class's own cap
+    held: the dashboard then showed interactive "waiting for the pool" with the pool half empty, which its panel
+    calls a priority inversion. Admission itself counts a waiter as waiting for the pool only while its class has
+    room (_higher_waits); the gauge (and /healthz) now say the same."""
+    from tests.unit.test_pool_limit import pool_policy, req
+    t = Telemetry()
+    core = AdmissionController(pool_policy(limit=10, interactive={"max_concurrency": 2}), clock=lambda: 0.0,
+                               events=t)
+    t.watch(core)
+    assert [core.decide(req("interactive")).kind for _ in range(3)] == [ACCEPT, ACCEPT, "queue"]
+    assert sample(t, "extproc_pool_waiting_requests", pool="pool_a", **{"class": "interactive"}) == 0
+    assert core.pools_snapshot()["pool_a"]["classes"]["interactive"]["waiting"] == 0
+    for _ in range(8):
+        core.decide(req("batch"))  # batch fills its 85% of the pool, then waits for the pool with room in its cap
+    assert sample(t, "extproc_pool_waiting_requests", pool="pool_a", **{"class": "batch"}) == 2
