@@ -54,8 +54,9 @@ vs cap" and the sustained queue depth on the dashboard, and `docs/autoscaling.md
     Reason("class_full", "Queued", 0, NO_RETRY,
            "",
            """\
-Not a final answer: the class's cap was full, so the request joined the class queue (counted in
-`extproc_queue_entries_total`). It ends as `dequeued`, `queue_timeout`, `client_disconnected`,
+Not a final answer: the class's cap was full, or its pool-wide limit had no room for it (strict priority, the
+class's share, see `queue_timeout`), so the request joined the class queue (counted in
+`extproc_queue_entries_total`; those waiting for the pool also in `extproc_pool_waiting_requests`). It ends as `dequeued`, `queue_timeout`, `client_disconnected`,
 `higher_class_saturated` (shed while waiting) or `class_removed`; only that final reason is counted in
 `extproc_requests_total`."""),
     Reason("queue_full", "Rejected (429, 499, 503)", 429, DRAIN,
