@@ -21,6 +21,7 @@ from .decision import (ACCEPT, DEGRADE, INVALID, QUEUE, REJECT, SHED, Admit, Adm
                        Canned, Charge, Decision, Degrade, NoEvents, Queued, Refusal, RequestFacts)
 from .limits import ClassLimiter, Completion, LimitFactory, Outcome, Ticket, Waiter, default_limit
 from .outcomes import Completed, CostLearning, PoolLearning
+from .pool import UNGRANTED
 from .reasons import (R_CLASS_FULL, R_CLASS_REMOVED, R_CLIENT_GONE, R_DEADLINE, R_DEGRADED_FULL,  # noqa: F401
                       R_DEQUEUED, R_ENDED_WHILE_QUEUED, R_ERROR_BREAKER, R_HIGHER_SATURATED, R_INVALID_KEY,
                       R_LATENCY_BREAKER, R_MAX_TOKENS, R_MISSING_KEY, R_QUEUE_FULL, R_QUEUE_TIMEOUT,
@@ -545,11 +546,13 @@ class AdmissionController:
         """What of its pool-wide limit keeps a request of `lim` out now, in words for its refusal; "" when nothing
         does or the class's own cap holds it. An on-call reading "no free slot" raised the class's cap, which had
         room: the pool held the request."""
-        if gate is None or not lim.has_room(cost) or gate.guaranteed(lim.rank, units, now):
+        if gate is None or not lim.has_room(cost):
             return ""
+        if gate.guaranteed(lim.rank, units, now):
+            return UNGRANTED
         ranked = self.state.ranked
         above = [ranked[r].name for r in range(lim.rank) if gate.waiting[r] and ranked[r].has_room()]
-        return f"class {above[0]!r} waits for it first" if above else gate.held_back_by(lim.rank, now)
+        return f"class {above[0]!r} waits for it first" if above else gate.held_back_by(lim.rank, units, now)
 
     def _overflow_waiter(self, w: Waiter, reason: str, now: float) -> None:
         w.limiter.queue.remove(w)

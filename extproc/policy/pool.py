@@ -63,6 +63,11 @@ MIN_SHARE = 0.01
 MAX_REST_S = 60.0
 
 
+# Why a waiter with room on the pool is still waiting (PoolGate.held_back_by): room that came back without a release
+# (a rest or squeeze that ran out, a stalled replica's requests left out) is granted only at the next release.
+UNGRANTED = "room came back without a release to grant it: waiters are granted at releases"
+
+
 class RecentLatencies:
     """Recent service times of one class on the pool, each with when it ended: those of the last window, or when
     it holds too few, the last few older ones (up to `max_age_s`): a class that completes few requests here (long
@@ -395,7 +400,7 @@ class PoolGate:
         squeezed = max(0.0, self.squeeze_until - now) if rank > self.squeeze_rank else 0.0
         return rest, squeezed
 
-    def held_back_by(self, rank: int, now: float) -> str:
+    def held_back_by(self, rank: int, units: float, now: float) -> str:
         """What keeps a request of the class at `rank` out of the pool now, beyond its guarantee, in words for its
         refusal: an on-call reading "no free slot" looked at the class's cap, which had room (higher classes
         waiting are the caller's to name: PoolGate does not see the queues)."""
@@ -403,6 +408,8 @@ class PoolGate:
         if squeezed:
             return (f"held to its min_share for {squeezed:.1f} s more: a higher class's latency breaker opened on "
                     "a full pool")
+        if self.room(rank, units):
+            return UNGRANTED
         if rest and self.count[rank] == 0:
             return f"resting {rest:.1f} s more after a request over its min_share"
         fill = "" if rank == 0 else f" ({LOWER_FILL:.0%} for classes below the first)"

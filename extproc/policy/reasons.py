@@ -95,8 +95,10 @@ longer than its queue deadline to drain: either the queue is deeper than the dra
 so arrivals get a fast `queue_full` instead of a slow timeout) or the cap is too low for the traffic.
 When the class's cap had room and a pool-wide limit held the request, the message (also in the decision log) says
 `on pool '<pool>' (...)` and why: a higher class waited for the pool (strict priority), the class was resting
-after a request over its `min_share` or held to it while a higher class's latency breaker was open, or the limit
-was full. Raising the cap then changes nothing: see `docs/overload.md` and the "Pool-wide limit and priority"
+after a request over its `min_share` or held to it while a higher class's latency breaker was open, the limit
+was full, or `room came back without a release`: a rest or squeeze ran out (or a stalled replica's requests were
+left out) after the last release, and waiters are granted only at releases ("Room a timeout leaves" in
+`docs/overload.md`). Raising the cap then changes nothing: see `docs/overload.md` and the "Pool-wide limit and priority"
 row of the dashboard. With `on_overflow: fallback` the same text is in the degrade's log line."""),
     Reason("client_disconnected", "Rejected (429, 499, 503)", 499, NO_RETRY,
            "client disconnected while {waiting}",

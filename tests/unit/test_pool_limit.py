@@ -701,3 +701,19 @@ def test_a_degrade_for_a_full_queue_waiting_for_the_pool_says_so(clock):
     assert (degraded.kind, degraded.reason) == (DEGRADE, "queue_full")
     assert "its queue waits for pool 'pool_a': the limit is full: 4.0 of 4.0 requests held" in degraded.message, \
         degraded.message
+
+
+def test_a_waiter_whose_room_came_back_without_a_release_is_not_told_the_pool_was_full(clock):
+    # Waiters are granted at releases: a rest that runs out gives the class its guarantee back with no release to
+    # grant it, and the waiter times out with room there. Its refusal said "no free slot" (its cap: it had room),
+    # or "the limit is full" with room under it (seen on the real stack: 4 of 61 batch timeouts).
+    core = AdmissionController(pool_policy(batch={"min_share": 0.1, "max_wait_ms": 20000}), clock=clock)
+    first = over_share(core)
+    clock.advance(10)
+    core.finish(first.ticket, Outcome.OK)  # rests until +15 s
+    waiting = core.decide(req("batch"))
+    assert waiting.kind == QUEUE
+    clock.advance(16)
+    refused = core.abandon(waiting.waiter, timed_out=True)
+    assert "pool 'pool_a'" in refused.message and "without a release" in refused.message, refused.message
+    assert "full" not in refused.message
