@@ -19,6 +19,7 @@ from .policy.breakers import STATE_VALUES, Breaker, LatencyBreaker
 from .policy.decision import Canned
 from .policy.sustained import SustainedLoad
 from .policy.limits import Outcome, Ticket, Waiter
+from .policy.pool import LOAD_TOLERANCE
 from .store.shared_slots import STORE_STATES
 
 # LLM requests last from tens of milliseconds (a rejection, a short completion) to minutes (long generations).
@@ -512,9 +513,21 @@ class _CoreGauges:
                                   "than its min_share of the pool-wide limit, by why: rest (after a request over its "
                                   "share while the pool was contended) or squeeze (a higher class's latency breaker "
                                   "opened on a full pool; holds even with room).", labels=["pool", "class", "why"])
+        service = GaugeMetricFamily("extproc_pool_service_seconds", "What the pool-wide limit reads of each class "
+                                    "with an SLO, at its last move: served (the quantile of its service time on "
+                                    "the pool, queue wait left out), baseline (its calm level) and target (target x "
+                                    "SLO). The limit cuts on latency only when served is over target and over "
+                                    f"baseline x {LOAD_TOLERANCE:g}.", labels=["pool", "class", "what"])
         for pool, g in list(self._core.gates.items()):
             unit = g.spec.unit
             limit.add_metric([pool, unit], g.limit)
+            c = g.controller
+            for rank, slo in c.slos.items():
+                cls = g.class_names[rank]
+                service.add_metric([pool, cls, "target"], c.spec.target * slo)
+                for what, values in (("served", c.served), ("baseline", c.baseline)):
+                    if rank in values:
+                        service.add_metric([pool, cls, what], values[rank])
             waiters = self._core.waiting_for_pool(g)
             for rank, (cls, units, waiting) in enumerate(zip(g.class_names, g.held, waiters)):
                 held.add_metric([pool, unit, cls], units)
@@ -522,7 +535,7 @@ class _CoreGauges:
                 rest, squeezed = g.held_to_share(rank, now)
                 share.add_metric([pool, cls, "rest"], rest)
                 share.add_metric([pool, cls, "squeeze"], squeezed)
-        yield from (limit, held, queued, share)
+        yield from (limit, held, queued, share, service)
 
     def _sustained_load(self):
         window = f"{self._sustained.window_s:g}s"

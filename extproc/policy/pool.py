@@ -107,6 +107,7 @@ class PoolLimit:
         self.inflight_avg = 0.0
         self.inflight_peak = 0.0   # the most held at once lately (decays over the window)
         self.baseline: dict[int, float] = {}  # class rank -> its served quantile when calm
+        self.served: dict[int, float] = {}    # class rank -> its served quantile at the last move (for metrics)
         self.counted_since = -math.inf  # requests admitted before this say nothing about the current limit
         # After a latency cut, the first interval's admissions of classes with an SLO: [start, end, admitted,
         # served]. Until most of them are served the window holds only the quickest, and reads room that is not
@@ -128,6 +129,7 @@ class PoolLimit:
     def reconfigure(self, slos: dict[int, float]) -> None:
         """New SLOs by class rank; the classes that keep one keep their samples."""
         self.slos = slos
+        self.served = {r: q for r, q in self.served.items() if r in slos}
         self.windows = {r: self.windows.get(r) or self._window() for r in slos}
 
     def respec(self, spec: PoolLimitSpec, slos: dict[int, float], ranks: dict[int, int]) -> None:
@@ -136,6 +138,7 @@ class PoolLimit:
         self.spec = spec
         self.limit = min(spec.max, max(spec.min, self.limit))
         self.baseline = {ranks[r]: b for r, b in self.baseline.items() if r in ranks}
+        self.served = {ranks[r]: q for r, q in self.served.items() if r in ranks}
         self.windows = {ranks[r]: w for r, w in self.windows.items() if r in ranks}
         self.reconfigure(slos)
 
@@ -170,7 +173,9 @@ class PoolLimit:
             served = window.quantile(now, self.spec.quantile, self.spec.window_s,
                                      MAX_AGE_WINDOWS * self.spec.window_s, self.spec.min_samples)
             if served is None:
+                self.served.pop(rank, None)
                 continue
+            self.served[rank] = served
             # The calm baseline: the lowest quantile seen, drifting up slowly so a changed mix is followed.
             # Only while the limit does not bind: under a slow ramp or a long overload the latency is the load's,
             # and a baseline drifting after it stopped the cuts within seconds (the limit froze over the SLO).

@@ -761,3 +761,25 @@ def test_requests_waiting_for_their_class_cap_are_not_shown_waiting_for_the_pool
     for _ in range(8):
         core.decide(req("batch"))  # batch fills its 85% of the pool, then waits for the pool with room in its cap
     assert sample(t, "extproc_pool_waiting_requests", pool="pool_a", **{"class": "batch"}) == 2
+
+
+def test_the_latency_the_pool_limit_acts_on_is_exported_with_its_calm_baseline_and_target():
+    """The limit cuts on a quantile of each SLO class's service time, and only when it is over target x SLO *and*
+    LOAD_TOLERANCE over the class's calm baseline: an on-call seeing the p95 over the SLO and the limit not cutting
+    (or cutting with the breaker's p95 under the SLO: that one includes queue waits) could see neither number."""
+    from tests.unit.test_pool_limit import pool_policy
+    now = [0.0]
+    t = Telemetry(clock=lambda: now[0])
+    core = AdmissionController(pool_policy(limit=8), clock=lambda: now[0], events=t)
+    t.watch(core)
+    controller = core.gates["pool_a"].controller
+    for _ in range(10):
+        controller.observe(0, 0.0, 0.0, 1.9)  # slow at any load: 1.9 s, over the 1.7 s target
+    core.tick()
+
+    def shown(what):
+        return t.registry.get_sample_value("extproc_pool_service_seconds",
+                                           {"pool": "pool_a", "class": "interactive", "what": what})
+    assert (shown("served"), shown("baseline"), shown("target")) == (1.9, 1.9, pytest.approx(1.7))
+    assert t.registry.get_sample_value("extproc_pool_service_seconds",
+                                       {"pool": "pool_a", "class": "batch", "what": "target"}) is None  # no SLO
