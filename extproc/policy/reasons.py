@@ -56,9 +56,9 @@ vs cap" and the sustained queue depth on the dashboard, and `docs/autoscaling.md
            """\
 Not a final answer: the class's cap was full, or its pool-wide limit had no room for it (strict priority, the
 class's share, see `queue_timeout`), so the request joined the class queue (counted in
-`extproc_queue_entries_total`; those waiting for the pool also in `extproc_pool_waiting_requests`). It ends as `dequeued`, `queue_timeout`, `client_disconnected`,
-`higher_class_saturated` (shed while waiting) or `class_removed`; only that final reason is counted in
-`extproc_requests_total`."""),
+`extproc_queue_entries_total`; those waiting for the pool also in `extproc_pool_waiting_requests`). It ends as
+`dequeued`, `queue_timeout`, `client_disconnected`, `higher_class_saturated` (shed while waiting) or
+`class_removed`; only that final reason is counted in `extproc_requests_total`."""),
     Reason("queue_full", "Rejected (429, 499, 503)", 429, DRAIN,
            "class {cls!r} is at capacity ({detail})",
            """\
@@ -98,8 +98,8 @@ When the class's cap had room and a pool-wide limit held the request, the messag
 after a request over its `min_share` or held to it while a higher class's latency breaker was open, the limit
 was full, or `room came back without a release`: a rest or squeeze ran out (or a stalled replica's requests were
 left out) after the last release, and waiters are granted only at releases ("Room a timeout leaves" in
-`docs/overload.md`). Raising the cap then changes nothing: see `docs/overload.md` and the "Pool-wide limit and priority"
-row of the dashboard. With `on_overflow: fallback` the same text is in the degrade's log line."""),
+`docs/overload.md`). Raising the cap then changes nothing: see `docs/overload.md` and the "Pool-wide limit and
+priority" row of the dashboard. With `on_overflow: fallback` the same text is in the degrade's log line."""),
     Reason("client_disconnected", "Rejected (429, 499, 503)", 499, NO_RETRY,
            "client disconnected while {waiting}",
            """\
