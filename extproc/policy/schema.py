@@ -180,7 +180,10 @@ class PoolSpec:
     waiting_saturated: float = doc("vllm:num_requests_waiting per replica at or above this is saturation, not "
                                    "counting requests vLLM defers for its LoRA budget (`--max-loras`: "
                                    "num_requests_waiting_by_reason{reason=\"deferred\"}), which wait for an adapter "
-                                   "slot, not for room (0: "
+                                   "slot, not for room, nor those only passing through: by Little's law, the "
+                                   "replica's waiting requests over the requests it finished a second since its "
+                                   "last scrape (vllm:request_success_total) is within 4 engine steps (its mean "
+                                   "inter-token latency), as with short requests at a high rate (0: "
                                    "waiting requests are not a signal).", 1.0,
                                    minimum=0)
     stall_ms: int = doc("A replica that holds requests (running or waiting) while its token counters "

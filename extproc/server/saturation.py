@@ -40,7 +40,7 @@ _WANTED = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": 
            "vllm:prompt_tokens_total": "tokens", "vllm:generation_tokens_total": "tokens",
            "process_start_time_seconds": "started",
            "vllm:inter_token_latency_seconds_sum": "itl_sum", "vllm:inter_token_latency_seconds_count": "itl_count",
-           "vllm:num_requests_waiting_by_reason": "deferred"}
+           "vllm:num_requests_waiting_by_reason": "deferred", "vllm:request_success_total": "finished"}
 # vLLM 0.32 splits the waiting requests by reason (tests/fixtures/vllm/metrics.txt): `capacity`, and `deferred by
 # transient constraints (LoRA budget, KV transfer, blocked status)`. Only the line of the deferred is read: they wait
 # for an adapter slot (--max-loras, 1 by default), not for room, and must not read as saturation (eight requests for
@@ -52,6 +52,17 @@ _HIGHEST = ("kv", "started")  # the highest of their label sets (processes), not
 _PROGRESS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
 # The inter-token latency histogram's sum and count give a replica's pace (policy.replica_speed). Optional too.
 _PACE = ("vllm:inter_token_latency_seconds_sum", "vllm:inter_token_latency_seconds_count")
+# Requests waiting in vLLM are saturation only when they wait for room. At a high rate of short requests some are
+# always between their arrival and the next engine step: two replicas answering 1-5-token classification calls at
+# 700 requests/s each read as saturated at half their capacity with the KV cache empty, and the pool limit was cut
+# to a few requests and refused thousands (scenarios/classify-burst.yaml). By Little's law the ones waiting now wait
+# about waiting / (requests finished per second); within this many engine steps (the mean inter-token latency
+# since the last scrape) they are passing through, not held. Four, not one or two: a snapshot of a count that
+# averages under one is often two or three (2 cut the limit every ~25 s on that scenario), while a queue held for
+# room grows past it within a scrape, and a 70B replica's one waiting request at a few requests a second is still
+# ten steps or more (bench/seeds.py unchanged). Without the counters (request_success_total, the inter-token
+# histogram, or a decode in the interval) every waiting request counts, as before.
+PASSING_STEPS = 4.0
 PACE_SCRAPES = 100  # a replica's pace is its mean inter-token latency over this many scrape intervals
 # Without these a scrape says nothing about load. vLLM 0.32 (tests/fixtures/vllm/metrics.txt) emits all four; the
 # older name vllm:gpu_cache_usage_perc is gone from it and is not read.
@@ -106,7 +117,30 @@ def parse_vllm_metrics(body: bytes | str) -> dict[str, float]:
         out["started"] = math.nan
     if not all(n in seen for n in _PACE):
         out["itl_sum"] = out["itl_count"] = math.nan
+    if "vllm:request_success_total" not in seen:
+        out["finished"] = math.nan
     return out
+
+
+def held_waiting(m: dict[str, float]) -> float:
+    """The requests waiting in a replica for room: its waiting ones less those deferred for the LoRA budget, none
+    when they are only passing through (m["passing"], PoolScraper.record)."""
+    waiting = m["waiting"] - min(m.get("deferred", 0.0), m["waiting"])
+    return 0.0 if m.get("passing") else waiting
+
+
+def passing_through(prev: dict[str, float], m: dict[str, float], elapsed_s: float) -> bool:
+    """Whether the replica's waiting requests (less deferred) will be taken in within PASSING_STEPS engine steps at
+    the rate it finished requests since its previous reading `prev`, `elapsed_s` ago (PASSING_STEPS)."""
+    def moved(key: str) -> float:  # NaN where either reading lacks the counter
+        return m.get(key, math.nan) - prev.get(key, math.nan)
+
+    finished, steps = moved("finished"), moved("itl_count")
+    if not (elapsed_s > 0 and finished > 0 and steps > 0):  # NaN: a counter missing; fewer: a restart
+        return False
+    waiting = m["waiting"] - min(m.get("deferred", 0.0), m["waiting"])
+    step_s = moved("itl_sum") / steps
+    return waiting * elapsed_s / finished <= PASSING_STEPS * step_s
 
 
 async def read_capped(resp: aiohttp.ClientResponse, limit: int = MAX_METRICS_BYTES) -> bytes:
@@ -288,7 +322,9 @@ class PoolScraper:
         prev = r.preemptions
         r.preemptions = m["preemptions"]
         m["preempting"] = float(prev is not None and m["preemptions"] > prev)
-        r.metrics, r.at, r.refused = m, self.clock(), False
+        now = self.clock()
+        m["passing"] = float(r.metrics is not None and passing_through(r.metrics, m, now - r.at))
+        r.metrics, r.at, r.refused = m, now, False
         r.pace.window_s = PACE_SCRAPES * self.spec.scrape_interval_ms / 1000.0
         r.pace.add(r.at, m.get("itl_sum", math.nan), m.get("itl_count", math.nan), m["running"])
         # Progress: a token counter moved (a smaller sum is a restarted replica), a restart (its process start
@@ -312,7 +348,7 @@ class PoolScraper:
         if not self.replicas:
             sat.saturated = True
             return sat
-        working, gone, paced = [], 0, []
+        working, gone, paced, held = [], 0, [], 0.0
         for r in self.replicas.values():
             m = r.metrics
             if m is None or r.at < stale:
@@ -336,9 +372,10 @@ class PoolScraper:
             paced.append(r)
             sat.kv_usage = max(sat.kv_usage, m["kv"])
             sat.waiting = max(sat.waiting, m["waiting"] - min(m.get("deferred", 0.0), m["waiting"]))
+            held = max(held, held_waiting(m))
             sat.running += m["running"]
             sat.preempting = sat.preempting or bool(m["preempting"])
-        if sat.kv_usage >= spec.kv_saturated or (spec.waiting_saturated and sat.waiting >= spec.waiting_saturated) \
+        if sat.kv_usage >= spec.kv_saturated or (spec.waiting_saturated and held >= spec.waiting_saturated) \
                 or sat.preempting or sat.stalled + gone == len(self.replicas):
             sat.saturated = True
         self._judge_pace(paced, now)
