@@ -54,6 +54,12 @@ RAISE_PER_DELAY = 0.25
 # or just cut): idle, the recent peak decays to nothing and the limit fell to its floor (1) in seconds, so the
 # next burst ran one request at a time for most of a minute while it climbed back 5% a step (an operator audit).
 PROVEN_FLOOR = 0.5
+# While the replicas are roomy (nothing waiting, KV cache under ROOMY_KV) and the latency is under 1 / this of its
+# target, raises are not held to RAISE_PER_DELAY: a reasoning model's minute-long answers at a quarter of their
+# target, the KV cache 6% full, held the limit to +25% per ~20 s through a 2x spike, and 20% of the first class
+# was refused or degraded where no control served it all within the SLO (scenarios/reasoning-spike.yaml). The
+# replicas' own word shows a raise within a scrape; past ROOMY_KV or half the target the bound holds again.
+ROOMY_RATIO = 2.0
 # The share a class below the first holds on average through the request over its `min_share` it may run when it
 # holds nothing (PoolGate.guaranteed), when its `min_share` is smaller: no class starves for good.
 MIN_SHARE = 0.01
@@ -214,7 +220,8 @@ class PoolLimit:
                 self.last_action = "hold"  # the window cannot speak yet for what was admitted since the cut
             elif binding:  # requests wait for room and the latency has some to give: raise, by how much it has
                 step = spec.max_raise * min(1.0, max(0.0, ratio - 1.0) * RAISE_GAIN)
-                step = min(step, self._raise_room(now))
+                if not (roomy and ratio >= ROOMY_RATIO):
+                    step = min(step, self._raise_room(now))
                 self.proven = self.limit  # it held requests back with the latency in target
                 self.limit = min(spec.max, self.limit * (1 + step))
                 self.last_action = "raise" if step > 0 else "hold"

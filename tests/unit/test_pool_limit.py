@@ -366,6 +366,24 @@ def test_raises_compound_at_most_a_quarter_within_one_median_service_time():
     assert raised_over(0.4, 9.9) == pytest.approx(1.05 ** 20)  # short requests: 5% every interval, as before
 
 
+def test_roomy_replicas_and_latency_under_half_its_target_raise_every_interval_whatever_the_service_time():
+    # Found with scenarios/reasoning-spike.yaml (6K-token answers of 20-60 s, the KV cache 6% full, the latency
+    # a quarter of its target): the quarter per median service time held the limit through a 2x spike, and 20% of
+    # the first class was refused or degraded while the replicas had room for all of it.
+    def raised_over(slo_s: float, roomy: bool) -> float:
+        c = PoolLimit(spec(), {0: slo_s})
+        now = 0.0
+        while now < 9.9:
+            for _ in range(10):
+                c.observe(0, now, now, 10.0)  # 10 s answers
+            c.update(now, c.limit, True, False, roomy)
+            now += 0.5
+        return c.limit / 20.0
+    assert raised_over(40.0, roomy=True) == pytest.approx(1.05 ** 20)  # 3.4x room: 5% every interval
+    assert raised_over(40.0, roomy=False) == pytest.approx(1.25)  # the replicas busy: a quarter per delay
+    assert raised_over(20.0, roomy=True) == pytest.approx(1.25)  # 1.7x room: near the target, the bound holds
+
+
 def test_an_idle_pool_keeps_half_the_limit_it_last_proved_under_load():
     # An operator audit: after 12 s idle the settle took the limit to its floor (1), and the next burst ran one
     # request at a time for most of a minute while raises climbed back 5% a step.
