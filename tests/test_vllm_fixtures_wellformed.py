@@ -34,7 +34,7 @@ REQUIRED_METRICS = [
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
     "vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
     "vllm:request_success_total", "vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
-    "vllm:inter_token_latency_seconds", "vllm:request_queue_time_seconds",
+    "vllm:inter_token_latency_seconds", "vllm:request_queue_time_seconds", "vllm:iteration_tokens_total",
 ]
 
 

@@ -183,7 +183,8 @@ class PoolSpec:
                                    "slot, not for room, nor those only passing through: by Little's law, the "
                                    "replica's waiting requests over the requests it finished a second since its "
                                    "last scrape (vllm:request_success_total) is within 4 engine steps (its mean "
-                                   "inter-token latency), as with short requests at a high rate (0: "
+                                   "inter-token latency, or with nothing decoded the interval over its "
+                                   "vllm:iteration_tokens_total count), as with short requests at a high rate (0: "
                                    "waiting requests are not a signal).", 1.0,
                                    minimum=0)
     stall_ms: int = doc("A replica that holds requests (running or waiting) while its token counters "

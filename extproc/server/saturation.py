@@ -40,7 +40,8 @@ _WANTED = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": 
            "vllm:prompt_tokens_total": "tokens", "vllm:generation_tokens_total": "tokens",
            "process_start_time_seconds": "started",
            "vllm:inter_token_latency_seconds_sum": "itl_sum", "vllm:inter_token_latency_seconds_count": "itl_count",
-           "vllm:num_requests_waiting_by_reason": "deferred", "vllm:request_success_total": "finished"}
+           "vllm:num_requests_waiting_by_reason": "deferred", "vllm:request_success_total": "finished",
+           "vllm:iteration_tokens_total_count": "steps"}
 # vLLM 0.32 splits the waiting requests by reason (tests/fixtures/vllm/metrics.txt): `capacity`, and `deferred by
 # transient constraints (LoRA budget, KV transfer, blocked status)`. Only the line of the deferred is read: they wait
 # for an adapter slot (--max-loras, 1 by default), not for room, and must not read as saturation (eight requests for
@@ -57,11 +58,12 @@ _PACE = ("vllm:inter_token_latency_seconds_sum", "vllm:inter_token_latency_secon
 # 700 requests/s each read as saturated at half their capacity with the KV cache empty, and the pool limit was cut
 # to a few requests and refused thousands (scenarios/classify-burst.yaml). By Little's law the ones waiting now wait
 # about waiting / (requests finished per second); within this many engine steps (the mean inter-token latency
-# since the last scrape) they are passing through, not held. Four, not one or two: a snapshot of a count that
-# averages under one is often two or three (2 cut the limit every ~25 s on that scenario), while a queue held for
-# room grows past it within a scrape, and a 70B replica's one waiting request at a few requests a second is still
-# ten steps or more (bench/seeds.py unchanged). Without the counters (request_success_total, the inter-token
-# histogram, or a decode in the interval) every waiting request counts, as before.
+# since the last scrape; with no decode in it, as with 1-token answers, the interval over its engine steps,
+# vllm:iteration_tokens_total's count) they are passing through, not held. Four, not one or two: a snapshot of a
+# count that averages under one is often two or three (2 cut the limit every ~25 s on that scenario), while a queue
+# held for room grows past it within a scrape, and a 70B replica's one waiting request at a few requests a second
+# is still ten steps or more (bench/seeds.py unchanged). Without the counters (request_success_total, and the inter-token
+# or iteration-tokens histogram) every waiting request counts, as before.
 PASSING_STEPS = 4.0
 PACE_SCRAPES = 100  # a replica's pace is its mean inter-token latency over this many scrape intervals
 # Without these a scrape says nothing about load. vLLM 0.32 (tests/fixtures/vllm/metrics.txt) emits all four; the
@@ -117,8 +119,9 @@ def parse_vllm_metrics(body: bytes | str) -> dict[str, float]:
         out["started"] = math.nan
     if not all(n in seen for n in _PACE):
         out["itl_sum"] = out["itl_count"] = math.nan
-    if "vllm:request_success_total" not in seen:
-        out["finished"] = math.nan
+    for name in ("vllm:request_success_total", "vllm:iteration_tokens_total_count"):
+        if name not in seen:
+            out[_WANTED[name]] = math.nan
     return out
 
 
@@ -135,11 +138,14 @@ def passing_through(prev: dict[str, float], m: dict[str, float], elapsed_s: floa
     def moved(key: str) -> float:  # NaN where either reading lacks the counter
         return m.get(key, math.nan) - prev.get(key, math.nan)
 
-    finished, steps = moved("finished"), moved("itl_count")
-    if not (elapsed_s > 0 and finished > 0 and steps > 0):  # NaN: a counter missing; fewer: a restart
+    finished, tokens, steps = moved("finished"), moved("itl_count"), moved("steps")
+    if tokens > 0:
+        step_s = moved("itl_sum") / tokens
+    else:  # no decode in the interval (1-token answers): the time per engine step, idle time included
+        step_s = elapsed_s / steps if steps > 0 else math.nan
+    if not (elapsed_s > 0 and finished > 0 and step_s > 0):  # NaN: a counter missing; fewer: a restart
         return False
     waiting = m["waiting"] - min(m.get("deferred", 0.0), m["waiting"])
-    step_s = moved("itl_sum") / steps
     return waiting * elapsed_s / finished <= PASSING_STEPS * step_s
 
 

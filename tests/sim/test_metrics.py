@@ -19,6 +19,7 @@ EXPECTED = {
     "vllm:e2e_request_latency_seconds": "histogram",
     "vllm:inter_token_latency_seconds": "histogram",
     "vllm:request_queue_time_seconds": "histogram",
+    "vllm:iteration_tokens_total": "histogram",
 }
 
 
@@ -48,6 +49,9 @@ async def test_metrics_parse_with_vllm_names_types_and_counts():
     assert samples[("vllm:e2e_request_latency_seconds_count", None, None)].value == 3
     assert samples[("vllm:time_to_first_token_seconds_bucket", None, "+Inf")].value == 3
     assert samples[("vllm:inter_token_latency_seconds_count", None, None)].value == 12
+    # One observation per engine step (the scraper's step time when nothing decodes): a prefill and four decodes each.
+    assert samples[("vllm:iteration_tokens_total_count", None, None)].value == 15
+    assert samples[("vllm:iteration_tokens_total_sum", None, None)].value == 300 + 12
     assert 0.0 <= samples[("vllm:kv_cache_usage_perc", None, None)].value <= 1.0
 
 

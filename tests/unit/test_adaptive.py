@@ -92,7 +92,7 @@ def test_saturation_cuts_again_only_once_what_is_in_flight_is_back_under_the_cap
 def test_scrape_parsing_reads_the_real_vllm_metrics_fixture():
     m = parse_vllm_metrics((FIXTURES / "metrics.txt").read_text())
     assert set(m) == {"running", "waiting", "kv", "preemptions", "tokens", "started", "itl_sum", "itl_count",
-                      "deferred", "finished"}
+                      "deferred", "finished", "steps"}
     assert all(v >= 0 for v in m.values()) and m["kv"] <= 1.0
 
 

@@ -97,7 +97,7 @@ def test_the_real_vllm_metrics_are_read():
     m = parse_vllm_metrics(real_metrics_with(waiting="3.0", kv="0.42", running="2.0"))
     assert m == {"running": 2.0, "waiting": 3.0, "kv": 0.42, "preemptions": 0.0, "tokens": 2341.0 + 8193.0,
                  "started": 1.79621509968e+09, "itl_sum": 52.43323827200152, "itl_count": 8085.0, "deferred": 0.0,
-                 "finished": 107.0}
+                 "finished": 107.0, "steps": 1579.0}
 
 
 def test_a_replica_serving_the_real_vllm_metrics_is_read_and_not_saturated():
@@ -692,6 +692,25 @@ def test_requests_only_passing_through_vllms_queue_are_not_saturation():
     assert passing_run(finished_per_s=5) == [True] * 5
     # Without vLLM's request_success_total (another server, an older vLLM) every waiting request counts.
     assert passing_run(finished_per_s=700, finished=float("nan")) == [True] * 5
+
+
+def test_with_1_token_answers_the_engine_steps_count_give_the_step_time():
+    """1-token answers (a classifier) decode nothing, so the inter-token histogram stands still: the same calls as
+    above then read as saturated every scrape (1,193 refused in the first 15 s at 0.5x). vLLM counts its engine
+    steps in vllm:iteration_tokens_total; 200 ms over 20 steps is a 10 ms step."""
+    no_decode = {"itl_sum": 0.0, "itl_count": 0.0}
+    clock_steps = [{"steps": 20.0 * i} for i in range(5)]
+    out = []
+    clock = FakeClock()
+    scraper = PoolScraper(RecordingCore(), "pool_a", PoolSpec(replicas=["r:1"]), None, clock=clock)
+    for i, extra in enumerate(clock_steps):
+        scraper.record(scraper.replicas["r:1"], {**reading(running=4, waiting=2.0, tokens=100.0 * i),
+                                                 "finished": 140.0 * i, **no_decode, **extra})
+        out.append(scraper.aggregate(clock()).saturated)
+        clock.advance(0.2)
+    assert out == [True] + [False] * 4
+    # Without that count either, every waiting request counts.
+    assert passing_run(finished_per_s=700, **no_decode) == [True] * 5
 
 
 async def test_an_envoy_admin_that_cannot_be_read_is_a_warning(caplog):

@@ -175,7 +175,8 @@ class PolicyAdmitter:
                                                                         + eng.stats.generation_tokens),
                                                         "itl_sum": eng.stats.inter_token_s,
                                                         "itl_count": float(eng.stats.inter_tokens),
-                                                        "finished": float(sum(eng.stats.finished.values()))})
+                                                        "finished": float(sum(eng.stats.finished.values())),
+                                                        "steps": float(eng.stats.iterations)})
                 core.set_saturation(name, s.aggregate(clock()))
             timers.append((spec.scrape_interval_ms / 1000.0, scrape))
         if core.gates or any(lim.spec.adaptive.enabled for lim in core.limiters.values()):

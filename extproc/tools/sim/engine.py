@@ -126,6 +126,7 @@ class Engine:
         self.slowdown = 1.0  # fault injection: multiplies iteration time
         self._next_id = 0
         self._batch: list[tuple[Sequence, int]] = []  # the in-flight iteration's (sequence, tokens computed)
+        self.step_tokens = 0  # tokens the last iteration scheduled
 
     # -- requests -------------------------------------------------------------------------------------------
     def add_request(self, prompt_tokens: int, max_tokens: int, now: float,
@@ -188,6 +189,7 @@ class Engine:
             else:
                 prefill_tokens += n
         self.stats.iterations += 1
+        self.step_tokens = sum(n for _, n in batch)  # vllm:iteration_tokens_total observes it (ReplicaMetrics)
         return self.slowdown * self.profile.timing.iteration_s(decode_cost, prefill_tokens, context_tokens)
 
     def end_iteration(self, now: float) -> list[Emission]:

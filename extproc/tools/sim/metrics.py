@@ -12,6 +12,8 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# vLLM 0.32's vllm:iteration_tokens_total bounds for a 4096-token step budget (tests/fixtures/vllm/metrics.txt)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 INTER_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                        20.0, 40.0, 80.0)
 # vLLM 0.32's finished_reason label values, all exposed from start-up. The simulator's only aborts are client
@@ -71,6 +73,7 @@ class ReplicaMetrics:
         self.e2e = Histogram(REQUEST_LATENCY_BUCKETS)
         self.queue = Histogram(REQUEST_LATENCY_BUCKETS)
         self.inter_token = Histogram(INTER_TOKEN_BUCKETS)
+        self.iteration_tokens = Histogram(ITERATION_TOKEN_BUCKETS)  # one observation per engine step
         # vllm:lora_requests_info, with --enable-lora only (max_loras set): one series per adapter list ever current,
         # its value the unix time it last was (vLLM sets it to the current time at every engine step's stats).
         self.max_loras: int | None = None
@@ -144,6 +147,7 @@ class ReplicaMetrics:
             ("vllm:e2e_request_latency_seconds", self.e2e, "Histogram of e2e request latency in seconds."),
             ("vllm:request_queue_time_seconds", self.queue,
              "Histogram of time spent in WAITING phase for request."),
+            ("vllm:iteration_tokens_total", self.iteration_tokens, "Histogram of number of tokens per engine_step."),
         ):
             family(name, "histogram", help_text)
             lines.extend(hist.lines(name, labels))

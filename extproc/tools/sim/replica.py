@@ -115,6 +115,7 @@ class Replica:
                 await self._wake.wait()
                 continue
             self._sim_t += duration
+            self.metrics.iteration_tokens.observe(engine.step_tokens)
             # Sleep to an absolute deadline, so timer granularity and overshoot do not accumulate.
             delay = clock.real_time_of(self._sim_t) - loop.time()
             if delay > 0:
