@@ -8,8 +8,11 @@ vllm_* pools). Keyword arguments replace top-level keys of the base.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import inspect
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -18,6 +21,7 @@ import yaml
 
 from extproc.policy.decision import NoEvents
 from extproc.policy.schema import Policy, load_policy
+from extproc.tools.stack import free_port, wait_http
 
 
 def limits(max_concurrency: int, max_queue: int, max_wait_ms: int) -> dict:
@@ -114,3 +118,26 @@ class RecordedEvents(NoEvents):
         """(kind, reason) of every decision counted."""
         return [(d.kind, d.reason) for d in self.decisions]
 
+
+@contextlib.contextmanager
+def run_upstream():
+    """tests/upstream.py in its own process (it records the most requests it ever had in service at once): yields
+    (host, port). Stopped with SIGTERM, then SIGKILL after 2 s: a request it still delays must not hold the teardown."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve().parent / "upstream.py"), str(port)],
+                            start_new_session=True)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", timeout=20)
+        yield ("127.0.0.1", port)
+    finally:
+        stop_process(proc, 2.0)
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM, and SIGKILL if it has not exited within `grace_s`."""
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)

@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from extproc.tools.stack import Stack
-from tests.conftest import policy_doc
+from tests.conftest import policy_doc, stop_process
 from tests.integration import conftest as integration
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,12 +118,7 @@ def own_target(kind: str, workdir: Path, sim_profile: str | Path = "cpu-tiny-lla
     try:
         yield Target("sim", url)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        stop_process(proc, 10.0)
 
 
 def policy(target: Target, classes: dict | None = None, **overrides) -> dict:

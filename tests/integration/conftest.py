@@ -2,36 +2,22 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from extproc.tools.sim.fleet import SimFleet
-from extproc.tools.stack import Stack, free_port, wait_http
-from tests.conftest import policy_file
+from extproc.tools.stack import Stack
+from tests.conftest import policy_file, run_upstream
 
-HERE = Path(__file__).resolve().parent
 FLEET_SPEED = 10.0  # simulated seconds per wall second of the `fleets` replicas
 
 
 @pytest.fixture(scope="session")
 def upstream():
     """The small test upstream (tests/upstream.py) in its own process: URL and its port."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, str(HERE.parent / "upstream.py"), str(port)],
-                            start_new_session=True)
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health", timeout=20)
-        yield ("127.0.0.1", port)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:  # a request it still delays (a test that held one) keeps it waiting
-            proc.kill()
-            proc.wait(5)
+    with run_upstream() as address:
+        yield address
 
 
 @pytest.fixture

@@ -13,9 +13,8 @@ import pytest
 import yaml
 
 from extproc.tools.envoylint import lint
-from extproc.tools.stack import Stack, free_port, wait_http
-from tests.conftest import policy_file, until
-from tests.integration.conftest import HERE
+from extproc.tools.stack import Stack, free_port
+from tests.conftest import policy_file, run_upstream, until
 from tests.integration.helpers import chat, metrics, sample, sample_once, upstream_reset, upstream_stats
 
 PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
@@ -68,14 +67,8 @@ class EditedStack(Stack):
 @pytest.fixture
 def small_pool():
     """A second test upstream for the 8B pool, so a test can tell where a request ran."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, str(HERE.parent / "upstream.py"), str(port)], start_new_session=True)
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health", timeout=20)
-        yield ("127.0.0.1", port)
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    with run_upstream() as address:
+        yield address
 
 
 async def test_each_edit_moves_requests_around_admission_and_check_refuses_the_config(tmp_path, upstream,
