@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .policy.admission import ACCEPT, AdmissionController, Decision
 from .policy.breakers import STATE_VALUES, Breaker, LatencyBreaker
-from .policy.decision import Canned
+from .policy.decision import INVALID, Canned
 from .policy.sustained import SustainedLoad
 from .policy.limits import Outcome, Ticket, Waiter
 from .policy.pool import LOAD_TOLERANCE
@@ -254,7 +254,9 @@ class Telemetry:
             line["retry_after"] = d.retry_after
         if d.cluster:
             line["pool"] = d.cluster
-        if d.message:  # what held the request (its cap, or a pool-wide limit and which part of it): the client's text
+        if d.message and d.kind != INVALID:  # what held the request (its cap, or a pool-wide limit and which part of
+            # it): the client's text. Not for invalid requests: theirs echo what the client sent (a model name that
+            # was an API key leaked it into the log, tests/reliability/test_security_envoy.py).
             line["message"] = d.message
         if d.waited_s:
             line["waited_s"] = round(d.waited_s, 4)
