@@ -76,14 +76,20 @@ def over_share(core, cls="batch"):
     return core.decide(req(cls))
 
 
+def ran_over_share(core, clock, seconds: float = 10.0):
+    """over_share(), its request run `seconds` and finished: the class rests from now. Returns that decision."""
+    d = over_share(core)
+    clock.advance(seconds)
+    core.finish(d.ticket, Outcome.OK)
+    return d
+
+
 def test_a_request_over_the_share_rests_its_class_so_it_holds_its_share_on_average(clock):
     # min_share 0.1 of 4 requests: 0.4, so one batch request is 2.5x the share. Taken while interactive waits, it
     # runs 10 s; the class then takes nothing over its share for 10 x (2.5 - 1) = 15 s: 10 s in 25 on average.
     core = AdmissionController(pool_policy(batch={"min_share": 0.1}), clock=clock)
-    first = over_share(core)
-    assert first.kind == ACCEPT  # the class holds nothing: nothing starves
-    clock.advance(10)
-    core.finish(first.ticket, Outcome.OK)
+    first = ran_over_share(core, clock)
+    assert first.kind == ACCEPT  # the class held nothing: nothing starves
     clock.advance(14.9)
     waiting = core.decide(req("batch"))
     assert waiting.kind == QUEUE  # resting: its next one waits behind interactive
@@ -95,9 +101,7 @@ def test_a_request_over_the_share_rests_its_class_so_it_holds_its_share_on_avera
 def test_a_class_rests_a_minute_at_most(clock):
     # min_share 0.01 of 4 requests: one request is 25x the share. After 10 s it would owe 240 s; it rests 60.
     core = AdmissionController(pool_policy(batch={"min_share": 0.01}), clock=clock)
-    first = over_share(core)
-    clock.advance(10)
-    core.finish(first.ticket, Outcome.OK)
+    ran_over_share(core, clock)
     assert core.gates["pool_a"].rest_until[1] == pytest.approx(clock() + 60)
     clock.advance(60.1)
     assert core.decide(req("batch")).kind == ACCEPT
@@ -630,9 +634,7 @@ def test_a_resting_request_of_a_class_a_reload_removed_ends_cleanly(clock):
 @pytest.mark.parametrize("order", [("interactive", "batch", "internal"), ("interactive", "internal", "batch")])
 def test_a_class_rests_across_a_reload_that_replaces_its_gate_under_its_new_rank(clock, order):
     core = AdmissionController(pool_policy(batch={"min_share": 0.1}), clock=clock)
-    t = over_share(core).ticket
-    clock.advance(10)
-    core.finish(t, Outcome.OK)  # batch rests 15 s
+    ran_over_share(core, clock)  # batch rests 15 s
     core.apply(pool_policy(limit=5, order=order, batch={"min_share": 0.1}))  # a new gate (limit spec changed)
     core.decide(req("interactive"))
     assert core.decide(req("interactive")).kind == QUEUE
@@ -688,9 +690,7 @@ def test_a_refusal_after_waiting_for_the_pool_names_the_pool_and_what_held_it(cl
 
 def test_a_refusal_names_the_rest_that_held_its_class(clock):
     core = AdmissionController(pool_policy(batch={"min_share": 0.1}), clock=clock)
-    first = over_share(core)
-    clock.advance(10)
-    core.finish(first.ticket, Outcome.OK)  # interactive's waiter takes the room; the class rests 15 s
+    ran_over_share(core, clock)  # interactive's waiter takes the room; the class rests 15 s
     waiting = core.decide(req("batch"))
     assert waiting.kind == QUEUE
     clock.advance(5.1)
@@ -726,9 +726,7 @@ def test_a_waiter_whose_room_came_back_without_a_release_is_not_told_the_pool_wa
     # grant it, and the waiter times out with room there. Its refusal said "no free slot" (its cap: it had room),
     # or "the limit is full" with room under it (seen on the real stack: 4 of 61 batch timeouts).
     core = AdmissionController(pool_policy(batch={"min_share": 0.1, "max_wait_ms": 20000}), clock=clock)
-    first = over_share(core)
-    clock.advance(10)
-    core.finish(first.ticket, Outcome.OK)  # rests until +15 s
+    ran_over_share(core, clock)  # rests until +15 s
     waiting = core.decide(req("batch"))
     assert waiting.kind == QUEUE
     clock.advance(16)
