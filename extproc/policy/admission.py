@@ -294,8 +294,12 @@ class AdmissionController:
 
     def _higher_waits(self, gate, lim: ClassLimiter) -> bool:
         """A higher class waits for this pool (a waiter held back by its own class cap does not)."""
+        return any(self._waits_for_pool(gate, r) for r in range(lim.rank))
+
+    def _waits_for_pool(self, gate, rank: int) -> bool:
+        """The class at `rank` has requests queued for this pool that wait for the pool, not for its own cap."""
         ranked = self.state.ranked
-        return any(gate.waiting[r] and ranked[r].has_room() for r in range(lim.rank))
+        return bool(gate.waiting[rank]) and rank < len(ranked) and ranked[rank].has_room()
 
     def _owed(self, gate, lim: ClassLimiter, flow: str, units: float, now: float) -> bool:
         """A fair class's flow under its share of what the class holds on the pool: it goes in on a full pool
@@ -550,9 +554,9 @@ class AdmissionController:
             return ""
         if gate.guaranteed(lim.rank, units, now):
             return UNGRANTED
-        ranked = self.state.ranked
-        above = [ranked[r].name for r in range(lim.rank) if gate.waiting[r] and ranked[r].has_room()]
-        return f"class {above[0]!r} waits for it first" if above else gate.held_back_by(lim.rank, units, now)
+        above = next((r for r in range(lim.rank) if self._waits_for_pool(gate, r)), None)
+        return f"class {self.state.ranked[above].name!r} waits for it first" if above is not None else \
+            gate.held_back_by(lim.rank, units, now)
 
     def _overflow_waiter(self, w: Waiter, reason: str, now: float) -> None:
         w.limiter.queue.remove(w)
@@ -988,10 +992,8 @@ class AdmissionController:
 
     def waiting_for_pool(self, gate) -> list[int]:
         """Per class rank, its requests queued for this pool that wait for the pool: none while the class's own
-        cap is full (those wait for the cap, as _higher_waits counts them)."""
-        ranked = self.state.ranked
-        return [n if n and rank < len(ranked) and ranked[rank].has_room() else 0
-                for rank, n in enumerate(gate.waiting)]
+        cap is full (those wait for the cap: _waits_for_pool)."""
+        return [n if self._waits_for_pool(gate, rank) else 0 for rank, n in enumerate(gate.waiting)]
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """Per class: requests running and their estimated cost, requests waiting (in the class queue, or holding a
