@@ -24,10 +24,15 @@ def _nothing() -> None:
     pass
 
 
+# Added to Envoy's message timeout while a request waits for its admission (its max_message_timeout must cover the
+# longest wait plus this: extproc check --envoy compares them).
+QUEUE_GRACE_S = 0.5
+
+
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     """One gRPC stream per HTTP request. Every message gets an answer of its own phase; slots are freed once."""
 
-    def __init__(self, core: AdmissionController, max_body_bytes: int = 4 << 20, queue_grace_s: float = 0.5,
+    def __init__(self, core: AdmissionController, max_body_bytes: int = 4 << 20, queue_grace_s: float = QUEUE_GRACE_S,
                  shared: SharedSlots | None = None, on_error: Callable[[], None] = _nothing,
                  tags: TicketTags | None = None, max_pending_bodies: int = 10_000) -> None:
         self.processor = Processor(core, shared, max_body_bytes, tags, max_pending_bodies)

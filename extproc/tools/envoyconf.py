@@ -35,9 +35,12 @@ def duration(seconds: float) -> str:
     return f"{max(seconds, 0.001):.3f}s"
 
 
-def seconds(text: str) -> float:
-    """A protobuf Duration string's seconds ("0.1s")."""
-    return float(text.removesuffix("s"))
+def seconds(duration: Any) -> float | None:
+    """A protobuf Duration as Envoy's YAML writes it ("30s", "0.5s"); None if not in that form."""
+    try:
+        return float(str(duration).removesuffix("s"))
+    except ValueError:
+        return None
 
 
 def cluster_names(base: dict[str, Any] | None = None) -> set[str]:
@@ -106,8 +109,9 @@ def render(base: dict[str, Any], *, listen_port: int, admin_port: int,
     if speed != 1.0 and mode == "extproc":
         for log in hcm["access_log"]:
             common = log["typed_config"].get("common_config", {})
-            if common.get("log_name") == "extproc" and "buffer_flush_interval" in common:
-                common["buffer_flush_interval"] = duration(seconds(common["buffer_flush_interval"]) / speed)
+            flush = seconds(common.get("buffer_flush_interval"))
+            if common.get("log_name") == "extproc" and flush is not None:
+                common["buffer_flush_interval"] = duration(flush / speed)
     if workers and mode == "extproc" and isinstance(extproc, list) and len(extproc) > 1:
         _access_log_per_worker(cfg, hcm, extproc)
     if failure_mode_allow is not None and mode == "extproc":

@@ -11,9 +11,13 @@ from __future__ import annotations
 import re
 from typing import Any, Iterator
 
+from extproc.server.accesslog import TICKET_HEADER
+from extproc.server.protocol import CLUSTER_HEADER
+from extproc.server.servicer import QUEUE_GRACE_S
+from extproc.tools.envoyconf import seconds
+
 EXT_PROC_TYPE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
 HCM_TYPE = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
-CLUSTER_HEADER = "x-extproc-cluster"
 # Read-only vLLM endpoints that skip the ext_proc by design (envoy.yaml), each matched exactly and for GET only.
 READ_ONLY = frozenset({"/v1/models", "/health", "/ping", "/version"})
 # Filters that can change the body, the path or the headers a route is chosen on: after the ext_proc decided,
@@ -31,10 +35,7 @@ class Findings:
 # Headers the ext_proc reads whatever the policy (protocol.read_request_headers); check adds the policy's own.
 READS = (":path", ":method", "authorization", "api-key", "content-encoding", "x-request-id")
 # Headers the ext_proc sets on an admitted request: the pool to route to, and the ticket its report is matched by.
-SETS = ("x-extproc-cluster", "x-extproc-ticket")
-
-# What the ext_proc adds to a queued request's wait when it extends Envoy's message timeout (ExtProcServicer).
-QUEUE_GRACE_S = 0.5
+SETS = (CLUSTER_HEADER, TICKET_HEADER)
 
 
 def lint(cfg: dict[str, Any], pools: set[str], admitted: int = 0, longest_wait_s: float = 0.0,
@@ -168,14 +169,14 @@ def _lint_waits(where: str, hcm: dict[str, Any], longest_wait_s: float, found: F
         return
     tc = _ext_proc_config(hcm)
     need = longest_wait_s + QUEUE_GRACE_S
-    most = _seconds(tc.get("max_message_timeout", "0s"))
+    most = seconds(tc.get("max_message_timeout", "0s"))
     if most is not None and most < need:
         then = ("forwarded unadmitted (failure_mode_allow: true)" if tc.get("failure_mode_allow")
                 else "answered 504 (failure_mode_allow: false)")
         found.errors.append(f"{where}: ext_proc max_message_timeout {most:g}s is below the longest queue wait, "
                             f"{longest_wait_s:g}s + {QUEUE_GRACE_S:g}s: Envoy ignores the ext_proc's extension, and "
                             f"a request queued past message_timeout is {then}")
-    cut = _seconds(hcm.get("request_timeout", "0s"))
+    cut = seconds(hcm.get("request_timeout", "0s"))
     if cut and cut < need:
         found.warnings.append(f"{where}: request_timeout {cut:g}s is below the longest queue wait, "
                               f"{longest_wait_s:g}s + {QUEUE_GRACE_S:g}s: queued requests get Envoy's 408 first")
@@ -231,14 +232,6 @@ def _matches_regex(regex: str | None, value: str) -> bool:
         return regex is not None and re.fullmatch(regex, value) is not None
     except re.error:
         return False
-
-
-def _seconds(duration: Any) -> float | None:
-    """A protobuf Duration as Envoy's YAML writes it ("30s", "0.5s"); None if not in that form."""
-    try:
-        return float(str(duration).removesuffix("s"))
-    except ValueError:
-        return None
 
 
 def _lint_early_mutation(where: str, hcm: dict[str, Any], found: Findings) -> None:
