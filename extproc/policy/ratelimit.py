@@ -27,6 +27,12 @@ class TokenBucket:
             self._at = now
         return self.level
 
+    def carry(self, old: TokenBucket | None, now: float) -> None:
+        """A reload replaced `old` by this bucket: start from what was left of it, within this one's capacity and
+        debt floor (an edit neither hands out a fresh burst nor forgives a debt)."""
+        if old is not None:
+            self.level = max(-self.capacity, min(self.capacity, old.refill(now)))
+
     def wait_s(self, n: float, now: float) -> float:
         """Seconds until `n` units are available (0 when they are now; inf when n exceeds the capacity)."""
         level = self.refill(now)
@@ -66,9 +72,8 @@ class TenantLimits:
         capacity and debt floor), so an edit does not hand the tenant a fresh burst, nor forgive its debt."""
         if old is not None:
             for new_bucket, old_bucket in ((self.requests, old.requests), (self.tokens, old.tokens)):
-                if new_bucket is not None and old_bucket is not None:
-                    level = old_bucket.refill(now)
-                    new_bucket.level = max(-new_bucket.capacity, min(new_bucket.capacity, level))
+                if new_bucket is not None:
+                    new_bucket.carry(old_bucket, now)
         return self
 
     def check(self, tokens: int, now: float) -> tuple[str | None, float]:
@@ -147,10 +152,9 @@ class SessionBudgets:
             return self
         rate = self.spec.gpu_seconds_per_minute
         for key, s in old.sessions.items():
-            level = s.bucket.refill(now) if s.bucket is not None else None
-            s.bucket = TokenBucket(rate / 60.0, rate, now) if rate else None
-            if s.bucket is not None and level is not None:
-                s.bucket.level = max(-s.bucket.capacity, min(s.bucket.capacity, level))
+            bucket, s.bucket = s.bucket, TokenBucket(rate / 60.0, rate, now) if rate else None
+            if s.bucket is not None:
+                s.bucket.carry(bucket, now)
             self.sessions[key] = s
         return self
 
