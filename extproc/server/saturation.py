@@ -125,11 +125,15 @@ def parse_vllm_metrics(body: bytes | str) -> dict[str, float]:
     return out
 
 
+def queued(m: dict[str, float]) -> float:
+    """The requests waiting in a replica's scheduler, less those deferred for the LoRA budget."""
+    return m["waiting"] - min(m.get("deferred", 0.0), m["waiting"])
+
+
 def held_waiting(m: dict[str, float]) -> float:
-    """The requests waiting in a replica for room: its waiting ones less those deferred for the LoRA budget, none
-    when they are only passing through (m["passing"], PoolScraper.record)."""
-    waiting = m["waiting"] - min(m.get("deferred", 0.0), m["waiting"])
-    return 0.0 if m.get("passing") else waiting
+    """The requests waiting in a replica for room: queued(), none when they are only passing through (m["passing"],
+    PoolScraper.record)."""
+    return 0.0 if m.get("passing") else queued(m)
 
 
 def passing_through(prev: dict[str, float], m: dict[str, float], elapsed_s: float) -> bool:
@@ -145,8 +149,7 @@ def passing_through(prev: dict[str, float], m: dict[str, float], elapsed_s: floa
         step_s = elapsed_s / steps if steps > 0 else math.nan
     if not (elapsed_s > 0 and finished > 0 and step_s > 0):  # NaN: a counter missing; fewer: a restart
         return False
-    waiting = m["waiting"] - min(m.get("deferred", 0.0), m["waiting"])
-    return waiting * elapsed_s / finished <= PASSING_STEPS * step_s
+    return queued(m) * elapsed_s / finished <= PASSING_STEPS * step_s
 
 
 async def read_capped(resp: aiohttp.ClientResponse, limit: int = MAX_METRICS_BYTES) -> bytes:
@@ -377,7 +380,7 @@ class PoolScraper:
                 working.append((r, m["running"] + m["waiting"]))
             paced.append(r)
             sat.kv_usage = max(sat.kv_usage, m["kv"])
-            sat.waiting = max(sat.waiting, m["waiting"] - min(m.get("deferred", 0.0), m["waiting"]))
+            sat.waiting = max(sat.waiting, queued(m))
             held = max(held, held_waiting(m))
             sat.running += m["running"]
             sat.preempting = sat.preempting or bool(m["preempting"])
