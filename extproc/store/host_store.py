@@ -32,8 +32,13 @@ _TABLE = "slots.bin"
 _LOCK = "slots.lock"
 
 
+def _row_size(workers: int) -> int:
+    """A class's row: its name, then one cell per worker."""
+    return _NAME + workers * _CELL.size
+
+
 def table_size(workers: int) -> int:
-    return MAX_CLASSES * (_NAME + workers * _CELL.size)
+    return MAX_CLASSES * _row_size(workers)
 
 
 def create(directory: Path, workers: int) -> None:
@@ -62,6 +67,7 @@ class HostStore:
 
     def __init__(self, directory: Path, worker: int, workers: int):
         self.directory, self.worker, self.workers = Path(directory), worker, workers
+        self._stride = _row_size(workers)
         self._file = open(self.directory / _TABLE, "r+b")  # noqa: SIM115 - held for the store's life
         self._map = mmap.mmap(self._file.fileno(), table_size(workers))
         self._lock_fd = os.open(self.directory / _LOCK, os.O_RDWR)
@@ -110,16 +116,15 @@ class HostStore:
         return row
 
     def _name_at(self, row: int) -> bytes:
-        start = row * (_NAME + self.workers * _CELL.size)
+        start = row * self._stride
         return self._map[start: start + _NAME].rstrip(b"\0")
 
     def _claim(self, row: int, name: bytes) -> None:
         """Write the name and clear the cells (an idle row's waiting flags were another class's)."""
-        stride = _NAME + self.workers * _CELL.size
-        self._map[row * stride: (row + 1) * stride] = name.ljust(stride, b"\0")
+        self._map[row * self._stride: (row + 1) * self._stride] = name.ljust(self._stride, b"\0")
 
     def _offset(self, row: int, worker: int) -> int:
-        return row * (_NAME + self.workers * _CELL.size) + _NAME + worker * _CELL.size
+        return row * self._stride + _NAME + worker * _CELL.size
 
     def _cells(self, row: int) -> list[tuple[int, float, int]]:
         return [_CELL.unpack_from(self._map, self._offset(row, w)) for w in range(self.workers)]
