@@ -323,11 +323,13 @@ class Telemetry:
         """End the series of tenants the policy no longer has: tenants come and go by reloads over a process's
         life, and each one ever configured kept its series. (A request of a removed tenant still queued may bring
         one back; the next reload ends it again.)"""
-        for children, at in ((self.demotions, None), (self.unknown_class, None), (self.ratelimit, 0),
-                             (self.session_rejections, 0), (self.tenant_wait, 1)):
-            for key in [k for k in children if (k if at is None else k[at]) not in tenants]:
-                children.metric.remove(*(key if at is not None else (key,)))
-                del children[key]
+        for children, at in ((self.demotions, 0), (self.unknown_class, 0), (self.ratelimit, 0),
+                             (self.session_rejections, 0), (self.tenant_wait, 1)):  # the tenant label's place
+            for key in list(children):
+                labels = key if isinstance(key, tuple) else (key,)  # one label's children are keyed by its value
+                if labels[at] not in tenants:
+                    children.metric.remove(*labels)
+                    del children[key]
 
     def _alerted_at_zero(self, core: AdmissionController) -> None:
         """Create at 0 the series an alert takes increase() of: one that first appears at 1 gives increase() 0, so
