@@ -158,3 +158,23 @@ def test_requests_held_back_by_the_lora_budget_are_waiting_for_reason_deferred()
     text = ReplicaMetrics(BASE).render(engine)
     assert 'vllm:num_requests_waiting{engine="0",model_name="llama-70b"} 2.0' in text
     assert 'reason="deferred"} 2.0' in text and 'reason="capacity"} 0.0' in text
+
+
+def test_requests_passed_over_stay_deferred_when_the_running_adapter_is_aborted_between_steps():
+    """vLLM keeps a request the LoRA budget passed over in its skipped-waiting queue until a schedule takes it: an
+    abort between two steps does not turn the others into requests waiting for capacity (read as saturation)."""
+    from extproc.tools.sim.engine import Engine
+    from extproc.tools.sim.metrics import ReplicaMetrics
+    from extproc.tools.sim.profile import load_profile
+
+    engine = Engine(load_profile("h100-llama70b-awq"), max_loras=1)
+    first = engine.add_request(16, 400, 0.0, lora=1)
+    for lora in (2, 3):
+        engine.add_request(16, 400, 0.0, lora=lora)
+    engine.begin_iteration(0.0)
+    engine.abort(first, 0.01)
+    assert (len(engine.running), engine.deferred) == (0, 2)
+    assert 'reason="deferred"} 2.0' in ReplicaMetrics(BASE).render(engine)
+    engine.end_iteration(0.02)
+    engine.begin_iteration(0.02)  # the next step takes one of them: the other is still passed over
+    assert (len(engine.running), engine.deferred) == (1, 1)

@@ -67,3 +67,44 @@ def test_counter_families_keep_vllm_names_without_the_total_suffix():
     # vLLM 0.32 exposes all five finished_reason values from start-up (tests/fixtures/vllm/metrics.json).
     assert {s.labels["finished_reason"] for s in families["vllm:request_success"].samples} == {
         "stop", "length", "abort", "error", "repetition"}
+
+
+class _Conn:
+    """A connection that keeps what is written to it."""
+
+    def __init__(self):
+        self.transport, self.out = object(), b""
+
+    def write(self, data: bytes) -> None:
+        self.out += data
+
+    def response_finished(self, keep_alive: bool) -> None:
+        pass
+
+
+async def test_a_request_an_idle_engine_takes_at_once_is_never_scraped_as_waiting():
+    """vLLM publishes its gauges after each step, and a step takes in what arrived before it; the simulator's step
+    waits for the event loop, so a scrape right behind an arrival is answered after that step, not before."""
+    import asyncio
+
+    from extproc.tools.sim.http11 import HttpRequest, ResponseWriter
+    from extproc.tools.sim.profile import load_profile
+    from extproc.tools.sim.replica import Replica
+
+    replica = Replica(load_profile("h100-llama8b"), speed=1)
+    replica.start()
+    await asyncio.sleep(0)  # the engine loop parks, idle
+    model = replica.profile.model_names[0]
+    body = b'{"model": "%s", "prompt": "hi", "max_tokens": 50}' % model.encode()
+    replica.handle(HttpRequest("POST", "/v1/completions", "", {}, body), ResponseWriter(_Conn(), True))
+    scrape = _Conn()
+    replica.handle(HttpRequest("GET", "/metrics", "", {}, b""), ResponseWriter(scrape, True))
+    assert scrape.out == b""  # held for the step the woken loop is about to take
+    await asyncio.sleep(0.01)
+    text = scrape.out.decode()
+    assert f'vllm:num_requests_waiting{{engine="0",model_name="{model}"}} 0.0' in text
+    assert f'vllm:num_requests_running{{engine="0",model_name="{model}"}} 1.0' in text
+    busy = _Conn()
+    replica.handle(HttpRequest("GET", "/metrics", "", {}, b""), ResponseWriter(busy, True))
+    assert busy.out.startswith(b"HTTP/1.1 200")  # a busy engine's scrape is answered at once
+    await replica.stop()

@@ -117,6 +117,9 @@ class Engine:
         # vLLM's --max-loras with --enable-lora (None: LoRA off): adapters in one batch at most; a waiting request
         # for another adapter is passed over (it stays waiting, and counts as waiting) until one's requests end.
         self.max_loras = max_loras
+        # Those the last schedule passed over for the LoRA budget (vLLM's skipped_waiting queue): they stay deferred
+        # until a schedule takes them, even while the adapter that held them back has just ended or been aborted.
+        self._skipped: set[Sequence] = set()
         self.rng = random.Random(seed)
         self.priority = profile.scheduling_policy == PRIORITY
         self.waiting: deque[Sequence] | PriorityWaiting = PriorityWaiting() if self.priority else deque()
@@ -159,14 +162,15 @@ class Engine:
 
     @property
     def deferred(self) -> int:
-        """Waiting requests held back by the LoRA budget alone (vLLM 0.32's waiting reason `deferred`): for an
-        adapter other than the --max-loras ones running now."""
+        """Waiting requests held back by the LoRA budget alone (vLLM 0.32's waiting reason `deferred`): passed over
+        by the last schedule (vLLM's skipped_waiting, which keeps them until a schedule takes them: between steps an
+        aborted adapter's requests do not turn the others into waiting for capacity), or for an adapter other than
+        the --max-loras ones running now (one that arrived since)."""
         if self.max_loras is None:
             return 0
         running = {s.lora for s in self.running if s.lora}
-        if len(running) < self.max_loras:
-            return 0
-        return sum(1 for s in self.waiting if s.lora and s.lora not in running)
+        full = len(running) >= self.max_loras
+        return sum(1 for s in self.waiting if s.lora and (s in self._skipped or (full and s.lora not in running)))
 
     @property
     def kv_usage(self) -> float:
@@ -276,6 +280,7 @@ class Engine:
                 loras.add(seq.lora)
         for seq in reversed(passed_over):  # back at the head, in their order
             self.waiting.appendleft(seq)
+        self._skipped = set(passed_over)
         return batch
 
     def _victim(self) -> Sequence:

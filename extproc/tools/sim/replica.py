@@ -83,6 +83,11 @@ class Replica:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._sim_t = 0.0  # the engine's own time: end of the last iteration
+        # vLLM publishes its gauges after each engine step, and a step takes in what arrived before it: a request an
+        # idle engine can run at once is never seen waiting. Here the step waits for the engine loop's next turn, so
+        # a scrape that comes while the parked loop has been woken is answered after that step (_answer_scrapes).
+        self._parked = False
+        self._scrapes: list[ResponseWriter] = []
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -97,6 +102,7 @@ class Replica:
                 await self._task
             except asyncio.CancelledError:
                 pass
+            self._answer_scrapes()
 
     # -- engine loop ----------------------------------------------------------------------------------------
     async def _run(self) -> None:
@@ -104,15 +110,14 @@ class Replica:
         clock, engine = self._clock, self.engine
         while True:
             if self.faults.hang or not engine.has_work:
-                self._wake.clear()
-                await self._wake.wait()
+                await self._park()
                 # Idle (or hung) time passes in simulated time too; while busy, iterations follow each other exactly.
                 self._sim_t = max(self._sim_t, clock.now())
                 continue
             duration = engine.begin_iteration(self._sim_t)
+            self._answer_scrapes()
             if duration is None:  # nothing schedulable right now; wait for an arrival or abort
-                self._wake.clear()
-                await self._wake.wait()
+                await self._park()
                 continue
             self._sim_t += duration
             self.metrics.iteration_tokens.observe(engine.step_tokens)
@@ -128,6 +133,24 @@ class Replica:
                 if delay < -MAX_LAG_REAL_S:
                     self._sim_t = clock.now()
             self._deliver(engine.end_iteration(self._sim_t))
+
+    async def _park(self) -> None:
+        """Wait for an arrival, an abort or a fault change."""
+        self._answer_scrapes()
+        self._wake.clear()
+        self._parked = True
+        try:
+            await self._wake.wait()
+        finally:
+            self._parked = False
+
+    def _answer_scrapes(self) -> None:
+        scrapes, self._scrapes = self._scrapes, []
+        for writer in scrapes:
+            self._send_metrics(writer)
+
+    def _send_metrics(self, writer: ResponseWriter) -> None:
+        writer.send(200, self.metrics.render(self.engine).encode(), "text/plain; version=0.0.4; charset=utf-8")
 
     def _deliver(self, emissions: list[Emission]) -> None:
         self.metrics.observe_emissions(emissions)
@@ -162,7 +185,10 @@ class Replica:
         elif path in ("/health", "/ping"):  # vLLM answers /ping (SageMaker's health path) as /health
             writer.send(503 if self.faults.draining else 200, b"")
         elif path == "/metrics":
-            writer.send(200, self.metrics.render(self.engine).encode(), "text/plain; version=0.0.4; charset=utf-8")
+            if self._parked and self._wake.is_set():
+                self._scrapes.append(writer)  # answered after the step the loop is about to take
+            else:
+                self._send_metrics(writer)
         elif path == "/v1/models":
             cards = [(a.name, a.path, self.loras.parent(a)) for a in self.loras.adapters.values()]
             writer.send(200, models_body(self.profile.model_names, self.profile.max_model_len, adapters=cards))
