@@ -1,9 +1,9 @@
 """The admission decision (accept / queue / reject / shed / degrade) and the ticket closed exactly once.
 
 One request, in order (decide): identify and classify -> route to its model's pool -> estimate its cost ->
-budgets (tenant rate limits, session budgets, the class's GPU-seconds) -> shedding (a higher class saturated) ->
-the class's breakers on that pool -> its limit (a slot now, a place in the bounded queue, or overflow) ->
-the class's fallback. Shadow mode (shadow.py) wraps the result. Every admitted ticket is released once (_release),
+budgets (charging.py: tenant rate limits, session budgets, the class's GPU-seconds) -> shedding (a higher class
+saturated) -> the class's breakers on that pool -> its limit (a slot now, a place in the bounded queue, or
+overflow) -> the class's fallback. Shadow mode (shadow.py) wraps the result. Every admitted ticket is released once (_release),
 however it ends, and its completion feeds the outcome listeners (outcomes.py).
 """
 
@@ -15,18 +15,19 @@ from collections import OrderedDict
 from typing import Callable
 
 from .adaptive import PoolSaturation
-from .breakers import CLOSED, Breaker, LatencyBreaker
+from .breakers import Breaker
+from .charging import Charging
 from .classify import ANONYMOUS, Classification
 from .decision import (ACCEPT, DEGRADE, INVALID, QUEUE, REJECT, SHED, Admit, AdmissionEvents,  # noqa: F401
                        Canned, Charge, Decision, Degrade, NoEvents, Queued, Refusal, RequestFacts)
+from .limit_moves import LimitMoves
 from .limits import ClassLimiter, Completion, LimitFactory, Outcome, Ticket, Waiter, default_limit
 from .outcomes import Completed, CostLearning, PoolLearning
 from .pool import UNGRANTED
 from .reasons import (R_CLASS_FULL, R_CLASS_REMOVED, R_CLIENT_GONE, R_DEADLINE, R_DEGRADED_FULL,  # noqa: F401
                       R_DEQUEUED, R_ENDED_WHILE_QUEUED, R_ERROR_BREAKER, R_HIGHER_SATURATED, R_INVALID_KEY,
-                      R_LATENCY_BREAKER, R_MAX_TOKENS, R_MISSING_KEY, R_QUEUE_FULL, R_QUEUE_TIMEOUT,
-                      R_SESSION_INFLIGHT, R_SESSION_RATE, R_SHADOW, R_SLOT_FREE, R_TENANT_REQUESTS, R_TENANT_TOKENS,
-                      R_TOO_LARGE, R_UNKNOWN_MODEL, REASONS, say)
+                      R_LATENCY_BREAKER, R_MAX_TOKENS, R_MISSING_KEY, R_QUEUE_FULL, R_QUEUE_TIMEOUT, R_SHADOW,
+                      R_SLOT_FREE, R_UNKNOWN_MODEL, REASONS, say)
 from .schema import Policy
 from .shadow import ShadowMode
 from .state import PolicyState
@@ -34,8 +35,6 @@ from .steering import ReplicaSteering
 
 # How long a released ticket waits for the data plane's completion report before it is accounted without one.
 REPORT_WAIT_S = 5.0
-# A pool's saturation reading not refreshed for this many `stale_ms` is ignored (AdmissionController.pool_reading).
-STALE_READINGS = 3
 # Most choices a `canned` answer is written with (one per sequence the client asked for); past it the fallback
 # rejects instead. Each costs the event loop ~1 µs and ~100 bytes: `n: 2147483647` on an overflowing class had it
 # build two billion of them (n 1,000,000 alone: 1.3 s of the loop and a 100 MB answer no gRPC write takes).
@@ -61,6 +60,8 @@ class AdmissionController:
         self._retired: list[ClassLimiter] = []
         self.shadow = ShadowMode(self)
         self.listeners = [CostLearning(self.state, self.events), PoolLearning(self.state)]
+        self.charging = Charging(self.state, self.events)
+        self.moves = LimitMoves(self.state, self.events, self.saturation)
         # True once a shared store confirms each admission (gate_on_store; see gated()): such admissions are
         # counted once, by confirm() or revoke(), instead of when decided.
         self.shared_slots = False
@@ -80,7 +81,7 @@ class AdmissionController:
         self.cost_models, self.tenant_limits, self.sessions = st.cost_models, st.tenant_limits, st.sessions
         self.clusters, self.model_names, self.served_names = st.clusters, st.model_names, st.served_names
         self.gates = st.gates  # Envoy cluster -> its pool-wide limit (empty: per-class caps only)
-        self._yield_asked: set[str] = set()  # ungated pools whose lower classes yield at the next tick
+        self.moves.yield_asked.clear()
         self._sessions_on = st.sessions.enabled
         self.shadow.configure(policy)
         self._lease_s = policy.lease_ms / 1000.0
@@ -238,7 +239,7 @@ class AdmissionController:
     def _enforce(self, c: Classification, lim: ClassLimiter, cluster: str, now: float, charge: Charge,
                  deadline_ms: float | None = None) -> Decision:
         """The stages after the estimate, in order; the first that answers decides."""
-        refused = self._budgets(c, lim, cluster, now, charge)
+        refused = self.charging.refusal(c, lim, cluster, now, charge)
         if refused is not None:
             return refused
         protector = self.state.saturated_protector(c.cls)
@@ -278,9 +279,9 @@ class AdmissionController:
         """Per-class limits: while a lower class holds more than its floor on the pool, it yields (its cap is cut
         once to under what it holds) and the breaker is reset instead of degrading: it trips again only if the
         latency stays over the SLO after they have."""
-        if not self._lower_excess(lim, (cluster,)):
+        if not self.moves.lower_excess(lim, (cluster,)):
             return False
-        self._yield_asked.add(cluster)
+        self.moves.yield_asked.add(cluster)
         breaker.reset(now)
         self.events.pool_yielded(cluster, lim.name)
         return True
@@ -343,7 +344,7 @@ class AdmissionController:
                 waiter.gate, waiter.units = gate, units
                 gate.waiting[lim.rank] += 1
             lim.queue.append(waiter)
-            self._prepay(charge, now)
+            self.charging.prepay(charge, now)
             self.events.queued(waiter)
             return Queued(R_CLASS_FULL, c.cls, c.tenant, waiter, cluster=cluster, classification=c)
         held = self._pool_hold(lim, gate, units, cost, now)  # its queue waits for the pool, not for its cap
@@ -383,39 +384,6 @@ class AdmissionController:
             return f"within its {slo:g} ms SLO (predicted wait {wait:.2f} s + service {service:.2f} s)"
         return ""
 
-    def _budgets(self, c: Classification, lim: ClassLimiter, cluster: str, now: float,
-                 charge: Charge) -> Decision | None:
-        """Per-tenant rate limits, session budgets and the class's GPU-seconds budget: who pays, not capacity."""
-        est = charge.estimate
-
-        def refuse(status: int, reason: str, wait_s: float, **fields) -> Decision:
-            # A bucket knows exactly when it will hold the request: say so, uncapped, or a client that obeys
-            # Retry-After is refused again. 0 for a request no wait can admit (413).
-            retry = max(1, math.ceil(wait_s)) if math.isfinite(wait_s) else 0
-            message = say(reason, **fields) + (f"; retry in {retry} s" if retry else "")
-            return Refusal(REJECT, reason, c.cls, c.tenant, status, message, retry, classification=c,
-                           cluster=cluster)
-
-        if charge.tenant is not None:
-            which, wait = charge.tenant.check(charge.tokens, now)
-            self.events.rate_limit_checked(c.tenant, which)
-            if which is not None:
-                reason = R_TENANT_REQUESTS if which == "requests" else R_TENANT_TOKENS
-                return refuse(429, reason, wait, tenant=c.tenant)
-        if charge.session is not None:
-            which, wait = self.sessions.check(charge.session, est.gpu_seconds, now)
-            if which is not None:
-                reason = R_SESSION_INFLIGHT if which == "session_inflight" else R_SESSION_RATE
-                self.events.session_refused(c.tenant, reason)
-                if which == "session_inflight":  # frees when one of its requests ends: unknown, so a guess
-                    wait = float(lim.retry_after_s(now, self._retry_ceiling))
-                return refuse(429, reason, wait)
-        budget = lim.spec.max_inflight_gpu_seconds
-        if budget is not None and est.gpu_seconds > budget:
-            return refuse(413, R_TOO_LARGE, math.inf, gpu_s=est.gpu_seconds, prompt_tokens=est.prompt_tokens,
-                          max_tokens=est.max_tokens, cls=c.cls, budget=budget)
-        return None
-
     def _fallback(self, lim: ClassLimiter, cls: str, tenant: str, cluster: str, reason: str, now: float,
                   overflow: bool, c: Classification | None = None, waited_s: float = 0.0,
                   charge: Charge | None = None, held: str = "", why: str = "") -> Decision:
@@ -453,7 +421,7 @@ class AdmissionController:
                 ceilings = [t for t in (fb.max_tokens, context) if t]
                 # In shadow the request runs as it asked on its own pool: charged as asked, too.
                 if charge is not None and ceilings and not (self.shadow.everything or lim.spec.shadow):
-                    self._clamp_charge(charge, min(ceilings))
+                    self.charging.clamp(charge, min(ceilings))
                 ticket = self._admit(deg, tenant, target, now, charge, waited_s, gate, units)
                 ticket.degraded = True
                 return Degrade(reason, cls, tenant, ticket, fb, why, cluster=target, classification=c,
@@ -472,24 +440,6 @@ class AdmissionController:
             return True
         est = charge.estimate
         return est.prompt_tokens / max(est.prompts, 1) < context
-
-    def _clamp_charge(self, charge: Charge, max_tokens: int) -> None:
-        """A degrade that clamps max_tokens: charge (tenant tokens, GPU-seconds) the output the request can still
-        get, not what it asked for. An unsampled stream's charge is never corrected from usage, so its tenant paid
-        for tokens the gateway itself cut. What a queued request prepaid for the difference is given back."""
-        est = charge.estimate
-        model = self.cost_models.get(charge.model)  # None: a reload removed (or renamed) it while it was queued
-        if model is None or not est.max_tokens or est.max_tokens <= max_tokens * est.sequences:
-            return
-        clamped = model.estimate(est.prompt_tokens, max_tokens, est.sequences, prompts=est.prompts,
-                                 min_output=est.min_output)
-        tokens = charge.tokens_for(clamped)
-        if charge.prepaid:
-            if charge.tenant is not None:
-                charge.tenant.correct(charge.tokens, min(tokens, charge.tokens))
-            if charge.session is not None:
-                self.sessions.refund_rate(charge.session, max(est.gpu_seconds - clamped.gpu_seconds, 0.0))
-        charge.estimate, charge.tokens = clamped, min(tokens, charge.tokens)
 
     @staticmethod
     def _degraded_units(gate, charge: Charge | None, fb) -> float:
@@ -674,7 +624,7 @@ class AdmissionController:
         w.result = d
         d.charge = w.charge
         if d.ticket is None:
-            self._refund(w.charge)
+            self.charging.refund(w.charge)
         d.classification = w.classification
         if self.shadow.resolved(w, d):
             return
@@ -696,35 +646,12 @@ class AdmissionController:
         if gate is not None:
             self.hold_pool(ticket, gate, units)
         if charge is not None:
-            if charge.tenant is not None and not charge.prepaid:
-                charge.tokens = charge.tenant.charge(charge.tokens, now)
-            if charge.session is not None:
-                self.sessions.charge(charge.session, cost, now, rate=not charge.prepaid)
+            self.charging.admitted(charge, cost, now)
         self.tickets[ticket.id] = ticket
         if lim.saturated:
             for shed in self.state.sheds.get(lim.name, ()):
                 self._shed_queue(shed, lim, now)
         return ticket
-
-    def _prepay(self, charge: Charge, now: float) -> None:
-        """A queued request takes its share of the tenant's and the session's per-minute budgets now: checked
-        only on arrival and charged only on admission, a burst queued ahead of its tenant's limit and was
-        served in full."""
-        if charge.tenant is not None:
-            charge.tokens = charge.tenant.charge(charge.tokens, now)
-        if charge.session is not None:
-            self.sessions.charge_rate(charge.session, charge.estimate.gpu_seconds, now)
-        charge.prepaid = True
-
-    def _refund(self, charge: Charge | None) -> None:
-        """A queued request that was never admitted gives back what it prepaid."""
-        if charge is None or not charge.prepaid:
-            return
-        charge.prepaid = False
-        if charge.tenant is not None:
-            charge.tenant.refund(charge.tokens)
-        if charge.session is not None:
-            self.sessions.refund_rate(charge.session, charge.estimate.gpu_seconds)
 
     def _release(self, ticket: Ticket, now: float, ran: bool) -> None:
         """Close the ticket and give back what it holds (slot, session budget). A request that never ran (its
@@ -747,10 +674,8 @@ class AdmissionController:
                 ticket.gate.give_back(ticket.rank, ticket.units, ticket.flow)
                 if ticket.rest and ran:  # one that never ran (revoked) held nothing of the replicas: nothing owed
                     ticket.gate.rest(ticket.rank, now + (now - ticket.admitted_at) * ticket.rest, now)
-            if charge is not None and charge.session is not None:
-                self.sessions.release(charge.session, ticket.cost)
-            if not ran and charge is not None and charge.tenant is not None:
-                charge.tenant.correct(charge.tokens, 0)
+            if charge is not None:
+                self.charging.released(charge, ticket.cost, ran)
         if lim in self._retired and lim.inflight == 0:
             self._retired.remove(lim)
 
@@ -821,80 +746,13 @@ class AdmissionController:
     # --- time passing ---
 
     def tick(self) -> None:
-        """Move the classes' limits (called a few times a second by the adapter; each algorithm keeps its own
-        interval)."""
-        now = self.clock()
-        struggling: set[str] = set()  # pools where a class above the one being moved misses its latency SLO
-        for lim in self.state.ranked:
-            yielding = bool(struggling) and not lim.pools.isdisjoint(struggling)
-            controller = lim.controller
-            excess = self._lower_excess(lim, lim.pools)
-            new = controller.update(now, lim.inflight, self._class_saturation(lim), yielding, excess)
-            # Its latest move found it slow (it asked, or cut itself): until its next move, the classes below that
-            # are over their floors are asked to yield, each at its own next move (_yield_due).
-            if excess and getattr(controller, "last_action", None) in ("ask_yield", "cut_latency"):
-                self._yield_asked.update(self._ungated(lim.pools))
-            struggling |= self._struggling_pools(lim, now)
-            if new != lim.limit:
-                raised = new > lim.limit
-                lim.limit = lim.queue.capacity = new
-                if raised:
-                    self._grant(lim, now)
-        self._yield_asked.clear()
-        raised = False
-        for gate in self.gates.values():
-            before = gate.limit
-            raised = gate.update(now, self.pool_reading(gate.name, now)) or raised
-            if gate.limit != before:
-                self.events.pool_limit_moved(gate.name, gate.controller.last_action, before, gate.limit,
-                                             gate.inflight - gate.stuck)
-        if raised:
-            self._grant(self.state.ranked[0], now)
-
-    def _ungated(self, pools) -> list[str]:
-        return [p for p in pools if not self.gates or p not in self.gates]
-
-    def _lower_excess(self, lim: ClassLimiter, pools) -> float:
-        """What the classes below `lim` hold over their floors, on those of these pools without a pool-wide
-        limit (a lower class above its floor can still yield)."""
-        pools = self._ungated(pools)
-        if not pools:
-            return 0.0
-        return sum(max(0.0, low.inflight - low.controller.floor) for low in self.state.ranked[lim.rank + 1:]
-                   if not low.pools.isdisjoint(pools))
-
-    def _struggling_pools(self, lim: ClassLimiter, now: float) -> set[str]:
-        """The ungated pools where this class misses its latency SLO (it asks the lower classes to yield there, or
-        its latency breaker is not closed): the per-class limits below it yield on those pools first, each at its
-        next move (issue 19's order, for policies without a pool-wide limit; a pool limit orders its classes
-        itself). Yielding at every move for a whole window starved batch at 60% load (24 refusals)."""
-        out = set()
-        for pool in self._ungated(lim.pools):
-            if pool in self._yield_asked or any(
-                    isinstance(b, LatencyBreaker) and b.state != CLOSED
-                    for b in self.state.breakers.get((lim.name, pool), ())):
-                out.add(pool)
-        return out
+        """Move the classes' limits and the pools' (called a few times a second by the adapter; each algorithm
+        keeps its own interval)."""
+        self.moves.tick(self.clock(), self._grant)
 
     def pool_reading(self, pool: str, now: float) -> PoolSaturation | None:
-        """The pool's last saturation reading; None (unknown: the limits go by latency alone) when the scraper has
-        not refreshed it for STALE_READINGS times the pool's `stale_ms`. A replica that does not answer counts as
-        saturated (the scraper's rule); a reading nobody refreshes means the scraper itself is stuck or gone,
-        which says nothing about the replicas, and must not hold a limit on what they said minutes ago."""
-        sat = self.saturation.get(pool)
-        spec = self.policy.pools.get(pool)
-        if sat is not None and spec is not None and now - sat.updated_at > STALE_READINGS * spec.stale_ms / 1000.0:
-            return None
-        return sat
-
-    def _class_saturation(self, lim: ClassLimiter) -> PoolSaturation | None:
-        """The worst of the pools the class sends to: saturated if any of them is."""
-        worst, now = None, self.clock()
-        for pool in lim.pools:
-            sat = self.pool_reading(pool, now)
-            if sat is not None and (worst is None or sat.saturated):
-                worst = sat
-        return worst
+        """The pool's last saturation reading, None once nobody refreshes it (LimitMoves.pool_reading)."""
+        return self.moves.pool_reading(pool, now)
 
     def renew(self, ticket: Ticket) -> None:
         ticket.lease_until = self.clock() + self._lease_s

@@ -29,7 +29,8 @@ import time
 import aiohttp
 
 from ..policy.adaptive import PoolSaturation
-from ..policy.admission import STALE_READINGS, AdmissionController
+from ..policy.admission import AdmissionController
+from ..policy.limit_moves import STALE_READINGS
 from ..policy.replica_speed import TokenPace, judge_slow
 from ..policy.schema import PoolSpec
 
@@ -597,7 +598,7 @@ class SaturationScrapers:
     def _ended(self, name: str, task: asyncio.Task) -> None:
         """A scraper ended without being stopped (PoolScraper.run does not return): its last reading must not be
         trusted on, so the pool reads as saturated; once that reading is STALE_READINGS x `stale_ms` old nobody has
-        refreshed it, and the pool's limits go by latency alone (AdmissionController.pool_reading) until a reload
+        refreshed it, and the pool's limits go by latency alone (LimitMoves.pool_reading) until a reload
         restarts the scraper."""
         if task.cancelled():
             return
