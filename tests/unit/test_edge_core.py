@@ -151,25 +151,27 @@ def test_the_checks_and_the_estimate_of_a_body_cost_less_than_its_parse():
     requests past Envoy's message_timeout. Now both go by brackets and list lengths."""
     raw = b'{"model": "m", "input": [' + b",".join([b"[" + b"1," * 100 + b"1]"] * 19_990) + b"]}"
 
-    def best(fn):  # the quickest of five, without the collector (2M objects: a gen-2 pass landed in one timing)
-        runs = []
-        gc.disable()
-        try:
-            for _ in range(5):
-                t = time.perf_counter()
-                fn()
-                runs.append(time.perf_counter() - t)
-        finally:
-            gc.enable()
-        return min(runs)
+    def took(fn) -> float:
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
 
-    parse = best(lambda: orjson.loads(raw))
     body = parse_body(raw, POOLING, "priority", {"a"})
-    checked = best(lambda: parse_body(raw, POOLING, "priority", {"a"}))
-    estimated = best(lambda: text_size(body.doc))
     assert text_size(body.doc) == (1, 19_990 * 101)
+    # Each round times the parse and the checks side by side, and the best round's ratio counts: on a loaded
+    # machine (CPU quota throttling, other processes) a whole series of one kind can land in a slow stretch (seen:
+    # the checks 35x the parse). Without the collector: 2M objects, and a gen-2 pass landed in one timing.
+    ratios = []
+    gc.disable()
+    try:
+        for _ in range(7):
+            parse = took(lambda: orjson.loads(raw))
+            checked = took(lambda: parse_body(raw, POOLING, "priority", {"a"})) + took(lambda: text_size(body.doc))
+            ratios.append(checked / parse)
+    finally:
+        gc.enable()
     # Before, 3.9x the parse; now ~1.1x, up to 2.3x seen on a loaded machine: the bound sits between.
-    assert checked + estimated < 3 * parse, (checked, estimated, parse)
+    assert min(ratios) < 3, ratios
 
 
 def test_brackets_inside_strings_do_not_count_as_depth():
