@@ -24,7 +24,7 @@ from extproc.policy.admission import AdmissionController, RequestFacts  # noqa: 
 from extproc.policy.limits import Outcome  # noqa: E402
 from extproc.policy.schema import load_policy  # noqa: E402
 from extproc.store import open_store  # noqa: E402
-from extproc.store.local_redis import RedisServer  # noqa: E402
+from extproc.tools.local_redis import RedisServer  # noqa: E402
 from extproc.store.shared_slots import SharedSlots  # noqa: E402
 
 

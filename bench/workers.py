@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from overhead import WRK_LUA, _children, cpu_seconds, upstream_config, wrk  # noqa: E402
 
-from extproc.store.local_redis import RedisServer  # noqa: E402
+from extproc.tools.local_redis import RedisServer  # noqa: E402
 from extproc.tools import envoyconf  # noqa: E402
 from extproc.tools.stack import free_port, free_ports, wait_http  # noqa: E402
 

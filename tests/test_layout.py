@@ -10,9 +10,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "extproc"
 RUNTIME = ("extproc.policy", "extproc.server", "extproc.store", "extproc.telemetry")
-# A throwaway redis-server for tests and benchmarks, not a store adapter: it belongs under tools/ and borrows
-# tools.stack.free_port until it moves there.
-RUNTIME_EXCEPTIONS = {"extproc.store.local_redis"}
 
 
 def module_name(path: Path) -> str:
@@ -52,8 +49,7 @@ def test_the_walk_finds_the_packages():
 
 @pytest.mark.parametrize("module,deps", modules(*RUNTIME), ids=lambda v: v if isinstance(v, str) else "")
 def test_the_runtime_does_not_import_the_tools(module, deps):
-    if module not in RUNTIME_EXCEPTIONS:
-        assert not {d for d in deps if under(d, ["extproc.tools"])}
+    assert not {d for d in deps if under(d, ["extproc.tools"])}
 
 
 @pytest.mark.parametrize("module,deps", modules("extproc.policy"), ids=lambda v: v if isinstance(v, str) else "")

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from extproc.store.local_redis import RedisServer
+from extproc.tools.local_redis import RedisServer
 from tests.conftest import run_upstream
 
 

@@ -7,7 +7,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from ..tools.stack import free_port
+from .stack import free_port
 
 
 class RedisServer:
