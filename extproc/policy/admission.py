@@ -3,8 +3,9 @@
 One request, in order (decide): identify and classify -> route to its model's pool -> estimate its cost ->
 budgets (charging.py: tenant rate limits, session budgets, the class's GPU-seconds) -> shedding (a higher class
 saturated) -> the class's breakers on that pool -> its limit (a slot now, a place in the bounded queue, or
-overflow) -> the class's fallback. Shadow mode (shadow.py) wraps the result. Every admitted ticket is released once (_release),
-however it ends, and its completion feeds the outcome listeners (outcomes.py).
+overflow) -> the class's fallback (fallback.py). Shadow mode (shadow.py) wraps the result. Every admitted ticket is
+released once (_release), however it ends, and its completion feeds the outcome listeners (outcomes.py). The
+limits move at tick() (limit_moves.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Callable
 from .adaptive import PoolSaturation
 from .breakers import Breaker
 from .charging import Charging
+from .fallback import Fallbacks, on_pool
 from .classify import ANONYMOUS, Classification
 from .decision import (ACCEPT, DEGRADE, INVALID, QUEUE, REJECT, SHED, Admit, AdmissionEvents,  # noqa: F401
                        Canned, Charge, Decision, Degrade, NoEvents, Queued, Refusal, RequestFacts)
@@ -24,8 +26,8 @@ from .limit_moves import LimitMoves
 from .limits import ClassLimiter, Completion, LimitFactory, Outcome, Ticket, Waiter, default_limit
 from .outcomes import Completed, CostLearning, PoolLearning
 from .pool import UNGRANTED
-from .reasons import (R_CLASS_FULL, R_CLASS_REMOVED, R_CLIENT_GONE, R_DEADLINE, R_DEGRADED_FULL,  # noqa: F401
-                      R_DEQUEUED, R_ENDED_WHILE_QUEUED, R_ERROR_BREAKER, R_HIGHER_SATURATED, R_INVALID_KEY,
+from .reasons import (R_CLASS_FULL, R_CLASS_REMOVED, R_CLIENT_GONE, R_DEADLINE, R_DEQUEUED,  # noqa: F401
+                      R_ENDED_WHILE_QUEUED, R_ERROR_BREAKER, R_HIGHER_SATURATED, R_INVALID_KEY,
                       R_LATENCY_BREAKER, R_MAX_TOKENS, R_MISSING_KEY, R_QUEUE_FULL, R_QUEUE_TIMEOUT, R_SHADOW,
                       R_SLOT_FREE, R_UNKNOWN_MODEL, REASONS, say)
 from .schema import Policy
@@ -61,6 +63,7 @@ class AdmissionController:
         self.shadow = ShadowMode(self)
         self.listeners = [CostLearning(self.state, self.events), PoolLearning(self.state)]
         self.charging = Charging(self.state, self.events)
+        self.fallbacks = Fallbacks(self)
         self.moves = LimitMoves(self.state, self.events, self.saturation)
         # True once a shared store confirms each admission (gate_on_store; see gated()): such admissions are
         # counted once, by confirm() or revoke(), instead of when decided.
@@ -254,7 +257,7 @@ class AdmissionController:
                 continue  # lower classes give way first; the request goes on to the limit
             if not allowed:
                 reason = R_LATENCY_BREAKER if b.kind == "latency" else R_ERROR_BREAKER
-                return self._fallback(lim, c.cls, c.tenant, cluster, reason, now, overflow=False, c=c,
+                return self.fallbacks.answer(lim, c.cls, c.tenant, cluster, reason, now, overflow=False, c=c,
                                       charge=charge)
             trickle = trickle or probe
         return self._limit(c, lim, cluster, now, charge, trickle, deadline_ms)
@@ -357,7 +360,7 @@ class AdmissionController:
         """The class cannot take the request now: its fallback if overflow goes there (saying `message` too),
         else 429."""
         if lim.spec.on_overflow == "fallback":
-            return self._fallback(lim, c.cls, c.tenant, cluster, reason, now, overflow=True, c=c, charge=charge,
+            return self.fallbacks.answer(lim, c.cls, c.tenant, cluster, reason, now, overflow=True, c=c, charge=charge,
                                   why=message)
         return Refusal(REJECT, reason, c.cls, c.tenant, 429, message, lim.retry_after_s(now, self._retry_ceiling),
                        classification=c, cluster=cluster)
@@ -383,72 +386,6 @@ class AdmissionController:
         if slo and model is not None and model.samples >= 20 and wait + service > slo / 1000.0:
             return f"within its {slo:g} ms SLO (predicted wait {wait:.2f} s + service {service:.2f} s)"
         return ""
-
-    def _fallback(self, lim: ClassLimiter, cls: str, tenant: str, cluster: str, reason: str, now: float,
-                  overflow: bool, c: Classification | None = None, waited_s: float = 0.0,
-                  charge: Charge | None = None, held: str = "", why: str = "") -> Decision:
-        """The class's fallback for a request its pool cannot take now (breaker open, or overflow; `held`: what
-        of the pool's limit held a waiter, see _pool_hold; `why`: the refusal's message, when already said)."""
-        fb = lim.spec.fallback
-        allowed = charge is None or fb.action in charge.fallbacks
-        why = why or say(reason, cls=cls, max_wait_ms=lim.spec.max_wait_ms, queued=len(lim.queue),
-                         where=_on_pool(cluster, held), detail=f"{lim.inflight} running, queue full")
-        if fb.action == "canned" and allowed:
-            retry = lim.retry_after_s(now, self._retry_ceiling) if fb.status in (429, 503) else 0
-            return Canned(reason, cls, tenant, fb, retry, classification=c, cluster=cluster, waited_s=waited_s)
-        if fb.action != "reject" and not allowed:
-            why += f" (its `{fb.action}` fallback cannot serve this request)"
-        target = self.clusters[fb.model] if fb.model else cluster
-        if fb.action == "degrade" and allowed and target == cluster and fb.max_tokens is None and fb.stream is None:
-            # A request for the fallback's own model (the small model's customers in a class that degrades to
-            # it): the "degrade" would send it unchanged to the pool that just had no room, counted as degraded.
-            allowed = False
-            why += " (its degrade fallback is the model it asked for)"
-        if fb.action == "degrade" and allowed and not self._fits_context(fb.model, charge):
-            # vLLM answers a prompt its context cannot hold with a 400: a retry later on the requested model is
-            # the answer that can still succeed.
-            allowed = False
-            why += f" (its prompt does not fit the degrade model {fb.model}'s context)"
-        if fb.action == "degrade" and allowed:
-            deg = self.degraded[cls]
-            # A degrade onto a pool with a limit (its own pool with fewer tokens, or another) weighs on that
-            # limit like any request of its class: it is a cheaper answer, not a way around the pool's limit.
-            gate = self.gates.get(target) if self.gates else None
-            units = self._degraded_units(gate, charge, fb) if gate is not None else 0.0
-            if deg.has_room() and (gate is None or self._pool_admits(gate, deg, units, now)):
-                # The degrade body caps max_tokens at the fallback model's context too (vLLM refuses more).
-                context = self.cost_models[fb.model].spec.max_context_tokens if fb.model else None
-                ceilings = [t for t in (fb.max_tokens, context) if t]
-                # In shadow the request runs as it asked on its own pool: charged as asked, too.
-                if charge is not None and ceilings and not (self.shadow.everything or lim.spec.shadow):
-                    self.charging.clamp(charge, min(ceilings))
-                ticket = self._admit(deg, tenant, target, now, charge, waited_s, gate, units)
-                ticket.degraded = True
-                return Degrade(reason, cls, tenant, ticket, fb, why, cluster=target, classification=c,
-                               waited_s=waited_s, context_tokens=context)
-            if deg.has_room():
-                why += f" (the degraded answer's pool {target} is at its limit too)"
-            reason, why = R_DEGRADED_FULL, say(R_DEGRADED_FULL, why=why)
-        return Refusal(REJECT, reason, cls, tenant, 429 if overflow else 503, why,
-                       lim.retry_after_s(now, self._retry_ceiling), classification=c, cluster=cluster,
-                       waited_s=waited_s)
-
-    def _fits_context(self, model: str | None, charge: Charge | None) -> bool:
-        """Whether the request's prompt (estimated, each prompt of a list on its own) fits `model`'s context."""
-        context = self.cost_models[model].spec.max_context_tokens if model else None
-        if not context or charge is None:
-            return True
-        est = charge.estimate
-        return est.prompt_tokens / max(est.prompts, 1) < context
-
-    @staticmethod
-    def _degraded_units(gate, charge: Charge | None, fb) -> float:
-        """What a degraded request weighs on its pool's limit: its output clamped to the fallback's max_tokens."""
-        if charge is None:
-            return gate.units(0, 0.0)
-        est = charge.estimate
-        expected = min(est.expected_output, fb.max_tokens) if fb.max_tokens else est.expected_output
-        return gate.units(est.prompt_tokens, expected)
 
     def invalid(self, status: int, reason: str, message: str, facts: RequestFacts | None = None) -> Decision:
         """A request refused before admission (bad body, bad headers): counted, never holding a slot."""
@@ -489,9 +426,9 @@ class AdmissionController:
         lim = w.limiter
         held = self._pool_hold(lim, w.gate, w.units, w.cost, now)
         if lim.spec.on_overflow == "fallback":
-            return self._fallback(lim, lim.name, w.tenant, w.pool, reason, now, overflow=True,
+            return self.fallbacks.answer(lim, lim.name, w.tenant, w.pool, reason, now, overflow=True,
                                   waited_s=now - w.enqueued_at, charge=w.charge, held=held)
-        return self._reject(w, 429, reason, say(reason, cls=lim.name, where=_on_pool(w.pool, held),
+        return self._reject(w, 429, reason, say(reason, cls=lim.name, where=on_pool(w.pool, held),
                                                 max_wait_ms=lim.spec.max_wait_ms,
                                                 detail="queue full: its place went to a tenant with fewer "
                                                        "waiting"), now)
@@ -831,7 +768,7 @@ class AdmissionController:
             self._release(t, now, False)
         waited = t.waited_s + (now - t.admitted_at)
         if reason == R_QUEUE_TIMEOUT and lim.spec.on_overflow == "fallback":
-            out = self._fallback(lim, lim.name, t.tenant, t.pool, R_QUEUE_TIMEOUT, now, overflow=True,
+            out = self.fallbacks.answer(lim, lim.name, t.tenant, t.pool, R_QUEUE_TIMEOUT, now, overflow=True,
                                  waited_s=waited, charge=t.charge)
         else:
             out = Refusal(REJECT, reason, lim.name, t.tenant, REASONS[reason].status, message,
@@ -889,11 +826,6 @@ def _with_id(d: Decision, facts: RequestFacts | None) -> Decision:
     if facts is not None:
         d.request_id = facts.request_id
     return d
-
-
-def _on_pool(pool: str, held: str) -> str:
-    """The `where` of a wait's refusal held by a pool-wide limit (_pool_hold); "" when the class's cap held it."""
-    return f" on pool {pool!r} ({held})" if held else ""
 
 
 def _waits_for(pool: str, held: str) -> str:
