@@ -83,7 +83,7 @@ class Fallbacks:
             return gate.units(0, 0.0)
         est = charge.estimate
         expected = min(est.expected_output, fb.max_tokens) if fb.max_tokens else est.expected_output
-        return gate.units(est.prompt_tokens, expected)
+        return gate.units(est.prompt_tokens, expected, est.sequences)
 
 
 def on_pool(pool: str, held: str) -> str:

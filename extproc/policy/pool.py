@@ -353,9 +353,11 @@ class PoolGate:
         """A class's rank here; None for one the policy no longer has (what it holds counts, as no class's)."""
         return self.class_names.index(cls) if cls in self.class_names else None
 
-    def units(self, prompt_tokens: int, expected_output: float) -> float:
-        """What one request weighs against the limit."""
-        return float(prompt_tokens + expected_output) if self.tokens else 1.0
+    def units(self, prompt_tokens: int, expected_output: float, sequences: int = 1) -> float:
+        """What one request weighs against the limit. In requests, the sequences it makes a replica run: vLLM runs
+        each of `n` outputs (and each prompt of a completions list) as a request of its own, and its running and
+        waiting gauges, which the limit is cut against, count them so (an n=8 request showed 8 running)."""
+        return float(prompt_tokens + expected_output) if self.tokens else float(sequences)
 
     def guaranteed(self, rank: int, units: float, now: float) -> bool:
         """Within the class's own share: admitted whatever waits above it. A class holding nothing may also run one

@@ -135,7 +135,8 @@ class PoolLimitSpec:
     unit: Literal["tokens", "requests"] = doc(
         "What the limit counts. `tokens`: each request weighs its prompt plus its expected output (its KV-cache "
         "footprint), so a mix of long prompts holds fewer requests than a short chat mix at the same limit. "
-        "`requests`: each request weighs 1.", "tokens")
+        "`requests`: each request weighs the sequences a replica runs for it, as vLLM's running and waiting "
+        "gauges count them: 1, or `n` (times the prompts of a completions list).", "tokens")
     initial: float | None = doc("Starting limit, in `unit`. Default: `max` (the controller cuts to what the pool "
                                 "holds at the first sign of saturation or latency).", None, minimum=1)
     min: float = doc("The limit never goes below this (in `unit`; a pool always takes at least one request).",

@@ -166,7 +166,8 @@ class PolicyState:
         if old is not None and old.tokens == gate.tokens:
             return units
         est = charge.estimate if charge is not None else None
-        return gate.units(est.prompt_tokens, est.expected_output) if est is not None else gate.units(0, 0)
+        return gate.units(est.prompt_tokens, est.expected_output, est.sequences) if est is not None else \
+            gate.units(0, 0)
 
     def _limiter(self, lim: ClassLimiter | None, name: str, spec: ClassSpec) -> ClassLimiter:
         if lim is None:

@@ -152,6 +152,18 @@ def test_token_unit_weighs_prompt_and_output(clock):
     assert core.gates["pool_a"].inflight == pytest.approx(900)
 
 
+def test_request_unit_weighs_the_sequences_a_replica_runs(clock):
+    # vLLM runs each of n outputs (and each prompt of a completions list) as a request of its own: one n=8 chat
+    # showed vllm:num_requests_running 8 on the real server. Weighed 1, four of them ran 32 under a limit of 4.
+    core = AdmissionController(pool_policy(limit=4), clock=clock)
+    a = core.decide(RequestFacts(header_class="interactive", model="llama", max_tokens=100, sequences=3))
+    assert a.kind == ACCEPT and core.gates["pool_a"].inflight == 3
+    assert core.decide(RequestFacts(header_class="interactive", model="llama", max_tokens=100,
+                                    sequences=2)).kind == QUEUE
+    core.finish(a.ticket, Outcome.OK)
+    assert held(core) == (2, [1, 0, 0], [0, 0, 0])
+
+
 def test_every_way_out_of_a_queue_gives_back_its_place_and_every_end_its_units(pcore, clock):
     tickets = [pcore.decide(req("interactive")).ticket for _ in range(4)]
     waiting = pcore.decide(req("interactive"))
