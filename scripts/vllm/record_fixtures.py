@@ -537,6 +537,14 @@ def record(client: Client, out: Path, do_perf: bool) -> None:
         ("max_tokens_negative", "POST", "/v1/chat/completions",
          {"model": MODEL, "messages": CHAT_MESSAGES, "max_tokens": -5}, None),
         ("missing_messages", "POST", "/v1/chat/completions", {"model": MODEL, "max_tokens": 4}, None),
+        # Sampling checks a degrade's rewrite (min_tokens) or a client's body can run into.
+        ("min_tokens_above_max_tokens", "POST", "/v1/chat/completions",
+         {"model": MODEL, "messages": CHAT_MESSAGES, "max_tokens": 8, "min_tokens": 10}, None),
+        ("top_logprobs_without_logprobs", "POST", "/v1/chat/completions",
+         {"model": MODEL, "messages": CHAT_MESSAGES, "max_tokens": 4, "top_logprobs": 3}, None),
+        ("top_logprobs_over_20", "POST", "/v1/chat/completions",
+         {"model": MODEL, "messages": CHAT_MESSAGES, "max_tokens": 4, "logprobs": True, "top_logprobs": 30}, None),
+        ("empty_prompt", "POST", "/v1/completions", {"model": MODEL, "prompt": "", "max_tokens": 4}, None),
         ("unknown_path", "POST", "/v1/nope", {"model": MODEL}, None),
         ("wrong_method", "GET", "/v1/chat/completions", None, None),
     ]

@@ -195,12 +195,32 @@ def _prompt_tokens(kind: str, body: dict) -> int:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
+    if prompt == "":
+        raise ApiError(400, "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)",
+                       param="prompt")
     if isinstance(prompt, str):
         return estimate_text_tokens(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return len(prompt)  # token ids
     raise validation_error("value_error", "body.prompt", "Value error, prompt must be a string, a list of token "
                            "ids, or a list of one of those", prompt)
+
+
+# vLLM's --max-logprobs default: the most logprobs a token may come with.
+MAX_LOGPROBS = 20
+
+
+def _check_logprobs(kind: str, body: dict) -> None:
+    """vLLM's request checks on logprobs, made while the body is validated (before the model is looked up): chat's
+    `top_logprobs` needs `logprobs: true`, and neither API gives more than MAX_LOGPROBS a token. (-1, "the whole
+    vocabulary", is not modelled.)"""
+    wanted = _int_field(body, "top_logprobs" if kind == CHAT else "logprobs")
+    if kind == CHAT and wanted is not None and not _bool_field(body, "logprobs"):
+        raise ApiError(400, "when using `top_logprobs`, `logprobs` must be set to true. (parameter=top_logprobs)",
+                       param="top_logprobs")
+    if wanted is not None and wanted > MAX_LOGPROBS:
+        raise _semantic_error(f"Requested sample logprobs of {wanted}, which is greater than max allowed: "
+                              f"{MAX_LOGPROBS}", "logprobs", wanted)
 
 
 def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_len: int,
@@ -233,6 +253,7 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
     include_usage = bool(options and _bool_field(options, "include_usage", "body.stream_options"))
     continuous = bool(options and _bool_field(options, "continuous_usage_stats", "body.stream_options"))
     prompt_tokens = _prompt_tokens(kind, body)
+    _check_logprobs(kind, body)
     n = _int_field(body, "n")
     max_tokens = _int_field(body, "max_tokens")
     max_field = "max_tokens"
@@ -262,6 +283,10 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
                               "input_tokens", shown)
     max_tokens = clamp_max_tokens(requested_max_tokens(kind, max_tokens), prompt_tokens, max_model_len,
                                   default_max_tokens)
+    # Against the cap it runs with (clamped to the context: vLLM's message shows that number).
+    min_tokens = _int_field(body, "min_tokens")
+    if min_tokens is not None and min_tokens > max_tokens:
+        raise ApiError(400, f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.")
     # vLLM 0.32 answers every request with its first served name, whichever alias was asked for
     # (tests/fixtures/vllm/chat_small_model.json): `model` in the responses is served[0]. A LoRA adapter's answers
     # carry the adapter's name (vLLM's OpenAIServingModels.model_name).
