@@ -134,6 +134,13 @@ def parse_body(raw: bytes, endpoint: Endpoint, class_field: str,
             body.sequences *= body.prompts
         # A prompt-scoring request's one token is forced too: it says nothing about where answers end.
         body.min_output = None if scores_prompt else min_output_of(doc, endpoint.kind != "responses")
+    if endpoint.kind == "responses" and lax_true(doc.get("background")):
+        # vLLM (with its response store on) answers a background request at once, "queued", and generates after
+        # the request has ended: its slot was free again while the replica ran it (a class capped at 1 let 4
+        # through), and GET /v1/responses/{id}, the only way to its answer, is not routed here.
+        raise BadRequest("`background` responses are not served through this gateway: they would run after "
+                         "the request ends, outside its admission, and their result cannot be fetched here. "
+                         "Send the request without `background` (streaming, if it is long).", "background")
     stream = doc.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise BadRequest("`stream` must be true or false.", "stream")
@@ -298,12 +305,16 @@ def _invocation_kind(doc: dict[str, Any]) -> Endpoint:
 _TRUE_STRINGS = frozenset(("1", "on", "t", "true", "y", "yes"))
 
 
+def lax_true(value: Any) -> bool:
+    """Whether vLLM's pydantic models read `value` as true in a boolean field."""
+    return value is True or (type(value) is int and value == 1) or \
+        (isinstance(value, str) and value.strip().lower() in _TRUE_STRINGS)
+
+
 def min_output_of(doc: dict[str, Any], reads_min_tokens: bool = True) -> int | None:
     """The output each sequence produces at least: None (all of its cap) under vLLM's ignore_eos, else its
     min_tokens (vLLM checks the value: anything else is 0 here), which vLLM's Responses API does not read."""
-    ignore_eos = doc.get("ignore_eos")
-    if ignore_eos is True or (type(ignore_eos) is int and ignore_eos == 1) or \
-            (isinstance(ignore_eos, str) and ignore_eos.strip().lower() in _TRUE_STRINGS):
+    if lax_true(doc.get("ignore_eos")):
         return None
     min_tokens = _whole(doc.get("min_tokens")) if reads_min_tokens else None
     return min(min_tokens, MAX_TOKENS_CEILING) if type(min_tokens) is int and min_tokens > 0 else 0

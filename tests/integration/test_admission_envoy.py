@@ -106,6 +106,27 @@ async def test_malformed_json_is_400_and_takes_no_slot(make_stack):
         assert all(c["inflight"] == 0 for c in snap.values())
 
 
+async def test_a_background_response_is_refused_since_it_would_run_after_its_slot_is_freed(make_stack, upstream):
+    # Found on the real vLLM 0.32 with VLLM_ENABLE_RESPONSES_API_STORE=1: a `background` request is answered in
+    # milliseconds ("status": "queued") and generates afterwards, so a class capped at 1 slot with no queue let 4
+    # of them run at once (extproc_inflight 0, vllm:num_requests_running 4); GET /v1/responses/{id} is not routed.
+    s = make_stack()
+    body = {"model": "llama-70b", "input": "hello", "max_output_tokens": 8, "store": True}
+    async with aiohttp.ClientSession() as http:
+        await upstream_reset(http, upstream)
+        for background in (True, "true", 1):
+            async with http.post(f"{s.url}/v1/responses", json={**body, "background": background}) as r:
+                doc = await r.json()
+                assert r.status == 400, (background, doc)
+                err = doc["error"]
+                assert err["param"] == "background", err
+                assert err["type"] == "invalid_request_error" and "background" in err["message"]
+        assert (await upstream_stats(http, upstream))["served"] == 0
+        async with http.post(f"{s.url}/v1/responses", json={**body, "background": False}) as r:
+            assert r.status == 200
+        assert all(c["inflight"] == 0 for c in (await wait_idle(http, s.metrics_url)).values())
+
+
 async def test_sse_stream_passes_through_byte_for_byte(make_stack, upstream):
     s = make_stack()
     body = chat(max_tokens=20, stream=True)
