@@ -60,8 +60,10 @@ TOKENIZE = Endpoint("tokenize", "input")
 AUDIO = Endpoint("audio", "input")
 INVOCATIONS = Endpoint("invocations", "invocations")  # vLLM picks chat/completions/embeddings by the body
 
-# Every path on which vLLM 0.32 makes a replica compute. envoy/envoy.yaml routes exactly these through the
-# ext_proc; each is admitted under the policy's `endpoints` switch for its group, or refused with a clear 404.
+# The paths on which vLLM 0.32 makes a replica compute that the gateway admits. envoy/envoy.yaml routes exactly
+# these through the ext_proc; each is admitted under the policy's `endpoints` switch for its group, or refused
+# with a clear 404. vLLM 0.32 computes on a few more (its /openapi.json: the Anthropic /v1/messages and
+# /v1/messages/count_tokens, /v1/chat/completions/batch, /generative_scoring): Envoy's default route refuses those.
 ENDPOINTS: dict[str, Endpoint] = {
     "/v1/chat/completions": CHAT,
     "/v1/completions": COMPLETIONS,

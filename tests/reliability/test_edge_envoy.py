@@ -92,6 +92,12 @@ async def test_every_method_and_unknown_path_is_refused_at_the_edge_and_read_onl
                                      (b"GET", b"/metrics", 404), (b"POST", b"/v1/files", 404),
                                      (b"POST", b"/v1/audio/transcriptions", 404),
                                      (b"POST", b"/reset_prefix_cache", 404), (b"GET", b"/", 404),
+                                     # compute paths of vLLM 0.32 (its /openapi.json) that ENDPOINTS does not
+                                     # admit: refused here rather than run unadmitted
+                                     (b"POST", b"/v1/messages", 404), (b"POST", b"/v1/messages/count_tokens", 404),
+                                     (b"POST", b"/v1/chat/completions/batch", 404),
+                                     (b"POST", b"/generative_scoring", 404),
+                                     (b"POST", b"/v1/responses/resp_1/cancel", 404),
                                      # refused by Envoy before any route, its own body empty: we say why
                                      (b"POST", b"/v1/chat/completions#x", 400),
                                      (b"POST", b"/v1/chat/completions%00", 400), (b"OPTIONS", b"*", 404)]:
