@@ -224,6 +224,7 @@ class AdmissionController:
         whom it is charged to."""
         model = self.cost_models[name]
         prompt = model.prompt_tokens(facts.doc, facts.generates) if facts.doc else 0
+        prompt = model.truncated(prompt, facts.prompt_cap, facts.prompts)
         est = model.estimate(prompt, facts.max_tokens, facts.sequences, facts.generates, facts.prompts,
                              facts.min_output)
         session = None

@@ -234,6 +234,13 @@ class CostModel:
             chars = sum(len(t) if type(t) is bytes or t.isascii() else utf8_size(t) for t in texts)
         return tokens + int(chars / self.spec.chars_per_token + 0.999)
 
+    def truncated(self, prompt_tokens: int, cap: int | None, prompts: int = 1) -> int:
+        """The prompt tokens a replica runs when it keeps each of `prompts` prompts' last `cap` tokens (vLLM's
+        truncate_prompt_tokens; -1: as many as the context holds, unknown without max_context_tokens)."""
+        if cap == -1:
+            cap = self.spec.max_context_tokens
+        return min(prompt_tokens, cap * max(prompts, 1)) if cap else prompt_tokens
+
     def _tokenized(self, texts: list[str | bytes]) -> int:
         """Tokens of the texts: exact for the first TOKENIZE_MAX_CHARS characters, the rest at the denser of their
         rate and the fast estimate's (a cheap head must not make a long tail cheap)."""

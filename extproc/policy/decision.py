@@ -34,6 +34,8 @@ class RequestFacts:
     prompts: int = 1             # prompts in a completions list, each run in a context of its own
     min_output: int | None = 0   # output tokens each sequence produces at least (min_tokens); None: all of its
                                  # cap (ignore_eos)
+    prompt_cap: int | None = None  # tokens the replica keeps of each prompt (truncate_prompt_tokens; -1: its
+                                   # context)
     generates: bool = True       # False: a prefill-only endpoint (embeddings, score, ...): no output tokens, and
                                  # no `degrade` fallback (another model's vectors are not an answer)
     cannable: bool = True        # a `canned` fallback can answer it (chat and completions shapes)

@@ -91,7 +91,7 @@ class RequestBody:
     """The fields of a request body that admission reads, and the body to forward."""
 
     __slots__ = ("endpoint", "model", "max_tokens", "sequences", "prompts", "stream", "claimed_class", "doc",
-                 "rewrite", "min_output")
+                 "rewrite", "min_output", "prompt_cap")
 
     def __init__(self, doc: dict[str, Any], endpoint: Endpoint = CHAT):
         self.doc = doc
@@ -101,6 +101,7 @@ class RequestBody:
         self.sequences = 1        # output sequences generated (n, per prompt): each one decodes
         self.prompts = 1          # prompts in the body (a completions list): each has a context of its own
         self.min_output: int | None = 0  # output each sequence produces at least; None: all of it (ignore_eos)
+        self.prompt_cap: int | None = None  # tokens vLLM keeps of each prompt (truncate_prompt_tokens); -1: context
         self.stream = False
         self.claimed_class: str | None = None
         self.rewrite = False      # the body must be re-serialised before it goes upstream
@@ -136,6 +137,8 @@ def parse_body(raw: bytes, endpoint: Endpoint, class_field: str,
             body.sequences *= body.prompts
         # A prompt-scoring request's one token is forced too: it says nothing about where answers end.
         body.min_output = None if scores_prompt else min_output_of(doc, endpoint.kind != "responses")
+    if endpoint.kind in ("chat", "completions"):
+        body.prompt_cap = _truncation(doc.get("truncate_prompt_tokens"))
     if endpoint.kind == "responses" and lax_true(doc.get("background")):
         # vLLM (with its response store on) answers a background request at once, "queued", and generates after
         # the request has ended: its slot was free again while the replica ran it (a class capped at 1 let 4
@@ -320,6 +323,18 @@ def min_output_of(doc: dict[str, Any], reads_min_tokens: bool = True) -> int | N
         return None
     min_tokens = _whole(doc.get("min_tokens")) if reads_min_tokens else None
     return min(min_tokens, MAX_TOKENS_CEILING) if type(min_tokens) is int and min_tokens > 0 else 0
+
+
+def _truncation(value: Any) -> int | None:
+    """vLLM's truncate_prompt_tokens as its model reads it (a lax integer): N >= 1 keeps each prompt's last N
+    tokens, -1 as many as the context holds. Anything else truncates nothing here (vLLM refuses it)."""
+    value = _whole(value)
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            return None
+    return value if type(value) is int and (value >= 1 or value == -1) else None
 
 
 def _scores_prompt_only(doc: dict[str, Any], endpoint: Endpoint) -> bool:

@@ -62,7 +62,7 @@ class ParsedRequest:
         facts.body_class = body.claimed_class
         facts.doc = body.doc
         facts.sequences, facts.prompts, facts.generates = body.sequences, body.prompts, body.generates
-        facts.min_output = body.min_output
+        facts.min_output, facts.prompt_cap = body.min_output, body.prompt_cap
         facts.cannable = body.endpoint.canned
         facts.reads_usage = reads_usage
 

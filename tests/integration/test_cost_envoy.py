@@ -165,6 +165,25 @@ async def test_a_completion_that_only_scores_its_prompt_is_admitted(make_stack, 
             assert r.status == 400 and (await r.json())["error"]["param"] == "max_tokens"
 
 
+async def test_a_long_prompt_vllm_truncates_is_charged_what_vllm_keeps(make_stack, tmp_path):
+    # vLLM 0.32's truncate_prompt_tokens keeps each prompt's last N tokens: a 3,000-word prompt with 50 ran as 50
+    # prompt tokens (usage), on chat and completions, and a list of two as 100. The gateway charged the whole
+    # text (~40,000 characters here): a 2,000 tokens-per-minute tenant was refused what vLLM runs as ~60 tokens.
+    long = "admission " * 4000
+    bodies = {"chat": ("/v1/chat/completions", chat(max_tokens=10, messages=[{"role": "user", "content": long}])),
+              "completions": ("/v1/completions", {"model": "llama-70b", "prompt": [long, long], "max_tokens": 10})}
+    s = make_stack(policy(tmp_path, tenants=[{"name": name, "api_keys": [f"sk-{name}"], "tokens_per_minute": 2000,
+                                              "burst_s": 60} for name in bodies]))
+    async with aiohttp.ClientSession() as http:
+        for name, (path, body) in bodies.items():  # a tenant each: the first one's refund comes in between
+            key = {"authorization": f"Bearer sk-{name}"}
+            async with http.post(f"{s.url}{path}", json={**body, "truncate_prompt_tokens": 50}, headers=key) as r:
+                assert r.status == 200, (path, await r.read())
+                assert 2000 - int(r.headers["x-ratelimit-remaining-tokens"]) <= 2 * (50 + 10) + 10, path
+            async with http.post(f"{s.url}{path}", json=body, headers=key) as r:
+                assert r.status in (413, 429), (path, r.status)  # not truncated: all of it is charged
+
+
 async def test_best_of_which_vllm_ignores_is_not_charged(make_stack, tmp_path):
     # vLLM 0.32 has no best_of (neither request model nor SamplingParams reads it): {"best_of": 5} is logged as an
     # ignored field and one sequence is generated. Charged as five, a 600 tokens-per-minute tenant's 100-token

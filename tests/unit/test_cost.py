@@ -481,3 +481,13 @@ def test_output_that_cannot_end_early_is_expected_in_full_and_not_learned_from()
     assert m.output_ratio == 0.2 and m.samples == 1
     m.learn(m.estimate(100, 500), 100, 500, None)
     assert m.output_ratio > 0.2
+
+
+def test_a_truncated_prompt_is_costed_at_what_the_replica_keeps():
+    m = CostModel(CostSpec(max_context_tokens=2048))
+    assert m.truncated(10_000, 50) == 50
+    assert m.truncated(10_000, 50, prompts=2) == 100       # each prompt of a list keeps its own 50
+    assert m.truncated(30, 50) == 30                        # shorter than the cap: all of it
+    assert m.truncated(10_000, -1) == 2048                  # -1: the context
+    assert CostModel(CostSpec()).truncated(10_000, -1) == 10_000  # ... unknown without max_context_tokens
+    assert m.truncated(10_000, None) == 10_000

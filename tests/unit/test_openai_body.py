@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from extproc.server.openai import (CHAT, COMPLETIONS, BadRequest, degrade_body, error_body, min_output_of,
+from extproc.server.openai import (CHAT, COMPLETIONS, RESPONSES, BadRequest, degrade_body, error_body, min_output_of,
                                   parse_body)
 
 CLASSES = {"interactive", "batch"}
@@ -152,3 +152,13 @@ def test_a_body_that_is_not_utf8_is_refused_in_words():
 def test_the_output_floor_is_read_as_vllm_reads_ignore_eos_and_min_tokens(doc, min_output):
     assert min_output_of(doc) == min_output
     assert min_output_of(doc, reads_min_tokens=False) == (None if min_output is None else 0)  # Responses API
+
+
+@pytest.mark.parametrize("value, cap", [(50, 50), (50.0, 50), (" 50", 50), (-1, -1), (0, None), (-2, None),
+                                        ("all", None), (True, None), (None, None)])
+def test_truncate_prompt_tokens_is_read_as_vllm_reads_it(value, cap):
+    # N >= 1 keeps each prompt's last N tokens and -1 as many as the context holds (vLLM 0.32 took "50" and 50.0
+    # too); 0 and below -1 are vLLM's own 400s, charged in full here. The Responses API does not read it.
+    doc = {"model": "m", "messages": [], "truncate_prompt_tokens": value}
+    assert parse(doc).prompt_cap == cap
+    assert parse_body(json.dumps({**doc, "input": "x"}).encode(), RESPONSES, "priority", CLASSES).prompt_cap is None
