@@ -30,6 +30,9 @@ MODEL = "tiny-llama"
 EOS_ID = 1  # build_model.py: "</s>"
 CHAT_MESSAGES = [{"role": "user", "content": "hello there, how is the queue today?"}]
 PROMPT = "The admission server said"
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
 
 # Response headers whose values are recorded verbatim; all others keep only their name.
 HEADER_VALUES = {"content-type", "transfer-encoding", "server", "vary", "connection"}
@@ -545,6 +548,19 @@ def record(client: Client, out: Path, do_perf: bool) -> None:
         ("top_logprobs_over_20", "POST", "/v1/chat/completions",
          {"model": MODEL, "messages": CHAT_MESSAGES, "max_tokens": 4, "logprobs": True, "top_logprobs": 30}, None),
         ("empty_prompt", "POST", "/v1/completions", {"model": MODEL, "prompt": "", "max_tokens": 4}, None),
+        # Tools on a server started without --enable-auto-tool-choice / --tool-call-parser (as here): refused.
+        ("tools_without_tool_parser", "POST", "/v1/chat/completions",
+         {"model": MODEL, "messages": CHAT_MESSAGES, "max_tokens": 4, "tools": TOOLS}, None),
+        ("tool_choice_required_without_tool_parser", "POST", "/v1/chat/completions",
+         {"model": MODEL, "messages": CHAT_MESSAGES, "max_tokens": 4, "tools": TOOLS, "tool_choice": "required"},
+         None),
+        ("tool_choice_named_without_tool_parser", "POST", "/v1/chat/completions",
+         {"model": MODEL, "messages": CHAT_MESSAGES, "max_tokens": 4, "tools": TOOLS,
+          "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, None),
+        ("tool_choice_without_tools", "POST", "/v1/chat/completions",
+         {"model": MODEL, "messages": CHAT_MESSAGES, "max_tokens": 4, "tool_choice": "auto"}, None),
+        ("tools_empty", "POST", "/v1/chat/completions",
+         {"model": MODEL, "messages": CHAT_MESSAGES, "max_tokens": 4, "tools": []}, None),
         ("unknown_path", "POST", "/v1/nope", {"model": MODEL}, None),
         ("wrong_method", "GET", "/v1/chat/completions", None, None),
     ]

@@ -223,6 +223,45 @@ def _check_logprobs(kind: str, body: dict) -> None:
                               f"{MAX_LOGPROBS}", "logprobs", wanted)
 
 
+def _check_tools(body: dict) -> None:
+    """vLLM's checks of `tools` and `tool_choice` made while a chat body is validated (before the model lookup)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if isinstance(tools, list) and not tools:
+        raise ApiError(400, "`tools` must not be an empty array. Either provide at least one tool or omit the field "
+                       "entirely. (parameter=tools)", param="tools")
+    if choice is not None and tools is None:
+        raise ApiError(400, "When using `tool_choice`, `tools` must be set. (parameter=tool_choice)",
+                       param="tool_choice")
+    if isinstance(choice, str) and choice not in ("none", "auto", "required"):
+        raise ApiError(400, f"Invalid value for `tool_choice`: {choice}! Only named tools, \"none\", \"auto\" or "
+                       f"\"required\" are supported. (parameter=tool_choice)", param="tool_choice")
+    named = _named_tool(choice)
+    if named is not None and isinstance(tools, list) and named not in {_named_tool(t) for t in tools}:
+        raise ApiError(400, "The tool specified in `tool_choice` does not match any of the specified `tools` "
+                       "(parameter=tool_choice)", param="tool_choice")
+
+
+def _named_tool(entry) -> str | None:
+    """The function name of a named `tool_choice`, or of a tool."""
+    function = entry.get("function") if isinstance(entry, dict) else None
+    return function.get("name") if isinstance(function, dict) else None
+
+
+def _tool_parser_error(body: dict) -> ApiError | None:
+    """The simulator serves as vLLM started without --enable-auto-tool-choice and --tool-call-parser (the
+    default): any tool choice but "none" is refused, and `tools` without a `tool_choice` means "auto"."""
+    if not body.get("tools"):
+        return None
+    choice = body.get("tool_choice")
+    if choice is None or choice == "auto":
+        return ApiError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
+    if choice == "required":
+        return ApiError(400, 'tool_choice="required" requires --tool-call-parser to be set')
+    if _named_tool(choice) is not None:
+        return ApiError(400, f'tool_choice=function "{_named_tool(choice)}" requires --tool-call-parser to be set')
+    return None
+
+
 def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_len: int,
                      default_max_tokens: int, adapters: Container[str] = ()) -> GenerationRequest:
     """Validate a request body like vLLM 0.32 does, or raise ApiError with vLLM's status, type and message.
@@ -254,6 +293,8 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
     continuous = bool(options and _bool_field(options, "continuous_usage_stats", "body.stream_options"))
     prompt_tokens = _prompt_tokens(kind, body)
     _check_logprobs(kind, body)
+    if kind == CHAT:
+        _check_tools(body)
     n = _int_field(body, "n")
     max_tokens = _int_field(body, "max_tokens")
     max_field = "max_tokens"
@@ -267,6 +308,9 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
                        "NotFoundError", "model")
     if n not in (None, 1):
         raise ApiError(400, "n > 1 is not supported by the simulator", param="n")
+    tools_refused = _tool_parser_error(body) if kind == CHAT else None
+    if tools_refused is not None:
+        raise tools_refused
     if options and not stream:
         raise ApiError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
     if max_tokens is not None and max_tokens < 1:
