@@ -60,15 +60,16 @@ def metric(text: str, name: str, **labels) -> float:
     return total
 
 
-def assert_stream(raw: bytes, include_usage: bool, chat_stream: bool) -> tuple[list, list[str]]:
-    """SSE framing intact through Envoy, [DONE] last, a usage chunk exactly when asked; returns (events, kinds)."""
+def assert_stream(raw: bytes, include_usage: bool, chat_stream: bool, choices: int = 1) -> tuple[list, list[str]]:
+    """SSE framing intact through Envoy, [DONE] last, a usage chunk exactly when asked, one finish per choice;
+    returns (events, kinds)."""
     framing, events = parse_sse(raw)
     assert framing["ends_with_done"] and framing["all_events_prefixed"], framing
     assert framing["other_lines"] == [] and not framing["crlf_seen"] and not framing["trailing_bytes_after_done"]
     assert "unterminated_tail" not in framing
     kinds = [classify(e) for e in events]
     assert kinds[-1] == "done" and kinds.count("done") == 1
-    assert kinds.count("finish") == 1
+    assert kinds.count("finish") == choices
     assert kinds.count("usage") == (1 if include_usage else 0)
     if include_usage:
         assert kinds[-2] == "usage"
@@ -267,6 +268,42 @@ async def test_extproc_learns_cost_from_usage(make_stack, target):
             return (learned, generated) if learned == generated > 0 else None
 
         assert await until(agree, timeout=10.0), "learned tokens never matched vllm:generation_tokens_total"
+
+
+async def test_n_and_prompt_lists_are_served_and_learned_per_sequence(make_stack, target):
+    """vLLM runs each of `n` outputs and each prompt of a completions list as a request of its own (an n=8 chat
+    showed vllm:num_requests_running 8): through the stack all their choices come back, the usage the ext_proc
+    learns is every sequence's (vllm:generation_tokens_total), a stream whose client did not ask for usage gets
+    none, and the slot comes back. Real vLLM only: the simulator refuses n > 1 and lists (docs/simulator.md)."""
+    if target.kind == "sim":
+        pytest.skip("the simulator does not run n > 1 or prompt lists (docs/simulator.md)")
+    s = make_stack(policy(target, learn_sample=1.0))
+    many = {"temperature": 1.0}  # vLLM refuses n > 1 with greedy sampling
+    cases = [("/v1/chat/completions", chat(target, max_tokens=6, n=3, **many), 3),
+             ("/v1/chat/completions", chat(target, max_tokens=6, n=2, stream=True, **many), 2),
+             ("/v1/completions", completion(target, max_tokens=5, prompt=[PROMPT, "Two"], n=2, stream=True,
+                                            stream_options={"include_usage": True}, **many), 4)]
+    async with aiohttp.ClientSession() as http:
+        before = metric(await target_metrics(http, target), "vllm:generation_tokens_total")
+        for path, body, choices in cases:
+            status, _, raw = await post(http, s.url, path, body)
+            assert status == 200, raw[:300]
+            if body.get("stream"):
+                events, kinds = assert_stream(raw, "stream_options" in body, "messages" in body, choices)
+                assert {c["index"] for e in events[:-1] for c in e.get("choices", [])} == set(range(choices))
+            else:
+                assert len(json.loads(raw)["choices"]) == choices
+
+        async def agree():
+            generated = metric(await target_metrics(http, target), "vllm:generation_tokens_total") - before
+            text = await (await http.get(s.metrics_url + "/metrics")).text()
+            if metric(text, "extproc_cost_model", param="samples") != len(cases):
+                return None
+            learned = metric(text, "extproc_learned_tokens_total", kind="completion")
+            return (learned, generated) if learned == generated > 0 else None
+
+        assert await until(agree, timeout=10.0), "learned tokens never matched vllm:generation_tokens_total"
+        assert all(c["inflight"] == 0 for c in (await wait_idle(http, s.metrics_url)).values())
 
 
 # ------------------------------------------------------------------------------------------ degrade
