@@ -241,7 +241,9 @@ class FairnessSpec:
 class ClassSpec:
     """One traffic class: its concurrency cap, its bounded deadline queue, its SLO and breakers."""
 
-    max_concurrency: int = doc("Requests of this class admitted at once (the cap).", minimum=1,
+    max_concurrency: int = doc("Requests of this class admitted at once (the cap). A request with `n` > 1 or a "
+                               "completions prompt list takes one slot, though vLLM runs each output as a request of "
+                               "its own: `max_inflight_gpu_seconds` and a pool limit count all of them.", minimum=1,
                                maximum=1_000_000)
     max_queue: int = doc("Requests that may wait for a slot; arrivals beyond it get 429.", 20, minimum=0)
     max_wait_ms: int = doc("Longest a request waits in the queue before it gets 429. At most 29 s: Envoy's "
