@@ -306,6 +306,46 @@ async def test_n_and_prompt_lists_are_served_and_learned_per_sequence(make_stack
         assert all(c["inflight"] == 0 for c in (await wait_idle(http, s.metrics_url)).values())
 
 
+async def test_responses_api_is_admitted_and_its_usage_learned(make_stack, target):
+    """/v1/responses through the stack, streamed and not: 200, the stream's typed events end with
+    response.completed, and the output tokens the ext_proc learns (from the body, or the stream's last event) equal
+    vllm:generation_tokens_total's delta. Real vLLM only: the simulator does not serve the Responses API."""
+    if target.kind == "sim":
+        pytest.skip("the simulator does not serve /v1/responses (docs/simulator.md)")
+    s = make_stack(policy(target, learn_sample=1.0))
+    body = {"model": target.model, "input": "hello there", "max_output_tokens": 7, "temperature": 0}
+    async with aiohttp.ClientSession() as http:
+        before = metric(await target_metrics(http, target), "vllm:generation_tokens_total")
+        status, _, raw = await post(http, s.url, "/v1/responses", body)
+        assert status == 200 and json.loads(raw)["usage"]["output_tokens"] > 0, raw[:300]
+        status, headers, raw = await post(http, s.url, "/v1/responses", {**body, "stream": True})
+        assert status == 200 and headers["content-type"].startswith("text/event-stream"), raw[:300]
+        events = [line for line in raw.decode().split("\n") if line.startswith("event: ")]
+        assert events[-1] == "event: response.completed", events[-3:]
+
+        async def agree():
+            generated = metric(await target_metrics(http, target), "vllm:generation_tokens_total") - before
+            text = await (await http.get(s.metrics_url + "/metrics")).text()
+            if metric(text, "extproc_cost_model", param="samples") != 2:
+                return None
+            learned = metric(text, "extproc_learned_tokens_total", kind="completion")
+            return (learned, generated) if learned == generated > 0 else None
+
+        assert await until(agree, timeout=10.0), "learned tokens never matched vllm:generation_tokens_total"
+
+
+async def test_a_background_response_is_refused_before_the_replica(make_stack, target):
+    """vLLM (with VLLM_ENABLE_RESPONSES_API_STORE=1) answers `background: true` at once and generates afterwards,
+    outside the request's slot: the gateway refuses it itself, so the replica never sees it, store or not."""
+    s = make_stack()
+    async with aiohttp.ClientSession() as http:
+        before = metric(await target_metrics(http, target), "vllm:request_success_total")
+        status, _, raw = await post(http, s.url, "/v1/responses", {"model": target.model, "input": "hello",
+                                                                    "max_output_tokens": 4, "background": True})
+        assert status == 400 and json.loads(raw)["error"]["param"] == "background", raw[:300]
+        assert metric(await target_metrics(http, target), "vllm:request_success_total") == before
+
+
 # ------------------------------------------------------------------------------------------ degrade
 async def _envoy_counter(http: aiohttp.ClientSession, admin_url: str, name: str) -> int:
     async with http.get(f"{admin_url}/stats?filter=^{re.escape(name)}$") as r:
