@@ -90,6 +90,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-store", default=None, help=argparse.SUPPRESS)  # the workers' shared table (kind: memory)
 
 
+# Streams one gRPC connection may hold, and calls waiting for the server to take them: Envoy's `extproc` cluster
+# circuit breaker (max_requests: 100,000 in envoy.yaml) is the bound that counts.
+GRPC_MAX_STREAMS = 100_000
+
+
 class Server:
     """Owns the core, the servicer and the endpoints; reloads the policy on SIGHUP or file change."""
 
@@ -206,7 +211,12 @@ class Server:
             ("grpc.max_receive_message_length", self.args.max_body_bytes * 2 + (64 << 10)),
             ("grpc.max_send_message_length", self.args.max_body_bytes * 2 + (64 << 10)),
             ("grpc.so_reuseport", 0),  # a second server must fail to bind, not silently share the port
-            ("grpc.max_concurrent_streams", 100000),
+            ("grpc.max_concurrent_streams", GRPC_MAX_STREAMS),
+            # New calls wait in gRPC core until grpc.aio's loop takes them, one at a time. Past its defaults (1,000
+            # waiting, 3,000 at most) core cancels new ones, and Envoy turns a cancelled stream into a request sent
+            # on unadmitted at once (failure_mode_allow): a spike must wait here like any slow answer.
+            ("grpc.server.max_pending_requests", GRPC_MAX_STREAMS),
+            ("grpc.server.max_pending_requests_hard_limit", GRPC_MAX_STREAMS),
         ])
         pb_grpc.add_ExternalProcessorServicer_to_server(self.servicer, grpc_server)
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(self.access_log, grpc_server)
