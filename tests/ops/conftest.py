@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from extproc.telemetry import StoreTelemetry
-from extproc.tools.stack import free_port, wait_http
+from extproc.tools.stack import Stack, free_port, wait_http
 
 from .promql import PROMETHEUS_SERIES, exposed_names, recorded_names
 
@@ -70,8 +70,22 @@ def store_metrics_text() -> str:
 
 
 @pytest.fixture(scope="session")
-def known_metric_names(live_metrics_text, replica_metrics_text) -> set[str]:
-    """Names a dashboard or rule may use: exported by the ext_proc (its shared store's included) or a vLLM replica,
-    recorded by our rules, or attached by Prometheus."""
+def envoy_metrics_text(tmp_path_factory) -> str:
+    """Envoy's /stats/prometheus, rendered from envoy/envoy.yaml (its ext_proc filter's counters exist from the
+    start); no ext_proc or replica needs to answer."""
+    stack = Stack(tmp_path_factory.mktemp("envoy"), {"vllm_llama70b": [("127.0.0.1", free_port())]})
+    try:
+        stack.start_envoy()
+        with urllib.request.urlopen(f"{stack.admin_url}/stats/prometheus", timeout=5) as r:
+            return r.read().decode()
+    finally:
+        stack.stop()
+
+
+@pytest.fixture(scope="session")
+def known_metric_names(live_metrics_text, replica_metrics_text, envoy_metrics_text) -> set[str]:
+    """Names a dashboard or rule may use: exported by the ext_proc (its shared store's included), a vLLM replica or
+    Envoy, recorded by our rules, or attached by Prometheus."""
     return (exposed_names(live_metrics_text) | exposed_names(store_metrics_text())
-            | exposed_names(replica_metrics_text) | recorded_names(RULE_FILES) | PROMETHEUS_SERIES)
+            | exposed_names(replica_metrics_text) | exposed_names(envoy_metrics_text) | recorded_names(RULE_FILES)
+            | PROMETHEUS_SERIES)
