@@ -66,8 +66,9 @@ class's share, see `queue_timeout`), so the request joined the class queue (coun
 refusing work the fleet cannot serve in time, by design: the client should back off for `Retry-After` seconds.
 - Short bursts of it: expected. Do not raise `max_queue` to hide them: long queues turn into long waits and
   abandoned requests (a queue of 500 once gave a 45 s p99).
-- Sustained (alert `ExtprocRejectionRatioHigh`): demand exceeds capacity. Add replicas (`docs/autoscaling.md`), or
-  re-run the cap-tuning ritual if the model, hardware or vLLM version changed (`docs/tuning.md`).
+- Sustained (alert `ExtprocRejectionRatioHigh`, or `ExtprocDegradedRatioHigh` with `on_overflow: fallback`):
+  demand exceeds capacity. Add replicas (`docs/autoscaling.md`), or re-run the cap-tuning ritual if the model,
+  hardware or vLLM version changed (`docs/tuning.md`).
 - One tenant causing it: that is a fairness problem for per-tenant rate limits or the class's `fairness.mode`, not
   for the cap. Under `round_robin` or `fair` a full queue gives the place of the last waiter of the tenant with the
   most waiting to an arrival of a tenant with at least two fewer: that waiter gets this reason.
@@ -172,7 +173,9 @@ replica out when `/health` stops answering too.
 Either breaker reason also appears with `decision="degrade"` when the class's `fallback.action` is `degrade` or
 `canned`; the response then carries `x-extproc-degraded: <what changed>; reason=<reason>`. With
 `on_overflow: fallback`, `queue_full`, `queue_timeout` and `deadline_unmeetable` appear with `decision="degrade"`
-too."""),
+too. Those are not refusals, so `ExtprocRejectionRatioHigh` stays quiet however short the class is; alert
+`ExtprocDegradedRatioHigh` fires when over 10% of a class's requests got its fallback for 10 minutes (a canned
+answer with a 4xx/5xx status counts as refused instead)."""),
     Reason("degraded_capacity_full", "Breakers and degrade", 503, DRAIN,
            "{why}, and its degraded capacity is full too",
            """\
