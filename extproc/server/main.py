@@ -21,7 +21,7 @@ from aiohttp import web
 from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, ProcessCollector
 
 from ..policy.admission import AdmissionController
 from ..policy.changes import policy_changes
@@ -102,6 +102,9 @@ class Server:
         self.policy_path = policy_path
         self.args = args
         self.telemetry = Telemetry(log_accept_sample=args.log_accept_sample, log_per_s=args.log_decisions_per_s)
+        # process_cpu_seconds_total and process_start_time_seconds: what the alerts send on-call to when Envoy let
+        # requests through (a saturated event loop, near one CPU second a second, or a restart).
+        ProcessCollector(registry=self.telemetry.registry)
         self.core = AdmissionController(policy, events=self.telemetry)
         self.sustained = SustainedLoad(policy.sustained_window_s)
         self.telemetry.watch(self.core, self.sustained)

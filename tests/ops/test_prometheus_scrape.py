@@ -24,6 +24,7 @@ from extproc.tools.stack import Stack, free_port, wait_http
 from tests.conftest import until
 
 from .conftest import COMPOSE, ROOT, RULE_FILES, tool
+from .promql import exposed_names
 
 # Each class's upstream service time: every admitted request of the class lands in one latency bucket.
 DELAY_S = {"interactive": 0.4, "batch": 0.15}
@@ -195,3 +196,11 @@ def test_idle_server_metrics_pass_promtool_check_metrics(live_metrics_text):
     r = subprocess.run([tool("promtool"), "check", "metrics"], input=live_metrics_text, capture_output=True,
                        text=True, timeout=30)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_server_exports_its_process_cpu_and_start_time(live_metrics_text):
+    """The unadmitted-requests and stream-error alerts send on-call to the ext_proc's CPU and restarts. An audit with
+    a real Prometheus found neither in what it scrapes: requests let through past message_timeout on a loaded host
+    could not be told from an ext_proc whose event loop was saturated, nor a quick restart seen."""
+    names = exposed_names(live_metrics_text)
+    assert {"process_cpu_seconds_total", "process_start_time_seconds", "process_resident_memory_bytes"} <= names
