@@ -362,7 +362,9 @@ class PoolScraper:
         for r in self.replicas.values():
             m = r.metrics
             if m is None or r.at < stale:
-                if r.stalled:  # seen hung, and now its /metrics does not answer either: hung still
+                # Seen hung, and now its /metrics does not answer either: hung still. One that refuses connections
+                # is down (being restarted, as the alert asks), not hung: gone below, its verdict kept for its return.
+                if r.stalled and not r.refused:
                     sat.stalled += 1
                     sat.stalled_requests += m["running"] + m["waiting"]
                     continue

@@ -537,6 +537,28 @@ def test_a_stalled_replica_whose_metrics_stop_answering_stays_stalled_and_is_not
     assert sat.working == (("10.0.0.2:8000", 1.0, 1.0),)
 
 
+def test_a_stalled_replica_that_then_refuses_connections_is_down_not_stalled():
+    # The alert says "restart it"; while it restarts (a 70B model loads for minutes) nothing listens. Counted as
+    # stalled, the critical ExtprocReplicaStalled ("its HTTP server still answers: restart it") kept firing beside
+    # ExtprocReplicaDown (an on-call audit: hang, then SIGKILL, through real Envoy and Prometheus). It is down, as
+    # a replica that refuses connections is; the verdict is kept for when it answers again.
+    clock = FakeClock()
+    scraper = PoolScraper(RecordingCore(), "pool_a", PoolSpec(replicas=["10.0.0.1:8000", "10.0.0.2:8000"],
+                                                              stall_ms=2000, stale_ms=1500), None, clock=clock)
+    hung, ok = scraper.replicas.values()
+    for i in range(8):
+        if i < 4:
+            scraper.record(hung, reading(running=3, tokens=50.0))
+        else:
+            hung.refused = True  # killed: its scrapes find nothing listening
+        scraper.record(ok, reading(running=1, tokens=float(i)))
+        sat = scraper.aggregate(clock())
+        clock.advance(1.0)
+    assert hung.stalled and sat.stalled == 0 and sat.stalled_requests == 0 and not sat.saturated
+    scraper.record(hung, reading(running=0, tokens=50.0))  # back, idle, its counters where they were
+    assert scraper.aggregate(clock()).stalled == 1  # not trusted until they move
+
+
 def test_a_stalled_replica_that_restarts_idle_is_progress_even_with_its_counters_at_0_again():
     # It hung before its first token (counters 0), and comes back from a restart idle with counters 0: only its
     # process start time says it is a new process.
