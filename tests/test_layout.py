@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -61,3 +63,23 @@ def test_the_policy_core_imports_nothing_of_ours_outside_itself(module, deps):
                          ids=lambda v: v if isinstance(v, str) else "")
 def test_the_simulator_and_load_generator_do_not_know_the_policy(module, deps):
     assert not {d for d in deps if under(d, RUNTIME)}
+
+
+def test_nothing_machine_local_is_tracked():
+    """A helper's clone once linked `.cache` to another clone's (/tmp/...) and the link was committed: every fresh
+    checkout then had a `.cache` dangling or pointing into a stranger's folder, where `make vllm-setup` and the e2e
+    suite put the real vLLM. Nothing under a folder .gitignore names (checked by the name, a link included, which
+    git's own ignore rules for `dir/` do not match) is tracked, nor a link out of the repository."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    tracked = subprocess.run(["git", "ls-files", "-s"], cwd=ROOT, capture_output=True, text=True, check=True)
+    folders = {line.strip().strip("/") for line in (ROOT / ".gitignore").read_text().splitlines()
+               if line.strip().endswith("/") and not line.startswith("#")}
+    bad = []
+    for line in tracked.stdout.splitlines():
+        mode, path = line.split()[0], line.split("\t", 1)[1]
+        if path.split("/")[0] in folders:
+            bad.append(path)
+        elif mode == "120000" and not (ROOT / path).resolve().is_relative_to(ROOT):
+            bad.append(f"{path} -> {os.readlink(ROOT / path)}")
+    assert not bad, bad
