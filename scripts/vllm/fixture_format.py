@@ -69,8 +69,22 @@ VOLATILE = {
     "$.data[].root": ("<model dir>", None),
     "$.data[].permission[].id": ("modelperm-<hex>", r"^modelperm-[0-9a-f]+$"),
     "$.data[].permission[].created": ("<unix-seconds>", r"^[0-9]{9,11}$"),
+    # The Responses API (bodies and the typed events of its stream).
+    "$.created_at": ("<unix-seconds>", r"^[0-9]{9,11}$"),
+    "$.response.id": ("resp_<hex>", r"^resp_[0-9a-f]+$"),
+    "$.response.created_at": ("<unix-seconds>", r"^[0-9]{9,11}$"),
+    "$.output[].id": ("msg_<hex>", r"^msg_[0-9a-f]+$"),
+    "$.response.output[].id": ("msg_<hex>", r"^msg_[0-9a-f]+$"),
+    "$.item.id": ("msg_<hex>", r"^msg_[0-9a-f]+$"),
+    "$.item_id": ("msg_<hex>", r"^msg_[0-9a-f]+$"),
+    "$.output[].content[].text": ("<generated text>", None),
+    "$.response.output[].content[].text": ("<generated text>", None),
+    "$.item.content[].text": ("<generated text>", None),
+    "$.part.text": ("<generated text>", None),
+    "$.delta": ("<generated text>", None),
+    "$.text": ("<generated text>", None),
 }
-ID_PATTERNS = [("chatcmpl-", r"^chatcmpl-[0-9a-f]+$"), ("cmpl-", r"^cmpl-[0-9a-f]+$")]
+ID_PATTERNS = [("chatcmpl-", r"^chatcmpl-[0-9a-f]+$"), ("cmpl-", r"^cmpl-[0-9a-f]+$"), ("resp_", r"^resp_[0-9a-f]+$")]
 
 
 def normalize(value: Any, prefix: str = "$", formats: dict | None = None) -> Any:

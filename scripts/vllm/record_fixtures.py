@@ -176,6 +176,12 @@ def compress(kinds: list[str]) -> list[str]:
 
 def stream_record(client: Client, path: str, body: dict) -> dict:
     status, headers, raw, reads = client.stream(path, body)
+    return stream_doc(path, body, status, headers, raw) | {"http_reads": len(reads)}
+
+
+def stream_doc(path: str, body: dict, status: int, headers, raw: bytes) -> dict:
+    """A recorded SSE stream: framing, event kinds, and each event's shape and normalized body. `index`: the
+    choice index an event is about (n > 1 and prompt lists interleave their choices' chunks)."""
     framing, events = parse_sse(raw)
     recs = []
     for ev in events:
@@ -189,6 +195,7 @@ def stream_record(client: Client, path: str, body: dict) -> dict:
             if ev.get("choices"):
                 ch = ev["choices"][0]
                 delta = ch.get("delta", {})
+                rec["index"] = ch.get("index")
                 rec["delta_keys"] = sorted(delta) if "delta" in ch else None
                 content = delta.get("content") if "delta" in ch else ch.get("text")
                 rec["has_text"] = bool(content)
@@ -202,7 +209,6 @@ def stream_record(client: Client, path: str, body: dict) -> dict:
         "sequence": compress(kinds),
         "counts": {k: kinds.count(k) for k in dict.fromkeys(kinds)},
         "events": recs,
-        "http_reads": len(reads),
     }
 
 
@@ -606,6 +612,121 @@ def record(client: Client, out: Path, do_perf: bool) -> None:
     write("metrics.txt", text)
 
 
+def typed_events(raw: bytes) -> list[dict]:
+    """A Responses API stream: `event: <type>` then `data: <json>` per block; each event's type, shape and body
+    (volatile values as placeholders)."""
+    out = []
+    for block in raw.decode("utf-8").split("\n\n"):
+        if not block:
+            continue
+        fields = dict(line.split(": ", 1) for line in block.split("\n") if ": " in line)
+        doc = json.loads(fields["data"]) if "data" in fields else None
+        formats: dict = {}
+        out.append({"event": fields.get("event"), "lines": [ln.split(":", 1)[0] for ln in block.split("\n")],
+                    "shape": shape(doc) if doc is not None else None,
+                    "body": normalize(doc, formats=formats) if doc is not None else None, "formats": formats})
+    return out
+
+
+def record_api(client: Client, out: Path) -> None:
+    """api_*.json: what the simulator long did not serve, recorded so that it can be compared (tests/sim/
+    test_parity.py): n > 1 and prompt lists, the Responses API, /tokenize and /detokenize, echo, logprobs,
+    response_format, and the refusals around them."""
+    def write(name: str, obj) -> None:
+        (out / name).write_text(dumps(obj))
+        print(f"[record] {name}")
+
+    sample = {"temperature": 1.0}  # vLLM refuses n > 1 under greedy sampling
+    cases = {
+        "chat_n2": ("/v1/chat/completions", {"model": MODEL, "messages": CHAT_MESSAGES, "max_tokens": 5, "n": 2,
+                                             "ignore_eos": True} | sample),
+        "chat_n2_default_temperature": ("/v1/chat/completions", {"model": MODEL, "messages": CHAT_MESSAGES,
+                                                                 "max_tokens": 3, "n": 2, "ignore_eos": True}),
+        "completions_n2": ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "n": 2,
+                                               "ignore_eos": True} | sample),
+        "completions_prompt_list": ("/v1/completions", {"model": MODEL, "prompt": [PROMPT, "Two"], "max_tokens": 4,
+                                                        "ignore_eos": True, "temperature": 0}),
+        "completions_prompt_list_n2": ("/v1/completions", {"model": MODEL, "prompt": [PROMPT, "Two"], "n": 2,
+                                                           "max_tokens": 3, "ignore_eos": True} | sample),
+        "completions_token_lists": ("/v1/completions", {"model": MODEL, "prompt": [[5, 6, 7], [8, 9]],
+                                                        "max_tokens": 3, "ignore_eos": True, "temperature": 0}),
+        "chat_n2_greedy": ("/v1/chat/completions", {"model": MODEL, "messages": CHAT_MESSAGES, "max_tokens": 4,
+                                                    "n": 2, "temperature": 0}),
+        "completions_n2_greedy": ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "n": 2,
+                                                      "temperature": 0}),
+        "chat_n0": ("/v1/chat/completions", {"model": MODEL, "messages": CHAT_MESSAGES, "max_tokens": 4, "n": 0}),
+        "prompt_empty_list": ("/v1/completions", {"model": MODEL, "prompt": [], "max_tokens": 4}),
+        "prompt_list_with_empty": ("/v1/completions", {"model": MODEL, "prompt": ["a", ""], "max_tokens": 4}),
+        "suffix": ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "suffix": "end", "max_tokens": 4}),
+        "echo": ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "echo": True, "max_tokens": 3,
+                                     "temperature": 0, "ignore_eos": True}),
+        "echo_max_tokens_0": ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "echo": True, "max_tokens": 0}),
+        "echo_max_tokens_0_logprobs": ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "echo": True,
+                                                           "max_tokens": 0, "logprobs": 1}),
+        "max_tokens_0": ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 0}),
+        "completions_logprobs": ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 3,
+                                                     "logprobs": 2, "temperature": 0, "ignore_eos": True}),
+        "chat_logprobs": ("/v1/chat/completions", {"model": MODEL, "messages": CHAT_MESSAGES, "max_tokens": 3,
+                                                   "logprobs": True, "top_logprobs": 2, "temperature": 0,
+                                                   "ignore_eos": True}),
+        "chat_logprobs_only": ("/v1/chat/completions", {"model": MODEL, "messages": CHAT_MESSAGES, "max_tokens": 3,
+                                                        "logprobs": True, "temperature": 0, "ignore_eos": True}),
+        "chat_json_object": ("/v1/chat/completions", {"model": MODEL, "messages": CHAT_MESSAGES, "max_tokens": 20,
+                                                      "temperature": 0,
+                                                      "response_format": {"type": "json_object"}}),
+        "completions_json_object": ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 20,
+                                                        "temperature": 0,
+                                                        "response_format": {"type": "json_object"}}),
+        "responses": ("/v1/responses", {"model": MODEL, "input": "hello there", "max_output_tokens": 5,
+                                        "temperature": 0}),
+        "responses_messages": ("/v1/responses", {"model": MODEL, "instructions": "Be brief.",
+                                                 "input": [{"role": "user", "content": "hello there"}],
+                                                 "max_output_tokens": 4, "temperature": 0}),
+        "responses_unknown_model": ("/v1/responses", {"model": "no-such-model", "input": "hi",
+                                                      "max_output_tokens": 4}),
+        "responses_no_input": ("/v1/responses", {"model": MODEL, "max_output_tokens": 4}),
+        "tokenize": ("/tokenize", {"model": MODEL, "prompt": PROMPT}),
+        "tokenize_chat": ("/tokenize", {"model": MODEL, "messages": CHAT_MESSAGES}),
+        "tokenize_no_special": ("/tokenize", {"model": MODEL, "prompt": PROMPT, "add_special_tokens": False}),
+        "tokenize_unknown_model": ("/tokenize", {"model": "no-such-model", "prompt": PROMPT}),
+        "detokenize": ("/detokenize", {"model": MODEL, "tokens": [5, 6, 7]}),
+        "detokenize_unknown_model": ("/detokenize", {"model": "no-such-model", "tokens": [5]}),
+    }
+    recs = {}
+    for name, (path, body) in cases.items():
+        s, h, payload, _ = client.request("POST", path, body=body)
+        recs[name] = any_record({"method": "POST", "path": path, "body": body}, s, h, payload)
+    write("api.json", recs)
+    streams = {
+        "chat_stream_n2": ("/v1/chat/completions", {"model": MODEL, "messages": CHAT_MESSAGES, "max_tokens": 3,
+                                                    "n": 2, "stream": True, "ignore_eos": True,
+                                                    "stream_options": {"include_usage": True}} | sample),
+        "completions_stream_list_n2": ("/v1/completions", {"model": MODEL, "prompt": [PROMPT, "Two"], "n": 2,
+                                                           "max_tokens": 3, "stream": True, "ignore_eos": True,
+                                                           "stream_options": {"include_usage": True}} | sample),
+        "completions_stream_list": ("/v1/completions", {"model": MODEL, "prompt": [PROMPT, "Two"], "max_tokens": 2,
+                                                        "stream": True, "ignore_eos": True, "temperature": 0}),
+        "completions_stream_logprobs": ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2,
+                                                            "logprobs": 1, "stream": True, "ignore_eos": True,
+                                                            "temperature": 0}),
+        "chat_stream_logprobs": ("/v1/chat/completions", {"model": MODEL, "messages": CHAT_MESSAGES,
+                                                          "max_tokens": 2, "logprobs": True, "top_logprobs": 1,
+                                                          "stream": True, "ignore_eos": True, "temperature": 0}),
+        "completions_stream_echo": ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2,
+                                                        "echo": True, "stream": True, "ignore_eos": True,
+                                                        "temperature": 0}),
+    }
+    out_streams = {}
+    for name, (path, body) in streams.items():
+        out_streams[name] = stream_doc(path, body, *client.stream(path, body)[:3])
+    write("api_streams.json", out_streams)
+    body = {"model": MODEL, "input": "hello there", "max_output_tokens": 5, "temperature": 0, "stream": True}
+    status, headers, raw, _ = client.stream("/v1/responses", body)
+    write("responses_stream.json", {"request": {"method": "POST", "path": "/v1/responses", "body": body},
+                                    "status": status, "headers": header_record(headers),
+                                    "events": typed_events(raw)})
+
+
 def overload(client: Client, max_num_seqs: int, max_queued: int) -> dict:
     """Against a server started with --max-num-seqs N --max-num-queued-reqs Q: fill it with long streams, watch
     running/waiting, then record the 503 that vLLM's own admission limit answers."""
@@ -674,8 +795,17 @@ def main(argv: list[str] | None = None) -> int:
                                        "lora.json's server_args / server_env, for lora*.json")
     ap.add_argument("--overload-url", help="a running server started with --max-num-seqs 2 "
                                            "--max-num-queued-reqs 4, for overload.json")
+    ap.add_argument("--only-api", action="store_true", help="record api*.json and responses_stream.json only")
     args = ap.parse_args(argv)
     seqs, queued = 2, 4
+    if args.only_api:
+        if args.url:
+            record_api(Client(args.url), args.out)
+        else:
+            with VLLMServer() as server:
+                print(f"[record] vLLM healthy after {server.startup_seconds:.1f}s at {server.url}")
+                record_api(Client(server.url), args.out)
+        return 0
     if not args.only_lora:
         if args.url:
             record(Client(args.url), args.out, not args.no_perf)
