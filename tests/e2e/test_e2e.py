@@ -274,9 +274,7 @@ async def test_n_and_prompt_lists_are_served_and_learned_per_sequence(make_stack
     """vLLM runs each of `n` outputs and each prompt of a completions list as a request of its own (an n=8 chat
     showed vllm:num_requests_running 8): through the stack all their choices come back, the usage the ext_proc
     learns is every sequence's (vllm:generation_tokens_total), a stream whose client did not ask for usage gets
-    none, and the slot comes back. Real vLLM only: the simulator refuses n > 1 and lists (docs/simulator.md)."""
-    if target.kind == "sim":
-        pytest.skip("the simulator does not run n > 1 or prompt lists (docs/simulator.md)")
+    none, and the slot comes back."""
     s = make_stack(policy(target, learn_sample=1.0))
     many = {"temperature": 1.0}  # vLLM refuses n > 1 with greedy sampling
     cases = [("/v1/chat/completions", chat(target, max_tokens=6, n=3, **many), 3),

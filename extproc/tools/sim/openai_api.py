@@ -56,6 +56,25 @@ class GenerationRequest:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
     requested_model: str = ""  # the served name the client asked for (`model` is what the responses say)
     priority: int = 0  # the body's `priority` (lower first under --scheduling-policy priority; fcfs ignores it)
+    # A completions prompt list: each prompt's tokens and clamped max_tokens (prompt_tokens, max_tokens: the sum
+    # and the first's). vLLM runs n sequences per prompt, each a request of its own in the engine.
+    prompts: tuple[int, ...] = ()
+    limits: tuple[int, ...] = ()
+    n: int = 1
+
+    def __post_init__(self):
+        self.prompts = self.prompts or (self.prompt_tokens,)
+        self.limits = self.limits or (self.max_tokens,)
+
+    @property
+    def choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    def sequence(self, choice: int) -> tuple[int, int]:
+        """(prompt tokens, max_tokens) of choice number `choice`: vLLM numbers prompt p's outputs p * n ..
+        p * n + n - 1."""
+        p = choice // self.n
+        return self.prompts[p], self.limits[p]
 
 
 def validation_error(kind: str, loc: str, msg: str, value, ctx: dict | None = None) -> ApiError:
@@ -179,7 +198,14 @@ def fixed_output_tokens(max_tokens: int, ignore_eos: bool) -> int | None:
     return max_tokens if ignore_eos else None
 
 
-def _prompt_tokens(kind: str, body: dict) -> int:
+def _token_ids(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in value)
+
+
+def _prompt_tokens(kind: str, body: dict) -> tuple[int, ...]:
+    """The token count of each prompt: one for chat and a single completions prompt, one per entry of a prompt
+    list (strings or token-id lists; () for an empty list, which vLLM refuses after the model lookup)."""
     if kind == CHAT:
         if "messages" not in body:
             raise validation_error("missing", "body.messages", "Field required", body)
@@ -189,7 +215,7 @@ def _prompt_tokens(kind: str, body: dict) -> int:
         if not messages or not all(isinstance(m, dict) for m in messages):
             raise validation_error("value_error", "body.messages", "Value error, messages must be a non-empty "
                                    "list of message objects", messages)
-        return estimate_chat_tokens(messages)
+        return (estimate_chat_tokens(messages),)
     if "prompt" not in body:
         raise validation_error("missing", "body.prompt", "Field required", body)
     prompt = body.get("prompt")
@@ -199,11 +225,14 @@ def _prompt_tokens(kind: str, body: dict) -> int:
         raise ApiError(400, "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)",
                        param="prompt")
     if isinstance(prompt, str):
-        return estimate_text_tokens(prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return len(prompt)  # token ids
+        return (estimate_text_tokens(prompt),)
+    if _token_ids(prompt):
+        return (len(prompt),)
+    if isinstance(prompt, list) and all(isinstance(p, str) or _token_ids(p) for p in prompt):
+        # A list: each entry a prompt of its own (an empty string in a list is served: the BOS alone).
+        return tuple(estimate_text_tokens(p) if isinstance(p, str) else len(p) for p in prompt)
     raise validation_error("value_error", "body.prompt", "Value error, prompt must be a string, a list of token "
-                           "ids, or a list of one of those", prompt)
+                           "ids, or a list of those", prompt)
 
 
 # vLLM's --max-logprobs default: the most logprobs a token may come with.
@@ -291,7 +320,7 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
                                "instance of StreamOptions", options)
     include_usage = bool(options and _bool_field(options, "include_usage", "body.stream_options"))
     continuous = bool(options and _bool_field(options, "continuous_usage_stats", "body.stream_options"))
-    prompt_tokens = _prompt_tokens(kind, body)
+    prompts = _prompt_tokens(kind, body)
     _check_logprobs(kind, body)
     if kind == CHAT:
         _check_tools(body)
@@ -306,18 +335,22 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
     if model not in served and model not in adapters:
         raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {', '.join(served)}.",
                        "NotFoundError", "model")
-    if n not in (None, 1):
-        raise ApiError(400, "n > 1 is not supported by the simulator", param="n")
+    if not prompts:
+        raise ApiError(400, "You must pass at least one prompt")
     tools_refused = _tool_parser_error(body) if kind == CHAT else None
     if tools_refused is not None:
         raise tools_refused
     if options and not stream:
         raise ApiError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
+    n = 1 if n is None else n
+    if n < 1:
+        raise ApiError(400, f"n must be at least 1, got {n}.")
     if max_tokens is not None and max_tokens < 1:
         raise _semantic_error(f"{max_field} must be at least 1, got {max_tokens}.", max_field, max_tokens)
     if max_tokens is not None and max_tokens > max_model_len:
         raise _semantic_error(f"{max_field}={max_tokens} cannot be greater than max_model_len={max_model_len}. "
                               f"Please request fewer output tokens.", max_field, max_tokens)
+    prompt_tokens = max(prompts)
     if prompt_tokens >= max_model_len:
         # vLLM tokenizes at most max_model_len + 1 tokens of an over-long prompt, hence "at least".
         shown = min(prompt_tokens, max_model_len + 1)
@@ -325,18 +358,32 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
                               f"prompt contains at least {shown} input tokens, which exceeds this limit even "
                               f"without any output tokens. Please reduce the length of the input prompt.",
                               "input_tokens", shown)
-    max_tokens = clamp_max_tokens(requested_max_tokens(kind, max_tokens), prompt_tokens, max_model_len,
-                                  default_max_tokens)
+    requested = requested_max_tokens(kind, max_tokens)
+    limits = tuple(clamp_max_tokens(requested, p, max_model_len, default_max_tokens) for p in prompts)
+    max_tokens = min(limits)
     # Against the cap it runs with (clamped to the context: vLLM's message shows that number).
     min_tokens = _int_field(body, "min_tokens")
     if min_tokens is not None and min_tokens > max_tokens:
         raise ApiError(400, f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.")
+    if n > 1 and _greedy(body):
+        raise ApiError(400, f"n must be 1 when using greedy sampling, got {n}.")
     # vLLM 0.32 answers every request with its first served name, whichever alias was asked for
     # (tests/fixtures/vllm/chat_small_model.json): `model` in the responses is served[0]. A LoRA adapter's answers
     # carry the adapter's name (vLLM's OpenAIServingModels.model_name).
     answered = model if model in adapters and model not in served else served[0]
-    return GenerationRequest(kind, answered, prompt_tokens, max_tokens, stream, include_usage, ignore_eos,
-                             continuous and include_usage, requested_model=model, priority=priority)
+    return GenerationRequest(kind, answered, sum(prompts), limits[0], stream, include_usage, ignore_eos,
+                             continuous and include_usage, requested_model=model, priority=priority,
+                             prompts=prompts, limits=limits, n=n)
+
+
+# vLLM's _SAMPLING_EPS: a temperature below it is greedy sampling. Unset is 1.0 (the tiny model's generation
+# config sets none; api.json chat_n2_default_temperature).
+SAMPLING_EPS = 1e-5
+
+
+def _greedy(body: dict) -> bool:
+    temperature = body.get("temperature")
+    return isinstance(temperature, int | float) and not isinstance(temperature, bool) and temperature < SAMPLING_EPS
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -360,15 +407,16 @@ class ResponseRenderer:
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         head = (f'{{"id":"{self.id}","object":"{"chat.completion.chunk" if chat else "text_completion"}",'
-                f'"created":{self.created},"model":{json.dumps(request.model)},"choices":[{{"index":0,')
+                f'"created":{self.created},"model":{json.dumps(request.model)},"choices":[{{"index":').encode()
         # Filler words are plain ASCII letters: they can be spliced into JSON without escaping.
+        field = b',"delta":{"content":"' if chat else b',"text":"'
+        # One chunk carries one choice (n > 1, prompt lists): a head per choice index.
+        self._token_heads = [head + b"%d" % i + field for i in range(request.choices)]
         if chat:
-            self._token_head = (head + '"delta":{"content":"').encode()
             self._token_mid = b'"},"logprobs":null,"finish_reason":'
             self._choice_tail = b',"token_ids":null}'
             self._choice_tail_last = b',"stop_reason":null,"token_ids":null}'
         else:
-            self._token_head = (head + '"text":"').encode()
             self._token_mid = b'","logprobs":null,"finish_reason":'
             self._choice_tail = b',"stop_reason":null,"prompt_token_ids":null,"token_ids":null}'
             self._choice_tail_last = self._choice_tail
@@ -384,20 +432,24 @@ class ResponseRenderer:
                 b'"completion_tokens_details":null}' % (p, p + completion_tokens, completion_tokens))
 
     def role_event(self) -> bytes:
-        """Chat streams open with an empty assistant delta."""
+        """Chat streams open with an empty assistant delta, one chunk per choice."""
         r = self.request
-        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": r.model,
-                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}]}
-        if r.continuous_usage:
-            chunk["usage"] = {"prompt_tokens": r.prompt_tokens, "total_tokens": r.prompt_tokens,
-                              "completion_tokens": 0, "completion_tokens_details": None}
-        chunk["prompt_token_ids"] = None
-        chunk["prompt_text"] = None
-        return b"data: " + vllm_json(chunk) + b"\n\n"
+        events = []
+        for choice in range(r.choices):
+            chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": r.model,
+                     "choices": [{"index": choice, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}]}
+            if r.continuous_usage:
+                chunk["usage"] = {"prompt_tokens": r.prompt_tokens, "total_tokens": r.prompt_tokens,
+                                  "completion_tokens": 0, "completion_tokens_details": None}
+            chunk["prompt_token_ids"] = None
+            chunk["prompt_text"] = None
+            events.append(b"data: " + vllm_json(chunk) + b"\n\n")
+        return b"".join(events)
 
-    def token_event(self, index: int, finish_reason: str | None) -> bytes:
-        """The SSE event carrying output token number `index` (0-based); the last one carries finish_reason."""
+    def token_event(self, index: int, finish_reason: str | None, choice: int = 0) -> bytes:
+        """The SSE event carrying output token number `index` (0-based) of choice number `choice`; a choice's last
+        one carries its finish_reason."""
         words = self._words
         if finish_reason is None:
             reason, tail = b"null", self._choice_tail + b"]"
@@ -405,8 +457,8 @@ class ResponseRenderer:
             reason, tail = b'"%b"' % finish_reason.encode(), self._choice_tail_last + self._last_tail
         if self.request.continuous_usage:
             tail += self._running_usage(index + 1)
-        return (b"data: " + self._token_head + words[index % len(words)] + self._token_mid + reason + tail
-                + b"}\n\n")
+        return (b"data: " + self._token_heads[choice] + words[index % len(words)] + self._token_mid + reason
+                + tail + b"}\n\n")
 
     def closing_events(self, completion_tokens: int) -> bytes:
         """The optional usage chunk, then [DONE]."""
@@ -422,25 +474,27 @@ class ResponseRenderer:
                  "system_fingerprint": SYSTEM_FINGERPRINT}
         return b"data: " + vllm_json(chunk) + b"\n\n" + tail
 
-    def full_response(self, completion_tokens: int, finish_reason: str) -> bytes:
-        """The non-streaming response body, with vLLM's explicit nulls."""
-        r = self.request
+    def _choice(self, index: int, completion_tokens: int, finish_reason: str) -> dict:
         text = filler_text(completion_tokens)
-        if r.kind == CHAT:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None,
-                                              "annotations": None, "audio": None, "function_call": None,
-                                              "reasoning": None},
-                      "logprobs": None, "finish_reason": finish_reason, "stop_reason": None, "token_ids": None,
-                      "routed_experts": None}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-                      "stop_reason": None, "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None,
-                      "routed_experts": None}
-            obj = "text_completion"
-        body = {"id": self.id, "object": obj, "created": self.created, "model": r.model, "choices": [choice],
+        if self.request.kind == CHAT:
+            return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None,
+                                                "annotations": None, "audio": None, "function_call": None,
+                                                "reasoning": None},
+                    "logprobs": None, "finish_reason": finish_reason, "stop_reason": None, "token_ids": None,
+                    "routed_experts": None}
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                "stop_reason": None, "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None,
+                "routed_experts": None}
+
+    def full_response(self, outputs: list[tuple[int, str]]) -> bytes:
+        """The non-streaming response body, with vLLM's explicit nulls: `outputs` holds each choice's
+        (completion tokens, finish_reason), in choice order."""
+        r = self.request
+        obj = "chat.completion" if r.kind == CHAT else "text_completion"
+        choices = [self._choice(i, tokens, reason) for i, (tokens, reason) in enumerate(outputs)]
+        body = {"id": self.id, "object": obj, "created": self.created, "model": r.model, "choices": choices,
                 "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
-                "usage": _usage(r.prompt_tokens, completion_tokens)}
+                "usage": _usage(r.prompt_tokens, sum(tokens for tokens, _ in outputs))}
         if r.kind == CHAT:
             body.update(prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)
         body.update(kv_transfer_params=None, ec_transfer_params=None, metrics=None)

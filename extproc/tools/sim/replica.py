@@ -53,13 +53,26 @@ class SimClock:
         return self.origin + sim_t / self.speed
 
 
+class _Request:
+    """A client request: its writer, renderer and sequences (one per choice: n > 1 and prompt lists run several,
+    as vLLM runs each as a request of its own), and the outputs of those that finished."""
+
+    __slots__ = ("writer", "renderer", "seqs", "outputs", "left")
+
+    def __init__(self, writer: ResponseWriter, renderer: ResponseRenderer, choices: int):
+        self.writer, self.renderer = writer, renderer
+        self.seqs: list[Sequence] = []
+        self.outputs: list[tuple[int, str] | None] = [None] * choices  # (completion tokens, finish_reason)
+        self.left = choices
+
+
 class _Active:
-    """A request inside the engine: where its tokens go and how to render them."""
+    """A sequence inside the engine: the request it answers, as choice number `choice`."""
 
-    __slots__ = ("seq", "writer", "renderer")
+    __slots__ = ("seq", "request", "choice")
 
-    def __init__(self, seq: Sequence, writer: ResponseWriter, renderer: ResponseRenderer):
-        self.seq, self.writer, self.renderer = seq, writer, renderer
+    def __init__(self, seq: Sequence, request: _Request, choice: int):
+        self.seq, self.request, self.choice = seq, request, choice
 
 
 class Replica:
@@ -162,18 +175,21 @@ class Replica:
             entry = active.get(emission.seq.id)
             if entry is None:
                 continue
-            seq, writer, renderer = entry.seq, entry.writer, entry.renderer
+            seq, request = entry.seq, entry.request
+            writer, renderer = request.writer, request.renderer
             reason = emission.finish_reason
-            if renderer.request.stream:
-                event = renderer.token_event(seq.generated - 1, reason)
-                if reason is None:
-                    writer.write_chunk(event)
-                else:
-                    writer.end_stream(event + renderer.closing_events(seq.generated))
-            elif reason is not None:
-                writer.send(200, renderer.full_response(seq.generated, reason))
             if reason is not None:
                 del active[seq.id]
+                request.outputs[entry.choice] = (seq.generated, reason)
+                request.left -= 1
+            if renderer.request.stream:
+                event = renderer.token_event(seq.generated - 1, reason, entry.choice)
+                if reason is None or request.left:
+                    writer.write_chunk(event)
+                else:
+                    writer.end_stream(event + renderer.closing_events(sum(t for t, _ in request.outputs)))
+            elif reason is not None and not request.left:
+                writer.send(200, renderer.full_response(request.outputs))
 
     # -- HTTP -----------------------------------------------------------------------------------------------
     def handle(self, request: HttpRequest, writer: ResponseWriter) -> None:
@@ -273,24 +289,31 @@ class Replica:
         if writer.disconnected:
             return
         renderer = ResponseRenderer(parsed)
-        max_tokens = parsed.max_tokens
-        seq = self.engine.add_request(parsed.prompt_tokens, max_tokens, self._clock.now(),
-                                      natural_tokens=fixed_output_tokens(max_tokens, parsed.ignore_eos),
-                                      priority=parsed.priority, lora=self.loras.ids.get(parsed.model, 0))
-        self._active[seq.id] = _Active(seq, writer, renderer)
-        writer.on_disconnect = lambda: self._abort(seq)
+        request = _Request(writer, renderer, parsed.choices)
+        now, lora = self._clock.now(), self.loras.ids.get(parsed.model, 0)
+        for choice in range(parsed.choices):
+            prompt_tokens, max_tokens = parsed.sequence(choice)
+            seq = self.engine.add_request(prompt_tokens, max_tokens, now,
+                                          natural_tokens=fixed_output_tokens(max_tokens, parsed.ignore_eos),
+                                          priority=parsed.priority, lora=lora)
+            self._active[seq.id] = _Active(seq, request, choice)
+            request.seqs.append(seq)
+        writer.on_disconnect = lambda: self._abort(request)
         if parsed.stream:
             writer.start_stream()
             if parsed.kind == CHAT:
                 writer.write_chunk(renderer.role_event())
         self._wake.set()
 
-    def _abort(self, seq: Sequence) -> None:
-        """The client went away: free the sequence, as vLLM does on disconnect. Like vLLM 0.32, a client abort
+    def _abort(self, request: _Request) -> None:
+        """The client went away: free its sequences, as vLLM does on disconnect. Like vLLM 0.32, a client abort
         shows only as the running (or waiting) gauge dropping: it is not counted in
         `request_success_total{finished_reason="abort"}` nor observed in the request histograms
         (docs/vllm.md); the engine's own count (GET /sim/state `finished.abort`) still has it."""
-        if self._active.pop(seq.id, None) is None:
+        left = [seq for seq in request.seqs if self._active.pop(seq.id, None) is not None]
+        if not left:
             return
-        self.engine.abort(seq, max(self._sim_t, self._clock.now()))
+        now = max(self._sim_t, self._clock.now())
+        for seq in left:
+            self.engine.abort(seq, now)
         self._wake.set()

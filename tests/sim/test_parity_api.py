@@ -1,0 +1,123 @@
+"""The simulator against real vLLM on what it long refused or ignored: tests/fixtures/vllm/api.json,
+api_streams.json and responses_stream.json (`python3 -m scripts.vllm.record_fixtures --only-api`).
+
+Compared as in test_parity.py: JSON shapes, the recorded value formats, error statuses, types, params and messages
+(exact), SSE framing, event kinds and shapes; and what a client counts on: one choice per sequence with its
+`index`, usage summed over them, exactly one finish per choice in a stream. Generated text and token counts are not
+compared (the simulator has no tokenizer), except where `ignore_eos` fixes them.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from scripts.vllm.fixture_format import shape
+from scripts.vllm.record_fixtures import classify, compress, parse_sse, usage_state
+from tests.sim.test_parity import assert_formats, assert_headers, load, request, sim  # noqa: F401 (a fixture)
+
+API = load("api.json")
+STREAMS = load("api_streams.json")
+
+
+def case_params(names: list[str]) -> list:
+    return [pytest.param(name, id=name) for name in names]
+
+
+N_AND_LISTS = ["chat_n2", "chat_n2_default_temperature", "completions_n2", "completions_prompt_list",
+               "completions_prompt_list_n2", "completions_token_lists", "prompt_list_with_empty",
+               "chat_n2_greedy", "completions_n2_greedy", "chat_n0", "prompt_empty_list"]
+
+
+async def replay(sim, name: str):
+    url, http, _ = sim
+    fx = API[name]
+    status, headers, payload = await request(http, url, fx["request"], fx["request"]["body"])
+    assert status == fx["status"], f"{name}: {status} {payload[:300]!r}"
+    doc = json.loads(payload)
+    assert shape(doc) == fx["shape"], f"{name}: shape differs"
+    if status != 200:
+        assert doc == fx["body"], f"{name}: body differs"
+        return fx, doc
+    assert_formats(fx["formats"], doc, name)
+    assert_headers({k: v for k, v in fx["headers"].items() if k != "content-length"} | {"content-length": "<int>"},
+                   headers, name)
+    return fx, doc
+
+
+@pytest.mark.parametrize("name", case_params(N_AND_LISTS))
+async def test_n_and_prompt_lists(sim, name):
+    """One choice per sequence (prompt p's outputs at p * n .. p * n + n - 1), usage summed over them; greedy
+    sampling with n > 1, n < 1 and an empty prompt list refused as vLLM refuses them."""
+    fx, doc = await replay(sim, name)
+    if fx["status"] != 200:
+        return
+    real = fx["body"]
+    assert [c["index"] for c in doc["choices"]] == [c["index"] for c in real["choices"]]
+    u = doc["usage"]
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+    if fx["request"]["body"].get("ignore_eos"):  # else the length is the profile's draw
+        assert [c["finish_reason"] for c in doc["choices"]] == [c["finish_reason"] for c in real["choices"]]
+        assert u["completion_tokens"] == real["usage"]["completion_tokens"]  # max_tokens per choice
+
+
+STREAMED = ["chat_stream_n2", "completions_stream_list_n2", "completions_stream_list"]
+
+
+@pytest.mark.parametrize("name", case_params(STREAMED))
+async def test_streamed_choices(sim, name):
+    """Each chunk carries one choice and its index; each choice finishes once; the usage chunk (when asked for)
+    sums all of them, and the fingerprint rides where vLLM puts it (each finish, or the usage chunk)."""
+    url, http, _ = sim
+    fx = STREAMS[name]
+    status, headers, raw = await request(http, url, fx["request"], fx["request"]["body"])
+    assert status == fx["status"]
+    assert_headers(fx["headers"], headers, name)
+    framing, events = parse_sse(raw)
+    assert framing == fx["framing"]
+    kinds = [classify(e) for e in events]
+    real_kinds = [e["kind"] for e in fx["events"]]
+    assert sorted(kinds) == sorted(real_kinds), f"{name}: event kinds differ"
+    assert compress(kinds)[-2:] == compress(real_kinds)[-2:]
+    for kind in dict.fromkeys(real_kinds):
+        if kind == "done":
+            continue
+        real_shapes = {json.dumps(e["shape"], sort_keys=True) for e in fx["events"] if e["kind"] == kind}
+        mine = {json.dumps(shape(e), sort_keys=True) for e, k in zip(events, kinds) if k == kind}
+        assert mine == real_shapes, f"{name}: {kind} shape"
+        assert {usage_state(e) for e, k in zip(events, kinds) if k == kind} == \
+            {e["usage"] for e in fx["events"] if e["kind"] == kind}
+    per_kind = {}
+    for e, k in zip(events, kinds):
+        if k in ("role", "content", "finish"):
+            per_kind.setdefault(k, []).append(e["choices"][0]["index"])
+    real_per_kind = {}
+    for e in fx["events"]:
+        if e["kind"] in ("role", "content", "finish"):
+            real_per_kind.setdefault(e["kind"], []).append(e["index"])
+    assert {k: sorted(v) for k, v in per_kind.items()} == {k: sorted(v) for k, v in real_per_kind.items()}
+    if "usage" in kinds:
+        usage = events[kinds.index("usage")]["usage"]
+        assert usage["completion_tokens"] == sum(1 for k in kinds if k in ("content", "finish"))
+
+
+async def test_a_client_leaving_an_n2_stream_aborts_every_sequence(sim):
+    """vLLM runs each choice as a request of its own (vllm:num_requests_running counts them) and a disconnect
+    aborts them all."""
+    import asyncio
+
+    from tests.sim.test_parity import _metrics, _sample
+
+    url, http, _ = sim
+    body = {"model": "tiny-llama", "prompt": ["a b c", "d e"], "n": 2, "max_tokens": 1500, "ignore_eos": True,
+            "stream": True}
+    async with http.post(url + "/v1/completions", json=body) as r:
+        await r.content.readuntil(b"\n\n")
+        assert _sample(await _metrics(http, url), "vllm:num_requests_running") == 4
+        r.close()
+    for _ in range(100):
+        if _sample(await _metrics(http, url), "vllm:num_requests_running") == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert _sample(await _metrics(http, url), "vllm:num_requests_running") == 0
