@@ -307,9 +307,7 @@ async def test_n_and_prompt_lists_are_served_and_learned_per_sequence(make_stack
 async def test_responses_api_is_admitted_and_its_usage_learned(make_stack, target):
     """/v1/responses through the stack, streamed and not: 200, the stream's typed events end with
     response.completed, and the output tokens the ext_proc learns (from the body, or the stream's last event) equal
-    vllm:generation_tokens_total's delta. Real vLLM only: the simulator does not serve the Responses API."""
-    if target.kind == "sim":
-        pytest.skip("the simulator does not serve /v1/responses (docs/simulator.md)")
+    vllm:generation_tokens_total's delta."""
     s = make_stack(policy(target, learn_sample=1.0))
     body = {"model": target.model, "input": "hello there", "max_output_tokens": 7, "temperature": 0}
     async with aiohttp.ClientSession() as http:

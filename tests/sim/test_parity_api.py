@@ -121,3 +121,51 @@ async def test_a_client_leaving_an_n2_stream_aborts_every_sequence(sim):
             break
         await asyncio.sleep(0.02)
     assert _sample(await _metrics(http, url), "vllm:num_requests_running") == 0
+
+
+RESPONSES_CASES = ["responses", "responses_messages", "responses_unknown_model", "responses_no_input"]
+
+
+@pytest.mark.parametrize("name", case_params(RESPONSES_CASES))
+async def test_responses(sim, name):
+    """/v1/responses: the response object vLLM writes (a max_output_tokens cut: status "incomplete" with its
+    reason), usage as input/output tokens, and the same refusals as the other generation paths."""
+    fx, doc = await replay(sim, name)
+    if fx["status"] != 200:
+        return
+    real = fx["body"]
+    for key in ("object", "status", "incomplete_details", "instructions", "max_output_tokens", "temperature"):
+        assert doc[key] == real[key], key
+    u = doc["usage"]
+    assert u["output_tokens"] == real["usage"]["output_tokens"] == fx["request"]["body"]["max_output_tokens"]
+    assert u["total_tokens"] == u["input_tokens"] + u["output_tokens"]
+    assert doc["output"][0]["content"][0]["text"]
+
+
+async def test_responses_stream(sim):
+    """Streamed: vLLM's typed events in order (the deltas may be fewer: real vLLM batched tokens on a busy CPU),
+    numbered from 0, each with the recorded shape; response.completed last, with the whole text and usage."""
+    url, http, _ = sim
+    fx = load("responses_stream.json")
+    status, headers, raw = await request(http, url, fx["request"], fx["request"]["body"])
+    assert status == fx["status"]
+    assert_headers(fx["headers"], headers, "responses_stream")
+    blocks = raw.decode().split("\n\n")
+    assert blocks[-1] == ""
+    events = []
+    for block in blocks[:-1]:
+        lines = block.split("\n")
+        assert [ln.split(":", 1)[0] for ln in lines] == ["event", "data"]
+        events.append((lines[0][len("event: "):], json.loads(lines[1][len("data: "):])))
+    real = fx["events"]
+    assert compress([e for e, _ in events]) == compress([e["event"] for e in real])
+    assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
+    real_shapes = {e["event"]: e["shape"] for e in real}
+    for kind, doc in events:
+        assert doc["type"] == kind and shape(doc) == real_shapes[kind], kind
+    assert_formats(real[-1]["formats"], events[-1][1], "response.completed")
+    completed = events[-1][1]["response"]
+    text = "".join(d["delta"] for k, d in events if k == "response.output_text.delta")
+    assert completed["output"][0]["content"][0]["text"] == text
+    assert completed["usage"]["output_tokens"] == fx["request"]["body"]["max_output_tokens"]
+    assert completed["status"] == real[-1]["body"]["response"]["status"] == "incomplete"

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from extproc.tools.sim.tokens import FILLER_WORDS, estimate_chat_tokens, estimate_text_tokens, filler_text
 
-CHAT, COMPLETIONS = "chat", "completions"
+CHAT, COMPLETIONS, RESPONSES = "chat", "completions", "responses"
 SIM_VERSION = "0.32.0-sim"
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # vLLM 0.32 reads a request's priority from this header before the body's `priority` (an unparsable value falls
@@ -61,6 +61,7 @@ class GenerationRequest:
     prompts: tuple[int, ...] = ()
     limits: tuple[int, ...] = ()
     n: int = 1
+    echoed: dict | None = None  # the Responses API's request fields its response repeats
 
     def __post_init__(self):
         self.prompts = self.prompts or (self.prompt_tokens,)
@@ -206,6 +207,8 @@ def _token_ids(value) -> bool:
 def _prompt_tokens(kind: str, body: dict) -> tuple[int, ...]:
     """The token count of each prompt: one for chat and a single completions prompt, one per entry of a prompt
     list (strings or token-id lists; () for an empty list, which vLLM refuses after the model lookup)."""
+    if kind == RESPONSES:
+        return (estimate_chat_tokens(_responses_messages(body)),)
     if kind == CHAT:
         if "messages" not in body:
             raise validation_error("missing", "body.messages", "Field required", body)
@@ -233,6 +236,26 @@ def _prompt_tokens(kind: str, body: dict) -> tuple[int, ...]:
         return tuple(estimate_text_tokens(p) if isinstance(p, str) else len(p) for p in prompt)
     raise validation_error("value_error", "body.prompt", "Value error, prompt must be a string, a list of token "
                            "ids, or a list of those", prompt)
+
+
+def _responses_messages(body: dict) -> list[dict]:
+    """The Responses API's `input` (a string, or a list of message items) and `instructions` (a system message)
+    as the chat messages the prompt is templated from."""
+    if "input" not in body:
+        # vLLM 0.32's ResponsesRequest adds a field before validation: its message counts one item more than the
+        # body holds (api.json responses_no_input: 2 sent, "<dict of 3 items>").
+        raise validation_error("missing", "body.input", "Field required", {**body, None: None})
+    value = body["input"]
+    if isinstance(value, str):
+        messages = [{"role": "user", "content": value}]
+    elif isinstance(value, list):
+        messages = [item for item in value if isinstance(item, dict)]
+    else:
+        raise validation_error("string_type", "body.input", "Input should be a valid string", value)
+    instructions = body.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        messages.insert(0, {"role": "system", "content": instructions})
+    return messages
 
 
 # vLLM's --max-logprobs default: the most logprobs a token may come with.
@@ -321,12 +344,13 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
     include_usage = bool(options and _bool_field(options, "include_usage", "body.stream_options"))
     continuous = bool(options and _bool_field(options, "continuous_usage_stats", "body.stream_options"))
     prompts = _prompt_tokens(kind, body)
-    _check_logprobs(kind, body)
+    if kind != RESPONSES:
+        _check_logprobs(kind, body)
     if kind == CHAT:
         _check_tools(body)
-    n = _int_field(body, "n")
-    max_tokens = _int_field(body, "max_tokens")
-    max_field = "max_tokens"
+    n = _int_field(body, "n") if kind != RESPONSES else None
+    max_field = "max_output_tokens" if kind == RESPONSES else "max_tokens"
+    max_tokens = _int_field(body, max_field)
     if kind == CHAT and body.get("max_completion_tokens") is not None:
         max_tokens, max_field = _int_field(body, "max_completion_tokens"), "max_completion_tokens"
     ignore_eos = ignores_eos(body)
@@ -373,7 +397,20 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
     answered = model if model in adapters and model not in served else served[0]
     return GenerationRequest(kind, answered, sum(prompts), limits[0], stream, include_usage, ignore_eos,
                              continuous and include_usage, requested_model=model, priority=priority,
-                             prompts=prompts, limits=limits, n=n)
+                             prompts=prompts, limits=limits, n=n,
+                             echoed=_responses_echo(body, max_tokens) if kind == RESPONSES else None)
+
+
+def _responses_echo(body: dict, max_output_tokens: int | None) -> dict:
+    """What a Responses API answer repeats of its request (api.json `responses`). Unset sampling fields show
+    their defaults (temperature 1.0: the tiny model's generation config sets none)."""
+    def number(name: str, default: float) -> float:
+        value = body.get(name)
+        return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else default
+    return {"instructions": body.get("instructions"), "max_output_tokens": max_output_tokens,
+            "temperature": number("temperature", 1.0), "top_p": number("top_p", 1.0),
+            "presence_penalty": number("presence_penalty", 0.0),
+            "frequency_penalty": number("frequency_penalty", 0.0)}
 
 
 # vLLM's _SAMPLING_EPS: a temperature below it is greedy sampling. Unset is 1.0 (the tiny model's generation
@@ -460,8 +497,13 @@ class ResponseRenderer:
         return (b"data: " + self._token_heads[choice] + words[index % len(words)] + self._token_mid + reason
                 + tail + b"}\n\n")
 
-    def closing_events(self, completion_tokens: int) -> bytes:
-        """The optional usage chunk, then [DONE]."""
+    def opening_events(self) -> bytes:
+        """What a stream starts with: chat's role chunks; nothing for completions."""
+        return self.role_event() if self.request.kind == CHAT else b""
+
+    def closing_events(self, outputs: list[tuple[int, str]]) -> bytes:
+        """The optional usage chunk (`outputs`: each choice's (completion tokens, finish_reason)), then [DONE]."""
+        completion_tokens = sum(tokens for tokens, _ in outputs)
         tail = b"data: [DONE]\n\n"
         if not self.request.include_usage:
             return tail
@@ -516,3 +558,90 @@ def models_body(served: tuple[str, ...], max_model_len: int, root: str | None = 
                              "allow_fine_tuning": False, "organization": "*", "group": None,
                              "is_blocking": False}]} for name, card_root, parent, length in cards]
     return vllm_json({"object": "list", "data": data})
+
+
+class ResponsesRenderer:
+    """The Responses API's bodies as vLLM 0.32 writes them (api.json `responses`, responses_stream.json): one
+    message output item; streamed as numbered typed events (`event: <type>` then `data: <json>`, no [DONE]): created,
+    in_progress, the item and its part added, a text delta per token, then the text, part and item done and
+    response.completed (also when max_output_tokens cut it: status "incomplete")."""
+
+    def __init__(self, request: GenerationRequest):
+        self.request = request
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.item_id = f"msg_{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self._number = 0  # the stream's sequence_number
+        self._words = [w.encode() for w in FILLER_WORDS]
+        self._delta_tail = (f'","item_id":"{self.item_id}","logprobs":[],"output_index":0,'
+                            f'"sequence_number":').encode()
+
+    def _event(self, kind: str, doc: dict) -> bytes:
+        doc["sequence_number"] = self._number
+        doc["type"] = kind
+        self._number += 1
+        return b"event: %b\ndata: %b\n\n" % (kind.encode(), vllm_json(doc))
+
+    def _item(self, text: str | None) -> dict:
+        content = [] if text is None else [{"annotations": [], "text": text, "type": "output_text", "logprobs": None}]
+        return {"id": self.item_id, "content": content, "role": "assistant",
+                "status": "in_progress" if text is None else "completed", "type": "message", "phase": None}
+
+    def _response(self, outputs: list[tuple[int, str]] | None) -> dict:
+        r, echoed = self.request, self.request.echoed or {}
+        status, incomplete, output, usage = "in_progress", None, [], None
+        if outputs:
+            tokens, reason = outputs[0]
+            status = "incomplete" if reason == "length" else "completed"
+            incomplete = {"reason": "max_output_tokens"} if reason == "length" else None
+            output = [self._item(filler_text(tokens))]
+            usage = {"input_tokens": r.prompt_tokens,
+                     "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0,
+                                              "input_tokens_per_turn": [], "cached_tokens_per_turn": []},
+                     "output_tokens": tokens,
+                     "output_tokens_details": {"reasoning_tokens": 0, "tool_output_tokens": 0,
+                                               "output_tokens_per_turn": [], "tool_output_tokens_per_turn": []},
+                     "total_tokens": r.prompt_tokens + tokens}
+        return {"id": self.id, "created_at": self.created, "incomplete_details": incomplete,
+                "instructions": echoed.get("instructions"), "metadata": None, "model": r.model, "object": "response",
+                "output": output, "parallel_tool_calls": True, "temperature": echoed.get("temperature", 1.0),
+                "tool_choice": "none", "tools": [], "top_p": echoed.get("top_p", 1.0), "background": False,
+                "max_output_tokens": echoed.get("max_output_tokens"), "max_tool_calls": None,
+                "previous_response_id": None, "prompt": None, "reasoning": None, "service_tier": "auto",
+                "status": status, "text": None, "top_logprobs": None, "truncation": "disabled", "usage": usage,
+                "user": None, "presence_penalty": echoed.get("presence_penalty", 0.0),
+                "frequency_penalty": echoed.get("frequency_penalty", 0.0), "kv_transfer_params": None,
+                "ec_transfer_params": None, "input_messages": None, "output_messages": None}
+
+    def opening_events(self) -> bytes:
+        part = {"annotations": [], "text": "", "type": "output_text", "logprobs": []}
+        return (self._event("response.created", {"response": self._response(None)})
+                + self._event("response.in_progress", {"response": self._response(None)})
+                + self._event("response.output_item.added", {"item": self._item(None), "output_index": 0})
+                + self._event("response.content_part.added", {"content_index": 0, "item_id": self.item_id,
+                                                              "output_index": 0, "part": part}))
+
+    def token_event(self, index: int, finish_reason: str | None, choice: int = 0) -> bytes:
+        """A text delta: one filler word (plain ASCII letters, spliced into the JSON without escaping)."""
+        number = self._number
+        self._number += 1
+        return (b'event: response.output_text.delta\ndata: {"content_index":0,"delta":"'
+                + self._words[index % len(self._words)] + self._delta_tail
+                + b'%d,"type":"response.output_text.delta"}\n\n' % number)
+
+    def closing_events(self, outputs: list[tuple[int, str]]) -> bytes:
+        text = filler_text(outputs[0][0])
+        done = {"content_index": 0, "item_id": self.item_id, "output_index": 0}
+        part = {"annotations": [], "text": text, "type": "output_text", "logprobs": None}
+        return (self._event("response.output_text.done", {"content_index": 0, "item_id": self.item_id,
+                                                          "logprobs": [], "output_index": 0, "text": text})
+                + self._event("response.content_part.done", done | {"part": part})
+                + self._event("response.output_item.done", {"item": self._item(text), "output_index": 0})
+                + self._event("response.completed", {"response": self._response(outputs)}))
+
+    def full_response(self, outputs: list[tuple[int, str]]) -> bytes:
+        return vllm_json(self._response(outputs))
+
+
+def renderer_for(request: GenerationRequest) -> ResponseRenderer | ResponsesRenderer:
+    return ResponsesRenderer(request) if request.kind == RESPONSES else ResponseRenderer(request)

@@ -11,14 +11,15 @@ from extproc.tools.sim.engine import Emission, Engine, Sequence
 from extproc.tools.sim.http11 import HttpRequest, ResponseWriter
 from extproc.tools.sim.lora import Adapter, LoraRegistry
 from extproc.tools.sim.metrics import ReplicaMetrics
-from extproc.tools.sim.openai_api import (CHAT, COMPLETIONS, PRIORITY_HEADER, SIM_VERSION, ApiError, GenerationRequest,
-                                          ResponseRenderer, error_body, fixed_output_tokens, header_priority,
-                                          models_body, parse_generation, vllm_json)
+from extproc.tools.sim.openai_api import (CHAT, COMPLETIONS, PRIORITY_HEADER, RESPONSES, SIM_VERSION, ApiError,
+                                          GenerationRequest, ResponseRenderer, ResponsesRenderer, error_body,
+                                          fixed_output_tokens, header_priority, models_body, parse_generation,
+                                          renderer_for, vllm_json)
 from extproc.tools.sim.profile import Profile
 
 # If the loop falls this far behind simulated time (CPU starved), it stops trying to catch up.
 MAX_LAG_REAL_S = 0.25
-GENERATION_PATHS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS}
+GENERATION_PATHS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS, "/v1/responses": RESPONSES}
 LORA_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
@@ -59,7 +60,7 @@ class _Request:
 
     __slots__ = ("writer", "renderer", "seqs", "outputs", "left")
 
-    def __init__(self, writer: ResponseWriter, renderer: ResponseRenderer, choices: int):
+    def __init__(self, writer: ResponseWriter, renderer: ResponseRenderer | ResponsesRenderer, choices: int):
         self.writer, self.renderer = writer, renderer
         self.seqs: list[Sequence] = []
         self.outputs: list[tuple[int, str] | None] = [None] * choices  # (completion tokens, finish_reason)
@@ -187,7 +188,7 @@ class Replica:
                 if reason is None or request.left:
                     writer.write_chunk(event)
                 else:
-                    writer.end_stream(event + renderer.closing_events(sum(t for t, _ in request.outputs)))
+                    writer.end_stream(event + renderer.closing_events(request.outputs))
             elif reason is not None and not request.left:
                 writer.send(200, renderer.full_response(request.outputs))
 
@@ -288,7 +289,7 @@ class Replica:
     def _submit(self, parsed: GenerationRequest, writer: ResponseWriter) -> None:
         if writer.disconnected:
             return
-        renderer = ResponseRenderer(parsed)
+        renderer = renderer_for(parsed)
         request = _Request(writer, renderer, parsed.choices)
         now, lora = self._clock.now(), self.loras.ids.get(parsed.model, 0)
         for choice in range(parsed.choices):
@@ -301,8 +302,7 @@ class Replica:
         writer.on_disconnect = lambda: self._abort(request)
         if parsed.stream:
             writer.start_stream()
-            if parsed.kind == CHAT:
-                writer.write_chunk(renderer.role_event())
+            writer.write_chunk(renderer.opening_events())
         self._wake.set()
 
     def _abort(self, request: _Request) -> None:
