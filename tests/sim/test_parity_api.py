@@ -169,3 +169,28 @@ async def test_responses_stream(sim):
     assert completed["output"][0]["content"][0]["text"] == text
     assert completed["usage"]["output_tokens"] == fx["request"]["body"]["max_output_tokens"]
     assert completed["status"] == real[-1]["body"]["response"]["status"] == "incomplete"
+
+
+TOKENIZE_CASES = ["tokenize", "tokenize_chat", "tokenize_no_special", "tokenize_unknown_model", "detokenize",
+                  "detokenize_unknown_model"]
+
+
+@pytest.mark.parametrize("name", case_params(TOKENIZE_CASES))
+async def test_tokenize(sim, name):
+    """/tokenize and /detokenize: vLLM's bodies; a count is what the generation paths count for the same prompt
+    (the simulator's estimate, not the real tokenizer's), and detokenized ids give text."""
+    url, http, _ = sim
+    fx, doc = await replay(sim, name)
+    if fx["status"] != 200:
+        return
+    body = fx["request"]["body"]
+    if name == "detokenize":
+        assert doc["prompt"]
+        return
+    assert doc["count"] == len(doc["tokens"]) and doc["max_model_len"] == fx["body"]["max_model_len"]
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    gen = {k: v for k, v in body.items() if k != "add_special_tokens"} | {"max_tokens": 1}
+    status, _, payload = await request(http, url, {"method": "POST", "path": path}, gen)
+    prompt_tokens = json.loads(payload)["usage"]["prompt_tokens"]
+    real_diff = API["tokenize"]["body"]["count"] - API["tokenize_no_special"]["body"]["count"]
+    assert doc["count"] == prompt_tokens - (real_diff if body.get("add_special_tokens") is False else 0)

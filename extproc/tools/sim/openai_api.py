@@ -323,16 +323,7 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
     is not an error: max_tokens is clamped to the room left (tests/fixtures/vllm/errors.json). `adapters`: the LoRA
     adapter names the replica serves besides its served names.
     """
-    try:
-        body = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise validation_error("json_invalid", f"body.{exc.pos}", "JSON decode error", {},
-                               {"error": exc.msg}) from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise validation_error("json_invalid", "body.0", "JSON decode error", {}, {"error": str(exc)}) from None
-    if not isinstance(body, dict):
-        raise validation_error("model_attributes_type", "body", "Input should be a valid dictionary or object to "
-                               "extract fields from", body)
+    body = _json_body(raw)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise validation_error("string_type", "body.model", "Input should be a valid string", model)
@@ -541,6 +532,64 @@ class ResponseRenderer:
             body.update(prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)
         body.update(kv_transfer_params=None, ec_transfer_params=None, metrics=None)
         return vllm_json(body)
+
+
+def _json_body(raw: bytes) -> dict:
+    """The request body as a dict, or the validation error vLLM answers."""
+    try:
+        body = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise validation_error("json_invalid", f"body.{exc.pos}", "JSON decode error", {},
+                               {"error": exc.msg}) from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise validation_error("json_invalid", "body.0", "JSON decode error", {}, {"error": str(exc)}) from None
+    if not isinstance(body, dict):
+        raise validation_error("model_attributes_type", "body", "Input should be a valid dictionary or object to "
+                               "extract fields from", body)
+    return body
+
+
+def _served_model(body: dict, served: tuple[str, ...], adapters: Container[str]) -> str:
+    """The body's `model` (unset: the first served name), or vLLM's 404."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise validation_error("string_type", "body.model", "Input should be a valid string", model)
+    model = model or served[0]
+    if model not in served and model not in adapters:
+        raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {', '.join(served)}.",
+                       "NotFoundError", "model")
+    return model
+
+
+# The simulator has no vocabulary: token ids it shows stand for its filler words (id FILLER_ID0 + k is word k), so
+# /detokenize of any ids gives text and /tokenize counts what a generation request's usage would count.
+FILLER_ID0 = 100
+
+
+def tokenize_body(raw: bytes, served: tuple[str, ...], max_model_len: int, adapters: Container[str] = ()) -> bytes:
+    """POST /tokenize: a `prompt` or chat `messages` counted as the generation paths count them (the estimate of a
+    prompt includes the BOS it starts with; `add_special_tokens: false` takes it off), as vLLM 0.32 answers
+    (api.json tokenize*). No engine work: vLLM tokenizes on its API server."""
+    body = _json_body(raw)
+    kind = CHAT if "messages" in body else COMPLETIONS
+    count = _prompt_tokens(kind, body)[0]
+    _served_model(body, served, adapters)
+    if kind == COMPLETIONS and body.get("add_special_tokens") is False:
+        count = max(1, count - 1)
+    words = len(FILLER_WORDS)
+    return vllm_json({"count": count, "max_model_len": max_model_len,
+                      "tokens": [FILLER_ID0 + i % words for i in range(count)], "token_strs": None})
+
+
+def detokenize_body(raw: bytes, served: tuple[str, ...], adapters: Container[str] = ()) -> bytes:
+    """POST /detokenize: `tokens` back to text (api.json detokenize*)."""
+    body = _json_body(raw)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise validation_error("list_type", "body.tokens", "Input should be a valid list", tokens)
+    _served_model(body, served, adapters)
+    words = FILLER_WORDS
+    return vllm_json({"prompt": "".join(words[(t - FILLER_ID0) % len(words)] for t in tokens)})
 
 
 def models_body(served: tuple[str, ...], max_model_len: int, root: str | None = None,

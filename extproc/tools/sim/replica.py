@@ -12,9 +12,9 @@ from extproc.tools.sim.http11 import HttpRequest, ResponseWriter
 from extproc.tools.sim.lora import Adapter, LoraRegistry
 from extproc.tools.sim.metrics import ReplicaMetrics
 from extproc.tools.sim.openai_api import (CHAT, COMPLETIONS, PRIORITY_HEADER, RESPONSES, SIM_VERSION, ApiError,
-                                          GenerationRequest, ResponseRenderer, ResponsesRenderer, error_body,
-                                          fixed_output_tokens, header_priority, models_body, parse_generation,
-                                          renderer_for, vllm_json)
+                                          GenerationRequest, ResponseRenderer, ResponsesRenderer, detokenize_body,
+                                          error_body, fixed_output_tokens, header_priority, models_body,
+                                          parse_generation, renderer_for, tokenize_body, vllm_json)
 from extproc.tools.sim.profile import Profile
 
 # If the loop falls this far behind simulated time (CPU starved), it stops trying to catch up.
@@ -211,6 +211,8 @@ class Replica:
             writer.send(200, models_body(self.profile.model_names, self.profile.max_model_len, adapters=cards))
         elif path in LORA_PATHS and self.runtime_lora:
             self._lora_update(path, request, writer)
+        elif path in ("/tokenize", "/detokenize"):
+            self._tokenize(path, request, writer)
         elif path == "/version":
             writer.send(200, vllm_json({"version": SIM_VERSION}))
         elif path == "/sim/state":
@@ -259,6 +261,20 @@ class Replica:
         update = self.loras.load if path == LORA_PATHS[0] else self.loras.unload
         try:
             writer.send(200, update(request.body).encode(), None)
+        except ApiError as exc:
+            writer.send(exc.status, exc.body())
+
+    def _tokenize(self, path: str, request: HttpRequest, writer: ResponseWriter) -> None:
+        """POST /tokenize or /detokenize: answered on the spot, as vLLM's API server answers them (no engine)."""
+        if request.method != "POST":
+            writer.send(405, vllm_json({"detail": "Method Not Allowed"}), headers={"allow": "POST"})
+            return
+        p = self.profile
+        try:
+            if path == "/tokenize":
+                writer.send(200, tokenize_body(request.body, p.model_names, p.max_model_len, self.loras))
+            else:
+                writer.send(200, detokenize_body(request.body, p.model_names, self.loras))
         except ApiError as exc:
             writer.send(exc.status, exc.body())
 
