@@ -62,7 +62,7 @@ async def test_n_and_prompt_lists(sim, name):
         assert u["completion_tokens"] == real["usage"]["completion_tokens"]  # max_tokens per choice
 
 
-STREAMED = ["chat_stream_n2", "completions_stream_list_n2", "completions_stream_list"]
+STREAMED = ["chat_stream_n2", "completions_stream_list_n2", "completions_stream_list", "completions_stream_echo"]
 
 
 @pytest.mark.parametrize("name", case_params(STREAMED))
@@ -97,6 +97,8 @@ async def test_streamed_choices(sim, name):
         if e["kind"] in ("role", "content", "finish"):
             real_per_kind.setdefault(e["kind"], []).append(e["index"])
     assert {k: sorted(v) for k, v in per_kind.items()} == {k: sorted(v) for k, v in real_per_kind.items()}
+    if fx["request"]["body"].get("echo"):  # the first chunk starts with the prompt
+        assert events[0]["choices"][0]["text"].startswith(fx["request"]["body"]["prompt"])
     if "usage" in kinds:
         usage = events[kinds.index("usage")]["usage"]
         assert usage["completion_tokens"] == sum(1 for k in kinds if k in ("content", "finish"))
@@ -194,3 +196,20 @@ async def test_tokenize(sim, name):
     prompt_tokens = json.loads(payload)["usage"]["prompt_tokens"]
     real_diff = API["tokenize"]["body"]["count"] - API["tokenize_no_special"]["body"]["count"]
     assert doc["count"] == prompt_tokens - (real_diff if body.get("add_special_tokens") is False else 0)
+
+
+ECHO_CASES = ["echo", "echo_max_tokens_0", "max_tokens_0", "suffix"]
+
+
+@pytest.mark.parametrize("name", case_params(ECHO_CASES))
+async def test_echo_and_suffix(sim, name):
+    """`echo`: the text starts with the prompt; with `max_tokens: 0` it is the prompt alone, and vLLM still samples
+    (and counts) one token; `max_tokens: 0` without echo and `suffix` (no FIM model) are refused."""
+    fx, doc = await replay(sim, name)
+    if fx["status"] != 200:
+        return
+    prompt, real = fx["request"]["body"]["prompt"], fx["body"]
+    text = doc["choices"][0]["text"]
+    assert text.startswith(prompt) and (text == prompt) == (name == "echo_max_tokens_0")
+    assert doc["usage"]["completion_tokens"] == real["usage"]["completion_tokens"]
+    assert doc["choices"][0]["finish_reason"] == real["choices"][0]["finish_reason"] == "length"

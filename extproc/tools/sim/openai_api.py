@@ -62,6 +62,10 @@ class GenerationRequest:
     limits: tuple[int, ...] = ()
     n: int = 1
     echoed: dict | None = None  # the Responses API's request fields its response repeats
+    # Completions `echo`: each prompt's text, which its choices' text starts with. echo_only: `max_tokens: 0` with
+    # echo, where vLLM samples one token (counted in usage) and answers the prompt alone.
+    echo: tuple[str, ...] | None = None
+    echo_only: bool = False
 
     def __post_init__(self):
         self.prompts = self.prompts or (self.prompt_tokens,)
@@ -352,6 +356,12 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
                        "NotFoundError", "model")
     if not prompts:
         raise ApiError(400, "You must pass at least one prompt")
+    if kind == COMPLETIONS and body.get("suffix") is not None:
+        raise ApiError(400, "suffix is only supported for models with FIM completion rendering", param="suffix")
+    echo = kind == COMPLETIONS and _bool_field(body, "echo")
+    echo_only = echo and max_tokens == 0
+    if echo_only:
+        max_tokens = 1
     tools_refused = _tool_parser_error(body) if kind == CHAT else None
     if tools_refused is not None:
         raise tools_refused
@@ -389,7 +399,14 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
     return GenerationRequest(kind, answered, sum(prompts), limits[0], stream, include_usage, ignore_eos,
                              continuous and include_usage, requested_model=model, priority=priority,
                              prompts=prompts, limits=limits, n=n,
-                             echoed=_responses_echo(body, max_tokens) if kind == RESPONSES else None)
+                             echoed=_responses_echo(body, max_tokens) if kind == RESPONSES else None,
+                             echo=_prompt_texts(body["prompt"]) if echo else None, echo_only=echo_only)
+
+
+def _prompt_texts(prompt) -> tuple[str, ...]:
+    """Each (validated) completions prompt as text: token ids as the filler words they stand for."""
+    entries = [prompt] if isinstance(prompt, str) or _token_ids(prompt) else prompt
+    return tuple(p if isinstance(p, str) else ids_text(p) for p in entries)
 
 
 def _responses_echo(body: dict, max_output_tokens: int | None) -> dict:
@@ -485,8 +502,20 @@ class ResponseRenderer:
             reason, tail = b'"%b"' % finish_reason.encode(), self._choice_tail_last + self._last_tail
         if self.request.continuous_usage:
             tail += self._running_usage(index + 1)
-        return (b"data: " + self._token_heads[choice] + words[index % len(words)] + self._token_mid + reason
-                + tail + b"}\n\n")
+        word = b"" if self.request.echo_only else words[index % len(words)]
+        event = b"data: " + self._token_heads[choice] + word + self._token_mid + reason + tail + b"}\n\n"
+        if index == 0 and self.request.echo is not None:
+            return self._echoed(event, choice)
+        return event
+
+    def _echoed(self, event: bytes, choice: int) -> bytes:
+        """A choice's first chunk under `echo`: its prompt before the token, and (as vLLM, api_streams.json
+        completions_stream_echo) the prompt's token ids."""
+        r = self.request
+        prompt = r.echo[choice // r.n]
+        event = event.replace(b'"text":"', b'"text":"' + json.dumps(prompt)[1:-1].encode(), 1)
+        ids = vllm_json(text_ids(r.sequence(choice)[0]))
+        return event.replace(b'"prompt_token_ids":null', b'"prompt_token_ids":' + ids, 1)
 
     def opening_events(self) -> bytes:
         """What a stream starts with: chat's role chunks; nothing for completions."""
@@ -508,7 +537,10 @@ class ResponseRenderer:
         return b"data: " + vllm_json(chunk) + b"\n\n" + tail
 
     def _choice(self, index: int, completion_tokens: int, finish_reason: str) -> dict:
-        text = filler_text(completion_tokens)
+        r = self.request
+        text = "" if r.echo_only else filler_text(completion_tokens)
+        if r.echo is not None:
+            text = r.echo[index // r.n] + text
         if self.request.kind == CHAT:
             return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None,
                                                 "annotations": None, "audio": None, "function_call": None,
@@ -566,6 +598,16 @@ def _served_model(body: dict, served: tuple[str, ...], adapters: Container[str])
 FILLER_ID0 = 100
 
 
+def ids_text(ids: list[int]) -> str:
+    words = FILLER_WORDS
+    return "".join(words[(t - FILLER_ID0) % len(words)] for t in ids)
+
+
+def text_ids(count: int) -> list[int]:
+    """The ids the simulator shows for a text of `count` tokens."""
+    return [FILLER_ID0 + i % len(FILLER_WORDS) for i in range(count)]
+
+
 def tokenize_body(raw: bytes, served: tuple[str, ...], max_model_len: int, adapters: Container[str] = ()) -> bytes:
     """POST /tokenize: a `prompt` or chat `messages` counted as the generation paths count them (the estimate of a
     prompt includes the BOS it starts with; `add_special_tokens: false` takes it off), as vLLM 0.32 answers
@@ -576,9 +618,8 @@ def tokenize_body(raw: bytes, served: tuple[str, ...], max_model_len: int, adapt
     _served_model(body, served, adapters)
     if kind == COMPLETIONS and body.get("add_special_tokens") is False:
         count = max(1, count - 1)
-    words = len(FILLER_WORDS)
-    return vllm_json({"count": count, "max_model_len": max_model_len,
-                      "tokens": [FILLER_ID0 + i % words for i in range(count)], "token_strs": None})
+    return vllm_json({"count": count, "max_model_len": max_model_len, "tokens": text_ids(count),
+                      "token_strs": None})
 
 
 def detokenize_body(raw: bytes, served: tuple[str, ...], adapters: Container[str] = ()) -> bytes:
@@ -588,8 +629,7 @@ def detokenize_body(raw: bytes, served: tuple[str, ...], adapters: Container[str
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise validation_error("list_type", "body.tokens", "Input should be a valid list", tokens)
     _served_model(body, served, adapters)
-    words = FILLER_WORDS
-    return vllm_json({"prompt": "".join(words[(t - FILLER_ID0) % len(words)] for t in tokens)})
+    return vllm_json({"prompt": ids_text(tokens)})
 
 
 def models_body(served: tuple[str, ...], max_model_len: int, root: str | None = None,
