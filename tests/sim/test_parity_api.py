@@ -213,3 +213,70 @@ async def test_echo_and_suffix(sim, name):
     assert text.startswith(prompt) and (text == prompt) == (name == "echo_max_tokens_0")
     assert doc["usage"]["completion_tokens"] == real["usage"]["completion_tokens"]
     assert doc["choices"][0]["finish_reason"] == real["choices"][0]["finish_reason"] == "length"
+
+
+LOGPROBS_CASES = ["completions_logprobs", "chat_logprobs", "chat_logprobs_only"]
+
+
+def _top_counts(doc) -> list[int]:
+    """How many alternatives each token lists."""
+    logprobs = doc["choices"][0]["logprobs"]
+    if "content" in logprobs:
+        return [len(t["top_logprobs"]) for t in logprobs["content"]]
+    return [len(t) for t in logprobs["top_logprobs"]]
+
+
+def masked(doc):
+    """The doc with completions logprobs' top_logprobs keys (tokens: the vocabulary's, not comparable) numbered."""
+    if isinstance(doc, dict):
+        out = {k: masked(v) for k, v in doc.items()}
+        if isinstance(out.get("text_offset"), list) and isinstance(out.get("top_logprobs"), list):
+            out["top_logprobs"] = [{f"<token {i}>": v for i, v in enumerate(t.values())} if t else t
+                                   for t in out["top_logprobs"]]
+        return out
+    return [masked(v) for v in doc] if isinstance(doc, list) else doc
+
+
+def same_logprobs_shapes(doc, real_shape, real_body, where: str) -> None:
+    """doc's shape equals the recorded one, with the logprobs objects compared on masked tokens (the recorded
+    body keeps them real)."""
+    def without(tree):
+        tree = json.loads(json.dumps(tree))
+        for choice in tree["choices"]:
+            choice["logprobs"] = "null"
+        return tree
+    assert without(shape(doc)) == without(real_shape), where
+    for mine, real in zip(doc["choices"], real_body["choices"]):
+        assert shape(masked(mine["logprobs"])) == shape(masked(real["logprobs"])), where
+
+
+@pytest.mark.parametrize("name", case_params(LOGPROBS_CASES))
+async def test_logprobs(sim, name):
+    """A logprobs object when asked for: vLLM's keys, one entry per output token, as many alternatives a token."""
+    url, http, _ = sim
+    fx = API[name]
+    status, _, payload = await request(http, url, fx["request"], fx["request"]["body"])
+    doc = json.loads(payload)
+    assert status == fx["status"]
+    same_logprobs_shapes(doc, fx["shape"], fx["body"], name)
+    assert_formats(fx["formats"], doc, name)
+    assert _top_counts(doc) == _top_counts(fx["body"])
+
+
+@pytest.mark.parametrize("name", case_params(["completions_stream_logprobs", "chat_stream_logprobs"]))
+async def test_streamed_logprobs(sim, name):
+    """Streamed: each token's chunk carries its own token's logprobs (completions: its text offset in the whole
+    text), with the recorded shapes."""
+    url, http, _ = sim
+    fx = STREAMS[name]
+    status, _, raw = await request(http, url, fx["request"], fx["request"]["body"])
+    _, events = parse_sse(raw)
+    kinds = [classify(e) for e in events]
+    assert kinds == [e["kind"] for e in fx["events"]]
+    for e, real in zip(events[:-1], fx["events"][:-1]):
+        same_logprobs_shapes(e, real["shape"], real["body"], real["kind"])
+    offsets = [e["choices"][0]["logprobs"].get("text_offset", [None])[0] for e in events[:-1]
+               if e["choices"][0]["logprobs"]]
+    texts = [e["choices"][0].get("text", "") for e in events[:-1]]
+    if "completions" in name:
+        assert offsets == [sum(len(t) for t in texts[:i]) for i in range(len(texts))]

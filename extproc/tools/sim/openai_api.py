@@ -66,6 +66,7 @@ class GenerationRequest:
     # echo, where vLLM samples one token (counted in usage) and answers the prompt alone.
     echo: tuple[str, ...] | None = None
     echo_only: bool = False
+    logprobs: int | None = None  # alternatives a token's logprobs list (completions `logprobs`, chat `top_logprobs`)
 
     def __post_init__(self):
         self.prompts = self.prompts or (self.prompt_tokens,)
@@ -266,10 +267,11 @@ def _responses_messages(body: dict) -> list[dict]:
 MAX_LOGPROBS = 20
 
 
-def _check_logprobs(kind: str, body: dict) -> None:
+def _check_logprobs(kind: str, body: dict) -> int | None:
     """vLLM's request checks on logprobs, made while the body is validated (before the model is looked up): chat's
     `top_logprobs` needs `logprobs: true`, and neither API gives more than MAX_LOGPROBS a token. (-1, "the whole
-    vocabulary", is not modelled.)"""
+    vocabulary", is not modelled.) Returns the alternatives each token lists, None when no logprobs are asked for
+    (chat: `logprobs: true` alone lists none)."""
     wanted = _int_field(body, "top_logprobs" if kind == CHAT else "logprobs")
     if kind == CHAT and wanted is not None and not _bool_field(body, "logprobs"):
         raise ApiError(400, "when using `top_logprobs`, `logprobs` must be set to true. (parameter=top_logprobs)",
@@ -277,6 +279,9 @@ def _check_logprobs(kind: str, body: dict) -> None:
     if wanted is not None and wanted > MAX_LOGPROBS:
         raise _semantic_error(f"Requested sample logprobs of {wanted}, which is greater than max allowed: "
                               f"{MAX_LOGPROBS}", "logprobs", wanted)
+    if kind == CHAT and wanted is None and _bool_field(body, "logprobs"):
+        return 0
+    return wanted
 
 
 def _check_tools(body: dict) -> None:
@@ -339,8 +344,7 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
     include_usage = bool(options and _bool_field(options, "include_usage", "body.stream_options"))
     continuous = bool(options and _bool_field(options, "continuous_usage_stats", "body.stream_options"))
     prompts = _prompt_tokens(kind, body)
-    if kind != RESPONSES:
-        _check_logprobs(kind, body)
+    logprobs = _check_logprobs(kind, body) if kind != RESPONSES else None
     if kind == CHAT:
         _check_tools(body)
     n = _int_field(body, "n") if kind != RESPONSES else None
@@ -400,7 +404,8 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
                              continuous and include_usage, requested_model=model, priority=priority,
                              prompts=prompts, limits=limits, n=n,
                              echoed=_responses_echo(body, max_tokens) if kind == RESPONSES else None,
-                             echo=_prompt_texts(body["prompt"]) if echo else None, echo_only=echo_only)
+                             echo=_prompt_texts(body["prompt"]) if echo else None, echo_only=echo_only,
+                             logprobs=logprobs)
 
 
 def _prompt_texts(prompt) -> tuple[str, ...]:
@@ -436,6 +441,16 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
             "completion_tokens": completion_tokens, "prompt_tokens_details": None,
             "completion_tokens_details": None}
+
+
+# The simulator's logprobs: the sampled token is the most likely, each alternative one nat less likely than the last.
+SAMPLED_LOGPROB = -1.5
+
+
+def _alternatives(index: int, count: int) -> list[tuple[str, float]]:
+    """Output token `index`'s `count` most likely tokens and their logprobs, the sampled one first."""
+    words = FILLER_WORDS
+    return [(words[(index + j) % len(words)], SAMPLED_LOGPROB - j) for j in range(count)]
 
 
 # vLLM's fingerprint is "vllm-<version>-<hash of the engine config>", the same for every response of a server.
@@ -504,9 +519,27 @@ class ResponseRenderer:
             tail += self._running_usage(index + 1)
         word = b"" if self.request.echo_only else words[index % len(words)]
         event = b"data: " + self._token_heads[choice] + word + self._token_mid + reason + tail + b"}\n\n"
+        if self.request.logprobs is not None and not self.request.echo_only:
+            event = event.replace(b'"logprobs":null', b'"logprobs":' + vllm_json(self._logprobs(index, 1, choice)), 1)
         if index == 0 and self.request.echo is not None:
             return self._echoed(event, choice)
         return event
+
+    def _logprobs(self, first: int, count: int, choice: int) -> dict:
+        """The logprobs object of output tokens first .. first + count - 1 (api.json completions_logprobs,
+        chat_logprobs): the sampled token is the most likely, `logprobs` alternatives listed (completions: at least
+        the sampled one). Text offsets count from the start of the choice's text (its prompt under echo)."""
+        r, words, span = self.request, FILLER_WORDS, range(first, first + count)
+        tokens = [words[i % len(words)] for i in span]
+        if r.kind == CHAT:
+            return {"content": [{"token": t, "logprob": SAMPLED_LOGPROB, "bytes": list(t.encode()),
+                                 "top_logprobs": [{"token": a, "logprob": lp, "bytes": list(a.encode())}
+                                                  for a, lp in _alternatives(i, r.logprobs)]}
+                                for i, t in zip(span, tokens)]}
+        start = len(r.echo[choice // r.n]) if r.echo is not None else 0
+        return {"text_offset": [start + len(words[0]) * i for i in span],
+                "token_logprobs": [SAMPLED_LOGPROB] * count, "tokens": tokens,
+                "top_logprobs": [dict(_alternatives(i, max(r.logprobs, 1))) for i in span]}
 
     def _echoed(self, event: bytes, choice: int) -> bytes:
         """A choice's first chunk under `echo`: its prompt before the token, and (as vLLM, api_streams.json
@@ -538,16 +571,18 @@ class ResponseRenderer:
 
     def _choice(self, index: int, completion_tokens: int, finish_reason: str) -> dict:
         r = self.request
-        text = "" if r.echo_only else filler_text(completion_tokens)
+        shown = 0 if r.echo_only else completion_tokens
+        text = filler_text(shown)
         if r.echo is not None:
             text = r.echo[index // r.n] + text
+        logprobs = self._logprobs(0, shown, index) if r.logprobs is not None else None
         if self.request.kind == CHAT:
             return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None,
                                                 "annotations": None, "audio": None, "function_call": None,
                                                 "reasoning": None},
-                    "logprobs": None, "finish_reason": finish_reason, "stop_reason": None, "token_ids": None,
+                    "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": None, "token_ids": None,
                     "routed_experts": None}
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason,
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
                 "stop_reason": None, "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None,
                 "routed_experts": None}
 
