@@ -280,3 +280,20 @@ async def test_streamed_logprobs(sim, name):
     texts = [e["choices"][0].get("text", "") for e in events[:-1]]
     if "completions" in name:
         assert offsets == [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+
+
+@pytest.mark.parametrize("name", case_params(["chat_json_object", "completions_json_object"]))
+async def test_json_object_output_is_json(sim, name):
+    """response_format json_object: the text is a JSON object, as vLLM's guided output is; streamed, the deltas
+    put together are one."""
+    url, http, _ = sim
+    fx, doc = await replay(sim, name)
+    choice = doc["choices"][0]
+    text = choice["message"]["content"] if "message" in choice else choice["text"]
+    assert isinstance(json.loads(text), dict)
+    body = fx["request"]["body"] | {"stream": True}
+    _, _, raw = await request(http, url, fx["request"], body)
+    _, events = parse_sse(raw)
+    streamed = "".join(c.get("delta", {}).get("content") or c.get("text", "") for e in events[:-1]
+                       for c in e["choices"])
+    assert isinstance(json.loads(streamed), dict)

@@ -67,6 +67,7 @@ class GenerationRequest:
     echo: tuple[str, ...] | None = None
     echo_only: bool = False
     logprobs: int | None = None  # alternatives a token's logprobs list (completions `logprobs`, chat `top_logprobs`)
+    json_output: bool = False  # response_format json_object: the text is a JSON object
 
     def __post_init__(self):
         self.prompts = self.prompts or (self.prompt_tokens,)
@@ -405,7 +406,23 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
                              prompts=prompts, limits=limits, n=n,
                              echoed=_responses_echo(body, max_tokens) if kind == RESPONSES else None,
                              echo=_prompt_texts(body["prompt"]) if echo else None, echo_only=echo_only,
-                             logprobs=logprobs)
+                             logprobs=logprobs, json_output=_json_object(body))
+
+
+def _json_object(body: dict) -> bool:
+    """`response_format: {"type": "json_object"}`: vLLM's guided decoding makes the output a JSON object (api.json
+    chat_json_object: "{}")."""
+    fmt = body.get("response_format")
+    return isinstance(fmt, dict) and fmt.get("type") == "json_object"
+
+
+# The simulator's JSON output: its filler words as one string member, whatever the length (vLLM's guided output
+# cut by max_tokens would be truncated JSON; the simulator's stays valid).
+JSON_OPEN, JSON_CLOSE = '{"text":"', '"}'
+
+
+def json_text(text: str) -> str:
+    return JSON_OPEN + text + JSON_CLOSE
 
 
 def _prompt_texts(prompt) -> tuple[str, ...]:
@@ -484,6 +501,7 @@ class ResponseRenderer:
         self._last_tail = b"]" + (b"" if request.include_usage else
                                   b',"system_fingerprint":"%b"' % SYSTEM_FINGERPRINT.encode())
         self._words = [w.encode() for w in FILLER_WORDS]
+        self._json_open, self._json_close = (json.dumps(x)[1:-1].encode() for x in (JSON_OPEN, JSON_CLOSE))
 
     def _running_usage(self, completion_tokens: int) -> bytes:
         """stream_options.continuous_usage_stats: the cumulative usage every chunk carries."""
@@ -518,6 +536,8 @@ class ResponseRenderer:
         if self.request.continuous_usage:
             tail += self._running_usage(index + 1)
         word = b"" if self.request.echo_only else words[index % len(words)]
+        if self.request.json_output:  # the object opens with the first token and closes with the last
+            word = (self._json_open if index == 0 else b"") + word + (self._json_close if finish_reason else b"")
         event = b"data: " + self._token_heads[choice] + word + self._token_mid + reason + tail + b"}\n\n"
         if self.request.logprobs is not None and not self.request.echo_only:
             event = event.replace(b'"logprobs":null', b'"logprobs":' + vllm_json(self._logprobs(index, 1, choice)), 1)
@@ -572,7 +592,7 @@ class ResponseRenderer:
     def _choice(self, index: int, completion_tokens: int, finish_reason: str) -> dict:
         r = self.request
         shown = 0 if r.echo_only else completion_tokens
-        text = filler_text(shown)
+        text = json_text(filler_text(shown)) if r.json_output else filler_text(shown)
         if r.echo is not None:
             text = r.echo[index // r.n] + text
         logprobs = self._logprobs(0, shown, index) if r.logprobs is not None else None
