@@ -502,6 +502,7 @@ class ResponseRenderer:
                                   b',"system_fingerprint":"%b"' % SYSTEM_FINGERPRINT.encode())
         self._words = [w.encode() for w in FILLER_WORDS]
         self._json_open, self._json_close = (json.dumps(x)[1:-1].encode() for x in (JSON_OPEN, JSON_CLOSE))
+        self._plain = not (request.echo is not None or request.logprobs is not None or request.json_output)
 
     def _running_usage(self, completion_tokens: int) -> bytes:
         """stream_options.continuous_usage_stats: the cumulative usage every chunk carries."""
@@ -535,13 +536,21 @@ class ResponseRenderer:
             reason, tail = b'"%b"' % finish_reason.encode(), self._choice_tail_last + self._last_tail
         if self.request.continuous_usage:
             tail += self._running_usage(index + 1)
-        word = b"" if self.request.echo_only else words[index % len(words)]
-        if self.request.json_output:  # the object opens with the first token and closes with the last
+        if self._plain:
+            return (b"data: " + self._token_heads[choice] + words[index % len(words)] + self._token_mid + reason
+                    + tail + b"}\n\n")
+        return self._dressed_event(index, finish_reason, choice, reason, tail)
+
+    def _dressed_event(self, index: int, finish_reason: str | None, choice: int, reason: bytes, tail: bytes) -> bytes:
+        """token_event under echo, logprobs or json_object (kept off the per-token path of the others)."""
+        r = self.request
+        word = b"" if r.echo_only else self._words[index % len(self._words)]
+        if r.json_output:  # the object opens with the first token and closes with the last
             word = (self._json_open if index == 0 else b"") + word + (self._json_close if finish_reason else b"")
         event = b"data: " + self._token_heads[choice] + word + self._token_mid + reason + tail + b"}\n\n"
-        if self.request.logprobs is not None and not self.request.echo_only:
+        if r.logprobs is not None and not r.echo_only:
             event = event.replace(b'"logprobs":null', b'"logprobs":' + vllm_json(self._logprobs(index, 1, choice)), 1)
-        if index == 0 and self.request.echo is not None:
+        if index == 0 and r.echo is not None:
             return self._echoed(event, choice)
         return event
 
