@@ -221,12 +221,15 @@ class Telemetry:
     def pool_yielded(self, pool: str, cls: str) -> None:
         self.pool_yields[pool, cls].inc()
 
-    def pool_limit_moved(self, pool: str, action: str, before: float, after: float, inflight: float) -> None:
+    def pool_limit_moved(self, pool: str, action: str, before: float, after: float, sized_on: float,
+                         inflight: float) -> None:
         self.pool_limit_moves[pool, action].inc()
         if action.startswith("cut"):  # at most one an interval per pool: the moves an incident review asks about
+            # `inflight` is what the cut was sized on (`to` = min(from, inflight) x its factor); a latency cut
+            # sizes on the window's average, which the instant's (`inflight_now`) may be far from.
             logging.getLogger("extproc.pool").info(json.dumps(
                 {"event": "pool_limit", "pool": pool, "action": action, "from": round(before, 1),
-                 "to": round(after, 1), "inflight": round(inflight, 1)}))
+                 "to": round(after, 1), "inflight": round(sized_on, 1), "inflight_now": round(inflight, 1)}))
 
     def cost_observed(self, ticket: Ticket, estimated_s: float, actual_s: float) -> None:
         if ticket.usage is not None and ticket.charge is not None:

@@ -196,8 +196,10 @@ class AdmissionEvents(Protocol):
     def session_refused(self, tenant: str, reason: str) -> None: ...
     # A latency breaker of `cls` on `pool` would have degraded it; the classes below gave way instead.
     def pool_yielded(self, pool: str, cls: str) -> None: ...
-    # A pool-wide limit moved (`action`: PoolLimit.last_action) from `before` to `after`, with `inflight` held.
-    def pool_limit_moved(self, pool: str, action: str, before: float, after: float, inflight: float) -> None: ...
+    # A pool-wide limit moved (`action`: PoolLimit.last_action) from `before` to `after`, with `inflight` held;
+    # a cut was sized on `sized_on` (PoolLimit.sized_on: for a latency cut, the in-flight averaged over the window).
+    def pool_limit_moved(self, pool: str, action: str, before: float, after: float, sized_on: float,
+                         inflight: float) -> None: ...
 
 
 class NoEvents:
@@ -234,5 +236,6 @@ class NoEvents:
     def pool_yielded(self, pool: str, cls: str) -> None:
         pass
 
-    def pool_limit_moved(self, pool: str, action: str, before: float, after: float, inflight: float) -> None:
+    def pool_limit_moved(self, pool: str, action: str, before: float, after: float, sized_on: float,
+                         inflight: float) -> None:
         pass

@@ -55,7 +55,7 @@ class LimitMoves:
             raised = gate.update(now, self.pool_reading(gate.name, now)) or raised
             if gate.limit != before:
                 self.events.pool_limit_moved(gate.name, gate.controller.last_action, before, gate.limit,
-                                             gate.inflight - gate.stuck)
+                                             gate.controller.sized_on, gate.inflight - gate.stuck)
         if raised:
             grant(self.state.ranked[0], now)
 

@@ -710,7 +710,7 @@ def test_the_pool_limit_s_moves_are_counted_by_why_and_its_cuts_logged(caplog):
     assert sample(t, "extproc_pool_limit_moves_total", pool="pool_a", action="cut_saturated") == 1
     line = json.loads(caplog.records[-1].getMessage())
     assert line == {"event": "pool_limit", "pool": "pool_a", "action": "cut_saturated", "from": 8.0,
-                    "to": round(core.gates["pool_a"].limit, 1), "inflight": 6.0}
+                    "to": round(core.gates["pool_a"].limit, 1), "inflight": 6.0, "inflight_now": 6.0}
     assert core.gates["pool_a"].limit < 8
 
 
@@ -801,3 +801,33 @@ def test_the_latency_the_pool_limit_acts_on_is_exported_with_its_calm_baseline_a
     assert (shown("served"), shown("baseline"), shown("target")) == (1.9, 1.9, pytest.approx(1.7))
     assert t.registry.get_sample_value("extproc_pool_service_seconds",
                                        {"pool": "pool_a", "class": "batch", "what": "target"}) is None  # no SLO
+
+
+def test_a_latency_cut_s_log_line_shows_the_in_flight_it_was_sized_on(caplog):
+    """A latency cut is sized on the in-flight averaged over the latency window (the load its latencies were
+    served at), not on what is held at the instant of the cut. The log line printed the instant's: an on-call saw
+    'cut_latency 478 -> 96.2, inflight 0.0' and could not tell what the cut measured."""
+    from tests.unit.test_pool_limit import pool_policy, req
+    now = [0.0]
+    t = Telemetry(clock=lambda: now[0])
+    core = AdmissionController(pool_policy(limit=20), clock=lambda: now[0], events=t)
+    tickets = [core.decide(req("interactive")).ticket for _ in range(10)]
+    controller = core.gates["pool_a"].controller
+    for _ in range(10):                         # calm: 1 s each, under the 1.7 s target
+        controller.observe(0, 0.0, 0.0, 1.0)
+    for step in range(6):                       # ten held for 3 s
+        now[0] = step * 0.5
+        core.tick()
+    now[0] = 3.0
+    for ticket in tickets:                      # they all end at once, 3 s each: over the target, from load
+        core.report(ticket.id, Completion(Outcome.OK, 200, 0.1, 3.0))
+        core.finish(ticket, Outcome.OK)
+    caplog.set_level("INFO", logger="extproc.pool")
+    core.tick()
+    assert controller.last_action == "cut_latency" and core.gates["pool_a"].inflight == 0
+    line = json.loads(caplog.records[-1].getMessage())
+    assert line["action"] == "cut_latency"
+    # What the cut measured: the window's average (about 9), so `to` is `inflight` x the cut's factor.
+    assert 8.5 < line["inflight"] < 10 and line["inflight"] == round(controller.sized_on, 1)
+    assert line["to"] == pytest.approx(line["inflight"] * 0.8, abs=0.1)
+    assert line["inflight_now"] == 0.0
