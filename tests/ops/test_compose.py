@@ -10,6 +10,8 @@ import json
 import re
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ import yaml
 from extproc.policy.schema import load_policy_file
 from extproc.tools import envoyconf
 from extproc.tools.sim.profile import shipped_profile_names
+from extproc.tools.stack import free_port, wait_http
 
 from .conftest import COMPOSE, ROOT, run_tool, tool
 
@@ -92,7 +95,10 @@ def test_envoy_config_it_mounts_validates(stack):
     _, cfg = stack
     envoy = cfg["services"]["envoy"]
     path = host_path(envoy, flag(envoy["command"], "-c"))
-    r = run_tool([envoyconf.envoy_binary(), "--mode", "validate", "-c", str(path), "--log-level", "error"])
+    # As the service starts it: envoy.yaml with the stats listener its --config-yaml adds.
+    args = [str(path) if a == flag(envoy["command"], "-c") else a for a in envoy["command"][1:]]
+    assert envoy["command"][0] == "envoy" and "--config-yaml" in args
+    r = run_tool([envoyconf.envoy_binary(), "--mode", "validate", *args])
     assert r.returncode == 0, r.stdout + r.stderr
     assert envoy["image"].endswith(":v" + _wheel_envoy_version()), "image and tested Envoy versions differ"
 
@@ -176,3 +182,104 @@ def test_image_build_installs_the_project():
         for source in line.split()[:-1]:
             assert (ROOT / source).exists(), source
             assert f"!{source.rstrip('/')}" in (COMPOSE / "extproc.Dockerfile.dockerignore").read_text(), source
+
+
+# --- Envoy's own stats ----------------------------------------------------------------------------------------
+
+K8S_ENVOY = ROOT / "deploy" / "k8s" / "components" / "envoy" / "envoy.yaml"
+K8S_MONITORS = ROOT / "deploy" / "k8s" / "components" / "prometheus-operator" / "monitors.yaml"
+
+
+def envoy_additions(envoy: dict) -> dict:
+    """The `--config-yaml` the compose stack starts Envoy with (merged onto envoy.yaml)."""
+    return yaml.safe_load(flag(envoy["command"], "--config-yaml"))
+
+
+def stats_listener(additions: dict) -> tuple[dict, dict, list[dict]]:
+    """(the listener serving Envoy's stats, the cluster its routes name, its routes)."""
+    (listener,) = additions["static_resources"]["listeners"]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    routes = [r for vh in hcm["route_config"]["virtual_hosts"] for r in vh["routes"]]
+    (cluster,) = additions["static_resources"]["clusters"]
+    return listener, cluster, routes
+
+
+def test_prometheus_scrapes_envoys_stats_through_a_listener_that_serves_nothing_else_of_the_admin(stack):
+    """ExtprocRequestsUnadmitted reads Envoy's envoy_http_ext_proc_failure_mode_allowed first: the only count of
+    the requests let through while the ext_proc is down. Envoy's admin is on loopback in its container (it can also
+    quit and drain Envoy), so compose's Prometheus scraped no Envoy and the alert had nothing to read there."""
+    _, cfg = stack
+    prom = yaml.safe_load((COMPOSE / "prometheus" / "prometheus.yml").read_text())
+    (job,) = [j for j in prom["scrape_configs"] if j["job_name"] == "envoy"]
+    (target,) = [t for sc in job["static_configs"] for t in sc["targets"]]
+    host, port = target.split(":")
+    assert host == "envoy" and job["metrics_path"] == "/stats/prometheus"
+    listener, cluster, routes = stats_listener(envoy_additions(cfg["services"]["envoy"]))
+    assert listener["address"]["socket_address"] == {"address": "0.0.0.0", "port_value": int(port)}
+    # Only the stats path reaches the admin, which stays on loopback.
+    assert [(r["match"], r["route"]["cluster"]) for r in routes] == [({"path": job["metrics_path"]}, cluster["name"])]
+    admin = yaml.safe_load((ROOT / "envoy" / "envoy.yaml").read_text())["admin"]["address"]["socket_address"]
+    endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+    assert endpoint == admin and admin["address"] == "127.0.0.1"
+    assert str(port) in cfg["services"]["envoy"].get("expose", []) and f"{port}:{port}" not in str(
+        cfg["services"]["envoy"].get("ports", []))   # reachable by Prometheus, not published on the host
+
+
+def test_envoys_stats_are_scraped_as_deploy_k8s_scrapes_them(stack):
+    """The same listener, port, path, interval and job name as deploy/k8s (its Envoy's health listener and PodMonitor),
+    so the alert and dashboard read the same series in both."""
+    _, cfg = stack
+    prom = yaml.safe_load((COMPOSE / "prometheus" / "prometheus.yml").read_text())
+    (job,) = [j for j in prom["scrape_configs"] if j["job_name"] == "envoy"]
+    (deployment,) = [d for d in yaml.safe_load_all(K8S_ENVOY.read_text()) if d["kind"] == "Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    k8s_listener, k8s_cluster, k8s_routes = stats_listener(yaml.safe_load(flag(container["args"], "--config-yaml")))
+    listener, cluster, routes = stats_listener(envoy_additions(cfg["services"]["envoy"]))
+    assert listener["address"] == k8s_listener["address"] and cluster == k8s_cluster
+    assert [r for r in k8s_routes if r["match"] == {"path": job["metrics_path"]}] == routes
+    (monitor,) = [m for m in yaml.safe_load_all(K8S_MONITORS.read_text())
+                  if m["kind"] == "PodMonitor" and m["metadata"]["name"] == "envoy"]
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    health = {p["name"]: p["containerPort"] for p in container["ports"]}[endpoint["port"]]
+    assert health == listener["address"]["socket_address"]["port_value"]
+    assert endpoint["path"] == job["metrics_path"] and endpoint["interval"] == job["scrape_interval"]
+    assert monitor["spec"]["jobLabel"] == "app.kubernetes.io/name"   # job="envoy" there too
+    assert deployment["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"] == job["job_name"]
+
+
+def test_envoy_started_as_compose_starts_it_serves_its_stats_and_nothing_else_of_the_admin(tmp_path):
+    """Run for real: envoy.yaml rendered for loopback plus the compose stack's `--config-yaml`, ports replaced."""
+    r = run_tool([tool("docker-compose"), "-f", str(STACKS["cpu"]), "config"])
+    envoy = yaml.safe_load(r.stdout)["services"]["envoy"]
+    additions = envoy_additions(envoy)
+    listener, cluster, _ = stats_listener(additions)
+    listen, stats, admin = free_port(), free_port(), free_port()
+    listener["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": stats}
+    cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"][
+        "port_value"] = admin
+    cfg = envoyconf.render(envoyconf.load_source(), listen_port=listen, admin_port=admin,
+                           extproc=("127.0.0.1", free_port()), pools={"vllm_llama70b": [("127.0.0.1", free_port())]})
+    path = tmp_path / "envoy.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.Popen([envoyconf.envoy_binary(), "-c", str(path), "--config-yaml", yaml.safe_dump(additions),
+                             "--disable-hot-restart", "--concurrency", "1", "--log-level", "error"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_http(f"http://127.0.0.1:{admin}/ready", timeout=30, proc=proc)
+        with urllib.request.urlopen(f"http://127.0.0.1:{stats}/stats/prometheus", timeout=5) as resp:
+            text = resp.read().decode()
+        assert "envoy_http_ext_proc_failure_mode_allowed" in text   # what ExtprocRequestsUnadmitted reads
+        for path_ in ("/quitquitquit", "/healthcheck/fail", "/drain_listeners", "/config_dump", "/stats",
+                      "/clusters", "/logging", "/runtime_modify", "/"):
+            try:
+                urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{stats}{path_}", method="POST"),
+                                       timeout=5)
+                code = 200
+            except urllib.error.HTTPError as e:
+                code = e.code
+            assert code == 404, path_
+        with urllib.request.urlopen(f"http://127.0.0.1:{admin}/ready", timeout=5) as resp:
+            assert resp.status == 200   # still live: nothing above reached the admin
+    finally:
+        proc.terminate()
+        proc.wait(10)
