@@ -444,6 +444,38 @@ def test_envoy_gateway_ext_proc_breaker_is_as_high_as_envoy_yamls(gateway):
     assert breaker["maxParallelRequests"] >= limits["max_requests"]
 
 
+H2_OPTIONS = ("typed_extension_protocol_options", "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+              "explicit_http_config", "http2_protocol_options")
+
+
+def _ext_proc_cluster_patches(gateway: Rendered) -> list[dict]:
+    """The patches on the cluster Envoy Gateway generates for the ext_proc (fields of it, not whole clusters)."""
+    ext = gateway.get("EnvoyExtensionPolicy", "extproc-admission")
+    name = f"envoyextensionpolicy/{ext['metadata']['namespace']}/{ext['metadata']['name']}/0"
+    return [p for p in gateway.get("EnvoyPatchPolicy", "extproc-admission")["spec"]["jsonPatches"]
+            if p["type"].endswith("Cluster") and p["name"] == name]
+
+
+def test_envoy_gateway_ext_proc_http2_frame_limits_are_envoy_yamls(gateway):
+    # Envoy cuts an HTTP/2 connection with more than 1,000 control frames (10,000 in all) waiting to go out; a busy
+    # ext_proc reads late and every stream on the connection then failed open. envoy.yaml's extproc cluster raises
+    # both limits; Envoy Gateway's backendSettings.http2 has no field for them, so the overlay patches its cluster.
+    ours = yaml.safe_load((ROOT / "envoy" / "envoy.yaml").read_text())
+    (cluster,) = [c for c in ours["static_resources"]["clusters"] if c["name"] == "extproc"]
+    h2 = cluster
+    for key in H2_OPTIONS:
+        h2 = h2[key]
+    patched = {}
+    for p in _ext_proc_cluster_patches(gateway):
+        op = p["operation"]
+        assert op["op"] == "add" and "jsonPath" not in op
+        *where, field = op["path"].lstrip("/").split("/")
+        assert tuple(where) == H2_OPTIONS, op["path"]
+        patched[field] = op["value"]
+    limits = {k: h2[k] for k in ("max_outbound_frames", "max_outbound_control_frames")}
+    assert patched == limits
+
+
 def test_envoy_patch_policy_names_the_resources_envoy_gateway_generates_for_ours(gateway):
     ext = gateway.get("EnvoyExtensionPolicy", "extproc-admission")
     ns, name = ext["metadata"]["namespace"], ext["metadata"]["name"]
@@ -458,14 +490,16 @@ def test_envoy_patch_policy_names_the_resources_envoy_gateway_generates_for_ours
     assert f"cluster_name: envoyextensionpolicy/{ns}/{name}/0" in text
     ops = patch["spec"]["jsonPatches"]
     assert {p["name"] for p in ops if not p["type"].endswith("Cluster")} == {listener}
-    pools = {p["operation"]["value"]["name"] for p in ops if p["type"].endswith("Cluster")}
+    added = [p for p in ops if p["type"].endswith("Cluster") and p["operation"]["path"] == ""]
+    pools = {p["operation"]["value"]["name"] for p in added}
     assert pools == {m.cluster for m in load_policy_file(str(ROOT / "policies" / "kubernetes.yaml")).models.values()}
-    for p in ops:
-        if p["type"].endswith("Cluster"):
-            host = p["operation"]["value"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
-            fqdn = host["endpoint"]["address"]["socket_address"]["address"]
-            svc, svc_ns = fqdn.split(".")[:2]
-            assert svc_ns == ns and gateway.get("Service", svc)["spec"]["clusterIP"] == "None"
+    # Every other cluster patch is on the ext_proc's cluster, by the name Envoy Gateway gives it.
+    assert [p for p in ops if p["type"].endswith("Cluster") and p not in added] == _ext_proc_cluster_patches(gateway)
+    for p in added:
+        host = p["operation"]["value"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
+        fqdn = host["endpoint"]["address"]["socket_address"]["address"]
+        svc, svc_ns = fqdn.split(".")[:2]
+        assert svc_ns == ns and gateway.get("Service", svc)["spec"]["clusterIP"] == "None"
 
 
 def test_envoy_patch_policy_values_pass_envoy_validate(gateway, tmp_path):
@@ -479,8 +513,14 @@ def test_envoy_patch_policy_values_pass_envoy_validate(gateway, tmp_path):
     clusters = [ext_cluster]
     for p in ops:
         op, value = p["operation"], p["operation"].get("value")
-        if p["type"].endswith("Cluster"):
+        if p["type"].endswith("Cluster") and op["path"] == "":
             clusters.append(value)
+        elif p["type"].endswith("Cluster"):   # a field of the ext_proc's cluster: set it on envoy.yaml's
+            *where, field = op["path"].lstrip("/").split("/")
+            node = ext_cluster
+            for key in where:
+                node = node.setdefault(key, {})
+            node[field] = value
         elif op["path"] in ("/request_trailer_mode", "/response_trailer_mode"):
             ext_proc["processing_mode"][op["path"][1:]] = value
         elif op["path"] == "/max_message_timeout":
