@@ -524,9 +524,11 @@ class PoolGate:
             roomy = not saturated and saturation.waiting == 0 and saturation.kv_usage < ROOMY_KV
             if saturation.stalled_requests and self.holding:
                 # A hung replica's requests load nothing the limit measures, and end only when their clients give
-                # up: counted, they held the limit shut while the working replicas idled. Which of ours they are
-                # is unknown, so they weigh the mean of what is held.
-                self.stuck = min(self.inflight, saturation.stalled_requests * self.inflight / self.holding)
+                # up: counted, they held the limit shut while the working replicas idled. In requests each weighs
+                # one unit (vLLM's gauges count sequences, as units() does: weighed by the mean request, n=4 ones
+                # counted four times over); in tokens, which of ours they are is unknown: the mean of what is held.
+                per = self.inflight / self.holding if self.tokens else 1.0
+                self.stuck = min(self.inflight, saturation.stalled_requests * per)
         self.limit = self.controller.update(now, self.inflight - self.stuck, self.short, saturated, bool(roomy))
         if self.controller.moved_at == now:
             self.short = False

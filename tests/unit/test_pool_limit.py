@@ -631,6 +631,19 @@ def test_requests_a_stalled_replica_holds_do_not_hold_the_limit_shut():
     assert gate.stuck == 0.0 and gate.full(2.0)
 
 
+
+def test_a_stalled_replica_s_sequences_weigh_one_request_unit_each():
+    """In requests a request weighs the sequences vLLM runs for it (n x prompts), and a hung replica's gauges count
+    sequences: the stalled share is those sequences, not that many mean-sized requests (an n=4 request on the hung
+    replica left 16 units out of 8 held, i.e. all of them)."""
+    gate = PoolGate("pool_a", spec(initial=10.0), {}, [0.0, 0.0], ["interactive", "batch"])
+    gate.take(0, 4.0)  # n=4, on the replica that hangs
+    gate.take(0, 4.0)  # n=4, on one that works
+    hung = PoolSaturation()
+    hung.stalled, hung.stalled_requests = 1, 4.0
+    gate.update(1.0, hung)
+    assert gate.stuck == 4.0
+
 def test_a_resting_request_of_a_class_a_reload_removed_ends_cleanly(clock):
     core = AdmissionController(pool_policy(internal={"min_share": 0.1}), clock=clock)
     t = over_share(core, "internal").ticket
