@@ -159,6 +159,8 @@ class Replica:
             self._parked = False
 
     def _answer_scrapes(self) -> None:
+        if not self._scrapes:  # the usual case, after every engine step: no list made
+            return
         scrapes, self._scrapes = self._scrapes, []
         for writer in scrapes:
             self._send_metrics(writer)
