@@ -25,6 +25,11 @@ from .store.shared_slots import STORE_STATES
 # LLM requests last from tens of milliseconds (a rejection, a short completion) to minutes (long generations).
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0,
                    90.0, 120.0)
+# The event loop's lateness: ~0-1 ms idle; Envoy's message_timeout (0.5 s in envoy.yaml) is where it lets requests
+# through unadmitted.
+LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+# Envoy's wait for an answer: ~0.2-1 ms on a quiet loopback; message_timeout (0.5 s) is where it gives up.
+ANSWER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 # Queue waits are bounded by max_wait_ms (interactive ~200 ms, batch ~5 s).
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 30.0)
 
@@ -190,6 +195,21 @@ class Telemetry:
             "failure_mode_allow let them through while the ext_proc was down, slower than message_timeout, or "
             "failing. From Envoy's access log; those of a whole outage may not be reported.", registry=r)
 
+        self.header_answer = Histogram(
+            "extproc_header_answer_seconds", "How long Envoy waited for the ext_proc's answer to a request's headers, "
+            "by Envoy's clock (its access log; admitted requests and those let through unadmitted): gRPC's queue "
+            "before the handler, the event loop and the network, not a slot's queue. Envoy gives up at "
+            "message_timeout (0.5 s in envoy.yaml) and, with failure_mode_allow, sends the request on unadmitted. "
+            "Counted by the instance that receives the access log, whichever answered.",
+            buckets=ANSWER_BUCKETS, registry=r)
+        self.loop_lag = Histogram(
+            "extproc_event_loop_lag_seconds", "How late the ext_proc's event loop woke up for a timer, sampled every "
+            "0.1 s: what every decision currently waits for the loop. Near Envoy's message_timeout (0.5 s in "
+            "envoy.yaml), requests go through unadmitted.", buckets=LOOP_LAG_BUCKETS, registry=r)
+
+    def loop_lagged(self, seconds: float) -> None:
+        self.loop_lag.observe(seconds)
+
     # --- AdmissionEvents ---
 
     def decided(self, d: Decision) -> None:
@@ -311,6 +331,11 @@ class Telemetry:
 
     def unadmitted_reported(self, count: int) -> None:
         self.unadmitted.inc(count)
+
+    def header_answers_reported(self, seconds: list[float]) -> None:
+        observe = self.header_answer.observe
+        for s in seconds:
+            observe(s)
 
     # --- the server ---
 

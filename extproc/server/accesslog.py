@@ -16,6 +16,8 @@ from typing import AsyncIterator, Callable, Protocol, runtime_checkable
 import grpc
 from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+from google.protobuf import struct_pb2
+from google.protobuf.message import DecodeError
 
 from ..policy.admission import AdmissionController
 from ..policy.limits import Completion, Outcome
@@ -25,6 +27,9 @@ from .saturation import host_port
 log = logging.getLogger("extproc.accesslog")
 
 TICKET_HEADER = "x-extproc-ticket"
+# The ext_proc filter's name in envoy.yaml: Envoy keeps the filter's per-request log (its calls' latencies, whether
+# it failed open) in the request's filter state under it, and the access log sends it (filter_state_objects_to_log).
+EXT_PROC_STATE = "envoy.filters.http.ext_proc"
 
 
 def ticket_prefix(worker: int | None) -> str:
@@ -111,6 +116,21 @@ def _seconds_or_none(value) -> float | None:
     return float(value)
 
 
+def header_answer_seconds(entry: accesslog_pb2.HTTPAccessLogEntry) -> float | None:
+    """How long Envoy waited for the ext_proc's answer to the request's headers, by its own clock: the stream's
+    start, its wait in gRPC core for the event loop, the handler and the way back. The headers are answered at
+    once (the decision and any queueing for a slot come with the body), so this is what the ext_proc itself costs
+    a request, however busy it is. None when the entry does not carry the filter's state."""
+    state = entry.common_properties.filter_state_objects.get(EXT_PROC_STATE)
+    if state is None:
+        return None
+    try:
+        latency = struct_pb2.Struct.FromString(state.value).fields.get("request_header_latency_us")
+    except DecodeError:
+        return None
+    return latency.number_value / 1e6 if latency is not None else None
+
+
 def completion_of(entry: accesslog_pb2.HTTPAccessLogEntry) -> Completion:
     outcome, status = outcome_of(entry)
     common = entry.common_properties
@@ -129,12 +149,19 @@ class CompletionReportEvents(Protocol):
     # Requests that reached a replica with no ticket: Envoy's failure_mode_allow let them through unadmitted.
     def unadmitted_reported(self, count: int) -> None: ...
 
+    # Once per batch: how long Envoy waited for the answers to its requests' headers (header_answer_seconds), for
+    # the entries that carry it, admitted or let through unadmitted, whichever instance answered them.
+    def header_answers_reported(self, seconds: list[float]) -> None: ...
+
 
 class NoCompletionReportEvents:
     def completions_reported(self, matched: int, unmatched: int, relayed: int = 0) -> None:
         pass
 
     def unadmitted_reported(self, count: int) -> None:
+        pass
+
+    def header_answers_reported(self, seconds: list[float]) -> None:
         pass
 
 
@@ -180,7 +207,11 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
         entries = msg.http_logs.log_entry
         matched = unadmitted = sent = elsewhere = 0
         others: dict[str, list[list]] | None = None  # another instance's reports, by instance
+        answers = []
         for entry in entries:
+            waited = header_answer_seconds(entry)
+            if waited is not None:
+                answers.append(waited)
             headers = entry.request.request_headers
             if TICKET_HEADER not in headers:  # envoy.yaml logs these only when they reached a replica unadmitted
                 if self._a_pool(entry.common_properties.upstream_cluster, entry.request.path):
@@ -212,6 +243,8 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
         self.events.completions_reported(matched, len(entries) - matched - unadmitted - elsewhere - sent)
         if unadmitted:
             self.events.unadmitted_reported(unadmitted)
+        if answers:
+            self.events.header_answers_reported(answers)
 
     def _a_pool(self, cluster: str, path: str) -> bool:
         """Whether an unticketed request went to a model pool: envoy.yaml's logger cannot tell a route a team added

@@ -31,6 +31,7 @@ from ..store import host_store, open_store
 from ..store.shared_slots import SharedSlots
 from ..telemetry import StoreTelemetry, Telemetry
 from .accesslog import AccessLogReceiver, ReportRelay, TicketTags
+from .loop_lag import probe_loop_lag
 from .saturation import SaturationScrapers
 from .servicer import ExtProcServicer
 
@@ -248,6 +249,7 @@ class Server:
             loop.add_signal_handler(sig, signals.received)
         housekeeping = asyncio.create_task(self.housekeeping())
         control = asyncio.create_task(self.control())
+        lag_probe = asyncio.create_task(probe_loop_lag(self.telemetry.loop_lagged))
         await self.scrapers.configure(self.core.policy.pools)
         log.info("extproc serving: grpc %s:%d, http %s:%d, policy %s", host, bound, *self.args.metrics,
                  self.policy_path)
@@ -258,6 +260,7 @@ class Server:
         # Leases of the streams that ran to the end were renewed until now; the releases go out below.
         housekeeping.cancel()
         control.cancel()
+        lag_probe.cancel()
         await self.scrapers.stop()
         if self.shared is not None:
             await self.shared.close()

@@ -257,6 +257,14 @@ async def test_extproc_frozen_past_message_timeout_fails_open_and_leaves_no_stuc
         await asyncio.sleep(1.5)  # the unadmitted log's flush interval is 1 s
         ms = await metrics(http, s.metrics_url)
         assert sample(ms, "extproc_unadmitted_requests_total") == 6
+        # The freeze shows as the event loop's lateness: a timer due during it ran over a second late.
+        late = sample(ms, "extproc_event_loop_lag_seconds_count") - sample(
+            ms, "extproc_event_loop_lag_seconds_bucket", le="1.0")
+        assert late >= 1, "the 1.2 s freeze is in extproc_event_loop_lag_seconds"
+        # Envoy's own measure of the wait for the ext_proc's answers: the 6 it gave up on at message_timeout, the 5
+        # admitted ones before and after at once.
+        answers = sample(ms, "extproc_header_answer_seconds_count")
+        assert answers == 11 and sample(ms, "extproc_header_answer_seconds_bucket", le="0.25") == 5
         print(f"\nRELIABILITY SIGSTOP: 6 requests during a 1.2 s freeze each waited ~{waited:.2f}s and passed "
               f"unadmitted; after SIGCONT admitted by the late process: "
               f"{sample(ms, 'extproc_requests_total', decision='accept') - 1 - 4:.0f}; in flight 0, full cap back")

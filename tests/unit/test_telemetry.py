@@ -31,6 +31,8 @@ METRICS = {
     "extproc_class_demotions": ("counter", ("tenant",)),
     "extproc_completion_reports": ("counter", ("result",)),
     "extproc_unadmitted_requests": ("counter", ()),
+    "extproc_header_answer_seconds": ("histogram", ()),
+    "extproc_event_loop_lag_seconds": ("histogram", ()),
     "extproc_config_last_reload_successful": ("gauge", ()),
     "extproc_config_reload": ("counter", ("result",)),
     "extproc_cost_estimate_error_ratio": ("histogram", ("class",)),
