@@ -27,8 +27,9 @@ from .saturation import host_port
 log = logging.getLogger("extproc.accesslog")
 
 TICKET_HEADER = "x-extproc-ticket"
-# The ext_proc filter's name in envoy.yaml: Envoy keeps the filter's per-request log (its calls' latencies, whether
-# it failed open) in the request's filter state under it, and the access log sends it (filter_state_objects_to_log).
+# Envoy keeps the ext_proc filter's per-request log (its calls' latencies, whether it failed open) in the request's
+# filter state under the filter's name, and the access log sends it (filter_state_objects_to_log): envoy.yaml names
+# the filter this; Envoy Gateway adds `/envoyextensionpolicy/<ns>/<policy>/...` to it.
 EXT_PROC_STATE = "envoy.filters.http.ext_proc"
 
 
@@ -121,9 +122,12 @@ def header_answer_seconds(entry: accesslog_pb2.HTTPAccessLogEntry) -> float | No
     start, its wait in gRPC core for the event loop, the handler and the way back. The headers are answered at
     once (the decision and any queueing for a slot come with the body), so this is what the ext_proc itself costs
     a request, however busy it is. None when the entry does not carry the filter's state."""
-    state = entry.common_properties.filter_state_objects.get(EXT_PROC_STATE)
+    objects = entry.common_properties.filter_state_objects
+    state = objects.get(EXT_PROC_STATE)
     if state is None:
-        return None
+        state = next((v for k, v in objects.items() if k.startswith(EXT_PROC_STATE)), None) if objects else None
+        if state is None:
+            return None
     try:
         latency = struct_pb2.Struct.FromString(state.value).fields.get("request_header_latency_us")
     except DecodeError:
