@@ -563,6 +563,9 @@ class AdmissionController:
         d.charge = w.charge
         if d.ticket is None:
             self.charging.refund(w.charge)
+        if w.charge is not None and w.charge.tenant is not None:
+            # Where its bucket stands now (refunded if refused), as decisions made on arrival say it.
+            d.headers = w.charge.tenant.headers(self.clock())
         d.classification = w.classification
         if self.shadow.resolved(w, d):
             return

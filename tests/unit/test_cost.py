@@ -273,6 +273,23 @@ def test_a_queue_holds_no_more_of_a_tenant_than_its_rate(clock):
     assert core.decide(RequestFacts(api_key="k", model="llama", header_class="batch")).kind == QUEUE
 
 
+def test_a_queued_request_answers_with_its_tenants_rate_limit_headers(clock):
+    # The x-ratelimit-* headers went only with decisions made on arrival: a request admitted from the queue, or
+    # refused when its wait ran out, reached the openai SDK's with_raw_response without them.
+    core = tenant_core(clock, requests_per_minute=60, burst_s=10)  # batch: 3 slots, 5 places
+    ds = [core.decide(RequestFacts(api_key="k", model="llama", header_class="batch")) for _ in range(5)]
+    assert [d.kind for d in ds] == [ACCEPT] * 3 + [QUEUE] * 2
+    core.finish(ds[0].ticket, Outcome.OK)
+    admitted = ds[3].waiter.result
+    assert admitted.kind == ACCEPT
+    assert dict(admitted.headers)["x-ratelimit-remaining-requests"] == "5"
+    clock.advance(10.0)  # past batch's 5 s wait, 10 requests' worth refilled
+    core.reap()
+    timed_out = ds[4].waiter.result
+    assert (timed_out.kind, timed_out.reason) == (REJECT, "queue_timeout")
+    assert dict(timed_out.headers)["x-ratelimit-remaining-requests"] == "10"  # refilled, and refunded in full
+
+
 def test_tenant_token_limit_is_corrected_by_real_usage(clock):
     core = tenant_core(clock, tokens_per_minute=600, burst_s=60)
     d = core.decide(RequestFacts(api_key="k", model="llama", max_tokens=500, header_class="batch",
