@@ -197,10 +197,10 @@ class Telemetry:
 
         self.header_answer = Histogram(
             "extproc_header_answer_seconds", "How long Envoy waited for the ext_proc's answer to a request's headers, "
-            "by Envoy's clock (its access log; admitted requests and those let through unadmitted): gRPC's queue "
+            "by Envoy's clock, for a sample of requests (envoy.yaml's extproc_answers access log: 1%): gRPC's queue "
             "before the handler, the event loop and the network, not a slot's queue. Envoy gives up at "
             "message_timeout (0.5 s in envoy.yaml) and, with failure_mode_allow, sends the request on unadmitted. "
-            "Counted by the instance that receives the access log, whichever answered.",
+            "Counted by the instance that receives the log, whichever answered.",
             buckets=ANSWER_BUCKETS, registry=r)
         self.loop_lag = Histogram(
             "extproc_event_loop_lag_seconds", "How late the ext_proc's event loop woke up for a timer, sampled every "

@@ -27,6 +27,8 @@ from .saturation import host_port
 log = logging.getLogger("extproc.accesslog")
 
 TICKET_HEADER = "x-extproc-ticket"
+# The sampled log of envoy.yaml that carries the ext_proc filter's own log of each request (not a completion report).
+ANSWERS_LOG = "extproc_answers"
 # Envoy keeps the ext_proc filter's per-request log (its calls' latencies, whether it failed open) in the request's
 # filter state under the filter's name, and the access log sends it (filter_state_objects_to_log): envoy.yaml names
 # the filter this; Envoy Gateway adds `/envoyextensionpolicy/<ns>/<policy>/...` to it.
@@ -153,8 +155,8 @@ class CompletionReportEvents(Protocol):
     # Requests that reached a replica with no ticket: Envoy's failure_mode_allow let them through unadmitted.
     def unadmitted_reported(self, count: int) -> None: ...
 
-    # Once per batch: how long Envoy waited for the answers to its requests' headers (header_answer_seconds), for
-    # the entries that carry it, admitted or let through unadmitted, whichever instance answered them.
+    # Once per batch of the sampled answers log: how long Envoy waited for the answers to its requests' headers
+    # (header_answer_seconds), whichever instance answered them.
     def header_answers_reported(self, seconds: list[float]) -> None: ...
 
 
@@ -191,6 +193,7 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
 
     async def StreamAccessLogs(self, request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage], context):
         closing = asyncio.ensure_future(self._closing.wait())
+        handle = self._report
         try:
             while True:
                 # One read at a time, raced with close(): a batch arrives every buffer_flush_interval at most.
@@ -202,7 +205,9 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
                 msg = read.result()
                 if msg is grpc.aio.EOF:
                     break
-                self._report(msg)
+                if msg.HasField("identifier"):  # a stream's first message names its log
+                    handle = self._answers if msg.identifier.log_name == ANSWERS_LOG else self._report
+                handle(msg)
         finally:
             closing.cancel()
         return als_pb2.StreamAccessLogsResponse()
@@ -211,11 +216,7 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
         entries = msg.http_logs.log_entry
         matched = unadmitted = sent = elsewhere = 0
         others: dict[str, list[list]] | None = None  # another instance's reports, by instance
-        answers = []
         for entry in entries:
-            waited = header_answer_seconds(entry)
-            if waited is not None:
-                answers.append(waited)
             headers = entry.request.request_headers
             if TICKET_HEADER not in headers:  # envoy.yaml logs these only when they reached a replica unadmitted
                 if self._a_pool(entry.common_properties.upstream_cluster, entry.request.path):
@@ -247,6 +248,10 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
         self.events.completions_reported(matched, len(entries) - matched - unadmitted - elsewhere - sent)
         if unadmitted:
             self.events.unadmitted_reported(unadmitted)
+
+    def _answers(self, msg: als_pb2.StreamAccessLogsMessage) -> None:
+        """The sampled log of how long Envoy waited for the ext_proc's answers: no completion in it."""
+        answers = [s for s in map(header_answer_seconds, msg.http_logs.log_entry) if s is not None]
         if answers:
             self.events.header_answers_reported(answers)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from ..server.accesslog import TICKET_HEADER, ticket_prefix
+from ..server.accesslog import ANSWERS_LOG, TICKET_HEADER, ticket_prefix
 
 SOURCE = Path(__file__).resolve().parents[2] / "envoy" / "envoy.yaml"
 EXT_PROC = "envoy.filters.http.ext_proc"
@@ -54,7 +54,7 @@ def render(base: dict[str, Any], *, listen_port: int, admin_port: int,
            listen_host: str = "127.0.0.1", mode: str = "extproc", lb_policy: str | None = None,
            adaptive: dict[str, Any] | None = None, health_check_interval_s: float | None = None,
            failure_mode_allow: bool | None = None, workers: bool = False,
-           speed: float = 1.0) -> dict[str, Any]:
+           speed: float = 1.0, answer_sample_percent: int | None = None) -> dict[str, Any]:
     """A copy of `base` with addresses replaced; everything else (filters, timeouts, limits) is kept as is.
 
     `extproc` is one ext_proc endpoint or several (instances behind the one `extproc` cluster, which Envoy
@@ -64,7 +64,9 @@ def render(base: dict[str, Any], *, listen_port: int, admin_port: int,
     `speed`: the demo's time compression; the completion reports' flush interval is divided by it (they feed the
     breakers and limits, whose own intervals the demo compresses in the policy).
     `workers`: the `extproc` endpoints are the workers of one `extproc serve --workers N`, in order: each worker
-    gets its own access log, carrying only the requests it admitted (ticket header `<i>-<id>.<instance>`)."""
+    gets its own access log, carrying only the requests it admitted (ticket header `<i>-<id>.<instance>`).
+    `answer_sample_percent`: the share of requests whose wait for the ext_proc's answers is logged (None keeps
+    the file's 1%; tests that count them take every one)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}")
     cfg = copy.deepcopy(base)
@@ -112,6 +114,10 @@ def render(base: dict[str, Any], *, listen_port: int, admin_port: int,
             flush = seconds(common.get("buffer_flush_interval"))
             if common.get("log_name") == "extproc" and flush is not None:
                 common["buffer_flush_interval"] = duration(flush / speed)
+    if answer_sample_percent is not None and mode == "extproc":
+        for log in hcm["access_log"]:
+            if log["typed_config"].get("common_config", {}).get("log_name") == ANSWERS_LOG:
+                log["filter"]["runtime_filter"]["percent_sampled"]["numerator"] = answer_sample_percent
     if workers and mode == "extproc" and isinstance(extproc, list) and len(extproc) > 1:
         _access_log_per_worker(cfg, hcm, extproc)
     if failure_mode_allow is not None and mode == "extproc":

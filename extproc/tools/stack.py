@@ -127,6 +127,7 @@ class Stack:
     extprocs: int = 1   # ext_proc instances behind Envoy's one `extproc` cluster (a rolling restart needs two)
     failure_mode_allow: bool | None = None  # override envoy.yaml's (False: fail closed)
     speed: float = 1.0  # the demo's time compression (envoyconf.render's `speed`)
+    answer_sample_percent: int | None = None  # envoyconf.render's: None keeps envoy.yaml's
     processes: list[Process] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -185,7 +186,8 @@ class Stack:
         return envoyconf.render(envoyconf.load_source(), listen_port=self.listen_port, admin_port=self.admin_port,
                                 extproc=[("127.0.0.1", p) for p in self.grpc_ports], pools=self.pools, mode=self.mode,
                                 lb_policy=self.lb_policy, adaptive=self.adaptive, health_check_interval_s=1.0,
-                                failure_mode_allow=self.failure_mode_allow, speed=self.speed)
+                                failure_mode_allow=self.failure_mode_allow, speed=self.speed,
+                                answer_sample_percent=self.answer_sample_percent)
 
     def start_envoy(self) -> Process:
         path = self.workdir / "envoy.yaml"

@@ -227,6 +227,31 @@ def test_the_access_log_receiver_reports_matched_and_unmatched_completions():
     assert sample(t, "extproc_request_duration_seconds_count", **{"class": "batch", "outcome": "ok"}) == 1
 
 
+def test_the_sampled_answers_log_feeds_the_answer_histogram_and_is_no_completion_report():
+    from google.protobuf import struct_pb2
+
+    from extproc.server.accesslog import ANSWERS_LOG, EXT_PROC_STATE
+
+    t = Telemetry()
+    core = limited_core(t)
+    d = core.decide(RequestFacts(api_key="kf", model="llama"))
+    core.finish(d.ticket, Outcome.ENDED)
+    tags = TicketTags(instance="a1")
+    first, second = log_entries(tags.value(d.ticket.id), None), log_entries(None)
+    first.identifier.log_name = ANSWERS_LOG  # only a stream's first message names its log
+    for entry, us in zip([*first.http_logs.log_entry, *second.http_logs.log_entry], (700, 350_000, 500_000)):
+        state = struct_pb2.Struct()
+        state.fields["request_header_latency_us"].number_value = us
+        entry.common_properties.filter_state_objects[EXT_PROC_STATE].Pack(state)
+    asyncio.run(AccessLogReceiver(core, t, tags).StreamAccessLogs(None, AccessLogStream(first, second)))
+    assert sample(t, "extproc_header_answer_seconds_count") == 3
+    assert sample(t, "extproc_header_answer_seconds_bucket", le="0.001") == 1
+    # Nothing counted as a completion, unmatched or unadmitted: the ticket still gets its own report.
+    assert not sample(t, "extproc_completion_reports_total", result="matched")
+    assert not sample(t, "extproc_completion_reports_total", result="unmatched")
+    assert not sample(t, "extproc_unadmitted_requests_total")
+
+
 def test_an_unticketed_request_to_a_cluster_no_model_names_is_not_counted_unadmitted():
     # Found through Envoy: three GETs to a docs service a team routed beside the API (ext_proc off) raised
     # extproc_unadmitted_requests_total to 3 and the alert with it.
@@ -386,8 +411,9 @@ def test_envoy_config_for_workers_gives_each_its_own_access_log():
     logs = [(log["filter"].get("header_filter", {}).get("header", {}).get("string_match", {}).get("prefix"),
              log["typed_config"]["common_config"]["grpc_service"]["envoy_grpc"]["cluster_name"])
             for log in hcm["access_log"]]
-    # The unadmitted requests' log (no ticket) goes to any worker: each counts what it gets, Prometheus sums them.
-    assert logs == [(None, "extproc"), ("0-", "extproc_worker_0"), ("1-", "extproc_worker_1")]
+    # The unadmitted requests' log (no ticket) and the sampled answers' go to any worker: each counts what it
+    # gets, Prometheus sums them.
+    assert logs == [(None, "extproc"), (None, "extproc"), ("0-", "extproc_worker_0"), ("1-", "extproc_worker_1")]
     clusters = {c["name"]: c for c in cfg["static_resources"]["clusters"]}
     port = clusters["extproc_worker_1"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
     assert port["address"]["socket_address"]["port_value"] == 6
