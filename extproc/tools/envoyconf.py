@@ -49,6 +49,23 @@ def cluster_names(base: dict[str, Any] | None = None) -> set[str]:
     return {c["name"] for c in cfg["static_resources"]["clusters"]} - {"extproc"}
 
 
+def with_pools(base: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """A copy of `base` with a cluster for each of `names` it lacks, cloned from its first model pool (timeouts,
+    health checks, outlier detection and load balancing as shipped). For local stacks whose pools are named by a
+    scenario: a user's fleet (`vllm_mixtral`) made the real demo fail on envoy.yaml's two names where the what-if
+    had run it."""
+    cfg = copy.deepcopy(base)
+    clusters = cfg["static_resources"]["clusters"]
+    have = {c["name"] for c in clusters}
+    template = next(c for c in clusters if c["name"] != "extproc")
+    for name in names:
+        if name not in have:
+            clone = copy.deepcopy(template)
+            clone["name"] = clone["load_assignment"]["cluster_name"] = name
+            clusters.append(clone)
+    return cfg
+
+
 def render(base: dict[str, Any], *, listen_port: int, admin_port: int,
            extproc: Endpoint | list[Endpoint] | None, pools: dict[str, list[Endpoint]],
            listen_host: str = "127.0.0.1", mode: str = "extproc", lb_policy: str | None = None,

@@ -183,7 +183,8 @@ class Stack:
         return proc
 
     def envoy_config(self) -> dict:
-        return envoyconf.render(envoyconf.load_source(), listen_port=self.listen_port, admin_port=self.admin_port,
+        base = envoyconf.with_pools(envoyconf.load_source(), list(self.pools))
+        return envoyconf.render(base, listen_port=self.listen_port, admin_port=self.admin_port,
                                 extproc=[("127.0.0.1", p) for p in self.grpc_ports], pools=self.pools, mode=self.mode,
                                 lb_policy=self.lb_policy, adaptive=self.adaptive, health_check_interval_s=1.0,
                                 failure_mode_allow=self.failure_mode_allow, speed=self.speed,

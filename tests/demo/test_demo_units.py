@@ -230,3 +230,17 @@ def test_what_if_runs_the_kv_agents_scenario_with_its_policies(capsys):
     assert what_if_tables(args) == 0
     out = capsys.readouterr().out
     assert "(spike-1)" in out and "(spike-2)" in out and "agent rejected / shed / timeout / error / degraded %" in out
+
+
+def test_a_scenario_pool_envoy_yaml_does_not_name_gets_a_cluster_in_the_local_stack(tmp_path):
+    # scenarios/moe-rag.yaml names its pool vllm_mixtral: the real demo failed with "envoy.yaml has no cluster"
+    # where the what-if had run it.
+    from extproc.tools.stack import Stack
+    stack = Stack(tmp_path, {"vllm_mixtral": [("127.0.0.1", 9001)], "vllm_llama8b": [("127.0.0.1", 9002)]},
+                  policy_path=tmp_path / "p.yaml")
+    clusters = {c["name"]: c for c in stack.envoy_config()["static_resources"]["clusters"]}
+    assert set(clusters) == {"extproc", "vllm_mixtral", "vllm_llama8b"}
+    mixtral = clusters["vllm_mixtral"]
+    assert mixtral["load_assignment"]["cluster_name"] == "vllm_mixtral"
+    assert mixtral["health_checks"] == clusters["vllm_llama8b"]["health_checks"]
+    assert "vllm_mixtral" not in envoyconf.cluster_names()  # the shipped file is not changed
