@@ -758,3 +758,15 @@ def test_a_waiter_whose_room_came_back_without_a_release_is_not_told_the_pool_wa
     refused = core.abandon(waiting.waiter, timed_out=True)
     assert "pool 'pool_a'" in refused.message and "without a release" in refused.message, refused.message
     assert "full" not in refused.message
+
+
+def test_a_request_for_another_pool_does_not_wait_behind_its_class_waiting_for_this_one(pcore):
+    # scenarios/moe-rag.yaml: interactive RAG waited for the Mixtral pool's limit while the same class's chat product
+    # on the idle 8B pool was refused (deadline_unmeetable) or queued behind it: the class's queue is one FIFO.
+    for _ in range(4):
+        assert pcore.decide(req("interactive")).kind == ACCEPT
+    waiting = pcore.decide(req("interactive"))
+    assert waiting.kind == QUEUE  # for pool_a
+    assert pcore.decide(req("interactive", model="small")).kind == ACCEPT  # its pool has room, its class too
+    assert pcore.decide(req("interactive")).kind == QUEUE  # behind the first waiter for pool_a, as before
+    assert held(pcore) == (4, [4, 0, 0], [2, 0, 0])
