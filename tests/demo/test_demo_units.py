@@ -244,3 +244,20 @@ def test_a_scenario_pool_envoy_yaml_does_not_name_gets_a_cluster_in_the_local_st
     assert mixtral["load_assignment"]["cluster_name"] == "vllm_mixtral"
     assert mixtral["health_checks"] == clusters["vllm_llama8b"]["health_checks"]
     assert "vllm_mixtral" not in envoyconf.cluster_names()  # the shipped file is not changed
+
+
+def test_capacity_is_the_first_pools_own_kinds_over_their_share_of_the_arrivals(tmp_path):
+    # scenarios/moe-rag.yaml: a product of the 8B's own (20% of arrivals) ran in the Mixtral pool's closed loop, so
+    # `rate` 0.55 put 0.52 of the Mixtral's capacity on it. Its kinds are now left out, and `rate: 1` fills the pool.
+    import yaml
+    doc = yaml.safe_load(open(SCENARIO))
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(yaml.safe_dump(doc))
+    doc["workload"]["kinds"][0]["weight"] *= 0.8
+    doc["workload"]["kinds"][1]["weight"] *= 0.8
+    doc["workload"]["kinds"].append({"name": "lite", "weight": 0.2, "endpoint": "chat", "model": "llama-8b",
+                                     "prompt_tokens": 100, "max_tokens": 32, "stream": True})
+    shared = tmp_path / "shared.yaml"
+    shared.write_text(yaml.safe_dump(doc))
+    expected = Scenario.load(str(plain)).fleet_capacity() / 0.8
+    assert Scenario.load(str(shared)).fleet_capacity() == pytest.approx(expected)
