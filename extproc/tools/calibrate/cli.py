@@ -1,6 +1,7 @@
 """`extproc calibrate`: find a class's concurrency cap by a closed-loop doubling + bisection sweep of the target.
 
     extproc calibrate --target http://127.0.0.1:8000 --slo-p95 2s [--workload FILE] [--policy FILE --class C]
+        [--replicas N]
 
 Exit status: 0 a cap was chosen (and written, with --policy); 1 no cap (the target failed, or missed the SLO at the
 start concurrency); 2 bad arguments or policy; 130 interrupted (Ctrl-C), after printing the partial table.
@@ -81,6 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="the model is MoE (default: guessed from the model name and the simulator profile)")
     cap.add_argument("--policy", help="policy YAML whose class cap is rewritten (comments and the rest are kept)")
     cap.add_argument("--class", dest="class_name", default="interactive", help="class to calibrate")
+    cap.add_argument("--replicas", type=int, default=1,
+                     help="replicas like the target that serve the class behind one Envoy: the cap written or "
+                          "printed is the per-replica cap x this (a policy's caps are the fleet's; default 1)")
     parser.add_argument("--out", help="folder for results.json and calibration.png "
                                       "(default calibration/<model>-<UTC time>)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
@@ -176,17 +180,25 @@ def _check_policy(args: argparse.Namespace) -> None:
     set_class_cap(text, args.class_name, 1)
 
 
-def _apply_cap(args: argparse.Namespace, cap: int) -> dict:
-    """Write the cap into the policy (printing the diff) or print the snippet; returns what was done."""
+def _apply_cap(args: argparse.Namespace, per_replica: int) -> dict:
+    """Write the fleet's cap (per replica x --replicas) into the policy (printing the diff) or print the snippet;
+    returns what was done. The sweep measures one replica, and a policy's max_concurrency is for every replica
+    behind its Envoy (docs/tuning.md): written as measured, a three-replica fleet ran at a third of its cap."""
+    cap = per_replica * args.replicas
+    print(f"\ncap {per_replica} per replica x {args.replicas} replica{'s' if args.replicas > 1 else ''} = {cap}"
+          + (" (the policy's caps are the fleet's: give --replicas N for N replicas like this one)"
+             if args.replicas == 1 else ""))
     if not args.policy:
         print(f"\npolicy snippet (no --policy given):\n{policy_snippet(args.class_name, cap)}", end="")
-        return {"file": None, "class": args.class_name, "max_concurrency": cap, "written": False}
+        return {"file": None, "class": args.class_name, "max_concurrency": cap, "per_replica": per_replica,
+                "replicas": args.replicas, "written": False}
     diff = write_class_cap(args.policy, args.class_name, cap)
     print(f"\n{args.policy}: classes.{args.class_name}.max_concurrency = {cap}" +
           ("" if diff else " (already set; file unchanged)"))
     if diff:
         print(diff, end="")
-    return {"file": args.policy, "class": args.class_name, "max_concurrency": cap, "written": bool(diff)}
+    return {"file": args.policy, "class": args.class_name, "max_concurrency": cap, "per_replica": per_replica,
+            "replicas": args.replicas, "written": bool(diff)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -196,6 +208,8 @@ def run(args: argparse.Namespace) -> int:
                              bisect_steps=args.bisect_steps)
         if not 0 <= args.moe_margin < 1:
             raise ValueError("--moe-margin must be in [0, 1)")
+        if args.replicas < 1:
+            raise ValueError("--replicas must be at least 1")
         workload = workload_from_args(args)
         if args.policy:
             _check_policy(args)
