@@ -183,3 +183,73 @@ def test_troubleshooting_names_every_final_decision_and_where_the_reason_header_
     (row,) = [line for line in text.splitlines() if line.startswith("| response headers |")]
     said = set(re.findall(r"`(\w+)`", row.split("`x-extproc-reason` on", 1)[1].split(";", 1)[0]))
     assert said == carry, (said, carry)
+
+
+# Where the docs show a command: fenced blocks (continuation lines joined, `# comments` dropped) and inline code.
+def doc_commands() -> list[tuple[str, str]]:
+    out = []
+    for page in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        text = page.read_text()
+        for block in re.findall(r"```[a-z]*\n(.*?)```", text, re.S):
+            out += [(page.name, line.split(" #", 1)[0]) for line in block.replace("\\\n", " ").splitlines()]
+        out += [(page.name, code) for code in re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S))]
+    return out
+
+
+def _options(parser) -> set[str]:
+    return set(parser._option_string_actions)
+
+
+def test_commands_in_the_docs_name_subcommands_and_flags_that_exist():
+    """A user types what the docs show: `extproc SUB --flag`, `bench/X.py --flag` and `make TARGET` must exist."""
+    import argparse
+    import importlib
+
+    from extproc.cli import SUBCOMMANDS
+
+    def extproc_options(name: str) -> set[str]:
+        p = argparse.ArgumentParser()
+        importlib.import_module(SUBCOMMANDS[name][0]).add_arguments(p)
+        return _options(p)
+
+    def bench_options(script: str) -> set[str]:
+        r = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert r.returncode == 0, (script, r.stderr)
+        return set(re.findall(r"(?<![\w-])(--?[a-zA-Z][\w-]*)", r.stdout))
+
+    makefiles = (ROOT / "Makefile").read_text() + (ROOT / "Makefile.vllm").read_text()
+    targets = set(re.findall(r"^([\w-]+)\s*:(?!=)", makefiles, re.M))
+    options: dict[str, set[str]] = {}
+    wrong, seen = [], 0
+    for page, cmd in doc_commands():
+        for target in re.findall(r"(?:^|[;&|(]\s*)make ([\w-]+)", cmd):
+            seen += 1
+            if target not in targets:
+                wrong.append((page, f"make {target}"))
+        for m in re.finditer(r"(?:(?<![\w/.-])extproc ([a-z][\w-]*)|(bench/\w+\.py))([^;`]*?)(?=&&|$)", cmd):
+            name = m.group(1) or m.group(2)
+            if m.group(1) and name not in SUBCOMMANDS:
+                wrong.append((page, f"extproc {name}"))
+                continue
+            if name not in options:
+                options[name] = extproc_options(name) if m.group(1) else bench_options(name)
+            for flag in re.findall(r"(?<![\w-])(--?[a-zA-Z][\w-]*)", m.group(3)):
+                seen += 1
+                if flag not in options[name]:
+                    wrong.append((page, f"{name} {flag}"))
+    assert seen > 100  # the scan finds the commands (about 150 flags and targets today)
+    assert not wrong, wrong
+
+
+def test_metrics_the_docs_name_exist(known_metric_names):
+    """An operator greps /metrics or writes a query for the name a doc gives: every ext_proc metric named in inline
+    code (`extproc_...`, with or without a label set, and the rules' `level:extproc_...:op` names) is one the
+    ext_proc exports or a rule records."""
+    named = set()
+    for page in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        prose = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for code in re.findall(r"`([^`\n]+)`", prose):
+            named |= {(page.name, n) for n in re.findall(r"(?<![\w:])(\w+:extproc\w*:\w+|extproc_\w*[a-z0-9])\b", code)}
+    assert len({n for _, n in named}) > 40  # the scan finds them (about 60 distinct names today)
+    unknown = sorted((page, name) for page, name in named if name not in known_metric_names)
+    assert not unknown, unknown
