@@ -253,3 +253,35 @@ def test_metrics_the_docs_name_exist(known_metric_names):
     assert len({n for _, n in named}) > 40  # the scan finds them (about 60 distinct names today)
     unknown = sorted((page, name) for page, name in named if name not in known_metric_names)
     assert not unknown, unknown
+
+
+def test_readme_stack_says_where_to_send_requests():
+    """README's "Running it yourself" starts the ext_proc, the simulators and Envoy: it must say where the API
+    listens (it gave the ext_proc's ports only, so a newcomer had no address to send a request to) and its example
+    must reach it: the listener envoy-config renders by default, a path with a route, a model and key the policy
+    knows, and the ext_proc's ports as `extproc serve` defaults them."""
+    import argparse
+
+    from extproc.policy.schema import load_policy_file
+    from extproc.server import main as serve
+    from extproc.tools import envoyconf
+
+    (block,) = re.findall(r"## Running it yourself\n+```sh\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    block = block.replace("\\\n", " ")
+    ((host, port, path, body),) = re.findall(
+        r"^curl .*?(localhost|127\.0\.0\.1):(\d+)(/\S+) .*-d '(\{.*\})'", block, re.M)
+    p = argparse.ArgumentParser()
+    envoyconf.add_arguments(p)
+    assert int(port) == p.parse_args([]).listen[1]
+    assert f"127.0.0.1:{port}" in block.split("envoy -c", 1)[1].splitlines()[0]  # the comment says where
+    routes = yaml.safe_load((ROOT / "envoy" / "envoy.yaml").read_text())["static_resources"]["listeners"][0][
+        "filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+    assert any(r["match"].get("path") == path for r in routes), path
+    policy = load_policy_file(str(ROOT / "policies" / "default.yaml"))
+    assert yaml.safe_load(body)["model"] in policy.models
+    key = re.search(r"Bearer ([\w-]+)", block).group(1)
+    assert any(key in t.api_keys for t in policy.tenants)
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    defaults = p.parse_args(["--policy", "x"])
+    assert f"gRPC :{defaults.grpc[1]}, /metrics and /healthz on :{defaults.metrics[1]}" in block
