@@ -285,3 +285,13 @@ def test_readme_stack_says_where_to_send_requests():
     serve.add_arguments(p)
     defaults = p.parse_args(["--policy", "x"])
     assert f"gRPC :{defaults.grpc[1]}, /metrics and /healthz on :{defaults.metrics[1]}" in block
+
+
+def test_demo_page_names_the_modes_that_run_the_ext_proc():
+    """docs/demo.md says which modes start an ext_proc; it said c and d after mode e (adaptive caps, which runs
+    one too) was added."""
+    from extproc.tools.demo.modes import MODES
+
+    text = (DOCS / "demo.md").read_text()
+    (said,) = re.findall(r"and for modes ([a-e, and]+?) the ext_proc", text)
+    assert set(re.findall(r"\b[a-e]\b", said)) == {k for k, m in MODES.items() if m.stack_mode == "extproc"}
