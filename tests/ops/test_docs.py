@@ -295,3 +295,25 @@ def test_demo_page_names_the_modes_that_run_the_ext_proc():
     text = (DOCS / "demo.md").read_text()
     (said,) = re.findall(r"and for modes ([a-e, and]+?) the ext_proc", text)
     assert set(re.findall(r"\b[a-e]\b", said)) == {k for k, m in MODES.items() if m.stack_mode == "extproc"}
+
+
+def test_tuning_playbook_signals_are_dashboard_panels():
+    """docs/tuning.md gives each step's signal as a dashboard panel in bold; an operator looks for that title.
+    It said "Latency p95 vs SLO" and "Refused share", titles the dashboard does not have."""
+    import json
+
+    from extproc.policy.decision import SHED
+
+    def titles(panels):
+        for p in panels:
+            yield p["title"]
+            yield from titles(p.get("panels", []))
+
+    dashboard = json.loads((ROOT / "compose" / "grafana" / "dashboards" / "extproc.json").read_text())
+    # A title's parenthesised detail may be left out: "Client latency p95 (arrival to end, ...) vs SLO".
+    known = {" ".join(re.sub(r"\([^)]*\)", "", t).split()) for t in titles(dashboard["panels"])}
+    text = (DOCS / "tuning.md").read_text()
+    steps = text.split("## 1. Shadow", 1)[1].split("## 4.", 1)[0]
+    leads = re.findall(r"^- \*\*(.+?)\*\*", steps, re.M)
+    assert len(leads) >= 6
+    assert not [lead for lead in leads if lead not in known and lead.lower() != SHED], leads
