@@ -317,3 +317,16 @@ def test_tuning_playbook_signals_are_dashboard_panels():
     leads = re.findall(r"^- \*\*(.+?)\*\*", steps, re.M)
     assert len(leads) >= 6
     assert not [lead for lead in leads if lead not in known and lead.lower() != SHED], leads
+
+
+def test_files_the_docs_commands_and_code_name_exist():
+    """The check above covers the operations pages' own links; a user also runs `extproc demo --scenario
+    scenarios/X.yaml`, `python bench/X.py` or opens `tests/...` from any page or the README. Every repository path in
+    a command or inline code must be there (placeholders in capitals, and the user's own overlay, excepted)."""
+    refs = [(page, ref) for page, code in doc_commands()
+            for ref in re.findall(r"(?<![\w/.-])((?:docs|compose|deploy|envoy|policies|extproc|bench|scenarios|"
+                                  r"workloads|scripts|tests)/[\w./-]*\w\.\w+)", code)]
+    assert len(refs) > 200  # the scan finds them (about 330 today)
+    missing = [(page, ref) for page, ref in refs
+               if not (ROOT / ref).exists() and not re.search(r"[A-Z]{3,}|/mine/", ref)]
+    assert not missing, missing
