@@ -529,11 +529,10 @@ class AdmissionController:
         q = lim.queue
         if self._higher_waits(gate, lim):
             return None
-        total = q.active_weight()
         best, least = None, math.inf
-        for key, weight, w in q.heads_for(pool):
-            if gate.owed(lim.rank, key, w.units, weight / total, now):
-                per_weight = gate.held_by(lim.rank, key) / weight
+        for key, share, w in q.heads_for(pool):
+            if gate.owed(lim.rank, key, w.units, share, now):
+                per_weight = gate.held_by(lim.rank, key) / share
                 if per_weight < least:
                     best, least = w, per_weight
         return best

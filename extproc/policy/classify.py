@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .fairness import SEP, nested
 from .schema import Policy
 
 ANONYMOUS = "anonymous"
@@ -20,7 +21,9 @@ class Classification:
 
     @property
     def flow(self) -> str:
-        return self.fairness_key or self.tenant
+        """A header's key counts inside its tenant (fairness.nested): it splits the tenant's share, and a key that
+        names another tenant does not reach that tenant's flow."""
+        return nested(self.tenant, self.fairness_key) if self.fairness_key else self.tenant
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +94,7 @@ class Classifier:
     def _fairness_key(self, fairness_id: str | None) -> str:
         if not self._reads_fairness or not fairness_id:
             return ""
-        return fairness_id.strip()[:MAX_FAIRNESS_KEY]
+        return fairness_id.replace(SEP, "").strip()[:MAX_FAIRNESS_KEY]
 
 
 class ConflictingKeys(ValueError):

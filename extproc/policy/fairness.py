@@ -15,6 +15,10 @@ between flows (`mode`):
 
 Inside a flow (round_robin, fair) the earliest deadline goes first, arrivals breaking ties.
 
+Flows nest in groups: a key `group + SEP + name` (`nested`) is flow `name` inside group `group` (the tenant whose
+header key it is); any other key is a group of its own. The mode picks a group first (its weight and guarantee are
+the group's name's), then a flow inside it (its name's): a group's keys share its share, however many it sends.
+
 Admission tells the queue about every admission of the class (`admitted`, whether it waited or not: work admitted
 straight away counts towards a flow's share too) and every release (`released`); popping a waiter charges nothing
 by itself. Per-label counters (`stats`) keep metrics' label sets bounded: keys that are not configured tenants
@@ -37,6 +41,18 @@ OTHER = "other"
 MIN_CHARGE_S = 1e-3
 # The fairness index reads at most this many flows (the most recently served): header keys are unbounded.
 INDEX_FLOWS = 1024
+SEP = "\x00"  # between a nested key's group and name (no HTTP header value holds a NUL)
+
+
+def nested(group: str, name: str) -> str:
+    """The key of flow `name` inside group `group`."""
+    return f"{group}{SEP}{name}"
+
+
+def split_key(key: str) -> tuple[str, str]:
+    """(group, name) of a flow key: a key that is not nested is its own group."""
+    group, sep, name = key.partition(SEP)
+    return (group, name) if sep else (key, key)
 
 
 def jain_index(values: Iterable[float]) -> float:
@@ -73,11 +89,17 @@ class TenantStats:
 class _Flow:
     """One fairness key's waiters, ordered (deadline, arrival) - or by arrival alone in fifo mode."""
 
-    __slots__ = ("key", "entries", "vtime", "inflight", "inflight_cost", "weight", "guaranteed")
+    __slots__ = ("key", "entries", "vtime", "inflight", "inflight_cost", "weight", "guaranteed", "group",
+                 "members", "backlogged", "waiting", "floor")
 
-    def __init__(self, key: str, weight: float, guaranteed: float):
+    def __init__(self, key: str, weight: float, guaranteed: float, group: "_Flow | None" = None):
         self.key = key
         self.entries: list[tuple[float, int, Any]] = []
+        self.group = group    # a flow's group (None: this is a group)
+        self.members = 0      # a group's: its flows kept
+        self.backlogged = 0   # a group's: its flows with waiters
+        self.waiting = 0      # a group's: its waiters
+        self.floor = 0.0      # a group's: start virtual time of its latest admission (never decreases)
         self.vtime = 0.0
         self.inflight = 0
         self.inflight_cost = 0.0
@@ -125,6 +147,12 @@ class FairQueue:
         # (not per metric label: header keys all fold into "other" there), the most recently served INDEX_FLOWS
         self._recent: OrderedDict[str, list[float]] = OrderedDict()
         self._flows: dict[str, _Flow] = {}          # every flow with waiters, in flight, or configured
+        self._groups: dict[str, _Flow] = {}         # every group with a flow kept, or configured
+        self._turns: OrderedDict[str, _Flow] = OrderedDict()  # groups with waiters; round_robin: turn order
+        # The group whose flows' names are believed to name tenants (their weight, guarantee and label): the
+        # anonymous tenant's, keyed by a gateway that knows who is behind it. In any other group a name is just a
+        # name: a tenant's key splits its own share, never takes another tenant's.
+        self.open_group: str | None = None
         self._backlogged: OrderedDict[str, _Flow] = OrderedDict()  # flows with waiters; round_robin: turn order
         # id(waiter) -> its flow, its entry, and its own key (fifo keeps every waiter in one flow)
         self._where: dict[int, tuple[_Flow, tuple[float, int, Any], str]] = {}
@@ -139,12 +167,16 @@ class FairQueue:
             raise ValueError("waiter is already queued")
         key = self.key(waiter)
         fkey = "" if self.mode == "fifo" else key
-        new = fkey not in self._flows
+        new, new_group = fkey not in self._flows, split_key(fkey)[0] not in self._groups
         flow = self._flow(fkey)
         if not flow.entries:
-            if new:  # never served: it starts where the waiting flows are, not behind them (_become_backlogged)
+            # never served: it starts where the waiting flows are, not behind them (_become_backlogged)
+            if new:
                 flow.vtime = -math.inf
+            if new_group:
+                flow.group.vtime = -math.inf
             self._become_backlogged(flow)
+        flow.group.waiting += 1
         order = 0.0 if self.mode == "fifo" else waiter.deadline
         entry = (order, next(self._seq), waiter)
         bisect.insort(flow.entries, entry, key=_order)
@@ -205,10 +237,13 @@ class FairQueue:
         for flow, was in running:
             self._counts(was).inflight -= flow.inflight
             self._stats(flow.key).inflight += flow.inflight
+        for group in self._groups.values():
+            group.weight, group.guaranteed = self.weights.get(group.key, 1.0), self.guaranteed.get(group.key, 0.0)
         for flow in list(self._flows.values()):
-            flow.weight = self.weights.get(flow.key, 1.0)
-            flow.guaranteed = self.guaranteed.get(flow.key, 0.0)
+            flow.weight, flow.guaranteed = self._own(flow.key)
             self._forget_if_idle(flow)  # configured no more: an idle one is kept no longer than any header key's
+        for group in list(self._groups.values()):
+            self._forget_group_if_idle(group)
         for w in waiters:
             self.append(w)
         for label in [label for label in self.stats if label not in labels and label != OTHER]:
@@ -226,8 +261,11 @@ class FairQueue:
             raise ValueError("waiter is not queued")
         flow, _, key = self._where[id(waiter)]
         self._take(waiter)
-        if self.mode == "round_robin" and flow.key in self._backlogged:
-            self._backlogged.move_to_end(flow.key)  # its turn is over
+        if self.mode == "round_robin":  # its turn is over, and its group's
+            if flow.key in self._backlogged:
+                self._backlogged.move_to_end(flow.key)
+            if flow.group.key in self._turns:
+                self._turns.move_to_end(flow.group.key)
         if self.clock is not None:
             self._stats(key).waited_s += max(self.clock() - waiter.enqueued_at, 0.0)
         return waiter
@@ -239,24 +277,34 @@ class FairQueue:
         if self.mode == "fifo":
             return len(self._where)
         own = self._flows.get(key)
+        group = self._groups.get(split_key(key)[0])
         mine = len(own.entries) if own is not None else 0
-        vtime = max(own.vtime if own is not None else self._vfloor,
-                    min((f.vtime for f in self._backlogged.values()), default=self._vfloor))
+        gtime = max(group.vtime if group is not None else self._vfloor,
+                    min((g.vtime for g in self._turns.values()), default=self._vfloor))
+        ftime = max(own.vtime if own is not None else group.floor if group is not None else 0.0,
+                    min((f.vtime for f in self._backlogged.values() if f.group is group), default=-math.inf))
+
+        def before(f: _Flow) -> bool:
+            return self.mode == "round_robin" or (f.vtime <= ftime if f.group is group else f.group.vtime <= gtime)
+
         return mine + sum(min(len(f.entries), mine + 1) for f in self._backlogged.values()
-                          if f is not own and (self.mode == "round_robin" or f.vtime <= vtime))
+                          if f is not own and before(f))
 
     def crowded_out_by(self, key: str) -> Any | None:
         """With every place taken, the waiter a new arrival of flow `key` takes the place of: the last of the
-        longest flow, if that flow holds at least two places more than `key`'s. None in fifo mode (the arrival
-        overflows): a flood holds the queue's places no more than its slots."""
+        longest flow of the group with the most waiters, if that group holds at least two places more than `key`'s
+        (a group's keys share its places as they share its share). None in fifo mode (the arrival overflows): a
+        flood holds the queue's places no more than its slots."""
         if self.mode == "fifo" or not self._backlogged:
             return None
-        own = self._flows.get(key)
-        mine = len(own.entries) if own is not None else 0
-        longest = max(self._backlogged.values(), key=lambda f: (len(f.entries), f.vtime))
-        if longest is own or len(longest.entries) < mine + 2:
+        own = self._groups.get(split_key(key)[0])
+        mine = own.waiting if own is not None else 0
+        longest = max(self._turns.values(), key=lambda g: (g.waiting, g.vtime))
+        if longest is own or longest.waiting < mine + 2:
             return None
-        return longest.entries[-1][2]
+        flow = max((f for f in self._backlogged.values() if f.group is longest),
+                   key=lambda f: (len(f.entries), f.vtime))
+        return flow.entries[-1][2]
 
     def waiting_in(self, key: str) -> bool:
         """Whether flow `key` has waiters (fifo: whether anyone waits)."""
@@ -264,24 +312,26 @@ class FairQueue:
         return flow is not None and bool(flow.entries)
 
     def heads_for(self, pool: str) -> Iterator[tuple[str, float, Any]]:
-        """Each waiting flow's next waiter bound for `pool`: (flow key, its weight, waiter)."""
+        """Each waiting flow's next waiter bound for `pool`: (flow key, its share (share()), waiter)."""
         for flow in self._backlogged.values():
             entry = flow.first_for(pool)
             if entry is not None:
-                yield flow.key, flow.weight, entry[2]
-
-    def active_weight(self, key: str | None = None) -> float:
-        """The weights of the flows active in the class (waiting or in flight), with `key`'s if it is not."""
-        total = sum(f.weight for f in self._flows.values() if f.entries or f.inflight > 0)
-        own = self._flows.get(key) if key is not None else None
-        if key is not None and (own is None or not (own.entries or own.inflight > 0)):
-            total += own.weight if own is not None else self.weights.get(key, 1.0)
-        return total
+                yield flow.key, self.share(flow.key), entry[2]
 
     def share(self, key: str) -> float:
-        """Flow `key`'s weighted share of the class among the flows active in it and `key` itself."""
-        own = self._flows.get(key)
-        return (own.weight if own is not None else self.weights.get(key, 1.0)) / self.active_weight(key)
+        """Flow `key`'s weighted share of the class: its group's share among the groups active in it (waiting or
+        in flight) and its own, times the flow's share among its group's active flows and itself."""
+        gkey = split_key(key)[0]
+        group, own = self._groups.get(gkey), self._flows.get(key)
+        gweight = group.weight if group is not None else self.weights.get(gkey, 1.0)
+        fweight = own.weight if own is not None else self._own(key)[0]
+        groups = sum(g.weight for g in self._groups.values() if g.waiting or g.inflight > 0)
+        flows = sum(f.weight for f in self._flows.values() if f.group is group and (f.entries or f.inflight > 0))
+        if group is None or not (group.waiting or group.inflight > 0):
+            groups += gweight
+        if own is None or not (own.entries or own.inflight > 0):
+            flows += fweight
+        return gweight / groups * fweight / flows
 
     def overdue(self, now: float) -> list[Any]:
         """Waiters whose deadline has passed, earliest first (q[0] need not be the earliest in fair modes)."""
@@ -292,10 +342,13 @@ class FairQueue:
     def admitted(self, key: str, cost: float) -> None:
         """A request of flow `key` was admitted (from the queue or straight away), estimated at `cost` GPU-s."""
         flow = self._flow(key)
-        self._vfloor = max(self._vfloor, flow.vtime)
-        flow.vtime += max(cost, MIN_CHARGE_S) / flow.weight
-        flow.inflight += 1
-        flow.inflight_cost += cost
+        group = flow.group
+        self._vfloor = max(self._vfloor, group.vtime)
+        group.floor = max(group.floor, flow.vtime)
+        for f in (group, flow):
+            f.vtime += max(cost, MIN_CHARGE_S) / f.weight
+            f.inflight += 1
+            f.inflight_cost += cost
         st = self._stats(key)
         st.admitted += 1
         st.inflight += 1
@@ -306,8 +359,9 @@ class FairQueue:
         """An admitted request of flow `key` gave its slot back."""
         flow = self._flows.get(key)
         if flow is not None:
-            flow.inflight -= 1
-            flow.inflight_cost -= cost
+            for f in (flow.group, flow):
+                f.inflight -= 1
+                f.inflight_cost -= cost
             self._forget_if_idle(flow)
         self._stats(key).inflight -= 1
         self._head = None
@@ -317,12 +371,16 @@ class FairQueue:
         flow = self._flows.get(key)
         if flow is not None:
             flow.vtime += (actual - estimated) / flow.weight
+            flow.group.vtime += (actual - estimated) / flow.group.weight
         self._serve(self._stats(key), key, actual - estimated)
         self._head = None
 
     def virtual_time(self, key: str) -> float:
+        """A flow's virtual time among its group's flows; a key that is its own group's, among the groups."""
         flow = self._flows.get(key)
-        return flow.vtime if flow is not None else self._vfloor
+        if flow is None:
+            return self._vfloor
+        return flow.group.vtime if flow.key == flow.group.key else flow.vtime
 
     def fairness_index(self) -> float:
         """Jain's index over the recent served GPU-seconds per weight of the flows served lately (decayed over
@@ -333,26 +391,49 @@ class FairQueue:
         for key, (gpu_s, at) in self._recent.items():
             recent = gpu_s if now is None else gpu_s * math.exp(-max(now - at, 0.0) / self.index_tau_s)
             if recent > 1e-9:
-                values.append(recent / self.weights.get(key, 1.0))
+                values.append(recent / self._own(key)[0])
         return jain_index(values)
 
     def label(self, key: str) -> str:
-        """The metric label of a fairness key: the key if it is a configured tenant, else "other"."""
-        return key if key in self._labels else OTHER
+        """The metric label of a fairness key: the tenant it names if that is a configured tenant, else "other".
+        A key nested in a group other than the open one is labelled by its group (the tenant whose key it is)."""
+        group, name = split_key(key)
+        if group != name and group != self.open_group:
+            name = group
+        return name if name in self._labels else OTHER
 
     # --- inside ---
+
+    def _own(self, key: str) -> tuple[float, float]:
+        """A flow's weight and guaranteed share inside its group, by its name (in the open group, or a group of
+        its own) - a name in any other group is only a name."""
+        group, name = split_key(key)
+        if group != name and group != self.open_group:
+            return 1.0, 0.0
+        return self.weights.get(name, 1.0), self.guaranteed.get(name, 0.0)
 
     def _flow(self, key: str) -> _Flow:
         flow = self._flows.get(key)
         if flow is None:
-            flow = _Flow(key, self.weights.get(key, 1.0), self.guaranteed.get(key, 0.0))
-            flow.vtime = self._vfloor
+            gkey = split_key(key)[0]
+            group = self._groups.get(gkey)
+            if group is None:
+                group = self._groups[gkey] = _Flow(gkey, self.weights.get(gkey, 1.0), self.guaranteed.get(gkey, 0.0))
+                group.vtime = self._vfloor
+            flow = _Flow(key, *self._own(key), group)
+            flow.vtime = group.floor
+            group.members += 1
             self._flows[key] = flow
         return flow
 
     def _become_backlogged(self, flow: _Flow) -> None:
-        floor = min((f.vtime for f in self._backlogged.values()), default=self._vfloor)
+        group = flow.group
+        if not group.backlogged:
+            group.vtime = max(group.vtime, min((g.vtime for g in self._turns.values()), default=self._vfloor))
+            self._turns[group.key] = group
+        floor = min((f.vtime for f in self._backlogged.values() if f.group is group), default=group.floor)
         flow.vtime = max(flow.vtime, floor)
+        group.backlogged += 1
         self._backlogged[flow.key] = flow
 
     def _take(self, waiter: Any) -> None:
@@ -361,29 +442,48 @@ class FairQueue:
         while flow.entries[i] is not entry:
             i += 1
         del flow.entries[i]
+        flow.group.waiting -= 1
         self._stats(key).waiting -= 1
         if not flow.entries:
             del self._backlogged[flow.key]
+            flow.group.backlogged -= 1
+            if not flow.group.backlogged:
+                del self._turns[flow.group.key]
             self._forget_if_idle(flow)
         self._head = None
 
     def _forget_if_idle(self, flow: _Flow) -> None:
         """Keys from a header are unbounded: a flow with nothing queued or in flight keeps no state unless it is
-        configured (a returning flow restarts at the floor, which it could not have been below by much)."""
+        configured (a returning flow restarts at the floor, which it could not have been below by much), nor a
+        group with no flow kept."""
         if (not flow.entries and flow.inflight <= 0 and flow.key not in self.weights
-                and flow.key not in self.guaranteed):
-            self._flows.pop(flow.key, None)
+                and flow.key not in self.guaranteed and self._flows.pop(flow.key, None) is not None):
+            flow.group.members -= 1
+            self._forget_group_if_idle(flow.group)
+
+    def _forget_group_if_idle(self, group: _Flow) -> None:
+        if group.members <= 0 and group.key not in self.weights and group.key not in self.guaranteed:
+            self._groups.pop(group.key, None)
 
     def _pick(self, pool: str | None) -> Any | None:
+        if self.mode != "fair":  # fifo has one flow; round_robin: groups take turns, then their flows
+            for group in self._turns.values():
+                for flow in self._backlogged.values():
+                    entry = None if flow.group is not group else \
+                        flow.entries[0] if pool is None else flow.first_for(pool)
+                    if entry is not None:
+                        return entry[2]
+            return None
         best_flow_entry = None
         best_rank = None
         for flow in self._backlogged.values():
             entry = flow.entries[0] if pool is None else flow.first_for(pool)
             if entry is None:
                 continue
-            if self.mode == "round_robin" or self.mode == "fifo":
-                return entry[2]  # turn order (fifo has one flow)
-            rank = (not self._under_guarantee(flow), flow.vtime, flow.inflight_cost / flow.weight, entry[1])
+            group = flow.group  # the group first (its guarantee, then its virtual time), then the flow inside it
+            inner = (False, 0.0, 0.0) if flow.key == group.key else \
+                (not self._under_guarantee(flow), flow.vtime, flow.inflight_cost / flow.weight)
+            rank = (not self._under_guarantee(group), group.vtime, group.inflight_cost / group.weight, *inner, entry[1])
             if best_rank is None or rank < best_rank:
                 best_rank, best_flow_entry = rank, entry
         return best_flow_entry[2] if best_flow_entry is not None else None

@@ -303,15 +303,21 @@ class ClassifySpec:
                                      factory=dict)
     fairness_header: str | None = doc(
         "Request header whose value is the fairness key (the flow whose share a request counts against) instead "
-        "of the tenant (Gateway API Inference Extension: `x-gateway-inference-fairness-id`). Set it "
-        "only where the gateway in front sets or strips that header: a client that picks its own key can join "
-        "another flow or split its traffic over many, and a value that is a tenant's name takes that tenant's "
-        "`weight` and `guaranteed_share`. Values are cut to 128 characters; metrics label keys "
-        "that are not tenant names as `other`. Unset: the tenant is the key.", None, header_name=True)
+        "of the tenant (Gateway API Inference Extension: `x-gateway-inference-fairness-id`). Keys live inside "
+        "the request's tenant: a request whose API key names a tenant counts inside that tenant's share, its key "
+        "only splitting that share between the tenant's own keys (however many it sends, and whatever tenant a "
+        "key names), and is labelled by its tenant in metrics. A request with no known API key counts inside the "
+        "`anonymous` tenant's share, where the key is believed: a key that is a tenant's name takes that "
+        "tenant's `weight`, `guaranteed_share` and metric label, other keys `other`. So set it only where the "
+        "gateway in front sets or strips that header: there an anonymous client that picks its own key can "
+        "join another flow or split the anonymous share over many. Values are cut to 128 characters. Unset: "
+        "the tenant is the key.", None, header_name=True)
     deadline_header: str | None = doc(
         "Request header carrying the request's own deadline, in milliseconds from its arrival. It waits in its "
         "class's queue at most that long (never longer than the class's `max_wait_ms`), and queues with a "
-        "fairness mode serve the earliest deadline of a flow first. Unset: not read.", None, header_name=True)
+        "fairness mode serve the earliest deadline of a flow first: a deadline reorders its own flow's "
+        "requests only, never another flow's or tenant's. A value that is not a finite number >= 0 (empty, "
+        "negative, NaN, several values joined by a comma) is ignored. Unset: not read.", None, header_name=True)
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,7 @@ class PolicyState:
         labels = [t.name for t in policy.tenants] + [ANONYMOUS]
         for lim in self.limiters.values():
             lim.queue.clock = self.clock
+            lim.queue.open_group = ANONYMOUS  # a key with no API key is the gateway's word for who it is
             lim.queue.configure(lim.spec.fairness.mode, weights, guaranteed, labels)
             lim.queue.capacity = lim.limit
         self.ranked = list(self.limiters.values())

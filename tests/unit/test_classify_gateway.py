@@ -39,7 +39,7 @@ def test_the_objective_is_a_claim_the_tenant_cap_still_applies_to():
 
 def test_the_fairness_header_names_the_flow_when_the_policy_reads_it():
     c = classifier(**GIE).classify("sk-acme", None, None, fairness_id="team-7")
-    assert (c.tenant, c.fairness_key, c.flow) == ("acme", "team-7", "team-7")
+    assert (c.tenant, c.fairness_key, c.flow) == ("acme", "team-7", "acme\x00team-7")  # inside its tenant
 
 
 def test_without_the_policy_option_the_flow_is_the_tenant():
@@ -51,7 +51,7 @@ def test_without_the_policy_option_the_flow_is_the_tenant():
 
 def test_a_fairness_key_from_a_header_is_cut_to_its_bound():
     c = classifier(**GIE).classify(None, None, None, fairness_id="x" * 1000)
-    assert len(c.flow) == MAX_FAIRNESS_KEY
+    assert len(c.fairness_key) == MAX_FAIRNESS_KEY
 
 
 def test_an_objective_mapped_to_an_unknown_class_is_refused_with_its_key_path():

@@ -4,6 +4,7 @@ freed slot goes to; FIFO stays the default; deadlines, reloads and learned usage
 import pytest
 
 from extproc.policy.admission import ACCEPT, QUEUE, REJECT, AdmissionController, RequestFacts
+from extproc.policy.fairness import nested
 from extproc.policy.limits import Completion, Outcome
 from extproc.policy.schema import PolicyError
 from tests.conftest import make_policy
@@ -145,9 +146,12 @@ def test_inside_a_flow_the_earliest_deadline_is_granted_first(clock):
 def test_the_fairness_header_keys_flows_where_the_class_asks_for_it(clock):
     core = core_with(clock, "fair", key="header", classify={"fairness_header": "x-gateway-inference-fairness-id"})
     d = ask(core, "a", fairness_id="team-7")
-    assert d.ticket.flow == "team-7"
+    assert d.ticket.flow == nested("a", "team-7")  # inside the tenant whose API key it came with
     q = core.limiters["interactive"].queue
-    assert q.stats["other"].inflight == 1  # not a configured tenant: its metric label is folded
+    assert q.stats["a"].inflight == 1  # labelled by that tenant
+    d = core.decide(RequestFacts(model="llama", max_tokens=100, fairness_id="team-7"))
+    assert d.ticket.flow == nested("anonymous", "team-7")
+    assert q.stats["other"].inflight == 1  # no API key, not a configured tenant: its metric label is folded
 
 
 def test_the_header_key_needs_the_policy_to_read_the_header():
@@ -221,3 +225,51 @@ def test_fifo_keeps_a_full_queue_full(clock):
         clock=clock)
     ask(core, "a"), ask(core, "a"), ask(core, "a")
     assert (ask(core, "b").kind, ask(core, "b").reason) == (REJECT, "queue_full")
+
+
+def backlogged_shares(clock, send_c, rounds: int = 600) -> dict[str, float]:
+    """Tenants gold (weight 3), b and c keep 4 requests each waiting or running in a fair class keyed by the
+    fairness header; `send_c(i)` is c's header value. Each GPU-second admitted, by tenant, over `rounds` releases."""
+    tenants = [{"name": "gold", "api_keys": ["sk-gold"], "weight": 3}, *TENANTS[1:]]
+    core = core_with(clock, "fair", key="header", tenants=tenants,
+                     classify={"fairness_header": "x-gateway-inference-fairness-id"})
+    running, served, out, seq = [], dict.fromkeys(("gold", "b", "c"), 0.0), dict.fromkeys(("gold", "b", "c"), 0), [0]
+
+    def granted(d, tenant):
+        if d.kind != ACCEPT:  # refused, or its place taken
+            out[tenant] -= 1
+            return
+        running.append((d.ticket, tenant))
+        served[tenant] += d.ticket.cost
+
+    for _ in range(rounds):
+        for t in served:
+            while out[t] < 4:
+                seq[0] += 1
+                d = ask(core, t, fairness_id=send_c(seq[0]) if t == "c" else t)
+                out[t] += 1
+                if d.kind == QUEUE:
+                    d.waiter.notify(lambda r, t=t: granted(r, t))
+                else:
+                    granted(d, t)
+        ticket, t = running.pop(0)
+        out[t] -= 1
+        clock.advance(0.01)
+        core.finish(ticket, Outcome.OK)
+    total = sum(served.values())
+    return {t: round(s / total, 2) for t, s in served.items()}
+
+
+def test_weights_are_honoured_between_backlogged_tenants_keyed_by_header(clock):
+    assert backlogged_shares(clock, lambda i: "c") == {"gold": 0.6, "b": 0.2, "c": 0.2}
+
+
+def test_a_tenant_rotating_its_fairness_key_gets_its_own_share_not_the_class(clock):
+    # Before header keys were nested in their tenant, each new key was a flow of its own starting level with the
+    # waiting ones: c took 99.8% of the class
+    assert backlogged_shares(clock, lambda i: f"c-{i}") == {"gold": 0.6, "b": 0.2, "c": 0.2}
+
+
+def test_a_fairness_key_naming_another_tenant_does_not_spend_its_share(clock):
+    # Before: c's requests keyed "gold" joined gold's flow and shared its weight: gold 0.375, c 0.375
+    assert backlogged_shares(clock, lambda i: "gold") == {"gold": 0.6, "b": 0.2, "c": 0.2}

@@ -509,3 +509,22 @@ def test_a_tenant_never_seen_starts_level_with_the_waiting_flows_not_behind_them
     q.take(a[1])
     q.admitted("a", 0.0)
     assert q[0] is c  # ...and then c, before a's third
+
+
+def test_a_tenants_header_keys_share_its_places_in_a_full_queue_and_its_share_of_the_pool():
+    # Keys nested in tenant c ("c\x00<key>"): five keys with one waiter each are c's five places, not five flows of
+    # one; before, the longest flow held one place and b's arrival could take none of them (b was refused).
+    q = FairQueue("fair")
+    for i in range(5):
+        q.append(W(f"c\x00k{i}", n=i))
+    assert q.crowded_out_by("b") is not None and q.crowded_out_by("b").tenant.startswith("c\x00")
+    assert q.share("c\x00k9") == pytest.approx(1 / 6)  # the class is c's alone: split over its 6 keys
+    assert q.share("b") == pytest.approx(1 / 2)
+
+
+def test_a_tenants_header_keys_are_forgotten_with_their_tenant_when_idle():
+    q = FairQueue("fair")
+    for i in range(1000):
+        q.admitted(f"c\x00k{i}", 1.0)
+        q.released(f"c\x00k{i}", 1.0)
+    assert not q._flows and not q._groups

@@ -751,7 +751,7 @@ def test_the_fairness_id_header_names_the_flow_of_a_class_keyed_by_header(clock)
         tenants=[])
     admitted(p, x_gateway_inference_fairness_id=b"team-7")
     flows = p.core.limiters["interactive"].queue
-    assert flows.virtual_time("team-7") > 0.0
+    assert flows.virtual_time("anonymous\x00team-7") > 0.0  # no API key: inside the anonymous tenant
 
 
 def test_the_deadline_header_bounds_the_wait_of_a_queued_request(clock):
