@@ -528,3 +528,15 @@ def test_a_tenants_header_keys_are_forgotten_with_their_tenant_when_idle():
         q.admitted(f"c\x00k{i}", 1.0)
         q.released(f"c\x00k{i}", 1.0)
     assert not q._flows and not q._groups
+
+
+def test_round_robin_gives_turns_to_tenants_then_to_their_header_keys():
+    # Before, each of c's keys had a turn of its own: b's first grant came fifth
+    q = FairQueue("round_robin")
+    for i in range(4):
+        q.append(W(f"c\x00k{i}", n=i))
+    for n in (10, 11):
+        q.append(W("b", n=n))
+    order = [q.popleft().tenant for _ in range(6)]
+    assert order[:4] == ["c\x00k0", "b", "c\x00k1", "b"]
+    assert sorted(order[4:]) == ["c\x00k2", "c\x00k3"]
