@@ -493,9 +493,10 @@ class _CoreGauges:
         waited = CounterMetricFamily("extproc_tenant_queue_waited_seconds", "Seconds the tenant's granted requests "
                                      "waited in the class's queue.", labels=labels)
         index = GaugeMetricFamily("extproc_class_fairness_index", "Jain's index (1: equal, 1/n: one tenant has all) "
-                                  "of the GPU-seconds per weight served to the class's flows (tenants, or fairness-header "
-                                  "keys one by one) over about the last minute, among those served. It counts "
-                                  "service, not demand: a flow that asked for less reads as under-served.",
+                                  "of the GPU-seconds per weight served to the class's tenants (and fairness-header "
+                                  "keys of requests without an API key, one by one) over about the last minute, "
+                                  "among those served. It counts service, not demand: a flow that asked for less "
+                                  "reads as under-served.",
                                   labels=["class"])
         for cls, lim in list(self._core.limiters.items()):
             q = lim.queue

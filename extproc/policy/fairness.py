@@ -385,7 +385,8 @@ class FairQueue:
     def fairness_index(self) -> float:
         """Jain's index over the recent served GPU-seconds per weight of the flows served lately (decayed over
         `index_tau_s`; without a clock, over all time). Flows with no recent work are left out: a tenant that asks
-        for nothing is not treated unfairly. Per flow, so flows named by a header count one by one."""
+        for nothing is not treated unfairly. Per tenant, and per flow where a header names it without an API key
+        (the open group), so that gateway's flows count one by one."""
         now = self.clock() if self.clock is not None else None
         values = []
         for key, (gpu_s, at) in self._recent.items():
@@ -505,6 +506,9 @@ class FairQueue:
             st.charged_gpu_s += gpu_s
         else:
             st.refunded_gpu_s -= gpu_s
+        group, name = split_key(key)
+        if group != name and group != self.open_group:
+            key = group  # the index reads what the queue shares between: a tenant, not each of its keys
         mine = self._recent.get(key)
         if mine is None:
             mine = self._recent[key] = [0.0, 0.0]

@@ -19,7 +19,9 @@ def policy(mode: str = "fifo", key: str = "tenant", tenants=TENANTS, **overrides
 
 
 def core_with(clock, mode: str = "fifo", **kw) -> AdmissionController:
-    return AdmissionController(policy(mode, **kw), clock=clock)
+    core = AdmissionController(policy(mode, **kw), clock=clock)
+    cores.append(core)
+    return core
 
 
 def ask(core, tenant: str, prompt_chars: int = 400, **facts):
@@ -44,11 +46,13 @@ def grants(core, running, n: int) -> list[str]:
 
 
 pending: list = []
+cores: list[AdmissionController] = []  # the cores core_with made in this test
 
 
 @pytest.fixture(autouse=True)
 def _fresh():
     pending.clear()
+    cores.clear()
 
 
 def flood(core, clock):
@@ -273,3 +277,10 @@ def test_a_tenant_rotating_its_fairness_key_gets_its_own_share_not_the_class(clo
 def test_a_fairness_key_naming_another_tenant_does_not_spend_its_share(clock):
     # Before: c's requests keyed "gold" joined gold's flow and shared its weight: gold 0.375, c 0.375
     assert backlogged_shares(clock, lambda i: "gold") == {"gold": 0.6, "b": 0.2, "c": 0.2}
+
+
+def test_the_fairness_index_reads_a_tenant_not_its_header_keys(clock):
+    # The index counted each header key apart: c rotating keys while every tenant got exactly its weighted share
+    # read 0.04 (an alert on it would fire). It reads the tenants, as the queue shares between them.
+    backlogged_shares(clock, lambda i: f"c-{i}")
+    assert cores[-1].limiters["interactive"].queue.fairness_index() == pytest.approx(1.0, abs=0.01)
