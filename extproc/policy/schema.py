@@ -233,8 +233,8 @@ class FairnessSpec:
         "the pool goes in even when the limit is full; the flows over their share wait until the pool is back "
         "under it.", "fifo")
     key: Literal["tenant", "header"] = doc(
-        "The flow a request counts against: its tenant, or the value of `classify.fairness_header` (needs it "
-        "set; a request without the header counts against its tenant).", "tenant")
+        "The flow a request counts against: its tenant, or the value of `classify.fairness_header` inside its "
+        "tenant's share (needs it set; a request without the header counts against its tenant).", "tenant")
 
 
 @dataclass(frozen=True)
