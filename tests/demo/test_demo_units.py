@@ -68,7 +68,8 @@ def test_at_speed_the_ext_proc_ticks_and_hears_completions_as_the_what_if_does(t
     flush = {log["typed_config"]["common_config"]["log_name"]: log["typed_config"]["common_config"]
              ["buffer_flush_interval"] for log in cfg["static_resources"]["listeners"][0]["filter_chains"][0]
              ["filters"][0]["typed_config"]["access_log"]}
-    assert flush == {"extproc": "0.020s", "extproc_unadmitted": "1s"}  # the count of unadmitted ones needs no hurry
+    # The count of unadmitted ones and the sampled answer times need no hurry.
+    assert flush == {"extproc": "0.020s", "extproc_unadmitted": "1s", "extproc_answers": "1s"}
 
 
 def test_adaptive_time_knobs_become_wall_clock_durations():
