@@ -121,7 +121,8 @@ async def test_one_connection_holds_at_most_100_streams_undecided(make_stack, tm
     ext_proc and failure_mode_allow sends every request upstream unadmitted (seen with the breaker lowered to 40).
     HTTP/1.1 cannot get there under the 50,000-connection cap. Now Envoy announces 100 (its edge guidance), and a
     client that opens more anyway loses the connection, and with it every stream it held."""
-    s = make_stack(policy_file(tmp_path))
+    # No sampled answer-time log: its access-log stream to the same cluster would count among the streams held.
+    s = make_stack(policy_file(tmp_path), answer_sample_percent=0)
     reader, writer = await asyncio.open_connection("127.0.0.1", s.listen_port)
     async with aiohttp.ClientSession() as http:
         async def held() -> int:
@@ -154,7 +155,7 @@ async def test_held_bodies_are_refused_past_the_bound_not_let_through_unadmitted
     streams whose body never comes, and past it Envoy skips the ext_proc (failure_mode_allow: unadmitted). The
     ext_proc now bounds the requests awaiting their body (--max-pending-bodies) and refuses new ones past it with
     503 bodies_pending, which ends their streams: the breaker stays out of reach, and admission fails closed."""
-    s = make_stack(policy_file(tmp_path), extproc_args=["--max-pending-bodies", "5"])
+    s = make_stack(policy_file(tmp_path), extproc_args=["--max-pending-bodies", "5"], answer_sample_percent=0)
     reader, writer = await asyncio.open_connection("127.0.0.1", s.listen_port)
     async with aiohttp.ClientSession() as http:
         await upstream_reset(http, upstream)
