@@ -21,6 +21,13 @@ pool mixing GPU generations, scenarios/mixed-pool.yaml), it ran 2 requests to th
 its pace: it was let back, took interactive again at a p99 of 2.5-4 s, and went slow again, back and forth through
 the spike. And a replica an autoscaler had just added, still lightly loaded, made the busy ones read 1.5x slower
 than it (scenarios/scale-out.yaml).
+
+The batch is counted in requests, and a step's time grows with their context too: each token reads the KV entries
+of every request in the step. Two identical 70B replicas holding one request each, one of 5.9K tokens and one of
+470, read 4.7 and 2.8 ms a token, 1.7x (scenarios/noisy-neighbour.yaml; an 8B held one 7K-token degraded RAG
+context against 1-1.4K, 1.6x: scenarios/moe-rag.yaml). So the load is two measures, the running requests and the
+KV cache in use (vllm:kv_cache_usage_perc, the context held): "as heavy" holds in both, and a lighter replica's
+gap is divided by the larger of the two ratios.
 """
 
 from __future__ import annotations
@@ -42,19 +49,20 @@ class TokenPace:
     def __init__(self, window_s: float):
         self.window_s = window_s
         self._last: tuple[float, float] | None = None  # (sum, count) as last read
-        self._steps: deque[tuple[float, float, float]] = deque()  # (when, sum added, count added)
+        # (when, sum added, count added, and count added times the running requests and the KV cache used)
+        self._steps: deque[tuple[float, float, float, float, float]] = deque()
         self.slow = False
         self.relative = 1.0  # its inter-token latency over the pool's fastest, as last judged (1: unknown)
 
-    def add(self, now: float, total_s: float, count: float, running: float = math.nan) -> None:
+    def add(self, now: float, total_s: float, count: float, running: float = math.nan, kv: float = math.nan) -> None:
         """A reading of the cumulative counters (NaN: the replica does not export them), and the requests it runs
-        now (the batch those tokens were made in; NaN: unknown)."""
+        now and the share of its KV cache they hold (the batch those tokens were made in; NaN: unknown)."""
         last, self._last = self._last, (total_s, count)
         if math.isnan(total_s) or math.isnan(count):
             self._last = None
         elif last is not None and count >= last[1] and total_s >= last[0]:
             added = count - last[1]
-            self._steps.append((now, total_s - last[0], added, added * running))
+            self._steps.append((now, total_s - last[0], added, added * running, added * kv))
         else:  # first reading, or the counters went back (a restarted replica): start over
             self._steps.clear()
         self._trim(now)
@@ -75,8 +83,16 @@ class TokenPace:
     def batch(self) -> float:
         """The mean requests running alongside each token of the window (call after seconds_per_token); NaN when
         a reading did not say: then it is compared with every replica, whatever their batches."""
+        return self._mean(3)
+
+    def context(self) -> float:
+        """The mean share of the KV cache in use alongside each token of the window (the context its steps read),
+        as batch()."""
+        return self._mean(4)
+
+    def _mean(self, field: int) -> float:
         count = sum(step[2] for step in self._steps)
-        return sum(step[3] for step in self._steps) / count if count else math.nan
+        return sum(step[field] for step in self._steps) / count if count else math.nan
 
     def _trim(self, now: float) -> None:
         steps = self._steps
@@ -90,7 +106,7 @@ def judge_slow(paces: list[TokenPace], now: float, ratio: float) -> list[TokenPa
     judged again once it has served a window's tokens. One with no other to be compared with keeps its verdict."""
     if ratio <= 1.0:
         return [p for p in paces if _set(p, False)]
-    seen = [(p, s, p.batch()) for p in paces if (s := p.seconds_per_token(now)) is not None]
+    seen = [(p, s, (p.batch(), p.context())) for p in paces if (s := p.seconds_per_token(now)) is not None]
     release = 1.0 + (ratio - 1.0) / 2  # hysteresis: a slow replica must be well back before it is trusted again
     changed = [p for p in paces if p.seconds_per_token(now) is None and _set(p, False)]
     for p in paces:
@@ -98,29 +114,37 @@ def judge_slow(paces: list[TokenPace], now: float, ratio: float) -> list[TokenPa
             p.relative = 1.0
     if len(seen) < 2:
         return changed + [p for p, _, _ in seen if _set(p, False)]
-    for pace, s, batch in seen:
-        # The fastest of the others that ran at least as heavy a batch: slower than that is not the load's doing.
-        heavier = [s2 for p2, s2, b2 in seen if p2 is not pace and not b2 * LOAD_SLACK < batch]
-        # Against one that ran a lighter batch, the gap over what that batch could cost if every token waited for
-        # all of it (pace in proportion to the batch, the most it costs): a slow replica holds its requests longer,
-        # so least request leaves it the heavier batch at low concurrency (2 to the fast one's 1 with three
-        # clients), and compared only with heavier ones it went unjudged.
-        lighter_gap = [s / s2 * b2 / batch for p2, s2, b2 in seen
-                       if p2 is not pace and b2 * LOAD_SLACK < batch and b2 > 0]
+    for pace, s, load in seen:
+        others = [(s2, _outweighs(load, load2), _outweighs(load2, load)) for p2, s2, load2 in seen if p2 is not pace]
         if not pace.slow:
-            pace.relative = max(([s / min(heavier)] if heavier else []) + lighter_gap, default=1.0)
+            # Against one that ran at least as heavy a load, the gap itself: slower than that is not the load's
+            # doing. Against a lighter one, the gap over what the extra load could cost if every token waited for
+            # all of it (pace in proportion to the load, the most it costs): a slow replica holds its requests
+            # longer, so least request leaves it the heavier batch at low concurrency (2 to the fast one's 1 with
+            # three clients), and compared only with heavier ones it went unjudged.
+            pace.relative = max((s / s2 / (heavier if heavier > LOAD_SLACK else 1.0)
+                                 for s2, heavier, _ in others if math.isfinite(heavier)), default=1.0)
             if pace.relative > ratio and _set(pace, True):
                 changed.append(pace)
             continue
-        # Slow: back within half the margin of one that ran no heavier a batch. Reading as fast as a far busier
+        # Slow: back within half the margin of one that ran no heavier a load. Reading as fast as a far busier
         # one proves nothing (a 2x slower replica running 1 request read 1.07x one running 13); least request
         # gives it a share of the classes without an SLO until its batch is the others' size, and then it is judged.
-        lighter = [s2 for p2, s2, b2 in seen if p2 is not pace and not b2 > batch * LOAD_SLACK]
+        lighter = [s2 for s2, _, theirs_over in others if theirs_over <= LOAD_SLACK]
         if lighter:
             pace.relative = s / min(lighter)
             if pace.relative <= release and _set(pace, False):
                 changed.append(pace)
     return changed
+
+
+def _outweighs(load: tuple[float, ...], other: tuple[float, ...]) -> float:
+    """How many times `load` is `other` in the measure where it is most over it (a step's time is a sum of terms,
+    each growing at most in proportion to one measure): inf where `other` is 0 and `load` is not; a measure not
+    known on both sides (NaN) or 0 on both is left out; 0 when none is left."""
+    ratios = [a / b if b > 0 else math.inf for a, b in zip(load, other)
+              if not (math.isnan(a) or math.isnan(b)) and (a > 0 or b > 0)]
+    return max(ratios, default=0.0)
 
 
 def _set(pace: TokenPace, slow: bool) -> bool:

@@ -336,7 +336,7 @@ class PoolScraper:
         m["passing"] = float(r.metrics is not None and passing_through(r.metrics, m, now - r.at))
         r.metrics, r.at, r.refused = m, now, False
         r.pace.window_s = PACE_SCRAPES * self.spec.scrape_interval_ms / 1000.0
-        r.pace.add(r.at, m.get("itl_sum", math.nan), m.get("itl_count", math.nan), m["running"])
+        r.pace.add(r.at, m.get("itl_sum", math.nan), m.get("itl_count", math.nan), m["running"], m["kv"])
         # Progress: a token counter moved (a smaller sum is a restarted replica), a restart (its process start
         # time changed: one that hung before its first token restarts with its counters at 0 again), no counters
         # to judge, or idle. Idle is no news from a replica already stalled: its requests were given up on, none

@@ -16,10 +16,10 @@ from tests.unit.test_saturation_scraper import RecordingCore
 
 
 def paced(seconds_per_token: float, tokens: int = 200, window_s: float = 20.0, at: float = 10.0,
-          running: float = 4.0) -> TokenPace:
+          running: float = 4.0, kv: float = float("nan")) -> TokenPace:
     pace = TokenPace(window_s)
     pace.add(0.0, 0.0, 0.0)
-    pace.add(at, seconds_per_token * tokens, tokens, running)
+    pace.add(at, seconds_per_token * tokens, tokens, running, kv)
     return pace
 
 
@@ -59,6 +59,23 @@ def test_slow_past_the_ratio_and_back_within_half_the_margin():
     assert judge_slow([fast, slow], 20.0, 1.5) == [slow] and not slow.slow
     assert judge_slow([paced(0.010), paced(0.014)], 10.0, 1.5) == []  # 1.4x: not slow
 
+
+def test_paces_are_compared_only_where_the_context_held_does_not_explain_the_gap():
+    # One request each, one of 5.9K tokens (7% of the KV cache), one of 470 (0.5%): 4.7 against 2.8 ms a token on
+    # identical replicas (scenarios/noisy-neighbour.yaml). The batch is the same; the context read per step is not.
+    long, short = paced(0.0047, running=1.0, kv=0.07), paced(0.0028, running=1.0, kv=0.005)
+    assert judge_slow([long, short], 10.0, 1.5) == [] and not long.slow
+    # Against a lighter one the gap is divided by the larger of the two loads' ratios: 12x the context here.
+    assert long.relative < 1.0
+    # As much context and as many requests: the gap is the replica's.
+    assert judge_slow([paced(0.0028, running=1.0, kv=0.07), long], 10.0, 1.5) == [long] and long.slow
+    # More context on the slow one, but less than its gap: 2x slower at 1.2x the context and batch stays slow.
+    fast, slow = paced(0.005, running=10.0, kv=0.5), paced(0.010, running=12.0, kv=0.6)
+    assert judge_slow([fast, slow], 10.0, 1.5) == [slow] and slow.relative == 2.0
+    # Let back only beside one that held no more context either: one as fast but holding 3x the KV proves nothing.
+    slow.add(40.0, 0.010 * 200 + 0.006 * 2000, 2200, 4.0, 0.1)
+    fast.add(40.0, 0.005 * 200 + 0.006 * 2000, 2200, 4.0, 0.3)
+    assert judge_slow([fast, slow], 41.0, 1.5) == [] and slow.slow
 
 def test_paces_are_compared_only_where_the_batch_does_not_explain_the_gap():
     # A replica an autoscaler just added runs 3 requests at 5 ms a token; the busy ones run 10 at 7.5 ms: 1.5x, the
