@@ -77,6 +77,21 @@ def test_paces_are_compared_only_where_the_context_held_does_not_explain_the_gap
     fast.add(40.0, 0.005 * 200 + 0.006 * 2000, 2200, 4.0, 0.3)
     assert judge_slow([fast, slow], 41.0, 1.5) == [] and slow.slow
 
+def test_tokens_made_between_two_readings_that_saw_no_request_do_not_count():
+    # An 8B answers a 7K-token prompt's 150 tokens in 0.2 s: the request can come and go between two scrapes, and
+    # then nothing says what load its tokens were made at. Read as an idle replica's, they were compared directly
+    # with a busier replica's and read 1.58x (scenarios/moe-rag.yaml, seed 74).
+    pace = TokenPace(20.0)
+    pace.add(0.0, 0.0, 0.0, 0.0, 0.0)
+    pace.add(0.2, 0.0012 * 150, 150, 0.0, 0.0)
+    assert pace.seconds_per_token(0.2) is None
+    # Ended since the last reading, which saw them: they count at the load it saw.
+    pace.add(0.4, 0.18, 150, 1.0, 0.015)
+    pace.add(0.6, 0.18 + 0.0012 * 100, 250, 0.0, 0.0)
+    assert pace.seconds_per_token(0.6) == 0.0012 and pace.batch() == 1.0 and pace.context() == 0.015
+    fast = paced(0.0008, at=0.6, running=0.4, kv=0.002)
+    assert judge_slow([fast, pace], 0.6, 1.5) == [] and not pace.slow
+
 def test_paces_are_compared_only_where_the_batch_does_not_explain_the_gap():
     # A replica an autoscaler just added runs 3 requests at 5 ms a token; the busy ones run 10 at 7.5 ms: 1.5x, the
     # load's doing, not theirs (scenarios/scale-out.yaml). Against one as busy, the same 7.5 ms is slow.
