@@ -199,8 +199,10 @@ class PoolSpec:
                         minimum=0)
     slow_ratio: float = doc("A replica whose mean inter-token latency (vllm:inter_token_latency_seconds) over "
                             "the last 100 scrapes (20 s at the default interval) is over this many times the "
-                            "pool's fastest replica's (of those that ran at least as heavy a batch; against a lighter "
-                            "one, beyond what the heavier batch can explain: a busier replica decodes slower) is slow (a throttled GPU, a noisy neighbour): it is reported "
+                            "pool's fastest replica's (of those that ran at least as heavy a load, in running requests "
+                            "and in KV cache used; against a lighter one, beyond what the heavier load can explain: "
+                            "a busier replica, or one holding longer contexts, decodes slower) is slow (a throttled "
+                            "GPU, a noisy neighbour): it is reported "
                             "(extproc_pool_slow_replicas, a warning log) and requests of classes with an "
                             "`slo_p95_ms` are sent to the other replicas (x-extproc-replica, as for a stalled one), "
                             "however much of the pool-wide limit they hold; the classes without one still go to "
