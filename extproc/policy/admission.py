@@ -137,6 +137,10 @@ class AdmissionController:
         serves beyond the policy's, -> the model each is admitted as."""
         return self.state.set_listings(pool, listings)
 
+    def model_catalog(self) -> dict[str, dict]:
+        """What GET /v1/models lists: every name admitted, -> its card's fields (policy/served.py catalog)."""
+        return self.state.catalog()
+
     def gate_on_store(self, shared: bool) -> None:
         """A shared store confirms each admission from now on (extproc.store.shared_slots.SharedSlots)."""
         self.shared_slots = shared

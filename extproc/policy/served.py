@@ -56,3 +56,40 @@ def merge(pools: dict[str, dict[str, str]], static: dict[str, str]) -> dict[str,
                 twice.add(name)
             merged[name] = model
     return {name: model for name, model in merged.items() if name not in static and name not in twice}
+
+
+def catalog(models: dict[str, Any], listings: dict[str, list], served_names: dict[str, str]) -> dict[str, dict]:
+    """Every name the edge admits -> its `/v1/models` card's fields (`owned_by`, `root`, `parent`,
+    `max_model_len`): in the policy's order, each model's key, then its aliases, then the names its replicas add,
+    each once. A name a replica of its model's pool lists keeps that replica's fields; any other (its pool's
+    listings are not read, or not yet) gets what the policy knows: `root` its model's key, no `parent`, and the
+    model's `cost.max_context_tokens`."""
+    added: dict[str, list[str]] = {}
+    for name, model in served_names.items():
+        added.setdefault(model, []).append(name)
+    seen: dict[str, dict[str, dict]] = {}  # cluster -> the first card its replicas give for each name
+    cards: dict[str, dict] = {}
+    for key, m in models.items():
+        if m.cluster not in seen:
+            seen[m.cluster] = {}
+            for listing in listings.get(m.cluster) or ():
+                for c in listing if isinstance(listing, list) else ():
+                    if isinstance(c, dict) and isinstance(c.get("id"), str):
+                        seen[m.cluster].setdefault(c["id"], c)
+        known = seen[m.cluster]
+        for name in (key, *m.aliases, *added.get(key, ())):
+            if name in cards:
+                continue
+            c = known.get(name)
+            if c is None:
+                cards[name] = {"owned_by": "vllm", "root": key, "parent": None,
+                               "max_model_len": m.cost.max_context_tokens}
+                continue
+            cards[name] = {"owned_by": _text(c.get("owned_by"), "vllm"), "root": _text(c.get("root"), key),
+                           "parent": _text(c.get("parent"), None),
+                           "max_model_len": c["max_model_len"] if type(c.get("max_model_len")) is int else None}
+    return cards
+
+
+def _text(value: Any, default: str | None) -> str | None:
+    return value[:1024] if isinstance(value, str) else default

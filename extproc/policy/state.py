@@ -42,6 +42,7 @@ class PolicyState:
         # names they give that the policy does not, -> their model. Updated in place: the hot path holds the dict.
         self.listings: dict[str, list] = {}
         self.served_names: dict[str, str] = {}
+        self._catalog: dict[str, dict] | None = None  # GET /v1/models: built once per policy or listing change
 
     def apply(self, policy: Policy, retired: list[ClassLimiter] = ()) -> list[ClassLimiter]:
         """Install a (validated) policy; return the limiters of classes it removed. `retired`: limiters of classes
@@ -67,6 +68,7 @@ class PolicyState:
         # Every name a client may send -> the model it is admitted, charged and counted as (a key of `models`).
         self.model_names = {alias: name for name, m in policy.models.items() for alias in (name, *m.aliases)}
         self._merge_served()
+        self._catalog = None
         self.cost_models = {name: self.cost_models[name] if self._same_cost(name, m.cost) else CostModel(m.cost)
                             for name, m in policy.models.items()}
         tenants = [*policy.tenants, policy.anonymous.as_tenant()]
@@ -187,8 +189,16 @@ class PolicyState:
         """A pool's replicas' /v1/models `data` (one list per replica); returns the names now taken from them."""
         self.listings[cluster] = listings
         self._merge_served()
+        self._catalog = None
         return {name: model for name, model in self.served_names.items()
                 if self.policy.models[model].cluster == cluster}
+
+    def catalog(self) -> dict[str, dict]:
+        """Every name the edge admits -> its /v1/models card's fields (served.catalog); the same dict until the
+        policy or a pool's listings change."""
+        if self._catalog is None:
+            self._catalog = served.catalog(self.policy.models, self.listings, self.served_names)
+        return self._catalog
 
     def _merge_served(self) -> None:
         by_pool = {}

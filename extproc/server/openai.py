@@ -393,6 +393,23 @@ def dump_json(doc: Any) -> bytes:
     return orjson.dumps(doc)
 
 
+MODELS_PATH = "/v1/models"  # GET: the ext_proc lists every name the edge admits (docs/envoy-integration.md §3)
+
+
+def model_card(name: str, fields: dict, created: int) -> dict:
+    """One name of policy.served.catalog as vLLM 0.32's /v1/models card (tests/fixtures/vllm/models.json)."""
+    return {"id": name, "object": "model", "created": created, **fields,
+            "permission": [{"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": created,
+                            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                            "organization": "*", "group": None, "is_blocking": False}]}
+
+
+def models_body(catalog: dict[str, dict], created: int) -> bytes:
+    """GET /v1/models as vLLM answers it, for the catalog's names."""
+    return orjson.dumps({"object": "list", "data": [model_card(n, f, created) for n, f in catalog.items()]})
+
+
 def error_body(status: int, message: str, code: str, param: str | None = None) -> bytes:
     """{"error": {...}} as OpenAI (and vLLM) shape it."""
     return orjson.dumps({"error": {"message": message, "type": error_type(status),

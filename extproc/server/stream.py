@@ -3,22 +3,26 @@
 from __future__ import annotations
 
 import enum
+import time
 from typing import Callable
+from urllib.parse import unquote
 
+import orjson
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from ..policy.admission import AdmissionController, Canned, Decision, Degrade, Queued, Refusal, RequestFacts
 from ..policy.classify import ConflictingKeys, presented_key
 from ..policy.limits import Outcome, Ticket
 from ..policy.reasons import (R_BODIES_PENDING, R_BODY_TOO_LARGE, R_CONFLICTING_KEYS, R_METHOD_NOT_ALLOWED,
-                              R_REQUEST_NOT_SENT, R_UNKNOWN_URL, R_UNSUPPORTED_ENCODING, R_UNSUPPORTED_ENDPOINT, say)
+                              R_REQUEST_NOT_SENT, R_UNKNOWN_MODEL, R_UNKNOWN_URL, R_UNSUPPORTED_ENCODING,
+                              R_UNSUPPORTED_ENDPOINT, say)
 from ..policy.schema import Policy
 from ..store.shared_slots import SharedSlots
 from . import protocol
 from .accesslog import TicketTags
 from .final_admission import FinalAdmission
-from .openai import (ENDPOINTS, BadRequest, Endpoint, RequestBody, degrade_body, dump_json, empty_body,
-                     parse_body, sse_from_answer, wants_stream_usage)
+from .openai import (ENDPOINTS, MODELS_PATH, BadRequest, Endpoint, RequestBody, degrade_body, dump_json,
+                     empty_body, model_card, models_body, parse_body, sse_from_answer, wants_stream_usage)
 from .protocol import CONTINUE
 from .usage import (FIRST_TOKEN, UsageReader, completed_usage, split_usage_event, token_counts, usage_of,
                     whole_events)
@@ -84,6 +88,15 @@ class Processor:
         self._learn_credit = 0.0
         self._names: tuple[object, protocol.HeaderNames] | None = None
         self._restreams: tuple[object, bool] | None = None
+        self._models: tuple[object, bytes] | None = None
+
+    def models_listing(self) -> bytes:
+        """GET /v1/models' body, rendered again only when the core's catalog changed (a reload, or a pool's
+        listings read every models_interval_ms): a client polling it costs a lookup, however many names."""
+        catalog = self.core.model_catalog()
+        if self._models is None or self._models[0] is not catalog:
+            self._models = (catalog, models_body(catalog, int(time.time())))
+        return self._models[1]
 
     def header_names(self, policy: Policy) -> protocol.HeaderNames:
         """The headers this policy reads (rebuilt when a reload installs another policy)."""
@@ -228,6 +241,9 @@ class Stream:
         facts = RequestFacts(header_class=head.claim, request_id=head.request_id, session_id=head.session,
                              objective=head.objective, fairness_id=head.fairness_id, deadline_ms=head.deadline_ms)
         self.request = ParsedRequest(facts, core.clock())
+        if head.method == "GET" and head.path is not None and head.path.startswith(MODELS_PATH) and \
+                head.path[len(MODELS_PATH):len(MODELS_PATH) + 1] in ("", "/"):
+            return self._models(head.path)
         try:
             self.request.endpoint = endpoint_for(head.path, head.method, policy)
             facts.api_key = api_key_of(head)
@@ -255,6 +271,22 @@ class Stream:
         if self.usage is None and not self.processor.may_restream(policy):
             return CONTINUE["request_headers"]
         return protocol.LEARN_HEADERS
+
+    def _models(self, path: str) -> Answer:
+        """GET /v1/models[/{id}], answered here: the replicas behind one route know their own pool's names only.
+        Like vLLM's, without admission or a key."""
+        catalog = self.processor.core.model_catalog()
+        if path == MODELS_PATH:
+            self._enter(Phase.ANSWERED)
+            return protocol.immediate(200, self.processor.models_listing(), [], "extproc_models")
+        name = unquote(path[len(MODELS_PATH) + 1:])  # the SDK quotes an id; Envoy unescapes %2F only
+        fields = catalog.get(name)
+        if fields is None:
+            return self._refuse(BadRequest(say(R_UNKNOWN_MODEL, model=name[:200]), param="model",
+                                           code=R_UNKNOWN_MODEL, status=404))
+        self._enter(Phase.ANSWERED)
+        return protocol.immediate(200, orjson.dumps(model_card(name, fields, int(time.time()))), [],
+                                  "extproc_models")
 
     def _headless(self, msg: object) -> Answer:
         return self._not_sent("headers", "request_header_mode SKIP")

@@ -120,3 +120,26 @@ def test_names_from_replicas_needs_a_scraped_pool():
     with pytest.raises(PolicyError) as e:
         make_policy(models=LISTED, tenants=[])
     assert any(err.startswith("models.llama.names_from_replicas: needs pools.pool_a") for err in e.value.errors)
+
+
+# --- GET /v1/models: every name the edge admits, each once ---
+
+def test_the_catalog_lists_every_admitted_name_once_with_the_replicas_fields_where_read(clock):
+    core = listed_core(clock, small={"cluster": "pool_b", "aliases": ["small-alias"],
+                                     "cost": {"max_context_tokens": 8192}})
+    # Before any replica answered: the policy's names, with what the policy knows.
+    assert core.model_catalog() == {
+        "llama": {"owned_by": "vllm", "root": "llama", "parent": None, "max_model_len": None},
+        "small": {"owned_by": "vllm", "root": "small", "parent": None, "max_model_len": 8192},
+        "small-alias": {"owned_by": "vllm", "root": "small", "parent": None, "max_model_len": 8192}}
+    base = {**card("llama"), "max_model_len": 4096}
+    core.set_listings("pool_a", [[base, {**card("sql-lora", "llama"), "max_model_len": None}],
+                                 [base, card("small"), card("other", "not-ours")]])
+    cat = core.model_catalog()
+    assert list(cat) == ["llama", "sql-lora", "small", "small-alias"]  # `small` keeps its own pool, listed once
+    assert cat["llama"] == {"owned_by": "vllm", "root": "/models/llama", "parent": None, "max_model_len": 4096}
+    assert cat["sql-lora"] == {"owned_by": "vllm", "root": "/models/sql-lora", "parent": "llama",
+                               "max_model_len": None}
+    assert core.model_catalog() is cat  # built once per change, not per call
+    core.set_listings("pool_a", [[base]])  # the adapter unloaded everywhere: no longer listed
+    assert "sql-lora" not in core.model_catalog()

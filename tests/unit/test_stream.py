@@ -853,3 +853,27 @@ def test_a_canned_stream_ends_with_the_usage_chunk_when_the_client_asked_for_it(
     assert events[-1]["choices"] == [] and events[-1]["usage"]["total_tokens"] == 0
     plain = canned_answer(clock, {"model": "llama", "messages": [], "stream": True})
     assert b'"usage"' not in plain
+
+
+# --- GET /v1/models[/{id}]: answered by the ext_proc for the whole edge ---
+
+def test_get_models_lists_every_model_the_policy_routes_and_retrieves_one(clock):
+    p = processor(clock, models={"llama": {"cluster": "pool_a"}, "small": {"cluster": "pool_b", "aliases": ["s/8b"]}})
+    s = Stream(p)
+    answer = s.receive(request_headers(path=b"/v1/models", method=b"GET", eos=True))
+    assert immediate_status(answer) == 200 and s.phase is Phase.ANSWERED
+    doc = json.loads(answer.immediate_response.body)
+    assert doc["object"] == "list" and [c["id"] for c in doc["data"]] == ["llama", "small", "s/8b"]
+    assert {c["object"] for c in doc["data"]} == {"model"} and doc["data"][2]["root"] == "small"
+    # The SDK quotes the id in the path; Envoy unescapes %2F only.
+    answer = Stream(p).receive(request_headers(path=b"/v1/models/s%2F8b?x=1", method=b"GET", eos=True))
+    assert immediate_status(answer) == 200
+    assert json.loads(answer.immediate_response.body)["id"] == "s/8b"
+    answer = Stream(p).receive(request_headers(path=b"/v1/models/nope", method=b"GET", eos=True))
+    assert immediate_status(answer) == 404
+    assert json.loads(answer.immediate_response.body)["error"] == {
+        "message": "The model `nope` does not exist.", "type": "invalid_request_error", "param": "model",
+        "code": "unknown_model"}
+    # Not a listing: another method, or a path that only starts alike.
+    for method, path in ((b"POST", b"/v1/models"), (b"GET", b"/v1/modelsx"), (b"DELETE", b"/v1/models/llama")):
+        assert immediate_status(Stream(p).receive(request_headers(path=path, method=method, eos=True))) in (404, 405)
