@@ -248,8 +248,8 @@ as long as they take to serve: the class cap is tight for the load."""),
 **404.** The body's `model` is neither a key of the policy's `models:` nor one of their `aliases`, nor a name the
 replicas of a model with `names_from_replicas` list for it. Add the model (mapped to its Envoy cluster), or the
 name to the `aliases` of the model that serves it (another `--served-model-name`, a LoRA adapter), or set
-`names_from_replicas` on that model; or fix the client's model name. `GET /v1/models` lists what the replicas
-serve. A LoRA adapter just loaded at runtime is admitted once a replica lists it (within the pool's
+`names_from_replicas` on that model; or fix the client's model name. `GET /v1/models` lists every name the gateway
+admits (`GET /v1/models/{id}` answers this 404 for the others). A LoRA adapter just loaded at runtime is admitted once a replica lists it (within the pool's
 `models_interval_ms`); one listed by replicas of two pools is refused."""),
     Reason("invalid_json", "Invalid requests (400, 401, 404, 405, 413, 415, 500)", 400, NO_RETRY,
            "",
@@ -303,8 +303,8 @@ refused by the replica anyway. Send it uncompressed."""),
            "Invalid URL ({method} {path}).",
            """\
 **404.** The path is not one the gateway serves: Envoy's default route answers it (`x-extproc-*` headers absent)
-without reaching a replica. Served paths: vLLM's compute endpoints (through admission) and `GET /v1/models`,
-`/health`, `/ping`, `/version` (docs/envoy-integration.md §3). Case and trailing slashes matter, as in vLLM."""),
+without reaching a replica. Served paths: vLLM's compute endpoints (through admission), `GET /v1/models` and
+`/v1/models/{id}` (answered by the ext_proc), `/health`, `/ping`, `/version` (docs/envoy-integration.md §3). Case and trailing slashes matter, as in vLLM."""),
     Reason("method_not_allowed", "Invalid requests (400, 401, 404, 405, 413, 415, 500)", 405, NO_RETRY,
            "{path} takes POST, not {method}.",
            """\

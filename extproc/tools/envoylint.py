@@ -258,6 +258,9 @@ def _lint_vhost(where: str, vh: dict[str, Any], rc: dict[str, Any], ext: tuple[s
         if "direct_response" in r and off is None:
             found.warnings.append(f"{what}: a direct_response with the ext_proc on: the ext_proc answers it first, "
                                   "404 unknown_url (disable the ext_proc on it, as envoy.yaml's routes do)")
+        if targets and _read_only(r) and (r.get("match") or {}).get("path") == "/v1/models" and off is not None:
+            found.warnings.append(f"{what}: the ext_proc is off there, so GET /v1/models lists the models of "
+                                  f"{', '.join(targets)} only: leave it on, and it lists every model it routes")
         if not targets or _read_only(r):  # no admitted request is a GET on those exact paths
             continue
         if off == "disabled":

@@ -95,7 +95,7 @@ async def test_chat_and_completions_non_streaming(make_stack, target):
             u = doc["usage"]
             assert u["completion_tokens"] == 8 and doc["choices"][0]["finish_reason"] == "length"
             assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
-        # Not a generation request: Envoy passes it through without admission.
+        # Not a generation request: the ext_proc lists the policy's models (both pools'), without admission.
         async with http.get(s.url + "/v1/models") as r:
             assert r.status == 200 and "x-extproc-decision" not in r.headers
             assert [m["id"] for m in (await r.json())["data"]] == [target.model, target.small_model]

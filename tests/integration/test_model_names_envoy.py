@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import aiohttp
 
@@ -15,6 +16,7 @@ from tests.conftest import policy_file, until
 from .helpers import chat, metrics, post
 
 SPEED = 10.0
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
 ADAPTERS = [f"ft-{i}" for i in range(8)]
 
 
@@ -92,3 +94,41 @@ async def test_adapters_and_aliases_reach_their_models_pool_and_degrade_to_the_s
         models = {dict(labels).get("model") for _, labels in ms} - {None}
         assert models <= {"llama-70b", "llama-8b"}, models
         assert not any("bogus" in value for _, labels in ms for _, value in labels)
+
+
+async def test_get_models_through_envoy_lists_every_pools_names_once_as_vllm_cards(make_stack, tmp_path):
+    """GET /v1/models and /v1/models/{id} through Envoy: the ext_proc answers for both pools (the route alone would
+    reach one), the adapters with the fields their replicas give, each name once, in vLLM's card shape."""
+    big = SimFleet("h100-llama70b-awq", replicas=2, speed=SPEED, model_names=["llama-70b"],
+                   lora_modules=[f"{a}=/adapters/{a}" for a in ADAPTERS])
+    small = SimFleet("h100-llama8b", replicas=1, speed=SPEED, model_names=["llama-8b", "llama-3.1-8b-instruct"])
+    fixture = json.loads((FIXTURES / "models.json").read_text())["body"]["data"][0]
+    async with big, small, aiohttp.ClientSession() as http:
+        s = make_stack(write_policy(tmp_path, [f"127.0.0.1:{p}" for p in big.ports]),
+                       pools={"vllm_llama70b": [("127.0.0.1", p) for p in big.ports],
+                              "vllm_llama8b": [("127.0.0.1", small.ports[0])]})
+
+        async def listing():
+            async with http.get(f"{s.url}/v1/models") as r:
+                assert r.status == 200 and "x-extproc-decision" not in r.headers
+                return (await r.json())["data"]
+
+        cards = await until(listing, 10, holds=lambda d: len(d) == 3 + len(ADAPTERS))
+        assert [c["id"] for c in cards] == ["llama-70b", *ADAPTERS, "llama-8b", "llama-3.1-8b-instruct"]
+        assert all(set(c) == set(fixture) and c["object"] == "model" for c in cards)
+        by_id = {c["id"]: c for c in cards}
+        assert (by_id["ft-3"]["root"], by_id["ft-3"]["parent"], by_id["ft-3"]["max_model_len"]) == \
+            ("/adapters/ft-3", "llama-70b", None)
+        assert isinstance(by_id["llama-70b"]["max_model_len"], int)  # the replicas' own card
+        assert (by_id["llama-3.1-8b-instruct"]["root"], by_id["llama-3.1-8b-instruct"]["parent"]) == \
+            ("llama-8b", None)  # its pool's listings are not read: what the policy knows
+
+        async with http.get(f"{s.url}/v1/models/ft-3") as r:
+            assert r.status == 200 and (await r.json())["parent"] == "llama-70b"
+        async with http.get(f"{s.url}/v1/models/llama-3.1-8b-instruct") as r:
+            assert r.status == 200 and (await r.json())["id"] == "llama-3.1-8b-instruct"
+        async with http.get(f"{s.url}/v1/models/no-such-model") as r:
+            assert r.status == 404 and r.headers["x-extproc-reason"] == "unknown_model"
+            assert (await r.json())["error"]["param"] == "model"
+        async with http.post(f"{s.url}/v1/models", json={}) as r:
+            assert r.status == 404  # GET only, as before

@@ -88,6 +88,12 @@ async def test_answers_streams_and_errors_as_the_sdk_reads_them(sdk_stack):
     with pytest.raises(openai.NotFoundError) as missing:
         await c.chat.completions.create(model="no-such-model", messages=HI, max_tokens=4)
     assert missing.value.code == "unknown_model"
+    # The whole edge's models, not the one pool GET /v1/models is routed to.
+    assert [m.id async for m in c.models.list()] == ["llama-70b", "llama-8b"]
+    assert (await c.models.retrieve("llama-8b")).owned_by == "vllm"
+    with pytest.raises(openai.NotFoundError) as missing:
+        await c.models.retrieve("no-such-model")
+    assert missing.value.code == "unknown_model"
     with pytest.raises(openai.AuthenticationError) as denied:
         await client(s, "sk-wrong", max_retries=0).chat.completions.create(model="llama-70b", messages=HI)
     assert denied.value.code == "invalid_api_key"

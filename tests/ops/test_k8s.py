@@ -427,8 +427,8 @@ def test_envoy_gateway_overlay_replaces_our_envoy(gateway):
     service = gateway.get("Service", ref["name"])
     assert ref["port"] in {p["port"] for p in service["spec"]["ports"] if p["name"] == "grpc"}
     assert ext["processingMode"]["request"]["body"] == "Buffered" and ext["failOpen"] is True
-    (target,) = policy["spec"]["targetRefs"]
-    gateway.get(target["kind"], target["name"])
+    for target in policy["spec"]["targetRefs"]:
+        gateway.get(target["kind"], target["name"])
 
 
 def test_envoy_gateway_ext_proc_breaker_is_as_high_as_envoy_yamls(gateway):
@@ -554,8 +554,15 @@ def test_envoy_gateway_routes_every_compute_endpoint_through_admission_and_nothi
              if m["path"]["type"] == "Exact"}
     assert paths == set(ENDPOINTS)
     assert all(m["path"]["type"] == "Exact" for rule in admitted["spec"]["rules"] for m in rule["matches"])
-    for route in (o for o in gateway.objects if o["kind"] == "HTTPRoute" and o is not admitted):
+    # The model list (and one model's card): GET only, answered by the ext_proc, which must run on that route.
+    targets = {t["name"] for t in gateway.get("EnvoyExtensionPolicy", "extproc-admission")["spec"]["targetRefs"]}
+    listing = gateway.get("HTTPRoute", "openai-models")
+    assert listing["metadata"]["name"] in targets
+    assert [m for rule in listing["spec"]["rules"] for m in rule["matches"]] == [
+        {"path": {"type": "PathPrefix", "value": "/v1/models"}, "method": "GET"}]
+    for route in (o for o in gateway.objects if o["kind"] == "HTTPRoute" and o not in (admitted, listing)):
+        assert route["metadata"]["name"] not in targets
         for rule in route["spec"]["rules"]:
             for m in rule["matches"]:
                 assert m["path"]["type"] == "Exact" and m.get("method") == "GET", (route["metadata"]["name"], m)
-                assert m["path"]["value"] in {"/v1/models", "/health", "/ping", "/version"}, m
+                assert m["path"]["value"] in {"/health", "/ping", "/version"}, m

@@ -200,6 +200,10 @@ def health_route_with_ext_proc(cfg):
     routes(cfg).insert(1, {"match": {"path": "/healthz"}, "direct_response": {"status": 200}})
 
 
+def models_without_ext_proc(cfg):  # the route as envoy.yaml had it before the ext_proc answered the listing
+    route(cfg, "/v1/models")["typed_per_filter_config"] = {EXT_PROC: {"@type": PER_ROUTE, "disabled": True}}
+
+
 def pool_breaker_lowered(cfg):
     cfg["static_resources"]["clusters"][1]["circuit_breakers"] = {"thresholds": [{"max_requests": 64}]}
 
@@ -225,6 +229,7 @@ def cors_after_ext_proc(cfg):
     (pool_breaker_lowered, "cluster 'vllm_llama70b': circuit_breakers max_connections 1024, max_pending_requests "
                            "1024, max_requests 64 (1024 when unset) below the 2000 requests"),
     (short_route_timeout, "route timeout 60s"),
+    (models_without_ext_proc, "GET /v1/models lists the models of vllm_llama70b only"),
     (openai_prefix, "route 1 (prefix /openai/v1/): the ext_proc sees the path before the route's rewrite"),
     (lua_after_ext_proc, "envoy.filters.http.lua runs after the ext_proc"),
 ])
