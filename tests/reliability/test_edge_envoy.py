@@ -119,7 +119,10 @@ def test_envoy_routes_every_compute_endpoint_the_ext_proc_knows_and_no_other():
     routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
     through_extproc = {r["match"]["path"] for r in routes
                        if "path" in r["match"] and "route" in r and "typed_per_filter_config" not in r}
-    assert through_extproc == set(ENDPOINTS)
+    # And GET /v1/models, which the ext_proc answers itself (GET only; /v1/models/{id} on a prefix route).
+    assert through_extproc == set(ENDPOINTS) | {"/v1/models"}
+    listing = [r for r in routes if r["match"].get("path") == "/v1/models" or r["match"].get("prefix") == "/v1/models/"]
+    assert len(listing) == 2 and all(r["match"]["headers"][0]["string_match"] == {"exact": "GET"} for r in listing)
     assert routes[-1]["match"] == {"prefix": "/"} and routes[-1]["direct_response"]["status"] == 404
     assert hcm["normalize_path"] and hcm["merge_slashes"]
     assert hcm["path_with_escaped_slashes_action"] == "UNESCAPE_AND_FORWARD"
