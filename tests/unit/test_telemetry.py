@@ -10,13 +10,14 @@ import time
 import grpc.aio
 import pytest
 from envoy.service.accesslog.v3 import als_pb2
+from google.protobuf import struct_pb2
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
 from extproc.policy.admission import ACCEPT, DEGRADE, REJECT, AdmissionController, RequestFacts
 from extproc.policy.limits import Completion, Outcome
 from extproc.policy.schema import load_policy_file
-from extproc.server.accesslog import TICKET_HEADER, AccessLogReceiver, TicketTags
+from extproc.server.accesslog import ANSWERS_LOG, EXT_PROC_STATE, TICKET_HEADER, AccessLogReceiver, TicketTags
 from extproc.server.main import Server, add_arguments
 from extproc.store.shared_slots import CLOSED, LOCAL, SHARED
 from extproc.telemetry import StoreTelemetry, Telemetry
@@ -210,15 +211,20 @@ def log_entries(*tickets: str | None) -> als_pb2.StreamAccessLogsMessage:
     return msg
 
 
-def test_the_access_log_receiver_reports_matched_and_unmatched_completions():
-    t = Telemetry()
+def ended_request(t: Telemetry) -> tuple[AdmissionController, TicketTags, str]:
+    """A core, its ticket tags and the ticket header of a request that ended and awaits its completion report."""
     core = limited_core(t)
     d = core.decide(RequestFacts(api_key="kf", model="llama"))
     core.finish(d.ticket, Outcome.ENDED)
     tags = TicketTags(instance="a1")
+    return core, tags, tags.value(d.ticket.id)
+
+
+def test_the_access_log_receiver_reports_matched_and_unmatched_completions():
+    t = Telemetry()
+    core, tags, ticket = ended_request(t)
     receiver = AccessLogReceiver(core, t, tags)
-    stream = AccessLogStream(log_entries(tags.value(d.ticket.id), tags.value(999999), None),
-                             log_entries(tags.value(d.ticket.id)))
+    stream = AccessLogStream(log_entries(ticket, tags.value(999999), None), log_entries(ticket))
     asyncio.run(receiver.StreamAccessLogs(None, stream))
     assert sample(t, "extproc_completion_reports_total", result="matched") == 1
     assert sample(t, "extproc_completion_reports_total", result="unmatched") == 2  # once reported, a ticket is gone
@@ -228,16 +234,9 @@ def test_the_access_log_receiver_reports_matched_and_unmatched_completions():
 
 
 def test_the_sampled_answers_log_feeds_the_answer_histogram_and_is_no_completion_report():
-    from google.protobuf import struct_pb2
-
-    from extproc.server.accesslog import ANSWERS_LOG, EXT_PROC_STATE
-
     t = Telemetry()
-    core = limited_core(t)
-    d = core.decide(RequestFacts(api_key="kf", model="llama"))
-    core.finish(d.ticket, Outcome.ENDED)
-    tags = TicketTags(instance="a1")
-    first, second = log_entries(tags.value(d.ticket.id), None), log_entries(None)
+    core, tags, ticket = ended_request(t)
+    first, second = log_entries(ticket, None), log_entries(None)
     first.identifier.log_name = ANSWERS_LOG  # only a stream's first message names its log
     for entry, us in zip([*first.http_logs.log_entry, *second.http_logs.log_entry], (700, 350_000, 500_000)):
         state = struct_pb2.Struct()
