@@ -115,7 +115,7 @@ def scraped(tmp_path_factory):
     policy = tmp / "policy.yaml"
     policy.write_text(yaml.safe_dump(POLICY, sort_keys=False))
     pools = {"vllm_llama70b": [("127.0.0.1", up_port)], "vllm_llama8b": [("127.0.0.1", up_port)]}
-    stack = Stack(tmp / "stack", pools, policy_path=policy)
+    stack = Stack(tmp / "stack", pools, policy_path=policy, answer_sample_percent=100)
     prom_proc = None
     try:
         wait_http(f"http://127.0.0.1:{up_port}/health", timeout=20, proc=upstream)
@@ -182,6 +182,20 @@ def test_per_class_p99_from_the_recording_rule_is_plausible(scraped):
     refused = sum(n for (cls, d, _), n in sent.items() if cls == "interactive" and d in ("reject", "shed"))
     total = sum(n for (cls, _, _), n in sent.items() if cls == "interactive")
     assert ratio[("interactive",)] == pytest.approx(refused / total, abs=0.15)
+
+
+def test_envoys_wait_for_the_ext_procs_answers_and_its_loop_lag_reach_prometheus(scraped):
+    """The dashboard's "ext_proc answer time" queries, as Prometheus answers them (every request's wait logged
+    here): one sample per request sent, waits of milliseconds at this load, and the alert on them quiet."""
+    api, sent, _ = scraped
+    count = api.wait_for("sum(extproc_header_answer_seconds_count)",
+                         lambda r: r and float(r[0]["value"][1]) >= sum(sent.values()))
+    assert float(count[0]["value"][1]) == sum(sent.values())
+    p50 = api.query("histogram_quantile(0.5, sum by (le) (rate(extproc_header_answer_seconds_bucket[1m])))")
+    assert 0 < float(p50[0]["value"][1]) < 0.05, p50
+    lag = api.query("histogram_quantile(0.5, sum by (instance, le) (rate(extproc_event_loop_lag_seconds_bucket[1m])))")
+    assert 0 <= float(lag[0]["value"][1]) < 0.05, lag
+    assert not api.query('ALERTS{alertname="ExtprocSlowToAnswer"}')
 
 
 def test_live_metrics_under_load_pass_promtool_check_metrics(scraped):
