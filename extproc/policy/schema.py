@@ -305,7 +305,8 @@ class ClassifySpec:
                                      factory=dict)
     fairness_header: str | None = doc(
         "Request header whose value is the fairness key (the flow whose share a request counts against) instead "
-        "of the tenant (Gateway API Inference Extension: `x-gateway-inference-fairness-id`). Keys live inside "
+        "of the tenant (Gateway API Inference Extension: `x-gateway-inference-fairness-id`), in the classes that "
+        "set `fairness.key: header` with a fairness mode (read by no other; `extproc check` warns). Keys live inside "
         "the request's tenant: a request whose API key names a tenant counts inside that tenant's share, its key "
         "only splitting that share between the tenant's own keys (however many it sends, and whatever tenant a "
         "key names), and is labelled by its tenant in metrics. A request with no known API key counts inside the "
@@ -625,6 +626,15 @@ def _slip_warnings(p: Policy) -> list[str]:
             if c in rank and protector in rank and rank[c] < rank[protector]:
                 out.append(f"shed.{protector}[{j}]: {c} is listed above {protector} in `classes` (higher priority), "
                            f"yet it is shed whenever {protector} is saturated; a class normally sheds those below it")
+    # The header is read only as the flow key of a fairness queue: set alone it splits nothing.
+    keyed = [n for n, c in p.classes.items() if c.fairness.key == "header"]
+    for n in keyed:
+        if p.classes[n].fairness.mode == "fifo":
+            out.append(f"classes.{n}.fairness.key: `header` in a `fifo` queue orders nothing (fifo ignores flows); "
+                       "set `fairness.mode: fair` or `round_robin`")
+    if p.classify.fairness_header is not None and not any(p.classes[n].fairness.mode != "fifo" for n in keyed):
+        out.append("classify.fairness_header: no class has `fairness.key: header` (with `fairness.mode: fair` or "
+                   "`round_robin`), so the header is read by nothing and each tenant stays one flow")
     for t in p.tenants:
         if t.guaranteed_share and not fair:
             out.append(f"tenants.{t.name}.guaranteed_share: no class has `fairness.mode: fair` (or "

@@ -262,3 +262,18 @@ def test_an_envoy_admin_that_is_not_a_base_url_is_refused():
                         "no path: e.g. http://127.0.0.1:9901)"], bad
     for good in ("http://127.0.0.1:9901", "http://envoy:9901/", "https://[::1]:9901"):
         load_policy({**BASE, "pools": {"c": {"envoy_admin": good}}})
+
+
+def test_a_fairness_header_nothing_reads_is_warned_about():
+    # Found by writing a plan-weighted policy from the docs: `classify.fairness_header` alone (no class with
+    # `fairness.key: header`) loaded and checked clean, and every request still counted as its tenant's one flow.
+    from extproc.policy.schema import policy_warnings
+    header = {"classify": {"fairness_header": "x-end-user"}}
+    fair = {"max_concurrency": 4, "fairness": {"mode": "fair"}}
+    text = "\n".join(policy_warnings(load_policy({**BASE, **header, "classes": {"a": fair}})))
+    assert "classify.fairness_header: no class has `fairness.key: header`" in text, text
+    fifo = {"max_concurrency": 4, "fairness": {"key": "header"}}
+    text = "\n".join(policy_warnings(load_policy({**BASE, **header, "classes": {"a": fifo}})))
+    assert "classes.a.fairness.key: `header` in a `fifo` queue" in text, text
+    keyed = {"max_concurrency": 4, "fairness": {"mode": "fair", "key": "header"}}
+    assert policy_warnings(load_policy({**BASE, **header, "classes": {"a": keyed}})) == []
