@@ -245,6 +245,15 @@ class Stream:
         self.request = ParsedRequest(facts, core.clock())
         if head.method == "GET" and head.path is not None and head.path.startswith(MODELS_PATH) and \
                 head.path[len(MODELS_PATH):len(MODELS_PATH) + 1] in ("", "/"):
+            if not policy.anonymous.allow:  # as vLLM with --api-key guards every /v1 path, the list included
+                try:
+                    facts.api_key = api_key_of(head)
+                except BadRequest as e:
+                    return self._refuse(e)
+                d = core.authenticate(facts)
+                if d is not None:
+                    self._enter(Phase.ANSWERED)
+                    return protocol.refusal(d)
             return self._models(head.path)
         try:
             self.request.endpoint = endpoint_for(head.path, head.method, policy)
@@ -276,7 +285,7 @@ class Stream:
 
     def _models(self, path: str) -> Answer:
         """GET /v1/models[/{id}], answered here: the replicas behind one route know their own pool's names only.
-        Like vLLM's, without admission or a key."""
+        Like vLLM's, without admission; a known key only under `anonymous.allow: false` (vLLM's --api-key)."""
         catalog = self.processor.core.model_catalog()
         if path == MODELS_PATH:
             self._enter(Phase.ANSWERED)

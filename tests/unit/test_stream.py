@@ -877,3 +877,18 @@ def test_get_models_lists_every_model_the_policy_routes_and_retrieves_one(clock)
     # Not a listing: another method, or a path that only starts alike.
     for method, path in ((b"POST", b"/v1/models"), (b"GET", b"/v1/modelsx"), (b"DELETE", b"/v1/models/llama")):
         assert immediate_status(Stream(p).receive(request_headers(path=path, method=method, eos=True))) in (404, 405)
+
+
+def test_get_models_needs_a_known_key_when_anonymous_requests_are_not_allowed(clock):
+    # Found running a SaaS edge with `anonymous.allow: false`: every name it serves was listed to callers with no
+    # key, where vLLM started with --api-key refuses them on every /v1 path (401), listing included.
+    p = processor(clock, anonymous={"allow": False})
+    for path in (b"/v1/models", b"/v1/models/llama"):
+        assert immediate_status(Stream(p).receive(request_headers(path=path, method=b"GET", eos=True))) == 401
+        wrong = request_headers(path=path, method=b"GET", eos=True, authorization=b"Bearer sk-nobody")
+        assert immediate_status(Stream(p).receive(wrong)) == 401
+        known = request_headers(path=path, method=b"GET", eos=True, authorization=b"Bearer sk-acme")
+        assert immediate_status(Stream(p).receive(known)) == 200
+    # Allowed anonymous callers read it without a key, as from vLLM without --api-key.
+    anon = Stream(processor(clock)).receive(request_headers(path=b"/v1/models", method=b"GET", eos=True))
+    assert immediate_status(anon) == 200
