@@ -37,8 +37,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = ROOT / ".cache"
-VENV = CACHE / "vllm-venv"
-MODEL_DIR = CACHE / "vllm-model" / "tiny-llama"
+# EXTPROC_VLLM_CACHE: another checkout's .cache to take the vLLM venv and model from (a clone without its own);
+# the server's caches and logs (HOME) stay in this checkout's .cache.
+BUILT = Path(os.environ.get("EXTPROC_VLLM_CACHE") or CACHE)
+VENV = BUILT / "vllm-venv"
+MODEL_DIR = BUILT / "vllm-model" / "tiny-llama"
 HOME = CACHE / "vllm-home"
 SERVED_MODEL_NAMES = ("tiny-llama", "tiny-llama-small")
 DEFAULT_MAX_MODEL_LEN = 2048
