@@ -134,14 +134,15 @@ upstream = integration.upstream  # the test upstream (tests/upstream.py), a fixt
 
 @pytest.fixture
 def make_stack(tmp_path, target):
-    """Start Envoy + the ext_proc with a policy (a dict) in front of the target; stopped after the test."""
+    """Start Envoy + the ext_proc with a policy (a dict) in front of the target; stopped after the test.
+    `stack_args`: Stack's own (e.g. answer_sample_percent=100)."""
     stacks: list[Stack] = []
 
-    def start(document: dict | None = None, pools: dict | None = None) -> Stack:
+    def start(document: dict | None = None, pools: dict | None = None, **stack_args) -> Stack:
         path = tmp_path / f"policy{len(stacks)}.yaml"
         path.write_text(yaml.safe_dump(document or policy(target), sort_keys=False))
         pools = pools or {"vllm_llama70b": [target.endpoint], "vllm_llama8b": [target.endpoint]}
-        s = Stack(tmp_path / f"stack{len(stacks)}", pools, policy_path=path)
+        s = Stack(tmp_path / f"stack{len(stacks)}", pools, policy_path=path, **stack_args)
         stacks.append(s)
         return s.start()
 
