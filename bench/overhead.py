@@ -94,8 +94,11 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def wrk(url: str, connections: int, duration: int, script: Path, pid: int | None = None) -> dict:
+def wrk(url: str, connections: int, duration: int, script: Path, pid: int | None = None,
+        envoy_pid: int | None = None) -> dict:
+    """One wrk run; with `pid` (the ext_proc's) and `envoy_pid`, each process's CPU per request too."""
     cpu0 = cpu_seconds(pid) if pid else 0.0
+    envoy0 = cpu_seconds(envoy_pid) if envoy_pid else 0.0
     out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--latency", "-s", str(script),
                           f"{url}/v1/chat/completions"], capture_output=True, text=True, check=True).stdout
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
@@ -104,8 +107,9 @@ def wrk(url: str, connections: int, duration: int, script: Path, pid: int | None
     errors = re.search(r"Socket errors: (.*)", out)
     total = int(re.search(r"(\d+) requests in", out).group(1))
     cpu_us = (cpu_seconds(pid) - cpu0) / max(total, 1) * 1e6 if pid else 0.0
+    envoy_us = (cpu_seconds(envoy_pid) - envoy0) / max(total, 1) * 1e6 if envoy_pid else 0.0
     return {"rps": rps, "p50": lat["50"], "p99": lat["99"], "non2xx": int(non2xx.group(1)) if non2xx else 0,
-            "socket_errors": errors.group(1) if errors else "", "cpu_us": cpu_us}
+            "socket_errors": errors.group(1) if errors else "", "cpu_us": cpu_us, "envoy_us": envoy_us}
 
 
 def _ms(text: str) -> float:
@@ -124,14 +128,15 @@ def export_tree(ref: str, dest: Path) -> Path:
 
 @contextlib.contextmanager
 def baseline_stack(tree: Path, workdir: Path, pools: dict, policy: Path):
-    """`extproc stack` run from another commit's tree (its ext_proc, its envoy.yaml): (url, ext_proc pid)."""
+    """`extproc stack` run from another commit's tree (its ext_proc, its envoy.yaml): (url, ext_proc pid, Envoy
+    pid)."""
     pool_args = [a for name, eps in pools.items() for a in ("--pool", f"{name}=" + ",".join(f"{h}:{p}" for h, p in eps))]
     proc = subprocess.Popen([sys.executable, "-m", "extproc.cli", "stack", "--policy", str(policy), *pool_args,
                              "--workdir", str(workdir)], cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
                             stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         info = json.loads(proc.stdout.readline())
-        yield info["url"], _child_serving(proc.pid)
+        yield info["url"], _child_serving(proc.pid), _child_running(proc.pid, b"envoy")
     finally:
         # An older `extproc stack` left its ext_proc and Envoy (each in a session of its own) running after
         # SIGTERM: stop them by pid.
@@ -153,11 +158,16 @@ def _children(parent: int) -> list[int]:
 
 
 def _child_serving(parent: int) -> int:
+    return _child_running(parent, b"serve")
+
+
+def _child_running(parent: int, word: bytes) -> int:
+    """The child of `parent` whose command line has `word` as one of its arguments."""
     for pid in _children(parent):
         with contextlib.suppress(OSError):
-            if b"serve" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if any(arg.endswith(word) for arg in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")):
                 return pid
-    raise RuntimeError("the baseline's ext_proc process was not found")
+    raise RuntimeError(f"the baseline's {word.decode()} process was not found")
 
 
 def main() -> int:
@@ -190,13 +200,14 @@ def main() -> int:
         wait_http(f"http://127.0.0.1:{up_admin}/ready")
         for n in range(args.rounds):
             for mode in modes:
-                with _setup(mode, work / f"{mode}{n}", pools, policy, baseline, args) as (url, pid):
+                with _setup(mode, work / f"{mode}{n}", pools, policy, baseline, args) as (url, pid, envoy):
                     wrk(url, 4, 2, script)  # warm up connections and code paths
                     for c in args.connections:
-                        r = wrk(url, c, args.duration, script, pid)
+                        r = wrk(url, c, args.duration, script, pid, envoy)
                         results.setdefault((mode, c), []).append(r)
                         print(f"  {mode:8s} c={c:<3d} {r['rps']:9.0f} req/s  p50 {r['p50']:.3f} ms  "
-                              f"p99 {r['p99']:.3f} ms  ext_proc CPU {r['cpu_us']:.0f} us/req  non2xx {r['non2xx']} "
+                              f"p99 {r['p99']:.3f} ms  ext_proc CPU {r['cpu_us']:.0f} us/req  Envoy CPU {r['envoy_us']:.0f} "
+                              f"us/req  non2xx {r['non2xx']} "
                               f"{r['socket_errors']}", flush=True)
                 time.sleep(1)
     finally:
@@ -212,14 +223,15 @@ def main() -> int:
 
 @contextlib.contextmanager
 def _setup(mode: str, workdir: Path, pools: dict, policy: Path, baseline: Path | None, args):
-    """(url, ext_proc pid or None) of one setup, for the time of the `with`."""
+    """(url, ext_proc pid or None, Envoy pid) of one setup, for the time of the `with`."""
     if mode == "baseline":
         with baseline_stack(baseline, workdir, pools, policy) as got:
             yield got
         return
     extproc_args = (["--no-uvloop"] if args.no_uvloop else []) + args.extproc_arg
     with Stack(workdir, pools, policy_path=policy, mode=mode, extproc_args=extproc_args) as stack:
-        yield stack.url, stack.process("extproc").popen.pid if mode == "extproc" else None
+        yield (stack.url, stack.process("extproc").popen.pid if mode == "extproc" else None,
+               stack.process("envoy").popen.pid)
 
 
 def _median(xs: list[float]) -> float:
@@ -233,17 +245,17 @@ def render(results: dict, args, modes: tuple[str, ...]) -> str:
              f"median of {args.rounds} alternating rounds; POST /v1/chat/completions with a JSON body"
              + (f"; baseline = {args.baseline}" if args.baseline else "") + ".", "",
              "| connections | setup | req/s | p50 ms | p99 ms | added p50 ms | added p99 ms | req/s ratio | "
-             "ext_proc CPU per request |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "ext_proc CPU per request | Envoy CPU per request |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for c in args.connections:
         base = {k: _median([r[k] for r in results[("plain", c)]]) for k in ("rps", "p50", "p99")}
         for mode in modes:
-            m = {k: _median([r[k] for r in results[(mode, c)]]) for k in ("rps", "p50", "p99", "cpu_us")}
+            m = {k: _median([r[k] for r in results[(mode, c)]]) for k in ("rps", "p50", "p99", "cpu_us", "envoy_us")}
             added = (f"{m['p50'] - base['p50']:+.3f} | {m['p99'] - base['p99']:+.3f}" if mode != "plain"
                      else "  |  ")
             cpu = f"{m['cpu_us']:.0f} us" if mode != "plain" else ""
             lines.append(f"| {c} | {SETUPS[mode]} | {m['rps']:.0f} | {m['p50']:.3f} | {m['p99']:.3f} | {added} | "
-                         f"{m['rps'] / base['rps']:.2f} | {cpu} |")
+                         f"{m['rps'] / base['rps']:.2f} | {cpu} | {m['envoy_us']:.0f} us |")
     return "\n".join(lines)
 
 
