@@ -245,25 +245,16 @@ class Stream:
         self.request = ParsedRequest(facts, core.clock())
         if head.method == "GET" and head.path is not None and head.path.startswith(MODELS_PATH) and \
                 head.path[len(MODELS_PATH):len(MODELS_PATH) + 1] in ("", "/"):
-            if not policy.anonymous.allow:  # as vLLM with --api-key guards every /v1 path, the list included
-                try:
-                    facts.api_key = api_key_of(head)
-                except BadRequest as e:
-                    return self._refuse(e)
-                d = core.authenticate(facts)
-                if d is not None:
-                    self._enter(Phase.ANSWERED)
-                    return protocol.refusal(d)
-            return self._models(head.path)
+            # As vLLM with --api-key guards every /v1 path, the list included.
+            refused = None if policy.anonymous.allow else self._refused_key(head, facts)
+            return self._models(head.path) if refused is None else refused
         try:
             self.request.endpoint = endpoint_for(head.path, head.method, policy)
-            facts.api_key = api_key_of(head)
         except BadRequest as e:
             return self._refuse(e)
-        d = core.authenticate(facts)
-        if d is not None:
-            self._enter(Phase.ANSWERED)
-            return protocol.refusal(d)
+        refused = self._refused_key(head, facts)
+        if refused is not None:
+            return refused
         if head.end_of_stream:  # a POST without a body
             return self._refuse(empty_body())
         if head.content_encoding is not None:
@@ -282,6 +273,18 @@ class Stream:
         if self.usage is None and not self.processor.may_restream(policy):
             return CONTINUE["request_headers"]
         return protocol.LEARN_HEADERS
+
+    def _refused_key(self, head: protocol.RequestHead, facts: RequestFacts) -> Answer | None:
+        """The answer to a request whose API key is malformed or not allowed (core.authenticate); None: go on."""
+        try:
+            facts.api_key = api_key_of(head)
+        except BadRequest as e:
+            return self._refuse(e)
+        d = self.processor.core.authenticate(facts)
+        if d is None:
+            return None
+        self._enter(Phase.ANSWERED)
+        return protocol.refusal(d)
 
     def _models(self, path: str) -> Answer:
         """GET /v1/models[/{id}], answered here: the replicas behind one route know their own pool's names only.
