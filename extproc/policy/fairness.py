@@ -399,8 +399,7 @@ class FairQueue:
         """The metric label of a fairness key: the tenant it names if that is a configured tenant, else "other".
         A key nested in a group other than the open one is labelled by its group (the tenant whose key it is)."""
         group, name = split_key(key)
-        if group != name and group != self.open_group:
-            name = group
+        name = name if self._believed(group, name) else group
         return name if name in self._labels else OTHER
 
     # --- inside ---
@@ -409,9 +408,15 @@ class FairQueue:
         """A flow's weight and guaranteed share inside its group, by its name (in the open group, or a group of
         its own) - a name in any other group is only a name."""
         group, name = split_key(key)
-        if group != name and group != self.open_group:
+        if not self._believed(group, name):
             return 1.0, 0.0
         return self.weights.get(name, 1.0), self.guaranteed.get(name, 0.0)
+
+    def _believed(self, group: str, name: str) -> bool:
+        """Whether a flow's name is taken to name a tenant (its weight, guarantee, label and index entry): a key
+        that is its own group, or one in the open group (a gateway's, for requests without an API key). A name in
+        any other group is the tenant's own key, which splits that tenant's share and never takes another's."""
+        return group == name or group == self.open_group
 
     def _flow(self, key: str) -> _Flow:
         flow = self._flows.get(key)
@@ -468,13 +473,13 @@ class FairQueue:
 
     def _pick(self, pool: str | None) -> Any | None:
         if self.mode != "fair":  # fifo has one flow; round_robin: groups take turns, then their flows
-            for group in self._turns.values():
-                for flow in self._backlogged.values():
-                    entry = None if flow.group is not group else \
-                        flow.entries[0] if pool is None else flow.first_for(pool)
+            firsts: dict[str, tuple] = {}  # group -> the next entry of its first flow in turn order that has one
+            for flow in self._backlogged.values():
+                if flow.group.key not in firsts:
+                    entry = flow.entries[0] if pool is None else flow.first_for(pool)
                     if entry is not None:
-                        return entry[2]
-            return None
+                        firsts[flow.group.key] = entry
+            return next((firsts[g][2] for g in self._turns if g in firsts), None)
         best_flow_entry = None
         best_rank = None
         for flow in self._backlogged.values():
@@ -507,7 +512,7 @@ class FairQueue:
         else:
             st.refunded_gpu_s -= gpu_s
         group, name = split_key(key)
-        if group != name and group != self.open_group:
+        if not self._believed(group, name):
             key = group  # the index reads what the queue shares between: a tenant, not each of its keys
         mine = self._recent.get(key)
         if mine is None:
