@@ -343,7 +343,8 @@ Bearer key and a different `api-key`). Send one."""),
 **500.** Envoy's ext_proc filter, on this route, does not send the request headers and the whole buffered body
 (a route's `typed_per_filter_config` that overrides `processing_mode`, or the filter's own mode): the ext_proc
 decides on both, and without them the request would reach a replica unadmitted. Fix the route or the filter
-(`request_header_mode: SEND`, `request_body_mode: BUFFERED`; `extproc check --envoy` flags it)."""),
+(`request_header_mode: SEND`, `request_body_mode: BUFFERED`; `extproc check --envoy` flags it). The answer carries
+`x-should-retry: false`: every retry would get the same, and the OpenAI SDKs retry a 500 twice unless told not to."""),
     Reason("admission_error", "Invalid requests (400, 401, 404, 405, 413, 415, 500)", 500, NO_RETRY,
            (
             "The admission service failed on this request; it was not forwarded. Retrying may help; "

@@ -182,6 +182,10 @@ def bad_request(e: BadRequest, d: Decision) -> pb.ProcessingResponse:
         headers.append(("allow", "POST"))  # RFC 9110: a 405 names the methods the resource takes
     elif e.status == 503:
         headers.append(("retry-after", "1"))  # load of the gateway's own (bodies_pending): try again shortly
+    elif e.status >= 500:
+        # A gateway misconfiguration (request_not_sent) answers every retry the same: the OpenAI SDKs retry a
+        # 500 twice by default unless told not to.
+        headers.append(("x-should-retry", "false"))
     return _error(e.status, e.message, e.code, headers, e.param)
 
 

@@ -63,6 +63,7 @@ async def test_a_route_that_does_not_send_headers_and_whole_body_is_refused_not_
             status, text = r.status, await r.read()
         assert status == 500, (status, text)
         assert json.loads(text)["error"]["code"] == "request_not_sent", text
+        assert r.headers.get("x-should-retry") == "false"  # the OpenAI SDKs retry a 500 otherwise
         stats = await upstream_stats(http, upstream)
         assert stats["served"] == 0 and stats["unticketed"] == 0, stats
         if OVERRIDES[path]["request_header_mode"] == "SEND":

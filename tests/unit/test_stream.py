@@ -219,6 +219,9 @@ def test_a_body_or_trailers_without_headers_are_refused_not_continued(clock, mes
     answer = s.receive(message)
     assert immediate_status(answer) == 500 and s.phase is Phase.ANSWERED and inflight(p) == 0
     assert json.loads(answer.immediate_response.body)["error"]["code"] == "request_not_sent"
+    # Retrying cannot help: the OpenAI SDKs retried it twice by default (found by an application-team audit)
+    sent = {h.header.key: h.header.raw_value for h in answer.immediate_response.headers.set_headers}
+    assert sent["x-should-retry"] == b"false" and "retry-after" not in sent
 
 
 @pytest.mark.parametrize("mode", ["NONE", "STREAMED", "BUFFERED_PARTIAL"])
