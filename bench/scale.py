@@ -1,0 +1,224 @@
+"""Does the per-request cost stay small with a large deployment's policy? In-process, no gRPC, no I/O.
+
+A policy built programmatically: T tenants (each an API key; every 10th with a weight, every 5th with rate limits
+that never bite), M model names (a model per pool, the rest aliases and LoRA adapters of them), P pools of 16
+replicas each (listed, not scraped here), three classes (interactive, a `fair` class shared by the tenants, batch).
+
+- decide + finish: one request through the core on an idle fleet (nobody waits), by tenants, models and pools,
+  without and with pool-wide limits.
+- grant: a flood in the fair class: N tenants each with requests waiting, the class full; each step one request
+  ends (finish: its slot goes to the next waiter) and the granted tenant sends another (decide: it queues). The
+  cost of a step, by N and fairness mode, under the class's own cap and under a full pool-wide limit (where a
+  flow still owed its share of the pool goes in over it).
+- scrape: parsing one replica's /metrics body (tests/fixtures/vllm/metrics.txt), and that times the replicas at
+  the default scrape interval as a share of one core (the ext_proc's event loop runs it, between decisions).
+
+Run:  python bench/scale.py            (prints markdown tables; medians of repeated timings on this machine)
+      python bench/scale.py --profile  (cProfile of the largest grant case, top functions)
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from extproc.policy.admission import AdmissionController, RequestFacts  # noqa: E402
+from extproc.policy.decision import ACCEPT, QUEUE  # noqa: E402
+from extproc.policy.limits import Outcome  # noqa: E402
+from extproc.policy.schema import load_policy  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+REPLICAS = 16
+DOC = {"model": "m0", "max_tokens": 256, "messages": [{"role": "user", "content": "hi " * 200}]}
+
+
+class Clock:
+    """A clock that stands still unless moved: nothing waits past its deadline while a case is timed."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def build(tenants: int, models: int, pools: int, *, mode: str = "fair", fair_cap: int = 1000,
+          fair_queue: int = 20, limit: bool = False, limit_requests: int | None = None) -> dict:
+    """The policy as YAML would give it (a dict for load_policy)."""
+    pool_names = [f"pool{p}" for p in range(pools)]
+    model_map: dict[str, dict] = {}
+    for m in range(pools):  # one model per pool; the other names are its aliases / adapters
+        model_map[f"m{m}"] = {"cluster": pool_names[m], "aliases": []}
+    for m in range(pools, models):
+        model_map[f"m{m % pools}"]["aliases"].append(f"m{m}")
+    pool_map = {}
+    for p, name in enumerate(pool_names):
+        spec: dict = {"replicas": [f"10.{p}.0.{r}:8000" for r in range(REPLICAS)]}
+        if limit:
+            spec["limit"] = {"enabled": True, "unit": "requests"}
+            if limit_requests is not None:  # a limit that stays where it is put (a full pool)
+                spec["limit"].update(initial=limit_requests, min=limit_requests, max=limit_requests)
+        pool_map[name] = spec
+    tenant_list = []
+    for t in range(tenants):
+        spec = {"name": f"t{t}", "api_keys": [f"sk-{t}"], "default_class": "shared"}
+        if t % 10 == 0:
+            spec["weight"] = 2.0
+        if t % 5 == 0:
+            spec.update(requests_per_minute=10**9, tokens_per_minute=10**12)
+        tenant_list.append(spec)
+    return {
+        "classes": {
+            "interactive": {"max_concurrency": 1000, "max_queue": 20, "max_wait_ms": 200},
+            "shared": {"max_concurrency": fair_cap, "max_queue": fair_queue, "max_wait_ms": 29000,
+                       "early_reject": True, "fairness": {"mode": mode}, "min_share": 0.1},
+            "batch": {"max_concurrency": 1000, "max_queue": 20, "max_wait_ms": 5000, "min_share": 0.05},
+        },
+        "default_class": "shared",
+        "tenants": tenant_list,
+        "models": model_map,
+        "pools": pool_map,
+        "shed": {},
+    }
+
+
+def per_call(fn, n: int, repeat: int = 5) -> float:
+    runs = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        runs.append((time.perf_counter() - t) / n)
+    return statistics.median(runs)
+
+
+def decision_cost(tenants: int, models: int, pools: int, limit: bool) -> float:
+    """decide + finish of an admitted request, rotating over every tenant and model name (µs)."""
+    core = AdmissionController(load_policy(build(tenants, models, pools, limit=limit)))
+    facts = [RequestFacts(api_key=f"sk-{i % tenants}", model=f"m{i % models}", max_tokens=256, doc=DOC)
+             for i in range(max(tenants, models))]
+    i = 0
+
+    def step():
+        nonlocal i
+        d = core.decide(facts[i])
+        i = (i + 1) % len(facts)
+        assert d.kind == ACCEPT, d.reason
+        core.finish(d.ticket, Outcome.OK)
+
+    return per_call(step, 5000) * 1e6
+
+
+class Flood:
+    """N tenants backlogged in the fair class; step(): one request ends, the granted tenant sends another."""
+
+    def __init__(self, backlogged: int, mode: str, pool_limit: bool, per_tenant: int = 2, cap: int = 16):
+        self.clock = Clock()
+        queue = backlogged * per_tenant
+        policy = build(max(backlogged, 10), 1, 1, mode=mode, fair_cap=cap if not pool_limit else 10 * cap,
+                       fair_queue=queue + backlogged, limit=pool_limit, limit_requests=cap if pool_limit else None)
+        self.core = AdmissionController(load_policy(policy), clock=self.clock)
+        self.facts = [RequestFacts(api_key=f"sk-{t}", model="m0", max_tokens=256, doc=DOC)
+                      for t in range(max(backlogged, 10))]
+        self.running = []
+        lim = self.core.limiters["shared"]
+        self.queue = lim.queue
+        for i in range(1000):  # the class has been draining 10,000 requests a second, as step() goes on to
+            lim.drain.record(self.clock.t - 0.1 + i * 1e-4)
+        t = 0
+        while len(self.queue) < queue:  # the class (or the pool) fills first, then everyone queues
+            d = self.core.decide(self.facts[t % backlogged])
+            t += 1
+            if d.kind == ACCEPT:
+                self.running.append(d.ticket)
+            else:
+                assert d.kind == QUEUE, (d.kind, d.reason)
+                d.waiter.notify(self._granted)
+        assert self.running, "nothing runs"
+
+    def _granted(self, d) -> None:
+        assert d.kind == ACCEPT, (d.kind, d.reason)
+        self.running.append(d.ticket)
+        self.last = d.ticket.tenant
+
+    def step(self) -> None:
+        self.clock.t += 1e-4
+        self.last = None
+        ended = self.running.pop(0)
+        self.core.finish(ended, Outcome.OK)
+        # The granted tenant sends another (under a pool limit held over by owed flows a release may grant nobody:
+        # then the one that ended sends it, which queues or, owed its share, goes in).
+        d = self.core.decide(self.facts[int((self.last or ended.tenant)[1:])])
+        if d.kind == ACCEPT:
+            self.running.append(d.ticket)
+        else:
+            assert d.kind == QUEUE, (d.kind, d.reason)
+            d.waiter.notify(self._granted)
+
+
+def grant_cost(backlogged: int, mode: str, pool_limit: bool) -> float:
+    flood = Flood(backlogged, mode, pool_limit)
+    for _ in range(200):
+        flood.step()  # the drain rate is known: early rejection reads the queue ahead on every arrival
+    return per_call(flood.step, 1000 if backlogged <= 100 else 300) * 1e6
+
+
+def scrape_cost() -> tuple[float, int]:
+    """Parse one /metrics body as the scraper does (µs), and the body's size."""
+    from extproc.server import saturation
+
+    body = (ROOT / "tests" / "fixtures" / "vllm" / "metrics.txt").read_text()
+    parse = saturation.parse_vllm_metrics
+    return per_call(lambda: parse(body), 200) * 1e6, len(body.encode())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", action="store_true", help="cProfile the 1,000-tenant fair grant case")
+    ap.add_argument("--quick", action="store_true", help="skip the 1,000-tenant grant cases")
+    args = ap.parse_args()
+    if args.profile:
+        for mode, pool_limit in (("fair", False), ("fair", True), ("round_robin", True)):
+            flood = Flood(1000, mode, pool_limit)
+            for _ in range(200):
+                flood.step()
+            prof = cProfile.Profile()
+            prof.runcall(lambda: [flood.step() for _ in range(300)])
+            print(f"--- {mode}, pool limit {pool_limit}: 300 steps, 1,000 tenants backlogged")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+        return 0
+
+    print("decide + finish, idle fleet (µs per request)\n")
+    print("| tenants | model names | pools (x16 replicas) | per-class caps | pool-wide limits |")
+    print("|---:|---:|---:|---:|---:|")
+    for tenants, models, pools in ((10, 1, 1), (100, 10, 1), (1000, 100, 1), (1000, 100, 8)):
+        caps, limits = (decision_cost(tenants, models, pools, limit) for limit in (False, True))
+        print(f"| {tenants:,} | {models} | {pools} | {caps:.1f} | {limits:.1f} |")
+
+    print("\nfair class flooded: one release (finish + grant) and one arrival (decide: queued), "
+          "µs per step\n")
+    print("| tenants backlogged | waiting | fifo | round_robin | fair | round_robin, full pool limit "
+          "| fair, full pool limit |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for n in (10, 100, 1000) if not args.quick else (10, 100):
+        cells = [grant_cost(n, mode, False) for mode in ("fifo", "round_robin", "fair")]
+        cells += [grant_cost(n, mode, True) for mode in ("round_robin", "fair")]
+        print(f"| {n:,} | {2 * n:,} | " + " | ".join(f"{c:,.1f}" for c in cells) + " |")
+
+    parse_us, size = scrape_cost()
+    replicas, interval_s = 8 * REPLICAS, 0.2
+    share = parse_us * 1e-6 * replicas / interval_s
+    print(f"\nscrape: parsing one /metrics body ({size / 1024:.0f} KiB) {parse_us:,.0f} µs; "
+          f"{replicas} replicas every {interval_s * 1000:.0f} ms: {share:.0%} of a core")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
