@@ -312,21 +312,38 @@ class FairQueue:
         return flow is not None and bool(flow.entries)
 
     def heads_for(self, pool: str) -> Iterator[tuple[str, float, Any]]:
-        """Each waiting flow's next waiter bound for `pool`: (flow key, its share (share()), waiter)."""
+        """Each waiting flow's next waiter bound for `pool`: (flow key, its share (share()), waiter). O(flows): the
+        active weights the shares divide by are summed once per call (once per flow, a full pool's grant cost
+        0.26 s of the event loop with 1,000 tenants waiting: bench/scale.py)."""
+        active = None
         for flow in self._backlogged.values():
             entry = flow.first_for(pool)
             if entry is not None:
-                yield flow.key, self.share(flow.key), entry[2]
+                if active is None:
+                    active = self._active_weights()
+                yield flow.key, self._share(flow.key, *active), entry[2]
 
     def share(self, key: str) -> float:
         """Flow `key`'s weighted share of the class: its group's share among the groups active in it (waiting or
         in flight) and its own, times the flow's share among its group's active flows and itself."""
+        return self._share(key, *self._active_weights())
+
+    def _active_weights(self) -> tuple[float, dict[_Flow, float]]:
+        """The weights of the groups active in the class (waiting or in flight), summed, and of each group's active
+        flows (summed in the order share() always added them: the same floats)."""
+        groups = sum(g.weight for g in self._groups.values() if g.waiting or g.inflight > 0)
+        flows: dict[_Flow, float] = {}
+        for f in self._flows.values():
+            if f.entries or f.inflight > 0:
+                flows[f.group] = flows.get(f.group, 0) + f.weight
+        return groups, flows
+
+    def _share(self, key: str, groups: float, active: dict[_Flow, float]) -> float:
         gkey = split_key(key)[0]
         group, own = self._groups.get(gkey), self._flows.get(key)
         gweight = group.weight if group is not None else self.weights.get(gkey, 1.0)
         fweight = own.weight if own is not None else self._own(key)[0]
-        groups = sum(g.weight for g in self._groups.values() if g.waiting or g.inflight > 0)
-        flows = sum(f.weight for f in self._flows.values() if f.group is group and (f.entries or f.inflight > 0))
+        flows = active.get(group, 0) if group is not None else 0
         if group is None or not (group.waiting or group.inflight > 0):
             groups += gweight
         if own is None or not (own.entries or own.inflight > 0):
