@@ -28,6 +28,7 @@ fold into "other".
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
 import math
 from collections import OrderedDict
@@ -157,6 +158,9 @@ class FairQueue:
         # id(waiter) -> its flow, its entry, and its own key (fifo keeps every waiter in one flow)
         self._where: dict[int, tuple[_Flow, tuple[float, int, Any], str]] = {}
         self._seq = itertools.count()
+        # (deadline, seq, entry) of every waiter, a heap: overdue() runs on every release, and a scan of every
+        # waiter for the rare late one cost each grant O(waiters). Left waiters are dropped lazily (_live).
+        self._deadlines: list[tuple[float, int, tuple[float, int, Any]]] = []
         self._vfloor = 0.0  # start virtual time of the latest admission (never decreases)
         self._head: Any = None  # cache of q[0]; None when it must be recomputed
 
@@ -181,6 +185,7 @@ class FairQueue:
         entry = (order, next(self._seq), waiter)
         bisect.insort(flow.entries, entry, key=_order)
         self._where[id(waiter)] = (flow, entry, key)
+        heapq.heappush(self._deadlines, (waiter.deadline, entry[1], entry))
         self._stats(key).waiting += 1
         self._head = None
 
@@ -211,6 +216,9 @@ class FairQueue:
 
     def __iter__(self) -> Iterator[Any]:
         """The waiters in arrival order (not grant order)."""
+        if self.mode == "fifo":  # one flow, already in arrival order: no sort of every waiter (a fifo grant's pass)
+            line = self._flows.get("")
+            return iter([e[2] for e in line.entries] if line is not None else [])
         entries = sorted((e for _, e, _ in self._where.values()), key=lambda e: e[1])
         return iter([e[2] for e in entries])
 
@@ -351,10 +359,27 @@ class FairQueue:
         return gweight / groups * fweight / flows
 
     def overdue(self, now: float) -> list[Any]:
-        """Waiters whose deadline has passed, earliest first (q[0] need not be the earliest in fair modes)."""
-        late = [e for _, e, _ in self._where.values() if e[2].deadline <= now]
+        """Waiters whose deadline has passed, earliest first (q[0] need not be the earliest in fair modes). O(1)
+        when none has (the deadline heap's top), else O(late + left waiters above them) and their sort."""
+        heap = self._deadlines
+        while heap and not self._live(heap[0]):
+            heapq.heappop(heap)
+        if not heap or heap[0][0] > now:
+            return []
+        late, below = [], [0]
+        while below:  # every heap node at or before `now`: its parents are too
+            i = below.pop()
+            if i < len(heap) and heap[i][0] <= now:
+                if self._live(heap[i]):
+                    late.append(heap[i][2])
+                below += (2 * i + 1, 2 * i + 2)
         late.sort(key=lambda e: (e[2].deadline, e[1]))
         return [e[2] for e in late]
+
+    def _live(self, item: tuple[float, int, tuple[float, int, Any]]) -> bool:
+        """Whether a deadline heap item's waiter still waits in this place (not taken, nor queued anew since)."""
+        where = self._where.get(id(item[2][2]))
+        return where is not None and where[1] is item[2]
 
     def admitted(self, key: str, cost: float) -> None:
         """A request of flow `key` was admitted (from the queue or straight away), estimated at `cost` GPU-s."""
@@ -467,6 +492,9 @@ class FairQueue:
         del flow.entries[i]
         flow.group.waiting -= 1
         self._stats(key).waiting -= 1
+        if len(self._deadlines) > 2 * len(self._where) + 64:  # left waiters' items: dropped, amortized O(1)
+            self._deadlines = [item for item in self._deadlines if self._live(item)]
+            heapq.heapify(self._deadlines)
         if not flow.entries:
             del self._backlogged[flow.key]
             flow.group.backlogged -= 1
@@ -489,6 +517,13 @@ class FairQueue:
             self._groups.pop(group.key, None)
 
     def _pick(self, pool: str | None) -> Any | None:
+        if self.mode != "fair" and pool is None and self._turns:
+            # The group in turn. In the usual case (every flow its tenant's; fifo's one flow) no pass is needed: a
+            # group whose one waiting flow is its own key's gives that flow's first. Otherwise as below, O(flows).
+            group = next(iter(self._turns.values()))
+            flow = self._flows.get(group.key)
+            if group.backlogged == 1 and flow is not None and flow.entries:
+                return flow.entries[0][2]
         if self.mode != "fair":  # fifo has one flow; round_robin: groups take turns, then their flows
             firsts: dict[str, tuple] = {}  # group -> the next entry of its first flow in turn order that has one
             for flow in self._backlogged.values():

@@ -4,7 +4,7 @@ that make it fair - no starvation, shares within a bound of the weights, work co
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import OrderedDict, deque
 
 import pytest
 from hypothesis import given, settings
@@ -579,3 +579,59 @@ def test_heads_for_sums_the_active_weights_once_not_once_per_flow():
     heads = list(q.heads_for("p2"))
     assert len(heads) > 100
     assert Counting.passes <= 2
+
+
+class _CountingDict(OrderedDict):
+    """A dict that counts passes over its values (the queue's scans of every flow or waiter)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.passes = 0
+
+    def values(self):
+        self.passes += 1
+        return super().values()
+
+
+@pytest.mark.parametrize("mode", ["fifo", "round_robin", "fair"])
+def test_a_grant_with_nobody_late_scans_neither_the_waiters_nor_in_turn_modes_the_flows(mode):
+    # Found by bench/scale.py: every release looked for late waiters by a scan of every waiter (O(waiters) a grant,
+    # the default fifo mode included), and round_robin picked its next grant by a pass over every waiting flow.
+    q = FairQueue(mode)
+    waiters = [W(f"t{i % 300}", n=i, deadline=10.0 + i) for i in range(900)]
+    for w in waiters:
+        q.append(w)
+    q._where, q._backlogged = _CountingDict(q._where), _CountingDict(q._backlogged)
+    for i in range(50):
+        assert q.overdue(5.0) == []
+        head = q[0]
+        if mode != "fair":
+            assert head is waiters[i]  # arrival order (fifo), tenants in turn (round_robin, one each)
+        q.take(head)
+        q.admitted(head.tenant, 1.0)
+    assert q._where.passes == 0
+    if mode != "fair":
+        assert q._backlogged.passes == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["append", "take", "remove", "overdue"]), st.integers(0, 30),
+                          st.integers(0, 40)), max_size=120),
+       st.sampled_from(["fifo", "round_robin", "fair"]))
+def test_overdue_lists_what_a_scan_of_every_waiter_finds(steps, mode):
+    q = FairQueue(mode)
+    queued = []
+    n = 0
+    for op, a, b in steps:
+        if op == "append":
+            w = W(TENANTS[a % 4], n=n, deadline=float(b))
+            n += 1
+            q.append(w)
+            queued.append(w)
+        elif op in ("take", "remove") and queued:
+            w = queued.pop(a % len(queued))
+            q.take(w) if op == "take" else q.remove(w)
+        now = float(b)
+        scan = sorted((w for w in queued if w.deadline <= now), key=lambda w: (w.deadline, w.n))
+        assert q.overdue(now) == scan
+    assert list(q) == sorted(queued, key=lambda w: w.n)  # arrival order, fifo's short cut included
