@@ -158,6 +158,7 @@ class FairQueue:
         # id(waiter) -> its flow, its entry, and its own key (fifo keeps every waiter in one flow)
         self._where: dict[int, tuple[_Flow, tuple[float, int, Any], str]] = {}
         self._seq = itertools.count()
+        self._lengths: dict[int, int] = {}  # waiting flows by their waiters' count (round_robin's ahead())
         # (deadline, seq, entry) of every waiter, a heap: overdue() runs on every release, and a scan of every
         # waiter for the rare late one cost each grant O(waiters). Left waiters are dropped lazily (_live).
         self._deadlines: list[tuple[float, int, tuple[float, int, Any]]] = []
@@ -184,6 +185,7 @@ class FairQueue:
         order = 0.0 if self.mode == "fifo" else waiter.deadline
         entry = (order, next(self._seq), waiter)
         bisect.insort(flow.entries, entry, key=_order)
+        self._count_length(len(flow.entries) - 1, len(flow.entries))
         self._where[id(waiter)] = (flow, entry, key)
         heapq.heappush(self._deadlines, (waiter.deadline, entry[1], entry))
         self._stats(key).waiting += 1
@@ -285,15 +287,19 @@ class FairQueue:
         if self.mode == "fifo":
             return len(self._where)
         own = self._flows.get(key)
-        group = self._groups.get(split_key(key)[0])
         mine = len(own.entries) if own is not None else 0
+        if self.mode == "round_robin":
+            # Every other flow goes before it, each with as many as its own will have (its own flow, when it waits,
+            # is the `mine` of that sum): from the count of flows by length, not a pass over every waiting flow.
+            return sum(min(length, mine + 1) * flows for length, flows in self._lengths.items())
+        group = self._groups.get(split_key(key)[0])
         gtime = max(group.vtime if group is not None else self._vfloor,
                     min((g.vtime for g in self._turns.values()), default=self._vfloor))
         ftime = max(own.vtime if own is not None else group.floor if group is not None else 0.0,
                     min((f.vtime for f in self._backlogged.values() if f.group is group), default=-math.inf))
 
         def before(f: _Flow) -> bool:
-            return self.mode == "round_robin" or (f.vtime <= ftime if f.group is group else f.group.vtime <= gtime)
+            return f.vtime <= ftime if f.group is group else f.group.vtime <= gtime
 
         return mine + sum(min(len(f.entries), mine + 1) for f in self._backlogged.values()
                           if f is not own and before(f))
@@ -490,6 +496,7 @@ class FairQueue:
         while flow.entries[i] is not entry:
             i += 1
         del flow.entries[i]
+        self._count_length(len(flow.entries) + 1, len(flow.entries))
         flow.group.waiting -= 1
         self._stats(key).waiting -= 1
         if len(self._deadlines) > 2 * len(self._where) + 64:  # left waiters' items: dropped, amortized O(1)
@@ -502,6 +509,18 @@ class FairQueue:
                 del self._turns[flow.group.key]
             self._forget_if_idle(flow)
         self._head = None
+
+    def _count_length(self, was: int, now: int) -> None:
+        """A waiting flow's waiters went from `was` to `now` (0: it does not wait)."""
+        lengths = self._lengths
+        if was:
+            left = lengths[was] - 1
+            if left:
+                lengths[was] = left
+            else:
+                del lengths[was]
+        if now:
+            lengths[now] = lengths.get(now, 0) + 1
 
     def _forget_if_idle(self, flow: _Flow) -> None:
         """Keys from a header are unbounded: a flow with nothing queued or in flight keeps no state unless it is
