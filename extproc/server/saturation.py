@@ -79,8 +79,16 @@ COMPLAIN_EVERY_S = 60.0  # a replica that stays unreadable is logged once a minu
 RESOLVE_EVERY_S = 30.0  # replicas named by host name are looked up this often (every round while one is stalled)
 
 # Only the lines of the series we read are looked at: name, optional {labels} (values may hold spaces, braces and
-# escaped quotes), value, optional timestamp (milliseconds).
-_SAMPLE = re.compile(rb"^(" + b"|".join(re.escape(n.encode()) for n in _WANTED) + rb")([{ \t][^\n]*)", re.M)
+# escaped quotes), value, optional timestamp (milliseconds). A line is found by the newline before it (the body is
+# read with one put in front): a pattern that starts with a literal is searched for fast, one that starts with `^`
+# is tried at every byte (280 µs a 58 KB body, 6 times the search; 128 replicas every 200 ms took 20% of a core of
+# the event loop that decides). The names share their "vllm:" for the same reason.
+_VLLM = "vllm:"
+_SAMPLE = re.compile(
+    rb"\n(" + re.escape(_VLLM.encode()) + rb"(?:"
+    + b"|".join(re.escape(n[len(_VLLM):].encode()) for n in _WANTED if n.startswith(_VLLM)) + rb")"
+    + b"".join(b"|" + re.escape(n.encode()) for n in _WANTED if not n.startswith(_VLLM))
+    + rb")([{ \t][^\n]*)")
 _REST = re.compile(rb'(?:\{(?:[^"}\n]|"(?:[^"\\\n]|\\.)*")*\}[ \t]*|[ \t]+)(\S+)(?:[ \t]+-?\d+(?:\.\d+)?)?[ \t]*\r?')
 
 
@@ -97,7 +105,7 @@ def parse_vllm_metrics(body: bytes | str) -> dict[str, float]:
         body = body.encode()
     out = dict.fromkeys(_WANTED.values(), 0.0)
     seen = set()
-    for match in _SAMPLE.finditer(body):
+    for match in _SAMPLE.finditer(b"\n" + body):
         name = match.group(1).decode()
         sample = _REST.fullmatch(match.group(2))
         try:
@@ -105,7 +113,7 @@ def parse_vllm_metrics(body: bytes | str) -> dict[str, float]:
         except ValueError:
             value = math.nan
         if sample is None or not math.isfinite(value) or value < 0:
-            raise UnreadableMetrics(f"{name} has no finite non-negative value: {match.group(0)[:200]!r}")
+            raise UnreadableMetrics(f"{name} has no finite non-negative value: {match.group(0)[1:201]!r}")
         key = _WANTED[name]
         if key == "deferred" and not _DEFERRED.search(match.group(2)):
             continue  # reason="capacity" (or another): counted in the total already

@@ -798,3 +798,26 @@ def test_two_reloads_at_once_leave_one_scraper_per_pool(monkeypatch):
     after_reloads, after_stop = asyncio.run(reload_twice())
     assert after_reloads == ["pool_c"]  # the last configuration asked for, alone
     assert after_stop == []
+
+
+# --- the parse's cost: the same sample lines, found by a search for their names instead of a try at every byte ---
+
+_LINE_START = re.compile(rb"^(" + b"|".join(re.escape(n.encode()) for n in saturation._WANTED) + rb")([{ \t][^\n]*)",
+                         re.M)  # the pattern before: `^` in multi-line mode, every series name in full
+
+
+def _samples(pattern, body):
+    return [(m.group(1), m.group(2)) for m in pattern.finditer(body)]
+
+
+@pytest.mark.parametrize("body", [
+    REAL_METRICS,
+    REAL_METRICS.replace(b"\n", b"\r\n"),
+    REAL_METRICS[REAL_METRICS.index(b"vllm:num_requests_running{"):],  # a series on the body's first line
+    b'process_start_time_seconds 1.7e9\nvllm:num_requests_waiting_by_reason{reason="deferred"} 2\n'
+    b'vllm:num_requests_waitingX 5\n# HELP vllm:num_requests_waiting x\n vllm:kv_cache_usage_perc 0.3\n'
+    b'vllm:kv_cache_usage_perc\t0.4\nvllm:kv_cache_usage_perc',  # prefixes, comments, indents, a last line cut off
+], ids=["real", "crlf", "first_line", "edges"])
+def test_the_parse_reads_the_lines_a_line_start_pattern_reads(body):
+    assert _samples(saturation._SAMPLE, b"\n" + body) == _samples(_LINE_START, body)
+    assert saturation._SAMPLE.pattern.startswith(b"\\n")  # a literal first: searched for, not tried at every byte
