@@ -179,11 +179,103 @@ def scrape_cost() -> tuple[float, int]:
     return per_call(lambda: parse(body), 200) * 1e6, len(body.encode())
 
 
+SERVE = """
+import sys
+from aiohttp import web
+body = open(sys.argv[1], "rb").read()
+async def metrics(request):
+    return web.Response(body=body, content_type="text/plain")
+async def health(request):
+    return web.Response(text="ok")
+app = web.Application()
+app.add_routes([web.get("/metrics", metrics), web.get("/health", health)])
+async def main():
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    for port in sys.argv[2:]:
+        await web.TCPSite(runner, "127.0.0.1", int(port)).start()
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+import asyncio
+asyncio.run(main())
+"""
+
+
+def scrape_live(seconds: float, pools: int = 8, pattern=None, in_step: bool = False) -> tuple[float, float, float]:
+    """The scrapers of `pools` pools of 16 replicas (one local server process on 16 ports, the fixture as every
+    replica's /metrics) run for `seconds` in this process's event loop: (share of a core this process used, p99 and
+    max event-loop lag in ms, measured by a 1 ms timer). `pools` 0: the timer alone."""
+    import asyncio
+    import subprocess
+
+    from extproc.server import saturation
+    from extproc.tools.stack import free_port
+
+    ports = [free_port() for _ in range(REPLICAS)]
+    server = subprocess.Popen([sys.executable, "-c", SERVE, str(ROOT / "tests/fixtures/vllm/metrics.txt"),
+                               *map(str, ports)], stdout=subprocess.PIPE)
+    saved, scraper = saturation._SAMPLE, saturation.PoolScraper
+
+    class InStep(scraper):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.phase_s = 0.0  # as before the pools' rounds were spread: all at once
+
+    try:
+        assert server.stdout.readline().strip() == b"ready"
+        if pattern is not None:
+            saturation._SAMPLE = pattern
+        if in_step:
+            saturation.PoolScraper = InStep
+        policy = build(10, pools or 1, pools or 1)
+        for spec in policy["pools"].values():
+            spec["replicas"] = [f"127.0.0.1:{p}" for p in ports]
+        core = AdmissionController(load_policy(policy))
+
+        async def run():
+            scrapers = saturation.SaturationScrapers(core)
+            if pools:
+                await scrapers.configure(core.policy.pools)
+            await asyncio.sleep(1.0)  # connections made
+            lags, cpu, t0 = [], time.process_time(), time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                at = time.perf_counter()
+                await asyncio.sleep(0.001)
+                lags.append(time.perf_counter() - at - 0.001)
+            share = (time.process_time() - cpu) / (time.perf_counter() - t0)
+            await scrapers.stop()
+            lags.sort()
+            return share, lags[int(len(lags) * 0.99)] * 1e3, lags[-1] * 1e3
+
+        return asyncio.run(run())
+    finally:
+        saturation._SAMPLE, saturation.PoolScraper = saved, scraper
+        server.terminate()
+        server.wait()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", action="store_true", help="cProfile the 1,000-tenant fair grant case")
     ap.add_argument("--quick", action="store_true", help="skip the 1,000-tenant grant cases")
+    ap.add_argument("--scrape-live", type=float, metavar="SECONDS",
+                    help="run 8 pools x 16 replicas' scrapers against a local server this long and report only that")
     args = ap.parse_args()
+    if args.scrape_live:
+        import re
+
+        from extproc.server import saturation
+        line_start = re.compile(rb"^(" + b"|".join(re.escape(n.encode()) for n in saturation._WANTED)
+                                + rb")([{ \t][^\n]*)", re.M)  # the parse's pattern before (tried at every byte)
+        print("| scrapers | parse | pools' rounds | process CPU, share of a core | loop lag p99 | loop lag max |")
+        print("|---|---|---|---:|---:|---:|")
+        for pools, pattern, in_step, name in (
+                (0, None, False, "- | -"), (8, line_start, True, "line-start pattern (before) | in step (before)"),
+                (8, None, True, "newline + name search | in step (before)"),
+                (8, None, False, "newline + name search | spread over the interval")):
+            share, p99, worst = scrape_live(args.scrape_live, pools, pattern, in_step)
+            print(f"| {pools * REPLICAS} replicas | {name} | {share:.0%} | {p99:.2f} ms | {worst:.2f} ms |")
+        return 0
     if args.profile:
         for mode, pool_limit in (("fair", False), ("fair", True), ("round_robin", True)):
             flood = Flood(1000, mode, pool_limit)

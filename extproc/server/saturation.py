@@ -208,10 +208,11 @@ class PoolScraper:
     """One pool: scrape every replica each interval, aggregate, and publish a PoolSaturation to the core."""
 
     def __init__(self, core: AdmissionController, name: str, spec: PoolSpec, session: aiohttp.ClientSession,
-                 clock=time.monotonic, known: dict[str, ScrapedReplica] | None = None):
+                 clock=time.monotonic, known: dict[str, ScrapedReplica] | None = None, phase_s: float = 0.0):
         self.core = core
         self.name = name
         self.spec = spec
+        self.phase_s = phase_s  # the first round waits this long (SaturationScrapers spreads the pools' rounds)
         self.session = session
         self.clock = clock
         # `known`: the replicas a previous scraper of this pool saw (a reload), taken over by address.
@@ -232,6 +233,8 @@ class PoolScraper:
         reading is older than stale_ms."""
         interval = self.spec.scrape_interval_ms / 1000.0
         try:
+            if self.phase_s > 0:
+                await asyncio.sleep(self.phase_s)
             while True:
                 started = self.clock()
                 try:
@@ -599,7 +602,13 @@ class SaturationScrapers:
         log.info("scraping vLLM saturation for pools: %s", ", ".join(scraped))
 
     def _start(self, name: str, spec: PoolSpec) -> None:
-        scraper = PoolScraper(self.core, name, spec, self._session, known=self._seen.get(name))
+        # The pools' rounds spread over the interval, not all at once: each round's answers arrive together and
+        # are read back to back on the event loop that decides (8 pools of 16 replicas in step: a burst of 128
+        # parses, decisions waiting up to ~35 ms behind it; bench/scale.py --scrape-live).
+        scraped = self._scraped()
+        phase = scraped.index(name) / len(scraped) if name in scraped else 0.0
+        scraper = PoolScraper(self.core, name, spec, self._session, known=self._seen.get(name),
+                              phase_s=phase * spec.scrape_interval_ms / 1000.0)
         self._seen[name] = scraper.replicas  # the same dict: what discovery adds and removes included
         task = asyncio.create_task(scraper.run())
         task.add_done_callback(lambda t: self._ended(name, t))

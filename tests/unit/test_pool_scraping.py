@@ -3,6 +3,8 @@ no saturation signal, and must not read as permanently saturated."""
 
 import asyncio
 
+import pytest
+
 from extproc.policy.adaptive import PoolSaturation
 from extproc.policy.admission import AdmissionController
 from extproc.policy.schema import PoolSpec
@@ -76,3 +78,50 @@ def test_a_reading_nobody_refreshes_stops_counting():
     assert core.pool_reading("pool_a", clock()) is None
     reading.updated_at = clock()  # the scraper is back
     assert core.pool_reading("pool_a", clock()) is reading
+
+
+def test_the_pools_rounds_are_spread_over_the_scrape_interval_not_run_at_once(monkeypatch):
+    # Found by bench/scale.py --scrape-live: 8 pools of 16 replicas scraped in step read 128 answers back to back
+    # on the event loop every round, and decisions waited behind them (loop lag p99 11 ms, max 36 ms).
+    core = AdmissionController(unscraped_pool_policy(), clock=FakeClock())
+    started = {}
+
+    async def run(self):
+        started[self.name] = self.phase_s
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(PoolScraper, "run", run)
+
+    async def configure():
+        scrapers = SaturationScrapers(core)
+        await scrapers.configure({f"pool_{i}": PoolSpec(replicas=["127.0.0.1:9"], scrape_interval_ms=200)
+                                  for i in range(4)})
+        await asyncio.sleep(0.01)
+        await scrapers.stop()
+
+    asyncio.run(configure())
+    assert sorted(started.values()) == pytest.approx([0.0, 0.05, 0.1, 0.15])
+
+
+def test_a_scraper_waits_its_phase_before_its_first_round(monkeypatch):
+    core = AdmissionController(unscraped_pool_policy(), clock=FakeClock())
+    rounds = []
+
+    async def round_(self, started):
+        rounds.append(asyncio.get_running_loop().time())
+
+    monkeypatch.setattr(PoolScraper, "_round", round_)
+    scraper = PoolScraper(core, "pool_a", PoolSpec(replicas=["127.0.0.1:9"], scrape_interval_ms=1000), session=None,
+                          phase_s=0.1)
+
+    async def a_while():
+        t0 = asyncio.get_running_loop().time()
+        task = asyncio.create_task(scraper.run())
+        await asyncio.sleep(0.05)
+        assert not rounds
+        await asyncio.sleep(0.1)
+        task.cancel()
+        return t0
+
+    t0 = asyncio.run(a_while())
+    assert len(rounds) == 1 and rounds[0] - t0 >= 0.1
