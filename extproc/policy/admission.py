@@ -494,6 +494,8 @@ class AdmissionController:
         skipped: set[str] = set()  # fair modes: pools this class found no room on in this pass
         above = set(blocked) if blocked else ()  # pools a higher class waits for: no over-commit there
         while True:
+            if lim.inflight >= lim.limit:
+                return  # no slot for anyone (has_room below): the next grant is not looked for (O(flows) in fair)
             w = next(arrivals, None) if arrivals is not None else self._next_fair(q, skipped)
             if w is None:
                 return

@@ -284,3 +284,22 @@ def test_the_fairness_index_reads_a_tenant_not_its_header_keys(clock):
     # read 0.04 (an alert on it would fire). It reads the tenants, as the queue shares between them.
     backlogged_shares(clock, lambda i: f"c-{i}")
     assert cores[-1].limiters["interactive"].queue.fairness_index() == pytest.approx(1.0, abs=0.01)
+
+
+@pytest.mark.parametrize("mode", ["round_robin", "fair"])
+def test_a_release_into_a_full_class_looks_for_one_grant_not_two(mode, monkeypatch):
+    # Found by bench/scale.py: after its one grant a release picked the next waiter too (a pass over every waiting
+    # flow in fair mode) only to find the class full again.
+    from tests.conftest import FakeClock
+    from extproc.policy.fairness import FairQueue
+
+    core = AdmissionController(policy(mode), clock=FakeClock())
+    running = [ask(core, t).ticket for t in ("a", "b")]
+    for t in ("a", "b", "c", "a", "b", "c"):
+        assert ask(core, t).kind == QUEUE
+    picks = []
+    pick = FairQueue._pick
+    monkeypatch.setattr(FairQueue, "_pick", lambda q, pool: picks.append(pool) or pick(q, pool))
+    core.finish(running[0], Outcome.OK)
+    assert len(core.limiters["interactive"].queue) == 5  # one granted
+    assert len(picks) == 1
