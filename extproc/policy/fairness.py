@@ -295,6 +295,11 @@ class FairQueue:
         group = self._groups.get(split_key(key)[0])
         gtime = max(group.vtime if group is not None else self._vfloor,
                     min((g.vtime for g in self._turns.values()), default=self._vfloor))
+        if group is None or group.backlogged == (1 if mine else 0):
+            # No other flow of its group waits (the usual case: every flow its tenant's): the others go first by
+            # their groups' virtual time alone. The same sum as below, in one pass without a call per flow.
+            return mine + sum(min(len(f.entries), mine + 1) for f in self._backlogged.values()
+                              if f is not own and f.group.vtime <= gtime)
         ftime = max(own.vtime if own is not None else group.floor if group is not None else 0.0,
                     min((f.vtime for f in self._backlogged.values() if f.group is group), default=-math.inf))
 

@@ -669,3 +669,34 @@ def test_round_robin_counts_the_queue_ahead_without_a_pass_over_the_flows():
     assert q.ahead("t1") == 3 + 199 * 3
     assert q.ahead("new") == 200
     assert q._backlogged.passes == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5), st.integers(0, 3), st.floats(0.0, 3.0)),
+                max_size=80))
+def test_fair_counts_the_queue_ahead_as_its_definition_says(steps):
+    # ahead() has a short cut for a flow whose group has no other flow waiting; both ways against the definition
+    q = FairQueue("fair", weights={"a": 2.0})
+    keys = ["a", "b", "c", "c\x00k1", "c\x00k2", "d"]
+    queued = []
+    for op, k, n, cost in steps:
+        if op < 2 or not queued:
+            w = W(keys[k], n=len(queued), deadline=float(n))
+            q.append(w)
+            queued.append(w)
+        elif op == 2:
+            w = queued.pop(n % len(queued))
+            q.take(w)
+            q.admitted(w.tenant, cost)
+        else:
+            q.released(keys[k], cost) if q._flows.get(keys[k]) and q._flows[keys[k]].inflight else None
+        for key in keys + ["new", "c\x00new"]:
+            own, group = q._flows.get(key), q._groups.get(key.partition("\x00")[0])
+            mine = len(own.entries) if own is not None else 0
+            gtime = max(group.vtime if group is not None else q._vfloor,
+                        min((g.vtime for g in q._turns.values()), default=q._vfloor))
+            ftime = max(own.vtime if own is not None else group.floor if group is not None else 0.0,
+                        min((f.vtime for f in q._backlogged.values() if f.group is group), default=-math.inf))
+            expected = mine + sum(min(len(f.entries), mine + 1) for f in q._backlogged.values() if f is not own and (
+                f.vtime <= ftime if f.group is group else f.group.vtime <= gtime))
+            assert q.ahead(key) == expected
