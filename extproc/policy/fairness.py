@@ -332,8 +332,8 @@ class FairQueue:
 
     def heads_for(self, pool: str) -> Iterator[tuple[str, float, Any]]:
         """Each waiting flow's next waiter bound for `pool`: (flow key, its share (share()), waiter). O(flows): the
-        active weights the shares divide by are summed once per call (once per flow, a full pool's grant cost
-        0.26 s of the event loop with 1,000 tenants waiting: bench/scale.py)."""
+        active weights the shares divide by are summed once per call (once per flow, a grant on a full pool
+        was quadratic: 50-60 ms of the event loop with 1,000 tenants waiting, bench/scale.py)."""
         active = None
         for flow in self._backlogged.values():
             entry = flow.first_for(pool)
