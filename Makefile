@@ -44,6 +44,7 @@ bench-overhead: venv system-deps
 # The benchmark tables of docs/benchmarks.md (the overhead run takes a few minutes).
 bench: venv system-deps
 	$(BIN)/python bench/decision.py
+	$(BIN)/python bench/scale.py
 	$(BIN)/python bench/cost_estimate.py
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/transport.py

@@ -170,6 +170,24 @@ def grant_cost(backlogged: int, mode: str, pool_limit: bool) -> float:
     return per_call(flood.step, 1000 if backlogged <= 100 else 300) * 1e6
 
 
+def background_cost(inflight: int = 8000) -> tuple[float, float]:
+    """The core's periodic work with the large policy (8 pools with limits) and `inflight` requests running: tick()
+    (limits move; every tick_s, 25-100 ms) and reap() (lease and deadline safety nets; once a second), µs each."""
+    clock = Clock()
+    core = AdmissionController(load_policy(build(1000, 100, 8, limit=True, fair_cap=inflight)), clock=clock)
+    for i in range(inflight):
+        d = core.decide(RequestFacts(api_key=f"sk-{i % 1000}", model=f"m{i % 8}", max_tokens=256, doc=DOC))
+        assert d.kind == ACCEPT, d.reason
+
+    def timed(fn) -> float:
+        def step():
+            clock.t += 0.05
+            fn()
+        return per_call(step, 50) * 1e6
+
+    return timed(core.tick), timed(core.reap)
+
+
 def scrape_cost() -> tuple[float, int]:
     """Parse one /metrics body as the scraper does (µs), and the body's size."""
     from extproc.server import saturation
@@ -303,6 +321,10 @@ def main() -> int:
         cells = [grant_cost(n, mode, False) for mode in ("fifo", "round_robin", "fair")]
         cells += [grant_cost(n, mode, True) for mode in ("round_robin", "fair")]
         print(f"| {n:,} | {2 * n:,} | " + " | ".join(f"{c:,.1f}" for c in cells) + " |")
+
+    tick_us, reap_us = background_cost()
+    print(f"\nbackground, 8 pools with limits, 8,000 requests running: tick() {tick_us:,.0f} µs (every 25-100 ms), "
+          f"reap() {reap_us:,.0f} µs (once a second)")
 
     parse_us, size = scrape_cost()
     replicas, interval_s = 8 * REPLICAS, 0.2
