@@ -390,9 +390,19 @@ class AdmissionController:
         service time exceeds its SLO. The service-time half is used only once the model's cost coefficients have
         been learned from real durations. Returns the bound missed, in words for the refusal ("": none): a message
         naming the class's max wait whatever was missed sent the on-call to a deadline that was met."""
-        wait = lim.queue_wait_s(now, flow)
+        # The whole queue first: no flow has more ahead of it, and both bounds only get harder with a longer wait,
+        # so when that is in time the flow's own queue ahead (a pass over the waiting flows in fair mode, on every
+        # queued arrival) is not needed.
+        wait = lim.queue_wait_s(now)
         if wait is None:
             return ""
+        missed = self._misses(lim, charge, wait, deadline_ms)
+        if missed and flow is not None and lim.queue.mode != "fifo":
+            missed = self._misses(lim, charge, lim.queue_wait_s(now, flow), deadline_ms)
+        return missed
+
+    def _misses(self, lim: ClassLimiter, charge: Charge, wait: float, deadline_ms: float | None) -> str:
+        """The bound a request predicted to wait `wait` seconds misses (_cannot_make_it), "" for none."""
         own = deadline_ms is not None and deadline_ms < lim.spec.max_wait_ms
         max_wait_ms = deadline_ms if own else lim.spec.max_wait_ms
         if wait > max_wait_ms / 1000.0:

@@ -303,3 +303,32 @@ def test_a_release_into_a_full_class_looks_for_one_grant_not_two(mode, monkeypat
     core.finish(running[0], Outcome.OK)
     assert len(core.limiters["interactive"].queue) == 5  # one granted
     assert len(picks) == 1
+
+
+@pytest.mark.parametrize("mode", ["round_robin", "fair"])
+def test_early_rejection_counts_a_flows_queue_ahead_only_when_the_whole_queue_would_miss(mode, monkeypatch):
+    # Found by bench/scale.py: every queued arrival counted its own queue ahead, a pass over every waiting flow in
+    # fair mode, though the whole queue ahead (no flow has more) was well within the wait.
+    from tests.conftest import FakeClock
+    from extproc.policy.fairness import FairQueue
+
+    clock = FakeClock()
+    core = AdmissionController(policy(mode), clock=clock)
+    running = [ask(core, t).ticket for t in ("a", "b")]
+    for t in ("a", "b"):
+        assert ask(core, t).kind == QUEUE
+    lim = core.limiters["interactive"]
+    for i in range(100):  # the class has drained 100 requests a second: 2 waiting are 20 ms of a 1 s wait
+        lim.drain.record(clock() - 1.0 + i * 0.01)
+    counted = []
+    ahead = FairQueue.ahead
+    monkeypatch.setattr(FairQueue, "ahead", lambda q, key: counted.append(key) or ahead(q, key))
+    assert ask(core, "c").kind == QUEUE
+    assert counted == []
+    for i in range(1000):  # ...and now 1 a second: the whole queue (3) would miss, c's own queue ahead is counted
+        lim.drain.record(clock() + 1000.0 + i)
+    clock.advance(2000.0)
+    d = ask(core, "c")
+    assert counted and set(counted) == {"c"}  # the check, and the refusal's message
+    assert d.kind == REJECT and d.reason == "deadline_unmeetable"
+    assert running
