@@ -162,6 +162,13 @@ class FairQueue:
         # (deadline, seq, entry) of every waiter, a heap: overdue() runs on every release, and a scan of every
         # waiter for the rare late one cost each grant O(waiters). Left waiters are dropped lazily (_live).
         self._deadlines: list[tuple[float, int, tuple[float, int, Any]]] = []
+        # Lazy heaps (an item is current while it equals what it was pushed for; others are dropped when met):
+        # (virtual time, group key) of every waiting group, for the least of them; and, in fair mode, each waiting
+        # group's grant rank (virtual time, in-flight cost per weight, its next entry's arrival, key) for the groups
+        # without a guarantee whose one waiting flow is their own (_pick). Both spare a pass over the waiting flows.
+        self._vtimes: list[tuple[float, str]] = []
+        self._ranks: list[tuple[float, float, int, str]] = []
+        self._nested = 0  # waiting flows nested in a group (a header key): _pick then passes over them all
         self._vfloor = 0.0  # start virtual time of the latest admission (never decreases)
         self._head: Any = None  # cache of q[0]; None when it must be recomputed
 
@@ -189,6 +196,7 @@ class FairQueue:
         self._where[id(waiter)] = (flow, entry, key)
         heapq.heappush(self._deadlines, (waiter.deadline, entry[1], entry))
         self._stats(key).waiting += 1
+        self._moved(flow.group)
         self._head = None
 
     def popleft(self) -> Any:
@@ -258,6 +266,7 @@ class FairQueue:
             self.append(w)
         for label in [label for label in self.stats if label not in labels and label != OTHER]:
             del self.stats[label]  # a tenant the policy removed (what it had waiting and running moved above)
+        self._reindex()
         self._head = None
 
     def first_for(self, pool: str) -> Any | None:
@@ -406,6 +415,7 @@ class FairQueue:
         st.admitted += 1
         st.inflight += 1
         self._serve(st, key, cost)
+        self._moved(group)
         self._head = None
 
     def released(self, key: str, cost: float) -> None:
@@ -415,6 +425,7 @@ class FairQueue:
             for f in (flow.group, flow):
                 f.inflight -= 1
                 f.inflight_cost -= cost
+            self._moved(flow.group)
             self._forget_if_idle(flow)
         self._stats(key).inflight -= 1
         self._head = None
@@ -425,6 +436,7 @@ class FairQueue:
         if flow is not None:
             flow.vtime += (actual - estimated) / flow.weight
             flow.group.vtime += (actual - estimated) / flow.group.weight
+            self._moved(flow.group)
         self._serve(self._stats(key), key, actual - estimated)
         self._head = None
 
@@ -488,12 +500,17 @@ class FairQueue:
     def _become_backlogged(self, flow: _Flow) -> None:
         group = flow.group
         if not group.backlogged:
-            group.vtime = max(group.vtime, min((g.vtime for g in self._turns.values()), default=self._vfloor))
+            least = self._least_vtime()
+            group.vtime = max(group.vtime, self._vfloor if least is None else least)
             self._turns[group.key] = group
-        floor = min((f.vtime for f in self._backlogged.values() if f.group is group), default=group.floor)
+            floor = group.floor  # none of its flows waits
+        else:
+            floor = min((f.vtime for f in self._backlogged.values() if f.group is group), default=group.floor)
         flow.vtime = max(flow.vtime, floor)
         group.backlogged += 1
         self._backlogged[flow.key] = flow
+        if flow.key != group.key:
+            self._nested += 1
 
     def _take(self, waiter: Any) -> None:
         flow, entry, key = self._where.pop(id(waiter))
@@ -509,11 +526,63 @@ class FairQueue:
             heapq.heapify(self._deadlines)
         if not flow.entries:
             del self._backlogged[flow.key]
+            if flow.key != flow.group.key:
+                self._nested -= 1
             flow.group.backlogged -= 1
             if not flow.group.backlogged:
                 del self._turns[flow.group.key]
             self._forget_if_idle(flow)
+        self._moved(flow.group)
         self._head = None
+
+    def _moved(self, group: _Flow) -> None:
+        """A group's virtual time, in-flight cost or next entry may have changed: its heap items anew."""
+        if not group.backlogged or self._turns.get(group.key) is not group:
+            return
+        heapq.heappush(self._vtimes, (group.vtime, group.key))
+        rank = self._rank(group)
+        if rank is not None:
+            heapq.heappush(self._ranks, rank)
+        if len(self._vtimes) + len(self._ranks) > 8 * len(self._turns) + 128:
+            self._reindex()  # items gone out of date: dropped, amortized O(1) a change
+
+    def _reindex(self) -> None:
+        """The heaps from the waiting groups (a reload, or too many items out of date)."""
+        self._vtimes = [(g.vtime, g.key) for g in self._turns.values()]
+        heapq.heapify(self._vtimes)
+        self._ranks = [r for r in map(self._rank, self._turns.values()) if r is not None]
+        heapq.heapify(self._ranks)
+
+    def _rank(self, group: _Flow) -> tuple[float, float, int, str] | None:
+        """A waiting group's item of the rank heap (fair mode, no guarantee, its own key's flow waiting), or None."""
+        if self.mode != "fair" or group.guaranteed > 0.0:
+            return None
+        flow = self._flows.get(group.key)
+        if flow is None or not flow.entries:
+            return None
+        return group.vtime, group.inflight_cost / group.weight, flow.entries[0][1], group.key
+
+    def _least_vtime(self) -> float | None:
+        """The least virtual time of the waiting groups (None: none waits)."""
+        heap, turns = self._vtimes, self._turns
+        while heap:
+            vtime, key = heap[0]
+            group = turns.get(key)
+            if group is not None and group.vtime == vtime:
+                return vtime
+            heapq.heappop(heap)
+        return None
+
+    def _least_rank(self) -> tuple[float, float, int, str] | None:
+        """The rank heap's least current item (fair mode)."""
+        heap, turns = self._ranks, self._turns
+        while heap:
+            item = heap[0]
+            group = turns.get(item[3])
+            if group is not None and self._rank(group) == item:
+                return item
+            heapq.heappop(heap)
+        return None
 
     def _count_length(self, was: int, now: int) -> None:
         """A waiting flow's waiters went from `was` to `now` (0: it does not wait)."""
@@ -556,6 +625,22 @@ class FairQueue:
                     if entry is not None:
                         firsts[flow.group.key] = entry
             return next((firsts[g][2] for g in self._turns if g in firsts), None)
+        if pool is None and not self._nested:
+            # Every waiting flow is its tenant's (a group of its own): the least rank of the groups without a
+            # guarantee from their heap, then the few with one (their rank moves with the class's capacity).
+            least = self._least_rank()
+            best_rank = None if least is None else (True, least[0], least[1], False, 0.0, 0.0, least[2])
+            best_entry = None if least is None else self._flows[least[3]].entries[0]
+            for key, share in self.guaranteed.items():
+                group = self._turns.get(key) if share > 0.0 else None
+                if group is None or not group.guaranteed > 0.0:
+                    continue
+                entry = self._flows[key].entries[0]
+                rank = (not self._under_guarantee(group), group.vtime, group.inflight_cost / group.weight,
+                        False, 0.0, 0.0, entry[1])
+                if best_rank is None or rank < best_rank:
+                    best_rank, best_entry = rank, entry
+            return best_entry[2] if best_entry is not None else None
         best_flow_entry = None
         best_rank = None
         for flow in self._backlogged.values():
