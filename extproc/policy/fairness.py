@@ -140,7 +140,7 @@ class FairQueue:
                 raise ValueError(f"weight of {name!r} must be positive, got {w}")
         self.key = key
         self.clock = clock
-        self.capacity = capacity  # the class's slots now (set by the limiter as its limit moves)
+        self._capacity = capacity
         self.index_tau_s = index_tau_s
         self._labels = set(tenants)
         self.stats: dict[str, TenantStats] = {}
@@ -171,6 +171,17 @@ class FairQueue:
         self._nested = 0  # waiting flows nested in a group (a header key): _pick then passes over them all
         self._vfloor = 0.0  # start virtual time of the latest admission (never decreases)
         self._head: Any = None  # cache of q[0]; None when it must be recomputed
+
+    @property
+    def capacity(self) -> float:
+        """The class's slots now (set by the limiter as its limit moves): a guarantee is a share of them."""
+        return self._capacity
+
+    @capacity.setter
+    def capacity(self, slots: float) -> None:
+        if slots != self._capacity:
+            self._capacity = slots
+            self._head = None  # who is under their guarantee may have changed: q[0] is picked anew
 
     # --- the deque interface ---
 

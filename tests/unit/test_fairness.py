@@ -339,6 +339,22 @@ def test_a_flow_under_its_guaranteed_share_goes_first():
     assert q[0].tenant == "a"  # at its guarantee: back to virtual time
 
 
+def test_a_class_whose_slots_grow_puts_a_flow_back_under_its_guarantee_first():
+    # The adaptive cap sets the queue's capacity as it moves (limit_moves): a q[0] cached at the old capacity
+    # granted the flow ranked by virtual time first, though the raise put `b` back under its guarantee.
+    q = FairQueue("fair", guaranteed={"b": 0.5}, tenants=TENANTS, capacity=4)
+    for _ in range(20):  # b is far ahead in virtual time
+        q.admitted("b", 5.0)
+        q.released("b", 5.0)
+    q.admitted("b", 1.0)
+    q.admitted("b", 1.0)
+    q.append(W("a", n=1))
+    q.append(W("b", n=2))
+    assert q[0].tenant == "a"  # at its guarantee (2 of 4 slots): virtual time decides
+    q.capacity = 8
+    assert q[0].tenant == "b"  # 2 of its 4 guaranteed slots in use
+
+
 def test_a_guarantee_lends_what_its_owner_does_not_use():
     q = FairQueue("fair", guaranteed={"b": 0.9}, tenants=TENANTS, capacity=10)
     q.append(W("a", n=1))
