@@ -34,11 +34,14 @@ class Fallbacks:
         if fb.action != "reject" and not allowed:
             why += f" (its `{fb.action}` fallback cannot serve this request)"
         target = core.clusters[fb.model] if fb.model else cluster
-        if fb.action == "degrade" and allowed and target == cluster and fb.max_tokens is None and fb.stream is None:
-            # A request for the fallback's own model (the small model's customers in a class that degrades to
-            # it): the "degrade" would send it unchanged to the pool that just had no room, counted as degraded.
+        if fb.action == "degrade" and allowed and target == cluster and not self._changes(fb, charge):
+            # A degrade that would send the request unchanged to the pool that just had no room, counted as
+            # degraded: a request for the fallback's own model (the small model's customers in a class that
+            # degrades to it), or one already within the fallback's max_tokens (scenarios/code-completion.yaml:
+            # a quarter of the requests asked for the 16 tokens its degrade clamps to).
             allowed = False
-            why += " (its degrade fallback is the model it asked for)"
+            why += (" (its degrade fallback is the model it asked for)" if fb.max_tokens is None else
+                    f" (its degrade fallback would not change it: it asked for no more than {fb.max_tokens} tokens)")
         if fb.action == "degrade" and allowed and not self._fits_context(fb.model, charge):
             # vLLM answers a prompt its context cannot hold with a 400: a retry later on the requested model is
             # the answer that can still succeed.
@@ -67,6 +70,21 @@ class Fallbacks:
         return Refusal(REJECT, reason, cls, tenant, 429 if overflow else 503, why,
                        lim.retry_after_s(now, core._retry_ceiling), classification=c, cluster=cluster,
                        waited_s=waited_s)
+
+    @staticmethod
+    def _changes(fb, charge: Charge | None) -> bool:
+        """Whether a degrade on the request's own model changes the request: a `stream` setting (whether the
+        request streams is not known here: taken as a change), or a `max_tokens` below the request's own cap
+        (no cap of its own, or an unknown one: a change)."""
+        if fb.stream is not None:
+            return True
+        if fb.max_tokens is None:
+            return False
+        if charge is None:
+            return True
+        est = charge.estimate
+        cap = est.most_output // max(est.sequences, 1) if est.most_output else 0
+        return not cap or cap > fb.max_tokens
 
     def _fits_context(self, model: str | None, charge: Charge | None) -> bool:
         """Whether the request's prompt (estimated, each prompt of a list on its own) fits `model`'s context."""

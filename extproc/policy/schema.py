@@ -87,7 +87,9 @@ class FallbackSpec:
                                  "to it, which vLLM would refuse). A clamped answer ends as any "
                                  "answer cut by its cap does (`finish_reason: length`, usage counting what was "
                                  "generated): the openai SDK's `parse()` and `stream()` helpers raise "
-                                 "LengthFinishReasonError on it, and structured output comes cut off.", None,
+                                 "LengthFinishReasonError on it, and structured output comes cut off. On the "
+                                 "request's own model, a request that asked for no more than this is not "
+                                 "degraded (nothing would change): it gets the refusal instead.", None,
                                  minimum=1)
     stream: bool | None = doc("degrade: `false` asks the replica for one answer instead of a stream (chat and "
                               "completions; a Responses API stream keeps streaming). A client that asked to stream "

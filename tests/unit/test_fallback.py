@@ -349,3 +349,23 @@ def test_a_request_for_the_fallback_model_itself_is_not_degraded_onto_the_pool_t
     assert "the model it asked for" in d.message and core.degraded["interactive"].inflight == 0
     d = core.decide(req(model="llama"))  # the class is full: a request for the large model still degrades
     assert (d.kind, d.cluster) == (DEGRADE, "pool_b")
+
+
+def test_a_clamp_that_leaves_the_request_as_it_is_is_not_a_degrade(clock):
+    # scenarios/code-completion: `fallback: {action: degrade, max_tokens: 16}` on the requests' own pool, and a
+    # quarter of them ask for 16 tokens (a completions request without max_tokens is 16 too). Their "degrade"
+    # sent them unchanged to the pool that had just had no room, counted as degraded, answered with
+    # `x-extproc-degraded: none`.
+    core = AdmissionController(policy({"action": "degrade", "max_tokens": 16}, max_concurrency=1, max_queue=0,
+                                      on_overflow="fallback"), clock=clock)
+    assert core.decide(RequestFacts(header_class="interactive", model="llama", max_tokens=64)).kind == ACCEPT
+    for asked in (16, 8):
+        d = core.decide(RequestFacts(header_class="interactive", model="llama", max_tokens=asked))
+        assert (d.kind, d.status, d.reason) == (REJECT, 429, "queue_full")
+        assert "would not change it" in d.message and core.degraded["interactive"].inflight == 0
+    # One that asked for more is clamped: a degrade.
+    d = core.decide(RequestFacts(header_class="interactive", model="llama", max_tokens=64))
+    assert (d.kind, d.cluster) == (DEGRADE, "pool_a") and d.charge.estimate.max_tokens == 16
+    core.finish(d.ticket)
+    # Without a cap of its own (chat: up to the rest of the context), the clamp is a change.
+    assert core.decide(RequestFacts(header_class="interactive", model="llama")).kind == DEGRADE
