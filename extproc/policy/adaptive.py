@@ -41,11 +41,15 @@ RECOVER_WINDOWS = 1.0  # inside the band, at most one raise per this share of th
 class PoolSaturation:
     """The replicas' own view of load, as last scraped (fed by the server's scraper)."""
 
-    __slots__ = ("saturated", "kv_usage", "waiting", "running", "preempting", "stalled", "stalled_requests",
-                 "slow", "working", "updated_at")
+    __slots__ = ("saturated", "fleeting", "kv_usage", "waiting", "running", "preempting", "stalled",
+                 "stalled_requests", "slow", "working", "updated_at")
 
     def __init__(self) -> None:
         self.saturated = False
+        # Saturated only by waiting requests that were not waiting at the replica's previous scrape, where one
+        # waiting request is already over PASSING_STEPS (server.saturation): the pool limit does not count it
+        # while its latency is under half its target (policy.pool).
+        self.fleeting = False
         self.kv_usage = 0.0
         self.waiting = 0.0
         self.running = 0.0

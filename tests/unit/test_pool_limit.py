@@ -329,6 +329,32 @@ def test_saturation_for_two_moves_cuts_below_what_is_in_flight_once_per_drain():
     assert c.limit == pytest.approx(11.2) and c.last_action == "cut_saturated"
 
 
+def test_a_fleeting_saturation_reading_counts_only_with_the_latency_near_its_target():
+    # scenarios/code-completion.yaml: ~80 completions a second a replica, one request caught between its arrival
+    # and the next engine step read as saturation (PoolSaturation.fleeting), and the limit was cut 8 times in the
+    # calm minute with the latency at a quarter of its target (0.1 s against 0.425 s).
+    c = PoolLimit(spec(), {0: 0.5})
+    for t in (0.0, 0.5, 1.0):
+        for _ in range(10):
+            c.observe(0, t, t, 0.1)
+        c.update(t, 18, False, True, fleeting=True)
+    assert c.limit >= 20.0 and c.last_action != "cut_saturated"
+    # The same reading with the latency near its target is how a ramp's onset shows first: it counts.
+    c = PoolLimit(spec(), {0: 0.5})
+    for t in (0.0, 0.5):
+        for _ in range(10):
+            c.observe(0, t, t, 0.3)
+        c.update(t, 18, False, True, fleeting=True)
+    assert c.last_action == "cut_saturated" and c.limit == pytest.approx(14.4)
+    # And a reading that is not fleeting counts whatever the latency, as before.
+    c = PoolLimit(spec(), {0: 0.5})
+    for t in (0.0, 0.5):
+        for _ in range(10):
+            c.observe(0, t, t, 0.1)
+        c.update(t, 18, False, True)
+    assert c.last_action == "cut_saturated"
+
+
 def test_latency_over_target_cuts_only_when_load_is_what_slows_it():
     c = PoolLimit(spec(), {0: 2.0})
     now = 0.0
