@@ -27,7 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenario", default="scenarios/spike.yaml", help="scenario YAML (see docs/demo.md)")
     p.add_argument("--speed", type=float, default=DEFAULT_SPEED,
                    help="simulated seconds per wall second (the whole stack's time-based settings are scaled)")
-    p.add_argument("--out", help="results folder (default: results/YYYYmmdd-HHMMSS)")
+    p.add_argument("--out", help="results folder (default: results/YYYYmmdd-HHMMSS; with --what-if: none unless "
+                   "given)")
     p.add_argument("--modes", default=DEFAULT_MODES, help=f"which modes, in order: {','.join(MODES)}")
     p.add_argument("--phase-s", type=float, help="cut every phase to this many simulated seconds (quick looks)")
     p.add_argument("--progress-every", type=float, default=5.0, help="wall seconds between progress lines")
@@ -87,7 +88,7 @@ def print_tables(results: list[ModeResult], scenario: Scenario) -> tuple[dict, d
     return stats, degraded, found
 
 
-def what_if_tables(args: argparse.Namespace) -> int:
+def what_if_tables(args: argparse.Namespace, command: str = "extproc demo --what-if") -> int:
     """Every mode against engine models only (extproc.tools.demo.whatif): the ext_proc modes' policies through the
     real core, the Envoy-only modes through their models (extproc.tools.demo.baselines)."""
     scenario = load_scenario(args)
@@ -102,7 +103,12 @@ def what_if_tables(args: argparse.Namespace) -> int:
         if args.show_limits:
             moves = " ".join(f"{t:.0f}s:" + ",".join(f"{c}={v}" for c, v in lim.items()) for t, lim in res.limits)
             print(f"{m.key} limits: {moves or '(static)'}")
-    print_tables(results, scenario)
+    stats, degraded, found = print_tables(results, scenario)
+    if getattr(args, "out", None):  # the records (simulated seconds) and report of a real run's shape, for a look per request
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        report = write_report(out, results, stats, scenario, capacity, 1.0, found, degraded, command, what_if=True)
+        print(f"\nreport: {report}", flush=True)
     return 0
 
 
@@ -157,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         print("extproc demo: --instances takes N >= 1 and goes with --what-if", file=sys.stderr)
         return 2
     try:
-        return what_if_tables(args) if args.what_if else uvloop.run(_main(args, command))
+        return what_if_tables(args, command) if args.what_if else uvloop.run(_main(args, command))
     except (ValueError, PolicyError, OSError) as e:  # a scenario, policy or mode the run cannot start from
         return _bad_input(e)
     except (KeyboardInterrupt, asyncio.CancelledError):

@@ -154,8 +154,19 @@ def _window_sections(stats, labels, scenario: Scenario) -> str:
     return "\n".join(out)
 
 
+def _measured_by(what_if: bool, speed: float) -> str:
+    if what_if:
+        return ("Every number comes from the what-if: the scenario's arrivals against engine models in simulated "
+                "time, the policies through the real admission core, the Envoy-only modes through their models "
+                "(docs/demo.md).")
+    return (f"Every number is measured by the load generator (client side) and given in simulated seconds (wall "
+            f"time × {speed:g}).")
+
+
 def write_report(out: Path, results: list[ModeResult], stats, scenario: Scenario, capacity: float, speed: float,
-                 found: list[Target], degraded: dict[str, float], command: str) -> Path:
+                 found: list[Target], degraded: dict[str, float], command: str, what_if: bool = False) -> Path:
+    """The run's records, summary, plot and report.md in `out`; `what_if`: engine models in simulated time (no
+    processes, so no speed and no machine load to report)."""
     labels = {r.mode.key: r.mode.label for r in results}
     for res in results:  # the data first: a plot that cannot be drawn must not lose the run
         with open(out / f"records-{res.mode.key}.jsonl", "w", encoding="utf-8") as f:
@@ -180,8 +191,7 @@ def write_report(out: Path, results: list[ModeResult], stats, scenario: Scenario
 `{command}`
 
 Scenario `{scenario.name}`: {phases}. Fleet capacity {capacity:.1f} requests/s. Interactive SLO: p95 ≤
-{scenario.slo_p95_s:g} s end to end. Every number is measured by the load generator (client side) and given in
-simulated seconds (wall time × {speed:g}). Latency percentiles cover requests the fleet took on (completed, or
+{scenario.slo_p95_s:g} s end to end. {_measured_by(what_if, speed)} Latency percentiles cover requests the fleet took on (completed, or
 timed out after {scenario.client_timeout_s:g} s, counted at the timeout); refused requests are counted separately.
 Each window counts the requests started in it. "Full model": answered by the model the client asked for (the
 response's `model`); "degraded": by another (the small model's pool). Goodput and the targets count the full
@@ -199,7 +209,7 @@ model; degraded answers are shown beside them. Useful tokens: output tokens of c
 
 """ + ("\n".join(f"- {t.line()}" for t in found) or "- (modes d / e not run)") + f"""
 
-## Machine load
+""" + ("" if what_if else f"""## Machine load
 
 CPU per process as a share of one core during each replay, and what every other process on the machine used
 meanwhile. This machine has {os.cpu_count()} cores; near that in total, the load generator, Envoy or the simulator
@@ -208,7 +218,7 @@ lag and latencies are inflated: compare runs only when "other processes" stayed 
 | mode | wall s | CPU |
 |---|---:|---|
 {cpu_lines}
-"""
+""")
     path = out / "report.md"
     path.write_text(text, encoding="utf-8")
     return path
