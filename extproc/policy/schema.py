@@ -159,8 +159,8 @@ class PoolLimitSpec:
     borrow_lower: bool = doc(
         "The first class may go over the limit by what the classes below it hold above their `min_share`: their "
         "running requests are counted as lent to it (no new ones of theirs are admitted while it waits, so the pool "
-        "comes back under the limit as they end). Fewer first-class degrades and more full-model goodput, for a "
-        "higher worst-window p99 (docs/overload.md, \"Over many seeds\").", False)
+        "comes back under the limit as they end). Fewer first-class degrades, fewer refusals at calm load and more "
+        "full-model goodput, for a higher p99 in the worst windows (docs/overload.md, \"Over many seeds\").", False)
 
 
 @dataclass(frozen=True)
