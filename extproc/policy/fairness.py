@@ -313,21 +313,16 @@ class FairQueue:
             # is the `mine` of that sum): from the count of flows by length, not a pass over every waiting flow.
             return sum(min(length, mine + 1) * flows for length, flows in self._lengths.items())
         group = self._groups.get(split_key(key)[0])
-        gtime = max(group.vtime if group is not None else self._vfloor,
-                    min((g.vtime for g in self._turns.values()), default=self._vfloor))
+        least = self._least_vtime()
+        gtime = max(group.vtime if group is not None else self._vfloor, self._vfloor if least is None else least)
         if group is None or group.backlogged == (1 if mine else 0):
-            # No other flow of its group waits (the usual case: every flow its tenant's): the others go first by
-            # their groups' virtual time alone. The same sum as below, in one pass without a call per flow.
-            return mine + sum(min(len(f.entries), mine + 1) for f in self._backlogged.values()
-                              if f is not own and f.group.vtime <= gtime)
-        ftime = max(own.vtime if own is not None else group.floor if group is not None else 0.0,
-                    min((f.vtime for f in self._backlogged.values() if f.group is group), default=-math.inf))
-
-        def before(f: _Flow) -> bool:
-            return f.vtime <= ftime if f.group is group else f.group.vtime <= gtime
-
+            ftime = math.inf  # no other flow of its group waits (the usual case): the pass for it is not needed
+        else:
+            ftime = max(own.vtime if own is not None else group.floor,
+                        min((f.vtime for f in self._backlogged.values() if f.group is group), default=-math.inf))
+        # The others go first by their groups' virtual time, those of its own group by their own.
         return mine + sum(min(len(f.entries), mine + 1) for f in self._backlogged.values()
-                          if f is not own and before(f))
+                          if f is not own and (f.vtime <= ftime if f.group is group else f.group.vtime <= gtime))
 
     def crowded_out_by(self, key: str) -> Any | None:
         """With every place taken, the waiter a new arrival of flow `key` takes the place of: the last of the
@@ -640,31 +635,28 @@ class FairQueue:
             # Every waiting flow is its tenant's (a group of its own): the least rank of the groups without a
             # guarantee from their heap, then the few with one (their rank moves with the class's capacity).
             least = self._least_rank()
-            best_rank = None if least is None else (True, least[0], least[1], False, 0.0, 0.0, least[2])
-            best_entry = None if least is None else self._flows[least[3]].entries[0]
-            for key, share in self.guaranteed.items():
-                group = self._turns.get(key) if share > 0.0 else None
-                if group is None or not group.guaranteed > 0.0:
-                    continue
-                entry = self._flows[key].entries[0]
-                rank = (not self._under_guarantee(group), group.vtime, group.inflight_cost / group.weight,
-                        False, 0.0, 0.0, entry[1])
-                if best_rank is None or rank < best_rank:
-                    best_rank, best_entry = rank, entry
-            return best_entry[2] if best_entry is not None else None
-        best_flow_entry = None
-        best_rank = None
-        for flow in self._backlogged.values():
+            candidates = [] if least is None else [self._flows[least[3]]]
+            candidates += (self._flows[key] for key, share in self.guaranteed.items()
+                           if share > 0.0 and key in self._turns and self._turns[key].guaranteed > 0.0)
+        else:
+            candidates = self._backlogged.values()
+        best_entry = best_rank = None
+        for flow in candidates:
             entry = flow.entries[0] if pool is None else flow.first_for(pool)
             if entry is None:
                 continue
-            group = flow.group  # the group first (its guarantee, then its virtual time), then the flow inside it
-            inner = (False, 0.0, 0.0) if flow.key == group.key else \
-                (not self._under_guarantee(flow), flow.vtime, flow.inflight_cost / flow.weight)
-            rank = (not self._under_guarantee(group), group.vtime, group.inflight_cost / group.weight, *inner, entry[1])
+            rank = self._grant_rank(flow, entry)
             if best_rank is None or rank < best_rank:
-                best_rank, best_flow_entry = rank, entry
-        return best_flow_entry[2] if best_flow_entry is not None else None
+                best_rank, best_entry = rank, entry
+        return best_entry[2] if best_entry is not None else None
+
+    def _grant_rank(self, flow: _Flow, entry: tuple[float, int, Any]) -> tuple:
+        """Fair mode's order of the next grant (least first): the flow's group first (its guarantee, then its
+        virtual time and in-flight cost per weight), then the flow inside it, then its next entry's arrival."""
+        group = flow.group
+        inner = (False, 0.0, 0.0) if flow.key == group.key else \
+            (not self._under_guarantee(flow), flow.vtime, flow.inflight_cost / flow.weight)
+        return (not self._under_guarantee(group), group.vtime, group.inflight_cost / group.weight, *inner, entry[1])
 
     def _under_guarantee(self, flow: _Flow) -> bool:
         return flow.guaranteed > 0.0 and flow.inflight < flow.guaranteed * self.capacity
