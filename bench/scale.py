@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ from extproc.policy.admission import AdmissionController, RequestFacts  # noqa: 
 from extproc.policy.decision import ACCEPT, QUEUE  # noqa: E402
 from extproc.policy.limits import Outcome  # noqa: E402
 from extproc.policy.schema import load_policy  # noqa: E402
+from decision import per_call  # noqa: E402  (bench/decision.py: the median of five timed loops)
 
 ROOT = Path(__file__).resolve().parent.parent
 REPLICAS = 16
@@ -87,16 +87,6 @@ def build(tenants: int, models: int, pools: int, *, mode: str = "fair", fair_cap
         "pools": pool_map,
         "shed": {},
     }
-
-
-def per_call(fn, n: int, repeat: int = 5) -> float:
-    runs = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        runs.append((time.perf_counter() - t) / n)
-    return statistics.median(runs)
 
 
 def decision_cost(tenants: int, models: int, pools: int, limit: bool) -> float:
