@@ -323,7 +323,7 @@ class AdmissionController:
         est = charge.estimate
         cost = est.gpu_seconds
         gate = self.gates.get(cluster) if self.gates else None
-        units = gate.units(est.prompt_tokens, est.expected_output, est.sequences) if gate is not None else 0.0
+        units = gate.units(est.prompt_tokens, est.max_tokens, est.sequences) if gate is not None else 0.0
         flow = c.flow if lim.spec.fairness.key == "header" else c.tenant
         if lim.has_room(cost) and (
                 (self._queue_passable(lim, cluster, gate)

@@ -96,12 +96,13 @@ class Fallbacks:
 
     @staticmethod
     def _degraded_units(gate, charge: Charge | None, fb) -> float:
-        """What a degraded request weighs on its pool's limit: its output clamped to the fallback's max_tokens."""
+        """What a degraded request weighs on its pool's limit: each of its outputs clamped to the fallback's
+        max_tokens."""
         if charge is None:
             return gate.units(0, 0.0)
         est = charge.estimate
-        expected = min(est.expected_output, fb.max_tokens) if fb.max_tokens else est.expected_output
-        return gate.units(est.prompt_tokens, expected, est.sequences)
+        output = min(est.max_tokens, fb.max_tokens * est.sequences) if fb.max_tokens else est.max_tokens
+        return gate.units(est.prompt_tokens, output, est.sequences)
 
 
 def on_pool(pool: str, held: str) -> str:

@@ -369,11 +369,16 @@ class PoolGate:
         """A class's rank here; None for one the policy no longer has (what it holds counts, as no class's)."""
         return self.class_names.index(cls) if cls in self.class_names else None
 
-    def units(self, prompt_tokens: int, expected_output: float, sequences: int = 1) -> float:
-        """What one request weighs against the limit. In requests, the sequences it makes a replica run: vLLM runs
-        each of `n` outputs (and each prompt of a completions list) as a request of its own, and its running and
-        waiting gauges, which the limit is cut against, count them so (an n=8 request showed 8 running)."""
-        return float(prompt_tokens + expected_output) if self.tokens else float(sequences)
+    def units(self, prompt_tokens: int, output_tokens: float, sequences: int = 1) -> float:
+        """What one request weighs against the limit. In tokens, its prompt and the output it asked for (its
+        `max_tokens`, all sequences: what it may come to hold in KV), not the output expected at the learned
+        ratio: that ratio is learned as the ext_proc runs, and a unit that shrank under the limit would let the
+        same limit admit more (engine-model what-if, learned from 5% of answers: 310 refused or degraded at 60%
+        load against 278 over bench/seeds.py's seeds, and worse p99 on three held-out fleets). In requests, the
+        sequences it makes a replica run: vLLM runs each of `n` outputs (and each prompt of a completions list) as
+        a request of its own, and its running and waiting gauges, which the limit is cut against, count them so
+        (an n=8 request showed 8 running)."""
+        return float(prompt_tokens + output_tokens) if self.tokens else float(sequences)
 
     def guaranteed(self, rank: int, units: float, now: float) -> bool:
         """Within the class's own share: admitted whatever waits above it. A class holding nothing may also run one

@@ -135,8 +135,9 @@ class PoolLimitSpec:
 
     enabled: bool = doc("Limit what the pool holds at once, whatever the class; the limit moves by itself.", False)
     unit: Literal["tokens", "requests"] = doc(
-        "What the limit counts. `tokens`: each request weighs its prompt plus its expected output (its KV-cache "
-        "footprint), so a mix of long prompts holds fewer requests than a short chat mix at the same limit. "
+        "What the limit counts. `tokens`: each request weighs its prompt plus the output it asks for (`max_tokens`, "
+        "all its sequences: the KV-cache footprint it may reach; not the learned expected output, which moves as "
+        "the ext_proc runs), so a mix of long prompts holds fewer requests than a short chat mix at the same limit. "
         "`requests`: each request weighs the sequences a replica runs for it, as vLLM's running and waiting "
         "gauges count them: 1, or `n` (times the prompts of a completions list).", "tokens")
     initial: float | None = doc("Starting limit, in `unit`. Default: `max` (the controller cuts to what the pool "

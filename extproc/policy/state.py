@@ -169,7 +169,7 @@ class PolicyState:
         if old is not None and old.tokens == gate.tokens:
             return units
         est = charge.estimate if charge is not None else None
-        return gate.units(est.prompt_tokens, est.expected_output, est.sequences) if est is not None else \
+        return gate.units(est.prompt_tokens, est.max_tokens, est.sequences) if est is not None else \
             gate.units(0, 0)
 
     def _limiter(self, lim: ClassLimiter | None, name: str, spec: ClassSpec) -> ClassLimiter:

@@ -152,6 +152,28 @@ def test_token_unit_weighs_prompt_and_output(clock):
     assert core.gates["pool_a"].inflight == pytest.approx(900)
 
 
+def test_a_request_weighs_the_output_it_asked_for_however_the_output_ratio_is_learned(clock):
+    # The learned ratio (answers use ~60% of max_tokens) shrank the unit under the limit as the ext_proc ran: the
+    # same limit then admitted more (what-if: 310 against 278 refused or degraded at 60% load over 11 seeds).
+    core = AdmissionController(pool_policy(limit=10_000, unit="tokens"), clock=clock)
+    model = core.cost_models["llama"]
+    before = core.decide(req("interactive", tokens=500))
+    model.output_ratio = 0.3
+    after = core.decide(req("interactive", tokens=500))
+    assert after.ticket.charge.estimate.expected_output == pytest.approx(30)  # the estimate does learn
+    assert before.ticket.units == after.ticket.units == pytest.approx(600)  # 500 prompt + max_tokens 100
+
+
+def test_a_degraded_request_weighs_each_output_clamped_to_the_fallbacks_max_tokens(clock):
+    policy = pool_policy(limit=10_000, unit="tokens", interactive={
+        "max_concurrency": 1, "max_queue": 0, "on_overflow": "fallback",
+        "fallback": {"action": "degrade", "max_tokens": 10}})
+    core = AdmissionController(policy, clock=clock)
+    assert core.decide(req("interactive")).kind == ACCEPT
+    d = core.decide(RequestFacts(header_class="interactive", model="llama", max_tokens=100, sequences=4))
+    assert d.kind == DEGRADE and d.ticket.units == pytest.approx(4 * 10)  # not 10 for all four outputs
+
+
 def test_request_unit_weighs_the_sequences_a_replica_runs(clock):
     # vLLM runs each of n outputs (and each prompt of a completions list) as a request of its own: one n=8 chat
     # showed vllm:num_requests_running 8 on the real server. Weighed 1, four of them ran 32 under a limit of 4.
