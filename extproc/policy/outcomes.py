@@ -32,6 +32,29 @@ class OutcomeListener(Protocol):
     def completed(self, c: Completed) -> None: ...
 
 
+LEARN, REFUND = "learn", "refund"
+
+
+class UsageSample:
+    """Which responses are read for their token usage: a deterministic `learn_sample` share for cost learning
+    (every request counts towards it, refused ones too, as each is decided), else those of a tenant whose
+    tokens-per-minute bucket is refunded from the real count. One per process: the ext_proc reads what it picks,
+    the what-if hands the same share's usage to its core."""
+
+    __slots__ = ("_credit",)
+
+    def __init__(self) -> None:
+        self._credit = 0.0
+
+    def pick(self, core, api_key: str | None) -> str | None:
+        """LEARN, REFUND or None (not read), for the request about to be decided."""
+        self._credit += core.policy.learn_sample
+        if self._credit >= 1.0:
+            self._credit -= 1.0
+            return LEARN
+        return REFUND if core.reads_usage(api_key) else None
+
+
 class CostLearning:
     """Real usage corrects the model's cost coefficients and refunds (or charges) the tenant's token bucket."""
 

@@ -13,6 +13,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from ..policy.admission import AdmissionController, Canned, Decision, Degrade, Queued, Refusal, RequestFacts
 from ..policy.classify import ConflictingKeys, presented_key
 from ..policy.limits import Outcome, Ticket
+from ..policy.outcomes import LEARN, UsageSample
 from ..policy.reasons import (R_BODIES_PENDING, R_BODY_TOO_LARGE, R_CONFLICTING_KEYS, R_METHOD_NOT_ALLOWED,
                               R_REQUEST_NOT_SENT, R_UNKNOWN_MODEL, R_UNKNOWN_URL, R_UNSUPPORTED_ENCODING,
                               R_UNSUPPORTED_ENDPOINT, say)
@@ -85,7 +86,7 @@ class Processor:
         self.max_pending_bodies = max_pending_bodies
         self.pending_bodies = 0
         self.live: set[Ticket] = set()       # tickets whose stream is still open (their leases get renewed)
-        self._learn_credit = 0.0
+        self.usage_sample = UsageSample()  # which responses' usage is read
         self._names: tuple[object, protocol.HeaderNames] | None = None
         self._restreams: tuple[object, bool] | None = None
         self._models: tuple[object, Answer] | None = None
@@ -116,13 +117,8 @@ class Processor:
     def usage_reader(self, api_key: str | None) -> UsageReader | None:
         """Read this response's usage? A deterministic share of requests for cost learning, and those whose
         tenant has a tokens-per-minute limit (for the refund)."""
-        self._learn_credit += self.core.policy.learn_sample
-        if self._learn_credit >= 1.0:
-            self._learn_credit -= 1.0
-            return UsageReader(learn=True)
-        if self.core.reads_usage(api_key):
-            return UsageReader(learn=False)
-        return None
+        which = self.usage_sample.pick(self.core, api_key)
+        return None if which is None else UsageReader(learn=which == LEARN)
 
     def close(self, ticket: Ticket, outcome: Outcome) -> None:
         """The one release of a ticket a stream held: the core's slot, then the shared store's."""

@@ -508,3 +508,14 @@ def test_a_truncated_prompt_is_costed_at_what_the_replica_keeps():
     assert m.truncated(10_000, -1) == 2048                  # -1: the context
     assert CostModel(CostSpec()).truncated(10_000, -1) == 10_000  # ... unknown without max_context_tokens
     assert m.truncated(10_000, None) == 10_000
+
+
+def test_the_usage_sample_reads_a_deterministic_share_and_every_answer_a_token_bucket_refunds(clock):
+    from extproc.policy.outcomes import LEARN, REFUND, UsageSample
+    core = AdmissionController(make_policy(learn_sample=0.25, tenants=[
+        {"name": "metered", "api_keys": ["m"], "tokens_per_minute": 10_000},
+        {"name": "plain", "api_keys": ["p"]}], shed={}), clock=clock)
+    sample = UsageSample()
+    picks = [sample.pick(core, "p") for _ in range(8)]
+    assert picks == [None, None, None, LEARN] * 2  # every 4th request, refused ones counting too
+    assert [sample.pick(core, "m") for _ in range(4)] == [REFUND, REFUND, REFUND, LEARN]

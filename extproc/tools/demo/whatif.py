@@ -22,6 +22,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import HttpHeaders
 from extproc.policy.admission import QUEUE, AdmissionController, Admit, Decision, Degrade, RequestFacts
 from extproc.policy.classify import ConflictingKeys, presented_key
 from extproc.policy.limits import Completion, LimitFactory, Outcome, default_limit
+from extproc.policy.outcomes import LEARN, UsageSample
 from extproc.policy.schema import ClassifySpec, SessionSpec, load_policy_file
 from extproc.server.openai import min_output_of
 from extproc.server.protocol import HeaderNames, read_request_headers
@@ -156,6 +157,7 @@ class PolicyAdmitter:
         self.limit_factory = limit_factory
         self.limits: list[tuple[float, dict[str, int]]] = []
         self.core: AdmissionController | None = None
+        self.usage_sample = UsageSample()  # the responses whose usage the ext_proc would read
 
     def start(self, clock: Callable[[], float], pools: dict[str, _Pool]) -> list[tuple[float, Callable[[], None]]]:
         core = self.core = AdmissionController(self.policy, clock=clock, limit_factory=self.limit_factory)
@@ -196,6 +198,9 @@ class PolicyAdmitter:
         return timers
 
     def decide(self, facts: RequestFacts) -> Decision:
+        # As the ext_proc picks them, before the decision; a refund reader reads only a non-streamed answer.
+        which = self.usage_sample.pick(self.core, facts.api_key)
+        facts.reads_usage = which == LEARN or (which is not None and not facts.stream)
         refused = self.core.authenticate(facts)  # `anonymous.allow: false` refuses requests without a known key
         return refused if refused is not None else self.core.decide(facts)
 
@@ -212,6 +217,8 @@ class PolicyAdmitter:
         if ticket is None:
             return
         outcome = Outcome.OK if record.ok else Outcome.CLIENT_ABORT
+        if record.ok and ticket.charge is not None and ticket.charge.reads_usage:
+            self.core.usage(ticket, record.prompt_tokens, record.output_tokens)  # read as the answer ends
         self.core.finish(ticket, outcome)
         self.core.report(ticket.id, Completion(outcome, record.status, record.ttft, record.latency))
 
