@@ -40,6 +40,17 @@ def test_policy_durations_are_divided_by_speed_except_the_lease_and_retry_after(
     assert scale_durations({"max_wait_ms": 3}, 20) == {"max_wait_ms": 1}  # never 0: 0 means "no queue"
 
 
+def test_gpu_seconds_are_divided_by_speed_and_rates_of_them_are_not():
+    # The ext_proc learns its costs from wall-clock service times: at speed 5 a token takes a fifth of the time.
+    data = {"models": {"m": {"cost": {"prefill_s_per_1k_tokens": 0.5, "decode_s_per_token": 0.01}}},
+            "classes": {"batch": {"max_inflight_gpu_seconds": 20.0}},
+            "sessions": {"max_inflight_gpu_seconds": 10.0, "gpu_seconds_per_minute": 60.0}}
+    scaled = scale_durations(data, 5)
+    assert scaled["models"]["m"]["cost"] == {"prefill_s_per_1k_tokens": 0.1, "decode_s_per_token": 0.002}
+    assert scaled["classes"]["batch"]["max_inflight_gpu_seconds"] == 4.0
+    assert scaled["sessions"] == {"max_inflight_gpu_seconds": 2.0, "gpu_seconds_per_minute": 60.0}
+
+
 @pytest.mark.parametrize("name", ["policies/demo-static.yaml", "policies/demo-full.yaml",
                                   "policies/demo-adaptive.yaml", "policies/agents-static.yaml",
                                   "policies/agents-full.yaml", "policies/agents-adaptive.yaml"])

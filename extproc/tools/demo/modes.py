@@ -14,6 +14,14 @@ from extproc.tools.envoyconf import duration
 # Policy keys ending in _ms/_s are wall-clock durations for the ext_proc: the demo divides them by --speed. These
 # are not (or need not be) scaled: the lease is a safety net far above any request, Retry-After goes to clients.
 UNSCALED_POLICY_KEYS = frozenset({"lease_ms", "retry_after_max_s"})
+# GPU-seconds are durations too: at speed 5 a replica serves a token in a fifth of the wall time, and the ext_proc
+# learns its cost coefficients from wall-clock service times. Unscaled, the learned coefficients ran into their
+# lower bound (a quarter of the configured ones) and kept the configured prefill/decode ratio, where the what-if
+# learned a prefill token twice as dear against a decoded one: on scenarios/tenants-backlogged.yaml the fair queue
+# gave the long-prompt tenant 36% of the GPU where it was due 25%. Budgets in GPU-seconds scale with them. A rate
+# of GPU-seconds per minute does not (both sides scale), but its bucket holds a wall-clock minute's worth: at speed
+# 5, five simulated minutes' (no shipped policy sets one).
+GPU_SECONDS_KEYS = frozenset({"prefill_s_per_1k_tokens", "decode_s_per_token", "max_inflight_gpu_seconds"})
 
 
 @dataclass(frozen=True)
@@ -86,14 +94,16 @@ def with_policies(modes: list[Mode], policies: dict[str, str], adaptive: dict[st
 
 
 def scale_durations(data: Any, speed: float, unscaled: frozenset[str] = UNSCALED_POLICY_KEYS) -> Any:
-    """A copy of parsed policy YAML with every *_ms / *_s number divided by `speed` (int *_ms stay ints, >= 1)."""
+    """A copy of parsed policy YAML with every *_ms / *_s number and every amount of GPU-seconds divided by `speed`
+    (int *_ms stay ints, >= 1)."""
     if isinstance(data, list):
         return [scale_durations(v, speed, unscaled) for v in data]
     if not isinstance(data, dict):
         return data
     out = {}
     for key, value in data.items():
-        is_duration = isinstance(key, str) and key.endswith(("_ms", "_s")) and key not in unscaled
+        is_duration = isinstance(key, str) and (key.endswith(("_ms", "_s")) or key in GPU_SECONDS_KEYS) and \
+            key not in unscaled
         if is_duration and isinstance(value, (int, float)) and not isinstance(value, bool):
             # *_ms are whole milliseconds (>= 1: 0 means "none"); *_s are float seconds, never rounded (an
             # `interval_s: 1` at speed 5 is 0.2 s, not 1 s).
