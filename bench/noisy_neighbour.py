@@ -17,10 +17,10 @@ import tempfile
 import yaml
 
 from extproc.policy.fairness import jain_index
-from extproc.tools.demo.results import rolling_rate, window_stats
+from extproc.tools.demo.results import rolling_rate, served_work, window_stats
 from extproc.tools.plotting import SKIPPED, pyplot
 from extproc.tools.demo.scenario import Scenario
-from extproc.tools.demo.whatif import what_if
+from extproc.tools.demo.whatif import PolicyAdmitter, what_if
 
 SCENARIOS = ("scenarios/noisy-neighbour.yaml", "scenarios/noisy-neighbour-baseline.yaml")
 MODES = {"c": "fifo", "d": "round_robin", "e": "fair"}
@@ -123,13 +123,69 @@ def tradeoff(rates=(None, 300, 200, 120)) -> None:
         print(f"| {rpm or 'none'} | {cells} | {per[kinds[0]].tokens_per_s:.0f} |", flush=True)
 
 
+BACKLOGGED = "scenarios/tenants-backlogged.yaml"
+
+
+def pool_limited(path: str) -> str:
+    """The same policy with the 70B pool under a pool-wide limit instead of batch's cap of 16 (the cap stays as
+    the playbook's bound, 128); a temporary file."""
+    with open(path, encoding="utf-8") as f:
+        doc = yaml.safe_load(f)
+    doc["classes"]["interactive"]["slo_p95_ms"] = 2000
+    doc["classes"]["batch"]["max_concurrency"] = 128
+    doc["pools"] = {"vllm_llama70b": {"limit": {"enabled": True}}}
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        yaml.safe_dump(doc, f, sort_keys=False)
+    return f.name
+
+
+def backlogged() -> None:
+    """scenarios/tenants-backlogged.yaml: each tenant's share of the GPU-seconds served in the backlog window
+    (full-model answers, at the cost coefficients the run's core learned: the units `fair` shares) and of their
+    tokens (prompt + output), under batch's cap and under a pool-wide limit. Fairness index: Jain's over
+    GPU-seconds per weight (every tenant is backlogged, so its weighted share is its due)."""
+    sc = Scenario.load(BACKLOGGED)
+    capacity = sc.fleet_capacity()
+    kinds = [k.name for k in sc.workload.kinds]
+    t0, t1 = sc.report_windows()["backlog"]
+    with open(sc.policies["e"], encoding="utf-8") as f:
+        weights = {t["name"]: t.get("weight", 1.0) for t in yaml.safe_load(f)["tenants"]}
+    due = {k: 100 * weights[k] / sum(weights[n] for n in kinds) for k in kinds}
+    print(f"capacity {capacity:.2f} req/s; window: backlog ({t0:g}-{t1:g} s); weights "
+          + ", ".join(f"{k} {weights[k]:g}" for k in kinds))
+    print("| limit | mode | GPU-seconds share, % (" + " / ".join(f"{due[k]:.0f}" for k in kinds) + " due) | "
+          "tokens share, % | answers | p50 s | output tok/s | fairness index |")
+    print("|---|---|---|---|---|---|---:|---:|")
+    for family, policy_of in (("batch cap 16", lambda p: p), ("pool-wide limit", pool_limited)):
+        for key in "cde":
+            admitter = PolicyAdmitter(policy_of(sc.policies[key]))
+            res = what_if(sc, admitter, capacity)
+            model = admitter.core.cost_models["llama-70b"]  # as the run left it: learned from its answers
+            work = served_work(res.records, (t0, t1), kinds, model)
+            gpu = {k: w[0] for k, w in work.items()}
+            tokens = {k: w[1] for k, w in work.items()}
+            total = sum(gpu.values()) or 1.0
+            index = jain_index(gpu[k] / weights[k] for k in kinds)
+            per = {k: window_stats(res.records, (t0, t1), k, sc.client_timeout_s, sc.client_timeout_s, True)
+                   for k in kinds}
+            output = per[kinds[0]].tokens_per_s
+            print(f"| {family} | {key} ({MODES[key]}) | " + " / ".join(f"{100 * gpu[k] / total:.0f}" for k in kinds)
+                  + " | " + " / ".join(f"{100 * tokens[k] / (sum(tokens.values()) or 1):.0f}" for k in kinds)
+                  + " | " + " / ".join(str(work[k][2]) for k in kinds) + " | "
+                  + " / ".join(f"{per[k].p50:.1f}" for k in kinds) + f" | {output:.0f} | {index:.3f} |", flush=True)
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("modes", nargs="?", default="cde", help="mode keys to run (c fifo, d round_robin, e fair)")
     ap.add_argument("--plot", metavar="PNG", help="also draw each tenant's goodput over time into PNG")
     ap.add_argument("--tradeoff", action="store_true", help="the fair policy with tenant A's rate capped instead")
+    ap.add_argument("--backlogged", action="store_true",
+                    help="scenarios/tenants-backlogged.yaml instead: each tenant's share of the GPU-seconds")
     args = ap.parse_args()
-    if args.tradeoff:
+    if args.backlogged:
+        backlogged()
+    elif args.tradeoff:
         tradeoff()
     else:
         main(args.modes, plot_path=args.plot)

@@ -127,6 +127,20 @@ def window_stats(records: list[RequestRecord], window: tuple[float, float], slo_
         first_degraded_at=degraded_slo[0] if degraded_slo else None, first_other_held_at=held[0] if held else None)
 
 
+def served_work(records: list[RequestRecord], window: tuple[float, float], kinds: list[str],
+                cost) -> dict[str, tuple[float, int, int]]:
+    """Per kind (a tenant's requests): the GPU-seconds of its full-model answers to requests started in the window,
+    at the cost model `cost` (`actual`, what the fair queue charges once usage is learned), their tokens (prompt +
+    output) and their number."""
+    t0, t1 = window
+    out = {}
+    for k in kinds:
+        done = [r for r in records if r.kind == k and t0 <= r.start < t1 and r.ok and not r.degraded]
+        out[k] = (sum(cost.actual(r.prompt_tokens, r.output_tokens) for r in done),
+                  sum(r.prompt_tokens + r.output_tokens for r in done), len(done))
+    return out
+
+
 def worst_window_p99(records: list[RequestRecord], window: tuple[float, float], onsets: tuple[float, ...],
                      timeout_s: float) -> tuple[float, float | None]:
     """(worst p99 of served latency, that window's start) over every ROLLING_S window inside `window` (one step
