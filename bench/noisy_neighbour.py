@@ -6,12 +6,15 @@ and prints the table of docs/demo.md's "Noisy neighbour" section. Both scenarios
 measured capacity. With --plot it also draws each tenant's full-model goodput over time, fifo against fair, in the
 flood scenario (docs/img/noisy-neighbour.png). With --tradeoff it runs the fair policy on the flood scenario with
 tenant A held to a few request rates (`requests_per_minute`) and prints B's and C's p99 against the pool's output:
-how far A must be held back before B's and C's p99 return to their no-flood level.
+how far A must be held back before B's and C's p99 return to their no-flood level. With --seeds it prints B's and
+C's flood-window p99 over seeds 20-25, flood against no flood, and pooled over the seeds. With --backlogged it runs
+scenarios/tenants-backlogged.yaml instead: each tenant's share of the GPU-seconds when every tenant waits.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import tempfile
 
 import yaml
@@ -21,6 +24,7 @@ from extproc.tools.demo.results import rolling_rate, served_work, window_stats
 from extproc.tools.plotting import SKIPPED, pyplot
 from extproc.tools.demo.scenario import Scenario
 from extproc.tools.demo.whatif import PolicyAdmitter, what_if
+from extproc.tools.stats import percentile
 
 SCENARIOS = ("scenarios/noisy-neighbour.yaml", "scenarios/noisy-neighbour-baseline.yaml")
 MODES = {"c": "fifo", "d": "round_robin", "e": "fair"}
@@ -123,6 +127,33 @@ def tradeoff(rates=(None, 300, 200, 120)) -> None:
         print(f"| {rpm or 'none'} | {cells} | {per[kinds[0]].tokens_per_s:.0f} |", flush=True)
 
 
+def over_seeds(seeds=range(20, 26), mode: str = "e") -> None:
+    """B's and C's flood-window latency over several seeds, flood against no flood (`mode`'s policy): each seed's
+    p99 (about 100 answers a tenant: its second slowest) and the p95 / p99 of all seeds' answers pooled."""
+    flood, base = (Scenario.load(p) for p in SCENARIOS)
+    capacity = flood.fleet_capacity()
+    span = flood.report_windows()[WINDOW]
+    kinds = ("tenant-b", "tenant-c")
+    pooled: dict[tuple[str, str], list[float]] = {}
+    print("| seed | " + " | ".join(f"{k} p99 s, flood / no flood" for k in kinds) + " |")
+    print("|---:|" + "---|" * len(kinds))
+    for seed in seeds:
+        cells = {k: [] for k in kinds}
+        for sc in (flood, base):
+            run = dataclasses.replace(sc, seed=seed)
+            records = what_if(run, run.policies[mode], capacity).records
+            for k in kinds:
+                cells[k].append(window_stats(records, span, k, sc.slo_p95_s, sc.client_timeout_s, True).p99)
+                pooled.setdefault((sc.name, k), []).extend(
+                    r.latency for r in records if r.kind == k and span[0] <= r.start < span[1] and r.ok
+                    and not r.degraded)
+        print(f"| {seed} | " + " | ".join(f"{cells[k][0]:.2f} / {cells[k][1]:.2f}" for k in kinds) + " |", flush=True)
+    for k in kinds:
+        f, b = (sorted(pooled[(sc.name, k)]) for sc in (flood, base))
+        print(f"{k}, all seeds pooled ({len(f)} / {len(b)} answers): p95 {percentile(f, 95):.2f} / "
+              f"{percentile(b, 95):.2f} s, p99 {percentile(f, 99):.2f} / {percentile(b, 99):.2f} s (flood / no flood)")
+
+
 BACKLOGGED = "scenarios/tenants-backlogged.yaml"
 
 
@@ -182,8 +213,12 @@ if __name__ == "__main__":
     ap.add_argument("--tradeoff", action="store_true", help="the fair policy with tenant A's rate capped instead")
     ap.add_argument("--backlogged", action="store_true",
                     help="scenarios/tenants-backlogged.yaml instead: each tenant's share of the GPU-seconds")
+    ap.add_argument("--seeds", action="store_true",
+                    help="B's and C's p99 over seeds 20-25, flood against no flood, each seed and pooled (fair)")
     args = ap.parse_args()
-    if args.backlogged:
+    if args.seeds:
+        over_seeds()
+    elif args.backlogged:
         backlogged()
     elif args.tradeoff:
         tradeoff()
