@@ -31,22 +31,6 @@ MODES = {"c": "fifo", "d": "round_robin", "e": "fair"}
 WINDOW = "flood"
 
 
-def max_min_shares(demands: dict[str, float], total: float) -> dict[str, float]:
-    """Water-filling: what each tenant gets of `total` when none gets more than it asks and the rest is equal."""
-    shares, left, open_ = {}, total, dict(demands)
-    while open_:
-        level = left / len(open_)
-        small = {k: d for k, d in open_.items() if d <= level}
-        if not small:
-            shares.update({k: level for k in open_})
-            break
-        for k, d in small.items():
-            shares[k] = d
-            left -= d
-            del open_[k]
-    return shares
-
-
 def plot(runs: dict[str, list], kinds: list[str], sc: Scenario, path: str) -> None:
     """Each tenant's full-model goodput (answers within the SLO, 10 s windows) over time, one panel per mode."""
     plt = pyplot()
@@ -91,11 +75,8 @@ def main(modes: str = "cde", plot_path: str | None = None) -> None:
             if path == SCENARIOS[0] and MODES[key] in ("fifo", "fair"):
                 drawn[MODES[key]] = res.records
             per = {k: window_stats(res.records, span, k, sc.slo_p95_s, sc.client_timeout_s, True) for k in kinds}
-            total = window_stats(res.records, span, kinds[0], sc.slo_p95_s, sc.client_timeout_s, True)
-            offered = {k: per[k].requests / (span[1] - span[0]) for k in kinds}
-            served = {k: per[k].goodput for k in kinds}
-            fair = max_min_shares(offered, sum(served.values()))
-            index = jain_index(served[k] / fair[k] for k in kinds if fair[k] > 0)
+            total = window_stats(res.records, span, kinds, sc.slo_p95_s, sc.client_timeout_s, True)
+            index = total.fairness_index
             cells = " | ".join(f"{per[k].p99:.2f} | {per[k].goodput:.2f}" for k in kinds)
             print(f"| {sc.name} | {key} ({MODES[key]}) | {cells} | {total.tokens_per_s:.0f} | {index:.3f} |",
                   flush=True)

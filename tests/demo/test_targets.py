@@ -24,7 +24,8 @@ def stats(records, window=(0.0, 10.0), onsets=None):
 
 def ws(**fields) -> WindowStats:
     base = dict(p50=1, p95=1, p99=1, ttft_p99=1, goodput=0, goodput_degraded=0, tokens_per_s=0,
-                useful_tokens_per_s=0, degraded_tokens_per_s=0, requests=1, p99_worst_window=1.0)
+                useful_tokens_per_s=0, degraded_tokens_per_s=0, requests=1, p99_worst_window=1.0,
+                others=1)  # some request of a lower class
     return WindowStats(**{**base, **fields})
 
 
@@ -150,7 +151,7 @@ def test_batch_is_held_back_before_the_first_interactive_degrade(held, degraded,
 
 def test_a_scenario_of_one_class_has_no_lower_class_to_hold_back():
     # It printed "MISSED ... nan" for every degrade, as if batch had been served first.
-    d = ws(first_other_held_at=None, first_degraded_at=60.5, outcomes={"interactive": {}})
+    d = ws(first_other_held_at=None, first_degraded_at=60.5, outcomes={"interactive": {}}, others=0)
     found = by_name(targets(spike_and_calm(d), ["spike"], [], 2.0))
     assert "d: first batch refused/queued before the first interactive degrade, s" not in found
 

@@ -48,11 +48,16 @@ def mode_stats(res: ModeResult, scenario: Scenario) -> dict[str, WindowStats]:
     return scenario_stats(res.records, scenario, res.mode.stack_mode == "extproc")
 
 
+def scenario_modes(scenario: Scenario, modes: str) -> list[Mode]:
+    """The modes named in `modes` (e.g. "b,d") as the scenario runs them: its policies, mode b's knobs, its labels."""
+    return with_policies(parse_modes(modes), scenario.policies, scenario.envoy_adaptive, scenario.labels)
+
+
 def what_if_stats(scenario: Scenario, modes: str, instances: int = 1) -> dict[str, dict[str, WindowStats]]:
     """mode key -> mode_stats, for `modes` (e.g. "b,d") run in the what-if with the scenario's policies."""
     capacity = scenario.fleet_capacity()
     out = {}
-    for m in with_policies(parse_modes(modes), scenario.policies, scenario.envoy_adaptive):
+    for m in scenario_modes(scenario, modes):
         res = what_if(scenario, admitter_for(m, instances), capacity)
         out[m.key] = mode_stats(ModeResult(m, res.records, 0.0, served_elsewhere=res.served_elsewhere), scenario)
     return out
@@ -94,7 +99,7 @@ def what_if_tables(args: argparse.Namespace, command: str = "extproc demo --what
     scenario = load_scenario(args)
     capacity = scenario.fleet_capacity()
     results = []
-    modes = with_policies(parse_modes(args.modes), scenario.policies, scenario.envoy_adaptive)
+    modes = scenario_modes(scenario, args.modes)
     if any(m.policy for m in modes):
         print(f"scenario {scenario.name}, what-if:\n{policy_lines(modes)}")
     for m in modes:
@@ -114,13 +119,13 @@ def what_if_tables(args: argparse.Namespace, command: str = "extproc demo --what
 
 async def demo(args: argparse.Namespace, command: str) -> int:
     scenario = load_scenario(args)
-    modes = with_policies(parse_modes(args.modes), scenario.policies, scenario.envoy_adaptive)
+    modes = scenario_modes(scenario, args.modes)
     out = Path(args.out or f"results/{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     capacity = scenario.fleet_capacity()
     settings = RunSettings(speed=args.speed, capacity=capacity, workdir=out / "logs",
                            progress_every_s=args.progress_every)
-    phases = ", ".join(f"{p.name} {p.duration_s:g}s x{p.rate:g}" for p in scenario.phases)
+    phases = ", ".join(f"{p.name} {p.duration_s:g}s x{scenario.phase_load(p):g}" for p in scenario.phases)
     print(f"scenario {scenario.name}: {phases}; fleet capacity {capacity:.1f} req/s "
           f"({', '.join(f'{p.replicas}x {p.profile}' for p in scenario.pools)}); speed {args.speed:g}; "
           f"about {len(modes) * (scenario.duration_s / args.speed + 8):.0f}s of wall time; results in {out}",

@@ -80,9 +80,10 @@ def repo_path(path: str) -> str:
     return str(REPO / path)
 
 
-def with_policies(modes: list[Mode], policies: dict[str, str], adaptive: dict[str, Any] | None = None) -> list[Mode]:
-    """The modes with the policy files a scenario names for them (its `policies:`, mode key -> file), and mode b
-    with the scenario's `envoy_adaptive` knobs over its own."""
+def with_policies(modes: list[Mode], policies: dict[str, str], adaptive: dict[str, Any] | None = None,
+                  labels: dict[str, str] | None = None) -> list[Mode]:
+    """The modes with the policy files a scenario names for them (its `policies:`, mode key -> file), mode b
+    with the scenario's `envoy_adaptive` knobs over its own, and the scenario's `labels:` for them."""
     wrong = [k for k in policies if k not in MODES or not MODES[k].policy]
     if wrong:
         raise ValueError(f"policies: {', '.join(wrong)} are not ext_proc modes "
@@ -90,6 +91,8 @@ def with_policies(modes: list[Mode], policies: dict[str, str], adaptive: dict[st
     chosen = [replace(m, policy=policies[m.key]) if m.key in policies else m for m in modes]
     if adaptive:
         chosen = [replace(m, adaptive={**m.adaptive, **adaptive}) if m.adaptive else m for m in chosen]
+    if labels:
+        chosen = [replace(m, label=labels[m.key]) if m.key in labels else m for m in chosen]
     return [replace(m, policy=repo_path(m.policy)) if m.policy else m for m in chosen]
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Collection
 from dataclasses import asdict
 from pathlib import Path
 
 from extproc.tools.loadgen import poisson_arrivals
 from extproc.tools.plotting import SKIPPED, pyplot
 
-from .results import Target, WindowStats, rolling_p99, rolling_rate
+from .results import Target, WindowStats, rolling_p99, rolling_rate, slo_kinds
 from .runner import ModeResult
 from .scenario import Scenario
 
@@ -58,16 +59,21 @@ def throughput_table(stats: dict[str, dict[str, WindowStats]], labels: dict[str,
     return "\n".join(rows)
 
 
-def class_goodput_table(stats: dict[str, dict[str, WindowStats]], labels: dict[str, str], slo_class: str,
-                        slo_s: float, window: str = "spike") -> str:
-    """Completions per second per class, full model / degraded (the SLO class: within the SLO)."""
+def class_goodput_table(stats: dict[str, dict[str, WindowStats]], labels: dict[str, str],
+                        slo_class: str | Collection[str], slo_s: float, window: str = "spike") -> str:
+    """Completions per second per class (or tenant kind), full model / degraded (the SLO kinds: within the SLO);
+    with several SLO kinds, their fairness index (WindowStats.fairness_index) in a last column."""
+    group = slo_kinds(slo_class)
     classes = sorted({c for w in stats.values() for c in w[window].goodput_by_class})
-    head = " | ".join(f"{c}{f' ≤ {slo_s:g} s' if c == slo_class else ''} full / degraded req/s" for c in classes)
-    rows = [f"| mode ({window}) | {head} |", "|---|" + "---:|" * len(classes)]
+    head = " | ".join(f"{c}{f' ≤ {slo_s:g} s' if c in group else ''} full / degraded req/s" for c in classes)
+    fairness = len(group) > 1
+    rows = [f"| mode ({window}) | {head} |" + (" fairness index |" if fairness else ""),
+            "|---|" + "---:|" * (len(classes) + fairness)]
     for key, w in stats.items():
         by = w[window].goodput_by_class
         rows.append(f"| {key}: {labels[key]} | " + " | ".join(
-            f"{by.get(c, {}).get('full', 0.0):.2f} / {by.get(c, {}).get('degraded', 0.0):.2f}" for c in classes) + " |")
+            f"{by.get(c, {}).get('full', 0.0):.2f} / {by.get(c, {}).get('degraded', 0.0):.2f}" for c in classes) + " |"
+            + (f" {_s(w[window].fairness_index)} |" if fairness else ""))
     return "\n".join(rows)
 
 
@@ -96,7 +102,7 @@ def plot(results: list[ModeResult], scenario: Scenario, capacity: float, path: P
     end = scenario.duration_s
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 7.5), sharex=True, height_ratios=[3, 2])
     for res in results:
-        t, p99 = rolling_p99(res.records, scenario.slo_class, scenario.client_timeout_s, end)
+        t, p99 = rolling_p99(res.records, scenario.slo_kinds, scenario.client_timeout_s, end)
         top.plot(t, p99, label=f"{res.mode.key}: {res.mode.label}", linewidth=1.8)
         tokens = [(r.start + r.latency, r.output_tokens) for r in res.records if r.ok]
         t, rate = rolling_rate(tokens, end)
@@ -136,7 +142,7 @@ def tables(stats, labels, scenario: Scenario, degraded: dict[str, float]) -> str
     for window in scenario.report_windows():
         parts += [latency_table(stats, labels, scenario.slo_class, window),
                   throughput_table(stats, labels, scenario.slo_class, scenario.slo_p95_s, window),
-                  class_goodput_table(stats, labels, scenario.slo_class, scenario.slo_p95_s, window)]
+                  class_goodput_table(stats, labels, scenario.slo_kinds, scenario.slo_p95_s, window)]
     return "\n\n".join(parts + [outcome_table(stats, labels, degraded)])
 
 
@@ -149,7 +155,7 @@ def _window_sections(stats, labels, scenario: Scenario) -> str:
 
 {throughput_table(stats, labels, scenario.slo_class, scenario.slo_p95_s, window)}
 
-{class_goodput_table(stats, labels, scenario.slo_class, scenario.slo_p95_s, window)}
+{class_goodput_table(stats, labels, scenario.slo_kinds, scenario.slo_p95_s, window)}
 """)
     return "\n".join(out)
 
@@ -180,8 +186,8 @@ def write_report(out: Path, results: list[ModeResult], stats, scenario: Scenario
     }, indent=2, default=str), encoding="utf-8")
     png = plot(results, scenario, capacity, out / "spike.png")
     picture = f"![interactive p99 over time]({png.name})" if png is not None else f"({SKIPPED})"
-    phases = ", ".join(f"{p.name} {p.duration_s:g} s at {p.rate:g}× ({p.rate * capacity:.1f} req/s)"
-                       for p in scenario.phases)
+    phases = ", ".join(f"{p.name} {p.duration_s:g} s at {scenario.phase_load(p):g}× ({scenario.phase_load(p) * capacity:.1f} "
+                       f"req/s{f'; rate {p.rate:g}× with its weights' if p.weights else ''})" for p in scenario.phases)
     cpu_lines = "\n".join(f"| {r.mode.key} | {r.wall_s:.0f} | " + ", ".join(
         f"{name} {sec / r.wall_s:.0%}" for name, sec in sorted(r.cpu_s.items())) + " |" for r in results)
     events = "".join(f" At {e.at_s:g} s, replica {e.replica} of `{e.pool}` gets fault "

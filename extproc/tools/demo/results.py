@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import bisect
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
+from extproc.policy.fairness import jain_index
 from extproc.tools.loadgen import RequestRecord
 from extproc.tools.stats import percentile
 
@@ -54,6 +56,50 @@ class WindowStats:
     # or queued, arrived (None: none did): lower classes must be held back before the SLO class is degraded
     first_degraded_at: float | None = None
     first_other_held_at: float | None = None
+    # Jain's index over the SLO kinds (several: one per tenant, equal weights) of the tokens (prompt + output) each
+    # was served by the full model within the SLO, against its max-min fair share of their total given the tokens
+    # it asked for (1: each got its share); NaN with one SLO kind.
+    fairness_index: float = float("nan")
+    others: int = 0  # requests started of kinds the SLO is not judged on (lower classes)
+
+
+def slo_kinds(slo: str | Collection[str]) -> Collection[str]:
+    """The kinds the SLO is judged on: one kind's name, or several (a scenario's `slo.kinds`)."""
+    return (slo,) if isinstance(slo, str) else slo
+
+
+def max_min_shares(demands: dict[str, float], total: float) -> dict[str, float]:
+    """Water-filling: what each gets of `total` when none gets more than it asks and the rest is shared equally."""
+    shares, left, open_ = {}, total, dict(demands)
+    while open_:
+        level = left / len(open_)
+        small = {k: d for k, d in open_.items() if d <= level}
+        if not small:
+            shares.update({k: level for k in open_})
+            break
+        for k, d in small.items():
+            shares[k] = d
+            left -= d
+            del open_[k]
+    return shares
+
+
+def fairness_index(started: list[RequestRecord], kinds: Collection[str], slo_s: float) -> float:
+    """Demand-aware Jain's index over `kinds`, in tokens (see WindowStats.fairness_index). Counted in tokens, not
+    answers: a tenant of long prompts that gets as many answers as the others gets most of the GPU. What a request
+    not answered asked for is its prompt and its kind's mean answer."""
+    if len(kinds) < 2:
+        return float("nan")
+    served, asked = {}, {}
+    for k in kinds:
+        mine = [r for r in started if r.kind == k]
+        answered = [r.output_tokens for r in mine if r.ok]
+        mean_output = sum(answered) / len(answered) if answered else 0.0
+        asked[k] = sum(r.prompt_tokens for r in mine) + mean_output * len(mine)
+        served[k] = sum(r.prompt_tokens + r.output_tokens for r in mine
+                        if r.ok and not r.degraded and r.latency <= slo_s)
+    due = max_min_shares(asked, sum(served.values()))
+    return jain_index(served[k] / due[k] for k in kinds if due[k] > 0)
 
 
 def failed(r: RequestRecord) -> bool:
@@ -90,18 +136,21 @@ def outcome(r: RequestRecord, has_extproc: bool) -> str:
     return "timeout" if r.error == "timeout" else "error"
 
 
-def window_stats(records: list[RequestRecord], window: tuple[float, float], slo_class: str, slo_s: float,
-                 timeout_s: float, has_extproc: bool, onsets: tuple[float, ...] | None = None) -> WindowStats:
-    """`onsets`: times inside the window where an overload starts (default: the window's start)."""
+def window_stats(records: list[RequestRecord], window: tuple[float, float], slo_class: str | Collection[str],
+                 slo_s: float, timeout_s: float, has_extproc: bool,
+                 onsets: tuple[float, ...] | None = None) -> WindowStats:
+    """`slo_class`: the kind the SLO is judged on, or several (slo_kinds). `onsets`: times inside the window where
+    an overload starts (default: the window's start)."""
     t0, t1 = window
     span = t1 - t0
+    group = slo_kinds(slo_class)
     started = [r for r in records if t0 <= r.start < t1]
-    slo = [r for r in started if r.kind == slo_class]
+    slo = [r for r in started if r.kind in group]
     latencies = sorted(x for x in (served_latency(r, timeout_s) for r in slo) if x is not None)
     ttfts = sorted(x for x in (first_token(r, timeout_s) for r in slo) if x is not None)
     good = [r for r in slo if r.ok and r.latency <= slo_s]
     ended = [r for r in records if r.ok and t0 <= r.start + r.latency < t1]
-    useful = [r for r in ended if r.kind != slo_class or r.latency <= slo_s]
+    useful = [r for r in ended if r.kind not in group or r.latency <= slo_s]
     outcomes: dict[str, dict[str, float]] = {}
     by_class: dict[str, dict[str, float]] = {}
     for cls in sorted({r.kind for r in started}):
@@ -109,12 +158,12 @@ def window_stats(records: list[RequestRecord], window: tuple[float, float], slo_
         kinds = [outcome(r, has_extproc) for r in mine]
         outcomes[cls] = {k: 100.0 * kinds.count(k) / len(mine) for k in ("rejected", "shed", "timeout", "error")}
         outcomes[cls]["degraded"] = 100.0 * sum(1 for r in mine if r.ok and r.degraded) / len(mine)
-        done = [r for r in mine if r.ok and (cls != slo_class or r.latency <= slo_s)]
+        done = [r for r in mine if r.ok and (cls not in group or r.latency <= slo_s)]
         by_class[cls] = {"full": sum(1 for r in done if not r.degraded) / span,
                          "degraded": sum(1 for r in done if r.degraded) / span}
     worst, worst_at = worst_window_p99(slo, window, (t0,) if onsets is None else onsets, timeout_s)
     degraded_slo = sorted(r.start for r in slo if r.ok and r.degraded)
-    held = sorted(r.start for r in started if r.kind != slo_class and (r.status in REFUSED or r.queued))
+    held = sorted(r.start for r in started if r.kind not in group and (r.status in REFUSED or r.queued))
     return WindowStats(
         percentile(latencies, 50), percentile(latencies, 95), percentile(latencies, 99), percentile(ttfts, 99),
         sum(1 for r in good if not r.degraded) / span, sum(1 for r in good if r.degraded) / span,
@@ -124,7 +173,8 @@ def window_stats(records: list[RequestRecord], window: tuple[float, float], slo_
         len(started), outcomes, by_class, worst, worst_at,
         refused=sum(1 for r in started if r.status in REFUSED), degraded=sum(1 for r in started if r.ok and r.degraded),
         failed=sum(1 for r in started if failed(r)),
-        first_degraded_at=degraded_slo[0] if degraded_slo else None, first_other_held_at=held[0] if held else None)
+        first_degraded_at=degraded_slo[0] if degraded_slo else None, first_other_held_at=held[0] if held else None,
+        fairness_index=fairness_index(started, group, slo_s), others=len(started) - len(slo))
 
 
 def served_work(records: list[RequestRecord], window: tuple[float, float], kinds: list[str],
@@ -163,13 +213,14 @@ def worst_window_p99(records: list[RequestRecord], window: tuple[float, float], 
     return worst, worst_at
 
 
-def rolling_p99(records: list[RequestRecord], slo_class: str, timeout_s: float, end: float, width: float = 10.0,
-                step: float = 2.0) -> tuple[list[float], list[float]]:
+def rolling_p99(records: list[RequestRecord], slo_class: str | Collection[str], timeout_s: float, end: float,
+                width: float = 10.0, step: float = 2.0) -> tuple[list[float], list[float]]:
     """(window end times, p99 of the SLO class's served latency for requests started in each window)."""
+    group = slo_kinds(slo_class)
     times, values = [], []
     t = width
     while t <= end + 1e-9:
-        lat = sorted(x for r in records if r.kind == slo_class and t - width <= r.start < t
+        lat = sorted(x for r in records if r.kind in group and t - width <= r.start < t
                      for x in [served_latency(r, timeout_s)] if x is not None)
         times.append(t)
         values.append(percentile(lat, 99))
@@ -213,18 +264,18 @@ def _distinct(value: float, bound: float) -> tuple[str, str]:
 
 def spike_windows(scenario: Scenario) -> dict[str, tuple[float, float]]:
     """The report windows that hold an overload (a phase above the fleet's capacity)."""
-    overloads = [scenario.window(p.name) for p in scenario.phases if p.rate > OVERLOAD]
+    overloads = [scenario.window(p.name) for p in scenario.phases if scenario.phase_load(p) > OVERLOAD]
     return {name: (t0, t1) for name, (t0, t1) in scenario.report_windows().items()
             if any(t0 <= a < t1 for a, _ in overloads)}
 
 
 def overload_onsets(scenario: Scenario) -> tuple[float, ...]:
-    return tuple(scenario.window(p.name)[0] for p in scenario.phases if p.rate > OVERLOAD)
+    return tuple(scenario.window(p.name)[0] for p in scenario.phases if scenario.phase_load(p) > OVERLOAD)
 
 
 def calm_windows(scenario: Scenario) -> dict[str, tuple[float, float]]:
     """"phase NAME" -> its span, for every phase at or below CALM x capacity."""
-    return {f"phase {p.name}": scenario.window(p.name) for p in scenario.phases if p.rate <= CALM}
+    return {f"phase {p.name}": scenario.window(p.name) for p in scenario.phases if scenario.phase_load(p) <= CALM}
 
 
 def scenario_stats(records: list[RequestRecord], scenario: Scenario, has_extproc: bool) -> dict[str, WindowStats]:
@@ -232,7 +283,7 @@ def scenario_stats(records: list[RequestRecord], scenario: Scenario, has_extproc
     p99 target's onsets are the overloads that start inside each window (else the window's start)."""
     windows = {**scenario.report_windows(), **calm_windows(scenario), "overall": (0.0, scenario.duration_s)}
     onsets = overload_onsets(scenario)
-    return {name: window_stats(records, w, scenario.slo_class, scenario.slo_p95_s, scenario.client_timeout_s,
+    return {name: window_stats(records, w, scenario.slo_kinds, scenario.slo_p95_s, scenario.client_timeout_s,
                                has_extproc, tuple(t for t in onsets if w[0] <= t < w[1]) or (w[0],))
             for name, w in windows.items()}
 
@@ -264,7 +315,7 @@ def targets(stats: dict[str, dict[str, WindowStats]], spikes: list[str], calm: l
                               s.useful_tokens_per_s, bound, s.useful_tokens_per_s >= bound))
         held, degraded = s.first_other_held_at, s.first_degraded_at
         nan = float("nan")
-        if len(s.outcomes) != 1:  # none with a single kind of request: no other class to hold back
+        if s.others:  # none with only the SLO's kinds: no other class to hold back
             out.append(Target(f"{ours}: {w}: first batch refused/queued before the first interactive degrade, s",
                               nan if held is None else held, nan if degraded is None else degraded,
                               degraded is None or (held is not None and held <= degraded)))

@@ -123,7 +123,7 @@ class Progress:
         sent = bisect.bisect_right(self.arrivals, now)
         records = self.client.records
         recent = sorted(r.latency for r in records[-4000:]
-                        if r.kind == self.scenario.slo_class and r.ok and r.start + r.latency >= now - PROGRESS_WINDOW_S)
+                        if r.kind in self.scenario.slo_kinds and r.ok and r.start + r.latency >= now - PROGRESS_WINDOW_S)
         refused = sum(1 for r in records if r.status in (429, 503))
         p99 = percentile(recent, 99)
         p99_text = f"{p99:5.1f}s" if recent else "   - "

@@ -14,7 +14,7 @@ from extproc.tools.sim.profile import load_profile
 from extproc.tools.sim.replica import FAULT_KEYS
 
 from .capacity import closed_loop_mix
-from .modes import ADAPTIVE_TUNED
+from .modes import ADAPTIVE_TUNED, MODES
 
 
 @dataclass(frozen=True)
@@ -40,10 +40,11 @@ class Phase:
 
 
 SCENARIO_KEYS = frozenset({"name", "description", "seed", "pools", "phases", "workload", "slo", "client_timeout_s",
-                           "capacity", "capacity_concurrency", "events", "windows", "policies", "envoy_adaptive"})
+                           "capacity", "capacity_concurrency", "events", "windows", "policies", "envoy_adaptive",
+                           "labels"})
 POOL_KEYS = frozenset({"profile", "replicas", "model_names", "scheduling_policy"})
 PHASE_KEYS = frozenset({"name", "duration_s", "rate", "weights"})
-SLO_KEYS = frozenset({"class", "p95_s"})
+SLO_KEYS = frozenset({"class", "p95_s", "kinds"})
 EVENT_KEYS = frozenset({"at_s", "pool", "replica", "fault"})
 # A fault is a POST /sim/fault body (extproc.tools.sim.replica.FAULT_KEYS). The what-if models these; the others
 # act on the real stack only.
@@ -144,6 +145,14 @@ class Scenario:
     # 1-2 s requests: a fixed 1 s minimum RTT refuses most of a mix whose requests last 10 s).
     envoy_adaptive: dict[str, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)  # what the demo prints before it runs
+    # The kinds the SLO is judged on (`slo.kinds`: several tenants of one class, each its own kind for the
+    # per-kind tables); default: the kind named `slo.class`.
+    slo_kinds: tuple[str, ...] = ()
+    labels: dict[str, str] = field(default_factory=dict)  # mode key -> what the report calls it (`labels:`)
+
+    def __post_init__(self) -> None:
+        if not self.slo_kinds:
+            self.slo_kinds = (self.slo_class,)
 
     @classmethod
     def load(cls, path: str | Path) -> Scenario:
@@ -194,9 +203,18 @@ class Scenario:
                 raise ValueError(f"phase {p.name!r}: duration_s must be > 0 and rate >= 0 (a share of the capacity), "
                                  f"got {p.duration_s:g} and {p.rate:g}")
         slo_class = (d.get("slo") or {}).get("class", "interactive")
-        warnings = [] if slo_class in names else [
+        slo_kinds = tuple(str(k) for k in (d.get("slo") or {}).get("kinds") or ())
+        if set(slo_kinds) - names:
+            raise ValueError(f"slo.kinds: {', '.join(sorted(set(slo_kinds) - names))} name no kind of the workload "
+                             f"(kinds: {', '.join(sorted(names))})")
+        warnings = [] if slo_kinds or slo_class in names else [
             f"slo.class: {slo_class!r} names no kind of the workload (kinds: {', '.join(sorted(names))}): the "
-            "report's latency, goodput and targets are that kind's, so they print NaN"]
+            "report's latency, goodput and targets are that kind's, so they print NaN (`slo.kinds` lists the kinds "
+            "that make up the class, e.g. one per tenant)"]
+        labels = {str(k): str(v) for k, v in (d.get("labels") or {}).items()}
+        unlabelled = sorted(set(labels) - set(MODES))
+        if unlabelled:
+            raise ValueError(f"labels: {', '.join(unlabelled)} are not modes ({', '.join(MODES)})")
         if unmodelled:
             warnings.append(f"{', '.join(unmodelled)}: applied on the real stack only (the what-if models "
                             f"{', '.join(sorted(WHATIF_FAULTS))})")
@@ -220,7 +238,14 @@ class Scenario:
                                 for e in d.get("events", [])),
                    windows={k: list(v) for k, v in d["windows"].items()} if d.get("windows") else None,
                    policies={str(k): str(v) for k, v in (d.get("policies") or {}).items()},
-                   envoy_adaptive=_envoy_adaptive(d.get("envoy_adaptive")), warnings=warnings)
+                   envoy_adaptive=_envoy_adaptive(d.get("envoy_adaptive")), warnings=warnings,
+                   slo_kinds=slo_kinds, labels=labels)
+
+    def phase_load(self, phase: Phase) -> float:
+        """The phase's requests/s as a multiple of the fleet capacity: its `rate`, times what its `weights` add (a
+        phase at 0.6 where one of three equal kinds sends 5x runs at 1.4: an overload, not a calm phase)."""
+        total = sum(k.weight for k in self.workload.kinds)
+        return phase.rate * sum(k.weight * phase.weights.get(k.name, 1.0) for k in self.workload.kinds) / total
 
     def shortened(self, phase_s: float) -> Scenario:
         """The same scenario with every phase cut to `phase_s` simulated seconds (tests, quick looks)."""
