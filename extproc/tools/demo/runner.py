@@ -122,8 +122,9 @@ class Progress:
         phase = self.scenario.phase_at(now).name if now < total else "drain"
         sent = bisect.bisect_right(self.arrivals, now)
         records = self.client.records
+        kinds = self.scenario.slo_kinds
         recent = sorted(r.latency for r in records[-4000:]
-                        if r.kind in self.scenario.slo_kinds and r.ok and r.start + r.latency >= now - PROGRESS_WINDOW_S)
+                        if r.kind in kinds and r.ok and r.start + r.latency >= now - PROGRESS_WINDOW_S)
         refused = sum(1 for r in records if r.status in (429, 503))
         p99 = percentile(recent, 99)
         p99_text = f"{p99:5.1f}s" if recent else "   - "
