@@ -125,7 +125,7 @@ async def demo(args: argparse.Namespace, command: str) -> int:
     capacity = scenario.fleet_capacity()
     settings = RunSettings(speed=args.speed, capacity=capacity, workdir=out / "logs",
                            progress_every_s=args.progress_every)
-    phases = ", ".join(f"{p.name} {p.duration_s:g}s x{scenario.phase_load(p):g}" for p in scenario.phases)
+    phases = ", ".join(f"{p.name} {p.duration_s:g}s x{scenario.phase_load(p):.3g}" for p in scenario.phases)
     print(f"scenario {scenario.name}: {phases}; fleet capacity {capacity:.1f} req/s "
           f"({', '.join(f'{p.replicas}x {p.profile}' for p in scenario.pools)}); speed {args.speed:g}; "
           f"about {len(modes) * (scenario.duration_s / args.speed + 8):.0f}s of wall time; results in {out}",

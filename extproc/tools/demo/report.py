@@ -186,7 +186,7 @@ def write_report(out: Path, results: list[ModeResult], stats, scenario: Scenario
     }, indent=2, default=str), encoding="utf-8")
     png = plot(results, scenario, capacity, out / "spike.png")
     picture = f"![interactive p99 over time]({png.name})" if png is not None else f"({SKIPPED})"
-    phases = ", ".join(f"{p.name} {p.duration_s:g} s at {scenario.phase_load(p):g}× "
+    phases = ", ".join(f"{p.name} {p.duration_s:g} s at {scenario.phase_load(p):.3g}× "
                        f"({scenario.phase_load(p) * capacity:.1f} req/s"
                        f"{f'; rate {p.rate:g}× with its weights' if p.weights else ''})" for p in scenario.phases)
     cpu_lines = "\n".join(f"| {r.mode.key} | {r.wall_s:.0f} | " + ", ".join(
