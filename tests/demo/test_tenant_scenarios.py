@@ -48,6 +48,8 @@ def test_slo_kinds_judge_several_tenant_kinds_together_and_name_only_known_kinds
     assert scenario().warnings and "slo.kinds" in scenario().warnings[0]  # interactive names no kind here
     with pytest.raises(ValueError, match="slo.kinds: tenant-x name no kind"):
         scenario(slo={"kinds": ["tenant-a", "tenant-x"]})
+    with pytest.raises(ValueError, match="slo.kinds: a list"):
+        scenario(slo={"kinds": "tenant-a"})  # not read as the kinds t, e, n, ...
 
 
 def test_labels_name_the_modes_and_only_modes():
@@ -56,6 +58,8 @@ def test_labels_name_the_modes_and_only_modes():
     assert c.label == "fifo between tenants"
     with pytest.raises(ValueError, match="labels: z are not modes"):
         scenario(labels={"z": "?"})
+    with pytest.raises(ValueError, match="labels: mode key -> text"):
+        scenario(labels=["fifo"])
 
 
 TENANTS = ("tenant-a", "tenant-b", "tenant-c")

@@ -203,7 +203,10 @@ class Scenario:
                 raise ValueError(f"phase {p.name!r}: duration_s must be > 0 and rate >= 0 (a share of the capacity), "
                                  f"got {p.duration_s:g} and {p.rate:g}")
         slo_class = (d.get("slo") or {}).get("class", "interactive")
-        slo_kinds = tuple(str(k) for k in (d.get("slo") or {}).get("kinds") or ())
+        listed = (d.get("slo") or {}).get("kinds") or []
+        if not isinstance(listed, list):
+            raise ValueError(f"slo.kinds: a list of kind names, got {listed!r}")
+        slo_kinds = tuple(str(k) for k in listed)
         if set(slo_kinds) - names:
             raise ValueError(f"slo.kinds: {', '.join(sorted(set(slo_kinds) - names))} name no kind of the workload "
                              f"(kinds: {', '.join(sorted(names))})")
@@ -211,6 +214,8 @@ class Scenario:
             f"slo.class: {slo_class!r} names no kind of the workload (kinds: {', '.join(sorted(names))}): the "
             "report's latency, goodput and targets are that kind's, so they print NaN (`slo.kinds` lists the kinds "
             "that make up the class, e.g. one per tenant)"]
+        if not isinstance(d.get("labels") or {}, dict):
+            raise ValueError(f"labels: mode key -> text, got {d['labels']!r}")
         labels = {str(k): str(v) for k, v in (d.get("labels") or {}).items()}
         unlabelled = sorted(set(labels) - set(MODES))
         if unlabelled:
