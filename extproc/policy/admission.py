@@ -610,7 +610,7 @@ class AdmissionController:
         lim.pools.add(pool)
         ticket = Ticket(lim, tenant, pool, now, self._lease_s, cost, waited_s)
         ticket.flow = flow or tenant
-        lim.queue.admitted(ticket.flow, cost)
+        ticket.fair_charge = lim.queue.admitted(ticket.flow, cost)
         ticket.charge = charge
         if gate is not None:
             self.hold_pool(ticket, gate, units)

@@ -281,6 +281,12 @@ class CostModel:
         est.min_output, est.forced = min_output, floor * sequences
         return est
 
+    def repriced(self, est: CostEstimate) -> float:
+        """An estimate made earlier, at the coefficients and output ratio now (what it would estimate today)."""
+        expected = max(est.max_tokens * self.output_ratio, est.forced)
+        return (self.prefill_per_token * est.prompt_tokens + self.decode_per_token * expected) * \
+            (1.0 + self.spec.variance_margin)
+
     def actual(self, prompt_tokens: int, completion_tokens: int) -> float:
         """GPU-seconds of what really ran, under the current coefficients."""
         return self.prefill_per_token * prompt_tokens + self.decode_per_token * completion_tokens

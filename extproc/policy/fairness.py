@@ -10,8 +10,10 @@ between flows (`mode`):
   admitted for divided by its weight (Virtual Token Counting, in our cost units). A flow that becomes backlogged
   starts no lower than the least virtual time of the flows already waiting (or, with none waiting, the start time
   of the last admission), so idle time is not banked. `settle()` corrects a flow with the cost a request really
-  had once it is learned. A flow under its guaranteed share of the class's slots goes first. Work-conserving in
-  every mode: while anyone waits, `q[0]` names someone.
+  had once it is learned, and `teach()` the flow what its requests really cost against their estimates: usage is
+  read for a sample of requests only, so the rest are charged their estimate times that (`scale`). A flow under
+  its guaranteed share of the class's slots goes first. Work-conserving in every mode: while anyone waits, `q[0]`
+  names someone.
 
 Inside a flow (round_robin, fair) the earliest deadline goes first, arrivals breaking ties.
 
@@ -42,6 +44,12 @@ OTHER = "other"
 MIN_CHARGE_S = 1e-3
 # The fairness index reads at most this many flows (the most recently served): header keys are unbounded.
 INDEX_FLOWS = 1024
+# A flow's scale (actual / estimated GPU-seconds of its settled requests) is the mean of its first samples, then
+# moves this far towards each new one (one odd answer moves it by a fifth), within these bounds. The first sample
+# replaces the prior of 1 outright: samples are a few percent of requests, and a tenant overcharged by its
+# estimate is granted, and so sampled, least.
+SCALE_RATE = 0.2
+SCALE_BOUNDS = (0.02, 50.0)
 SEP = "\x00"  # between a nested key's group and name (no HTTP header value holds a NUL)
 
 
@@ -147,6 +155,9 @@ class FairQueue:
         # flow key -> [served GPU-seconds decayed over index_tau_s, when]: the fairness index's input, per flow
         # (not per metric label: header keys all fold into "other" there), the most recently served INDEX_FLOWS
         self._recent: OrderedDict[str, list[float]] = OrderedDict()
+        # flow key -> [its scale, samples taught], the most recently settled INDEX_FLOWS (kept apart from the flows:
+        # a tenant idle between its bursts keeps what it taught, and header keys' state stays bounded)
+        self._scales: OrderedDict[str, list[float]] = OrderedDict()
         self._flows: dict[str, _Flow] = {}          # every flow with waiters, in flight, or configured
         self._groups: dict[str, _Flow] = {}         # every group with a flow kept, or configured
         self._turns: OrderedDict[str, _Flow] = OrderedDict()  # groups with waiters; round_robin: turn order
@@ -407,22 +418,25 @@ class FairQueue:
         where = self._where.get(id(item[2][2]))
         return where is not None and where[1] is item[2]
 
-    def admitted(self, key: str, cost: float) -> None:
-        """A request of flow `key` was admitted (from the queue or straight away), estimated at `cost` GPU-s."""
+    def admitted(self, key: str, cost: float) -> float:
+        """A request of flow `key` was admitted (from the queue or straight away), estimated at `cost` GPU-s.
+        Returns what it was charged (the estimate times the flow's scale): settle() against that."""
         flow = self._flow(key)
         group = flow.group
+        charge = cost * self.scale(key)
         self._vfloor = max(self._vfloor, group.vtime)
         group.floor = max(group.floor, flow.vtime)
         for f in (group, flow):
-            f.vtime += max(cost, MIN_CHARGE_S) / f.weight
+            f.vtime += max(charge, MIN_CHARGE_S) / f.weight
             f.inflight += 1
             f.inflight_cost += cost
         st = self._stats(key)
         st.admitted += 1
         st.inflight += 1
-        self._serve(st, key, cost)
+        self._serve(st, key, charge)
         self._moved(group)
         self._head = None
+        return charge
 
     def released(self, key: str, cost: float) -> None:
         """An admitted request of flow `key` gave its slot back."""
@@ -436,15 +450,43 @@ class FairQueue:
         self._stats(key).inflight -= 1
         self._head = None
 
-    def settle(self, key: str, estimated: float, actual: float) -> None:
-        """Learned usage: a request of flow `key` charged at `estimated` GPU-seconds really cost `actual`."""
+    def settle(self, key: str, charged: float, actual: float) -> None:
+        """Learned usage: a request of flow `key` charged `charged` GPU-seconds (what admitted() returned) really
+        cost `actual`."""
         flow = self._flows.get(key)
         if flow is not None:
-            flow.vtime += (actual - estimated) / flow.weight
-            flow.group.vtime += (actual - estimated) / flow.group.weight
+            flow.vtime += (actual - charged) / flow.weight
+            flow.group.vtime += (actual - charged) / flow.group.weight
             self._moved(flow.group)
-        self._serve(self._stats(key), key, actual - estimated)
+        self._serve(self._stats(key), key, actual - charged)
         self._head = None
+
+    def scale(self, key: str) -> float:
+        """What flow `key`'s requests really cost against their estimates, as its settled ones said (1 until one
+        has): a client that asks a large max_tokens and gets short answers, or whose text has more tokens per
+        character than the estimate assumes, is charged what it uses, not what the estimate says. A nested key
+        that has settled nothing yet takes its group's (its tenant's clients are alike more often than not)."""
+        learned = self._scales.get(key) or self._scales.get(split_key(key)[0])
+        return min(max(learned[0] / learned[1], SCALE_BOUNDS[0]), SCALE_BOUNDS[1]) if learned else 1.0
+
+    def teach(self, key: str, estimated: float, actual: float) -> None:
+        """A request of flow `key` whose estimate, at the cost model's coefficients now, is `estimated` really cost
+        `actual` at the same: its scale. (Against the estimate made at admission the scale would follow the
+        coefficients as they are learned too, each flow as fast as it is sampled: a weight-1 tenant lagged its
+        weight-2 neighbour's and was served 29% where 25% was due.)"""
+        if estimated <= 0.0:
+            return
+        group = split_key(key)[0]
+        for k in (key,) if group == key else (key, group):
+            learned = self._scales.get(k)
+            if learned is None:
+                self._scales[k] = [actual, estimated]
+            else:  # sums, the older samples fading: large requests weigh more than a mean of ratios gave them
+                learned[0] = learned[0] * (1.0 - SCALE_RATE) + actual
+                learned[1] = learned[1] * (1.0 - SCALE_RATE) + estimated
+                self._scales.move_to_end(k)
+        while len(self._scales) > INDEX_FLOWS:
+            self._scales.popitem(last=False)  # the flow settled least recently
 
     def virtual_time(self, key: str) -> float:
         """A flow's virtual time among its group's flows; a key that is its own group's, among the groups."""

@@ -60,7 +60,7 @@ class ShadowMode:
         self.places.pop(t.id, None)
         lim.take(w.cost, now)
         t.cost, t.holds_slot, t.flow = w.cost, True, w.flow
-        lim.queue.admitted(w.flow, w.cost)
+        t.fair_charge = lim.queue.admitted(w.flow, w.cost)
         if w.gate is not None:
             self.core.hold_pool(t, w.gate, w.units)
         w.result = Admit(R_DEQUEUED, lim.name, w.tenant, t, waited_s=waited_s)

@@ -332,3 +332,42 @@ def test_early_rejection_counts_a_flows_queue_ahead_only_when_the_whole_queue_wo
     assert counted and set(counted) == {"c"}  # the check, and the refusal's message
     assert d.kind == REJECT and d.reason == "deadline_unmeetable"
     assert running
+
+
+def test_a_tenant_asking_a_large_max_tokens_is_charged_what_its_answers_cost(clock):
+    # Found by a multi-tenant audit (2026-12-05): usage is read for a sample of requests (learn_sample, 5%), and
+    # only those were settled; the rest stayed charged at the estimate, max_tokens x the model's output ratio. A
+    # tenant whose client asks max_tokens 1,000 and gets 50-token answers, like its neighbour's asking 100, was
+    # charged ~5x its neighbour per request and served a sixth of the grants at equal weights.
+    core = core_with(clock, "fair")
+    running, done = [], 0
+
+    def enter(d):
+        (running.append(d.ticket) if d.kind == ACCEPT else pending.append(d))
+
+    for t in ("a", "b", "a", "b", "a", "b"):
+        enter(ask_tokens(core, t))
+    granted = []
+    for _ in range(400):
+        ticket = running.pop(0)
+        done += 1
+        if done % 10 == 0:  # one answer in ten is read, whoever's it is (as the ext_proc's sample)
+            core.usage(ticket, 100, 50)
+        before = list(pending)
+        core.finish(ticket, Outcome.OK)
+        core.report(ticket.id, Completion(Outcome.OK, 200, 0.1, 0.2))
+        for d in before:
+            if d.waiter.result is not None and d.waiter.result.kind == ACCEPT:
+                pending.remove(d)
+                granted.append(d.tenant)
+                running.append(d.waiter.result.ticket)
+                enter(ask_tokens(core, d.tenant))  # both stay backlogged
+        clock.advance(0.01)
+    late = granted[200:]
+    assert 0.4 <= late.count("a") / len(late) <= 0.6  # equal weights, equal real cost: about half each
+
+
+def ask_tokens(core, tenant: str):
+    """A request of 100 prompt tokens asking max_tokens 1,000 (tenant a) or 100 (any other)."""
+    return core.decide(RequestFacts(api_key=f"sk-{tenant}", model="llama", doc={"prompt": "x" * 400},
+                                    max_tokens=1000 if tenant == "a" else 100))
