@@ -180,7 +180,7 @@ class FairQueue:
         self._vtimes: list[tuple[float, str]] = []
         self._ranks: list[tuple[float, float, int, str]] = []
         self._nested = 0  # waiting flows nested in a group (a header key): _pick then passes over them all
-        self._vfloor = 0.0  # start virtual time of the latest admission (never decreases)
+        self._vfloor = 0.0  # start virtual time of the latest admission, at most the least waiting (never decreases)
         self._head: Any = None  # cache of q[0]; None when it must be recomputed
 
     @property
@@ -424,7 +424,11 @@ class FairQueue:
         flow = self._flow(key)
         group = flow.group
         charge = cost * self.scale(key)
-        self._vfloor = max(self._vfloor, group.vtime)
+        # The floor follows admissions in virtual-time order, never past a group still waiting: a guaranteed
+        # tenant is granted ahead of that order, and its far virtual time as the floor put whoever started at
+        # the floor (a flow forgotten when its last waiter was granted, then admitted anew) behind every waiter.
+        least = self._least_vtime()
+        self._vfloor = max(self._vfloor, group.vtime if least is None else min(group.vtime, least))
         group.floor = max(group.floor, flow.vtime)
         for f in (group, flow):
             f.vtime += max(charge, MIN_CHARGE_S) / f.weight

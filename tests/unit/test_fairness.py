@@ -68,7 +68,7 @@ class Reference:
         self.waiters = [(s, x) for s, x in self.waiters if x is not w]
 
     def admitted(self, k, cost):
-        self.floor = max(self.floor, self.vtime[k])
+        self.floor = max(self.floor, min([self.vtime[k]] + [self.vtime[j] for j in self.backlogged()]))
         self.vtime[k] += max(cost, MIN_CHARGE_S) / self.weights[k]
         self.inflight[k] += 1
         self.inflight_cost[k] += cost
@@ -777,3 +777,25 @@ def test_fair_mode_picks_without_a_pass_over_the_flows():
         q.append(W(head.tenant, n=1000 + i, deadline=1000.0 + i))
         q.append(W(f"new{i}", n=2000 + i, deadline=2000.0 + i))  # a tenant that begins to wait
     assert q._backlogged.passes == 0 and q._turns.passes == 0
+
+
+def test_a_tenant_granted_its_last_waiter_keeps_its_place_beside_a_guaranteed_tenant():
+    # Found by a multi-tenant audit (2026-12-05): a flow of weight 1 is not configured, so it is forgotten when its
+    # last waiter is granted, and admitted() made it anew at the start time of the latest admission. A guaranteed
+    # tenant is granted ahead of virtual-time order and had set that far above everyone waiting: a tenant back
+    # from idle took the guaranteed one's virtual time on its first grant and got none of a what-if's return phase.
+    q = FairQueue("fair", guaranteed={"g": 0.5}, tenants=TENANTS, capacity=4)
+    for i in range(3):
+        q.append(W("b", n=i))
+        q.append(W("c", n=i))
+    for _ in range(10):
+        q.admitted("g", 10.0)  # under its guarantee: served ahead of b and c, whatever its virtual time
+    a = W("a")
+    q.append(a)
+    q.admitted(q.take(a).tenant, 1.0)  # a's one waiter granted: nothing of a's waits now, one in flight
+    q.append(W("a", n=1))
+    granted = []
+    for _ in range(5):  # b and c at 0 go first, then a ties with them at 1
+        granted.append(q.popleft().tenant)
+        q.admitted(granted[-1], 1.0)
+    assert "a" in granted  # a at 1 beside b and c at 0, not behind all six of theirs
