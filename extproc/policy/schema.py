@@ -922,6 +922,9 @@ def _check_references(p: Policy, errors: list[str]) -> None:
             errors.append(f"{base}.name: duplicate tenant {t.name!r}")
         if not t.name.strip():
             errors.append(f"{base}.name: empty; a tenant's name is its metric label and log name")
+        elif any(ord(c) < 32 or ord(c) == 127 for c in t.name):  # a NUL is the fair queue's key separator
+            errors.append(f"{base}.name: {t.name!r} holds a control character; a tenant's name is its metric label "
+                          "and its fairness key")
         if t.name == "other" and p.classify.fairness_header is not None:
             errors.append(f"{base}.name: 'other' is the metric label of the classify.fairness_header keys that are "
                           "no tenant's: name the tenant otherwise")

@@ -253,6 +253,16 @@ def test_tenant_names_that_cannot_label_their_metrics_are_refused():
     assert errors_of({**BASE, "tenants": tenants}) == errs[:1]  # without header keys, no label to share
 
 
+def test_tenant_names_with_control_characters_are_refused():
+    """Found by a multi-tenant audit: `name: "x\\0y"` validated, and the fair queue, which nests a fairness-header
+    key in its tenant's share behind a NUL, read that tenant as key "y" of a tenant "x": its `weight` and
+    `guaranteed_share` were looked up under "x" (weight 1, none)."""
+    tenants = [{"name": "x\x00y", "api_keys": ["k1"], "weight": 4}, {"name": "tab\there", "api_keys": ["k2"]}]
+    assert errors_of({**BASE, "tenants": tenants}) == [
+        f"tenants[{i}].name: {name!r} holds a control character; a tenant's name is its metric label and its "
+        "fairness key" for i, name in enumerate(["x\x00y", "tab\there"])]
+
+
 def test_an_envoy_admin_that_is_not_a_base_url_is_refused():
     """Found through the real stack: `envoy_admin: 127.0.0.1:9901` (no scheme) validated, the scraper never found a
     replica, and the pool read as saturated for good (its limit at its floor)."""
