@@ -494,7 +494,8 @@ class _CoreGauges:
                                      "waited in the class's queue.", labels=labels)
         index = GaugeMetricFamily("extproc_class_fairness_index", "Jain's index (1: equal, 1/n: one tenant has all) "
                                   "of the GPU-seconds per weight served to the class's tenants (and fairness-header "
-                                  "keys of requests without an API key, one by one) over about the last minute, "
+                                  "keys of requests without an API key, one by one, each against its part of the "
+                                  "anonymous share) over about the last minute, "
                                   "among those served. It counts service, not demand: a flow that asked for less "
                                   "reads as under-served.",
                                   labels=["class"])

@@ -503,14 +503,19 @@ class FairQueue:
         """Jain's index over the recent served GPU-seconds per weight of the flows served lately (decayed over
         `index_tau_s`; without a clock, over all time). Flows with no recent work are left out: a tenant that asks
         for nothing is not treated unfairly. Per tenant, and per flow where a header names it without an API key
-        (the open group), so that gateway's flows count one by one."""
+        (the open group), so that gateway's flows count one by one - each against its part of the group's weight,
+        as the queue shares it: N keys sharing the anonymous share alike read 1, not 1/N of a tenant's due."""
         now = self.clock() if self.clock is not None else None
-        values = []
+        served: list[tuple[str, float, float]] = []  # (group, work, own weight) of each flow served lately
+        inside: dict[str, float] = {}  # group -> its lately served flows' own weights, summed
         for key, (gpu_s, at) in self._recent.items():
             recent = gpu_s if now is None else gpu_s * math.exp(-max(now - at, 0.0) / self.index_tau_s)
             if recent > 1e-9:
-                values.append(recent / self._own(key)[0])
-        return jain_index(values)
+                group, own = split_key(key)[0], self._own(key)[0]
+                served.append((group, recent, own))
+                inside[group] = inside.get(group, 0.0) + own
+        return jain_index(work / (self.weights.get(group, 1.0) * own / inside[group])
+                          for group, work, own in served)
 
     def label(self, key: str) -> str:
         """The metric label of a fairness key: the tenant it names if that is a configured tenant, else "other".

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.policy.fairness import MIN_CHARGE_S, FairQueue, jain_index
+from extproc.policy.fairness import MIN_CHARGE_S, FairQueue, jain_index, nested
 
 TENANTS = ("a", "b", "c", "d")
 POOLS = ("p1", "p2")
@@ -484,6 +484,21 @@ def test_the_fairness_index_sees_flows_a_header_names_one_by_one():
     q.admitted("id-0", 60.0)  # one id takes half the work
     assert q.fairness_index() < 0.1
     assert q.label("id-0") == "other"  # the metric labels stay bounded
+
+
+def test_the_fairness_index_reads_a_gateways_keys_as_sharing_the_anonymous_share():
+    # Found by a multi-tenant audit: keys a gateway names without an API key share the anonymous tenant's share,
+    # and the queue served them so (a, b and the gateway a third each, its keys alike), but the index divided
+    # each key's work by its own weight alone: 0.36 with 10 keys, 0.04 with 100, while every flow got its due.
+    q = FairQueue("fair", tenants=["a", "b"])
+    q.open_group = "anonymous"
+    q.admitted("a", 10.0)
+    q.admitted("b", 10.0)
+    for i in range(10):
+        q.admitted(nested("anonymous", f"team-{i}"), 1.0)
+    assert q.fairness_index() == pytest.approx(1.0)
+    q.admitted(nested("anonymous", "team-0"), 20.0)  # one of the gateway's keys takes its share and more
+    assert q.fairness_index() < 0.5
 
 
 def test_the_fairness_index_reads_a_bounded_number_of_flows():
