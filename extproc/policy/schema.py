@@ -13,6 +13,9 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+# Shares that add up to exactly 1 may not in floating point (twenty of 0.05: 1.0000000000000002): not "more than 1".
+SHARES_SLACK = 1e-9
+
 
 class PolicyError(ValueError):
     """A policy that does not validate; `errors` holds one "key.path: message" line per problem."""
@@ -943,7 +946,7 @@ def _check_references(p: Policy, errors: list[str]) -> None:
                 # Never echo the key itself: policy errors end up in logs.
                 errors.append(f"{base}.api_keys[{j}]: key already belongs to tenant {seen_keys[key]!r}")
             seen_keys[key] = t.name
-    if sum(spec.min_share for spec in p.classes.values()) > 1:
+    if sum(spec.min_share for spec in p.classes.values()) > 1 + SHARES_SLACK:
         errors.append("classes: the min_share of every class add up to more than 1")
     for name, spec in p.classes.items():
         ad = spec.adaptive
@@ -963,7 +966,7 @@ def _check_references(p: Policy, errors: list[str]) -> None:
             if fb.action != "degrade" and getattr(fb, key) is not None:
                 errors.append(f"classes.{name}.fallback.{key}: only action degrade uses it, and the action is "
                               f"{fb.action!r} (the default is reject): add `action: degrade`, or remove it")
-    if sum(t.guaranteed_share for t in p.tenants) > 1:
+    if sum(t.guaranteed_share for t in p.tenants) > 1 + SHARES_SLACK:
         errors.append("tenants: the guaranteed_share of every tenant add up to more than 1")
     for name, spec in p.classes.items():
         if spec.fairness.key == "header" and p.classify.fairness_header is None:

@@ -263,6 +263,17 @@ def test_tenant_names_with_control_characters_are_refused():
         "fairness key" for i, name in enumerate(["x\x00y", "tab\there"])]
 
 
+def test_shares_that_add_up_to_exactly_one_validate():
+    """Found by a multi-tenant audit: twenty tenants of guaranteed_share 0.05 sum to 1.0000000000000002 in floating
+    point and were refused as "more than 1" (and twenty classes of min_share 0.05 likewise)."""
+    tenants = [{"name": f"t{i}", "api_keys": [f"k{i}"], "guaranteed_share": 0.05} for i in range(20)]
+    classes = {f"c{i}": {"max_concurrency": 1, "min_share": 0.05} for i in range(20)}
+    load_policy({**BASE, "classes": classes, "tenants": tenants})
+    tenants.append({"name": "t20", "api_keys": ["k20"], "guaranteed_share": 0.001})
+    assert "tenants: the guaranteed_share of every tenant add up to more than 1" in errors_of({**BASE,
+                                                                                              "tenants": tenants})
+
+
 def test_an_envoy_admin_that_is_not_a_base_url_is_refused():
     """Found through the real stack: `envoy_admin: 127.0.0.1:9901` (no scheme) validated, the scraper never found a
     replica, and the pool read as saturated for good (its limit at its floor)."""
