@@ -486,8 +486,10 @@ class _CoreGauges:
                                    "down): the charged minus the refunded counter. For a rate, rate() those two.",
                                    labels=labels)
         charged = CounterMetricFamily("extproc_tenant_charged_gpu_seconds", "Estimated GPU-seconds admitted for the "
-                                      "tenant in the class, plus learned usage above the estimates.", labels=labels)
-        refunded = CounterMetricFamily("extproc_tenant_refunded_gpu_seconds", "Learned usage below the estimates of "
+                                      "tenant in the class (each estimate times what the tenant's sampled requests "
+                                      "really cost against theirs), plus learned usage above the charges.",
+                                      labels=labels)
+        refunded = CounterMetricFamily("extproc_tenant_refunded_gpu_seconds", "Learned usage below the charges of "
                                        "the tenant's requests in the class, in GPU-seconds (served = charged - "
                                        "refunded).", labels=labels)
         waited = CounterMetricFamily("extproc_tenant_queue_waited_seconds", "Seconds the tenant's granted requests "
