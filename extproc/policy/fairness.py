@@ -122,6 +122,24 @@ class _Flow:
         return None
 
 
+def _guaranteed_share(key: str, weight: float, total: float, guaranteed: list[tuple[str, float, float]]) -> float:
+    """A group's share of its class when the active groups with a guarantee (`guaranteed`: key, weight, guarantee)
+    get it where it is more than their weighted share, and the rest share what is left by weight (`total`: every
+    active group's weight). The owner's return holds a flow to this on a full pool: by weight alone, a tenant
+    guaranteed 60% of a class beside two others was held to a third there."""
+    bound: dict[str, float] = {}
+    left, rest = 1.0, total
+    changed = True
+    while changed:  # a group bound lowers the others' shares, which may bind another: one pass per group at most
+        changed = False
+        for k, w, g in guaranteed:
+            if k not in bound and rest > 0.0 and g > w / rest * left:
+                bound[k], left, rest, changed = g, left - g, rest - w, True
+    if key in bound:
+        return bound[key]
+    return weight / rest * max(left, 0.0) if rest > 0.0 else 0.0
+
+
 def tenant_key(waiter: Any) -> str:
     """The default fairness key: the waiter's tenant."""
     return waiter.tenant
@@ -370,30 +388,42 @@ class FairQueue:
 
     def share(self, key: str) -> float:
         """Flow `key`'s weighted share of the class: its group's share among the groups active in it (waiting or
-        in flight) and its own, times the flow's share among its group's active flows and itself."""
+        in flight) and its own, times the flow's share among its group's active flows and itself. In fair mode a
+        group's share is at least its guaranteed share, the others sharing the rest by weight."""
         return self._share(key, *self._active_weights())
 
-    def _active_weights(self) -> tuple[float, dict[_Flow, float]]:
-        """The weights of the groups active in the class (waiting or in flight), summed, and of each group's active
-        flows (summed in the order share() always added them: the same floats)."""
-        groups = sum(g.weight for g in self._groups.values() if g.waiting or g.inflight > 0)
+    def _active_weights(self) -> tuple[float, dict[_Flow, float], list[tuple[str, float, float]]]:
+        """The weights of the groups active in the class (waiting or in flight), summed; of each group's active
+        flows (summed in the order share() always added them: the same floats); and (key, weight, guarantee) of
+        the active groups with a guarantee (fair mode)."""
+        active = [g for g in self._groups.values() if g.waiting or g.inflight > 0]
+        groups = sum(g.weight for g in active)
         flows: dict[_Flow, float] = {}
         for f in self._flows.values():
             if f.entries or f.inflight > 0:
                 flows[f.group] = flows.get(f.group, 0) + f.weight
-        return groups, flows
+        guaranteed = [(g.key, g.weight, g.guaranteed) for g in active if g.guaranteed > 0.0] \
+            if self.mode == "fair" and self.guaranteed else []
+        return groups, flows, guaranteed
 
-    def _share(self, key: str, groups: float, active: dict[_Flow, float]) -> float:
+    def _share(self, key: str, groups: float, active: dict[_Flow, float],
+               guaranteed: list[tuple[str, float, float]] | None = None) -> float:
         gkey = split_key(key)[0]
         group, own = self._groups.get(gkey), self._flows.get(key)
         gweight = group.weight if group is not None else self.weights.get(gkey, 1.0)
         fweight = own.weight if own is not None else self._own(key)[0]
         flows = active.get(group, 0) if group is not None else 0
+        guaranteed = guaranteed or []
         if group is None or not (group.waiting or group.inflight > 0):
             groups += gweight
+            mine = group.guaranteed if group is not None else self.guaranteed.get(gkey, 0.0)
+            if mine > 0.0 and self.mode == "fair":
+                guaranteed = [*guaranteed, (gkey, gweight, mine)]
         if own is None or not (own.entries or own.inflight > 0):
             flows += fweight
-        return gweight / groups * fweight / flows
+        if not guaranteed:
+            return gweight / groups * fweight / flows
+        return _guaranteed_share(gkey, gweight, groups, guaranteed) * fweight / flows
 
     def overdue(self, now: float) -> list[Any]:
         """Waiters whose deadline has passed, earliest first (q[0] need not be the earliest in fair modes). O(1)

@@ -231,17 +231,17 @@ class FairnessSpec:
     """How a class's queue picks between the flows (tenants) waiting in it (docs/overload.md)."""
 
     mode: Literal["fifo", "round_robin", "fair"] = doc(
-        "`fifo`: one line in arrival order, whoever sent it. `round_robin`: flows take turns, one grant each. "
-        "`fair`: the waiting flow that was admitted the fewest GPU-seconds relative to its tenant's `weight` "
-        "goes next (virtual-time fairness in the cost model's units, corrected by learned usage: the requests "
-        "whose usage is read (`learn_sample`) are charged what they cost, and teach their flow the ratio of cost "
-        "to estimate that its other requests are charged at, so a client asking a large `max_tokens` for short "
-        "answers is charged its answers), a flow under its tenant's `guaranteed_share` first. Work-conserving "
-        "in every mode: a release hands its room to the next waiter that fits (not when a waiter times out: the ones behind it wait for the next release, "
-        "docs/overload.md). Inside a flow (round_robin, fair) the earliest deadline goes first. Under a pool-wide "
-        "limit (round_robin, fair), a flow holding no more than its weighted share of what the class holds on "
-        "the pool goes in even when the limit is full; the flows over their share wait until the pool is back "
-        "under it.", "fifo")
+        "`fifo`: one line in arrival order, whoever sent it. `round_robin`: flows take turns, one grant each. `fair`: "
+        "the waiting flow that was admitted the fewest GPU-seconds relative to its tenant's `weight` goes next "
+        "(virtual-time fairness in the cost model's units, corrected by learned usage: the requests whose usage is read"
+        " (`learn_sample`) are charged what they cost, and teach their flow the ratio of cost to estimate that its "
+        "other requests are charged at, so a client asking a large `max_tokens` for short answers is charged its "
+        "answers), a flow under its tenant's `guaranteed_share` first. Work-conserving in every mode: a release hands "
+        "its room to the next waiter that fits (not when a waiter times out: the ones behind it wait for the next "
+        "release, docs/overload.md). Inside a flow (round_robin, fair) the earliest deadline goes first. Under a "
+        "pool-wide limit (round_robin, fair), a flow holding no more than its weighted share (fair: at least its "
+        "tenant's `guaranteed_share`) of what the class holds on the pool goes in even when the limit is full; the "
+        "flows over their share wait until the pool is back under it.", "fifo")
     key: Literal["tenant", "header"] = doc(
         "The flow a request counts against: its tenant, or the value of `classify.fairness_header` inside its "
         "tenant's share (needs it set; a request without the header counts against its tenant).", "tenant")
@@ -354,7 +354,10 @@ class TenantSpec:
                         minimum=0.001)
     guaranteed_share: float = doc("In a class with `fairness.mode: fair`: the share of the class's slots this "
                                   "tenant is served first up to, whatever it was served before. Idle share is "
-                                  "lent to the tenants that wait.", 0.0, minimum=0, maximum=1)
+                                  "lent to the tenants that wait. Under a pool-wide limit it is also the least "
+                                  "share of what the class holds on the pool that the tenant goes in up to when "
+                                  "the limit is full (the others share the rest by weight).", 0.0, minimum=0,
+                                  maximum=1)
     max_body_bytes: int | None = doc("Largest request body this tenant may send; larger ones get 413 "
                                      "`body_too_large` before they are parsed. Parsing is the ext_proc's one "
                                      "per-request cost that grows with the body (a 4 MiB body of numbers ~60 ms of "
