@@ -349,9 +349,10 @@ class TenantSpec:
                                         "with real usage when it is learned).", None, minimum=1)
     burst_s: float = doc("Bucket depth, in seconds of the rate (how much of a burst is allowed).", 60.0,
                          minimum=1)
-    weight: float = doc("Its share of a class with a fairness mode, relative to the other tenants' (a tenant "
-                        "of weight 2 is served twice the GPU-seconds of one of weight 1 while both wait).", 1.0,
-                        minimum=0.001)
+    weight: float = doc("Its share of a class with `fairness.mode: fair`, relative to the other tenants' (a "
+                        "tenant of weight 2 is served twice the GPU-seconds of one of weight 1 while both wait). "
+                        "`round_robin` takes turns whatever the weight, except under a pool-wide limit, where "
+                        "the owner's return shares by weight in both modes.", 1.0, minimum=0.001)
     guaranteed_share: float = doc("In a class with `fairness.mode: fair`: the share of the class's slots this "
                                   "tenant is served first up to, whatever it was served before. Idle share is "
                                   "lent to the tenants that wait. Under a pool-wide limit it is also the least "
@@ -646,10 +647,14 @@ def _slip_warnings(p: Policy) -> list[str]:
     if p.classify.fairness_header is not None and not any(p.classes[n].fairness.mode != "fifo" for n in keyed):
         out.append("classify.fairness_header: no class has `fairness.key: header` (with `fairness.mode: fair` or "
                    "`round_robin`), so the header is read by nothing and each tenant stays one flow")
+    weighted = any(c.fairness.mode == "fair" for c in p.classes.values())  # round_robin takes turns
     for t in p.tenants:
-        if t.guaranteed_share and not fair:
-            out.append(f"tenants.{t.name}.guaranteed_share: no class has `fairness.mode: fair` (or "
-                       "round_robin), so the share guarantees nothing")
+        if t.guaranteed_share and not weighted:
+            out.append(f"tenants.{t.name}.guaranteed_share: no class has `fairness.mode: fair` (round_robin takes "
+                       "turns whatever the guarantee), so the share guarantees nothing")
+        if t.weight != 1.0 and not fair:  # round_robin reads it under a pool-wide limit (the owner's return)
+            out.append(f"tenants.{t.name}.weight: no class has a fairness mode (fifo serves in arrival order), so "
+                       "the weight weighs nothing")
     return out
 
 

@@ -274,6 +274,27 @@ def test_shares_that_add_up_to_exactly_one_validate():
                                                                                               "tenants": tenants})
 
 
+def test_weights_and_guarantees_that_no_class_reads_are_warned_about():
+    """Found by a multi-tenant audit: round_robin takes turns whatever the guarantee (tenant a guaranteed 75% and of
+    weight 3 was granted b, a, b, a), yet `extproc check` was silent for it beside round_robin classes, its warning
+    even saying round_robin would honour it; and a weight in a policy of fifo classes only was not warned about."""
+    from extproc.policy.schema import policy_warnings
+
+    tenants = [{"name": "a", "api_keys": ["ka"], "guaranteed_share": 0.5, "weight": 3}]
+    guarantee = ("tenants.a.guaranteed_share: no class has `fairness.mode: fair` (round_robin takes turns whatever "
+                 "the guarantee), so the share guarantees nothing")
+    weight = ("tenants.a.weight: no class has a fairness mode (fifo serves in arrival order), so the weight weighs "
+              "nothing")
+    rr = {"a": {"max_concurrency": 1, "fairness": {"mode": "round_robin"}}}
+    assert guarantee in policy_warnings(load_policy({**BASE, "classes": rr, "tenants": tenants}))
+    assert weight not in policy_warnings(load_policy({**BASE, "classes": rr, "tenants": tenants}))
+    warned = policy_warnings(load_policy({**BASE, "tenants": tenants}))
+    assert guarantee in warned and weight in warned
+    fair = {"a": {"max_concurrency": 1, "fairness": {"mode": "fair"}}}
+    assert not [w for w in policy_warnings(load_policy({**BASE, "classes": fair, "tenants": tenants}))
+                if w.startswith("tenants.")]
+
+
 def test_an_envoy_admin_that_is_not_a_base_url_is_refused():
     """Found through the real stack: `envoy_admin: 127.0.0.1:9901` (no scheme) validated, the scraper never found a
     replica, and the pool read as saturated for good (its limit at its floor)."""
