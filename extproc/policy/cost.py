@@ -271,9 +271,7 @@ class CostModel:
         # (benchmarks) runs to its cap, 1 / output_ratio times what the ratio alone expected.
         floor = requested if min_output is None else min(min_output, requested)
         requested *= sequences  # every sequence decodes; the prompt is prefilled once and shared
-        expected = max(requested * self.output_ratio, floor * sequences)
-        gpu = (self.prefill_per_token * prompt_tokens + self.decode_per_token * expected) * \
-            (1.0 + spec.variance_margin)
+        expected, gpu = self._priced(prompt_tokens, requested, floor * sequences)
         # Not clamped by the prompt estimate, which may be high: the replica counts the real prompt.
         most = (max_tokens if max_tokens is not None else spec.max_context_tokens or 0) * sequences
         est = CostEstimate(prompt_tokens, requested, expected, gpu, most)
@@ -283,9 +281,15 @@ class CostModel:
 
     def repriced(self, est: CostEstimate) -> float:
         """An estimate made earlier, at the coefficients and output ratio now (what it would estimate today)."""
-        expected = max(est.max_tokens * self.output_ratio, est.forced)
-        return (self.prefill_per_token * est.prompt_tokens + self.decode_per_token * expected) * \
+        return self._priced(est.prompt_tokens, est.max_tokens, est.forced)[1]
+
+    def _priced(self, prompt_tokens: int, requested: int, forced: int) -> tuple[float, float]:
+        """(expected output, GPU-seconds with the variance margin) of a prompt and `requested` output tokens, of
+        which `forced` are produced whatever the model says."""
+        expected = max(requested * self.output_ratio, forced)
+        gpu = (self.prefill_per_token * prompt_tokens + self.decode_per_token * expected) * \
             (1.0 + self.spec.variance_margin)
+        return expected, gpu
 
     def actual(self, prompt_tokens: int, completion_tokens: int) -> float:
         """GPU-seconds of what really ran, under the current coefficients."""
