@@ -55,6 +55,12 @@ class UsageSample:
         return REFUND if core.reads_usage(api_key) else None
 
 
+def reads_answer(learn: bool, stream: bool) -> bool:
+    """Whether a picked request's answer is read for its usage: a learning sample always, a refund-only pick
+    (UsageSample.pick's REFUND) only when not streamed (a stream's usage costs an ext_proc message a chunk)."""
+    return learn or not stream
+
+
 class CostLearning:
     """Real usage corrects the model's cost coefficients and refunds (or charges) the tenant's token bucket."""
 

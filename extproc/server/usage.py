@@ -6,6 +6,7 @@ import re
 
 import orjson
 
+from ..policy.outcomes import reads_answer
 from .openai import RequestBody
 
 # A chat delta or completion choice with at least one character of text (the role chunk's content is ""), or a
@@ -29,7 +30,7 @@ class UsageReader:
 
     def reads_usage(self, body: RequestBody) -> bool:
         """Whether this request's real usage will be read (its tokens-per-minute charge is then refunded)."""
-        return self.learn or not body.stream
+        return reads_answer(self.learn, body.stream)
 
     def ask_for_usage(self, body: RequestBody) -> None:
         """Once admitted. A learned chat or completions stream needs vLLM's usage chunk; the client gets it only if

@@ -22,7 +22,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import HttpHeaders
 from extproc.policy.admission import QUEUE, AdmissionController, Admit, Decision, Degrade, RequestFacts
 from extproc.policy.classify import ConflictingKeys, presented_key
 from extproc.policy.limits import Completion, LimitFactory, Outcome, default_limit
-from extproc.policy.outcomes import LEARN, UsageSample
+from extproc.policy.outcomes import LEARN, UsageSample, reads_answer
 from extproc.policy.schema import ClassifySpec, SessionSpec, load_policy_file
 from extproc.server.openai import min_output_of
 from extproc.server.protocol import HeaderNames, read_request_headers
@@ -198,9 +198,9 @@ class PolicyAdmitter:
         return timers
 
     def decide(self, facts: RequestFacts) -> Decision:
-        # As the ext_proc picks them, before the decision; a refund reader reads only a non-streamed answer.
+        # As the ext_proc picks them, before the decision.
         which = self.usage_sample.pick(self.core, facts.api_key)
-        facts.reads_usage = which == LEARN or (which is not None and not facts.stream)
+        facts.reads_usage = which is not None and reads_answer(which == LEARN, facts.stream)
         refused = self.core.authenticate(facts)  # `anonymous.allow: false` refuses requests without a known key
         return refused if refused is not None else self.core.decide(facts)
 
