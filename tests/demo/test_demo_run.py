@@ -55,10 +55,17 @@ def test_shortened_demo_admission_beats_no_control_and_keeps_the_slo(tmp_path):
     assert processes_writing_into(out) == []
 
 
+def ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def test_ctrl_c_stops_every_process_the_demo_started(tmp_path):
+    # Started with SIGINT ignored, as a shell without job control starts a background command (`make test &` in a
+    # script, a CI runner): the demo must still stop on it. It did not (exit 0 after the whole replay), and this
+    # test failed whenever the suite itself ran that way.
     out = tmp_path / "results"
     proc = subprocess.Popen(demo_argv(out, "--speed", "10", "--phase-s", "30", "--modes", "d"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=ignore_sigint)
     try:
         for line in proc.stdout:  # wait until the replay runs: the stack is fully up
             if line.startswith("[d]"):

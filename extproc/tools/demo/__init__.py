@@ -151,10 +151,13 @@ async def demo(args: argparse.Namespace, command: str) -> int:
 
 
 async def _main(args: argparse.Namespace, command: str) -> int:
-    # SIGTERM/SIGHUP end the demo like Ctrl-C: the running mode's finally stops every process it started.
+    # Ctrl-C, SIGTERM and SIGHUP end the demo: the running mode's finally stops every process it started. SIGINT
+    # is handled here, not left to asyncio's default: a shell without job control starts a background command with
+    # SIGINT ignored, Python then keeps it ignored, and the demo ran to its end through a Ctrl-C (`extproc serve`,
+    # `sim` and `calibrate` set their own handlers too).
     task = asyncio.current_task()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, task.cancel)
     return await demo(args, command)
 
