@@ -157,12 +157,11 @@ def held_waiting(m: dict[str, float], across_scrapes: bool = False) -> float:
     return 0.0 if m.get("passing_across" if across_scrapes else "passing") else queued(m)
 
 
-def passing_through(prev: dict[str, float], m: dict[str, float], elapsed_s: float,
-                    across_scrapes: bool = False) -> bool:
+def passing_through(prev: dict[str, float], m: dict[str, float], elapsed_s: float) -> tuple[bool, bool]:
     """Whether the replica's waiting requests (less deferred) will be taken in within PASSING_STEPS engine steps at
-    the rate it finished requests since its previous reading `prev`, `elapsed_s` ago (PASSING_STEPS).
-    `across_scrapes`: where one waiting request already reads as more than that, count only those waiting at both
-    readings (the smaller count)."""
+    the rate it finished requests since its previous reading `prev`, `elapsed_s` ago (PASSING_STEPS): (as read now,
+    across scrapes). Across scrapes, where one waiting request already reads as more than that, only those waiting
+    at both readings count (the smaller count)."""
     def moved(key: str) -> float:  # NaN where either reading lacks the counter
         return m.get(key, math.nan) - prev.get(key, math.nan)
 
@@ -172,10 +171,10 @@ def passing_through(prev: dict[str, float], m: dict[str, float], elapsed_s: floa
     else:  # no decode in the interval (1-token answers): the time per engine step, idle time included
         step_s = elapsed_s / steps if steps > 0 else math.nan
     if not (elapsed_s > 0 and finished > 0 and step_s > 0):  # NaN: a counter missing; fewer: a restart
-        return False
+        return False, False
     bound, one = PASSING_STEPS * step_s, elapsed_s / finished
-    waiting = min(queued(prev), queued(m)) if across_scrapes and one > bound else queued(m)
-    return waiting * one <= bound
+    now = queued(m) * one <= bound
+    return now, now or (one > bound and min(queued(prev), queued(m)) * one <= bound)
 
 
 async def read_capped(resp: aiohttp.ClientResponse, limit: int = MAX_METRICS_BYTES) -> bytes:
@@ -361,9 +360,8 @@ class PoolScraper:
         r.preemptions = m["preemptions"]
         m["preempting"] = float(prev is not None and m["preemptions"] > prev)
         now = self.clock()
-        m["passing"] = float(r.metrics is not None and passing_through(r.metrics, m, now - r.at))
-        m["passing_across"] = float(m["passing"] or (r.metrics is not None and passing_through(
-            r.metrics, m, now - r.at, across_scrapes=True)))
+        passing, across = (False, False) if r.metrics is None else passing_through(r.metrics, m, now - r.at)
+        m["passing"], m["passing_across"] = float(passing), float(across)
         r.metrics, r.at, r.refused = m, now, False
         r.pace.window_s = PACE_SCRAPES * self.spec.scrape_interval_ms / 1000.0
         r.pace.add(r.at, m.get("itl_sum", math.nan), m.get("itl_count", math.nan), m["running"], m["kv"])
