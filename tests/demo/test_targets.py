@@ -130,6 +130,25 @@ def test_nothing_refused_or_degraded_at_low_load():
     assert not t.reached and t.value == 1
 
 
+def test_a_calm_phase_miss_says_what_no_control_gave_there():
+    # The zero target and the SLO pull against each other where the pool cannot serve a phase's bursts within the
+    # SLO even at 60% load: the report's reader needs a's numbers beside the miss to tell that from a bad policy.
+    stats = spike_and_calm(ws(), ws(degraded=2))
+    stats["a"]["phase normal"] = ws(p99=2.81, p99_worst_window=3.98)
+    t = by_name(targets(stats, ["spike"], ["phase normal"], 2.0))["d: requests refused, degraded or failed (== 0)"]
+    assert t.line().endswith("; no control there: p99 2.81 s, worst 10 s window 3.98 s (over the SLO)")
+    stats["a"]["phase normal"] = ws(p99=1.2, p99_worst_window=1.6)
+    t = by_name(targets(stats, ["spike"], ["phase normal"], 2.0))["d: requests refused, degraded or failed (== 0)"]
+    assert t.note.endswith("(within the SLO)")
+    del stats["a"]  # without a there is nothing to say; a target reached needs nothing said
+    t = by_name(targets(stats, ["spike"], ["phase normal"], 2.0))["d: requests refused, degraded or failed (== 0)"]
+    assert t.note == ""
+    found = {t.name: t for t in adaptive_targets({"a": {"phase normal": ws(p99_worst_window=3.0)},
+                                                  "e": {"spike": ws(), "phase normal": ws()}}, ["spike"], 2.0,
+                                                 calm=("phase normal",))}
+    assert found["e: phase normal: requests refused, degraded or failed (== 0)"].note == ""
+
+
 def test_mode_e_is_held_to_the_calm_phase_target_too():
     # Issue 20 (3): the adaptive caps must not refuse at normal load, before or after a spike.
     stats = {"e": {"spike": ws(), "phase normal": ws(), "phase after": ws(refused=2, degraded=3)}}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
@@ -246,10 +247,12 @@ class Target:
     value: float
     bound: float
     reached: bool
+    note: str = ""  # what the reader needs to judge the verdict (e.g. what no control gave there)
 
     def line(self) -> str:
         value, bound = _distinct(self.value, self.bound)
-        return f"{'reached' if self.reached else 'MISSED '}  {self.name}: {value} (target {bound})"
+        note = f"; {self.note}" if self.note else ""
+        return f"{'reached' if self.reached else 'MISSED '}  {self.name}: {value} (target {bound}){note}"
 
 
 def _distinct(value: float, bound: float) -> tuple[str, str]:
@@ -319,16 +322,25 @@ def targets(stats: dict[str, dict[str, WindowStats]], spikes: list[str], calm: l
             out.append(Target(f"{ours}: {w}: first batch refused/queued before the first interactive degrade, s",
                               nan if held is None else held, nan if degraded is None else degraded,
                               degraded is None or (held is not None and held <= degraded)))
-    out += calm_targets(o, ours, calm)
+    out += calm_targets(o, ours, calm, stats.get("a"), slo_s)
     return out
 
 
-def calm_targets(mode: dict[str, WindowStats], key: str, calm) -> list[Target]:
-    """Nothing refused, degraded or failed in each phase at or under CALM x capacity (issues 19 and 20)."""
+def calm_targets(mode: dict[str, WindowStats], key: str, calm, a: dict[str, WindowStats] | None = None,
+                 slo_s: float = float("nan")) -> list[Target]:
+    """Nothing refused, degraded or failed in each phase at or under CALM x capacity (issues 19 and 20). Where no
+    control (a) ran, a miss says what a gave in the same phase: a phase whose worst 10 s window is over the SLO
+    without any control is more than the pool serves within it at that load, and a mode that holds the SLO there
+    refuses or degrades something (docs/overload.md)."""
     out = []
     for w in calm:
         n = mode[w].refused + mode[w].degraded + mode[w].failed
-        out.append(Target(f"{key}: {w}: requests refused, degraded or failed (== 0)", n, 0, n == 0))
+        note = ""
+        if n and a is not None and w in a and not math.isnan(a[w].p99_worst_window):
+            over = "over" if a[w].p99_worst_window > slo_s else "within"
+            note = (f"no control there: p99 {a[w].p99:.2f} s, worst {ROLLING_S:g} s window "
+                    f"{a[w].p99_worst_window:.2f} s ({over} the SLO)")
+        out.append(Target(f"{key}: {w}: requests refused, degraded or failed (== 0)", n, 0, n == 0, note))
     return out
 
 
@@ -351,5 +363,5 @@ def adaptive_targets(stats: dict[str, dict[str, WindowStats]], windows: list[str
             b = stats["b"][w].goodput
             out.append(Target(f"e vs b: full-model interactive goodput ({w}), req/s", e[w].goodput, b,
                               e[w].goodput >= b))
-    out += calm_targets(e, "e", calm)
+    out += calm_targets(e, "e", calm, stats.get("a"), slo_s)
     return out
