@@ -459,7 +459,9 @@ class FairQueue:
         # the floor (a flow forgotten when its last waiter was granted, then admitted anew) behind every waiter.
         least = self._least_vtime()
         self._vfloor = max(self._vfloor, group.vtime if least is None else min(group.vtime, least))
-        group.floor = max(group.floor, flow.vtime)
+        # Likewise a group's floor, never past a flow of the group still waiting (a guaranteed key of the open
+        # group is granted ahead of its virtual time order).
+        group.floor = max(group.floor, self._least_in(group, flow.vtime))
         for f in (group, flow):
             f.vtime += max(charge, MIN_CHARGE_S) / f.weight
             f.inflight += 1
@@ -659,6 +661,16 @@ class FairQueue:
                 return vtime
             heapq.heappop(heap)
         return None
+
+    def _least_in(self, group: _Flow, vtime: float) -> float:
+        """`vtime`, or the least virtual time of the group's waiting flows if lower. O(1) when the group's one
+        waiting flow is its own key's (the usual case), else a pass over the waiting flows."""
+        if not group.backlogged or vtime <= group.floor:
+            return vtime  # nothing waits, or the floor does not move anyway
+        own = self._flows.get(group.key)
+        if group.backlogged == 1 and own is not None and own.entries:
+            return min(vtime, own.vtime)
+        return min(vtime, min(f.vtime for f in self._backlogged.values() if f.group is group))
 
     def _least_rank(self) -> tuple[float, float, int, str] | None:
         """The rank heap's least current item (fair mode)."""

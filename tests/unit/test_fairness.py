@@ -826,3 +826,26 @@ def test_a_share_is_at_least_the_guarantee_in_fair_mode(mode, shares):
         q.append(W(t))
     assert (q.share("a"), q.share("b"), q.share("c")) == pytest.approx(shares)
     assert q.share("d") == pytest.approx(0.4 / 3 if mode == "fair" else 0.25)  # a newcomer: a part of the rest
+
+
+def test_a_gateway_key_granted_its_last_waiter_keeps_its_place_beside_a_guaranteed_key():
+    # The same as above one level down, inside a group: a gateway's key named after a guaranteed tenant is granted
+    # ahead of virtual-time order, and each of its admissions raised its group's floor there. A key forgotten when
+    # its last waiter was granted was made anew at that floor and waited behind every other key of the group.
+    q = FairQueue("fair", guaranteed={"g": 0.5}, tenants=TENANTS, capacity=4)
+    q.open_group = "anonymous"
+    key = lambda name: nested("anonymous", name)  # noqa: E731
+    for i in range(3):
+        q.append(W(key("b"), n=i))
+        q.append(W(key("c"), n=i))
+    for _ in range(10):
+        q.admitted(key("g"), 10.0)  # under its guarantee: served ahead of b and c, whatever its virtual time
+    a = W(key("a"))
+    q.append(a)
+    q.admitted(q.take(a).tenant, 1.0)  # a's one waiter granted: nothing of a's waits now, one in flight
+    q.append(W(key("a"), n=1))
+    granted = []
+    for _ in range(5):  # b and c at 0 go first, then a ties with them at 1
+        granted.append(q.popleft().tenant)
+        q.admitted(granted[-1], 1.0)
+    assert key("a") in granted  # a at 1 beside b and c at 0, not behind all six of theirs
