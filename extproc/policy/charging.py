@@ -109,5 +109,9 @@ class Charging:
         admission was revoked) gets its tokens back."""
         if charge.session is not None:
             self.state.sessions.release(charge.session, cost)
-        if not ran and charge.tenant is not None:
+        if not ran and charge.prepaid:
+            # Given back as if never admitted: its fallback may admit it again (a revoke's degrade), which must
+            # charge it then, not take it as still prepaid (and a clamp refund the difference a second time).
+            self.refund(charge)
+        elif not ran and charge.tenant is not None:
             charge.tenant.correct(charge.tokens, 0)

@@ -369,3 +369,24 @@ def test_a_clamp_that_leaves_the_request_as_it_is_is_not_a_degrade(clock):
     core.finish(d.ticket)
     # Without a cap of its own (chat: up to the rest of the context), the clamp is a change.
     assert core.decide(RequestFacts(header_class="interactive", model="llama")).kind == DEGRADE
+
+
+def test_a_queued_request_revoked_then_degraded_pays_for_its_clamped_output_once(clock):
+    # A queued request prepaid its tokens; granted, its admission waited for the shared store and was revoked
+    # (no global slot within its wait), then degraded by its class's fallback. The revoke refunded all it had
+    # prepaid, the clamp refunded the clamped part again, and the degrade took it as still prepaid: the tenant's
+    # bucket came out 992 tokens up, paying nothing for the degraded answer.
+    core = clamping(clock, max_queue=1)
+    core.gate_on_store(True)
+    bucket = core.tenant_limits["t"].tokens
+    held = core.decide(stream_of(1000))
+    core.confirm(held)
+    queued = core.decide(stream_of(1000))
+    assert queued.kind == QUEUE and bucket.level == 60_000 - 2000
+    core.finish(held.ticket, Outcome.OK)
+    granted = queued.waiter.result
+    assert granted.kind == ACCEPT
+    core.await_store(granted)
+    d = core.revoke(granted, "queue_timeout", "no global slot")
+    assert d.kind == DEGRADE and d.ticket.charge.tokens == 8
+    assert bucket.level == 60_000 - 1000 - 8
