@@ -54,3 +54,27 @@ def test_without_a_sample_only_a_metered_tenants_unstreamed_answers_are_read(tmp
     assert streamed.samples == 0  # a refund reader does not read a stream (its usage costs a message a chunk)
     res, metered = run(tmp_path, learn_sample=0.0, stream=False, key="sk-metered")
     assert metered.samples == sum(1 for r in res.records if r.ok) and metered.output_ratio < 0.9
+
+
+def test_requests_refused_for_their_key_do_not_count_towards_the_sample(tmp_path):
+    # The ext_proc picks a response to read after the key is authenticated (a 401 never reaches its usage reader,
+    # server/stream.py): the what-if picked before, so each refused key took a turn of the learn_sample share,
+    # and a known key's requests between them were read twice as often as the ext_proc would.
+    from extproc.policy.admission import AdmissionController, RequestFacts
+    from extproc.policy.decision import INVALID
+    from tests.conftest import FakeClock
+
+    doc = yaml.safe_load(open(policy(tmp_path, 0.5)))
+    doc["anonymous"] = {"allow": False}
+    path = tmp_path / "closed.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    admitter = PolicyAdmitter(str(path))
+    admitter.core = AdmissionController(admitter.policy, clock=FakeClock())
+    read = []
+    for _ in range(4):
+        refused = admitter.decide(RequestFacts(api_key="sk-nobody", model="llama-70b", max_tokens=10))
+        assert refused.kind == INVALID and refused.status == 401
+        facts = RequestFacts(api_key="sk-plain", model="llama-70b", max_tokens=10, stream=True)
+        admitter.decide(facts)
+        read.append(facts.reads_usage)
+    assert read == [False, True, False, True]  # half of the known key's requests, as learn_sample says

@@ -198,11 +198,13 @@ class PolicyAdmitter:
         return timers
 
     def decide(self, facts: RequestFacts) -> Decision:
+        refused = self.core.authenticate(facts)  # `anonymous.allow: false` refuses requests without a known key
+        if refused is not None:
+            return refused  # the ext_proc refuses it before its usage reader picks: it takes no turn of the sample
         # As the ext_proc picks them, before the decision.
         which = self.usage_sample.pick(self.core, facts.api_key)
         facts.reads_usage = which is not None and reads_answer(which == LEARN, facts.stream)
-        refused = self.core.authenticate(facts)  # `anonymous.allow: false` refuses requests without a known key
-        return refused if refused is not None else self.core.decide(facts)
+        return self.core.decide(facts)
 
     def replicas_for(self, pool: str, cls: str) -> str | None:
         return self.core.replicas_for(pool, cls)
