@@ -106,12 +106,15 @@ class Charging:
 
     def released(self, charge: Charge, cost: float, ran: bool) -> None:
         """The request's slot is given back: its session's in-flight budget too, and a request that never ran (its
-        admission was revoked) gets its tokens back."""
+        admission was revoked) gets back what it was charged."""
         if charge.session is not None:
             self.state.sessions.release(charge.session, cost)
-        if not ran and charge.prepaid:
-            # Given back as if never admitted: its fallback may admit it again (a revoke's degrade), which must
-            # charge it then, not take it as still prepaid (and a clamp refund the difference a second time).
-            self.refund(charge)
-        elif not ran and charge.tenant is not None:
-            charge.tenant.correct(charge.tokens, 0)
+        if not ran:
+            # All it was charged (when queued or when admitted) goes back, as for a waiter never admitted, so a
+            # fallback that then admits it (a revoke's degrade) charges it anew. With its tokens alone given back, a
+            # prepaid one's clamp refunded the clamped part twice, and one admitted at once paid two requests.
+            if charge.tenant is not None:
+                charge.tenant.refund(charge.tokens)
+            if charge.session is not None:
+                self.state.sessions.refund_rate(charge.session, charge.estimate.gpu_seconds)
+            charge.prepaid = False

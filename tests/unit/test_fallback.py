@@ -390,3 +390,22 @@ def test_a_queued_request_revoked_then_degraded_pays_for_its_clamped_output_once
     d = core.revoke(granted, "queue_timeout", "no global slot")
     assert d.kind == DEGRADE and d.ticket.charge.tokens == 8
     assert bucket.level == 60_000 - 1000 - 8
+
+
+def test_an_admission_revoked_then_degraded_is_charged_one_request(clock):
+    # Admitted at once (not queued), its admission waited for the shared store and was revoked, then degraded. The
+    # revoke gave its tokens back and the degrade charged it anew, but the request it had taken from the tenant's
+    # requests-per-minute bucket stayed taken: two requests for one answer.
+    core = AdmissionController(make_policy(
+        classes={"interactive": {"max_concurrency": 1, "max_queue": 0, "max_wait_ms": 100,
+                                 "on_overflow": "fallback", "fallback": {"action": "degrade", "max_tokens": 8}}},
+        tenants=[{"name": "t", "api_keys": ["k"], "tokens_per_minute": 60_000, "requests_per_minute": 60,
+                  "max_class": "interactive"}]), clock=clock)
+    core.gate_on_store(True)
+    limits = core.tenant_limits["t"]
+    d = core.decide(stream_of(1000))
+    assert d.kind == ACCEPT and limits.requests.level == 59
+    core.await_store(d)
+    out = core.revoke(d, "queue_timeout", "no global slot")
+    assert out.kind == DEGRADE and limits.tokens.level == 60_000 - 8
+    assert limits.requests.level == 59
