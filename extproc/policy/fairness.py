@@ -341,7 +341,8 @@ class FairQueue:
             # Every other flow goes before it, each with as many as its own will have (its own flow, when it waits,
             # is the `mine` of that sum): from the count of flows by length, not a pass over every waiting flow.
             return sum(min(length, mine + 1) * flows for length, flows in self._lengths.items())
-        group = self._groups.get(split_key(key)[0])
+        gkey = split_key(key)[0]
+        group = self._groups.get(gkey)
         least = self._least_vtime()
         gtime = max(group.vtime if group is not None else self._vfloor, self._vfloor if least is None else least)
         if group is None or group.backlogged == (1 if mine else 0):
@@ -349,9 +350,14 @@ class FairQueue:
         else:
             ftime = max(own.vtime if own is not None else group.floor,
                         min((f.vtime for f in self._backlogged.values() if f.group is group), default=-math.inf))
-        # The others go first by their groups' virtual time, those of its own group by their own.
+        # The others go first by their groups' rank (_grant_rank: under its guarantee first, then virtual time),
+        # those of its own group by their own virtual time.
+        first = self._under_guarantee(group) if group is not None else \
+            self.guaranteed.get(gkey, 0.0) * self.capacity > 0.0
+        rank = (not first, gtime)
         return mine + sum(min(len(f.entries), mine + 1) for f in self._backlogged.values()
-                          if f is not own and (f.vtime <= ftime if f.group is group else f.group.vtime <= gtime))
+                          if f is not own and (f.vtime <= ftime if f.group is group else
+                                               (not self._under_guarantee(f.group), f.group.vtime) <= rank))
 
     def crowded_out_by(self, key: str) -> Any | None:
         """With every place taken, the waiter a new arrival of flow `key` takes the place of: the last of the

@@ -371,3 +371,22 @@ def ask_tokens(core, tenant: str):
     """A request of 100 prompt tokens asking max_tokens 1,000 (tenant a) or 100 (any other)."""
     return core.decide(RequestFacts(api_key=f"sk-{tenant}", model="llama", doc={"prompt": "x" * 400},
                                     max_tokens=1000 if tenant == "a" else 100))
+
+
+def test_early_rejection_counts_no_queue_ahead_of_a_tenant_under_its_guaranteed_share(clock):
+    # A tenant under its guaranteed_share is granted the next free slot whatever its virtual time (a33f2ab: it runs
+    # far ahead of the others'), but its queue ahead counted every other tenant's waiters as going first, and at a
+    # slow drain the early rejection refused it as unable to make its wait: it was next.
+    tenants = [*TENANTS[:2], {**TENANTS[2], "guaranteed_share": 0.5}]
+    core = core_with(clock, "fair", tenants=tenants)
+    for t in ("a", "b"):
+        assert ask(core, t).kind == ACCEPT
+    for t in ("a", "b", "a", "b"):
+        assert ask(core, t).kind == QUEUE
+    lim = core.limiters["interactive"]
+    for i in range(1500):  # 1.5 requests a second: the 4 waiting are ~3 s of a 1 s wait, the next grant ~0.7 s
+        lim.drain.record(clock() + i / 1.5)
+    clock.advance(1000.0)
+    d = ask(core, "c")
+    assert d.kind == QUEUE, d.message
+    assert lim.queue[0] is d.waiter  # it is the next grant
