@@ -78,8 +78,12 @@ class Charging:
 
     def refund(self, charge: Charge | None) -> None:
         """A queued request that was never admitted gives back what it prepaid."""
-        if charge is None or not charge.prepaid:
-            return
+        if charge is not None and charge.prepaid:
+            self._give_back(charge)
+
+    def _give_back(self, charge: Charge) -> None:
+        """Everything the request was charged (a request, its tokens, its session's rate); it is charged anew if a
+        fallback then admits it."""
         charge.prepaid = False
         if charge.tenant is not None:
             charge.tenant.refund(charge.tokens)
@@ -113,8 +117,4 @@ class Charging:
             # All it was charged (when queued or when admitted) goes back, as for a waiter never admitted, so a
             # fallback that then admits it (a revoke's degrade) charges it anew. With its tokens alone given back, a
             # prepaid one's clamp refunded the clamped part twice, and one admitted at once paid two requests.
-            if charge.tenant is not None:
-                charge.tenant.refund(charge.tokens)
-            if charge.session is not None:
-                self.state.sessions.refund_rate(charge.session, charge.estimate.gpu_seconds)
-            charge.prepaid = False
+            self._give_back(charge)
