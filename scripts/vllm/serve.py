@@ -295,6 +295,15 @@ def _stop_command(child: subprocess.Popen, interrupt: bool, grace: float = 20.0)
         child.wait(5)
 
 
+def take_ctrl_c() -> None:
+    """SIGINT raises KeyboardInterrupt here and reaches the command with its default action: a shell without job
+    control starts a background command with SIGINT ignored, every child inherits that, and pytest under `--`
+    then ignored the SIGINT _stop_command sends for its teardown, was killed 20 s later, and left the stacks its
+    fixtures had started."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: a free one)")
@@ -309,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
 
+    take_ctrl_c()
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGHUP, _raise_stop)
     server = VLLMServer(port=args.port or None, model_dir=args.model_dir, max_model_len=args.max_model_len,
