@@ -1,9 +1,11 @@
 """Breakers, fallbacks and shadow mode inside the admission core."""
 
+import pytest
+
 from extproc.policy.admission import (ACCEPT, CANNED_MAX_CHOICES, DEGRADE, QUEUE, REJECT, SHED, AdmissionController,
                                       RequestFacts)
 from extproc.policy.limits import Completion, Outcome
-from tests.conftest import RecordedEvents, make_policy
+from tests.conftest import FakeClock, RecordedEvents, make_policy
 
 
 def req(cls="interactive", model="llama"):
@@ -336,6 +338,37 @@ def test_in_shadow_a_would_be_clamped_request_is_charged_as_it_asked(clock):
     core.decide(stream_of(1000))
     d = core.decide(stream_of(1000))
     assert d.shadow_would.kind == DEGRADE and d.charge.tokens == 1000
+
+
+def shadow_batch(**tenant):
+    """`batch` in shadow behind an enforced `interactive`; 0.3 GPU-s and 1200 tokens a request."""
+    return AdmissionController(make_policy(
+        classes={"interactive": {"max_concurrency": 10},
+                 "batch": {"max_concurrency": 1, "max_queue": 5, "max_wait_ms": 5000, "shadow": True}},
+        default_class="batch", shed={}, sessions={"max_inflight_gpu_seconds": 1.0},
+        tenants=[{"name": "a", "api_keys": ["ka"], "max_class": "interactive", **tenant}],
+        models={"llama": {"cluster": "x", "cost": {"prefill_s_per_1k_tokens": 0.1, "decode_s_per_token": 0.001}}}),
+        clock=FakeClock())
+
+
+def batch_call(**kw):
+    return RequestFacts(api_key="ka", header_class="batch", model="llama", max_tokens=200,
+                        doc={"prompt": "x" * 4000}, **kw)
+
+
+def test_in_shadow_a_request_its_virtual_place_admits_holds_its_session_budget_until_it_ends():
+    # The place's slot was taken without the session's in-flight charge, and given back with it when the request
+    # ended: the session (shared with enforced classes) counted a request fewer than it ran, or none at all.
+    core = shadow_batch()
+    a = core.decide(batch_call(session_id="s1"))
+    b = core.decide(batch_call(session_id="s1"))
+    assert b.shadow_would.kind == QUEUE
+    session = core.sessions.sessions[("a", "s1")]
+    core.finish(a.ticket, Outcome.OK)  # b's place is granted: it holds the slot now
+    assert core.limiters["batch"].inflight == 1 and session.inflight == 1
+    assert session.inflight_gpu_s == pytest.approx(0.3)
+    core.finish(b.ticket, Outcome.OK)
+    assert session.inflight == 0 and core.limiters["batch"].inflight == 0
 
 
 def test_a_request_for_the_fallback_model_itself_is_not_degraded_onto_the_pool_that_had_no_room(clock):
