@@ -97,5 +97,6 @@ class ShadowMode:
         self.running.pop(id(w), None)
         w.limiter.queue.remove(w)
         self.core._dequeue(w)
+        self.core.charging.refund(w.charge)  # never admitted, as a waiter whose client left: it held no slot
         w.result = Queued(R_ENDED_WHILE_QUEUED, w.limiter.name, ticket.tenant, w)
         self.core.events.shadow(w.limiter.name, QUEUE, R_ENDED_WHILE_QUEUED)

@@ -371,6 +371,19 @@ def test_in_shadow_a_request_its_virtual_place_admits_holds_its_session_budget_u
     assert session.inflight == 0 and core.limiters["batch"].inflight == 0
 
 
+def test_in_shadow_a_request_that_ends_in_its_virtual_place_gets_back_what_its_place_prepaid():
+    # As a waiter whose client leaves does: it kept its tenant's worst-case tokens, never corrected (it held no
+    # slot), out of the bucket its enforced classes share.
+    core = shadow_batch(tokens_per_minute=6000)
+    bucket = core.tenant_limits["a"].tokens
+    core.decide(batch_call())
+    before = bucket.refill(core.clock())
+    b = core.decide(batch_call())
+    assert b.shadow_would.kind == QUEUE and bucket.refill(core.clock()) == before - 1200
+    core.finish(b.ticket, Outcome.OK)
+    assert bucket.refill(core.clock()) == before and not core.limiters["batch"].queue
+
+
 def test_a_request_for_the_fallback_model_itself_is_not_degraded_onto_the_pool_that_had_no_room(clock):
     # scenarios/shared-small: the 8B's own customers share the class that degrades to the 8B. On overflow their
     # "degrade" sent them unchanged to the same full pool, counted as degraded answers.
