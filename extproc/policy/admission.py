@@ -617,7 +617,7 @@ class AdmissionController:
         if charge is not None:
             self.charging.admitted(charge, cost, now)
         self.tickets[ticket.id] = ticket
-        if lim.saturated:
+        if lim.saturated and self.limiters.get(lim.name) is lim:  # not its degraded slots' limiter (same name)
             for shed in self.state.sheds.get(lim.name, ()):
                 self._shed_queue(shed, lim, now)
         return ticket

@@ -53,6 +53,23 @@ def test_open_breaker_degrades_to_the_fallback_model(clock):
     assert core.degraded["interactive"].inflight == 0
 
 
+def test_a_full_degraded_capacity_sheds_no_lower_class(clock):
+    # The degraded slots' limiter bears its class's name: filling it shed the lower classes' queues as if the
+    # class were saturated, while the class had nothing in flight and their new arrivals were still taken.
+    core = AdmissionController(make_policy(classes={
+        "interactive": {"max_concurrency": 2, "max_queue": 1, "max_wait_ms": 200, "slo_p95_ms": 2000,
+                        "latency_breaker": {"min_samples": 5, "cooldown_s": 10},
+                        "fallback": {"action": "degrade", "model": "small", "max_concurrency": 1}},
+        "batch": {"max_concurrency": 1, "max_queue": 3, "max_wait_ms": 5000}}, tenants=[]), clock=clock)
+    run_slow(core, clock, 5, 3.0)
+    assert [core.decide(req("batch")).kind for _ in range(2)] == [ACCEPT, QUEUE]
+    waiter = core.limiters["batch"].queue[0]
+    d = core.decide(req())
+    assert d.kind == DEGRADE and core.degraded["interactive"].inflight == 1
+    assert core.limiters["interactive"].inflight == 0
+    assert waiter.pending and core.decide(req("batch")).kind == QUEUE
+
+
 def test_degraded_capacity_is_bounded(clock):
     core = AdmissionController(policy({"action": "degrade", "model": "small", "max_concurrency": 1}), clock=clock)
     run_slow(core, clock, 5, 3.0)
