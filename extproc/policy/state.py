@@ -51,8 +51,9 @@ class PolicyState:
         old = {**{lim.name: lim for lim in retired}, **self.limiters}
         self.limiters = {name: self._limiter(old.get(name), name, spec) for name, spec in policy.classes.items()}
         for name, spec in policy.classes.items():
+            # In shadow as its class is: a shadow pass holding a degraded slot is never gated on a shared store.
             deg_spec = ClassSpec(max_concurrency=spec.fallback.max_concurrency or spec.max_concurrency,
-                                 max_queue=0, max_wait_ms=0)
+                                 max_queue=0, max_wait_ms=0, shadow=spec.shadow)
             deg = self.degraded.get(name)
             if deg is None:
                 self.degraded[name] = ClassLimiter(name, deg_spec)

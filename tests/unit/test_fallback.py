@@ -357,6 +357,17 @@ def test_in_shadow_a_would_be_clamped_request_is_charged_as_it_asked(clock):
     assert d.shadow_would.kind == DEGRADE and d.charge.tokens == 1000
 
 
+def test_in_shadow_a_would_be_degraded_request_does_not_wait_for_a_shared_stores_slot(clock):
+    # A class's shadow passes stay per replica (gated), but its degraded slots' limiter was not in shadow: a pass
+    # holding one waited for a global slot and could be refused when none came, in shadow.
+    core = AdmissionController(policy({"action": "degrade", "model": "small"}, shadow=True), clock=clock)
+    run_slow(core, clock, 5, 3.0)
+    core.gate_on_store(True)
+    d = core.decide(req())
+    assert d.kind == ACCEPT and d.shadow_would.kind == DEGRADE and d.ticket.holds_slot
+    assert not core.gated(d)
+
+
 def shadow_batch(**tenant):
     """`batch` in shadow behind an enforced `interactive`; 0.3 GPU-s and 1200 tokens a request."""
     return AdmissionController(make_policy(
