@@ -777,8 +777,14 @@ class AdmissionController:
 
     def confirm(self, d: Decision, waited_s: float = 0.0) -> Decision:
         """The shared store granted the global slot, after `waited_s` in its wait (0: at once): the admission
-        stands and is counted now. A wait counts as queueing; the request's service starts now."""
+        stands and is counted now. A wait counts as queueing; the request's service starts now. One whose lease
+        ran out while it waited (reap closed it) holds no slot to run in: its wait is over, as a timed-out one's
+        (the caller gives the global slot back when the answer is not this ticket's)."""
         t = d.ticket
+        if t.closed:
+            lim = t.limiter
+            return self.revoke(d, R_QUEUE_TIMEOUT, say(R_QUEUE_TIMEOUT, cls=lim.name, where="",
+                                                       max_wait_ms=lim.spec.max_wait_ms))
         if t.awaiting_store:
             self._store_answered(t)
         if waited_s > 0.0:

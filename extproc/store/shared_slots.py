@@ -129,7 +129,7 @@ class SharedSlots:
                 self._release_soon(claim)
                 raise
             if granted:
-                return self.core.confirm(d)
+                return self._confirm(d)
             if self.state == CLOSED:  # the store failed during the attempt
                 return self._closed(d)
         if self.deadline(t) <= self.core.clock():
@@ -157,7 +157,15 @@ class SharedSlots:
             return self._closed(d)
         if result is _REMOVED:
             return self.core.revoke(d, R_CLASS_REMOVED, say(R_CLASS_REMOVED, cls=claim.cls))
-        return self.core.confirm(d, self.core.clock() - started)
+        return self._confirm(d, self.core.clock() - started)
+
+    def _confirm(self, d: Decision, waited_s: float = 0.0) -> Decision:
+        """The core's confirmation of a granted slot; a refusal instead (its lease ran out while it waited) gives
+        the global slot back: no stream would release it, and tick() renewed it forever."""
+        out = self.core.confirm(d, waited_s)
+        if out.ticket is not d.ticket:
+            self.release(d.ticket)
+        return out
 
     def abandon(self, d: Decision) -> None:
         """The client left while its admission waited on the store: give back whatever it got."""

@@ -151,3 +151,28 @@ async def test_two_replicas_sharing_a_cap_of_4_report_4_in_flight_and_4_queued_i
         lim = r.core.limiters["interactive"]
         assert lim.reserved == 0 and lim.inflight == len(r.held)
     await a.close(), await b.close()
+
+
+async def test_a_wait_whose_lease_ran_out_is_refused_when_the_store_grants_it_and_its_global_slot_goes_back():
+    # The safety net closed the ticket while it waited for the store (the lease is shorter than the class's wait);
+    # the store's later grant confirmed it anyway: the request ran holding no local slot, and its global slot, which
+    # no stream would release any more (finish() of a closed ticket), was renewed forever.
+    store, clock = FakeStore(), FakeClock()
+    policy = make_policy(classes={"interactive": {"max_concurrency": 4, "max_queue": 10, "max_wait_ms": 5000}},
+                         tenants=[], lease_ms=1000, store={"kind": "redis", "url": "redis://fake", "poll_ms": 20})
+    r = SharedSlots(AdmissionController(policy, clock=clock), store)
+    await r.start()
+    store.slots["interactive"] = {f"other:{i}" for i in range(4)}  # another replica holds the whole cap
+    fa, task = await settle(r)
+    await until(lambda: r.core.limiters["interactive"].reserved, holds=lambda n: n == 1)
+    clock.advance(1.5)
+    for t in r.core.reap():  # what housekeeping does with the expired tickets
+        r.release(t)
+    store.slots["interactive"].discard("other:0")
+    r._wake("interactive")
+    d = await asyncio.wait_for(task, 2.0)
+    assert d.ticket is None and d.status == 429
+    assert await until(lambda: len(store.slots["interactive"]), holds=lambda n: n == 3) == 3
+    lim = r.core.limiters["interactive"]
+    assert not r.held and (lim.inflight, lim.reserved) == (0, 0) and not r.core.tickets
+    await r.close()
