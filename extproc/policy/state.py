@@ -75,7 +75,7 @@ class PolicyState:
         tenants = [*policy.tenants, policy.anonymous.as_tenant()]
         now = self.clock()
         self.tenant_limits = {t.name: self.tenant_limits[t.name] if self._same_tenant(t) else
-                              TenantLimits(t, now).carried_from(self.tenant_limits.get(t.name), now)
+                              self._edited_tenant(t, now)
                               for t in tenants if t.requests_per_minute or t.tokens_per_minute}
         if self.sessions is None or self.sessions.spec != policy.sessions:
             self.sessions = SessionBudgets(policy.sessions).carried_from(self.sessions, now)
@@ -214,6 +214,16 @@ class PolicyState:
 
     def _same_cost(self, model: str, spec) -> bool:
         return model in self.cost_models and self.cost_models[model].spec == spec
+
+    def _edited_tenant(self, spec, now: float) -> TenantLimits:
+        """A tenant's limits under a new spec, carried over. The same object, given the new buckets: the charges of
+        requests in flight or queued hold it, and settle (refund, correct) against the buckets in use."""
+        old = self.tenant_limits.get(spec.name)
+        new = TenantLimits(spec, now).carried_from(old, now)
+        if old is None:
+            return new
+        old.spec, old.requests, old.tokens = new.spec, new.requests, new.tokens
+        return old
 
     def _same_tenant(self, spec) -> bool:
         return spec.name in self.tenant_limits and self.tenant_limits[spec.name].spec == spec

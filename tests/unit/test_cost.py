@@ -254,6 +254,20 @@ def test_a_reload_that_changes_a_tenants_limits_does_not_refill_its_bucket(clock
     assert core.decide(RequestFacts(api_key="k", model="llama", header_class="batch")).kind == ACCEPT
 
 
+def test_what_a_request_in_flight_over_a_tenant_edit_gets_back_goes_to_the_tenants_bucket_in_use(clock):
+    # An edited tenant got a new TenantLimits carrying its buckets' levels, but requests charged before the edit
+    # settled against the old one: a waiter refused after an API key was added refunded a bucket nobody reads.
+    core = tenant_core(clock, requests_per_minute=60, burst_s=5)  # bucket of 5; batch: 3 slots, 5 places
+    ds = [core.decide(RequestFacts(api_key="k", model="llama", header_class="batch")) for _ in range(4)]
+    assert [d.kind for d in ds] == [ACCEPT] * 3 + [QUEUE]
+    core.apply(make_policy(tenants=[{"name": "acme", "api_keys": ["k", "k2"], "requests_per_minute": 60,
+                                     "burst_s": 5}], shed={}))
+    bucket = core.tenant_limits["acme"].requests
+    assert bucket.refill(clock()) == 1
+    core.abandon(ds[3].waiter, timed_out=False)  # its client left: the request it prepaid comes back
+    assert bucket.refill(clock()) == 2
+
+
 def test_a_queue_holds_no_more_of_a_tenant_than_its_rate(clock):
     # Checked on arrival but charged only on admission, a burst queued ahead of the limit and was served in full
     # (10 requests/minute: 22 served in 2 s, then refused as queue_full). A queued request now pays on arrival.
