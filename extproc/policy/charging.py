@@ -66,6 +66,8 @@ class Charging:
         if charge.tenant is not None and not charge.prepaid:
             charge.tokens = charge.tenant.charge(charge.tokens, now)
         if charge.session is not None:
+            if charge.prepaid:  # it was queued: it runs now
+                charge.session.queued = max(charge.session.queued - 1, 0)
             self.state.sessions.charge(charge.session, cost, now, rate=not charge.prepaid)
 
     def prepay(self, charge: Charge, now: float) -> None:
@@ -74,11 +76,14 @@ class Charging:
             charge.tokens = charge.tenant.charge(charge.tokens, now)
         if charge.session is not None:
             self.state.sessions.charge_rate(charge.session, charge.estimate.gpu_seconds, now)
+            charge.session.queued += 1
         charge.prepaid = True
 
     def refund(self, charge: Charge | None) -> None:
         """A queued request that was never admitted gives back what it prepaid."""
         if charge is not None and charge.prepaid:
+            if charge.session is not None:
+                charge.session.queued = max(charge.session.queued - 1, 0)
             self._give_back(charge)
 
     def _give_back(self, charge: Charge) -> None:

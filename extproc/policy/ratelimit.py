@@ -126,11 +126,12 @@ class TenantLimits:
 
 
 class Session:
-    __slots__ = ("inflight_gpu_s", "inflight", "bucket", "tenant")
+    __slots__ = ("inflight_gpu_s", "inflight", "bucket", "tenant", "queued")
 
     def __init__(self, tenant: str):
         self.inflight_gpu_s = 0.0
         self.inflight = 0  # requests: what says whether it runs (the GPU-seconds' float sum drifts)
+        self.queued = 0    # requests queued (they prepaid its rate): it is kept for them as for those running
         self.bucket: TokenBucket | None = None
         self.tenant = tenant
 
@@ -172,7 +173,7 @@ class SessionBudgets:
                 s.bucket = TokenBucket(rate / 60.0, rate, now)
             while len(self.sessions) > self.spec.max_sessions:
                 old_key, old = next(iter(self.sessions.items()))
-                if old.inflight > 0:  # still running: keep it, forget nothing in flight
+                if old.inflight > 0 or old.queued > 0:  # still running or queued: keep it, forget nothing held
                     self.sessions.move_to_end(old_key)
                     break
                 del self.sessions[old_key]

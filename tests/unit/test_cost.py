@@ -374,6 +374,29 @@ def test_a_session_shares_one_in_flight_budget_and_others_are_unaffected(clock):
     assert core.decide(facts(4000, 200, api_key="ka", header_class="batch", session_id="s1")).kind == ACCEPT
 
 
+def test_a_session_with_a_request_queued_is_not_forgotten_for_another(clock):
+    # Only sessions with requests in flight were kept past max_sessions: one whose request waited in a queue was
+    # forgotten, the request was then admitted against a Session nobody looked up any more, and the session's next
+    # request found nothing in flight (and a fresh per-minute bucket).
+    core = AdmissionController(make_policy(
+        classes={"batch": {"max_concurrency": 1, "max_queue": 5, "max_wait_ms": 5000}}, default_class="batch",
+        tenants=[{"name": "a", "api_keys": ["ka"]}], shed={},
+        sessions={"max_inflight_gpu_seconds": 0.5, "max_sessions": 1},
+        models={"llama": {"cluster": "x", "cost": {"prefill_s_per_1k_tokens": 0.1, "decode_s_per_token": 0.001}}}),
+        clock=clock)
+    running = core.decide(facts(4000, 200, api_key="ka", header_class="batch"))  # 0.3 GPU-s; no session
+    queued = core.decide(facts(4000, 200, api_key="ka", header_class="batch", session_id="s1"))
+    other = core.decide(facts(4000, 200, api_key="ka", header_class="batch", session_id="s2"))
+    assert queued.kind == other.kind == QUEUE
+    core.abandon(other.waiter, timed_out=False)
+    core.finish(running.ticket, Outcome.OK)
+    assert queued.waiter.result.kind == ACCEPT  # s1 has 0.3 of its 0.5 GPU-s in flight
+    assert core.decide(facts(4000, 200, api_key="ka", header_class="batch", session_id="s1")).reason \
+        == "session_inflight_budget"
+    core.finish(queued.waiter.result.ticket, Outcome.OK)
+    assert [(s.inflight, s.queued) for s in core.sessions.sessions.values()] == [(0, 0), (0, 0)]
+
+
 def test_a_reload_that_changes_the_session_knobs_keeps_what_each_session_has_in_flight_and_left(clock):
     # A new SessionBudgets forgot every session: each one's running GPU-seconds (its in-flight budget let a full
     # budget more in at once) and what it had spent of its per-minute bucket (a fresh minute's worth each).
