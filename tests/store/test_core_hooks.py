@@ -60,6 +60,20 @@ def test_a_timed_out_global_wait_takes_the_class_fallback_when_configured():
     assert events.outcomes == [(DEGRADE, "queue_timeout")]
 
 
+def test_a_timed_out_global_wait_of_a_class_a_reload_removed_is_refused_not_sent_to_its_gone_fallback():
+    # A request whose store wait began as the reload went in (SharedSlots.apply refuses only those already waiting)
+    # timed out into its class's fallback, which the reload had taken away with the class: a KeyError (its
+    # degraded slots are forgotten when none runs), and a 500 for a client that had waited its whole max wait.
+    fallback = {"max_concurrency": 2, "max_wait_ms": 200, "on_overflow": "fallback",
+                "fallback": {"action": "degrade", "model": "small"}}
+    core, events, _ = gated_core(classes={"interactive": fallback, "batch": {"max_concurrency": 3}})
+    d = core.decide(facts())
+    core.apply(make_policy(classes={"batch": {"max_concurrency": 3}}, default_class="batch"))
+    r = core.revoke(d, "queue_timeout", "no global slot")
+    assert (r.kind, r.reason, r.status) == (REJECT, "queue_timeout", 429) and r.ticket is None
+    assert not core.tickets and not core._retired
+
+
 def test_shadow_and_degraded_admissions_are_not_gated():
     core, events, _ = gated_core(mode="shadow")
     assert not core.gated(core.decide(facts()))
