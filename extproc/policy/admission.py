@@ -802,11 +802,14 @@ class AdmissionController:
         t = d.ticket
         now = self.clock()
         lim = t.limiter
+        # Closed already (its lease ran out as it waited): released and charged as a request that ran, it takes no
+        # fallback, which would admit and charge it a second time.
+        fallback = reason == R_QUEUE_TIMEOUT and lim.spec.on_overflow == "fallback" and not t.closed
         if not t.closed:  # closed without accounting: the request never ran
             self._release(t, now, False)
         waited = t.waited_s + (now - t.admitted_at)
         # A class a reload removed has no fallback left (its degraded slots and model may be gone with it).
-        if reason == R_QUEUE_TIMEOUT and lim.spec.on_overflow == "fallback" and self.limiters.get(lim.name) is lim:
+        if fallback and self.limiters.get(lim.name) is lim:
             out = self.fallbacks.answer(lim, lim.name, t.tenant, t.pool, R_QUEUE_TIMEOUT, now, overflow=True,
                                  waited_s=waited, charge=t.charge)
         else:

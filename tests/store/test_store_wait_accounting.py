@@ -7,7 +7,7 @@ import asyncio
 
 from prometheus_client import CollectorRegistry
 
-from extproc.policy.admission import ACCEPT, QUEUE, AdmissionController, RequestFacts
+from extproc.policy.admission import ACCEPT, QUEUE, REJECT, AdmissionController, RequestFacts
 from extproc.policy.limits import Outcome
 from extproc.server.final_admission import FinalAdmission
 from extproc.store.shared_slots import SharedSlots
@@ -74,6 +74,25 @@ def test_a_lease_that_expires_while_waiting_for_the_store_frees_the_reservation(
     core.reap()
     lim = core.limiters["interactive"]
     assert counts(core) == (0, 0) and (lim.inflight, lim.reserved) == (0, 0)
+
+
+def test_a_wait_whose_lease_ran_out_takes_no_fallback_when_it_times_out_and_is_charged_once():
+    # The safety net released it as a request that ran (charged, accounted): a degrade at the wait's end admitted
+    # it a second time, and its tenant paid two requests for one it never got.
+    core, events, clock = gated_core(
+        classes={"interactive": {"max_concurrency": 2, "max_wait_ms": 5000, "on_overflow": "fallback",
+                                 "fallback": {"action": "degrade", "model": "small"}}},
+        tenants=[{"name": "t", "api_keys": ["k"], "requests_per_minute": 60, "max_class": "interactive"}],
+        lease_ms=1000)
+    d = core.decide(RequestFacts(api_key="k", header_class="interactive", model="llama", max_tokens=10))
+    bucket = core.tenant_limits["t"].requests
+    core.await_store(d)
+    clock.advance(1.5)
+    core.reap()
+    r = core.revoke(d, "queue_timeout", "no global slot")
+    assert (r.kind, r.reason, r.ticket) == (REJECT, "queue_timeout", None)
+    assert bucket.refill(clock()) == bucket.capacity  # the one request it took is refilled (1 a second) by now
+    assert not core.tickets and core.degraded["interactive"].inflight == 0
 
 
 def test_a_request_queued_locally_then_waiting_for_the_store_is_one_queue_entry():
