@@ -731,7 +731,11 @@ class AdmissionController:
         now = self.clock()
         expired = [t for t in self.tickets.values() if t.lease_until <= now]
         for t in expired:
-            self.finish(t, Outcome.LEASE_EXPIRED)
+            if t.awaiting_store:  # it waited for the store and never ran: its slot goes back unused, no completion
+                self._release(t, now, False)
+                self._grant(t.limiter, now)
+            else:
+                self.finish(t, Outcome.LEASE_EXPIRED)
         while self._unreported:
             t = next(iter(self._unreported.values()))
             if now - t.released_at < REPORT_WAIT_S:
@@ -802,8 +806,8 @@ class AdmissionController:
         t = d.ticket
         now = self.clock()
         lim = t.limiter
-        # Closed already (its lease ran out as it waited): released and charged as a request that ran, it takes no
-        # fallback, which would admit and charge it a second time.
+        # Closed already (the lease safety net ended it): its wait is over, and no fallback admits it again (one
+        # released as having run, its lease out before it waited, would be charged twice).
         fallback = reason == R_QUEUE_TIMEOUT and lim.spec.on_overflow == "fallback" and not t.closed
         if not t.closed:  # closed without accounting: the request never ran
             self._release(t, now, False)

@@ -95,6 +95,29 @@ def test_a_wait_whose_lease_ran_out_takes_no_fallback_when_it_times_out_and_is_c
     assert not core.tickets and core.degraded["interactive"].inflight == 0
 
 
+def test_waits_whose_leases_ran_out_are_no_errors_of_the_pool_and_cost_nothing():
+    # The safety net ended them as requests that ran and expired: each an error for the class's error breaker on a
+    # pool they never reached (4 opened it), and a completion its tenant paid for.
+    core, events, clock = gated_core(
+        classes={"interactive": {"max_concurrency": 8, "max_wait_ms": 5000,
+                                 "error_breaker": {"min_requests": 4, "cooldown_s": 10}}},
+        tenants=[{"name": "t", "api_keys": ["k"], "requests_per_minute": 60, "burst_s": 10,
+                  "max_class": "interactive"}],
+        lease_ms=1000)
+    bucket = core.tenant_limits["t"].requests
+    ds = [core.decide(RequestFacts(api_key="k", header_class="interactive", model="llama", max_tokens=10))
+          for _ in range(4)]
+    for d in ds:
+        core.await_store(d)
+    clock.advance(1.5)
+    assert core.reap() == [d.ticket for d in ds]
+    lim = core.limiters["interactive"]
+    assert (lim.inflight, lim.reserved) == (0, 0) and not core.tickets
+    assert bucket.refill(clock()) == bucket.capacity
+    assert [b.state for b in core.breakers[("interactive", "pool_a")]] == ["closed"]
+    assert core.decide(RequestFacts(api_key="k", header_class="interactive", model="llama")).kind == ACCEPT
+
+
 def test_a_request_queued_locally_then_waiting_for_the_store_is_one_queue_entry():
     core, events, clock = gated_core()
     held = [core.decide(facts()) for _ in range(2)]
