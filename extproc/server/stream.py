@@ -163,7 +163,8 @@ class Stream:
     once, however the stream ended.
     """
 
-    __slots__ = ("processor", "phase", "request", "held", "usage", "status", "restream", "_handlers")
+    __slots__ = ("processor", "phase", "request", "held", "usage", "status", "restream", "sees_response",
+                 "_handlers")
 
     def __init__(self, processor: Processor):
         self.processor = processor
@@ -174,6 +175,7 @@ class Stream:
         self.usage: UsageReader | None = None  # set when this response's usage is read
         self.status = 0                         # the upstream response status, once seen
         self.restream: Restream | None = None   # a streamed request a degrade answered without streaming
+        self.sees_response = False              # its headers' answer asked Envoy for the response headers
         self.phase = Phase.HEADERS
         self._handlers = TRANSITIONS[Phase.HEADERS]
 
@@ -268,6 +270,7 @@ class Stream:
         # request streams and is degraded is known only from its body).
         if self.usage is None and not self.processor.may_restream(policy):
             return CONTINUE["request_headers"]
+        self.sees_response = True
         return protocol.LEARN_HEADERS
 
     def _refused_key(self, head: protocol.RequestHead, facts: RequestFacts) -> Answer | None:
@@ -355,7 +358,10 @@ class Stream:
         note = None
         if type(d) is Degrade:
             fb = d.fallback
-            changed = degrade_body(body, fb.model, fb.max_tokens, fb.stream, d.context_tokens)
+            # Streaming goes off only where the response comes back to us to be turned into a stream again: a
+            # reload between the headers and the decision can bring a degrade the headers' answer did not ask for.
+            changed = degrade_body(body, fb.model, fb.max_tokens, fb.stream if self.sees_response else None,
+                                   d.context_tokens)
             if "stream=off" in changed:
                 self.restream = Restream(body.endpoint.kind, usage_asked)
             note = ("x-extproc-degraded", f"{','.join(changed) or 'none'}; reason={d.reason}")

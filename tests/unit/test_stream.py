@@ -895,3 +895,19 @@ def test_get_models_needs_a_known_key_when_anonymous_requests_are_not_allowed(cl
     # Allowed anonymous callers read it without a key, as from vLLM without --api-key.
     anon = Stream(processor(clock)).receive(request_headers(path=b"/v1/models", method=b"GET", eos=True))
     assert immediate_status(anon) == 200
+
+
+def test_a_reload_between_the_headers_and_the_body_does_not_turn_streaming_off_unseen(clock):
+    # The headers were answered under a policy that turns no stream off, so Envoy sends us no response phase: a
+    # degrade the reload brought in that turned streaming off would hand the streaming client a bare JSON body.
+    p = processor(clock, **one_class(max_concurrency=1, max_queue=0, on_overflow="fallback",
+                                     fallback={"action": "degrade", "max_tokens": 2}))
+    admitted(p)
+    s = Stream(p)
+    assert s.receive(request_headers()) is CONTINUE["request_headers"]
+    p.core.apply(make_policy(**NO_STREAMING))
+    answer = s.receive(request_body({"model": "llama", "messages": [], "max_tokens": 50, "stream": True}))
+    assert s.phase is Phase.FORWARDING
+    forwarded = json.loads(answer.request_body.response.body_mutation.body)
+    assert forwarded["stream"] is True and forwarded["max_tokens"] == 2
+    assert b"stream=off" not in set_headers(answer)["x-extproc-degraded"]
