@@ -190,7 +190,10 @@ class RedisStore:
     async def _acquire_queued(self) -> None:
         try:
             while self._to_acquire:
-                batch, self._to_acquire = self._to_acquire, []
+                # A caller that gave up while queued already sent its release: its claim must not go out after it.
+                batch, self._to_acquire = [(c, f) for c, f in self._to_acquire if not f.done()], []
+                if not batch:
+                    continue
                 try:
                     held = await self._acquire_batch([c for c, _ in batch])
                 except StoreUnavailable as e:
@@ -198,9 +201,15 @@ class RedisStore:
                         if not future.done():
                             future.set_exception(e)
                     continue
-                for (_, future), h in zip(batch, held):
-                    if not future.done():  # a caller that gave up releases what it may have got
+                gone = []
+                for (c, future), h in zip(batch, held):
+                    if not future.done():
                         future.set_result(h)
+                    elif h:  # its caller gave up during the call, and its release may have reached Redis first
+                        gone.append((c.cls, c.holder))
+                if gone:
+                    with contextlib.suppress(StoreUnavailable):  # else its lease runs out unrenewed
+                        await self.release(gone)
         finally:
             self._busy = False
             self._acquirer = None

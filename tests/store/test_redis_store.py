@@ -245,3 +245,42 @@ async def _relay_and_wait(sender: RedisStore, heard: list, reports: list, result
     sender.relay("own1", reports, results.append)
     await asyncio.sleep(0.05)
     return bool(heard) or bool(results and results[-1])
+
+
+async def test_an_acquire_given_up_while_queued_does_not_take_a_slot_after_its_release(redis_server):
+    # The caller that gives up releases what it may have got (SharedSlots.try_now), but a queued acquire goes out
+    # with the next batch, after that release: the slot was taken for nobody and held until its lease ran out.
+    store = RedisStore(spec(redis_server.url))
+    first = asyncio.create_task(store.acquire(claim("a", cap=5)))
+    await asyncio.sleep(0)  # on its way: the next one queues behind it
+    queued = asyncio.create_task(store.acquire(claim("b", cap=5)))
+    await asyncio.sleep(0)
+    queued.cancel()
+    await store.release([("c", "b")])
+    assert await first
+    await until(lambda: store._acquirer is None and not store._busy)
+    assert await store.count("c") == 1
+    await store.close()
+
+
+async def test_an_acquire_given_up_during_its_batch_call_is_given_back(redis_server):
+    store = RedisStore(spec(redis_server.url))
+    real, sent = store._acquire_batch, asyncio.Event()
+
+    async def slow(claims):
+        if claims[0].holder == "b":
+            sent.set()
+            await asyncio.sleep(0.05)  # the caller gives up and releases meanwhile, ahead of the script
+        return await real(claims)
+
+    store._acquire_batch = slow
+    first = asyncio.create_task(store.acquire(claim("a", cap=5)))
+    await asyncio.sleep(0)
+    queued = asyncio.create_task(store.acquire(claim("b", cap=5)))
+    await sent.wait()
+    queued.cancel()
+    await store.release([("c", "b")])
+    assert await first
+    await until(lambda: store._acquirer is None and not store._busy)
+    assert await store.count("c") == 1
+    await store.close()
