@@ -436,6 +436,11 @@ def degrade_body(body: RequestBody, model: str | None, max_tokens: int | None, s
         changed.append(f"max_tokens={max_tokens}")
         # vLLM refuses min_tokens above max_tokens (400): the floor the client set comes down with the cap.
         min_tokens = _whole(doc.get("min_tokens"))
+        if isinstance(min_tokens, str):  # pydantic's lax mode reads "20" as 20, and vLLM then checks it
+            try:
+                min_tokens = int(min_tokens.strip())
+            except ValueError:
+                pass
         if type(min_tokens) is int and min_tokens > max_tokens:
             doc["min_tokens"] = max_tokens
             changed.append(f"min_tokens={max_tokens}")

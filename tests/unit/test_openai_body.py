@@ -59,6 +59,13 @@ def test_a_degrade_brings_min_tokens_down_to_the_clamp(min_tokens, written, note
     assert note is None or ",".join(changed) == note
 
 
+def test_a_degrade_brings_a_min_tokens_written_as_a_string_down_too():
+    # vLLM's pydantic model reads "20" as 20 (lax mode) and then refuses min_tokens > max_tokens with a 400.
+    b = parse({"model": "m", "messages": [], "max_tokens": 100, "min_tokens": "20"})
+    assert degrade_body(b, None, 8, None) == ["max_tokens=8", "min_tokens=8"]
+    assert b.doc["min_tokens"] == 8
+
+
 @pytest.mark.parametrize("doc", [{}, {"max_tokens": None}])
 def test_a_completion_without_max_tokens_is_capped_at_the_apis_16(doc):
     # OpenAI's and vLLM 0.32's completions default; chat's is the rest of the context (left to the policy).
