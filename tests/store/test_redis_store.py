@@ -247,6 +247,17 @@ async def _relay_and_wait(sender: RedisStore, heard: list, reports: list, result
     return bool(heard) or bool(results and results[-1])
 
 
+async def give_up_and_count(store, first, queued) -> None:
+    """The second caller gives up and releases what it may have got (as SharedSlots.try_now does): once the
+    acquirer is idle only the first caller's slot is held."""
+    queued.cancel()
+    await store.release([("c", "b")])
+    assert await first
+    await until(lambda: store._acquirer is None and not store._busy)
+    assert await store.count("c") == 1
+    await store.close()
+
+
 async def test_an_acquire_given_up_while_queued_does_not_take_a_slot_after_its_release(redis_server):
     # The caller that gives up releases what it may have got (SharedSlots.try_now), but a queued acquire goes out
     # with the next batch, after that release: the slot was taken for nobody and held until its lease ran out.
@@ -255,12 +266,7 @@ async def test_an_acquire_given_up_while_queued_does_not_take_a_slot_after_its_r
     await asyncio.sleep(0)  # on its way: the next one queues behind it
     queued = asyncio.create_task(store.acquire(claim("b", cap=5)))
     await asyncio.sleep(0)
-    queued.cancel()
-    await store.release([("c", "b")])
-    assert await first
-    await until(lambda: store._acquirer is None and not store._busy)
-    assert await store.count("c") == 1
-    await store.close()
+    await give_up_and_count(store, first, queued)
 
 
 async def test_an_acquire_given_up_during_its_batch_call_is_given_back(redis_server):
@@ -278,9 +284,4 @@ async def test_an_acquire_given_up_during_its_batch_call_is_given_back(redis_ser
     await asyncio.sleep(0)
     queued = asyncio.create_task(store.acquire(claim("b", cap=5)))
     await sent.wait()
-    queued.cancel()
-    await store.release([("c", "b")])
-    assert await first
-    await until(lambda: store._acquirer is None and not store._busy)
-    assert await store.count("c") == 1
-    await store.close()
+    await give_up_and_count(store, first, queued)
