@@ -79,7 +79,9 @@ class TenantLimits:
     def check(self, tokens: int, now: float) -> tuple[str | None, float]:
         """(None, 0) if the request fits, else (which limit, seconds until it would)."""
         if self.requests is not None:
-            wait = self.requests.wait_s(1, now)
+            # A bucket shallower than one request (requests_per_minute * burst_s < 60) waits for what it can hold,
+            # as the token bucket does: waiting for a whole request in it was forever.
+            wait = self.requests.wait_s(min(1, self.requests.capacity), now)
             if wait > 0:
                 return "requests", wait
         if self.tokens is not None:

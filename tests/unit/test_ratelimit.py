@@ -1,0 +1,17 @@
+"""TokenBucket and TenantLimits (per-tenant rate limits and their x-ratelimit-* headers)."""
+
+import math
+
+from extproc.policy.ratelimit import TenantLimits
+from extproc.policy.schema import TenantSpec
+
+
+def test_a_request_bucket_shallower_than_one_request_still_admits_at_its_rate():
+    # requests_per_minute 30 with burst_s 1 (both valid) is a bucket of 0.5 requests: waiting for a whole request
+    # in it was forever (wait inf), so the tenant was refused every request.
+    limits = TenantLimits(TenantSpec(name="t", requests_per_minute=30, burst_s=1), 0.0)
+    assert limits.check(1, 0.0) == (None, 0.0)
+    limits.charge(1, 0.0)
+    which, wait = limits.check(1, 0.0)
+    assert which == "requests" and math.isfinite(wait) and wait > 0
+    assert limits.check(1, 2.0) == (None, 0.0)  # 30 a minute: one every 2 s
