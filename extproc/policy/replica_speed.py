@@ -86,7 +86,9 @@ class TokenPace:
         count = sum(step[2] for step in self._steps)
         if count < MIN_TOKENS:
             return None
-        return sum(step[1] for step in self._steps) / count
+        total = sum(step[1] for step in self._steps)
+        # A sum that stood still while the count grew measured nothing (and a 0 pace divides the others' by zero).
+        return total / count if total > 0 else None
 
     def batch(self) -> float:
         """The mean requests running alongside each token of the window (call after seconds_per_token); NaN when

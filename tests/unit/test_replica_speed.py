@@ -200,3 +200,11 @@ def test_the_core_keeps_a_class_with_an_slo_off_a_slow_replica_however_much_of_t
     core.set_saturation("pool_a", PoolSaturation())  # no longer slow
     gate.held[core.limiters["interactive"].rank] = 0.0
     assert core.replicas_for("pool_a", "interactive") is None
+
+
+def test_a_replica_whose_histogram_sum_stands_still_is_not_a_zero_pace():
+    # Its count grows, its sum does not (an exporter that fills only the count): 0 s a token is no measurement,
+    # and as the fastest replica it divided every other's pace by zero (ZeroDivisionError in judge_slow).
+    still, other = paced(0.0), paced(0.010)
+    assert still.seconds_per_token(10.0) is None
+    assert judge_slow([still, other], 10.0, 1.5) == [] and not other.slow and not still.slow
