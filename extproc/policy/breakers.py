@@ -185,18 +185,25 @@ class LatencyBreaker(Breaker):
         self.min_samples = min_samples
         self.q = quantile
         self.window = LatencyWindow(window_s)
+        # (within, over the SLO) exactly: the window's quantile is its bucket's upper edge, up to 8% over the truth,
+        # and requests all within the SLO but in the bucket holding it read over it and tripped the breaker.
+        self._over = ErrorWindow(window_s)
 
     def _record(self, now: float, seconds: float) -> None:
         self.window.add(now, seconds)
+        self._over.add(now, seconds > self.slo_s)
 
     def _tripped(self, now: float) -> bool:
-        return self.window.count(now) >= self.min_samples and self.window.quantile(now, self.q) > self.slo_s
+        # The q-quantile is over the SLO exactly when fewer than q of the samples are within it.
+        total, over = self._over.counts(now)
+        return total >= self.min_samples and total > 0 and (total - over) / total < self.q
 
     def _bad(self, seconds: float) -> bool:
         return seconds > self.slo_s
 
     def _clear(self) -> None:
         self.window.clear()
+        self._over.clear()
 
     def p95(self, now: float) -> float:
         return self.window.quantile(now, self.q)
@@ -220,7 +227,8 @@ class ErrorBreaker(Breaker):
 
     def _tripped(self, now: float) -> bool:
         total, bad = self.window.counts(now)
-        return total >= self.min_requests and bad >= self.max_error_ratio * total
+        # bad / total, not ratio * total: 0.14 * 50 is 7.000000000000001, so 7 failures of 50 never reached 0.14.
+        return total >= self.min_requests and total > 0 and bad / total >= self.max_error_ratio
 
     def _bad(self, bad: bool) -> bool:
         return bad

@@ -143,3 +143,21 @@ def test_transitions_are_reported():
     b.allow(10.0)
     b.allow(80.0)
     assert seen == [OPEN, HALF_OPEN, CLOSED]
+
+
+def test_a_latency_breaker_does_not_trip_while_every_request_meets_the_slo():
+    # Every request took 1.9 s against a 2 s SLO; the window's p95 read as its bucket's upper edge (2.04 s) tripped
+    # the breaker, taking the class offline with no request over its SLO.
+    b = latency_breaker()
+    feed(b, 0.0, 1.9, 200)
+    assert b.state == CLOSED
+    feed(b, 1.0, 2.01, 20)  # just over the SLO, 20 of 220: past the 5% the p95 allows
+    assert b.state == OPEN
+
+
+def test_error_breaker_trips_when_failures_reach_exactly_the_ratio():
+    # 7 failures of 50 reach a max_error_ratio of 0.14; 0.14 * 50 is 7.000000000000001 in floats: it did not trip.
+    b = ErrorBreaker(max_error_ratio=0.14, min_requests=50)
+    for i in range(50):
+        b.observe(0.0, i < 7, False)
+    assert b.state == OPEN
