@@ -954,6 +954,14 @@ def _check_references(p: Policy, errors: list[str]) -> None:
                 # Never echo the key itself: policy errors end up in logs.
                 errors.append(f"{base}.api_keys[{j}]: key already belongs to tenant {seen_keys[key]!r}")
             seen_keys[key] = t.name
+    for base, t in [*((f"tenants[{i}]", t) for i, t in enumerate(p.tenants)), ("anonymous", p.anonymous)]:
+        for key in ("requests_per_minute", "tokens_per_minute"):
+            rate = getattr(t, key)
+            # Its bucket holds rate * burst_s / 60 in a float: past the largest float it crashed at run time
+            # (OverflowError building the bucket, or writing the x-ratelimit-remaining header of an infinite one).
+            if (isinstance(rate, int) and rate and isinstance(t.burst_s, float)
+                    and not math.isfinite(_int_to_float(rate) * t.burst_s)):
+                errors.append(f"{base}.{key}: {key} * burst_s is past the largest number a bucket can hold")
     if sum(spec.min_share for spec in p.classes.values()) > 1 + SHARES_SLACK:
         errors.append("classes: the min_share of every class add up to more than 1")
     for name, spec in p.classes.items():

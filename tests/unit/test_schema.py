@@ -319,3 +319,15 @@ def test_a_fairness_header_nothing_reads_is_warned_about():
     assert "classes.a.fairness.key: `header` in a `fifo` queue" in text, text
     keyed = {"max_concurrency": 4, "fairness": {"mode": "fair", "key": "header"}}
     assert policy_warnings(load_policy({**BASE, **header, "classes": {"a": keyed}})) == []
+
+
+def test_a_rate_limit_no_bucket_can_hold_is_refused():
+    # Both passed `extproc check` and crashed at run time: 10**400 tokens a minute building the bucket
+    # (OverflowError: int too large to convert to float), and a bucket of 1e20 a minute over a 1e300 s burst
+    # (infinite) writing its x-ratelimit-remaining header (int(inf)).
+    errs = errors_of({**BASE, "tenants": [{"name": "t", "api_keys": ["k"], "tokens_per_minute": 10**400}]})
+    assert any(e.startswith("tenants[0].tokens_per_minute: ") for e in errs)
+    errs = errors_of({**BASE, "anonymous": {"requests_per_minute": 10**20, "burst_s": 1e300}})
+    assert any(e.startswith("anonymous.requests_per_minute: ") for e in errs)
+    load_policy({**BASE, "tenants": [{"name": "t", "api_keys": ["k"], "tokens_per_minute": 10**12,
+                                      "burst_s": 86400}]})
