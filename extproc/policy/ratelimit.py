@@ -123,7 +123,8 @@ class TenantLimits:
             level = bucket.refill(now)
             out.append((f"x-ratelimit-limit-{name}", str(limit)))
             out.append((f"x-ratelimit-remaining-{name}", str(max(int(level), 0))))
-            out.append((f"x-ratelimit-reset-{name}", f"{max(bucket.capacity - level, 0) / bucket.rate:.0f}s"))
+            # Rounded up: 0.4 s from full read "0s" (reset) beside a remaining below the limit.
+            out.append((f"x-ratelimit-reset-{name}", f"{math.ceil(max(bucket.capacity - level, 0) / bucket.rate)}s"))
         return out
 
 

@@ -15,3 +15,13 @@ def test_a_request_bucket_shallower_than_one_request_still_admits_at_its_rate():
     which, wait = limits.check(1, 0.0)
     assert which == "requests" and math.isfinite(wait) and wait > 0
     assert limits.check(1, 2.0) == (None, 0.0)  # 30 a minute: one every 2 s
+
+
+def test_the_reset_header_is_never_zero_while_the_bucket_is_not_full():
+    # 0.4 s from full was rounded to "0s" next to remaining 0: a client told the limit had reset retried at once.
+    limits = TenantLimits(TenantSpec(name="t", requests_per_minute=60, burst_s=1), 0.0)
+    limits.charge(1, 0.0)
+    headers = dict(limits.headers(0.6))
+    assert headers["x-ratelimit-remaining-requests"] == "0"
+    assert headers["x-ratelimit-reset-requests"] == "1s"
+    assert dict(limits.headers(5.0))["x-ratelimit-reset-requests"] == "0s"  # full again
