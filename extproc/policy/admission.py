@@ -76,7 +76,7 @@ class AdmissionController:
         """Install a (validated) policy. Held slots stay with the limiter they were taken from; what they hold of a
         pool's limit moves to the pool's new gate."""
         removed = self.state.apply(policy, self._retired)
-        self._retired = [lim for lim in self._retired if self.state.limiters.get(lim.name) is not lim]
+        self._retired = [lim for lim in self._retired if not self.state.current(lim)]
         self.state.move_pool_holds(self.tickets.values(), self._unreported.values())
         st = self.state  # plain attributes, not properties: the hot path reads them on every request
         self.policy, self.limiters, self.degraded, self.classifier = st.policy, st.limiters, st.degraded, \
@@ -606,21 +606,27 @@ class AdmissionController:
     def _admit(self, lim: ClassLimiter, tenant: str, pool: str, now: float, charge: Charge | None,
                waited_s: float, gate=None, units: float = 0.0, flow: str | None = None) -> Ticket:
         cost = charge.estimate.gpu_seconds if charge is not None else 0.0
-        lim.take(cost, now)
         lim.pools.add(pool)
         ticket = Ticket(lim, tenant, pool, now, self._lease_s, cost, waited_s)
         ticket.flow = flow or tenant
-        ticket.fair_charge = lim.queue.admitted(ticket.flow, cost)
         ticket.charge = charge
-        if gate is not None:
-            self.hold_pool(ticket, gate, units)
-        if charge is not None:
-            self.charging.admitted(charge, cost, now)
+        self.hold(ticket, lim, cost, now, gate, units)
         self.tickets[ticket.id] = ticket
-        if lim.saturated and self.limiters.get(lim.name) is lim:  # not its degraded slots' limiter (same name)
+        if lim.saturated and self.state.current(lim):  # not its degraded slots' limiter (same name)
             for shed in self.state.sheds.get(lim.name, ()):
                 self._shed_queue(shed, lim, now)
         return ticket
+
+    def hold(self, ticket: Ticket, lim: ClassLimiter, cost: float, now: float, gate=None, units: float = 0.0) -> None:
+        """What a slot taken holds, each given back by _release: the class's slot and GPU-seconds, the flow's fair
+        charge, the pool's units, the session's in-flight budget. For a new ticket (_admit) and for a shadow pass
+        that reaches its virtual place (ShadowMode.grant), which once charged no session budget but gave one back."""
+        lim.take(cost, now)
+        ticket.fair_charge = lim.queue.admitted(ticket.flow, cost)
+        if gate is not None:
+            self.hold_pool(ticket, gate, units)
+        if ticket.charge is not None:
+            self.charging.admitted(ticket.charge, cost, now)
 
     def _release(self, ticket: Ticket, now: float, ran: bool) -> None:
         """Close the ticket and give back what it holds (slot, session budget). A request that never ran (its
@@ -813,7 +819,7 @@ class AdmissionController:
             self._release(t, now, False)
         waited = t.waited_s + (now - t.admitted_at)
         # A class a reload removed has no fallback left (its degraded slots and model may be gone with it).
-        if fallback and self.limiters.get(lim.name) is lim:
+        if fallback and self.state.current(lim):
             out = self.fallbacks.answer(lim, lim.name, t.tenant, t.pool, R_QUEUE_TIMEOUT, now, overflow=True,
                                  waited_s=waited, charge=t.charge)
         else:

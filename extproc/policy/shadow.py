@@ -58,13 +58,8 @@ class ShadowMode:
         if t is None:
             return False
         self.places.pop(t.id, None)
-        lim.take(w.cost, now)
         t.cost, t.holds_slot, t.flow = w.cost, True, w.flow
-        t.fair_charge = lim.queue.admitted(w.flow, w.cost)
-        if w.gate is not None:
-            self.core.hold_pool(t, w.gate, w.units)
-        if t.charge is not None:  # its session's in-flight budget, as _admit charges it: released when it ends
-            self.core.charging.admitted(t.charge, w.cost, now)
+        self.core.hold(t, lim, w.cost, now, w.gate, w.units)
         w.result = Admit(R_DEQUEUED, lim.name, w.tenant, t, waited_s=waited_s)
         self.core.events.shadow(lim.name, ACCEPT, R_DEQUEUED)
         return True

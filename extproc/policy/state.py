@@ -212,6 +212,11 @@ class PolicyState:
             self.served_names.clear()
             self.served_names.update(fresh)
 
+    def current(self, lim: ClassLimiter) -> bool:
+        """Whether `lim` is its class's limiter in the running policy: not one a reload retired, nor the class's
+        degraded slots (which carry its name)."""
+        return self.limiters.get(lim.name) is lim
+
     def _same_cost(self, model: str, spec) -> bool:
         return model in self.cost_models and self.cost_models[model].spec == spec
 
