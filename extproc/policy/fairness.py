@@ -348,8 +348,7 @@ class FairQueue:
         if group is None or group.backlogged == (1 if mine else 0):
             ftime = math.inf  # no other flow of its group waits (the usual case): the pass for it is not needed
         else:
-            ftime = max(own.vtime if own is not None else group.floor,
-                        min((f.vtime for f in self._backlogged.values() if f.group is group), default=-math.inf))
+            ftime = max(own.vtime if own is not None else group.floor, self._least_in(group, math.inf))
         # The others go first by their groups' rank (_grant_rank: under its guarantee first, then virtual time),
         # those of its own group by their own virtual time.
         first = self._under_guarantee(group) if group is not None else \
