@@ -606,7 +606,6 @@ class AdmissionController:
     def _admit(self, lim: ClassLimiter, tenant: str, pool: str, now: float, charge: Charge | None,
                waited_s: float, gate=None, units: float = 0.0, flow: str | None = None) -> Ticket:
         cost = charge.estimate.gpu_seconds if charge is not None else 0.0
-        lim.pools.add(pool)
         ticket = Ticket(lim, tenant, pool, now, self._lease_s, cost, waited_s)
         ticket.flow = flow or tenant
         ticket.charge = charge
@@ -621,6 +620,7 @@ class AdmissionController:
         """What a slot taken holds, each given back by _release: the class's slot and GPU-seconds, the flow's fair
         charge, the pool's units, the session's in-flight budget. For a new ticket (_admit) and for a shadow pass
         that reaches its virtual place (ShadowMode.grant), which once charged no session budget but gave one back."""
+        lim.pools.add(ticket.pool)  # the pools whose struggles the class yields to (limit_moves)
         lim.take(cost, now)
         ticket.fair_charge = lim.queue.admitted(ticket.flow, cost)
         if gate is not None:

@@ -483,3 +483,16 @@ def test_an_admission_revoked_then_degraded_is_charged_one_request(clock):
     out = core.revoke(d, "queue_timeout", "no global slot")
     assert out.kind == DEGRADE and limits.tokens.level == 60_000 - 8
     assert limits.requests.level == 59
+
+
+def test_in_shadow_a_class_that_first_reaches_a_pool_through_its_virtual_queue_runs_there(clock):
+    # Enforce mode records a class's pool when it admits it there (`pools`: the pools whose struggles the class
+    # yields to); a shadow place granted on a pool the class had not run on yet was left out of it.
+    core = AdmissionController(policy(shadow=True), clock=clock)
+    a, b = core.decide(req()), core.decide(req())
+    c = core.decide(req(model="small"))  # the class is full: it runs, while its place waits for a slot on pool_b
+    assert c.shadow_would.kind == QUEUE and core.limiters["interactive"].pools == {"pool_a"}
+    core.finish(a.ticket, Outcome.OK)
+    assert core.limiters["interactive"].pools == {"pool_a", "pool_b"}
+    for d in (b, c):
+        core.finish(d.ticket, Outcome.OK)
