@@ -332,6 +332,8 @@ class AdmissionController:
                     and self._owed(gate, lim, flow, units, now))):
             ticket = self._admit(lim, c.tenant, cluster, now, charge, 0.0, gate, units, flow)
             ticket.trickle = trickle
+            if deadline_ms is not None:
+                ticket.wait_until = min(ticket.wait_until, now + deadline_ms / 1000.0)
             return Admit(R_SLOT_FREE, c.cls, c.tenant, ticket, cluster=cluster, classification=c)
         # The class's drain rate predicts its own queue; a request waiting only for its pool is granted by
         # priority as the pool frees, which that rate does not measure: it waits up to its max wait instead.
@@ -535,7 +537,7 @@ class AdmissionController:
             if self.shadow.grant(w, lim, waited, now):
                 continue
             ticket = self._admit(lim, w.tenant, w.pool, now, w.charge, waited, gate, w.units, w.flow)
-            ticket.trickle = w.trickle
+            ticket.trickle, ticket.wait_until = w.trickle, w.deadline
             ticket.queued = True
             self._resolve(w, Admit(R_DEQUEUED, lim.name, w.tenant, ticket, waited_s=waited, cluster=w.pool))
 

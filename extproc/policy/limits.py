@@ -88,7 +88,8 @@ class Ticket:
 
     __slots__ = ("id", "limiter", "cls", "tenant", "pool", "admitted_at", "lease_until", "cost", "closed", "waited_s",
                  "released_at", "stream_outcome", "completion", "trickle", "degraded", "holds_slot", "charge",
-                 "usage", "gate", "units", "rank", "flow", "queued", "awaiting_store", "rest", "fair_charge")
+                 "usage", "gate", "units", "rank", "flow", "queued", "awaiting_store", "rest", "fair_charge",
+                 "wait_until")
 
     def __init__(self, limiter: ClassLimiter, tenant: str, pool: str, now: float, lease_s: float, cost: float,
                  waited_s: float, holds_slot: bool = True):
@@ -120,6 +121,9 @@ class Ticket:
         # It waits for the shared store's global slot (AdmissionController.await_store): its class slot is only
         # reserved, and it counts as queued, not in flight, until the store confirms or it is revoked.
         self.awaiting_store = False
+        # When its wait for a slot ends, the shared store's included: arrival plus the class's max wait, or the
+        # request's own deadline if shorter (as a Waiter's).
+        self.wait_until = now - waited_s + limiter.spec.max_wait_ms / 1000.0
 
 
 class Waiter:

@@ -324,8 +324,9 @@ class ClassifySpec:
         "join another flow or split the anonymous share over many. Values are cut to 128 characters. Unset: "
         "the tenant is the key.", None, header_name=True)
     deadline_header: str | None = doc(
-        "Request header carrying the request's own deadline, in milliseconds from its arrival. It waits in its "
-        "class's queue at most that long (never longer than the class's `max_wait_ms`), and queues with a "
+        "Request header carrying the request's own deadline, in milliseconds from its arrival. It waits for a "
+        "slot at most that long (its class's queue, and with `store.kind: redis` the global slot; never longer "
+        "than the class's `max_wait_ms`), and queues with a "
         "fairness mode serve the earliest deadline of a flow first: a deadline reorders its own flow's "
         "requests only, never another flow's or tenant's. A value that is not a finite number >= 0 (empty, "
         "negative, NaN, several values joined by a comma) is ignored. Unset: not read.", None, header_name=True)
@@ -497,7 +498,8 @@ class StoreSpec:
         "`extproc serve --workers N` share them through the host's memory. `redis`: every "
         "replica pointing at the same Redis and `key_prefix` shares each class's `max_concurrency` and "
         "`max_inflight_gpu_seconds`; a request admitted locally also takes a global slot (one round trip) and "
-        "waits up to the class's `max_wait_ms` for one. Changes to this section apply on restart.", "memory")
+        "waits up to the class's `max_wait_ms` (or the request's own shorter deadline, "
+        "`classify.deadline_header`) for one. Changes to this section apply on restart.", "memory")
     url: str = doc("redis: the server, as a redis-py URL (`redis://host:6379/0`, `rediss://` for TLS, "
                    "`unix:///path`).", "redis://127.0.0.1:6379/0")
     key_prefix: str = doc("redis: prefix of every key and of the release channel; replicas that share caps use "

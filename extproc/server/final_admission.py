@@ -43,13 +43,9 @@ class FinalAdmission:
         extended = False
         if self.waiter is not None:
             w = self.waiter
-            until = w.deadline
-            if self.shared is not None:
-                # A gated verdict then waits for a global slot until the class's max_wait_ms from arrival
-                # (SharedSlots.deadline), which a request's own shorter deadline does not cut: Envoy takes one
-                # extension per message, so this one must cover that wait too.
-                until = max(until, w.enqueued_at + w.limiter.spec.max_wait_ms / 1000.0)
-            await extend(max(until - self.core.clock(), 0.0))
+            # A gated verdict then waits for a global slot until this same deadline (SharedSlots.deadline): Envoy
+            # takes one extension per message, and this one covers both waits.
+            await extend(max(w.deadline - self.core.clock(), 0.0))
             extended = True
             d = await self._queue_verdict()
             if not self.core.gated(d):

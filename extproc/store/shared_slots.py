@@ -113,8 +113,9 @@ class SharedSlots:
 
     @staticmethod
     def deadline(ticket: Ticket) -> float:
-        """When the request's wait ends: its arrival plus the class's max_wait_ms, queueing included."""
-        return ticket.admitted_at - ticket.waited_s + ticket.limiter.spec.max_wait_ms / 1000.0
+        """When the request's wait ends: its arrival plus the class's max_wait_ms or its own shorter deadline,
+        queueing included."""
+        return ticket.wait_until
 
     async def try_now(self, d: Decision) -> Decision | None:
         """One attempt (a single round trip): the final decision, or None when the request has to wait()."""

@@ -79,6 +79,22 @@ async def test_no_global_slot_within_max_wait_is_a_queue_timeout_that_frees_the_
     await a.close(), await b.close()
 
 
+async def test_a_requests_own_shorter_deadline_ends_its_wait_for_a_global_slot_too(redis_server):
+    # It ends its wait in the class queue; the store's wait went on to the class's max_wait_ms (2 s here), past
+    # the deadline the client gave.
+    a, b = replica(redis_server.url), replica(redis_server.url)
+    await a.start(), await b.start()
+    held = await admit(a)
+    started = time.monotonic()
+    d = b.core.decide(RequestFacts(header_class="interactive", model="llama", max_tokens=10, deadline_ms=200))
+    refused = await b.try_now(d) or await b.wait(d)
+    assert (refused.kind, refused.status, refused.reason) == (REJECT, 429, "queue_timeout")
+    assert 0.15 < time.monotonic() - started < 1.5
+    assert b.core.limiters["interactive"].inflight == 0 and not b.held
+    finish(a, held)
+    await a.close(), await b.close()
+
+
 async def test_a_client_leaving_during_the_wait_gives_back_what_it_had(redis_server):
     a, b = replica(redis_server.url), replica(redis_server.url)
     await a.start(), await b.start()
