@@ -214,15 +214,19 @@ def _forwarded(header: str, rules: dict[str, Any]) -> bool:
 
 
 def _string_matches(p: dict[str, Any], value: str) -> bool:
-    """An Envoy StringMatcher (header names are lower-case, so ignore_case changes nothing for ours)."""
+    """An Envoy StringMatcher against a lower-case header name (as Envoy holds it): a pattern with upper case
+    matches only with `ignore_case` (`exact: Authorization` alone forwards no authorization header)."""
+    def fold(pattern: str) -> str:
+        return pattern.lower() if p.get("ignore_case") else pattern
+
     if "exact" in p:
-        return value == p["exact"].lower()
+        return value == fold(p["exact"])
     if "prefix" in p:
-        return value.startswith(p["prefix"].lower())
+        return value.startswith(fold(p["prefix"]))
     if "suffix" in p:
-        return value.endswith(p["suffix"].lower())
+        return value.endswith(fold(p["suffix"]))
     if "contains" in p:
-        return p["contains"].lower() in value
+        return fold(p["contains"]) in value
     return _matches_regex((p.get("safe_regex") or {}).get("regex"), value)
 
 

@@ -301,3 +301,16 @@ def test_check_reads_a_malformed_listener_as_invalid_not_a_traceback(tmp_path):
                           str(ROOT / "policies/default.yaml")], capture_output=True, text=True, timeout=60)
     assert run.returncode == 1 and "not an Envoy config this check can read" in run.stderr, run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_forward_rules_match_header_names_with_case_as_envoy_does():
+    # Envoy hands its matchers the lower-case header name: `exact: Authorization` matches it only with ignore_case.
+    keep = [{"prefix": ":"}, {"prefix": "x-"}, {"exact": "api-key"}, {"exact": "content-encoding"}]
+    cfg = shipped()
+    tc = hcm(cfg)["http_filters"][0]["typed_config"]
+    tc["forward_rules"] = {"allowed_headers": {"patterns": keep + [{"exact": "Authorization"}]}}
+    assert any("forward_rules keep authorization from it" in e for e in lint(cfg, POOLS).errors)
+    tc["forward_rules"] = {"allowed_headers": {"patterns": keep + [{"exact": "Authorization", "ignore_case": True}]}}
+    assert lint(cfg, POOLS).errors == []
+    tc["forward_rules"] = {"disallowed_headers": {"patterns": [{"prefix": "Api-"}]}}  # blocks nothing
+    assert lint(cfg, POOLS).errors == []
