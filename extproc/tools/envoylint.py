@@ -241,10 +241,11 @@ def _matches_regex(regex: str | None, value: str) -> bool:
 def _lint_early_mutation(where: str, hcm: dict[str, Any], found: Findings) -> None:
     """Clients must not send our headers. The ext_proc overwrites them on what it admits (measured), so this matters
     while it fails open: then a forged x-extproc-cluster picks the pool."""
-    prefixes = {((m.get("remove_on_match") or {}).get("key_matcher") or {}).get("prefix")
+    matchers = [((m.get("remove_on_match") or {}).get("key_matcher") or {})
                 for ext in hcm.get("early_header_mutation_extensions") or []
-                for m in (ext.get("typed_config") or {}).get("mutations") or []}
-    if "x-extproc-" not in prefixes:
+                for m in (ext.get("typed_config") or {}).get("mutations") or []]
+    # A prefix that "x-extproc-" itself starts with (as Envoy compares it: x-extproc, x-) removes every one of ours.
+    if not any("prefix" in m and _string_matches(m, "x-extproc-") for m in matchers):
         found.errors.append(f"{where}: no early_header_mutation_extensions removing the prefix x-extproc-: while "
                             f"the ext_proc fails open, a client can send {CLUSTER_HEADER} and pick a pool, or a "
                             "ticket and go uncounted in extproc_unadmitted_requests_total")

@@ -314,3 +314,16 @@ def test_forward_rules_match_header_names_with_case_as_envoy_does():
     assert lint(cfg, POOLS).errors == []
     tc["forward_rules"] = {"disallowed_headers": {"patterns": [{"prefix": "Api-"}]}}  # blocks nothing
     assert lint(cfg, POOLS).errors == []
+
+
+def test_any_key_matcher_that_removes_every_x_extproc_header_strips_them():
+    def strip(matcher):
+        cfg = shipped()
+        hcm(cfg)["early_header_mutation_extensions"][0]["typed_config"]["mutations"][0] = {
+            "remove_on_match": {"key_matcher": matcher}}
+        return [e for e in lint(cfg, POOLS).errors if "early_header_mutation_extensions" in e]
+
+    assert strip({"prefix": "x-extproc"}) == []      # a shorter prefix removes them too
+    assert strip({"prefix": "X-ExtProc-", "ignore_case": True}) == []
+    assert strip({"prefix": "X-ExtProc-"}) != []     # case-sensitive: removes nothing Envoy holds (lower case)
+    assert strip({"prefix": "x-extproc-cluster"}) != []  # leaves the ticket
