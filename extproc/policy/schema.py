@@ -31,6 +31,8 @@ MAX_CLASS_NAME = 64    # bytes
 
 # RFC 9110 token: what a header name may be (a name with a space or a colon can never match a request's header).
 _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9a-z]+")
+# Request headers the ext_proc reads whatever the policy (extproc.server.protocol.read_request_headers).
+READ_HEADERS = (":path", ":method", "authorization", "api-key", "content-encoding", "x-request-id")
 
 def doc(text: str, default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING,
         minimum: float | None = None, maximum: float | None = None, header_name: bool = False) -> Any:
@@ -989,6 +991,7 @@ def _check_references(p: Policy, errors: list[str]) -> None:
     for name, spec in p.classes.items():
         if spec.fairness.key == "header" and p.classify.fairness_header is None:
             errors.append(f"classes.{name}.fairness.key: `header` needs classify.fairness_header")
+    _check_header_names(p, errors)
     for objective, cls in p.classify.objectives.items():
         need_class(cls, f"classify.objectives.{objective}")
         if objective != objective.lower():
@@ -1002,6 +1005,24 @@ def _check_references(p: Policy, errors: list[str]) -> None:
             need_class(c, f"shed.{protector}[{j}]")
             if c == protector:
                 errors.append(f"shed.{protector}[{j}]: a class cannot shed itself")
+
+
+def _check_header_names(p: Policy, errors: list[str]) -> None:
+    """Each request header is read as one thing (protocol.read_request_headers): a name given twice, or one the
+    ext_proc reads for itself, leaves the other field's value unread (fairness by x-session-id split nothing)."""
+    c = p.classify
+    first: dict[str, str] = {}
+    for path, name in (("classify.header", c.header), ("sessions.header", p.sessions.header),
+                       ("classify.objective_header", c.objective_header),
+                       ("classify.fairness_header", c.fairness_header),
+                       ("classify.deadline_header", c.deadline_header)):
+        if name is None:
+            continue
+        also = "is a header the ext_proc reads for itself" if name in READ_HEADERS else (
+            f"is also {first[name]}" if name in first else None)
+        if also:
+            errors.append(f"{path}: {name!r} {also}: a request header is read as one thing only; name another")
+        first.setdefault(name, path)
 
 
 # FallbackSpec keys a degrade reads; with another action they would be ignored (`fallback: {model: llama-8b}`

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any, Iterator
 
+from extproc.policy.schema import READ_HEADERS
 from extproc.server.accesslog import TICKET_HEADER
 from extproc.server.protocol import CLUSTER_HEADER
 from extproc.server.servicer import QUEUE_GRACE_S
@@ -33,7 +34,7 @@ class Findings:
 
 
 # Headers the ext_proc reads whatever the policy (protocol.read_request_headers); check adds the policy's own.
-READS = (":path", ":method", "authorization", "api-key", "content-encoding", "x-request-id")
+READS = READ_HEADERS
 # Headers the ext_proc sets on an admitted request: the pool to route to, and the ticket its report is matched by.
 SETS = (CLUSTER_HEADER, TICKET_HEADER)
 

@@ -115,6 +115,19 @@ def test_a_session_header_written_with_capitals_reads_the_lower_case_header_envo
     assert (head.session, head.claim) == ("s-1", "b")
 
 
+@pytest.mark.parametrize("section, key, name, words", [
+    ("classify", "fairness_header", "x-session-id", "'x-session-id' is also sessions.header"),
+    ("classify", "objective_header", "X-Priority", "'x-priority' is also classify.header"),
+    ("classify", "header", "api-key", "'api-key' is a header the ext_proc reads for itself"),
+    ("sessions", "header", "Authorization", "'authorization' is a header the ext_proc reads for itself"),
+])
+def test_a_header_read_for_two_things_is_refused(section, key, name, words):
+    # The ext_proc reads each request header as one thing: the second never saw its value (fairness by
+    # x-session-id split nothing, an objective on the class header skipped the objectives map).
+    errs = errors_of({**BASE, section: {key: name}})
+    assert errs == [f"{section}.{key}: {words}: a request header is read as one thing only; name another"], errs
+
+
 def test_class_names_with_capitals_are_refused():
     errs = errors_of({**BASE, "classes": {"Premium": {"max_concurrency": 1}}})
     assert errs == ["classes.Premium: class names must be lower case (claims are lower-cased before they are "
