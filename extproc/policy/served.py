@@ -29,7 +29,9 @@ def replica_names(cards: Any, known: dict[str, str]) -> dict[str, str]:
     if model is None:
         return {}
     served = dict.fromkeys(bases, model)
-    served.update((i, model) for i, parent in ids if isinstance(i, str) and parent in served)
+    # A parent that is not a string (a list from a misbehaving replica) names no base, and would not hash.
+    served.update((i, model) for i, parent in ids
+                  if isinstance(i, str) and isinstance(parent, str) and parent in served)
     return served
 
 

@@ -100,6 +100,15 @@ def test_a_replica_names_nothing_for_a_model_it_does_not_serve(clock):
     assert core.decide(RequestFacts(header_class="batch", model="m-lora")).reason == "unknown_model"
 
 
+def test_a_card_whose_parent_is_not_a_name_leaves_the_other_names_listed(clock):
+    # A misbehaving replica's card with a list for its parent raised TypeError (unhashable) and the pool's whole
+    # listing was dropped: no replica's adapters were admitted while it listed that card.
+    core = listed_core(clock)
+    served = core.set_listings("pool_a", [[card("llama"), card("odd", ["llama"]), card("odd2", {"a": 1})],
+                                          [card("llama"), card("sql-lora", "llama")]])
+    assert served == {"sql-lora": "llama"}
+
+
 def test_a_listed_name_never_takes_a_name_from_the_policy(clock):
     core = listed_core(clock)
     core.set_listings("pool_a", [[card("llama"), card("small")]])  # a replica of pool_a says it serves `small`
