@@ -356,6 +356,8 @@ def _ext_proc_off(r: dict[str, Any], vh: dict[str, Any], rc: dict[str, Any], ext
 def _per_route(per: dict[str, Any], cluster: str) -> str | None:
     if per.get("disabled"):  # ExtProcPerRoute.disabled, or the generic FilterConfig's
         return "disabled"
+    if str(per.get("@type", "")).endswith("/envoy.config.route.v3.FilterConfig"):
+        return _per_route(per.get("config") or {}, cluster)  # Envoy applies the config it wraps
     overrides = per.get("overrides") or {}
     other = ((overrides.get("grpc_service") or {}).get("envoy_grpc") or {}).get("cluster_name", cluster)
     if other != cluster:  # measured: a dead one failed open, and the request reached the replica unadmitted

@@ -327,3 +327,17 @@ def test_any_key_matcher_that_removes_every_x_extproc_header_strips_them():
     assert strip({"prefix": "X-ExtProc-", "ignore_case": True}) == []
     assert strip({"prefix": "X-ExtProc-"}) != []     # case-sensitive: removes nothing Envoy holds (lower case)
     assert strip({"prefix": "x-extproc-cluster"}) != []  # leaves the ticket
+
+
+def test_a_per_route_config_wrapped_in_a_filter_config_is_read_as_envoy_unwraps_it():
+    # Envoy applies a FilterConfig's inner `config` as the route's ExtProcPerRoute.
+    wrapper = "type.googleapis.com/envoy.config.route.v3.FilterConfig"
+    for inner, words in (({"disabled": True}, "with the ext_proc disabled"),
+                         ({"overrides": {"processing_mode": {"request_header_mode": "SEND",
+                                                             "request_body_mode": "NONE"}}},
+                          "overrides the ext_proc's processing mode (request_body_mode NONE)")):
+        cfg = shipped()
+        route(cfg, "/v1/chat/completions")["typed_per_filter_config"] = {
+            EXT_PROC: {"@type": wrapper, "config": {"@type": PER_ROUTE, **inner}}}
+        errors = lint(cfg, POOLS).errors
+        assert any(words in e for e in errors), errors
