@@ -198,8 +198,9 @@ def _lint_headers(where: str, tc: dict[str, Any], reads: tuple[str, ...], found:
                                 "the key every request is anonymous (a tenant's batch request ran as interactive, "
                                 "past its max_class and limits), without the path every request is refused")
     mutation = tc.get("mutation_rules") or {}
-    blocked = [h for h in SETS if mutation.get("disallow_all") or _matches_regex(
-        (mutation.get("disallow_expression") or {}).get("regex"), h)]
+    # Envoy's order (mutation_rules.cc): disallow_expression refuses, then allow_expression allows, then disallow_all.
+    blocked = [h for h in SETS if _matches_regex((mutation.get("disallow_expression") or {}).get("regex"), h) or (
+        mutation.get("disallow_all") and not _matches_regex((mutation.get("allow_expression") or {}).get("regex"), h))]
     if blocked:
         then = ("every admitted request is answered 503 header_mutation_set_headers_failed"
                 if mutation.get("disallow_is_error") else

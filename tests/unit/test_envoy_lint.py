@@ -341,3 +341,14 @@ def test_a_per_route_config_wrapped_in_a_filter_config_is_read_as_envoy_unwraps_
             EXT_PROC: {"@type": wrapper, "config": {"@type": PER_ROUTE, **inner}}}
         errors = lint(cfg, POOLS).errors
         assert any(words in e for e in errors), errors
+
+
+def test_mutation_rules_allow_expression_lets_our_headers_through_disallow_all():
+    # Envoy's order: disallow_expression refuses, then allow_expression allows, then disallow_all refuses.
+    cfg = shipped()
+    tc = hcm(cfg)["http_filters"][0]["typed_config"]
+    tc["mutation_rules"] = {"disallow_all": True, "disallow_is_error": True,
+                            "allow_expression": {"regex": "x-extproc-.*|x-ratelimit-.*|content-(length|type)"}}
+    assert lint(cfg, POOLS).errors == []
+    tc["mutation_rules"]["disallow_expression"] = {"regex": "x-extproc-ticket"}
+    assert any("mutation_rules refuse x-extproc-ticket:" in e for e in lint(cfg, POOLS).errors)
