@@ -18,6 +18,7 @@ from extproc.server.servicer import QUEUE_GRACE_S
 from extproc.tools.envoyconf import seconds
 
 EXT_PROC_TYPE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
+TCP_PROXY_TYPE = "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy"
 HCM_TYPE = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 # Read-only vLLM endpoints that skip the ext_proc by design (envoy.yaml), each matched exactly and for GET only.
 READ_ONLY = frozenset({"/v1/models", "/health", "/ping", "/version"})
@@ -47,6 +48,7 @@ def lint(cfg: dict[str, Any], pools: set[str], admitted: int = 0, longest_wait_s
     found = Findings()
     for where, hcm in _connection_managers(cfg):
         _lint_hcm(where, hcm, pools, longest_wait_s, reads, found)
+    _lint_tcp_proxies(cfg, pools, found)
     _lint_pool_breakers(cfg, pools, admitted, found)
     return found
 
@@ -67,7 +69,7 @@ def _lint_pool_breakers(cfg: dict[str, Any], pools: set[str], admitted: int, fou
                 "overflow after admission, and the ext_proc counts them as the pool's errors")
 
 
-def _connection_managers(cfg: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+def _network_filters(cfg: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
     listeners = ((cfg.get("static_resources") or {}).get("listeners")) or []
     for listener in listeners:
         chains = list(listener.get("filter_chains") or [])
@@ -75,9 +77,28 @@ def _connection_managers(cfg: dict[str, Any]) -> Iterator[tuple[str, dict[str, A
             chains.append(listener["default_filter_chain"])
         for chain in chains:
             for f in chain.get("filters") or []:
-                tc = f.get("typed_config") or {}
-                if f.get("name") == "envoy.filters.network.http_connection_manager" or tc.get("@type") == HCM_TYPE:
-                    yield f"listener {listener.get('name', '?')!r}", tc
+                yield f"listener {listener.get('name', '?')!r}", f
+
+
+def _connection_managers(cfg: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    for where, f in _network_filters(cfg):
+        tc = f.get("typed_config") or {}
+        if f.get("name") == "envoy.filters.network.http_connection_manager" or tc.get("@type") == HCM_TYPE:
+            yield where, tc
+
+
+def _lint_tcp_proxies(cfg: dict[str, Any], pools: set[str], found: Findings) -> None:
+    """A tcp_proxy passes bytes, not requests: no HTTP filter runs on what it sends to a pool."""
+    for where, f in _network_filters(cfg):
+        tc = f.get("typed_config") or {}
+        if f.get("name") != "envoy.filters.network.tcp_proxy" and tc.get("@type") != TCP_PROXY_TYPE:
+            continue
+        targets = [tc["cluster"]] if "cluster" in tc else [
+            c.get("name", "?") for c in (tc.get("weighted_clusters") or {}).get("clusters") or []]
+        reached = [c for c in targets if c in pools]
+        if reached:
+            found.errors.append(f"{where}: tcp_proxy to {', '.join(reached)}: its connections reach the replicas "
+                                "with no HTTP filter, the ext_proc included (unadmitted)")
 
 
 def _lint_hcm(where: str, hcm: dict[str, Any], pools: set[str], longest_wait_s: float, reads: tuple[str, ...],

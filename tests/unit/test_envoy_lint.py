@@ -352,3 +352,21 @@ def test_mutation_rules_allow_expression_lets_our_headers_through_disallow_all()
     assert lint(cfg, POOLS).errors == []
     tc["mutation_rules"]["disallow_expression"] = {"regex": "x-extproc-ticket"}
     assert any("mutation_rules refuse x-extproc-ticket:" in e for e in lint(cfg, POOLS).errors)
+
+
+def test_a_tcp_proxy_listener_to_a_pool_is_an_error():
+    # A second port passing TCP straight to the replicas: no HTTP filter, the ext_proc included, sees its requests.
+    tcp = "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy"
+    for proxy in ({"cluster": "vllm_llama8b"},
+                  {"weighted_clusters": {"clusters": [{"name": "vllm_llama8b", "weight": 1}]}}):
+        cfg = shipped()
+        cfg["static_resources"]["listeners"].append({
+            "name": "raw", "address": {"socket_address": {"address": "0.0.0.0", "port_value": 8081}},
+            "filter_chains": [{"filters": [{"name": "envoy.filters.network.tcp_proxy",
+                                            "typed_config": {"@type": tcp, "stat_prefix": "raw", **proxy}}]}]})
+        assert lint(cfg, POOLS).errors == ["listener 'raw': tcp_proxy to vllm_llama8b: its connections reach the "
+                                           "replicas with no HTTP filter, the ext_proc included (unadmitted)"]
+    cfg = shipped()  # to a cluster no model names: nothing of the policy's
+    cfg["static_resources"]["listeners"].append({"name": "db", "filter_chains": [{"filters": [
+        {"name": "envoy.filters.network.tcp_proxy", "typed_config": {"@type": tcp, "cluster": "postgres"}}]}]})
+    assert lint(cfg, POOLS).errors == []
