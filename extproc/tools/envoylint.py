@@ -46,6 +46,9 @@ def lint(cfg: dict[str, Any], pools: set[str], admitted: int = 0, longest_wait_s
     many requests the policy admits at once at most (its classes' caps summed), `longest_wait_s` the longest a
     request may queue (its classes' max_wait_ms), `reads` the request headers the ext_proc reads."""
     found = Findings()
+    if (cfg.get("dynamic_resources") or {}).get("lds_config") is not None:
+        found.warnings.append("dynamic_resources.lds_config: its listeners come from LDS and are not checked: check "
+                              "the listeners it serves against docs/envoy-integration.md")
     for where, hcm in _connection_managers(cfg):
         _lint_hcm(where, hcm, pools, longest_wait_s, reads, found)
     _lint_tcp_proxies(cfg, pools, found)

@@ -370,3 +370,14 @@ def test_a_tcp_proxy_listener_to_a_pool_is_an_error():
     cfg["static_resources"]["listeners"].append({"name": "db", "filter_chains": [{"filters": [
         {"name": "envoy.filters.network.tcp_proxy", "typed_config": {"@type": tcp, "cluster": "postgres"}}]}]})
     assert lint(cfg, POOLS).errors == []
+
+
+def test_listeners_from_lds_are_said_to_be_unchecked():
+    # Nothing of a listener served by LDS is read: a silent pass said nothing let requests around admission.
+    cfg = shipped()
+    del cfg["static_resources"]["listeners"]
+    cfg["dynamic_resources"] = {"lds_config": {"ads": {}}}
+    found = lint(cfg, POOLS)
+    assert found.errors == [] and found.warnings == [
+        "dynamic_resources.lds_config: its listeners come from LDS and are not checked: check the listeners it "
+        "serves against docs/envoy-integration.md"]
