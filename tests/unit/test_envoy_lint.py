@@ -381,3 +381,14 @@ def test_listeners_from_lds_are_said_to_be_unchecked():
     assert found.errors == [] and found.warnings == [
         "dynamic_resources.lds_config: its listeners come from LDS and are not checked: check the listeners it "
         "serves against docs/envoy-integration.md"]
+
+
+def test_a_message_timeout_that_covers_the_queue_wait_needs_no_extension():
+    # Envoy ignores an extension past max_message_timeout, and then holds the request for message_timeout itself.
+    cfg = shipped()
+    tc = hcm(cfg)["http_filters"][0]["typed_config"]
+    del tc["max_message_timeout"]
+    tc["message_timeout"] = "30s"
+    assert lint(cfg, POOLS, longest_wait_s=29.0).errors == []
+    tc["message_timeout"] = "10s"
+    assert "max_message_timeout 0s is below" in lint(cfg, POOLS, longest_wait_s=12.0).errors[0]
