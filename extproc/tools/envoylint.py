@@ -62,7 +62,9 @@ def _lint_pool_breakers(cfg: dict[str, Any], pools: set[str], admitted: int, fou
     for c in (cfg.get("static_resources") or {}).get("clusters") or []:
         if c.get("name") not in pools:
             continue
-        thresholds = ((c.get("circuit_breakers") or {}).get("thresholds") or [{}])[0]
+        # Routes send at the DEFAULT priority (unset is DEFAULT); a list without it leaves Envoy's defaults there.
+        thresholds = next((t for t in (c.get("circuit_breakers") or {}).get("thresholds") or []
+                           if t.get("priority", "DEFAULT") in ("DEFAULT", 0)), {})
         low = {k: thresholds.get(k, 1024) for k in ("max_connections", "max_pending_requests", "max_requests")
                if thresholds.get(k, 1024) < admitted}
         if low:

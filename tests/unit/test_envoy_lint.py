@@ -392,3 +392,16 @@ def test_a_message_timeout_that_covers_the_queue_wait_needs_no_extension():
     assert lint(cfg, POOLS, longest_wait_s=29.0).errors == []
     tc["message_timeout"] = "10s"
     assert "max_message_timeout 0s is below" in lint(cfg, POOLS, longest_wait_s=12.0).errors[0]
+
+
+def test_pool_breakers_are_read_at_the_default_priority_routes_use():
+    cfg = shipped()
+    cfg["static_resources"]["clusters"][1]["circuit_breakers"] = {"thresholds": [
+        {"priority": "HIGH", "max_connections": 100000, "max_pending_requests": 100000, "max_requests": 100000},
+        {"priority": "DEFAULT", "max_connections": 100000, "max_pending_requests": 100000, "max_requests": 64}]}
+    assert any("circuit_breakers max_requests 64 (1024 when unset) below the 2000 requests" in w
+               for w in lint(cfg, POOLS, admitted=2000).warnings)
+    cfg["static_resources"]["clusters"][1]["circuit_breakers"] = {"thresholds": [  # DEFAULT unset: Envoy's 1024
+        {"priority": "HIGH", "max_connections": 100000, "max_pending_requests": 100000, "max_requests": 100000}]}
+    assert any("circuit_breakers max_connections 1024, max_pending_requests 1024, max_requests 1024" in w
+               for w in lint(cfg, POOLS, admitted=2000).warnings)
