@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from extproc.policy.schema import Policy, PolicyError, load_policy_file, policy_warnings
+from extproc.policy.schema import ClassSpec, Policy, PolicyError, load_policy_file, policy_warnings
 from extproc.tools import envoylint
 
 
@@ -61,11 +61,19 @@ class _EnvoyNeeds:
 
     def add(self, policy: Policy) -> None:
         self.pools |= {m.cluster for m in policy.models.values()}
-        self.admitted = max(self.admitted, sum(c.max_concurrency for c in policy.classes.values()))
+        self.admitted = max(self.admitted, sum(map(_most_held, policy.classes.values())))
         self.longest_wait_s = max([self.longest_wait_s] + [c.max_wait_ms / 1000 for c in policy.classes.values()])
         c = policy.classify
         self.reads |= {h for h in (c.header, policy.sessions.header, c.objective_header, c.fairness_header,
                                    c.deadline_header) if h}
+
+
+def _most_held(c: ClassSpec) -> int:
+    """The most requests a class holds at once: its cap, where an adaptive one may rise to, and a degrade's own
+    slots (policy.state: `fallback.max_concurrency`, else the class's cap) on top."""
+    cap = c.adaptive.max_limit if c.adaptive.enabled else c.max_concurrency
+    degraded = (c.fallback.max_concurrency or c.max_concurrency) if c.fallback.action == "degrade" else 0
+    return cap + degraded
 
 
 def _report_envoy(path: str, cfg: dict, needs: _EnvoyNeeds) -> bool:

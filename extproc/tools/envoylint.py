@@ -43,7 +43,7 @@ SETS = (CLUSTER_HEADER, TICKET_HEADER)
 def lint(cfg: dict[str, Any], pools: set[str], admitted: int = 0, longest_wait_s: float = 0.0,
          reads: tuple[str, ...] = READS) -> Findings:
     """What in `cfg` lets requests for the clusters in `pools` (the policy's) around admission; `admitted` is how
-    many requests the policy admits at once at most (its classes' caps summed), `longest_wait_s` the longest a
+    many requests the policy admits at once at most (check._most_held summed), `longest_wait_s` the longest a
     request may queue (its classes' max_wait_ms), `reads` the request headers the ext_proc reads."""
     found = Findings()
     if (cfg.get("dynamic_resources") or {}).get("lds_config") is not None:

@@ -405,3 +405,24 @@ def test_pool_breakers_are_read_at_the_default_priority_routes_use():
         {"priority": "HIGH", "max_connections": 100000, "max_pending_requests": 100000, "max_requests": 100000}]}
     assert any("circuit_breakers max_connections 1024, max_pending_requests 1024, max_requests 1024" in w
                for w in lint(cfg, POOLS, admitted=2000).warnings)
+
+
+def test_check_counts_what_adaptive_caps_and_degraded_slots_may_admit(tmp_path, capsys):
+    # An adaptive cap rises to adaptive.max_limit, and a degrade holds slots of its own besides the class's.
+    import argparse
+
+    from extproc.tools import check
+
+    cfg = shipped()
+    cfg["static_resources"]["clusters"][1]["circuit_breakers"] = {"thresholds": [{"max_requests": 1000}]}
+    envoy = tmp_path / "envoy.yaml"
+    envoy.write_text(yaml.safe_dump(cfg))
+    policy = tmp_path / "policy.yaml"
+    for classes, admitted in (
+            ({"a": {"max_concurrency": 10, "slo_p95_ms": 5000,
+                    "adaptive": {"enabled": True, "max_limit": 1500}}}, 1500),
+            ({"a": {"max_concurrency": 600, "fallback": {"action": "degrade", "model": "llama-8b"}}}, 1200)):
+        policy.write_text(yaml.safe_dump({"classes": classes, "models": {"llama-70b": {"cluster": "vllm_llama70b"},
+                                                                         "llama-8b": {"cluster": "vllm_llama8b"}}}))
+        assert check.run(argparse.Namespace(files=[str(policy)], envoy=str(envoy))) == 0
+        assert f"max_requests 1000 (1024 when unset) below the {admitted} requests" in capsys.readouterr().err
