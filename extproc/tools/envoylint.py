@@ -119,7 +119,7 @@ def _lint_hcm(where: str, hcm: dict[str, Any], pools: set[str], longest_wait_s: 
     ext = (name, ((_ext_proc_config(hcm).get("grpc_service") or {}).get("envoy_grpc") or {}).get("cluster_name", ""))
     _lint_waits(where, hcm, longest_wait_s, found)
     _lint_headers(where, _ext_proc_config(hcm), reads, found)
-    _lint_early_mutation(where, hcm, found)
+    _lint_early_mutation(where, hcm, reads, found)
     for vh in rc.get("virtual_hosts") or []:
         _lint_vhost(f"{where}, virtual host {vh.get('name', '?')!r}", vh, rc, ext, pools, found)
 
@@ -268,12 +268,18 @@ def _matches_regex(regex: str | None, value: str) -> bool:
         return False
 
 
-def _lint_early_mutation(where: str, hcm: dict[str, Any], found: Findings) -> None:
+def _lint_early_mutation(where: str, hcm: dict[str, Any], reads: tuple[str, ...], found: Findings) -> None:
     """Clients must not send our headers. The ext_proc overwrites them on what it admits (measured), so this matters
-    while it fails open: then a forged x-extproc-cluster picks the pool."""
-    matchers = [((m.get("remove_on_match") or {}).get("key_matcher") or {})
-                for ext in hcm.get("early_header_mutation_extensions") or []
-                for m in (ext.get("typed_config") or {}).get("mutations") or []]
+    while it fails open: then a forged x-extproc-cluster picks the pool. Nor may it remove one the ext_proc reads."""
+    mutations = [m for ext in hcm.get("early_header_mutation_extensions") or []
+                 for m in (ext.get("typed_config") or {}).get("mutations") or []]
+    matchers = [{"exact": m["remove"]} if "remove" in m else ((m.get("remove_on_match") or {}).get("key_matcher") or {})
+                for m in mutations]
+    for h in reads:  # (an x-request-id removed this early is generated anew by the connection manager)
+        if h != "x-request-id" and any(_string_matches(m, h) for m in matchers):
+            found.errors.append(f"{where}: early_header_mutation_extensions remove {h} before the ext_proc reads it: "
+                                "the policy reads it for a class, session, objective, fairness or deadline (name "
+                                "another), or the ext_proc itself for the key, path or request id")
     # A prefix that "x-extproc-" itself starts with (as Envoy compares it: x-extproc, x-) removes every one of ours.
     if not any("prefix" in m and _string_matches(m, "x-extproc-") for m in matchers):
         found.errors.append(f"{where}: no early_header_mutation_extensions removing the prefix x-extproc-: while "

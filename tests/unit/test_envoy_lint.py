@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from extproc.tools import envoyconf
-from extproc.tools.envoylint import lint
+from extproc.tools.envoylint import READS, lint
 
 ROOT = Path(__file__).resolve().parents[2]
 POOLS = {"vllm_llama70b", "vllm_llama8b"}
@@ -426,3 +426,16 @@ def test_check_counts_what_adaptive_caps_and_degraded_slots_may_admit(tmp_path, 
                                                                          "llama-8b": {"cluster": "vllm_llama8b"}}}))
         assert check.run(argparse.Namespace(files=[str(policy)], envoy=str(envoy))) == 0
         assert f"max_requests 1000 (1024 when unset) below the {admitted} requests" in capsys.readouterr().err
+
+
+def test_an_early_header_mutation_removing_a_header_the_ext_proc_reads_is_an_error():
+    # It runs before any filter: the ext_proc never sees what it removes (envoy.yaml's x-extproc- strip took a
+    # policy's `classify.header: x-extproc-tier` from every request, and each claimed nothing).
+    found = lint(shipped(), POOLS, reads=(*READS, "x-extproc-tier"))
+    assert found.errors == ["listener 'openai': early_header_mutation_extensions remove x-extproc-tier before the "
+                            "ext_proc reads it: the policy reads it for a class, session, objective, fairness or "
+                            "deadline (name another), or the ext_proc itself for the key, path or request id"]
+    cfg = shipped()
+    hcm(cfg)["early_header_mutation_extensions"][0]["typed_config"]["mutations"].append({"remove": "x-priority"})
+    assert "remove x-priority before" in lint(cfg, POOLS, reads=(*READS, "x-priority")).errors[0]
+    assert lint(shipped(), POOLS, reads=(*READS, "x-priority", "x-session-id")).errors == []
