@@ -95,7 +95,7 @@ def render(base: dict[str, Any], *, listen_port: int, admin_port: int,
         _set_endpoints(clusters["extproc"], [extproc] if isinstance(extproc, tuple) else list(extproc))
     for name, endpoints in pools.items():
         if name not in clusters:
-            raise KeyError(f"envoy.yaml has no cluster {name!r} (clusters: {', '.join(clusters)})")
+            raise ValueError(f"envoy.yaml has no cluster {name!r} (clusters: {', '.join(clusters)})")
         _set_endpoints(clusters[name], endpoints)
         if lb_policy:  # instead of envoy.yaml's least-request policy
             clusters[name].pop("load_balancing_policy", None)

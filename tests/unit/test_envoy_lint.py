@@ -439,3 +439,13 @@ def test_an_early_header_mutation_removing_a_header_the_ext_proc_reads_is_an_err
     hcm(cfg)["early_header_mutation_extensions"][0]["typed_config"]["mutations"].append({"remove": "x-priority"})
     assert "remove x-priority before" in lint(cfg, POOLS, reads=(*READS, "x-priority")).errors[0]
     assert lint(shipped(), POOLS, reads=(*READS, "x-priority", "x-session-id")).errors == []
+
+
+def test_envoy_config_names_a_pool_envoy_yaml_lacks_in_one_line(capsys):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    envoyconf.add_arguments(parser)
+    assert envoyconf.run(parser.parse_args(["--pool", "vllm_typo=127.0.0.1:8000"])) == 2
+    assert capsys.readouterr().err == ("extproc envoy-config: envoy.yaml has no cluster 'vllm_typo' (clusters: "
+                                       "extproc, vllm_llama70b, vllm_llama8b)\n")
