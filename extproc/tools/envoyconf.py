@@ -221,7 +221,10 @@ def validate(path: str | Path) -> tuple[bool, str]:
 # --- CLI: extproc envoy-config ---
 
 def _endpoint(text: str) -> tuple[str, int]:
+    """HOST:PORT ([::1]:8000 for IPv6) as a socket_address takes it: Envoy refuses an IPv6 address in brackets."""
     host, _, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
     return host or "127.0.0.1", int(port)
 
 

@@ -449,3 +449,15 @@ def test_envoy_config_names_a_pool_envoy_yaml_lacks_in_one_line(capsys):
     assert envoyconf.run(parser.parse_args(["--pool", "vllm_typo=127.0.0.1:8000"])) == 2
     assert capsys.readouterr().err == ("extproc envoy-config: envoy.yaml has no cluster 'vllm_typo' (clusters: "
                                        "extproc, vllm_llama70b, vllm_llama8b)\n")
+
+
+def test_envoy_config_takes_ipv6_endpoints_in_brackets_and_writes_the_address_envoy_reads():
+    # socket_address.address is a bare IP: Envoy refuses "[::1]" as malformed.
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    envoyconf.add_arguments(parser)
+    args = parser.parse_args(["--pool", "vllm_llama70b=[::1]:8000", "--extproc", "[::1]:50051", "--listen",
+                              "[::]:10000"])
+    assert (args.pool, args.extproc, args.listen) == (["vllm_llama70b=[::1]:8000"], [("::1", 50051)], ("::", 10000))
+    assert envoyconf._endpoint("[::1]:8000") == ("::1", 8000)
