@@ -177,7 +177,7 @@ def _lint_filter_config(where: str, tc: dict[str, Any], found: Findings) -> None
             ("request_body_mode", "BUFFERED", "the ext_proc refuses every request (500 request_not_sent)"),
             ("request_trailer_mode", "SEND", "an HTTP/2 request that ends with trailers and no body reaches the "
                                              "replica undecided")):
-        if mode.get(key, "SEND" if key == "request_header_mode" else None) != want:
+        if _mode(mode, key) != want:
             found.errors.append(f"{where}: ext_proc processing_mode.{key} is {mode.get(key, 'unset')}, not {want}: "
                                 f"{why}")
     if mode.get("response_trailer_mode") != "SEND":
@@ -186,6 +186,15 @@ def _lint_filter_config(where: str, tc: dict[str, Any], found: Findings) -> None
         found.warnings.append(f"{where}: ext_proc processing_mode.response_trailer_mode is "
                               f"{mode.get('response_trailer_mode', 'unset')}, not SEND: nothing then holds the "
                               "ext_proc's stream open to the answer's end, which frees the slot (section 2)")
+
+
+def _mode(mode: dict[str, Any], key: str) -> str:
+    """A processing_mode field as Envoy runs it: unset or DEFAULT is SEND for headers, SKIP for trailers, NONE for
+    a body (`request_header_mode: DEFAULT` sends the headers)."""
+    value = mode.get(key, "DEFAULT")
+    if value != "DEFAULT":
+        return value
+    return "SEND" if key.endswith("header_mode") else "SKIP" if key.endswith("trailer_mode") else "NONE"
 
 
 def _lint_waits(where: str, hcm: dict[str, Any], longest_wait_s: float, found: Findings) -> None:
@@ -402,7 +411,7 @@ def _per_route(per: dict[str, Any], cluster: str) -> str | None:
     # An override replaces the whole mode: a field it leaves out is Envoy's default, not the filter's setting.
     bad = [f"{k} {mode.get(k, 'unset')}" for k, want in (("request_header_mode", "SEND"),
                                                           ("request_body_mode", "BUFFERED"))
-           if mode and mode.get(k, "SEND" if k == "request_header_mode" else "NONE") != want]
+           if mode and _mode(mode, k) != want]
     if bad:
         return (f"overrides the ext_proc's processing mode ({', '.join(bad)}): the ext_proc refuses its requests "
                 "(500 request_not_sent)")

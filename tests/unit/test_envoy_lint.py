@@ -461,3 +461,15 @@ def test_envoy_config_takes_ipv6_endpoints_in_brackets_and_writes_the_address_en
                               "[::]:10000"])
     assert (args.pool, args.extproc, args.listen) == (["vllm_llama70b=[::1]:8000"], [("::1", 50051)], ("::", 10000))
     assert envoyconf._endpoint("[::1]:8000") == ("::1", 8000)
+
+
+def test_request_header_mode_default_sends_the_headers():
+    # HeaderSendMode DEFAULT is the field's default: SEND for request headers (SKIP for trailers).
+    cfg = shipped()
+    hcm(cfg)["http_filters"][0]["typed_config"]["processing_mode"]["request_header_mode"] = "DEFAULT"
+    route(cfg, "/v1/completions")["typed_per_filter_config"] = {EXT_PROC: {"@type": PER_ROUTE, "overrides": {
+        "processing_mode": {"request_header_mode": "DEFAULT", "request_body_mode": "BUFFERED",
+                            "request_trailer_mode": "SEND"}}}}
+    assert lint(cfg, POOLS).errors == []
+    hcm(cfg)["http_filters"][0]["typed_config"]["processing_mode"]["request_trailer_mode"] = "DEFAULT"
+    assert any("request_trailer_mode is DEFAULT, not SEND" in e for e in lint(cfg, POOLS).errors)
