@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 MAX_HEADER_BYTES = 64 * 1024
 MAX_BODY_BYTES = 16 * 1024 * 1024
+HEX_DIGITS = b"0123456789abcdefABCDEF"
 REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 413: "Payload Too Large",
            500: "Internal Server Error", 503: "Service Unavailable"}
 
@@ -192,10 +193,12 @@ def _parse_chunked(buf: bytearray, pos: int) -> tuple[bytes, int] | None:
         line_end = buf.find(b"\r\n", pos)
         if line_end < 0:
             return None
-        try:
-            size = int(bytes(buf[pos:line_end]).split(b";")[0], 16)
-        except ValueError:
-            raise ProtocolError("bad chunk size") from None
+        field = bytes(buf[pos:line_end]).split(b";")[0].rstrip(b" \t")
+        # Hex digits only: int() also takes a sign, 0x and underscores, and a negative size moved pos backwards
+        # (-6 back to this very line: the loop never ended).
+        if not field or field.strip(HEX_DIGITS):
+            raise ProtocolError("bad chunk size")
+        size = int(field, 16)
         size_total += size
         if size_total > MAX_BODY_BYTES:
             raise ProtocolError("request body too large")
