@@ -45,3 +45,25 @@ def test_a_chunk_size_that_is_not_hex_digits_is_refused(size, data):
 
 def test_hex_chunk_sizes_and_extensions_still_parse():
     assert _parse_chunked(bytearray(b"A;name=v\r\n0123456789\r\n3\r\nabc\r\n0\r\n\r\n"), 0) == (b"0123456789abc", 35)
+
+
+@pytest.mark.parametrize("length", [b"-5", b"+2", b"1_0", b" ", b"2, 2"])
+async def test_a_content_length_that_is_not_digits_is_refused_with_one_response(length):
+    # "-5" took the body as empty, handed the request on, then cut 5 bytes short of the headers' end: the leftover
+    # parsed as a second request, so one request got two responses.
+    protocol, transport, seen = connection()
+    protocol.data_received(b"POST /v1/completions HTTP/1.1\r\ncontent-length: " + length + b"\r\n\r\nab")
+    await asyncio.sleep(0)  # a pipelined request would be taken on the loop's next turn
+    assert seen == []
+    assert transport.sent.count(b"HTTP/1.1 ") == 1 and transport.sent.startswith(b"HTTP/1.1 400 ")
+    assert transport.closed
+
+
+async def test_pipelined_requests_with_content_lengths_are_answered_in_order():
+    protocol, transport, seen = connection()
+    protocol.data_received(b"POST /a HTTP/1.1\r\ncontent-length: 3\r\n\r\nonePOST /b HTTP/1.1\r\ncontent-length: 0"
+                           b"\r\n\r\nGET /c HTTP/1.1\r\n\r\n")
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert [(r.path, r.body) for r in seen] == [("/a", b"one"), ("/b", b""), ("/c", b"")]
+    assert transport.sent.count(b"HTTP/1.1 200 OK") == 3 and not transport.closed

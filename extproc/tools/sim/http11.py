@@ -171,10 +171,11 @@ class HttpServerProtocol(asyncio.Protocol):
                 return None
             body, consumed = parsed
         else:
-            try:
-                length = int(headers.get("content-length", "0"))
-            except ValueError:
-                raise ProtocolError("bad content-length") from None
+            field = headers.get("content-length", "0")
+            # Digits only: int() takes "-5" (an empty body, then the headers' last bytes parsed as a second request)
+            if not field.isascii() or not field.isdigit():
+                raise ProtocolError("bad content-length")
+            length = int(field)
             if length > MAX_BODY_BYTES:
                 raise ProtocolError("request body too large")
             if len(buf) < start + length:
