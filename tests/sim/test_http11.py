@@ -67,3 +67,23 @@ async def test_pipelined_requests_with_content_lengths_are_answered_in_order():
         await asyncio.sleep(0)
     assert [(r.path, r.body) for r in seen] == [("/a", b"one"), ("/b", b""), ("/c", b"")]
     assert transport.sent.count(b"HTTP/1.1 200 OK") == 3 and not transport.closed
+
+
+@pytest.mark.parametrize("framing", [b"content-length: 5", b"transfer-encoding: chunked"])
+def test_expect_100_continue_is_answered_before_the_body_once(framing):
+    # Like uvicorn under vLLM: without the interim answer, curl (which sends Expect for large bodies) waits 1 s
+    # before sending the body of every request.
+    protocol, transport, seen = connection(answer=b"{}")
+    protocol.data_received(b"POST /v1/completions HTTP/1.1\r\nExpect: 100-continue\r\n" + framing + b"\r\n\r\n")
+    assert transport.sent == b"HTTP/1.1 100 Continue\r\n\r\n" and seen == []
+    protocol.data_received(b"5\r\nhel" if b"chunked" in framing else b"hel")
+    assert transport.sent == b"HTTP/1.1 100 Continue\r\n\r\n"  # once per request
+    protocol.data_received(b"lo\r\n0\r\n\r\n" if b"chunked" in framing else b"lo")
+    assert [r.body for r in seen] == [b"hello"]
+    assert transport.sent.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n")
+
+
+def test_no_100_continue_when_the_body_came_with_the_headers():
+    protocol, transport, seen = connection(answer=b"{}")
+    protocol.data_received(b"POST /v1/completions HTTP/1.1\r\nexpect: 100-continue\r\ncontent-length: 2\r\n\r\nhi")
+    assert [r.body for r in seen] == [b"hi"] and transport.sent.startswith(b"HTTP/1.1 200 OK\r\n")

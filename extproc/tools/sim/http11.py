@@ -94,6 +94,7 @@ class HttpServerProtocol(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
         self.current: ResponseWriter | None = None
+        self._continued = False  # "100 Continue" sent for the request at the head of the buffer
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -168,7 +169,7 @@ class HttpServerProtocol(asyncio.Protocol):
         if "chunked" in headers.get("transfer-encoding", "").lower():
             parsed = _parse_chunked(buf, start)
             if parsed is None:
-                return None
+                return self._await_body(headers)
             body, consumed = parsed
         else:
             field = headers.get("content-length", "0")
@@ -179,11 +180,21 @@ class HttpServerProtocol(asyncio.Protocol):
             if length > MAX_BODY_BYTES:
                 raise ProtocolError("request body too large")
             if len(buf) < start + length:
-                return None
+                return self._await_body(headers)
             body, consumed = bytes(buf[start:start + length]), start + length
         del buf[:consumed]
+        self._continued = False
         path, _, query = target.partition("?")
         return HttpRequest(method, path, query, headers, body)
+
+    def _await_body(self, headers: dict[str, str]) -> None:
+        """The headers are in, the body is not: answer `Expect: 100-continue` (once), as uvicorn does for vLLM when
+        the app reads the body; a client waiting for it (curl) would otherwise send the body only after a timeout."""
+        if (not self._continued and headers.get("expect", "").lower() == "100-continue"
+                and headers[":version"] == "HTTP/1.1"):
+            self._continued = True
+            self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        return None
 
 
 def _parse_chunked(buf: bytearray, pos: int) -> tuple[bytes, int] | None:
