@@ -134,6 +134,16 @@ async def test_keep_alive_serves_many_requests_on_one_connection(fleet):
     ("/v1/completions", {**COMPLETION, "max_tokens": "many"}, 400, "Bad Request"),
     ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "Bad Request"),
     ("/v1/completions", {**COMPLETION, "stream_options": {"include_usage": True}}, 400, "BadRequestError"),
+    # A message content that is neither text nor content parts of text is a validation error, not a dropped
+    # connection (the estimate called str methods on it, the handler raised, no answer came).
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "Bad Request"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": {"text": "hi"}}]}, 400,
+     "Bad Request"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text",
+                                                                                           "text": None}]}]},
+     400, "Bad Request"),
+    ("/v1/responses", {"model": MODEL, "input": [{"role": "user", "content": 5}]}, 400, "Bad Request"),
+    ("/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": True}]}, 400, "Bad Request"),
 ])
 async def test_errors_are_shaped_like_vllm(fleet, http, path, body, status, error_type):
     async with http.post(fleet.urls[0] + path, json=body) as resp:

@@ -214,7 +214,7 @@ def _prompt_tokens(kind: str, body: dict) -> tuple[int, ...]:
     """The token count of each prompt: one for chat and a single completions prompt, one per entry of a prompt
     list (strings or token-id lists; () for an empty list, which vLLM refuses after the model lookup)."""
     if kind == RESPONSES:
-        return (estimate_chat_tokens(_responses_messages(body)),)
+        return (estimate_chat_tokens(_checked_contents(_responses_messages(body), "body.input", body["input"])),)
     if kind == CHAT:
         if "messages" not in body:
             raise validation_error("missing", "body.messages", "Field required", body)
@@ -224,7 +224,7 @@ def _prompt_tokens(kind: str, body: dict) -> tuple[int, ...]:
         if not messages or not all(isinstance(m, dict) for m in messages):
             raise validation_error("value_error", "body.messages", "Value error, messages must be a non-empty "
                                    "list of message objects", messages)
-        return (estimate_chat_tokens(messages),)
+        return (estimate_chat_tokens(_checked_contents(messages, "body.messages", messages)),)
     if "prompt" not in body:
         raise validation_error("missing", "body.prompt", "Field required", body)
     prompt = body.get("prompt")
@@ -242,6 +242,21 @@ def _prompt_tokens(kind: str, body: dict) -> tuple[int, ...]:
         return tuple(estimate_text_tokens(p) if isinstance(p, str) else len(p) for p in prompt)
     raise validation_error("value_error", "body.prompt", "Value error, prompt must be a string, a list of token "
                            "ids, or a list of those", prompt)
+
+
+def _checked_contents(messages: list[dict], loc: str, value) -> list[dict]:
+    """The messages, once each content is text, null or a list of content parts whose `text` is text: anything else
+    is vLLM's validation error (the token estimate would raise on it, and the client get no answer at all)."""
+    for message in messages:
+        content = message.get("content")
+        if content is None or isinstance(content, str):
+            continue
+        if isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("text", ""), str)
+                                             for p in content):
+            continue
+        raise validation_error("value_error", loc, "Value error, a message's content must be a string or a list "
+                               "of content parts", value)
+    return messages
 
 
 def _responses_messages(body: dict) -> list[dict]:
