@@ -411,6 +411,7 @@ class LoadClient:
                 if b'"role"' in event and deltas == 0:
                     continue  # chat's opening role chunk carries no token
                 deltas += 1
+                record.output_tokens = deltas  # so far: kept when a timeout or a dropped connection cuts the stream
                 if deltas == 1:
                     record.ttft = (time.monotonic() - start) * self.time_scale
                 if abort_at is not None and deltas >= abort_at:

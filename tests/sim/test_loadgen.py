@@ -50,3 +50,15 @@ def test_a_refusal_is_recorded_with_its_reason_not_only_its_type():
     assert _error_type(b'{"error": {"message": "m", "type": "server_error", "code": null}}') == "server_error"
     assert _error_type(b"upstream connect error") == "http_error"
     assert _error_type(b'{"error": "text"}') == "http_error"
+
+
+async def test_a_stream_cut_by_the_timeout_keeps_the_tokens_it_received():
+    # The tokens that came before the timeout were generated and delivered: counted for an abort, they were lost
+    # (0) for a timeout or a dropped connection, so tokens/s under overload read low.
+    kind = RequestKind(endpoint="completions", prompt_tokens=50, max_tokens=4000, stream=True,
+                       body={"ignore_eos": True})
+    async with SimFleet("h100-llama8b", replicas=1, speed=1) as fleet:
+        async with LoadClient(fleet.urls, timeout_s=0.5) as client:
+            record = await client.send(plan_request(0, Workload([kind]), random.Random(0)))
+    assert record.error == "timeout" and record.ttft is not None
+    assert record.output_tokens > 0
