@@ -178,3 +178,18 @@ def test_requests_passed_over_stay_deferred_when_the_running_adapter_is_aborted_
     engine.end_iteration(0.02)
     engine.begin_iteration(0.02)  # the next step takes one of them: the other is still passed over
     assert (len(engine.running), engine.deferred) == (1, 1)
+
+
+def test_an_unloaded_adapters_id_is_not_given_to_the_next_one_loaded():
+    # vLLM numbers adapters from a counter that never goes back: the requests of an unloaded adapter still running
+    # must not share their id (what --max-loras and the scheduler count) with an adapter loaded after it.
+    from extproc.tools.sim.lora import Adapter, LoraRegistry
+
+    registry = LoraRegistry((BASE,), [Adapter("a", "/a")])
+    registry.load(json.dumps({"lora_name": "b", "lora_path": "hub/b"}).encode())
+    held_by_b = registry.ids["b"]
+    registry.unload(json.dumps({"lora_name": "b"}).encode())
+    registry.load(json.dumps({"lora_name": "c", "lora_path": "hub/c"}).encode())
+    assert registry.ids == {"a": 1, "c": 3} and registry.ids["c"] != held_by_b
+    registry.load(json.dumps({"lora_name": "c", "lora_path": "hub/c2", "load_inplace": True}).encode())
+    assert registry.ids["c"] == 3  # a load in place keeps its id

@@ -53,6 +53,7 @@ class LoraRegistry:
         self.served = served
         self.adapters: dict[str, Adapter] = {}
         self.ids: dict[str, int] = {}  # vLLM's lora_int_id: from 1, kept by a load in place
+        self._last_id = 0  # vLLM's counter: an unloaded adapter's id is never given again
         for a in modules:
             self._add(self._based(a))
 
@@ -61,7 +62,9 @@ class LoraRegistry:
 
     def _add(self, a: Adapter) -> None:
         self.adapters[a.name] = a
-        self.ids.setdefault(a.name, max(self.ids.values(), default=0) + 1)
+        if a.name not in self.ids:
+            self._last_id += 1
+            self.ids[a.name] = self._last_id
 
     def parent(self, a: Adapter) -> str:
         return a.base or self.served[0]
