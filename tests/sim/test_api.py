@@ -249,3 +249,22 @@ async def test_a_hung_engine_holds_its_requests_with_its_counters_still_and_goes
         assert resp.status == 200
     async with await asyncio.wait_for(request, 5) as resp:
         assert resp.status == 200 and (await resp.json())["usage"]["completion_tokens"] == 7
+
+
+async def test_continuous_usage_of_a_prompt_list_counts_each_choices_own_prompt(fleet, http):
+    # vLLM's completions stream: each chunk's usage is its own prompt's tokens and its choice's tokens so far (the
+    # final usage chunk sums the prompts); every chunk showed the sum of all the prompts.
+    body = {**COMPLETION, "prompt": ["a" * 40, "b" * 400], "max_tokens": 3, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    async with http.post(fleet.urls[0] + "/v1/completions", json=body) as resp:
+        chunks = [json.loads(e) for e in (await sse_events(resp))[:-1]]
+    *tokens, final = chunks
+    assert final["choices"] == [] and final["usage"]["prompt_tokens"] == 10 + 100
+    seen = {0: 0, 1: 0}
+    for chunk in tokens:
+        index = chunk["choices"][0]["index"]
+        seen[index] += 1
+        usage = chunk["usage"]
+        assert usage["prompt_tokens"] == (10, 100)[index] and usage["completion_tokens"] == seen[index]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert seen == {0: 3, 1: 3}

@@ -519,9 +519,10 @@ class ResponseRenderer:
         self._json_open, self._json_close = (json.dumps(x)[1:-1].encode() for x in (JSON_OPEN, JSON_CLOSE))
         self._plain = not (request.echo is not None or request.logprobs is not None or request.json_output)
 
-    def _running_usage(self, completion_tokens: int) -> bytes:
-        """stream_options.continuous_usage_stats: the cumulative usage every chunk carries."""
-        p = self.request.prompt_tokens
+    def _running_usage(self, completion_tokens: int, choice: int) -> bytes:
+        """stream_options.continuous_usage_stats: the cumulative usage every chunk carries, as vLLM counts it: the
+        choice's own prompt (of a prompt list) and the choice's tokens so far."""
+        p = self.request.sequence(choice)[0]
         return (b',"usage":{"prompt_tokens":%d,"total_tokens":%d,"completion_tokens":%d,'
                 b'"completion_tokens_details":null}' % (p, p + completion_tokens, completion_tokens))
 
@@ -550,7 +551,7 @@ class ResponseRenderer:
         else:
             reason, tail = b'"%b"' % finish_reason.encode(), self._choice_tail_last + self._last_tail
         if self.request.continuous_usage:
-            tail += self._running_usage(index + 1)
+            tail += self._running_usage(index + 1, choice)
         if self._plain:
             return (b"data: " + self._token_heads[choice] + words[index % len(words)] + self._token_mid + reason
                     + tail + b"}\n\n")
