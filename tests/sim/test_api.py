@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import math
 
 import aiohttp
 import pytest
@@ -268,3 +269,21 @@ async def test_continuous_usage_of_a_prompt_list_counts_each_choices_own_prompt(
         assert usage["prompt_tokens"] == (10, 100)[index] and usage["completion_tokens"] == seen[index]
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     assert seen == {0: 3, 1: 3}
+
+
+@pytest.mark.parametrize("raw", [b'{"slowdown": NaN}', b'{"slowdown": -1}', b'{"extra_latency_s": Infinity}',
+                                 b'{"error_rate": NaN}', b'{"hang": NaN}'])
+async def test_a_fault_that_is_not_a_finite_non_negative_number_is_refused(fleet, http, raw):
+    # Python's JSON reader takes NaN and Infinity: a NaN slowdown made the engine's clock NaN for good (a reset
+    # could not bring it back: max(nan, now) is nan), a negative one ran it backwards.
+    url = fleet.urls[0]
+    async with http.post(url + "/sim/fault", data=raw) as resp:
+        assert resp.status == 400 and "bad fault" in (await resp.json())["error"]["message"]
+    async with http.get(url + "/sim/state") as resp:
+        assert (await resp.json())["faults"] == {"extra_latency_s": 0.0, "error_rate": 0.0, "slowdown": 1.0,
+                                                 "draining": 0.0, "hang": 0.0}
+    async with http.post(url + "/v1/completions", json=COMPLETION) as resp:
+        assert resp.status == 200
+    async with http.get(url + "/metrics") as resp:
+        samples = [line.rsplit(" ", 1)[1] for line in (await resp.text()).splitlines() if not line.startswith("#")]
+    assert all(math.isfinite(float(value)) for value in samples)

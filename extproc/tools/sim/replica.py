@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 from dataclasses import asdict, dataclass, fields
 
@@ -241,11 +242,15 @@ class Replica:
             unknown = sorted(set(body) - FAULT_KEYS)
             if unknown:  # a misspelt fault must not be a silent no-op
                 raise ValueError(f"unknown fault {unknown[0]!r} (known: {', '.join(sorted(FAULT_KEYS))})")
+            values = {f.name: float(body[f.name]) for f in fields(Faults) if f.name in body}
+            for name, value in values.items():
+                # json.loads takes NaN and Infinity: a NaN slowdown made the engine's clock NaN for good
+                if not math.isfinite(value) or value < 0:
+                    raise ValueError(f"{name} must be a finite number >= 0, got {body[name]!r}")
             if body.get("reset"):
                 self.faults = Faults()
-            for f in fields(Faults):
-                if f.name in body:
-                    setattr(self.faults, f.name, float(body[f.name]))
+            for name, value in values.items():
+                setattr(self.faults, name, value)
         except (ValueError, TypeError, AttributeError) as exc:
             writer.send(400, error_body(400, f"bad fault: {exc}", "BadRequestError"))
             return
