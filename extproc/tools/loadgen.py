@@ -406,8 +406,10 @@ class LoadClient:
                     if "error" in data:
                         record.error = data["error"].get("type", "stream_error")
                         return
-                    usage_tokens = data["usage"]["completion_tokens"]
-                    continue
+                    if not data.get("choices"):  # the usage chunk
+                        usage_tokens = (data.get("usage") or {}).get("completion_tokens", usage_tokens)
+                        continue
+                    # else a token whose text (or logprobs) holds "error": a token like any other
                 if b'"role"' in event and deltas == 0:
                     continue  # chat's opening role chunk carries no token
                 deltas += 1

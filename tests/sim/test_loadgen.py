@@ -2,8 +2,8 @@
 
 import random
 
-from extproc.tools.loadgen import (LoadClient, RequestKind, Workload, plan_request, poisson_arrivals, run_open_loop,
-                             summarize)
+from extproc.tools.loadgen import (LoadClient, RequestKind, RequestRecord, Workload, plan_request, poisson_arrivals,
+                             run_open_loop, summarize)
 from extproc.tools.sim.fleet import SimFleet
 
 
@@ -62,3 +62,42 @@ async def test_a_stream_cut_by_the_timeout_keeps_the_tokens_it_received():
             record = await client.send(plan_request(0, Workload([kind]), random.Random(0)))
     assert record.error == "timeout" and record.ttft is not None
     assert record.output_tokens > 0
+
+
+class _FakeContent:
+    def __init__(self, chunks):
+        self.chunks = chunks
+
+    async def iter_any(self):
+        for chunk in self.chunks:
+            yield chunk
+
+
+class _FakeStream:
+    def __init__(self, events):
+        self.content = _FakeContent([b"".join(b"data: " + e + b"\n\n" for e in events)])
+
+    def close(self):
+        pass
+
+
+async def test_a_token_whose_text_is_error_is_a_token_not_an_error_event():
+    # A model's token "error" makes a chunk holding `"content":"error"`: it was parsed as an error event, had no
+    # "usage", and the KeyError ended the whole load run.
+    def chunk(content, reason=b"null"):
+        return (b'{"id":"c","object":"chat.completion.chunk","model":"m","choices":[{"index":0,"delta":{"content":"'
+                + content + b'"},"logprobs":null,"finish_reason":' + reason + b'}]}')
+    events = [b'{"id":"c","object":"chat.completion.chunk","model":"m","choices":[{"index":0,"delta":{"role":'
+              b'"assistant","content":""},"logprobs":null,"finish_reason":null}]}',
+              chunk(b"error"), chunk(b": bad", b'"stop"'),
+              b'{"id":"c","object":"chat.completion.chunk","model":"m","choices":[],"usage":{"prompt_tokens":5,'
+              b'"total_tokens":7,"completion_tokens":2}}', b"[DONE]"]
+    kind = RequestKind(stream=True)
+    planned = plan_request(0, Workload([kind]), random.Random(0))
+    record = RequestRecord(0.0, "default", "u", 200)
+    await LoadClient(["u"])._read_stream(_FakeStream(events), planned, record, 0.0)
+    assert record.ok and record.output_tokens == 2 and record.model == "m" and record.ttft is not None
+    error = b'{"error":{"message":"m","type":"InternalServerError","param":null,"code":500}}'
+    record = RequestRecord(0.0, "default", "u", 200)
+    await LoadClient(["u"])._read_stream(_FakeStream([chunk(b" a"), error, b"[DONE]"]), planned, record, 0.0)
+    assert record.error == "InternalServerError"
