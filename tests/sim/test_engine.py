@@ -145,3 +145,25 @@ def test_same_seed_gives_same_output_lengths():
     a, b = Engine(profile, seed=3), Engine(profile, seed=3)
     assert [a.add_request(16, 1000, 0.0).target_tokens for _ in range(20)] == \
         [b.add_request(16, 1000, 0.0).target_tokens for _ in range(20)]
+
+
+def _profile_yaml(**overrides) -> dict:
+    values = dict(name="test", model_names=["m"], max_model_len=4096, max_num_seqs=8, max_num_batched_tokens=256,
+                  kv_cache_blocks=256, timing={"base_s": 0.01, "per_decode_seq_s": 0.001, "per_prefill_token_s": 0.0},
+                  output_tokens={"median": 50})
+    values.update(overrides)
+    return values
+
+
+def test_a_profile_that_could_never_serve_a_request_is_refused_when_loaded():
+    # max_num_seqs 0 or a token budget of 0: every request waited forever while /health said 200; a name written as
+    # a string (model_names: m-70b) served one model per character.
+    import pytest
+
+    from extproc.tools.sim.profile import profile_from_dict
+
+    assert profile_from_dict(_profile_yaml()).model_names == ("m",)
+    for bad in ({"max_num_seqs": 0}, {"max_num_batched_tokens": 0}, {"max_num_seqs": -1}, {"model_names": "m-70b"},
+                {"model_names": []}, {"max_model_len": 0}, {"default_max_tokens": 0}, {"block_size": 2.5}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            profile_from_dict(_profile_yaml(**bad))

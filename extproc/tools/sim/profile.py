@@ -114,6 +114,15 @@ def profile_from_dict(data: dict, source: str = "<dict>") -> Profile:
     except (KeyError, TypeError) as exc:
         raise ValueError(f"{source}: bad profile: {exc}") from exc
     _check_scheduling_policy(profile.scheduling_policy, f"{source}: scheduling_policy")
+    names = data["model_names"]
+    if isinstance(names, str) or not names or not all(isinstance(n, str) and n for n in names):
+        # tuple("m-70b") would serve one model per character
+        raise ValueError(f"{source}: model_names must be a non-empty list of names, got {names!r}")
+    for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_blocks", "block_size",
+                "default_max_tokens"):
+        value = getattr(profile, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:  # 0 seqs or tokens: nothing ever runs
+            raise ValueError(f"{source}: {key} must be a positive integer, got {value!r}")
     # A request as long as the context must fit in the cache alone, or the engine could never schedule it.
     if profile.kv_cache_blocks * profile.block_size < profile.max_model_len:
         raise ValueError(f"{source}: kv_cache_blocks * block_size must be at least max_model_len")
