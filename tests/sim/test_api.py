@@ -145,6 +145,9 @@ async def test_keep_alive_serves_many_requests_on_one_connection(fleet):
      400, "Bad Request"),
     ("/v1/responses", {"model": MODEL, "input": [{"role": "user", "content": 5}]}, 400, "Bad Request"),
     ("/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": True}]}, 400, "Bad Request"),
+    # vLLM's SamplingParams: "min_tokens must be greater than or equal to 0, got -1." (served 200 here)
+    ("/v1/completions", {**COMPLETION, "min_tokens": -1}, 400, "BadRequestError"),
+    ("/v1/chat/completions", {**CHAT, "min_tokens": -3}, 400, "BadRequestError"),
 ])
 async def test_errors_are_shaped_like_vllm(fleet, http, path, body, status, error_type):
     async with http.post(fleet.urls[0] + path, json=body) as resp:

@@ -408,6 +408,8 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
     max_tokens = min(limits)
     # Against the cap it runs with (clamped to the context: vLLM's message shows that number).
     min_tokens = _int_field(body, "min_tokens")
+    if min_tokens is not None and min_tokens < 0:
+        raise ApiError(400, f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
     if min_tokens is not None and min_tokens > max_tokens:
         raise ApiError(400, f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.")
     if n > 1 and _greedy(body):
