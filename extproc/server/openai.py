@@ -493,9 +493,11 @@ def canned_body(body: RequestBody, text: str) -> tuple[bytes, str]:
 
 
 def wants_stream_usage(body: RequestBody) -> bool:
-    """The client asked for the usage chunk at the end of its stream (read before the gateway rewrites the body)."""
+    """The client asked for the usage chunk at the end of its stream (read before the gateway rewrites the body):
+    as vLLM reads stream_options, whose include_usage defaults to true once the object is sent (`{}` included),
+    and pydantic's lax bool reads "false" or 0 as false."""
     opts = body.doc.get("stream_options")
-    return body.stream and isinstance(opts, dict) and bool(opts.get("include_usage"))
+    return body.stream and isinstance(opts, dict) and ("include_usage" not in opts or lax_true(opts["include_usage"]))
 
 
 def sse_from_answer(kind: str, raw: bytes, include_usage: bool) -> bytes | None:

@@ -7,7 +7,7 @@ import re
 import orjson
 
 from ..policy.outcomes import reads_answer
-from .openai import RequestBody
+from .openai import RequestBody, wants_stream_usage
 
 # A chat delta or completion choice with at least one character of text (the role chunk's content is ""), or a
 # Responses API delta event (a chat chunk's delta is an object, never a string).
@@ -38,10 +38,10 @@ class UsageReader:
         self.responses = body.endpoint.kind == "responses"
         if not (self.learn and body.stream) or self.responses:
             return
-        opts = body.doc.get("stream_options")
-        if not (isinstance(opts, dict) and opts.get("include_usage")):
-            # continuous_usage_stats acts only with include_usage: a client that set it without include_usage
-            # saw no usage, and must not start getting it in every chunk because we need the last one.
+        if not wants_stream_usage(body):
+            opts = body.doc.get("stream_options")
+            # continuous_usage_stats acts only with include_usage: a client that turned include_usage off saw no
+            # usage, and must not start getting it in every chunk because we need the last one.
             body.doc["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True,
                                           "continuous_usage_stats": False}
             body.rewrite = True
