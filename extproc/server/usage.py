@@ -9,9 +9,10 @@ import orjson
 from ..policy.outcomes import reads_answer
 from .openai import RequestBody, wants_stream_usage
 
-# A chat delta or completion choice with at least one character of text (the role chunk's content is ""), or a
-# Responses API delta event (a chat chunk's delta is an object, never a string).
-FIRST_TOKEN = re.compile(rb'"(?:content|text|delta)":"[^"]')
+# A chat delta or completion choice with at least one character of text (the role chunk's content is ""), a
+# reasoning model's thinking (vLLM's delta.reasoning, reasoning_content before it: its first tokens come there, the
+# answer's maybe minutes later), or a Responses API delta event (a chat chunk's delta is an object, never a string).
+FIRST_TOKEN = re.compile(rb'"(?:content|text|delta|reasoning|reasoning_content)":"[^"]')
 
 
 class UsageReader:

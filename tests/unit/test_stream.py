@@ -673,6 +673,22 @@ def test_the_first_token_is_reported_once_from_arrival(clock):
     assert seen == [0.25]
 
 
+@pytest.mark.parametrize("field", [b"reasoning", b"reasoning_content"])
+def test_a_reasoning_models_first_token_is_its_first_reasoning_delta(clock, field):
+    # vLLM streams a reasoning model's thinking as delta.reasoning (reasoning_content before 0.11): its first
+    # token, not the first answer token minutes of thinking later
+    seen = []
+    p = processor(clock, learn_sample=1.0)
+    p.core.events.first_token = lambda ticket, seconds: seen.append(seconds)
+    s, _ = admitted(p, {"model": "llama", "messages": [], "stream": True})
+    s.receive(response_headers(content_type=SSE))
+    clock.advance(0.25)
+    s.receive(response_body(b'data: {"choices":[{"delta":{"%s":"Let me"}}]}\n\n' % field))
+    clock.advance(5.0)
+    s.receive(response_body(b'data: {"choices":[{"delta":{"content":"Hi"}}]}\n\n'))
+    assert seen == [0.25]
+
+
 # --- the end ---
 
 def ended_outcome(s, normal_end: bool):
