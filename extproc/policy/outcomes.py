@@ -77,8 +77,14 @@ class CostLearning:
             return
         charge, (prompt, completion) = t.charge, t.usage
         model = self.state.cost_models.get(charge.model)
-        if model is None:
-            return
+        if model is not None:  # None: a reload removed its model; nothing to teach, but the tenant is still settled
+            self._learn(c, model, prompt, completion)
+        if charge.tenant is not None and t.holds_slot:
+            charge.tenant.correct(charge.tokens, prompt + completion)
+
+    def _learn(self, c: Completed, model, prompt: int, completion: int) -> None:
+        """What the real usage teaches: the metrics, the fair queue's charge and the cost model."""
+        t, charge = c.ticket, c.ticket.charge
         est = charge.estimate
         actual = model.actual(prompt, completion)
         self.events.cost_observed(t, est.gpu_seconds, actual)
@@ -92,8 +98,6 @@ class CostLearning:
             # nothing about how the requested model answers, and learning it drove that model's output ratio
             # down under overload (when degrades are many), making its estimates too low just when they matter.
             model.learn(est, prompt, completion, service)
-        if charge.tenant is not None and t.holds_slot:
-            charge.tenant.correct(charge.tokens, prompt + completion)
 
     @staticmethod
     def _settle_without_usage(c: Completed) -> None:

@@ -318,6 +318,23 @@ def test_tenant_token_limit_is_corrected_by_real_usage(clock):
         == ACCEPT  # 450 tokens refunded
 
 
+def test_real_usage_still_refunds_the_tenant_after_a_reload_removed_the_requests_model(clock):
+    # An operator renames a model while its requests run: their usage has no cost model left to teach, but the
+    # tenant's worst-case charge (prompt + max_tokens) must still be settled at what the replica produced.
+    spec = {"name": "acme", "api_keys": ["k"], "tokens_per_minute": 600, "burst_s": 60}
+    core = AdmissionController(make_policy(tenants=[spec], shed={}), clock=clock)
+    d = core.decide(RequestFacts(api_key="k", model="llama", max_tokens=500, header_class="batch",
+                                 doc={"prompt": "x" * 400}))
+    assert d.kind == ACCEPT  # charged 100 + 500
+    core.apply(make_policy(tenants=[spec], shed={}, models={"llama-3": {"cluster": "pool_a"},
+                                                             "small": {"cluster": "pool_b"}}))
+    core.usage(d.ticket, 100, 50)
+    core.finish(d.ticket, Outcome.OK)
+    core.report(d.ticket.id, Completion(Outcome.OK, 200, 0.1, 1.0))
+    assert core.decide(RequestFacts(api_key="k", model="llama-3", max_tokens=200, header_class="batch")).kind \
+        == ACCEPT  # 450 tokens refunded
+
+
 def test_a_request_that_produced_nothing_does_not_cost_the_tenant_its_bucket(clock):
     # Charged prompt + max_tokens up front and refunded only from the usage read; a 400 from the replica (max_tokens
     # past its context) has none, and max_tokens 2**31 locked the tenant out for 36 hours (a hostile-client audit).
