@@ -127,9 +127,10 @@ def deadline_ms(raw: bytes) -> float | None:
     return ms if 0.0 <= ms < float("inf") else None
 
 
-def read_response_headers(msg: pb.HttpHeaders) -> tuple[int, bytes, int | None]:
-    """(status, content-type, content-length or None) of an upstream response."""
-    status, content_type, length = 0, b"", None
+def read_response_headers(msg: pb.HttpHeaders) -> tuple[int, bytes, int | None, bool]:
+    """(status, content-type, content-length or None, whether the body is content-encoded) of an upstream
+    response."""
+    status, content_type, length, encoded = 0, b"", None, False
     for h in msg.headers.headers:
         k = h.key
         if k == ":status":
@@ -138,7 +139,9 @@ def read_response_headers(msg: pb.HttpHeaders) -> tuple[int, bytes, int | None]:
             content_type = h.raw_value
         elif k == "content-length" and h.raw_value.isdigit():
             length = int(h.raw_value)
-    return status, content_type, length
+        elif k == "content-encoding" and h.raw_value.strip().lower() not in (b"", b"identity"):
+            encoded = True
+    return status, content_type, length, encoded
 
 
 # --- out: answers ---

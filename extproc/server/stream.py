@@ -396,15 +396,17 @@ class Stream:
     # --- the response (only requests whose usage is read send these phases) ---
 
     def _on_response_headers(self, msg: pb.HttpHeaders) -> Answer:
-        self.status, content_type, length = protocol.read_response_headers(msg)
+        self.status, content_type, length, encoded = protocol.read_response_headers(msg)
         if self.restream is not None and self.phase is Phase.FORWARDING:
             if self.status == 200 and content_type.startswith(b"application/json") and length is not None \
-                    and length <= self.processor.max_body_bytes:
+                    and length <= self.processor.max_body_bytes and not encoded:
                 self._enter(Phase.READING_USAGE)  # the whole answer, to send it on as the stream asked for
                 return protocol.LEARN_BODY[False]
-            self.restream = None  # an error (or an answer too large to buffer) goes to the client as it is
+            self.restream = None  # an error (or an answer too large or compressed) goes to the client as it is
         r = self.usage
-        if self.phase is not Phase.FORWARDING or r is None or self.status != 200:
+        # A body compressed on its way (content-encoding) holds no usage we can read; an event stream of it would
+        # be held back for a blank line that compressed bytes do not carry.
+        if self.phase is not Phase.FORWARDING or r is None or self.status != 200 or encoded:
             return CONTINUE["response_headers"]
         r.sse = content_type.startswith(b"text/event-stream")
         if r.sse and not r.learn:

@@ -35,11 +35,12 @@ def request_body(doc: dict | bytes | None = None) -> pb.ProcessingRequest:
 
 
 def response_headers(status: int = 200, content_type: bytes = b"application/json",
-                     content_length: int | None = 100) -> pb.ProcessingRequest:
+                     content_length: int | None = 100, **headers: bytes) -> pb.ProcessingRequest:
     hs = [base_pb2.HeaderValue(key=":status", raw_value=str(status).encode()),
           base_pb2.HeaderValue(key="content-type", raw_value=content_type)]
     if content_length is not None and content_type != b"text/event-stream":
         hs.append(base_pb2.HeaderValue(key="content-length", raw_value=str(content_length).encode()))
+    hs += [base_pb2.HeaderValue(key=k.replace("_", "-"), raw_value=v) for k, v in headers.items()]
     return pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=hs)))
 
 
@@ -466,6 +467,18 @@ SSE = b"text/event-stream"
 USAGE_EVENT = b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":7}}'
 
 
+@pytest.mark.parametrize("content_type", [b"application/json", SSE])
+def test_a_compressed_response_is_not_read_for_usage(clock, content_type):
+    # Compressed by something between vLLM and Envoy: no usage can be found in it, and read as an event stream
+    # its bytes (with no blank line in them) were held back until 64 KiB had come, the client seeing nothing.
+    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": [],
+                                                         "stream": content_type == SSE})
+    answer = s.receive(response_headers(content_type=content_type, content_encoding=b"gzip"))
+    assert answer is CONTINUE["response_headers"] and s.phase is Phase.FORWARDING
+    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": []})
+    assert s.receive(response_headers(content_encoding=b"identity")) is LEARN_BODY[False]
+
+
 def test_a_learned_stream_asks_vllm_for_its_usage_chunk(clock):
     _, answer = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": [], "stream": True})
     body = json.loads(answer.request_body.response.body_mutation.body)
@@ -868,6 +881,15 @@ def test_an_error_to_a_stream_degraded_to_no_streaming_is_passed_on_as_it_is(clo
     admitted(p)
     s, _ = admitted(p, {"model": "llama", "messages": [], "stream": True})
     assert s.receive(response_headers(400, b"application/json", 80)) is CONTINUE["response_headers"]
+
+
+def test_a_compressed_answer_to_a_stream_degraded_to_no_streaming_is_passed_on_as_it_is(clock):
+    # its JSON cannot be read to be turned into events: buffered, it only waited for its end
+    p = processor(clock, **NO_STREAMING)
+    admitted(p)
+    s, _ = admitted(p, {"model": "llama", "messages": [], "stream": True})
+    answer = s.receive(response_headers(200, b"application/json", 80, content_encoding=b"br"))
+    assert answer is CONTINUE["response_headers"] and s.restream is None
 
 
 def canned_answer(clock, doc: dict, path: bytes = CHAT) -> bytes:
