@@ -549,7 +549,9 @@ class Policy:
     learn_sample: float = doc("Share of requests whose response usage is read for cost learning (a streamed "
                               "one costs an ext_proc message per chunk). Besides these, every non-streamed "
                               "response of a tenant with `tokens_per_minute` is read (one message) to refund "
-                              "what it did not use.", 0.05, minimum=0, maximum=1)
+                              "what it did not use; an answer that cannot be read (no Content-Length, larger than "
+                              "`serve --max-body-bytes`, compressed) keeps the worst case charged up front.", 0.05,
+                              minimum=0, maximum=1)
     shed: dict[str, list[str]] | None = doc(
         "While the class named by a key is saturated (all its slots taken), new and queued requests of the "
         "listed classes are shed with 503. Default: the first class protects every other class. `{}` disables "
