@@ -79,12 +79,14 @@ def token_counts(usage: object) -> tuple[int, int] | None:
     """(prompt, completion) tokens of a usage object, or None for one we do not understand."""
     if not isinstance(usage, dict):
         return None
-    for prompt, completion in USAGE_NAMES:
-        if prompt in usage:
-            try:
+    try:
+        for prompt, completion in USAGE_NAMES:
+            if prompt in usage:
                 return int(usage[prompt]), int(usage[completion])
-            except (KeyError, TypeError, ValueError, OverflowError):
-                return None
+        if "total_tokens" in usage:  # vLLM's rerank: {"total_tokens": N}, all of it prefill
+            return int(usage["total_tokens"]), 0
+    except (KeyError, TypeError, ValueError, OverflowError):
+        return None
     return None
 
 

@@ -550,11 +550,11 @@ def test_usage_no_answer_to_this_request_could_have_is_not_learned(clock, usage)
     assert s.held.usage is None
 
 
-def settled(clock, doc: dict, usage: dict, path: bytes = CHAT, **models):
+def settled(clock, doc: dict, usage: dict, path: bytes = CHAT, endpoints: dict | None = None, **models):
     """A refunded tenant's non-streamed request answered with `usage`: (its ticket, tokens the bucket lost, the model's
     cost profile)."""
     p = processor(clock, tenants=[{"name": "acme", "api_keys": ["sk-acme"], "tokens_per_minute": 10**6}],
-                  models={"llama": {"cluster": "pool_a", **models}})
+                  models={"llama": {"cluster": "pool_a", **models}}, endpoints=endpoints or {})
     s, _ = admitted(p, doc, path=path, authorization=b"Bearer sk-acme")
     bucket = s.held.charge.tenant.tokens
     before = bucket.capacity  # full until this request
@@ -567,6 +567,15 @@ def settled(clock, doc: dict, usage: dict, path: bytes = CHAT, **models):
 
 
 NO_CAP = {"model": "llama", "messages": [{"role": "user", "content": "write a long story"}]}
+
+
+def test_a_rerank_answers_usage_of_total_tokens_only_settles_the_tenant(clock):
+    # vLLM's rerank usage is {"total_tokens": N} (prefill only): read as no usage, the tenant kept the worst case
+    # charged up front for every rerank.
+    doc = {"model": "llama", "query": "q" * 40, "documents": ["d" * 400]}
+    ticket, spent, _ = settled(clock, doc, {"total_tokens": 37}, path=b"/v1/rerank",
+                                endpoints={"embeddings": True})
+    assert ticket.usage == (37, 0) and spent == pytest.approx(37, abs=1)
 
 
 def test_usage_past_the_assumed_output_is_charged_and_learned_when_the_client_set_no_cap(clock):
