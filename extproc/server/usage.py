@@ -11,8 +11,10 @@ from .openai import RequestBody, wants_stream_usage
 
 # A chat delta or completion choice with at least one character of text (the role chunk's content is ""), a
 # reasoning model's thinking (vLLM's delta.reasoning, reasoning_content before it: its first tokens come there, the
-# answer's maybe minutes later), or a Responses API delta event (a chat chunk's delta is an object, never a string).
-FIRST_TOKEN = re.compile(rb'"(?:content|text|delta|reasoning|reasoning_content)":"[^"]')
+# answer's maybe minutes later), a tool call's arguments (a stream that only calls a tool has no content; not its
+# "name": a Responses stream's first event echoes the request's tools), or a Responses API delta event (a chat
+# chunk's delta is an object, never a string).
+FIRST_TOKEN = re.compile(rb'"(?:content|text|delta|reasoning|reasoning_content|arguments)":"[^"]')
 
 
 class UsageReader:

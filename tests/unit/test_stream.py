@@ -711,6 +711,24 @@ def test_a_reasoning_models_first_token_is_its_first_reasoning_delta(clock, fiel
     assert seen == [0.25]
 
 
+def test_a_tool_calls_first_token_is_its_first_generated_argument(clock):
+    # A stream that only calls a tool never sends content: its time to first token went unobserved. The function's
+    # name is not read as one: a Responses stream's first event echoes the request's tools, names included.
+    seen = []
+    p = processor(clock, learn_sample=1.0)
+    p.core.events.first_token = lambda ticket, seconds: seen.append(seconds)
+    s, _ = admitted(p, {"model": "llama", "messages": [], "stream": True})
+    s.receive(response_headers(content_type=SSE))
+    s.receive(response_body(b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'))
+    clock.advance(0.4)
+    s.receive(response_body(b'data: {"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"name":"get",'
+                            b'"arguments":""}}]}}]}\n\n'))
+    clock.advance(0.1)
+    s.receive(response_body(b'data: {"choices":[{"delta":{"tool_calls":[{"index":0,"function":'
+                            b'{"arguments":"{\\"city"}}]}}]}\n\n'))
+    assert seen == [pytest.approx(0.5)]
+
+
 # --- the end ---
 
 def ended_outcome(s, normal_end: bool):
