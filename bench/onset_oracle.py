@@ -14,10 +14,8 @@ clairvoyant row; it bounds what a better onset detector could give (docs/overloa
 from __future__ import annotations
 
 import argparse
-import tempfile
-from pathlib import Path
 
-from seeds import with_seed
+from seeds import seeded
 
 from extproc.policy import pool
 from extproc.tools.demo import what_if_stats
@@ -52,25 +50,19 @@ def main() -> None:
     p.add_argument("--caps", default="16000,20000,22000", metavar="L,L",
                    help="the caps to hold, in the pool's unit (default 16000,20000,22000 tokens)")
     args = p.parse_args()
-    sets = {name: tuple(int(s) for s in seeds.split(",")) for name, seeds in
-            (item.split(":", 1) for item in args.scenario)} or DEFAULT
     held = HeldAtOnsets()
     print("| scenario | seed | limit from each onset | window: worst-window p99 s, full-model goodput req/s | "
           "refused or degraded at <= 60% load |")
     print("|---|---:|---|---|---:|")
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, seeds in sets.items():
-            for seed in seeds:
-                sc = with_seed(name, seed, Path(tmp), {})
-                held.spans = [(t, t + args.hold) for t in overload_onsets(sc)]
-                for cap in [None] + [float(c) for c in args.caps.split(",")]:
-                    held.cap = cap
-                    st = what_if_stats(sc, "d")["d"]
-                    parts = "; ".join(f"{w}: {st[w].p99_worst_window:.2f}, {st[w].goodput:.2f}"
-                                      for w in spike_windows(sc))
-                    calm = sum(st[w].refused + st[w].degraded for w in calm_windows(sc))
-                    how = "its own" if cap is None else f"<= {cap:g} for {args.hold:g} s"
-                    print(f"| {name} | {seed} | {how} | {parts} | {calm} |", flush=True)
+    for name, seed, sc in seeded(args.scenario, DEFAULT, {}):
+        held.spans = [(t, t + args.hold) for t in overload_onsets(sc)]
+        for cap in [None] + [float(c) for c in args.caps.split(",")]:
+            held.cap = cap
+            st = what_if_stats(sc, "d")["d"]
+            parts = "; ".join(f"{w}: {st[w].p99_worst_window:.2f}, {st[w].goodput:.2f}" for w in spike_windows(sc))
+            calm = sum(st[w].refused + st[w].degraded for w in calm_windows(sc))
+            how = "its own" if cap is None else f"<= {cap:g} for {args.hold:g} s"
+            print(f"| {name} | {seed} | {how} | {parts} | {calm} |", flush=True)
 
 
 if __name__ == "__main__":

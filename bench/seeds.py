@@ -18,6 +18,7 @@ import argparse
 import statistics
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 import yaml
 
@@ -46,6 +47,17 @@ def with_seed(name: str, seed: int, folder: Path, limit: dict) -> Scenario:
     return Scenario.load(str(path))
 
 
+def seeded(scenarios: list[str], default: dict[str, tuple[int, ...]], limit: dict) -> Iterator[tuple[str, int, Scenario]]:
+    """(name, seed, scenario) for each `NAME:SEED,SEED` of `scenarios` (else `default`), written to a folder that
+    lasts while the caller iterates."""
+    sets = {name: tuple(int(s) for s in seeds.split(",")) for name, seeds in
+            (item.split(":", 1) for item in scenarios)} or default
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, seeds in sets.items():
+            for seed in seeds:
+                yield name, seed, with_seed(name, seed, Path(tmp), limit)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--limit", action="append", default=[], metavar="KEY=VALUE",
@@ -56,28 +68,23 @@ def main() -> None:
                    help="scenario (scenarios/NAME.yaml) and seeds (repeat; default: spike, kv-agents, ramp)")
     args = p.parse_args()
     limit = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.limit)}
-    sets = {name: tuple(int(s) for s in seeds.split(",")) for name, seeds in
-            (item.split(":", 1) for item in args.scenario)} or DEFAULT
     worst, ratio, calm, missed, checks = [], [], 0, 0, 0
     print("| scenario | seed | window: d worst-window p99 s, d / b full-model goodput req/s | refused or degraded "
           "at <= 60% load |")
     print("|---|---:|---|---:|")
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, seeds in sets.items():
-            for seed in seeds:
-                sc = with_seed(name, seed, Path(tmp), limit)
-                st = what_if_stats(sc, "b,d", args.instances)
-                parts = []
-                for w in spike_windows(sc):
-                    d, b = st["d"][w], st["b"][w]
-                    worst.append(d.p99_worst_window)
-                    ratio.append(d.goodput / b.goodput if b.goodput else float("inf"))
-                    missed += (d.p99_worst_window > sc.slo_p95_s) + (d.goodput < b.goodput)
-                    checks += 2
-                    parts.append(f"{w}: {d.p99_worst_window:.2f}, {d.goodput:.2f} / {b.goodput:.2f}")
-                n = sum(st["d"][w].refused + st["d"][w].degraded for w in calm_windows(sc))
-                calm += n
-                print(f"| {name} | {seed} | {'; '.join(parts)} | {n} |", flush=True)
+    for name, seed, sc in seeded(args.scenario, DEFAULT, limit):
+        st = what_if_stats(sc, "b,d", args.instances)
+        parts = []
+        for w in spike_windows(sc):
+            d, b = st["d"][w], st["b"][w]
+            worst.append(d.p99_worst_window)
+            ratio.append(d.goodput / b.goodput if b.goodput else float("inf"))
+            missed += (d.p99_worst_window > sc.slo_p95_s) + (d.goodput < b.goodput)
+            checks += 2
+            parts.append(f"{w}: {d.p99_worst_window:.2f}, {d.goodput:.2f} / {b.goodput:.2f}")
+        n = sum(st["d"][w].refused + st["d"][w].degraded for w in calm_windows(sc))
+        calm += n
+        print(f"| {name} | {seed} | {'; '.join(parts)} | {n} |", flush=True)
     print(f"\nworst-window p99: mean {statistics.mean(worst):.2f} s, largest {max(worst):.2f} s; d / b full-model "
           f"goodput: mean {statistics.mean(ratio):.2f}, lowest {min(ratio):.2f}; refused or degraded at <= 60% "
           f"load: {calm}; spike targets missed: {missed} of {checks}" + (f" (limit: {limit})" if limit else ""))

@@ -682,12 +682,18 @@ def test_a_stream_whose_options_turn_vllms_include_usage_off_gets_it_asked_for_a
     assert s.held.usage == (5, 7)
 
 
-def test_the_first_token_is_reported_once_from_arrival(clock):
+def streaming(clock):
+    """A learned stream past its response headers, and the first-token times it reports."""
     seen = []
     p = processor(clock, learn_sample=1.0)
     p.core.events.first_token = lambda ticket, seconds: seen.append(seconds)
     s, _ = admitted(p, {"model": "llama", "messages": [], "stream": True})
     s.receive(response_headers(content_type=SSE))
+    return s, seen
+
+
+def test_the_first_token_is_reported_once_from_arrival(clock):
+    s, seen = streaming(clock)
     clock.advance(0.25)
     s.receive(response_body(b'data: {"choices":[{"delta":{"content":""}}]}\n\n'))  # the role chunk: no text
     s.receive(response_body(b'data: {"choices":[{"delta":{"content":"Hi"}}]}\n\n'))
@@ -699,11 +705,7 @@ def test_the_first_token_is_reported_once_from_arrival(clock):
 def test_a_reasoning_models_first_token_is_its_first_reasoning_delta(clock, field):
     # vLLM streams a reasoning model's thinking as delta.reasoning (reasoning_content before 0.11): its first
     # token, not the first answer token minutes of thinking later
-    seen = []
-    p = processor(clock, learn_sample=1.0)
-    p.core.events.first_token = lambda ticket, seconds: seen.append(seconds)
-    s, _ = admitted(p, {"model": "llama", "messages": [], "stream": True})
-    s.receive(response_headers(content_type=SSE))
+    s, seen = streaming(clock)
     clock.advance(0.25)
     s.receive(response_body(b'data: {"choices":[{"delta":{"%s":"Let me"}}]}\n\n' % field))
     clock.advance(5.0)
@@ -714,11 +716,7 @@ def test_a_reasoning_models_first_token_is_its_first_reasoning_delta(clock, fiel
 def test_a_tool_calls_first_token_is_its_first_generated_argument(clock):
     # A stream that only calls a tool never sends content: its time to first token went unobserved. The function's
     # name is not read as one: a Responses stream's first event echoes the request's tools, names included.
-    seen = []
-    p = processor(clock, learn_sample=1.0)
-    p.core.events.first_token = lambda ticket, seconds: seen.append(seconds)
-    s, _ = admitted(p, {"model": "llama", "messages": [], "stream": True})
-    s.receive(response_headers(content_type=SSE))
+    s, seen = streaming(clock)
     s.receive(response_body(b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'))
     clock.advance(0.4)
     s.receive(response_body(b'data: {"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"name":"get",'
