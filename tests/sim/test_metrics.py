@@ -108,3 +108,38 @@ async def test_a_request_an_idle_engine_takes_at_once_is_never_scraped_as_waitin
     replica.handle(HttpRequest("GET", "/metrics", "", {}, b""), ResponseWriter(busy, True))
     assert busy.out.startswith(b"HTTP/1.1 200")  # a busy engine's scrape is answered at once
     await replica.stop()
+
+
+class _FixedClock:
+    def __init__(self, now: float):
+        self.t = now
+
+    def now(self) -> float:
+        return self.t
+
+
+async def test_a_request_that_arrives_while_the_engine_lags_behind_the_clock_has_no_negative_latency():
+    """A starved loop (or a high --speed) runs the engine behind the simulated clock, up to MAX_LAG_REAL_S: a request
+    arriving then was stamped with the clock and served by the lagging engine before it arrived, its TTFT observed
+    as negative (-48 s at --speed 1000 with 64 streams) and the histogram's sum falling."""
+    import asyncio
+
+    from extproc.tools.sim.http11 import HttpRequest, ResponseWriter
+    from extproc.tools.sim.profile import load_profile
+    from extproc.tools.sim.replica import Replica
+
+    replica = Replica(load_profile("h100-llama8b"), speed=1000)
+    replica._clock, replica._wake = _FixedClock(100.0), asyncio.Event()
+    replica._sim_t = 60.0  # the engine (busy, not parked) is 40 simulated seconds behind the clock
+    model = replica.profile.model_names[0]
+    body = b'{"model": "%s", "prompt": "hi", "max_tokens": 3, "ignore_eos": true}' % model.encode()
+    conn = _Conn()
+    replica.handle(HttpRequest("POST", "/v1/completions", "", {}, body), ResponseWriter(conn, True))
+    engine = replica.engine
+    while engine.has_work:
+        replica._sim_t += engine.begin_iteration(replica._sim_t)
+        replica._deliver(engine.end_iteration(replica._sim_t))
+    assert conn.out.startswith(b"HTTP/1.1 200")
+    metrics = replica.metrics
+    assert metrics.ttft.count == 1 and 0 < metrics.ttft.total < 1
+    assert 0 < metrics.e2e.total < 1 and metrics.queue.total == 0.0

@@ -315,6 +315,10 @@ class Replica:
         renderer = renderer_for(parsed)
         request = _Request(writer, renderer, parsed.choices)
         now, lora = self._clock.now(), self.loras.ids.get(parsed.model, 0)
+        if not self._parked:
+            # A busy engine lagging behind the clock (up to MAX_LAG_REAL_S) takes the request in at its own time, the
+            # end of the step under way: stamped with the clock, it would be served before it arrived.
+            now = min(now, self._sim_t)
         for choice in range(parsed.choices):
             prompt_tokens, max_tokens = parsed.sequence(choice)
             seq = self.engine.add_request(prompt_tokens, max_tokens, now,
