@@ -410,8 +410,8 @@ class LoadClient:
                         usage_tokens = (data.get("usage") or {}).get("completion_tokens", usage_tokens)
                         continue
                     # else a token whose text (or logprobs) holds "error": a token like any other
-                if b'"role"' in event and deltas == 0:
-                    continue  # chat's opening role chunk carries no token
+                if b'"role":' in event and deltas == 0:
+                    continue  # chat's opening role chunk carries no token (a token's text "role" is no key)
                 deltas += 1
                 record.output_tokens = deltas  # so far: kept when a timeout or a dropped connection cuts the stream
                 if deltas == 1:

@@ -101,3 +101,17 @@ async def test_a_token_whose_text_is_error_is_a_token_not_an_error_event():
     record = RequestRecord(0.0, "default", "u", 200)
     await LoadClient(["u"])._read_stream(_FakeStream([chunk(b" a"), error, b"[DONE]"]), planned, record, 0.0)
     assert record.error == "InternalServerError"
+
+
+async def test_a_first_token_whose_text_is_role_is_counted():
+    # Chat's opening chunk was told apart by the bytes "role" anywhere in it: a first token "role" was skipped with
+    # it: one token short without a usage chunk, and the TTFT taken at the second token.
+    def chunk(content, reason=b"null"):
+        return (b'{"id":"c","object":"text_completion","model":"m","choices":[{"index":0,"text":"' + content
+                + b'","logprobs":null,"finish_reason":' + reason + b'}]}')
+    kind = RequestKind(endpoint="completions", stream=True, include_usage=False)
+    planned = plan_request(0, Workload([kind]), random.Random(0))
+    record = RequestRecord(0.0, "default", "u", 200)
+    stream = _FakeStream([chunk(b"role"), chunk(b" of", b'"length"'), b"[DONE]"])
+    await LoadClient(["u"])._read_stream(stream, planned, record, 0.0)
+    assert record.ok and record.output_tokens == 2
