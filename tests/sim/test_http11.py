@@ -11,12 +11,19 @@ class FakeTransport:
     def __init__(self):
         self.sent = bytearray()
         self.closed = False
+        self.paused = False
 
     def write(self, data: bytes) -> None:
         self.sent += data
 
     def close(self) -> None:
         self.closed = True
+
+    def pause_reading(self) -> None:
+        self.paused = True
+
+    def resume_reading(self) -> None:
+        self.paused = False
 
 
 def connection(answer=None):
@@ -87,3 +94,19 @@ def test_no_100_continue_when_the_body_came_with_the_headers():
     protocol, transport, seen = connection(answer=b"{}")
     protocol.data_received(b"POST /v1/completions HTTP/1.1\r\nexpect: 100-continue\r\ncontent-length: 2\r\n\r\nhi")
     assert [r.body for r in seen] == [b"hi"] and transport.sent.startswith(b"HTTP/1.1 200 OK\r\n")
+
+
+async def test_bytes_sent_while_a_response_is_under_way_are_not_buffered_without_bound():
+    # While a request is being answered, what the peer sends next waits in the buffer: it grew with whatever came
+    # (a client streaming garbage behind a long answer filled the memory). Like uvicorn, stop reading, resume after.
+    held = []
+    protocol = HttpServerProtocol(lambda request, writer: held.append(writer))
+    transport = FakeTransport()
+    protocol.connection_made(transport)
+    protocol.data_received(b"GET /long HTTP/1.1\r\n\r\n")
+    assert len(held) == 1
+    for _ in range(20):
+        protocol.data_received(b"x" * (1024 * 1024))
+    assert transport.paused
+    held[0].send(200, b"{}")
+    assert not transport.paused

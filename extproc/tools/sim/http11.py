@@ -95,6 +95,7 @@ class HttpServerProtocol(asyncio.Protocol):
         self.buffer = bytearray()
         self.current: ResponseWriter | None = None
         self._continued = False  # "100 Continue" sent for the request at the head of the buffer
+        self._paused = False  # reading paused: the peer sent a whole request's worth while one was being answered
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -113,6 +114,10 @@ class HttpServerProtocol(asyncio.Protocol):
         self.buffer += data
         if self.current is None:
             self._process()
+        elif len(self.buffer) > MAX_HEADER_BYTES + MAX_BODY_BYTES and not self._paused:
+            # Bytes behind the request being answered wait here: stop reading (as uvicorn does) or they grow unbounded
+            self._paused = True
+            self.transport.pause_reading()
 
     def response_finished(self, keep_alive: bool) -> None:
         self.current = None
@@ -121,6 +126,9 @@ class HttpServerProtocol(asyncio.Protocol):
         if not keep_alive:
             self.transport.close()
             return
+        if self._paused:
+            self._paused = False
+            self.transport.resume_reading()
         if self.buffer:  # a pipelined request arrived while we were answering
             asyncio.get_running_loop().call_soon(self._process)
 
