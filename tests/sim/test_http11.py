@@ -110,3 +110,9 @@ async def test_bytes_sent_while_a_response_is_under_way_are_not_buffered_without
     assert transport.paused
     held[0].send(200, b"{}")
     assert not transport.paused
+
+
+def test_chunk_data_not_followed_by_crlf_is_refused():
+    # The two bytes after a chunk's data were skipped unread: "3" before "abcXY" framed "abc" and dropped "XY".
+    with pytest.raises(ProtocolError):
+        _parse_chunked(bytearray(b"3\r\nabcXY0\r\n\r\n"), 0)

@@ -233,5 +233,7 @@ def _parse_chunked(buf: bytearray, pos: int) -> tuple[bytes, int] | None:
             return b"".join(parts), trailer_end + 2
         if len(buf) < pos + size + 2:
             return None
+        if buf[pos + size:pos + size + 2] != b"\r\n":  # a wrong size: the bytes past it would be dropped unread
+            raise ProtocolError("bad chunk")
         parts.append(bytes(buf[pos:pos + size]))
         pos += size + 2
