@@ -193,3 +193,11 @@ def test_an_unloaded_adapters_id_is_not_given_to_the_next_one_loaded():
     assert registry.ids == {"a": 1, "c": 3} and registry.ids["c"] != held_by_b
     registry.load(json.dumps({"lora_name": "c", "lora_path": "hub/c2", "load_inplace": True}).encode())
     assert registry.ids["c"] == 3  # a load in place keeps its id
+
+
+def test_max_loras_below_one_is_refused_at_start_up():
+    # --max-loras 0 passed over every adapter request forever (the engine parked with them waiting); vLLM refuses it.
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="max_loras"):
+            SimFleet("h100-llama70b-awq", lora_modules=["a=/a"], max_loras=bad)
+    assert SimFleet("h100-llama70b-awq", max_loras=0).replicas[0].engine.max_loras is None  # LoRA off: unused

@@ -116,6 +116,8 @@ class Engine:
         self.profile = profile
         # vLLM's --max-loras with --enable-lora (None: LoRA off): adapters in one batch at most; a waiting request
         # for another adapter is passed over (it stays waiting, and counts as waiting) until one's requests end.
+        if max_loras is not None and max_loras < 1:  # as vLLM's LoRA config: with 0 no adapter request would ever run
+            raise ValueError(f"max_loras must be at least 1, got {max_loras}")
         self.max_loras = max_loras
         # Those the last schedule passed over for the LoRA budget (vLLM's skipped_waiting queue): they stay deferred
         # until a schedule takes them, even while the adapter that held them back has just ended or been aborted.
