@@ -464,7 +464,8 @@ async def run_closed_loop(client: LoadClient, workload: Workload, concurrency: i
     if drain or deadline is None:
         await asyncio.gather(*tasks)
     else:
-        await asyncio.sleep(max(0.0, deadline - time.monotonic()))
+        if tasks:  # to the deadline, or sooner once every worker is done
+            await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic()))
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -115,3 +115,17 @@ async def test_a_first_token_whose_text_is_role_is_counted():
     stream = _FakeStream([chunk(b"role"), chunk(b" of", b'"length"'), b"[DONE]"])
     await LoadClient(["u"])._read_stream(stream, planned, record, 0.0)
     assert record.ok and record.output_tokens == 2
+
+
+async def test_a_closed_loop_without_drain_ends_when_its_requests_are_done_not_at_its_deadline():
+    # drain=False slept to the deadline whatever: 2 requests with duration_s=60 took a minute.
+    import asyncio
+
+    from extproc.tools.loadgen import run_closed_loop
+
+    kind = RequestKind(endpoint="completions", prompt_tokens=20, max_tokens=2)
+    async with SimFleet("h100-llama8b", replicas=1, speed=50) as fleet:
+        async with LoadClient(fleet.urls) as client:
+            records = await asyncio.wait_for(
+                run_closed_loop(client, Workload([kind]), concurrency=2, duration_s=60, requests=2, drain=False), 5)
+    assert len(records) == 2 and all(r.ok for r in records)
