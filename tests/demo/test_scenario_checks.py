@@ -33,6 +33,8 @@ def write(tmp_path: Path, doc: dict, name: str = "s.yaml") -> Path:
     (lambda d: d.update(windows={"w": ["nope"]}), "windows.w: nope name no phase"),
     (lambda d: d.update(events=[{"at_s": 30, "pool": "vllm_llama70b", "fault": {"slow_down": 2}}]),
      "events[0].fault.slow_down: unknown key"),
+    (lambda d: d.update(events=[{"at_s": 30, "pool": "vllm_llama70b", "fault": {"slowdown": -1}}]),
+     "events[0].fault.slowdown: must be a finite number >= 0, got -1"),
 ])
 def test_a_scenario_mistake_is_named(tmp_path, edit, message):
     doc = spike_doc()

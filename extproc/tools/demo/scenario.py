@@ -11,7 +11,7 @@ from extproc.tools.loadgen import PlannedRequest, RequestKind, Workload, plan_ar
 from extproc.tools.sim.engine import SCHEDULING_POLICIES
 from extproc.tools.sim.openai_api import ApiError, ignores_eos
 from extproc.tools.sim.profile import load_profile
-from extproc.tools.sim.replica import FAULT_KEYS
+from extproc.tools.sim.replica import FAULT_KEYS, fault_value
 
 from .capacity import closed_loop_mix
 from .modes import ADAPTIVE_TUNED, MODES
@@ -179,6 +179,11 @@ class Scenario:
         for i, e in enumerate(d.get("events") or []):
             _check_keys(e, f"events[{i}].", EVENT_KEYS)
             _check_keys(e.get("fault") or {}, f"events[{i}].fault.", FAULT_KEYS)
+            for k, v in (e.get("fault") or {}).items():
+                try:
+                    fault_value(v)  # what the replica's /sim/fault would refuse mid-run
+                except (ValueError, TypeError) as exc:
+                    raise ValueError(f"events[{i}].fault.{k}: {exc}") from None
             unmodelled += [f"events[{i}].fault.{k}" for k in e.get("fault") or {} if k not in WHATIF_FAULTS]
         pools = [Pool(name, p["profile"], int(p.get("replicas", 1)), list(p.get("model_names", [])),
                       p.get("scheduling_policy"))

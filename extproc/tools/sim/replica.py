@@ -41,6 +41,15 @@ class Faults:
 FAULT_KEYS = frozenset({f.name for f in fields(Faults)} | {"reset"})  # what a POST /sim/fault body may hold
 
 
+def fault_value(value) -> float:
+    """A fault's value as POST /sim/fault takes it: a finite number >= 0 (json.loads takes NaN and Infinity, and a
+    NaN slowdown made the engine's clock NaN for good; a negative one ran it backwards)."""
+    number = float(value)
+    if not math.isfinite(number) or number < 0:
+        raise ValueError(f"must be a finite number >= 0, got {value!r}")
+    return number
+
+
 class SimClock:
     """Simulated seconds since start: real time on the event loop's clock, times `speed`."""
 
@@ -242,11 +251,13 @@ class Replica:
             unknown = sorted(set(body) - FAULT_KEYS)
             if unknown:  # a misspelt fault must not be a silent no-op
                 raise ValueError(f"unknown fault {unknown[0]!r} (known: {', '.join(sorted(FAULT_KEYS))})")
-            values = {f.name: float(body[f.name]) for f in fields(Faults) if f.name in body}
-            for name, value in values.items():
-                # json.loads takes NaN and Infinity: a NaN slowdown made the engine's clock NaN for good
-                if not math.isfinite(value) or value < 0:
-                    raise ValueError(f"{name} must be a finite number >= 0, got {body[name]!r}")
+            values = {}
+            for f in fields(Faults):
+                if f.name in body:
+                    try:
+                        values[f.name] = fault_value(body[f.name])
+                    except ValueError as exc:
+                        raise ValueError(f"{f.name}: {exc}") from None
             if body.get("reset"):
                 self.faults = Faults()
             for name, value in values.items():
