@@ -167,3 +167,17 @@ def test_a_profile_that_could_never_serve_a_request_is_refused_when_loaded():
                 {"model_names": []}, {"max_model_len": 0}, {"default_max_tokens": 0}, {"block_size": 2.5}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             profile_from_dict(_profile_yaml(**bad))
+
+
+def test_a_profile_whose_timing_is_not_a_finite_non_negative_number_is_refused():
+    # base_s: .nan made every iteration's duration NaN, and with it the replica's clock for good (as a NaN fault did);
+    # a negative coefficient ran the clock backwards for big batches.
+    import pytest
+
+    from extproc.tools.sim.profile import profile_from_dict
+
+    timing = _profile_yaml()["timing"]
+    for key, value in (("base_s", float("nan")), ("per_decode_seq_s", -0.001), ("per_prefill_token_s", float("inf")),
+                       ("per_context_token_s", -1.0)):
+        with pytest.raises(ValueError, match=f"timing.{key}"):
+            profile_from_dict(_profile_yaml(timing={**timing, key: value}))

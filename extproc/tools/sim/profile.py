@@ -123,6 +123,11 @@ def profile_from_dict(data: dict, source: str = "<dict>") -> Profile:
         value = getattr(profile, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:  # 0 seqs or tokens: nothing ever runs
             raise ValueError(f"{source}: {key} must be a positive integer, got {value!r}")
+    for f in fields(Timing):
+        value = getattr(profile.timing, f.name)
+        # A NaN duration makes the replica's clock NaN for good; a negative one runs it backwards
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{source}: timing.{f.name} must be a finite number >= 0, got {value!r}")
     # A request as long as the context must fit in the cache alone, or the engine could never schedule it.
     if profile.kv_cache_blocks * profile.block_size < profile.max_model_len:
         raise ValueError(f"{source}: kv_cache_blocks * block_size must be at least max_model_len")
