@@ -201,3 +201,18 @@ def test_max_loras_below_one_is_refused_at_start_up():
         with pytest.raises(ValueError, match="max_loras"):
             SimFleet("h100-llama70b-awq", lora_modules=["a=/a"], max_loras=bad)
     assert SimFleet("h100-llama70b-awq", max_loras=0).replicas[0].engine.max_loras is None  # LoRA off: unused
+
+
+def test_load_inplace_is_read_as_a_lax_boolean():
+    # bool("false") is True: a reload asking not to be in place replaced the adapter instead of vLLM's 400.
+    from extproc.tools.sim.lora import LoraRegistry
+    from extproc.tools.sim.openai_api import ApiError
+
+    registry = LoraRegistry((BASE,))
+    registry.load(json.dumps({"lora_name": "b", "lora_path": "hub/b"}).encode())
+    for inplace in ("false", 0, "no"):
+        with pytest.raises(ApiError, match="already been loaded"):
+            registry.load(json.dumps({"lora_name": "b", "lora_path": "hub/b2", "load_inplace": inplace}).encode())
+    assert registry.adapters["b"].path == "hub/b"
+    registry.load(json.dumps({"lora_name": "b", "lora_path": "hub/b2", "load_inplace": "true"}).encode())
+    assert registry.adapters["b"].path == "hub/b2"

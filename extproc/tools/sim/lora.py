@@ -14,7 +14,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from extproc.tools.sim.openai_api import ApiError, validation_error
+from extproc.tools.sim.openai_api import ApiError, _bool_field, validation_error
 
 RUNTIME_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
@@ -77,7 +77,7 @@ class LoraRegistry:
         """POST /v1/load_lora_adapter: the success text, or ApiError as vLLM answers."""
         body = _json_object(raw)
         name, path = _str_field(body, "lora_name"), _str_field(body, "lora_path")
-        inplace = bool(body.get("load_inplace", False))
+        inplace = _bool_field(body, "load_inplace")  # pydantic's lax boolean, as vLLM reads it: "false" is False
         if not name or not path:
             raise ApiError(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
         if name in self.adapters and not inplace:
