@@ -106,6 +106,15 @@ async def test_chat_stream_with_usage(fleet, http):
     assert usage_chunk["usage"]["prompt_tokens"] == 3 + 4 + 6  # template + message overhead + 24 chars
 
 
+@pytest.mark.parametrize("options, usage", [({}, True), ({"continuous_usage_stats": False}, True),
+                                             ({"include_usage": "false"}, False), ({"include_usage": None}, False)])
+def test_stream_options_leave_include_usage_on_unless_it_is_turned_off(options, usage):
+    # vLLM's StreamOptions: include_usage defaults to true once the object is sent; the simulator read `{}` as off
+    from extproc.tools.sim.openai_api import CHAT as CHAT_KIND, parse_generation
+    body = json.dumps({**CHAT, "stream": True, "stream_options": options}).encode()
+    assert parse_generation(CHAT_KIND, body, (CHAT["model"],), 4096, 16).include_usage is usage
+
+
 async def test_completion_stream_without_usage(fleet, http):
     async with http.post(fleet.urls[0] + "/v1/completions", json={**COMPLETION, "stream": True}) as resp:
         events = await sse_events(resp)
