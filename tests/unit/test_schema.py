@@ -174,6 +174,22 @@ def test_check_with_envoy_refuses_a_model_on_a_cluster_envoy_lacks(tmp_path):
         "models.m.cluster: empty; name the Envoy cluster that serves this model"]
 
 
+def test_check_with_envoy_whose_clusters_come_from_cds_does_not_call_them_missing(tmp_path):
+    """An Envoy that takes its pools from CDS keeps only a few clusters static (the ext_proc's): every model was
+    refused as on a cluster Envoy lacks, or the whole config as not a bootstrap."""
+    import yaml
+
+    cfg = yaml.safe_load((ROOT / "envoy/envoy.yaml").read_text())
+    cfg["static_resources"]["clusters"] = [c for c in cfg["static_resources"]["clusters"] if c["name"] == "extproc"]
+    cfg["dynamic_resources"] = {"cds_config": {"ads": {}}}
+    envoy = tmp_path / "envoy.yaml"
+    envoy.write_text(yaml.safe_dump(cfg))
+    run = subprocess.run([sys.executable, "-m", "extproc.cli", "check", "--envoy", str(envoy),
+                          str(ROOT / "policies/default.yaml")], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert f"{envoy}: warning: its clusters come from CDS: the models' `cluster` names are not checked" in run.stderr
+
+
 def test_api_keys_no_request_can_present_are_refused_without_echoing_them():
     """Found by writing tenants from the docs: a key pasted with a trailing space (or empty, or with a comma)
     validated, but presented keys are trimmed and cut at commas, so the tenant's requests silently ran as
