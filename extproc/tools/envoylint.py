@@ -375,7 +375,7 @@ def _lint_route_action(what: str, r: dict[str, Any], vh: dict[str, Any], found: 
                               "non-streamed answer reruns it whole, and retrying 5xx into a saturated pool adds the "
                               "load admission control sheds")
     timeout = action.get("timeout", "15s (unset)")
-    if timeout not in ("0s", "0", 0):
+    if seconds(timeout) != 0:  # 0s, 0.000s: no timeout
         found.warnings.append(f"{what}: route timeout {timeout}: a longer answer is cut mid-stream and counted as "
                               "an upstream error, and enough of them open the class's error breaker; use 0s and "
                               "bound waiting with the policy")

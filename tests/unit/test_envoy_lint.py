@@ -473,3 +473,11 @@ def test_request_header_mode_default_sends_the_headers():
     assert lint(cfg, POOLS).errors == []
     hcm(cfg)["http_filters"][0]["typed_config"]["processing_mode"]["request_trailer_mode"] = "DEFAULT"
     assert any("request_trailer_mode is DEFAULT, not SEND" in e for e in lint(cfg, POOLS).errors)
+
+
+def test_a_route_timeout_of_zero_written_with_decimals_is_no_timeout():
+    cfg = shipped()
+    routes(cfg)[0]["route"]["timeout"] = "0.000s"
+    assert lint(cfg, POOLS).warnings == []
+    routes(cfg)[0]["route"]["timeout"] = "0.5s"
+    assert any("route timeout 0.5s" in w for w in lint(cfg, POOLS).warnings)
