@@ -298,7 +298,9 @@ class ClassSpec:
 class ClassifySpec:
     """Where a request may claim its class. Header names are case-insensitive (lower-cased on load), and so are
     claims: every claim (class header, objective header, body field) is lower-cased before it is matched against
-    the class names, which are lower case."""
+    the class names, which are lower case. A header is read for one thing: a name given to two of these headers
+    and `sessions.header`, or one the ext_proc reads itself (`authorization`, `api-key`, `content-encoding`,
+    `x-request-id`), is refused."""
 
     header: str = doc("Request header holding the claimed class name.", "x-priority", header_name=True)
     body_field: str = doc("Top-level JSON body field holding the claimed class name. Removed from the body "
