@@ -235,14 +235,22 @@ def _lint_headers(where: str, tc: dict[str, Any], reads: tuple[str, ...], found:
                                 "the key every request is anonymous (a tenant's batch request ran as interactive, "
                                 "past its max_class and limits), without the path every request is refused")
     mutation = tc.get("mutation_rules") or {}
-    # Envoy's order (mutation_rules.cc): disallow_expression refuses, then allow_expression allows, then disallow_all.
-    blocked = [h for h in SETS if _matches_regex((mutation.get("disallow_expression") or {}).get("regex"), h) or (
-        mutation.get("disallow_all") and not _matches_regex((mutation.get("allow_expression") or {}).get("regex"), h))]
+
+    def refused(h: str) -> bool:  # Envoy's order (mutation_rules.cc): disallow_expression, allow_expression, all
+        allowed = _matches_regex((mutation.get("allow_expression") or {}).get("regex"), h)
+        return _matches_regex((mutation.get("disallow_expression") or {}).get("regex"), h) or bool(
+            mutation.get("disallow_all") and not allowed)
+
+    blocked = [h for h in SETS if refused(h)]
     if blocked:
         then = ("every admitted request is answered 503 header_mutation_set_headers_failed"
                 if mutation.get("disallow_is_error") else
                 "admitted requests go upstream without them: on the static route's pool, reported by no ticket")
         found.errors.append(f"{where}: the ext_proc's mutation_rules refuse {', '.join(blocked)}: {then}")
+    if refused("content-length"):  # protocol.admit: a new body with the old length is refused by Envoy (500)
+        found.errors.append(f"{where}: the ext_proc's mutation_rules refuse content-length, which it sets with each "
+                            "body it rewrites (a client's `priority` or class field removed, a degrade): Envoy "
+                            "refuses those requests")
 
 
 def _forwarded(header: str, rules: dict[str, Any]) -> bool:

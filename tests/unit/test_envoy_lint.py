@@ -481,3 +481,13 @@ def test_a_route_timeout_of_zero_written_with_decimals_is_no_timeout():
     assert lint(cfg, POOLS).warnings == []
     routes(cfg)[0]["route"]["timeout"] = "0.5s"
     assert any("route timeout 0.5s" in w for w in lint(cfg, POOLS).warnings)
+
+
+def test_mutation_rules_refusing_the_content_length_of_a_rewritten_body_are_an_error():
+    # The ext_proc sets content-length with every body it rewrites (a client's `priority` removed, a degrade).
+    cfg = shipped()
+    hcm(cfg)["http_filters"][0]["typed_config"]["mutation_rules"] = {
+        "disallow_all": True, "allow_expression": {"regex": "x-extproc-.*|x-ratelimit-.*"}}
+    assert [e for e in lint(cfg, POOLS).errors if "content-length" in e] == [
+        "listener 'openai': the ext_proc's mutation_rules refuse content-length, which it sets with each body it "
+        "rewrites (a client's `priority` or class field removed, a degrade): Envoy refuses those requests"]
