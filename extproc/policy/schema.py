@@ -35,10 +35,11 @@ _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9a-z]+")
 READ_HEADERS = (":path", ":method", "authorization", "api-key", "content-encoding", "x-request-id")
 
 def doc(text: str, default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING,
-        minimum: float | None = None, maximum: float | None = None, header_name: bool = False) -> Any:
+        minimum: float | None = None, maximum: float | None = None, header_name: bool = False,
+        secret: bool = False) -> Any:
     """A schema field: its documentation, default and numeric bounds travel together. `header_name`: an HTTP
     header name, lower-cased on load (Envoy hands the ext_proc lower-case keys; header names ignore case)."""
-    meta = {"doc": text, "min": minimum, "max": maximum, "header_name": header_name}
+    meta = {"doc": text, "min": minimum, "max": maximum, "header_name": header_name, "secret": secret}
     if factory is not dataclasses.MISSING:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -344,7 +345,7 @@ class TenantSpec:
     api_keys: list[str] = doc('Keys matched against "Authorization: Bearer <key>" or "api-key: <key>". A '
                               'presented key is trimmed and cut at commas, so a key that is empty, has '
                               'surrounding whitespace or holds a comma is refused.',
-                              factory=list)
+                              factory=list, secret=True)
     max_class: str | None = doc("Highest class this tenant may claim; higher claims are demoted to it. "
                                 "Default: the highest class.", None)
     default_class: str | None = doc("Class of this tenant's requests that claim none. Default: the policy's "
@@ -794,13 +795,14 @@ def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
-def _build(tp: Any, value: Any, path: str, errors: list[str]) -> Any:
-    """Convert `value` to type `tp`, appending "path: message" to errors on mismatch."""
+def _build(tp: Any, value: Any, path: str, errors: list[str], secret: bool = False) -> Any:
+    """Convert `value` to type `tp`, appending "path: message" to errors on mismatch (never quoting a `secret`
+    value: policy errors end up in logs)."""
     where = path or "(root)"
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return None if value is None else _build(args[0], value, path, errors)
+        return None if value is None else _build(args[0], value, path, errors, secret)
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
@@ -811,7 +813,7 @@ def _build(tp: Any, value: Any, path: str, errors: list[str]) -> Any:
             errors.append(f"{where}: must be a list, got {type(value).__name__}")
             return []
         (item,) = typing.get_args(tp)
-        return [_build(item, v, f"{path}[{i}]", errors) for i, v in enumerate(value)]
+        return [_build(item, v, f"{path}[{i}]", errors, secret) for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
             errors.append(f"{where}: must be a mapping, got {type(value).__name__}")
@@ -826,14 +828,16 @@ def _build(tp: Any, value: Any, path: str, errors: list[str]) -> Any:
         return out
     if dataclasses.is_dataclass(tp):
         return _build_dataclass(tp, value, path, errors)
-    return _build_scalar(tp, value, where, errors)
+    return _build_scalar(tp, value, where, errors, secret)
 
 
-def _build_scalar(tp: type, value: Any, where: str, errors: list[str]) -> Any:
+def _build_scalar(tp: type, value: Any, where: str, errors: list[str], secret: bool = False) -> Any:
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         value = _int_to_float(value)
     if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
-        errors.append(f"{where}: must be {_type_name(tp)}, got {_quoted(value)}")
+        kind = type(value).__name__
+        got = f"a{'n' if kind[0] in 'aeiou' else ''} {kind} (quote the key)" if secret else _quoted(value)
+        errors.append(f"{where}: must be {_type_name(tp)}, got {got}")
         return None
     if tp is float and not math.isfinite(value):
         # NaN passes every bound (each comparison with it is false) and an infinite one never moves anything.
@@ -875,7 +879,7 @@ def _build_dataclass(cls: type, value: Any, path: str, errors: list[str]) -> Any
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 errors.append(f"{key_path}: required")
             continue
-        built = _build(hints[name], value[name], key_path, errors)
+        built = _build(hints[name], value[name], key_path, errors, f.metadata.get("secret", False))
         _check_bounds(f, built, key_path, errors)
         if f.metadata.get("header_name") and isinstance(built, str):
             built = built.lower()  # Envoy hands the ext_proc lower-case header keys

@@ -201,6 +201,13 @@ def test_api_keys_no_request_can_present_are_refused_without_echoing_them():
     assert not any("sk-" in e for e in errs)
 
 
+def test_an_api_key_yaml_reads_as_a_number_is_refused_without_echoing_it():
+    # `api_keys: [4815162342]` is an int to YAML: its type error quoted the key into `extproc check` and reload logs.
+    errs = errors_of({**BASE, "tenants": [{"name": "t", "api_keys": [4815162342, True]}]})
+    assert errs == ["tenants[0].api_keys[0]: must be a string, got an int (quote the key)",
+                    "tenants[0].api_keys[1]: must be a string, got a bool (quote the key)"]
+
+
 def _check_file(tmp_path, text: str) -> subprocess.CompletedProcess:
     path = tmp_path / "p.yaml"
     path.write_text(text)
