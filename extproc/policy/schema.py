@@ -735,6 +735,9 @@ def _parse_yaml(path: str, text: str) -> Any:
     try:
         return loader.get_single_data()
     except yaml.YAMLError as e:
+        for mark in (getattr(e, "context_mark", None), getattr(e, "problem_mark", None)):
+            if mark is not None:
+                mark.buffer = None  # the line and column, not the line's text: it may hold an api key
         raise PolicyError([f"{path}: not valid YAML: {e}"]) from e
     except RecursionError as e:  # PyYAML parses nested collections recursively
         raise PolicyError([f"{path}: not valid YAML: nested too deeply (a policy needs a few levels)"]) from e

@@ -96,6 +96,17 @@ def test_not_yaml_is_a_clear_error(tmp_path):
     assert "not valid YAML" in e.value.errors[0]
 
 
+def test_a_yaml_error_on_a_key_line_names_where_without_quoting_the_line(tmp_path):
+    # PyYAML quotes the offending line: a reload log showed the tenant's key (or a store.url password).
+    bad = tmp_path / "bad.yaml"
+    bad.write_text('classes: {a: {max_concurrency: 1}}\nmodels: {m: {cluster: c}}\ntenants:\n'
+                   '  - {name: t, api_keys: ["sk-live-123", ]]\n')
+    with pytest.raises(PolicyError) as e:
+        load_policy_file(str(bad))
+    (error,) = e.value.errors
+    assert "not valid YAML" in error and "line 4, column 42" in error and "sk-live" not in error, error
+
+
 def test_a_queue_wait_envoy_would_not_wait_out_is_refused():
     # Envoy's max_message_timeout (30 s) caps the ext_proc's extension of its timeout for a queued request; a
     # longer max_wait_ms had the queued request forwarded unadmitted after message_timeout (0.5 s).
