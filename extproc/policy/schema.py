@@ -1009,7 +1009,9 @@ def _check_references(p: Policy, errors: list[str]) -> None:
             errors.append(f"classify.objectives.{objective}: objective names must be lower case (the header's "
                           f"value is lower-cased before it is matched): write {objective.lower()!r}")
     if p.store.kind == "redis" and not p.store.url.startswith(("redis://", "rediss://", "unix://")):
-        errors.append(f"store.url: {p.store.url!r} is not a Redis URL (redis://host:6379/0, rediss:// or unix://)")
+        # Quoted less what comes before an @ (user and password), as changes.py never shows it at all.
+        shown = re.sub(r"[^/@]*@", "***@", p.store.url, count=1)
+        errors.append(f"store.url: {shown!r} is not a Redis URL (redis://host:6379/0, rediss:// or unix://)")
     for protector, shed in p.shed_map().items():
         need_class(protector, f"shed.{protector}")
         for j, c in enumerate(shed):

@@ -152,6 +152,13 @@ def test_values_that_cannot_work_are_refused_at_check_time():
     load_policy({**BASE, "classify": {"header": "X-Priority"}, "store": {"kind": "redis", "url": "rediss://h:1/0"}})
 
 
+def test_a_store_url_that_is_not_redis_is_quoted_without_its_password():
+    # changes.py never shows store.url ("it may hold a password"); its validation error quoted it whole.
+    errs = errors_of({**BASE, "store": {"kind": "redis", "url": "redis//:hunter2@cache:6379/0"}})
+    assert errs == ["store.url: 'redis//***@cache:6379/0' is not a Redis URL (redis://host:6379/0, rediss:// or "
+                    "unix://)"]
+
+
 def test_a_slow_ratio_that_would_call_the_fastest_replica_slow_is_refused():
     assert errors_of({**BASE, "pools": {"c": {"slow_ratio": 1.0}}}) == [
         "pools.c.slow_ratio: 1 would call the fastest replica slow (over 1, or 0: off)"]
