@@ -218,6 +218,18 @@ def _lint_waits(where: str, hcm: dict[str, Any], longest_wait_s: float, found: F
     if cut and cut < need:
         found.warnings.append(f"{where}: request_timeout {cut:g}s is below the longest queue wait, "
                               f"{longest_wait_s:g}s + {QUEUE_GRACE_S:g}s: queued requests get Envoy's 408 first")
+    # A request the ext_proc holds is silent (measured: 504 at stream_idle_timeout, still queued); a route's
+    # idle_timeout overrides the connection manager's for its requests.
+    idle = [("stream_idle_timeout", hcm.get("stream_idle_timeout", "300s"))]
+    idle += [(f"route {r.get('name') or (r.get('match') or {}).get('prefix', '?')!r} idle_timeout",
+              r["route"]["idle_timeout"]) for vh in (hcm.get("route_config") or {}).get("virtual_hosts") or []
+             for r in vh.get("routes") or [] if "idle_timeout" in (r.get("route") or {})]
+    for name, value in idle:
+        cut = seconds(value)
+        if cut and cut < need:
+            found.warnings.append(f"{where}: {name} {cut:g}s is below the longest queue wait, {longest_wait_s:g}s "
+                                  f"+ {QUEUE_GRACE_S:g}s: a request still queued then gets Envoy's 504 "
+                                  "stream_idle_timeout")
 
 
 def _ext_proc_config(hcm: dict[str, Any]) -> dict[str, Any]:

@@ -256,6 +256,22 @@ def test_a_queue_longer_than_envoy_holds_a_request_is_an_error_and_a_short_reque
     assert "max_message_timeout 0s" in lint(cfg, POOLS, longest_wait_s=0.2).errors[0]
 
 
+def test_a_stream_idle_timeout_shorter_than_the_queue_wait_is_a_warning():
+    # Measured through Envoy 1.40: stream_idle_timeout 1s, a request queued by the ext_proc (cap 1, max_wait_ms
+    # 5000) behind a stream that ran 3 s got 504 stream_idle_timeout at 1.0 s, still queued. A route's idle_timeout
+    # overrides it for the route.
+    cfg = shipped()
+    hcm(cfg)["stream_idle_timeout"] = "10s"
+    assert lint(cfg, POOLS, longest_wait_s=9.0).warnings == []
+    found = lint(cfg, POOLS, longest_wait_s=12.0)
+    assert found.errors == [] and found.warnings == [
+        "listener 'openai': stream_idle_timeout 10s is below the longest queue wait, 12s + 0.5s: a request still "
+        "queued then gets Envoy's 504 stream_idle_timeout"]
+    route = next(r for vh in hcm(cfg)["route_config"]["virtual_hosts"] for r in vh["routes"] if "route" in r)
+    route["route"]["idle_timeout"] = "2s"
+    assert any("idle_timeout 2s" in w for w in lint(cfg, POOLS, longest_wait_s=3.0).warnings)
+
+
 def test_edits_that_keep_every_request_admitted_have_no_findings():
     cfg = shipped()
     hcm(cfg)["http_filters"][0]["typed_config"].update(
