@@ -62,12 +62,15 @@ class _EnvoyNeeds:
         self.pools: set[str] = set()
         self.admitted = 0             # the most requests a policy admits at once
         self.longest_wait_s = 0.0     # the longest a policy lets a request queue
+        self.store_call_s = 0.0       # the longest a policy's shared store call may take
         self.reads = set(envoylint.READS)  # the request headers the ext_proc reads
 
     def add(self, policy: Policy) -> None:
         self.pools |= {m.cluster for m in policy.models.values()}
         self.admitted = max(self.admitted, sum(map(_most_held, policy.classes.values())))
         self.longest_wait_s = max([self.longest_wait_s] + [c.max_wait_ms / 1000 for c in policy.classes.values()])
+        if policy.store.kind == "redis":
+            self.store_call_s = max(self.store_call_s, policy.store.timeout_ms / 1000)
         c = policy.classify
         self.reads |= {h for h in (c.header, policy.sessions.header, c.objective_header, c.fairness_header,
                                    c.deadline_header) if h}
@@ -85,7 +88,8 @@ def _report_envoy(path: str, cfg: dict, needs: _EnvoyNeeds) -> bool:
     """Print what lets requests for the policies' pools around admission in this Envoy config; False if anything
     does."""
     try:
-        found = envoylint.lint(cfg, needs.pools, needs.admitted, needs.longest_wait_s, tuple(sorted(needs.reads)))
+        found = envoylint.lint(cfg, needs.pools, needs.admitted, needs.longest_wait_s, tuple(sorted(needs.reads)),
+                               needs.store_call_s)
     except (AttributeError, TypeError, KeyError, StopIteration, ValueError) as e:  # a shape Envoy would refuse
         print(f"{path}: invalid: its listeners are not an Envoy config this check can read ({e!r}); validate it "
               "with `envoy --mode validate -c` first", file=sys.stderr)

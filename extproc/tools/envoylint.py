@@ -41,16 +41,18 @@ SETS = (CLUSTER_HEADER, TICKET_HEADER)
 
 
 def lint(cfg: dict[str, Any], pools: set[str], admitted: int = 0, longest_wait_s: float = 0.0,
-         reads: tuple[str, ...] = READS) -> Findings:
+         reads: tuple[str, ...] = READS, store_call_s: float = 0.0) -> Findings:
     """What in `cfg` lets requests for the clusters in `pools` (the policy's) around admission; `admitted` is how
     many requests the policy admits at once at most (check._most_held summed), `longest_wait_s` the longest a
-    request may queue (its classes' max_wait_ms), `reads` the request headers the ext_proc reads."""
+    request may queue (its classes' max_wait_ms), `reads` the request headers the ext_proc reads, `store_call_s` the
+    longest a shared store's call may take (`store.timeout_ms`; 0: no shared store)."""
     found = Findings()
     if (cfg.get("dynamic_resources") or {}).get("lds_config") is not None:
         found.warnings.append("dynamic_resources.lds_config: its listeners come from LDS and are not checked: check "
                               "the listeners it serves against docs/envoy-integration.md")
     for where, hcm in _connection_managers(cfg):
         _lint_hcm(where, hcm, pools, longest_wait_s, reads, found)
+        _lint_store_call(where, hcm, store_call_s, found)
     _lint_tcp_proxies(cfg, pools, found)
     _lint_pool_breakers(cfg, pools, admitted, found)
     return found
@@ -230,6 +232,17 @@ def _lint_waits(where: str, hcm: dict[str, Any], longest_wait_s: float, found: F
             found.warnings.append(f"{where}: {name} {cut:g}s is below the longest queue wait, {longest_wait_s:g}s "
                                   f"+ {QUEUE_GRACE_S:g}s: a request still queued then gets Envoy's 504 "
                                   "stream_idle_timeout")
+
+
+def _lint_store_call(where: str, hcm: dict[str, Any], store_call_s: float, found: Findings) -> None:
+    """A request admitted at once asks the shared store for its global slot before the ext_proc's first answer,
+    with no extension yet (FinalAdmission.settle): Envoy's message_timeout must outlast that call."""
+    own = seconds(_ext_proc_config(hcm).get("message_timeout", "0.2s"))
+    if store_call_s > 0 and own is not None and own <= store_call_s:
+        found.warnings.append(f"{where}: ext_proc message_timeout {own:g}s is not above the policy's store.timeout_ms "
+                              f"({store_call_s * 1000:g} ms): a Redis call that slow, made before the ext_proc's "
+                              "first answer, outlasts Envoy's wait for it (failure_mode_allow then sends the request "
+                              "on unadmitted)")
 
 
 def _ext_proc_config(hcm: dict[str, Any]) -> dict[str, Any]:

@@ -272,6 +272,14 @@ def test_a_stream_idle_timeout_shorter_than_the_queue_wait_is_a_warning():
     assert any("idle_timeout 2s" in w for w in lint(cfg, POOLS, longest_wait_s=3.0).warnings)
 
 
+def test_a_store_call_that_may_outlast_the_message_timeout_is_a_warning():
+    # A request admitted at once waits for one Redis call (up to store.timeout_ms) before the ext_proc's first
+    # answer: past message_timeout Envoy applies failure_mode_allow.
+    assert lint(shipped(), POOLS, store_call_s=0.05).warnings == []  # the default 50 ms under the shipped 0.5 s
+    found = lint(shipped(), POOLS, store_call_s=0.5)
+    assert found.errors == [] and len(found.warnings) == 1 and "store.timeout_ms (500 ms)" in found.warnings[0]
+
+
 def test_edits_that_keep_every_request_admitted_have_no_findings():
     cfg = shipped()
     hcm(cfg)["http_filters"][0]["typed_config"].update(
