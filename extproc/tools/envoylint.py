@@ -118,7 +118,9 @@ def _lint_hcm(where: str, hcm: dict[str, Any], pools: set[str], longest_wait_s: 
     name = _ext_proc_filter(where, hcm, rc, pools, found)
     if name is None:
         return
-    ext = (name, ((_ext_proc_config(hcm).get("grpc_service") or {}).get("envoy_grpc") or {}).get("cluster_name", ""))
+    # (its name, its gRPC cluster, whether it is off unless a per-route config turns it on: `disabled: true`)
+    ext = (name, ((_ext_proc_config(hcm).get("grpc_service") or {}).get("envoy_grpc") or {}).get("cluster_name", ""),
+           any(f.get("name") == name and f.get("disabled") for f in hcm.get("http_filters") or []))
     _lint_waits(where, hcm, longest_wait_s, found)
     _lint_headers(where, _ext_proc_config(hcm), reads, found)
     _lint_early_mutation(where, hcm, reads, found)
@@ -138,9 +140,7 @@ def _ext_proc_filter(where: str, hcm: dict[str, Any], rc: dict[str, Any], pools:
         return None  # no route of it reaches a model pool
     router = next((j for j, n in enumerate(names) if n == "envoy.filters.http.router"), len(names))
     problem = ("has no ext_proc filter" if i is None else
-               "runs the ext_proc filter after the router" if i > router else
-               "has the ext_proc filter `disabled: true` (off unless a route turns it on)" if filters[i].get("disabled")
-               else None)
+               "runs the ext_proc filter after the router" if i > router else None)
     if problem is not None:
         found.errors.append(f"{where} {problem}: its routes to {', '.join(reaches)} reach the replicas unadmitted")
         return None
@@ -329,7 +329,7 @@ def _lint_early_mutation(where: str, hcm: dict[str, Any], reads: tuple[str, ...]
                             "ticket and go uncounted in extproc_unadmitted_requests_total")
 
 
-def _lint_vhost(where: str, vh: dict[str, Any], rc: dict[str, Any], ext: tuple[str, str], pools: set[str],
+def _lint_vhost(where: str, vh: dict[str, Any], rc: dict[str, Any], ext: tuple[str, str, bool], pools: set[str],
                 found: Findings) -> None:
     routes = vh.get("routes") or []
     first = next((i for i, r in enumerate(routes) if _is_pool_route(r)), None)
@@ -414,7 +414,7 @@ def _lint_route_action(what: str, r: dict[str, Any], vh: dict[str, Any], found: 
                               "bound waiting with the policy")
 
 
-def _ext_proc_off(r: dict[str, Any], vh: dict[str, Any], rc: dict[str, Any], ext: tuple[str, str]) -> str | None:
+def _ext_proc_off(r: dict[str, Any], vh: dict[str, Any], rc: dict[str, Any], ext: tuple[str, str, bool]) -> str | None:
     """'disabled', what else a per-route config does that keeps the request from our ext_proc (in words), or None
     (it decides). The most specific per-filter config wins: a weighted cluster, the route, its virtual host, the
     route table. `ext` is the filter's name and its gRPC cluster."""
@@ -427,7 +427,9 @@ def _ext_proc_off(r: dict[str, Any], vh: dict[str, Any], rc: dict[str, Any], ext
         per = (scope.get("typed_per_filter_config") or {}).get(ext[0])
         if per is not None:
             return _per_route(per, ext[1])
-    return None
+    # Off by default on the connection manager, and no config here turns it on (measured: any ExtProcPerRoute,
+    # bare or in a FilterConfig, does).
+    return "disabled" if ext[2] else None
 
 
 def _per_route(per: dict[str, Any], cluster: str) -> str | None:

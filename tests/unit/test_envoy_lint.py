@@ -256,6 +256,26 @@ def test_a_queue_longer_than_envoy_holds_a_request_is_an_error_and_a_short_reque
     assert "max_message_timeout 0s" in lint(cfg, POOLS, longest_wait_s=0.2).errors[0]
 
 
+@pytest.mark.parametrize("turned_on, admitted", [
+    (None, False),
+    ({"@type": PER_ROUTE, "overrides": {}}, True),
+    ({"@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig", "config": {"@type": PER_ROUTE}}, True),
+    ({"@type": PER_ROUTE, "disabled": True}, False)])
+def test_an_ext_proc_filter_off_by_default_admits_the_routes_a_per_route_config_turns_it_on_for(turned_on, admitted):
+    # Envoy Gateway's pattern: the filter `disabled: true` on the connection manager, turned on where a policy
+    # applies. Measured through Envoy 1.40: any ExtProcPerRoute (bare, or wrapped in a FilterConfig) on the virtual
+    # host turned it on (x-extproc-decision: accept); none left the request unadmitted.
+    cfg = shipped()
+    hcm(cfg)["http_filters"][0]["disabled"] = True
+    if turned_on is not None:
+        hcm(cfg)["route_config"]["virtual_hosts"][0]["typed_per_filter_config"] = {EXT_PROC: turned_on}
+    errors = lint(cfg, POOLS).errors
+    if admitted:
+        assert errors == []
+    else:
+        assert errors and all("with the ext_proc disabled" in e for e in errors), errors
+
+
 def test_a_stream_idle_timeout_shorter_than_the_queue_wait_is_a_warning():
     # Measured through Envoy 1.40: stream_idle_timeout 1s, a request queued by the ext_proc (cap 1, max_wait_ms
     # 5000) behind a stream that ran 3 s got 504 stream_idle_timeout at 1.0 s, still queued. A route's idle_timeout
