@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 from extproc.policy.schema import READ_HEADERS
 from extproc.server.accesslog import TICKET_HEADER
-from extproc.server.protocol import CLUSTER_HEADER
+from extproc.server.protocol import CLUSTER_HEADER, REPLICA_HEADER
 from extproc.server.servicer import QUEUE_GRACE_S
 from extproc.tools.envoyconf import seconds
 
@@ -38,6 +38,10 @@ class Findings:
 READS = READ_HEADERS
 # Headers the ext_proc sets on an admitted request: the pool to route to, and the ticket its report is matched by.
 SETS = (CLUSTER_HEADER, TICKET_HEADER)
+# ...and the others it sets on some: the replicas to use (steering), and the tags echoed to the client.
+TAGS = (REPLICA_HEADER, "x-extproc-class", "x-extproc-decision", "x-extproc-queue-wait-ms", "x-extproc-degraded",
+        "x-extproc-shadow", *(f"x-ratelimit-{what}-{unit}" for unit in ("requests", "tokens")
+                              for what in ("limit", "remaining", "reset")))
 
 
 def lint(cfg: dict[str, Any], pools: set[str], admitted: int = 0, longest_wait_s: float = 0.0,
@@ -272,6 +276,14 @@ def _lint_headers(where: str, tc: dict[str, Any], reads: tuple[str, ...], found:
                 if mutation.get("disallow_is_error") else
                 "admitted requests go upstream without them: on the static route's pool, reported by no ticket")
         found.errors.append(f"{where}: the ext_proc's mutation_rules refuse {', '.join(blocked)}: {then}")
+    tags = [h for h in TAGS if refused(h)]
+    if tags and mutation.get("disallow_is_error"):
+        found.errors.append(f"{where}: the ext_proc's mutation_rules refuse {', '.join(tags)} with disallow_is_error: "
+                            "each admitted request it sets one of them on is answered 503 "
+                            "header_mutation_set_headers_failed")
+    elif REPLICA_HEADER in tags:
+        found.warnings.append(f"{where}: the ext_proc's mutation_rules refuse {REPLICA_HEADER}: requests are no "
+                              "longer steered away from a replica that hangs or runs slow (docs/reliability.md)")
     if refused("content-length"):  # protocol.admit: a new body with the old length is refused by Envoy (500)
         found.errors.append(f"{where}: the ext_proc's mutation_rules refuse content-length, which it sets with each "
                             "body it rewrites (a client's `priority` or class field removed, a degrade): Envoy "

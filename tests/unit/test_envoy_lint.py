@@ -276,6 +276,21 @@ def test_an_ext_proc_filter_off_by_default_admits_the_routes_a_per_route_config_
         assert errors and all("with the ext_proc disabled" in e for e in errors), errors
 
 
+def test_mutation_rules_refusing_the_other_headers_the_ext_proc_sets():
+    # With disallow_is_error any refused header fails the request; without it a dropped replica header only loses
+    # the steering away from a hung or slow replica (the tags echoed to clients are cosmetic).
+    cfg = shipped()
+    tc = hcm(cfg)["http_filters"][0]["typed_config"]
+    tc["mutation_rules"] = {"disallow_expression": {"regex": "x-ratelimit-.*|x-extproc-class"}}
+    assert lint(cfg, POOLS).errors == [] and lint(cfg, POOLS).warnings == []
+    tc["mutation_rules"]["disallow_is_error"] = True
+    (error,) = lint(cfg, POOLS).errors
+    assert "x-extproc-class, x-ratelimit-limit-requests" in error and "503" in error
+    tc["mutation_rules"] = {"disallow_expression": {"regex": "x-extproc-replica"}}
+    (warning,) = lint(cfg, POOLS).warnings
+    assert "no longer steered away" in warning and lint(cfg, POOLS).errors == []
+
+
 def test_a_stream_idle_timeout_shorter_than_the_queue_wait_is_a_warning():
     # Measured through Envoy 1.40: stream_idle_timeout 1s, a request queued by the ext_proc (cap 1, max_wait_ms
     # 5000) behind a stream that ran 3 s got 504 stream_idle_timeout at 1.0 s, still queued. A route's idle_timeout
