@@ -110,7 +110,8 @@ class UnreadableMetrics(ValueError):
 
 def parse_vllm_metrics(body: bytes | str) -> dict[str, float]:
     """The few vLLM series admission reads, summed over label sets (one engine may serve several names); the KV
-    cache usage is the highest; `tokens` is prompt + generated tokens so far (NaN when neither counter is there).
+    cache usage is the highest; `tokens` is prompt + generated tokens so far (NaN when neither counter is there;
+    any other counter diffed between scrapes that is not there is NaN too).
     Raises UnreadableMetrics when a required series is missing, a sample line of a read series is malformed, or a
     value is not finite and non-negative."""
     if isinstance(body, str):
@@ -140,7 +141,9 @@ def parse_vllm_metrics(body: bytes | str) -> dict[str, float]:
         out["started"] = math.nan
     if not all(n in seen for n in _PACE):
         out["itl_sum"] = out["itl_count"] = math.nan
-    for name in ("vllm:request_success_total", "vllm:iteration_tokens_total_count"):
+    # Counters diffed between scrapes: missing is unknown (NaN), not 0 (the preemption counter back at its
+    # value read as that many preemptions).
+    for name in ("vllm:request_success_total", "vllm:iteration_tokens_total_count", "vllm:num_preemptions_total"):
         if name not in seen:
             out[_WANTED[name]] = math.nan
     return out

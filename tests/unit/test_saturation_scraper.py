@@ -352,6 +352,22 @@ def test_a_replica_answering_200_without_the_series_is_not_idle_headroom():
     assert scraper.aggregate(clock()).saturated
 
 
+def test_a_preemption_counter_missing_from_one_scrape_is_not_read_as_preemptions():
+    # A /metrics without vllm:num_preemptions_total read it as 0: the scrape after, with the counter back at the
+    # same 7, read as 7 preemptions since, and the pool as saturated. A missing counter is unknown, as the others.
+    clock = FakeClock()
+    scraper = PoolScraper(RecordingCore(), "pool_a", PoolSpec(replicas=["r:1"]), None, clock=clock)
+    without = b"vllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc 0.1\n"
+    with_counter = without + b"vllm:num_preemptions_total 7\n"
+    states = []
+    for body in (with_counter, without, with_counter, with_counter + b"vllm:num_preemptions_total 1\n"):
+        scraper.record(scraper.replicas["r:1"], parse_vllm_metrics(body))
+        sat = scraper.aggregate(clock())
+        states.append((sat.preempting, sat.saturated))
+        clock.advance(0.2)
+    assert states == [(False, False)] * 3 + [(True, True)]  # a counter that moved is still read
+
+
 # --- bug 4: the exposition format: name{labels} value [timestamp] ---
 
 def test_a_sample_timestamp_is_not_read_as_its_value():
