@@ -100,13 +100,17 @@ def test_a_replica_names_nothing_for_a_model_it_does_not_serve(clock):
     assert core.decide(RequestFacts(header_class="batch", model="m-lora")).reason == "unknown_model"
 
 
-def test_a_card_whose_parent_is_not_a_name_leaves_the_other_names_listed(clock):
-    # A misbehaving replica's card with a list for its parent raised TypeError (unhashable) and the pool's whole
-    # listing was dropped: no replica's adapters were admitted while it listed that card.
+def test_a_card_whose_parent_is_not_a_name_is_not_an_adapter_and_breaks_nothing(clock):
+    # A replica's /v1/models with "parent": [] (or {}) raised TypeError (unhashable) in set_listings, after the
+    # listing was stored: every later reload raised it too, half way through installing the policy.
     core = listed_core(clock)
-    served = core.set_listings("pool_a", [[card("llama"), card("odd", ["llama"]), card("odd2", {"a": 1})],
-                                          [card("llama"), card("sql-lora", "llama")]])
+    served = core.set_listings("pool_a", [[card("llama"), card("odd", ["llama"]), card("odd2", {"a": 1}),
+                                           card("sql-lora", "llama")]])
     assert served == {"sql-lora": "llama"}
+    core.apply(make_policy(models={**LISTED, "small": {"cluster": "pool_b", "aliases": ["tiny"]}}, pools=POOLS,
+                           tenants=[]))
+    d = core.decide(RequestFacts(header_class="batch", model="tiny"))
+    assert (d.kind, d.charge.model) == (ACCEPT, "small")
 
 
 def test_a_listed_name_never_takes_a_name_from_the_policy(clock):
