@@ -124,8 +124,10 @@ def judge_slow(paces: list[TokenPace], now: float, ratio: float) -> list[TokenPa
             p.relative = 1.0
     if len(seen) < 2:
         return changed + [p for p, _, _ in seen if _set(p, False)]
+    was_slow = {id(p) for p, _, _ in seen if p.slow}  # as judged before this round (verdicts change below)
     for pace, s, load in seen:
-        others = [(s2, _outweighs(load, load2), _outweighs(load2, load)) for p2, s2, load2 in seen if p2 is not pace]
+        others = [(s2, _outweighs(load, load2), _outweighs(load2, load), id(p2) in was_slow)
+                  for p2, s2, load2 in seen if p2 is not pace]
         if not pace.slow:
             # Against one that ran at least as heavy a load, the gap itself: slower than that is not the load's
             # doing. Against a lighter one, the gap over what the extra load could cost if every token waited for
@@ -133,14 +135,15 @@ def judge_slow(paces: list[TokenPace], now: float, ratio: float) -> list[TokenPa
             # longer, so least request leaves it the heavier batch at low concurrency (2 to the fast one's 1 with
             # three clients), and compared only with heavier ones it went unjudged.
             pace.relative = max((s / s2 / (heavier if heavier > LOAD_SLACK else 1.0)
-                                 for s2, heavier, _ in others if math.isfinite(heavier)), default=1.0)
+                                 for s2, heavier, _, _ in others if math.isfinite(heavier)), default=1.0)
             if pace.relative > ratio and _set(pace, True):
                 changed.append(pace)
             continue
         # Slow: back within half the margin of one that ran no heavier a load. Reading as fast as a far busier
         # one proves nothing (a 2x slower replica running 1 request read 1.07x one running 13); least request
         # gives it a share of the classes without an SLO until its batch is the others' size, and then it is judged.
-        lighter = [s2 for s2, _, theirs_over in others if theirs_over <= LOAD_SLACK]
+        # Nor does reading as fast as another slow one (two of an older GPU generation let each other back).
+        lighter = [s2 for s2, _, theirs_over, slow in others if theirs_over <= LOAD_SLACK and not slow]
         if lighter:
             pace.relative = s / min(lighter)
             if pace.relative <= release and _set(pace, False):

@@ -110,6 +110,16 @@ def test_paces_are_compared_only_where_the_batch_does_not_explain_the_gap():
     assert judge_slow([fast, slow], 41.0, 1.5) == [slow] and not slow.slow
 
 
+def test_a_slow_replica_is_not_let_back_for_reading_as_fast_as_another_slow_one():
+    # Two replicas of an older GPU generation, 2x slower, beside a fast one that runs the heavier batch (the classes
+    # with an SLO are sent to it): each slow one was let back for matching the other's pace, judged slow again
+    # against the fast one the round after, and so on every scrape, with a log line and a steering change each.
+    fast, old1, old2 = paced(0.005, running=8.0), paced(0.010, running=2.0), paced(0.010, running=2.0)
+    assert judge_slow([fast, old1, old2], 10.0, 1.5) == [old1, old2]
+    for _ in range(3):
+        assert judge_slow([fast, old1, old2], 10.0, 1.5) == [] and old1.slow and old2.slow
+
+
 def test_a_slow_replica_holding_the_heavier_batch_is_still_judged():
     # Least request at low concurrency leaves the slow replica, whose requests last longer, the heavier batch: 1.8
     # to the fast one's 1.2 with three clients. 3x the pace is more than a batch 1.5x heavier can cost (1.5x at
