@@ -289,7 +289,7 @@ class AdmissionController:
         latency stays over the SLO after they have."""
         if not self.moves.lower_excess(lim, (cluster,)):
             return False
-        self.moves.yield_asked.add(cluster)
+        self.moves.ask_yield((cluster,), lim.rank)
         breaker.reset(now)
         self.events.pool_yielded(cluster, lim.name)
         return True

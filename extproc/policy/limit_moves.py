@@ -27,7 +27,10 @@ class LimitMoves:
         self.state = state
         self.events = events
         self.saturation = saturation
-        self.yield_asked: set[str] = set()  # ungated pools whose lower classes yield at the next tick
+        # Ungated pool -> the highest class (rank) that asked the classes below it there to yield at the next tick:
+        # by pool alone, an ask made between ticks read as the first class's, and the classes between it and the
+        # one that asked (the asker included) yielded too.
+        self.yield_asked: dict[str, int] = {}
 
     def tick(self, now: float, grant: Callable[[ClassLimiter, float], None]) -> None:
         """Move every limit whose interval has passed; `grant` hands the room of a raised limit to waiters (at
@@ -41,7 +44,7 @@ class LimitMoves:
             # Its latest move found it slow (it asked, or cut itself): until its next move, the classes below that
             # are over their floors are asked to yield, each at its own next move (_yield_due).
             if excess and getattr(controller, "last_action", None) in ("ask_yield", "cut_latency"):
-                self.yield_asked.update(self._ungated(lim.pools))
+                self.ask_yield(lim.pools, lim.rank)
             struggling |= self._struggling_pools(lim)
             if new != lim.limit:
                 raised = new > lim.limit
@@ -58,6 +61,11 @@ class LimitMoves:
                                              gate.controller.sized_on, gate.inflight - gate.stuck)
         if raised:
             grant(self.state.ranked[0], now)
+
+    def ask_yield(self, pools, rank: int) -> None:
+        """The classes below `rank` on these pools (those without a pool-wide limit) yield at the next tick."""
+        for pool in self._ungated(pools):
+            self.yield_asked[pool] = min(rank, self.yield_asked.get(pool, rank))
 
     def lower_excess(self, lim: ClassLimiter, pools) -> float:
         """What the classes below `lim` hold over their floors, on those of these pools without a pool-wide
@@ -89,7 +97,7 @@ class LimitMoves:
         next move. Yielding at every move for a whole window starved batch at 60% load (24 refusals)."""
         out = set()
         for pool in self._ungated(lim.pools):
-            if pool in self.yield_asked or any(
+            if self.yield_asked.get(pool, lim.rank + 1) <= lim.rank or any(
                     isinstance(b, LatencyBreaker) and b.state != CLOSED
                     for b in self.state.breakers.get((lim.name, pool), ())):
                 out.add(pool)

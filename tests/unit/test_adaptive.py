@@ -339,6 +339,36 @@ def test_a_tripped_latency_breaker_lets_the_lower_class_yield_before_it_degrades
     assert core.decide(RequestFacts(header_class="interactive", model="llama")).kind == DEGRADE
 
 
+def test_a_class_whose_tripped_breaker_asks_the_classes_below_to_yield_does_not_yield_itself(clock):
+    """Batch's breaker trips while internal, below it, holds more than its floor: internal yields at the next tick.
+    The ask was recorded for the pool alone and read at the tick as the first class's (interactive, calm): batch,
+    below it, was cut to its floor by "cut_yield" as if a class above it missed its SLO."""
+    adaptive = {"enabled": True, "min_limit": 2, "max_limit": 16, "interval_s": 1, "window_s": 5, "min_samples": 5}
+    lb = {"window_s": 10, "min_samples": 5, "cooldown_s": 5, "trickle": 0.1, "trickle_s": 10}
+    core = AdmissionController(make_policy(classes={
+        "interactive": {"max_concurrency": 8, "max_queue": 0, "max_wait_ms": 0, "slo_p95_ms": 2000,
+                        "adaptive": adaptive},
+        "batch": {"max_concurrency": 8, "max_queue": 0, "max_wait_ms": 0, "slo_p95_ms": 2000, "adaptive": adaptive,
+                  "latency_breaker": lb, "on_overflow": "fallback", "fallback": {"action": "degrade", "model": "small"}},
+        "internal": {"max_concurrency": 8, "max_queue": 0, "max_wait_ms": 0, "slo_p95_ms": 60000,
+                     "adaptive": adaptive},
+    }, tenants=[]), clock=clock)
+    for t in hold(core, "interactive", 1):
+        core.finish(t, Outcome.OK)  # interactive sends to the pool too, and is calm
+    hold(core, "internal", 6)
+    for t in hold(core, "batch", 6):
+        clock.advance(0.5)
+        core.finish(t, Outcome.OK)
+        core.report(t.id, Completion(Outcome.OK, 200, None, 3.0))  # p95 3 s against a 2 s SLO: the breaker trips
+    d = core.decide(RequestFacts(header_class="batch", model="llama"))
+    assert d.kind == ACCEPT and not d.ticket.degraded  # internal yields first
+    core.finish(d.ticket, Outcome.OK)
+    clock.advance(1.0)
+    core.tick()
+    assert core.limiters["internal"].limit < 6 and core.limiters["internal"].controller.last_action == "cut_yield"
+    assert core.limiters["batch"].limit == 8 and core.limiters["batch"].controller.last_action != "cut_yield"
+
+
 def test_a_mix_slow_at_any_load_gets_back_the_cap_a_spike_cut():
     """The spike scenario's interactive p95 is ~1.4 s of a 2 s SLO at any load: inside the band (raise under
     0.6, cut over 0.8). After a spike's cuts, at calm load again, the cap bound, nothing was slow, and it held:
