@@ -345,9 +345,10 @@ class PoolGate:
             for rank, cls in enumerate(previous.class_names):
                 if cls in class_names:
                     self.rest_until[class_names.index(cls)] = previous.rest_until[rank]
-        self.squeeze_rank = len(min_shares)    # classes ranked below this get only their guarantee...
-        self.squeeze_until = -math.inf         # ...until then (a latency breaker of a higher class asked)
-        self._squeezed_for: tuple[int, float] | None = None  # (rank, breaker opened at) last squeezed for
+        # Per class rank whose latency breaker asked: (its breaker opened at, until when the classes below it get
+        # only their guarantee). One (rank, until) for every breaker let a second breaker's squeeze free the classes
+        # between the two at once, and the two renew each other's as new openings.
+        self._squeezes: dict[int, tuple[float, float]] = {}
 
     def _controller(self, spec: PoolLimitSpec, slos: dict[int, float], previous: PoolGate | None) -> PoolLimit:
         """The limit this gate starts from: what the gate it replaces (a reload) learned, unless the unit changed
@@ -407,7 +408,7 @@ class PoolGate:
         """Room for this request now, before looking at who waits (see admits)."""
         if self.guaranteed(rank, units, now):
             return True
-        if rank > self.squeeze_rank and now < self.squeeze_until:
+        if self._squeezes and now < self.squeezed_until(rank):
             return False
         if self.room(rank, units):
             return True
@@ -432,7 +433,7 @@ class PoolGate:
         """Seconds the class at `rank` still gets no more than its guarantee: (its rest after a request over its
         share, the squeeze a higher class's latency breaker asked for). The squeeze holds even with room."""
         rest = max(0.0, self.rest_until[rank] - now)
-        squeezed = max(0.0, self.squeeze_until - now) if rank > self.squeeze_rank else 0.0
+        squeezed = max(0.0, self.squeezed_until(rank) - now) if self._squeezes else 0.0
         return rest, squeezed
 
     def held_back_by(self, rank: int, units: float, now: float) -> str:
@@ -479,13 +480,15 @@ class PoolGate:
         """Classes below `rank` get only their guarantee until `until` (their running requests finish). Once per
         opening of the breaker that asks (`opened_at`): a breaker that stays open does not starve them for good.
         True when this call squeezed."""
-        key = (rank, opened_at)
-        if key == self._squeezed_for:
+        last = self._squeezes.get(rank)
+        if last is not None and last[0] == opened_at:
             return False
-        self._squeezed_for = key
-        self.squeeze_rank = min(self.squeeze_rank, rank) if until <= self.squeeze_until else rank
-        self.squeeze_until = max(self.squeeze_until, until)
+        self._squeezes[rank] = (opened_at, until)
         return True
+
+    def squeezed_until(self, rank: int) -> float:
+        """Until when the class at `rank` gets only its guarantee: the latest squeeze a class above it asked for."""
+        return max((until for r, (_, until) in self._squeezes.items() if r < rank), default=-math.inf)
 
     def owed(self, rank: int, flow: str, units: float, share: float, now: float) -> bool:
         """The owner's return: a flow that, with this request, holds no more than its `share` of what its class
@@ -493,7 +496,7 @@ class PoolGate:
         share (borrowers) wait until the pool is back under the limit. So a flood's long requests holding the
         pool make the flood wait, not the others. Over-commit is bounded: owners hold at most their shares of the
         limit, i.e. the pool at most twice the limit."""
-        if share <= 0.0 or (rank > self.squeeze_rank and now < self.squeeze_until):
+        if share <= 0.0 or (self._squeezes and now < self.squeezed_until(rank)):
             return False
         cap = self.limit if rank == 0 else self.limit * LOWER_FILL
         return self.held_by(rank, flow) + units <= share * min(self.held[rank] + units, cap)

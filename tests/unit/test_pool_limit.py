@@ -580,11 +580,25 @@ def test_a_breaker_that_stays_open_squeezes_lower_classes_once(clock):
         breaker.observe(clock(), 5.0, False)
     gate = core.gates["pool_a"]
     assert core.decide(req("interactive")).kind == QUEUE  # not degraded: batch yields instead
-    first_until = gate.squeeze_until
+    first_until = gate.squeezed_until(1)  # batch's
     assert first_until > clock()
     clock.advance(1.0)
     core.decide(req("interactive"))
-    assert gate.squeeze_until == first_until  # the same opening does not renew it
+    assert gate.squeezed_until(1) == first_until  # the same opening does not renew it
+
+
+def test_two_breakers_squeezing_at_once_each_hold_the_classes_below_them_once_for_their_cooldown():
+    # Interactive's and standard's latency breakers open on one full pool, 4 s apart. One (rank, until) for both:
+    # standard's squeeze freed standard from interactive's at once, and each request of the other class renewed
+    # the squeeze as a new opening, so the classes below were held to their guarantee past one cooldown each.
+    gate = PoolGate("pool_a", spec(), {}, [0.0, 0.0, 0.0], ["interactive", "standard", "batch"])
+    assert gate.squeeze(0, 100.0, 110.0)  # interactive's breaker, opened at 100 s: the classes below until 110
+    assert gate.squeeze(1, 104.0, 114.0)  # standard's, opened at 104 s: batch until 114
+    assert gate.held_to_share(1, 105.0) == (0.0, 5.0)  # standard is still held for interactive
+    assert gate.held_to_share(2, 105.0) == (0.0, 9.0)
+    assert not gate.squeeze(0, 100.0, 116.0)  # interactive's same opening again: once
+    assert gate.held_to_share(1, 111.0) == (0.0, 0.0) and gate.held_to_share(2, 111.0) == (0.0, 3.0)
+    assert gate.held_to_share(0, 105.0) == (0.0, 0.0)
 
 
 def tenants_core(clock, mode: str) -> AdmissionController:
