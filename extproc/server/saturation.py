@@ -236,7 +236,10 @@ class PoolScraper:
         self.clock = clock
         # `known`: the replicas a previous scraper of this pool saw (a reload), taken over by address.
         self._known = known or {}
-        self.replicas: dict[str, ScrapedReplica] = {a: self._replica(a) for a in spec.replicas}
+        # A pool found through Envoy starts from the replicas last listed (a reload), as a failed discovery keeps
+        # them: started with none, an admin that did not answer its first try read the pool as saturated.
+        listed = spec.replicas or (list(self._known) if spec.envoy_admin else [])
+        self.replicas: dict[str, ScrapedReplica] = {a: self._replica(a) for a in listed}
         self._last_discovery = -1e9
         self._resolved_at = -math.inf
         self._published_at = clock()  # as if just published: the first round has stale_ms to fail before it counts

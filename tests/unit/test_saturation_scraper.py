@@ -536,6 +536,23 @@ def test_a_reload_that_restarts_the_scrapers_keeps_what_they_knew_of_each_replic
     assert not other_pool["10.0.0.1:8000"].stalled  # another pool's replica of that address is its own
 
 
+def test_a_reload_of_a_pool_found_through_envoy_starts_from_its_replicas_as_last_listed():
+    # Any reload that changes `pools` (a limit knob) restarts the scrapers. One of a pool found through Envoy's
+    # admin started with no replica until its first discovery: an admin that did not answer then left the pool with
+    # none, read as saturated for 5 s (the next try), where a failed discovery otherwise keeps the last membership.
+    clock = FakeClock()
+    spec = PoolSpec(envoy_admin="http://127.0.0.1:9901")
+    before = PoolScraper(RecordingCore(), "pool_a", spec, None, clock=clock)
+    before.replicas.update((a, saturation.ScrapedReplica(a)) for a in ("10.0.0.1:8000", "10.0.0.2:8000"))
+    for r in before.replicas.values():
+        before.record(r, reading(running=1, tokens=5.0))
+    after = PoolScraper(RecordingCore(), "pool_a", PoolSpec(envoy_admin="http://127.0.0.1:9901", stale_ms=2000),
+                        None, clock=clock, known=before.replicas)
+    asyncio.run(after._discover())  # no session: the admin is not read
+    assert after.replicas == before.replicas
+    assert not after.aggregate(clock()).saturated
+
+
 def test_a_stalled_replica_whose_metrics_stop_answering_stays_stalled_and_is_not_named():
     # A wedged server whose /metrics hangs too: unread, it would count as saturation (any unread replica does)
     # and stop being stalled, so requests would be steered to it again.
