@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import json
 import logging
 import math
 import re
@@ -27,6 +26,7 @@ import socket
 import time
 
 import aiohttp
+import orjson
 
 from ..policy.adaptive import PoolSaturation
 from ..policy.admission import AdmissionController
@@ -318,7 +318,9 @@ class PoolScraper:
             async with self.session.get(f"http://{r.address}/v1/models", timeout=self._timeout()) as resp:
                 if resp.status != 200:
                     return
-                doc = json.loads(await read_capped(resp))
+                # orjson, as GET /v1/models is written: Python's json also reads integers past 64 bits and lone
+                # surrogate escapes, which orjson cannot write back (one replica's card broke the edge's list).
+                doc = orjson.loads(await read_capped(resp))
         except Exception:  # noqa: BLE001 - not read this time: its last listing stands (a refusal shows in r.refused)
             return
         r.listing = doc.get("data") if isinstance(doc, dict) and isinstance(doc.get("data"), list) else []

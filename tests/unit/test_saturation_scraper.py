@@ -13,10 +13,12 @@ from aiohttp import web
 
 from extproc.policy.schema import PoolSpec
 from extproc.server import saturation
+from extproc.server.openai import models_body
 from extproc.server.saturation import (MAX_METRICS_BYTES, PoolScraper, SaturationScrapers, UnreadableMetrics,
                                        parse_vllm_metrics)
 from extproc.tools.stack import free_port
 from tests.conftest import FakeClock
+from tests.unit.test_model_names import listed_core
 
 REAL_METRICS = (Path(__file__).resolve().parents[1] / "fixtures" / "vllm" / "metrics.txt").read_bytes()
 
@@ -683,6 +685,25 @@ def test_each_replicas_models_listing_is_handed_over_and_a_silent_one_keeps_its_
             return core.listings
 
     assert asyncio.run(list_twice()) == [[cards], [cards]]
+
+
+@pytest.mark.parametrize("body", [
+    b'{"data": [{"id": "llama", "parent": null, "max_model_len": 100000000000000000000000}]}',
+    b'{"data": [{"id": "llama", "parent": null}, {"id": "lora-\\ud800", "parent": "llama"}]}',
+], ids=["int_past_64_bits", "lone_surrogate"])
+def test_a_models_listing_that_json_cannot_carry_back_does_not_break_get_v1_models(body):
+    # Python's json reads an integer of any size and a lone UTF-16 surrogate escape; orjson, which writes GET
+    # /v1/models, refuses both (TypeError): one replica's card broke the edge's model list for every client.
+    async def read():
+        core = listed_core(FakeClock())
+        async with replica(answering(real_metrics_with()), models=answering(body, content_type="application/json")) \
+                as address, aiohttp.ClientSession() as session:
+            scraper = PoolScraper(core, "pool_a", PoolSpec(replicas=[address]), session, clock=FakeClock())
+            await scraper._read_listings()
+        return core.model_catalog()
+
+    catalog = asyncio.run(read())
+    assert models_body(catalog, 0) and catalog["llama"]["max_model_len"] is None
 
 
 def test_a_replica_slow_to_list_its_models_does_not_delay_the_saturation_readings():
