@@ -123,6 +123,7 @@ class PoolLimit:
         self._cohort: list[float] | None = None
         self._blind_until = -math.inf
         self.proven = 0.0               # the last limit proven under load (see PROVEN_FLOOR); 0: none yet
+        self.served_peak = 0.0          # the most held with the latency in target, before anything was proven
         self.last_action = "hold"
         # The in-flight the last cut was sized on: the instant's for a saturation cut, the window's average (or
         # the instant's, if higher) for a latency cut. Logged with the cut: the instant's alone read
@@ -246,7 +247,12 @@ class PoolLimit:
             else:
                 # Not binding: come down towards what the load needs, with room for a burst, so that a limit
                 # far above any load cannot let a spike's first seconds overfill the pool.
-                level = max(self.inflight_peak * (1 + self._burst_room(ratio, roomy)), PROVEN_FLOOR * self.proven)
+                if not self.proven and ratio >= 1.0:
+                    self.served_peak = max(self.served_peak, min(self.inflight_peak, self.limit))
+                # Idle, a limit that never bound (nothing proven) followed the fading peak to its floor (1), and the
+                # next burst ran one request at a time: it keeps half the most it served in target instead.
+                floor = self.proven or (self.served_peak if inflight == 0 else 0.0)
+                level = max(self.inflight_peak * (1 + self._burst_room(ratio, roomy)), PROVEN_FLOOR * floor)
                 if level < self.limit:
                     self.limit = max(spec.min, level)
                     self.last_action = "settle"

@@ -462,6 +462,24 @@ def test_an_idle_pool_keeps_half_the_limit_it_last_proved_under_load():
     assert c.limit == pytest.approx(10.0) and c.last_action in ("settle", "hold")
 
 
+def test_an_idle_pool_whose_limit_never_bound_keeps_half_the_peak_it_served_in_target():
+    # A pool that served 10 requests at once well within its target, its limit settled above them and never
+    # binding (so never "proven"), then idle for 15 s: the settle followed the decaying peak down to the floor (1),
+    # and the next burst ran one request at a time while raises climbed back 5% a step. (Found by a review.)
+    c = PoolLimit(spec(), {0: 2.0})
+    now = 0.0
+    while now < 20.0:
+        now += 0.5
+        for _ in range(5):
+            c.observe(0, now, now, 1.0)
+        c.update(now, 10, False, False)
+    assert c.limit == pytest.approx(15.0)  # the peak + 50%: never binding
+    while now < 80.0:  # idle
+        now += 0.5
+        c.update(now, 0, False, False)
+    assert c.limit == pytest.approx(5.0)
+
+
 def test_raises_in_proportion_to_the_room_left_while_binding_and_settles_when_idle():
     c = PoolLimit(spec(), {0: 2.0})
     now = 0.0
