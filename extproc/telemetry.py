@@ -539,7 +539,7 @@ class _CoreGauges:
             slow.add_metric([pool], s.slow)
         yield from (sat, kv, waiting, stalled, slow)
         limit = GaugeMetricFamily("extproc_pool_limit", "The pool-wide limit now, in its unit (tokens: prompt + "
-                                  "expected output of the requests held; requests).", labels=["pool", "unit"])
+                                  "max_tokens of the requests held; requests).", labels=["pool", "unit"])
         held = GaugeMetricFamily("extproc_pool_inflight", "What each class holds of the pool-wide limit, in its "
                                  "unit.", labels=["pool", "unit", "class"])
         queued = GaugeMetricFamily("extproc_pool_waiting_requests", "Requests queued for room under the pool-wide "
