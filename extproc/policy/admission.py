@@ -807,6 +807,21 @@ class AdmissionController:
         self.events.decided(d)
         return d
 
+    def withdraw(self, ticket: Ticket) -> bool:
+        """Take back an admission whose request never went upstream (the adapter refused it after the decision: its
+        body as it would be forwarded is over the limit): its slot goes back unused and it is charged nothing, as a
+        revoked one's. Released as a finished request, it was a completion for the drain rate, a charge of its
+        expected output, and a report awaited from Envoy that never comes. False if it was closed already."""
+        if ticket.closed:
+            return False
+        now = self.clock()
+        if self.shadow.places:
+            self.shadow.ended(ticket)
+        self._release(ticket, now, False)
+        if ticket.holds_slot:
+            self._grant(ticket.limiter, now)
+        return True
+
     def revoke(self, d: Decision, reason: str, message: str) -> Decision:
         """The shared store did not grant a global slot (none within the class's wait, store down and failing
         closed, or the client left): the local slot goes back unused and the request gets a refusal instead.

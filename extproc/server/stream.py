@@ -120,10 +120,12 @@ class Processor:
         which = self.usage_sample.pick(self.core, api_key)
         return None if which is None else UsageReader(learn=which == LEARN)
 
-    def close(self, ticket: Ticket, outcome: Outcome) -> None:
-        """The one release of a ticket a stream held: the core's slot, then the shared store's."""
+    def close(self, ticket: Ticket, outcome: Outcome | None) -> None:
+        """The one release of a ticket a stream held: the core's slot, then the shared store's. `outcome` None:
+        the request never went upstream (AdmissionController.withdraw)."""
         self.live.discard(ticket)
-        if self.core.finish(ticket, outcome) and self.shared is not None:
+        closed = self.core.finish(ticket, outcome) if outcome is not None else self.core.withdraw(ticket)
+        if closed and self.shared is not None:
             self.shared.release(ticket)
 
     def renew_live(self) -> None:
@@ -381,7 +383,7 @@ class Stream:
         fail the gRPC write or Envoy's buffer after admission, and a failed ext_proc answer lets Envoy's
         failure_mode_allow forward the client's original body unadmitted: give the slot back and refuse."""
         ticket, self.held = self.held, None
-        self.processor.close(ticket, Outcome.CLIENT_ABORT)  # it never went upstream: no latency, no error
+        self.processor.close(ticket, None)  # it never went upstream: no latency, no error, nothing charged
         limit = self.processor.max_body_bytes
         return self._refuse(BadRequest(
             f"{say(R_BODY_TOO_LARGE, limit=limit)} (the body as forwarded to the model server, re-encoded by the "

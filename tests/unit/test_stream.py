@@ -265,6 +265,20 @@ def test_while_a_replica_of_its_pool_is_stalled_the_others_are_named_for_envoy(c
     assert set_headers(admitted(p)[1])[protocol.REPLICA_HEADER] == b"10.0.0.3:8000,10.0.0.2:8000"
 
 
+def test_a_body_refused_413_after_admission_is_taken_back_as_never_run(clock):
+    # It was released as a client abort of a request that ran: a completion for the class's drain rate, the
+    # tenant charged its prompt and expected output, and a report awaited from Envoy that never comes.
+    p = processor(clock, tenants=[{"name": "acme", "api_keys": ["sk-acme"], "tokens_per_minute": 10**6}])
+    raw = b'{"model": "llama", "messages": [], "priority": -100, "x": [' + b",".join([b"1e15"] * 150) + b"]}"
+    s = Stream(p)
+    s.receive(request_headers(authorization=b"Bearer sk-acme"))
+    bucket = p.core.tenant_limits["acme"].tokens
+    assert immediate_status(s.receive(request_body(raw))) == 413
+    lim = p.core.limiters["interactive"]
+    assert bucket.refill(clock()) == bucket.capacity and lim.drain._count == 0.0
+    assert inflight(p) == 0 and not p.core.tickets and not p.core._unreported
+
+
 def test_a_rewritten_body_carries_its_new_content_length(clock):
     p = processor(clock)
     _, answer = admitted(p, {"model": "llama", "messages": [], "priority": "batch"})  # the claim is stripped
