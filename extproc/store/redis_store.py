@@ -85,18 +85,22 @@ end
 return n
 """
 
-# KEYS: slots of each held slot's class, in order. ARGV: lease_ms, then one holder per key. Extends only slots
-# still held: a lease that already expired stays gone (its holder is told, and may adopt() it again).
+# KEYS: slots and cost of each held slot's class, in order. ARGV: lease_ms, then one holder per slot. Extends
+# only slots still held: a lease that already expired stays gone (its holder is told, and may adopt() it again).
+# The costs' key is kept alive with the slots': else it expired two leases after the class's last acquire, and a
+# class held at its GPU budget by long requests was counted as costing nothing.
 RENEW = _NOW + """
 local out = {}
-for i, key in ipairs(KEYS) do
-  local score = redis.call('ZSCORE', key, ARGV[i + 1])
+for i = 1, #KEYS, 2 do
+  local key, holder = KEYS[i], ARGV[(i + 1) / 2 + 1]
+  local score = redis.call('ZSCORE', key, holder)
   if score and tonumber(score) > now then
-    redis.call('ZADD', key, now + lease, ARGV[i + 1])
+    redis.call('ZADD', key, now + lease, holder)
     redis.call('PEXPIRE', key, lease * 2)
-    out[i] = 1
+    redis.call('PEXPIRE', KEYS[i + 1], lease * 2)
+    out[#out + 1] = 1
   else
-    out[i] = 0
+    out[#out + 1] = 0
   end
 end
 return out
@@ -225,7 +229,7 @@ class RedisStore:
     async def renew(self, held: list[tuple[str, str]]) -> list[tuple[str, str]]:
         if not held:
             return []
-        keys = [self.keys(cls)[0] for cls, _ in held]
+        keys = [key for cls, _ in held for key in self.keys(cls)]
         changed = await self._call(self._renew(keys=keys, args=[self.lease_ms, *(h for _, h in held)]))
         return [slot for slot, ok in zip(held, changed) if not ok]
 

@@ -285,3 +285,17 @@ async def test_an_acquire_given_up_during_its_batch_call_is_given_back(redis_ser
     queued = asyncio.create_task(store.acquire(claim("b", cap=5)))
     await sent.wait()
     await give_up_and_count(store, first, queued)
+
+
+async def test_renewed_leases_keep_their_gpu_seconds_past_two_leases_without_an_acquire(redis_server):
+    # Renewals used to extend only the slots' key: the costs' key expired two leases after the last acquire, so
+    # long requests of a class held at its GPU budget (no acquire succeeding meanwhile) were counted as costing
+    # nothing, and the next acquire was granted past the budget.
+    store = RedisStore(spec(redis_server.url, lease_ms=200))
+    assert await store.acquire(claim("long", cap=10, cost=0.6, budget=1.0))
+    for _ in range(6):  # 0.6 s: three leases, renewed every 0.1 s
+        await asyncio.sleep(0.1)
+        assert await store.renew([("c", "long")]) == []
+    assert await store.client.hkeys("t:cost:c") == [b"long"]
+    assert not await store.acquire(claim("next", cap=10, cost=0.6, budget=1.0))
+    await store.close()
