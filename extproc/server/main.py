@@ -465,6 +465,11 @@ def _run_workers(args: argparse.Namespace) -> int:
             if code is None or i in reported:
                 continue
             reported.add(i)
+            if args.host_store:  # a worker that died holding slots: the others drain before they stop
+                try:
+                    host_store.forget(Path(args.host_store), i, args.workers)
+                except OSError as e:
+                    log.warning("could not free worker %d's slots in the shared table: %s", i, e)
             if not stopping:
                 log.error("worker %d (pid %d) exited with %s: stopping the others", i, w.pid, _status_text(code))
                 status = _exit_status(code)

@@ -5,8 +5,8 @@ the table holds the slots taken, their GPU-seconds and whether the worker has re
 checks the sum over the workers under a file lock (a few microseconds, against a Redis round trip's ~300 us of
 client CPU). A release wakes the other workers that wait for that class with a datagram on their Unix socket.
 
-No leases: a worker only ever frees its own slots, and when one dies the supervisor stops the rest (they are
-restarted together, on a fresh table), so a dead worker's slots cannot outlive it.
+No leases: a worker only ever frees its own slots; when one dies the supervisor clears its cells (forget()) and
+stops the rest (they are restarted together, on a fresh table), so a dead worker's slots cannot outlive it.
 """
 
 from __future__ import annotations
@@ -45,6 +45,18 @@ def create(directory: Path, workers: int) -> None:
     """The supervisor's part: an empty table for `workers` workers in `directory`."""
     (directory / _TABLE).write_bytes(bytes(table_size(workers)))
     (directory / _LOCK).touch()
+
+
+def forget(directory: Path, worker: int, workers: int) -> None:
+    """The supervisor's part when a worker has died: its slots, GPU-seconds and waiting flags go back to the table.
+    The others drain before they stop (--drain-s, --grace-s), still admitting, and nobody would release them."""
+    store = HostStore(directory, worker, workers)
+    try:
+        with store._locked():
+            for row in range(MAX_CLASSES):
+                store._set(row, 0, 0.0, 0)
+    finally:
+        store._close_files()
 
 
 def _stored_name(cls: str) -> bytes:
@@ -219,6 +231,9 @@ class HostStore:
                 asyncio.get_running_loop().remove_reader(self._inbox.fileno())
             self._inbox.close()
             self._inbox = None
+        self._close_files()
+
+    def _close_files(self) -> None:
         self._outbox.close()
         self._map.close()
         self._file.close()

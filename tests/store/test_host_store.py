@@ -117,3 +117,35 @@ async def test_classes_renamed_over_a_long_life_reuse_the_rows_of_classes_nobody
     assert a.count("gen-0") == 1 and a.count("gen-300") == 1
     await b.release([("kept", "b:1")])
     assert a.count("kept") == 0
+
+
+def test_a_worker_that_dies_gives_its_slots_back_before_the_others_drain(tmp_path, monkeypatch):
+    """The supervisor stops the other workers when one dies, but they drain first (--drain-s, then --grace-s),
+    still admitting: the dead worker's slots used to stay counted in the table all that while (a class it held
+    full refused every request for up to 40 s), though nobody could ever release them."""
+    import signal
+    import sys
+    from argparse import Namespace
+
+    from extproc.server import main
+
+    host_store.create(tmp_path, 2)
+    prelude = (f"import asyncio, pathlib, signal, sys, time\nfrom extproc.store.host_store import HostStore\n"
+               f"from extproc.policy.slot_store import SlotClaim\nd = pathlib.Path({str(tmp_path)!r})\n")
+    dies_holding = prelude + (
+        "s = HostStore(d, 0, 2)\nassert asyncio.run(s.acquire(SlotClaim('c', 'w0:1', 1.0, 1, None)))\n"
+        "while not (d / 'ready').exists(): time.sleep(0.02)\nsys.exit(3)\n")
+    asks_when_stopped = prelude + (
+        "stop = []\nsignal.signal(signal.SIGTERM, lambda *_: stop.append(1))\n(d / 'ready').touch()\n"
+        "while not stop: time.sleep(0.02)\ns = HostStore(d, 1, 2)\n"
+        "(d / 'got').write_text(str(asyncio.run(s.acquire(SlotClaim('c', 'w1:1', 1.0, 1, None)))))\n")
+    scripts = [dies_holding, asks_when_stopped]
+    monkeypatch.setattr(main, "worker_argv", lambda args, i: [sys.executable, "-c", scripts[i]])
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        status = main._run_workers(Namespace(workers=2, host_store=str(tmp_path)))
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+    assert status == 3
+    assert (tmp_path / "got").read_text() == "True"  # the dead worker's slot was free for the draining one
