@@ -32,7 +32,7 @@ from ..store.shared_slots import SharedSlots
 from ..telemetry import StoreTelemetry, Telemetry
 from .accesslog import AccessLogReceiver, ReportRelay, TicketTags
 from .loop_lag import probe_loop_lag
-from .saturation import SaturationScrapers
+from .saturation import SaturationScrapers, host_port
 from .servicer import ExtProcServicer
 
 log = logging.getLogger("extproc")
@@ -49,7 +49,11 @@ HEALTH_SERVICES = ("", "envoy.service.ext_proc.v3.ExternalProcessor")
 
 
 def _hostport(text: str) -> tuple[str, int]:
+    """HOST:PORT, an IPv6 host in brackets ([::]:9090): the host is kept without them (aiohttp cannot resolve
+    "[::]"); host_port() puts them back where an address is written whole (gRPC, the workers' options)."""
     host, _, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
     return host or "127.0.0.1", int(port)
 
 
@@ -228,11 +232,12 @@ class Server:
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
         host, port = self.args.grpc
         try:
-            bound = grpc_server.add_insecure_port(f"{host}:{port}")
+            bound = grpc_server.add_insecure_port(host_port(host, port))
         except RuntimeError:  # grpcio raises on a port in use rather than returning 0
             bound = 0
         if not bound:
-            raise SystemExit(f"extproc: cannot listen on {host}:{port} for gRPC (in use, or not an address here)")
+            raise SystemExit(f"extproc: cannot listen on {host_port(host, port)} for gRPC (in use, or not an address "
+                             "here)")
         await grpc_server.start()
         if self.shared is not None:
             await self.shared.start()
@@ -251,9 +256,9 @@ class Server:
         control = asyncio.create_task(self.control())
         lag_probe = asyncio.create_task(probe_loop_lag(self.telemetry.loop_lagged))
         await self.scrapers.configure(self.core.policy.pools)
-        log.info("extproc serving: grpc %s:%d, http %s:%d, policy %s", host, bound, *self.args.metrics,
-                 self.policy_path)
-        print(f"extproc ready grpc={host}:{bound} http={self.args.metrics[0]}:{self.args.metrics[1]}", flush=True)
+        grpc_at, http_at = host_port(host, bound), host_port(*self.args.metrics)
+        log.info("extproc serving: grpc %s, http %s, policy %s", grpc_at, http_at, self.policy_path)
+        print(f"extproc ready grpc={grpc_at} http={http_at}", flush=True)
         await signals.wait(1)
         await self._drain(health_servicer, signals)
         await self._stop_streams(grpc_server, signals)
@@ -304,7 +309,7 @@ class Server:
             await web.TCPSite(runner, host, port).start()
         except OSError as e:
             await runner.cleanup()
-            raise SystemExit(f"extproc: cannot listen on {host}:{port} for /metrics ({e.strerror})") from None
+            raise SystemExit(f"extproc: cannot listen on {host_port(host, port)} for /metrics ({e.strerror})") from None
         return runner
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -416,8 +421,8 @@ def run(args: argparse.Namespace) -> int:
 def worker_argv(args: argparse.Namespace, i: int) -> list[str]:
     """`extproc serve` for worker i: the same options, its own ports (the given ones + i)."""
     (host, port), (mhost, mport) = args.grpc, args.metrics
-    argv = [sys.executable, "-m", "extproc.cli", "serve", "--policy", args.policy, "--grpc", f"{host}:{port + i}",
-            "--metrics", f"{mhost}:{mport + i}", "--max-body-bytes", str(args.max_body_bytes),
+    argv = [sys.executable, "-m", "extproc.cli", "serve", "--policy", args.policy, "--grpc", host_port(host, port + i),
+            "--metrics", host_port(mhost, mport + i), "--max-body-bytes", str(args.max_body_bytes),
             "--max-pending-bodies", str(args.max_pending_bodies), "--watch-interval", str(args.watch_interval),
             "--drain-s", str(args.drain_s), "--grace-s", str(args.grace_s), "--log-level", args.log_level,
             "--log-accept-sample", str(args.log_accept_sample), "--log-decisions-per-s", str(args.log_decisions_per_s),

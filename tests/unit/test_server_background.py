@@ -8,7 +8,7 @@ import os
 import time
 
 from extproc.policy.schema import load_policy_file
-from extproc.server.main import Server, _every, add_arguments
+from extproc.server.main import Server, _every, add_arguments, worker_argv
 
 GOOD = "classes: {interactive: {max_concurrency: 1}}\nmodels: {llama: {cluster: pool_a}}\n"
 
@@ -150,3 +150,22 @@ def test_a_reload_logs_what_extproc_check_would_warn_about(tmp_path, caplog):
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == ["policy warning: classes.interactive.slo_p95_ms: 2 ms; the SLO is in milliseconds (2000 for "
                         "2 s)"]
+
+
+def test_an_ipv6_metrics_address_in_brackets_is_listened_on_and_passed_on_to_the_workers(tmp_path):
+    """`--metrics [::1]:9090` (as an IPv6-only cluster writes an address) used to reach aiohttp with its brackets:
+    the name did not resolve and the server refused to start; gRPC takes the bracketed form."""
+    path = tmp_path / "policy.yaml"
+    path.write_text(GOOD)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--policy", str(path), "--grpc", "[::1]:50051", "--metrics", "[::1]:0"])
+    server = Server(str(path), load_policy_file(str(path)), args)
+
+    async def listen() -> None:
+        runner = await server._start_http()
+        await runner.cleanup()
+
+    asyncio.run(listen())
+    argv = worker_argv(args, 1)
+    assert argv[argv.index("--grpc") + 1] == "[::1]:50052" and argv[argv.index("--metrics") + 1] == "[::1]:1"
