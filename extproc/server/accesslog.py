@@ -65,9 +65,14 @@ class TicketTags:
         and passes them on like another instance's."""
         head, dot, instance = value.partition(".")
         worker, dash, ticket_id = head.rpartition("-")
-        if not dot or not instance or not ticket_id.isdigit() or (dash and not worker.isdigit()):
+        # ASCII digits only: str.isdigit() also takes superscripts, which int() refuses.
+        if not dot or not instance or not (ticket_id.isascii() and ticket_id.isdigit()) or \
+                (dash and not (worker.isascii() and worker.isdigit())):
             return None
-        return int(ticket_id), f"{worker}{dash}{instance}"
+        try:
+            return int(ticket_id), f"{worker}{dash}{instance}"
+        except ValueError:  # past int()'s limit of 4,300 digits: no ticket of anyone's
+            return None
 
     @property
     def process(self) -> str:
