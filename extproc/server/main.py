@@ -103,7 +103,9 @@ GRPC_MAX_STREAMS = 100_000
 class Server:
     """Owns the core, the servicer and the endpoints; reloads the policy on SIGHUP or file change."""
 
-    def __init__(self, policy_path: str, policy: Policy, args: argparse.Namespace):
+    def __init__(self, policy_path: str, policy: Policy, args: argparse.Namespace,
+                 loaded_mtime: float | None = None):
+        """`loaded_mtime`: the file's time read before `policy` was loaded from it (default: now)."""
         self.policy_path = policy_path
         self.args = args
         self.telemetry = Telemetry(log_accept_sample=args.log_accept_sample, log_per_s=args.log_decisions_per_s)
@@ -127,7 +129,8 @@ class Server:
                                             relay=store if isinstance(store, ReportRelay) else None)
         self.scrapers = SaturationScrapers(self.core)
         _log_warnings(policy)
-        self._mtime = _mtime(policy_path)
+        # Read before the load: an edit that lands while the file loads must still count as a change.
+        self._mtime = _mtime(policy_path) if loaded_mtime is None else loaded_mtime
         self._watched_at = 0.0
         self._reloading = asyncio.Lock()
         self._reload_tasks: set[asyncio.Task] = set()
@@ -395,6 +398,7 @@ def _host_store(args: argparse.Namespace) -> host_store.HostStore | None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s",
                         stream=sys.stderr)
+    loaded_mtime = _mtime(args.policy)  # before the load: a file edited during it is reloaded once serving
     try:
         policy = load_policy_file(args.policy)
     except PolicyError as e:
@@ -406,7 +410,7 @@ def run(args: argparse.Namespace) -> int:
         return supervise(args, policy.store.kind == "memory")
     if args.worker_index is not None:
         _die_with_the_supervisor()
-    server = Server(args.policy, policy, args)
+    server = Server(args.policy, policy, args, loaded_mtime)
     try:
         if args.no_uvloop:
             asyncio.run(server.run())

@@ -169,3 +169,37 @@ def test_an_ipv6_metrics_address_in_brackets_is_listened_on_and_passed_on_to_the
     asyncio.run(listen())
     argv = worker_argv(args, 1)
     assert argv[argv.index("--grpc") + 1] == "[::1]:50052" and argv[argv.index("--metrics") + 1] == "[::1]:1"
+
+
+def test_a_policy_file_edited_while_serve_loads_it_is_reloaded_once_it_serves(tmp_path, monkeypatch):
+    """SIGHUP is ignored while `extproc serve` starts, on the promise that a file changed meanwhile is reloaded
+    once it serves. The file's time was read after the load, when the server was built: an edit that landed
+    during the load (a big policy takes seconds) counted as loaded, and the old policy ran until the next edit."""
+    from extproc.server import main
+
+    path = tmp_path / "policy.yaml"
+    path.write_text(GOOD)
+    os.utime(path, (1, 1))
+    real_load = main.load_policy_file
+    edits = []
+
+    def load_then_edit(p: str):
+        policy = real_load(p)
+        if not edits:  # the operator's edit lands while the first load runs
+            edits.append(1)
+            path.write_text(GOOD.replace("max_concurrency: 1", "max_concurrency: 2"))
+            os.utime(path, (2, 2))
+        return policy
+
+    async def serve_one_round(self: Server) -> None:  # Server.run, down to one round of the file watch
+        await self.housekeep()
+        await asyncio.gather(*self._reload_tasks)
+        served.append(self.core.policy.classes["interactive"].max_concurrency)
+
+    served = []
+    monkeypatch.setattr(main, "load_policy_file", load_then_edit)
+    monkeypatch.setattr(Server, "run", serve_one_round)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert main.run(parser.parse_args(["--policy", str(path), "--no-uvloop"])) == 0
+    assert served == [2]
