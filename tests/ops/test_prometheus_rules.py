@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import COMPOSE, RULE_FILES, run_tool, tool
+from extproc.policy.schema import load_policy_file
+from extproc.telemetry import LATENCY_BUCKETS
+
+from .conftest import COMPOSE, ROOT, RULE_FILES, run_tool, tool
 from .promql import metric_names, rule_expressions
 
 PROM = COMPOSE / "prometheus"
@@ -32,3 +35,14 @@ def test_rules_use_only_metrics_that_exist(known_metric_names):
     unknown = {(name, m) for name, expr in rule_expressions(RULE_FILES) for m in metric_names(expr)
                if m not in known_metric_names}
     assert not unknown, f"rules name metrics nobody exports: {sorted(unknown)}"
+
+
+def test_latency_histograms_reach_past_every_shipped_slo():
+    """histogram_quantile() reads a quantile that falls in the +Inf bucket as the highest finite bound, so a class
+    whose SLO is at or past that bound can never read over it: no p95 above the SLO line, and ExtprocLatencyOverSLO
+    can never fire. policies/reasoning-full.yaml's interactive SLO (120 s) was the highest bucket."""
+    top = max(LATENCY_BUCKETS)
+    past = [(path.name, name, c.slo_p95_ms) for path in sorted((ROOT / "policies").glob("*.yaml"))
+            for name, c in load_policy_file(str(path)).classes.items()
+            if c.slo_p95_ms is not None and c.slo_p95_ms / 1000 >= top]
+    assert not past, f"SLOs at or past the highest latency bucket ({top:g} s): {past}"
