@@ -8,7 +8,8 @@ Files may lie outside the kustomization's directory, like `--load-restrictor=Loa
 
 Where it differs from kustomize: the name suffix of a hashed ConfigMap is a hash of its content computed here,
 not kustomize's exact string (tests compare names without it). Strategic merge is simplified: maps merge, lists
-whose items all have a `name` merge by name, other lists are replaced (NetworkPolicy rules, args).
+whose items all have a `name` merge by name, other lists are replaced (NetworkPolicy rules, args), a
+null deletes its field.
 """
 
 from __future__ import annotations
@@ -134,7 +135,10 @@ def _strategic_merge(base, patch):
     if isinstance(base, dict) and isinstance(patch, dict):
         out = copy.deepcopy(base)
         for key, value in patch.items():
-            out[key] = _strategic_merge(base[key], value) if key in base else copy.deepcopy(value)
+            if value is None:  # a null in a patch deletes the field
+                out.pop(key, None)
+            else:
+                out[key] = _strategic_merge(base[key], value) if key in base else copy.deepcopy(value)
         return out
     if isinstance(base, list) and isinstance(patch, list) and _named(base) and _named(patch):
         out = copy.deepcopy(base)

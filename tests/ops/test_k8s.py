@@ -356,6 +356,15 @@ def test_scaled_object_targets_a_deployment_defined_here(standard):
     assert 1 <= so["spec"]["minReplicaCount"] <= so["spec"]["maxReplicaCount"]
 
 
+def test_the_deployment_the_scaled_object_scales_leaves_its_replica_count_to_the_hpa(standard, gateway):
+    """`kubectl apply` sets every field of the manifest that differs from the live object: a `replicas` in the
+    scaled Deployment put the pool back to that count on each apply (the policy hot reload of docs/kubernetes.md
+    re-applies the overlay), dropping the replicas the HPA had added mid-peak and their requests in flight."""
+    target = scaled_object(standard)["spec"]["scaleTargetRef"]["name"]
+    assert "replicas" not in standard.get("Deployment", target)["spec"]
+    assert gateway.get("Deployment", target)["spec"]["replicas"] >= 2   # no autoscaler there: two, as before
+
+
 def test_triggers_are_prometheus_queries_on_sustained_signals_that_exist(standard, known_metric_names):
     triggers = scaled_object(standard)["spec"]["triggers"]
     assert triggers
