@@ -112,6 +112,20 @@ def test_a_policy_without_the_class_is_refused_before_the_sweep(tmp_path, capsys
     assert rc == 2 and "classes.nope: not found" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag, value, said", [
+    ("--time-scale", "0", "--time-scale must be positive"),      # every step divided by it: ZeroDivisionError
+    ("--time-scale", "-2", "--time-scale must be positive"),     # steps that end before they start
+    ("--step-requests", "0", "--step-requests must be at least 1"),
+    ("--step-duration", "0s", "--step-duration must be positive"),
+])
+def test_a_step_budget_or_time_scale_that_measures_nothing_is_refused_before_the_sweep(tmp_path, capsys, flag, value,
+                                                                                       said):
+    # Each crashed mid-sweep (a traceback, no results.json) or measured no request at all, which the sweep read as
+    # "target failed at step 1: 0 of 0 requests failed", blaming the target for the arguments.
+    rc = main(["calibrate", "--target", "http://127.0.0.1:9", "--slo-p95", "2s", "--out", str(tmp_path), flag, value])
+    assert rc == 2 and said in capsys.readouterr().err
+
+
 def test_ctrl_c_prints_the_partial_table_and_exits_130(sim_url, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "extproc.cli", "calibrate", "--target", sim_url, "--slo-p95",
                              "2s", "--out", str(tmp_path / "out"), *FAST], stdout=subprocess.PIPE,

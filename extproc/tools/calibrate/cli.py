@@ -210,6 +210,14 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--moe-margin must be in [0, 1)")
         if args.replicas < 1:
             raise ValueError("--replicas must be at least 1")
+        # Steps that measure nothing: 0 divided every step (a traceback), the others sent no request, which the
+        # sweep read as the target failing.
+        if args.time_scale is not None and not args.time_scale > 0:
+            raise ValueError("--time-scale must be positive")
+        if args.step_requests is not None and args.step_requests < 1:
+            raise ValueError("--step-requests must be at least 1")
+        if args.step_requests is None and not args.step_duration > 0:
+            raise ValueError("--step-duration must be positive")
         workload = workload_from_args(args)
         if args.policy:
             _check_policy(args)
