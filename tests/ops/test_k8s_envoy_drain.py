@@ -6,6 +6,8 @@ the `--config-yaml` of deploy/k8s's Envoy Deployment, and the preStop script is 
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import subprocess
 import sys
 import threading
@@ -55,6 +57,13 @@ def status(url: str) -> int:
 def envoy(tmp_path):
     """(listen URL, health URL, admin port) of an Envoy started as the Deployment starts it, fronting the test
     upstream."""
+    args = deployment_args()
+    with started_envoy(tmp_path, args[args.index("--drain-time-s") + 1]) as urls:
+        yield urls
+
+
+@contextlib.contextmanager
+def started_envoy(tmp_path, drain_time_s: str):
     upstream_port = free_port()
     upstream = subprocess.Popen([sys.executable, str(ROOT / "tests" / "upstream.py"), str(upstream_port)],
                                 start_new_session=True)
@@ -67,7 +76,7 @@ def envoy(tmp_path):
     proc = subprocess.Popen([envoyconf.envoy_binary(), "-c", str(path), "--config-yaml",
                              kubernetes_additions(health, admin), "--disable-hot-restart",
                              "--drain-strategy", args[args.index("--drain-strategy") + 1],
-                             "--drain-time-s", args[args.index("--drain-time-s") + 1], "--log-level", "error"],
+                             "--drain-time-s", drain_time_s, "--log-level", "error"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         wait_http(f"http://127.0.0.1:{upstream_port}/health", timeout=20, proc=upstream)
@@ -133,3 +142,19 @@ def test_prestop_gives_up_after_stream_drain_s(envoy):
     time.sleep(0.3)
     done, elapsed = prestop(admin, stream_drain_s=1)
     assert done.returncode == 0 and elapsed < 3.5
+
+
+def test_prestop_closes_the_openai_listener_after_the_drain_time_and_keeps_the_health_port(tmp_path):
+    # prestop.sh drains with `inboundonly`, which stops only listeners marked INBOUND: envoy.yaml's `openai` was not,
+    # so it kept accepting connections through the whole wait (docs/kubernetes.md: "the listener closes after
+    # --drain-time-s"). The health listener stays, so /ready keeps saying 503 and Prometheus keeps its stats.
+    with started_envoy(tmp_path, "1") as (url, health, admin):
+        done, _ = prestop(admin, stream_drain_s=1)
+        assert done.returncode == 0, done.stderr
+        time.sleep(2.0)   # past the 1 s drain time
+        port = int(url.rsplit(":", 1)[1])
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        assert status(f"{health}/ready") == 503
+        with urllib.request.urlopen(f"{health}/stats/prometheus", timeout=5) as r:
+            assert b"envoy_server_live" in r.read()
