@@ -621,6 +621,12 @@ def policy_warnings(p: Policy) -> list[str]:
     return _rate_limit_warnings(p) + _pool_warnings(p) + _slip_warnings(p)
 
 
+def _longest_measured_latency() -> float:
+    """The highest finite bucket of the latency histograms: histogram_quantile() reads no quantile above it."""
+    from ..telemetry import LATENCY_BUCKETS  # here: the telemetry imports the policy modules
+    return max(LATENCY_BUCKETS)
+
+
 def _slip_warnings(p: Policy) -> list[str]:
     """Values a user writes by mistake that still load (found by writing policies from the docs)."""
     out = []
@@ -630,6 +636,11 @@ def _slip_warnings(p: Policy) -> list[str]:
         if c.slo_p95_ms is not None and c.slo_p95_ms < 50:
             out.append(f"classes.{name}.slo_p95_ms: {c.slo_p95_ms} ms; the SLO is in milliseconds "
                        f"({c.slo_p95_ms * 1000} for {c.slo_p95_ms} s)")
+        if c.slo_p95_ms is not None and c.slo_p95_ms / 1000 >= _longest_measured_latency():
+            out.append(f"classes.{name}.slo_p95_ms: {c.slo_p95_ms} ms is at or past "
+                       f"{_longest_measured_latency():g} s, the longest latency extproc_request_duration_seconds "
+                       "measures: its p95 never reads above it, so the dashboard never shows the SLO missed and "
+                       "ExtprocLatencyOverSLO cannot fire (the latency breaker still works)")
         a = c.adaptive
         if a.enabled and not a.min_limit <= c.max_concurrency <= a.max_limit:
             out.append(f"classes.{name}.max_concurrency: {c.max_concurrency} is outside adaptive.min_limit .. "

@@ -131,6 +131,17 @@ def test_slips_that_load_are_warned_about():
         assert expected in text, text
 
 
+def test_an_slo_past_what_the_latency_metrics_measure_is_warned_about():
+    # histogram_quantile() reads no quantile above the highest finite bucket of extproc_request_duration_seconds:
+    # for an SLO at or past it the dashboard's p95 never crosses the SLO line and ExtprocLatencyOverSLO never fires.
+    from extproc.policy.schema import policy_warnings
+    p = load_policy({**BASE, "classes": {"a": {"max_concurrency": 1, "slo_p95_ms": 900_000}}})
+    (warning,) = policy_warnings(p)
+    assert warning.startswith("classes.a.slo_p95_ms: 900000 ms is at or past 600 s"), warning
+    ok = load_policy({**BASE, "classes": {"a": {"max_concurrency": 1, "slo_p95_ms": 300_000}}})
+    assert policy_warnings(ok) == []
+
+
 def test_every_problem_is_listed_at_once():
     # Cross-references were checked only once every field was valid: fixing two errors showed two new ones.
     errors = errors_of({"classes": {"a": {"max_concurrency": -1},
