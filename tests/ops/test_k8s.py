@@ -365,6 +365,14 @@ def test_the_deployment_the_scaled_object_scales_leaves_its_replica_count_to_the
     assert gateway.get("Deployment", target)["spec"]["replicas"] >= 2   # no autoscaler there: two, as before
 
 
+def test_a_trigger_without_data_holds_the_pool_rather_than_reading_zero(standard):
+    # KEDA's prometheus scaler reads an empty result as 0 under ignoreNullValues "true" (its default): an ext_proc
+    # outage or a missing recording rule would scale the GPU pool down under load. "false" makes it an error, and
+    # the HPA keeps the replicas it has.
+    for t in scaled_object(standard)["spec"]["triggers"]:
+        assert t["metadata"].get("ignoreNullValues", "true") == "false", t["name"]
+
+
 def test_triggers_are_prometheus_queries_on_sustained_signals_that_exist(standard, known_metric_names):
     triggers = scaled_object(standard)["spec"]["triggers"]
     assert triggers
