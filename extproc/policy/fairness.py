@@ -558,7 +558,7 @@ class FairQueue:
         """The metric label of a fairness key: the tenant it names if that is a configured tenant, else "other".
         A key nested in a group other than the open one is labelled by its group (the tenant whose key it is)."""
         group, name = split_key(key)
-        name = name if self._believed(group, name) else group
+        name = name if self._believed(key) else group
         return name if name in self._labels else OTHER
 
     # --- inside ---
@@ -566,16 +566,19 @@ class FairQueue:
     def _own(self, key: str) -> tuple[float, float]:
         """A flow's weight and guaranteed share inside its group, by its name (in the open group, or a group of
         its own) - a name in any other group is only a name."""
-        group, name = split_key(key)
-        if not self._believed(group, name):
+        if not self._believed(key):
             return 1.0, 0.0
+        name = split_key(key)[1]
         return self.weights.get(name, 1.0), self.guaranteed.get(name, 0.0)
 
-    def _believed(self, group: str, name: str) -> bool:
+    def _believed(self, key: str) -> bool:
         """Whether a flow's name is taken to name a tenant (its weight, guarantee, label and index entry): a key
         that is its own group, or one in the open group (a gateway's, for requests without an API key). A name in
         any other group is the tenant's own key, which splits that tenant's share and never takes another's."""
-        return group == name or group == self.open_group
+        # Not split_key()'s group == name: a tenant's own header key that spells the tenant's name is nested too,
+        # and took the tenant's weight and guarantee against its sibling keys.
+        group, sep, _ = key.partition(SEP)
+        return not sep or group == self.open_group
 
     def _flow(self, key: str) -> _Flow:
         flow = self._flows.get(key)
@@ -773,9 +776,8 @@ class FairQueue:
             st.charged_gpu_s += gpu_s
         else:
             st.refunded_gpu_s -= gpu_s
-        group, name = split_key(key)
-        if not self._believed(group, name):
-            key = group  # the index reads what the queue shares between: a tenant, not each of its keys
+        if not self._believed(key):
+            key = split_key(key)[0]  # the index reads what the queue shares between: a tenant, not each of its keys
         mine = self._recent.get(key)
         if mine is None:
             mine = self._recent[key] = [0.0, 0.0]

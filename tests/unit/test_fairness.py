@@ -561,6 +561,26 @@ def test_a_tenants_header_keys_are_forgotten_with_their_tenant_when_idle():
     assert not q._flows and not q._groups
 
 
+def test_a_tenants_header_key_spelling_its_own_name_splits_its_share_like_any_other_key():
+    # Found by a review: "acme\x00acme" split into (acme, acme) and read as a key that is its own group, so a
+    # client of acme sending its tenant's name as the key took acme's weight (4: 80% of acme's share beside a
+    # sibling key) and its guarantee inside the group, where any other key of acme's counts as weight 1.
+    q = FairQueue("fair", weights={"acme": 4.0}, guaranteed={"acme": 0.5}, tenants=["acme"], capacity=4)
+    q.open_group = "anonymous"
+    mine, sibling = nested("acme", "acme"), nested("acme", "bob")
+    for i in range(10):
+        q.append(W(mine, n=i))
+        q.append(W(sibling, n=100 + i))
+    assert q.share(mine) == pytest.approx(q.share(sibling)) == pytest.approx(0.5)
+    granted = []
+    for _ in range(10):
+        granted.append(q.popleft().tenant)
+        q.admitted(granted[-1], 1.0)
+    assert granted.count(mine) == 5
+    assert q.label(mine) == "acme"
+    assert q.share(nested("anonymous", "acme")) > 0.0 and q._own(nested("anonymous", "acme")) == (4.0, 0.5)
+
+
 def test_round_robin_gives_turns_to_tenants_then_to_their_header_keys():
     # Before, each of c's keys had a turn of its own: b's first grant came fifth
     q = FairQueue("round_robin")
