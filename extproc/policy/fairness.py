@@ -755,8 +755,14 @@ class FairQueue:
         """Fair mode's order of the next grant (least first): the flow's group first (its guarantee, then its
         virtual time and in-flight cost per weight), then the flow inside it, then its next entry's arrival."""
         group = flow.group
-        inner = (False, 0.0, 0.0) if flow.key == group.key else \
-            (not self._under_guarantee(flow), flow.vtime, flow.inflight_cost / flow.weight)
+        if flow.key == group.key and group.backlogged == 1:
+            inner: tuple = (False, 0.0, 0.0)  # its group's one waiting flow: the group's rank is its own
+        else:
+            # The group's own key's flow (its requests without a header key) beside header keys goes by its virtual
+            # time too: ranked first, it took every grant of its group while it waited. Its guarantee is its
+            # group's, counted above.
+            under = flow.key != group.key and self._under_guarantee(flow)
+            inner = (not under, flow.vtime, flow.inflight_cost / flow.weight)
         return (not self._under_guarantee(group), group.vtime, group.inflight_cost / group.weight, *inner, entry[1])
 
     def _under_guarantee(self, flow: _Flow) -> bool:
