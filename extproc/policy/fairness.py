@@ -330,19 +330,25 @@ class FairQueue:
         return waiter
 
     def ahead(self, key: str) -> int:
-        """Waiters likely granted before a new arrival of flow `key` (fifo: all of them; otherwise its own flow's
-        and, of every other flow it would not be served before, as many as its own flow will have): the
+        """Waiters likely granted before a new arrival of flow `key` (fifo: all of them; otherwise its own flow's,
+        of every other flow of its group it would not be served before as many as its own flow will have, and of
+        every other group it would not be served before as many as its own group will have put before it): the
         deadline-aware early rejection's queue ahead."""
         if self.mode == "fifo":
             return len(self._where)
         own = self._flows.get(key)
         mine = len(own.entries) if own is not None else 0
-        if self.mode == "round_robin":
+        if self.mode == "round_robin" and not self._nested and SEP not in key:  # every group one flow, its own too
             # Every other flow goes before it, each with as many as its own will have (its own flow, when it waits,
             # is the `mine` of that sum): from the count of flows by length, not a pass over every waiting flow.
             return sum(min(length, mine + 1) * flows for length, flows in self._lengths.items())
         gkey = split_key(key)[0]
         group = self._groups.get(gkey)
+        if self.mode == "round_robin":
+            # Groups take turns, then their flows: a group of many header keys gets a turn, not one per key.
+            inner = mine + sum(min(len(f.entries), mine + 1) for f in self._backlogged.values()
+                               if f.group is group and f is not own)
+            return inner + sum(min(g.waiting, inner + 1) for g in self._turns.values() if g is not group)
         least = self._least_vtime()
         gtime = max(group.vtime if group is not None else self._vfloor, self._vfloor if least is None else least)
         if group is None or group.backlogged == (1 if mine else 0):
@@ -354,9 +360,11 @@ class FairQueue:
         first = self._under_guarantee(group) if group is not None else \
             self.guaranteed.get(gkey, 0.0) * self.capacity > 0.0
         rank = (not first, gtime)
-        return mine + sum(min(len(f.entries), mine + 1) for f in self._backlogged.values()
-                          if f is not own and (f.vtime <= ftime if f.group is group else
-                                               (not self._under_guarantee(f.group), f.group.vtime) <= rank))
+        inner = mine if ftime == math.inf else \
+            mine + sum(min(len(f.entries), mine + 1) for f in self._backlogged.values()
+                       if f is not own and f.group is group and f.vtime <= ftime)
+        return inner + sum(min(g.waiting, inner + 1) for g in self._turns.values()
+                           if g is not group and (not self._under_guarantee(g), g.vtime) <= rank)
 
     def crowded_out_by(self, key: str) -> Any | None:
         """With every place taken, the waiter a new arrival of flow `key` takes the place of: the last of the

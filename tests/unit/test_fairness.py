@@ -598,6 +598,30 @@ def test_a_tenants_requests_without_a_header_key_take_turns_with_its_keys_not_be
     assert granted.count(group) == 10
 
 
+@pytest.mark.parametrize("mode", ["round_robin", "fair"])
+def test_the_queue_ahead_counts_a_group_with_many_header_keys_as_the_turns_it_gets(mode):
+    # Found by a review: ahead() counted every waiting flow of another group as going first, though groups take
+    # the turns (round_robin) or the virtual time (fair): beside a gateway's 20 keys of one waiter each, b's next
+    # arrival (b has 2 waiting) was counted 22 ahead where 5 are granted before it, and deadline-aware early
+    # rejection refused it as if it waited four times as long.
+    q = FairQueue(mode)
+    q.open_group = "anonymous"
+    for i in range(20):
+        q.append(W(nested("anonymous", f"k{i}"), n=i))
+    q.append(W("b", n=50))
+    q.append(W("b", n=51))
+    assert q.ahead("b") == 5  # its two, and the gateway's group's three turns before its third
+    assert q.ahead("c") == 2  # a newcomer: one turn of each group
+    assert q.ahead(nested("anonymous", "k0")) == 22  # inside the group, the keys take turns
+    new = W("b", n=99, deadline=10.0)
+    q.append(new)
+    granted = 0
+    while (w := q.popleft()) is not new:
+        q.admitted(w.tenant, 1.0)
+        granted += 1
+    assert granted <= 5
+
+
 def test_round_robin_gives_turns_to_tenants_then_to_their_header_keys():
     # Before, each of c's keys had a turn of its own: b's first grant came fifth
     q = FairQueue("round_robin")
@@ -718,13 +742,17 @@ def test_round_robin_counts_the_queue_ahead_as_a_pass_over_the_flows_would(steps
             queued.append(w)
         else:
             q.take(queued.pop(n % len(queued)))
-        for key in keys + ["new"]:
+        for key in keys + ["new", "c\x00new"]:
+            group = key.partition("\x00")[0]
             mine = sum(w.tenant == key for w in queued)
-            others = {}
+            flows, groups = {}, {}  # the other flows of its group; the other groups
             for w in queued:
-                if w.tenant != key:
-                    others[w.tenant] = others.get(w.tenant, 0) + 1
-            assert q.ahead(key) == mine + sum(min(n, mine + 1) for n in others.values())
+                if w.tenant.partition("\x00")[0] != group:
+                    groups[w.tenant.partition("\x00")[0]] = groups.get(w.tenant.partition("\x00")[0], 0) + 1
+                elif w.tenant != key:
+                    flows[w.tenant] = flows.get(w.tenant, 0) + 1
+            inner = mine + sum(min(n, mine + 1) for n in flows.values())
+            assert q.ahead(key) == inner + sum(min(n, inner + 1) for n in groups.values())
 
 
 def test_round_robin_counts_the_queue_ahead_without_a_pass_over_the_flows():
@@ -765,8 +793,10 @@ def test_fair_counts_the_queue_ahead_as_its_definition_says(steps):
                         min((g.vtime for g in q._turns.values()), default=q._vfloor))
             ftime = max(own.vtime if own is not None else group.floor if group is not None else 0.0,
                         min((f.vtime for f in q._backlogged.values() if f.group is group), default=-math.inf))
-            expected = mine + sum(min(len(f.entries), mine + 1) for f in q._backlogged.values() if f is not own and (
-                f.vtime <= ftime if f.group is group else f.group.vtime <= gtime))
+            inner = mine + sum(min(len(f.entries), mine + 1) for f in q._backlogged.values()
+                               if f is not own and f.group is group and f.vtime <= ftime)
+            expected = inner + sum(min(g.waiting, inner + 1) for g in q._turns.values()
+                                   if g is not group and g.vtime <= gtime)
             assert q.ahead(key) == expected
 
 
