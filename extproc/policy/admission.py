@@ -563,10 +563,9 @@ class AdmissionController:
         head = q[0]
         if head.pool not in skipped:
             return head
-        for pool in dict.fromkeys(w.pool for w in q):
-            if pool not in skipped:
-                return q.first_for(pool)
-        return None
+        # The queue's own order among the pools left, not the first of them in arrival order: that gave the
+        # slot to whoever of that pool came next, ahead of a flow served less waiting for another pool.
+        return q.first_outside(skipped)
 
     def _dequeue(self, w: Waiter) -> Waiter:
         """A waiter left its class queue (granted, refused, shed): it no longer waits for its pool either."""

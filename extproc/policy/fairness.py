@@ -34,7 +34,7 @@ import heapq
 import itertools
 import math
 from collections import OrderedDict
-from typing import Any, Callable, Iterable, Iterator, Literal
+from typing import Any, Callable, Collection, Iterable, Iterator, Literal
 
 Mode = Literal["fifo", "round_robin", "fair"]
 MODES: tuple[str, ...] = ("fifo", "round_robin", "fair")
@@ -118,6 +118,12 @@ class _Flow:
     def first_for(self, pool: str) -> tuple[float, int, Any] | None:
         for entry in self.entries:
             if entry[2].pool == pool:
+                return entry
+        return None
+
+    def first_outside(self, pools: Collection[str]) -> tuple[float, int, Any] | None:
+        for entry in self.entries:
+            if entry[2].pool not in pools:
                 return entry
         return None
 
@@ -312,6 +318,12 @@ class FairQueue:
     def first_for(self, pool: str) -> Any | None:
         """The next waiter bound for `pool` (the one a slot freed on that pool goes to), or None."""
         return self._pick(pool)
+
+    def first_outside(self, pools: Collection[str]) -> Any | None:
+        """The next grant among the waiters bound for a pool not in `pools` (pools found with no room), or None."""
+        if not pools:
+            return self[0] if self else None
+        return self._pick(None, pools)
 
     def take(self, waiter: Any) -> Any:
         """Remove a waiter because it is granted (q[0], or first_for(pool)): its flow's turn ends (round_robin)
@@ -724,8 +736,10 @@ class FairQueue:
         if group.members <= 0 and group.key not in self.weights and group.key not in self.guaranteed:
             self._groups.pop(group.key, None)
 
-    def _pick(self, pool: str | None) -> Any | None:
-        if self.mode != "fair" and pool is None and self._turns:
+    def _pick(self, pool: str | None, outside: Collection[str] = ()) -> Any | None:
+        """The next grant: of every waiter (`pool` None), of those bound for `pool`, or of those bound for a pool
+        not in `outside`."""
+        if self.mode != "fair" and pool is None and not outside and self._turns:
             # The group in turn. In the usual case (every flow its tenant's; fifo's one flow) no pass is needed: a
             # group whose one waiting flow is its own key's gives that flow's first. Otherwise as below, O(flows).
             group = next(iter(self._turns.values()))
@@ -736,11 +750,11 @@ class FairQueue:
             firsts: dict[str, tuple] = {}  # group -> the next entry of its first flow in turn order that has one
             for flow in self._backlogged.values():
                 if flow.group.key not in firsts:
-                    entry = flow.entries[0] if pool is None else flow.first_for(pool)
+                    entry = self._next_entry(flow, pool, outside)
                     if entry is not None:
                         firsts[flow.group.key] = entry
             return next((firsts[g][2] for g in self._turns if g in firsts), None)
-        if pool is None and not self._nested:
+        if pool is None and not outside and not self._nested:
             # Every waiting flow is its tenant's (a group of its own): the least rank of the groups without a
             # guarantee from their heap, then the few with one (their rank moves with the class's capacity).
             least = self._least_rank()
@@ -751,13 +765,19 @@ class FairQueue:
             candidates = self._backlogged.values()
         best_entry = best_rank = None
         for flow in candidates:
-            entry = flow.entries[0] if pool is None else flow.first_for(pool)
+            entry = self._next_entry(flow, pool, outside)
             if entry is None:
                 continue
             rank = self._grant_rank(flow, entry)
             if best_rank is None or rank < best_rank:
                 best_rank, best_entry = rank, entry
         return best_entry[2] if best_entry is not None else None
+
+    @staticmethod
+    def _next_entry(flow: _Flow, pool: str | None, outside: Collection[str]) -> tuple[float, int, Any] | None:
+        if pool is not None:
+            return flow.first_for(pool)
+        return flow.first_outside(outside) if outside else flow.entries[0]
 
     def _grant_rank(self, flow: _Flow, entry: tuple[float, int, Any]) -> tuple:
         """Fair mode's order of the next grant (least first): the flow's group first (its guarantee, then its

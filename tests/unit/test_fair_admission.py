@@ -390,3 +390,31 @@ def test_early_rejection_counts_no_queue_ahead_of_a_tenant_under_its_guaranteed_
     d = ask(core, "c")
     assert d.kind == QUEUE, d.message
     assert lim.queue[0] is d.waiter  # it is the next grant
+
+
+def test_a_slot_the_head_cannot_use_goes_to_the_next_in_the_queues_order_not_the_next_pool_in_arrival_order(clock):
+    # Found by a review: with the queue's head held by its pool's limit, the slot went to the first waiter of the
+    # first other pool in arrival order (a, with two running, arrived before b), not to the flow the queue puts
+    # next among the pools with room (b, served least).
+    pol = make_policy(
+        classes={"interactive": {"max_concurrency": 3, "max_queue": 10, "max_wait_ms": 1000,
+                                 "fairness": {"mode": "fair"}}},
+        tenants=TENANTS + [{"name": "d", "api_keys": ["sk-d"]}], shed={},
+        models={"m1": {"cluster": "p1"}, "m2": {"cluster": "p2"}, "m3": {"cluster": "p3"}},
+        pools={"p1": {"limit": {"enabled": True, "unit": "requests", "initial": 1, "min": 1, "max": 1}}})
+    core = AdmissionController(pol, clock=clock)
+
+    def on(tenant, model):
+        return core.decide(RequestFacts(api_key=f"sk-{tenant}", model=model, max_tokens=100, doc={"prompt": "x" * 400}))
+
+    assert on("d", "m1").kind == ACCEPT  # p1 full, held by the class itself: c's request is owed nothing there
+    running = [on("a", "m2").ticket, on("a", "m2").ticket]
+    queued = {}
+    for tenant, model in (("c", "m1"), ("a", "m2"), ("b", "m3")):
+        queued[tenant] = on(tenant, model)
+        assert queued[tenant].kind == QUEUE
+        clock.advance(0.001)
+    assert core.limiters["interactive"].queue[0] is queued["c"].waiter  # the head waits for p1
+    core.finish(running[0], Outcome.OK)
+    granted = [t for t, d in queued.items() if d.waiter.result is not None and d.waiter.result.kind == ACCEPT]
+    assert granted == ["b"]
