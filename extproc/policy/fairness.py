@@ -294,7 +294,7 @@ class FairQueue:
         relabel = labels != self._labels
         waiters = list(self) if mode != self.mode or relabel else []
         for w in waiters:
-            self._take(w)
+            self._take(w, forget=False)  # a flow that only waits keeps what it was served (forgotten below if idle)
         running = [(f, self.label(f.key)) for f in self._flows.values() if relabel and f.inflight]
         self.mode = mode
         self.weights, self.guaranteed, self._labels = dict(weights), dict(guaranteed), labels
@@ -303,13 +303,14 @@ class FairQueue:
             self._stats(flow.key).inflight += flow.inflight
         for group in self._groups.values():
             group.weight, group.guaranteed = self.weights.get(group.key, 1.0), self.guaranteed.get(group.key, 0.0)
-        for flow in list(self._flows.values()):
+        for flow in self._flows.values():
             flow.weight, flow.guaranteed = self._own(flow.key)
+        for w in waiters:
+            self.append(w)
+        for flow in list(self._flows.values()):
             self._forget_if_idle(flow)  # configured no more: an idle one is kept no longer than any header key's
         for group in list(self._groups.values()):
             self._forget_group_if_idle(group)
-        for w in waiters:
-            self.append(w)
         for label in [label for label in self.stats if label not in labels and label != OTHER]:
             del self.stats[label]  # a tenant the policy removed (what it had waiting and running moved above)
         self._reindex()
@@ -629,7 +630,7 @@ class FairQueue:
         if flow.key != group.key:
             self._nested += 1
 
-    def _take(self, waiter: Any) -> None:
+    def _take(self, waiter: Any, forget: bool = True) -> None:
         flow, entry, key = self._where.pop(id(waiter))
         i = bisect.bisect_left(flow.entries, _order(entry), key=_order)
         while flow.entries[i] is not entry:
@@ -648,7 +649,8 @@ class FairQueue:
             flow.group.backlogged -= 1
             if not flow.group.backlogged:
                 del self._turns[flow.group.key]
-            self._forget_if_idle(flow)
+            if forget:
+                self._forget_if_idle(flow)
         self._moved(flow.group)
         self._head = None
 

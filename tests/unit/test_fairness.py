@@ -426,6 +426,27 @@ def test_a_flow_a_reload_unconfigured_keeps_no_state_once_idle():
     assert not q._flows
 
 
+@pytest.mark.parametrize("mode", ["fair", "round_robin"])
+def test_a_reload_that_re_sorts_the_waiters_keeps_what_a_waiting_flow_was_served(mode):
+    # Found by a review: a reload that adds a tenant (or changes the mode) takes every waiter out and puts it back;
+    # a flow of weight 1 with nothing in flight was forgotten when its last waiter came out and came back at the
+    # least virtual time of the waiting flows, so a tenant served 10 GPU-s while b waited for its pool was level
+    # with b again (the docstring: flows keep what they were served).
+    q = FairQueue("fair", tenants=["a", "b"], capacity=4)
+    q.append(W("b", pool="p2", n=0))
+    for i in range(12):
+        q.append(W("a", pool="p1", n=1 + i))
+    for _ in range(10):  # p1 frees ten times while p2 stays full
+        q.take(q.first_for("p1"))
+        q.admitted("a", 1.0)
+        q.released("a", 1.0)
+    assert (q.virtual_time("a"), q.virtual_time("b")) == (10.0, 0.0)
+    q.configure(mode, {}, {}, ["a", "b", "c"])
+    q.configure("fair", {}, {}, ["a", "b"])
+    assert (q.virtual_time("a"), q.virtual_time("b")) == (10.0, 0.0)
+    assert q[0].tenant == "b"
+
+
 def test_waits_and_inflight_are_counted_per_label():
     now = [10.0]
     q = FairQueue("fair", tenants=["a"], clock=lambda: now[0])
