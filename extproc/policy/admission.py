@@ -624,6 +624,7 @@ class AdmissionController:
         lim.pools.add(ticket.pool)  # the pools whose struggles the class yields to (limit_moves)
         lim.take(cost, now)
         ticket.fair_charge = lim.queue.admitted(ticket.flow, cost)
+        ticket.fair_flow = lim.queue.flow_of(ticket.flow)
         if gate is not None:
             self.hold_pool(ticket, gate, units)
         if ticket.charge is not None:

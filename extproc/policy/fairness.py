@@ -512,11 +512,18 @@ class FairQueue:
         self._stats(key).inflight -= 1
         self._head = None
 
-    def settle(self, key: str, charged: float, actual: float) -> None:
+    def flow_of(self, key: str) -> Any:
+        """The flow kept for `key` now (None: none), as settle() takes it: a request's charge went to the flow kept
+        when it was admitted."""
+        return self._flows.get(key)
+
+    def settle(self, key: str, charged: float, actual: float, charged_to: Any = None) -> None:
         """Learned usage: a request of flow `key` charged `charged` GPU-seconds (what admitted() returned) really
-        cost `actual`."""
+        cost `actual`. `charged_to`: flow_of(key) at its admission; the flow's virtual time is corrected only if it
+        is still the one kept (a flow forgotten since took the charge with it: a refund to the flow that came back
+        put it below the waiting flows by what the estimate was over)."""
         flow = self._flows.get(key)
-        if flow is not None:
+        if flow is not None and (charged_to is None or flow is charged_to):
             flow.vtime += (actual - charged) / flow.weight
             flow.group.vtime += (actual - charged) / flow.group.weight
             self._moved(flow.group)

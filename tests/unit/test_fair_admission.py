@@ -418,3 +418,24 @@ def test_a_slot_the_head_cannot_use_goes_to_the_next_in_the_queues_order_not_the
     core.finish(running[0], Outcome.OK)
     granted = [t for t, d in queued.items() if d.waiter.result is not None and d.waiter.result.kind == ACCEPT]
     assert granted == ["b"]
+
+
+def test_usage_learned_after_its_flow_was_forgotten_does_not_move_the_flow_that_came_back(clock):
+    # Found by a review: a flow with nothing queued or in flight is forgotten when its request ends, and a request
+    # is settled when it is accounted, which waits for Envoy's report (up to 5 s). Meanwhile the tenant's next
+    # request started a new flow level with the waiting ones, and the refund of the first request's estimate
+    # (charged to the flow forgotten) took the new one far below them: a was then granted ahead of b's waiters
+    # for all the GPU-seconds the estimate was over.
+    core = core_with(clock, "fair")
+    q = core.limiters["interactive"].queue
+    first = ask_tokens(core, "a").ticket  # max_tokens 1,000: charged about ten times what its answer costs
+    running = [ask_tokens(core, "b").ticket]
+    for _ in range(3):
+        pending.append(ask_tokens(core, "b"))
+    core.usage(first, 100, 5)
+    core.finish(first, Outcome.OK)  # its slot goes to b; a keeps no state
+    pending.append(ask_tokens(core, "a"))
+    assert pending[-1].kind == QUEUE
+    level = q.virtual_time("a")
+    core.report(first.id, Completion(Outcome.OK, 200, 0.1, 0.2))  # accounted now: its usage is learned
+    assert q.virtual_time("a") == pytest.approx(level)
