@@ -240,8 +240,9 @@ class ClassLimiter:
 
     def reconfigure(self, spec: ClassSpec) -> bool:
         """New caps apply to new decisions; slots already held stay held until released. True when the limit
-        algorithm must be rebuilt (an adaptive one whose knobs are unchanged keeps what it learned)."""
-        keep = spec.adaptive.enabled and spec.adaptive == self.spec.adaptive
+        algorithm must be rebuilt (an adaptive one whose knobs and SLO are unchanged keeps what it learned)."""
+        # The SLO too: the adaptive cap is anchored to it (kept, a tightened SLO was judged against the old one).
+        keep = spec.adaptive.enabled and spec.adaptive == self.spec.adaptive and spec.slo_p95_ms == self.spec.slo_p95_ms
         self.spec = spec
         return not keep
 

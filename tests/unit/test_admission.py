@@ -213,6 +213,22 @@ def test_reloads_renaming_classes_keep_no_state_of_the_classes_they_removed(core
     assert set(core.state.degraded) == {"c49"}
 
 
+def test_a_reload_that_changes_an_adaptive_classs_slo_moves_its_cap_against_the_new_one(core):
+    # Found by a review: an adaptive cap is anchored to its class's SLO (it cuts over cut_at x slo_p95_ms), and a
+    # reload kept the controller whenever the adaptive knobs were unchanged: an SLO tightened from 2 s to 0.5 s was
+    # still judged against 2 s until a restart.
+    def classes(slo_ms):
+        return {"interactive": {"max_concurrency": 8, "slo_p95_ms": slo_ms, "adaptive": {"enabled": True}},
+                "batch": {"max_concurrency": 3}, "internal": {"max_concurrency": 1}}
+
+    core.apply(make_policy(classes=classes(2000)))
+    kept = core.limiters["interactive"].controller
+    core.apply(make_policy(classes=classes(2000)))
+    assert core.limiters["interactive"].controller is kept  # unchanged: what it learned is kept
+    core.apply(make_policy(classes=classes(500)))
+    assert core.limiters["interactive"].controller.slo_s == 0.5
+
+
 def test_raising_a_cap_on_reload_admits_waiters_at_once(core):
     fill(core, "batch", 3)
     (q,) = fill(core, "batch", 1)
