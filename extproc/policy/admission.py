@@ -342,7 +342,8 @@ class AdmissionController:
         if missed:
             return self._overflow(lim, c, cluster, R_DEADLINE, now, charge,
                                   say(R_DEADLINE, cls=c.cls, within=missed, queued=lim.queue.ahead(flow)))
-        if not lim.queue_has_room() and lim.spec.max_wait_ms > 0:
+        # One place freed must make room (a reload may leave more waiting than max_queue): else nobody takes it.
+        if not lim.queue_has_room() and lim.spec.max_wait_ms > 0 and len(lim.queue) == lim.spec.max_queue:
             crowded = lim.queue.crowded_out_by(flow)  # fair modes: a flood does not keep the places either
             if crowded is not None:
                 self._overflow_waiter(crowded, R_QUEUE_FULL, now)

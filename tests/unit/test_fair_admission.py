@@ -439,3 +439,20 @@ def test_usage_learned_after_its_flow_was_forgotten_does_not_move_the_flow_that_
     level = q.virtual_time("a")
     core.report(first.id, Completion(Outcome.OK, 200, 0.1, 0.2))  # accounted now: its usage is learned
     assert q.virtual_time("a") == pytest.approx(level)
+
+
+def test_an_arrival_that_cannot_take_a_place_takes_none_from_a_waiter_when_a_reload_shrank_the_queue(clock):
+    # Found by a review: a reload that lowers max_queue below what waits leaves the queue over its bound, and each
+    # arrival then crowded out one waiter of the longest flow ("its place went to a tenant with fewer waiting")
+    # and was refused itself, the queue still full: a request lost its place to nobody.
+    core = core_with(clock, "fair")
+    for _ in range(2):
+        assert ask(core, "a").kind == ACCEPT
+    for _ in range(6):
+        pending.append(ask(core, "a"))
+        assert pending[-1].kind == QUEUE
+    core.apply(make_policy(classes={"interactive": {"max_concurrency": 2, "max_queue": 2, "max_wait_ms": 1000,
+                                                    "fairness": {"mode": "fair"}}}, tenants=TENANTS))
+    assert ask(core, "b").kind == REJECT
+    assert all(d.waiter.pending for d in pending)  # nobody's place was taken
+    assert len(core.limiters["interactive"].queue) == 6
