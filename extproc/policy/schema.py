@@ -240,8 +240,10 @@ class FairnessSpec:
         " (`learn_sample`) are charged what they cost, and teach their flow the ratio of cost to estimate that its "
         "other requests are charged at, so a client asking a large `max_tokens` for short answers is charged its "
         "answers), a flow under its tenant's `guaranteed_share` first. Work-conserving in every mode: a release hands "
-        "its room to the next waiter that fits (not when a waiter times out: the ones behind it wait for the next "
-        "release, docs/overload.md). Inside a flow (round_robin, fair) the earliest deadline goes first. Under a "
+        "its room to the next waiter in the mode's order while it fits (not when a waiter times out: the ones "
+        "behind it wait for the next release, docs/overload.md); one too large for the class's "
+        "`max_inflight_gpu_seconds` left holds the ones behind it, so that large requests are never passed over "
+        "for good. Inside a flow (round_robin, fair) the earliest deadline goes first. Under a "
         "pool-wide limit (round_robin, fair), a flow holding no more than its weighted share (fair: at least its "
         "tenant's `guaranteed_share`) of what the class holds on the pool goes in even when the limit is full; the "
         "flows over their share wait until the pool is back under it.", "fifo")
