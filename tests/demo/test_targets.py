@@ -190,3 +190,12 @@ def test_a_missed_target_never_prints_the_same_number_as_its_bound():
     assert Target("p99", 2.004, 2.0, False).line() == "MISSED   p99: 2.004 (target 2.000)"
     assert Target("p99", 1.5, 2.0, True).line() == "reached  p99: 1.50 (target 2.00)"
     assert Target("zero", 0.0, 0.0, True).line() == "reached  zero: 0.00 (target 0.00)"
+
+
+def test_a_mode_as_empty_as_no_control_is_not_infinitely_better_than_it():
+    # kv-agents' second spike: a and c both 0.00 req/s full-model goodput; both rows printed "∞" against a.
+    from extproc.tools.demo.report import throughput_table
+    stats = {k: {"spike": ws(goodput=g), "overall": ws()} for k, g in (("a", 0.0), ("c", 0.0), ("d", 1.84))}
+    rows = throughput_table(stats, {"a": "a", "c": "c", "d": "d"}, "interactive", 2.0).splitlines()[2:]
+    vs_a = {row.split(":")[0].strip("| "): row.split("|")[3].strip() for row in rows}
+    assert vs_a == {"a": "–", "c": "–", "d": "∞"}

@@ -24,7 +24,9 @@ def _s(x: float) -> str:
 def _ratio(x: float, base: float) -> str:
     if math.isnan(x) or math.isnan(base):
         return "–"
-    return "∞" if base == 0 else f"{x / base:.2f}×"
+    if base == 0:  # nothing against nothing is no ratio (kv-agents' 2nd spike: a and c both 0 req/s printed ∞)
+        return "–" if x == 0 else "∞"
+    return f"{x / base:.2f}×"
 
 
 def latency_table(stats: dict[str, dict[str, WindowStats]], labels: dict[str, str], slo_class: str,
