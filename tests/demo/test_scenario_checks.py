@@ -1,6 +1,7 @@
 """What a user's own scenario and policy get from the demo tools: a misspelt key or an impossible number is named,
 not ignored, and the what-if reads requests as the ext_proc does (found by writing them from the docs)."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -35,11 +36,17 @@ def write(tmp_path: Path, doc: dict, name: str = "s.yaml") -> Path:
      "events[0].fault.slow_down: unknown key"),
     (lambda d: d.update(events=[{"at_s": 30, "pool": "vllm_llama70b", "fault": {"slowdown": -1}}]),
      "events[0].fault.slowdown: must be a finite number >= 0, got -1"),
+    # The what-if crashed mid-replay (KeyError, IndexError: a traceback); the real run's fault task died unseen
+    # and the report said the replica had been slowed down.
+    (lambda d: d.update(events=[{"at_s": 30, "pool": "vllm_llama70", "fault": {"slowdown": 2}}]),
+     "events[0].pool: vllm_llama70 names no pool (pools: vllm_llama70b, vllm_llama8b)"),
+    (lambda d: d.update(events=[{"at_s": 30, "pool": "vllm_llama70b", "replica": 2, "fault": {"slowdown": 2}}]),
+     "events[0].replica: pool vllm_llama70b has 2 replicas (0-1), got 2"),
 ])
 def test_a_scenario_mistake_is_named(tmp_path, edit, message):
     doc = spike_doc()
     edit(doc)
-    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         Scenario.load(write(tmp_path, doc))
 
 

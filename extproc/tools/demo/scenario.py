@@ -192,6 +192,15 @@ class Scenario:
             if pool.scheduling_policy not in (None, *SCHEDULING_POLICIES):
                 raise ValueError(f"pools.{pool.name}.scheduling_policy: must be one of "
                                  f"{', '.join(SCHEDULING_POLICIES)}, got {pool.scheduling_policy!r}")
+        # The what-if crashed mid-replay on a fault for a pool or replica the fleet lacks, and the real run's fault
+        # task died unseen while the report said the fault was applied.
+        replicas = {pool.name: pool.replicas for pool in pools}
+        for i, e in enumerate(d.get("events") or []):
+            if e.get("pool") not in replicas:
+                raise ValueError(f"events[{i}].pool: {e.get('pool')} names no pool (pools: {', '.join(replicas)})")
+            n, replica = replicas[e["pool"]], int(e.get("replica", 0))
+            if not 0 <= replica < n:
+                raise ValueError(f"events[{i}].replica: pool {e['pool']} has {n} replicas (0-{n - 1}), got {replica}")
         phases = [Phase(p["name"], float(p["duration_s"]), float(p["rate"]),
                         {k: float(v) for k, v in (p.get("weights") or {}).items()}) for p in d["phases"]]
         if not pools or not phases:
