@@ -42,6 +42,10 @@ def write(tmp_path: Path, doc: dict, name: str = "s.yaml") -> Path:
      "events[0].pool: vllm_llama70 names no pool (pools: vllm_llama70b, vllm_llama8b)"),
     (lambda d: d.update(events=[{"at_s": 30, "pool": "vllm_llama70b", "replica": 2, "fault": {"slowdown": 2}}]),
      "events[0].replica: pool vllm_llama70b has 2 replicas (0-1), got 2"),
+    # Phases are found by name: the second `normal` (after the spike) was never held to the calm-phase target,
+    # and a second `spike` was in no report window and no overload onset.
+    (lambda d: d["phases"].append({"name": "normal", "duration_s": 30, "rate": 0.6}),
+     "phases[3]: name 'normal' is given to phases[0] already"),
 ])
 def test_a_scenario_mistake_is_named(tmp_path, edit, message):
     doc = spike_doc()

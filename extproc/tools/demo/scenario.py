@@ -208,6 +208,10 @@ class Scenario:
         workload = Workload.from_dict(d["workload"])
         _check_bodies(workload)
         _check_context(workload, pools)
+        for i, p in enumerate(phases):  # windows, calm phases and overload onsets find a phase by its name
+            first = next(j for j, q in enumerate(phases) if q.name == p.name)
+            if first != i:
+                raise ValueError(f"phases[{i}]: name {p.name!r} is given to phases[{first}] already")
         names = {k.name for k in workload.kinds}
         for p in phases:
             if set(p.weights) - names:
