@@ -39,6 +39,12 @@ def test_a_phase_counts_its_weights_in_its_load():
     assert list(spike_windows(scenario(windows={"flood": ["flood"]}))) == ["flood"]
 
 
+def test_without_windows_the_report_compares_the_phase_of_the_highest_load_not_of_the_highest_rate():
+    # Both phases at rate 0.6: the default window was the first (the calm one), and the flood had no spike targets.
+    s = scenario()
+    assert s.report_windows() == {"spike": (10.0, 20.0)} and list(spike_windows(s)) == ["spike"]
+
+
 def test_slo_kinds_judge_several_tenant_kinds_together_and_name_only_known_kinds():
     s = scenario(slo={"class": "interactive", "kinds": ["tenant-a", "tenant-b", "tenant-c"]})
     assert s.slo_kinds == ("tenant-a", "tenant-b", "tenant-c") and not s.warnings

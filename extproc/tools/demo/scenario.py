@@ -335,7 +335,7 @@ class Scenario:
     def report_windows(self) -> dict[str, tuple[float, float]]:
         """Name -> (start, end) in simulated s of each compared window; "overall" is added by the report."""
         if not self.windows:
-            spike = max(self.phases, key=lambda p: p.rate).name
+            spike = max(self.phases, key=self.phase_load).name  # its weights count (a flood at rate 0.6 is 1.4x)
             return {"spike": self.window(spike)}
         out = {}
         for name, phases in self.windows.items():
