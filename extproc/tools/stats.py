@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 
 def percentile(sorted_values: list[float], q: float) -> float:
     """Nearest-rank percentile (q in 0..100) of an already sorted list; NaN when empty. Where q x n / 100 is an odd
@@ -10,5 +12,7 @@ def percentile(sorted_values: list[float], q: float) -> float:
     kept so that they stay comparable (found by a review, 2026-12-06)."""
     if not sorted_values:
         return float("nan")
-    rank = max(1, min(len(sorted_values), round(q / 100 * len(sorted_values) + 0.5)))
+    # ceil(q% of n), rounded first so that 0.95 * 100 reads 95 (round(x + 0.5) halved to even: the p99 of 100 was
+    # rank 100, of 200 rank 198)
+    rank = max(1, min(len(sorted_values), math.ceil(round(q * len(sorted_values) / 100, 9))))
     return sorted_values[rank - 1]

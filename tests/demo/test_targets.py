@@ -77,7 +77,8 @@ def test_the_p99_target_holds_in_every_10_s_window_not_only_over_the_whole_spike
 
 def test_the_first_5_s_of_an_overload_count_on_their_own():
     records = [rec(i / 20) for i in range(1200)]  # 20/s for 60 s
-    records[40].latency = 5.0  # at 2 s: 1 of 200 in any 10 s window (under the p99), 1 of 100 in the first 5 s
+    for r in records[40:42]:  # at 2 s: 2 of 200 in any 10 s window (within the p99), 2 of 100 in the first 5 s
+        r.latency = 5.0
     assert stats(records, (0.0, 60.0), onsets=()).p99_worst_window == 0.5
     w = stats(records, (0.0, 60.0), onsets=(0.0,))
     assert w.p99_worst_window == 5.0 and w.p99_worst_window_at == 0.0
@@ -199,3 +200,14 @@ def test_a_mode_as_empty_as_no_control_is_not_infinitely_better_than_it():
     rows = throughput_table(stats, {"a": "a", "c": "c", "d": "d"}, "interactive", 2.0).splitlines()[2:]
     vs_a = {row.split(":")[0].strip("| "): row.split("|")[3].strip() for row in rows}
     assert vs_a == {"a": "–", "c": "–", "d": "∞"}
+
+
+def test_percentiles_are_nearest_rank_whatever_the_parity_of_the_rank():
+    # round() halves to even: the p99 of 100 answers was the slowest (rank 100, not 99), the p50 of 10 the 6th, the
+    # p95 of 20 the slowest, while the p99 of 200 was rank 198 as nearest-rank says.
+    from extproc.tools.stats import percentile
+    ranks = {(n, q): percentile(list(range(1, n + 1)), q) for n in (1, 2, 10, 20, 100, 101, 200, 300)
+             for q in (50, 95, 99)}
+    assert ranks == {(n, q): max(1, math.ceil(q * n / 100)) for n, q in ranks}
+    w = stats([rec((i - 1) / 10, latency=float(i)) for i in range(1, 101)])  # 100 answers in the window
+    assert w.p99 == 99.0 and w.p50 == 50.0
