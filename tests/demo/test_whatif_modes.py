@@ -159,3 +159,21 @@ def test_the_what_if_ranks_the_modes_on_kv_agents_as_the_real_run_did(kv_what_if
     values = window_values(kv_what_if, window)
     assert disagreements(settled, values, metric) == KV_KNOWN[window, metric], ranking(values, metric)
 
+
+
+def test_without_the_ext_proc_a_model_the_first_pool_does_not_serve_is_answered_404_as_the_replicas_do():
+    # The real a and b route everything to the first pool, whose replicas answer 404 to a model they do not serve
+    # (shared-small's lite-chat, 30% of the requests, asks for the 8B): the what-if ran it on the 70B's engines.
+    doc = {"pools": {"big": {"profile": "h100-llama70b-awq", "replicas": 1, "model_names": ["llama-70b"]},
+                     "small": {"profile": "h100-llama8b", "replicas": 1, "model_names": ["llama-8b"]}},
+           "capacity": 4.0, "phases": [{"name": "p", "duration_s": 20, "rate": 1.0}],
+           "workload": {"kinds": [{"name": "interactive", "model": "llama-70b", "prompt_tokens": 300, "max_tokens": 32},
+                                  {"name": "lite", "model": "llama-8b", "prompt_tokens": 300, "max_tokens": 32}]}}
+    scenario = Scenario.from_dict(doc)
+    for key in "ab":
+        admitter = admitter_for(MODES[key])
+        records = what_if(scenario, admitter, 4.0).records
+        lite = [r for r in records if r.kind == "lite"]
+        assert lite and {r.status for r in lite} == {404}, key
+        assert {r.status for r in records if r.kind == "interactive"} == {200}, key
+    assert admitter.controller.outstanding == 0  # b: each 404 came back through the filter

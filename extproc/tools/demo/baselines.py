@@ -19,7 +19,7 @@ from typing import Any
 
 from extproc.policy.admission import Admit, RequestFacts
 from extproc.policy.decision import REJECT, Decision, Refusal
-from extproc.tools.loadgen import RequestRecord
+from extproc.tools.loadgen import CLIENT_ERROR, RequestRecord
 from extproc.tools.stats import percentile
 
 from .modes import Mode
@@ -144,7 +144,7 @@ class EnvoyAdaptive(_EnvoyOnly):
         return Refusal(REJECT, "adaptive_concurrency", "", "", 503, "reached concurrency limit")
 
     def ended(self, ticket: Any, record: RequestRecord) -> None:
-        if record.ok:
+        if record.status != CLIENT_ERROR:  # any answer Envoy encoded to its end is a sample (a 404 too)
             self.controller.record(record.latency)
         else:
             self.controller.cancel()

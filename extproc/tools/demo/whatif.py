@@ -139,7 +139,8 @@ class Admitter(Protocol):
         LB picks."""
 
     def ended(self, ticket: Any, record: RequestRecord) -> None:
-        """An admitted request ended: completed (record.ok) or given up by its client (record.error)."""
+        """An admitted request ended: completed (record.ok), answered with an error by its replica (a 404 for a
+        model the pool does not serve) or given up by its client (record.error, status CLIENT_ERROR)."""
 
     def reap(self) -> None: ...
 
@@ -218,7 +219,8 @@ class PolicyAdmitter:
         # Completions are reported at once (as Envoy's access log does within a few milliseconds).
         if ticket is None:
             return
-        outcome = Outcome.OK if record.ok else Outcome.CLIENT_ABORT
+        # An HTTP answer ended it (a 404 too: Envoy's access log says OK below 500); no status: its client left.
+        outcome = Outcome.OK if record.status != CLIENT_ERROR else Outcome.CLIENT_ABORT
         if record.ok and ticket.charge is not None and ticket.charge.reads_usage:
             self.core.usage(ticket, record.prompt_tokens, record.output_tokens)  # read as the answer ends
         self.core.finish(ticket, outcome)
@@ -279,6 +281,7 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
     pools = {p.name: _Pool(p.name, p.profile, p.replicas, scenario.seed + 100 * i, p.scheduling_policy)
              for i, p in enumerate(scenario.pools)}
     first = scenario.pools[0].name
+    serves = {p.name: set(p.model_names) for p in scenario.pools}  # none named: the replicas answer any model
     events: list[tuple[float, int, int, object]] = []  # (time, kind, order, payload)
     order = 0
     owner = {}  # (pool, engine index, seq id) -> (record, ticket)
@@ -325,16 +328,29 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
         record.retry_after = retry_after
         ended(record)
 
+    def not_served(record: RequestRecord, ticket, pool_name: str) -> bool:
+        """The replica's 404 for a model it does not serve (sim/openai_api.py, vLLM), at once: without the ext_proc
+        Envoy sends every model to the first pool (envoyconf.render)."""
+        names = serves[pool_name]
+        if not names or record.model is None or record.model in names:
+            return False
+        record.status, record.latency, record.error, record.model = 404, clock[0] - record.start, "NotFoundError", None
+        admitter.ended(ticket, record)
+        ended(record)
+        return True
+
     def admitted(record: RequestRecord, d, ask: _Ask) -> None:
         if isinstance(d, Degrade):
             fb = d.fallback
             record.model = fb.model or record.asked_model
             record.degraded_by_policy = True
-            start(record, d.ticket, d.cluster if d.cluster in pools else first, ask.degraded(fb.max_tokens),
-                  admitter.engine_priority(d), d.cls)
+            pool = d.cluster if d.cluster in pools else first
+            if not not_served(record, d.ticket, pool):
+                start(record, d.ticket, pool, ask.degraded(fb.max_tokens), admitter.engine_priority(d), d.cls)
         elif isinstance(d, Admit):
             record.model = record.asked_model
-            start(record, d.ticket, d.cluster or first, ask, admitter.engine_priority(d), d.cls)
+            if not not_served(record, d.ticket, d.cluster or first):
+                start(record, d.ticket, d.cluster or first, ask, admitter.engine_priority(d), d.cls)
         else:  # a refusal, or a canned answer (no engine time): its status as the reason table gives it
             refuse(record, d.status if d.status >= 400 else 200, d.reason, d.retry_after or None)
 
