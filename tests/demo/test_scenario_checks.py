@@ -127,3 +127,22 @@ def test_a_scenario_retunes_envoys_filter_for_its_traffic(tmp_path):
     a, b, d = with_policies(parse_modes("a,b,d"), sc.policies, sc.envoy_adaptive)
     assert b.adaptive == {**ADAPTIVE_TUNED, "min_rtt_fixed_s": 4.0}
     assert not a.adaptive and not d.adaptive
+
+
+def test_a_canned_answer_is_a_degraded_answer_in_the_what_if_as_on_the_real_stack(tmp_path):
+    # The ext_proc answers a `canned` fallback with 200 and `x-extproc-decision: degrade`, which the load generator
+    # records as a degraded answer; the what-if recorded an error (status 200, error "refused: queue_full"): its
+    # outcome table said "error", and the calm-phase target (refused, degraded or failed) did not see it.
+    from extproc.tools.demo.results import window_stats
+    policy = {"classes": {"interactive": {"max_concurrency": 1, "max_queue": 0, "max_wait_ms": 0,
+                                          "on_overflow": "fallback", "fallback": {"action": "canned"}}},
+              "default_class": "interactive", "models": {"llama-70b": {"cluster": "big"}}}
+    doc = {"pools": {"big": {"profile": "h100-llama70b-awq", "replicas": 1, "model_names": ["llama-70b"]}},
+           "capacity": 4.0, "phases": [{"name": "p", "duration_s": 20, "rate": 1.0}],
+           "workload": {"kinds": [{"name": "interactive", "model": "llama-70b", "prompt_tokens": 300,
+                                   "max_tokens": 32}]}}
+    records = what_if(Scenario.from_dict(doc), str(write(tmp_path, policy, "p.yaml")), 4.0).records
+    canned = [r for r in records if r.degraded]
+    assert canned and all(r.ok and r.status == 200 and r.model == "llama-70b" for r in canned)
+    w = window_stats(records, (0.0, 20.0), "interactive", 2.0, 60.0, True)
+    assert w.degraded == len(canned) and w.outcomes["interactive"]["error"] == 0.0

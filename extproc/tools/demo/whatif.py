@@ -21,6 +21,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import HttpHeaders
 
 from extproc.policy.admission import QUEUE, AdmissionController, Admit, Decision, Degrade, RequestFacts
 from extproc.policy.classify import ConflictingKeys, presented_key
+from extproc.policy.decision import Canned
 from extproc.policy.limits import Completion, LimitFactory, Outcome, default_limit
 from extproc.policy.outcomes import LEARN, UsageSample, reads_answer
 from extproc.policy.schema import ClassifySpec, SessionSpec, load_policy_file
@@ -351,8 +352,14 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
             record.model = record.asked_model
             if not not_served(record, d.ticket, d.cluster or first):
                 start(record, d.ticket, d.cluster or first, ask, admitter.engine_priority(d), d.cls)
-        else:  # a refusal, or a canned answer (no engine time): its status as the reason table gives it
-            refuse(record, d.status if d.status >= 400 else 200, d.reason, d.retry_after or None)
+        elif isinstance(d, Canned) and d.status < 300:
+            # The ext_proc's own answer at once, sent with `x-extproc-decision: degrade`: the load generator
+            # records an answer (the asked model's name, no usage) degraded by the policy, not an error.
+            record.status, record.latency, record.model = d.status, clock[0] - record.start, record.asked_model
+            record.ttft, record.degraded_by_policy = record.latency, True
+            ended(record)
+        else:  # a refusal, or a canned error status (no engine time): its status as the reason table gives it
+            refuse(record, d.status, d.reason, d.retry_after or None)
 
     for interval, callback in admitter.start(lambda: clock[0], pools):
         push(0.0, _TIMER, (interval, callback))
