@@ -211,3 +211,16 @@ def test_percentiles_are_nearest_rank_whatever_the_parity_of_the_rank():
     assert ranks == {(n, q): max(1, math.ceil(q * n / 100)) for n, q in ranks}
     w = stats([rec((i - 1) / 10, latency=float(i)) for i in range(1, 101)])  # 100 answers in the window
     assert w.p99 == 99.0 and w.p50 == 50.0
+
+
+def test_a_broken_connection_or_an_abort_is_no_latency_and_a_broken_connection_is_a_failure():
+    # Envoy down (connection refused), a reset mid-stream: the latencies of requests that failed without an HTTP
+    # status went into the percentiles (p99 0.00 s) and nothing counted them, so a calm phase of nothing but
+    # refused connections reached its target. A client's own abort (`abort_prob`) is no service either.
+    refused_conn = rec(1, status=0, latency=0.001, tokens=0, error="ClientConnectorError")
+    cut = rec(2, latency=0.3, error="ClientPayloadError")
+    aborted = rec(3, latency=0.2, error="abort")
+    w = stats([rec(4, latency=1.0), refused_conn, cut, aborted])
+    assert w.p50 == w.p99 == 1.0 and w.failed == 2 and w.refused == 0
+    found = by_name(targets(spike_and_calm(ws(), w), ["spike"], ["phase normal"], 2.0))
+    assert not found["d: requests refused, degraded or failed (== 0)"].reached

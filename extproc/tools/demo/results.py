@@ -51,7 +51,9 @@ class WindowStats:
     p99_worst_window: float = float("nan")
     p99_worst_window_at: float | None = None
     refused: int = 0  # requests of every class refused (429/503)
-    failed: int = 0  # requests of every class answered with another HTTP error (400, 401, 404, 413, 5xx...)
+    # requests of every class answered with another HTTP error (400, 401, 404, 413, 5xx...), or failed without a
+    # status (a refused or reset connection, a stream cut short)
+    failed: int = 0
     degraded: int = 0  # requests of every class answered by another model
     # When the first SLO-class request answered by another model, and the first request of another class refused
     # or queued, arrived (None: none did): lower classes must be held back before the SLO class is degraded
@@ -103,19 +105,26 @@ def fairness_index(started: list[RequestRecord], kinds: Collection[str], slo_s: 
     return jain_index(served[k] / due[k] for k in kinds if due[k] > 0)
 
 
+# Not the fleet's failures: the client gave up (at its timeout, or by choice: a kind's `abort_prob`), or the load
+# generator's own bound on requests in flight held it back.
+CLIENT_SIDE = ("timeout", "abort", "client_overload")
+
+
 def failed(r: RequestRecord) -> bool:
     """An HTTP error that is not a refusal for capacity: a bad request (400, 404, 413), a refused key (401), an
-    upstream failure (500, 502). Its latency is no service, so it is left out of the percentiles and counted."""
-    return r.status >= 400 and r.status not in REFUSED
+    upstream failure (500, 502); or a failure without one (a refused or reset connection, a stream cut short).
+    Its latency is no service, so it is left out of the percentiles and counted."""
+    if r.status >= 400:
+        return r.status not in REFUSED
+    return not r.ok and r.error not in CLIENT_SIDE
 
 
 def served_latency(r: RequestRecord, timeout_s: float) -> float | None:
     """End-to-end latency of a request the fleet took on: completed, or timed out (counted at the timeout)."""
-    if r.status >= 400:  # refused (REFUSED) or failed: no service, no latency
-        return None
-    if r.error == "timeout":
+    if r.error == "timeout" and r.status < 400:
         return timeout_s
-    return r.latency
+    # Refused, failed (with an HTTP status or without), or given up by its client: no service, no latency.
+    return r.latency if r.ok else None
 
 
 def first_token(r: RequestRecord, timeout_s: float) -> float | None:
