@@ -46,6 +46,10 @@ def write(tmp_path: Path, doc: dict, name: str = "s.yaml") -> Path:
     # and a second `spike` was in no report window and no overload onset.
     (lambda d: d["phases"].append({"name": "normal", "duration_s": 30, "rate": 0.6}),
      "phases[3]: name 'normal' is given to phases[0] already"),
+    # No replica: capacity 0 (every phase empty), or with `capacity:` given the what-if's "min() arg is an empty
+    # sequence"; no request in the capacity loop: a TypeError traceback.
+    (lambda d: d["pools"]["vllm_llama70b"].update(replicas=0), "pools.vllm_llama70b.replicas: at least 1, got 0"),
+    (lambda d: d.update(capacity_concurrency=0), "capacity_concurrency: at least 1, got 0"),
 ])
 def test_a_scenario_mistake_is_named(tmp_path, edit, message):
     doc = spike_doc()

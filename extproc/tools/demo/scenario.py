@@ -189,6 +189,8 @@ class Scenario:
                       p.get("scheduling_policy"))
                  for name, p in d["pools"].items()]
         for pool in pools:
+            if pool.replicas < 1:  # capacity 0, or the what-if's load balancer picks from no replica
+                raise ValueError(f"pools.{pool.name}.replicas: at least 1, got {pool.replicas}")
             if pool.scheduling_policy not in (None, *SCHEDULING_POLICIES):
                 raise ValueError(f"pools.{pool.name}.scheduling_policy: must be one of "
                                  f"{', '.join(SCHEDULING_POLICIES)}, got {pool.scheduling_policy!r}")
@@ -241,6 +243,8 @@ class Scenario:
         if unmodelled:
             warnings.append(f"{', '.join(unmodelled)}: applied on the real stack only (the what-if models "
                             f"{', '.join(sorted(WHATIF_FAULTS))})")
+        if int(d.get("capacity_concurrency", 32)) < 1:  # the capacity loop would run an empty engine
+            raise ValueError(f"capacity_concurrency: at least 1, got {d['capacity_concurrency']}")
         capacity = d.get("capacity", "auto")
         if capacity != "auto" and not (isinstance(capacity, (int, float)) and not isinstance(capacity, bool)
                                        and capacity > 0):
