@@ -150,3 +150,58 @@ def test_a_canned_answer_is_a_degraded_answer_in_the_what_if_as_on_the_real_stac
     assert canned and all(r.ok and r.status == 200 and r.model == "llama-70b" for r in canned)
     w = window_stats(records, (0.0, 20.0), "interactive", 2.0, 60.0, True)
     assert w.degraded == len(canned) and w.outcomes["interactive"]["error"] == 0.0
+
+
+class _Waiter:
+    def __init__(self):
+        self.result, self.on_result = None, None
+
+    @property
+    def pending(self):
+        return self.result is None
+
+    def notify(self, callback):
+        self.on_result = callback
+
+
+class _NeverFrees:
+    """An admitter that queues every request and grants none (a pool that never has room), up to a 20 s wait."""
+
+    lb_policy, limits = "least_request", []
+
+    def __init__(self):
+        self.left = []
+
+    def start(self, clock, pools):
+        return []
+
+    def decide(self, facts):
+        from extproc.policy.decision import Queued
+        return Queued("queued", "interactive", "", _Waiter())
+
+    def abandon(self, waiter):
+        from extproc.policy.decision import REJECT, Refusal
+        self.left.append(waiter)
+        waiter.result = Refusal(REJECT, "client_gone", "interactive", "", 499, "gone")
+        waiter.on_result(waiter.result)
+
+    def ended(self, ticket, record):
+        pass
+
+    def reap(self):
+        pass
+
+
+def test_a_queued_request_whose_client_gives_up_leaves_the_queue_at_its_timeout_in_the_what_if():
+    # The real client closes its connection at client_timeout_s, and Envoy the ext_proc's stream: the request
+    # leaves the queue. The what-if gave a queued request no timeout: it waited on (up to the class's
+    # max_wait_ms, 29 s, past a shorter client timeout), and requests still queued when the arrivals ran out
+    # were never resolved (status 0, no latency, no error).
+    doc = {"pools": {"big": {"profile": "h100-llama70b-awq", "replicas": 1, "model_names": ["llama-70b"]}},
+           "capacity": 2.0, "client_timeout_s": 5, "phases": [{"name": "p", "duration_s": 10, "rate": 1.0}],
+           "workload": {"kinds": [{"name": "interactive", "model": "llama-70b", "prompt_tokens": 300,
+                                   "max_tokens": 32}]}}
+    admitter = _NeverFrees()
+    records = what_if(Scenario.from_dict(doc), admitter, 2.0).records
+    assert records and len(admitter.left) == len(records)
+    assert all(r.status == 0 and r.error == "timeout" and r.latency == 5.0 and r.queued for r in records)

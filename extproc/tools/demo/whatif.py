@@ -4,9 +4,10 @@ For tuning `policies/demo-*.yaml` in seconds instead of minutes (`extproc demo -
 the same engine model as the simulator, and in front of it an `Admitter`: the same AdmissionController as the
 ext_proc (PolicyAdmitter, modes c-e), or a model of a mode without it (extproc.tools.demo.baselines: no control,
 Envoy's adaptive_concurrency). No Envoy, no HTTP. Clients give up after the scenario's `client_timeout_s`, which
-aborts the sequence in its engine, as on the real stack. Every pool of the scenario is modelled (least-request
-or round robin across its replicas), so a degrade to the small model runs on the small model's engine. The
-scenario's fleet events (a replica slowed down mid-run) are applied to the engines at their time.
+aborts the sequence in its engine (or takes a queued request out of its queue), as on the real stack. Every pool
+of the scenario is modelled (least-request or round robin across its replicas), so a degrade to the small model
+runs on the small model's engine. The scenario's fleet events (a replica slowed down mid-run) are applied to the
+engines at their time.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ DEFAULT_HEADERS = HeaderNames(ClassifySpec().header, SessionSpec().header)
 TICK_S = 0.25  # simulated seconds between core.tick() calls (the ext_proc: every core.tick_s, at most 0.1 s)
 
 # Event kinds, in the order they run when due at the same instant.
-_ITERATION, _TIMEOUT, _TIMER, _FAULT = range(4)
+_ITERATION, _TIMEOUT, _LEFT, _TIMER, _FAULT = range(5)
 
 
 def _facts(kind, prompt_tokens: int, session_id: str | None = None,
@@ -139,6 +140,10 @@ class Admitter(Protocol):
         """The override-host list a request of class `cls` to `pool` is sent with (x-extproc-replica), None: the
         LB picks."""
 
+    def abandon(self, waiter: Any) -> None:
+        """A queued request's client gave up (its timeout) while it waited: it leaves the queue, as the ext_proc
+        takes it out when Envoy closes its stream (server/final_admission.py). Only an admitter that queues."""
+
     def ended(self, ticket: Any, record: RequestRecord) -> None:
         """An admitted request ended: completed (record.ok), answered with an error by its replica (a 404 for a
         model the pool does not serve) or given up by its client (record.error, status CLIENT_ERROR)."""
@@ -216,6 +221,9 @@ class PolicyAdmitter:
         spec = self.policy.classes.get(d.cls)
         return spec.vllm_priority if spec is not None and spec.vllm_priority is not None else 0
 
+    def abandon(self, waiter) -> None:
+        self.core.abandon(waiter, timed_out=False)
+
     def ended(self, ticket, record: RequestRecord) -> None:
         # Completions are reported at once (as Envoy's access log does within a few milliseconds).
         if ticket is None:
@@ -257,6 +265,12 @@ class InstancesAdmitter:
 
     def engine_priority(self, d: Admit | Degrade) -> int:
         return self.parts[0].engine_priority(d)
+
+    def abandon(self, waiter) -> None:
+        for part in self.parts:
+            if part.core.limiters.get(waiter.limiter.name) is waiter.limiter:
+                part.abandon(waiter)
+                return
 
     def ended(self, ticket, record: RequestRecord) -> None:
         if ticket is None:
@@ -394,6 +408,12 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
                 admitter.ended(ticket, record)
                 ended(record)
                 kick(pool, i)
+        elif kind == _LEFT:  # a queued request's client gives up: it leaves the queue (admitter.abandon)
+            waiter, record = payload
+            if waiter.pending:
+                record.status, record.latency, record.error = CLIENT_ERROR, scenario.client_timeout_s, "timeout"
+                admitter.abandon(waiter)
+                ended(record)
         elif kind == _TIMER:
             interval, callback = payload
             callback()
@@ -418,6 +438,7 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
     # ended (`ended`), `think_s` (or Retry-After) later.
     arrivals = [(p.at, n, p) for n, p in enumerate(scenario.arrivals(capacity))]
     sessions: dict[int, PlannedRequest] = {}  # id(record) -> its plan, for session calls
+    waiting: set[int] = set()  # id(record) of the requests in a queue: the run is not over while any waits
     arrival_order = itertools.count(len(arrivals))
 
     def ended(record: RequestRecord) -> None:
@@ -428,7 +449,7 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
 
     while True:
         while events and events[0][0] <= (arrivals[0][0] if arrivals else float("inf")):
-            if not arrivals and not owner and events[0][1] not in (_ITERATION, _TIMEOUT):
+            if not arrivals and not owner and not waiting and events[0][1] not in (_ITERATION, _TIMEOUT, _LEFT):
                 break  # only timers left: done
             clock[0], kind, _, payload = heapq.heappop(events)
             handle(kind, payload)
@@ -450,10 +471,15 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
         ask = _Ask.of(kind, planned.prompt_tokens)
         if d.kind == QUEUE:
             record.queued = True
+            waiting.add(id(record))
 
             def done(final, record=record, ask=ask):
-                admitted(record, final, ask)
+                waiting.discard(id(record))
+                if record.error != "timeout":  # not the verdict of a client that left (_LEFT)
+                    admitted(record, final, ask)
             d.waiter.notify(done)
+            if d.waiter.pending:  # its client gives up at its timeout, queued or not
+                push(planned.at + scenario.client_timeout_s, _LEFT, (d.waiter, record))
         else:
             admitted(record, d, ask)
     served_elsewhere = sum(p.finished for name, p in pools.items() if name != first)
