@@ -205,3 +205,20 @@ def test_a_queued_request_whose_client_gives_up_leaves_the_queue_at_its_timeout_
     records = what_if(Scenario.from_dict(doc), admitter, 2.0).records
     assert records and len(admitter.left) == len(records)
     assert all(r.status == 0 and r.error == "timeout" and r.latency == 5.0 and r.queued for r in records)
+
+
+def test_a_non_streamed_answers_first_byte_is_its_whole_answer_in_the_what_if_as_in_the_load_generator():
+    # The load generator's TTFT of an answer not streamed is when the response arrives (the whole answer); the
+    # what-if took the engine's first token: code-completion's and classify-burst's interactive TTFT p99 read as
+    # a prefill time in the what-if and as the whole latency on the real stack.
+    kinds = [{"name": "interactive", "model": "llama-70b", "prompt_tokens": 300, "max_tokens": 64, "stream": s}
+             for s in (True, False)]
+    kinds[1]["name"] = "plain"
+    doc = {"pools": {"big": {"profile": "h100-llama70b-awq", "replicas": 1, "model_names": ["llama-70b"]}},
+           "capacity": 2.0, "phases": [{"name": "p", "duration_s": 10, "rate": 1.0}], "workload": {"kinds": kinds}}
+    from extproc.tools.demo.baselines import NoAdmission
+    records = [r for r in what_if(Scenario.from_dict(doc), NoAdmission(), 2.0).records if r.ok]
+    plain = [r for r in records if r.kind == "plain"]
+    streamed = [r for r in records if r.kind == "interactive"]
+    assert plain and all(r.ttft == r.latency for r in plain)
+    assert streamed and all(r.ttft < r.latency for r in streamed if r.output_tokens > 1)

@@ -386,12 +386,14 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
             pool.busy[i] = False
             for em in pool.engines[i].end_iteration(clock[0]):
                 record, ticket = owner[(pool.name, i, em.seq.id)]
-                if record.ttft is None:
+                if record.ttft is None and id(record) not in unstreamed:  # a stream's first token
                     record.ttft = clock[0] - record.start
                 if em.finish_reason is not None:
                     del owner[(pool.name, i, em.seq.id)]
                     record.status, record.latency, record.output_tokens = 200, clock[0] - record.start, \
                         em.seq.generated
+                    if record.ttft is None:  # not streamed: the load generator's first byte is the whole answer
+                        record.ttft = record.latency
                     if pool.name != first:
                         pool.finished += 1
                     admitter.ended(ticket, record)
@@ -439,6 +441,7 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
     arrivals = [(p.at, n, p) for n, p in enumerate(scenario.arrivals(capacity))]
     sessions: dict[int, PlannedRequest] = {}  # id(record) -> its plan, for session calls
     waiting: set[int] = set()  # id(record) of the requests in a queue: the run is not over while any waits
+    unstreamed: set[int] = set()  # id(record) of the requests not streamed (their TTFT is their answer's)
     arrival_order = itertools.count(len(arrivals))
 
     def ended(record: RequestRecord) -> None:
@@ -462,6 +465,8 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
         record = RequestRecord(planned.at, kind.name, "", 0, prompt_tokens=planned.prompt_tokens,
                                asked_model=kind.model)
         records.append(record)
+        if not kind.stream:
+            unstreamed.add(id(record))
         if planned.session is not None:
             record.session, record.call, record.calls = planned.session.id, planned.call, planned.session.calls
             record.retry = planned.retry
