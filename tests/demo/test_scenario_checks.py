@@ -50,6 +50,11 @@ def write(tmp_path: Path, doc: dict, name: str = "s.yaml") -> Path:
     # sequence"; no request in the capacity loop: a TypeError traceback.
     (lambda d: d["pools"]["vllm_llama70b"].update(replicas=0), "pools.vllm_llama70b.replicas: at least 1, got 0"),
     (lambda d: d.update(capacity_concurrency=0), "capacity_concurrency: at least 1, got 0"),
+    # A window spans its first phase's start to its last phase's end: [normal, after] compared the whole run,
+    # the spike between them included, under the name the user gave; [] crashed the report (min() of nothing).
+    (lambda d: d.update(windows={"calm": ["normal", "after"]}),
+     "windows.calm: the phases of a window follow each other (spike lies between normal and after)"),
+    (lambda d: d.update(windows={"w": []}), "windows.w: a list of one or more phases, got []"),
 ])
 def test_a_scenario_mistake_is_named(tmp_path, edit, message):
     doc = spike_doc()

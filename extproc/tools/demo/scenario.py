@@ -251,10 +251,18 @@ class Scenario:
             raise ValueError(f"capacity: 'auto' or requests/s > 0, got {capacity!r}")
         phase_names = {p.name for p in phases}
         for w, listed in (d.get("windows") or {}).items():
+            if not isinstance(listed, list) or not listed:
+                raise ValueError(f"windows.{w}: a list of one or more phases, got {listed!r}")
             unknown = [x for x in listed if x not in phase_names]
             if unknown:
                 raise ValueError(f"windows.{w}: {', '.join(map(str, unknown))} name no phase "
                                  f"(phases: {', '.join(p.name for p in phases)})")
+            # The window runs from its first phase's start to its last phase's end (report_windows).
+            at = sorted({next(i for i, p in enumerate(phases) if p.name == x) for x in listed})
+            between = [phases[i].name for i in range(at[0], at[-1] + 1) if i not in at]
+            if between:
+                raise ValueError(f"windows.{w}: the phases of a window follow each other ({', '.join(between)} lies "
+                                 f"between {phases[at[0]].name} and {phases[at[-1]].name})")
         return cls(name=d.get("name", "scenario"), description=d.get("description", ""), seed=int(d.get("seed", 0)),
                    pools=pools, phases=phases, workload=workload,
                    slo_class=slo_class, slo_p95_s=float((d.get("slo") or {}).get("p95_s", 2.0)),
