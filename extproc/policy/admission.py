@@ -661,8 +661,13 @@ class AdmissionController:
         """The ticket holds `units` of its pool's limit (released with its slot)."""
         ticket.gate, ticket.units, ticket.rank = gate, units, ticket.limiter.rank
         rest = gate.rest_after(ticket.rank, units)  # 0 for the first class and within the share: the usual case
-        if rest and (self._higher_waits(gate, ticket.limiter) or not gate.room(ticket.rank, units)):
-            ticket.rest = rest  # let in over its share while the pool is contended: the class's guarantee
+        # Over its share while the pool is contended (a higher class waits, or it has no room under its fill): the
+        # class's guarantee, paid back by a rest. A request that finds the pool empty with nobody above waiting
+        # takes nothing from anyone: on a limit of 1 request, where a lower class never has room under its fill,
+        # each of its requests rested it 19 s per second it ran, and its queue waited out max_wait on an idle pool.
+        if rest and (self._higher_waits(gate, ticket.limiter) or (gate.holding and not gate.room(ticket.rank,
+                                                                                                 units))):
+            ticket.rest = rest
         gate.take(ticket.rank, units, ticket.flow)
         gate.controller.admitted(ticket.rank, ticket.admitted_at)
 

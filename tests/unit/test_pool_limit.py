@@ -59,6 +59,29 @@ def test_the_classes_share_one_limit_and_lower_classes_wait_behind_a_waiting_hig
     assert held(pcore) == (4, [2, 2, 0], [0, 2, 0])
 
 
+def test_a_lower_class_alone_on_a_small_pool_is_not_rested_for_taking_it(clock):
+    # A limit of 1 request: a lower class never has room under its 85% fill, so each of its requests goes in on its
+    # guarantee, was counted as taken over its share while "contended", and rested the class 19 s per second it
+    # ran, with the classes above idle: its queue waited out max_wait on an empty pool (found by a review, in the
+    # what-if). A request that finds the pool empty, nobody above waiting, takes nothing from anyone.
+    core = AdmissionController(pool_policy(limit=1, batch={"max_wait_ms": 20000}), clock=clock)
+    first = core.decide(req("batch"))
+    second = core.decide(req("batch"))
+    assert (first.kind, second.kind) == (ACCEPT, QUEUE)
+    clock.advance(1.0)
+    core.finish(first.ticket, Outcome.OK)
+    assert second.waiter.result is not None and second.waiter.result.kind == ACCEPT
+    # Taken beside the first class's request, over its share, it rests as before.
+    clock.advance(1.0)
+    core.finish(second.waiter.result.ticket, Outcome.OK)
+    assert core.decide(req("interactive")).kind == ACCEPT
+    third = core.decide(req("batch"))
+    assert third.kind == ACCEPT  # it holds nothing: its guarantee, over its share while interactive runs
+    clock.advance(1.0)
+    core.finish(third.ticket, Outcome.OK)
+    assert core.gates["pool_a"].rest_until[1] > clock()
+
+
 def test_a_class_keeps_one_request_in_flight_whatever_waits_above_it(pcore):
     for _ in range(4):
         assert pcore.decide(req("interactive")).kind == ACCEPT
