@@ -678,12 +678,9 @@ class AdmissionController:
 
         `outcome` is what the adapter saw; a completion report (report()) may refine it, before or after.
         """
-        if ticket.closed:
+        now = self._close(ticket, True)
+        if now is None:
             return False
-        now = self.clock()
-        if self.shadow.places:
-            self.shadow.ended(ticket)
-        self._release(ticket, now, True)
         ticket.stream_outcome = outcome
         if ticket.completion is not None or outcome is Outcome.LEASE_EXPIRED:
             self._account(ticket)
@@ -818,15 +815,23 @@ class AdmissionController:
         body as it would be forwarded is over the limit): its slot goes back unused and it is charged nothing, as a
         revoked one's. Released as a finished request, it was a completion for the drain rate, a charge of its
         expected output, and a report awaited from Envoy that never comes. False if it was closed already."""
-        if ticket.closed:
+        now = self._close(ticket, False)
+        if now is None:
             return False
-        now = self.clock()
-        if self.shadow.places:
-            self.shadow.ended(ticket)
-        self._release(ticket, now, False)
         if ticket.holds_slot:
             self._grant(ticket.limiter, now)
         return True
+
+    def _close(self, ticket: Ticket, ran: bool) -> float | None:
+        """Close an open ticket (finish, withdraw): its virtual shadow place ends, its slot goes back. Returns the
+        time, or None if it was closed already."""
+        if ticket.closed:
+            return None
+        now = self.clock()
+        if self.shadow.places:
+            self.shadow.ended(ticket)
+        self._release(ticket, now, ran)
+        return now
 
     def revoke(self, d: Decision, reason: str, message: str) -> Decision:
         """The shared store did not grant a global slot (none within the class's wait, store down and failing
