@@ -609,7 +609,7 @@ class _CoreGauges:
         now = self._core.clock()
         for (cls, pool), breakers in list(self._core.breakers.items()):
             for b in breakers:
-                state.add_metric([cls, pool, b.kind], STATE_VALUES[b.state])
+                state.add_metric([cls, pool, b.kind], STATE_VALUES[b.poll(now)])
                 if isinstance(b, LatencyBreaker):
                     p95.add_metric([cls, pool], b.p95(now))
                 else:

@@ -118,16 +118,21 @@ class Breaker:
         self._credit = 0.0
         self.on_change = None  # callable(breaker, new_state), set by the owner for metrics
 
+    def poll(self, now: float) -> str:
+        """The state at `now`: open -> half-open -> closed by time, each when it fell due. Moved on only by a
+        request, a class whose traffic stopped while its breaker was open read as open (the state gauge) for ever."""
+        if self.state == OPEN and now - self.since >= self.cooldown_s:
+            self._set(HALF_OPEN, self.since + self.cooldown_s)
+        if self.state == HALF_OPEN and now - self.since >= self.trickle_s:
+            self._close(self.since + self.trickle_s)
+        return self.state
+
     def allow(self, now: float) -> tuple[bool, bool]:
         """(may this request go to the pool, is it a trickle probe). Moves open -> half-open -> closed by time."""
-        if self.state == OPEN:
-            if now - self.since < self.cooldown_s:
-                return False, False
-            self._set(HALF_OPEN, now)
-        if self.state == HALF_OPEN:
-            if now - self.since >= self.trickle_s:
-                self._close(now)
-                return True, False
+        state = self.poll(now)
+        if state == OPEN:
+            return False, False
+        if state == HALF_OPEN:
             # A deterministic trickle: exactly `trickle` of the traffic, evenly spread.
             self._credit += self.trickle
             if self._credit >= 1.0:

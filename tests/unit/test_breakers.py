@@ -161,3 +161,15 @@ def test_error_breaker_trips_when_failures_reach_exactly_the_ratio():
     for i in range(50):
         b.observe(0.0, i < 7, False)
     assert b.state == OPEN
+
+
+def test_an_idle_breaker_half_opens_and_closes_on_time():
+    # Only a request moved the state on: a class that stopped sending after its breaker opened read as open (the
+    # extproc_breaker_state gauge) for ever after, and ExtprocBreakerNotClosed fired for an idle class.
+    b = latency_breaker()
+    feed(b, 0.0, 5.0, 50)
+    assert b.poll(9.9) == OPEN
+    assert b.poll(10.0) == HALF_OPEN  # the trickle period starts at the end of the cooldown, not at a request
+    assert b.poll(69.9) == HALF_OPEN
+    assert b.poll(70.0) == CLOSED
+    assert b.window.count(70.0) == 0

@@ -112,6 +112,25 @@ def test_breaker_transitions_exist_at_zero_from_the_breakers_creation():
                     f' 0.0') in text, (kind, to)
 
 
+def test_breaker_state_of_an_idle_class_moves_on_with_time():
+    """The state gauge read the breaker's state as the last request left it: a class whose traffic stopped while
+    its breaker was open showed 2 (open) for ever, and ExtprocBreakerNotClosed fired on an idle class."""
+    clock = [0.0]
+    t = Telemetry()
+    policy = make_policy(classes={"interactive": {"max_concurrency": 4, "slo_p95_ms": 1000}}, tenants=[])
+    core = AdmissionController(policy, clock=lambda: clock[0], events=t)
+    t.watch(core)
+    core.decide(RequestFacts(model="llama"))
+    err = next(b for b in core.pool_breakers("interactive", "pool_a") if b.kind == "error")
+    for _ in range(err.min_requests):
+        err.observe(0.0, True, False)
+    assert err.state == "open"
+    line = 'extproc_breaker_state{class="interactive",kind="error",pool="pool_a"}'
+    assert f"{line} 2.0" in generate_latest(t.registry).decode()
+    clock[0] = err.cooldown_s + err.trickle_s + 1.0  # nobody asked since
+    assert f"{line} 0.0" in generate_latest(t.registry).decode()
+
+
 def test_rate_limit_checks_are_counted_by_tenant_limit_and_result():
     t = Telemetry()
     core = limited_core(t, requests_per_minute=60, burst_s=2)  # a bucket of 2 requests
