@@ -45,7 +45,7 @@ class LimitMoves:
             # are over their floors are asked to yield, each at its own next move (_yield_due).
             if excess and getattr(controller, "last_action", None) in ("ask_yield", "cut_latency"):
                 self.ask_yield(lim.pools, lim.rank)
-            struggling |= self._struggling_pools(lim)
+            struggling |= self._struggling_pools(lim, now)
             if new != lim.limit:
                 raised = new > lim.limit
                 lim.limit = lim.queue.capacity = new
@@ -91,14 +91,14 @@ class LimitMoves:
         gates = self.state.gates
         return [p for p in pools if not gates or p not in gates]
 
-    def _struggling_pools(self, lim: ClassLimiter) -> set[str]:
+    def _struggling_pools(self, lim: ClassLimiter, now: float) -> set[str]:
         """The ungated pools where this class misses its latency SLO (it asks the lower classes to yield there, or
         its latency breaker is not closed): the per-class limits below it yield on those pools first, each at its
         next move. Yielding at every move for a whole window starved batch at 60% load (24 refusals)."""
         out = set()
         for pool in self._ungated(lim.pools):
             if self.yield_asked.get(pool, lim.rank + 1) <= lim.rank or any(
-                    isinstance(b, LatencyBreaker) and b.state != CLOSED
+                    isinstance(b, LatencyBreaker) and b.poll(now) != CLOSED  # as time left it: idle, it closes
                     for b in self.state.breakers.get((lim.name, pool), ())):
                 out.add(pool)
         return out

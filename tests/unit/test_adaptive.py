@@ -369,6 +369,32 @@ def test_a_class_whose_tripped_breaker_asks_the_classes_below_to_yield_does_not_
     assert core.limiters["batch"].limit == 8 and core.limiters["batch"].controller.last_action != "cut_yield"
 
 
+def test_a_breaker_that_tripped_on_an_idle_class_stops_the_classes_below_yielding_once_it_is_due_to_close(clock):
+    """Batch's latency breaker trips, then batch sends nothing more. The classes below read the breaker's state as
+    its last request left it (open) and yielded at every move for ever after, long after its cooldown and trickle
+    period: internal's cap was cut to its floor on a pool nobody above it used."""
+    adaptive = {"enabled": True, "min_limit": 2, "max_limit": 16, "interval_s": 1, "window_s": 5, "min_samples": 5}
+    lb = {"window_s": 10, "min_samples": 5, "cooldown_s": 5, "trickle": 0.1, "trickle_s": 10}
+    core = AdmissionController(make_policy(classes={
+        "interactive": {"max_concurrency": 8, "max_queue": 0, "max_wait_ms": 0, "slo_p95_ms": 2000,
+                        "adaptive": adaptive},  # sends nothing here
+        "batch": {"max_concurrency": 8, "max_queue": 0, "max_wait_ms": 0, "slo_p95_ms": 2000, "adaptive": adaptive,
+                  "latency_breaker": lb},
+        "internal": {"max_concurrency": 8, "max_queue": 0, "max_wait_ms": 0, "slo_p95_ms": 60000,
+                     "adaptive": adaptive},
+    }, tenants=[]), clock=clock)
+    for t in hold(core, "batch", 6):
+        clock.advance(0.5)
+        core.finish(t, Outcome.OK)
+        core.report(t.id, Completion(Outcome.OK, 200, None, 3.0))  # p95 3 s against a 2 s SLO: the breaker trips
+    assert core.pool_breakers("batch", "pool_a")[0].state == "open"
+    clock.advance(60.0)  # batch idle: its breaker is past its cooldown and its trickle period
+    hold(core, "internal", 6)
+    core.tick()
+    assert core.limiters["internal"].controller.last_action != "cut_yield"
+    assert core.limiters["internal"].limit == 8
+
+
 def test_a_mix_slow_at_any_load_gets_back_the_cap_a_spike_cut():
     """The spike scenario's interactive p95 is ~1.4 s of a 2 s SLO at any load: inside the band (raise under
     0.6, cut over 0.8). After a spike's cuts, at calm load again, the cap bound, nothing was slow, and it held:
