@@ -251,4 +251,5 @@ def wait_override(seconds: float) -> pb.ProcessingResponse:
 
 
 # A request-phase failure of ours: refused, never failed open (see ExtProcServicer.Process).
-INTERNAL_ERROR = _error(500, say(R_ADMISSION_ERROR), R_ADMISSION_ERROR, [("x-extproc-decision", "invalid")])
+INTERNAL_ERROR = _error(500, say(R_ADMISSION_ERROR), R_ADMISSION_ERROR,
+                        [("x-extproc-decision", "invalid"), ("x-extproc-reason", R_ADMISSION_ERROR)])

@@ -807,6 +807,17 @@ def test_a_failure_before_the_decision_is_refused_500(clock):
     assert s.fail() is protocol.INTERNAL_ERROR and s.phase is Phase.ANSWERED
 
 
+def test_our_own_failure_says_its_reason_like_every_other_refusal():
+    """docs/troubleshooting.md: `x-extproc-reason` on every invalid answer, the body's error.code the same. The 500
+    of our own failure carried `x-extproc-decision: invalid` and no reason header: a log or dashboard keyed on
+    the header saw it as no refusal of ours."""
+    answer = protocol.INTERNAL_ERROR.immediate_response
+    headers = {h.header.key: h.header.raw_value for h in answer.headers.set_headers}
+    assert answer.status.code == 500 and headers["x-extproc-decision"] == b"invalid"
+    assert headers.get("x-extproc-reason") == b"admission_error"
+    assert json.loads(answer.body)["error"]["code"] == "admission_error"
+
+
 def test_a_failure_after_the_decision_is_not_the_streams_to_answer(clock):
     s, _ = admitted(processor(clock))
     with pytest.raises(RuntimeError, match="admitted, forwarding"):
