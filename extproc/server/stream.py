@@ -213,7 +213,10 @@ class Stream:
         unadmitted by Envoy's failure_mode_allow, so the caller fails the stream only once decided."""
         if self.phase.decided:
             raise RuntimeError(f"a failure to answer while the stream is {self.phase.text}")
-        self._enter(Phase.ANSWERED)  # what it holds (if anything) is given back at the end
+        if isinstance(self.held, Ticket):  # taken by an answer that failed to build: it never went upstream
+            ticket, self.held = self.held, None
+            self.processor.close(ticket, None)
+        self._enter(Phase.ANSWERED)  # a final admission it waits for is given back at the end
         return protocol.INTERNAL_ERROR
 
     def end(self, normal_end: bool) -> None:

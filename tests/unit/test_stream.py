@@ -836,6 +836,24 @@ def test_a_slot_taken_by_an_answer_that_failed_to_build_is_given_back(clock, mon
     assert inflight(p) == 0 and not p.live and not p.core.tickets
 
 
+def test_a_slot_taken_by_an_answer_that_failed_to_build_is_taken_back_as_never_run(clock, monkeypatch):
+    # The client got our 500 and the request never went upstream: released as a client abort of a request that
+    # ran, it was a drain-rate completion, its tenant charged its expected output and a report awaited that never
+    # comes (as the 413 after admission was).
+    p = processor(clock, tenants=[{"name": "acme", "api_keys": ["sk-acme"], "tokens_per_minute": 10**6}])
+    s = Stream(p)
+    s.receive(request_headers(authorization=b"Bearer sk-acme"))
+    monkeypatch.setattr(protocol, "forward", lambda *a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        s.receive(request_body())
+    ticket = s.held
+    s.fail()
+    s.end(normal_end=False)
+    bucket = p.core.tenant_limits["acme"].tokens
+    assert bucket.refill(clock()) == bucket.capacity and p.core.limiters["interactive"].drain._count == 0.0
+    assert ticket.closed and not p.core._unreported and inflight(p) == 0 and not p.live
+
+
 # --- Gateway API Inference Extension headers and the deadline header (read only where the policy names them) ---
 
 GIE_CLASSIFY = {"objective_header": "x-gateway-inference-objective",
