@@ -155,3 +155,36 @@ def test_a_reset_does_not_cancel_the_read_in_flight():
 def test_a_reset_right_after_the_end_of_stream_is_a_normal_end():
     ticket = asyncio.run(_reset_while_waiting(eof_first=True))
     assert ticket.stream_outcome is Outcome.ENDED  # no response status seen here: ended, not aborted
+
+
+
+CANNED_WHEN_FULL = {"classes": {"interactive": {"max_concurrency": 1, "max_queue": 0, "on_overflow": "fallback",
+                                                "fallback": {"action": "canned", "status": 200, "message": "busy"}}},
+                    "tenants": []}
+
+
+@pytest.mark.parametrize("builder,policy,body", [
+    ("bad_request", {}, b"not json"),                              # a 400 on the body
+    ("refusal", {"anonymous": {"allow": False}}, b'{"model": "llama"}'),  # a 401 at the headers
+    ("canned", CANNED_WHEN_FULL, b'{"model": "llama"}'),           # its class full: the canned fallback
+])
+def test_an_immediate_answer_that_fails_to_build_is_refused_with_500_not_a_failed_stream(monkeypatch, builder,
+                                                                                          policy, body):
+    """The stream entered its `answered` phase before the answer was built: a failure building it was taken for
+    a failure after the decision, the stream failed, and Envoy's failure_mode_allow sent the request upstream
+    unadmitted."""
+    from extproc.policy.admission import RequestFacts
+    from extproc.server import protocol
+
+    def broken(*a, **k):
+        raise RuntimeError("injected")
+
+    core = AdmissionController(make_policy(**policy))
+    core.decide(RequestFacts(model="llama"))  # takes the class's one slot (the canned case)
+    monkeypatch.setattr(protocol, builder, broken)
+    errors = []
+    ctx = Ctx(generation(body))
+    asyncio.run(ExtProcServicer(core, on_error=lambda: errors.append(1)).Process(None, ctx))
+    answer = ctx.writes[-1].immediate_response
+    assert answer.status.code == 500 and json.loads(answer.body)["error"]["code"] == "admission_error"
+    assert errors == [1]
