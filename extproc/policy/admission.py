@@ -263,7 +263,7 @@ class AdmissionController:
             if not allowed:
                 reason = R_LATENCY_BREAKER if b.kind == "latency" else R_ERROR_BREAKER
                 return self.fallbacks.answer(lim, c.cls, c.tenant, cluster, reason, now, overflow=False, c=c,
-                                      charge=charge)
+                                             charge=charge, closed_in=b.opens_in(now))
             trickle = trickle or probe
         return self._limit(c, lim, cluster, now, charge, trickle, deadline_ms)
 

@@ -127,6 +127,10 @@ class Breaker:
             self._close(self.since + self.trickle_s)
         return self.state
 
+    def opens_in(self, now: float) -> float:
+        """Seconds until an open breaker half-opens (0 when it is not open)."""
+        return max(0.0, self.since + self.cooldown_s - now) if self.poll(now) == OPEN else 0.0
+
     def allow(self, now: float) -> tuple[bool, bool]:
         """(may this request go to the pool, is it a trickle probe). Moves open -> half-open -> closed by time."""
         state = self.poll(now)

@@ -6,6 +6,8 @@ serve it. Like ShadowMode, it reads the running policy from the controller it se
 
 from __future__ import annotations
 
+import math
+
 from .classify import Classification
 from .decision import REJECT, Canned, Charge, Decision, Degrade, Refusal
 from .limits import ClassLimiter
@@ -20,16 +22,19 @@ class Fallbacks:
 
     def answer(self, lim: ClassLimiter, cls: str, tenant: str, cluster: str, reason: str, now: float,
                overflow: bool, c: Classification | None = None, waited_s: float = 0.0,
-               charge: Charge | None = None, held: str = "", why: str = "") -> Decision:
+               charge: Charge | None = None, held: str = "", why: str = "", closed_in: float = 0.0) -> Decision:
         """The class's fallback for a request its pool cannot take now (breaker open, or overflow; `held`: what
         of the pool's limit held a waiter, see AdmissionController._pool_hold; `why`: the refusal's message, when
-        already said)."""
+        already said; `closed_in`: seconds until the open breaker that refused it half-opens)."""
         core, fb = self.core, lim.spec.fallback
+        # An open breaker's refusal says to come back when it half-opens: the class's drain estimate (often 1 s)
+        # sent a client that honours Retry-After back into the same cooldown.
+        retry_after = max(lim.retry_after_s(now, core._retry_ceiling), min(core._retry_ceiling, math.ceil(closed_in)))
         allowed = charge is None or fb.action in charge.fallbacks
         why = why or say(reason, cls=cls, max_wait_ms=lim.spec.max_wait_ms, queued=len(lim.queue),
                          where=on_pool(cluster, held), detail=f"{lim.inflight} running, queue full")
         if fb.action == "canned" and allowed:
-            retry = lim.retry_after_s(now, core._retry_ceiling) if fb.status in (429, 503) else 0
+            retry = retry_after if fb.status in (429, 503) else 0
             return Canned(reason, cls, tenant, fb, retry, classification=c, cluster=cluster, waited_s=waited_s)
         if fb.action != "reject" and not allowed:
             why += f" (its `{fb.action}` fallback cannot serve this request)"
@@ -67,9 +72,8 @@ class Fallbacks:
             if deg.has_room():
                 why += f" (the degraded answer's pool {target} is at its limit too)"
             reason, why = R_DEGRADED_FULL, say(R_DEGRADED_FULL, why=why)
-        return Refusal(REJECT, reason, cls, tenant, 429 if overflow else 503, why,
-                       lim.retry_after_s(now, core._retry_ceiling), classification=c, cluster=cluster,
-                       waited_s=waited_s)
+        return Refusal(REJECT, reason, cls, tenant, 429 if overflow else 503, why, retry_after, classification=c,
+                       cluster=cluster, waited_s=waited_s)
 
     @staticmethod
     def _changes(fb, charge: Charge | None) -> bool:

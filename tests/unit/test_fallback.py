@@ -43,6 +43,16 @@ def test_open_latency_breaker_fails_fast_with_503_by_default(clock):
     assert d.retry_after >= 1
 
 
+def test_an_open_breakers_retry_after_is_the_rest_of_its_cooldown(clock):
+    # It was the class's drain estimate (1 s with no drain rate yet) while the breaker stays open for its cooldown
+    # (10 s here): a client that honours Retry-After (the OpenAI SDK's two retries) was refused again each time.
+    core = AdmissionController(policy(), clock=clock)
+    run_slow(core, clock, 5, 3.0)
+    clock.advance(2.5)
+    d = core.decide(req())
+    assert d.reason == "latency_breaker_open" and d.retry_after == 8  # ceil(10 - 2.5)
+
+
 def test_open_breaker_degrades_to_the_fallback_model(clock):
     core = AdmissionController(policy({"action": "degrade", "model": "small", "max_tokens": 64}), clock=clock)
     run_slow(core, clock, 5, 3.0)
