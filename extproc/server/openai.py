@@ -312,7 +312,7 @@ _TRUE_STRINGS = frozenset(("1", "on", "t", "true", "y", "yes"))
 
 def lax_true(value: Any) -> bool:
     """Whether vLLM's pydantic models read `value` as true in a boolean field."""
-    return value is True or (type(value) is int and value == 1) or \
+    return value is True or (type(value) in (int, float) and value == 1) or \
         (isinstance(value, str) and value.strip().lower() in _TRUE_STRINGS)
 
 
@@ -321,19 +321,14 @@ def min_output_of(doc: dict[str, Any], reads_min_tokens: bool = True) -> int | N
     min_tokens (vLLM checks the value: anything else is 0 here), which vLLM's Responses API does not read."""
     if lax_true(doc.get("ignore_eos")):
         return None
-    min_tokens = _whole(doc.get("min_tokens")) if reads_min_tokens else None
+    min_tokens = _lax_int(doc.get("min_tokens")) if reads_min_tokens else None
     return min(min_tokens, MAX_TOKENS_CEILING) if type(min_tokens) is int and min_tokens > 0 else 0
 
 
 def _truncation(value: Any) -> int | None:
     """vLLM's truncate_prompt_tokens as its model reads it (a lax integer): N >= 1 keeps each prompt's last N
     tokens, -1 as many as the context holds. Anything else truncates nothing here (vLLM refuses it)."""
-    value = _whole(value)
-    if isinstance(value, str):
-        try:
-            value = int(value.strip())
-        except ValueError:
-            return None
+    value = _lax_int(value)
     return value if type(value) is int and (value >= 1 or value == -1) else None
 
 
@@ -371,6 +366,20 @@ def _whole(value: Any) -> Any:
     if type(value) is float and value.is_integer():
         return int(value)
     return value
+
+
+def _lax_int(value: Any) -> Any:
+    """`value` as the int vLLM's pydantic models read in an integer field (lax mode): a whole float, or a string
+    of one ("20", " 20 ", "20.0"); anything else as it is."""
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            try:
+                value = float(value)
+            except ValueError:
+                return value
+    return _whole(value)
 
 
 def _read_claim(body: RequestBody, class_field: str, class_names) -> None:
@@ -435,12 +444,7 @@ def degrade_body(body: RequestBody, model: str | None, max_tokens: int | None, s
             doc[field] = max_tokens
         changed.append(f"max_tokens={max_tokens}")
         # vLLM refuses min_tokens above max_tokens (400): the floor the client set comes down with the cap.
-        min_tokens = _whole(doc.get("min_tokens"))
-        if isinstance(min_tokens, str):  # pydantic's lax mode reads "20" as 20, and vLLM then checks it
-            try:
-                min_tokens = int(min_tokens.strip())
-            except ValueError:
-                pass
+        min_tokens = _lax_int(doc.get("min_tokens"))  # "20" is 20 to vLLM, which then checks it
         if type(min_tokens) is int and min_tokens > max_tokens:
             doc["min_tokens"] = max_tokens
             changed.append(f"min_tokens={max_tokens}")

@@ -161,6 +161,15 @@ def test_the_output_floor_is_read_as_vllm_reads_ignore_eos_and_min_tokens(doc, m
     assert min_output_of(doc, reads_min_tokens=False) == (None if min_output is None else 0)  # Responses API
 
 
+@pytest.mark.parametrize("doc,min_output", [({"min_tokens": "700", "max_tokens": 700}, 700),
+                                            ({"min_tokens": " 7 "}, 7), ({"ignore_eos": 1.0}, None)])
+def test_the_output_floor_is_read_in_pydantics_lax_mode_as_vllm_reads_it(doc, min_output):
+    # vLLM's pydantic model reads "700" as min_tokens 700 and 1.0 as ignore_eos true: read as no floor, such a
+    # request was expected at the learned output ratio (a few % of its cap) while the replica ran all of it.
+    assert min_output_of(doc) == min_output
+    assert parse({"model": "m", "messages": [], **doc}).min_output == min_output
+
+
 @pytest.mark.parametrize("value, cap", [(50, 50), (50.0, 50), (" 50", 50), (-1, -1), (0, None), (-2, None),
                                         ("all", None), (True, None), (None, None)])
 def test_truncate_prompt_tokens_is_read_as_vllm_reads_it(value, cap):
