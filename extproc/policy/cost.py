@@ -80,6 +80,11 @@ def utf8_size(text: str) -> int:
     return len(text.encode("utf-8", "surrogatepass"))
 
 
+def _fast_size(text: str | bytes) -> int:
+    """A prompt text's size as the fast estimate counts it (a serialised tool schema: its bytes)."""
+    return len(text) if type(text) is bytes or text.isascii() else utf8_size(text)
+
+
 def text_size(doc: Any) -> tuple[int, int]:
     """(UTF-8 bytes, token ids) of every string and integer list anywhere in a body: the estimate for endpoints
     whose inputs are spread over their own fields (embeddings, score, rerank, classify, tokenize). The body's
@@ -231,7 +236,7 @@ class CostModel:
             tokens = _prompt_texts(doc, texts)
             if self._tokenizer is not None and texts:
                 return tokens + self._tokenized(texts)
-            chars = sum(len(t) if type(t) is bytes or t.isascii() else utf8_size(t) for t in texts)
+            chars = sum(map(_fast_size, texts))
         return tokens + int(chars / self.spec.chars_per_token + 0.999)
 
     def truncated(self, prompt_tokens: int, cap: int | None, prompts: int = 1) -> int:
@@ -242,14 +247,15 @@ class CostModel:
         return min(prompt_tokens, cap * max(prompts, 1)) if cap else prompt_tokens
 
     def _tokenized(self, texts: list[str | bytes]) -> int:
-        """Tokens of the texts: exact for the first TOKENIZE_MAX_CHARS characters, the rest at the denser of their
-        rate and the fast estimate's (a cheap head must not make a long tail cheap)."""
-        head, rest = _head(texts, TOKENIZE_MAX_CHARS)
+        """Tokens of the texts: exact for the first TOKENIZE_MAX_CHARS characters, the rest at the larger of the
+        head's rate and the fast estimate (a cheap head must not make a long tail cheap: the fast estimate counts
+        UTF-8 bytes, so a CJK tail after an ASCII head is not taken at 4 characters a token)."""
+        head, rest, rest_size = _head(texts, TOKENIZE_MAX_CHARS)
         counted = len(self._tokenizer.encode(head, add_special_tokens=False).ids)
         if rest <= 0:
             return counted
-        per_char = max(counted / max(len(head), 1), 1.0 / self.spec.chars_per_token)
-        return counted + int(rest * per_char + 0.999)
+        tail = max(rest * counted / max(len(head), 1), rest_size / self.spec.chars_per_token)
+        return counted + int(tail + 0.999)
 
     def estimate(self, prompt_tokens: int, max_tokens: int | None, sequences: int = 1,
                  generates: bool = True, prompts: int = 1, min_output: int | None = 0) -> CostEstimate:
@@ -325,9 +331,10 @@ def _bounded(value: float, configured: float) -> float:
     return min(max(value, configured / 4.0), configured * 4.0)
 
 
-def _head(texts: list[str | bytes], limit: int) -> tuple[str, int]:
-    """The texts joined by newlines, cut at `limit` characters, and how many characters were left out (bytes,
-    serialised tool schemas, count one per byte, as in the fast estimate)."""
+def _head(texts: list[str | bytes], limit: int) -> tuple[str, int, int]:
+    """The texts joined by newlines, cut at `limit` characters, how many characters were left out (bytes,
+    serialised tool schemas, count one per byte, as in the fast estimate), and their size as the fast estimate
+    counts it (_fast_size)."""
     parts: list[str] = []
     room = limit
     for i, t in enumerate(texts):
@@ -336,8 +343,10 @@ def _head(texts: list[str | bytes], limit: int) -> tuple[str, int]:
         room -= len(cut) + 1
         if room <= 0 or len(cut) < len(t):
             after = texts[i + 1:]
-            return "\n".join(parts), len(t) - len(cut) + sum(map(len, after)) + len(after)
-    return "\n".join(parts), 0
+            tail = t[len(cut):]
+            return ("\n".join(parts), len(tail) + sum(map(len, after)) + len(after),
+                    _fast_size(tail) + sum(map(_fast_size, after)) + len(after))
+    return "\n".join(parts), 0, 0
 
 
 def _load_tokenizer(path: str):

@@ -532,6 +532,16 @@ def test_the_tokenizer_counts_a_bounded_head_of_a_huge_prompt_and_the_estimate_s
     assert model.prompt_tokens(tricky) >= 400_000 / 4
 
 
+def test_a_cheap_ascii_head_does_not_make_a_non_ascii_tail_cheaper_than_the_fast_estimate(tmp_path):
+    # The tail past the tokenized head was counted by characters at the ASCII head's rate (~4 characters a token):
+    # a 1.2 MB CJK tail (about a token a character) came out at a third of what the fast estimate, which counts
+    # its UTF-8 bytes, gives without any tokenizer.
+    model = CostModel(CostSpec(tokenizer=whitespace_tokenizer(tmp_path)))
+    cjk = "你好世界" * 100_000
+    doc = {"messages": [{"role": "user", "content": "the " * 10_000}, {"role": "user", "content": cjk}]}
+    assert model.prompt_tokens(doc) >= CostModel(CostSpec()).prompt_tokens({"prompt": cjk})
+
+
 def test_a_tokenizer_that_cannot_be_loaded_is_said_once_in_the_log(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="extproc.cost"):
         model = CostModel(CostSpec(tokenizer=str(tmp_path / "missing.json")))
