@@ -109,6 +109,28 @@ def text_size(doc: Any) -> tuple[int, int]:
     return chars, tokens
 
 
+# A score or rerank body's two sides (vLLM 0.32's score and rerank requests).
+SCORE_QUERY_FIELDS = ("query", "queries", "text_1", "data_1")
+SCORE_DOCUMENT_FIELDS = ("documents", "text_2", "data_2")
+
+
+def _paired_query(doc: dict[str, Any]) -> tuple[Any, int]:
+    """The one query of a score or rerank body and how many more times than once the replica runs it: vLLM pairs
+    a single query with each document, and a cross-encoder prefills every pair whole (a bi-encoder embeds the
+    query once: counted per document it is overcounted, the safe side). (None, 0) when nothing repeats."""
+    query = next((doc[k] for k in SCORE_QUERY_FIELDS if doc.get(k) is not None), None)
+    documents = next((doc[k] for k in SCORE_DOCUMENT_FIELDS if doc.get(k) is not None), None)
+    if type(query) is list:
+        if len(query) != 1:
+            return None, 0                       # as many queries as documents, paired one to one (or none)
+        query = query[0]
+    if type(documents) is dict:
+        documents = documents.get("content")     # multimodal documents: one part a document
+    if query is None or type(documents) is not list or len(documents) < 2:
+        return None, 0
+    return query, len(documents) - 1
+
+
 def _prompt_like(value: Any, out: list[str | bytes]) -> int:
     """A string, token ids, a list of either, or a list of messages (chat) or items (Responses API)."""
     if isinstance(value, str):
@@ -231,6 +253,10 @@ class CostModel:
         """Prompt tokens of a generation body (its prompt fields), or of any other body (all its text)."""
         if not generates:
             chars, tokens = text_size(doc)
+            query, repeats = _paired_query(doc)
+            if repeats:
+                q_chars, q_tokens = text_size([query])
+                chars, tokens = chars + repeats * q_chars, tokens + repeats * q_tokens
         else:
             texts: list[str | bytes] = []
             tokens = _prompt_texts(doc, texts)

@@ -119,6 +119,23 @@ def test_the_fast_estimate_counts_other_scripts_by_their_utf8_size(text, real_pe
     assert m.prompt_tokens({"prompt": "plain ascii " * 50}) == 150  # English unchanged: a byte is a character
 
 
+@pytest.mark.parametrize("query,documents", [("query", "documents"), ("text_1", "text_2"), ("queries", "documents"),
+                                             ("data_1", "data_2")])
+def test_a_score_or_rerank_query_counts_once_per_document_it_is_paired_with(query, documents):
+    # vLLM runs a cross-encoder on (query, document) pairs: one long query beside 100 one-letter documents is 100
+    # prefills of the query. Counted once, it cost 1/100 of what the replica ran.
+    m = CostModel(SPEC)
+    q = "word " * 1_000
+    cost = m.prompt_tokens({"model": "r", query: q, documents: ["x"] * 100}, generates=False)
+    assert cost >= 100 * len(q) / SPEC.chars_per_token
+    assert m.prompt_tokens({"model": "r", query: [q], documents: ["x"] * 100}, generates=False) == cost
+    # one document, or as many queries as documents (pairs one to one): each text once, as before
+    one = m.prompt_tokens({"model": "r", query: q, documents: ["x"]}, generates=False)
+    assert one < 2 * len(q) / SPEC.chars_per_token
+    pairs = m.prompt_tokens({"model": "r", query: [q, q], documents: ["x", "y"]}, generates=False)
+    assert pairs < 3 * len(q) / SPEC.chars_per_token
+
+
 def test_a_lone_surrogate_from_a_json_escape_is_counted_not_an_error():
     assert CostModel(SPEC).prompt_tokens({"prompt": "\ud800" * 8}) == 6
 
