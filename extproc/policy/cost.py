@@ -65,9 +65,10 @@ def _prompt_texts(doc: dict[str, Any], out: list[str | bytes]) -> int:
         value = doc.get(key)
         if value is not None:
             tokens += _prompt_like(value, out)
-    for key in ("tools", "functions"):
+    for key in ("tools", "functions", "documents"):
         if doc.get(key):
-            out.append(orjson.dumps(doc[key]))  # tool schemas go into the prompt through the template
+            # tool schemas, and a chat body's RAG documents, go into the prompt through the template
+            out.append(orjson.dumps(doc[key]))
     return tokens
 
 

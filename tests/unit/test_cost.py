@@ -53,6 +53,9 @@ CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": B
                  id="responses output message"),
     pytest.param({"input": [{"type": "reasoning", "id": "r1", "summary": [{"type": "summary_text", "text": BIG}]}]},
                  id="responses reasoning summary"),
+    # vLLM hands a chat body's RAG documents to the chat template, which writes them into the prompt
+    pytest.param({"messages": [{"role": "user", "content": "q"}], "documents": [{"title": "t", "text": BIG}]},
+                 id="chat documents"),
 ])
 def test_every_text_that_reaches_the_prompt_is_counted(doc):
     chars, _ = prompt_size(doc)
