@@ -133,7 +133,7 @@ def parse_body(raw: bytes, endpoint: Endpoint, class_field: str,
         # Not best_of: vLLM 0.32 has none (an ignored field, one sequence generated); counted, it overcharged.
         body.sequences = _positive_int(doc, "n") or 1
         if endpoint.kind == "completions":
-            body.prompts = _prompt_count(doc.get("prompt"))
+            body.prompts = _prompt_count(doc)
             body.sequences *= body.prompts
         # A prompt-scoring request's one token is forced too: it says nothing about where answers end.
         body.min_output = None if scores_prompt else min_output_of(doc, endpoint.kind != "responses")
@@ -339,11 +339,15 @@ def _scores_prompt_only(doc: dict[str, Any], endpoint: Endpoint) -> bool:
     return endpoint.kind == "completions" and doc.get("echo") is True and _whole(doc.get("max_tokens")) == 0
 
 
-def _prompt_count(prompt: Any) -> int:
-    """Prompts in a completions body: vLLM runs a list of strings, or of token-id lists, as one request each."""
+def _prompt_count(doc: dict[str, Any]) -> int:
+    """Prompts in a completions body: vLLM runs a list of strings, or of token-id lists, as one request each, and
+    each of its prompt_embeds (one base64 tensor or a list; --enable-prompt-embeds) as one more."""
+    embeds = doc.get("prompt_embeds")
+    count = len(embeds) if type(embeds) is list else int(embeds is not None)
+    prompt = doc.get("prompt")
     if type(prompt) is list and prompt and all(type(p) is str or type(p) is list for p in prompt):
-        return len(prompt)
-    return 1  # one string, or one prompt of token ids
+        return count + len(prompt)
+    return count + 1 if prompt is not None or not count else count  # one string, or one prompt of token ids
 
 
 def _positive_int(doc: dict[str, Any], field: str) -> int | None:

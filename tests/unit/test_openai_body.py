@@ -37,6 +37,16 @@ def test_a_batch_of_prompts_is_charged_one_generation_per_prompt(prompt, sequenc
     assert b.sequences == 2 * sequences
 
 
+@pytest.mark.parametrize("doc,prompts", [
+    ({"prompt_embeds": "AAAA"}, 1), ({"prompt_embeds": ["AAAA"] * 3}, 3), ({"prompt": "p", "prompt_embeds": "AAAA"}, 2),
+    ({"prompt": ["a", "b"], "prompt_embeds": ["AAAA"] * 3}, 5), ({"prompt": [1, 2], "prompt_embeds": None}, 1)])
+def test_each_prompt_embeds_is_a_prompt_of_its_own(doc, prompts):
+    # vLLM (--enable-prompt-embeds) runs each of a completions body's prompt_embeds as a prompt, before those of
+    # `prompt`: a list of 100 was charged one generation and ran 100.
+    b = parse_body(json.dumps({"model": "m", **doc, "n": 2}).encode(), COMPLETIONS, "priority", CLASSES)
+    assert (b.prompts, b.sequences) == (prompts, 2 * prompts)
+
+
 @pytest.mark.parametrize("doc,written", [
     ({"max_completion_tokens": 100}, {"max_completion_tokens": 8}),
     ({"max_tokens": 100, "max_completion_tokens": 100}, {"max_tokens": 8, "max_completion_tokens": 8}),
