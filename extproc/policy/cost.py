@@ -294,12 +294,18 @@ class CostModel:
             gpu = self.prefill_per_token * prompt_tokens * (1.0 + spec.variance_margin)
             return CostEstimate(prompt_tokens, 0, 0.0, gpu)
         requested = max_tokens if max_tokens is not None else spec.default_max_tokens
+        room = None  # the output a prompt's context leaves: vLLM's own cap when the body sets none
         if spec.max_context_tokens:
             # vLLM clamps likewise, each prompt of a list in its own context: against the prompts' sum a list
             # clamped to almost nothing. The mean prompt gives an upper bound of the per-prompt clamps (min is
             # concave), which is the safe side of an estimate.
-            per_prompt = math.ceil(prompt_tokens / max(prompts, 1))
-            requested = max(min(requested, spec.max_context_tokens - per_prompt), 1)
+            room = max(spec.max_context_tokens - math.ceil(prompt_tokens / max(prompts, 1)), 1)
+            requested = max(min(requested, room), 1)
+        if max_tokens is None and min_output != 0:
+            # default_max_tokens only assumes where answers end: output that cannot end there (ignore_eos runs to
+            # the cap, min_tokens to its floor) runs on under vLLM's cap, the rest of the context.
+            forced_to = room if min_output is None else min(min_output, room or min_output)
+            requested = max(requested, forced_to or 0)
         # Output the model cannot end early is expected in full, not at the learned ratio: an ignore_eos request
         # (benchmarks) runs to its cap, 1 / output_ratio times what the ratio alone expected.
         floor = requested if min_output is None else min(min_output, requested)

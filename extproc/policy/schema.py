@@ -459,7 +459,9 @@ class CostSpec:
     variance_margin: float = doc("Added to every estimate as a fraction (MoE models and speculative decoding "
                                  "vary more per request: 0.3-0.4).", 0.0, minimum=0, maximum=5)
     default_max_tokens: int = doc("Output tokens assumed when a chat or Responses API request sets no max_tokens "
-                                  "(vLLM's default is the rest of the context). A completions request without one "
+                                  "(vLLM's default is the rest of the context); one whose output cannot end early "
+                                  "(`ignore_eos`, a larger `min_tokens`) is costed to the rest of "
+                                  "`max_context_tokens`, or to its `min_tokens`. A completions request without one "
                                   "is costed at the 16 tokens that API defaults to.", 1024, minimum=1)
     max_context_tokens: int | None = doc("Context length: prompt + output are clamped to it as vLLM does, and a "
                                          "max_tokens beyond it is refused with 400. Unset: no clamp.", None,

@@ -584,6 +584,20 @@ def test_output_that_cannot_end_early_is_expected_in_full_and_not_learned_from()
     assert m.output_ratio > 0.2
 
 
+def test_output_that_cannot_end_early_without_a_cap_runs_to_vllms_own_default_not_the_policys_assumption():
+    # Without max_tokens vLLM caps output at the rest of the context; default_max_tokens only assumes where answers
+    # end. An ignore_eos chat request with no max_tokens ran 7,992 tokens and was expected at 512; a min_tokens of
+    # 4,000 likewise at 512.
+    m = CostModel(CostSpec(default_max_tokens=512, max_context_tokens=8192))
+    forced = m.estimate(200, None, min_output=None)
+    assert forced.expected_output == forced.max_tokens == forced.forced == 8192 - 200
+    floor = m.estimate(200, None, min_output=4000)
+    assert floor.expected_output == floor.max_tokens == 4000
+    assert CostModel(CostSpec(default_max_tokens=512)).estimate(200, None, min_output=4000).expected_output == 4000
+    assert m.estimate(200, None, min_output=20).max_tokens == 512  # a floor below the assumption changes nothing
+    assert CostModel(CostSpec(default_max_tokens=512)).estimate(200, None, min_output=None).max_tokens == 512
+
+
 def test_a_truncated_prompt_is_costed_at_what_the_replica_keeps():
     m = CostModel(CostSpec(max_context_tokens=2048))
     assert m.truncated(10_000, 50) == 50
