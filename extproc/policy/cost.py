@@ -87,8 +87,9 @@ def _fast_size(text: str | bytes) -> int:
 
 
 def text_size(doc: Any) -> tuple[int, int]:
-    """(UTF-8 bytes, token ids) of every string and integer list anywhere in a body: the estimate for endpoints
-    whose inputs are spread over their own fields (embeddings, score, rerank, classify, tokenize). The body's
+    """(UTF-8 bytes, token ids) of every string and integer list anywhere in a body, a media part (an image, ...)
+    at its tokens as in a chat: the estimate for endpoints whose inputs are spread over their own fields
+    (embeddings, score, rerank, classify, tokenize). The body's
     depth is bounded before it gets here (extproc.server.openai.MAX_JSON_DEPTH).
 
     A list that starts with an integer is counted as token ids by its length, not visited: 2 million ids in
@@ -105,7 +106,13 @@ def text_size(doc: Any) -> tuple[int, int]:
                 tokens += 1
             elif type(v) is list and v and type(v[0]) is int:
                 tokens += len(v)
-            elif type(v) is dict or type(v) is list:
+            elif type(v) is dict:
+                media = MEDIA_PART_TOKENS.get(_part_kind(v))
+                if media is None:
+                    stack.append(v)
+                else:
+                    tokens += media  # an image's base64 data URL is not text (as in a chat's parts)
+            elif type(v) is list:
                 stack.append(v)
     return chars, tokens
 
@@ -198,11 +205,7 @@ def _parts_texts(parts: list[Any], out: list[str | bytes]) -> int:
             continue
         if not isinstance(part, dict):
             continue
-        kind = part.get("type")
-        if kind is None:
-            kind = _untyped_kind(part)
-        elif not isinstance(kind, str):
-            kind = ""                            # (a list as a type would not hash)
+        kind = _part_kind(part)
         media = MEDIA_PART_TOKENS.get(kind)
         if media is not None:
             tokens += media
@@ -211,6 +214,14 @@ def _parts_texts(parts: list[Any], out: list[str | bytes]) -> int:
         if isinstance(text, str):
             out.append(text)
     return tokens
+
+
+def _part_kind(part: dict[str, Any]) -> str:
+    """A content part's type: its `type`, else the media key it holds."""
+    kind = part.get("type")
+    if kind is None:
+        return _untyped_kind(part)
+    return kind if isinstance(kind, str) else ""  # (a list as a type would not hash)
 
 
 def _untyped_kind(part: dict[str, Any]) -> str:

@@ -439,7 +439,8 @@ class EndpointsSpec:
     invocations: bool = doc("/invocations (SageMaker style): admitted as chat, completions or embeddings by its "
                             "body (`messages`, `prompt`, `input`), each under its own switch.", True)
     embeddings: bool = doc("/v1/embeddings, /pooling, /classify, /score, /v1/score, /rerank, /v1/rerank, "
-                           "/v2/rerank: prefill-only cost (all text in the body, a score or rerank query once per "
+                           "/v2/rerank: prefill-only cost (all text in the body, an image, audio or video part at "
+                           "its fixed count as in a chat, a score or rerank query once per "
                            "document vLLM pairs it with), no output; fallbacks other than `reject` are refused "
                            "instead (another model's vectors are not an answer).", False)
     tokenize: bool = doc("/tokenize, /detokenize: CPU work on the replica's API server, admitted as "

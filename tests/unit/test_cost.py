@@ -93,6 +93,18 @@ def test_media_payloads_are_never_counted_as_text(part, tokens):
         assert prompt_size(doc) == (0, MESSAGE_OVERHEAD_TOKENS + tokens)
 
 
+@pytest.mark.parametrize("doc", [
+    {"model": "e", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": DATA_URL}},
+                                                             {"type": "text", "text": "a cat"}]}]},
+    {"model": "e", "messages": [{"role": "user", "content": [{"image_url": {"url": DATA_URL}}]}]},
+    {"model": "r", "query": "a cat", "documents": {"content": [{"type": "image_url", "image_url": {"url": DATA_URL}}]}},
+])
+def test_a_pooling_bodys_media_payloads_count_as_media_not_as_text(doc):
+    # An embeddings (or score, rerank, tokenize) body is costed from all its text; an image's base64 data URL was
+    # text too: a 200 KB image came to 50,000 prompt tokens instead of the image's few hundred.
+    assert CostModel(SPEC).prompt_tokens(doc, generates=False) < IMAGE_PART_TOKENS + 100
+
+
 def test_a_responses_reasoning_items_encrypted_content_is_not_text():
     doc = {"input": [{"type": "reasoning", "summary": [], "encrypted_content": "e" * 10_000}]}
     assert prompt_size(doc) == (0, MESSAGE_OVERHEAD_TOKENS)
