@@ -336,7 +336,7 @@ def _scores_prompt_only(doc: dict[str, Any], endpoint: Endpoint) -> bool:
     """A completions request with echo and max_tokens 0: it asks for its prompt's logprobs, not for output
     (lm-evaluation-harness's loglikelihood requests). vLLM runs it with one output token per prompt, and refuses
     max_tokens 0 without echo, as the gateway does."""
-    return endpoint.kind == "completions" and doc.get("echo") is True and _whole(doc.get("max_tokens")) == 0
+    return endpoint.kind == "completions" and lax_true(doc.get("echo")) and _whole(doc.get("max_tokens")) == 0
 
 
 def _prompt_count(doc: dict[str, Any]) -> int:

@@ -87,6 +87,15 @@ def test_a_completion_without_max_tokens_is_capped_at_the_apis_16(doc):
     assert degrade_body(b, None, 8, None) == ["max_tokens=8"] and b.doc["max_tokens"] == 8
 
 
+@pytest.mark.parametrize("echo", [1, "true", 1.0])
+def test_a_prompt_scoring_request_is_read_with_echo_as_vllms_lax_boolean(echo):
+    # vLLM's pydantic model reads echo 1 or "true" as true and serves max_tokens 0 as a prompt-scoring request: the
+    # gateway answered it 400 ("`max_tokens` must be a positive integer").
+    b = parse_body(json.dumps({"model": "m", "prompt": "p", "echo": echo, "max_tokens": 0}).encode(), COMPLETIONS,
+                   "priority", CLASSES)
+    assert (b.max_tokens, b.min_output) == (1, None)
+
+
 def test_a_completion_scoring_its_prompt_runs_one_token_and_keeps_its_max_tokens_0():
     b = parse_body(json.dumps({"model": "m", "prompt": "p", "echo": True, "max_tokens": 0}).encode(), COMPLETIONS,
                    "priority", CLASSES)
