@@ -130,8 +130,9 @@ def parse_body(raw: bytes, endpoint: Endpoint, class_field: str,
     if body.max_tokens is None:
         body.max_tokens = endpoint.default_max_tokens
     if endpoint.token_fields:
-        # Not best_of: vLLM 0.32 has none (an ignored field, one sequence generated); counted, it overcharged.
-        body.sequences = _positive_int(doc, "n") or 1
+        # Not best_of: vLLM 0.32 has none (an ignored field, one sequence generated); counted, it overcharged. Nor
+        # the Responses API's n, which vLLM's Responses request does not have either.
+        body.sequences = 1 if endpoint.kind == "responses" else _positive_int(doc, "n") or 1
         if endpoint.kind == "completions":
             body.prompts = _prompt_count(doc)
             body.sequences *= body.prompts

@@ -47,6 +47,14 @@ def test_each_prompt_embeds_is_a_prompt_of_its_own(doc, prompts):
     assert (b.prompts, b.sequences) == (prompts, 2 * prompts)
 
 
+@pytest.mark.parametrize("n", [8, 0])
+def test_a_responses_api_body_generates_one_answer_whatever_its_n(n):
+    # vLLM's Responses API has no `n` (an ignored extra field, one answer generated): read as chat's, n 8 was
+    # charged 8 answers and n 0 refused 400.
+    b = parse_body(json.dumps({"model": "m", "input": "hi", "n": n}).encode(), RESPONSES, "priority", CLASSES)
+    assert b.sequences == 1
+
+
 @pytest.mark.parametrize("doc,written", [
     ({"max_completion_tokens": 100}, {"max_completion_tokens": 8}),
     ({"max_tokens": 100, "max_completion_tokens": 100}, {"max_tokens": 8, "max_completion_tokens": 8}),
