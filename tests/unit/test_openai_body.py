@@ -197,6 +197,15 @@ def test_the_output_floor_is_read_in_pydantics_lax_mode_as_vllm_reads_it(doc, mi
     assert parse({"model": "m", "messages": [], **doc}).min_output == min_output
 
 
+@pytest.mark.parametrize("truncation, cap", [("auto", -1), ("disabled", None), (None, None)])
+def test_a_responses_api_truncation_auto_keeps_what_the_context_holds(truncation, cap):
+    # vLLM runs `truncation: "auto"` with truncate_prompt_tokens -1: a conversation longer than the context is cut
+    # to it, and was charged whole (all of its prefill, none of it run).
+    b = parse_body(json.dumps({"model": "m", "input": "x", "truncation": truncation}).encode(), RESPONSES,
+                   "priority", CLASSES)
+    assert b.prompt_cap == cap
+
+
 @pytest.mark.parametrize("value, cap", [(50, 50), (50.0, 50), (" 50", 50), (-1, -1), (0, None), (-2, None),
                                         ("all", None), (True, None), (None, None)])
 def test_truncate_prompt_tokens_is_read_as_vllm_reads_it(value, cap):
