@@ -61,7 +61,8 @@ def _prompt_texts(doc: dict[str, Any], out: list[str | bytes]) -> int:
     tokens = 0
     if isinstance(doc.get("instructions"), str):  # the Responses API's system message
         out.append(doc["instructions"])
-    for key in ("messages", "prompt", "input"):  # chat; completions; Responses API (and embeddings) input
+    # chat; completions; Responses API (and embeddings) input, and a Responses body's earlier harmony messages
+    for key in ("messages", "prompt", "input", "previous_input_messages"):
         value = doc.get(key)
         if value is not None:
             tokens += _prompt_like(value, out)

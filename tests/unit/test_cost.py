@@ -56,6 +56,10 @@ CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": B
     # vLLM hands a chat body's RAG documents to the chat template, which writes them into the prompt
     pytest.param({"messages": [{"role": "user", "content": "q"}], "documents": [{"title": "t", "text": BIG}]},
                  id="chat documents"),
+    # a Responses body's earlier conversation in harmony form (gpt-oss), which vLLM puts before its input
+    pytest.param({"input": "q",
+                  "previous_input_messages": [{"role": "user", "content": [{"type": "text", "text": BIG}]}]},
+                 id="responses previous_input_messages"),
 ])
 def test_every_text_that_reaches_the_prompt_is_counted(doc):
     chars, _ = prompt_size(doc)
