@@ -20,13 +20,9 @@ from .policy.decision import INVALID, Canned
 from .policy.sustained import SustainedLoad
 from .policy.limits import Outcome, Ticket, Waiter
 from .policy.pool import LOAD_TOLERANCE
+from .policy.schema import LATENCY_BUCKETS
 from .store.shared_slots import STORE_STATES
 
-# LLM requests last from tens of milliseconds (a rejection, a short completion) to minutes (long generations).
-# histogram_quantile() reads a quantile past the highest finite bucket as that bucket's bound, so a class SLO at or
-# above it can never read as missed (policies/reasoning-full.yaml's is 120 s): the buckets reach well past it.
-LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0,
-                   90.0, 120.0, 180.0, 300.0, 600.0)
 # The event loop's lateness: ~0-1 ms idle; Envoy's message_timeout (0.5 s in envoy.yaml) is where it lets requests
 # through unadmitted.
 LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
