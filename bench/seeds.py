@@ -47,7 +47,8 @@ def with_seed(name: str, seed: int, folder: Path, limit: dict) -> Scenario:
     return Scenario.load(str(path))
 
 
-def seeded(scenarios: list[str], default: dict[str, tuple[int, ...]], limit: dict) -> Iterator[tuple[str, int, Scenario]]:
+def seeded(scenarios: list[str], default: dict[str, tuple[int, ...]],
+           limit: dict) -> Iterator[tuple[str, int, Scenario]]:
     """(name, seed, scenario) for each `NAME:SEED,SEED` of `scenarios` (else `default`), written to a folder that
     lasts while the caller iterates."""
     sets = {name: tuple(int(s) for s in seeds.split(",")) for name, seeds in
