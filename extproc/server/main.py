@@ -32,7 +32,7 @@ from ..store.shared_slots import SharedSlots
 from ..telemetry import StoreTelemetry, Telemetry
 from .accesslog import AccessLogReceiver, ReportRelay, TicketTags
 from .loop_lag import probe_loop_lag
-from .saturation import SaturationScrapers, host_port
+from .saturation import SaturationScrapers, host_port, split_host_port
 from .servicer import ExtProcServicer
 
 log = logging.getLogger("extproc")
@@ -48,21 +48,12 @@ SCRAPE_ON_LOOP_S = 0.02
 HEALTH_SERVICES = ("", "envoy.service.ext_proc.v3.ExternalProcessor")
 
 
-def _hostport(text: str) -> tuple[str, int]:
-    """HOST:PORT, an IPv6 host in brackets ([::]:9090): the host is kept without them (aiohttp cannot resolve
-    "[::]"); host_port() puts them back where an address is written whole (gRPC, the workers' options)."""
-    host, _, port = text.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return host or "127.0.0.1", int(port)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", required=True, help="policy YAML file (see `extproc check`)")
     p.add_argument("--no-uvloop", action="store_true", help="run on asyncio's default event loop, not uvloop")
-    p.add_argument("--grpc", type=_hostport, default=("127.0.0.1", 50051), metavar="HOST:PORT",
+    p.add_argument("--grpc", type=split_host_port, default=("127.0.0.1", 50051), metavar="HOST:PORT",
                    help="ext_proc gRPC listen address (default 127.0.0.1:50051)")
-    p.add_argument("--metrics", type=_hostport, default=("127.0.0.1", 9090), metavar="HOST:PORT",
+    p.add_argument("--metrics", type=split_host_port, default=("127.0.0.1", 9090), metavar="HOST:PORT",
                    help="HTTP /metrics and /healthz address (default 127.0.0.1:9090; keep it off public interfaces)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20,
                    help="largest request body accepted (match Envoy's per_connection_buffer_limit_bytes)")

@@ -560,6 +560,15 @@ def host_port(host: str, port: int | str) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def split_host_port(text: str) -> tuple[str, int]:
+    """host_port()'s inverse, as a listener or socket_address takes the host: an IPv6 one without its brackets
+    (aiohttp cannot resolve "[::]", Envoy refuses "[::1]" as a malformed IP); an empty host is 127.0.0.1."""
+    host, _, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host or "127.0.0.1", int(port)
+
+
 def _ip_address(address: str) -> bool:
     """Whether HOST:PORT names its host by an IP address (IPv6 in brackets), as Envoy's override host needs it."""
     host = address.rpartition(":")[0]

@@ -13,6 +13,8 @@ from typing import Any
 import yaml
 
 from ..server.accesslog import ANSWERS_LOG, TICKET_HEADER, ticket_prefix
+# HOST:PORT ([::1]:8000 for IPv6) as a socket_address takes it: Envoy refuses an IPv6 address in brackets.
+from ..server.saturation import split_host_port as _endpoint
 
 SOURCE = Path(__file__).resolve().parents[2] / "envoy" / "envoy.yaml"
 EXT_PROC = "envoy.filters.http.ext_proc"
@@ -219,14 +221,6 @@ def validate(path: str | Path) -> tuple[bool, str]:
 
 
 # --- CLI: extproc envoy-config ---
-
-def _endpoint(text: str) -> tuple[str, int]:
-    """HOST:PORT ([::1]:8000 for IPv6) as a socket_address takes it: Envoy refuses an IPv6 address in brackets."""
-    host, _, port = text.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return host or "127.0.0.1", int(port)
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--source", default=str(SOURCE), help="the production envoy.yaml to start from")
