@@ -287,27 +287,21 @@ class Stream:
         d = self.processor.core.authenticate(facts)
         if d is None:
             return None
-        answer = protocol.refusal(d)
-        self._enter(Phase.ANSWERED)
-        return answer
+        return self._answered(protocol.refusal(d))
 
     def _models(self, path: str) -> Answer:
         """GET /v1/models[/{id}], answered here: the replicas behind one route know their own pool's names only.
         Like vLLM's, without admission; a known key only under `anonymous.allow: false` (vLLM's --api-key)."""
         catalog = self.processor.core.model_catalog()
         if path == MODELS_PATH:
-            answer = self.processor.models_listing()
-            self._enter(Phase.ANSWERED)
-            return answer
+            return self._answered(self.processor.models_listing())
         name = unquote(path[len(MODELS_PATH) + 1:])  # the SDK quotes an id; Envoy unescapes %2F only
         fields = catalog.get(name)
         if fields is None:
             return self._refuse(BadRequest(say(R_UNKNOWN_MODEL, model=name[:200]), param="model",
                                            code=R_UNKNOWN_MODEL, status=404))
-        answer = protocol.immediate(200, orjson.dumps(model_card(name, fields, int(time.time()))), [],
-                                    "extproc_models")
-        self._enter(Phase.ANSWERED)
-        return answer
+        return self._answered(protocol.immediate(200, orjson.dumps(model_card(name, fields, int(time.time()))), [],
+                                                 "extproc_models"))
 
     def _headless(self, msg: object) -> Answer:
         return self._not_sent("headers", "request_header_mode SKIP")
@@ -349,16 +343,10 @@ class Stream:
 
     def _answer(self, d: Decision, queue_wait_ms: int | None) -> Answer:
         body = self.request.body
-        # Each answer is built before its phase is entered: a failure building it leaves the request undecided,
-        # refused 500 by the driver rather than a failed stream that failure_mode_allow passes on unadmitted.
         if type(d) is Refusal:
-            answer = protocol.refusal(d)
-            self._enter(Phase.ANSWERED)
-            return answer
+            return self._answered(protocol.refusal(d))
         if type(d) is Canned:
-            answer = protocol.canned(d, body)
-            self._enter(Phase.ANSWERED)
-            return answer
+            return self._answered(protocol.canned(d, body))
         self.held = d.ticket  # from here on end() gives it back, whatever fails below
         usage_asked = wants_stream_usage(body)  # by the client: the usage reader may add it, a degrade drop it
         if self.usage is not None:
@@ -402,7 +390,12 @@ class Stream:
 
     def _refuse(self, e: BadRequest) -> Answer:
         d = self.processor.core.invalid(e.status, e.code, e.message, self.request.facts)
-        answer = protocol.bad_request(e, d)
+        return self._answered(protocol.bad_request(e, d))
+
+    def _answered(self, answer: Answer) -> Answer:
+        """An answer given here, built before the phase is entered (the argument is): a failure building it leaves
+        the request undecided, refused 500 by the driver rather than a failed stream that failure_mode_allow
+        passes on unadmitted."""
         self._enter(Phase.ANSWERED)
         return answer
 
