@@ -414,7 +414,7 @@ class PoolGate:
         """Room for this request now, before looking at who waits (see admits)."""
         if self.guaranteed(rank, units, now):
             return True
-        if self._squeezes and now < self.squeezed_until(rank):
+        if self._squeezed(rank, now):
             return False
         if self.room(rank, units):
             return True
@@ -492,6 +492,10 @@ class PoolGate:
         self._squeezes[rank] = (opened_at, until)
         return True
 
+    def _squeezed(self, rank: int, now: float) -> bool:
+        """Whether the class at `rank` is held to its guarantee now by a higher class's squeeze."""
+        return bool(self._squeezes) and now < self.squeezed_until(rank)
+
     def squeezed_until(self, rank: int) -> float:
         """Until when the class at `rank` gets only its guarantee: the latest squeeze a class above it asked for."""
         return max((until for r, (_, until) in self._squeezes.items() if r < rank), default=-math.inf)
@@ -502,7 +506,7 @@ class PoolGate:
         share (borrowers) wait until the pool is back under the limit. So a flood's long requests holding the
         pool make the flood wait, not the others. Over-commit is bounded: owners hold at most their shares of the
         limit, i.e. the pool at most twice the limit."""
-        if share <= 0.0 or (self._squeezes and now < self.squeezed_until(rank)):
+        if share <= 0.0 or self._squeezed(rank, now):
             return False
         cap = self.limit if rank == 0 else self.limit * LOWER_FILL
         return self.held_by(rank, flow) + units <= share * min(self.held[rank] + units, cap)
