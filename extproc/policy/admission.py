@@ -23,7 +23,7 @@ from .classify import ANONYMOUS, Classification
 from .decision import (ACCEPT, DEGRADE, INVALID, QUEUE, REJECT, SHED, Admit, AdmissionEvents,  # noqa: F401
                        Canned, Charge, Decision, Degrade, NoEvents, Queued, Refusal, RequestFacts)
 from .limit_moves import LimitMoves
-from .limits import ClassLimiter, Completion, LimitFactory, Outcome, Ticket, Waiter, default_limit
+from .limits import ClassLimiter, Completion, LimitFactory, Outcome, Ticket, Waiter, default_limit, wait_ends
 from .outcomes import Completed, CostLearning, PoolLearning
 from .pool import UNGRANTED
 from .reasons import (R_CLASS_FULL, R_CLASS_REMOVED, R_CLIENT_GONE, R_DEADLINE, R_DEQUEUED,  # noqa: F401
@@ -332,8 +332,7 @@ class AdmissionController:
                     and self._owed(gate, lim, flow, units, now))):
             ticket = self._admit(lim, c.tenant, cluster, now, charge, 0.0, gate, units, flow)
             ticket.trickle = trickle
-            if deadline_ms is not None:
-                ticket.wait_until = min(ticket.wait_until, now + deadline_ms / 1000.0)
+            ticket.wait_until = wait_ends(lim, now, deadline_ms)
             return Admit(R_SLOT_FREE, c.cls, c.tenant, ticket, cluster=cluster, classification=c)
         # The class's drain rate predicts its own queue; a request waiting only for its pool is granted by
         # priority as the pool frees, which that rate does not measure: it waits up to its max wait instead.
@@ -665,8 +664,8 @@ class AdmissionController:
         # class's guarantee, paid back by a rest. A request that finds the pool empty with nobody above waiting
         # takes nothing from anyone: on a limit of 1 request, where a lower class never has room under its fill,
         # each of its requests rested it 19 s per second it ran, and its queue waited out max_wait on an idle pool.
-        if rest and (self._higher_waits(gate, ticket.limiter) or (gate.holding and not gate.room(ticket.rank,
-                                                                                                 units))):
+        if rest and (self._higher_waits(gate, ticket.limiter)
+                     or (gate.holding and not gate.room(ticket.rank, units))):
             ticket.rest = rest
         gate.take(ticket.rank, units, ticket.flow)
         gate.controller.admitted(ticket.rank, ticket.admitted_at)

@@ -83,6 +83,13 @@ class Completion:
 _ticket_ids = itertools.count(1)
 
 
+def wait_ends(limiter: ClassLimiter, arrival: float, wait_ms: float | None = None) -> float:
+    """When a request's wait for a slot ends: its arrival plus the class's max wait, or its own deadline (`wait_ms`)
+    if shorter: a request's own deadline may shorten the wait, never lengthen it."""
+    max_wait_ms = limiter.spec.max_wait_ms
+    return arrival + (max_wait_ms if wait_ms is None else min(wait_ms, max_wait_ms)) / 1000.0
+
+
 class Ticket:
     """An admitted request's hold on a class slot. Closed exactly once via AdmissionController.finish."""
 
@@ -122,9 +129,9 @@ class Ticket:
         # It waits for the shared store's global slot (AdmissionController.await_store): its class slot is only
         # reserved, and it counts as queued, not in flight, until the store confirms or it is revoked.
         self.awaiting_store = False
-        # When its wait for a slot ends, the shared store's included: arrival plus the class's max wait, or the
-        # request's own deadline if shorter (as a Waiter's).
-        self.wait_until = now - waited_s + limiter.spec.max_wait_ms / 1000.0
+        # When its wait for a slot ends, the shared store's included (as a Waiter's; admission sets the request's
+        # own deadline where it has one).
+        self.wait_until = wait_ends(limiter, now - waited_s)
 
 
 class Waiter:
@@ -141,8 +148,7 @@ class Waiter:
         self.pool = pool
         self.trickle = False
         self.enqueued_at = now
-        max_wait_ms = limiter.spec.max_wait_ms  # a request's own deadline may shorten the wait, never lengthen it
-        self.deadline = now + (max_wait_ms if wait_ms is None else min(wait_ms, max_wait_ms)) / 1000.0
+        self.deadline = wait_ends(limiter, now, wait_ms)
         self.cost = cost
         self.result: Any = None
         self.on_result: Callable[[Any], None] | None = None  # notify(): whoever waits for the verdict
