@@ -55,8 +55,7 @@ def lint(cfg: dict[str, Any], pools: set[str], admitted: int = 0, longest_wait_s
         found.warnings.append("dynamic_resources.lds_config: its listeners come from LDS and are not checked: check "
                               "the listeners it serves against docs/envoy-integration.md")
     for where, hcm in _connection_managers(cfg):
-        _lint_hcm(where, hcm, pools, longest_wait_s, reads, found)
-        _lint_store_call(where, hcm, store_call_s, found)
+        _lint_hcm(where, hcm, pools, longest_wait_s, reads, store_call_s, found)
     _lint_tcp_proxies(cfg, pools, found)
     _lint_pool_breakers(cfg, pools, admitted, found)
     return found
@@ -113,7 +112,7 @@ def _lint_tcp_proxies(cfg: dict[str, Any], pools: set[str], found: Findings) -> 
 
 
 def _lint_hcm(where: str, hcm: dict[str, Any], pools: set[str], longest_wait_s: float, reads: tuple[str, ...],
-              found: Findings) -> None:
+              store_call_s: float, found: Findings) -> None:
     rc = hcm.get("route_config")
     if rc is None:
         found.warnings.append(f"{where}: its routes come from RDS and are not checked: check the route table it "
@@ -126,6 +125,7 @@ def _lint_hcm(where: str, hcm: dict[str, Any], pools: set[str], longest_wait_s: 
     ext = (name, ((_ext_proc_config(hcm).get("grpc_service") or {}).get("envoy_grpc") or {}).get("cluster_name", ""),
            any(f.get("name") == name and f.get("disabled") for f in hcm.get("http_filters") or []))
     _lint_waits(where, hcm, longest_wait_s, found)
+    _lint_store_call(where, hcm, store_call_s, found)
     _lint_headers(where, _ext_proc_config(hcm), reads, found)
     _lint_early_mutation(where, hcm, reads, found)
     for vh in rc.get("virtual_hosts") or []:
@@ -212,8 +212,7 @@ def _lint_waits(where: str, hcm: dict[str, Any], longest_wait_s: float, found: F
     tc = _ext_proc_config(hcm)
     need = longest_wait_s + QUEUE_GRACE_S
     most = seconds(tc.get("max_message_timeout", "0s"))
-    # An ignored extension leaves the message_timeout running (Envoy's default 200 ms): that one may cover the wait.
-    own = seconds(tc.get("message_timeout", "0.2s"))
+    own = _message_timeout(tc)  # an ignored extension leaves it running: it may cover the wait itself
     if most is not None and most < need and not (own is not None and own >= need):
         then = ("forwarded unadmitted (failure_mode_allow: true)" if tc.get("failure_mode_allow")
                 else "answered 504 (failure_mode_allow: false)")
@@ -241,12 +240,17 @@ def _lint_waits(where: str, hcm: dict[str, Any], longest_wait_s: float, found: F
 def _lint_store_call(where: str, hcm: dict[str, Any], store_call_s: float, found: Findings) -> None:
     """A request admitted at once asks the shared store for its global slot before the ext_proc's first answer,
     with no extension yet (FinalAdmission.settle): Envoy's message_timeout must outlast that call."""
-    own = seconds(_ext_proc_config(hcm).get("message_timeout", "0.2s"))
+    own = _message_timeout(_ext_proc_config(hcm))
     if store_call_s > 0 and own is not None and own <= store_call_s:
         found.warnings.append(f"{where}: ext_proc message_timeout {own:g}s is not above the policy's store.timeout_ms "
                               f"({store_call_s * 1000:g} ms): a Redis call that slow, made before the ext_proc's "
                               "first answer, outlasts Envoy's wait for it (failure_mode_allow then sends the request "
                               "on unadmitted)")
+
+
+def _message_timeout(tc: dict[str, Any]) -> float | None:
+    """The ext_proc filter's message_timeout, in seconds (Envoy's default 200 ms when unset)."""
+    return seconds(tc.get("message_timeout", "0.2s"))
 
 
 def _ext_proc_config(hcm: dict[str, Any]) -> dict[str, Any]:

@@ -291,6 +291,21 @@ def test_mutation_rules_refusing_the_other_headers_the_ext_proc_sets():
     assert "no longer steered away" in warning and lint(cfg, POOLS).errors == []
 
 
+def test_a_listener_without_the_ext_proc_and_no_route_to_a_pool_is_left_alone_with_a_shared_store():
+    # The store-call check read the ext_proc filter of every connection manager, before asking whether it ran one:
+    # a second listener without it (no pool behind it) raised, and `check --envoy` called the config unreadable.
+    cfg = shipped()
+    plain = copy.deepcopy(cfg["static_resources"]["listeners"][0])
+    plain["name"] = "plain"
+    tc = plain["filter_chains"][0]["filters"][0]["typed_config"]
+    tc["http_filters"] = [f for f in tc["http_filters"] if f["name"] != EXT_PROC]
+    tc["route_config"] = {"virtual_hosts": [{"name": "x", "domains": ["*"],
+                                             "routes": [{"match": {"prefix": "/"}, "route": {"cluster": "other"}}]}]}
+    cfg["static_resources"]["listeners"].append(plain)
+    found = lint(cfg, POOLS, store_call_s=0.05)
+    assert (found.errors, found.warnings) == ([], [])
+
+
 def test_a_stream_idle_timeout_shorter_than_the_queue_wait_is_a_warning():
     # Measured through Envoy 1.40: stream_idle_timeout 1s, a request queued by the ext_proc (cap 1, max_wait_ms
     # 5000) behind a stream that ran 3 s got 504 stream_idle_timeout at 1.0 s, still queued. A route's idle_timeout
