@@ -268,7 +268,7 @@ class InstancesAdmitter:
 
     def abandon(self, waiter) -> None:
         for part in self.parts:
-            if part.core.limiters.get(waiter.limiter.name) is waiter.limiter:
+            if part.core.state.current(waiter.limiter):
                 part.abandon(waiter)
                 return
 
