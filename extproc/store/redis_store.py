@@ -177,6 +177,10 @@ class RedisStore:
         self._busy = True
         try:
             return (await self._acquire_batch([claim]))[0]
+        except StoreUnavailable:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever kept the answer away, the caller fails over as for an outage
+            raise _unexpected(e) from e
         finally:
             if self._to_acquire:  # those that queued meanwhile go next, together; later arrivals join them
                 self._acquirer = asyncio.get_running_loop().create_task(self._acquire_queued())
@@ -192,6 +196,7 @@ class RedisStore:
         return [h == 1 for h in await self._call(self._acquire(keys=keys, args=args))]
 
     async def _acquire_queued(self) -> None:
+        batch: list[tuple[SlotClaim, asyncio.Future]] = []
         try:
             while self._to_acquire:
                 # A caller that gave up while queued already sent its release: its claim must not go out after it.
@@ -200,10 +205,8 @@ class RedisStore:
                     continue
                 try:
                     held = await self._acquire_batch([c for c, _ in batch])
-                except StoreUnavailable as e:
-                    for _, future in batch:
-                        if not future.done():
-                            future.set_exception(e)
+                except Exception as e:  # noqa: BLE001 - every queued caller must hear, or it waits for ever
+                    _answer(batch, e if isinstance(e, StoreUnavailable) else _unexpected(e))
                     continue
                 gone = []
                 for (c, future), h in zip(batch, held):
@@ -215,6 +218,10 @@ class RedisStore:
                     with contextlib.suppress(StoreUnavailable):  # else its lease runs out unrenewed
                         await self.release(gone)
         finally:
+            # Cancelled (the store closed): the callers of the call cut short, and those queued behind it, fail
+            # over now rather than wait on futures nothing will answer.
+            _answer(batch + self._to_acquire, StoreUnavailable("redis store closed"))
+            self._to_acquire = []
             self._busy = False
             self._acquirer = None
 
@@ -329,6 +336,17 @@ class RedisStore:
                 callback(cls)
         except Exception as e:  # noqa: BLE001 - a stray message is not worth the channel
             log.debug("ignored a message on the store's channels (%s)", e)
+
+
+def _unexpected(e: Exception) -> StoreUnavailable:
+    log.warning("redis store call failed unexpectedly: %s: %s", type(e).__name__, e)
+    return StoreUnavailable(f"redis call failed: {type(e).__name__}: {e}")
+
+
+def _answer(waiting: list[tuple[SlotClaim, asyncio.Future]], e: StoreUnavailable) -> None:
+    for _, future in waiting:
+        if not future.done():
+            future.set_exception(e)
 
 
 def _text(value: bytes | str) -> str:

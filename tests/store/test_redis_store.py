@@ -299,3 +299,52 @@ async def test_renewed_leases_keep_their_gpu_seconds_past_two_leases_without_an_
     assert await store.client.hkeys("t:cost:c") == [b"long"]
     assert not await store.acquire(claim("next", cap=10, cost=0.6, budget=1.0))
     await store.close()
+
+
+async def test_an_unexpected_failure_of_a_batch_reaches_every_caller_as_unavailable(redis_server):
+    # A failure that is not a connection error (a script answer of another shape, a client library bug) must
+    # still answer the callers queued behind the call: they used to wait on their futures for ever, holding
+    # their admissions (and the local places they held while waiting) with them.
+    store = RedisStore(spec(redis_server.url))
+
+    async def broken(claims):
+        await asyncio.sleep(0.01)
+        raise TypeError("'int' object is not iterable")
+
+    store._acquire_batch = broken
+    first = asyncio.create_task(store.acquire(claim("a", cap=5)))
+    await asyncio.sleep(0)
+    queued = [asyncio.create_task(store.acquire(claim(h, cap=5))) for h in "bc"]
+    done, pending = await asyncio.wait([first, *queued], timeout=2.0)
+    assert not pending
+    for task in done:
+        with pytest.raises(StoreUnavailable, match="TypeError"):
+            task.result()
+    assert not store._busy and store._acquirer is None
+    await store.close()
+
+
+async def test_closing_the_store_answers_the_acquires_still_queued(redis_server):
+    store = RedisStore(spec(redis_server.url))
+    real, sent = store._acquire_batch, asyncio.Event()
+
+    async def slow(claims):
+        if claims[0].holder == "b":
+            sent.set()
+            await asyncio.sleep(10)
+        return await real(claims)
+
+    store._acquire_batch = slow
+    first = asyncio.create_task(store.acquire(claim("a", cap=5)))
+    await asyncio.sleep(0)
+    queued = asyncio.create_task(store.acquire(claim("b", cap=5)))
+    await sent.wait()
+    later = asyncio.create_task(store.acquire(claim("c", cap=5)))
+    await asyncio.sleep(0)
+    await store.close()
+    done, pending = await asyncio.wait([queued, later], timeout=2.0)
+    assert not pending
+    for task in done:
+        with pytest.raises(StoreUnavailable):
+            task.result()
+    assert await first
