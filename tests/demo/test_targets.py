@@ -224,3 +224,26 @@ def test_a_broken_connection_or_an_abort_is_no_latency_and_a_broken_connection_i
     assert w.p50 == w.p99 == 1.0 and w.failed == 2 and w.refused == 0
     found = by_name(targets(spike_and_calm(ws(), w), ["spike"], ["phase normal"], 2.0))
     assert not found["d: requests refused, degraded or failed (== 0)"].reached
+
+
+def test_a_calm_phase_miss_says_what_the_phase_really_started_against_capacity():
+    # kv-agents' phases are written at 60% of capacity, but agent sessions begun in a spike go on calling after it
+    # (and clients retry): its `after` phase started 1.28x capacity in the what-if. A reader of "refused at 60%
+    # load" must see that, and the capacity is the fleet's, in requests a second of the scenario's mix.
+    stats = spike_and_calm(ws(), ws(degraded=3, started_per_s=20.5))
+    t = by_name(targets(stats, ["spike"], ["phase normal"], 2.0, capacity=16.0))[
+        "d: requests refused, degraded or failed (== 0)"]
+    assert "started 1.28x capacity" in t.note
+    stats["a"]["phase normal"] = ws(p99=2.81, p99_worst_window=3.98)
+    t = by_name(targets(stats, ["spike"], ["phase normal"], 2.0, capacity=16.0))[
+        "d: requests refused, degraded or failed (== 0)"]
+    assert t.note == "started 1.28x capacity; no control there: p99 2.81 s, worst 10 s window 3.98 s (over the SLO)"
+    stats["d"]["phase normal"] = ws(started_per_s=20.5)  # reached: nothing to explain
+    t = by_name(targets(stats, ["spike"], ["phase normal"], 2.0, capacity=16.0))[
+        "d: requests refused, degraded or failed (== 0)"]
+    assert t.reached and t.note == ""
+
+
+def test_the_window_counts_what_it_started_per_second():
+    s = stats([rec(t) for t in (1.0, 2.0, 3.5, 12.0)] + [rec(4.0, kind="batch", status=429)])
+    assert s.started_per_s == pytest.approx(0.4)  # every kind, refused ones too; 12 s is outside the window

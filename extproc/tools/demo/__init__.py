@@ -79,9 +79,11 @@ def print_tables(results: list[ModeResult], scenario: Scenario) -> tuple[dict, d
     stats = {r.mode.key: mode_stats(r, scenario) for r in results}
     degraded = {r.mode.key: 100.0 * sum(1 for x in r.records if x.ok and x.degraded) / max(1, len(r.records))
                 for r in results}
-    found = targets(stats, list(spike_windows(scenario)), list(calm_windows(scenario)), scenario.slo_p95_s)
+    capacity = scenario.fleet_capacity()
+    found = targets(stats, list(spike_windows(scenario)), list(calm_windows(scenario)), scenario.slo_p95_s,
+                    capacity=capacity)
     found += adaptive_targets(stats, list(scenario.report_windows()), scenario.slo_p95_s,
-                              calm=tuple(calm_windows(scenario)))
+                              calm=tuple(calm_windows(scenario)), capacity=capacity)
     for t in found:  # the targets are the SLO class's: say which, where a scenario names another
         t.name = t.name.replace("interactive", scenario.slo_class)
     print()

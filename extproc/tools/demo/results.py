@@ -64,6 +64,9 @@ class WindowStats:
     # it asked for (1: each got its share); NaN with one SLO kind.
     fairness_index: float = float("nan")
     others: int = 0  # requests started of kinds the SLO is not judged on (lower classes)
+    # Requests started per second, every kind: retries and agent sessions' later calls included, so a phase
+    # written at 60% of capacity can start more (sessions begun in a spike go on calling after it)
+    started_per_s: float = float("nan")
 
 
 def slo_kinds(slo: str | Collection[str]) -> Collection[str]:
@@ -184,7 +187,8 @@ def window_stats(records: list[RequestRecord], window: tuple[float, float], slo_
         refused=sum(1 for r in started if r.status in REFUSED), degraded=sum(1 for r in started if r.ok and r.degraded),
         failed=sum(1 for r in started if failed(r)),
         first_degraded_at=degraded_slo[0] if degraded_slo else None, first_other_held_at=held[0] if held else None,
-        fairness_index=fairness_index(started, group, slo_s), others=len(started) - len(slo))
+        fairness_index=fairness_index(started, group, slo_s), others=len(started) - len(slo),
+        started_per_s=len(started) / span)
 
 
 def served_work(records: list[RequestRecord], window: tuple[float, float], kinds: list[str],
@@ -301,7 +305,7 @@ def scenario_stats(records: list[RequestRecord], scenario: Scenario, has_extproc
 
 
 def targets(stats: dict[str, dict[str, WindowStats]], spikes: list[str], calm: list[str], slo_s: float,
-            ours: str = "d") -> list[Target]:
+            ours: str = "d", capacity: float | None = None) -> list[Target]:
     """Issue 19's targets for our policy (mode d) against no control (a) and Envoy's adaptive_concurrency (b),
     on the full model (those missing from the run are skipped):
     in each spike window (a) the interactive p99 within the SLO in every 10 s window and in the first 5 s of each
@@ -331,30 +335,35 @@ def targets(stats: dict[str, dict[str, WindowStats]], spikes: list[str], calm: l
             out.append(Target(f"{ours}: {w}: first batch refused/queued before the first interactive degrade, s",
                               nan if held is None else held, nan if degraded is None else degraded,
                               degraded is None or (held is not None and held <= degraded)))
-    out += calm_targets(o, ours, calm, stats.get("a"), slo_s)
+    out += calm_targets(o, ours, calm, stats.get("a"), slo_s, capacity)
     return out
 
 
 def calm_targets(mode: dict[str, WindowStats], key: str, calm, a: dict[str, WindowStats] | None = None,
-                 slo_s: float = float("nan")) -> list[Target]:
-    """Nothing refused, degraded or failed in each phase at or under CALM x capacity (issues 19 and 20). Where no
-    control (a) ran, a miss says what a gave in the same phase: a phase whose worst 10 s window is over the SLO
-    without any control is more than the pool serves within it at that load, and a mode that holds the SLO there
-    refuses or degrades something (docs/overload.md)."""
+                 slo_s: float = float("nan"), capacity: float | None = None) -> list[Target]:
+    """Nothing refused, degraded or failed in each phase at or under CALM x capacity (issues 19 and 20). A miss
+    says what the phase really started against `capacity` (a phase written at 60% can start more: retries, and
+    agent sessions begun in a spike calling on after it), and, where no control (a) ran, what a gave in the same
+    phase: a phase whose worst 10 s window is over the SLO without any control is more than the pool serves within
+    it at that load, and a mode that holds the SLO there refuses or degrades something (docs/overload.md)."""
     out = []
     for w in calm:
         n = mode[w].refused + mode[w].degraded + mode[w].failed
-        note = ""
+        notes = []
+        if n and capacity:
+            notes.append(f"started {mode[w].started_per_s / capacity:.2f}x capacity")
         if n and a is not None and w in a and not math.isnan(a[w].p99_worst_window):
             over = "over" if a[w].p99_worst_window > slo_s else "within"
-            note = (f"no control there: p99 {a[w].p99:.2f} s, worst {ROLLING_S:g} s window "
-                    f"{a[w].p99_worst_window:.2f} s ({over} the SLO)")
-        out.append(Target(f"{key}: {w}: requests refused, degraded or failed (== 0)", n, 0, n == 0, note))
+            notes.append(f"no control there: p99 {a[w].p99:.2f} s, worst {ROLLING_S:g} s window "
+                         f"{a[w].p99_worst_window:.2f} s ({over} the SLO)")
+        out.append(Target(f"{key}: {w}: requests refused, degraded or failed (== 0)", n, 0, n == 0,
+                          "; ".join(notes)))
     return out
 
 
 def adaptive_targets(stats: dict[str, dict[str, WindowStats]], windows: list[str], slo_s: float,
-                     static: tuple[str, ...] = ("c", "d"), calm: tuple[str, ...] = ()) -> list[Target]:
+                     static: tuple[str, ...] = ("c", "d"), calm: tuple[str, ...] = (),
+                     capacity: float | None = None) -> list[Target]:
     """Issue 12's targets for mode e in every report window: p99 within the SLO, goodput >= the best static
     setting run (c, d) and >= Envoy's adaptive_concurrency (b); and issue 20's: nothing refused or degraded in a
     phase at <= 60% load (`calm`), the phases after a spike included."""
@@ -372,5 +381,5 @@ def adaptive_targets(stats: dict[str, dict[str, WindowStats]], windows: list[str
             b = stats["b"][w].goodput
             out.append(Target(f"e vs b: full-model interactive goodput ({w}), req/s", e[w].goodput, b,
                               e[w].goodput >= b))
-    out += calm_targets(e, "e", calm, stats.get("a"), slo_s)
+    out += calm_targets(e, "e", calm, stats.get("a"), slo_s, capacity)
     return out
