@@ -11,8 +11,9 @@ from collections import deque
 from typing import Protocol
 
 from ..policy.admission import AdmissionController, Decision
-from ..policy.reasons import (R_CLASS_REMOVED, R_CLIENT_GONE, R_QUEUE_FULL, R_QUEUE_TIMEOUT, R_STORE_UNAVAILABLE,
-                              say)
+from ..policy.classify import ANONYMOUS
+from ..policy.reasons import (R_CLASS_REMOVED, R_CLIENT_GONE, R_INVALID_KEY, R_QUEUE_FULL, R_QUEUE_TIMEOUT,
+                              R_STORE_UNAVAILABLE, say)
 from ..policy.limits import Ticket
 from ..policy.schema import Policy
 from ..policy.slot_store import SlotClaim, SlotStore, StoreUnavailable, local_share, share_has_room
@@ -23,6 +24,7 @@ SHARED, LOCAL, CLOSED = "shared", "local", "closed"  # store states (extproc_sto
 STORE_STATES = (SHARED, LOCAL, CLOSED)
 _CLOSED = object()  # a waiter's result when the store failed while it waited and the policy fails closed
 _REMOVED = object()  # ... when a reload removed its class
+_REVOKED = object()  # ... when a reload removed its tenant and the policy takes keys only (anonymous.allow false)
 
 
 class _Waiting:
@@ -95,13 +97,17 @@ class SharedSlots:
         self.policy = policy
         self.core.apply(local_share(policy, self.instances) if self.state == LOCAL else policy)
         # Waiters of a class the reload removed are refused, as its local queue is (they would run later under
-        # no class); the others ask with the new cap at their next attempt (_serve_queue refreshes the claim).
+        # no class), and so are those of a tenant it removed under keys only (they ran on a revoked key); the others
+        # ask with the new cap at their next attempt (_serve_queue refreshes the claim).
+        known = {t.name for t in policy.tenants}
         for cls, q in self._waiting.items():
-            if cls not in self.core.limiters:
-                for w in q:
-                    if not w.future.done():
-                        w.future.set_result(_REMOVED)
-            else:
+            removed = cls not in self.core.limiters
+            for w in q:
+                tenant = w.ticket.tenant
+                revoked = not policy.anonymous.allow and tenant != ANONYMOUS and tenant not in known
+                if (removed or revoked) and not w.future.done():
+                    w.future.set_result(_REMOVED if removed else _REVOKED)
+            if not removed:
                 self._wake(cls)
 
     # --- admission ---
@@ -158,6 +164,8 @@ class SharedSlots:
             return self._closed(d)
         if result is _REMOVED:
             return self.core.revoke(d, R_CLASS_REMOVED, say(R_CLASS_REMOVED, cls=claim.cls))
+        if result is _REVOKED:  # the 401 its key now gets at arrival (AdmissionController._refuse_revoked)
+            return self.core.revoke(d, R_INVALID_KEY, say(R_INVALID_KEY))
         return self._confirm(d, self.core.clock() - started)
 
     def _confirm(self, d: Decision, waited_s: float = 0.0) -> Decision:
