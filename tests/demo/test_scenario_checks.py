@@ -227,3 +227,42 @@ def test_a_non_streamed_answers_first_byte_is_its_whole_answer_in_the_what_if_as
     streamed = [r for r in records if r.kind == "interactive"]
     assert plain and all(r.ttft == r.latency for r in plain)
     assert streamed and all(r.ttft < r.latency for r in streamed if r.output_tokens > 1)
+
+
+@pytest.mark.parametrize("edit, message", [
+    # The requested model's own cluster: a KeyError mid-replay.
+    (lambda p: p["models"].update({"llama-70b": {"cluster": "vllm_big"}}) or p["pools"].update(
+        {"vllm_big": p["pools"].pop("vllm_llama70b")}),
+     "policy {pol} sends workload kind 'interactive' (model 'llama-70b') to cluster 'vllm_big', which is no pool "
+     "of the scenario (pools: vllm_llama70b, vllm_llama8b)"),
+    # Its class's degrade model's: sent to the first pool without a word.
+    (lambda p: p["models"].update({"llama-8b": {"cluster": "vllm_small"}}),
+     "policy {pol} sends workload kind 'interactive' (class interactive's degrade model 'llama-8b') to cluster "
+     "'vllm_small'"),
+])
+def test_a_policy_route_to_a_cluster_the_fleet_lacks_is_named_before_the_run(tmp_path, capsys, edit, message):
+    policy = yaml.safe_load((ROOT / "policies" / "demo-full.yaml").read_text())
+    edit(policy)
+    pol = write(tmp_path, policy, "p.yaml")
+    doc = spike_doc()
+    doc.update(capacity=6.0, policies={"d": str(pol)}, phases=[{"name": "normal", "duration_s": 5, "rate": 0.5}])
+    scenario = Scenario.from_dict(doc)
+    with pytest.raises(ValueError, match=re.escape(f"scenario spike: {message.format(pol=pol)}")):
+        what_if(scenario, str(pol), 6.0)
+    args = type("A", (), {"what_if": True, "scenario": str(write(tmp_path, doc)), "phase_s": None, "modes": "a,d",
+                          "show_limits": False})()
+    assert run(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "vllm_" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_mode_policy_naming_models_the_workload_never_asks_for_runs():
+    # The route check follows the workload's models: the shipped mode policies name models (and clusters) many
+    # scenarios' fleets lack.
+    from extproc.policy.schema import load_policy_file
+    from extproc.tools.demo import scenario_modes
+    from extproc.tools.demo.whatif import check_routes
+    for path in sorted((ROOT / "scenarios").glob("*.yaml")):
+        scenario = Scenario.load(path)
+        for m in scenario_modes(scenario, "c,d,e"):
+            check_routes(scenario, load_policy_file(m.policy), m.policy)

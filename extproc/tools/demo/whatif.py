@@ -21,11 +21,11 @@ from typing import Any, Protocol
 from envoy.service.ext_proc.v3.external_processor_pb2 import HttpHeaders
 
 from extproc.policy.admission import QUEUE, AdmissionController, Admit, Decision, Degrade, RequestFacts
-from extproc.policy.classify import ConflictingKeys, presented_key
+from extproc.policy.classify import Classifier, ConflictingKeys, presented_key
 from extproc.policy.decision import Canned
 from extproc.policy.limits import Completion, LimitFactory, Outcome, default_limit
 from extproc.policy.outcomes import LEARN, UsageSample, reads_answer
-from extproc.policy.schema import ClassifySpec, SessionSpec, load_policy_file
+from extproc.policy.schema import ClassifySpec, Policy, SessionSpec, load_policy_file
 from extproc.server.openai import min_output_of
 from extproc.server.protocol import HeaderNames, read_request_headers
 from extproc.server.saturation import PoolScraper, ScrapedReplica
@@ -63,6 +63,32 @@ def _facts(kind, prompt_tokens: int, session_id: str | None = None,
                         stream=kind.stream, doc=doc, min_output=min_output_of(kind.body),
                         session_id=session_id or head.session,
                         objective=head.objective, fairness_id=head.fairness_id, deadline_ms=head.deadline_ms)
+
+
+def check_routes(scenario: Scenario, policy: Policy, source: str) -> None:
+    """Every cluster the policy sends the workload's requests to (their model's, and their class's degrade
+    model's) is a pool of the scenario: a route to a cluster the fleet lacks crashed the what-if mid-run with a
+    KeyError, where Envoy refuses such a config. Only the models the workload asks for count: the shipped mode
+    policies name models many scenarios never request."""
+    fleet = [p.name for p in scenario.pools]
+    names = {alias: name for name, m in policy.models.items() for alias in (name, *m.aliases)}
+    classifier = Classifier(policy)
+    for kind in scenario.workload.kinds:
+        model = names.get(kind.model) if kind.model is not None else None
+        if model is None:  # the policy answers 404 (or learns it from the replicas): no route
+            continue
+        facts = _facts(kind, 0, names=HeaderNames.of(policy))
+        cls = classifier.classify(facts.api_key, facts.header_class, facts.body_class, facts.objective,
+                                  facts.fairness_id).cls
+        fb = policy.classes[cls].fallback
+        routes = [(f"model {kind.model!r}", policy.models[model].cluster)]
+        if fb.action == "degrade" and fb.model:
+            routes.append((f"class {cls}'s degrade model {fb.model!r}", policy.models[fb.model].cluster))
+        for what, cluster in routes:
+            if cluster not in fleet:
+                raise ValueError(f"scenario {scenario.name}: policy {source} sends workload kind {kind.name!r} "
+                                 f"({what}) to cluster {cluster!r}, which is no pool of the scenario (pools: "
+                                 f"{', '.join(fleet)}); Envoy would refuse a route to a cluster it lacks")
 
 
 def _replica_indexes(named: str) -> list[int]:
@@ -159,6 +185,7 @@ class PolicyAdmitter:
     lb_policy = "least_request"  # envoy/envoy.yaml: least request over every replica (FULL_SCAN)
 
     def __init__(self, policy_path: str, limit_factory: LimitFactory = default_limit):
+        self.source = policy_path
         self.policy = load_policy_file(policy_path)  # as `extproc check` and `serve` read it
         self.header_names = HeaderNames.of(self.policy)
         self.limit_factory = limit_factory
@@ -249,7 +276,7 @@ class InstancesAdmitter:
 
     def __init__(self, policy_path: str, instances: int, limit_factory: LimitFactory = default_limit):
         self.parts = [PolicyAdmitter(policy_path, limit_factory) for _ in range(instances)]
-        self.policy = self.parts[0].policy
+        self.policy, self.source = self.parts[0].policy, policy_path
         self.header_names = self.parts[0].header_names
         self.limits: list[tuple[float, dict[str, int]]] = []
         self._next = itertools.cycle(self.parts)
@@ -292,6 +319,8 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
     (extproc.policy.limits.Limit)."""
     if isinstance(admitter, str):
         admitter = PolicyAdmitter(admitter, limit_factory)
+    if getattr(admitter, "policy", None) is not None:  # before the run, not a KeyError in it
+        check_routes(scenario, admitter.policy, admitter.source)
     clock = [0.0]
     pools = {p.name: _Pool(p.name, p.profile, p.replicas, scenario.seed + 100 * i, p.scheduling_policy)
              for i, p in enumerate(scenario.pools)}
