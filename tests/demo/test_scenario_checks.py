@@ -266,3 +266,40 @@ def test_a_mode_policy_naming_models_the_workload_never_asks_for_runs():
         scenario = Scenario.load(path)
         for m in scenario_modes(scenario, "c,d,e"):
             check_routes(scenario, load_policy_file(m.policy), m.policy)
+
+
+def _kind(d: dict) -> dict:
+    return d["workload"]["kinds"][0]
+
+
+@pytest.mark.parametrize("edit, message", [
+    # Each crashed the what-if mid-run (after the real demo had started its stack): ZeroDivisionError, KeyError,
+    # TypeError, or a ValueError that named no key ("empty range for randrange()").
+    (lambda d: _kind(d).update(session={"calls": 0}),
+     "workload kind 'interactive': session.calls: an int or {min, max}"),
+    (lambda d: _kind(d).update(session={"calls": {"median": 3, "sigma": 0.5, "max": 6}}),
+     "workload kind 'interactive': session.calls: an int or {min, max}"),
+    (lambda d: _kind(d).update(session={"calls": {"min": 3}}), "session.calls: an int or {min, max}"),
+    (lambda d: _kind(d).update(prompt_tokens={"min": 800, "max": 300}),
+     "workload kind 'interactive': prompt_tokens: an int, {min, max} or {median, sigma, max} of at least 1"),
+    (lambda d: _kind(d).update(prompt_tokens=300.5), "workload kind 'interactive': prompt_tokens:"),
+    (lambda d: _kind(d).update(endpoint="responses"),
+     "workload kind 'interactive': endpoint: one of chat, completions, got 'responses'"),
+    (lambda d: _kind(d).update(headers=["x-priority: interactive"]),
+     "workload kind 'interactive': headers: a mapping is expected"),
+    (lambda d: _kind(d).update(body=[1]), "workload kind 'interactive': body: a mapping is expected"),
+    (lambda d: _kind(d).update(weight=-1), "workload kind 'interactive': weight: a number >= 0, got -1"),
+    (lambda d: [k.update(weight=0) for k in d["workload"]["kinds"]], "workload.kinds: every weight is 0"),
+    (lambda d: d["workload"].update(kinds=[]), "workload.kinds: at least one kind"),
+])
+def test_a_workload_kind_the_load_generator_cannot_draw_is_named_at_load(tmp_path, capsys, edit, message):
+    doc = spike_doc()
+    doc.update(capacity=6.0, phases=[{"name": "normal", "duration_s": 5, "rate": 0.5}])
+    edit(doc)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Scenario.load(write(tmp_path, doc))
+    args = type("A", (), {"what_if": True, "scenario": str(write(tmp_path, doc)), "phase_s": None, "modes": "a,d",
+                          "show_limits": False})()
+    assert run(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "workload" in err and len(err.strip().splitlines()) == 1

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from extproc.policy.schema import PolicyError, read_policy_doc
-from extproc.tools.loadgen import PlannedRequest, RequestKind, Workload, plan_arrivals
+from extproc.tools.loadgen import ENDPOINTS, PlannedRequest, RequestKind, Workload, plan_arrivals
 from extproc.tools.sim.engine import SCHEDULING_POLICIES
 from extproc.tools.sim.openai_api import ApiError, ignores_eos
 from extproc.tools.sim.profile import load_profile
@@ -100,6 +101,51 @@ def _check_context(workload: Workload, pools: list[Pool]) -> None:
                                  f"{pool.name!r} (profile {pool.profile}) has max_model_len {context}: the simulator "
                                  "answers 400 to a prompt that long (give the pool a profile file with a longer "
                                  "context, docs/simulator.md \"Profiles\")")
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_count(spec: Any, where: str, least: int, lognormal: bool) -> None:
+    """A count the load generator draws (extproc.tools.loadgen.sample_count): an int, {min, max}, or where
+    `lognormal`, {median, sigma[, max]}; none below `least`."""
+    shapes = "an int, {min, max} or {median, sigma, max}" if lognormal else "an int or {min, max}"
+    if isinstance(spec, int) and not isinstance(spec, bool):
+        ok = spec >= least
+    elif isinstance(spec, dict) and lognormal and "median" in spec:
+        ok = set(spec) <= {"median", "sigma", "max"} and all(_number(v) for v in spec.values()) and \
+            spec["median"] > 0 and spec.get("sigma", 0) >= 0 and spec.get("max", least) >= least
+    elif isinstance(spec, dict):
+        ok = set(spec) == {"min", "max"} and all(isinstance(v, int) and not isinstance(v, bool)
+                                                 for v in spec.values()) and least <= spec["min"] <= spec["max"]
+    else:
+        ok = False
+    if not ok:
+        raise ValueError(f"{where}: {shapes} of at least {least} (min <= max), got {spec!r}")
+
+
+def _check_kinds(workload: Workload) -> None:
+    """What the load generator draws each arrival from: no kind, weights that are all 0, a session of 0 calls or
+    of log-normal calls, an empty {min, max} range or an endpoint it has no path for crashed the what-if mid-run
+    (ZeroDivisionError, KeyError, an unnamed ValueError), and the real demo once it had started its stack."""
+    if not workload.kinds:
+        raise ValueError("workload.kinds: at least one kind")
+    for kind in workload.kinds:
+        where = f"workload kind {kind.name!r}"
+        if kind.endpoint not in ENDPOINTS:
+            raise ValueError(f"{where}: endpoint: one of {', '.join(ENDPOINTS)}, got {kind.endpoint!r}")
+        if not _number(kind.weight) or kind.weight < 0:
+            raise ValueError(f"{where}: weight: a number >= 0, got {kind.weight!r}")
+        for key in ("headers", "body"):
+            if not isinstance(getattr(kind, key), dict):
+                raise ValueError(f"{where}: {key}: a mapping is expected, got {getattr(kind, key)!r}")
+        _check_count(kind.prompt_tokens, f"{where}: prompt_tokens", 1, lognormal=True)
+        if kind.session is not None:
+            _check_count(kind.session.calls, f"{where}: session.calls", 1, lognormal=False)
+            _check_count(kind.session.growth_tokens, f"{where}: session.growth_tokens", 0, lognormal=True)
+    if not sum(k.weight for k in workload.kinds) > 0:
+        raise ValueError("workload.kinds: every weight is 0: no request would be sent")
 
 
 def _check_bodies(workload: Workload) -> None:
@@ -208,6 +254,7 @@ class Scenario:
         if not pools or not phases:
             raise ValueError("a scenario needs at least one pool and one phase")
         workload = Workload.from_dict(d["workload"])
+        _check_kinds(workload)
         _check_bodies(workload)
         _check_context(workload, pools)
         for i, p in enumerate(phases):  # windows, calm phases and overload onsets find a phase by its name
