@@ -303,3 +303,19 @@ def test_a_workload_kind_the_load_generator_cannot_draw_is_named_at_load(tmp_pat
     assert run(args) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and "workload" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("edit, message", [
+    # The what-if drew arrivals for ever: it hung before its first request.
+    (lambda p: p.update(rate=float("inf")), "phase 'normal': duration_s must be > 0 and rate >= 0"),
+    (lambda p: p.update(duration_s=float("inf")), "phase 'normal': duration_s must be > 0 and rate >= 0"),
+    (lambda p: p.update(weights={"interactive": float("inf")}), "phase 'normal': weights: factors >= 0"),
+    # The phase sent nothing, without a word.
+    (lambda p: p.update(weights={"interactive": -1}),
+     "phase 'normal': weights: factors >= 0, got {'interactive': -1.0}"),
+])
+def test_a_phase_number_that_cannot_be_replayed_is_named(edit, message):
+    doc = spike_doc()
+    edit(doc["phases"][0])
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Scenario.from_dict(doc)

@@ -266,9 +266,13 @@ class Scenario:
             if set(p.weights) - names:
                 raise ValueError(f"phase {p.name!r}: weights name no kind of the workload: "
                                  f"{', '.join(sorted(set(p.weights) - names))} (kinds: {', '.join(sorted(names))})")
-            if not p.duration_s > 0 or not p.rate >= 0:
+            # Finite: an infinite rate or duration drew arrivals for ever (the what-if hung before its first).
+            if not (0 < p.duration_s < math.inf and 0 <= p.rate < math.inf):
                 raise ValueError(f"phase {p.name!r}: duration_s must be > 0 and rate >= 0 (a share of the capacity), "
                                  f"got {p.duration_s:g} and {p.rate:g}")
+            wrong = {k: v for k, v in p.weights.items() if not 0 <= v < math.inf}
+            if wrong:  # a negative factor silently removed every arrival of the phase
+                raise ValueError(f"phase {p.name!r}: weights: factors >= 0, got {wrong}")
         slo_class = (d.get("slo") or {}).get("class", "interactive")
         listed = (d.get("slo") or {}).get("kinds") or []
         if not isinstance(listed, list):
