@@ -319,3 +319,16 @@ def test_a_phase_number_that_cannot_be_replayed_is_named(edit, message):
     edit(doc["phases"][0])
     with pytest.raises(ValueError, match=re.escape(message)):
         Scenario.from_dict(doc)
+
+
+@pytest.mark.parametrize("edit, message", [
+    # Timeouts are served latencies counted at the timeout: the report printed a p99 of -1 s.
+    (lambda d: d.update(client_timeout_s=-1), "client_timeout_s: seconds > 0, got -1"),
+    (lambda d: d.update(client_timeout_s=0), "client_timeout_s: seconds > 0, got 0"),
+    (lambda d: d["slo"].update(p95_s=0), "slo.p95_s: seconds > 0, got 0"),
+])
+def test_a_timeout_or_slo_of_no_time_is_named(edit, message):
+    doc = spike_doc()
+    edit(doc)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Scenario.from_dict(doc)

@@ -294,6 +294,11 @@ class Scenario:
         if unmodelled:
             warnings.append(f"{', '.join(unmodelled)}: applied on the real stack only (the what-if models "
                             f"{', '.join(sorted(WHATIF_FAULTS))})")
+        # A client timeout of 0 or less printed a p99 of -1 s (timeouts count at it); an SLO of 0, no goodput.
+        for key, value in (("client_timeout_s", d.get("client_timeout_s", 60.0)),
+                           ("slo.p95_s", (d.get("slo") or {}).get("p95_s", 2.0))):
+            if not _number(value) or not value > 0:
+                raise ValueError(f"{key}: seconds > 0, got {value!r}")
         if int(d.get("capacity_concurrency", 32)) < 1:  # the capacity loop would run an empty engine
             raise ValueError(f"capacity_concurrency: at least 1, got {d['capacity_concurrency']}")
         capacity = d.get("capacity", "auto")
