@@ -332,3 +332,12 @@ def test_a_timeout_or_slo_of_no_time_is_named(edit, message):
     edit(doc)
     with pytest.raises(ValueError, match=re.escape(message)):
         Scenario.from_dict(doc)
+
+
+def test_a_pools_model_names_not_a_list_is_named():
+    # Read as its letters, the pool served no model the clients asked for: every request a 404, the report a NaN.
+    doc = spike_doc()
+    doc["pools"]["vllm_llama70b"]["model_names"] = "llama-70b"
+    with pytest.raises(ValueError, match=re.escape("pools.vllm_llama70b.model_names: a list of model names, got "
+                                                   "'llama-70b'")):
+        Scenario.from_dict(doc)

@@ -231,6 +231,11 @@ class Scenario:
                 except (ValueError, TypeError) as exc:
                     raise ValueError(f"events[{i}].fault.{k}: {exc}") from None
             unmodelled += [f"events[{i}].fault.{k}" for k in e.get("fault") or {} if k not in WHATIF_FAULTS]
+        for name, p in d["pools"].items():
+            names = p.get("model_names", [])
+            # A bare `model_names: llama-70b` was read as its letters: every request answered 404.
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                raise ValueError(f"pools.{name}.model_names: a list of model names, got {names!r}")
         pools = [Pool(name, p["profile"], int(p.get("replicas", 1)), list(p.get("model_names", [])),
                       p.get("scheduling_policy"))
                  for name, p in d["pools"].items()]
