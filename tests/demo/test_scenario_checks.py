@@ -341,3 +341,17 @@ def test_a_pools_model_names_not_a_list_is_named():
     with pytest.raises(ValueError, match=re.escape("pools.vllm_llama70b.model_names: a list of model names, got "
                                                    "'llama-70b'")):
         Scenario.from_dict(doc)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("pools", [{"profile": "h100-llama8b"}], "pools: a mapping is expected, got list"),
+    ("windows", ["spike"], "windows: a mapping is expected, got list"),
+    ("workload", [{"name": "interactive"}], "workload: a mapping is expected, got list"),
+    ("phases", {"name": "spike"}, "phases: a list is expected, got dict"),
+])
+def test_a_section_of_the_wrong_shape_is_named_not_a_traceback(tmp_path, key, value, message):
+    # pools and windows as lists raised AttributeError out of Scenario.load (the demo printed a traceback).
+    doc = spike_doc()
+    doc[key] = value
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Scenario.load(write(tmp_path, doc))

@@ -216,6 +216,11 @@ class Scenario:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Scenario:
         _check_keys(d, "", SCENARIO_KEYS)
+        # A list where a mapping goes (or the reverse) raised AttributeError, a traceback past Scenario.load.
+        for key, shape in (("pools", dict), ("workload", dict), ("windows", dict), ("phases", list)):
+            if d.get(key) is not None and not isinstance(d[key], shape):
+                raise ValueError(f"{key}: a {'mapping' if shape is dict else 'list'} is expected, got "
+                                 f"{type(d[key]).__name__}")
         for name, p in (d.get("pools") or {}).items():
             _check_keys(p, f"pools.{name}.", POOL_KEYS)
         for i, p in enumerate(d.get("phases") or []):
