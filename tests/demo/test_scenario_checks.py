@@ -355,3 +355,20 @@ def test_a_section_of_the_wrong_shape_is_named_not_a_traceback(tmp_path, key, va
     doc[key] = value
     with pytest.raises(ValueError, match=re.escape(message)):
         Scenario.load(write(tmp_path, doc))
+
+
+def test_a_degrade_with_streaming_off_is_read_whole_in_the_what_if_as_on_the_real_stack(tmp_path):
+    # `fallback: {stream: false}` has the ext_proc ask the replica for one answer and send it to the streaming
+    # client as one chunk once complete (server/stream.py): its TTFT is the whole answer. The what-if took the
+    # engine's first token, so a degrade that turned streaming off read as a prefill time.
+    policy = {"classes": {"interactive": {"max_concurrency": 2, "max_queue": 0, "on_overflow": "fallback",
+                                          "fallback": {"action": "degrade", "stream": False, "max_tokens": 32}}},
+              "models": {"llama-70b": {"cluster": "big"}}}
+    pol = write(tmp_path, policy, "p.yaml")
+    kinds = [{"name": "interactive", "model": "llama-70b", "prompt_tokens": 300, "max_tokens": 64, "stream": True}]
+    doc = {"pools": {"big": {"profile": "h100-llama70b-awq", "replicas": 1, "model_names": ["llama-70b"]}},
+           "capacity": 4.0, "phases": [{"name": "p", "duration_s": 10, "rate": 2.0}], "workload": {"kinds": kinds}}
+    records = [r for r in what_if(Scenario.from_dict(doc), str(pol), 4.0).records if r.ok]
+    degraded = [r for r in records if r.degraded]
+    assert degraded and all(r.ttft == r.latency for r in degraded)
+    assert all(r.ttft < r.latency for r in records if not r.degraded and r.output_tokens > 1)

@@ -388,6 +388,8 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
             fb = d.fallback
             record.model = fb.model or record.asked_model
             record.degraded_by_policy = True
+            if fb.stream is False:  # one answer, sent to a streaming client as one chunk once complete
+                unstreamed.add(id(record))  # (server/stream.py): its first byte is its whole answer
             pool = d.cluster if d.cluster in pools else first
             if not not_served(record, d.ticket, pool):
                 start(record, d.ticket, pool, ask.degraded(fb.max_tokens), admitter.engine_priority(d), d.cls)
