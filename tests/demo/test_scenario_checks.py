@@ -372,3 +372,12 @@ def test_a_degrade_with_streaming_off_is_read_whole_in_the_what_if_as_on_the_rea
     degraded = [r for r in records if r.degraded]
     assert degraded and all(r.ttft == r.latency for r in degraded)
     assert all(r.ttft < r.latency for r in records if not r.degraded and r.output_tokens > 1)
+
+
+def test_a_kinds_abort_prob_the_what_if_does_not_model_is_said_before_it_runs(tmp_path):
+    # The what-if's clients never give up early: their aborts were answers in its report, without a word.
+    doc = spike_doc()
+    doc["workload"]["kinds"][1]["abort_prob"] = 0.3
+    assert Scenario.load(write(tmp_path, doc)).warnings == [
+        "abort_prob of batch: applied on the real stack only (the what-if's clients wait for every answer or their "
+        "timeout)"]

@@ -304,6 +304,11 @@ class Scenario:
         if unmodelled:
             warnings.append(f"{', '.join(unmodelled)}: applied on the real stack only (the what-if models "
                             f"{', '.join(sorted(WHATIF_FAULTS))})")
+        # The what-if's clients wait for every answer (or their timeout): a kind's aborts read as answers there.
+        aborting = [k.name for k in workload.kinds if k.abort_prob]
+        if aborting:
+            warnings.append(f"abort_prob of {', '.join(aborting)}: applied on the real stack only (the what-if's "
+                            "clients wait for every answer or their timeout)")
         # A client timeout of 0 or less printed a p99 of -1 s (timeouts count at it); an SLO of 0, no goodput.
         for key, value in (("client_timeout_s", d.get("client_timeout_s", 60.0)),
                            ("slo.p95_s", (d.get("slo") or {}).get("p95_s", 2.0))):
