@@ -293,3 +293,16 @@ def test_capacity_is_the_first_pools_own_kinds_over_their_share_of_the_arrivals(
     shared.write_text(yaml.safe_dump(doc))
     expected = Scenario.load(str(plain)).fleet_capacity() / 0.8
     assert Scenario.load(str(shared)).fleet_capacity() == pytest.approx(expected)
+
+
+def test_a_window_no_request_started_in_still_prints_tables_markdown_reads():
+    # A window without requests has no class: the per-class and outcome tables had a header cell more than their
+    # separator ("| mode (spike) |  |" over "|---|"), which Markdown shows as text, not a table.
+    from extproc.tools.demo.report import tables
+    from extproc.tools.demo.results import scenario_stats
+    sc = Scenario.from_dict({"pools": {"big": {"profile": "h100-llama8b"}}, "capacity": 2.0,
+                             "phases": [{"name": "pause", "duration_s": 5, "rate": 0}],
+                             "workload": {"kinds": [{"name": "interactive"}]}})
+    text = tables({"a": scenario_stats([], sc, False)}, {"a": "A"}, sc, {"a": 0.0})
+    for block in text.split("\n\n"):
+        assert len({row.count("|") for row in block.splitlines()}) == 1, block

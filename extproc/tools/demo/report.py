@@ -67,30 +67,36 @@ def class_goodput_table(stats: dict[str, dict[str, WindowStats]], labels: dict[s
     with several SLO kinds, their fairness index (WindowStats.fairness_index) in a last column."""
     group = slo_kinds(slo_class)
     classes = sorted({c for w in stats.values() for c in w[window].goodput_by_class})
-    head = " | ".join(f"{c}{f' ≤ {slo_s:g} s' if c in group else ''} full / degraded req/s" for c in classes)
     fairness = len(group) > 1
-    rows = [f"| mode ({window}) | {head} |" + (" fairness index |" if fairness else ""),
+    # Cells, not joined text: a window no request started in has no class, and its header then had a cell more
+    # than its separator (no table in Markdown).
+    head = [f"{c}{f' ≤ {slo_s:g} s' if c in group else ''} full / degraded req/s" for c in classes]
+    rows = [_row([f"mode ({window})", *head, *(["fairness index"] if fairness else [])]),
             "|---|" + "---:|" * (len(classes) + fairness)]
     for key, w in stats.items():
         by = w[window].goodput_by_class
-        rows.append(f"| {key}: {labels[key]} | " + " | ".join(
-            f"{by.get(c, {}).get('full', 0.0):.2f} / {by.get(c, {}).get('degraded', 0.0):.2f}" for c in classes) + " |"
-            + (f" {_s(w[window].fairness_index)} |" if fairness else ""))
+        rows.append(_row([f"{key}: {labels[key]}",
+                          *(f"{by.get(c, {}).get('full', 0.0):.2f} / {by.get(c, {}).get('degraded', 0.0):.2f}"
+                            for c in classes), *([_s(w[window].fairness_index)] if fairness else [])]))
     return "\n".join(rows)
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
 
 
 def outcome_table(stats: dict[str, dict[str, WindowStats]], labels: dict[str, str],
                   degraded: dict[str, float]) -> str:
     classes = sorted({c for w in stats.values() for c in w["overall"].outcomes})
-    head = " | ".join(f"{c} rejected / shed / timeout / error / degraded %" for c in classes)
-    rows = [f"| mode | {head} | degraded % (all) |", "|---|" + "---|" * len(classes) + "---:|"]
+    head = [f"{c} rejected / shed / timeout / error / degraded %" for c in classes]
+    rows = [_row(["mode", *head, "degraded % (all)"]), "|---|" + "---|" * len(classes) + "---:|"]
     for key, w in stats.items():
         cells = []
         for c in classes:
             o = w["overall"].outcomes.get(c, {})
             cells.append(f"{o.get('rejected', 0):.1f} / {o.get('shed', 0):.1f} / {o.get('timeout', 0):.1f} "
                          f"/ {o.get('error', 0):.1f} / {o.get('degraded', 0):.1f}")
-        rows.append(f"| {key}: {labels[key]} | " + " | ".join(cells) + f" | {degraded.get(key, 0.0):.1f} |")
+        rows.append(_row([f"{key}: {labels[key]}", *cells, f"{degraded.get(key, 0.0):.1f}"]))
     return "\n".join(rows)
 
 
