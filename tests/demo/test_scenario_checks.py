@@ -381,3 +381,15 @@ def test_a_kinds_abort_prob_the_what_if_does_not_model_is_said_before_it_runs(tm
     assert Scenario.load(write(tmp_path, doc)).warnings == [
         "abort_prob of batch: applied on the real stack only (the what-if's clients wait for every answer or their "
         "timeout)"]
+
+
+@pytest.mark.parametrize("max_tokens", [0, 9000])
+def test_a_max_tokens_the_pool_answers_400_to_is_named(tmp_path, max_tokens):
+    # vLLM (and the simulator) refuse max_tokens below 1 or beyond the context with a 400; the what-if served
+    # every such request, clamped, and reported sub-second latencies for requests the real stack refuses.
+    doc = spike_doc()
+    doc["workload"]["kinds"][0]["max_tokens"] = max_tokens
+    with pytest.raises(ValueError, match=re.escape(
+            f"workload kind 'interactive': max_tokens {max_tokens}, but pool 'vllm_llama70b' (profile "
+            "h100-llama70b-awq) takes 1 to its max_model_len 8192")):
+        Scenario.load(write(tmp_path, doc))

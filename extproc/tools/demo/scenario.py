@@ -91,12 +91,15 @@ def _check_context(workload: Workload, pools: list[Pool]) -> None:
     every one of. Refuse it here, naming the kind, the pool and the context."""
     for kind in workload.kinds:
         largest = _largest_prompt(kind)
-        if largest is None:
-            continue
         serving = [p for p in pools if kind.model in p.model_names] or pools[:1]
         for pool in serving:
             context = load_profile(pool.profile).max_model_len
-            if largest >= context:
+            # As vLLM: max_tokens below 1 or beyond the context is a 400 (the what-if served them, clamped).
+            if kind.max_tokens is not None and not 1 <= kind.max_tokens <= context:
+                raise ValueError(f"workload kind {kind.name!r}: max_tokens {kind.max_tokens}, but pool {pool.name!r} "
+                                 f"(profile {pool.profile}) takes 1 to its max_model_len {context}: the simulator "
+                                 "answers 400 to every such request")
+            if largest is not None and largest >= context:
                 raise ValueError(f"workload kind {kind.name!r}: prompts of up to {largest} tokens, but pool "
                                  f"{pool.name!r} (profile {pool.profile}) has max_model_len {context}: the simulator "
                                  "answers 400 to a prompt that long (give the pool a profile file with a longer "
