@@ -393,3 +393,23 @@ def test_a_max_tokens_the_pool_answers_400_to_is_named(tmp_path, max_tokens):
             f"workload kind 'interactive': max_tokens {max_tokens}, but pool 'vllm_llama70b' (profile "
             "h100-llama70b-awq) takes 1 to its max_model_len 8192")):
         Scenario.load(write(tmp_path, doc))
+
+
+@pytest.mark.parametrize("edit, message", [
+    # Each raised a TypeError (or AttributeError) once requests flowed: mid-run, after the real demo's stack started.
+    (lambda k: k.update(model=70), "workload kind 'interactive': model: a model name, got 70"),
+    (lambda k: k.update(max_tokens=float("inf")), "workload kind 'interactive': max_tokens: a whole number of tokens"),
+    (lambda k: k.update(session={"calls": 3, "think_s": "1s"}),
+     "workload kind 'interactive': session.think_s: seconds >= 0, got '1s'"),
+    (lambda k: k.update(session={"calls": 3, "retries": "2"}), "workload kind 'interactive': session.retries:"),
+    (lambda k: k.update(session={"calls": 3, "max_context_tokens": {}}),
+     "workload kind 'interactive': session.max_context_tokens: tokens >= 1, got {}"),
+    (lambda k: k.update(session=True), "workload kind 'interactive': session: a mapping is expected, got True"),
+    (lambda k: k.update(abort_prob="often"), "workload kind 'interactive': abort_prob: a probability (0 to 1)"),
+])
+def test_a_workload_value_of_the_wrong_type_is_named_at_load(tmp_path, edit, message):
+    doc = spike_doc()
+    doc.update(capacity=6.0, phases=[{"name": "normal", "duration_s": 10, "rate": 1.0}])
+    edit(doc["workload"]["kinds"][0])
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Scenario.load(write(tmp_path, doc))

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from extproc.policy.schema import PolicyError, read_policy_doc
-from extproc.tools.loadgen import ENDPOINTS, PlannedRequest, RequestKind, Workload, plan_arrivals
+from extproc.tools.loadgen import ENDPOINTS, PlannedRequest, RequestKind, SessionShape, Workload, plan_arrivals
 from extproc.tools.sim.engine import SCHEDULING_POLICIES
 from extproc.tools.sim.openai_api import ApiError, ignores_eos
 from extproc.tools.sim.profile import load_profile
@@ -144,11 +144,37 @@ def _check_kinds(workload: Workload) -> None:
             if not isinstance(getattr(kind, key), dict):
                 raise ValueError(f"{where}: {key}: a mapping is expected, got {getattr(kind, key)!r}")
         _check_count(kind.prompt_tokens, f"{where}: prompt_tokens", 1, lognormal=True)
+        _check_types(kind, where)
         if kind.session is not None:
             _check_count(kind.session.calls, f"{where}: session.calls", 1, lognormal=False)
             _check_count(kind.session.growth_tokens, f"{where}: session.growth_tokens", 0, lognormal=True)
     if not sum(k.weight for k in workload.kinds) > 0:
         raise ValueError("workload.kinds: every weight is 0: no request would be sent")
+
+
+def _check_types(kind: RequestKind, where: str) -> None:
+    """A value of the wrong type the what-if reads only once requests flow (a `model: 70` or `max_tokens: .inf`,
+    a session's `think_s: 1s`) raised a TypeError mid-run, after the real demo had started its stack."""
+    def integer(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if kind.model is not None and not isinstance(kind.model, str):
+        raise ValueError(f"{where}: model: a model name, got {kind.model!r}")
+    if kind.max_tokens is not None and not integer(kind.max_tokens):
+        raise ValueError(f"{where}: max_tokens: a whole number of tokens, got {kind.max_tokens!r}")
+    if not _number(kind.abort_prob) or not 0 <= kind.abort_prob <= 1:
+        raise ValueError(f"{where}: abort_prob: a probability (0 to 1), got {kind.abort_prob!r}")
+    shape = kind.session
+    if shape is None:
+        return
+    if not isinstance(shape, SessionShape):
+        raise ValueError(f"{where}: session: a mapping is expected, got {shape!r}")
+    if not _number(shape.think_s) or shape.think_s < 0:
+        raise ValueError(f"{where}: session.think_s: seconds >= 0, got {shape.think_s!r}")
+    if not integer(shape.retries) or shape.retries < 0:
+        raise ValueError(f"{where}: session.retries: a whole number >= 0, got {shape.retries!r}")
+    if shape.max_context_tokens is not None and (not integer(shape.max_context_tokens) or shape.max_context_tokens < 1):
+        raise ValueError(f"{where}: session.max_context_tokens: tokens >= 1, got {shape.max_context_tokens!r}")
 
 
 def _check_bodies(workload: Workload) -> None:
