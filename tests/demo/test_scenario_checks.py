@@ -413,3 +413,18 @@ def test_a_workload_value_of_the_wrong_type_is_named_at_load(tmp_path, edit, mes
     edit(doc["workload"]["kinds"][0])
     with pytest.raises(ValueError, match=re.escape(message)):
         Scenario.load(write(tmp_path, doc))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d["phases"][0].update(weights="batch"), "phases[0].weights: kind name -> factor, got 'batch'"),
+    (lambda d: d["pools"]["vllm_llama8b"].update(profile=8), "pools.vllm_llama8b.profile: a profile name or file"),
+    (lambda d: d.update(seed=float("inf")), "cannot convert float infinity to integer"),
+])
+def test_a_scenario_value_that_raised_past_load_or_mid_run_is_an_error_of_the_file(tmp_path, edit, message):
+    # weights as a string: AttributeError out of Scenario.load (a traceback); seed .inf: OverflowError likewise;
+    # a profile that is no name: a TypeError mid-run where the what-if builds the pool's engines.
+    doc = spike_doc()
+    edit(doc)
+    path = write(tmp_path, doc)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Scenario.load(path)

@@ -238,7 +238,7 @@ class Scenario:
             raise ValueError("; ".join(e.errors)) from None
         try:
             return cls.from_dict(doc)
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:  # OverflowError: int() of an infinite number
             what = f"missing key {e}" if isinstance(e, KeyError) else str(e)
             raise ValueError(f"{path}: {what}") from None
 
@@ -254,6 +254,8 @@ class Scenario:
             _check_keys(p, f"pools.{name}.", POOL_KEYS)
         for i, p in enumerate(d.get("phases") or []):
             _check_keys(p, f"phases[{i}].", PHASE_KEYS)
+            if not isinstance(p.get("weights") or {}, dict):  # an AttributeError past Scenario.load
+                raise ValueError(f"phases[{i}].weights: kind name -> factor, got {p['weights']!r}")
         _check_keys(d.get("slo") or {}, "slo.", SLO_KEYS)
         unmodelled = []
         for i, e in enumerate(d.get("events") or []):
@@ -266,6 +268,8 @@ class Scenario:
                     raise ValueError(f"events[{i}].fault.{k}: {exc}") from None
             unmodelled += [f"events[{i}].fault.{k}" for k in e.get("fault") or {} if k not in WHATIF_FAULTS]
         for name, p in d["pools"].items():
+            if not isinstance(p.get("profile"), str):  # a TypeError mid-run, where the what-if builds its engines
+                raise ValueError(f"pools.{name}.profile: a profile name or file, got {p.get('profile')!r}")
             names = p.get("model_names", [])
             # A bare `model_names: llama-70b` was read as its letters: every request answered 404.
             if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
