@@ -428,3 +428,17 @@ def test_a_scenario_value_that_raised_past_load_or_mid_run_is_an_error_of_the_fi
     path = write(tmp_path, doc)
     with pytest.raises(ValueError, match=re.escape(message)):
         Scenario.load(path)
+
+
+@pytest.mark.parametrize("edit, message", [
+    # Read only where the what-if builds the pool's engines (no kind asks for its model): an error mid-run.
+    (lambda d: d["pools"]["vllm_llama8b"].update(profile="h100-llama8"),
+     "pools.vllm_llama8b.profile: unknown profile 'h100-llama8'"),
+    # `pools:` with nothing under it: AttributeError out of Scenario.load.
+    (lambda d: d.update(pools=None), "a scenario needs at least one pool and one phase"),
+])
+def test_a_pool_the_workload_does_not_ask_for_is_checked_at_load_too(tmp_path, edit, message):
+    doc = spike_doc()
+    edit(doc)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Scenario.load(write(tmp_path, doc))

@@ -267,7 +267,7 @@ class Scenario:
                 except (ValueError, TypeError) as exc:
                     raise ValueError(f"events[{i}].fault.{k}: {exc}") from None
             unmodelled += [f"events[{i}].fault.{k}" for k in e.get("fault") or {} if k not in WHATIF_FAULTS]
-        for name, p in d["pools"].items():
+        for name, p in (d["pools"] or {}).items():  # `pools:` left empty: no pool (an AttributeError)
             if not isinstance(p.get("profile"), str):  # a TypeError mid-run, where the what-if builds its engines
                 raise ValueError(f"pools.{name}.profile: a profile name or file, got {p.get('profile')!r}")
             names = p.get("model_names", [])
@@ -276,8 +276,12 @@ class Scenario:
                 raise ValueError(f"pools.{name}.model_names: a list of model names, got {names!r}")
         pools = [Pool(name, p["profile"], int(p.get("replicas", 1)), list(p.get("model_names", [])),
                       p.get("scheduling_policy"))
-                 for name, p in d["pools"].items()]
+                 for name, p in (d["pools"] or {}).items()]
         for pool in pools:
+            try:  # a pool no kind asks for is read only when the what-if builds its engines: mid-run
+                load_profile(pool.profile)
+            except ValueError as e:
+                raise ValueError(f"pools.{pool.name}.profile: {e}") from None
             if pool.replicas < 1:  # capacity 0, or the what-if's load balancer picks from no replica
                 raise ValueError(f"pools.{pool.name}.replicas: at least 1, got {pool.replicas}")
             if pool.scheduling_policy not in (None, *SCHEDULING_POLICIES):
