@@ -442,3 +442,23 @@ def test_a_pool_the_workload_does_not_ask_for_is_checked_at_load_too(tmp_path, e
     edit(doc)
     with pytest.raises(ValueError, match=re.escape(message)):
         Scenario.load(write(tmp_path, doc))
+
+
+@pytest.mark.parametrize("what_if_run", [True, False])
+def test_a_bad_mode_policy_is_named_before_the_first_mode_runs(tmp_path, monkeypatch, capsys, what_if_run):
+    # The real demo read mode d's policy when it started d's stack, after a, b and c had run (minutes each); the
+    # what-if when it came to d.
+    import extproc.tools.demo as demo
+    policy = yaml.safe_load((ROOT / "policies" / "demo-full.yaml").read_text())
+    policy["classes"]["interactive"]["max_concurency"] = 4
+    doc = spike_doc()
+    doc["policies"] = {"d": str(write(tmp_path, policy, "p.yaml"))}
+    def ran(*a):
+        raise AssertionError("a mode ran before the policies were read")
+    monkeypatch.setattr(demo, "run_mode", ran)
+    monkeypatch.setattr(demo, "what_if", ran)
+    args = type("A", (), {"what_if": what_if_run, "scenario": str(write(tmp_path, doc)), "phase_s": None,
+                          "modes": "a,d", "show_limits": False, "out": str(tmp_path / "out"), "speed": 5.0,
+                          "progress_every": 5.0})()
+    assert run(args) == 2
+    assert "classes.interactive.max_concurency" in capsys.readouterr().err

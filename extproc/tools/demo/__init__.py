@@ -11,14 +11,14 @@ import time
 from pathlib import Path
 
 from .baselines import admitter_for
-from extproc.policy.schema import PolicyError
+from extproc.policy.schema import PolicyError, load_policy_file
 
 from .modes import DEFAULT_MODES, MODES, Mode, parse_modes, repo_path, with_policies
 from .report import tables, write_report
 from .results import WindowStats, adaptive_targets, calm_windows, scenario_stats, spike_windows, targets
 from .runner import ModeResult, RunSettings, run_mode
 from .scenario import Scenario
-from .whatif import what_if
+from .whatif import check_routes, what_if
 
 DEFAULT_SPEED = 5.0
 
@@ -51,6 +51,15 @@ def mode_stats(res: ModeResult, scenario: Scenario) -> dict[str, WindowStats]:
 def scenario_modes(scenario: Scenario, modes: str) -> list[Mode]:
     """The modes named in `modes` (e.g. "b,d") as the scenario runs them: its policies, mode b's knobs, its labels."""
     return with_policies(parse_modes(modes), scenario.policies, scenario.envoy_adaptive, scenario.labels)
+
+
+def check_policies(scenario: Scenario, modes: list[Mode]) -> None:
+    """Every mode's policy, read and checked against the scenario's fleet before the first mode runs: a mistake in
+    mode d's file was found once modes a-c had run (minutes of the real demo, each stack started and stopped).
+    PolicyError or ValueError names it."""
+    for m in modes:
+        if m.policy:
+            check_routes(scenario, load_policy_file(m.policy), m.policy)
 
 
 def what_if_stats(scenario: Scenario, modes: str, instances: int = 1) -> dict[str, dict[str, WindowStats]]:
@@ -102,6 +111,7 @@ def what_if_tables(args: argparse.Namespace, command: str = "extproc demo --what
     capacity = scenario.fleet_capacity()
     results = []
     modes = scenario_modes(scenario, args.modes)
+    check_policies(scenario, modes)
     if any(m.policy for m in modes):
         print(f"scenario {scenario.name}, what-if:\n{policy_lines(modes)}")
     for m in modes:
@@ -122,6 +132,7 @@ def what_if_tables(args: argparse.Namespace, command: str = "extproc demo --what
 async def demo(args: argparse.Namespace, command: str) -> int:
     scenario = load_scenario(args)
     modes = scenario_modes(scenario, args.modes)
+    check_policies(scenario, modes)
     out = Path(args.out or f"results/{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     capacity = scenario.fleet_capacity()
