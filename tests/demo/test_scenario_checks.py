@@ -462,3 +462,11 @@ def test_a_bad_mode_policy_is_named_before_the_first_mode_runs(tmp_path, monkeyp
                           "progress_every": 5.0})()
     assert run(args) == 2
     assert "classes.interactive.max_concurency" in capsys.readouterr().err
+
+
+def test_an_event_whose_fault_is_left_empty_is_named(tmp_path):
+    # `fault:` with nothing under it raised AttributeError out of Scenario.load (a traceback).
+    doc = spike_doc()
+    doc["events"] = [{"at_s": 30, "pool": "vllm_llama70b", "fault": None}]
+    with pytest.raises(ValueError, match=re.escape("events[0].fault: a mapping is expected, got NoneType")):
+        Scenario.load(write(tmp_path, doc))

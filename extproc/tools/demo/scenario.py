@@ -260,7 +260,7 @@ class Scenario:
         unmodelled = []
         for i, e in enumerate(d.get("events") or []):
             _check_keys(e, f"events[{i}].", EVENT_KEYS)
-            _check_keys(e.get("fault") or {}, f"events[{i}].fault.", FAULT_KEYS)
+            _check_keys(e.get("fault"), f"events[{i}].fault.", FAULT_KEYS)  # `fault:` left empty: AttributeError
             for k, v in (e.get("fault") or {}).items():
                 try:
                     fault_value(v)  # what the replica's /sim/fault would refuse mid-run
