@@ -470,3 +470,22 @@ def test_an_event_whose_fault_is_left_empty_is_named(tmp_path):
     doc["events"] = [{"at_s": 30, "pool": "vllm_llama70b", "fault": None}]
     with pytest.raises(ValueError, match=re.escape("events[0].fault: a mapping is expected, got NoneType")):
         Scenario.load(write(tmp_path, doc))
+
+
+@pytest.mark.parametrize("what_if_run, speed, phase_s, message", [
+    (False, 0.0, None, "--speed takes seconds > 0, got 0"),  # ZeroDivisionError, a traceback
+    (True, 5.0, 0.0, "--phase-s takes seconds > 0, got 0"),  # the whole scenario, unsaid
+    (True, 5.0, -2.0, "--phase-s takes seconds > 0, got -2"),  # no request at all, a report of -0.00
+])
+def test_a_speed_or_phase_length_of_no_time_is_refused(monkeypatch, capsys, what_if_run, speed, phase_s, message):
+    import extproc.tools.demo as demo
+
+    def ran(*a):
+        raise AssertionError("a mode ran")
+    monkeypatch.setattr(demo, "run_mode", ran)
+    monkeypatch.setattr(demo, "what_if", ran)
+    args = type("A", (), {"what_if": what_if_run, "scenario": "scenarios/spike.yaml", "phase_s": phase_s,
+                          "modes": "a", "show_limits": False, "out": None, "speed": speed, "progress_every": 5.0})()
+    assert run(args) == 2
+    err = capsys.readouterr().err
+    assert err == f"extproc demo: {message}\n"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import shlex
 import signal
 import sys
@@ -183,6 +184,13 @@ def run(args: argparse.Namespace) -> int:
     if instances < 1 or (instances > 1 and not args.what_if):
         print("extproc demo: --instances takes N >= 1 and goes with --what-if", file=sys.stderr)
         return 2
+    # Simulated seconds: --speed 0 raised ZeroDivisionError, --phase-s 0 ran the whole scenario unsaid and a
+    # negative one a run of no request, its report all -0.00.
+    speed = None if args.what_if else args.speed  # the what-if runs in simulated time
+    for flag, value in (("--speed", speed), ("--phase-s", getattr(args, "phase_s", None))):
+        if value is not None and not 0 < value < math.inf:
+            print(f"extproc demo: {flag} takes seconds > 0, got {value:g}", file=sys.stderr)
+            return 2
     try:
         return what_if_tables(args, command) if args.what_if else uvloop.run(_main(args, command))
     except (ValueError, PolicyError, OSError) as e:  # a scenario, policy or mode the run cannot start from
