@@ -489,3 +489,19 @@ def test_a_speed_or_phase_length_of_no_time_is_refused(monkeypatch, capsys, what
     assert run(args) == 2
     err = capsys.readouterr().err
     assert err == f"extproc demo: {message}\n"
+
+
+def test_a_class_claimed_in_the_body_is_read_by_the_what_if_as_by_the_ext_proc(tmp_path):
+    # The ext_proc reads a class claim in the body's `classify.body_field` (server/openai.py parse_body); the
+    # what-if read headers only, so a kind sending `body: {priority: batch}` ran as its tenant's default class.
+    policy = {"classes": {"interactive": {"max_concurrency": 64},
+                          "batch": {"max_concurrency": 1, "max_queue": 0}},
+              "models": {"llama-70b": {"cluster": "big"}}, "default_class": "interactive",
+              "anonymous": {"max_class": "interactive"}}
+    pol = write(tmp_path, policy, "p.yaml")
+    kinds = [{"name": "jobs", "model": "llama-70b", "prompt_tokens": 300, "max_tokens": 64,
+              "body": {"priority": "Batch"}}]
+    doc = {"pools": {"big": {"profile": "h100-llama70b-awq", "replicas": 1, "model_names": ["llama-70b"]}},
+           "capacity": 4.0, "phases": [{"name": "p", "duration_s": 10, "rate": 2.0}], "workload": {"kinds": kinds}}
+    records = what_if(Scenario.from_dict(doc), str(pol), 4.0).records
+    assert any(r.status == 429 for r in records)  # batch's one slot, no queue: refused as batch

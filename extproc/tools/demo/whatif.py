@@ -38,6 +38,7 @@ from .scenario import Scenario
 
 # The schema's default header names (a mode without the ext_proc reads nothing by them).
 DEFAULT_HEADERS = HeaderNames(ClassifySpec().header, SessionSpec().header)
+DEFAULT_BODY_FIELD = ClassifySpec().body_field
 TICK_S = 0.25  # simulated seconds between core.tick() calls (the ext_proc: every core.tick_s, at most 0.1 s)
 
 # Event kinds, in the order they run when due at the same instant.
@@ -45,9 +46,10 @@ _ITERATION, _TIMEOUT, _LEFT, _TIMER, _FAULT = range(5)
 
 
 def _facts(kind, prompt_tokens: int, session_id: str | None = None,
-           names: HeaderNames = DEFAULT_HEADERS) -> RequestFacts:
+           names: HeaderNames = DEFAULT_HEADERS, body_field: str = DEFAULT_BODY_FIELD) -> RequestFacts:
     """The request as the ext_proc reads it: its headers through the server's own reader with the policy's header
-    names (class, objective, fairness, deadline; both API key headers), the body fields the load generator sends."""
+    names (class, objective, fairness, deadline; both API key headers), the body fields the load generator sends,
+    the class claimed in the body's `body_field` among them (server/openai.py parse_body)."""
     msg = HttpHeaders()
     for k, v in ((":method", "POST"), (":path", ENDPOINTS[kind.endpoint]), *kind.headers.items()):
         msg.headers.headers.add(key=k.lower(), raw_value=str(v).encode("latin-1"))
@@ -59,8 +61,10 @@ def _facts(kind, prompt_tokens: int, session_id: str | None = None,
     # A body of the prompt's size, for the core's own prompt estimate (characters / chars_per_token).
     doc = {"prompt": "x" * (4 * prompt_tokens)}
     max_tokens = requested_max_tokens(kind.endpoint, kind.max_tokens)  # as parse_body reads it
-    return RequestFacts(api_key=api_key, header_class=head.claim, model=kind.model, max_tokens=max_tokens,
-                        stream=kind.stream, doc=doc, min_output=min_output_of(kind.body),
+    claim = kind.body.get(body_field)  # a kind's `body: {priority: batch}` was no claim in the what-if
+    body_class = claim.strip().lower() if isinstance(claim, str) else None
+    return RequestFacts(api_key=api_key, header_class=head.claim, body_class=body_class, model=kind.model,
+                        max_tokens=max_tokens, stream=kind.stream, doc=doc, min_output=min_output_of(kind.body),
                         session_id=session_id or head.session,
                         objective=head.objective, fairness_id=head.fairness_id, deadline_ms=head.deadline_ms)
 
@@ -77,7 +81,7 @@ def check_routes(scenario: Scenario, policy: Policy, source: str) -> None:
         model = names.get(kind.model) if kind.model is not None else None
         if model is None:  # the policy answers 404 (or learns it from the replicas): no route
             continue
-        facts = _facts(kind, 0, names=HeaderNames.of(policy))
+        facts = _facts(kind, 0, names=HeaderNames.of(policy), body_field=policy.classify.body_field)
         cls = classifier.classify(facts.api_key, facts.header_class, facts.body_class, facts.objective,
                                   facts.fairness_id).cls
         fb = policy.classes[cls].fallback
@@ -188,6 +192,7 @@ class PolicyAdmitter:
         self.source = policy_path
         self.policy = load_policy_file(policy_path)  # as `extproc check` and `serve` read it
         self.header_names = HeaderNames.of(self.policy)
+        self.body_field = self.policy.classify.body_field
         self.limit_factory = limit_factory
         self.limits: list[tuple[float, dict[str, int]]] = []
         self.core: AdmissionController | None = None
@@ -277,7 +282,7 @@ class InstancesAdmitter:
     def __init__(self, policy_path: str, instances: int, limit_factory: LimitFactory = default_limit):
         self.parts = [PolicyAdmitter(policy_path, limit_factory) for _ in range(instances)]
         self.policy, self.source = self.parts[0].policy, policy_path
-        self.header_names = self.parts[0].header_names
+        self.header_names, self.body_field = self.parts[0].header_names, self.parts[0].body_field
         self.limits: list[tuple[float, dict[str, int]]] = []
         self._next = itertools.cycle(self.parts)
 
@@ -503,7 +508,8 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
             record.retry = planned.retry
             sessions[id(record)] = planned
         d = admitter.decide(_facts(kind, planned.prompt_tokens, planned.session.id if planned.session else None,
-                                   getattr(admitter, "header_names", DEFAULT_HEADERS)))
+                                   getattr(admitter, "header_names", DEFAULT_HEADERS),
+                                   getattr(admitter, "body_field", DEFAULT_BODY_FIELD)))
         ask = _Ask.of(kind, planned.prompt_tokens)
         if d.kind == QUEUE:
             record.queued = True
