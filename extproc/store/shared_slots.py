@@ -85,6 +85,9 @@ class SharedSlots:
         # sent again before anything else once it answers, or a class would stay full of finished requests on an
         # idle fleet until their leases ran out.
         self._unreleased: list[tuple[float, SlotClaim]] = []
+        # Ticket ids of unshared requests whose adoption is on its way or failed: it may have gone through with only
+        # its answer lost, so the store may count them, and their end is released like a global slot's.
+        self._maybe_adopted: set[int] = set()
         self._releaser: asyncio.Task | None = None
         core.gate_on_store(store.shared)
         store.on_release(self._wake)
@@ -218,7 +221,9 @@ class SharedSlots:
         claim = held or self.unshared.pop(ticket.id, None)
         if claim is None:
             return
-        if held is not None or self.state == SHARED:
+        maybe_adopted = ticket.id in self._maybe_adopted
+        self._maybe_adopted.discard(ticket.id)
+        if held is not None or self.state == SHARED or maybe_adopted:
             self._release_soon(claim)
         if self.state != SHARED:
             self._wake(claim.cls)  # a share slot is free: the next waiter here may take it
@@ -351,7 +356,9 @@ class SharedSlots:
                     self.unshared[tid] = self.held.pop(tid)
             if self.unshared:
                 adopted = dict(self.unshared)
+                self._maybe_adopted.update(adopted)  # until the store answers, it may count them
                 await self.store.adopt(list(adopted.values()))
+                self._maybe_adopted.difference_update(adopted)
                 for tid, c in adopted.items():
                     if self.unshared.pop(tid, None) is not None:
                         self.held[tid] = c

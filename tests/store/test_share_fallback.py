@@ -8,7 +8,7 @@ import asyncio
 from extproc.policy.admission import ACCEPT, REJECT, AdmissionController, RequestFacts
 from extproc.policy.limits import Outcome
 from extproc.policy.slot_store import SlotClaim, StoreUnavailable
-from extproc.store.shared_slots import LOCAL, SharedSlots
+from extproc.store.shared_slots import LOCAL, SHARED, SharedSlots
 from tests.conftest import make_policy, until
 
 CAP, INSTANCES = 4, 2
@@ -193,3 +193,31 @@ def test_the_server_passes_its_worker_count_to_the_shared_slots(tmp_path):
     args = parser.parse_args(["--policy", str(path), "--workers", "2", "--worker-index", "1"])
     server = Server(str(path), load_policy_file(str(path)), args)
     assert server.shared.instances == 6  # 3 replicas of 2 workers: 6 processes fail open on their own
+
+
+async def test_a_request_whose_adoption_went_through_unanswered_is_released_when_it_ends():
+    """The store came back and took the adoption of a request admitted during the outage, but its answer was lost
+    (the store stalled again). The request then ended while the replica failed open, and as a slot the store was
+    thought never to have, it was not released: the class counted a finished request until its lease ran out."""
+    store = FakeStore()
+    r = replica(store)
+    await r.start()
+    store.state = "down"
+    await r.tick()  # the probe finds the outage
+    d = await admit(r)
+    assert r.state == LOCAL and r.unshared and not r._to_release
+    store.state = "up"
+    adopt = store.adopt
+
+    async def adopt_unanswered(claims):
+        await adopt(claims)
+        store.adopt = adopt
+        raise StoreUnavailable("fake store: the answer was lost")
+    store.adopt = adopt_unanswered
+    await r.tick()  # back to shared; the adoption goes through unanswered, and the replica fails open again
+    assert r.state == LOCAL and store.slots["interactive"] == {f"{r.replica}:{d.ticket.id}"}
+    finish(r, d)
+    await r.tick()
+    assert r.state == SHARED
+    assert await until(lambda: store.slots["interactive"], holds=lambda s: not s, timeout=1) == set()
+    await r.close()
