@@ -252,13 +252,12 @@ class SharedSlots:
             self._releaser = None
 
     async def _release_again(self) -> None:
-        """Send the releases the store did not take; those older than a lease have expired there already."""
+        """Send the releases the store did not take, old ones too: a call that timed out may still reach the store
+        later (held by TCP through a partition, queued in a stalled Redis) and take its slot with a fresh lease.
+        The list is sent whole at the first answer, so it never holds more than one outage's releases."""
         if not self._unreleased:
             return
-        oldest = self.core.clock() - self.policy.store.lease_ms / 1000.0
-        pending, self._unreleased = [(t, c) for t, c in self._unreleased if t >= oldest], []
-        if not pending:
-            return
+        pending, self._unreleased = self._unreleased, []
         try:
             await self.store.release([(c.cls, c.holder) for _, c in pending])
         except StoreUnavailable:

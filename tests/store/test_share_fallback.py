@@ -221,3 +221,31 @@ async def test_a_request_whose_adoption_went_through_unanswered_is_released_when
     assert r.state == SHARED
     assert await until(lambda: store.slots["interactive"], holds=lambda s: not s, timeout=1) == set()
     await r.close()
+
+
+async def test_a_release_older_than_a_lease_is_sent_again_all_the_same():
+    """An acquire that timed out can still reach the store later (its bytes held by TCP through a partition, or
+    queued in a stalled Redis) and take its slot with a fresh lease. The release sent after it failed was let go
+    once older than a lease, as if the slot had expired, and the store counted a request that never ran for a whole
+    lease after it came back."""
+    from tests.conftest import FakeClock
+    clock = FakeClock()
+    store = FakeStore()
+    r = SharedSlots(AdmissionController(replica(store).policy, clock=clock), store)
+    await r.start()
+    on_its_way = []
+
+    async def acquire_late(claim):
+        on_its_way.append(claim)
+        raise StoreUnavailable("fake store: timed out, the call still on its way")
+    acquire, store.acquire = store.acquire, acquire_late
+    store.state = "down"
+    d = await admit(r)  # the acquire times out: admitted on the share, its global slot released (that fails too)
+    assert r.state == LOCAL and await until(lambda: r._unreleased)
+    finish(r, d)
+    clock.advance(r.policy.store.lease_ms / 1000.0 + 1)
+    store.state, store.acquire = "up", acquire
+    assert await acquire(on_its_way[0])  # the acquire reaches the store at last
+    await r.tick()
+    assert r.state == SHARED and store.slots["interactive"] == set()
+    await r.close()
