@@ -105,7 +105,8 @@ class Backend:
         self.mode = "up"  # up, down (refused at once), readonly (answers errors), frozen (hangs to the timeout)
         self.adopted: set[str] = set()  # holders ever recorded by adopt(): they may stand past the cap
         self.clients: list[FakeStore] = []
-        self.grants: list[tuple[SlotClaim, int, float]] = []  # what each grant left: (claim, count, cost)
+        self.grants: list[tuple[SlotClaim, int, float]] = []
+        self.late: list = []  # calls sent to a frozen store, run in order when it resumes  # what each grant left: (claim, count, cost)
 
     timeout_s = TIMEOUT_S  # an admission waits for one store call at most
 
@@ -117,6 +118,10 @@ class Backend:
         return {h: cost for h, (_, cost) in self.live(cls).items()}
 
     def set_mode(self, mode: str) -> None:
+        if self.mode == "frozen" and mode != "frozen":
+            late, self.late = self.late, []
+            for effect in late:
+                effect()
         self.mode = mode
 
     async def close(self) -> None:
@@ -193,8 +198,11 @@ class FakeStore:
         if mode in ("down", "readonly"):
             raise StoreUnavailable(f"fake store {mode}")
         if mode == "frozen":
-            if self.rng.random() < 0.3:
+            luck = self.rng.random()
+            if luck < 0.3:
                 effect()  # it went through just before the store froze; the answer never came
+            elif luck < 0.6 and not self.cut:
+                self.backend.late.append(effect)  # it runs when the store resumes, as SIGCONT does
             await asyncio.sleep(TIMEOUT_S)
             raise StoreUnavailable("fake store timeout")
         early = self.rng.random() < 0.5
