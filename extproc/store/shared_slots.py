@@ -150,6 +150,8 @@ class SharedSlots:
     async def wait(self, d: Decision) -> Decision:
         """Wait in this replica's FIFO for a global slot until the class's deadline; then 429 like a queue. While
         it waits the request counts as queued, not in flight (core.await_store)."""
+        if self.state == CLOSED:  # failed closed since try_now(): nothing would ask the store for its slot
+            return self._closed(d)
         t = d.ticket
         claim = self.claim(t)
         started = self.core.clock()

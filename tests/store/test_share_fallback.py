@@ -249,3 +249,28 @@ async def test_a_release_older_than_a_lease_is_sent_again_all_the_same():
     await r.tick()
     assert r.state == SHARED and store.slots["interactive"] == set()
     await r.close()
+
+
+async def test_a_wait_that_begins_after_the_store_failed_closed_is_refused_at_once():
+    """The store said the class was full; before the request began its wait (the servicer first sends Envoy its
+    timeout extension) another call found the store gone and the replica failed closed. The requests waiting then
+    got their 503 at once, but this one queued for a slot nobody asked the store for, and got a 429 after its whole
+    wait."""
+    import time
+    policy = make_policy(classes={"interactive": {"max_concurrency": 1, "max_queue": 10, "max_wait_ms": 1000}},
+                         tenants=[], store={"kind": "redis", "url": "redis://fake", "on_failure": "closed",
+                                            "poll_ms": 20})
+    store = FakeStore()
+    store.slots["interactive"] = {"other:1"}
+    r = SharedSlots(AdmissionController(policy), store)
+    await r.start()
+    d = r.core.decide(RequestFacts(header_class="interactive", model="llama", max_tokens=10))
+    assert await r.try_now(d) is None  # full across the replicas: it will wait
+    store.state = "down"
+    await r.tick()  # the probe finds the store gone
+    assert r.state == "closed"
+    started = time.monotonic()
+    refused = await asyncio.wait_for(r.wait(d), 5)
+    assert (refused.kind, refused.status, refused.reason) == (REJECT, 503, "store_unavailable")
+    assert time.monotonic() - started < 0.5 and r.core.limiters["interactive"].inflight == 0
+    await r.close()
