@@ -12,7 +12,7 @@ Invariants, checked after every step (and some at the moment they matter):
 - while the store answers, a slot is granted only within the class's cap and GPU-second budget as the instance's
   policy sets them: the slots held by holders that were never adopted never exceed the cap;
 - failing open, an instance admits only within its local share (running requests counted, docs/reliability.md);
-- no admission waits past its deadline plus the store's timeout;
+- no admission waits past its deadline plus the store's timeout, and none waits while failing closed;
 - an admitted request holds exactly one slot (global or share), a refused one none;
 - after the store is back and a lease has passed, it counts exactly what runs (adopted), nothing more;
 - at the end, once everything has ended and a lease has passed, the store counts zero for every class and every
@@ -34,7 +34,7 @@ from extproc.policy.limits import Outcome
 from extproc.policy.slot_store import SlotClaim, StoreUnavailable
 from extproc.server.final_admission import FinalAdmission
 from extproc.store.redis_store import RedisStore
-from extproc.store.shared_slots import LOCAL, SHARED, SharedSlots
+from extproc.store.shared_slots import CLOSED, LOCAL, SHARED, SharedSlots
 from tests.conftest import make_policy
 
 INSTANCES = 3
@@ -345,7 +345,7 @@ async def serve(inst: Instance, req: Request, facts: RequestFacts) -> None:
         held = FinalAdmission(core, inst.slots, d)
 
         async def extend(_s: float) -> None:
-            pass
+            await asyncio.sleep(0.001)  # the timeout extension's write to Envoy
         try:
             d = await held.settle(extend)
         except asyncio.CancelledError:
@@ -477,8 +477,10 @@ class Walk:
             assert len(fresh) <= high[cls].max_concurrency, (cls, held)
             budget = high[cls].max_inflight_gpu_seconds
             assert budget is None or sum(fresh.values()) <= budget + EPS, (cls, held)
-        # No admission waits past its deadline plus one store call.
+        # No admission waits past its deadline plus one store call; failing closed, none waits at all.
         for inst in self.instances:
+            if inst.slots.state == CLOSED:
+                assert not [w for q in inst.slots._waiting.values() for w in q if not w.future.done()]
             for r in inst.waiting():
                 wait_ms = min(high[r.cls].max_wait_ms, r.deadline_ms or float("inf"))
                 limit = r.arrived + wait_ms / 1000.0 + self.backend.timeout_s
