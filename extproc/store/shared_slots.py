@@ -154,6 +154,8 @@ class SharedSlots:
             return self._closed(d)
         t = d.ticket
         claim = self.claim(t)
+        if claim.cls not in self.core.limiters:  # a reload removed its class since try_now(), refusing its waiters
+            return self.core.revoke(d, R_CLASS_REMOVED, say(R_CLASS_REMOVED, cls=claim.cls))
         started = self.core.clock()
         self.core.await_store(d)
         w = _Waiting(t, claim, asyncio.get_running_loop().create_future())

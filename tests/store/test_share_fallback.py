@@ -274,3 +274,25 @@ async def test_a_wait_that_begins_after_the_store_failed_closed_is_refused_at_on
     assert (refused.kind, refused.status, refused.reason) == (REJECT, 503, "store_unavailable")
     assert time.monotonic() - started < 0.5 and r.core.limiters["interactive"].inflight == 0
     await r.close()
+
+
+async def test_a_wait_that_begins_after_a_reload_removed_its_class_is_refused():
+    """A reload removed the class between the request's first try and its wait (the servicer first sends Envoy its
+    timeout extension): the waiters of the class were refused, but this one queued after them, got a global slot
+    and ran under a class the policy no longer has."""
+    policy = make_policy(classes={"interactive": {"max_concurrency": 1, "max_queue": 10, "max_wait_ms": 1000},
+                                  "batch": {"max_concurrency": 1}}, default_class="batch", tenants=[],
+                         store={"kind": "redis", "url": "redis://fake", "poll_ms": 20})
+    store = FakeStore()
+    store.slots["interactive"] = {"other:1"}
+    r = SharedSlots(AdmissionController(policy), store)
+    await r.start()
+    d = r.core.decide(RequestFacts(header_class="interactive", model="llama", max_tokens=10))
+    assert await r.try_now(d) is None  # full across the replicas: it will wait
+    r.apply(make_policy(classes={"batch": {"max_concurrency": 1}}, default_class="batch", tenants=[],
+                        store={"kind": "redis", "url": "redis://fake", "poll_ms": 20}))
+    store.slots["interactive"].clear()  # the other replica's request ends
+    out = await asyncio.wait_for(r.wait(d), 5)
+    assert (out.kind, out.status, out.reason) == (REJECT, 503, "class_removed")
+    assert not r.held and store.slots["interactive"] == set()
+    await r.close()
