@@ -152,6 +152,7 @@ class RedisStore:
         self._subscriber: asyncio.Task | None = None
         self._reports: tuple[str, Callable[[list[list]], None]] | None = None  # this instance's channel, handler
         self._relaying: set[asyncio.Task] = set()  # publishes in flight (held: the loop keeps only weak refs)
+        self._dropping: asyncio.Task | None = None  # the pool's connections being dropped after a failed call
 
     def keys(self, cls: str) -> list[str]:
         return [f"{self.prefix}slots:{cls}", f"{self.prefix}cost:{cls}"]
@@ -161,11 +162,24 @@ class RedisStore:
             async with asyncio.timeout(self.timeout_s):
                 return await coro
         except (RedisError, OSError, TimeoutError) as e:
-            # Pooled connections to a Redis that went away look healthy until used: drop them all now, or they
-            # fail one by one after Redis is back and flip the replica into its fallback again.
-            with contextlib.suppress(Exception):
-                await self.client.connection_pool.disconnect()
+            self._drop_connections()
             raise StoreUnavailable(f"redis {type(e).__name__}: {e}") from None
+
+    def _drop_connections(self) -> None:
+        """Pooled connections to a Redis that went away look healthy until used: drop them all, or they fail one
+        by one after Redis is back and flip the replica into its fallback again. In the background and bounded:
+        closing sockets to a stopped Redis waits, and the caller must fail over within its own timeout."""
+        if self._dropping is not None:
+            return  # one drop at a time: every call failing in an outage would start its own
+        self._dropping = asyncio.get_running_loop().create_task(self._drop())
+
+    async def _drop(self) -> None:
+        try:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self.timeout_s):
+                    await self.client.connection_pool.disconnect()
+        finally:
+            self._dropping = None
 
     async def acquire(self, claim: SlotClaim) -> bool:
         """One call at a time: the first goes out at once, acquires arriving meanwhile queue and are decided
@@ -293,8 +307,9 @@ class RedisStore:
         self._subscriber = asyncio.create_task(self._subscribe(), name="extproc-store-subscriber")
 
     async def close(self) -> None:
-        if self._acquirer is not None:
-            self._acquirer.cancel()
+        for task in (self._acquirer, self._dropping):
+            if task is not None:
+                task.cancel()
         if self._subscriber is not None:
             self._subscriber.cancel()
             with contextlib.suppress(asyncio.CancelledError):

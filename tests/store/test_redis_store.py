@@ -348,3 +348,29 @@ async def test_closing_the_store_answers_the_acquires_still_queued(redis_server)
         with pytest.raises(StoreUnavailable):
             task.result()
     assert await first
+
+
+async def test_a_call_fails_over_within_its_timeout_even_when_dropping_the_pool_hangs():
+    # After a failed call the store drops its pooled connections; closing them waits on sockets to a Redis that
+    # may be stopped (SIGSTOP, a partition). That wait was the caller's: an admission waited on it past the
+    # store's timeout, unbounded but for redis-py's own per-connection timeouts.
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    store = RedisStore(StoreSpec(kind="redis", url=f"redis://127.0.0.1:{free_port()}/0", timeout_ms=100))
+    hung = asyncio.Event()
+
+    async def disconnect(*_args, **_kw):
+        hung.set()
+        await asyncio.sleep(30)
+
+    async def failing(*_args, **_kw):
+        raise RedisConnectionError("connection reset by peer")
+
+    store.client.connection_pool.disconnect = disconnect
+    store._acquire = failing
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable):
+        await asyncio.wait_for(store.acquire(claim("a")), timeout=5)
+    assert time.monotonic() - started < 1.0
+    await asyncio.wait_for(hung.wait(), timeout=1)  # the pool is still dropped, in the background
+    await store.close()
