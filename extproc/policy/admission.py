@@ -612,10 +612,14 @@ class AdmissionController:
         ticket.charge = charge
         self.hold(ticket, lim, cost, now, gate, units)
         self.tickets[ticket.id] = ticket
+        self.shed_below(lim, now)
+        return ticket
+
+    def shed_below(self, lim: ClassLimiter, now: float) -> None:
+        """A slot just taken filled the class: the queues of the classes it sheds are refused."""
         if lim.saturated and self.state.current(lim):  # not its degraded slots' limiter (same name)
             for shed in self.state.sheds.get(lim.name, ()):
                 self._shed_queue(shed, lim, now)
-        return ticket
 
     def hold(self, ticket: Ticket, lim: ClassLimiter, cost: float, now: float, gate=None, units: float = 0.0) -> None:
         """What a slot taken holds, each given back by _release: the class's slot and GPU-seconds, the flow's fair

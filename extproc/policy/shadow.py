@@ -60,6 +60,7 @@ class ShadowMode:
         self.places.pop(t.id, None)
         t.cost, t.holds_slot, t.flow = w.cost, True, w.flow
         self.core.hold(t, lim, w.cost, now, w.gate, w.units)
+        self.core.shed_below(lim, now)  # as enforce's grant does (_admit): the lower queues it sheds go
         w.result = Admit(R_DEQUEUED, lim.name, w.tenant, t, waited_s=waited_s)
         self.core.events.shadow(lim.name, ACCEPT, R_DEQUEUED)
         return True

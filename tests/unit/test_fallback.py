@@ -506,3 +506,25 @@ def test_in_shadow_a_class_that_first_reaches_a_pool_through_its_virtual_queue_r
     assert core.limiters["interactive"].pools == {"pool_a", "pool_b"}
     for d in (b, c):
         core.finish(d.ticket, Outcome.OK)
+
+
+def test_in_shadow_a_virtual_place_that_fills_its_class_sheds_the_lower_queues_as_enforce_does(clock):
+    # Found by the shadow model test (test_admission_model_shadow.py): a reload raised interactive's cap and shed
+    # batch under it; the queue's grant took interactive's last slot, which in enforce sheds batch's queue
+    # (higher_class_saturated). In shadow the place took the slot without shedding: batch's places waited on
+    # and the two sheds enforce made were never counted.
+    def classes(mode, cap, shed):
+        return make_policy(mode=mode, tenants=[], shed=shed, classes={
+            "interactive": {"max_concurrency": cap, "max_queue": 1, "max_wait_ms": 1000},
+            "batch": {"max_concurrency": 1, "max_queue": 2, "max_wait_ms": 1000}})
+
+    counts = {}
+    for mode in ("enforce", "shadow"):
+        events = RecordedEvents()
+        core = AdmissionController(classes(mode, 1, {}), clock=clock, events=events)
+        [core.decide(req(cls)) for cls in ("interactive", "interactive", "batch", "batch", "batch")]
+        core.apply(classes(mode, 2, {"interactive": ["batch"]}))  # interactive's waiter takes the new slot
+        counts[mode] = (core.limiters["interactive"].inflight, len(core.limiters["batch"].queue))
+        if mode == "shadow":
+            assert (SHED, "higher_class_saturated") in [(w, r) for _, w, r in events.shadow_calls]
+    assert counts["shadow"] == counts["enforce"] == (2, 0)
