@@ -372,7 +372,9 @@ class CostModel:
 
 def _bounded(value: float, configured: float) -> float:
     if configured <= 0:
-        return max(value, 0.0)
+        # [1/4, 4] times 0 is 0: unbounded, a 0 coefficient ran away with the first stalled request (its residual
+        # is not clipped while the prediction is 0) and kept growing 5% per outlier after.
+        return 0.0
     return min(max(value, configured / 4.0), configured * 4.0)
 
 

@@ -213,6 +213,19 @@ def test_learning_is_bounded_against_garbage():
     assert m.prefill_per_token <= SPEC.prefill_s_per_1k_tokens / 1000 * 4
 
 
+def test_a_coefficient_configured_at_zero_is_bounded_against_garbage_too():
+    # Found by the usage model test (test_admission_model_usage.py): a 0 coefficient had no bound at all. One 600 s
+    # report of a prompt-only request set a 0 prefill to 0.03 s/token (a 1,000-token prompt estimated at 30
+    # GPU-seconds); 200 of a 512-token answer ran a 0 decode up to 0.22 s/token (a 114 GPU-second estimate).
+    for spec, prompt, output in ((CostSpec(prefill_s_per_1k_tokens=0.0, decode_s_per_token=0.002), 1000, 0),
+                                 (CostSpec(prefill_s_per_1k_tokens=0.1, decode_s_per_token=0.0), 100, 512)):
+        m = CostModel(spec)
+        for _ in range(200):
+            m.learn(m.estimate(prompt, 512), prompt, output, 600.0)
+        assert m.prefill_per_token <= spec.prefill_s_per_1k_tokens / 1000 * 4
+        assert m.decode_per_token <= spec.decode_s_per_token * 4
+
+
 def budget_core(clock, budget=1.0, **over):
     spec = {"max_concurrency": 100, "max_queue": 5, "max_wait_ms": 1000, "max_inflight_gpu_seconds": budget}
     spec.update(over)
