@@ -5,10 +5,10 @@ shadow and enforce while its requests run and wait).
 Shadow's promise (shadow.py, docs/configuration.md `mode`): every decision is made and counted as enforce would make
 it, nothing is refused (every request of a class in shadow runs), and enforce-mode state stays exact for what enforce
 would admit. Checked after every step: an arrival in a class in shadow is admitted at once; each class's in-flight
-count and GPU-seconds, its degraded slots and its queue length are the twin's; what shadow counts it would have
-decided (its own decisions plus extproc_shadow_decisions_total) is what the twin decided, a request that ended while
-enforce would still have had it queued (`ended_while_queued`) being the twin's client that left its queue; every
-ticket closes exactly once. At the end everything is drained and every gauge of both reads zero.
+count and GPU-seconds, its degraded slots and its queue length, each tenant's buckets and each session's budgets
+are the twin's; what shadow counts it would have decided (its own decisions plus extproc_shadow_decisions_total) is
+what the twin decided, a request that ended while enforce would still have had it queued (`ended_while_queued`)
+being the twin's client that left its queue; every ticket closes exactly once. At the end everything is drained and every gauge of both reads zero.
 
 The policies have static caps and no breakers, and no usage is read: those learn from how requests ran, and in shadow
 more requests run (and earlier) than under enforce, so a twin would rightly part from it there.
@@ -268,6 +268,18 @@ class ShadowModel(RuleBasedStateMachine):
             assert math.isclose(lim.inflight_cost, twin.inflight_cost, abs_tol=1e-9), name
             assert self.s.degraded[name].inflight == self.e.degraded[name].inflight, name
         assert +self.ev_s.would == +self.ev_e.would, (+self.ev_s.would, +self.ev_e.would)
+        for name, limits in self.s.tenant_limits.items():  # charged as enforce charges
+            twin = self.e.tenant_limits[name]
+            for mine, theirs in ((limits.requests, twin.requests), (limits.tokens, twin.tokens)):
+                if mine is not None:
+                    now = self.clock()  # the level as of now (each refills lazily, when read)
+                    assert math.isclose(mine.refill(now), theirs.refill(now), abs_tol=1e-6), \
+                        (name, mine.level, theirs.level)
+        for key, session in self.s.sessions.sessions.items():
+            twin = self.e.sessions.sessions.get(key)
+            assert twin is not None, key
+            assert (session.inflight, session.queued) == (twin.inflight, twin.queued), key
+            assert math.isclose(session.inflight_gpu_s, twin.inflight_gpu_s, abs_tol=1e-9), key
 
     @invariant()
     def tickets_closed_once(self) -> None:
