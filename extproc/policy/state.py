@@ -132,10 +132,10 @@ class PolicyState:
                 t.gate, t.rank, t.units = self._moved(t.gate, t.cls, t.units, t.charge)
                 if t.gate is not None:
                     t.gate.take(t.rank, t.units, t.flow)
-            elif t.gate is None and t.holds_slot and t.pool in self.gates:
+            elif t.gate is None and t.holds_slot and self._slot_pool(t) in self.gates:
                 # A limit turned on over requests already running on its pool: they hold it too, or it would let
                 # a whole limit more onto a pool that is likely why it was turned on.
-                gate = t.gate = self.gates[t.pool]
+                gate = t.gate = self.gates[self._slot_pool(t)]
                 t.rank, t.units = gate.rank_of(t.cls), self._units(gate, None, 0.0, t.charge)
                 gate.take(t.rank, t.units, t.flow)
         for t in ended:
@@ -144,6 +144,14 @@ class PolicyState:
         for lim in self.limiters.values():
             for w in lim.queue:
                 self._move_place(w)
+
+    def _slot_pool(self, t: Ticket) -> str:
+        """The pool a ticket's slot stands for. A shadow pass on a degraded slot runs on its own pool
+        (ShadowMode.pass_through), where enforce would run it on its degrade's: it weighs there, as in enforce."""
+        if t.degraded or t.limiter is not self.degraded.get(t.cls) or t.cls not in self.policy.classes:
+            return t.pool
+        model = self.policy.classes[t.cls].fallback.model
+        return self.clusters.get(model, t.pool) if model else t.pool
 
     def _move_place(self, w: Waiter) -> None:
         """A queued waiter waits for its pool's gate now (a pool that lost its limit: for its class alone)."""

@@ -873,3 +873,26 @@ def test_a_request_for_another_pool_does_not_wait_behind_its_class_waiting_for_t
     assert pcore.decide(req("interactive", model="small")).kind == ACCEPT  # its pool has room, its class too
     assert pcore.decide(req("interactive")).kind == QUEUE  # behind the first waiter for pool_a, as before
     assert held(pcore) == (4, [4, 0, 0], [2, 0, 0])
+
+
+def test_a_limit_turned_on_counts_a_shadow_request_enforce_would_degrade_where_enforce_runs_it(clock):
+    # Found by the shadow model test (test_admission_model_shadow.py): a request enforce would degrade to `small`
+    # runs in shadow on its own pool, holding the degraded slot. A reload turning a limit on for its own pool
+    # counted it there (enforce runs it on the fallback's pool), so the limit looked full one request early: the
+    # waiter enforce grants stayed in its virtual place, and shadow counted what enforce would not do.
+    def loaded(mode, cap=3, pools=None):
+        return make_policy(mode=mode, tenants=[], shed={}, pools=pools or {}, classes={"interactive": {
+            "max_concurrency": cap, "max_queue": 2, "max_wait_ms": 1000, "on_overflow": "fallback",
+            "fallback": {"action": "degrade", "model": "small", "max_concurrency": 1}}})
+
+    held_by = {}
+    for mode in ("enforce", "shadow"):
+        core = AdmissionController(loaded(mode), clock=clock)
+        ds = [core.decide(RequestFacts(header_class="interactive", model="llama", max_tokens=100))
+              for _ in range(6)]  # 3 run, 2 wait, 1 degraded
+        assert sum(d.kind == DEGRADE for d in ds) == (1 if mode == "enforce" else 0)
+        core.apply(loaded(mode, 5, {"pool_a": {"limit": {"enabled": True, "unit": "requests", "initial": 4, "min": 4,
+                                                      "max": 4}}}))
+        held_by[mode] = (core.gates["pool_a"].inflight, core.limiters["interactive"].inflight,
+                         len(core.limiters["interactive"].queue))
+    assert held_by["shadow"] == held_by["enforce"]
