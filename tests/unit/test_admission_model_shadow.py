@@ -8,10 +8,12 @@ would admit. Checked after every step: an arrival in a class in shadow is admitt
 count and GPU-seconds, its degraded slots and its queue length, each tenant's buckets and each session's budgets
 are the twin's; what shadow counts it would have decided (its own decisions plus extproc_shadow_decisions_total) is
 what the twin decided, a request that ended while enforce would still have had it queued (`ended_while_queued`)
-being the twin's client that left its queue; every ticket closes exactly once. At the end everything is drained and every gauge of both reads zero.
+being the twin's client that left its queue; every ticket closes exactly once. At the end everything is drained and
+every gauge of both reads zero.
 
-The policies have static caps and no breakers, and no usage is read: those learn from how requests ran, and in shadow
-more requests run (and earlier) than under enforce, so a twin would rightly part from it there.
+The policies (one with fair queues on a pool-wide limit) have static caps and no breakers, and no usage is read:
+those learn from how requests ran, and in shadow more requests run (and earlier) than under enforce, so a twin would
+rightly part from it there.
 """
 
 from __future__ import annotations
@@ -58,6 +60,12 @@ BASES = [
     doc({"hi": {"max_concurrency": 1, "max_queue": 1, "max_wait_ms": 200},
          "lo": {"max_concurrency": 1, "max_queue": 2, "max_wait_ms": 800, "fairness": {"mode": "round_robin"}}},
         shed={}),
+    # fair queues on a pool-wide limit (static: min = max) that both classes share
+    doc({"hi": {"max_concurrency": 3, "max_queue": 3, "max_wait_ms": 400, "fairness": {"mode": "fair", "key": "header"},
+                "on_overflow": "fallback", "fallback": DEGRADE_SMALL},
+         "lo": {"max_concurrency": 2, "max_queue": 3, "max_wait_ms": 1000, "fairness": {"mode": "round_robin"}}},
+        shed={}, classify={"fairness_header": "x-flow"},
+        pools={"pool_a": {"limit": {"enabled": True, "unit": "requests", "initial": 3, "min": 3, "max": 3}}}),
 ]
 
 
@@ -131,10 +139,11 @@ class ShadowModel(RuleBasedStateMachine):
 
     @rule(tenant=st.sampled_from(sorted(KEYS)), claim=st.sampled_from([None, "hi", "lo"]),
           model=st.sampled_from(["llama", "llama", "small"]), prompt=st.sampled_from([40, 4000, 12000]),
-          max_tokens=st.sampled_from([None, 64, 1024]), session=st.sampled_from([None, "s1", "s2", "s3"]))
-    def arrive(self, tenant, claim, model, prompt, max_tokens, session) -> None:
+          max_tokens=st.sampled_from([None, 64, 1024]), session=st.sampled_from([None, "s1", "s2", "s3"]),
+          flow=st.sampled_from([None, "f1", "f2"]))
+    def arrive(self, tenant, claim, model, prompt, max_tokens, session, flow) -> None:
         facts = RequestFacts(api_key=KEYS[tenant], header_class=claim, model=model, max_tokens=max_tokens,
-                             doc={"prompt": "x" * prompt}, session_id=session)
+                             doc={"prompt": "x" * prompt}, session_id=session, fairness_id=flow)
         lim = self.s.limiters[self.s.classifier.classify(facts.api_key, claim, None).cls]
         covered = self.s.shadow.covers(lim)
         ds, de = self.s.decide(facts), self.e.decide(facts)
@@ -144,7 +153,10 @@ class ShadowModel(RuleBasedStateMachine):
         if live(ds) is None:  # refused for real (an enforce class): nothing of it is open
             assert not covered
             self.ended.add(len(self.requests) - 1)
-        self._track(ds)
+        self._track_all()  # a fair queue's full place may have gone to it: a waiter before it was answered
+        for j in self._open():
+            if live(self.requests[j][0]) is None:
+                self.ended.add(j)
 
     @rule(data=st.data(), outcome=st.sampled_from([Outcome.OK, Outcome.UPSTREAM_ERROR, Outcome.CLIENT_ABORT]),
           newest=st.booleans())

@@ -2,7 +2,7 @@
 budgets, admitted, queued, degraded or passed in shadow, end with their real usage (usage()) and the data plane's
 report (report()) arriving before or after finish(), once, twice or never, with usage from none to the most the
 adapter lets through (server/stream.py `_plausible`: 0 to USAGE_CEILING prompt tokens, 0 to the request's most
-output), across reloads (one of them to shadow mode).
+output), with leases running out, across reloads (one of them to shadow mode).
 
 Checked after every step, per request: its tenant's token bucket was charged at most one request at a time and
 settled from usage at most once; it never got back more tokens than it was charged (its net charge is never below
@@ -204,6 +204,22 @@ class UsageModel(RuleBasedStateMachine):
         if report_when in ("after", "twice"):
             self.core.report(t.id, report)
             assert self.core.report(t.id, report) is False  # accounted: once
+        self._seen()
+
+    @rule(data=st.data(), late=st.sampled_from(["usage", "report", "both"]))
+    def lease_expires(self, data, late) -> None:
+        """A request never seen to end: reap() ends it (accounted at once, without usage); what arrives after
+        settles nothing more."""
+        running = self._running()
+        if not running:
+            return
+        t = data.draw(st.sampled_from(running))
+        t.lease_until = self.clock()
+        assert self.core.reap() == [t]
+        if late in ("usage", "both"):
+            self.core.usage(t, 10, 10)
+        if late in ("report", "both"):
+            assert self.core.report(t.id, Completion(Outcome.OK, 200, None, 1.0)) is False
         self._seen()
 
     @rule(data=st.data())
