@@ -1026,8 +1026,9 @@ def _check_references(p: Policy, errors: list[str]) -> None:
             errors.append(f"classify.objectives.{objective}: objective names must be lower case (the header's "
                           f"value is lower-cased before it is matched): write {objective.lower()!r}")
     if p.store.kind == "redis" and not p.store.url.startswith(("redis://", "rediss://", "unix://")):
-        # Quoted less what comes before an @ (user and password), as changes.py never shows it at all.
-        shown = re.sub(r"[^/@]*@", "***@", p.store.url, count=1)
+        # Quoted less what comes before an @ (user and password), as changes.py never shows it at all: up to the
+        # last @, as redis-py reads the userinfo (a password may hold an @ or a /).
+        shown = _without_userinfo(p.store.url)
         errors.append(f"store.url: {shown!r} is not a Redis URL (redis://host:6379/0, rediss:// or unix://)")
     for protector, shed in p.shed_map().items():
         need_class(protector, f"shed.{protector}")
@@ -1035,6 +1036,15 @@ def _check_references(p: Policy, errors: list[str]) -> None:
             need_class(c, f"shed.{protector}[{j}]")
             if c == protector:
                 errors.append(f"shed.{protector}[{j}]: a class cannot shed itself")
+
+
+def _without_userinfo(url: str) -> str:
+    """The URL with everything between its scheme and its last @ shown as ***."""
+    head, at, host = url.rpartition("@")
+    if not at:
+        return url
+    scheme = re.match(r"[a-z][a-z0-9+.-]*(?::/*|/+)", head, re.IGNORECASE)
+    return (scheme.group() if scheme else "") + "***@" + host
 
 
 def _check_header_names(p: Policy, errors: list[str]) -> None:

@@ -170,6 +170,15 @@ def test_a_store_url_that_is_not_redis_is_quoted_without_its_password():
                     "unix://)"]
 
 
+def test_a_store_url_password_holding_an_at_or_a_slash_is_not_quoted_in_part():
+    # Only the run before the first @ (and after the last /) was masked: of a password "p@ss" (redis-py reads the
+    # userinfo up to the last @) or "pa/ss" the error quoted "ss".
+    for url, shown in (("redis:/:p@ss@cache:6379/0", "redis:/***@cache:6379/0"),
+                       ("http://:pa/ss@cache:6379", "http://***@cache:6379")):
+        errs = errors_of({**BASE, "store": {"kind": "redis", "url": url}})
+        assert errs == [f"store.url: {shown!r} is not a Redis URL (redis://host:6379/0, rediss:// or unix://)"]
+
+
 def test_a_slow_ratio_that_would_call_the_fastest_replica_slow_is_refused():
     assert errors_of({**BASE, "pools": {"c": {"slow_ratio": 1.0}}}) == [
         "pools.c.slow_ratio: 1 would call the fastest replica slow (over 1, or 0: off)"]
