@@ -42,9 +42,10 @@ READ_HEADERS = (":path", ":method", "authorization", "api-key", "content-encodin
 
 def doc(text: str, default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING,
         minimum: float | None = None, maximum: float | None = None, header_name: bool = False,
-        secret: bool = False) -> Any:
+        secret: bool | str = False) -> Any:
     """A schema field: its documentation, default and numeric bounds travel together. `header_name`: an HTTP
-    header name, lower-cased on load (Envoy hands the ext_proc lower-case keys; header names ignore case)."""
+    header name, lower-cased on load (Envoy hands the ext_proc lower-case keys; header names ignore case).
+    `secret`: never quoted in an error (a string: the hint its type error gives instead)."""
     meta = {"doc": text, "min": minimum, "max": maximum, "header_name": header_name, "secret": secret}
     if factory is not dataclasses.MISSING:
         return field(default_factory=factory, metadata=meta)
@@ -353,7 +354,7 @@ class TenantSpec:
     api_keys: list[str] = doc('Keys matched against "Authorization: Bearer <key>" or "api-key: <key>". A '
                               'presented key is trimmed and cut at commas, so a key that is empty, has '
                               'surrounding whitespace or holds a comma is refused.',
-                              factory=list, secret=True)
+                              factory=list, secret="quote the key")
     max_class: str | None = doc("Highest class this tenant may claim; higher claims are demoted to it. "
                                 "Default: the highest class.", None)
     default_class: str | None = doc("Class of this tenant's requests that claim none. Default: the policy's "
@@ -518,7 +519,7 @@ class StoreSpec:
         "waits up to the class's `max_wait_ms` (or the request's own shorter deadline, "
         "`classify.deadline_header`) for one. Changes to this section apply on restart.", "memory")
     url: str = doc("redis: the server, as a redis-py URL (`redis://host:6379/0`, `rediss://` for TLS, "
-                   "`unix:///path`).", "redis://127.0.0.1:6379/0")
+                   "`unix:///path`).", "redis://127.0.0.1:6379/0", secret=True)
     key_prefix: str = doc("redis: prefix of every key and of the release channel; replicas that share caps use "
                           "the same prefix, separate fleets use different ones.", "extproc:")
     lease_ms: int = doc("redis: a global slot expires this long after its last renewal. Live requests are "
@@ -815,7 +816,7 @@ def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
-def _build(tp: Any, value: Any, path: str, errors: list[str], secret: bool = False) -> Any:
+def _build(tp: Any, value: Any, path: str, errors: list[str], secret: bool | str = False) -> Any:
     """Convert `value` to type `tp`, appending "path: message" to errors on mismatch (never quoting a `secret`
     value: policy errors end up in logs)."""
     where = path or "(root)"
@@ -851,12 +852,13 @@ def _build(tp: Any, value: Any, path: str, errors: list[str], secret: bool = Fal
     return _build_scalar(tp, value, where, errors, secret)
 
 
-def _build_scalar(tp: type, value: Any, where: str, errors: list[str], secret: bool = False) -> Any:
+def _build_scalar(tp: type, value: Any, where: str, errors: list[str], secret: bool | str = False) -> Any:
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         value = _int_to_float(value)
     if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
         kind = type(value).__name__
-        got = f"a{'n' if kind[0] in 'aeiou' else ''} {kind} (quote the key)" if secret else _quoted(value)
+        hint = f" ({secret})" if isinstance(secret, str) else ""
+        got = f"a{'n' if kind[0] in 'aeiou' else ''} {kind}{hint}" if secret else _quoted(value)
         errors.append(f"{where}: must be {_type_name(tp)}, got {got}")
         return None
     if tp is float and not math.isfinite(value):

@@ -246,6 +246,13 @@ def test_an_api_key_yaml_reads_as_a_number_is_refused_without_echoing_it():
                     "tenants[0].api_keys[1]: must be a string, got a bool (quote the key)"]
 
 
+def test_a_store_url_of_the_wrong_type_is_refused_without_echoing_it():
+    # A list of Redis URLs (one per node, as cluster clients take) was quoted whole, passwords and all.
+    urls = ["redis://:hunter2@a:6379", "redis://:hunter2@b:6379"]
+    errs = errors_of({**BASE, "store": {"kind": "redis", "url": urls}})
+    assert errs == ["store.url: must be a string, got a list"]
+
+
 def _check_file(tmp_path, text: str) -> subprocess.CompletedProcess:
     path = tmp_path / "p.yaml"
     path.write_text(text)
