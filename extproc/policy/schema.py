@@ -756,11 +756,20 @@ def _parse_yaml(path: str, text: str) -> Any:
         for mark in (getattr(e, "context_mark", None), getattr(e, "problem_mark", None)):
             if mark is not None:
                 mark.buffer = None  # the line and column, not the line's text: it may hold an api key
-        raise PolicyError([f"{path}: not valid YAML: {e}"]) from e
+        raise PolicyError([f"{path}: not valid YAML: {_one_line(str(e))}"]) from e
     except RecursionError as e:  # PyYAML parses nested collections recursively
         raise PolicyError([f"{path}: not valid YAML: nested too deeply (a policy needs a few levels)"]) from e
     finally:
         loader.dispose()
+
+
+def _one_line(message: str) -> str:
+    """PyYAML's message on one line, as every policy error is (it writes each part and each "in FILE, line N"
+    on a line of its own): a place joins the part before it, the parts are joined by "; "."""
+    out = ""
+    for line in filter(None, map(str.strip, message.splitlines())):
+        out += (" " if line.startswith("in ") else "; ") + line if out else line
+    return out
 
 
 @functools.cache

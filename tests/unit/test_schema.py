@@ -107,6 +107,19 @@ def test_a_yaml_error_on_a_key_line_names_where_without_quoting_the_line(tmp_pat
     assert "not valid YAML" in error and "line 4, column 42" in error and "sk-live" not in error, error
 
 
+def test_a_yaml_error_is_one_line(tmp_path):
+    # PyYAML's message spans four lines (context, where, problem, where): `extproc check` printed them as if they
+    # were four errors, the last three without indent, and a reload log line broke in four.
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("classes: {a: {max_concurrency: 1}\nmodels: [\n")
+    with pytest.raises(PolicyError) as e:
+        load_policy_file(str(bad))
+    (error,) = e.value.errors
+    assert "\n" not in error, error
+    assert error == (f"{bad}: not valid YAML: while parsing a flow mapping in \"{bad}\", line 1, column 10; "
+                     f"expected ',' or '}}', but got '<scalar>' in \"{bad}\", line 2, column 1")
+
+
 def test_a_queue_wait_envoy_would_not_wait_out_is_refused():
     # Envoy's max_message_timeout (30 s) caps the ext_proc's extension of its timeout for a queued request; a
     # longer max_wait_ms had the queued request forwarded unadmitted after message_timeout (0.5 s).
