@@ -748,7 +748,12 @@ def _read_text(path: str) -> str:
 def _parse_yaml(path: str, text: str) -> Any:
     import yaml  # local: the core stays importable without YAML when policies are built in code
 
-    loader = _strict_loader()(text)
+    try:
+        loader = _strict_loader()(text)
+    except yaml.reader.ReaderError as e:  # the reader refuses a control character before anything is parsed
+        e.name = path
+        line = text.count("\n", 0, e.position) + 1
+        raise PolicyError([f"{path}: not valid YAML: {_one_line(str(e))} (line {line})"]) from e
     loader.name = path  # errors point into the file, not "<unicode string>"
     try:
         return loader.get_single_data()

@@ -35,6 +35,15 @@ def test_a_utf16_file_is_a_policy_error(tmp_path):
     assert "not valid UTF-8: byte 0xff at offset 0" in error
 
 
+def test_a_control_character_is_a_policy_error_naming_where(tmp_path):
+    # PyYAML's reader refuses one (here an ESC pasted with a terminal's colours) when the loader is built, before
+    # the parse the errors were caught around: `extproc check` and `serve` ended in a traceback.
+    content = (GOOD + "default_class: \x1b[1ma\x1b[0m\n").encode()
+    (error,) = file_errors(tmp_path, content)
+    assert error == (f"{tmp_path / 'policy.yaml'}: not valid YAML: unacceptable character #x001b: special "
+                     f"characters are not allowed in \"{tmp_path / 'policy.yaml'}\", position 76 (line 3)")
+
+
 def test_a_top_level_key_given_twice_is_refused_with_its_line(tmp_path):
     (error,) = file_errors(tmp_path, (GOOD + "classes: {b: {max_concurrency: 2}}\n").encode())
     assert error.endswith("policy.yaml: line 3: duplicate key 'classes' (first at line 1)")
