@@ -879,6 +879,10 @@ def _build_scalar(tp: type, value: Any, where: str, errors: list[str], secret: b
         # NaN passes every bound (each comparison with it is false) and an infinite one never moves anything.
         errors.append(f"{where}: must be a finite number, got {value}")
         return None
+    if tp is int and math.isinf(_int_to_float(value)):
+        # YAML reads any run of digits as an int: every place that divides or scales it raised OverflowError.
+        errors.append(f"{where}: must be a finite number, got a number of {len(str(abs(value)))} digits")
+        return None
     return value
 
 

@@ -266,6 +266,17 @@ def test_a_store_url_of_the_wrong_type_is_refused_without_echoing_it():
     assert errs == ["store.url: must be a string, got a list"]
 
 
+def test_an_integer_past_the_largest_float_is_refused():
+    # YAML reads 1 and 400 zeros as an int: accepted, it raised OverflowError where the core divides it
+    # (AdmissionController for lease_ms, the cost model for default_max_tokens) and in `extproc check`'s warnings
+    # (slo_p95_ms), so `serve` could not start on a policy `check` accepted.
+    huge = 10 ** 400
+    errs = errors_of({**BASE, "lease_ms": huge, "classes": {"a": {"max_concurrency": 1, "slo_p95_ms": huge}},
+                      "models": {"m": {"cluster": "c", "cost": {"default_max_tokens": huge}}}})
+    assert errs == [f"{path}: must be a finite number, got a number of 401 digits" for path in
+                    ("classes.a.slo_p95_ms", "models.m.cost.default_max_tokens", "lease_ms")]
+
+
 def _check_file(tmp_path, text: str) -> subprocess.CompletedProcess:
     path = tmp_path / "p.yaml"
     path.write_text(text)
