@@ -547,9 +547,9 @@ class Policy:
     """The admission policy."""
 
     classes: dict[str, ClassSpec] = doc("Traffic classes, highest priority first (order matters for shedding "
-                                        "and tenant caps). Names are lower case: claims are lower-cased before "
-                                        "they are matched, and a name is also a metric label and a header "
-                                        "value, so it has one spelling.")
+                                        "and tenant caps). Names are lower case ASCII: claims are lower-cased "
+                                        "before they are matched, and a name is also a metric label and a "
+                                        "header value, so it has one spelling.")
     models: dict[str, ModelSpec] = doc("Models by the name clients send; any other model gets 404.")
     default_class: str | None = doc("Class of requests that claim none and have no tenant default. "
                                     "Default: the first class.", None)
@@ -971,6 +971,9 @@ def _check_references(p: Policy, errors: list[str]) -> None:
         if name != name.lower():
             errors.append(f"classes.{name}: class names must be lower case (claims are lower-cased before they are "
                           f"matched, so this one could never be claimed): write {name.lower()!r}")
+        if not name.isascii():
+            errors.append(f"classes.{name}: class names are ASCII (a claim's header is read byte for byte, so a "
+                          "client sending UTF-8 could never claim this one)")
     need_class(p.default_class, "default_class")
     need_class(p.anonymous.max_class, "anonymous.max_class")
     need_class(p.anonymous.default_class, "anonymous.default_class")

@@ -107,7 +107,7 @@ class Gen:
 
 def generate(rng: random.Random) -> dict:
     g = Gen(rng)
-    g.classes = rng.sample(["interactive", "batch", "bulk", "gold", "free", "ünï"], rng.randint(1, 4))
+    g.classes = rng.sample(["interactive", "batch", "bulk", "gold", "free", "tier-2"], rng.randint(1, 4))
     g.models = [f"m{i}" for i in range(rng.randint(1, 3))]
     g.clusters = [f"c{i}" for i in range(rng.randint(1, len(g.models)))]
     models = {}

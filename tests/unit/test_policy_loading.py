@@ -143,6 +143,18 @@ def test_class_names_with_capitals_are_refused():
                     "matched, so this one could never be claimed): write 'premium'"]
 
 
+def test_a_class_name_that_is_not_ascii_is_refused():
+    # The ext_proc reads header values byte for byte (latin-1): `x-priority: \u00fcber` sent as UTF-8 (curl) read as
+    # '\u00c3\u00bcber' and the request ran as its default class, while a latin-1 client's matched: the name had two
+    # spellings, one of which could never be claimed.
+    p = {**BASE, "classes": {"\u00fcber": {"max_concurrency": 1}, "a": {"max_concurrency": 1}}}
+    msg = pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key="x-priority",
+                                                                                  raw_value="\u00fcber".encode())]))
+    assert read_request_headers(msg, HeaderNames.of(load_policy(BASE))).claim != "\u00fcber"
+    assert errors_of(p) == ["classes.\u00fcber: class names are ASCII (a claim's header is read byte for byte, so a "
+                            "client sending UTF-8 could never claim this one)"]
+
+
 def test_objective_names_with_capitals_are_refused():
     errs = errors_of({**BASE, "classify": {"objectives": {"Fast": "a"}}})
     assert errs == ["classify.objectives.Fast: objective names must be lower case (the header's value is "
