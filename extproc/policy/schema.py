@@ -1048,6 +1048,9 @@ def _check_references(p: Policy, errors: list[str]) -> None:
         if objective != objective.lower():
             errors.append(f"classify.objectives.{objective}: objective names must be lower case (the header's "
                           f"value is lower-cased before it is matched): write {objective.lower()!r}")
+        if not objective.isascii():
+            errors.append(f"classify.objectives.{objective}: objective names are ASCII (the header is read byte for "
+                          "byte, so a client sending UTF-8 could never name this one)")
     if p.store.kind == "redis" and not p.store.url.startswith(("redis://", "rediss://", "unix://")):
         # Quoted less what comes before an @ (user and password), as changes.py never shows it at all: up to the
         # last @, as redis-py reads the userinfo (a password may hold an @ or a /).

@@ -161,6 +161,13 @@ def test_objective_names_with_capitals_are_refused():
                     "lower-cased before it is matched): write 'fast'"]
 
 
+def test_an_objective_name_that_is_not_ascii_is_refused():
+    # Read only from its header, byte for byte (latin-1): a client sending it as UTF-8 never matched it.
+    errs = errors_of({**BASE, "classify": {"objectives": {"r\u00e1pido": "a"}}})
+    assert errs == ["classify.objectives.r\u00e1pido: objective names are ASCII (the header is read byte for byte, "
+                    "so a client sending UTF-8 could never name this one)"]
+
+
 def test_the_objective_header_is_matched_lower_cased_like_the_other_claims():
     p = load_policy({**BASE, "anonymous": {"max_class": "a"},
                      "classify": {"objective_header": "x-objective", "objectives": {"fast": "a"}}})
