@@ -204,8 +204,8 @@ def generate(rng: random.Random) -> dict:
 
 # --- mutations: one change to a generated policy ---------------------------------------------------------------
 
-WRONG = [0, -1, 10**30, 10**400, float("nan"), float("inf"), float("-inf"), "", [], {}, "yes", True, None, "ünï\u0000",
-         [[]], {"a": 1}, 1.5, "12", -0.0]
+WRONG = [0, -1, 10**30, 10**400, float("nan"), float("inf"), float("-inf"), "", [], {}, "yes", True, None,
+         "ünï\u0000", [[]], {"a": 1}, 1.5, "12", -0.0]
 
 
 def paths(node, prefix=()):
@@ -347,7 +347,8 @@ def facts_for(rng: random.Random, policy) -> list[RequestFacts]:
         prompt = rng.choice(["hi", "x" * 5000, ""])
         out.append(RequestFacts(
             api_key=rng.choice(keys), header_class=rng.choice(claims), body_class=rng.choice(claims),
-            model=rng.choice(names) if rng.random() < 0.9 else rng.choice(["nosuch", None]), max_tokens=rng.choice([None, 0, 1, 100, 10**9, 2**63]),
+            model=rng.choice(names) if rng.random() < 0.9 else rng.choice(["nosuch", None]),
+            max_tokens=rng.choice([None, 0, 1, 100, 10**9, 2**63]),
             stream=rng.random() < 0.5, request_id=f"r{i}", session_id=rng.choice([None, "s1", "s2"]),
             doc={"messages": [{"role": "user", "content": prompt}]} if rng.random() < 0.8 else None,
             sequences=rng.choice([1, 1, 4]), objective=rng.choice([None, "chat", "offline", "zzz"]),
