@@ -974,6 +974,9 @@ def _check_references(p: Policy, errors: list[str]) -> None:
         if not name.isascii():
             errors.append(f"classes.{name}: class names are ASCII (a claim's header is read byte for byte, so a "
                           "client sending UTF-8 could never claim this one)")
+        elif any(ord(c) < 32 or ord(c) == 127 for c in name):
+            errors.append(f"classes.{name!r}: holds a control character; a class's name is a header value (Envoy "
+                          "refuses one with a control character) and a metric label")
     need_class(p.default_class, "default_class")
     need_class(p.anonymous.max_class, "anonymous.max_class")
     need_class(p.anonymous.default_class, "anonymous.default_class")

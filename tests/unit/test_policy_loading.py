@@ -155,6 +155,13 @@ def test_a_class_name_that_is_not_ascii_is_refused():
                             "client sending UTF-8 could never claim this one)"]
 
 
+def test_a_class_name_with_a_control_character_is_refused():
+    # YAML's escapes make one ("a\nb"); every response carries the name in x-extproc-class, a header value.
+    p = {**BASE, "classes": {"a\nb": {"max_concurrency": 1}, "a": {"max_concurrency": 1}}}
+    assert errors_of(p) == ["classes.'a\\nb': holds a control character; a class's name is a header value (Envoy "
+                            "refuses one with a control character) and a metric label"]
+
+
 def test_objective_names_with_capitals_are_refused():
     errs = errors_of({**BASE, "classify": {"objectives": {"Fast": "a"}}})
     assert errs == ["classify.objectives.Fast: objective names must be lower case (the header's value is "
