@@ -416,7 +416,9 @@ class PoolGate:
             return True
         if self._squeezed(rank, now):
             return False
-        if self.room(rank, units):
+        # A pool that holds nothing takes the request whatever its size: a resting lower class on a limit its fill
+        # leaves no room in (a limit cut to 1 request) waited out max_wait on the idle pool, taking nothing.
+        if self.room(rank, units) or not self.holding:
             return True
         if rank == 0 and self.spec.borrow_lower and self.inflight - self.lower_excess() + units <= self.limit:
             return True

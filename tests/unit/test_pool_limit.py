@@ -82,6 +82,25 @@ def test_a_lower_class_alone_on_a_small_pool_is_not_rested_for_taking_it(clock):
     assert core.gates["pool_a"].rest_until[1] > clock()
 
 
+def test_a_resting_lower_class_is_not_held_off_a_pool_that_holds_nothing(clock):
+    # A limit of 1 request (a cut to its floor): a lower class has no room under its 85% fill, only its guarantee,
+    # which its rest after a request over its share takes away. Once the pool emptied, its next request waited
+    # out max_wait on the idle pool for the rest of the rest (up to a minute) though it took nothing from anyone
+    # (found by the model-based test, tests/unit/test_pool_limit_model.py): a pool always takes one request.
+    core = AdmissionController(pool_policy(limit=1, batch={"max_wait_ms": 20000}), clock=clock)
+    interactive = core.decide(req("interactive"))
+    batch = core.decide(req("batch"))
+    assert (interactive.kind, batch.kind) == (ACCEPT, ACCEPT)  # its guarantee, over its share beside interactive
+    clock.advance(1.0)
+    core.finish(batch.ticket, Outcome.OK)
+    core.finish(interactive.ticket, Outcome.OK)
+    gate = core.gates["pool_a"]
+    assert gate.rest_until[1] > clock() and gate.holding == 0
+    assert core.decide(req("batch")).kind == ACCEPT  # the pool is idle: nobody to rest for
+    assert core.decide(req("batch")).kind == QUEUE  # ...and one request is what it takes while resting
+    assert core.decide(req("interactive")).kind == ACCEPT  # the first class's guarantee, as before
+
+
 def test_a_class_keeps_one_request_in_flight_whatever_waits_above_it(pcore):
     for _ in range(4):
         assert pcore.decide(req("interactive")).kind == ACCEPT
