@@ -347,14 +347,18 @@ class PoolGate:
         self.stuck = 0.0                       # units held by requests a stalled replica holds (not the pool's)
         self.min_shares = min_shares
         self.rest_until = [-math.inf] * len(min_shares)  # per class rank: no request over its share before then
-        if previous is not None:  # a reload that replaced the gate: a resting class rests on, under its new rank
-            for rank, cls in enumerate(previous.class_names):
-                if cls in class_names:
-                    self.rest_until[class_names.index(cls)] = previous.rest_until[rank]
         # Per class rank whose latency breaker asked: (its breaker opened at, until when the classes below it get
         # only their guarantee). One (rank, until) for every breaker let a second breaker's squeeze free the classes
         # between the two at once, and the two renew each other's as new openings.
         self._squeezes: dict[int, tuple[float, float]] = {}
+        if previous is not None:  # a reload that replaced the gate: a resting class rests on, under its new rank,
+            # and a squeeze holds on: dropped, the classes below went beyond their guarantee at once with the
+            # breaker still open, and its next request squeezed them a whole cooldown more in the same opening.
+            for rank, cls in enumerate(previous.class_names):
+                if cls in class_names:
+                    self.rest_until[class_names.index(cls)] = previous.rest_until[rank]
+                    if rank in previous._squeezes:
+                        self._squeezes[class_names.index(cls)] = previous._squeezes[rank]
 
     def _controller(self, spec: PoolLimitSpec, slos: dict[int, float], previous: PoolGate | None) -> PoolLimit:
         """The limit this gate starts from: what the gate it replaces (a reload) learned, unless the unit changed

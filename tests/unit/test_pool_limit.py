@@ -647,6 +647,28 @@ def test_a_breaker_that_stays_open_squeezes_lower_classes_once(clock):
     assert gate.squeezed_until(1) == first_until  # the same opening does not renew it
 
 
+def test_a_reload_that_replaces_the_gate_keeps_a_squeeze_to_its_one_cooldown(clock):
+    # A reload that replaced the pool's gate (borrow_lower toggled, a knob tuned) dropped the squeeze: batch went
+    # beyond its guarantee at once with the breaker still open on a full pool, and the next interactive request
+    # squeezed it again for a whole new cooldown in the same opening (found by the model-based test).
+    core = AdmissionController(pool_policy(limit=8), clock=clock)
+    for _ in range(6):
+        core.decide(req("batch"))  # 6 of 8: as much as batch's 85% may fill
+    core.decide(req("interactive"))
+    core.decide(req("interactive"))  # 8 of 8: full
+    breaker = core.pool_breakers("interactive", "pool_a")[0]
+    for _ in range(5):
+        breaker.observe(clock(), 5.0, False)
+    assert core.decide(req("interactive")).kind == QUEUE  # not degraded: batch yields instead
+    first_until = core.gates["pool_a"].squeezed_until(1)
+    clock.advance(1.0)
+    core.apply(pool_policy(limit=8, borrow_lower=True))  # a new gate
+    gate = core.gates["pool_a"]
+    assert gate.held_to_share(1, clock()) == (0.0, first_until - clock())  # still held to its guarantee
+    core.decide(req("interactive"))
+    assert gate.squeezed_until(1) == first_until  # the same opening does not renew it
+
+
 def test_two_breakers_squeezing_at_once_each_hold_the_classes_below_them_once_for_their_cooldown():
     # Interactive's and standard's latency breakers open on one full pool, 4 s apart. One (rank, until) for both:
     # standard's squeeze freed standard from interactive's at once, and each request of the other class renewed
