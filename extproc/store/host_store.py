@@ -67,6 +67,10 @@ def _stored_name(cls: str) -> bytes:
     return name
 
 
+class TableFull(RuntimeError):
+    """Every row of the table holds slots of a class."""
+
+
 def _socket_path(directory: Path, worker: int) -> str:
     return str(directory / f"worker-{worker}.sock")
 
@@ -121,7 +125,7 @@ class HostStore:
                 idle = row  # a worker still waiting for that class finds it again when it next asks
         else:
             if idle is None:
-                raise RuntimeError(f"more than {MAX_CLASSES} classes in use in the shared table")
+                raise TableFull(f"more than {MAX_CLASSES} classes in use in the shared table")
             row = idle
             self._claim(row, name)
         self._rows[cls] = (row, name)
@@ -151,7 +155,12 @@ class HostStore:
         if key in self._held:  # idempotent: already held (only this worker writes its own holdings)
             return True
         with self._locked():
-            row = self._row(claim.cls)
+            try:
+                row = self._row(claim.cls)
+            except TableFull:
+                # Every row holds another class's slots (a reload renamed the classes while the old ones run): wait
+                # as for a full class, and find a row at a poll once one is idle, rather than fail the stream.
+                return False
             cells = self._cells(row)
             mine = cells[self.worker]
             slots = sum(c[0] for c in cells)

@@ -149,3 +149,16 @@ def test_a_worker_that_dies_gives_its_slots_back_before_the_others_drain(tmp_pat
             signal.signal(s, handler)
     assert status == 3
     assert (tmp_path / "got").read_text() == "True"  # the dead worker's slot was free for the draining one
+
+
+async def test_a_class_that_finds_the_table_full_waits_instead_of_failing(pair):
+    # A reload that renames the classes of a policy of MAX_CLASSES classes while the old ones still run: the new
+    # classes found no row, and their acquire raised RuntimeError (a stream error: failure_mode_allow sent the
+    # request on unadmitted). It is refused now, as a full class is, and its poll finds a row once one is idle.
+    a, b = pair
+    for i in range(host_store.MAX_CLASSES):
+        assert await b.acquire(claim(f"b:{i}", cls=f"old-{i}", cap=1))
+    assert not await a.acquire(claim("a:1", cls="new", cap=1))
+    await b.release([("old-7", "b:7")])
+    assert await a.acquire(claim("a:1", cls="new", cap=1))
+    assert a.count("new") == 1 and not await b.acquire(claim("b:x", cls="new", cap=1))
