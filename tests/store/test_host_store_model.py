@@ -322,7 +322,9 @@ class Walk:
                 if head is None or cls not in w.core.limiters:
                     continue
                 claim = w.slots.claim(head.ticket)
-                cells = table.get(host_store._stored_name(cls), [(0, 0.0, 0)] * WORKERS)
+                cells = table.get(host_store._stored_name(cls))
+                if cells is None:  # no row yet (the table full of others' slots): it takes one at a poll
+                    continue
                 room = sum(c[0] for c in cells) < claim.cap and (
                     claim.budget is None or sum(c[1] for c in cells) + claim.cost <= claim.budget * (1 + 1e-9))
                 if not room:
@@ -407,3 +409,11 @@ def test_host_store_model(seed, tmp_path):
     fresh one after a death."""
     w = run_virtual(walk(seed, 1000, tmp_path))
     assert w.generation > 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_host_store_model_on_a_small_table(seed, tmp_path, monkeypatch):
+    """A table of 10 rows, as many as the largest policy of the walk has classes: reloads that rename classes while
+    the old ones run fill it, and rows of classes nobody holds change hands."""
+    monkeypatch.setattr(host_store, "MAX_CLASSES", 10)
+    run_virtual(walk(seed, 1000, tmp_path))
