@@ -128,6 +128,13 @@ class CheckedStore(HostStore):
     def on_grant(self, cls: str) -> None:
         pass
 
+    def _claim(self, row: int, name: bytes) -> None:
+        super()._claim(row, name)
+        self.on_claim(name)
+
+    def on_claim(self, name: bytes) -> None:
+        pass
+
 
 class Worker:
     def __init__(self, walk: "Walk", index: int):
@@ -135,6 +142,7 @@ class Worker:
         self.index = index
         self.store = CheckedStore(walk.dir, index, WORKERS)
         self.store.on_grant = walk.granted
+        self.store.on_claim = walk.claimed
         self.core = AdmissionController(policy(walk.variant), clock=asyncio.get_running_loop().time)
         self.slots = SharedSlots(self.core, self.store, workers=WORKERS)
         self.requests: list[Request] = []
@@ -213,6 +221,7 @@ class Walk:
         self.log: list[str] = []
         self.room_since: dict[tuple[int, str], float] = {}
         self.poll_until = 0.0  # room made by forget() (no wake-up) is found by a poll until then
+        self.class_poll_until: dict[bytes, float] = {}  # ... and room in a class's new row
 
     def now(self) -> float:
         return self.loop.time()
@@ -233,6 +242,13 @@ class Walk:
     def granted(self, cls: str) -> None:
         """A grant takes room: whoever saw room in that class must see it anew."""
         for key in [k for k in self.room_since if k[1] == cls]:
+            del self.room_since[key]
+
+    def claimed(self, name: bytes) -> None:
+        """A class got a row (its first, or a new one after an idle row of it went to another class): a worker that
+        waited for it with its flag in the old row, or that found the table full, asks again at its next poll."""
+        self.class_poll_until[name] = self.now() + POLL_S
+        for key in [k for k in self.room_since if host_store._stored_name(k[1]) == name]:
             del self.room_since[key]
 
     def classes(self) -> list[str]:
@@ -364,10 +380,11 @@ class Walk:
                 key = (w.index, cls)
                 seen.add(key)
                 # Room a release made wakes the waiter at once (a datagram from another worker, an event from its
-                # own); room forget() made is found at the next poll, and so is room behind waiters that left (their
-                # client gone, their deadline passed: only a release wakes the queue, and the head that left may have
-                # needed more GPU-seconds than the one behind it).
-                since = self.room_since.setdefault(key, max(now, self.poll_until))
+                # own); room forget() made or in a class's new row is found at the next poll, and so is room behind
+                # waiters that left (their client gone, their deadline passed: only a release wakes the queue, and
+                # the head that left may have needed more GPU-seconds than the one behind it).
+                since = self.room_since.setdefault(key, max(now, self.poll_until,
+                                                            self.class_poll_until.get(host_store._stored_name(cls), 0)))
                 late = POLL_S if q[0] is not head else 0.0
                 assert now - since <= late + 0.01, (
                     f"worker {w.index}'s head {cls} waiter sleeps since {since} while its class has room (now {now})")
