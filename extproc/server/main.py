@@ -434,7 +434,8 @@ def supervise(args: argparse.Namespace, host_memory: bool) -> int:
     created here and removed on exit; with `redis` they share them through Redis."""
     with contextlib.ExitStack() as stack:
         if host_memory:
-            table = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="extproc-workers-")))
+            table = Path(stack.enter_context(tempfile.TemporaryDirectory(
+                prefix="extproc-workers-", dir=host_store.table_parent(args.workers))))
             host_store.create(table, args.workers)
             args.host_store = str(table)
         return _run_workers(args)

@@ -19,6 +19,7 @@ import mmap
 import os
 import socket
 import struct
+import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -73,6 +74,17 @@ class TableFull(RuntimeError):
 
 def _socket_path(directory: Path, worker: int) -> str:
     return str(directory / f"worker-{worker}.sock")
+
+
+SOCKET_PATH_MAX = 100  # bytes of an AF_UNIX path: 108 on Linux and 104 on macOS, with room to spare
+
+
+def table_parent(workers: int) -> str:
+    """Where the supervisor makes the table's directory: the temp dir, unless the workers' sockets in it would be
+    too long a path to bind (a long TMPDIR stopped `serve --workers` from starting), then /tmp."""
+    base = tempfile.gettempdir()
+    longest = _socket_path(Path(base) / "extproc-workers-xxxxxxxx", workers - 1)  # TemporaryDirectory's 8 letters
+    return base if len(longest.encode()) <= SOCKET_PATH_MAX else "/tmp"
 
 
 class HostStore:

@@ -4,6 +4,8 @@ workers' stores on one table, in one process (the table and the wake-ups work th
 from __future__ import annotations
 
 import asyncio
+import os
+from pathlib import Path
 
 import pytest
 
@@ -162,3 +164,26 @@ async def test_a_class_that_finds_the_table_full_waits_instead_of_failing(pair):
     await b.release([("old-7", "b:7")])
     assert await a.acquire(claim("a:1", cls="new", cap=1))
     assert a.count("new") == 1 and not await b.acquire(claim("b:x", cls="new", cap=1))
+
+
+async def test_the_table_goes_where_its_sockets_can_bind_under_a_long_tmpdir(tmp_path, monkeypatch):
+    # The supervisor put the table and the workers' wake-up sockets in the temp dir; under a TMPDIR of ~70
+    # characters or more (a CI runner's, a container's volume) a socket path passed the AF_UNIX limit (108 bytes on
+    # Linux, 104 on macOS) and `serve --workers` could not start: OSError 'AF_UNIX path too long'.
+    import tempfile
+    long_tmp = tmp_path / ("t" * 60) / ("u" * 40)
+    long_tmp.mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(long_tmp))
+    naive = Path(tempfile.mkdtemp(prefix="extproc-workers-"))
+    host_store.create(naive, 16)
+    with pytest.raises(OSError):
+        await HostStore(naive, 15, 16).start()
+    with tempfile.TemporaryDirectory(prefix="extproc-workers-", dir=host_store.table_parent(16)) as d:
+        host_store.create(Path(d), 16)
+        store = HostStore(Path(d), 15, 16)
+        await store.start()
+        await store.close()
+    short = tempfile.mkdtemp(dir="/tmp", prefix="x")
+    monkeypatch.setattr(tempfile, "tempdir", short)  # a short one is kept
+    assert host_store.table_parent(16) == short
+    os.rmdir(short)
