@@ -95,6 +95,8 @@ def test_parse_modes_rejects_unknown_keys():
     assert [m.key for m in parse_modes("d,a")] == ["d", "a"]
     with pytest.raises(ValueError):
         parse_modes("a,x")
+    with pytest.raises(ValueError, match="each once"):  # a mode twice ran twice and the report showed one row
+        parse_modes("d,d")
 
 
 def rec(start, kind="interactive", status=200, latency=1.0, error=None, tokens=10, ttft=0.1):

@@ -64,8 +64,8 @@ DEFAULT_MODES = "a,b,c,d,e"
 def parse_modes(text: str) -> list[Mode]:
     keys = [k.strip() for k in text.split(",") if k.strip()]
     unknown = [k for k in keys if k not in MODES]
-    if unknown or not keys:
-        raise ValueError(f"modes must be a comma-separated subset of {','.join(MODES)}, got {text!r}")
+    if unknown or not keys or len(set(keys)) < len(keys):  # a mode twice ran twice and reported one row
+        raise ValueError(f"modes must be a comma-separated subset of {','.join(MODES)}, each once, got {text!r}")
     return [MODES[k] for k in keys]
 
 
