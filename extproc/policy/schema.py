@@ -528,9 +528,11 @@ class StoreSpec:
     timeout_ms: int = doc("redis: longest wait for one Redis call; a slower or failed call switches to "
                           "`on_failure` until a probe (every second) finds Redis answering again.", 50,
                           minimum=1, maximum=10_000)
-    poll_ms: int = doc("redis: a request waiting for a global slot retries at least this often. Releases are "
-                       "announced on a pub/sub channel, so most waits end sooner; expired leases are not "
-                       "announced, and this bounds how late they are noticed.", 100, minimum=10, maximum=5_000)
+    poll_ms: int = doc("redis, and `memory` with `serve --workers`: a request waiting for a global slot retries "
+                       "at least this often. Releases are announced (Redis: a pub/sub channel; workers: a datagram "
+                       "to the waiting worker), so most waits end sooner; expired leases (Redis) and the slots of a "
+                       "worker that died are not announced, and this bounds how late they are noticed.", 100,
+                       minimum=10, maximum=5_000)
     instances: int = doc("redis: ext_proc replicas sharing the caps (each `extproc serve`, however many "
                          "`--workers` it runs). Only used while Redis is unreachable with `on_failure: local`: "
                          "each replica then admits its share, the cap divided by this (at least 1 per class), "
