@@ -371,15 +371,17 @@ class PoolScraper:
         passing, across = (False, False) if r.metrics is None else passing_through(r.metrics, m, now - r.at)
         m["passing"], m["passing_across"] = float(passing), float(across)
         r.metrics, r.at, r.refused = m, now, False
+        was_started, r.started = r.started, m.get("started", math.nan)
+        restarted = was_started != r.started and not math.isnan(was_started) and not math.isnan(r.started)
         r.pace.window_s = PACE_SCRAPES * self.spec.scrape_interval_ms / 1000.0
+        if restarted:  # its counters began again at 0: a difference with the old process's is no pace (a first reading)
+            r.pace.add(r.at, math.nan, math.nan)
         r.pace.add(r.at, m.get("itl_sum", math.nan), m.get("itl_count", math.nan), m["running"], m["kv"])
         # Progress: a token counter moved (a smaller sum is a restarted replica), a restart (its process start
         # time changed: one that hung before its first token restarts with its counters at 0 again), no counters
         # to judge, or idle. Idle is no news from a replica already stalled: its requests were given up on, none
         # are sent to it now (policy.steering), and one sent because it looked idle again would hang too.
         before, r.tokens = r.tokens, m.get("tokens", math.nan)
-        was_started, r.started = r.started, m.get("started", math.nan)
-        restarted = was_started != r.started and not math.isnan(was_started) and not math.isnan(r.started)
         idle = m["running"] + m["waiting"] == 0
         if (idle and not r.stalled) or restarted or math.isnan(r.tokens) or r.tokens != before:
             r.progressed_at = r.at

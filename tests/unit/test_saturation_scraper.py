@@ -910,3 +910,30 @@ def _samples(pattern, body):
 def test_the_parse_reads_the_lines_a_line_start_pattern_reads(body):
     assert _samples(saturation._SAMPLE, b"\n" + body) == _samples(_LINE_START, body)
     assert saturation._SAMPLE.pattern.startswith(b"\\n")  # a literal first: searched for, not tried at every byte
+
+
+def test_a_restarted_replicas_pace_is_not_read_across_its_restart():
+    # r:1 made 200 tokens at 8 ms a token, went down (a crash, a model load: unreadable for 30 s, past the pace
+    # window) and came back at r:2's 10 ms. Its counters started again from 0 and by its first reading were past the
+    # old ones: the difference across the restart (0.9 s over 50 tokens, 18 ms) is no pace of either process.
+    clock = FakeClock()
+    scraper = PoolScraper(RecordingCore(), "pool_a", PoolSpec(replicas=["r:1", "r:2"]), None, clock=clock)
+    r1, r2 = scraper.replicas.values()
+
+    def read(r, started, itl_sum, itl_count):
+        r_m = {"running": 4.0, "waiting": 0.0, "kv": 0.3, "preemptions": 0.0, "tokens": itl_count,
+               "started": started, "itl_sum": itl_sum, "itl_count": itl_count}
+        scraper.record(r, r_m)
+
+    for i in range(1, 21):
+        read(r1, 1000.0, 0.08 * i, 10.0 * i)
+        read(r2, 1000.0, 1.0 * i, 100.0 * i)
+        clock.advance(1.0)
+        assert scraper.aggregate(clock()).slow == 0
+    clock.advance(30.0)
+    for i in range(1, 6):  # r:1 restarted: 250 tokens at 10 ms by its first reading, then as r:2
+        read(r1, 2000.0, 2.5 + 1.0 * (i - 1), 250.0 + 100.0 * (i - 1))
+        read(r2, 1000.0, 20.0 + 5.0 + 1.0 * (i - 1), 2000.0 + 500.0 + 100.0 * (i - 1))
+        clock.advance(1.0)
+        sat = scraper.aggregate(clock())
+        assert sat.slow == 0 and not r1.pace.slow
