@@ -112,8 +112,8 @@ def parse_vllm_metrics(body: bytes | str) -> dict[str, float]:
     """The few vLLM series admission reads, summed over label sets (one engine may serve several names); the KV
     cache usage is the highest; `tokens` is prompt + generated tokens so far (NaN when neither counter is there;
     any other counter diffed between scrapes that is not there is NaN too).
-    Raises UnreadableMetrics when a required series is missing, a sample line of a read series is malformed, or a
-    value is not finite and non-negative."""
+    Raises UnreadableMetrics when a required series is missing, a sample line of a read series is malformed, a
+    value is not finite and non-negative, or the KV cache usage is over 1."""
     if isinstance(body, str):
         body = body.encode()
     out = dict.fromkeys(_WANTED.values(), 0.0)
@@ -128,6 +128,8 @@ def parse_vllm_metrics(body: bytes | str) -> dict[str, float]:
         if sample is None or not math.isfinite(value) or value < 0:
             raise UnreadableMetrics(f"{name} has no finite non-negative value: {match.group(0)[1:201]!r}")
         key = _WANTED[name]
+        if key == "kv" and value > 1:  # a share of the cache, 1 when full: over it, it is not what we read it as
+            raise UnreadableMetrics(f"{name} is over 1: {match.group(0)[1:201]!r}")
         if key == "deferred" and not _DEFERRED.search(match.group(2)):
             continue  # reason="capacity" (or another): counted in the total already
         out[key] = max(out[key], value) if key in _HIGHEST else out[key] + value

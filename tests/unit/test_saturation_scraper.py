@@ -937,3 +937,12 @@ def test_a_restarted_replicas_pace_is_not_read_across_its_restart():
         clock.advance(1.0)
         sat = scraper.aggregate(clock())
         assert sat.slow == 0 and not r1.pace.slow
+
+
+def test_a_kv_cache_usage_over_1_is_unreadable_not_a_reading_out_of_range():
+    # A share of the cache (1: full). Over it (a percent, another server's gauge) it read as kv_usage 85 and was
+    # exported as extproc_pool_kv_cache_usage 85.
+    for kv in ("85.0", "1.5", "1.7e308"):
+        with pytest.raises(UnreadableMetrics, match="over 1"):
+            parse_vllm_metrics(real_metrics_with(kv=kv))
+    assert parse_vllm_metrics(real_metrics_with(kv="1.0"))["kv"] == 1.0
