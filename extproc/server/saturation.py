@@ -137,6 +137,9 @@ def parse_vllm_metrics(body: bytes | str) -> dict[str, float]:
     missing = [n for n in _REQUIRED if n not in seen]
     if missing:
         raise UnreadableMetrics(f"no {' or '.join(missing)} in /metrics")
+    overflowed = [key for key, value in out.items() if not math.isfinite(value)]
+    if overflowed:  # finite values whose sum over label sets is not (the pool's waiting read inf)
+        raise UnreadableMetrics(f"the sum of {', '.join(overflowed)} over its label sets is not finite")
     if not any(n in seen for n in _PROGRESS):
         out["tokens"] = math.nan
     if "process_start_time_seconds" not in seen:

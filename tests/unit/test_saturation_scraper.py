@@ -946,3 +946,10 @@ def test_a_kv_cache_usage_over_1_is_unreadable_not_a_reading_out_of_range():
         with pytest.raises(UnreadableMetrics, match="over 1"):
             parse_vllm_metrics(real_metrics_with(kv=kv))
     assert parse_vllm_metrics(real_metrics_with(kv="1.0"))["kv"] == 1.0
+
+
+def test_finite_values_whose_sum_over_label_sets_is_not_finite_are_unreadable():
+    # Each line's value is finite; two served names' sum is not, and the pool's waiting read inf.
+    body = real_metrics_with(waiting="1.7e308") + b'vllm:num_requests_waiting{engine="1",model_name="b"} 1.7e308\n'
+    with pytest.raises(UnreadableMetrics, match="not finite"):
+        parse_vllm_metrics(body)
