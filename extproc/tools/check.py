@@ -112,6 +112,8 @@ def _load_yaml(path: str) -> dict:
             return yaml.safe_load(f)
         except yaml.YAMLError as e:
             raise ValueError(f"not valid YAML: {e}") from e
+        except RecursionError as e:  # PyYAML parses nested collections recursively
+            raise ValueError("not valid YAML: nested too deeply (an Envoy config needs a few dozen levels)") from e
 
 
 def envoy_clusters(cfg: dict) -> set[str]:

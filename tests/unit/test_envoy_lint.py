@@ -565,3 +565,13 @@ def test_mutation_rules_refusing_the_content_length_of_a_rewritten_body_are_an_e
     assert [e for e in lint(cfg, POOLS).errors if "content-length" in e] == [
         "listener 'openai': the ext_proc's mutation_rules refuse content-length, which it sets with each body it "
         "rewrites (a client's `priority` or class field removed, a degrade): Envoy refuses those requests"]
+
+
+def test_check_reads_an_envoy_config_nested_too_deeply_as_unreadable_not_a_traceback(tmp_path):
+    # PyYAML parses nested collections recursively: a deep one raised RecursionError out of `check --envoy`.
+    path = tmp_path / "envoy.yaml"
+    path.write_text("static_resources: " + "[" * 5000 + "]" * 5000 + "\n")
+    run = subprocess.run([sys.executable, "-m", "extproc.cli", "check", "--envoy", str(path),
+                          str(ROOT / "policies/default.yaml")], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and f"{path}: not valid YAML: nested too deeply" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr
