@@ -22,7 +22,11 @@ def run(args: argparse.Namespace) -> int:
     if args.envoy:
         try:
             envoy = _load_yaml(args.envoy)
-            if isinstance(envoy, dict) and (envoy.get("dynamic_resources") or {}).get("cds_config") is not None:
+            dynamic = envoy.get("dynamic_resources") if isinstance(envoy, dict) else None
+            if dynamic is not None and not isinstance(dynamic, dict):  # Envoy refuses it too; lint reads a mapping
+                raise ValueError(f"dynamic_resources: a {type(dynamic).__name__}, not a mapping (not an Envoy "
+                                 "bootstrap config?)")
+            if (dynamic or {}).get("cds_config") is not None:
                 # Its pools may be any of the clusters CDS serves: only the routes and filters can be checked.
                 print(f"{args.envoy}: warning: its clusters come from CDS: the models' `cluster` names are not "
                       "checked", file=sys.stderr)

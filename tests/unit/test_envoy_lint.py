@@ -575,3 +575,16 @@ def test_check_reads_an_envoy_config_nested_too_deeply_as_unreadable_not_a_trace
                           str(ROOT / "policies/default.yaml")], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and f"{path}: not valid YAML: nested too deeply" in run.stderr, run.stderr
     assert "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize("dynamic", [[{"lds_config": {}}], "ads", 1])
+def test_check_reads_dynamic_resources_that_are_not_a_mapping_as_unreadable_not_a_traceback(tmp_path, dynamic):
+    # `check` looked for cds_config with .get() before anything caught a wrong shape: AttributeError, a traceback.
+    cfg = shipped()
+    cfg["dynamic_resources"] = dynamic
+    path = tmp_path / "envoy.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    run = subprocess.run([sys.executable, "-m", "extproc.cli", "check", "--envoy", str(path),
+                          str(ROOT / "policies/default.yaml")], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and f"{path}: dynamic_resources: a " in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr
