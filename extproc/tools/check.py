@@ -123,9 +123,13 @@ def _load_yaml(path: str) -> dict:
 def envoy_clusters(cfg: dict) -> set[str]:
     """The upstream clusters an Envoy config defines statically (the ext_proc's own left out)."""
     try:
-        return {c["name"] for c in cfg["static_resources"]["clusters"]} - {"extproc"}
+        names = [c["name"] for c in cfg["static_resources"]["clusters"]]
     except (KeyError, TypeError) as e:
         raise ValueError("no static_resources.clusters with names (not an Envoy bootstrap config?)") from e
+    odd = next((i for i, n in enumerate(names) if not isinstance(n, str)), None)
+    if odd is not None:  # Envoy refuses it too; a number among the names cannot be sorted into the message
+        raise ValueError(f"static_resources.clusters[{odd}].name: {names[odd]!r} is not a string")
+    return set(names) - {"extproc"}
 
 
 def _check_clusters(policy: Policy, envoy: str, clusters: set[str]) -> None:

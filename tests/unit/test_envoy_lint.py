@@ -588,3 +588,16 @@ def test_check_reads_dynamic_resources_that_are_not_a_mapping_as_unreadable_not_
                           str(ROOT / "policies/default.yaml")], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and f"{path}: dynamic_resources: a " in run.stderr, run.stderr
     assert "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize("name", [1, ["vllm_llama8b"], None])
+def test_check_reads_a_cluster_name_that_is_not_a_string_as_unreadable_not_a_traceback(tmp_path, name):
+    # A number among the cluster names raised TypeError sorting them for the message; a list, TypeError hashing it.
+    cfg = shipped()
+    cfg["static_resources"]["clusters"][1]["name"] = name
+    path = tmp_path / "envoy.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    run = subprocess.run([sys.executable, "-m", "extproc.cli", "check", "--envoy", str(path),
+                          str(ROOT / "policies/default.yaml")], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and f"{path}: static_resources.clusters[1].name: " in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr
