@@ -601,3 +601,21 @@ def test_check_reads_a_cluster_name_that_is_not_a_string_as_unreadable_not_a_tra
                           str(ROOT / "policies/default.yaml")], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and f"{path}: static_resources.clusters[1].name: " in run.stderr, run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_a_virtual_host_routed_by_a_matcher_tree_is_said_to_be_unchecked_not_passed_silently():
+    # Envoy accepts a virtual host whose routes are a matcher tree (validated with Envoy 1.40): none of its routes
+    # were read, so one to a pool with the ext_proc disabled passed `check --envoy` with no word at all.
+    cfg = shipped()
+    vh = hcm(cfg)["route_config"]["virtual_hosts"][0]
+    del vh["routes"]
+    vh["matcher"] = {"matcher_tree": {
+        "input": {"name": "path", "typed_config": {
+            "@type": "type.googleapis.com/envoy.type.matcher.v3.HttpRequestHeaderMatchInput", "header_name": ":path"}},
+        "exact_match_map": {"map": {"/v1/chat/completions": {"action": {"name": "chat", "typed_config": {
+            "@type": "type.googleapis.com/envoy.config.route.v3.Route", "match": {"prefix": "/"},
+            "route": {"cluster": "vllm_llama70b", "timeout": "0s"},
+            "typed_per_filter_config": {EXT_PROC: {"@type": PER_ROUTE, "disabled": True}}}}}}}}}
+    found = lint(cfg, POOLS)
+    said = "virtual host 'openai': its routes come from a matcher tree"
+    assert any(said in w for w in found.warnings), found.warnings
