@@ -462,15 +462,18 @@ def _per_route(per: dict[str, Any], cluster: str) -> str | None:
     if other != cluster:  # measured: a dead one failed open, and the request reached the replica unadmitted
         return (f"sends its requests to another processor (cluster {other!r}): they are not admitted by this "
                 "policy, and while that processor fails open not at all")
-    mode = overrides.get("processing_mode") or {}
-    # An override replaces the whole mode: a field it leaves out is Envoy's default, not the filter's setting.
+    mode = overrides.get("processing_mode")
+    if mode is None:  # no override: the filter's own mode holds
+        return None
+    # An override replaces the whole mode: a field it leaves out is Envoy's default, not the filter's setting (an
+    # empty `processing_mode: {}` is an override too, every field at its default).
     bad = [f"{k} {mode.get(k, 'unset')}" for k, want in (("request_header_mode", "SEND"),
                                                           ("request_body_mode", "BUFFERED"))
-           if mode and _mode(mode, k) != want]
+           if _mode(mode, k) != want]
     if bad:
         return (f"overrides the ext_proc's processing mode ({', '.join(bad)}): the ext_proc refuses its requests "
                 "(500 request_not_sent)")
-    if mode and mode.get("request_trailer_mode") != "SEND":
+    if mode.get("request_trailer_mode") != "SEND":
         return (f"overrides the ext_proc's processing mode with request_trailer_mode "
                 f"{mode.get('request_trailer_mode', 'unset')}: an HTTP/2 request that ends with trailers and no "
                 "body reaches the replica undecided (section 2)")

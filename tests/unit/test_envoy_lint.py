@@ -619,3 +619,14 @@ def test_a_virtual_host_routed_by_a_matcher_tree_is_said_to_be_unchecked_not_pas
     found = lint(cfg, POOLS)
     said = "virtual host 'openai': its routes come from a matcher tree"
     assert any(said in w for w in found.warnings), found.warnings
+
+
+def test_an_empty_processing_mode_override_is_read_as_envoy_reads_it_every_field_at_its_default():
+    # `processing_mode: {}` sets the override (Envoy's has_processing_mode): body NONE, request trailers SKIP, as
+    # the filter's own empty mode is read. It was taken for no override, and the route passed with no word.
+    cfg = shipped()
+    route(cfg, "/v1/completions")["typed_per_filter_config"] = {EXT_PROC: {"@type": PER_ROUTE, "overrides": {
+        "processing_mode": {}}}}
+    found = lint(cfg, POOLS)
+    assert any("(path /v1/completions) overrides the ext_proc's processing mode (request_body_mode unset)" in e
+               for e in found.errors), found.errors
