@@ -404,7 +404,10 @@ def _lint_decided_route(what: str, r: dict[str, Any], vh: dict[str, Any], off: s
 def _lint_mirrors(what: str, r: dict[str, Any], vh: dict[str, Any], pools: set[str], found: Findings) -> None:
     """A mirrored request is sent on after admission, ticket and all: one slot, two generations (measured)."""
     for m in ((r.get("route") or {}).get("request_mirror_policies") or []) + (vh.get("request_mirror_policies") or []):
-        cluster = m.get("cluster") or m.get("cluster_header") or "?"
+        # A mirror by header picks any cluster, as a route by header does (measured: `cluster_header:
+        # x-extproc-cluster` ran each admitted request twice on its pool, ticket and all).
+        cluster = m.get("cluster") or (f"the cluster named by {m['cluster_header']}" if m.get("cluster_header")
+                                       else "?")
         if _pool(cluster, pools):
             found.errors.append(f"{what} mirrors its requests to {cluster}: each admitted request runs there too, "
                                 "on the same slot")

@@ -630,3 +630,13 @@ def test_an_empty_processing_mode_override_is_read_as_envoy_reads_it_every_field
     found = lint(cfg, POOLS)
     assert any("(path /v1/completions) overrides the ext_proc's processing mode (request_body_mode unset)" in e
                for e in found.errors), found.errors
+
+
+def test_a_mirror_by_header_may_reach_any_pool_and_is_an_error():
+    # `cluster_header: x-extproc-cluster` on a mirror took the header's name for a cluster no model names, a
+    # warning; through Envoy 1.40 one admitted request ran twice on its pool, both with the ticket.
+    cfg = shipped()
+    routes(cfg)[0]["route"]["request_mirror_policies"] = [{"cluster_header": "x-extproc-cluster"}]
+    found = lint(cfg, POOLS)
+    assert any("mirrors its requests to the cluster named by x-extproc-cluster: each admitted request runs there "
+               "too" in e for e in found.errors), (found.errors, found.warnings)
