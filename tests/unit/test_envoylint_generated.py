@@ -197,6 +197,7 @@ OVERRIDES = {
     "headers skipped": {"@type": PER_ROUTE, "overrides": {"processing_mode": {
         "request_header_mode": "SKIP", "request_body_mode": "BUFFERED", "request_trailer_mode": "SEND"}}},
     "trailers left out": {"@type": PER_ROUTE, "overrides": {"processing_mode": {"request_body_mode": "BUFFERED"}}},
+    "an empty mode": {"@type": PER_ROUTE, "overrides": {"processing_mode": {}}},  # every field at its default
 }
 
 
@@ -253,10 +254,10 @@ def test_a_per_route_override_that_bypasses_admission_is_an_error_at_every_level
 
 # -- the other documented bypasses ----------------------------------------------------------------------------
 
-def _mirror(scope: str):
+def _mirror(scope: str, mirror: dict | None = None):
     def edit(cfg, hcm, vh):
         target = vh if scope == "virtual host" else _route(vh, CHAT)["route"]
-        target["request_mirror_policies"] = [{"cluster": "vllm_llama8b"}]
+        target["request_mirror_policies"] = [mirror or {"cluster": "vllm_llama8b"}]
     return edit
 
 
@@ -327,12 +328,15 @@ def _tcp_proxy(cfg, hcm, vh):
             "@type": TCP_PROXY_TYPE, "stat_prefix": "raw", "cluster": "vllm_llama8b"}}]}]})
 
 
-PER_HOST = {"mirror on the route", "mirror on the virtual host", "hedged retries on the route",
+PER_HOST = {"mirror on the route", "mirror on the virtual host", "mirror by the pool header",
+            "mirror by the pool header on the virtual host", "hedged retries on the route",
             "hedge on the virtual host", "a header route ahead", "no route on the pool header",
             "the pool route weighted", "the filter disabled by default"}
 BYPASSES = {
     "mirror on the route": _mirror("route"),
     "mirror on the virtual host": _mirror("virtual host"),
+    "mirror by the pool header": _mirror("route", {"cluster_header": "x-extproc-cluster"}),
+    "mirror by the pool header on the virtual host": _mirror("virtual host", {"cluster_header": "x-extproc-cluster"}),
     "hedged retries on the route": _hedge("route"),
     "hedge on the virtual host": _hedge("virtual host"),
     "a header route ahead": _header_route_ahead,
