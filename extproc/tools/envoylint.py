@@ -118,6 +118,9 @@ def _lint_hcm(where: str, hcm: dict[str, Any], pools: set[str], longest_wait_s: 
         found.warnings.append(f"{where}: its routes come from RDS and are not checked: check the route table it "
                               "serves against docs/envoy-integration.md")
         return
+    if rc.get("vhds") is not None:  # virtual hosts served on demand beside the inline ones
+        found.warnings.append(f"{where}: route_config.vhds: the virtual hosts VHDS serves are not checked: check "
+                              "them against docs/envoy-integration.md")
     for vh in rc.get("virtual_hosts") or []:
         if vh.get("matcher") is not None:  # Envoy picks its routes by the matcher tree: no `routes` to read
             found.warnings.append(f"{where}, virtual host {vh.get('name', '?')!r}: its routes come from a matcher tree "

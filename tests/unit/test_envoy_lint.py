@@ -640,3 +640,15 @@ def test_a_mirror_by_header_may_reach_any_pool_and_is_an_error():
     found = lint(cfg, POOLS)
     assert any("mirrors its requests to the cluster named by x-extproc-cluster: each admitted request runs there "
                "too" in e for e in found.errors), (found.errors, found.warnings)
+
+
+def test_virtual_hosts_from_vhds_are_said_to_be_unchecked_not_passed_silently():
+    # Envoy accepts a route table that takes more virtual hosts from VHDS (validated with Envoy 1.40); they were
+    # never mentioned, as if the inline ones were all there is.
+    cfg = shipped()
+    hcm(cfg)["route_config"]["vhds"] = {"config_source": {"resource_api_version": "V3", "api_config_source": {
+        "api_type": "DELTA_GRPC", "transport_api_version": "V3", "grpc_services": [{"envoy_grpc": {
+            "cluster_name": "extproc"}}]}}}
+    found = lint(cfg, POOLS)
+    assert any("route_config.vhds: the virtual hosts VHDS serves are not checked" in w for w in found.warnings), \
+        found.warnings
