@@ -27,14 +27,11 @@ class Fallbacks:
         of the pool's limit held a waiter, see AdmissionController._pool_hold; `why`: the refusal's message, when
         already said; `closed_in`: seconds until the open breaker that refused it half-opens)."""
         core, fb = self.core, lim.spec.fallback
-        # An open breaker's refusal says to come back when it half-opens: the class's drain estimate (often 1 s)
-        # sent a client that honours Retry-After back into the same cooldown.
-        retry_after = max(lim.retry_after_s(now, core._retry_ceiling), min(core._retry_ceiling, math.ceil(closed_in)))
         allowed = charge is None or fb.action in charge.fallbacks
         why = why or say(reason, cls=cls, max_wait_ms=lim.spec.max_wait_ms, queued=len(lim.queue),
                          where=on_pool(cluster, held), detail=f"{lim.inflight} running, queue full")
         if fb.action == "canned" and allowed:
-            retry = retry_after if fb.status in (429, 503) else 0
+            retry = self._retry_after(lim, now, closed_in) if fb.status in (429, 503) else 0
             return Canned(reason, cls, tenant, fb, retry, classification=c, cluster=cluster, waited_s=waited_s)
         if fb.action != "reject" and not allowed:
             why += f" (its `{fb.action}` fallback cannot serve this request)"
@@ -72,8 +69,14 @@ class Fallbacks:
             if deg.has_room():
                 why += f" (the degraded answer's pool {target} is at its limit too)"
             reason, why = R_DEGRADED_FULL, say(R_DEGRADED_FULL, why=why)
-        return Refusal(REJECT, reason, cls, tenant, 429 if overflow else 503, why, retry_after, classification=c,
-                       cluster=cluster, waited_s=waited_s)
+        return Refusal(REJECT, reason, cls, tenant, 429 if overflow else 503, why,
+                       self._retry_after(lim, now, closed_in), classification=c, cluster=cluster, waited_s=waited_s)
+
+    def _retry_after(self, lim: ClassLimiter, now: float, closed_in: float) -> int:
+        """A refusal's Retry-After: when the class has likely drained, and for an open breaker's no sooner than it
+        half-opens (the drain estimate, often 1 s, sent a client that honours it back into the same cooldown)."""
+        ceiling = self.core._retry_ceiling
+        return max(lim.retry_after_s(now, ceiling), min(ceiling, math.ceil(closed_in)))
 
     @staticmethod
     def _changes(fb, charge: Charge | None) -> bool:
