@@ -976,7 +976,7 @@ def _check_references(p: Policy, errors: list[str]) -> None:
         if not name.isascii():
             errors.append(f"classes.{name}: class names are ASCII (a claim's header is read byte for byte, so a "
                           "client sending UTF-8 could never claim this one)")
-        elif any(ord(c) < 32 or ord(c) == 127 for c in name):
+        elif _has_control(name):
             errors.append(f"classes.{name!r}: holds a control character; a class's name is a header value (Envoy "
                           "refuses one with a control character) and a metric label")
     need_class(p.default_class, "default_class")
@@ -993,7 +993,7 @@ def _check_references(p: Policy, errors: list[str]) -> None:
             errors.append(f"{base}.name: duplicate tenant {t.name!r}")
         if not t.name.strip():
             errors.append(f"{base}.name: empty; a tenant's name is its metric label and log name")
-        elif any(ord(c) < 32 or ord(c) == 127 for c in t.name):  # a NUL is the fair queue's key separator
+        elif _has_control(t.name):  # a NUL is the fair queue's key separator
             errors.append(f"{base}.name: {t.name!r} holds a control character; a tenant's name is its metric label "
                           "and its fairness key")
         if t.name == "other" and p.classify.fairness_header is not None:
@@ -1067,6 +1067,11 @@ def _check_references(p: Policy, errors: list[str]) -> None:
             need_class(c, f"shed.{protector}[{j}]")
             if c == protector:
                 errors.append(f"shed.{protector}[{j}]: a class cannot shed itself")
+
+
+def _has_control(name: str) -> bool:
+    """Whether a name holds an ASCII control character (no header value or metric label takes one)."""
+    return any(ord(c) < 32 or ord(c) == 127 for c in name)
 
 
 def _without_userinfo(url: str) -> str:
