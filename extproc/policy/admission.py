@@ -152,13 +152,17 @@ class AdmissionController:
         if lim.inflight:
             self._retired.append(lim)
 
+    def revoked(self, tenant: str) -> bool:
+        """Whether `tenant`'s key is no longer served: a reload removed the tenant and the policy takes keys only
+        (`anonymous.allow: false`), so its key now gets 401 at arrival."""
+        return not self.policy.anonymous.allow and tenant != ANONYMOUS and tenant not in self.classifier.tenant_names
+
     def _refuse_revoked(self, now: float) -> None:
         """Queued requests of a tenant the reload removed get the 401 of a key nobody owns, as they would now at
         arrival: a revoked key is not served from the queue it waited in (found by a reload audit: they were
         admitted when a slot freed). Those already running finish, as in a removed class."""
-        known = {t.name for t in self.policy.tenants}
         for lim in self.limiters.values():
-            for w in [w for w in lim.queue if w.tenant != ANONYMOUS and w.tenant not in known]:
+            for w in [w for w in lim.queue if self.revoked(w.tenant)]:
                 lim.queue.remove(w)
                 self._dequeue(w)
                 self._resolve(w, Refusal(INVALID, R_INVALID_KEY, lim.name, w.tenant, 401, say(R_INVALID_KEY),

@@ -11,7 +11,6 @@ from collections import deque
 from typing import Protocol
 
 from ..policy.admission import AdmissionController, Decision
-from ..policy.classify import ANONYMOUS
 from ..policy.reasons import (R_CLASS_REMOVED, R_CLIENT_GONE, R_INVALID_KEY, R_QUEUE_FULL, R_QUEUE_TIMEOUT,
                               R_STORE_UNAVAILABLE, say)
 from ..policy.limits import Ticket
@@ -102,12 +101,10 @@ class SharedSlots:
         # Waiters of a class the reload removed are refused, as its local queue is (they would run later under
         # no class), and so are those of a tenant it removed under keys only (they ran on a revoked key); the others
         # ask with the new cap at their next attempt (_serve_queue refreshes the claim).
-        known = {t.name for t in policy.tenants}
         for cls, q in self._waiting.items():
             removed = cls not in self.core.limiters
             for w in q:
-                tenant = w.ticket.tenant
-                revoked = not policy.anonymous.allow and tenant != ANONYMOUS and tenant not in known
+                revoked = self.core.revoked(w.ticket.tenant)
                 if (removed or revoked) and not w.future.done():
                     w.future.set_result(_REMOVED if removed else _REVOKED)
             if not removed:
