@@ -80,10 +80,10 @@ class SharedSlots:
         self._released: dict[str, asyncio.Event] = {}
         self._pumps: dict[str, asyncio.Task] = {}
         self._to_release: list[SlotClaim] = []
-        # Releases the store did not take (it stalled or went away as they were sent), with when they failed:
+        # Releases the store did not take (it stalled or went away as they were sent):
         # sent again before anything else once it answers, or a class would stay full of finished requests on an
         # idle fleet until their leases ran out.
-        self._unreleased: list[tuple[float, SlotClaim]] = []
+        self._unreleased: list[SlotClaim] = []
         # Ticket ids of unshared requests whose adoption is on its way or failed: it may have gone through with only
         # its answer lost, so the store may count them, and their end is released like a global slot's.
         self._maybe_adopted: set[int] = set()
@@ -241,14 +241,10 @@ class SharedSlots:
             while self._to_release:
                 batch, self._to_release = self._to_release, []
                 try:
-                    await self.store.release([(c.cls, c.holder) for c in batch])
+                    await self._send_releases(batch)
                 except StoreUnavailable as e:
-                    now = self.core.clock()
-                    self._unreleased.extend((now, c) for c in batch)
+                    self._unreleased.extend(batch)
                     self._fail(e)
-                    continue
-                for cls in {c.cls for c in batch}:
-                    self._wake(cls)
         finally:
             self._releaser = None
 
@@ -260,11 +256,15 @@ class SharedSlots:
             return
         pending, self._unreleased = self._unreleased, []
         try:
-            await self.store.release([(c.cls, c.holder) for _, c in pending])
+            await self._send_releases(pending)
         except StoreUnavailable:
             self._unreleased = pending + self._unreleased
             raise
-        for cls in {c.cls for _, c in pending}:
+
+    async def _send_releases(self, claims: list[SlotClaim]) -> None:
+        """One call for their global slots, then the waiters of their classes here look again."""
+        await self.store.release([(c.cls, c.holder) for c in claims])
+        for cls in {c.cls for c in claims}:
             self._wake(cls)
 
     # --- waiting ---
