@@ -153,19 +153,25 @@ class AdmissionController:
             self._retired.append(lim)
 
     def revoked(self, tenant: str) -> bool:
-        """Whether `tenant`'s key is no longer served: a reload removed the tenant and the policy takes keys only
-        (`anonymous.allow: false`), so its key now gets 401 at arrival."""
-        return not self.policy.anonymous.allow and tenant != ANONYMOUS and tenant not in self.classifier.tenant_names
+        """Whether requests of `tenant` are no longer served: the policy takes keys only (`anonymous.allow:
+        false`) and they are anonymous, or of a tenant a reload removed, so they now get 401 at arrival."""
+        return not self.policy.anonymous.allow and (tenant == ANONYMOUS or tenant not in self.classifier.tenant_names)
+
+    @staticmethod
+    def revoked_reason(c: Classification | None) -> str:
+        """The 401 reason a revoked request gets, as at arrival (authenticate): no key, or one nobody owns."""
+        return R_MISSING_KEY if c is not None and not c.keyed else R_INVALID_KEY
 
     def _refuse_revoked(self, now: float) -> None:
-        """Queued requests of a tenant the reload removed get the 401 of a key nobody owns, as they would now at
-        arrival: a revoked key is not served from the queue it waited in (found by a reload audit: they were
+        """Queued requests the reload revoked (anonymous ones, and a removed tenant's) get the 401 they would now
+        get at arrival: they are not served from the queue they waited in (found by reload audits: they were
         admitted when a slot freed). Those already running finish, as in a removed class."""
         for lim in self.limiters.values():
             for w in [w for w in lim.queue if self.revoked(w.tenant)]:
                 lim.queue.remove(w)
                 self._dequeue(w)
-                self._resolve(w, Refusal(INVALID, R_INVALID_KEY, lim.name, w.tenant, 401, say(R_INVALID_KEY),
+                reason = self.revoked_reason(w.classification)
+                self._resolve(w, Refusal(INVALID, reason, lim.name, w.tenant, 401, say(reason),
                                          waited_s=now - w.enqueued_at, cluster=w.pool))
 
     def _breaker_created(self, cls: str, pool: str, breaker: Breaker) -> None:

@@ -18,6 +18,7 @@ class Classification:
     demoted: bool = False  # claimed a class above the tenant's max_class
     unknown: bool = False  # claimed a class name the policy does not define
     fairness_key: str = ""  # the flow it counts against inside its class ("": the tenant)
+    keyed: bool = False    # it presented an API key, known or not (a refusal for its key says which it lacks)
 
     @property
     def flow(self) -> str:
@@ -77,19 +78,20 @@ class Classifier:
         """`objective` and `fairness_id` are the values of the policy's `objective_header` and `fairness_header`
         (None when absent or not configured)."""
         tenant = self.tenant_for(api_key)
-        key = self._fairness_key(fairness_id)
+        key, keyed = self._fairness_key(fairness_id), api_key is not None
         if objective:
             name = objective.lower()  # like the other claims: class and objective names are lower case
             objective = self._objectives.get(name, name)
         claim = header_claim or objective or body_claim
         if not claim:
-            return Classification(tenant.default_class, tenant.name, fairness_key=key)
+            return Classification(tenant.default_class, tenant.name, fairness_key=key, keyed=keyed)
         rank = self._rank.get(claim)
         if rank is None:
-            return Classification(tenant.default_class, tenant.name, unknown=True, fairness_key=key)
+            return Classification(tenant.default_class, tenant.name, unknown=True, fairness_key=key, keyed=keyed)
         if rank < tenant.max_rank:
-            return Classification(self._names[tenant.max_rank], tenant.name, demoted=True, fairness_key=key)
-        return Classification(claim, tenant.name, fairness_key=key)
+            return Classification(self._names[tenant.max_rank], tenant.name, demoted=True, fairness_key=key,
+                                  keyed=keyed)
+        return Classification(claim, tenant.name, fairness_key=key, keyed=keyed)
 
     def _fairness_key(self, fairness_id: str | None) -> str:
         if not self._reads_fairness or not fairness_id:

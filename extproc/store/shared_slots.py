@@ -11,8 +11,7 @@ from collections import deque
 from typing import Protocol
 
 from ..policy.admission import AdmissionController, Decision
-from ..policy.reasons import (R_CLASS_REMOVED, R_CLIENT_GONE, R_INVALID_KEY, R_QUEUE_FULL, R_QUEUE_TIMEOUT,
-                              R_STORE_UNAVAILABLE, say)
+from ..policy.reasons import R_CLASS_REMOVED, R_CLIENT_GONE, R_QUEUE_FULL, R_QUEUE_TIMEOUT, R_STORE_UNAVAILABLE, say
 from ..policy.limits import Ticket
 from ..policy.schema import Policy
 from ..policy.slot_store import SlotClaim, SlotStore, StoreUnavailable, local_share, share_has_room
@@ -23,7 +22,8 @@ SHARED, LOCAL, CLOSED = "shared", "local", "closed"  # store states (extproc_sto
 STORE_STATES = (SHARED, LOCAL, CLOSED)
 _CLOSED = object()  # a waiter's result when the store failed while it waited and the policy fails closed
 _REMOVED = object()  # ... when a reload removed its class
-_REVOKED = object()  # ... when a reload removed its tenant and the policy takes keys only (anonymous.allow false)
+_REVOKED = object()  # ... when the policy takes keys only (anonymous.allow false): it is anonymous, or a reload
+# removed its tenant
 
 
 class _Waiting:
@@ -99,7 +99,7 @@ class SharedSlots:
         self.policy = policy
         self.core.apply(local_share(policy, self.instances) if self.state == LOCAL else policy)
         # Waiters of a class the reload removed are refused, as its local queue is (they would run later under
-        # no class), and so are those of a tenant it removed under keys only (they ran on a revoked key); the others
+        # no class), and so are those it revoked under keys only (anonymous, or a removed tenant's); the others
         # ask with the new cap at their next attempt (_serve_queue refreshes the claim).
         for cls, q in self._waiting.items():
             removed = cls not in self.core.limiters
@@ -168,8 +168,9 @@ class SharedSlots:
             return self._closed(d)
         if result is _REMOVED:
             return self.core.revoke(d, R_CLASS_REMOVED, say(R_CLASS_REMOVED, cls=claim.cls))
-        if result is _REVOKED:  # the 401 its key now gets at arrival (AdmissionController._refuse_revoked)
-            return self.core.revoke(d, R_INVALID_KEY, say(R_INVALID_KEY))
+        if result is _REVOKED:  # the 401 it now gets at arrival (AdmissionController._refuse_revoked)
+            reason = self.core.revoked_reason(d.classification)
+            return self.core.revoke(d, reason, say(reason))
         return self._confirm(d, self.core.clock() - started)
 
     def _confirm(self, d: Decision, waited_s: float = 0.0) -> Decision:

@@ -31,12 +31,12 @@ counted against (docs/envoy-integration.md, section 7).
 The ext_proc reloads the file on change or SIGHUP; an invalid file is refused and the running policy stays. An
 applied reload logs what it changed (`policy reloaded from FILE: classes -internal; classes.interactive.max_concurrency
 48 -> 24`). Requests in flight finish under the policy that admitted them, holding their slots; queued ones keep
-waiting, except those of a removed class (503 `class_removed`) and, when `anonymous.allow` is false, those of a
-removed tenant (401 `invalid_api_key`, as their key now gets at arrival). A tenant's rate-limit buckets keep what
-was left of them (within the new depth, debts included): raising its limits (a plan upgrade) hands out no fresh
-burst, the bucket fills to its new depth at the new rate (within `burst_s` when idle; a tenant moved from 20,000 to
-200,000 tokens a minute answered `x-ratelimit-remaining-tokens: 23722` right after the reload), and lowering them
-cuts what is left to the new depth.
+waiting, except those of a removed class (503 `class_removed`) and, when `anonymous.allow` is false, anonymous ones
+and those of a removed tenant (401 `missing_api_key` or `invalid_api_key`, as they now get at arrival). A tenant's
+rate-limit buckets keep what was left of them (within the new depth, debts included): raising its limits (a plan
+upgrade) hands out no fresh burst, the bucket fills to its new depth at the new rate (within `burst_s` when idle; a
+tenant moved from 20,000 to 200,000 tokens a minute answered `x-ratelimit-remaining-tokens: 23722` right after the
+reload), and lowering them cuts what is left to the new depth.
 
 In key paths, `<name>` stands for a key you choose (a class or model name) and `[]` for a list item.
 """

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.policy.admission import ACCEPT, QUEUE, REJECT, AdmissionController, RequestFacts
@@ -220,19 +221,22 @@ async def test_a_wait_whose_lease_ran_out_is_refused_when_the_store_grants_it_an
     await r.close()
 
 
-async def test_a_wait_of_a_tenant_a_reload_removed_is_refused_under_keys_only_as_its_local_queue_is():
-    # configuration.md: with anonymous.allow false, queued requests of a tenant a reload removed get the 401 their key
-    # now gets at arrival. Those waiting in the class queue did; one waiting for the store's global slot (queued too:
-    # it counts in the queue depth) was admitted when a slot freed, and ran on a revoked key.
+@pytest.mark.parametrize("key, before, reason", [("sk-b", {"allow": False}, "invalid_api_key"),
+                                                  (None, {}, "missing_api_key"),
+                                                  ("sk-guess", {}, "invalid_api_key")])
+async def test_a_wait_a_reload_revokes_under_keys_only_is_refused_as_its_local_queue_is(key, before, reason):
+    # configuration.md: with anonymous.allow false, queued requests of a tenant a reload removed, and anonymous ones,
+    # get the 401 they now get at arrival. Those waiting in the class queue did; one waiting for the store's global
+    # slot (queued too: it counts in the queue depth) was admitted when a slot freed, and ran on a revoked key.
     store = FakeStore()
     tenants = [{"name": "a", "api_keys": ["sk-a"]}, {"name": "b", "api_keys": ["sk-b"]}]
     classes = {"interactive": {"max_concurrency": 1, "max_queue": 10, "max_wait_ms": 5000}}
     shared = {"kind": "redis", "url": "redis://fake", "poll_ms": 20}
-    r = SharedSlots(AdmissionController(make_policy(classes=classes, tenants=tenants, anonymous={"allow": False},
+    r = SharedSlots(AdmissionController(make_policy(classes=classes, tenants=tenants, anonymous=before,
                                                     store=shared)), store)
     await r.start()
     store.slots["interactive"] = {"other:0"}  # another replica holds the whole cap
-    d = r.core.decide(RequestFacts(api_key="sk-b", header_class="interactive", model="llama", max_tokens=10))
+    d = r.core.decide(RequestFacts(api_key=key, header_class="interactive", model="llama", max_tokens=10))
     assert d.kind == ACCEPT and r.core.gated(d)
     task = asyncio.create_task(FinalAdmission(r.core, r, d).settle(lambda s: asyncio.sleep(0)))
     await until(lambda: r.core.limiters["interactive"].reserved, holds=lambda n: n == 1)
@@ -240,7 +244,7 @@ async def test_a_wait_of_a_tenant_a_reload_removed_is_refused_under_keys_only_as
     store.slots["interactive"].discard("other:0")
     r._wake("interactive")
     out = await asyncio.wait_for(task, 2.0)
-    assert (out.ticket, out.status, out.reason) == (None, 401, "invalid_api_key")
+    assert (out.ticket, out.status, out.reason) == (None, 401, reason)
     lim = r.core.limiters["interactive"]
     assert (lim.inflight, lim.reserved) == (0, 0) and not r.core.tickets and not store.slots["interactive"]
     await r.close()

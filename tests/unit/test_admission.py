@@ -190,6 +190,20 @@ def test_reload_removing_a_class_rejects_its_waiters_and_drains_its_slots(core):
     assert "internal" not in core.snapshot()
 
 
+def test_a_reload_to_keys_only_refuses_queued_anonymous_requests_as_it_would_new_ones(core):
+    """configuration.md: under `anonymous.allow: false` a request with no key, or a key no tenant owns, gets 401.
+    Those already queued got a slot when one freed, and ran anonymous under a policy that takes keys only."""
+    held = [d.ticket for d in fill(core, "batch", 3)]
+    no_key, unknown, owned = (core.decide(req("batch", key)) for key in (None, "sk-guess", "sk-acme"))
+    assert no_key.kind == unknown.kind == owned.kind == QUEUE
+    core.apply(make_policy(anonymous={"allow": False}))
+    assert (no_key.waiter.result.status, no_key.waiter.result.reason) == (401, "missing_api_key")
+    assert (unknown.waiter.result.status, unknown.waiter.result.reason) == (401, "invalid_api_key")
+    assert "sk-guess" not in unknown.waiter.result.message and core.snapshot()["batch"]["queue"] == 1
+    core.finish(held[0], Outcome.OK)
+    assert owned.waiter.result.kind == ACCEPT and owned.waiter.result.tenant == "acme"
+
+
 def test_a_class_put_back_while_its_old_requests_run_counts_them_against_its_cap(core):
     """Remove a class and put it back (a bad deploy reverted): its requests still running hold its slots, or the
     class runs its whole cap again on top of them."""
