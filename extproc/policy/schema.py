@@ -352,8 +352,9 @@ class TenantSpec:
 
     name: str = doc("Tenant name; used as a metric label, so it comes from config only.")
     api_keys: list[str] = doc('Keys matched against "Authorization: Bearer <key>" or "api-key: <key>". A '
-                              'presented key is trimmed and cut at commas, so a key that is empty, has '
-                              'surrounding whitespace or holds a comma is refused.',
+                              'presented key is trimmed and cut at commas, and no header carries a control '
+                              'character but a tab, so a key that is empty, has surrounding whitespace or holds a '
+                              'comma or such a character is refused.',
                               factory=list, secret="quote the key")
     max_class: str | None = doc("Highest class this tenant may claim; higher claims are demoted to it. "
                                 "Default: the highest class.", None)
@@ -1007,9 +1008,10 @@ def _check_references(p: Policy, errors: list[str]) -> None:
         need_class(t.default_class, f"{base}.default_class")
         default_under_max(t.max_class, t.default_class, base)
         for j, key in enumerate(t.api_keys):
-            if _unmatchable(key):
-                errors.append(f"{base}.api_keys[{j}]: {_unmatchable(key)}, so no request can present it (its "
-                              "requests would count as anonymous): write the key exactly as clients send it")
+            why = _unmatchable(key)
+            if why:
+                errors.append(f"{base}.api_keys[{j}]: a key of tenant {t.name!r} {why}, so no request can present "
+                              "it (its requests would count as anonymous): write the key exactly as clients send it")
             if key in seen_keys:
                 # Never echo the key itself: policy errors end up in logs.
                 errors.append(f"{base}.api_keys[{j}]: key already belongs to tenant {seen_keys[key]!r}")
@@ -1110,11 +1112,13 @@ def _unmatchable(key: str) -> str | None:
     """Why a configured API key can never equal a presented one (never echoing it: errors end up in logs).
     Presented keys are trimmed, and cut at commas (Envoy joins repeated headers with one)."""
     if not key.strip():
-        return "empty"
+        return "is empty"
     if key != key.strip():
         return "starts or ends with whitespace"
     if "," in key:
         return "holds a comma"
+    if _has_control(key.replace("\t", "")):
+        return "holds a control character (no HTTP header value carries one but a tab: Envoy refuses the request)"
     return None
 
 

@@ -252,6 +252,16 @@ def test_api_keys_no_request_can_present_are_refused_without_echoing_them():
     assert not any("sk-" in e for e in errs)
 
 
+def test_an_api_key_holding_a_control_character_is_refused_naming_its_tenant_not_the_key():
+    # No HTTP header carries a control character but a tab (Envoy refuses the request), so the tenant's requests
+    # could never present this key: its clients got 401 under keys only, or ran as anonymous.
+    keys = ["sk-ok", "sk-a\x01b", "sk-a\x7fb", "sk-a\tb"]
+    errs = errors_of({**BASE, "tenants": [{"name": "acme", "api_keys": keys}]})
+    assert [e.split(":")[0] for e in errs] == ["tenants[0].api_keys[1]", "tenants[0].api_keys[2]"]
+    assert all("tenant 'acme'" in e and "control character" in e for e in errs)
+    assert not any("sk-" in e for e in errs)
+
+
 def test_an_api_key_yaml_reads_as_a_number_is_refused_without_echoing_it():
     # `api_keys: [4815162342]` is an int to YAML: its type error quoted the key into `extproc check` and reload logs.
     errs = errors_of({**BASE, "tenants": [{"name": "t", "api_keys": [4815162342, True]}]})
