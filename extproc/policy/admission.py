@@ -662,7 +662,7 @@ class AdmissionController:
                 lim.inflight_cost = 0.0  # a float sum drifts: nothing held is exactly 0, not -8e-17
             lim.queue.released(ticket.flow, ticket.cost)
             if ticket.gate is not None:
-                ticket.gate.give_back(ticket.rank, ticket.units, ticket.flow)
+                ticket.gate.give_back(ticket.rank, ticket.units, ticket.flow, ticket.pool_stall)
                 if ticket.rest and ran:  # one that never ran (revoked) held nothing of the replicas: nothing owed
                     ticket.gate.rest(ticket.rank, now + (now - ticket.admitted_at) * ticket.rest, now)
             if charge is not None:
@@ -681,7 +681,7 @@ class AdmissionController:
         if rest and (self._higher_waits(gate, ticket.limiter)
                      or (gate.holding and not gate.room(ticket.rank, units))):
             ticket.rest = rest
-        gate.take(ticket.rank, units, ticket.flow)
+        ticket.pool_stall = gate.take(ticket.rank, units, ticket.flow)
         gate.controller.admitted(ticket.rank, ticket.admitted_at)
 
     # --- the end of an admitted request ---

@@ -95,7 +95,7 @@ class Ticket:
 
     __slots__ = ("id", "limiter", "cls", "tenant", "pool", "admitted_at", "lease_until", "cost", "closed", "waited_s",
                  "released_at", "stream_outcome", "completion", "trickle", "degraded", "holds_slot", "charge",
-                 "usage", "gate", "units", "rank", "flow", "queued", "awaiting_store", "rest", "fair_charge",
+                 "usage", "gate", "units", "rank", "pool_stall", "flow", "queued", "awaiting_store", "rest", "fair_charge",
                  "wait_until", "fair_flow")
 
     def __init__(self, limiter: ClassLimiter, tenant: str, pool: str, now: float, lease_s: float, cost: float,
@@ -121,6 +121,7 @@ class Ticket:
         self.gate: Any = None           # the PoolGate it holds `units` of (a pool with a pool-wide limit)
         self.units = 0.0
         self.rank = 0                   # its class's rank when it took them
+        self.pool_stall = 0             # the stall of its pool it took them in (PoolGate.take; 0: none)
         self.rest = 0.0                 # taken over its class's share: the class rests this long per second it ran
         self.flow = tenant              # the fairness key it counts against in its class's queue
         self.fair_charge = cost         # GPU-seconds its flow was charged (the estimate times the flow's scale)

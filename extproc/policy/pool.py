@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from itertools import count
 
 from .schema import PoolLimitSpec
 
@@ -72,6 +73,7 @@ MAX_REST_S = 60.0
 # Why a waiter with room on the pool is still waiting (PoolGate.held_back_by): room that came back without a release
 # (a rest or squeeze that ran out, a stalled replica's requests left out) is granted only at the next release.
 UNGRANTED = "room came back without a release to grant it: waiters are granted at releases"
+_STALLS = count(1)  # numbers a pool's stalls (PoolGate.stall), unique across gates: a reload's new gate keeps its own
 
 
 class RecentLatencies:
@@ -345,6 +347,11 @@ class PoolGate:
         self.flows: list[dict[str, list[float]]] = [{} for _ in min_shares]
         self.short = False                     # a request waited for room under the limit since the last move
         self.stuck = 0.0                       # units held by requests a stalled replica holds (not the pool's)
+        # While a replica of the pool is seen stalled: that stall's number (0: none seen), and the units held by the
+        # requests taken since, sent to the working replicas (policy.steering): only those taken before may be
+        # the hung replica's.
+        self.stall = 0
+        self.steered = 0.0
         self.min_shares = min_shares
         self.rest_until = [-math.inf] * len(min_shares)  # per class rank: no request over its share before then
         # Per class rank whose latency breaker asked: (its breaker opened at, until when the classes below it get
@@ -354,6 +361,7 @@ class PoolGate:
         if previous is not None:  # a reload that replaced the gate: a resting class rests on, under its new rank,
             # and a squeeze holds on: dropped, the classes below went beyond their guarantee at once with the
             # breaker still open, and its next request squeezed them a whole cooldown more in the same opening.
+            self.stall = previous.stall  # the requests it holds move here with the stall they were taken in
             for rank, cls in enumerate(previous.class_names):
                 if cls in class_names:
                     self.rest_until[class_names.index(cls)] = previous.rest_until[rank]
@@ -522,21 +530,30 @@ class PoolGate:
         mine = self.flows[rank].get(flow)
         return mine[0] if mine is not None else 0.0
 
-    def take(self, rank: int | None, units: float, flow: str = "") -> None:
+    def take(self, rank: int | None, units: float, flow: str = "", stall: int | None = None) -> int:
+        """Hold `units`; returns the stall they were taken in (for give_back). `stall`: the one a request moved
+        here on a reload was taken in."""
+        stall = self.stall if stall is None else stall
+        if stall and stall == self.stall:
+            self.steered += units
         self.inflight += units
         self.holding += 1
         if rank is None:
-            return  # a class a reload removed (rank_of): it holds the pool, no class's share of it
+            return stall  # a class a reload removed (rank_of): it holds the pool, no class's share of it
         self.held[rank] += units
         self.count[rank] += 1
         mine = self.flows[rank].setdefault(flow, [0.0, 0])
         mine[0] += units
         mine[1] += 1
+        return stall
 
-    def give_back(self, rank: int | None, units: float, flow: str = "") -> None:
+    def give_back(self, rank: int | None, units: float, flow: str = "", stall: int = 0) -> None:
+        """Give back what take() held (`stall`: what it returned)."""
         # A float sum drifts: with nothing left it is exactly 0, not -2e-13 (a gauge, and a limit's comparisons).
         self.holding -= 1
         self.inflight = self.inflight - units if self.holding else 0.0
+        if stall and stall == self.stall:
+            self.steered = self.steered - units if self.holding else 0.0
         if rank is None:
             return
         self.count[rank] -= 1
@@ -553,6 +570,9 @@ class PoolGate:
         before = self.limit
         saturated = roomy = None
         self.stuck = 0.0
+        stalled = saturation is not None and saturation.stalled > 0
+        if stalled != bool(self.stall):  # a stall begins (what is held may be on the hung replica) or ends
+            self.stall, self.steered = next(_STALLS) if stalled else 0, 0.0
         if saturation is not None:
             saturated = saturation.saturated
             roomy = not saturated and saturation.waiting == 0 and saturation.kv_usage < ROOMY_KV
@@ -561,8 +581,11 @@ class PoolGate:
                 # up: counted, they held the limit shut while the working replicas idled. In requests each weighs
                 # one unit (vLLM's gauges count sequences, as units() does: weighed by the mean request, n=4 ones
                 # counted four times over); in tokens, which of ours they are is unknown: the mean of what is held.
+                # Only what was taken before the stall was seen may be there: its gauges go on counting requests
+                # whose clients gave up (nothing steps to drop them), and left out of the working replicas' share
+                # they let that many over the limit onto those, for as long as the hang lasted.
                 per = self.inflight / self.holding if self.tokens else 1.0
-                self.stuck = min(self.inflight, saturation.stalled_requests * per)
+                self.stuck = min(self.inflight - self.steered, saturation.stalled_requests * per)
         self.limit = self.controller.update(now, self.inflight - self.stuck, self.short, saturated, bool(roomy),
                                             fleeting=saturation is not None and saturation.fleeting)
         if self.controller.moved_at == now:

@@ -128,16 +128,16 @@ class PolicyState:
         teaches the new gate."""
         for t in tickets:
             if t.gate is not None and self.gates.get(t.gate.name) is not t.gate:
-                t.gate.give_back(t.rank, t.units, t.flow)
+                t.gate.give_back(t.rank, t.units, t.flow, t.pool_stall)
                 t.gate, t.rank, t.units = self._moved(t.gate, t.cls, t.units, t.charge)
                 if t.gate is not None:
-                    t.gate.take(t.rank, t.units, t.flow)
+                    t.pool_stall = t.gate.take(t.rank, t.units, t.flow, t.pool_stall)
             elif t.gate is None and t.holds_slot and self._slot_pool(t) in self.gates:
                 # A limit turned on over requests already running on its pool: they hold it too, or it would let
                 # a whole limit more onto a pool that is likely why it was turned on.
                 gate = t.gate = self.gates[self._slot_pool(t)]
                 t.rank, t.units = gate.rank_of(t.cls), self._units(gate, None, 0.0, t.charge)
-                gate.take(t.rank, t.units, t.flow)
+                t.pool_stall = gate.take(t.rank, t.units, t.flow)
         for t in ended:
             if t.gate is not None and self.gates.get(t.gate.name) is not t.gate:
                 t.gate, t.rank, t.units = self._moved(t.gate, t.cls, t.units, t.charge)

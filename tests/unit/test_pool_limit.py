@@ -776,6 +776,45 @@ def test_requests_a_stalled_replica_holds_do_not_hold_the_limit_shut():
 
 
 
+def hung(requests: float, now: float) -> PoolSaturation:
+    """A reading of a pool with one replica stalled, holding `requests` by its own gauges."""
+    sat = PoolSaturation()
+    sat.stalled, sat.stalled_requests, sat.updated_at = 1, requests, now
+    return sat
+
+
+@pytest.mark.parametrize("reload", [False, True])
+def test_a_hung_replica_s_requests_whose_clients_left_free_no_room_on_the_working_replicas(clock, reload):
+    """A wedged engine's gauges keep its requests after their clients gave up (nothing steps to drop them). The
+    limit left that many out of what it holds, by then all on the working replicas: they got that many over the
+    limit for as long as the hang lasted (docs/reliability.md: only the hung replica's requests are not counted).
+    Only requests taken before the stall was seen can be there (the later ones are steered to the others)."""
+    core = AdmissionController(pool_policy(limit=4), clock=clock)
+    on_hung = [core.decide(req("interactive")).ticket for _ in range(2)]
+    before = [core.decide(req("interactive")).ticket for _ in range(2)]  # on the working replica
+    core.set_saturation("pool_a", hung(2.0, clock()))
+    clock.advance(0.1)
+    core.tick()
+    gate = core.gates["pool_a"]
+    assert gate.stuck == 2.0  # the limit no longer counts them: two more go in, to the working replica
+    steered = [core.decide(req("interactive")).ticket for _ in range(2)]
+    assert all(steered) and gate.inflight - gate.stuck == 4
+    if reload:  # a new gate: what it holds moves there with the stall it was taken in
+        core.apply(pool_policy(limit=4, knobs={"interval_s": 2.0}))
+        assert core.gates["pool_a"] is not gate
+        gate = core.gates["pool_a"]
+    for t in on_hung:  # their clients give up; the hung replica still says it holds them
+        core.finish(t, Outcome.CLIENT_ABORT)
+    for t in before:
+        core.finish(t, Outcome.OK)
+    core.set_saturation("pool_a", hung(2.0, clock()))
+    clock.advance(0.1)
+    core.tick()
+    # Were 4 more (the hung replica's 2 left out of what the working one held): 6 there on a limit of 4.
+    more = [core.decide(req("interactive")) for _ in range(3)]
+    assert [d.kind for d in more] == [ACCEPT, ACCEPT, QUEUE] and gate.stuck == 0.0 and gate.inflight == 4
+
+
 def test_a_stalled_replica_s_sequences_weigh_one_request_unit_each():
     """In requests a request weighs the sequences vLLM runs for it (n x prompts), and a hung replica's gauges count
     sequences: the stalled share is those sequences, not that many mean-sized requests (an n=4 request on the hung

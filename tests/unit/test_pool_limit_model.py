@@ -397,6 +397,9 @@ class PoolLimitModel(RuleBasedStateMachine):
             mine = [t for t in self.live.values() if t.gate is gate]
             assert gate.holding == len(mine)
             assert math.isclose(gate.inflight, sum(t.units for t in mine), rel_tol=1e-9, abs_tol=1e-6)
+            # Units taken in the stall going on (sent to the working replicas): never counted as the hung one's.
+            steered = sum(t.units for t in mine if gate.stall and t.pool_stall == gate.stall)
+            assert math.isclose(gate.steered, steered, rel_tol=1e-9, abs_tol=1e-6), (gate.steered, steered)
             for rank, cls in enumerate(gate.class_names):
                 ours = [t for t in mine if t.cls == cls]
                 assert gate.count[rank] == len(ours), (gate.name, cls, gate.count, len(ours))
