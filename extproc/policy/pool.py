@@ -68,6 +68,9 @@ MIN_SHARE = 0.01
 # a longer one a class whose requests dwarf its share still gets one a minute. Unbounded, a long request over a
 # limit just cut (units / share of 400) rested its class for hours, past the overload that owed it (an audit).
 MAX_REST_S = 60.0
+# The owner's return (PoolGate.owed) takes the pool to at most this many times its limit: the owners' share of it
+# over what the borrowers took under it.
+OWED_BOUND = 2.0
 
 
 # Why a waiter with room on the pool is still waiting (PoolGate.held_back_by): room that came back without a release
@@ -519,8 +522,13 @@ class PoolGate:
         holds here (and of the class's room under the limit) goes in even on a full pool; the flows over their
         share (borrowers) wait until the pool is back under the limit. So a flood's long requests holding the
         pool make the flood wait, not the others. Over-commit is bounded: owners hold at most their shares of the
-        limit, i.e. the pool at most twice the limit."""
+        limit, and the pool at most twice the limit (OWED_BOUND). The shares alone bound each class's owners, not
+        the pool's: a lower class's one tenant (its class's whole share) went in on top of the first class's flood
+        and owners (a limit of 10 held 23), and after a reload or a cut under what is held, owners went in on a pool
+        already past twice the new limit."""
         if share <= 0.0 or self._squeezed(rank, now):
+            return False
+        if self.inflight - self.stuck + units > OWED_BOUND * self.limit:
             return False
         cap = self.limit if rank == 0 else self.limit * LOWER_FILL
         return self.held_by(rank, flow) + units <= share * min(self.held[rank] + units, cap)

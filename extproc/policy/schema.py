@@ -252,8 +252,9 @@ class FairnessSpec:
         "`max_inflight_gpu_seconds` left holds the ones behind it, so that large requests are never passed over "
         "for good. Inside a flow (round_robin, fair) the earliest deadline goes first. Under a "
         "pool-wide limit (round_robin, fair), a flow holding no more than its weighted share (fair: at least its "
-        "tenant's `guaranteed_share`) of what the class holds on the pool goes in even when the limit is full; the "
-        "flows over their share wait until the pool is back under it.", "fifo")
+        "tenant's `guaranteed_share`) of what the class holds on the pool goes in even when the limit is full (while "
+        "the pool holds under twice the limit); the flows over their share wait until the pool is back under it.",
+        "fifo")
     key: Literal["tenant", "header"] = doc(
         "The flow a request counts against: its tenant, or the value of `classify.fairness_header` inside its "
         "tenant's share (needs it set; a request without the header counts against its tenant).", "tenant")

@@ -363,6 +363,43 @@ def test_a_reload_to_another_unit_weighs_what_is_held_in_the_new_unit(clock):
     assert held(core) == (0, [0, 0, 0], [0, 0, 0])
 
 
+FAIR_TENANTS = [{"name": n, "api_keys": [f"sk-{n}"]} for n in ("a", "b", "c")]
+
+
+def fair_pool_policy(limit: float):
+    fair = {**BIG, "max_queue": 20, "max_wait_ms": 5000, "fairness": {"mode": "fair"}}
+    return make_policy(classes={"interactive": fair, "batch": fair}, shed={}, tenants=FAIR_TENANTS,
+                       pools={"pool_a": {"limit": {"enabled": True, "unit": "requests", "initial": limit, "min": 1,
+                                                   "max": 10}}})
+
+
+def asks(core, cls: str, tenant: str, n: int) -> list:
+    return [core.decide(RequestFacts(api_key=f"sk-{tenant}", header_class=cls, model="llama", max_tokens=100))
+            for _ in range(n)]
+
+
+def test_the_owners_of_every_class_together_take_the_pool_to_twice_its_limit_at_most(clock):
+    """docs/demo.md, the owner's return: the pool holds at most twice the limit. The owners' bound was per class
+    (their shares of what their class holds, under its cap): interactive's flood and owner, then batch's one tenant
+    (alone, the whole share of its class) on top of them, took a limit of 10 to 23 requests."""
+    core = AdmissionController(fair_pool_policy(10), clock=clock)
+    gate = core.gates["pool_a"]
+    asks(core, "interactive", "a", 10)  # a's flood fills the limit
+    asks(core, "interactive", "b", 5)   # b is owed its half of what the class holds: over the full limit
+    assert gate.inflight == 15
+    asks(core, "batch", "c", 10)
+    assert gate.inflight == 20
+
+
+def test_after_a_reload_that_shrinks_the_limit_owners_go_in_only_under_twice_the_new_limit(clock):
+    core = AdmissionController(fair_pool_policy(10), clock=clock)
+    gate = core.gates["pool_a"]
+    asks(core, "interactive", "a", 10)
+    core.apply(fair_pool_policy(4))  # a's 10 run on: the pool is already at more than twice the new limit
+    gate = core.gates["pool_a"]
+    assert [d.kind for d in asks(core, "interactive", "b", 2)] == [QUEUE, QUEUE] and gate.inflight == 10
+
+
 def test_what_is_held_is_exactly_zero_once_nothing_holds_it():
     gate = PoolGate("pool_a", spec(unit="tokens"), {}, [0.0], ["interactive"])
     for units in (0.1, 0.2):

@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from extproc.policy.adaptive import PoolSaturation
 from extproc.policy.admission import ACCEPT, DEGRADE, QUEUE, AdmissionController, RequestFacts
 from extproc.policy.limits import Completion, Outcome
-from extproc.policy.pool import MAX_REST_S, PROVEN_FLOOR
+from extproc.policy.pool import MAX_REST_S, OWED_BOUND, PROVEN_FLOOR
 from tests.conftest import FakeClock, make_policy
 
 CLASSES = ("interactive", "batch", "internal")
@@ -134,6 +134,19 @@ class PoolLimitModel(RuleBasedStateMachine):
                                    f"count {count}, share {gate.min_shares[rank]} x {gate.limit}) while a higher "
                                    f"class waits")
 
+    def _check_overcommit(self, before, ticket, now):
+        """docs/demo.md, the owner's return: 'the pool at most twice the limit'. Past it only a class's guarantee
+        goes in (its share, or one request while it holds nothing)."""
+        if before is None or ticket.gate is not before[0]:
+            return
+        gate, rank, _, held, count, rest_until = before
+        if gate.inflight - gate.stuck <= OWED_BOUND * gate.limit + 1e-9 or gate.holding == 1:
+            return
+        if held + ticket.units <= gate.min_shares[rank] * gate.limit + 1e-9 or (count == 0 and now >= rest_until):
+            return
+        self.violations.append(f"arrival: rank {rank} took the pool to {gate.inflight - gate.stuck} over twice its "
+                               f"limit {gate.limit}, beyond its guarantee")
+
     def _degraded_last(self, cls, d, pool="pool_a"):
         """docs/overload.md, "Degrade last": on a pool with a limit, the latency breaker degrades only when nothing
         is left to yield or cut."""
@@ -191,6 +204,7 @@ class PoolLimitModel(RuleBasedStateMachine):
                                           doc=doc, sequences=sequences))
         if d.kind == ACCEPT and d.ticket is not None:
             self._check_priority(before, d.ticket, self.clock(), "arrival")
+            self._check_overcommit(before, d.ticket, self.clock())
         self._degraded_last(cls, d, self.core.clusters[model])
         if idle and d.kind == QUEUE:
             # configuration.md, pools.<name>.limit.min: "a pool always takes at least one request".
