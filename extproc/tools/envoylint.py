@@ -268,7 +268,12 @@ def _ext_proc_config(hcm: dict[str, Any]) -> dict[str, Any]:
 def _lint_headers(where: str, tc: dict[str, Any], reads: tuple[str, ...], found: Findings) -> None:
     """The headers going to the ext_proc and coming back from it (each measured through Envoy 1.40)."""
     rules = tc.get("forward_rules")
-    if rules:
+    empty = [key for key in ("allowed_headers", "disallowed_headers")
+             if rules and rules.get(key) is not None and not rules[key].get("patterns")]  # null: unset
+    for key in empty:  # what Envoy would do with it is moot: it does not load
+        found.errors.append(f"{where}: the ext_proc's forward_rules.{key} lists no patterns: Envoy refuses the "
+                            f"config (a pattern list needs at least one); leave {key} out instead")
+    if rules and not empty:
         unseen = [h for h in reads if not _forwarded(h, rules)]
         if unseen:
             found.errors.append(f"{where}: the ext_proc's forward_rules keep {', '.join(unseen)} from it: without "

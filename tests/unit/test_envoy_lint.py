@@ -390,6 +390,22 @@ def test_forward_rules_match_header_names_with_case_as_envoy_does():
     assert lint(cfg, POOLS).errors == []
 
 
+@pytest.mark.parametrize("rules", [{"allowed_headers": {"patterns": []}}, {"allowed_headers": {}},
+                                   {"disallowed_headers": {"patterns": []}}])
+def test_a_forward_rules_list_without_patterns_is_named_as_envoy_refuses_it(rules):
+    # Envoy refuses a ListStringMatcher with no patterns (`envoy --mode validate`: "Patterns: value must contain at
+    # least 1 item(s)"). An empty allow list read as "forward nothing" (an error naming the key and the path as kept
+    # from the ext_proc); one without `patterns`, or an empty disallow list, passed.
+    cfg = shipped()
+    hcm(cfg)["http_filters"][0]["typed_config"]["forward_rules"] = rules
+    errors = lint(cfg, POOLS).errors
+    (key,) = rules
+    assert any(f"forward_rules.{key} lists no patterns: Envoy refuses the config" in e for e in errors), errors
+    assert not any("keep" in e for e in errors), errors
+    hcm(cfg)["http_filters"][0]["typed_config"]["forward_rules"] = {key: None}  # null is unset: Envoy loads it
+    assert lint(cfg, POOLS).errors == []
+
+
 def test_any_key_matcher_that_removes_every_x_extproc_header_strips_them():
     def strip(matcher):
         cfg = shipped()
