@@ -160,6 +160,9 @@ class SharedSlots:
         self._pump(claim.cls)
         try:
             result = await asyncio.wait_for(w.future, max(self.deadline(t) - self.core.clock(), 0.0))
+        except asyncio.CancelledError:
+            self._left_head(claim.cls, w)
+            raise
         except TimeoutError:
             return self.core.revoke(d, R_QUEUE_TIMEOUT, say(R_QUEUE_TIMEOUT, cls=claim.cls,
                                                             where=" across the replicas sharing it",
@@ -274,6 +277,14 @@ class SharedSlots:
         ev = self._released.get(cls)
         if ev is not None:
             ev.set()
+
+    def _left_head(self, cls: str, w: _Waiting) -> None:
+        """A waiter whose client left: at the head, the next one looks at once (one that fits the room the head
+        was too large for waited up to poll_ms), as the core's queue hands a leaving client's room on. A head
+        that timed out does not, as in the core: the next release does (docs/overload.md)."""
+        q = self._waiting.get(cls)
+        if q and q[0] is w:
+            self._wake(cls)
 
     def _pump(self, cls: str) -> None:
         if cls not in self._pumps:

@@ -4,14 +4,20 @@ workers' stores on one table, in one process (the table and the wake-ups work th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from pathlib import Path
 
 import pytest
 
+from extproc.policy.admission import AdmissionController, RequestFacts
 from extproc.policy.slot_store import SlotClaim
+from extproc.server.final_admission import FinalAdmission
 from extproc.store import host_store
 from extproc.store.host_store import HostStore
+from extproc.store.shared_slots import SharedSlots
+from tests.conftest import make_policy
+from tests.store.test_host_store_model import run_virtual
 
 
 def claim(holder: str, cls: str = "interactive", cap: int = 2, cost: float = 1.0,
@@ -187,3 +193,39 @@ async def test_the_table_goes_where_its_sockets_can_bind_under_a_long_tmpdir(tmp
     monkeypatch.setattr(tempfile, "tempdir", short)  # a short one is kept
     assert host_store.table_parent(16) == short
     os.rmdir(short)
+
+
+def test_a_waiter_behind_a_head_whose_client_left_takes_the_room_it_has_at_once(tmp_path):
+    # A head too large for the class's GPU-seconds left holds the smaller requests behind it (FIFO). When its
+    # client left, nothing woke the queue: the one behind, which fit, waited for the next release or poll_ms (5 s
+    # here), where the core's queue hands a leaving client's room on at once (AdmissionController.abandon).
+    async def scenario() -> float:
+        host_store.create(tmp_path, 2)
+        other = HostStore(tmp_path, 1, 2)  # another worker holds 3 of the class's 5 GPU-seconds
+        assert await other.acquire(claim("w1:1", cap=10, cost=3.0, budget=5.0))
+        policy = make_policy(classes={"interactive": {"max_concurrency": 10, "max_queue": 10, "max_wait_ms": 20_000,
+                                                      "max_inflight_gpu_seconds": 5.0}},
+                             tenants=[], store={"kind": "memory", "poll_ms": 5000})
+        loop = asyncio.get_running_loop()
+        slots = SharedSlots(AdmissionController(policy, clock=loop.time), HostStore(tmp_path, 0, 2), workers=2)
+        await slots.start()
+        waits = []
+        for max_tokens in (2000, 1000):  # 2.2 and 1.1 GPU-seconds: the head does not fit, the next one would
+            d = slots.core.decide(RequestFacts(header_class="interactive", model="llama", max_tokens=max_tokens))
+            fa = FinalAdmission(slots.core, slots, d)
+            waits.append((fa, loop.create_task(fa.settle(lambda s: asyncio.sleep(0)))))
+            await asyncio.sleep(0.01)
+        (head, head_task), (behind, behind_task) = waits
+        assert not head_task.done() and not behind_task.done()
+        left = loop.time()
+        head_task.cancel()  # its client left (what the stream does)
+        with contextlib.suppress(asyncio.CancelledError):
+            await head_task
+        head.give_back()
+        d = await behind_task
+        assert d.ticket is not None and d.reason == "dequeued"
+        await slots.close()
+        await other.close()
+        return loop.time() - left
+
+    assert run_virtual(scenario()) < 0.1
