@@ -131,6 +131,7 @@ class RedisStore:
     shared = True
 
     def __init__(self, spec: StoreSpec, client: aioredis.Redis | None = None):
+        """`client`: one the caller made, and closes (close() leaves it open); else the store makes its own."""
         self.spec = spec
         self.prefix = spec.key_prefix
         self.lease_ms = spec.lease_ms
@@ -138,6 +139,7 @@ class RedisStore:
         self.channel = f"{self.prefix}released"
         # No client-side retries: one call, bounded by timeout_ms, then the caller's on_failure takes over. A
         # bounded pool that makes callers wait for a free connection (within the same timeout) rather than fail.
+        self._owns_client = client is None
         self.client = client or aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
             spec.url, max_connections=MAX_CONNECTIONS, timeout=self.timeout_s, socket_timeout=self.timeout_s,
             socket_connect_timeout=self.timeout_s, retry=Retry(NoBackoff(), 0), health_check_interval=0))
@@ -314,7 +316,9 @@ class RedisStore:
             self._subscriber.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._subscriber
-        await self.client.aclose()
+        if self._owns_client:
+            # redis-py leaves a pool handed to a client open for whoever made it: here, this store.
+            await self.client.aclose(close_connection_pool=True)
 
     async def _subscribe(self) -> None:
         """Hear every replica's releases, and the reports relayed to this one; reconnect while Redis is away

@@ -374,3 +374,22 @@ async def test_a_call_fails_over_within_its_timeout_even_when_dropping_the_pool_
     assert time.monotonic() - started < 1.0
     await asyncio.wait_for(hung.wait(), timeout=1)  # the pool is still dropped, in the background
     await store.close()
+
+
+async def test_close_disconnects_the_connections_the_store_opened(redis_server):
+    # The store builds its own connection pool and hands it to its client, and redis-py leaves a pool it was handed
+    # to whoever made it: close() closed the client alone, and the pool's sockets stayed open on the Redis server
+    # until the garbage collector got to them (a reload that replaced the store held a connection per call in flight).
+    watcher = RedisStore(spec(redis_server.url))
+
+    async def clients() -> int:
+        return len(await watcher.client.client_list())
+
+    alone = await clients()
+    store = RedisStore(spec(redis_server.url))
+    await store.start()  # a subscription, and a few calls at once: several pooled connections
+    await asyncio.gather(*(store.acquire(claim(f"h{i}", cap=10)) for i in range(4)), store.count("c"))
+    await until(clients, holds=lambda n: n > alone)
+    await store.close()
+    assert await until(clients, holds=lambda n: n == alone) == alone
+    await watcher.close()
