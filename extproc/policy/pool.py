@@ -525,13 +525,17 @@ class PoolGate:
         limit, and the pool at most twice the limit (OWED_BOUND). The shares alone bound each class's owners, not
         the pool's: a lower class's one tenant (its class's whole share) went in on top of the first class's flood
         and owners (a limit of 10 held 23), and after a reload or a cut under what is held, owners went in on a pool
-        already past twice the new limit."""
+        already past twice the new limit. And only the room its own class's other flows hold is owed: a class's one
+        flow (its whole share) went in over a pool another class had filled."""
         if share <= 0.0 or self._squeezed(rank, now):
             return False
         if self.inflight - self.stuck + units > OWED_BOUND * self.limit:
             return False
+        mine = self.held_by(rank, flow)
+        if self.held[rank] - mine < units:
+            return False  # owed by its own class's borrowers: room another class holds is not its to take back
         cap = self.limit if rank == 0 else self.limit * LOWER_FILL
-        return self.held_by(rank, flow) + units <= share * min(self.held[rank] + units, cap)
+        return mine + units <= share * min(self.held[rank] + units, cap)
 
     def held_by(self, rank: int, flow: str) -> float:
         """The units one flow of the class at `rank` holds here."""

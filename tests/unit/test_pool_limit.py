@@ -363,7 +363,7 @@ def test_a_reload_to_another_unit_weighs_what_is_held_in_the_new_unit(clock):
     assert held(core) == (0, [0, 0, 0], [0, 0, 0])
 
 
-FAIR_TENANTS = [{"name": n, "api_keys": [f"sk-{n}"]} for n in ("a", "b", "c")]
+FAIR_TENANTS = [{"name": n, "api_keys": [f"sk-{n}"]} for n in ("a", "b", "c", "d", "e")]
 
 
 def fair_pool_policy(limit: float):
@@ -380,15 +380,28 @@ def asks(core, cls: str, tenant: str, n: int) -> list:
 
 def test_the_owners_of_every_class_together_take_the_pool_to_twice_its_limit_at_most(clock):
     """docs/demo.md, the owner's return: the pool holds at most twice the limit. The owners' bound was per class
-    (their shares of what their class holds, under its cap): interactive's flood and owner, then batch's one tenant
-    (alone, the whole share of its class) on top of them, took a limit of 10 to 23 requests."""
+    (their shares of what their class holds, under its cap): with interactive's flood and owner over the limit,
+    batch's owners went on past twice the limit (a limit of 10 held 23)."""
     core = AdmissionController(fair_pool_policy(10), clock=clock)
     gate = core.gates["pool_a"]
-    asks(core, "interactive", "a", 10)  # a's flood fills the limit
+    asks(core, "batch", "c", 5)         # c borrows batch's room before the flood
+    asks(core, "interactive", "a", 5)   # a's flood fills the limit
     asks(core, "interactive", "b", 5)   # b is owed its half of what the class holds: over the full limit
     assert gate.inflight == 15
-    asks(core, "batch", "c", 10)
+    asks(core, "batch", "d", 5)         # d and e are owed their shares of what c holds
+    asks(core, "batch", "e", 5)
     assert gate.inflight == 20
+
+
+def test_a_flow_alone_in_its_class_is_owed_nothing_on_a_pool_another_class_fills(clock):
+    """Strict priority: the owner's return gives a flow room its own class's borrowers took, not room another
+    class holds. Batch's one tenant, the whole share of a class that held nothing, went in over a pool that
+    interactive had filled, and then held room interactive waited for."""
+    core = AdmissionController(fair_pool_policy(10), clock=clock)
+    gate = core.gates["pool_a"]
+    asks(core, "interactive", "a", 10)
+    # Its one request a class holding nothing may run (PoolGate.guaranteed), then none over the full pool.
+    assert [d.kind for d in asks(core, "batch", "c", 3)] == [ACCEPT, QUEUE, QUEUE] and gate.inflight == 11
 
 
 def test_after_a_reload_that_shrinks_the_limit_owners_go_in_only_under_twice_the_new_limit(clock):
