@@ -106,16 +106,22 @@ def usage_of(raw: bytes) -> dict | None:
     return doc.get("usage") if doc is not None else None
 
 
+# Where an SSE event ends: after its blank line (split there, each event keeps its own).
+EVENT_ENDS = re.compile(rb"(?<=\n\n)")
+
+
 def split_usage_event(chunk: bytes) -> tuple[bytes, dict | None]:
-    """Separate the SSE usage event (`"choices":[]` with `usage`) from the rest of a chunk."""
+    """Separate the SSE usage event (`"choices":[]` with `usage`) from the rest of a chunk. It goes with its own
+    blank line, not the one before it: a stream that ends on the event without one keeps the event before it
+    terminated."""
     kept, usage = [], None
-    for event in chunk.split(b"\n\n"):
+    for event in EVENT_ENDS.split(chunk):
         if event.startswith(b"data: {") and b'"choices":[]' in event and b'"usage"' in event:
             usage = usage_of(event[6:])
             if usage is not None:
                 continue
         kept.append(event)
-    return b"\n\n".join(kept), usage
+    return b"".join(kept), usage
 
 
 def completed_usage(chunk: bytes) -> dict | None:

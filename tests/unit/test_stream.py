@@ -528,6 +528,17 @@ def test_a_usage_event_split_over_two_chunks_is_still_stripped_and_learned(clock
     assert s.held.usage == (5, 7)
 
 
+def test_a_stream_ending_on_its_usage_event_without_a_blank_line_keeps_the_event_before_it_whole(clock):
+    # the stripped usage event took the blank line before it along: the client got the last token's event
+    # unterminated, which an SSE client never dispatches
+    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": [], "stream": True})
+    s.receive(response_headers(content_type=SSE))
+    token = b'data: {"choices":[{"delta":{"content":"Hi"}}]}\n\n'
+    answer = s.receive(response_body(token + USAGE_EVENT, eos=True))
+    assert answer.response_body.response.body_mutation.body == token
+    assert s.held.usage == (5, 7)
+
+
 def test_events_are_passed_on_whole_and_nothing_is_lost_at_the_end(clock):
     s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": [], "stream": True,
                                                          "stream_options": {"include_usage": True}})
