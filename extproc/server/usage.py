@@ -68,7 +68,9 @@ def whole_events(r: UsageReader, chunk: bytes, last: bool) -> bytes:
     if end == 1:  # no event ends in it
         end = 0
     if len(chunk) - end > MAX_PARTIAL:
-        return chunk
+        # Passed on, but for a last "\n": it may be the first half of the event's blank line, and the event after
+        # it (the usage event) is found only from its start.
+        end = len(chunk) - chunk.endswith(b"\n")
     r.partial = chunk[end:]
     return chunk[:end]
 

@@ -15,6 +15,7 @@ from extproc.server import protocol
 from extproc.server.final_admission import FinalAdmission
 from extproc.server.protocol import CONTINUE, LEARN_BODY, LEARN_HEADERS
 from extproc.server.stream import Phase, Processor, Stream
+from extproc.server.usage import MAX_PARTIAL
 
 from .conftest import make_policy
 
@@ -536,6 +537,20 @@ def test_a_stream_ending_on_its_usage_event_without_a_blank_line_keeps_the_event
     token = b'data: {"choices":[{"delta":{"content":"Hi"}}]}\n\n'
     answer = s.receive(response_body(token + USAGE_EVENT, eos=True))
     assert answer.response_body.response.body_mutation.body == token
+    assert s.held.usage == (5, 7)
+
+
+def test_a_usage_event_after_an_event_too_long_to_hold_back_is_still_stripped_and_learned(clock):
+    # An event over MAX_PARTIAL is passed on unfinished; when that ended on the first "\n" of its blank line, the
+    # usage event after it began with the second one, was not recognised, and reached a client that never asked
+    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": [], "stream": True})
+    s.receive(response_headers(content_type=SSE))
+    long = b'data: {"choices":[{"delta":{"content":"' + b"x" * MAX_PARTIAL + b'"}}]}\n'
+    sent = b""
+    for part, last in ((long, False), (b"\n" + USAGE_EVENT + b"\n\ndata: [DONE]\n\n", True)):
+        answer = s.receive(response_body(part, eos=last)).response_body.response
+        sent += answer.body_mutation.body if answer.HasField("body_mutation") else part
+    assert sent == long + b"\ndata: [DONE]\n\n"
     assert s.held.usage == (5, 7)
 
 
