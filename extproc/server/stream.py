@@ -25,7 +25,7 @@ from .final_admission import FinalAdmission
 from .openai import (ENDPOINTS, MODELS_PATH, BadRequest, Endpoint, RequestBody, degrade_body, dump_json,
                      empty_body, model_card, models_body, parse_body, sse_from_answer, wants_stream_usage)
 from .protocol import CONTINUE
-from .usage import (FIRST_TOKEN, UsageReader, completed_usage, split_usage_event, token_counts, usage_of,
+from .usage import (FIRST_TOKEN, UsageReader, responses_usage, split_usage_event, token_counts, usage_of,
                     whole_events)
 
 Answer = pb.ProcessingResponse
@@ -444,7 +444,8 @@ class Stream:
             core = self.processor.core
             core.first_token(self.held, core.clock() - self.request.arrived)
         if r.responses:
-            self._learn_usage(completed_usage(chunk))  # the client's own last event: never stripped
+            # the client's own last event: never stripped
+            self._learn_usage(responses_usage(r, chunk, msg.end_of_stream))
         elif b'"usage"' in chunk and b'"choices":[]' in chunk:
             kept, usage = split_usage_event(chunk)
             self._learn_usage(usage)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import orjson
@@ -20,7 +21,7 @@ FIRST_TOKEN = re.compile(rb'"(?:content|text|delta|reasoning|reasoning_content|a
 class UsageReader:
     """Per stream whose usage is read: why, and how far the response has been read."""
 
-    __slots__ = ("learn", "responses", "sse", "strip", "buffered", "first_token_seen", "partial")
+    __slots__ = ("learn", "responses", "sse", "strip", "buffered", "first_token_seen", "partial", "passed")
 
     def __init__(self, learn: bool) -> None:
         self.learn = learn               # a learning sample; otherwise read (if not streamed) for the refund only
@@ -30,6 +31,7 @@ class UsageReader:
         self.buffered = b""              # a non-streamed response body, until its end
         self.first_token_seen = False
         self.partial = b""               # a stream's last event, held back until its end (blank line) arrives
+        self.passed = b""                # the end of a Responses event passed on unfinished, its usage read there
 
     def reads_usage(self, body: RequestBody) -> bool:
         """Whether this request's real usage will be read (its tokens-per-minute charge is then refunded)."""
@@ -126,6 +128,35 @@ def split_usage_event(chunk: bytes) -> tuple[bytes, dict | None]:
     return b"".join(kept), usage
 
 
+# Kept of a Responses stream's last event passed on unfinished (longer than MAX_PARTIAL: an answer of some 16K
+# tokens, or long instructions, which every event carrying the response echoes): vLLM writes the response's usage
+# after its output, instructions and tools, a few hundred bytes before the event's end.
+USAGE_TAIL = 4 << 10
+
+# The start of a Responses stream's last event, the one whose response has its usage (vLLM names every event).
+LAST_EVENT = re.compile(rb"event: response\.(?:completed|incomplete|failed)\r?\n")
+_DECODER = json.JSONDecoder()
+
+
+def responses_usage(r: UsageReader, chunk: bytes, last: bool) -> dict | None:
+    """The usage in the events passed on in `chunk` (completed_usage); a last event too long to hold back, passed
+    on in pieces, is read from the end kept of it once it ends."""
+    if r.passed:
+        end = chunk.find(b"\n\n")
+        if end < 0 and not last:
+            r.passed = (r.passed + chunk)[-USAGE_TAIL:]
+            return None
+        end = len(chunk) if end < 0 else end
+        tail, r.passed = r.passed + chunk[:end], b""
+        return _usage_near_end(tail) or completed_usage(chunk[end:])
+    usage = completed_usage(chunk)
+    if chunk and not last and not chunk.endswith(b"\n\n"):  # an event passed on unfinished
+        start = chunk.rfind(b"\n\n") + 2 if b"\n\n" in chunk else 0
+        if LAST_EVENT.match(chunk, start):
+            r.passed = chunk[-USAGE_TAIL:]
+    return usage
+
+
 def completed_usage(chunk: bytes) -> dict | None:
     """The usage in a Responses API stream's last event (response.completed, .incomplete or .failed: the whole
     response). vLLM writes each event as `event: <type>` then `data: <compact json>`; the earlier events that
@@ -141,6 +172,18 @@ def completed_usage(chunk: bytes) -> dict | None:
         if usage is not None:
             return usage
     return None
+
+
+def _usage_near_end(tail: bytes) -> dict | None:
+    """The usage object in the end of a last event: its last `"usage":{`, decoded to the object's close."""
+    at = tail.rfind(b'"usage":{')
+    if at < 0:
+        return None
+    try:
+        usage, _ = _DECODER.raw_decode(tail[at + len(b'"usage":'):].decode("utf-8", "replace"))
+    except ValueError:
+        return None
+    return usage if isinstance(usage, dict) else None
 
 
 def _response_usage(raw: bytes) -> dict | None:

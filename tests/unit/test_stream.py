@@ -677,6 +677,22 @@ def test_a_streamed_responses_answer_is_learned_from_its_completed_event_which_r
     assert s.held.usage == (12, 3000)
 
 
+def test_a_responses_answer_too_long_to_hold_back_is_still_learned_from_its_completed_event(clock):
+    # The last event carries the whole response (its output, the request's instructions): past MAX_PARTIAL it is
+    # passed on in pieces, and its usage, parsed only from a whole event, was never read
+    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "input": "hi", "stream": True},
+                    path=RESPONSES)
+    s.receive(response_headers(content_type=SSE))
+    completed = responses_event("response.completed", response={
+        "id": "resp_1", "status": "completed", "output": [{"content": [{"text": "y" * MAX_PARTIAL}]}],
+        "usage": RESPONSES_USAGE, "user": None}, sequence_number=2)
+    at = completed.index(b'"usage":') + 20  # cut inside the usage object too
+    parts = (completed[:MAX_PARTIAL // 2], completed[MAX_PARTIAL // 2:at], completed[at:], b"")
+    for i, part in enumerate(parts):
+        s.receive(response_body(part, eos=i == len(parts) - 1))
+    assert s.held.usage == (12, 3000)
+
+
 def test_a_responses_stream_reports_its_first_token_at_the_first_delta(clock):
     seen = []
     p = processor(clock, learn_sample=1.0)
