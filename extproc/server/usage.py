@@ -58,6 +58,30 @@ class UsageReader:
 MAX_PARTIAL = 64 << 10
 
 
+# An SSE event ends at a blank line. vLLM ends its lines with LF; CRLF line ends (the SSE spec allows them, and
+# servers built on sse-starlette write them) are read too. A lone CR, also allowed, is written by no server we know.
+# As a pattern: the LF that ends the event's last line (a CR before it is that line's), then an empty line.
+BLANK_LINE = re.compile(rb"\n\r?\n")
+
+
+def events_end(chunk: bytes) -> int:
+    """Where the last complete event of `chunk` ends (after its blank line); 0 if none ends in it."""
+    lf = chunk.rfind(b"\n\n")
+    crlf = chunk.rfind(b"\n\r\n", max(lf, 0))  # one before the last LF one cannot be the last
+    return max(lf + 2 if lf >= 0 else 0, crlf + 3 if crlf >= 0 else 0)
+
+
+def split_events(chunk: bytes) -> list[bytes]:
+    """The events of `chunk`, each with its own blank line (the last one maybe without)."""
+    events, start = [], 0
+    for blank in BLANK_LINE.finditer(chunk):
+        events.append(chunk[start:blank.end()])
+        start = blank.end()
+    if start < len(chunk):
+        events.append(chunk[start:])
+    return events
+
+
 def whole_events(r: UsageReader, chunk: bytes, last: bool) -> bytes:
     """The complete SSE events of `chunk` after what was held back; the trailing incomplete one is held back for the
     next chunk (a usage event split over two writes must still be found and stripped). A client cannot use an
@@ -66,13 +90,11 @@ def whole_events(r: UsageReader, chunk: bytes, last: bool) -> bytes:
         chunk, r.partial = r.partial + chunk, b""
     if last:
         return chunk
-    end = chunk.rfind(b"\n\n") + 2
-    if end == 1:  # no event ends in it
-        end = 0
+    end = events_end(chunk)
     if len(chunk) - end > MAX_PARTIAL:
-        # Passed on, but for a last "\n": it may be the first half of the event's blank line, and the event after
-        # it (the usage event) is found only from its start.
-        end = len(chunk) - chunk.endswith(b"\n")
+        # Passed on, but for its last line end: it may be the first half of the event's blank line, and the event
+        # after it (the usage event) is found only from its start.
+        end = len(chunk.rstrip(b"\r\n"))
     r.partial = chunk[end:]
     return chunk[:end]
 
@@ -110,16 +132,12 @@ def usage_of(raw: bytes) -> dict | None:
     return doc.get("usage") if doc is not None else None
 
 
-# Where an SSE event ends: after its blank line (split there, each event keeps its own).
-EVENT_ENDS = re.compile(rb"(?<=\n\n)")
-
-
 def split_usage_event(chunk: bytes) -> tuple[bytes, dict | None]:
     """Separate the SSE usage event (`"choices":[]` with `usage`) from the rest of a chunk. It goes with its own
     blank line, not the one before it: a stream that ends on the event without one keeps the event before it
     terminated."""
     kept, usage = [], None
-    for event in EVENT_ENDS.split(chunk):
+    for event in split_events(chunk):
         if event.startswith(b"data: {") and b'"choices":[]' in event and b'"usage"' in event:
             usage = usage_of(event[6:])
             if usage is not None:
@@ -142,16 +160,16 @@ def responses_usage(r: UsageReader, chunk: bytes, last: bool) -> dict | None:
     """The usage in the events passed on in `chunk` (completed_usage); a last event too long to hold back, passed
     on in pieces, is read from the end kept of it once it ends."""
     if r.passed:
-        end = chunk.find(b"\n\n")
-        if end < 0 and not last:
+        blank = BLANK_LINE.search(chunk)
+        if blank is None and not last:
             r.passed = (r.passed + chunk)[-USAGE_TAIL:]
             return None
-        end = len(chunk) if end < 0 else end
+        end = len(chunk) if blank is None else blank.start()
         tail, r.passed = r.passed + chunk[:end], b""
         return _usage_near_end(tail) or completed_usage(chunk[end:])
     usage = completed_usage(chunk)
-    if chunk and not last and not chunk.endswith(b"\n\n"):  # an event passed on unfinished
-        start = chunk.rfind(b"\n\n") + 2 if b"\n\n" in chunk else 0
+    start = events_end(chunk)
+    if chunk and not last and start < len(chunk):  # an event passed on unfinished
         if LAST_EVENT.match(chunk, start):
             r.passed = chunk[-USAGE_TAIL:]
     return usage
@@ -163,7 +181,7 @@ def completed_usage(chunk: bytes) -> dict | None:
     carry the response have `"usage":null`, so only the last one is parsed."""
     if b'"usage":{' not in chunk:
         return None
-    for event in chunk.split(b"\n\n"):
+    for event in split_events(chunk):
         start = event.find(b"data: {")
         if start < 0 or b'"usage":{' not in event:
             continue

@@ -554,6 +554,19 @@ def test_a_usage_event_after_an_event_too_long_to_hold_back_is_still_stripped_an
     assert s.held.usage == (5, 7)
 
 
+def test_a_stream_whose_lines_end_in_crlf_is_passed_on_event_by_event_and_its_usage_chunk_stripped(clock):
+    # The SSE spec lets a server end its lines with CRLF (sse-starlette does): its blank lines were not seen, so a
+    # sampled stream reached its client only at 64 KiB or at its end, the usage chunk it never asked for included
+    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": [], "stream": True})
+    s.receive(response_headers(content_type=SSE))
+    token = b'data: {"choices":[{"delta":{"content":"Hi"}}]}\r\n\r\n'
+    first = s.receive(response_body(token + b"data: {"))
+    assert first.response_body.response.body_mutation.body == token
+    last = s.receive(response_body(USAGE_EVENT[7:] + b"\r\n\r\ndata: [DONE]\r\n\r\n", eos=True))
+    assert last.response_body.response.body_mutation.body == b"data: [DONE]\r\n\r\n"
+    assert s.held.usage == (5, 7)
+
+
 def test_events_are_passed_on_whole_and_nothing_is_lost_at_the_end(clock):
     s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": [], "stream": True,
                                                          "stream_options": {"include_usage": True}})
