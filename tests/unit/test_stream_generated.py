@@ -125,6 +125,13 @@ class Answer:
         self.usage_event = usage_event    # the index of the usage chunk among the events
         self.sized = sized                # a JSON answer sent with its content-length
         self.texts = texts                # the events that carry generated text (the first token)
+        self.blank_line = b"\n\n"         # what ends each event
+
+    def with_crlf(self) -> Answer:
+        """The same answer from a server that ends its lines with CRLF (the SSE spec allows it; vLLM writes LF)."""
+        self.events = [e.replace(b"\n", b"\r\n") for e in self.events]  # JSON has no raw LF: the framing's only
+        self.blank_line = b"\r\n\r\n"
+        return self
 
     @property
     def raw(self) -> bytes:
@@ -266,18 +273,19 @@ def client_asked_for_usage(doc: dict) -> bool:
 
 CONTINUATION_BYTE = re.compile(rb"[\x80-\xbf]")
 INSIDE_PREFIX = re.compile(rb"(?<=a):|(?<=:) ")
-BLANK_LINE = re.compile(rb"\n\n")
+BLANK_LINE = re.compile(rb"\r?\n\r?\n")
+INSIDE_CRLF = re.compile(rb"(?<=\r)\n")
 
 
 def awkward(rng: random.Random, raw: bytes, count: int, since: int = 0) -> set[int]:
     """Up to `count` offsets after `since` (each the first after a random place): inside a multi-byte character,
-    inside `data: `, before and inside an event's blank line."""
+    inside `data: `, between a CR and its LF, before and inside an event's blank line."""
     found = set()
     for _ in range(count):
-        pattern = rng.choice([CONTINUATION_BYTE, INSIDE_PREFIX, BLANK_LINE])
+        pattern = rng.choice([CONTINUATION_BYTE, INSIDE_PREFIX, INSIDE_CRLF, BLANK_LINE])
         m = pattern.search(raw, rng.randrange(since, len(raw)))
         if m:
-            found.add(m.start() + (rng.randrange(2) if pattern is BLANK_LINE else 0))
+            found.add(rng.randrange(m.start(), m.end()) if pattern is BLANK_LINE else m.start())
     return found
 
 
@@ -288,11 +296,12 @@ def offsets(rng: random.Random, raw: bytes, most: int) -> set[int]:
         return set()
     found = {rng.randrange(1, len(raw)) for _ in range(rng.randint(0, most))}
     found |= awkward(rng, raw, rng.randint(0, most)) | awkward(rng, raw, rng.randint(0, 2), max(0, len(raw) - 2000))
-    events = raw.split(b"\n\n")
-    longest = max(range(len(events)), key=lambda i: len(events[i]))
-    end = len(b"\n\n".join(events[:longest + 1]))
-    if longest < len(events) - 1 and rng.random() < 0.5:
-        found |= set(rng.choice([[end], [end + 1], [end, end + 1]]))
+    blank_lines = list(BLANK_LINE.finditer(raw))
+    if blank_lines and rng.random() < 0.5:
+        starts = [0] + [m.end() for m in blank_lines]
+        longest = max(zip(blank_lines, starts), key=lambda pair: pair[0].start() - pair[1])[0]
+        inside = range(longest.start(), longest.end())
+        found |= set(rng.sample(inside, rng.randint(1, 2)))
     return found
 
 
@@ -309,7 +318,7 @@ def cut(rng: random.Random, raw: bytes) -> list[bytes]:
 def stop_short(rng: random.Random, raw: bytes) -> bytes:
     """The answer as far as a replica that stopped sent it: anywhere, often at or inside the blank line of one of
     its last events (the usage chunk's: its JSON whole, its end not)."""
-    ends = [m.start() + k for m in BLANK_LINE.finditer(raw, max(0, len(raw) - 1000)) for k in (0, 1)]
+    ends = [i for m in BLANK_LINE.finditer(raw, max(0, len(raw) - 1000)) for i in range(m.start(), m.end())]
     if ends and rng.random() < 0.5:
         return raw[:rng.choice(ends)]
     return raw[:rng.choice(sorted(offsets(rng, raw, 3) | {len(raw)}))]
@@ -343,7 +352,7 @@ def response_headers(answer: Answer) -> pb.ProcessingRequest:
 def event_complete(answer: Answer, i: int, received: bytes, ended: bool = True) -> bool:
     """Whether the received bytes hold event `i` whole: its blank line too, unless the answer ended there."""
     end = len(b"".join(answer.events[:i + 1]))
-    return len(received) >= end - (2 if ended else 0)
+    return len(received) >= end - (len(answer.blank_line) if ended else 0)
 
 
 def usage_chunk_complete(answer: Answer, received: bytes, ended: bool = True) -> bool:
@@ -370,9 +379,10 @@ def expected_output(answer: Answer, received: bytes, strip: bool) -> bytes:
     return received[:start] + received[start + len(answer.events[answer.usage_event]):]
 
 
-def complete_events(received: bytes) -> bytes:
+def complete_events(answer: Answer, received: bytes) -> bytes:
     """The received bytes up to the end of the last complete event."""
-    return received[:received.rfind(b"\n\n") + 2] if b"\n\n" in received else b""
+    end = received.rfind(answer.blank_line)
+    return received[:end + len(answer.blank_line)] if end >= 0 else b""
 
 
 def expected_usage(answer: Answer, received: bytes, read: bool, ended: bool) -> set:
@@ -497,6 +507,8 @@ class Case:
         else:
             answer = responses_stream_answer(rng, forwarded) if self.kind == "responses" else \
                 stream_answer(rng, self.kind, forwarded)
+        if answer.sse and rng.random() < 0.15:
+            answer.with_crlf()
         self.answer = answer
         raw = answer.raw
         if rng.random() < 0.15 or self.cancel:  # the replica stopped (no [DONE], or mid-event), or the client left
@@ -537,7 +549,8 @@ class Case:
             return
         total = expected_output(self.answer, self.raw, self.strip)
         assert total.startswith(self.sent), "sent bytes the client must not get"
-        due = expected_output(self.answer, self.received if last else complete_events(self.received), self.strip)
+        came = self.received if last else complete_events(self.answer, self.received)
+        due = expected_output(self.answer, came, self.strip)
         assert self.sent.startswith(due), "held back an event the client could use"
 
     def run(self) -> None:
