@@ -3,6 +3,7 @@
 import math
 
 import pytest
+import yaml
 
 from extproc.tools.demo.results import (WindowStats, adaptive_targets, calm_windows, spike_windows, targets,
                                        window_stats)
@@ -183,6 +184,20 @@ def test_spike_windows_hold_an_overload_and_calm_windows_are_the_phases_at_or_be
     shifted = Scenario.load("scenarios/shifted-fleet.yaml")
     assert list(spike_windows(shifted)) == ["first-half", "second-half"]
     assert list(calm_windows(shifted)) == ["phase normal-1", "phase normal-2"]
+
+
+def test_a_calm_phase_has_no_onset_its_worst_window_is_a_10_s_one():
+    # A calm phase's first 5 s were counted as an overload's onset: at 30 requests/s, 2 slow answers in them are
+    # 1.3% of the 5 s (its p99) but 0.7% of every 10 s window, and the calm target's note printed 5.00 s as the
+    # phase's "worst 10 s window".
+    from extproc.tools.demo.results import scenario_stats
+    doc = yaml.safe_load(open("scenarios/spike.yaml"))
+    doc.update(capacity=50.0, phases=[{"name": "calm", "duration_s": 20, "rate": 0.6}])
+    records = [rec(i / 30) for i in range(600)]
+    for r in records[40:42]:
+        r.latency = 5.0
+    calm = scenario_stats(records, Scenario.from_dict(doc), True)["phase calm"]
+    assert calm.p99_worst_window == 0.5
 
 
 def test_a_missed_target_never_prints_the_same_number_as_its_bound():
