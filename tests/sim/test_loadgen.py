@@ -1,6 +1,7 @@
 """The load generator: replayable arrivals, prompts of the requested size, aborts and summaries."""
 
 import random
+import time
 
 from extproc.tools.loadgen import (LoadClient, RequestKind, RequestRecord, Workload, plan_request, poisson_arrivals,
                              run_open_loop, summarize)
@@ -129,3 +130,28 @@ async def test_a_closed_loop_without_drain_ends_when_its_requests_are_done_not_a
             records = await asyncio.wait_for(
                 run_closed_loop(client, Workload([kind]), concurrency=2, duration_s=60, requests=2, drain=False), 5)
     assert len(records) == 2 and all(r.ok for r in records)
+
+
+async def test_open_loop_records_start_on_the_clock_its_arrivals_are_scheduled_on(monkeypatch):
+    # The arrivals were drawn after the client's clock started and then scheduled from the end of the drawing, so
+    # every record's start (on the client's clock) was late by the drawing's time x speed: code-completion's 117K
+    # arrivals take 0.8 s, 4 simulated s at speed 5, moving requests into the next phase's window.
+    from extproc.tools import loadgen
+
+    drawn = loadgen.plan_arrivals
+
+    def slow_draw(*args, **kwargs):
+        time.sleep(0.5)
+        return drawn(*args, **kwargs)
+
+    monkeypatch.setattr(loadgen, "plan_arrivals", slow_draw)
+    sent = []
+
+    class Recorder(loadgen.LoadClient):
+        async def send(self, planned):
+            sent.append(((time.monotonic() - self.t0) * self.time_scale, planned.at))
+
+    async with Recorder(["http://127.0.0.1:9"]) as client:
+        await loadgen.run_open_loop(client, loadgen.Workload([loadgen.RequestKind()]), [(1.0, 100.0)], seed=1)
+    assert len(sent) > 50
+    assert max(abs(start - at) for start, at in sent) < 0.25  # before: 0.5 (the drawing's time)
