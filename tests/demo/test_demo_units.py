@@ -308,3 +308,17 @@ def test_a_window_no_request_started_in_still_prints_tables_markdown_reads():
     text = tables({"a": scenario_stats([], sc, False)}, {"a": "A"}, sc, {"a": 0.0})
     for block in text.split("\n\n"):
         assert len({row.count("|") for row in block.splitlines()}) == 1, block
+
+
+def test_the_plots_offered_load_counts_phase_weights_and_session_calls():
+    # The grey offered load was Poisson draws at `rate` x capacity, not the arrivals sent: noisy-neighbour's flood
+    # (rate 0.6, tenant A at 5x: 1.4x capacity) showed 6.1 requests/s of 14. A session's start counts its calls.
+    from extproc.tools.demo.report import offered_load
+    for name, phase in (("noisy-neighbour", "flood"), ("kv-agents", "spike-2")):
+        s = Scenario.load(f"scenarios/{name}.yaml")
+        capacity = 10.0
+        t0, t1 = s.window(phase)
+        times, rates = offered_load(s, capacity)
+        inside = [r for t, r in zip(times, rates) if t0 + 10 <= t <= t1]
+        load = s.phase_load(next(p for p in s.phases if p.name == phase))
+        assert sum(inside) / len(inside) == pytest.approx(load * capacity, rel=0.15), name

@@ -9,7 +9,6 @@ from collections.abc import Collection
 from dataclasses import asdict
 from pathlib import Path
 
-from extproc.tools.loadgen import poisson_arrivals
 from extproc.tools.plotting import SKIPPED, pyplot
 
 from .results import Target, WindowStats, rolling_p99, rolling_rate, slo_kinds
@@ -100,6 +99,13 @@ def outcome_table(stats: dict[str, dict[str, WindowStats]], labels: dict[str, st
     return "\n".join(rows)
 
 
+def offered_load(scenario: Scenario, capacity: float) -> tuple[list[float], list[float]]:
+    """(window end times, requests/s offered) from the arrivals the load generator sends: its phase weights
+    counted, a session's start counted as its mean calls. (Until 2026-12-06 the plot drew Poisson arrivals at
+    `rate` x capacity: noisy-neighbour's flood, 1.4x, showed as 0.6x.)"""
+    return rolling_rate([(p.at, p.kind.mean_calls) for p in scenario.arrivals(capacity)], scenario.duration_s)
+
+
 def plot(results: list[ModeResult], scenario: Scenario, capacity: float, path: Path) -> Path | None:
     """Rolling interactive p99 per mode with the SLO line and the offered load; output tokens/s below.
     None when matplotlib is missing."""
@@ -120,8 +126,7 @@ def plot(results: list[ModeResult], scenario: Scenario, capacity: float, path: P
     top.set_ylabel(f"{scenario.slo_class} p99 latency, s (10 s windows)")
     top.set_title(f"{scenario.name}: {scenario.description}")
     load = top.twinx()
-    arrivals = poisson_arrivals(scenario.schedule(capacity), scenario.seed)
-    t, rate = rolling_rate([(a, 1.0) for a in arrivals], end)
+    t, rate = offered_load(scenario, capacity)
     load.fill_between(t, rate, color="grey", alpha=0.15, step="mid")
     load.set_ylabel("offered load, requests/s (grey)")
     load.set_ylim(0, max(rate or [1]) * 1.6)
