@@ -200,6 +200,19 @@ def test_a_calm_phase_has_no_onset_its_worst_window_is_a_10_s_one():
     assert calm.p99_worst_window == 0.5
 
 
+def test_overall_is_the_whole_run_with_the_calls_sessions_make_after_the_last_phase():
+    # An agent session begun near the end goes on calling (and retrying) after the last phase: kv-agents' mode d
+    # made 39 of its 1,240 requests then, and "overall" (the outcome table, "whole run") left them out while the
+    # row's "degraded % (all)" counted them.
+    from extproc.tools.demo.results import scenario_stats
+    doc = yaml.safe_load(open("scenarios/spike.yaml"))
+    doc.update(capacity=10.0, phases=[{"name": "only", "duration_s": 10, "rate": 0.5}])
+    late = [rec(10.0, status=429), rec(12.5, kind="batch", status=503)]
+    overall = scenario_stats([rec(1), rec(9.5), *late], Scenario.from_dict(doc), True)["overall"]
+    assert overall.requests == 4 and overall.refused == 2
+    assert overall.outcomes["batch"]["shed"] == 100.0 and overall.outcomes["interactive"]["rejected"] == 100 / 3
+
+
 def test_a_missed_target_never_prints_the_same_number_as_its_bound():
     # A worst-window p99 of 2.004 s against a 2 s SLO printed "MISSED ... 2.00 (target 2.00)".
     from extproc.tools.demo.results import Target

@@ -16,7 +16,7 @@ import yaml
 from extproc.tools.demo import ModeResult, mode_stats, scenario_modes
 from extproc.tools.demo.baselines import admitter_for
 from extproc.tools.demo.report import tables
-from extproc.tools.demo.results import CLIENT_SIDE, calm_windows, served_latency
+from extproc.tools.demo.results import CLIENT_SIDE, calm_windows, run_window, served_latency
 from extproc.tools.demo.scenario import Scenario
 from extproc.tools.demo.whatif import what_if
 
@@ -150,12 +150,13 @@ def gen_scenario(rng: random.Random, policy_path: Path) -> tuple[dict, dict]:
 
 def check_report(scenario: Scenario, records: list, stats: dict) -> dict:
     """The properties of one mode's report; what it says, for comparing two runs of the same seed."""
-    windows = {**scenario.report_windows(), **calm_windows(scenario), "overall": (0.0, scenario.duration_s)}
+    windows = {**scenario.report_windows(), **calm_windows(scenario), "overall": run_window(records, scenario)}
     firsts = [r for r in records if not r.call and not r.retry]  # each arrival once (a session: its first call)
     assert len(firsts) == len(scenario.arrivals(float(scenario.capacity)))
     for r in records:  # each ended, in one outcome
         assert r.latency is not None and r.latency >= 0 and (r.status or r.error), r
         assert not (r.ok and r.error), r
+    assert stats["overall"].requests == len(records)  # the whole run, sessions' calls after the last phase too
     for name, s in stats.items():
         t0, t1 = windows[name]
         started = [r for r in records if t0 <= r.start < t1]

@@ -294,12 +294,19 @@ def calm_windows(scenario: Scenario) -> dict[str, tuple[float, float]]:
     return {f"phase {p.name}": scenario.window(p.name) for p in scenario.phases if scenario.phase_load(p) <= CALM}
 
 
+def run_window(records: list[RequestRecord], scenario: Scenario) -> tuple[float, float]:
+    """The whole run: its phases, and past them to the last request started (an agent session begun near the end
+    goes on calling and retrying; until 2026-12-06 "overall" stopped at the last phase and left those out)."""
+    last = max((r.start for r in records), default=0.0)
+    return 0.0, max(scenario.duration_s, math.nextafter(last, math.inf))
+
+
 def scenario_stats(records: list[RequestRecord], scenario: Scenario, has_extproc: bool) -> dict[str, WindowStats]:
     """One run's numbers in each of the scenario's report windows, its calm phases and over the whole run; the
     p99 target's onsets are the overloads that start inside each window (none in a window without one: until
     2026-12-06 a calm phase's first 5 s counted as an onset, and the calm target's note printed their p99, over
     150 requests, as the phase's "worst 10 s window")."""
-    windows = {**scenario.report_windows(), **calm_windows(scenario), "overall": (0.0, scenario.duration_s)}
+    windows = {**scenario.report_windows(), **calm_windows(scenario), "overall": run_window(records, scenario)}
     onsets = overload_onsets(scenario)
     return {name: window_stats(records, w, scenario.slo_kinds, scenario.slo_p95_s, scenario.client_timeout_s,
                                has_extproc, tuple(t for t in onsets if w[0] <= t < w[1]))
