@@ -322,3 +322,22 @@ def test_the_plots_offered_load_counts_phase_weights_and_session_calls():
         inside = [r for t, r in zip(times, rates) if t0 + 10 <= t <= t1]
         load = s.phase_load(next(p for p in s.phases if p.name == phase))
         assert sum(inside) / len(inside) == pytest.approx(load * capacity, rel=0.15), name
+
+
+def test_progress_lines_count_timeouts_in_the_current_p99_as_the_report_does():
+    # The progress line's "interactive p99 (last 10s)" took completed answers only: with no control, where a third
+    # of the spike's requests time out, it read a few seconds while the report's p99 is the 60 s timeout.
+    import time
+    from types import SimpleNamespace
+
+    from extproc.tools.demo.runner import Progress, RunSettings
+    scenario = Scenario.load(SCENARIO)
+    now = 100.0  # simulated s since the run started, at speed 5
+    client = SimpleNamespace(t0=time.monotonic() - now / 5, records=[])
+    for i in range(95):  # answered in the last 10 s
+        client.records.append(RequestRecord(now - 5 + i * 0.01, "interactive", "", 200, latency=1.0))
+    for i in range(5):  # gave up at the timeout, in the last 10 s
+        client.records.append(RequestRecord(now - 61 - i * 0.1, "interactive", "", 0, latency=60.0, error="timeout"))
+    settings = RunSettings(speed=5.0, capacity=16.0, workdir=None)
+    line = Progress(MODES["a"], scenario, [], client, settings).line()
+    assert line.endswith("interactive p99 (last 10s)  60.0s"), line
