@@ -219,6 +219,8 @@ def test_a_missed_target_never_prints_the_same_number_as_its_bound():
     assert Target("p99", 2.004, 2.0, False).line() == "MISSED   p99: 2.004 (target 2.000)"
     assert Target("p99", 1.5, 2.0, True).line() == "reached  p99: 1.50 (target 2.00)"
     assert Target("zero", 0.0, 0.0, True).line() == "reached  zero: 0.00 (target 0.00)"
+    # Closer than four decimals (a simulated latency of 2.00003 s): the digits went no further than 4.
+    assert Target("p99", 2.00003, 2.0, False).line() == "MISSED   p99: 2.00003 (target 2.00000)"
 
 
 def test_a_mode_as_empty_as_no_control_is_not_infinitely_better_than_it():

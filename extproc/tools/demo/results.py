@@ -270,8 +270,9 @@ class Target:
 
 def _distinct(value: float, bound: float) -> tuple[str, str]:
     """Two decimals, or more when those read the same for different numbers: a p99 of 2.004 against a 2 s SLO
-    printed "MISSED ... 2.00 (target 2.00)", which reads as a wrong verdict."""
-    for digits in (2, 3, 4):
+    printed "MISSED ... 2.00 (target 2.00)", which reads as a wrong verdict (and until 2026-12-06, 2.00003 printed
+    "2.0000 (target 2.0000)": at most four decimals)."""
+    for digits in range(2, 18):
         a, b = f"{value:.{digits}f}", f"{bound:.{digits}f}"
         if a != b or value == bound:
             break
