@@ -341,3 +341,27 @@ def test_progress_lines_count_timeouts_in_the_current_p99_as_the_report_does():
     settings = RunSettings(speed=5.0, capacity=16.0, workdir=None)
     line = Progress(MODES["a"], scenario, [], client, settings).line()
     assert line.endswith("interactive p99 (last 10s)  60.0s"), line
+
+
+def test_summary_json_is_json_that_any_parser_reads_and_from_summary_reads_it_back(tmp_path, monkeypatch):
+    # A window with nothing served has NaN percentiles, and summary.json held them as bare `NaN`, which JSON has
+    # not (jq, JavaScript and Go's decoder refuse the file). They are null now; from_summary reads them as NaN.
+    import math
+    import sys
+
+    from extproc.tools.demo.ordering import from_summary
+    from extproc.tools.demo.report import write_report
+    from extproc.tools.demo.results import scenario_stats
+    from extproc.tools.demo.runner import ModeResult
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    scenario = Scenario.load(SCENARIO).shortened(4)
+    refused = [RequestRecord(t, "interactive", "", 503, latency=0.01, error="shed") for t in (1.0, 5.0, 9.0)]
+    results = [ModeResult(MODES["d"], refused, 1.0)]
+    stats = {"d": scenario_stats(refused, scenario, True)}
+    write_report(tmp_path, results, stats, scenario, 16.0, 1.0, [], {"d": 0.0}, "t")
+
+    def no_constants(name):
+        raise ValueError(f"{name} is not JSON")
+    json.loads((tmp_path / "summary.json").read_text(), parse_constant=no_constants)
+    assert math.isnan(from_summary(tmp_path / "summary.json")["d"]["p99"])

@@ -8,6 +8,7 @@ the same way ("settled"): a shared 2-core machine moves close pairs from run to 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -66,14 +67,19 @@ def window_values(modes: dict[str, dict[str, Any]], window: str = "spike") -> di
     for key, windows in modes.items():
         w = windows[window]
         w = w if isinstance(w, dict) else asdict(w)
-        values = {"p99": float(w["p99"])}
+        values = {"p99": _number(w["p99"])}
         if "goodput_degraded" in w:  # split: `goodput` is the full model's
-            values["goodput"] = float(w["goodput"])
-            values["goodput_total"] = float(w["goodput"]) + float(w["goodput_degraded"])
+            values["goodput"] = _number(w["goodput"])
+            values["goodput_total"] = _number(w["goodput"]) + _number(w["goodput_degraded"])
         else:  # an older summary: its goodput counted degraded answers
-            values["goodput_total"] = float(w["goodput"])
+            values["goodput_total"] = _number(w["goodput"])
         out[key] = values
     return out
+
+
+def _number(value: Any) -> float:
+    """A summary's number: null is what summary.json writes for NaN (nothing served in the window)."""
+    return math.nan if value is None else float(value)
 
 
 def from_summary(path: str | Path, window: str = "spike") -> dict[str, dict[str, float]]:

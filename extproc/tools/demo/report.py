@@ -182,6 +182,18 @@ def _measured_by(what_if: bool, speed: float) -> str:
             f"time × {speed:g}).")
 
 
+def _finite(value):
+    """`value` with every NaN or infinity as None: JSON has no NaN (a bare `NaN` in summary.json, for a window
+    with nothing served, made jq and JavaScript refuse the file); ordering.from_summary reads null as NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def write_report(out: Path, results: list[ModeResult], stats, scenario: Scenario, capacity: float, speed: float,
                  found: list[Target], degraded: dict[str, float], command: str, what_if: bool = False) -> Path:
     """The run's records, summary, plot and report.md in `out`; `what_if`: engine models in simulated time (no
@@ -191,12 +203,12 @@ def write_report(out: Path, results: list[ModeResult], stats, scenario: Scenario
         with open(out / f"records-{res.mode.key}.jsonl", "w", encoding="utf-8") as f:
             for r in res.records:
                 f.write(json.dumps(asdict(r)) + "\n")
-    (out / "summary.json").write_text(json.dumps({
+    (out / "summary.json").write_text(json.dumps(_finite({
         "command": command, "speed": speed, "capacity_rps": capacity,
         "modes": {k: {w: asdict(v) for w, v in s.items()} for k, s in stats.items()},
         "targets": [asdict(t) for t in found], "degraded_percent": degraded,
         "cpu_s": {r.mode.key: r.cpu_s for r in results}, "wall_s": {r.mode.key: r.wall_s for r in results},
-    }, indent=2, default=str), encoding="utf-8")
+    }), indent=2, default=str, allow_nan=False), encoding="utf-8")
     png = plot(results, scenario, capacity, out / "spike.png")
     picture = f"![interactive p99 over time]({png.name})" if png is not None else f"({SKIPPED})"
     phases = ", ".join(f"{p.name} {p.duration_s:g} s at {scenario.phase_load(p):.3g}× "
