@@ -127,3 +127,27 @@ def test_what_if_sessions_make_their_calls_think_between_them_and_each_phase_sta
         assert within(started, expected, sd), (p["name"], started, expected)
         start = window[1]
 
+
+
+def test_what_if_sessions_retry_a_refused_call_with_backoff_then_end():
+    # Overloaded, behind the model of Envoy's adaptive_concurrency (a 503 without Retry-After): a refused call is
+    # sent again 0.5 s, then 1 s after its refusal, at most twice; a call still refused ends its session.
+    from extproc.tools.demo.baselines import EnvoyAdaptive
+    from extproc.tools.demo.modes import ADAPTIVE_TUNED
+    s = scenario([{"name": "flood", "duration_s": 60, "rate": 12.0}], seed=8)
+    records = what_if(s, EnvoyAdaptive(ADAPTIVE_TUNED), CAPACITY).records
+    attempts: dict[tuple[str, int], list] = {}
+    for r in sorted(records, key=lambda r: (r.start, r.retry)):
+        if r.session:
+            attempts.setdefault((r.session, r.call), []).append(r)
+    retried = ended = 0
+    for (session, call), tries in attempts.items():
+        assert [r.retry for r in tries] == list(range(len(tries))) and len(tries) <= 3
+        for prev, nxt in zip(tries, tries[1:]):
+            assert prev.status == 503 and prev.retry_after is None
+            assert nxt.start - (prev.start + prev.latency) == pytest.approx(0.5 * 2 ** prev.retry, abs=1e-9)
+            retried += 1
+        if not tries[-1].ok:  # refused three times (or timed out): no later call of the session
+            assert (session, call + 1) not in attempts
+            ended += 1
+    assert retried > 300 and ended > 30  # the run exercised both
