@@ -446,7 +446,9 @@ class EndpointsSpec:
     responses: bool = doc("/v1/responses (OpenAI Responses API): cost from `input` and `instructions`, output "
                           "capped by `max_output_tokens`; a `canned` fallback is refused instead.", True)
     invocations: bool = doc("/invocations (SageMaker style): admitted as chat, completions or embeddings by its "
-                            "body (`messages`, `prompt`, `input`), each under its own switch.", True)
+                            "body (`messages`, `prompt` or `prompt_embeds`, `input`), each under its own switch; a "
+                            "body with both `messages` and a prompt is refused (400), since vLLM runs it as "
+                            "completions whenever its chat reading fails validation.", True)
     embeddings: bool = doc("/v1/embeddings, /pooling, /classify, /score, /v1/score, /rerank, /v1/rerank, "
                            "/v2/rerank: prefill-only cost (all text in the body, an image, audio or video part at "
                            "its fixed count as in a chat, a score or rerank query once per "

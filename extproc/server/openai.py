@@ -298,15 +298,29 @@ def bracket_depth(raw: bytes) -> int:
 
 
 def _invocation_kind(doc: dict[str, Any]) -> Endpoint:
-    """/invocations serves chat, completions or embeddings depending on the body, as vLLM does."""
-    if "messages" in doc:
+    """/invocations serves chat, completions or embeddings depending on the body, as vLLM does. vLLM 0.32 runs the
+    body as the first request type that validates (chat, then completions, on a generative model), so a body that
+    carries both `messages` and a prompt is refused: one whose chat reading fails vLLM's validation anywhere (a
+    `messages` of 5, an unknown `tool_choice`) runs as completions, with every prompt of its list generating, while
+    it was charged one chat answer."""
+    chat = doc.get("messages") is not None  # vLLM's chat request needs a list there
+    completions = _has_prompt(doc)
+    if chat and completions:
+        raise BadRequest("/invocations got both `messages` (chat) and `prompt` or `prompt_embeds` (completions): "
+                         "send one of them.", "messages")
+    if chat:
         return CHAT
-    if "prompt" in doc:
+    if completions:
         return COMPLETIONS
     if "input" in doc:
         return POOLING
     raise BadRequest("/invocations needs a chat (`messages`), completions (`prompt`) or embeddings (`input`) "
                      "body.", code="invalid_body")
+
+
+def _has_prompt(doc: dict[str, Any]) -> bool:
+    """A body vLLM's completions request takes: a prompt or prompt_embeds that is not null or empty."""
+    return doc.get("prompt") not in (None, "") or doc.get("prompt_embeds") not in (None, [])
 
 
 # Strings pydantic (vLLM's request models) reads as true in a boolean field.

@@ -13,7 +13,7 @@ from extproc.policy.admission import (ACCEPT, DEGRADE, INVALID, REJECT, R_INVALI
 from extproc.policy.classify import Classifier, ConflictingKeys, presented_key
 from extproc.policy.cost import CostModel, text_size
 from extproc.policy.schema import CostSpec, PolicyError
-from extproc.server.openai import (CHAT, ENDPOINTS, INVOCATIONS, MAX_JSON_CONTAINERS, MAX_JSON_DEPTH,
+from extproc.server.openai import (CHAT, COMPLETIONS, ENDPOINTS, INVOCATIONS, MAX_JSON_CONTAINERS, MAX_JSON_DEPTH,
                                    MAX_JSON_STRINGS, POOLING, RESPONSES, BadRequest, bracket_depth, degrade_body,
                                    json_depth, load_json_object, parse_body)
 from tests.conftest import make_policy
@@ -240,6 +240,29 @@ def test_invocations_takes_the_shape_its_body_names():
     assert parse_body(b'{"model": "m", "input": "x"}', INVOCATIONS, "priority", {"a"}).endpoint is POOLING
     with pytest.raises(BadRequest):
         parse_body(b'{"model": "m"}', INVOCATIONS, "priority", {"a"})
+
+
+@pytest.mark.parametrize("doc", [
+    {"messages": "hi", "prompt": ["a"] * 50},
+    {"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "bogus", "prompt": ["a"] * 50},
+    {"messages": [], "prompt": "hi"}, {"messages": [], "prompt_embeds": ["AAAA"] * 50}])
+def test_invocations_refuses_a_body_vllm_could_run_as_chat_or_as_completions(doc):
+    # vLLM 0.32 runs the first request type that validates: the first two fail its chat request's validation and
+    # ran as 50 completions prompts, each generating, charged as one chat answer (body_readings.json).
+    with pytest.raises(BadRequest) as e:
+        parse_body(json.dumps({"model": "m", **doc}).encode(), INVOCATIONS, "priority", {"a"})
+    assert e.value.param == "messages"
+
+
+@pytest.mark.parametrize("doc,prompts", [({"prompt_embeds": ["AAAA"] * 3, "input": "x"}, 3),
+                                         ({"messages": None, "prompt": ["a", "b"]}, 2),
+                                         ({"prompt": None, "input": "x"}, None)])
+def test_invocations_reads_a_prompt_as_vllm_does(doc, prompts):
+    # prompt_embeds alone is a completions body to vLLM (it was refused here; with `input` too, it was charged as
+    # an embedding and generated), and a null `messages` or `prompt` is no chat or completions body.
+    body = parse_body(json.dumps({"model": "m", **doc}).encode(), INVOCATIONS, "priority", {"a"})
+    assert body.endpoint is (COMPLETIONS if prompts else POOLING)
+    assert body.prompts == (prompts or 1)
 
 
 def test_responses_caps_output_with_max_output_tokens_and_a_degrade_clamps_that_field():
