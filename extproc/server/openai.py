@@ -353,7 +353,7 @@ def _scores_prompt_only(doc: dict[str, Any], endpoint: Endpoint) -> bool:
     """A completions request with echo and max_tokens 0: it asks for its prompt's logprobs, not for output
     (lm-evaluation-harness's loglikelihood requests). vLLM runs it with one output token per prompt, and refuses
     max_tokens 0 without echo, as the gateway does."""
-    return endpoint.kind == "completions" and lax_true(doc.get("echo")) and _whole(doc.get("max_tokens")) == 0
+    return endpoint.kind == "completions" and lax_true(doc.get("echo")) and _lax_int(doc.get("max_tokens")) == 0
 
 
 def _prompt_count(doc: dict[str, Any]) -> int:
@@ -368,11 +368,13 @@ def _prompt_count(doc: dict[str, Any]) -> int:
 
 
 def _positive_int(doc: dict[str, Any], field: str) -> int | None:
-    value = _whole(doc.get(field))
+    """A count or cap of the body, read as vLLM reads it (lax: "8", 8.0 and true are 8, 8 and 1 to it, so to the
+    gateway too: refused here, vLLM would have run them)."""
+    value = _lax_int(doc.get(field))
     if value is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise BadRequest(f"`{field}` must be a positive integer, got {_show(value)}.", field)
+    if type(value) is not int or value < 1:
+        raise BadRequest(f"`{field}` must be a positive integer, got {_show(doc.get(field))}.", field)
     if value > MAX_TOKENS_CEILING:
         raise BadRequest(f"`{field}` must be at most {MAX_TOKENS_CEILING}, got {str(value)[:40]}.", field)
     return value
@@ -390,8 +392,10 @@ def _whole(value: Any) -> Any:
 
 
 def _lax_int(value: Any) -> Any:
-    """`value` as the int vLLM's pydantic models read in an integer field (lax mode): a whole float, or a string
-    of one ("20", " 20 ", "20.0"); anything else as it is."""
+    """`value` as the int vLLM's pydantic models read in an integer field (lax mode): a whole float, a string
+    of one ("20", " 20 ", "20.0"), or a boolean (1 or 0); anything else as it is."""
+    if type(value) is bool:
+        return int(value)
     if isinstance(value, str):
         try:
             return int(value.strip())

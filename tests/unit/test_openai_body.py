@@ -142,8 +142,10 @@ def test_a_client_sent_vllm_priority_never_reaches_vllm():
     ({"model": "m", "max_tokens": "lots"}, "max_tokens"),
     ({"model": "m", "max_tokens": -1}, "max_tokens"),
     ({"model": "m", "max_tokens": 0}, "max_tokens"),
-    ({"model": "m", "max_tokens": True}, "max_tokens"),
+    ({"model": "m", "max_tokens": False}, "max_tokens"),
     ({"model": "m", "max_tokens": 1.5}, "max_tokens"),
+    ({"model": "m", "max_tokens": "1.5"}, "max_tokens"),
+    ({"model": "m", "n": "0"}, "n"),
     ({"model": "m", "stream": "yes"}, "stream"),
     ({"model": 5}, "model"),
     ({"messages": []}, "model"),
@@ -153,6 +155,15 @@ def test_wrong_types_are_400_naming_the_field(doc, param):
     with pytest.raises(BadRequest) as e:
         parse(doc)
     assert e.value.param == param
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens", "n"])
+@pytest.mark.parametrize("value,read", [("8", 8), (" 8 ", 8), ("8.0", 8), (8.0, 8), (True, 1)])
+def test_counts_and_caps_are_read_as_vllms_lax_integers(field, value, read):
+    # vLLM 0.32's pydantic models read "8", 8.0 and true as 8, 8 and 1 (tests/fixtures/vllm/body_readings.json):
+    # refused here, vLLM would have run them.
+    b = parse({"model": "m", "messages": [], field: value})
+    assert (b.max_tokens if field != "n" else b.sequences) == read
 
 
 @pytest.mark.parametrize("raw", [b"", b"{", b"[1,2]", b"\xff\xfe", b'"text"', b"null"])
@@ -207,7 +218,7 @@ def test_a_responses_api_truncation_auto_keeps_what_the_context_holds(truncation
 
 
 @pytest.mark.parametrize("value, cap", [(50, 50), (50.0, 50), (" 50", 50), (-1, -1), (0, None), (-2, None),
-                                        ("all", None), (True, None), (None, None)])
+                                        ("all", None), (True, 1), (None, None)])
 def test_truncate_prompt_tokens_is_read_as_vllm_reads_it(value, cap):
     # N >= 1 keeps each prompt's last N tokens and -1 as many as the context holds (vLLM 0.32 took "50" and 50.0
     # too); 0 and below -1 are vLLM's own 400s, charged in full here. The Responses API does not read it.
