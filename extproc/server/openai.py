@@ -149,10 +149,10 @@ def parse_body(raw: bytes, endpoint: Endpoint, class_field: str,
         raise BadRequest("`background` responses are not served through this gateway: they would run after "
                          "the request ends, outside its admission, and their result cannot be fetched here. "
                          "Send the request without `background` (streaming, if it is long).", "background")
-    stream = doc.get("stream", False)
-    if stream is not None and not isinstance(stream, bool):
+    stream = doc.get("stream")
+    if stream is not None and not lax_true(stream) and not lax_false(stream):
         raise BadRequest("`stream` must be true or false.", "stream")
-    body.stream = bool(stream)
+    body.stream = lax_true(stream)  # as vLLM reads it: "yes" or 1 streams, "false" or 0 does not
     # Checked here, as vLLM would, so the answer does not depend on whether the gateway rewrites it (a learned
     # stream gets include_usage added): `"stream_options": "yes"` got 200 or 400 by chance.
     if doc.get("stream_options") is not None and not isinstance(doc["stream_options"], dict):
@@ -323,14 +323,21 @@ def _has_prompt(doc: dict[str, Any]) -> bool:
     return doc.get("prompt") not in (None, "") or doc.get("prompt_embeds") not in (None, [])
 
 
-# Strings pydantic (vLLM's request models) reads as true in a boolean field.
+# Strings pydantic (vLLM's request models) reads as true, and as false, in a boolean field.
 _TRUE_STRINGS = frozenset(("1", "on", "t", "true", "y", "yes"))
+_FALSE_STRINGS = frozenset(("0", "off", "f", "false", "n", "no"))
 
 
 def lax_true(value: Any) -> bool:
     """Whether vLLM's pydantic models read `value` as true in a boolean field."""
     return value is True or (type(value) in (int, float) and value == 1) or \
         (isinstance(value, str) and value.strip().lower() in _TRUE_STRINGS)
+
+
+def lax_false(value: Any) -> bool:
+    """Whether vLLM's pydantic models read `value` as false in a boolean field."""
+    return value is False or (type(value) in (int, float) and value == 0) or \
+        (isinstance(value, str) and value.strip().lower() in _FALSE_STRINGS)
 
 
 def min_output_of(doc: dict[str, Any], reads_min_tokens: bool = True) -> int | None:
