@@ -340,12 +340,18 @@ def lax_false(value: Any) -> bool:
         (isinstance(value, str) and value.strip().lower() in _FALSE_STRINGS)
 
 
-def min_output_of(doc: dict[str, Any], reads_min_tokens: bool = True) -> int | None:
-    """The output each sequence produces at least: None (all of its cap) under vLLM's ignore_eos, else its
-    min_tokens (vLLM checks the value: anything else is 0 here), which vLLM's Responses API does not read."""
+def min_output_of(doc: dict[str, Any], chat_or_completions: bool = True) -> int | None:
+    """The output each sequence produces at least: None (all of its cap) under vLLM's ignore_eos or its beam search,
+    else its min_tokens (vLLM checks the value: anything else is 0 here). vLLM's Responses API reads neither
+    min_tokens nor use_beam_search."""
     if lax_true(doc.get("ignore_eos")):
         return None
-    min_tokens = _lax_int(doc.get("min_tokens")) if reads_min_tokens else None
+    if chat_or_completions and lax_true(doc.get("use_beam_search")):
+        # vLLM 0.32's beam search runs max_tokens steps of n beams whatever EOS says (a beam that ends is set aside
+        # and another candidate takes its place), one engine request per beam and step: every beam decodes the
+        # whole cap, the rest of the context when the body sets none.
+        return None
+    min_tokens = _lax_int(doc.get("min_tokens")) if chat_or_completions else None
     return min(min_tokens, MAX_TOKENS_CEILING) if type(min_tokens) is int and min_tokens > 0 else 0
 
 

@@ -4,6 +4,8 @@ import json
 
 import pytest
 
+from extproc.policy.cost import CostModel
+from extproc.policy.schema import CostSpec
 from extproc.server.openai import (CHAT, COMPLETIONS, RESPONSES, BadRequest, degrade_body, error_body, min_output_of,
                                   parse_body)
 
@@ -205,7 +207,7 @@ def test_a_body_that_is_not_utf8_is_refused_in_words():
                                             ({"ignore_eos": False, "min_tokens": 7}, 7), ({"ignore_eos": 0}, 0)])
 def test_the_output_floor_is_read_as_vllm_reads_ignore_eos_and_min_tokens(doc, min_output):
     assert min_output_of(doc) == min_output
-    assert min_output_of(doc, reads_min_tokens=False) == (None if min_output is None else 0)  # Responses API
+    assert min_output_of(doc, chat_or_completions=False) == (None if min_output is None else 0)  # Responses
 
 
 @pytest.mark.parametrize("doc,min_output", [({"min_tokens": "700", "max_tokens": 700}, 700),
@@ -215,6 +217,21 @@ def test_the_output_floor_is_read_in_pydantics_lax_mode_as_vllm_reads_it(doc, mi
     # request was expected at the learned output ratio (a few % of its cap) while the replica ran all of it.
     assert min_output_of(doc) == min_output
     assert parse({"model": "m", "messages": [], **doc}).min_output == min_output
+
+
+@pytest.mark.parametrize("endpoint", [CHAT, COMPLETIONS])
+@pytest.mark.parametrize("beam", [True, "yes", 1])
+def test_beam_search_runs_every_beam_to_its_cap(endpoint, beam):
+    # vLLM 0.32's beam search runs max_tokens steps of n beams whatever EOS says (an ended beam is replaced by the
+    # next candidate): read as an ordinary request, it was expected at the learned output ratio of a cap that
+    # defaulted to default_max_tokens, while the replica ran n beams to the end of the context.
+    doc = {"model": "m", "messages": [], "prompt": "p", "use_beam_search": beam, "n": 4, "min_tokens": 3}
+    b = parse_body(json.dumps(doc).encode(), endpoint, "priority", CLASSES)
+    assert (b.min_output, b.sequences) == (None, 4)
+    model = CostModel(CostSpec(default_max_tokens=256, max_context_tokens=2048))
+    est = model.estimate(8, b.max_tokens, b.sequences, prompts=b.prompts, min_output=b.min_output)
+    assert est.forced == 4 * (b.max_tokens or 2048 - 8)  # completions' own default cap is 16
+    assert parse_body(json.dumps({**doc, "input": "x"}).encode(), RESPONSES, "priority", CLASSES).min_output == 0
 
 
 @pytest.mark.parametrize("truncation, cap", [("auto", -1), ("disabled", None), (None, None)])
