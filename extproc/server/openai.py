@@ -140,8 +140,10 @@ def parse_body(raw: bytes, endpoint: Endpoint, class_field: str,
         body.min_output = None if scores_prompt else min_output_of(doc, endpoint.kind != "responses")
     if endpoint.kind in ("chat", "completions"):
         body.prompt_cap = _truncation(doc.get("truncate_prompt_tokens"))
-    elif endpoint.kind == "responses" and doc.get("truncation") == "auto":
-        body.prompt_cap = -1  # vLLM's Responses API truncates to what the context holds
+    elif endpoint.kind == "responses" and doc.get("truncation", "disabled") in ("auto", None):
+        # vLLM's Responses API truncates to what the context holds unless truncation is "disabled", its default:
+        # an explicit null truncates too.
+        body.prompt_cap = -1
     if endpoint.kind == "responses" and lax_true(doc.get("background")):
         # vLLM (with its response store on) answers a background request at once, "queued", and generates after
         # the request has ended: its slot was free again while the replica ran it (a class capped at 1 let 4

@@ -234,13 +234,15 @@ def test_beam_search_runs_every_beam_to_its_cap(endpoint, beam):
     assert parse_body(json.dumps({**doc, "input": "x"}).encode(), RESPONSES, "priority", CLASSES).min_output == 0
 
 
-@pytest.mark.parametrize("truncation, cap", [("auto", -1), ("disabled", None), (None, None)])
+@pytest.mark.parametrize("truncation, cap", [("auto", -1), ("disabled", None), (None, -1), ("x", None)])
 def test_a_responses_api_truncation_auto_keeps_what_the_context_holds(truncation, cap):
     # vLLM runs `truncation: "auto"` with truncate_prompt_tokens -1: a conversation longer than the context is cut
-    # to it, and was charged whole (all of its prefill, none of it run).
+    # to it, and was charged whole (all of its prefill, none of it run). vLLM 0.32 truncates unless it reads
+    # "disabled" (its default), so an explicit null truncates too (body_readings.json); "x" is vLLM's 400.
     b = parse_body(json.dumps({"model": "m", "input": "x", "truncation": truncation}).encode(), RESPONSES,
                    "priority", CLASSES)
     assert b.prompt_cap == cap
+    assert parse_body(b'{"model": "m", "input": "x"}', RESPONSES, "priority", CLASSES).prompt_cap is None
 
 
 @pytest.mark.parametrize("value, cap", [(50, 50), (50.0, 50), (" 50", 50), (-1, -1), (0, None), (-2, None),
