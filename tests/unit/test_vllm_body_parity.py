@@ -1,0 +1,117 @@
+"""parse_body reads a body as vLLM 0.32 reads it: the table of tests/fixtures/vllm/body_readings.json, ~1,100
+generated bodies and what vLLM's own request models, validators and to_sampling_params made of each (recorded by
+scripts/vllm/body_readings.py with the vLLM venv; no vLLM needed here).
+
+For every body vLLM runs, the gateway admits it (or refuses it for a reason listed in REFUSED_ON_PURPOSE) and reads
+the same kind, sequences, prompts, output cap, output floor, prompt truncation and stream, except where it reads
+more (OVER_READ: charged more than vLLM runs, never less). Anything else is a way to run more than was admitted,
+or a body refused that vLLM would serve."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from extproc.server.openai import ENDPOINTS, BadRequest, RequestBody, parse_body
+
+TABLE = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "vllm" / "body_readings.json").read_text())
+CASES = TABLE["cases"]
+RUN_BY_VLLM = [c for c in CASES if "refused" not in c["vllm"]]
+TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+
+
+def raw(case: dict) -> bytes:
+    return case["body"].encode(case.get("encoding", "utf-8"))
+
+
+def doc_of(case: dict) -> dict:
+    return json.loads(raw(case))
+
+
+def read(case: dict) -> RequestBody:
+    return parse_body(raw(case), ENDPOINTS[case["path"]], "priority", {"interactive", "batch"})
+
+
+def ours(body: RequestBody) -> dict:
+    """The gateway's reading in the table's terms (its sequences are all prompts' together)."""
+    return {"kind": body.endpoint.kind, "sequences": body.sequences, "prompts": body.prompts,
+            "max_tokens": body.max_tokens, "min_output": body.min_output, "truncate_prompt_tokens": body.prompt_cap,
+            "stream": body.stream}
+
+
+def theirs(case: dict) -> dict:
+    v = case["vllm"]
+    return {"kind": v["kind"], "sequences": v["sequences"] * v["prompts"], "prompts": v["prompts"],
+            "max_tokens": v["max_tokens"], "min_output": v["min_output"],
+            "truncate_prompt_tokens": v["truncate_prompt_tokens"], "stream": v["stream"]}
+
+
+def _cap_vllm_does_not_run(case: dict, e: BadRequest) -> bool:
+    """A cap below 1 that vLLM never acts on: max_tokens beside a max_completion_tokens (which wins), or under beam
+    search (which then runs no step). Every cap field is checked here, as docs/troubleshooting.md says."""
+    value = doc_of(case).get(e.param)
+    return e.param in TOKEN_FIELDS and type(value) in (int, float) and value < 1
+
+
+def _both_kinds(case: dict, e: BadRequest) -> bool:
+    """/invocations with `messages` and a prompt: vLLM runs it as completions when its chat reading fails
+    validation, which cannot be told here (extproc/server/openai.py, _invocation_kind)."""
+    return case["path"] == "/invocations" and e.param == "messages"
+
+
+REFUSED_ON_PURPOSE = (_cap_vllm_does_not_run, _both_kinds)
+
+
+def _empty_prompt_list(case: dict, field: str, mine, vllms) -> bool:
+    """`"prompt": []`: vLLM's model takes it and its renderer refuses it (api.json); read here as one prompt."""
+    return field in ("sequences", "prompts") and doc_of(case).get("prompt") == [] and mine > vllms
+
+
+def _truncation_to_nothing(case: dict, field: str, mine, vllms) -> bool:
+    """truncate_prompt_tokens 0 (vLLM's model takes it): charged the whole prompt, not none of it."""
+    return field == "truncate_prompt_tokens" and vllms == 0 and mine is None
+
+
+def _one_token_is_all_of_it(case: dict, field: str, mine, vllms) -> bool:
+    """A cap of 1 (prompt scoring: echo, max_tokens 0) runs its one token whatever the floor says: read as forced."""
+    return field == "min_output" and mine is None and case["vllm"]["max_tokens"] == 1
+
+
+OVER_READ = (_empty_prompt_list, _truncation_to_nothing, _one_token_is_all_of_it)
+
+
+def differences(case: dict) -> list[str]:
+    """How the gateway's reading of a body vLLM runs differs from vLLM's, allowed over-reads left out."""
+    try:
+        body = read(case)
+    except BadRequest as e:
+        if any(allowed(case, e) for allowed in REFUSED_ON_PURPOSE):
+            return []
+        return [f"refused ({e.param}: {e.message})"]
+    mine, vllms = ours(body), theirs(case)
+    return [f"{field}: ours {mine[field]!r}, vLLM's {vllms[field]!r}" for field in vllms
+            if mine[field] != vllms[field] and not any(o(case, field, mine[field], vllms[field]) for o in OVER_READ)]
+
+
+def test_the_table_is_vllms_and_large_enough_to_mean_something():
+    assert TABLE["vllm"] == "0.32.0"
+    kinds = {c["vllm"]["kind"] for c in RUN_BY_VLLM}
+    assert kinds == {"chat", "completions", "responses"}
+    assert len(RUN_BY_VLLM) > 400 and len(CASES) - len(RUN_BY_VLLM) > 200
+    assert sum(c["path"] == "/invocations" and c["vllm"]["kind"] == "completions" for c in RUN_BY_VLLM) >= 20
+
+
+def test_every_body_vllm_runs_is_read_as_vllm_reads_it():
+    wrong = {c["body"][:160]: d for c in RUN_BY_VLLM if (d := differences(c))}
+    shown = "\n".join(f"{body}\n    {diff}" for body, diff in wrong.items())
+    assert not wrong, f"{len(wrong)} bodies read unlike vLLM:\n{shown}"
+
+
+def test_a_body_vllm_refuses_is_a_400_or_a_reading_here_never_an_error():
+    # vLLM answers these itself; the gateway may admit them (vLLM then refuses) but must not fail on them.
+    refused = [c for c in CASES if "refused" in c["vllm"]]
+    for case in refused:
+        try:
+            read(case)
+        except BadRequest as e:
+            assert 400 <= e.status < 500, case["body"]
