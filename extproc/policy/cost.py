@@ -70,7 +70,19 @@ def _prompt_texts(doc: dict[str, Any], out: list[str | bytes]) -> int:
         if doc.get(key):
             # tool schemas, and a chat body's RAG documents, go into the prompt through the template
             out.append(orjson.dumps(doc[key]))
+    suffix = doc.get("suffix")
+    if type(suffix) is str and suffix:
+        # A completions suffix (fill-in-the-middle): vLLM renders it into every text prompt of the body, on a model
+        # whose renderer has FIM (DeepSeek V4 in 0.32; others refuse it, so counting it costs them nothing).
+        out.extend([suffix] * _text_prompts(doc.get("prompt")))
     return tokens
+
+
+def _text_prompts(prompt: Any) -> int:
+    """The text prompts of a completions `prompt`: one string, or each of a list of strings."""
+    if type(prompt) is str:
+        return 1
+    return len(prompt) if type(prompt) is list and all(type(p) is str for p in prompt) else 0
 
 
 def utf8_size(text: str) -> int:

@@ -138,6 +138,17 @@ def test_the_fast_estimate_counts_other_scripts_by_their_utf8_size(text, real_pe
     assert m.prompt_tokens({"prompt": "plain ascii " * 50}) == 150  # English unchanged: a byte is a character
 
 
+@pytest.mark.parametrize("prompt,copies", [("p", 1), (["p", "q", "r"], 3), ([1, 2, 3], 0)])
+def test_a_completions_suffix_is_prompt_text_in_every_prompt_it_is_rendered_into(prompt, copies):
+    # vLLM renders `suffix` into each text prompt (fill-in-the-middle, DeepSeek V4's renderer): a 40,000-character
+    # suffix beside a one-letter prompt was charged one token of prefill.
+    m = CostModel(SPEC)
+    suffix = "x" * 40_000
+    bare = m.prompt_tokens({"model": "m", "prompt": prompt})
+    with_suffix = m.prompt_tokens({"model": "m", "prompt": prompt, "suffix": suffix})
+    assert with_suffix - bare == pytest.approx(copies * len(suffix) / SPEC.chars_per_token, abs=1)
+
+
 @pytest.mark.parametrize("query,documents", [("query", "documents"), ("text_1", "text_2"), ("queries", "documents"),
                                              ("data_1", "data_2")])
 def test_a_score_or_rerank_query_counts_once_per_document_it_is_paired_with(query, documents):
