@@ -174,10 +174,11 @@ def _prompt_like(value: Any, out: list[str | bytes]) -> int:
 
 # Fields of a chat message or Responses input item whose text vLLM puts into the prompt: content; an assistant
 # turn's reasoning (vLLM reads `reasoning`, else `reasoning_content`) and tool calls; a Responses reasoning item's
-# summary, a function_call's arguments and a function_call_output's output. Never encrypted_content or ids.
-_TEXT, _REASONING_CONTENT, _TOOL_CALLS = 0, 1, 2
+# summary, a function_call's arguments, a custom_tool_call's input and a function_call_output's output. Never
+# encrypted_content or ids.
+_TEXT, _REASONING_CONTENT, _TOOL_CALLS, _CUSTOM_INPUT = 0, 1, 2, 3
 MESSAGE_FIELDS = {"content": _TEXT, "output": _TEXT, "arguments": _TEXT, "summary": _TEXT, "reasoning": _TEXT,
-                  "reasoning_content": _REASONING_CONTENT, "tool_calls": _TOOL_CALLS}
+                  "reasoning_content": _REASONING_CONTENT, "tool_calls": _TOOL_CALLS, "input": _CUSTOM_INPUT}
 
 
 def _message_texts(m: dict[str, Any], out: list[str | bytes]) -> int:
@@ -187,6 +188,8 @@ def _message_texts(m: dict[str, Any], out: list[str | bytes]) -> int:
         field = MESSAGE_FIELDS.get(key)
         if field is None:
             continue
+        if field is _CUSTOM_INPUT and m.get("type") != "custom_tool_call":
+            continue  # only a Responses custom tool call's input is its arguments, written into the prompt
         if type(value) is str:
             if field is not _REASONING_CONTENT or not m.get("reasoning"):
                 out.append(value)

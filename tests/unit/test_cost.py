@@ -138,6 +138,18 @@ def test_the_fast_estimate_counts_other_scripts_by_their_utf8_size(text, real_pe
     assert m.prompt_tokens({"prompt": "plain ascii " * 50}) == 150  # English unchanged: a byte is a character
 
 
+def test_a_responses_custom_tool_calls_input_is_prompt_text():
+    # vLLM writes a custom_tool_call item's `input` into the prompt as the call's arguments: it was free.
+    m = CostModel(SPEC)
+    call = {"type": "custom_tool_call", "call_id": "c1", "name": "run", "input": "x" * 40_000}
+    bare = m.prompt_tokens({"model": "m", "input": [{**call, "input": ""}]})
+    assert m.prompt_tokens({"model": "m", "input": [call]}) - bare == 40_000 / SPEC.chars_per_token
+    # a chat message's stray `input` key is no such thing
+    chat = {"role": "user", "content": "hi", "input": "x" * 40_000}
+    assert m.prompt_tokens({"model": "m", "messages": [chat]}) == m.prompt_tokens(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+
+
 @pytest.mark.parametrize("prompt,copies", [("p", 1), (["p", "q", "r"], 3), ([1, 2, 3], 0)])
 def test_a_completions_suffix_is_prompt_text_in_every_prompt_it_is_rendered_into(prompt, copies):
     # vLLM renders `suffix` into each text prompt (fill-in-the-middle, DeepSeek V4's renderer): a 40,000-character
