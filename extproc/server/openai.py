@@ -91,7 +91,7 @@ class RequestBody:
     """The fields of a request body that admission reads, and the body to forward."""
 
     __slots__ = ("endpoint", "model", "max_tokens", "sequences", "prompts", "stream", "claimed_class", "doc",
-                 "rewrite", "min_output", "prompt_cap")
+                 "rewrite", "min_output", "prompt_cap", "beam_search")
 
     def __init__(self, doc: dict[str, Any], endpoint: Endpoint = CHAT):
         self.doc = doc
@@ -105,6 +105,8 @@ class RequestBody:
         self.stream = False
         self.claimed_class: str | None = None
         self.rewrite = False      # the body must be re-serialised before it goes upstream
+        # vLLM's beam search: its usage counts the beams it answers with, not the n x max_tokens steps it ran
+        self.beam_search = False
 
     @property
     def generates(self) -> bool:
@@ -138,6 +140,7 @@ def parse_body(raw: bytes, endpoint: Endpoint, class_field: str,
             body.sequences *= body.prompts
         # A prompt-scoring request's one token is forced too: it says nothing about where answers end.
         body.min_output = None if scores_prompt else min_output_of(doc, endpoint.kind != "responses")
+        body.beam_search = endpoint.kind != "responses" and lax_true(doc.get("use_beam_search"))
     if endpoint.kind in ("chat", "completions"):
         body.prompt_cap = _truncation(doc.get("truncate_prompt_tokens"))
     elif endpoint.kind == "responses" and doc.get("truncation", "disabled") in ("auto", None):

@@ -328,6 +328,11 @@ class Stream:
                                      group=body.endpoint.group), code=R_UNSUPPORTED_ENDPOINT, status=404)
         except BadRequest as e:
             return self._refuse(e)
+        if body.beam_search:
+            # Its usage is the answer's beams (those that ended at EOS short), while vLLM ran every beam to the
+            # cap: read, it refunded a tokens-per-minute tenant and settled the fair queue at a fraction of the
+            # work. Its estimate stands, as for an answer that cannot be read.
+            self.usage = None
         request.read_body(body, self.usage is not None and self.usage.reads_usage(body))
         d = core.decide(request.facts)
         if type(d) is Queued or core.gated(d):  # queued, or waiting for a global slot

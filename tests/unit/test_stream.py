@@ -453,6 +453,19 @@ def test_a_refund_reads_a_buffered_response(clock):
     assert s.receive(response_headers()) is LEARN_BODY[False]
 
 
+@pytest.mark.parametrize("learn_sample", [0.0, 1.0])
+def test_a_beam_search_answer_is_not_read_for_usage(clock, learn_sample):
+    # vLLM's beam search runs n beams to max_tokens whatever EOS says, but its usage counts only the beams it
+    # answers with (short ones where they ended at EOS): read, it refunded the tenant's up-front charge of n x cap.
+    p = processor(clock, learn_sample=learn_sample,
+                  tenants=[{"name": "acme", "api_keys": ["sk-acme"], "tokens_per_minute": 10**6}])
+    doc = {"model": "llama", "messages": [], "use_beam_search": True, "n": 4, "max_tokens": 500}
+    s, _ = admitted(p, doc, authorization=b"Bearer sk-acme")
+    assert s.receive(response_headers()) is CONTINUE["response_headers"]
+    assert s.phase is Phase.FORWARDING
+    assert not s.request.facts.reads_usage
+
+
 def test_an_event_stream_is_read_only_for_a_learning_sample(clock):
     s, _ = admitted(refunded(clock), {"model": "llama", "messages": [], "stream": True},
                     authorization=b"Bearer sk-acme")
