@@ -3,9 +3,9 @@ generated bodies and what vLLM's own request models, validators and to_sampling_
 scripts/vllm/body_readings.py with the vLLM venv; no vLLM needed here).
 
 For every body vLLM runs, the gateway admits it (or refuses it for a reason listed in REFUSED_ON_PURPOSE) and reads
-the same kind, sequences, prompts, output cap, output floor, prompt truncation and stream, except where it reads
-more (OVER_READ: charged more than vLLM runs, never less). Anything else is a way to run more than was admitted,
-or a body refused that vLLM would serve."""
+the same kind, sequences, prompts, output cap, output floor, prompt truncation, stream and beam search, except where
+it reads more (OVER_READ: charged more than vLLM runs, never less). Anything else is a way to run more than was
+admitted, or a body refused that vLLM would serve."""
 
 from __future__ import annotations
 
@@ -36,14 +36,15 @@ def ours(body: RequestBody) -> dict:
     """The gateway's reading in the table's terms (its sequences are all prompts' together)."""
     return {"kind": body.endpoint.kind, "sequences": body.sequences, "prompts": body.prompts,
             "max_tokens": body.max_tokens, "min_output": body.min_output, "truncate_prompt_tokens": body.prompt_cap,
-            "stream": body.stream}
+            "stream": body.stream, "beam_search": body.beam_search}
 
 
 def theirs(case: dict) -> dict:
     v = case["vllm"]
     return {"kind": v["kind"], "sequences": v["sequences"] * v["prompts"], "prompts": v["prompts"],
             "max_tokens": v["max_tokens"], "min_output": v["min_output"],
-            "truncate_prompt_tokens": v["truncate_prompt_tokens"], "stream": v["stream"]}
+            "truncate_prompt_tokens": v["truncate_prompt_tokens"], "stream": v["stream"],
+            "beam_search": v["beam_search"]}
 
 
 def _cap_vllm_does_not_run(case: dict, e: BadRequest) -> bool:
