@@ -70,6 +70,13 @@ def _prompt_texts(doc: dict[str, Any], out: list[str | bytes]) -> int:
         if doc.get(key):
             # tool schemas, and a chat body's RAG documents, go into the prompt through the template
             out.append(orjson.dumps(doc[key]))
+    kwargs = doc.get("chat_template_kwargs")
+    if type(kwargs) is dict:
+        # vLLM hands these to the chat template, any that it names and any standard one (`documents`): a template
+        # that writes documents into the prompt writes those sent here too. Flags and numbers are left out.
+        texts = {k: v for k, v in kwargs.items() if type(v) in (str, list, dict)}
+        if texts:
+            out.append(orjson.dumps(texts))
     suffix = doc.get("suffix")
     if type(suffix) is str and suffix:
         # A completions suffix (fill-in-the-middle): vLLM renders it into every text prompt of the body, on a model

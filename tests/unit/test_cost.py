@@ -138,6 +138,18 @@ def test_the_fast_estimate_counts_other_scripts_by_their_utf8_size(text, real_pe
     assert m.prompt_tokens({"prompt": "plain ascii " * 50}) == 150  # English unchanged: a byte is a character
 
 
+def test_chat_template_kwargs_texts_are_prompt_text():
+    # vLLM passes chat_template_kwargs to the template, `documents` among them whatever the template (a standard
+    # argument), and a RAG template writes them into the prompt: sent there rather than as `documents`, 40,000
+    # characters were free. A flag (enable_thinking) is no text.
+    m = CostModel(SPEC)
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    docs = [{"title": "t", "text": "x" * 40_000}]
+    assert m.prompt_tokens({**chat, "chat_template_kwargs": {"documents": docs}}) >= \
+        m.prompt_tokens(chat) + 40_000 / SPEC.chars_per_token
+    assert m.prompt_tokens({**chat, "chat_template_kwargs": {"enable_thinking": False}}) == m.prompt_tokens(chat)
+
+
 def test_a_responses_custom_tool_calls_input_is_prompt_text():
     # vLLM writes a custom_tool_call item's `input` into the prompt as the call's arguments: it was free.
     m = CostModel(SPEC)
