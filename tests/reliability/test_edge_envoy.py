@@ -146,7 +146,8 @@ async def test_client_sent_extproc_and_ratelimit_headers_never_reach_the_upstrea
     async with aiohttp.ClientSession() as http:
         await upstream_reset(http, upstream)
         forged = {"x-extproc-reason": "ok", "x-extproc-anything": "1", "X-ExtProc-Cluster": "vllm_llama8b",
-                  "x-extproc-ticket": "1", "x-ratelimit-remaining-tokens": "999999", "X-Vllm-Priority": "-100"}
+                  "x-extproc-ticket": "1", "x-ratelimit-remaining-tokens": "999999", "X-Vllm-Priority": "-100",
+                  "X-Data-Parallel-Rank": "0"}
         status, headers, _ = await post(http, stack.url, chat(), forged)
         assert status == 200
         assert headers.get("x-ratelimit-remaining-tokens") is None
@@ -156,6 +157,7 @@ async def test_client_sent_extproc_and_ratelimit_headers_never_reach_the_upstrea
     assert ours <= {"x-extproc-cluster", "x-extproc-class", "x-extproc-decision", "x-extproc-ticket"}, ours
     assert "x-extproc-reason" not in ours and "x-extproc-anything" not in ours
     assert "x-vllm-priority" not in {k.lower() for k in received}  # vLLM would take it over the body's priority
+    assert "x-data-parallel-rank" not in {k.lower() for k in received}  # nor pick the engine's data-parallel rank
 
 
 # --- keys ---------------------------------------------------------------------------------------------------------
