@@ -77,18 +77,21 @@ class TenantLimits:
         return self
 
     def check(self, tokens: int, now: float) -> tuple[str | None, float]:
-        """(None, 0) if the request fits, else (which limit, seconds until it would)."""
+        """(None, 0) if the request fits, else (the limit it waits for longest, seconds until both would hold
+        it). The wait is for both: a refusal by the request limit said when a request was back in its bucket while
+        the tokens came back later, and a client that honoured its Retry-After was refused again."""
+        which, longest = None, 0.0
         if self.requests is not None:
             # A bucket shallower than one request (requests_per_minute * burst_s < 60) waits for what it can hold,
             # as the token bucket does: waiting for a whole request in it was forever.
             wait = self.requests.wait_s(min(1, self.requests.capacity), now)
             if wait > 0:
-                return "requests", wait
+                which, longest = "requests", wait
         if self.tokens is not None:
             wait = self.tokens.wait_s(min(tokens, self.tokens.capacity), now)
-            if wait > 0:
-                return "tokens", wait
-        return None, 0.0
+            if wait > longest:
+                which, longest = "tokens", wait
+        return which, longest
 
     def charge(self, tokens: int, now: float) -> int:
         """Returns the tokens taken: fewer than asked when the bucket's debt floor clipped them (later refunds and

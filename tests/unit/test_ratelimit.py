@@ -25,3 +25,15 @@ def test_the_reset_header_is_never_zero_while_the_bucket_is_not_full():
     assert headers["x-ratelimit-remaining-requests"] == "0"
     assert headers["x-ratelimit-reset-requests"] == "1s"
     assert dict(limits.headers(5.0))["x-ratelimit-reset-requests"] == "0s"  # full again
+
+
+def test_a_refusal_waits_for_both_buckets_of_its_tenant():
+    # Both buckets empty: a request is back in 1 s, its 100 tokens in 10 s. The refusal said the request limit's
+    # 1 s, and a client that honoured Retry-After was refused again for 9 s more (found by test_ratelimit_model).
+    limits = TenantLimits(TenantSpec(name="t", requests_per_minute=60, tokens_per_minute=600, burst_s=10), 0.0)
+    limits.charge(100, 0.0)
+    for _ in range(9):
+        limits.charge(0, 0.0)
+    which, wait = limits.check(100, 0.0)
+    assert which == "tokens" and wait == 10.0
+    assert limits.check(100, wait) == (None, 0.0)
