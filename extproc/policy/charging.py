@@ -92,6 +92,7 @@ class Charging:
         charge.prepaid = False
         if charge.tenant is not None:
             charge.tenant.refund(charge.tokens)
+            charge.tokens = charge.tokens_for(charge.estimate)  # charged anew in full, not what was last taken
         if charge.session is not None:
             self.state.sessions.refund_rate(charge.session, charge.estimate.gpu_seconds)
 

@@ -94,13 +94,15 @@ class TenantLimits:
         return which, longest
 
     def charge(self, tokens: int, now: float) -> int:
-        """Returns the tokens taken: fewer than asked when the bucket's debt floor clipped them (later refunds and
-        corrections are relative to what was taken, so they cannot make up tokens the bucket never gave)."""
+        """Returns the tokens taken: fewer than asked when the bucket's debt floor clipped them, none without a
+        tokens bucket (later refunds and corrections are relative to what was taken, so they cannot make up tokens
+        the bucket never gave: a reload that added a tokens limit had the requests running refunded, into the new
+        bucket, tokens they never paid)."""
         if self.requests is not None:
             self.requests.take(1, now)
         if self.tokens is not None:
             return math.ceil(self.tokens.take(tokens, now))
-        return tokens
+        return 0
 
     def refund(self, tokens: int) -> None:
         """A request charged when it was queued that was never admitted (refused, shed, its client left)."""

@@ -681,3 +681,22 @@ def test_the_usage_sample_reads_a_deterministic_share_and_every_answer_a_token_b
     picks = [sample.pick(core, "p") for _ in range(8)]
     assert picks == [None, None, None, LEARN] * 2  # every 4th request, refused ones counting too
     assert [sample.pick(core, "m") for _ in range(4)] == [REFUND, REFUND, REFUND, LEARN]
+
+
+def test_a_reload_adding_a_token_limit_refunds_no_tokens_the_running_requests_never_paid(clock):
+    # Admitted under a requests-only limit (no tokens taken), then a reload added tokens_per_minute: the request's
+    # settlement from its usage gave back, into the new bucket, the 600 tokens of its estimate it never paid, and
+    # the tenant got past its new limit (found by test_ratelimit_model).
+    spec = {"name": "acme", "api_keys": ["k"], "requests_per_minute": 600}
+    core = AdmissionController(make_policy(tenants=[spec], shed={}), clock=clock)
+    d = core.decide(RequestFacts(api_key="k", model="llama", max_tokens=500, header_class="batch",
+                                 doc={"prompt": "x" * 400}))
+    assert d.kind == ACCEPT
+    core.apply(make_policy(tenants=[{**spec, "tokens_per_minute": 600, "burst_s": 60}], shed={}))
+    spent = core.decide(RequestFacts(api_key="k", model="llama", max_tokens=500, header_class="batch",
+                                     doc={"prompt": "x" * 400}))
+    assert spent.kind == ACCEPT and dict(spent.headers)["x-ratelimit-remaining-tokens"] == "0"
+    core.usage(d.ticket, 0, 0)
+    core.finish(d.ticket, Outcome.OK)
+    core.report(d.ticket.id, Completion(Outcome.OK, 200, 0.1, 1.0))
+    assert core.tenant_limits["acme"].tokens.level == 0.0
