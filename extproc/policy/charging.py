@@ -68,14 +68,16 @@ class Charging:
         if charge.session is not None:
             if charge.prepaid:  # it was queued: it runs now
                 charge.session.queued = max(charge.session.queued - 1, 0)
-            self.state.sessions.charge(charge.session, cost, now, rate=not charge.prepaid)
+            taken = self.state.sessions.charge(charge.session, cost, now, rate=not charge.prepaid)
+            if not charge.prepaid:
+                charge.session_gpu_s = taken
 
     def prepay(self, charge: Charge, now: float) -> None:
         """A queued request takes its share of the tenant's and the session's per-minute budgets now."""
         if charge.tenant is not None:
             charge.tokens = charge.tenant.charge(charge.tokens, now)
         if charge.session is not None:
-            self.state.sessions.charge_rate(charge.session, charge.estimate.gpu_seconds, now)
+            charge.session_gpu_s = self.state.sessions.charge_rate(charge.session, charge.estimate.gpu_seconds, now)
             charge.session.queued += 1
         charge.prepaid = True
 
@@ -94,7 +96,10 @@ class Charging:
             charge.tenant.refund(charge.tokens)
             charge.tokens = charge.tokens_for(charge.estimate)  # charged anew in full, not what was last taken
         if charge.session is not None:
-            self.state.sessions.refund_rate(charge.session, charge.estimate.gpu_seconds)
+            # What it paid, not its estimate: a reload that gave the session a per-minute bucket after the request
+            # was charged (none taken) had it refunded GPU-seconds it never paid.
+            self.state.sessions.refund_rate(charge.session, charge.session_gpu_s)
+            charge.session_gpu_s = 0.0
 
     def clamp(self, charge: Charge, max_tokens: int) -> None:
         """A degrade that clamps max_tokens: charge (tenant tokens, GPU-seconds) the output the request can still
@@ -111,7 +116,9 @@ class Charging:
             if charge.tenant is not None:
                 charge.tenant.correct(charge.tokens, min(tokens, charge.tokens))
             if charge.session is not None:
-                self.state.sessions.refund_rate(charge.session, max(est.gpu_seconds - clamped.gpu_seconds, 0.0))
+                back = min(max(est.gpu_seconds - clamped.gpu_seconds, 0.0), charge.session_gpu_s)
+                self.state.sessions.refund_rate(charge.session, back)
+                charge.session_gpu_s -= back
         charge.estimate, charge.tokens = clamped, min(tokens, charge.tokens)
 
     def released(self, charge: Charge, cost: float, ran: bool) -> None:

@@ -199,17 +199,18 @@ class SessionBudgets:
                 return "session_rate", wait
         return None, 0.0
 
-    def charge(self, s: Session, gpu_s: float, now: float, rate: bool = True) -> None:
-        """In flight from now; `rate`: also take it from the per-minute bucket (False: taken when queued)."""
+    def charge(self, s: Session, gpu_s: float, now: float, rate: bool = True) -> float:
+        """In flight from now; `rate`: also take it from the per-minute bucket (False: taken when queued). Returns
+        what was taken from the bucket."""
         s.inflight_gpu_s += gpu_s
         s.inflight += 1
-        if rate:
-            self.charge_rate(s, gpu_s, now)
+        return self.charge_rate(s, gpu_s, now) if rate else 0.0
 
     @staticmethod
-    def charge_rate(s: Session, gpu_s: float, now: float) -> None:
-        if s.bucket is not None:
-            s.bucket.take(gpu_s, now)
+    def charge_rate(s: Session, gpu_s: float, now: float) -> float:
+        """Take `gpu_s` from the per-minute bucket; returns what was taken (down to its debt floor; none without
+        a bucket), the most a refund may give back."""
+        return s.bucket.take(gpu_s, now) if s.bucket is not None else 0.0
 
     @staticmethod
     def refund_rate(s: Session, gpu_s: float) -> None:

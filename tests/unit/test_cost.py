@@ -1,5 +1,6 @@
 """Cost estimates, online learning, GPU-second budgets, tenant token buckets and session budgets."""
 
+import math
 import random
 
 import pytest
@@ -521,6 +522,29 @@ def test_a_reload_that_changes_the_session_knobs_keeps_what_each_session_has_in_
     assert core.decide(facts(4000, 200, api_key="ka", header_class="batch", session_id="s1")).reason \
         == "session_gpu_seconds_per_minute"
 
+
+
+def test_a_reload_adding_a_session_rate_refunds_no_gpu_seconds_the_session_never_paid(clock):
+    # Admitted with no per-minute session budget (nothing taken), then a reload added one: the request's withdrawal
+    # (413 after the decision) gave its 0.3 GPU-s back into the session's new bucket, past what it had spent of it
+    # (found by test_ratelimit_model).
+    def policy(**sessions):
+        return make_policy(classes={"batch": {"max_concurrency": 100}}, default_class="batch", shed={},
+                           tenants=[{"name": "a", "api_keys": ["ka"]}], sessions=sessions,
+                           models={"llama": {"cluster": "x", "cost": {"prefill_s_per_1k_tokens": 0.1,
+                                                                      "decode_s_per_token": 0.001}}})
+
+    core = AdmissionController(policy(max_inflight_gpu_seconds=10.0), clock=clock)  # each request: 0.3 GPU-s
+    first = core.decide(facts(4000, 200, api_key="ka", header_class="batch", session_id="s1"))
+    core.apply(policy(max_inflight_gpu_seconds=10.0, gpu_seconds_per_minute=0.6))
+    second = core.decide(facts(4000, 200, api_key="ka", header_class="batch", session_id="s1"))
+    assert first.kind == second.kind == ACCEPT
+    bucket = core.sessions.sessions[("a", "s1")].bucket
+    assert math.isclose(bucket.level, 0.3)
+    core.withdraw(first.ticket)
+    assert math.isclose(bucket.level, 0.3)  # it paid nothing of this bucket: nothing comes back
+    core.withdraw(second.ticket)
+    assert math.isclose(bucket.level, 0.6)
 
 def test_session_table_is_bounded():
     core = AdmissionController(make_policy(sessions={"max_inflight_gpu_seconds": 1.0, "max_sessions": 10},
