@@ -45,6 +45,8 @@ class Charging:
             self.events.rate_limit_checked(c.tenant, which)
             if which is not None:
                 reason = R_TENANT_REQUESTS if which == "requests" else R_TENANT_TOKENS
+                if charge.session is not None:  # then its session's bucket must hold it too
+                    wait = max(wait, self.state.sessions.rate_wait(charge.session, est.gpu_seconds, now))
                 return refuse(429, reason, wait, tenant=c.tenant)
         if charge.session is not None:
             which, wait = self.state.sessions.check(charge.session, est.gpu_seconds, now)

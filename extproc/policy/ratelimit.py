@@ -193,11 +193,15 @@ class SessionBudgets:
         cap = self.spec.max_inflight_gpu_seconds
         if cap and s.inflight_gpu_s > 0 and s.inflight_gpu_s + gpu_s > cap:
             return "session_inflight", 1.0
-        if s.bucket is not None:
-            wait = s.bucket.wait_s(min(gpu_s, s.bucket.capacity), now)
-            if wait > 0:
-                return "session_rate", wait
+        wait = self.rate_wait(s, gpu_s, now)
+        if wait > 0:
+            return "session_rate", wait
         return None, 0.0
+
+    @staticmethod
+    def rate_wait(s: Session, gpu_s: float, now: float) -> float:
+        """Seconds until the session's per-minute bucket holds `gpu_s` (at most its capacity); 0 without one."""
+        return s.bucket.wait_s(min(gpu_s, s.bucket.capacity), now) if s.bucket is not None else 0.0
 
     def charge(self, s: Session, gpu_s: float, now: float, rate: bool = True) -> float:
         """In flight from now; `rate`: also take it from the per-minute bucket (False: taken when queued). Returns

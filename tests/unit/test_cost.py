@@ -546,6 +546,22 @@ def test_a_reload_adding_a_session_rate_refunds_no_gpu_seconds_the_session_never
     core.withdraw(second.ticket)
     assert math.isclose(bucket.level, 0.6)
 
+
+def test_a_tenant_limits_retry_after_waits_for_the_sessions_bucket_too(clock):
+    # The tenant's request is back in 1 s, the session's GPU-seconds in 12+: the 429 said 1 s, and a client that
+    # honoured it was refused again by its session's budget (found by test_ratelimit_model).
+    core = AdmissionController(make_policy(
+        classes={"batch": {"max_concurrency": 100}}, default_class="batch", shed={},
+        tenants=[{"name": "a", "api_keys": ["ka"], "requests_per_minute": 60, "burst_s": 1}],
+        sessions={"gpu_seconds_per_minute": 0.5},
+        models={"llama": {"cluster": "x", "cost": {"prefill_s_per_1k_tokens": 0.1, "decode_s_per_token": 0.001}}}),
+        clock=clock)  # each request: 0.3 GPU-s
+    assert core.decide(facts(4000, 200, api_key="ka", header_class="batch", session_id="s1")).kind == ACCEPT
+    d = core.decide(facts(4000, 200, api_key="ka", header_class="batch", session_id="s1"))
+    assert d.reason == "tenant_requests_per_minute" and d.retry_after >= 12
+    clock.advance(d.retry_after)
+    assert core.decide(facts(4000, 200, api_key="ka", header_class="batch", session_id="s1")).kind == ACCEPT
+
 def test_session_table_is_bounded():
     core = AdmissionController(make_policy(sessions={"max_inflight_gpu_seconds": 1.0, "max_sessions": 10},
                                            classes={"batch": {"max_concurrency": 100}}, default_class="batch",
