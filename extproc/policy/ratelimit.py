@@ -101,7 +101,9 @@ class TenantLimits:
         if self.requests is not None:
             self.requests.take(1, now)
         if self.tokens is not None:
-            return math.ceil(self.tokens.take(tokens, now))
+            # Rounded down (past a float's noise): a refund must not give back a token the bucket never gave. Up,
+            # 4095.0000000000005 taken was booked 4096.
+            return math.floor(self.tokens.take(tokens, now) + 1e-6)
         return 0
 
     def refund(self, tokens: int) -> None:

@@ -37,3 +37,18 @@ def test_a_refusal_waits_for_both_buckets_of_its_tenant():
     which, wait = limits.check(100, 0.0)
     assert which == "tokens" and wait == 10.0
     assert limits.check(100, wait) == (None, 0.0)
+
+
+def test_a_charge_refunded_leaves_the_token_bucket_where_it_was():
+    # The tokens taken were rounded up from the bucket's float difference: 4095 taken from a level of -40.785...
+    # read 4095.0000000000005, so 4096 were booked, and the refund (or a correction from usage) handed the tenant a
+    # token it never paid, on ~1 charge in 150 (found by test_ratelimit_model's books).
+    limits = TenantLimits(TenantSpec(name="t", tokens_per_minute=10_000, burst_s=60), 0.0)
+    limits.tokens.level = -40.78546538336969
+    taken = limits.charge(4095, 0.0)
+    assert taken == 4095
+    limits.refund(taken)
+    assert math.isclose(limits.tokens.level, -40.78546538336969)
+    # Clipped by the debt floor: what was taken, rounded down, never a fraction more.
+    limits.tokens.level = -9_999.5
+    assert limits.charge(100, 0.0) == 0
