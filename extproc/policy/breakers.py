@@ -137,9 +137,10 @@ class Breaker:
         if state == OPEN:
             return False, False
         if state == HALF_OPEN:
-            # A deterministic trickle: exactly `trickle` of the traffic, evenly spread.
+            # A deterministic trickle: exactly `trickle` of the traffic, evenly spread. Within a float's noise of
+            # a whole probe is one: ten trickles of 0.1 sum to 0.9999999999999999, and the first probe came late.
             self._credit += self.trickle
-            if self._credit >= 1.0:
+            if self._credit >= 1.0 - 1e-9:
                 self._credit -= 1.0
                 return True, True
             return False, False

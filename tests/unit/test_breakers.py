@@ -173,3 +173,12 @@ def test_an_idle_breaker_half_opens_and_closes_on_time():
     assert b.poll(69.9) == HALF_OPEN
     assert b.poll(70.0) == CLOSED
     assert b.window.count(70.0) == 0
+
+
+def test_a_half_open_breaker_probes_exactly_its_trickle():
+    # 0.1 added ten times is 0.9999999999999999: the tenth request was refused and the first probe was the 11th
+    # (found by test_breakers_model).
+    b = ErrorBreaker(min_requests=1, cooldown_s=1.0, trickle=0.1, trickle_s=60.0)
+    b.observe(0.0, True, False)
+    probes = [b.allow(1.0)[1] for _ in range(30)]
+    assert [i + 1 for i, probe in enumerate(probes) if probe] == [10, 20, 30]
