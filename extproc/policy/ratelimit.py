@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import OrderedDict
 
@@ -167,6 +168,7 @@ class SessionBudgets:
             if s.bucket is not None:
                 s.bucket.carry(bucket, now)
             self.sessions[key] = s
+        self._forget_idle()  # a lowered max_sessions holds from now, not from the next new session
         return self
 
     @property
@@ -181,15 +183,21 @@ class SessionBudgets:
             if self.spec.gpu_seconds_per_minute:
                 rate = self.spec.gpu_seconds_per_minute
                 s.bucket = TokenBucket(rate / 60.0, rate, now)
-            while len(self.sessions) > self.spec.max_sessions:
-                old_key, old = next(iter(self.sessions.items()))
-                if old.inflight > 0 or old.queued > 0:  # still running or queued: keep it, forget nothing held
-                    self.sessions.move_to_end(old_key)
-                    break
-                del self.sessions[old_key]
+            self._forget_idle(keep=key)
         else:
             self.sessions.move_to_end(key)
         return s
+
+    def _forget_idle(self, keep: tuple[str, str] | None = None) -> None:
+        """Down to `max_sessions`, forgetting the least recently seen idle sessions but `keep` (the one just made);
+        one running or queued is kept (forget nothing held) and passed over. Stopping at the first busy one kept
+        every idle one behind it: the table passed max_sessions by more than the sessions running."""
+        excess = len(self.sessions) - self.spec.max_sessions
+        if excess <= 0:
+            return
+        idle = (key for key, s in self.sessions.items() if s.inflight == 0 and s.queued == 0 and key != keep)
+        for key in list(itertools.islice(idle, excess)):
+            del self.sessions[key]
 
     def check(self, s: Session, gpu_s: float, now: float) -> tuple[str | None, float]:
         cap = self.spec.max_inflight_gpu_seconds

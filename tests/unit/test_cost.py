@@ -589,6 +589,24 @@ def test_session_table_stays_bounded_when_sessions_run_requests_side_by_side():
     assert all(s.inflight_gpu_s == 0.0 for s in core.sessions.sessions.values())
 
 
+
+def test_a_busy_session_does_not_keep_the_idle_ones_behind_it():
+    # Forgetting stopped at the least recently seen session when it was running: every idle one behind it stayed,
+    # and the table passed max_sessions by more than the sessions running (found by test_ratelimit_model).
+    def policy(max_sessions):
+        return make_policy(sessions={"max_inflight_gpu_seconds": 100.0, "max_sessions": max_sessions},
+                           classes={"batch": {"max_concurrency": 100}}, default_class="batch", tenants=[], shed={})
+
+    core = AdmissionController(policy(3))
+    busy = core.decide(RequestFacts(model="llama", header_class="batch", session_id="busy"))
+    for name in ("idle1", "idle2"):
+        core.finish(core.decide(RequestFacts(model="llama", header_class="batch", session_id=name)).ticket)
+    core.apply(policy(2))  # a lowered bound holds at once: the oldest idle session goes
+    assert [key[1] for key in core.sessions.sessions] == ["busy", "idle2"]
+    core.decide(RequestFacts(model="llama", header_class="batch", session_id="new"))
+    assert [key[1] for key in core.sessions.sessions] == ["busy", "new"]
+    core.finish(busy.ticket)
+
 def test_check_warns_when_tenant_limits_sum_past_the_fleet():
     p = load_policy({"classes": {"a": {"max_concurrency": 1}}, "models": {"m": {"cluster": "c"}},
                      "fleet": {"tokens_per_minute": 1000},
