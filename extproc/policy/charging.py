@@ -69,7 +69,7 @@ class Charging:
             charge.tokens = charge.tenant.charge(charge.tokens, now)
         if charge.session is not None:
             if charge.prepaid:  # it was queued: it runs now
-                charge.session.queued = max(charge.session.queued - 1, 0)
+                self.state.sessions.dequeue(charge.session, charge.queued_gpu_s)
             taken = self.state.sessions.charge(charge.session, cost, now, rate=not charge.prepaid)
             if not charge.prepaid:
                 charge.session_gpu_s = taken
@@ -80,14 +80,15 @@ class Charging:
             charge.tokens = charge.tenant.charge(charge.tokens, now)
         if charge.session is not None:
             charge.session_gpu_s = self.state.sessions.charge_rate(charge.session, charge.estimate.gpu_seconds, now)
-            charge.session.queued += 1
+            charge.queued_gpu_s = charge.estimate.gpu_seconds
+            self.state.sessions.enqueue(charge.session, charge.queued_gpu_s)
         charge.prepaid = True
 
     def refund(self, charge: Charge | None) -> None:
         """A queued request that was never admitted gives back what it prepaid."""
         if charge is not None and charge.prepaid:
             if charge.session is not None:
-                charge.session.queued = max(charge.session.queued - 1, 0)
+                self.state.sessions.dequeue(charge.session, charge.queued_gpu_s)
             self._give_back(charge)
 
     def _give_back(self, charge: Charge) -> None:

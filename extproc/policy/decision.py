@@ -49,7 +49,7 @@ class Charge:
     """What one request is estimated to cost, and whom it is charged to; settled once when it ends."""
 
     __slots__ = ("model", "estimate", "tenant", "session", "request_id", "tokens", "fallbacks", "prepaid",
-                 "reads_usage", "alias", "session_gpu_s")
+                 "reads_usage", "alias", "session_gpu_s", "queued_gpu_s")
 
     def __init__(self, model: str, estimate: CostEstimate, tenant: TenantLimits | None, session: Session | None,
                  request_id: str = "", reads_usage: bool = True):
@@ -69,6 +69,7 @@ class Charge:
         self.alias: str | None = None  # the name the client sent, when it is another name of `model`
         # GPU-seconds taken from its session's per-minute bucket: what a refund gives back (none without a bucket).
         self.session_gpu_s = 0.0
+        self.queued_gpu_s = 0.0  # what it counts in its session's queued GPU-seconds while it waits
 
 
     def tokens_for(self, estimate: CostEstimate) -> int:

@@ -137,12 +137,13 @@ class TenantLimits:
 
 
 class Session:
-    __slots__ = ("inflight_gpu_s", "inflight", "bucket", "tenant", "queued")
+    __slots__ = ("inflight_gpu_s", "inflight", "bucket", "tenant", "queued", "queued_gpu_s")
 
     def __init__(self, tenant: str):
         self.inflight_gpu_s = 0.0
         self.inflight = 0  # requests: what says whether it runs (the GPU-seconds' float sum drifts)
         self.queued = 0    # requests queued (they prepaid its rate): it is kept for them as for those running
+        self.queued_gpu_s = 0.0  # what they will hold in flight once granted
         self.bucket: TokenBucket | None = None
         self.tenant = tenant
 
@@ -201,7 +202,10 @@ class SessionBudgets:
 
     def check(self, s: Session, gpu_s: float, now: float) -> tuple[str | None, float]:
         cap = self.spec.max_inflight_gpu_seconds
-        if cap and s.inflight_gpu_s > 0 and s.inflight_gpu_s + gpu_s > cap:
+        # Its queued requests count as in flight: granted together when slots free, those that each fitted beside
+        # the running ones alone ran past the budget at once (0.6 GPU-s in flight on a budget of 0.5).
+        held = s.inflight_gpu_s + s.queued_gpu_s
+        if cap and held > 0 and held + gpu_s > cap:
             return "session_inflight", 1.0
         wait = self.rate_wait(s, gpu_s, now)
         if wait > 0:
@@ -219,6 +223,16 @@ class SessionBudgets:
         s.inflight_gpu_s += gpu_s
         s.inflight += 1
         return self.charge_rate(s, gpu_s, now) if rate else 0.0
+
+    @staticmethod
+    def enqueue(s: Session, gpu_s: float) -> None:
+        s.queued += 1
+        s.queued_gpu_s += gpu_s
+
+    @staticmethod
+    def dequeue(s: Session, gpu_s: float) -> None:
+        s.queued = max(s.queued - 1, 0)
+        s.queued_gpu_s = max(s.queued_gpu_s - gpu_s, 0.0) if s.queued else 0.0  # no float dust left queued
 
     @staticmethod
     def charge_rate(s: Session, gpu_s: float, now: float) -> float:

@@ -206,10 +206,10 @@ output ratio times `max_tokens`) and not corrected. Headers as above, with `-tok
            "this agent session is over its GPU-seconds budget (in flight)",
            """\
 **429.** Requests carrying the same session id (`sessions.header`, default `x-session-id`) already hold
-`sessions.max_inflight_gpu_seconds` of estimated GPU time in flight: an agent loop fanning out counts as one
-customer. It clears as the session's requests finish (`Retry-After`: the class's drain estimate, like the load
-refusals). A single request larger than the budget
-is still admitted when the session has nothing else in flight. Counted in `extproc_session_rejections_total`."""),
+`sessions.max_inflight_gpu_seconds` of estimated GPU time in flight, or queued (granted, they run together): an
+agent loop fanning out counts as one customer. It clears as the session's requests finish (`Retry-After`: the
+class's drain estimate, like the load refusals). A single request larger than the budget
+is still admitted when the session has nothing else in flight or queued. Counted in `extproc_session_rejections_total`."""),
     Reason("session_gpu_seconds_per_minute", "Budgets and rate limits (429, 413)", 429, BUCKET,
            "this agent session is over its GPU-seconds budget (per minute)",
            """\

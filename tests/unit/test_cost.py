@@ -499,6 +499,24 @@ def test_a_session_with_a_request_queued_is_not_forgotten_for_another(clock):
     assert [(s.inflight, s.queued) for s in core.sessions.sessions.values()] == [(0, 0), (0, 0)]
 
 
+def test_a_sessions_queued_requests_count_against_its_in_flight_budget(clock):
+    # Queued while other sessions filled the class, each fitted the budget with nothing of its session running;
+    # granted together when slots freed, 0.6 GPU-s of the session ran at once on a budget of 0.5.
+    core = AdmissionController(make_policy(
+        classes={"batch": {"max_concurrency": 2, "max_queue": 5, "max_wait_ms": 5000}}, default_class="batch",
+        tenants=[{"name": "a", "api_keys": ["ka"]}], shed={}, sessions={"max_inflight_gpu_seconds": 0.5},
+        models={"llama": {"cluster": "x", "cost": {"prefill_s_per_1k_tokens": 0.1, "decode_s_per_token": 0.001}}}),
+        clock=clock)  # each request: 0.3 GPU-s
+    others = [core.decide(facts(4000, 200, api_key="ka", header_class="batch")) for _ in range(2)]
+    mine = [core.decide(facts(4000, 200, api_key="ka", header_class="batch", session_id="s1")) for _ in range(2)]
+    assert [d.kind for d in mine] == [QUEUE, REJECT] and mine[1].reason == "session_inflight_budget"
+    for d in others:
+        core.finish(d.ticket, Outcome.OK)
+    session = core.sessions.sessions[("a", "s1")]
+    assert mine[0].waiter.result.kind == ACCEPT and session.inflight_gpu_s <= 0.5
+    core.finish(mine[0].waiter.result.ticket, Outcome.OK)
+    assert (session.inflight, session.queued, session.inflight_gpu_s, session.queued_gpu_s) == (0, 0, 0.0, 0.0)
+
 def test_a_reload_that_changes_the_session_knobs_keeps_what_each_session_has_in_flight_and_left(clock):
     # A new SessionBudgets forgot every session: each one's running GPU-seconds (its in-flight budget let a full
     # budget more in at once) and what it had spent of its per-minute bucket (a fresh minute's worth each).
