@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import yaml
@@ -88,6 +89,20 @@ class FakeClock:
 
     def advance(self, s: float) -> None:
         self.t += s
+
+
+def pass_time(core, clock: FakeClock, waiters: list, until: float, answered: Callable[[], None]) -> None:
+    """Move `clock` to `until` as the adapter lives through it: each waiter's own timer fires at its deadline, in
+    order, then tick() and reap() run; `answered` is called after each (a model collects the answers)."""
+    for w in sorted(waiters, key=lambda w: w.deadline):
+        if w.pending and w.deadline <= until:
+            clock.t = max(clock.t, w.deadline)
+            core.abandon(w, timed_out=True)
+            answered()
+    clock.t = until
+    core.tick()
+    core.reap()
+    answered()
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ from extproc.policy.decision import NoEvents
 from extproc.policy.limits import Completion, Outcome
 from extproc.policy.reasons import R_ERROR_BREAKER, R_LATENCY_BREAKER
 from extproc.policy.schema import load_policy
-from tests.conftest import FakeClock
+from tests.conftest import FakeClock, pass_time
 
 BREAKER_REASON = {"latency": R_LATENCY_BREAKER, "error": R_ERROR_BREAKER}
 # The cycle, and a reset: an open breaker closed at once when the lower classes yielded instead.
@@ -298,16 +298,8 @@ class CoreModel:
         self.sweep()
 
     def wait(self) -> None:
-        until = self.clock() + self.r.choice([0.05, 0.2, 1.0, 2.5, 6.0])
-        for w in sorted(self.waiting, key=lambda w: w.deadline):
-            if w.pending and w.deadline <= until:
-                self.clock.t = max(self.clock.t, w.deadline)
-                self.core.abandon(w, timed_out=True)
-                self.sweep()
-        self.clock.t = until
-        self.core.tick()
-        self.core.reap()
-        self.sweep()
+        pass_time(self.core, self.clock, self.waiting, self.clock() + self.r.choice([0.05, 0.2, 1.0, 2.5, 6.0]),
+                  self.sweep)
 
     def reload(self) -> None:
         """New breaker knobs: each open or half-open breaker goes on as it was, from when its state began."""

@@ -499,6 +499,14 @@ def test_a_session_with_a_request_queued_is_not_forgotten_for_another(clock):
     assert [(s.inflight, s.queued) for s in core.sessions.sessions.values()] == [(0, 0), (0, 0)]
 
 
+def session_policy(**sessions):
+    """One class, tenant `a`, these session knobs; a request of facts(4000, 200) costs 0.3 GPU-s."""
+    return make_policy(classes={"batch": {"max_concurrency": 100}}, default_class="batch", shed={},
+                       tenants=[{"name": "a", "api_keys": ["ka"]}], sessions=sessions,
+                       models={"llama": {"cluster": "x", "cost": {"prefill_s_per_1k_tokens": 0.1,
+                                                                  "decode_s_per_token": 0.001}}})
+
+
 def test_a_sessions_queued_requests_count_against_its_in_flight_budget(clock):
     # Queued while other sessions filled the class, each fitted the budget with nothing of its session running;
     # granted together when slots freed, 0.6 GPU-s of the session ran at once on a budget of 0.5.
@@ -517,44 +525,33 @@ def test_a_sessions_queued_requests_count_against_its_in_flight_budget(clock):
     core.finish(mine[0].waiter.result.ticket, Outcome.OK)
     assert (session.inflight, session.queued, session.inflight_gpu_s, session.queued_gpu_s) == (0, 0, 0.0, 0.0)
 
+
 def test_a_reload_that_changes_the_session_knobs_keeps_what_each_session_has_in_flight_and_left(clock):
     # A new SessionBudgets forgot every session: each one's running GPU-seconds (its in-flight budget let a full
     # budget more in at once) and what it had spent of its per-minute bucket (a fresh minute's worth each).
-    def policy(**sessions):
-        return make_policy(classes={"batch": {"max_concurrency": 100}}, default_class="batch", shed={},
-                           tenants=[{"name": "a", "api_keys": ["ka"]}], sessions=sessions,
-                           models={"llama": {"cluster": "x", "cost": {"prefill_s_per_1k_tokens": 0.1,
-                                                                      "decode_s_per_token": 0.001}}})
-
     # Each request: 0.3 GPU-s. At most 1.0 in flight, 1.1 a minute.
-    core = AdmissionController(policy(max_inflight_gpu_seconds=1.0, gpu_seconds_per_minute=1.1), clock=clock)
+    core = AdmissionController(session_policy(max_inflight_gpu_seconds=1.0, gpu_seconds_per_minute=1.1),
+                               clock=clock)
     agent = [core.decide(facts(4000, 200, api_key="ka", header_class="batch", session_id="s1")) for _ in range(4)]
     assert [d.kind for d in agent] == [ACCEPT] * 3 + [REJECT]
-    core.apply(policy(max_inflight_gpu_seconds=1.0, gpu_seconds_per_minute=1.1, max_sessions=50_000))
+    core.apply(session_policy(max_inflight_gpu_seconds=1.0, gpu_seconds_per_minute=1.1, max_sessions=50_000))
     assert core.decide(facts(4000, 200, api_key="ka", header_class="batch", session_id="s1")).reason \
         == "session_inflight_budget"
     for d in agent[:3]:
         core.finish(d.ticket, Outcome.OK)  # released against the session that holds them
     assert core.sessions.sessions[("a", "s1")].inflight_gpu_s == 0.0
-    core.apply(policy(gpu_seconds_per_minute=1.1))  # no in-flight budget now; 0.9 of the minute's 1.1 spent
+    core.apply(session_policy(gpu_seconds_per_minute=1.1))  # no in-flight budget now; 0.9 of the minute's 1.1 spent
     assert core.decide(facts(4000, 200, api_key="ka", header_class="batch", session_id="s1")).reason \
         == "session_gpu_seconds_per_minute"
-
 
 
 def test_a_reload_adding_a_session_rate_refunds_no_gpu_seconds_the_session_never_paid(clock):
     # Admitted with no per-minute session budget (nothing taken), then a reload added one: the request's withdrawal
     # (413 after the decision) gave its 0.3 GPU-s back into the session's new bucket, past what it had spent of it
     # (found by test_ratelimit_model).
-    def policy(**sessions):
-        return make_policy(classes={"batch": {"max_concurrency": 100}}, default_class="batch", shed={},
-                           tenants=[{"name": "a", "api_keys": ["ka"]}], sessions=sessions,
-                           models={"llama": {"cluster": "x", "cost": {"prefill_s_per_1k_tokens": 0.1,
-                                                                      "decode_s_per_token": 0.001}}})
-
-    core = AdmissionController(policy(max_inflight_gpu_seconds=10.0), clock=clock)  # each request: 0.3 GPU-s
+    core = AdmissionController(session_policy(max_inflight_gpu_seconds=10.0), clock=clock)  # each: 0.3 GPU-s
     first = core.decide(facts(4000, 200, api_key="ka", header_class="batch", session_id="s1"))
-    core.apply(policy(max_inflight_gpu_seconds=10.0, gpu_seconds_per_minute=0.6))
+    core.apply(session_policy(max_inflight_gpu_seconds=10.0, gpu_seconds_per_minute=0.6))
     second = core.decide(facts(4000, 200, api_key="ka", header_class="batch", session_id="s1"))
     assert first.kind == second.kind == ACCEPT
     bucket = core.sessions.sessions[("a", "s1")].bucket

@@ -29,7 +29,7 @@ from extproc.policy.limits import Completion, Outcome
 from extproc.policy.ratelimit import SessionBudgets, TenantLimits, TokenBucket
 from extproc.policy.reasons import R_SESSION_RATE, R_TENANT_REQUESTS, R_TENANT_TOKENS
 from extproc.policy.schema import load_policy
-from tests.conftest import FakeClock
+from tests.conftest import FakeClock, pass_time
 
 MODELS = {"llama": {"cluster": "pool_a", "cost": {"max_context_tokens": 8192}},
           "small": {"cluster": "pool_b"}}
@@ -275,17 +275,9 @@ class PayModel:
         self.core.abandon(w, timed_out=False)
         self.sweep()
 
-    def wait(self, dt: float | None = None) -> None:
-        until = self.clock() + (dt if dt is not None else self.rng.choice([0.05, 0.3, 1.0, 4.0, 15.0]))
-        for w in sorted(self.waiting, key=lambda w: w.deadline):
-            if w.pending and w.deadline <= until:
-                self.clock.t = max(self.clock.t, w.deadline)
-                self.core.abandon(w, timed_out=True)
-                self.sweep()
-        self.clock.t = until
-        self.core.tick()
-        self.core.reap()
-        self.sweep()
+    def wait(self) -> None:
+        pass_time(self.core, self.clock, self.waiting, self.clock() + self.rng.choice([0.05, 0.3, 1.0, 4.0, 15.0]),
+                  self.sweep)
 
     def reload(self) -> None:
         """Another policy; every bucket both policies have carries its level over, clipped to the new capacity."""
