@@ -155,10 +155,12 @@ class Breaker:
         elif self.state == HALF_OPEN and trickle and self._bad(sample):
             self._set(OPEN, now)
 
-    def take_state(self, old: Breaker | None) -> None:
-        """Go on from `old`'s open or half-open state (a reload rebuilt the breaker with new knobs): the new cooldown
-        or trickle period counts from when it began. Its window starts empty: the new knobs judge new samples."""
-        if old is not None and old.state != CLOSED:
+    def take_state(self, old: Breaker | None, now: float) -> None:
+        """Go on from `old`'s open or half-open state at `now` (a reload rebuilt the breaker with new knobs): the new
+        cooldown or trickle period counts from when it began. Its window starts empty: the new knobs judge new
+        samples. Its state as time has moved it: one that had closed by time but was not asked since read as open,
+        and a reload with a longer cooldown opened it again for nothing."""
+        if old is not None and old.poll(now) != CLOSED:
             self.state, self.since = old.state, old.since
 
     def reset(self, now: float) -> None:

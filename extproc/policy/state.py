@@ -259,8 +259,9 @@ class PolicyState:
             return bs
         old = {b.kind: b for b in bs}
         new = [self._breaker(cls, pool, spec) for spec in specs]
+        now = self.clock()
         for b in new:
-            b.take_state(old.get(b.kind))
+            b.take_state(old.get(b.kind), now)
             self.on_breaker_created(cls, pool, b)
         return new
 

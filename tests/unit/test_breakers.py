@@ -182,3 +182,18 @@ def test_a_half_open_breaker_probes_exactly_its_trickle():
     b.observe(0.0, True, False)
     probes = [b.allow(1.0)[1] for _ in range(30)]
     assert [i + 1 for i, probe in enumerate(probes) if probe] == [10, 20, 30]
+
+
+def test_a_reload_does_not_reopen_a_breaker_that_closed_by_time():
+    # Opened at 0 with a 1 s cooldown and a 1 s trickle period, then nothing asked it: closed by time at 2 s, its
+    # state still read open. A reload at 100 s with a 200 s cooldown took that over and refused the class until 200 s.
+    old = ErrorBreaker(min_requests=1, cooldown_s=1.0, trickle_s=1.0)
+    old.observe(0.0, True, False)
+    new = ErrorBreaker(min_requests=1, cooldown_s=200.0, trickle_s=1.0)
+    new.take_state(old, 100.0)
+    assert new.poll(100.0) == CLOSED
+    reopened = ErrorBreaker(min_requests=1, cooldown_s=1.0, trickle_s=1.0)
+    reopened.observe(100.0, True, False)
+    longer = ErrorBreaker(min_requests=1, cooldown_s=200.0, trickle_s=1.0)
+    longer.take_state(reopened, 100.5)  # open still: the new cooldown counts from when it opened
+    assert (longer.poll(250.0), longer.opens_in(250.0)) == (OPEN, 50.0)

@@ -19,6 +19,7 @@ half-open one lets through no more than its trickle; at the end, every slot and 
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 
@@ -176,7 +177,7 @@ class BreakerModel:
         old = self.b
         k = knobs(self.r)
         self.b = self._breaker(k)
-        self.b.take_state(old)
+        self.b.take_state(old, self.now)
         was = self.ref
         self.ref = Reference(self.kind, k)
         if was.state != CLOSED:
@@ -302,14 +303,24 @@ class CoreModel:
                   self.sweep)
 
     def reload(self) -> None:
-        """New breaker knobs: each open or half-open breaker goes on as it was, from when its state began."""
+        """New breaker knobs: each breaker open or half-open now (as time has moved it, though nothing asked it
+        since) goes on as it was, from when its state began; the others are closed."""
         now = self.clock()
-        before = {(key, b.kind): (b.poll(now), b.since) for key, bs in self.core.breakers.items() for b in bs}
+        before = {}
+        for key, bs in self.core.breakers.items():
+            for b in bs:
+                seen = copy.copy(b)  # asked on the side: the core's own breakers stay as nothing asked them
+                seen.on_change = None
+                before[key, b.kind] = (b, seen.poll(now), seen.since)
         self.core.apply(CORE_POLICIES[self.r.randrange(len(CORE_POLICIES))])
         for key, bs in self.core.breakers.items():
             for b in bs:
-                state, since = before.get((key, b.kind), (CLOSED, None))
-                if state != CLOSED:
+                old, state, since = before.get((key, b.kind), (None, CLOSED, None))
+                if old is b:
+                    continue  # its knobs did not change: the same breaker
+                if state == CLOSED:
+                    assert b.poll(now) == CLOSED, (key, b.kind, "opened by a reload")
+                else:
                     assert (b.state, b.since) == (state, since), (key, b.kind, b.state, state)
         self.sweep()
 
