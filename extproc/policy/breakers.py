@@ -147,12 +147,16 @@ class Breaker:
         return True, False
 
     def observe(self, now: float, sample, trickle: bool) -> None:
-        """A completed request's sample. Only trickle probes count while half-open; nothing counts while open."""
-        if self.state == CLOSED:
+        """A completed request's sample. Only trickle probes count while half-open; nothing counts while open. In
+        the state time has moved it to: unasked since its cooldown and trickle period ran out, a breaker still read
+        open (a sample that counts, dropped) or half-open (a slow probe back after the clean period re-opened it),
+        and what a sample did hung on whether a request or a scrape had asked it in between."""
+        state = self.poll(now)
+        if state == CLOSED:
             self._record(now, sample)
             if self._tripped(now):
                 self._set(OPEN, now)
-        elif self.state == HALF_OPEN and trickle and self._bad(sample):
+        elif state == HALF_OPEN and trickle and self._bad(sample):
             self._set(OPEN, now)
 
     def take_state(self, old: Breaker | None, now: float) -> None:

@@ -197,3 +197,18 @@ def test_a_reload_does_not_reopen_a_breaker_that_closed_by_time():
     longer = ErrorBreaker(min_requests=1, cooldown_s=200.0, trickle_s=1.0)
     longer.take_state(reopened, 100.5)  # open still: the new cooldown counts from when it opened
     assert (longer.poll(250.0), longer.opens_in(250.0)) == (OPEN, 50.0)
+
+
+def test_a_sample_counts_in_the_state_time_has_moved_the_breaker_to():
+    # A breaker unasked since its cooldown and trickle period ran out still read open or half-open when a sample
+    # came: what the sample did hung on whether a request or a scrape had asked it in between (test_breakers_model).
+    b = ErrorBreaker(min_requests=1, cooldown_s=1.0, trickle_s=1.0)
+    b.observe(0.0, True, False)
+    b.observe(10.0, True, False)  # closed at 2 s by time: a failure counts, and trips it again
+    assert (b.poll(10.0), b.since) == (OPEN, 10.0)
+    b = ErrorBreaker(min_requests=5, cooldown_s=1.0, trickle=1.0, trickle_s=1.0)
+    for _ in range(5):
+        b.observe(0.0, True, False)
+    assert b.allow(1.5) == (True, True)
+    b.observe(5.0, True, True)  # the probe failed after the clean period closed it: one sample of a closed window
+    assert b.poll(5.0) == CLOSED and b.error_ratio(5.0) == 1.0
