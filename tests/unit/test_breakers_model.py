@@ -283,7 +283,10 @@ class CoreModel:
         pool = self.core.clusters[model]
         now = self.clock()
         breakers = self.core.pool_breakers("hi", pool)
-        before = {b.kind: (b, b.poll(now), b.opens_in(now)) for b in breakers}
+        before = {}
+        for b in breakers:  # as time has moved them, without asking them (the core asks those it reaches)
+            state, since = as_time_moved(b, now)
+            before[b.kind] = (b, state, since + b.cooldown_s - now if state == OPEN else 0.0)
         d = self.core.decide(RequestFacts(model=model, max_tokens=16))
         went = d.ticket is not None or d.kind == QUEUE
         if d.reason in BREAKER_REASON.values():
@@ -298,7 +301,7 @@ class CoreModel:
         refused_at = next((i for i, b in enumerate(breakers) if d.reason == BREAKER_REASON[b.kind]), len(breakers))
         for i, b in enumerate(breakers):
             if before[b.kind][1] == HALF_OPEN:  # the breakers are asked in order: those after a refusal are not
-                period = self.periods.setdefault((id(b), b.since), [0, 0])
+                period = self.periods.setdefault((id(b), as_time_moved(b, now)[1]), [0, 0])
                 period[0] += i <= refused_at
                 period[1] += went
                 assert period[1] <= period[0] * b.trickle + 1e-9, ("past the trickle", b.kind, period, b.trickle)
