@@ -16,7 +16,7 @@ from collections import OrderedDict
 from typing import Callable
 
 from .adaptive import PoolSaturation
-from .breakers import Breaker
+from .breakers import OPEN, Breaker
 from .charging import Charging
 from .fallback import Fallbacks, on_pool
 from .classify import ANONYMOUS, Classification
@@ -179,6 +179,23 @@ class AdmissionController:
 
     def _breaker_changed(self, cls: str, pool: str, breaker: Breaker, state: str) -> None:
         self.events.breaker_changed(cls, pool, breaker, state)
+        if state == OPEN and breaker.kind == "error":
+            self._answer_waiters_of_failing_pool(cls, pool, breaker)
+
+    def _answer_waiters_of_failing_pool(self, cls: str, pool: str, breaker: Breaker) -> None:
+        """An error breaker opened: the class's requests queued for its pool get what an arrival gets now, the
+        class's fallback. They were sent to the failing pool one by one as slots freed (a latency breaker's are
+        left to wait: there lower classes yield first, _yield_first)."""
+        lim = self.limiters.get(cls)
+        if lim is None or not lim.queue:
+            return
+        now = self.clock()
+        for w in [w for w in lim.queue if w.pool == pool and w.pending]:
+            lim.queue.remove(w)
+            self._dequeue(w)
+            self._resolve(w, self.fallbacks.answer(lim, cls, w.tenant, pool, R_ERROR_BREAKER, now, overflow=False,
+                                                   c=w.classification, charge=w.charge,
+                                                   waited_s=now - w.enqueued_at, closed_in=breaker.opens_in(now)))
 
     # --- who may ask at all ---
 

@@ -78,7 +78,8 @@ class ErrorBreakerSpec:
                                  minimum=0.01, maximum=1)
     min_requests: int = doc("Requests the window needs before it may trip.", 20, minimum=1)
     window_s: float = doc("Rolling window.", 30.0, minimum=1)
-    cooldown_s: float = doc("Open for this long, then half-open.", 10.0, minimum=0)
+    cooldown_s: float = doc("Open for this long, then half-open. While open, the class's requests for the pool "
+                            "get its fallback, those already queued for it too.", 10.0, minimum=0)
     trickle: float = doc("Half-open: fraction of traffic sent as probes.", 0.05, minimum=0.001, maximum=1)
     trickle_s: float = doc("Half-open period; one failed probe re-opens, a clean period closes.", 60.0,
                            minimum=0)

@@ -528,3 +528,29 @@ def test_in_shadow_a_virtual_place_that_fills_its_class_sheds_the_lower_queues_a
         if mode == "shadow":
             assert (SHED, "higher_class_saturated") in [(w, r) for _, w, r in events.shadow_calls]
     assert counts["shadow"] == counts["enforce"] == (2, 0)
+
+
+@pytest.mark.parametrize("fallback, kind", [(None, REJECT), ({"action": "degrade", "model": "small"}, DEGRADE)])
+def test_an_error_breaker_that_opens_answers_the_requests_queued_for_its_pool_as_it_answers_arrivals(
+        clock, fallback, kind):
+    """The requests queued for a pool whose error breaker opened were sent to it one by one as slots freed, while
+    new arrivals got the class's fallback. They get the fallback too (503 error_breaker_open, or the degrade) when
+    it opens. (The one granted the slot the failure freed is already on its way: the stream ends before Envoy's
+    report says it failed.)"""
+    core = AdmissionController(policy(fallback, max_queue=3, error_breaker={"min_requests": 3, "cooldown_s": 10}),
+                               clock=clock)
+    run_slow(core, clock, 2, 0.1, outcome=Outcome.UPSTREAM_ERROR)
+    running = [core.decide(req()) for _ in range(2)]
+    waiters = [core.decide(req()) for _ in range(3)]
+    assert [w.kind for w in waiters] == [QUEUE] * 3
+    got = {i: [] for i in range(3)}
+    for i, w in enumerate(waiters):
+        w.waiter.on_result = got[i].append
+    failed = running[0].ticket
+    core.finish(failed, Outcome.UPSTREAM_ERROR)
+    assert [d.kind for d in got[0]] == [ACCEPT] and not got[1] and not got[2]
+    core.report(failed.id, Completion(Outcome.UPSTREAM_ERROR, 500, 0.1, 0.1))  # the third failure: it opens
+    assert core.pool_breakers("interactive", "pool_a")[1].state == "open"
+    assert [(d.kind, d.reason) for i in (1, 2) for d in got[i]] == [(kind, "error_breaker_open")] * 2
+    assert {d.cluster for i in (1, 2) for d in got[i]} == {"pool_b" if kind == DEGRADE else "pool_a"}
+    assert not core.limiters["interactive"].queue
