@@ -473,7 +473,8 @@ class _CoreGauges:
 
     def _flows(self):
         """Each class queue's flows, by metric label: configured tenants, anonymous, and "other" for keys from a
-        fairness header that name no tenant (the label set stays bounded)."""
+        fairness header that name no tenant (the label set stays bounded); of the classes a reload removed, while
+        their requests run."""
         labels = ["class", "tenant"]
         inflight = GaugeMetricFamily("extproc_tenant_inflight", "Admitted requests of the tenant in the class not "
                                      "yet ended.", labels=labels)
@@ -499,8 +500,9 @@ class _CoreGauges:
                                   "among those served. It counts service, not demand: a flow that asked for less "
                                   "reads as under-served.",
                                   labels=["class"])
-        for cls, lim in list(self._core.limiters.items()):
-            q = lim.queue
+        # A removed class's requests run on (extproc_inflight shows them): its tenants' series stay till they end.
+        for lim in self._core.class_limiters():
+            cls, q = lim.name, lim.queue
             for label, st in list(q.stats.items()):
                 inflight.add_metric([cls, label], st.inflight)
                 waiting.add_metric([cls, label], st.waiting)

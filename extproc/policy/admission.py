@@ -895,6 +895,10 @@ class AdmissionController:
         now = self.clock()
         return {name: gate.snapshot(now, self.waiting_for_pool(gate)) for name, gate in self.gates.items()}
 
+    def class_limiters(self) -> list[ClassLimiter]:
+        """The policy's class limiters, then those of classes a reload removed whose requests still run."""
+        return [*self.limiters.values(), *self._retired]
+
     def waiting_for_pool(self, gate) -> list[int]:
         """Per class rank, its requests queued for this pool that wait for the pool: none while the class's own
         cap is full (those wait for the cap: _waits_for_pool)."""

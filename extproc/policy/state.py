@@ -93,6 +93,9 @@ class PolicyState:
             lim.queue.open_group = ANONYMOUS  # a key with no API key is the gateway's word for who it is
             lim.queue.configure(lim.spec.fairness.mode, weights, guaranteed, labels)
             lim.queue.capacity = lim.limit
+        for name, lim in old.items():  # a removed class's requests run on, counted under the tenants it has now
+            if name not in self.limiters:
+                lim.queue.configure(lim.queue.mode, weights, guaranteed, labels)
         self.ranked = list(self.limiters.values())
         for rank, lim in enumerate(self.ranked):
             lim.rank = rank

@@ -668,6 +668,29 @@ def test_a_reload_that_removes_tenants_ends_their_series():
     assert sample(t, "extproc_tenant_inflight", **{"class": "batch", "tenant": "gen-3"}) == 1
 
 
+def test_the_tenants_of_a_removed_class_stay_exported_while_its_requests_run():
+    """A reload that removed a class left its running requests in extproc_inflight{class} but dropped them from
+    extproc_tenant_inflight{class, tenant} at once: the dashboard's per-tenant in-flight no longer added up to the
+    class's until they ended (found by tests/unit/test_telemetry_model.py)."""
+    t = Telemetry()
+    both = {"interactive": {"max_concurrency": 2}, "batch": {"max_concurrency": 2}}
+    core = AdmissionController(make_policy(classes=both, shed={}), clock=lambda: 1000.0, events=t)
+    t.watch(core)
+    d = core.decide(RequestFacts(api_key="sk-acme", model="llama", header_class="batch"))
+    core.apply(make_policy(classes={"interactive": both["interactive"]}, shed={},
+                           tenants=[{"name": "acme", "api_keys": ["sk-acme"]}]))
+    t.policy_reloaded(applied=True)
+    assert sample(t, "extproc_inflight", **{"class": "batch"}) == 1
+    assert sample(t, "extproc_tenant_inflight", **{"class": "batch", "tenant": "acme"}) == 1
+    core.apply(make_policy(classes={"interactive": both["interactive"]}, shed={}, tenants=[]))  # acme removed too
+    t.policy_reloaded(applied=True)
+    assert 'tenant="acme"' not in generate_latest(t.registry).decode()  # its request runs on, under "other"
+    assert sample(t, "extproc_tenant_inflight", **{"class": "batch", "tenant": "other"}) == 1
+    core.finish(d.ticket, Outcome.OK)
+    text = generate_latest(t.registry).decode()
+    assert 'class="batch"' not in text.split("extproc_tenant_inflight", 1)[1].split("# HELP", 1)[0]
+
+
 async def test_a_small_scrape_is_written_on_the_loop_so_its_counters_and_gauges_are_one_moment(tmp_path, monkeypatch):
     # Written in a thread, a scrape's counters ran on past the core's gauges read before it: an integration test
     # read a request counted as dequeued beside the pool gauges of before its dequeue. A scrape known to be quick
