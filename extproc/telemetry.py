@@ -478,8 +478,8 @@ class _CoreGauges:
         labels = ["class", "tenant"]
         inflight = GaugeMetricFamily("extproc_tenant_inflight", "Admitted requests of the tenant in the class not "
                                      "yet ended.", labels=labels)
-        waiting = GaugeMetricFamily("extproc_tenant_waiting", "Requests of the tenant in the class's queue.",
-                                    labels=labels)
+        waiting = GaugeMetricFamily("extproc_tenant_waiting", "Requests of the tenant in the class's queue, or "
+                                    "holding its slot while they wait for the shared store's.", labels=labels)
         served = GaugeMetricFamily("extproc_tenant_served_gpu_seconds", "Estimated GPU-seconds admitted for the "
                                    "tenant in the class since start, corrected by learned usage (so it may step "
                                    "down): the charged minus the refunded counter. For a rate, rate() those two.",
@@ -500,18 +500,32 @@ class _CoreGauges:
                                   "among those served. It counts service, not demand: a flow that asked for less "
                                   "reads as under-served.",
                                   labels=["class"])
+        reserved = self._reserved()
         # A removed class's requests run on (extproc_inflight shows them): its tenants' series stay till they end.
         for lim in self._core.class_limiters():
             cls, q = lim.name, lim.queue
             for label, st in list(q.stats.items()):
-                inflight.add_metric([cls, label], st.inflight)
-                waiting.add_metric([cls, label], st.waiting)
+                held = reserved.get((cls, label), 0)
+                inflight.add_metric([cls, label], st.inflight - held)
+                waiting.add_metric([cls, label], st.waiting + held)
                 served.add_metric([cls, label], st.served_gpu_s)
                 charged.add_metric([cls, label], st.charged_gpu_s)
                 refunded.add_metric([cls, label], st.refunded_gpu_s)
                 waited.add_metric([cls, label], st.waited_s)
             index.add_metric([cls], q.fairness_index())
         yield from (inflight, waiting, served, charged, refunded, waited, index)
+
+    def _reserved(self) -> dict[tuple[str, str], int]:
+        """Per class and tenant label, the admissions that hold a slot while they wait for the shared store's
+        global slot: queued, not in flight, as extproc_queue_depth and extproc_inflight count them."""
+        out: dict[tuple[str, str], int] = {}
+        if not any(lim.reserved for lim in self._core.class_limiters()):
+            return out  # the usual case: no shared store, or nobody waiting for it
+        for t in list(self._core.tickets.values()):
+            if t.awaiting_store:
+                key = (t.limiter.name, t.limiter.queue.label(t.flow))
+                out[key] = out.get(key, 0) + 1
+        return out
 
     def _pools(self):
         sat = GaugeMetricFamily("extproc_pool_saturated", "1 while the pool's replicas report saturation (vLLM "

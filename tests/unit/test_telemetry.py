@@ -691,6 +691,24 @@ def test_the_tenants_of_a_removed_class_stay_exported_while_its_requests_run():
     assert 'class="batch"' not in text.split("extproc_tenant_inflight", 1)[1].split("# HELP", 1)[0]
 
 
+def test_an_admission_waiting_for_the_shared_stores_slot_is_its_tenants_waiting_not_in_flight():
+    """With a shared store, an admission waiting for a global slot counts as queued (extproc_queue_depth), not in
+    flight; the tenant gauges counted it in flight: in a class held by its fleet cap, extproc_tenant_inflight
+    summed over tenants read more than extproc_inflight, and extproc_tenant_waiting less than the queue (found by
+    tests/unit/test_telemetry_model.py)."""
+    t = Telemetry()
+    core = AdmissionController(make_policy(), clock=lambda: 1000.0, events=t)
+    t.watch(core)
+    core.gate_on_store(True)
+    d = core.decide(RequestFacts(api_key="sk-acme", model="llama"))
+    core.await_store(d)
+    batch, acme = {"class": "batch"}, {"class": "batch", "tenant": "acme"}
+    assert (sample(t, "extproc_inflight", **batch), sample(t, "extproc_queue_depth", **batch)) == (0, 1)
+    assert (sample(t, "extproc_tenant_inflight", **acme), sample(t, "extproc_tenant_waiting", **acme)) == (0, 1)
+    core.confirm(d, 0.05)
+    assert (sample(t, "extproc_tenant_inflight", **acme), sample(t, "extproc_tenant_waiting", **acme)) == (1, 0)
+
+
 async def test_a_small_scrape_is_written_on_the_loop_so_its_counters_and_gauges_are_one_moment(tmp_path, monkeypatch):
     # Written in a thread, a scrape's counters ran on past the core's gauges read before it: an integration test
     # read a request counted as dequeued beside the pool gauges of before its dequeue. A scrape known to be quick
