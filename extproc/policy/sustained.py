@@ -7,6 +7,7 @@ on instantaneous queue length or GPU utilisation oscillates). Sampled once a sec
 from __future__ import annotations
 
 from collections import deque
+from math import fsum
 
 
 class SustainedLoad:
@@ -16,27 +17,22 @@ class SustainedLoad:
         self.window_s = window_s
         self.interval_s = interval_s
         self._samples: dict[str, deque[tuple[float, float, float]]] = {}
-        self._sums: dict[str, list[float]] = {}
 
     def sample(self, now: float, snapshot: dict[str, dict[str, float]]) -> None:
         """Record each class's queue depth and in-flight/cap now; drop samples older than the window."""
         for cls, s in snapshot.items():
             limit = s["limit"] or 1.0
-            q, ratio = float(s["queue"]), s["inflight"] / limit
             dq = self._samples.setdefault(cls, deque())
-            sums = self._sums.setdefault(cls, [0.0, 0.0])
-            dq.append((now, q, ratio))
-            sums[0] += q
-            sums[1] += ratio
+            dq.append((now, float(s["queue"]), s["inflight"] / limit))
             while dq and dq[0][0] <= now - self.window_s:
-                _, oq, oratio = dq.popleft()
-                sums[0] -= oq
-                sums[1] -= oratio
+                dq.popleft()
         for cls in list(self._samples):
             if cls not in snapshot:
-                del self._samples[cls], self._sums[cls]
+                del self._samples[cls]
 
     def averages(self) -> dict[str, tuple[float, float]]:
-        """class -> (mean queue depth, mean in-flight / cap) over the window so far."""
-        return {cls: (max(s[0], 0.0) / len(self._samples[cls]), max(s[1], 0.0) / len(self._samples[cls]))
-                for cls, s in self._sums.items() if self._samples[cls]}
+        """class -> (mean queue depth, mean in-flight / cap) over the window so far. Summed afresh at each read (a
+        scrape; the window holds window_s / interval_s samples): running sums, added to and taken from for hours,
+        drifted, and a class idle for a whole window read 5.6e-18 instead of 0."""
+        return {cls: (fsum(q for _, q, _ in dq) / len(dq), fsum(r for _, _, r in dq) / len(dq))
+                for cls, dq in self._samples.items() if dq}

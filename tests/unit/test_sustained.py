@@ -30,3 +30,14 @@ def test_removed_classes_are_forgotten():
     s.sample(0.0, snap(1, 1))
     s.sample(1.0, {})
     assert s.averages() == {}
+
+
+def test_a_class_idle_for_a_whole_window_averages_exactly_zero():
+    """Running sums of the ratios (1/3 in flight, then 2/3, ...) drifted: once the window held only idle samples
+    the exported average read 5.6e-18, not 0 (found by tests/unit/test_telemetry_model.py)."""
+    s = SustainedLoad(window_s=10)
+    for t in range(20):
+        s.sample(float(t), snap(t % 3, t % 3, limit=3))
+    for t in range(20, 40):
+        s.sample(float(t), snap(0, 0, limit=3))
+    assert s.averages()["interactive"] == (0.0, 0.0)
