@@ -320,6 +320,7 @@ class TelemetryModel(RuleBasedStateMachine):
             if b.kind == "error":
                 for _ in range(b.min_requests):
                     b.observe(self.clock(), True, False)
+        self._sweep()  # an error breaker that opens answers the class's requests queued for its pool
 
     @rule(which=st.sampled_from(range(len(POLICIES))))
     def reload(self, which) -> None:
