@@ -103,7 +103,9 @@ class AdaptiveLimit:
         enough = self.window.count(now) >= spec.min_samples
         p95 = self.window.quantile(now, 0.95) if enough else 0.0
         saturated = saturation is not None and saturation.saturated
-        binding = inflight >= spec.binding * self.limit
+        # A fraction of the cap the class is held to (the whole slots), not of the fraction a cut left: a full cap
+        # of 2 after 4 -> 3.2 -> 2.56 read 2 of 2.56 as under 80%, and never rose again.
+        binding = inflight >= spec.binding * int(self.limit)
         slow = enough and p95 > spec.cut_at * self.slo_s
         if enough and not binding and not saturated:
             self.calm_p95 = p95 if self.calm_p95 is None else min(p95, self.calm_p95 * (1 + CALM_DRIFT))

@@ -442,3 +442,15 @@ def test_an_early_rejection_names_the_bound_it_missed(clock):
     slo = core.decide(RequestFacts(header_class="interactive", model="llama"))
     assert slo.reason == "deadline_unmeetable"
     assert "300 ms SLO" in slo.message, slo.message
+
+
+def test_a_full_cap_binds_after_cuts_left_its_limit_fractional():
+    """Two saturation cuts take 4 to 3.2 and then 2.56: the cap is 2 slots. With both held and fast completions it
+    binds and rises; read against 2.56 it was 78% bound, under `binding`, and held at 2 for good."""
+    ctl = AdaptiveLimit(SPEC, slo_s=2.0, initial=4)
+    sat = PoolSaturation()
+    sat.saturated = True
+    assert ctl.update(0.0, 2, sat) == 3 and ctl.update(1.0, 2, sat) == 2
+    for k in range(10):
+        ctl.observe(1.5 + k / 10, 0.5, admitted_at=1.5)
+    assert ctl.update(2.5, 2, PoolSaturation()) == 3 and ctl.last_action == "raise"
