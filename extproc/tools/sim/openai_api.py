@@ -357,9 +357,9 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
     if options is not None and not isinstance(options, dict):
         raise validation_error("model_type", "body.stream_options", "Input should be a valid dictionary or "
                                "instance of StreamOptions", options)
-    # vLLM's StreamOptions: include_usage defaults to true once the object is sent (`{}` included), null is off
-    include_usage = options is not None and ("include_usage" not in options
-                                             or _bool_field(options, "include_usage", "body.stream_options"))
+    # vLLM 0.32's StreamOptions: include_usage defaults to false (`{}` and continuous_usage_stats alone ask for no
+    # usage at all: tests/fixtures/vllm/differential.json), null is off
+    include_usage = options is not None and _bool_field(options, "include_usage", "body.stream_options")
     continuous = options is not None and _bool_field(options, "continuous_usage_stats", "body.stream_options")
     prompts = _prompt_tokens(kind, body)
     logprobs = _check_logprobs(kind, body) if kind != RESPONSES else None
