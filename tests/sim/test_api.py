@@ -117,6 +117,14 @@ def test_stream_options_ask_for_usage_only_with_include_usage(options, usage):
     assert parse_generation(CHAT_KIND, body, (CHAT["model"],), 4096, 16).include_usage is usage
 
 
+def test_tool_choice_none_needs_no_tools():
+    # vLLM 0.32's check_tool_usage returns at once for tool_choice "none"; the simulator refused it without tools
+    # ("When using `tool_choice`, `tools` must be set"), recorded 200 in tests/fixtures/vllm/differential.json
+    from extproc.tools.sim.openai_api import CHAT as CHAT_KIND, parse_generation
+    body = json.dumps({**CHAT, "tool_choice": "none"}).encode()
+    assert parse_generation(CHAT_KIND, body, (CHAT["model"],), 4096, 16).n == 1
+
+
 async def test_completion_stream_without_usage(fleet, http):
     async with http.post(fleet.urls[0] + "/v1/completions", json={**COMPLETION, "stream": True}) as resp:
         events = await sse_events(resp)

@@ -306,6 +306,8 @@ def _check_tools(body: dict) -> None:
     if isinstance(tools, list) and not tools:
         raise ApiError(400, "`tools` must not be an empty array. Either provide at least one tool or omit the field "
                        "entirely. (parameter=tools)", param="tools")
+    if choice == "none":  # vLLM checks nothing else about tools then
+        return
     if choice is not None and tools is None:
         raise ApiError(400, "When using `tool_choice`, `tools` must be set. (parameter=tool_choice)",
                        param="tool_choice")
