@@ -125,6 +125,25 @@ def test_tool_choice_none_needs_no_tools():
     assert parse_generation(CHAT_KIND, body, (CHAT["model"],), 4096, 16).n == 1
 
 
+@pytest.mark.parametrize("fields, answer", [
+    ({"top_logprobs": 0}, None),
+    ({"top_logprobs": "x"}, "`top_logprobs` must be an integer. (parameter=top_logprobs, value=x)"),
+    ({"top_logprobs": -2, "logprobs": True}, "`top_logprobs` must be a positive value or -1. "
+                                             "(parameter=top_logprobs, value=-2)"),
+    ({"top_logprobs": 2}, "when using `top_logprobs`, `logprobs` must be set to true. (parameter=top_logprobs)")])
+def test_top_logprobs_checked_as_vllm(fields, answer):
+    # vLLM 0.32's check_logprobs (tests/fixtures/vllm/differential.json): top_logprobs 0 without logprobs is served
+    # with no logprobs; the simulator refused it, and read "x" or -2 with pydantic's messages or not at all
+    from extproc.tools.sim.openai_api import CHAT as CHAT_KIND, ApiError, parse_generation
+    body = json.dumps({**CHAT, **fields}).encode()
+    if answer is None:
+        assert parse_generation(CHAT_KIND, body, (CHAT["model"],), 4096, 16).logprobs is None
+        return
+    with pytest.raises(ApiError) as refused:
+        parse_generation(CHAT_KIND, body, (CHAT["model"],), 4096, 16)
+    assert (str(refused.value), refused.value.error_type) == (answer, "BadRequestError")
+
+
 async def test_completion_stream_without_usage(fleet, http):
     async with http.post(fleet.urls[0] + "/v1/completions", json={**COMPLETION, "stream": True}) as resp:
         events = await sse_events(resp)

@@ -288,15 +288,22 @@ def _check_logprobs(kind: str, body: dict) -> int | None:
     `top_logprobs` needs `logprobs: true`, and neither API gives more than MAX_LOGPROBS a token. (-1, "the whole
     vocabulary", is not modelled.) Returns the alternatives each token lists, None when no logprobs are asked for
     (chat: `logprobs: true` alone lists none)."""
-    wanted = _int_field(body, "top_logprobs" if kind == CHAT else "logprobs")
-    if kind == CHAT and wanted is not None and not _bool_field(body, "logprobs"):
+    field = "top_logprobs" if kind == CHAT else "logprobs"
+    raw = body.get(field)
+    if raw is not None and not isinstance(raw, int | float):
+        raise _semantic_error(f"`{field}` must be an integer.", field, raw)
+    wanted = _int_field(body, field)
+    if wanted is not None and wanted < -1:
+        raise _semantic_error(f"`{field}` must be a positive value or -1.", field, wanted)
+    # vLLM refuses top_logprobs > 0 (or -1) without logprobs; 0 is served (and lists none)
+    if kind == CHAT and wanted and not _bool_field(body, "logprobs"):
         raise ApiError(400, "when using `top_logprobs`, `logprobs` must be set to true. (parameter=top_logprobs)",
                        param="top_logprobs")
     if wanted is not None and wanted > MAX_LOGPROBS:
         raise _semantic_error(f"Requested sample logprobs of {wanted}, which is greater than max allowed: "
                               f"{MAX_LOGPROBS}", "logprobs", wanted)
-    if kind == CHAT and wanted is None and _bool_field(body, "logprobs"):
-        return 0
+    if kind == CHAT:
+        return (wanted or 0) if _bool_field(body, "logprobs") else None
     return wanted
 
 
