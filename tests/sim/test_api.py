@@ -144,6 +144,25 @@ def test_top_logprobs_checked_as_vllm(fields, answer):
     assert (str(refused.value), refused.value.error_type) == (answer, "BadRequestError")
 
 
+@pytest.mark.parametrize("fields, detail", [
+    ({"model": 5}, "{'type': 'string_type', 'loc': 'body.model', 'msg': 'Input should be a valid string', "
+                   "'input': '5'}"),
+    ({"ignore_eos": 2}, "{'type': 'bool_parsing', 'loc': 'body.ignore_eos', 'msg': 'Input should be a valid "
+                        "boolean, unable to interpret input', 'input': '2'}"),
+    ({"stream": "maybe"}, "{'type': 'bool_parsing', 'loc': 'body.stream', 'msg': 'Input should be a valid "
+                          "boolean, unable to interpret input', 'input': 'maybe'}"),
+    ({"n": 1.5}, "{'type': 'int_from_float', 'loc': 'body.n', 'msg': 'Input should be a valid integer, got a "
+                 "number with a fractional part', 'input': '1.5'}")])
+def test_validation_messages_written_as_vllm(fields, detail):
+    # vLLM 0.32 shows a validation error's input as text and says "unable to interpret input" for any scalar that
+    # is no boolean (tests/fixtures/vllm/differential.json); the simulator showed the raw value (`'input': 5`)
+    # and a bool_type error without that phrase for 2
+    from extproc.tools.sim.openai_api import CHAT as CHAT_KIND, ApiError, parse_generation
+    with pytest.raises(ApiError) as refused:
+        parse_generation(CHAT_KIND, json.dumps({**CHAT, **fields}).encode(), (CHAT["model"],), 4096, 16)
+    assert str(refused.value) == f"1 validation error:\n  {detail}"
+
+
 async def test_completion_stream_without_usage(fleet, http):
     async with http.post(fleet.urls[0] + "/v1/completions", json={**COMPLETION, "stream": True}) as resp:
         events = await sse_events(resp)

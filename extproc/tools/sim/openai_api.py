@@ -93,12 +93,14 @@ def validation_error(kind: str, loc: str, msg: str, value, ctx: dict | None = No
     return ApiError(400, f"1 validation error:\n  {detail!r}", "Bad Request", loc)
 
 
-def _input_repr(value):
+def _input_repr(value) -> str:
+    """The `input` of a validation error as vLLM 0.32 shows it: a container by its size, anything else as text
+    (`'input': '5'`, `'None'`: tests/fixtures/vllm/differential.json)."""
     if isinstance(value, dict):
         return f"<dict of {len(value)} items>"
     if isinstance(value, list):
         return f"<list of {len(value)} items>"
-    return value
+    return str(value)
 
 
 def _priority_field(body: dict) -> int:
@@ -169,8 +171,10 @@ def _bool_field(body: dict, name: str, prefix: str = "body") -> bool:
         return bool(value)
     if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
         return value.lower() in _TRUE
-    raise validation_error("bool_parsing" if isinstance(value, str) else "bool_type", f"{prefix}.{name}",
-                           "Input should be a valid boolean", value)
+    if isinstance(value, str | int | float):  # pydantic tried to read it as a boolean
+        raise validation_error("bool_parsing", f"{prefix}.{name}", "Input should be a valid boolean, unable to "
+                               "interpret input", value)
+    raise validation_error("bool_type", f"{prefix}.{name}", "Input should be a valid boolean", value)
 
 
 def ignores_eos(body: dict) -> bool:
