@@ -163,6 +163,24 @@ def test_validation_messages_written_as_vllm(fields, detail):
     assert str(refused.value) == f"1 validation error:\n  {detail}"
 
 
+@pytest.mark.parametrize("fields, message", [
+    ({"stream_options": {"include_usage": True}},
+     "Stream options can only be defined when `stream=True`. (parameter=stream_options)"),
+    ({"stream_options": "x", "n": "x"},
+     "Stream options can only be defined when `stream=True`. (parameter=stream_options)"),
+    ({"stream_options": "x", "stream": True},
+     "1 validation error:\n  {'type': 'model_attributes_type', 'loc': 'body.stream_options', 'msg': 'Input should "
+     "be a valid dictionary or object to extract fields from', 'input': 'x'}")])
+def test_stream_options_refused_as_vllm(fields, message):
+    # vLLM 0.32 checks stream_options without stream on the raw body before any field is validated, its message
+    # naming the parameter (tests/fixtures/vllm/differential.json); the simulator checked it last, without
+    # "(parameter=stream_options)", and wrote another pydantic error for a stream_options that is no object
+    from extproc.tools.sim.openai_api import CHAT as CHAT_KIND, ApiError, parse_generation
+    with pytest.raises(ApiError) as refused:
+        parse_generation(CHAT_KIND, json.dumps({**CHAT, **fields}).encode(), (CHAT["model"],), 4096, 16)
+    assert str(refused.value) == message
+
+
 async def test_completion_stream_without_usage(fleet, http):
     async with http.post(fleet.urls[0] + "/v1/completions", json={**COMPLETION, "stream": True}) as resp:
         events = await sse_events(resp)

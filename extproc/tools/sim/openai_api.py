@@ -362,14 +362,18 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
     adapter names the replica serves besides its served names.
     """
     body = _json_body(raw)
+    if body.get("stream_options") and not body.get("stream"):
+        # vLLM's before-validator, on the raw values: ahead of every type check
+        raise ApiError(400, "Stream options can only be defined when `stream=True`. (parameter=stream_options)",
+                       param="stream_options")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise validation_error("string_type", "body.model", "Input should be a valid string", model)
     stream = _bool_field(body, "stream")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
-        raise validation_error("model_type", "body.stream_options", "Input should be a valid dictionary or "
-                               "instance of StreamOptions", options)
+        raise validation_error("model_attributes_type", "body.stream_options", "Input should be a valid "
+                               "dictionary or object to extract fields from", options)
     # vLLM 0.32's StreamOptions: include_usage defaults to false (`{}` and continuous_usage_stats alone ask for no
     # usage at all: tests/fixtures/vllm/differential.json), null is off
     include_usage = options is not None and _bool_field(options, "include_usage", "body.stream_options")
@@ -400,8 +404,6 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
     tools_refused = _tool_parser_error(body) if kind == CHAT else None
     if tools_refused is not None:
         raise tools_refused
-    if options and not stream:
-        raise ApiError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
     n = 1 if n is None else n
     if n < 1:
         raise ApiError(400, f"n must be at least 1, got {n}.")
