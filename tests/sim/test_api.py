@@ -181,6 +181,20 @@ def test_stream_options_refused_as_vllm(fields, message):
     assert str(refused.value) == message
 
 
+@pytest.mark.parametrize("kind, fields", [("chat", {"max_completion_tokens": 0}),
+                                          ("responses", {"max_output_tokens": -1})])
+def test_max_tokens_below_one_named_max_tokens_whichever_field_set_it(kind, fields):
+    # vLLM 0.32 refuses it on the sampling parameters, whose field is max_tokens (tests/fixtures/vllm/
+    # differential.json); the simulator named max_completion_tokens / max_output_tokens
+    from extproc.tools.sim.openai_api import ApiError, parse_generation
+    body = {**CHAT, **fields} if kind == "chat" else {"model": MODEL, "input": "hi", **fields}
+    with pytest.raises(ApiError) as refused:
+        parse_generation(kind, json.dumps(body).encode(), (MODEL,), 4096, 16)
+    value = next(iter(fields.values()))
+    assert (str(refused.value), refused.value.param) == (
+        f"max_tokens must be at least 1, got {value}. (parameter=max_tokens, value={value})", "max_tokens")
+
+
 async def test_completion_stream_without_usage(fleet, http):
     async with http.post(fleet.urls[0] + "/v1/completions", json={**COMPLETION, "stream": True}) as resp:
         events = await sse_events(resp)

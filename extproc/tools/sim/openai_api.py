@@ -408,7 +408,8 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
     if n < 1:
         raise ApiError(400, f"n must be at least 1, got {n}.")
     if max_tokens is not None and max_tokens < 1:
-        raise _semantic_error(f"{max_field} must be at least 1, got {max_tokens}.", max_field, max_tokens)
+        # vLLM checks this on the sampling parameters: whichever field set it, the message says max_tokens
+        raise _semantic_error(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", max_tokens)
     if max_tokens is not None and max_tokens > max_model_len:
         raise _semantic_error(f"{max_field}={max_tokens} cannot be greater than max_model_len={max_model_len}. "
                               f"Please request fewer output tokens.", max_field, max_tokens)
