@@ -195,6 +195,34 @@ def test_max_tokens_below_one_named_max_tokens_whichever_field_set_it(kind, fiel
         f"max_tokens must be at least 1, got {value}. (parameter=max_tokens, value={value})", "max_tokens")
 
 
+@pytest.mark.parametrize("fields, message", [
+    ({"temperature": 2.5}, "temperature must be in [0, 2], got 2.5. (parameter=temperature, value=2.5)"),
+    ({"temperature": -1}, "temperature must be non-negative, got -1.0. (parameter=temperature, value=-1.0)"),
+    ({"top_p": 0}, "top_p must be in (0, 1], got 0.0. (parameter=top_p, value=0.0)"),
+    ({"top_k": -2}, "top_k must be 0 (disable), or at least 1, got -2."),
+    ({"min_p": 1.5}, "min_p must be in [0, 1], got 1.5."),
+    ({"presence_penalty": -2.5}, "presence_penalty must be in [-2, 2], got -2.5."),
+    ({"repetition_penalty": 0}, "repetition_penalty must be greater than zero, got 0.0."),
+    ({"temperature": "hot"}, "1 validation error:\n  {'type': 'float_parsing', 'loc': 'body.temperature', 'msg': "
+                             "'Input should be a valid number, unable to parse string as a number', 'input': 'hot'}"),
+    ({"seed": 1.5}, "1 validation error:\n  {'type': 'int_from_float', 'loc': 'body.seed', 'msg': 'Input should "
+                    "be a valid integer, got a number with a fractional part', 'input': '1.5'}")])
+def test_sampling_parameters_checked_as_vllm(fields, message):
+    # vLLM 0.32 types these fields and checks their ranges in SamplingParams (tests/fixtures/vllm/
+    # differential.json); the simulator ignored them and served temperature 2.5, top_p 0, top_k -2, ...
+    from extproc.tools.sim.openai_api import CHAT as CHAT_KIND, ApiError, parse_generation
+    with pytest.raises(ApiError) as refused:
+        parse_generation(CHAT_KIND, json.dumps({**CHAT, **fields}).encode(), (CHAT["model"],), 4096, 16)
+    assert str(refused.value) == message
+
+
+def test_sampling_parameters_in_range_are_served():
+    from extproc.tools.sim.openai_api import CHAT as CHAT_KIND, parse_generation
+    fields = {"temperature": "0.5", "top_p": 1, "top_k": -1, "min_p": 0, "presence_penalty": 2, "seed": -1,
+              "repetition_penalty": 1.2, "frequency_penalty": None}
+    assert parse_generation(CHAT_KIND, json.dumps({**CHAT, **fields}).encode(), (CHAT["model"],), 4096, 16).n == 1
+
+
 async def test_completion_stream_without_usage(fleet, http):
     async with http.post(fleet.urls[0] + "/v1/completions", json={**COMPLETION, "stream": True}) as resp:
         events = await sse_events(resp)

@@ -129,6 +129,59 @@ def header_priority(value: str | None, body_priority: int) -> int:
     return body_priority
 
 
+def _float_field(body: dict, name: str) -> float | None:
+    """Pydantic's lax number: ints, floats and numeric strings; None when absent or null."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            raise validation_error("float_parsing", f"body.{name}", "Input should be a valid number, unable to "
+                                   "parse string as a number", value) from None
+    raise validation_error("float_type", f"body.{name}", "Input should be a valid number", value)
+
+
+# vLLM 0.32's SamplingParams defaults for the fields whose range it checks.
+SAMPLING_DEFAULTS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                     "temperature": 1.0, "top_p": 1.0, "min_p": 0.0}
+
+
+def _sampling_fields(body: dict) -> dict:
+    """The sampling fields whose range vLLM checks, read with pydantic's types (a wrong type is refused while the
+    body is validated, before the model lookup); absent or null: vLLM's default."""
+    values = {name: _float_field(body, name) for name in SAMPLING_DEFAULTS}
+    values = {name: default if values[name] is None else values[name] for name, default in SAMPLING_DEFAULTS.items()}
+    top_k = _int_field(body, "top_k")
+    values["top_k"] = 0 if top_k is None else top_k
+    _int_field(body, "seed")  # any integer will do; it only has to be one
+    return values
+
+
+def _check_sampling(values: dict) -> None:
+    """SamplingParams._verify_args' ranges, in its order and with its messages (only temperature and top_p name
+    their parameter)."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2.0 <= values[name] <= 2.0:
+            raise ApiError(400, f"{name} must be in [-2, 2], got {values[name]}.")
+    if not values["repetition_penalty"] > 0.0:
+        raise ApiError(400, f"repetition_penalty must be greater than zero, got {values['repetition_penalty']}.")
+    temperature = values["temperature"]
+    if temperature < 0.0:
+        raise _semantic_error(f"temperature must be non-negative, got {temperature}.", "temperature", temperature)
+    if temperature > 2.0:
+        raise _semantic_error(f"temperature must be in [0, 2], got {temperature}.", "temperature", temperature)
+    if not 0.0 < values["top_p"] <= 1.0:
+        raise _semantic_error(f"top_p must be in (0, 1], got {values['top_p']}.", "top_p", values["top_p"])
+    if values["top_k"] < -1:
+        raise ApiError(400, f"top_k must be 0 (disable), or at least 1, got {values['top_k']}.")
+    if not 0.0 <= values["min_p"] <= 1.0:
+        raise ApiError(400, f"min_p must be in [0, 1], got {values['min_p']}.")
+
+
 def _semantic_error(message: str, param: str, value) -> ApiError:
     """vLLM's checks after validation: BadRequestError, with "(parameter=..., value=...)" appended."""
     return ApiError(400, f"{message} (parameter={param}, value={value})", "BadRequestError", param)
@@ -389,6 +442,7 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
         max_tokens, max_field = _int_field(body, "max_completion_tokens"), "max_completion_tokens"
     ignore_eos = ignores_eos(body)
     priority = _priority_field(body)
+    sampling = _sampling_fields(body)
     model = model or served[0]
     if model not in served and model not in adapters:
         raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {', '.join(served)}.",
@@ -407,6 +461,8 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
     n = 1 if n is None else n
     if n < 1:
         raise ApiError(400, f"n must be at least 1, got {n}.")
+    if not _bool_field(body, "use_beam_search"):  # beam search builds no SamplingParams (recorded: served)
+        _check_sampling(sampling)
     if max_tokens is not None and max_tokens < 1:
         # vLLM checks this on the sampling parameters: whichever field set it, the message says max_tokens
         raise _semantic_error(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", max_tokens)
