@@ -223,6 +223,24 @@ def test_sampling_parameters_in_range_are_served():
     assert parse_generation(CHAT_KIND, json.dumps({**CHAT, **fields}).encode(), (CHAT["model"],), 4096, 16).n == 1
 
 
+@pytest.mark.parametrize("kind, field, error", [("chat", "ignore_eos", "bool_type"), ("chat", "min_tokens", "int_type"),
+                                                ("chat", "priority", "int_type"), ("completions", "n", "int_type")])
+def test_an_explicit_null_is_refused_where_vllm_types_no_none(kind, field, error):
+    # vLLM 0.32 declares these without None (chat's n is nullable, completions' is not): a null is pydantic's type
+    # error (tests/fixtures/vllm/differential.json); the simulator read it as the default and served the body
+    from extproc.tools.sim.openai_api import ApiError, parse_generation
+    body = {**(CHAT if kind == "chat" else COMPLETION), field: None}
+    with pytest.raises(ApiError) as refused:
+        parse_generation(kind, json.dumps(body).encode(), (MODEL,), 4096, 16)
+    assert (refused.value.error_type, refused.value.param) == ("Bad Request", f"body.{field}")
+    assert f"'type': '{error}', 'loc': 'body.{field}'" in str(refused.value) and "'input': 'None'" in str(refused.value)
+
+
+def test_a_null_chat_n_is_served():
+    from extproc.tools.sim.openai_api import parse_generation
+    assert parse_generation("chat", json.dumps({**CHAT, "n": None}).encode(), (MODEL,), 4096, 16).n == 1
+
+
 async def test_completion_stream_without_usage(fleet, http):
     async with http.post(fleet.urls[0] + "/v1/completions", json={**COMPLETION, "stream": True}) as resp:
         events = await sse_events(resp)

@@ -405,6 +405,21 @@ def _tool_parser_error(body: dict) -> ApiError | None:
     return None
 
 
+# Fields vLLM 0.32 types without None: an explicit null is a validation error there, not the default
+# (tests/fixtures/vllm/differential.json). Chat's `n` is nullable, completions' is not.
+NOT_NULLABLE = {"ignore_eos": ("bool_type", "Input should be a valid boolean"),
+                "min_tokens": ("int_type", "Input should be a valid integer"),
+                "priority": ("int_type", "Input should be a valid integer")}
+NOT_NULLABLE_COMPLETIONS = {"n": ("int_type", "Input should be a valid integer")}
+
+
+def _refuse_nulls(kind: str, body: dict) -> None:
+    fields = NOT_NULLABLE | (NOT_NULLABLE_COMPLETIONS if kind == COMPLETIONS else {})
+    for name, (error, message) in fields.items():
+        if name in body and body[name] is None:
+            raise validation_error(error, f"body.{name}", message, None)
+
+
 def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_len: int,
                      default_max_tokens: int, adapters: Container[str] = ()) -> GenerationRequest:
     """Validate a request body like vLLM 0.32 does, or raise ApiError with vLLM's status, type and message.
@@ -419,6 +434,8 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
         # vLLM's before-validator, on the raw values: ahead of every type check
         raise ApiError(400, "Stream options can only be defined when `stream=True`. (parameter=stream_options)",
                        param="stream_options")
+    if kind != RESPONSES:
+        _refuse_nulls(kind, body)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise validation_error("string_type", "body.model", "Input should be a valid string", model)
