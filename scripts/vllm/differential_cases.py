@@ -1,0 +1,170 @@
+"""Generated request bodies for the simulator-vs-vLLM differential test (tests/sim/test_parity_generated.py).
+
+Each case is one field of a valid base body set to one value from a table of valid and invalid values (wrong types,
+out of range, null), plus seeded pairs of two such changes. Standard library only: the recorder
+(scripts/vllm/record_differential.py) sends them to a real vLLM, the test to the simulator.
+
+Prompts are short and max_tokens small or beyond the whole context, so no outcome hangs on the token count
+(the simulator estimates tokens; it has no tokenizer).
+"""
+
+from __future__ import annotations
+
+import random
+
+SEED = 45
+MODEL = "tiny-llama"
+MESSAGES = [{"role": "user", "content": "hello there"}]
+PROMPT = "The admission server said"
+
+BASES = {
+    "chat": ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 3, "ignore_eos": True}),
+    "completions": ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "ignore_eos": True}),
+    "responses": ("/v1/responses", {"model": MODEL, "input": "hello there", "max_output_tokens": 3}),
+}
+
+# field -> values; "<absent>" deletes the field. Shared by chat and completions unless named in a kind's table.
+SAMPLING = {
+    "temperature": [0, 0.7, 2.5, -1, "hot", "0.5", None, True],
+    "top_p": [0.5, 0, 1.5, -0.1, "x", None],
+    "top_k": [5, -1, 0, -2, 2.5, "x", None],
+    "min_p": [0.1, -0.1, 1.5, "x"],
+    "presence_penalty": [1.0, 2.5, -2.5, "x", None],
+    "frequency_penalty": [1.0, 2.5, -2.5, "x"],
+    "repetition_penalty": [1.2, 0, -1, "x"],
+    "seed": [7, -1, 1.5, "7", "x", None],
+    "stop": ["x", ["a", "b"], [], 5, [5], None],
+    "stop_token_ids": [[5], "x", [-1], None],
+    "n": [1, 2, 0, -1, 1.5, "2", None],
+    "max_tokens": [1, "3", 3.0, 3.5, 0, -1, 4096, True, None, "x", "<absent>"],
+    "min_tokens": [0, 2, -1, 5, "x", None],
+    "ignore_eos": [False, "yes", "maybe", 2, None],
+    "stream": [False, "no", "maybe", 2, None],
+    "stream_options": [{}, {"include_usage": True}, "x", None],
+    "model": ["no-such-model", "tiny-llama-small", 5, None, "", "<absent>"],
+    "priority": [0, 5, -5, "1", "x", 1.5, None],
+    "user": ["u1", 5, None],
+    "logit_bias": [{"5": 1.0}, {"x": 1.0}, {"5": 200}, "x", None],
+    "response_format": [{"type": "text"}, {"type": "json_object"}, {"type": "bogus"}, {"type": "json_schema"},
+                        "x", None],
+    "skip_special_tokens": [False, "x"],
+    "include_stop_str_in_output": [True, "x"],
+    "truncate_prompt_tokens": [2, -1, 0, 5000, "x"],
+    "unknown_field": [1],
+}
+
+CHAT_FIELDS = {
+    "messages": ["<absent>", [], "x", None, [{"role": "user"}], [{"content": "hi"}],
+                 [{"role": "bogus", "content": "hi"}], [{"role": "user", "content": 5}],
+                 [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                 [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+                 [{"role": "assistant", "content": "hi"}], ["hi"]],
+    "max_completion_tokens": [2, 0, -1, 4096, "x", None],
+    "logprobs": [True, False, "x", 2, None],
+    "top_logprobs": [0, 2, 20, 21, -1, "x", None],
+    "tool_choice": ["none", "auto", "bogus", None],
+    "echo": [True, "x"],
+    "add_generation_prompt": [False, "x"],
+    "continue_final_message": [True],
+    "parallel_tool_calls": [False, "x"],
+    "reasoning_effort": ["low", "bogus"],
+}
+
+COMPLETIONS_FIELDS = {
+    "prompt": ["<absent>", "", [], 5, None, [[]], [1.5], ["a", "b"], [5, 6], [[5, 6], [7]], [-1], [True],
+               {"a": 1}],
+    "logprobs": [0, 2, 5, 20, 21, -1, True, "x", None],
+    "echo": [True, "x", None],
+    "suffix": ["end", None, 5],
+    "best_of": [1, 2, 0, "x"],
+    "use_beam_search": [True],
+}
+
+RESPONSES_FIELDS = {
+    "input": ["<absent>", "", [], 5, None, [{"role": "user", "content": "hi"}],
+              [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}], ["hi"]],
+    "max_output_tokens": [1, 0, -1, 4096, "x", 3.5, None, "<absent>"],
+    "instructions": ["be brief", 5, None],
+    "model": ["no-such-model", 5, None, "<absent>"],
+    "temperature": [0, 2.5, -1, "x"],
+    "top_p": [0.5, 1.5, "x"],
+    "stream": [False, "x"],
+    "store": [False, True],
+    "previous_response_id": ["resp_x"],
+    "tools": [[]],
+    "unknown_field": [1],
+}
+
+
+def field_tables(kind: str) -> dict:
+    if kind == "responses":
+        return RESPONSES_FIELDS
+    return SAMPLING | (CHAT_FIELDS if kind == "chat" else COMPLETIONS_FIELDS)
+
+
+def changed(base: dict, changes: list[tuple[str, object]]) -> dict:
+    body = dict(base)
+    for field, value in changes:
+        if value == "<absent>":
+            body.pop(field, None)
+        else:
+            body[field] = value
+    return body
+
+
+def name_of(kind: str, changes: list[tuple[str, object]]) -> str:
+    return kind + ":" + ",".join(f"{f}={v!r}" for f, v in changes)
+
+
+def single_cases() -> dict:
+    """Every field of every kind set to each of its values, one at a time."""
+    out = {}
+    for kind, (path, base) in BASES.items():
+        for field, values in field_tables(kind).items():
+            for value in values:
+                changes = [(field, value)]
+                out[name_of(kind, changes)] = {"path": path, "body": changed(base, changes), "fields": [field]}
+    return out
+
+
+def pair_cases(count: int = 60, seed: int = SEED) -> dict:
+    """Seeded pairs of changes on two fields (which check comes first when both are wrong)."""
+    rng = random.Random(seed)
+    out: dict = {}
+    kinds = sorted(k for k in BASES if k != "responses")
+    while len(out) < count:
+        kind = rng.choice(kinds)
+        path, base = BASES[kind]
+        tables = field_tables(kind)
+        f1, f2 = rng.sample(sorted(tables), 2)
+        changes = [(f1, rng.choice(tables[f1])), (f2, rng.choice(tables[f2]))]
+        out.setdefault(name_of(kind, changes), {"path": path, "body": changed(base, changes), "fields": [f1, f2]})
+    return out
+
+
+def stream_cases() -> dict:
+    """Streams whose framing, event kinds and usage placement a client reads."""
+    chat_path, chat = BASES["chat"]
+    comp_path, comp = BASES["completions"]
+    options = [None, {}, {"include_usage": True}, {"include_usage": False}, {"include_usage": None},
+               {"continuous_usage_stats": True}, {"include_usage": True, "continuous_usage_stats": True},
+               {"include_usage": False, "continuous_usage_stats": True}]
+    out = {}
+    for kind, path, base in (("chat", chat_path, chat), ("completions", comp_path, comp)):
+        for opt in options:
+            body = dict(base, stream=True) | ({"stream_options": opt} if opt is not None else {})
+            out[f"{kind}:stream,stream_options={opt!r}"] = {"path": path, "body": body}
+        out[f"{kind}:stream,n=2"] = {"path": path, "body": dict(base, stream=True, n=2, temperature=1.0,
+                                                                stream_options={"include_usage": True})}
+        out[f"{kind}:stream,max_tokens=1"] = {"path": path, "body": dict(base, stream=True, max_tokens=1)}
+        out[f"{kind}:stream,no_max_tokens_unknown_model"] = {
+            "path": path, "body": {k: v for k, v in base.items() if k != "max_tokens"} | {"stream": True,
+                                                                                      "model": "nope"}}
+        out[f"{kind}:stream,max_tokens=4096"] = {"path": path, "body": dict(base, stream=True, max_tokens=4096)}
+        out[f"{kind}:stream,stream_options=x"] = {"path": path, "body": dict(base, stream=True, stream_options="x")}
+    return out
+
+
+def all_cases() -> tuple[dict, dict]:
+    """(JSON cases, stream cases), each {name: {"path", "body"}}."""
+    return single_cases() | pair_cases(), stream_cases()
