@@ -134,14 +134,21 @@ def test_tool_choice_none_needs_no_tools():
 def test_top_logprobs_checked_as_vllm(fields, answer):
     # vLLM 0.32's check_logprobs (tests/fixtures/vllm/differential.json): top_logprobs 0 without logprobs is served
     # with no logprobs; the simulator refused it, and read "x" or -2 with pydantic's messages or not at all
-    from extproc.tools.sim.openai_api import CHAT as CHAT_KIND, ApiError, parse_generation
-    body = json.dumps({**CHAT, **fields}).encode()
+    from extproc.tools.sim.openai_api import CHAT as CHAT_KIND, parse_generation
     if answer is None:
+        body = json.dumps({**CHAT, **fields}).encode()
         assert parse_generation(CHAT_KIND, body, (CHAT["model"],), 4096, 16).logprobs is None
         return
+    refused = chat_refusal(fields)
+    assert (str(refused), refused.error_type) == (answer, "BadRequestError")
+
+
+def chat_refusal(fields: dict):
+    """The ApiError the simulator refuses CHAT with `fields` set with."""
+    from extproc.tools.sim.openai_api import CHAT as CHAT_KIND, ApiError, parse_generation
     with pytest.raises(ApiError) as refused:
-        parse_generation(CHAT_KIND, body, (CHAT["model"],), 4096, 16)
-    assert (str(refused.value), refused.value.error_type) == (answer, "BadRequestError")
+        parse_generation(CHAT_KIND, json.dumps({**CHAT, **fields}).encode(), (CHAT["model"],), 4096, 16)
+    return refused.value
 
 
 @pytest.mark.parametrize("fields, detail", [
@@ -157,10 +164,8 @@ def test_validation_messages_written_as_vllm(fields, detail):
     # vLLM 0.32 shows a validation error's input as text and says "unable to interpret input" for any scalar that
     # is no boolean (tests/fixtures/vllm/differential.json); the simulator showed the raw value (`'input': 5`)
     # and a bool_type error without that phrase for 2
-    from extproc.tools.sim.openai_api import CHAT as CHAT_KIND, ApiError, parse_generation
-    with pytest.raises(ApiError) as refused:
-        parse_generation(CHAT_KIND, json.dumps({**CHAT, **fields}).encode(), (CHAT["model"],), 4096, 16)
-    assert str(refused.value) == f"1 validation error:\n  {detail}"
+    refused = chat_refusal(fields)
+    assert str(refused) == f"1 validation error:\n  {detail}"
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -175,10 +180,8 @@ def test_stream_options_refused_as_vllm(fields, message):
     # vLLM 0.32 checks stream_options without stream on the raw body before any field is validated, its message
     # naming the parameter (tests/fixtures/vllm/differential.json); the simulator checked it last, without
     # "(parameter=stream_options)", and wrote another pydantic error for a stream_options that is no object
-    from extproc.tools.sim.openai_api import CHAT as CHAT_KIND, ApiError, parse_generation
-    with pytest.raises(ApiError) as refused:
-        parse_generation(CHAT_KIND, json.dumps({**CHAT, **fields}).encode(), (CHAT["model"],), 4096, 16)
-    assert str(refused.value) == message
+    refused = chat_refusal(fields)
+    assert str(refused) == message
 
 
 @pytest.mark.parametrize("kind, fields", [("chat", {"max_completion_tokens": 0}),
@@ -210,10 +213,8 @@ def test_max_tokens_below_one_named_max_tokens_whichever_field_set_it(kind, fiel
 def test_sampling_parameters_checked_as_vllm(fields, message):
     # vLLM 0.32 types these fields and checks their ranges in SamplingParams (tests/fixtures/vllm/
     # differential.json); the simulator ignored them and served temperature 2.5, top_p 0, top_k -2, ...
-    from extproc.tools.sim.openai_api import CHAT as CHAT_KIND, ApiError, parse_generation
-    with pytest.raises(ApiError) as refused:
-        parse_generation(CHAT_KIND, json.dumps({**CHAT, **fields}).encode(), (CHAT["model"],), 4096, 16)
-    assert str(refused.value) == message
+    refused = chat_refusal(fields)
+    assert str(refused) == message
 
 
 def test_sampling_parameters_in_range_are_served():
