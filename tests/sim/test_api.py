@@ -242,6 +242,20 @@ def test_a_null_chat_n_is_served():
     assert parse_generation("chat", json.dumps({**CHAT, "n": None}).encode(), (MODEL,), 4096, 16).n == 1
 
 
+@pytest.mark.parametrize("prompt", ["<absent>", None, ""])
+def test_a_completion_without_a_prompt_is_refused_as_vllm(prompt):
+    # vLLM 0.32's before-validator answers an absent or null prompt as an empty one, ahead of other fields' type
+    # errors (tests/fixtures/vllm/differential.json); the simulator wrote pydantic's "Field required" or a
+    # value_error with type "Bad Request" and param "body.prompt"
+    from extproc.tools.sim.openai_api import ApiError, parse_generation
+    body = {k: v for k, v in COMPLETION.items() if k != "prompt"} | ({} if prompt == "<absent>" else {"prompt": prompt})
+    with pytest.raises(ApiError) as refused:
+        parse_generation("completions", json.dumps(body | {"top_p": "x"}).encode(), (MODEL,), 4096, 16)
+    assert (str(refused.value), refused.value.error_type, refused.value.param) == (
+        "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)", "BadRequestError",
+        "prompt")
+
+
 async def test_completion_stream_without_usage(fleet, http):
     async with http.post(fleet.urls[0] + "/v1/completions", json={**COMPLETION, "stream": True}) as resp:
         events = await sse_events(resp)

@@ -267,6 +267,13 @@ def _token_ids(value) -> bool:
                                                            for t in value)
 
 
+def _no_prompt() -> ApiError:
+    """vLLM 0.32's before-validator for a completions body whose prompt is absent, null or "" (no prompt_embeds
+    served): ahead of every field's type check."""
+    return ApiError(400, "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)",
+                    param="prompt")
+
+
 def _prompt_tokens(kind: str, body: dict) -> tuple[int, ...]:
     """The token count of each prompt: one for chat and a single completions prompt, one per entry of a prompt
     list (strings or token-id lists; () for an empty list, which vLLM refuses after the model lookup)."""
@@ -282,14 +289,11 @@ def _prompt_tokens(kind: str, body: dict) -> tuple[int, ...]:
             raise validation_error("value_error", "body.messages", "Value error, messages must be a non-empty "
                                    "list of message objects", messages)
         return (estimate_chat_tokens(_checked_contents(messages, "body.messages", messages)),)
-    if "prompt" not in body:
-        raise validation_error("missing", "body.prompt", "Field required", body)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if prompt == "":
-        raise ApiError(400, "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)",
-                       param="prompt")
+        raise _no_prompt()
     if isinstance(prompt, str):
         return (estimate_text_tokens(prompt),)
     if _token_ids(prompt):
@@ -434,6 +438,8 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
         # vLLM's before-validator, on the raw values: ahead of every type check
         raise ApiError(400, "Stream options can only be defined when `stream=True`. (parameter=stream_options)",
                        param="stream_options")
+    if kind == COMPLETIONS and body.get("prompt") in (None, ""):
+        raise _no_prompt()
     if kind != RESPONSES:
         _refuse_nulls(kind, body)
     model = body.get("model")
