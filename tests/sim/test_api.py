@@ -256,6 +256,22 @@ def test_a_completion_without_a_prompt_is_refused_as_vllm(prompt):
         "prompt")
 
 
+@pytest.mark.parametrize("kind, body", [("chat", {**CHAT, "messages": []}),
+                                        ("responses", {"model": MODEL, "input": []})])
+def test_an_empty_conversation_is_refused_as_vllm_refuses_it(kind, body):
+    # vLLM 0.32 refuses it when applying the chat template, after the model lookup: BadRequestError, param null
+    # (tests/fixtures/vllm/differential.json); the simulator wrote a pydantic value_error for chat and served an
+    # empty Responses input
+    from extproc.tools.sim.openai_api import ApiError, parse_generation
+    with pytest.raises(ApiError) as refused:
+        parse_generation(kind, json.dumps(body).encode(), (MODEL,), 4096, 16)
+    assert (str(refused.value), refused.value.error_type, refused.value.param) == (
+        "Cannot apply chat template to an empty conversation. Provide at least one message.", "BadRequestError", None)
+    with pytest.raises(ApiError) as unknown:  # the model is looked up first
+        parse_generation(kind, json.dumps(body | {"model": "nope"}).encode(), (MODEL,), 4096, 16)
+    assert unknown.value.status == 404
+
+
 async def test_completion_stream_without_usage(fleet, http):
     async with http.post(fleet.urls[0] + "/v1/completions", json={**COMPLETION, "stream": True}) as resp:
         events = await sse_events(resp)

@@ -267,6 +267,9 @@ def _token_ids(value) -> bool:
                                                            for t in value)
 
 
+EMPTY_CONVERSATION = "Cannot apply chat template to an empty conversation. Provide at least one message."
+
+
 def _no_prompt() -> ApiError:
     """vLLM 0.32's before-validator for a completions body whose prompt is absent, null or "" (no prompt_embeds
     served): ahead of every field's type check."""
@@ -276,18 +279,22 @@ def _no_prompt() -> ApiError:
 
 def _prompt_tokens(kind: str, body: dict) -> tuple[int, ...]:
     """The token count of each prompt: one for chat and a single completions prompt, one per entry of a prompt
-    list (strings or token-id lists; () for an empty list, which vLLM refuses after the model lookup)."""
+    list (strings or token-id lists); () for an empty list or an empty conversation, which vLLM refuses after the
+    model lookup."""
     if kind == RESPONSES:
-        return (estimate_chat_tokens(_checked_contents(_responses_messages(body), "body.input", body["input"])),)
+        messages = _checked_contents(_responses_messages(body), "body.input", body["input"])
+        return (estimate_chat_tokens(messages),) if messages else ()
     if kind == CHAT:
         if "messages" not in body:
             raise validation_error("missing", "body.messages", "Field required", body)
         messages = body["messages"]
         if not isinstance(messages, list):
             raise validation_error("list_type", "body.messages", "Input should be a valid list", messages)
-        if not messages or not all(isinstance(m, dict) for m in messages):
-            raise validation_error("value_error", "body.messages", "Value error, messages must be a non-empty "
-                                   "list of message objects", messages)
+        if not messages:
+            return ()  # refused once the model is known, as vLLM's chat template refuses it
+        if not all(isinstance(m, dict) for m in messages):
+            raise validation_error("value_error", "body.messages", "Value error, messages must be a list of message "
+                                   "objects", messages)
         return (estimate_chat_tokens(_checked_contents(messages, "body.messages", messages)),)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
@@ -470,6 +477,8 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
     if model not in served and model not in adapters:
         raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {', '.join(served)}.",
                        "NotFoundError", "model")
+    if not prompts and kind != COMPLETIONS:
+        raise ApiError(400, EMPTY_CONVERSATION)
     if not prompts:
         raise ApiError(400, "You must pass at least one prompt")
     if kind == COMPLETIONS and body.get("suffix") is not None:
@@ -793,8 +802,11 @@ def tokenize_body(raw: bytes, served: tuple[str, ...], max_model_len: int, adapt
     (api.json tokenize*). No engine work: vLLM tokenizes on its API server."""
     body = _json_body(raw)
     kind = CHAT if "messages" in body else COMPLETIONS
-    count = _prompt_tokens(kind, body)[0]
+    counts = _prompt_tokens(kind, body)
     _served_model(body, served, adapters)
+    if not counts:
+        raise ApiError(400, EMPTY_CONVERSATION if kind == CHAT else "You must pass at least one prompt")
+    count = counts[0]
     if kind == COMPLETIONS and body.get("add_special_tokens") is False:
         count = max(1, count - 1)
     return vllm_json({"count": count, "max_model_len": max_model_len, "tokens": text_ids(count),
