@@ -165,6 +165,26 @@ def stream_cases() -> dict:
     return out
 
 
+TOKENIZE_BODIES = {
+    "prompt": [PROMPT, "", [], [[]], ["a", "b"], [5, 6], 5, None, "<absent>"],
+    "messages": [MESSAGES, [], "x", None],
+    "add_special_tokens": [False, "x"],
+    "model": ["no-such-model", None, "<absent>"],
+}
+
+
+def tokenize_cases() -> dict:
+    """/tokenize: a prompt body's fields one at a time, and a chat body's messages."""
+    out = {}
+    for field, values in TOKENIZE_BODIES.items():
+        base = {"model": MODEL, "messages": MESSAGES} if field == "messages" else {"model": MODEL, "prompt": PROMPT}
+        for value in values:
+            changes = [(field, value)]
+            out[name_of("tokenize", changes)] = {"path": "/tokenize", "body": changed(base, changes),
+                                                 "fields": [field]}
+    return out
+
+
 def all_cases() -> tuple[dict, dict]:
-    """(JSON cases, stream cases), each {name: {"path", "body"}}."""
-    return single_cases() | pair_cases(), stream_cases()
+    """(JSON cases, stream cases), each {name: {"path", "body", "fields"}}."""
+    return single_cases() | pair_cases() | tokenize_cases(), stream_cases()

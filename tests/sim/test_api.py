@@ -272,6 +272,28 @@ def test_an_empty_conversation_is_refused_as_vllm_refuses_it(kind, body):
     assert unknown.value.status == 404
 
 
+@pytest.mark.parametrize("body, answer", [
+    ({"model": MODEL, "prompt": ""}, 200),
+    ({"model": MODEL, "prompt": []}, "{'type': 'string_type', 'loc': 'body.prompt', 'msg': 'Input should be a valid "
+                                     "string', 'input': '<list of 0 items>'}"),
+    ({"model": MODEL, "prompt": [[]]}, "{'type': 'string_type', 'loc': 'body.prompt', 'msg': 'Input should be a "
+                                       "valid string', 'input': '<list of 1 items>'}"),
+    ({"model": MODEL}, "{'type': 'missing', 'loc': 'body.prompt', 'msg': 'Field required', 'input': "
+                       "'<dict of 1 items>'}")])
+async def test_tokenize_reads_its_prompt_as_a_string_as_vllm(fleet, http, body, answer):
+    # vLLM 0.32's /tokenize types `prompt` as a string ("" is the BOS alone) and refuses anything else against both
+    # of its body models (tests/fixtures/vllm/differential.json); the simulator refused "" and dropped the
+    # connection on `[]` and `[[]]` (an IndexError in its handler)
+    async with http.post(fleet.urls[0] + "/tokenize", json=body) as resp:
+        status, doc = resp.status, await resp.json()
+    if answer == 200:
+        assert (status, doc["count"]) == (200, 1)
+        return
+    assert status == 400 and doc["error"]["param"] == "body.prompt" and doc["error"]["type"] == "Bad Request"
+    first, second = doc["error"]["message"].split("\n")[1:]
+    assert first.strip() == answer and "'loc': 'body.messages'" in second
+
+
 async def test_completion_stream_without_usage(fleet, http):
     async with http.post(fleet.urls[0] + "/v1/completions", json={**COMPLETION, "stream": True}) as resp:
         events = await sse_events(resp)

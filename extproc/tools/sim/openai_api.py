@@ -796,18 +796,34 @@ def text_ids(count: int) -> list[int]:
     return [FILLER_ID0 + i % len(FILLER_WORDS) for i in range(count)]
 
 
+def _tokenize_prompt(body: dict) -> int:
+    """The token count of /tokenize's `prompt`, which vLLM 0.32 types as a string (`""` is the BOS alone): anything
+    else fails both of its body models, the prompt one and the chat one (tests/fixtures/vllm/differential.json)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return estimate_text_tokens(prompt)
+    size = _input_repr(body)
+    first = ({"type": "missing", "loc": "body.prompt", "msg": "Field required", "input": size}
+             if "prompt" not in body else
+             {"type": "string_type", "loc": "body.prompt", "msg": "Input should be a valid string",
+              "input": _input_repr(prompt)})
+    second = {"type": "missing", "loc": "body.messages", "msg": "Field required", "input": size}
+    raise ApiError(400, f"2 validation errors:\n  {first!r}\n  {second!r}", "Bad Request", "body.prompt")
+
+
 def tokenize_body(raw: bytes, served: tuple[str, ...], max_model_len: int, adapters: Container[str] = ()) -> bytes:
     """POST /tokenize: a `prompt` or chat `messages` counted as the generation paths count them (the estimate of a
     prompt includes the BOS it starts with; `add_special_tokens: false` takes it off), as vLLM 0.32 answers
     (api.json tokenize*). No engine work: vLLM tokenizes on its API server."""
     body = _json_body(raw)
     kind = CHAT if "messages" in body else COMPLETIONS
-    counts = _prompt_tokens(kind, body)
+    counts = _prompt_tokens(CHAT, body) if kind == CHAT else (_tokenize_prompt(body),)
+    no_special = body.get("add_special_tokens") is not None and not _bool_field(body, "add_special_tokens")
     _served_model(body, served, adapters)
     if not counts:
-        raise ApiError(400, EMPTY_CONVERSATION if kind == CHAT else "You must pass at least one prompt")
+        raise ApiError(400, EMPTY_CONVERSATION)
     count = counts[0]
-    if kind == COMPLETIONS and body.get("add_special_tokens") is False:
+    if kind == COMPLETIONS and no_special:
         count = max(1, count - 1)
     return vllm_json({"count": count, "max_model_len": max_model_len, "tokens": text_ids(count),
                       "token_strs": None})
