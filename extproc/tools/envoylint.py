@@ -11,6 +11,9 @@ from __future__ import annotations
 import re
 from typing import Any, Iterator
 
+from envoy.extensions.filters.http.ext_proc.v3.ext_proc_pb2 import ExternalProcessor
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+
 from extproc.policy.schema import READ_HEADERS
 from extproc.server.accesslog import TICKET_HEADER
 from extproc.server.protocol import CLUSTER_HEADER, REPLICA_HEADER
@@ -51,6 +54,7 @@ def lint(cfg: dict[str, Any], pools: set[str], admitted: int = 0, longest_wait_s
     request may queue (its classes' max_wait_ms), `reads` the request headers the ext_proc reads, `store_call_s` the
     longest a shared store's call may take (`store.timeout_ms`; 0: no shared store)."""
     found = Findings()
+    cfg = as_envoy_reads(cfg)
     if (cfg.get("dynamic_resources") or {}).get("lds_config") is not None:
         found.warnings.append("dynamic_resources.lds_config: its listeners come from LDS and are not checked: check "
                               "the listeners it serves against docs/envoy-integration.md")
@@ -59,6 +63,44 @@ def lint(cfg: dict[str, Any], pools: set[str], admitted: int = 0, longest_wait_s
     _lint_tcp_proxies(cfg, pools, found)
     _lint_pool_breakers(cfg, pools, admitted, found)
     return found
+
+
+# Enum fields this check compares by name. Envoy's parser also takes an enum by number and in any case.
+ENUMS = {**{f"{way}_{part}_mode": ProcessingMode.HeaderSendMode for way in ("request", "response")
+            for part in ("header", "trailer")},
+         "request_body_mode": ProcessingMode.BodySendMode, "response_body_mode": ProcessingMode.BodySendMode,
+         "route_cache_action": ExternalProcessor.RouteCacheAction}
+
+
+def as_envoy_reads(cfg: Any) -> Any:
+    """A copy of `cfg` with the values this check reads spelled the one way it compares them, as Envoy's parser
+    reads them (measured in /config_dump, Envoy 1.40): a null is an unset field, an enum given by number or in
+    lower case is its name (`request_body_mode: 2` and `buffered` are BUFFERED, `route_cache_action: 2` RETAIN).
+    Walked without recursion: a config nested as deep as YAML allows must not overflow the stack here."""
+    root = [cfg]
+    todo: list[tuple[Any, Any]] = [(root, 0)]
+    while todo:
+        parent, key = todo.pop()
+        value = parent[key]
+        if isinstance(value, dict):
+            value = {k: _spelled(k, v) for k, v in value.items() if v is not None}
+            todo.extend((value, k) for k in value)
+        elif isinstance(value, list):
+            value = list(value)
+            todo.extend((value, i) for i in range(len(value)))
+        parent[key] = value
+    return root[0]
+
+
+def _spelled(key: Any, value: Any) -> Any:
+    enum = ENUMS.get(key)
+    if enum is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in enum.values():
+        return enum.Name(value)
+    if isinstance(value, str) and value.upper() in enum.keys():
+        return value.upper()
+    return value
 
 
 def _lint_pool_breakers(cfg: dict[str, Any], pools: set[str], admitted: int, found: Findings) -> None:

@@ -668,3 +668,28 @@ def test_virtual_hosts_from_vhds_are_said_to_be_unchecked_not_passed_silently():
     found = lint(cfg, POOLS)
     assert any("route_config.vhds: the virtual hosts VHDS serves are not checked" in w for w in found.warnings), \
         found.warnings
+
+
+def _filter_config(cfg: dict) -> dict:
+    return hcm(cfg)["http_filters"][0]["typed_config"]
+
+
+@pytest.mark.parametrize("spelling", [{"request_header_mode": 1, "request_body_mode": 2, "request_trailer_mode": 1},
+                                      {"request_body_mode": "buffered", "request_trailer_mode": "send"},
+                                      {"request_header_mode": None}])
+def test_a_processing_mode_envoy_reads_as_send_and_buffered_is_clean_however_it_is_spelled(spelling):
+    # Envoy's parser takes an enum by number or in lower case, and a null as unset (/config_dump shows SEND and
+    # BUFFERED): each was an error, "request_body_mode is 2, not BUFFERED".
+    cfg = shipped()
+    _filter_config(cfg)["processing_mode"].update(spelling)
+    route(cfg, "/v1/completions")["typed_per_filter_config"] = {EXT_PROC: {"@type": PER_ROUTE, "overrides": {
+        "processing_mode": {"request_header_mode": "SEND", "request_body_mode": 2, "request_trailer_mode": 1}}}}
+    assert lint(cfg, POOLS).errors == []
+
+
+@pytest.mark.parametrize("action", [2, "retain", "Retain"])
+def test_route_cache_action_retain_by_number_or_in_lower_case_is_an_error(action):
+    # /config_dump: 2 and "retain" are RETAIN, which keeps the static route: passed as clean before.
+    cfg = shipped()
+    _filter_config(cfg)["route_cache_action"] = action
+    assert any("keeps the route cache" in e for e in lint(cfg, POOLS).errors)
