@@ -70,12 +70,16 @@ ENUMS = {**{f"{way}_{part}_mode": ProcessingMode.HeaderSendMode for way in ("req
             for part in ("header", "trailer")},
          "request_body_mode": ProcessingMode.BodySendMode, "response_body_mode": ProcessingMode.BodySendMode,
          "route_cache_action": ExternalProcessor.RouteCacheAction}
+# Duration fields this check reads. Envoy's parser also takes a Duration as {seconds, nanos}.
+DURATIONS = frozenset({"max_message_timeout", "message_timeout", "request_timeout", "stream_idle_timeout", "timeout",
+                       "per_try_timeout", "idle_timeout"})
 
 
 def as_envoy_reads(cfg: Any) -> Any:
     """A copy of `cfg` with the values this check reads spelled the one way it compares them, as Envoy's parser
     reads them (measured in /config_dump, Envoy 1.40): a null is an unset field, an enum given by number or in
-    lower case is its name (`request_body_mode: 2` and `buffered` are BUFFERED, `route_cache_action: 2` RETAIN).
+    lower case is its name (`request_body_mode: 2` and `buffered` are BUFFERED, `route_cache_action: 2` RETAIN), a
+    Duration written as {seconds, nanos} is the string form (`{seconds: 2}` is "2s").
     Walked without recursion: a config nested as deep as YAML allows must not overflow the stack here."""
     root = [cfg]
     todo: list[tuple[Any, Any]] = [(root, 0)]
@@ -93,6 +97,8 @@ def as_envoy_reads(cfg: Any) -> Any:
 
 
 def _spelled(key: Any, value: Any) -> Any:
+    if key in DURATIONS and isinstance(value, dict):
+        return _duration(value)
     enum = ENUMS.get(key)
     if enum is None or isinstance(value, bool):
         return value
@@ -100,6 +106,16 @@ def _spelled(key: Any, value: Any) -> Any:
         return enum.Name(value)
     if isinstance(value, str) and value.upper() in enum.keys():
         return value.upper()
+    return value
+
+
+def _duration(value: dict[str, Any]) -> Any:
+    """{seconds, nanos} (either may be left out, or written as a string) as "Ns" ("2.5s"); another shape as it is."""
+    try:
+        if set(value) <= {"seconds", "nanos"}:
+            return f"{int(value.get('seconds', 0)) + int(value.get('nanos', 0)) / 1e9:g}s"
+    except (TypeError, ValueError):
+        pass
     return value
 
 

@@ -693,3 +693,23 @@ def test_route_cache_action_retain_by_number_or_in_lower_case_is_an_error(action
     cfg = shipped()
     _filter_config(cfg)["route_cache_action"] = action
     assert any("keeps the route cache" in e for e in lint(cfg, POOLS).errors)
+
+
+@pytest.mark.parametrize("spelling", [{"seconds": 2}, {"seconds": "1", "nanos": 500000000}, {}])
+def test_a_max_message_timeout_under_the_wait_written_as_seconds_and_nanos_is_an_error(spelling):
+    # /config_dump: {seconds: 2, nanos: 500000000} is 2.5s, {} is 0s (every extension ignored): both passed as clean,
+    # and a request queued past message_timeout goes upstream unadmitted.
+    cfg = shipped()
+    _filter_config(cfg)["max_message_timeout"] = spelling
+    assert any("max_message_timeout" in e and "below the longest queue wait" in e
+               for e in lint(cfg, POOLS, longest_wait_s=5.0).errors)
+    _filter_config(cfg)["max_message_timeout"] = {"seconds": 30}
+    assert lint(cfg, POOLS, longest_wait_s=5.0).errors == []
+
+
+def test_a_route_timeout_written_as_seconds_is_read_as_envoy_reads_it():
+    cfg = shipped()
+    routes(cfg)[0]["route"]["timeout"] = {"seconds": 1}
+    assert any("route timeout 1s" in w for w in lint(cfg, POOLS).warnings)
+    routes(cfg)[0]["route"]["timeout"] = {"seconds": 0}
+    assert lint(cfg, POOLS).warnings == []
