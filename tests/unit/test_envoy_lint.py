@@ -713,3 +713,21 @@ def test_a_route_timeout_written_as_seconds_is_read_as_envoy_reads_it():
     assert any("route timeout 1s" in w for w in lint(cfg, POOLS).warnings)
     routes(cfg)[0]["route"]["timeout"] = {"seconds": 0}
     assert lint(cfg, POOLS).warnings == []
+
+
+@pytest.mark.parametrize("option", ["observability_mode", "disable_immediate_response", "disable_clear_route_cache"])
+def test_an_ext_proc_option_written_as_the_string_false_is_off(option):
+    # /config_dump: "false" is false. The string read as true here: an error for a config that admits every request.
+    cfg = shipped()
+    _filter_config(cfg)[option] = "false"
+    assert lint(cfg, POOLS).errors == []
+    _filter_config(cfg)[option] = "true"
+    assert lint(cfg, POOLS).errors != []
+
+
+def test_a_filter_or_hedge_switched_off_with_the_string_false_is_off():
+    cfg = shipped()
+    hcm(cfg)["http_filters"][0]["disabled"] = "false"
+    routes(cfg)[0]["route"].update(retry_policy={"retry_on": "5xx", "num_retries": 2},
+                                   hedge_policy={"hedge_on_per_try_timeout": "false"})
+    assert lint(cfg, POOLS).errors == []
