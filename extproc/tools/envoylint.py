@@ -84,7 +84,8 @@ def as_envoy_reads(cfg: Any) -> Any:
     reads them (measured in /config_dump, Envoy 1.40): a null is an unset field, an enum given by number or in
     lower case is its name (`request_body_mode: 2` and `buffered` are BUFFERED, `route_cache_action: 2` RETAIN), a
     Duration written as {seconds, nanos} is the string form (`{seconds: 2}` is "2s"), a bool written "false" is
-    False (a non-empty string would read as true here).
+    False (a non-empty string would read as true here), a list nested in a list is spliced into it (`routes:
+    [[a, b], c]` is [a, b, c], an empty one is nothing).
     Walked without recursion: a config nested as deep as YAML allows must not overflow the stack here."""
     root = [cfg]
     todo: list[tuple[Any, Any]] = [(root, 0)]
@@ -95,10 +96,21 @@ def as_envoy_reads(cfg: Any) -> Any:
             value = {k: _spelled(k, v) for k, v in value.items() if v is not None}
             todo.extend((value, k) for k in value)
         elif isinstance(value, list):
-            value = list(value)
+            value = _flattened(value)
             todo.extend((value, i) for i in range(len(value)))
         parent[key] = value
     return root[0]
+
+
+def _flattened(items: list[Any]) -> list[Any]:
+    out, todo = [], items[::-1]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, list):
+            todo.extend(item[::-1])
+        else:
+            out.append(item)
+    return out
 
 
 def _spelled(key: Any, value: Any) -> Any:

@@ -731,3 +731,16 @@ def test_a_filter_or_hedge_switched_off_with_the_string_false_is_off():
     routes(cfg)[0]["route"].update(retry_policy={"retry_on": "5xx", "num_retries": 2},
                                    hedge_policy={"hedge_on_per_try_timeout": "false"})
     assert lint(cfg, POOLS).errors == []
+
+
+def test_lists_nested_in_lists_are_read_spliced_in_as_envoy_reads_them():
+    # /config_dump: Envoy splices a nested list into its parent (an empty one vanishes). The check raised on the
+    # inner list and refused the config as unreadable ("not an Envoy config this check can read"), exit 1.
+    cfg = shipped()
+    early = hcm(cfg)["early_header_mutation_extensions"][0]["typed_config"]
+    early["mutations"] = [early["mutations"][:2], [], early["mutations"][2:]]
+    routes(cfg)[1:3] = [routes(cfg)[1:3], []]
+    assert lint(cfg, POOLS).errors == []
+    early["mutations"] = [early["mutations"][1:]]  # the x-extproc- strip left out, nested
+    assert any("no early_header_mutation_extensions removing the prefix x-extproc-" in e
+               for e in lint(cfg, POOLS).errors)
