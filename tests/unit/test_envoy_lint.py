@@ -744,3 +744,13 @@ def test_lists_nested_in_lists_are_read_spliced_in_as_envoy_reads_them():
     early["mutations"] = [early["mutations"][1:]]  # the x-extproc- strip left out, nested
     assert any("no early_header_mutation_extensions removing the prefix x-extproc-" in e
                for e in lint(cfg, POOLS).errors)
+
+
+def test_the_ext_proc_after_the_router_is_said_to_be_refused_by_envoy_not_to_let_requests_through():
+    # `envoy --mode validate`: "terminal filter named envoy.filters.http.router ... must be the last filter". The
+    # check said the routes "reach the replicas unadmitted", which Envoy never runs.
+    cfg = shipped()
+    filter_after_router(cfg)
+    assert [e for e in lint(cfg, POOLS).errors if "after the router" in e] == [
+        "listener 'openai' runs the ext_proc filter after the router: Envoy refuses the config (the router, a "
+        "terminal filter, must be the last HTTP filter); put the ext_proc before it"]
