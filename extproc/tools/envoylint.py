@@ -73,7 +73,9 @@ ENUMS = {**{f"{way}_{part}_mode": ProcessingMode.HeaderSendMode for way in ("req
 # Duration fields this check reads. Envoy's parser also takes a Duration as {seconds, nanos}.
 DURATIONS = frozenset({"max_message_timeout", "message_timeout", "request_timeout", "stream_idle_timeout", "timeout",
                        "per_try_timeout", "idle_timeout"})
-# Bool fields this check reads. Envoy's parser also takes a bool as the string "true" or "false".
+# Bool fields this check reads. Envoy's parser also takes a bool as one of these strings, in any case
+# (/config_dump, Envoy 1.40; "on" and "off" it refuses).
+TRUE, FALSE = frozenset({"true", "yes", "y", "1"}), frozenset({"false", "no", "n", "0"})
 BOOLS = frozenset({"observability_mode", "disable_immediate_response", "disable_clear_route_cache",
                    "failure_mode_allow", "disabled", "is_optional", "disallow_all", "disallow_is_error",
                    "hedge_on_per_try_timeout", "ignore_case", "invert_match"})
@@ -83,8 +85,8 @@ def as_envoy_reads(cfg: Any) -> Any:
     """A copy of `cfg` with the values this check reads spelled the one way it compares them, as Envoy's parser
     reads them (measured in /config_dump, Envoy 1.40): a null is an unset field, an enum given by number or in
     lower case is its name (`request_body_mode: 2` and `buffered` are BUFFERED, `route_cache_action: 2` RETAIN), a
-    Duration written as {seconds, nanos} is the string form (`{seconds: 2}` is "2s"), a bool written "false" is
-    False (a non-empty string would read as true here), a list nested in a list is spliced into it (`routes:
+    Duration written as {seconds, nanos} is the string form (`{seconds: 2}` is "2s"), a bool written "false",
+    "no" or "0" is False (a non-empty string would read as true here), a list nested in a list is spliced into it (`routes:
     [[a, b], c]` is [a, b, c], an empty one is nothing).
     Walked without recursion: a config nested as deep as YAML allows must not overflow the stack here."""
     root = [cfg]
@@ -116,8 +118,8 @@ def _flattened(items: list[Any]) -> list[Any]:
 def _spelled(key: Any, value: Any) -> Any:
     if key in DURATIONS and isinstance(value, dict):
         return _duration(value)
-    if key in BOOLS and value in ("true", "false"):
-        return value == "true"
+    if key in BOOLS and isinstance(value, str) and value.lower() in TRUE | FALSE:
+        return value.lower() in TRUE
     enum = ENUMS.get(key)
     if enum is None or isinstance(value, bool):
         return value

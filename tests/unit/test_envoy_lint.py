@@ -716,12 +716,14 @@ def test_a_route_timeout_written_as_seconds_is_read_as_envoy_reads_it():
 
 
 @pytest.mark.parametrize("option", ["observability_mode", "disable_immediate_response", "disable_clear_route_cache"])
-def test_an_ext_proc_option_written_as_the_string_false_is_off(option):
-    # /config_dump: "false" is false. The string read as true here: an error for a config that admits every request.
+@pytest.mark.parametrize("off,on", [("false", "true"), ("no", "yes"), ("FALSE", "Y"), ("0", "1")])
+def test_an_ext_proc_option_written_as_the_string_false_is_off(option, off, on):
+    # /config_dump: "false", "no", "n", "0" (any case) are false. The string read as true here: an error for a
+    # config that admits every request.
     cfg = shipped()
-    _filter_config(cfg)[option] = "false"
+    _filter_config(cfg)[option] = off
     assert lint(cfg, POOLS).errors == []
-    _filter_config(cfg)[option] = "true"
+    _filter_config(cfg)[option] = on
     assert lint(cfg, POOLS).errors != []
 
 
