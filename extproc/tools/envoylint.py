@@ -54,7 +54,11 @@ def lint(cfg: dict[str, Any], pools: set[str], admitted: int = 0, longest_wait_s
     request may queue (its classes' max_wait_ms), `reads` the request headers the ext_proc reads, `store_call_s` the
     longest a shared store's call may take (`store.timeout_ms`; 0: no shared store)."""
     found = Findings()
-    cfg = as_envoy_reads(cfg)
+    refused: list[str] = []
+    cfg = as_envoy_reads(cfg, refused)
+    for what in refused:
+        found.errors.append(f"{what}: not a value Envoy takes there, so Envoy refuses the config (see `envoy --mode "
+                            "validate -c`); this check would read it as unset")
     if (cfg.get("dynamic_resources") or {}).get("lds_config") is not None:
         found.warnings.append("dynamic_resources.lds_config: its listeners come from LDS and are not checked: check "
                               "the listeners it serves against docs/envoy-integration.md")
@@ -81,27 +85,48 @@ BOOLS = frozenset({"observability_mode", "disable_immediate_response", "disable_
                    "hedge_on_per_try_timeout", "ignore_case", "invert_match"})
 
 
-def as_envoy_reads(cfg: Any) -> Any:
+def as_envoy_reads(cfg: Any, refused: list[str] | None = None) -> Any:
     """A copy of `cfg` with the values this check reads spelled the one way it compares them, as Envoy's parser
     reads them (measured in /config_dump, Envoy 1.40): a null is an unset field, an enum given by number or in
     lower case is its name (`request_body_mode: 2` and `buffered` are BUFFERED, `route_cache_action: 2` RETAIN), a
     Duration written as {seconds, nanos} is the string form (`{seconds: 2}` is "2s"), a bool written "false",
-    "no" or "0" is False (a non-empty string would read as true here), a list nested in a list is spliced into it (`routes:
-    [[a, b], c]` is [a, b, c], an empty one is nothing).
+    "no" or "0" is False (a non-empty string would read as true here), a list nested in a list is spliced into it
+    (`routes: [[a, b], c]` is [a, b, c], an empty one is nothing). Free-form values (a JSON body format, metadata)
+    are kept as written. Each of those fields whose value Envoy does not take (`max_message_timeout: 30`,
+    `request_body_mode: BUFERED`) is added to `refused` as "its.path: value": read as unset, it would be passed over
+    silently.
     Walked without recursion: a config nested as deep as YAML allows must not overflow the stack here."""
     root = [cfg]
-    todo: list[tuple[Any, Any]] = [(root, 0)]
+    todo: list[tuple[Any, Any, str]] = [(root, 0, "")]
     while todo:
-        parent, key = todo.pop()
+        parent, key, where = todo.pop()
         value = parent[key]
         if isinstance(value, dict):
             value = {k: _spelled(k, v) for k, v in value.items() if v is not None}
-            todo.extend((value, k) for k in value)
+            todo.extend((value, k, f"{where}.{k}".lstrip(".")) for k in value if k not in FREE_FORM)
+            if refused is not None:
+                refused.extend(f"{where}.{k}".lstrip(".") + f": {v!r}" for k, v in value.items() if not _takes(k, v))
         elif isinstance(value, list):
             value = _flattened(value)
-            todo.extend((value, i) for i in range(len(value)))
+            todo.extend((value, i, f"{where}[{i}]") for i in range(len(value)))
         parent[key] = value
     return root[0]
+
+
+# google.protobuf.Struct fields: their keys are the user's, not Envoy's field names.
+FREE_FORM = frozenset({"json_format", "filter_metadata", "metadata"})
+DURATION = re.compile(r"-?\d+(\.\d{1,9})?s")
+
+
+def _takes(key: Any, value: Any) -> bool:
+    """Whether Envoy's parser takes `value` (spelled) for the field `key`, where it is one this check reads."""
+    if key in ENUMS:  # a number outside the enum is an open enum's unknown value: Envoy takes it
+        return isinstance(value, int) and not isinstance(value, bool) or value in ENUMS[key].keys()
+    if key in DURATIONS:
+        return isinstance(value, str) and DURATION.fullmatch(value) is not None
+    if key in BOOLS:
+        return isinstance(value, bool)
+    return True
 
 
 def _flattened(items: list[Any]) -> list[Any]:

@@ -756,3 +756,23 @@ def test_the_ext_proc_after_the_router_is_said_to_be_refused_by_envoy_not_to_let
     assert [e for e in lint(cfg, POOLS).errors if "after the router" in e] == [
         "listener 'openai' runs the ext_proc filter after the router: Envoy refuses the config (the router, a "
         "terminal filter, must be the last HTTP filter); put the ext_proc before it"]
+
+
+@pytest.mark.parametrize("field,value", [("max_message_timeout", "30"), ("max_message_timeout", "x"),
+                                         ("message_timeout", [1]), ("observability_mode", 1),
+                                         ("failure_mode_allow", "on")])
+def test_a_value_envoy_refuses_in_a_field_the_check_reads_is_an_error_not_read_as_unset(field, value):
+    # `envoy --mode validate` refuses each ("Illegal duration format", "invalid JSON ... bool"); the check read the
+    # durations as unset and passed the config, and failure_mode_allow: "on" too.
+    cfg = shipped()
+    _filter_config(cfg)[field] = value
+    errors = lint(cfg, POOLS, longest_wait_s=5.0).errors
+    assert any(e.startswith("static_resources.listeners[0].filter_chains[0].filters[0].typed_config.http_filters[0]"
+                            f".typed_config.{field}: {value!r}: not a value Envoy takes there") for e in errors), errors
+
+
+def test_a_free_form_json_body_format_is_not_read_as_envoy_fields():
+    cfg = shipped()
+    mapper = hcm(cfg)["local_reply_config"]["mappers"][0]
+    mapper["body_format_override"]["json_format"]["error"].update(timeout="soon", disabled="no")
+    assert lint(cfg, POOLS).errors == []
