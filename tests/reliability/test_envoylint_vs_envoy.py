@@ -28,7 +28,7 @@ from envoy.extensions.filters.http.ext_proc.v3.ext_proc_pb2 import ExternalProce
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 
 from extproc.tools import envoyconf
-from extproc.tools.envoylint import lint
+from extproc.tools.envoylint import BOOLS, DURATIONS, ENUMS, lint
 from extproc.tools.stack import Stack, free_port
 from tests.conftest import policy_file, run_upstream
 from tests.unit import test_envoylint_generated as gen
@@ -142,13 +142,33 @@ def test_a_mutated_config_envoy_loads_is_one_the_check_can_read(tmp_path):
         hcm, _, _ = gen.first_listener(cfg)
         done = gen._mutate(rng, rng.choice([gen._filter(hcm)["typed_config"], hcm["route_config"],
                                             hcm["early_header_mutation_extensions"][0]]))
-        if _validate(cfg, tmp_path)[0]:
+        ok, why = _validate(cfg, tmp_path)
+        if ok:
             loaded += 1
             try:
                 _findings(cfg)
             except Exception as e:  # noqa: BLE001 - the finding is that anything escapes
                 pytest.fail(f"mutation {n} {done}: Envoy loads it, the check raises {e!r}")
     assert loaded >= 3  # the sample reaches configs Envoy loads
+
+
+def test_a_value_envoy_refuses_in_a_field_the_check_reads_is_an_error(tmp_path):
+    """gen.ODD's values put into the ext_proc filter's enum, Duration and bool fields: where Envoy refuses the
+    config, the check says so (it must not read the value as unset and pass the config)."""
+    rng = random.Random(20261209)
+    refused = 0
+    shipped = gen._filter(gen.first_listener(copy.deepcopy(gen.BASE))[0])["typed_config"]
+    fields = sorted(k for k in set(ENUMS) | DURATIONS | BOOLS if k in shipped or k in shipped["processing_mode"])
+    for at in fields * 2:
+        cfg = copy.deepcopy(gen.BASE)
+        tc = gen._filter(gen.first_listener(cfg)[0])["typed_config"]
+        (tc if at in tc else tc["processing_mode"])[at] = value = copy.deepcopy(rng.choice(gen.ODD))
+        ok, why = _validate(cfg, tmp_path)
+        if not ok:
+            refused += 1
+            errors = _findings(cfg)[0]
+            assert any(f".{at}: " in e for e in errors), f"{at}: {value!r}: Envoy refuses it ({why}), check: {errors}"
+    assert refused >= 3
 
 
 # -- behaviour through Envoy ---------------------------------------------------------------------------------------
