@@ -159,7 +159,9 @@ def _duration(value: dict[str, Any]) -> Any:
     """{seconds, nanos} (either may be left out, or written as a string) as "Ns" ("2.5s"); another shape as it is."""
     try:
         if set(value) <= {"seconds", "nanos"}:
-            return f"{int(value.get('seconds', 0)) + int(value.get('nanos', 0)) / 1e9:g}s"
+            # Fixed-point, nanoseconds at most: `g` wrote {seconds: 1000000} as "1e+06s", which no Duration reads.
+            seconds, nanos = int(value.get("seconds", 0)), int(value.get("nanos", 0))
+            return f"{seconds + nanos // 10**9}.{nanos % 10**9:09d}".rstrip("0").rstrip(".") + "s"
     except (TypeError, ValueError):
         pass
     return value

@@ -705,6 +705,10 @@ def test_a_max_message_timeout_under_the_wait_written_as_seconds_and_nanos_is_an
                for e in lint(cfg, POOLS, longest_wait_s=5.0).errors)
     _filter_config(cfg)["max_message_timeout"] = {"seconds": 30}
     assert lint(cfg, POOLS, longest_wait_s=5.0).errors == []
+    # Large and fine ones too: `g` formatting wrote 1e+06s, which read as a value Envoy refuses.
+    for long in ({"seconds": 1000000}, {"seconds": 29, "nanos": 1}):
+        _filter_config(cfg)["max_message_timeout"] = long
+        assert lint(cfg, POOLS, longest_wait_s=5.0).errors == [], long
 
 
 def test_a_route_timeout_written_as_seconds_is_read_as_envoy_reads_it():
