@@ -541,10 +541,12 @@ def canned_body(body: RequestBody, text: str) -> tuple[bytes, str]:
 
 def wants_stream_usage(body: RequestBody) -> bool:
     """The client asked for the usage chunk at the end of its stream (read before the gateway rewrites the body):
-    as vLLM reads stream_options, whose include_usage defaults to true once the object is sent (`{}` included),
-    and pydantic's lax bool reads "false" or 0 as false."""
+    as vLLM 0.32 reads stream_options, whose include_usage defaults to false (`{}` and `{"continuous_usage_stats":
+    true}` get no usage: recorded in tests/fixtures/vllm/differential.json; until 2026-12-06 the gateway took it to
+    default to true, so such a learned stream lost its sample and a restreamed answer got a chunk vLLM does not
+    send), with pydantic's lax bool ("true", 1)."""
     opts = body.doc.get("stream_options")
-    return body.stream and isinstance(opts, dict) and ("include_usage" not in opts or lax_true(opts["include_usage"]))
+    return body.stream and isinstance(opts, dict) and lax_true(opts.get("include_usage"))
 
 
 def sse_from_answer(kind: str, raw: bytes, include_usage: bool) -> bytes | None:

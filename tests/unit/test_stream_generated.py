@@ -105,11 +105,11 @@ def fill(template: dict, kind: str, model: str) -> dict:
 
 def vllm_usage_options(doc: dict) -> tuple[bool, bool]:
     """(include_usage, continuous_usage_stats) as vLLM reads the stream_options it was sent (the generator writes
-    only true, false or absent; include_usage defaults to true once the object is sent)."""
+    only true, false or absent; include_usage defaults to false, as vLLM 0.32's StreamOptions has it)."""
     opts = doc.get("stream_options")
     if not isinstance(opts, dict):
         return False, False
-    include = opts.get("include_usage", True) is True
+    include = opts.get("include_usage") is True
     return include, include and opts.get("continuous_usage_stats") is True
 
 
