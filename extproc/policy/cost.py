@@ -54,10 +54,11 @@ def prompt_size(doc: dict[str, Any]) -> tuple[int, int]:
     return sum(map(len, texts)), tokens
 
 
-def _prompt_texts(doc: dict[str, Any], out: list[str | bytes]) -> int:
+def _prompt_texts(doc: dict[str, Any], out: list[str | bytes], media: dict[str, int] | None = None) -> int:
     """Appends to `out` every text of a generation body that reaches the model's prompt (the body's own strings,
     not copies; tool schemas serialised), so the fast estimate and the tokenizer count the same texts. Returns
-    the tokens known without a tokenizer (token ids, media parts, per-message overhead)."""
+    the tokens known without a tokenizer (token ids, media parts at `media`'s counts, per-message overhead)."""
+    media = MEDIA_PART_TOKENS if media is None else media
     tokens = 0
     if isinstance(doc.get("instructions"), str):  # the Responses API's system message
         out.append(doc["instructions"])
@@ -65,7 +66,7 @@ def _prompt_texts(doc: dict[str, Any], out: list[str | bytes]) -> int:
     for key in ("messages", "prompt", "input", "previous_input_messages"):
         value = doc.get(key)
         if value is not None:
-            tokens += _prompt_like(value, out)
+            tokens += _prompt_like(value, out, media)
     for key in ("tools", "functions", "documents"):
         if doc.get(key):
             # tool schemas, and a chat body's RAG documents, go into the prompt through the template
@@ -106,7 +107,7 @@ def _fast_size(text: str | bytes) -> int:
     return len(text) if type(text) is bytes or text.isascii() else utf8_size(text)
 
 
-def text_size(doc: Any) -> tuple[int, int]:
+def text_size(doc: Any, media: dict[str, int] | None = None) -> tuple[int, int]:
     """(UTF-8 bytes, token ids) of every string and integer list anywhere in a body, a media part (an image, ...)
     at its tokens as in a chat: the estimate for endpoints whose inputs are spread over their own fields
     (embeddings, score, rerank, classify, tokenize). The body's
@@ -115,6 +116,7 @@ def text_size(doc: Any) -> tuple[int, int]:
     A list that starts with an integer is counted as token ids by its length, not visited: 2 million ids in
     20,000 lists took the visit 90 ms of the event loop. vLLM's typed fields refuse a list that mixes ids with
     anything else, so nothing it would run is missed."""
+    media_tokens = MEDIA_PART_TOKENS if media is None else media
     chars = tokens = 0
     stack = [doc]
     while stack:
@@ -127,11 +129,11 @@ def text_size(doc: Any) -> tuple[int, int]:
             elif type(v) is list and v and type(v[0]) is int:
                 tokens += len(v)
             elif type(v) is dict:
-                media = MEDIA_PART_TOKENS.get(_part_kind(v))
-                if media is None:
+                part = media_tokens.get(_part_kind(v))
+                if part is None:
                     stack.append(v)
                 else:
-                    tokens += media  # an image's base64 data URL is not text (as in a chat's parts)
+                    tokens += part  # an image's base64 data URL is not text (as in a chat's parts)
             elif type(v) is list:
                 stack.append(v)
     return chars, tokens
@@ -159,7 +161,7 @@ def _paired_query(doc: dict[str, Any]) -> tuple[Any, int]:
     return query, len(documents) - 1
 
 
-def _prompt_like(value: Any, out: list[str | bytes]) -> int:
+def _prompt_like(value: Any, out: list[str | bytes], media: dict[str, int]) -> int:
     """A string, token ids, a list of either, or a list of messages (chat) or items (Responses API)."""
     if isinstance(value, str):
         out.append(value)
@@ -171,7 +173,7 @@ def _prompt_like(value: Any, out: list[str | bytes]) -> int:
     tokens = 0
     for item in value:
         if type(item) is dict:
-            tokens += _message_texts(item, out)
+            tokens += _message_texts(item, out, media)
         elif type(item) is str:
             out.append(item)
         elif type(item) is list:
@@ -188,7 +190,7 @@ MESSAGE_FIELDS = {"content": _TEXT, "output": _TEXT, "arguments": _TEXT, "summar
                   "reasoning_content": _REASONING_CONTENT, "tool_calls": _TOOL_CALLS, "input": _CUSTOM_INPUT}
 
 
-def _message_texts(m: dict[str, Any], out: list[str | bytes]) -> int:
+def _message_texts(m: dict[str, Any], out: list[str | bytes], media: dict[str, int]) -> int:
     # Over the message's own keys (two or three), not over every field it might have: this runs per message.
     tokens = MESSAGE_OVERHEAD_TOKENS
     for key, value in m.items():
@@ -204,7 +206,7 @@ def _message_texts(m: dict[str, Any], out: list[str | bytes]) -> int:
             if field is _TOOL_CALLS:
                 _tool_call_texts(value, out)
             else:
-                tokens += _parts_texts(value, out)
+                tokens += _parts_texts(value, out, media)
     return tokens
 
 
@@ -216,11 +218,25 @@ MEDIA_PART_TOKENS = {"image_url": IMAGE_PART_TOKENS, "image": IMAGE_PART_TOKENS,
                      "input_audio": AUDIO_PART_TOKENS, "audio_url": AUDIO_PART_TOKENS,
                      "audio_embeds": AUDIO_PART_TOKENS,
                      "video_url": VIDEO_PART_TOKENS, "video_embeds": VIDEO_PART_TOKENS}
+_MEDIA_KIND = {kind: ("image" if "image" in kind else "audio" if "audio" in kind else "video")
+               for kind in MEDIA_PART_TOKENS}
+
+
+def media_part_tokens(spec: CostSpec) -> dict[str, int]:
+    """MEDIA_PART_TOKENS at the model's own counts (cost.image_tokens, audio_tokens, video_tokens): what one part
+    fills of the prompt depends on the model's encoder (a dynamic-resolution one takes thousands for a large
+    image), and the default ones are shared, not copied, for a model that keeps them."""
+    counts = {"image": spec.image_tokens, "audio": spec.audio_tokens, "video": spec.video_tokens}
+    if counts == {"image": IMAGE_PART_TOKENS, "audio": AUDIO_PART_TOKENS, "video": VIDEO_PART_TOKENS}:
+        return MEDIA_PART_TOKENS
+    return {kind: counts[what] for kind, what in _MEDIA_KIND.items()}
+
+
 # Where a text part keeps its text when not in `text` (text, input_text, output_text, summary_text, ...).
 TEXT_PART_FIELD = {"refusal": "refusal", "thinking": "thinking"}
 
 
-def _parts_texts(parts: list[Any], out: list[str | bytes]) -> int:
+def _parts_texts(parts: list[Any], out: list[str | bytes], media_tokens: dict[str, int]) -> int:
     tokens = 0
     for part in parts:
         if isinstance(part, str):
@@ -229,7 +245,7 @@ def _parts_texts(parts: list[Any], out: list[str | bytes]) -> int:
         if not isinstance(part, dict):
             continue
         kind = _part_kind(part)
-        media = MEDIA_PART_TOKENS.get(kind)
+        media = media_tokens.get(kind)
         if media is not None:
             tokens += media
             continue
@@ -283,18 +299,19 @@ class CostModel:
         self.output_ratio = 1.0           # actual / requested output tokens; starts pessimistic
         self.samples = 0
         self._tokenizer = _load_tokenizer(spec.tokenizer) if spec.tokenizer else None
+        self.media = media_part_tokens(spec)
 
     def prompt_tokens(self, doc: dict[str, Any], generates: bool = True) -> int:
         """Prompt tokens of a generation body (its prompt fields), or of any other body (all its text)."""
         if not generates:
-            chars, tokens = text_size(doc)
+            chars, tokens = text_size(doc, self.media)
             query, repeats = _paired_query(doc)
             if repeats:
-                q_chars, q_tokens = text_size([query])
+                q_chars, q_tokens = text_size([query], self.media)
                 chars, tokens = chars + repeats * q_chars, tokens + repeats * q_tokens
         else:
             texts: list[str | bytes] = []
-            tokens = _prompt_texts(doc, texts)
+            tokens = _prompt_texts(doc, texts, self.media)
             if self._tokenizer is not None and texts:
                 return tokens + self._tokenized(texts)
             chars = sum(map(_fast_size, texts))

@@ -488,6 +488,15 @@ class CostSpec:
                                 "first 16,384 characters of a prompt; the rest is counted at the rate of those, "
                                 "never below the fast estimate's, so a huge prompt cannot hold the event loop.",
                                 None)
+    image_tokens: int = doc("Prompt tokens one image part fills (`image_url`, `input_image`, image embeds). 768 is a "
+                            "fixed-resolution encoder's; a dynamic-resolution one (the Qwen2-VL family) takes up to "
+                            "its `max_pixels` / 784 for a large image (about 16K at its defaults): set what your "
+                            "model's largest accepted image takes, or a client's images are admitted at a fraction "
+                            "of their prefill.", 768, minimum=0)
+    audio_tokens: int = doc("Prompt tokens one audio part fills (`input_audio`, `audio_url`, audio embeds).", 512,
+                            minimum=0)
+    video_tokens: int = doc("Prompt tokens one video part fills (`video_url`, video embeds): vLLM samples 32 frames "
+                            "by default, about 128 tokens a frame after merging.", 4096, minimum=0)
     learn: bool = doc("Correct the coefficients and the output ratio online from real usage.", True)
 
 

@@ -110,6 +110,19 @@ def test_a_pooling_bodys_media_payloads_count_as_media_not_as_text(doc):
     assert CostModel(SPEC).prompt_tokens(doc, generates=False) < IMAGE_PART_TOKENS + 100
 
 
+@pytest.mark.parametrize("generates", [True, False])
+def test_a_models_own_media_counts_cost_its_media_parts(generates):
+    # A dynamic-resolution vision model (the Qwen2-VL family) fills up to ~16K prompt tokens with one large image;
+    # at the fixed 768 ten images were admitted at 7,680 tokens where the replica prefilled 160K.
+    image = {"type": "image_url", "image_url": {"url": DATA_URL}}
+    video = {"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}
+    doc = {"messages": [{"role": "user", "content": [image] * 10 + [video]}]}
+    base = CostModel(CostSpec(image_tokens=0, video_tokens=0)).prompt_tokens(doc, generates)  # the text around
+    vision = CostModel(CostSpec(image_tokens=16_384, video_tokens=8_000))
+    assert vision.prompt_tokens(doc, generates) == base + 10 * 16_384 + 8_000
+    assert CostModel(SPEC).prompt_tokens(doc, generates) == base + 10 * IMAGE_PART_TOKENS + VIDEO_PART_TOKENS
+
+
 def test_a_responses_reasoning_items_encrypted_content_is_not_text():
     doc = {"input": [{"type": "reasoning", "summary": [], "encrypted_content": "e" * 10_000}]}
     assert prompt_size(doc) == (0, MESSAGE_OVERHEAD_TOKENS)
