@@ -124,9 +124,9 @@ class AdmissionController:
         else:
             self.saturation[pool] = saturation
         if saturation is None:
-            self.steering.update(pool, ())
+            self.steering.update(pool, (), now=self.clock())
         else:
-            self.steering.update(pool, saturation.working, stalled=saturation.stalled > 0)
+            self.steering.update(pool, saturation.working, stalled=saturation.stalled > 0, now=self.clock())
 
     def wants_listings(self, pool: str) -> bool:
         """Whether this pool's replicas' /v1/models are to be read (models.<name>.names_from_replicas)."""

@@ -56,9 +56,14 @@ class ReplicaSteering:
         errors[0] += 1.0
         errors[1] = now
 
-    def update(self, pool: str, working: tuple[tuple[str, float, float], ...], stalled: bool = True) -> None:
-        """A new reading: `working` lists each working replica with its load and pace (over 1: slow), empty when
-        none is stalled or slow; `stalled`: some replica of the pool is (not only slow)."""
+    def update(self, pool: str, working: tuple[tuple[str, float, float], ...], stalled: bool = True,
+               now: float | None = None) -> None:
+        """A new reading at `now`: `working` lists each working replica with its load and pace (over 1: slow),
+        empty when none is stalled or slow; `stalled`: some replica of the pool is (not only slow)."""
+        if now is not None and self._failing:
+            # Errors past EJECT_S are over (as _ejected finds them), and a replica that left the pool, often after
+            # failing, is never looked up again: kept until then, they grew with every replica that ever failed.
+            self._failing = {a: e for a, e in self._failing.items() if now - e[1] <= EJECT_S}
         if working:
             self._pools[pool] = [[address, load, pace] for address, load, pace in working]
         else:

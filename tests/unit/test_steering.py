@@ -60,3 +60,22 @@ def test_a_replica_failing_in_a_row_is_left_out_until_its_ejection_would_be_over
         s.answered("a:1", True, 60.0)
         s.answered("b:1", True, 60.0)
     assert s.pick("pool", 61.0) is None  # every one failing: Envoy's own balancing knows best
+
+
+def test_a_replica_that_failed_and_left_the_pool_is_forgotten_once_its_ejection_would_be_over():
+    # A replica that fails and then leaves (a dying pod) is never looked up again: its errors were kept for good,
+    # one entry more for every replica that ever failed while a pool was steered.
+    clock = FakeClock()
+    core = AdmissionController(make_policy(), clock=clock)
+    sat = PoolSaturation()
+    sat.stalled, sat.working = 1, (("10.0.0.2:8000", 0.0, 1.0), ("10.0.0.3:8000", 0.0, 1.0))
+    core.set_saturation("vllm_llama70b", sat)
+    for _ in range(FAILURES):
+        core.replica_answered("10.0.0.3:8000", True)
+    clock.advance(EJECT_S / 2)
+    core.set_saturation("vllm_llama70b", sat)
+    assert core.replicas_for("vllm_llama70b") == "10.0.0.2:8000"  # still ejected
+    sat.working = (("10.0.0.2:8000", 0.0, 1.0),)  # it left the pool
+    clock.advance(EJECT_S)
+    core.set_saturation("vllm_llama70b", sat)
+    assert core.steering._failing == {}
