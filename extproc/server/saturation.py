@@ -209,8 +209,9 @@ class ScrapedReplica:
     def __init__(self, address: str):
         self.address = address
         # IP:PORT, as Envoy knows the replica (its override-host list names it so): the address itself when it is
-        # one, else what its name resolves to (PoolScraper._resolve; several, comma-separated).
-        self.endpoint = address if _ip_address(address) else None
+        # one (written as Envoy writes it), else what its name resolves to (PoolScraper._resolve; several,
+        # comma-separated).
+        self.endpoint = _as_envoy_lists(address)
         self.metrics: dict[str, float] | None = None
         self.at = -1.0
         self.preemptions: float | None = None
@@ -584,6 +585,17 @@ def _ip_address(address: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _as_envoy_lists(address: str) -> str | None:
+    """HOST:PORT with an IP host as Envoy lists its hosts (and the access log names them): the form inet_ntop
+    writes, lower case, the longest run of zeros as `::`; None when the host is a name. Written otherwise in the
+    policy ("[fd00:0:0:0:0:0:0:3]:8000"), the override-host list named a host Envoy did not know, and Envoy's own
+    balancing sent the requests, to the stalled replica too."""
+    if not _ip_address(address):
+        return None
+    host, _, port = address.rpartition(":")
+    return host_port(str(ipaddress.ip_address(host.strip("[]"))), port)
 
 
 def _refused(error: BaseException) -> bool:

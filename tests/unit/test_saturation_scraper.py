@@ -494,6 +494,15 @@ def test_a_replica_named_by_host_name_is_named_by_its_ip_once_resolved():
     assert set(r1.endpoint.split(",")) <= {"127.0.0.1:8000", "[::1]:8000"} and r1.endpoint  # every address
 
 
+def test_a_replica_listed_by_an_ip_written_otherwise_is_named_as_envoy_lists_its_hosts():
+    # Envoy lists (and logs) an IPv6 host as inet_ntop writes it; the override-host list must name it so, or Envoy
+    # does not find it and balances by itself, onto the stalled replica too.
+    spec = PoolSpec(replicas=["[FD00:0:0:0:0:0:0:2]:8000", "[fd00:0000::0003]:8000", "10.0.0.4:8000"])
+    scraper = PoolScraper(RecordingCore(), "pool_a", spec, None)
+    assert [r.endpoint for r in scraper.replicas.values()] == ["[fd00::2]:8000", "[fd00::3]:8000", "10.0.0.4:8000"]
+    assert saturation._as_envoy_lists("vllm-0.vllm:8000") is None  # a name: resolved, as before
+
+
 def test_envoys_cluster_membership_gives_each_host_as_ip_port_ipv6_in_brackets():
     doc = {"cluster_statuses": [
         {"name": "other", "host_statuses": [{"address": {"socket_address": {"address": "10.9.9.9", "port_value": 1}}}]},
