@@ -126,8 +126,10 @@ def judge_slow(paces: list[TokenPace], now: float, ratio: float) -> list[TokenPa
     if len(seen) < 2:
         return changed + [p for p, _, _ in seen if _set(p, False)]
     was_slow = {id(p) for p, _, _ in seen if p.slow}  # as judged before this round (verdicts change below)
-    for pace, s, load in seen:
-        others = [(s2, _outweighs(load, load2), _outweighs(load2, load), id(p2) in was_slow)
+    # The others first: a slow one is let back only against one not slow by this round's verdict too (a restarted
+    # slow replica, judged for the first time, let another back for a round before either was found slow).
+    for pace, s, load in sorted(seen, key=lambda entry: entry[0].slow):
+        others = [(s2, _outweighs(load, load2), _outweighs(load2, load), p2.slow or id(p2) in was_slow)
                   for p2, s2, load2 in seen if p2 is not pace]
         if not pace.slow:
             # Against one that ran at least as heavy a load, the gap itself: slower than that is not the load's

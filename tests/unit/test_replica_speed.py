@@ -120,6 +120,16 @@ def test_a_slow_replica_is_not_let_back_for_reading_as_fast_as_another_slow_one(
         assert judge_slow([fast, old1, old2], 10.0, 1.5) == [] and old1.slow and old2.slow
 
 
+def test_a_slow_replica_is_not_let_back_by_another_slow_one_judged_for_the_first_time():
+    # old1 already slow; old2, just restarted (or added), has its first window's tokens this round, at old1's pace
+    # on a lighter batch: old1 was let back against it before old2 itself was found slow, for one round (a log
+    # line each way, and the classes with an SLO sent to a replica 2x slower for a scrape).
+    fast, old1 = paced(0.005, running=8.0), paced(0.010, running=4.0)
+    assert judge_slow([fast, old1], 10.0, 1.5) == [old1]
+    old2 = paced(0.010, running=3.0)
+    assert judge_slow([old1, old2, fast], 10.0, 1.5) == [old2] and old1.slow and old2.slow
+
+
 def test_a_slow_replica_holding_the_heavier_batch_is_still_judged():
     # Least request at low concurrency leaves the slow replica, whose requests last longer, the heavier batch: 1.8
     # to the fast one's 1.2 with three clients. 3x the pace is more than a batch 1.5x heavier can cost (1.5x at
