@@ -240,12 +240,14 @@ class PoolScraper:
         self.phase_s = phase_s  # the first round waits this long (SaturationScrapers spreads the pools' rounds)
         self.session = session
         self.clock = clock
-        # `known`: the replicas a previous scraper of this pool saw (a reload), taken over by address.
-        self._known = known or {}
+        # `known`: the replicas a previous scraper of this pool saw (a reload), taken over by address, now only: one
+        # Envoy's list drops later is forgotten, and comes back as a new one (kept, a replica stalled at the reload
+        # came back stalled, its old requests counted again as the pool's stalled share).
+        known = known or {}
         # A pool found through Envoy starts from the replicas last listed (a reload), as a failed discovery keeps
         # them: started with none, an admin that did not answer its first try read the pool as saturated.
-        listed = spec.replicas or (list(self._known) if spec.envoy_admin else [])
-        self.replicas: dict[str, ScrapedReplica] = {a: self._replica(a) for a in listed}
+        listed = spec.replicas or (list(known) if spec.envoy_admin else [])
+        self.replicas: dict[str, ScrapedReplica] = {a: known.get(a) or ScrapedReplica(a) for a in listed}
         self._last_discovery = -1e9
         self._resolved_at = -math.inf
         self._published_at = clock()  # as if just published: the first round has stale_ms to fail before it counts
@@ -532,7 +534,7 @@ class PoolScraper:
         for gone in set(self.replicas) - found:
             del self.replicas[gone]
         for new in found - set(self.replicas):
-            self.replicas[new] = self._replica(new)
+            self.replicas[new] = ScrapedReplica(new)
 
     def _discovery_failed(self, why: str) -> None:
         """Said at warning level, once a minute: with no replica known the pool reads as saturated, so a wrong
@@ -544,9 +546,6 @@ class PoolScraper:
         log.warning("pool %s: Envoy admin %s not read (%s); its replicas stay %s (logged once a minute)", self.name,
                     self.spec.envoy_admin, why, "unknown, so the pool counts as saturated" if not self.replicas
                     else "as last listed")
-
-    def _replica(self, address: str) -> ScrapedReplica:
-        return self._known.get(address) or ScrapedReplica(address)
 
 
 def _cluster_hosts(doc: dict, cluster_name: str) -> set[str] | None:

@@ -564,6 +564,51 @@ def test_a_reload_of_a_pool_found_through_envoy_starts_from_its_replicas_as_last
     assert not after.aggregate(clock()).saturated
 
 
+class EnvoyAdmin:
+    """Stands in for the session the scraper reads Envoy's /clusters through: lists `hosts` for pool_a."""
+
+    def __init__(self, hosts):
+        self.hosts = hosts
+
+    @contextlib.asynccontextmanager
+    async def get(self, url, timeout=None):
+        statuses = [{"address": {"socket_address": {"address": h.rpartition(":")[0], "port_value": 8000}}}
+                    for h in self.hosts]
+        doc = {"cluster_statuses": [{"name": "pool_a", "host_statuses": statuses}]}
+
+        class Answer:
+            async def json(self, content_type=None):
+                return doc
+        yield Answer()
+
+
+def test_a_replica_envoy_drops_after_a_reload_comes_back_as_a_new_one():
+    # A reload hands the new scraper what the old one knew. It kept all of it for good: a replica Envoy dropped
+    # later (its pod deleted) and listed again (a new pod at that IP) came back with the old one's reading, here
+    # stalled, its old requests counted as the pool's stalled share until the new one was read.
+    clock = FakeClock()
+    spec = PoolSpec(envoy_admin="http://127.0.0.1:9901", stall_ms=1000)
+    before = PoolScraper(RecordingCore(), "pool_a", spec, None, clock=clock)
+    before.replicas.update((a, saturation.ScrapedReplica(a)) for a in ("10.0.0.1:8000", "10.0.0.2:8000"))
+    hung, other = before.replicas.values()
+    for _ in range(3):
+        before.record(hung, reading(running=2, tokens=5.0))
+        before.record(other, reading())
+        before.aggregate(clock())
+        clock.advance(1.0)
+    assert hung.stalled
+    admin = EnvoyAdmin(["10.0.0.1:8000", "10.0.0.2:8000"])
+    after = PoolScraper(RecordingCore(), "pool_a", spec, admin, clock=clock, known=before.replicas)
+    assert after.replicas["10.0.0.1:8000"] is hung  # kept across the reload
+    admin.hosts = ["10.0.0.2:8000"]
+    asyncio.run(after._discover())
+    admin.hosts = ["10.0.0.1:8000", "10.0.0.2:8000"]
+    asyncio.run(after._discover())
+    back = after.replicas["10.0.0.1:8000"]
+    assert back is not hung and not back.stalled and back.metrics is None
+    assert after.aggregate(clock()).stalled == 0
+
+
 def test_a_stalled_replica_whose_metrics_stop_answering_stays_stalled_and_is_not_named():
     # A wedged server whose /metrics hangs too: unread, it would count as saturation (any unread replica does)
     # and stop being stalled, so requests would be steered to it again.
