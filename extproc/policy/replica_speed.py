@@ -151,6 +151,14 @@ def judge_slow(paces: list[TokenPace], now: float, ratio: float) -> list[TokenPa
             pace.relative = s / min(lighter)
             if pace.relative <= release and _set(pace, False):
                 changed.append(pace)
+    if all(p.slow for p, _, _ in seen):
+        # Every replica is slow, each against one that was not when it was judged: none is left to let the others
+        # back against, and the pool's fastest read slow for good. Slow against none now, it is let back, and the
+        # others are judged against it.
+        fastest = min(seen, key=lambda entry: entry[1])[0]
+        fastest.relative = 1.0
+        if _set(fastest, False):
+            changed.append(fastest)
     return changed
 
 

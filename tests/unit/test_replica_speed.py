@@ -130,6 +130,16 @@ def test_a_slow_replica_is_not_let_back_by_another_slow_one_judged_for_the_first
     assert judge_slow([old1, old2, fast], 10.0, 1.5) == [old2] and old1.slow and old2.slow
 
 
+def test_the_pools_fastest_replica_is_never_left_slow_for_want_of_another_not_slow():
+    # A replica judged slow got faster while the others turned slow and were judged so against it: with no
+    # replica left that was not slow it was never let back, the pool's fastest read slow (3 of 3 slow) for good.
+    fastest, old1, old2 = paced(0.010), paced(0.025), paced(0.025)
+    for pace in (fastest, old1, old2):
+        pace.slow = True
+    assert judge_slow([old1, fastest, old2], 10.0, 1.5) == [fastest] and not fastest.slow
+    assert fastest.relative == 1.0 and old1.slow and old2.slow
+
+
 def test_a_slow_replica_holding_the_heavier_batch_is_still_judged():
     # Least request at low concurrency leaves the slow replica, whose requests last longer, the heavier batch: 1.8
     # to the fast one's 1.2 with three clients. 3x the pace is more than a batch 1.5x heavier can cost (1.5x at
