@@ -533,7 +533,7 @@ class PoolScraper:
             return
         for gone in set(self.replicas) - found:
             del self.replicas[gone]
-        for new in found - set(self.replicas):
+        for new in sorted(found - set(self.replicas)):  # one order, whatever the hash seed: runs repeat
             self.replicas[new] = ScrapedReplica(new)
 
     def _discovery_failed(self, why: str) -> None:

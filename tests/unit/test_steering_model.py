@@ -332,9 +332,9 @@ class Model:
                             {r.endpoint for r in known
                              if r.at >= fresh and r.healthy and not (r.stalled or r.refused)})
 
-    def steady(self, sim: Replica) -> bool:
-        """Working, at the same pace, for two pace windows."""
-        return sim.mode == "ok" and self.clock() - max(sim.pace_since, sim.mode_since, sim.started) > 2 * WINDOW_S
+    def steady(self, sim: Replica, for_s: float = 2 * WINDOW_S) -> bool:
+        """Working, at the same pace, for `for_s` (two pace windows)."""
+        return sim.mode == "ok" and self.clock() - max(sim.pace_since, sim.mode_since, sim.started) > for_s
 
     def check_round(self) -> None:
         now = self.clock()
@@ -357,9 +357,11 @@ class Model:
                 if readable and sim.moved_at == now:
                     assert not r.stalled, (pool, address, "still stalled after its counters moved")
                 steady = self.steady(sim)
-                if judged[address] and sim.slow and self.was_slow.get(address) is r and sum(judged.values()) > 1:
-                    # The simulated replicas keep their pace at any load: none reads near a slow one's but another
-                    # slow one, which must not let it back.
+                fast = [h for h in hosts if judged.get(h) and self.steady(self.world.replicas[h], WINDOW_S)
+                        and not self.world.replicas[h].slow]
+                if judged[address] and sim.slow and self.was_slow.get(address) is r and fast:
+                    # The simulated replicas keep their pace at any load: beside a faster one judged this round, none
+                    # reads near a slow one's but another slow one, which must not let it back.
                     assert r.pace.slow, (pool, address, "let back while as slow as ever")
                 if steady and not sim.slow:
                     assert not r.pace.slow, (pool, address, "still slow two windows after it was not")
