@@ -114,7 +114,7 @@ def judge_slow(paces: list[TokenPace], now: float, ratio: float) -> list[TokenPa
     """Update each pace's `slow` against the others (see the module's note on load); returns those whose verdict
     changed. `ratio` <= 1: nothing is slow. A replica without a pace (idle, or not exporting it) is not slow: it is
     judged again once it has served a window's tokens. One with no other to be compared with is not slow: slower
-    than nothing."""
+    than nothing; nor is the fastest of replicas that all read slow (none is left to judge it against)."""
     if ratio <= 1.0:
         return [p for p in paces if _set(p, False)]
     seen = [(p, s, (p.batch(), p.context())) for p in paces if (s := p.seconds_per_token(now)) is not None]
