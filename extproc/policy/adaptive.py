@@ -83,6 +83,18 @@ class AdaptiveLimit:
     def floor(self) -> float:
         return self.spec.min_limit
 
+    def carry_from(self, old: AdaptiveLimit) -> None:
+        """A reload changed the knobs or the SLO: go on from what `old` learned, the cap within the new bounds.
+        Restarting at `max_concurrency` undid an incident's cuts when an operator only tuned `cut_at` (found by
+        test_adaptive_model), as the pool-wide limit does not (PoolLimit.respec). Its samples too while the window
+        is as long: they are service times, whatever the SLO they are judged against."""
+        self.limit = float(min(max(old.limit, self.spec.min_limit), self.spec.max_limit))
+        if old.spec.window_s == self.spec.window_s:
+            self.window = old.window
+        self.calm_p95 = old.calm_p95
+        self._last, self._cut_at, self._recovered_at = old._last, old._cut_at, old._recovered_at
+        self.last_action = old.last_action
+
     def observe(self, now: float, latency_s: float, admitted_at: float | None = None) -> None:
         if admitted_at is not None and admitted_at < self._cut_at:
             return  # it ran under the limit before the last cut: it says nothing about the one after

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
+from .adaptive import AdaptiveLimit
 from .breakers import Breaker, ErrorBreaker, LatencyBreaker
 from .classify import ANONYMOUS, Classifier
 from .cost import CostModel
@@ -19,7 +20,7 @@ class PolicyState:
     hold of a pool's limit (its learned limit too, unless its unit or `initial` changed), learned cost
     coefficients (unless the model's profile changed), tenant buckets and session budgets (what is left of them,
     within a changed spec), breaker state (a breaker whose specs changed is rebuilt, open or half-open if it was)
-    and adaptive limits."""
+    and adaptive limits (a retuned one goes on from its learned cap, within its new bounds)."""
 
     def __init__(self, clock: Callable[[], float], on_breaker_change: Callable[[str, str, Breaker, str], None],
                  limit_factory: LimitFactory = default_limit,
@@ -189,7 +190,9 @@ class PolicyState:
             lim = ClassLimiter(name, spec)
         elif not lim.reconfigure(spec):
             return lim  # its limit algorithm carries over
-        lim.controller = self.limit_factory(spec)
+        previous, lim.controller = lim.controller, self.limit_factory(spec)
+        if isinstance(lim.controller, AdaptiveLimit) and isinstance(previous, AdaptiveLimit):
+            lim.controller.carry_from(previous)  # retuned: turned on, it starts from max_concurrency
         lim.limit = int(lim.controller.limit)
         return lim
 

@@ -454,3 +454,39 @@ def test_a_full_cap_binds_after_cuts_left_its_limit_fractional():
     for k in range(10):
         ctl.observe(1.5 + k / 10, 0.5, admitted_at=1.5)
     assert ctl.update(2.5, 2, PoolSaturation()) == 3 and ctl.last_action == "raise"
+
+
+def one_adaptive_class(max_concurrency: int = 8, enabled: bool = True, **knobs):
+    adaptive = {"enabled": enabled, "min_limit": 2, "max_limit": 16, "interval_s": 1, "window_s": 5,
+                "min_samples": 5, **knobs}
+    return make_policy(classes={"interactive": {"max_concurrency": max_concurrency, "max_queue": 0, "max_wait_ms": 0,
+                                                "slo_p95_ms": 2000, "adaptive": adaptive}}, tenants=[])
+
+
+def test_a_reload_that_tunes_an_adaptive_class_keeps_the_cap_it_learned(clock):
+    """Found by test_adaptive_model: a reload that changed any adaptive knob (or the SLO) rebuilt the controller
+    at `max_concurrency`: a cap cut to its floor on a saturated pool jumped back to 8 mid-incident when an operator
+    only tuned `cut_at`, and the new controller moved at its first tick. The cap carries over (within the new
+    bounds), and so does when it last moved; a reload that turns adaptive on starts from `max_concurrency`."""
+    core = AdmissionController(one_adaptive_class(), clock=clock)
+    lim = core.limiters["interactive"]
+    for t in hold(core, "interactive", 1):
+        core.finish(t, Outcome.OK)  # the class sends to pool_a: it heeds its saturation
+    sat = PoolSaturation()
+    sat.saturated = True
+    for _ in range(8):
+        clock.advance(1.0)
+        sat.updated_at = clock.t
+        core.set_saturation("pool_a", sat)
+        core.tick()
+    assert lim.limit == 2
+    moved_at = lim.controller._last
+    clock.advance(0.1)
+    core.apply(one_adaptive_class(cut_at=0.8))
+    assert lim.limit == 2 and lim.controller.spec.cut_at == 0.8
+    assert lim.controller._last == moved_at  # its next move is an interval after the last, not at the next tick
+    core.apply(one_adaptive_class(cut_at=0.8, min_limit=3))
+    assert lim.limit == 3  # within the new bounds
+    core.apply(one_adaptive_class(max_concurrency=6, enabled=False))
+    core.apply(one_adaptive_class(max_concurrency=6))
+    assert lim.limit == 6  # turned on: starts from max_concurrency

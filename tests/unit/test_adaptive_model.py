@@ -12,12 +12,13 @@ the action and the cap are the reference's, within [min_limit, max_limit]; no ra
 Through the core: two adaptive classes on one pool (the higher one's latency breaker on or off), requests
 arriving, queueing, completing with service times around the SLO, saturation readings (some left to go stale),
 reloads that change the adaptive knobs (rebuilt controllers) or keep them (kept ones). Checked after every step:
-each cap within its (current) bounds, also right after a reload; a class admits only below its cap (a cut under
-what it holds drains: nothing is admitted until it is back under); a move only at its interval; no raise, probe or
-recover while the pool's (fresh) reading is saturated, no saturation cut without one; when the higher class's
-move asked the lower class to yield (or its breaker was reset for it), the lower class's next move is `cut_yield`,
-and it yields only after such an ask (standing until the asker moves again) or while the higher class's latency
-breaker is not closed; the higher class never yields.
+each cap within its (current) bounds, also right after a reload (a rebuilt controller keeps its cap, within the new
+bounds); a class admits only below its cap (a cut under what it holds drains: nothing is admitted until it is back
+under); a move only at its interval, across reloads too; no raise, probe or recover while the pool's (fresh)
+reading is saturated, no saturation cut without one; when the higher class's move asked the lower class to yield
+(or its breaker was reset for it), the lower class's next move is `cut_yield`, and it yields only after such an ask
+(standing until the asker moves again) or while the higher class's latency breaker is not closed; the higher class
+never yields.
 """
 
 from __future__ import annotations
@@ -207,12 +208,13 @@ def test_through_the_core_caps_hold_and_lower_classes_yield(seed):
         if rng.random() < 0.01:  # a reload: new knobs rebuild the controllers, the same ones keep them
             spec = spec if rng.random() < 0.5 else core_spec(rng)
             controllers = {n: lim.controller for n, lim in core.limiters.items()}
+            caps = {n: lim.limit for n, lim in core.limiters.items()}
             core.apply(two_classes(rng, spec))
             for lim in core.limiters.values():
-                if lim.controller is not controllers[lim.name]:
-                    last_move.pop(lim.name, None)
-                    asked = may_yield = False
                 ad = lim.spec.adaptive
+                if lim.controller is not controllers[lim.name]:  # it goes on from the old one's cap and last move
+                    assert lim.limit == min(max(caps[lim.name], ad.min_limit), ad.max_limit), (seed, step)
+                    asked = may_yield = False
                 assert ad.min_limit <= lim.limit <= ad.max_limit, (seed, step, lim.name)
         if rng.random() < 0.3:  # a scrape (or none for a while: the reading goes stale)
             sat = PoolSaturation()
