@@ -94,6 +94,7 @@ class AdaptiveLimit:
         self.calm_p95 = old.calm_p95
         self._last, self._cut_at, self._recovered_at = old._last, old._cut_at, old._recovered_at
         self.last_action = old.last_action
+        self._yield_due = old._yield_due  # asked to yield since its last move: it still does at its next
 
     def observe(self, now: float, latency_s: float, admitted_at: float | None = None) -> None:
         if admitted_at is not None and admitted_at < self._cut_at:

@@ -75,6 +75,7 @@ class AdmissionController:
     def apply(self, policy: Policy) -> None:
         """Install a (validated) policy. Held slots stay with the limiter they were taken from; what they hold of a
         pool's limit moves to the pool's new gate."""
+        asks = self.moves.pending_asks()
         removed = self.state.apply(policy, self._retired)
         self._retired = [lim for lim in self._retired if not self.state.current(lim)]
         self.state.move_pool_holds(self.tickets.values(), self._unreported.values())
@@ -84,7 +85,7 @@ class AdmissionController:
         self.cost_models, self.tenant_limits, self.sessions = st.cost_models, st.tenant_limits, st.sessions
         self.clusters, self.model_names, self.served_names = st.clusters, st.model_names, st.served_names
         self.gates = st.gates  # Envoy cluster -> its pool-wide limit (empty: per-class caps only)
-        self.moves.yield_asked.clear()
+        self.moves.restore_asks(asks)
         self._sessions_on = st.sessions.enabled
         self.shadow.configure(policy)
         self._lease_s = policy.lease_ms / 1000.0

@@ -67,6 +67,17 @@ class LimitMoves:
         for pool in self._ungated(pools):
             self.yield_asked[pool] = min(rank, self.yield_asked.get(pool, rank))
 
+    def pending_asks(self) -> dict[str, str]:
+        """Pool -> the class whose ask to yield there waits for the next tick (by name: a reload may re-rank it)."""
+        return {pool: self.state.ranked[rank].name for pool, rank in self.yield_asked.items()}
+
+    def restore_asks(self, asks: dict[str, str]) -> None:
+        """After a reload: the asks of classes it kept stand, at their new ranks. Dropped, a breaker reset for the
+        classes below to yield (or a latency ask) just before a reload left them at their caps (found by
+        test_adaptive_model)."""
+        limiters = self.state.limiters
+        self.yield_asked = {pool: limiters[name].rank for pool, name in asks.items() if name in limiters}
+
     def lower_excess(self, lim: ClassLimiter, pools) -> float:
         """What the classes below `lim` hold over their floors, on those of these pools without a pool-wide
         limit (a lower class above its floor can still yield)."""

@@ -1,5 +1,6 @@
 """Adaptive caps with a fake clock, saturation parsing against real vLLM's /metrics, deadline-aware rejection."""
 
+import dataclasses
 from pathlib import Path
 
 from extproc.policy.adaptive import AdaptiveLimit, PoolSaturation
@@ -490,3 +491,55 @@ def test_a_reload_that_tunes_an_adaptive_class_keeps_the_cap_it_learned(clock):
     core.apply(one_adaptive_class(max_concurrency=6, enabled=False))
     core.apply(one_adaptive_class(max_concurrency=6))
     assert lim.limit == 6  # turned on: starts from max_concurrency
+
+
+def test_a_reload_keeps_the_yields_asked_before_it(clock):
+    """Found by test_adaptive_model: a reload dropped the asks the lower classes had not acted on yet. A breaker
+    reset for batch to yield, or a move that asked it while batch's interval had not passed, left batch at its
+    cap when a reload came in between (any reload: here one that only deepens a queue, or retunes batch)."""
+    adaptive = {"enabled": True, "min_limit": 2, "max_limit": 16, "interval_s": 1, "window_s": 5, "min_samples": 5}
+    lb = {"window_s": 10, "min_samples": 5, "cooldown_s": 5, "trickle": 0.1, "trickle_s": 10}
+
+    def classes(batch_queue):  # interactive's cap is static: only its breaker asks batch to yield
+        return {"interactive": {"max_concurrency": 8, "max_queue": 0, "max_wait_ms": 0, "slo_p95_ms": 2000,
+                                "latency_breaker": lb, "on_overflow": "fallback",
+                                "fallback": {"action": "degrade", "model": "small"}},
+                "batch": {"max_concurrency": 8, "max_queue": batch_queue, "max_wait_ms": 1000,
+                          "slo_p95_ms": 60000, "adaptive": adaptive}}
+    core = AdmissionController(make_policy(classes=classes(0), tenants=[]), clock=clock)
+    hold(core, "batch", 6)
+    serve_slow(core, clock, 6, 3.0)
+    d = core.decide(RequestFacts(header_class="interactive", model="llama"))  # the breaker is reset, batch asked
+    assert d.kind == ACCEPT and not d.ticket.degraded
+    core.finish(d.ticket, Outcome.OK)
+    core.apply(make_policy(classes=classes(4), tenants=[]))
+    clock.advance(1.0)
+    core.tick()
+    assert core.limiters["batch"].controller.last_action == "cut_yield" and core.limiters["batch"].limit < 6
+
+    # Batch moves every 2 s, interactive every second: interactive asks while batch's interval has not passed,
+    # then moves on (calm again) before batch moves. Batch yields at its next move, a reload that retunes it or not.
+    adaptive = {"enabled": True, "min_limit": 2, "max_limit": 16, "interval_s": 1, "window_s": 5, "min_samples": 5}
+
+    def classes(decrease):
+        return {"interactive": {"max_concurrency": 8, "max_queue": 0, "max_wait_ms": 0, "slo_p95_ms": 2000,
+                                "adaptive": adaptive},
+                "batch": {"max_concurrency": 8, "max_queue": 0, "max_wait_ms": 0, "slo_p95_ms": 60000,
+                          "adaptive": {**adaptive, "interval_s": 2, "decrease": decrease}}}
+    core = AdmissionController(make_policy(classes=classes(0.8), tenants=[]), clock=clock)
+    hold(core, "batch", 6)
+    core.tick()  # both move (hold): batch next moves 2 s later
+    for t in hold(core, "interactive", 6):
+        clock.advance(0.05)
+        core.finish(t, Outcome.OK)
+        core.report(t.id, Completion(Outcome.OK, 200, None, 3.0))  # p95 3 s against a 2 s SLO
+    clock.advance(0.75)
+    core.tick()  # interactive asks batch to yield; batch's interval has not passed
+    assert core.limiters["interactive"].controller.last_action == "ask_yield"
+    assert core.limiters["batch"].limit == 8
+    core.apply(make_policy(classes=classes(0.5), tenants=[]))
+    clock.advance(1.0)
+    core.tick()  # interactive moves first, calm now (its window starts again after the ask); then batch
+    assert core.limiters["interactive"].controller.last_action != "ask_yield"
+    assert core.limiters["batch"].controller.last_action == "cut_yield"
+    assert core.limiters["batch"].limit == 3  # 6 held x 0.5

@@ -205,17 +205,6 @@ def test_through_the_core_caps_hold_and_lower_classes_yield(seed):
     may_yield = False  # interactive asked, or its latency breaker was not closed, since batch's last move
     for step in range(1200):
         clock.advance(rng.choice([0.02, 0.05, 0.1, 0.2]))
-        if rng.random() < 0.01:  # a reload: new knobs rebuild the controllers, the same ones keep them
-            spec = spec if rng.random() < 0.5 else core_spec(rng)
-            controllers = {n: lim.controller for n, lim in core.limiters.items()}
-            caps = {n: lim.limit for n, lim in core.limiters.items()}
-            core.apply(two_classes(rng, spec))
-            for lim in core.limiters.values():
-                ad = lim.spec.adaptive
-                if lim.controller is not controllers[lim.name]:  # it goes on from the old one's cap and last move
-                    assert lim.limit == min(max(caps[lim.name], ad.min_limit), ad.max_limit), (seed, step)
-                    asked = may_yield = False
-                assert ad.min_limit <= lim.limit <= ad.max_limit, (seed, step, lim.name)
         if rng.random() < 0.3:  # a scrape (or none for a while: the reading goes stale)
             sat = PoolSaturation()
             sat.saturated = rng.random() < 0.1
@@ -242,10 +231,21 @@ def test_through_the_core_caps_hold_and_lower_classes_yield(seed):
                 core.finish(t, Outcome.OK)
                 core.report(t.id, Completion(Outcome.OK, 200, None, clock.t - t.admitted_at + t.waited_s))
         hi, lo = core.limiters["interactive"], core.limiters["batch"]
-        excess = core.moves.lower_excess(hi, hi.pools)
         may_yield |= tripped(core, clock.t)  # row 1: interactive's latency breaker is not closed
         if core.moves.yield_asked.get("pool_a", 1) < lo.rank:  # it tripped, and was reset for batch to yield
             asked = may_yield = True
+        if rng.random() < 0.05:  # a reload (before the tick: asks made since the last one stand): new knobs rebuild
+            # the controllers, the same ones keep them
+            spec = spec if rng.random() < 0.5 else core_spec(rng)
+            controllers = {n: lim.controller for n, lim in core.limiters.items()}
+            caps = {n: lim.limit for n, lim in core.limiters.items()}
+            core.apply(two_classes(rng, spec))
+            for lim in core.limiters.values():
+                ad = lim.spec.adaptive
+                if lim.controller is not controllers[lim.name]:  # it goes on from the old one's cap and last move
+                    assert lim.limit == min(max(caps[lim.name], ad.min_limit), ad.max_limit), (seed, step)
+                assert ad.min_limit <= lim.limit <= ad.max_limit, (seed, step, lim.name)
+        excess = core.moves.lower_excess(hi, hi.pools)  # after the reload: it may move the floors
         seen = core.pool_reading("pool_a", clock.t)  # None once nobody refreshed it for 3 x stale_ms
         saturated = seen is not None and seen.saturated
         before = {n: (lim.controller._last, lim.inflight) for n, lim in core.limiters.items()}
