@@ -37,6 +37,15 @@ def route(cfg: dict, path: str) -> dict:
     return next(r for r in routes(cfg) if r["match"].get("path") == path)
 
 
+def check_envoy(tmp_path, text: str):
+    """`extproc check --envoy` run as a user runs it, on `text` as envoy.yaml: (the file, the finished process)."""
+    path = tmp_path / "envoy.yaml"
+    path.write_text(text)
+    run = subprocess.run([sys.executable, "-m", "extproc.cli", "check", "--envoy", str(path),
+                          str(ROOT / "policies/default.yaml")], capture_output=True, text=True, timeout=60)
+    return path, run
+
+
 def test_the_shipped_config_and_every_rendered_stack_have_no_findings():
     found = lint(shipped(), POOLS, admitted=2000)
     assert (found.errors, found.warnings) == ([], [])
@@ -357,10 +366,7 @@ def test_check_exits_1_on_an_envoy_config_with_a_bypass(tmp_path):
     cfg = shipped()
     disable_on_chat(cfg)
     retries(cfg)
-    path = tmp_path / "envoy.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    run = subprocess.run([sys.executable, "-m", "extproc.cli", "check", "--envoy", str(path),
-                          str(ROOT / "policies/default.yaml")], capture_output=True, text=True, timeout=60)
+    path, run = check_envoy(tmp_path, yaml.safe_dump(cfg))
     assert run.returncode == 1, run.stderr
     assert f"{path}: invalid (requests can reach a model pool without admission" in run.stderr
     assert "with the ext_proc disabled" in run.stderr and f"{path}: warning: " in run.stderr
@@ -369,10 +375,7 @@ def test_check_exits_1_on_an_envoy_config_with_a_bypass(tmp_path):
 def test_check_reads_a_malformed_listener_as_invalid_not_a_traceback(tmp_path):
     cfg = shipped()
     routes(cfg)[0] = "not a route"
-    path = tmp_path / "envoy.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    run = subprocess.run([sys.executable, "-m", "extproc.cli", "check", "--envoy", str(path),
-                          str(ROOT / "policies/default.yaml")], capture_output=True, text=True, timeout=60)
+    _, run = check_envoy(tmp_path, yaml.safe_dump(cfg))
     assert run.returncode == 1 and "not an Envoy config this check can read" in run.stderr, run.stderr
     assert "Traceback" not in run.stderr
 
@@ -585,10 +588,7 @@ def test_mutation_rules_refusing_the_content_length_of_a_rewritten_body_are_an_e
 
 def test_check_reads_an_envoy_config_nested_too_deeply_as_unreadable_not_a_traceback(tmp_path):
     # PyYAML parses nested collections recursively: a deep one raised RecursionError out of `check --envoy`.
-    path = tmp_path / "envoy.yaml"
-    path.write_text("static_resources: " + "[" * 5000 + "]" * 5000 + "\n")
-    run = subprocess.run([sys.executable, "-m", "extproc.cli", "check", "--envoy", str(path),
-                          str(ROOT / "policies/default.yaml")], capture_output=True, text=True, timeout=60)
+    path, run = check_envoy(tmp_path, "static_resources: " + "[" * 5000 + "]" * 5000 + "\n")
     assert run.returncode == 2 and f"{path}: not valid YAML: nested too deeply" in run.stderr, run.stderr
     assert "Traceback" not in run.stderr
 
@@ -598,10 +598,7 @@ def test_check_reads_dynamic_resources_that_are_not_a_mapping_as_unreadable_not_
     # `check` looked for cds_config with .get() before anything caught a wrong shape: AttributeError, a traceback.
     cfg = shipped()
     cfg["dynamic_resources"] = dynamic
-    path = tmp_path / "envoy.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    run = subprocess.run([sys.executable, "-m", "extproc.cli", "check", "--envoy", str(path),
-                          str(ROOT / "policies/default.yaml")], capture_output=True, text=True, timeout=60)
+    path, run = check_envoy(tmp_path, yaml.safe_dump(cfg))
     assert run.returncode == 2 and f"{path}: dynamic_resources: a " in run.stderr, run.stderr
     assert "Traceback" not in run.stderr
 
@@ -611,10 +608,7 @@ def test_check_reads_a_cluster_name_that_is_not_a_string_as_unreadable_not_a_tra
     # A number among the cluster names raised TypeError sorting them for the message; a list, TypeError hashing it.
     cfg = shipped()
     cfg["static_resources"]["clusters"][1]["name"] = name
-    path = tmp_path / "envoy.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    run = subprocess.run([sys.executable, "-m", "extproc.cli", "check", "--envoy", str(path),
-                          str(ROOT / "policies/default.yaml")], capture_output=True, text=True, timeout=60)
+    path, run = check_envoy(tmp_path, yaml.safe_dump(cfg))
     assert run.returncode == 2 and f"{path}: static_resources.clusters[1].name: " in run.stderr, run.stderr
     assert "Traceback" not in run.stderr
 

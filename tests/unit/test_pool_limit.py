@@ -679,17 +679,24 @@ def test_a_class_that_completes_few_requests_still_steers_the_limit_from_its_las
     assert c.latency_ratio(16.0 + 6 * 5.0)[0] is None  # older than six windows: no longer evidence
 
 
-def test_a_breaker_that_stays_open_squeezes_lower_classes_once(clock):
+def breaker_open_on_a_full_pool(clock) -> AdmissionController:
+    """Batch holds 6 of a limit of 8 (its 85%), interactive the rest, and interactive's latency breaker opens: its
+    next request queues while batch yields, and batch is squeezed."""
     core = AdmissionController(pool_policy(limit=8), clock=clock)
     for _ in range(6):
-        core.decide(req("batch"))  # 6 of 8: as much as batch's 85% may fill
+        core.decide(req("batch"))
     core.decide(req("interactive"))
-    core.decide(req("interactive"))  # 8 of 8: full
+    core.decide(req("interactive"))
     breaker = core.pool_breakers("interactive", "pool_a")[0]
     for _ in range(5):
         breaker.observe(clock(), 5.0, False)
-    gate = core.gates["pool_a"]
     assert core.decide(req("interactive")).kind == QUEUE  # not degraded: batch yields instead
+    return core
+
+
+def test_a_breaker_that_stays_open_squeezes_lower_classes_once(clock):
+    core = breaker_open_on_a_full_pool(clock)
+    gate = core.gates["pool_a"]
     first_until = gate.squeezed_until(1)  # batch's
     assert first_until > clock()
     clock.advance(1.0)
@@ -701,15 +708,7 @@ def test_a_reload_that_replaces_the_gate_keeps_a_squeeze_to_its_one_cooldown(clo
     # A reload that replaced the pool's gate (borrow_lower toggled, a knob tuned) dropped the squeeze: batch went
     # beyond its guarantee at once with the breaker still open on a full pool, and the next interactive request
     # squeezed it again for a whole new cooldown in the same opening (found by the model-based test).
-    core = AdmissionController(pool_policy(limit=8), clock=clock)
-    for _ in range(6):
-        core.decide(req("batch"))  # 6 of 8: as much as batch's 85% may fill
-    core.decide(req("interactive"))
-    core.decide(req("interactive"))  # 8 of 8: full
-    breaker = core.pool_breakers("interactive", "pool_a")[0]
-    for _ in range(5):
-        breaker.observe(clock(), 5.0, False)
-    assert core.decide(req("interactive")).kind == QUEUE  # not degraded: batch yields instead
+    core = breaker_open_on_a_full_pool(clock)
     first_until = core.gates["pool_a"].squeezed_until(1)
     clock.advance(1.0)
     core.apply(pool_policy(limit=8, borrow_lower=True))  # a new gate
