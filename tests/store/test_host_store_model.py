@@ -4,7 +4,7 @@ clients leaving, time passing, workers dying (their cells cleared by forget(), a
 draining and then all restarted on a fresh table) and reloads (lower caps and budgets, a class removed, classes
 added: many of them, and long names, stored as a hash).
 
-It runs on the virtual clock of test_shared_slots_model, whose selector here reads what is ready (a wake-up datagram)
+It runs on the virtual clock of tests/store/slot_walk.py, whose selector here reads what is ready (a wake-up datagram)
 before it moves the clock on: a datagram is read at the moment it is sent, as on a real clock. Invariants, checked after every step:
 - the table counts exactly what runs: per class and worker, the slots and GPU-seconds of the worker's held
   requests; a dead worker's cells are zero once forgotten, and forget() left the others' cells as they were;
@@ -19,21 +19,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import random
 import selectors
 from pathlib import Path
 
 import pytest
 
-from extproc.policy.admission import ACCEPT, AdmissionController, Queued, RequestFacts
-from extproc.policy.limits import Outcome
-from extproc.server.final_admission import FinalAdmission
+from extproc.policy.admission import AdmissionController, RequestFacts
 from extproc.store import host_store
 from extproc.store.host_store import HostStore
 from extproc.store.shared_slots import SHARED, SharedSlots
 from tests.conftest import make_policy
-from tests.store.test_shared_slots_model import VirtualTimeLoop, stacks
+from tests.store.slot_walk import Member, Request, VirtualTimeLoop, drain, end_one, leave_one, serve
+from tests.store.slot_walk import run_virtual as run_virtual_on
 
 WORKERS = 3
 POLL_S = 0.1
@@ -75,31 +73,8 @@ class _Selector(selectors.DefaultSelector):
         return super().select(0)
 
 
-class _Loop(VirtualTimeLoop):
-    def __init__(self):
-        selector = _Selector()
-        asyncio.SelectorEventLoop.__init__(self, selector)
-        selector.loop = self
-        self.now = 1000.0
-
-
 def run_virtual(coro):
-    loop = _Loop()
-    try:
-        return loop.run_until_complete(coro)
-    finally:
-        loop.close()
-
-
-@dataclasses.dataclass
-class Request:
-    worker: "Worker"
-    cls: str
-    arrived: float
-    task: asyncio.Task | None = None
-    decision: object = None
-    ended: bool = False
-    wait_s: float = 0.0  # its class's max_wait_ms or its own shorter deadline (no reload changes max_wait_ms)
+    return run_virtual_on(coro, lambda: VirtualTimeLoop(_Selector()))
 
 
 class CheckedStore(HostStore):
@@ -136,76 +111,21 @@ class CheckedStore(HostStore):
         pass
 
 
-class Worker:
+class Worker(Member):
     def __init__(self, walk: "Walk", index: int):
         self.walk = walk
         self.index = index
         self.store = CheckedStore(walk.dir, index, WORKERS)
         self.store.on_grant = walk.granted
         self.store.on_claim = walk.claimed
-        self.core = AdmissionController(policy(walk.variant), clock=asyncio.get_running_loop().time)
-        self.slots = SharedSlots(self.core, self.store, workers=WORKERS)
-        self.requests: list[Request] = []
-        self.housekeeping: asyncio.Task | None = None
-        self.alive = True
-
-    async def start(self) -> None:
-        await self.slots.start()
-        self.housekeeping = asyncio.get_running_loop().create_task(self._housekeep())
-
-    async def _housekeep(self) -> None:
-        while True:
-            await asyncio.sleep(1.0)
-            for r in self.running():
-                self.core.renew(r.decision.ticket)
-            for t in self.core.reap():
-                self.slots.release(t)
-            await self.slots.tick()
-
-    def running(self) -> list[Request]:
-        return [r for r in self.requests if r.decision is not None and r.decision.kind == ACCEPT and not r.ended
-                and not r.decision.ticket.closed]
-
-    def waiting(self) -> list[Request]:
-        return [r for r in self.requests if r.task is not None and not r.task.done()]
+        core = AdmissionController(policy(walk.variant), clock=asyncio.get_running_loop().time)
+        super().__init__(core, SharedSlots(core, self.store, workers=WORKERS))
 
     async def die(self) -> None:
         """SIGKILL: nothing more runs or is released; its inbox is gone (datagrams to it are refused)."""
-        self.alive = False
-        self.store.dead = True
-        self.housekeeping.cancel()
-        for r in self.waiting():
-            r.task.cancel()
-        for task in (*self.slots._pumps.values(), self.slots._releaser):
-            if task is not None:
-                task.cancel()
+        self.stop()
         await asyncio.sleep(0)
         await self.store.close()
-
-
-async def serve(w: Worker, req: Request, facts: RequestFacts) -> None:
-    core = w.core
-    d = core.decide(facts)
-    if type(d) is Queued or core.gated(d):
-        held = FinalAdmission(core, w.slots, d)
-
-        async def extend(_s: float) -> None:
-            await asyncio.sleep(0.001)
-        try:
-            d = await held.settle(extend)
-        except asyncio.CancelledError:
-            if w.alive:
-                ticket = held.give_back()
-                if ticket is not None:
-                    core.finish(ticket, Outcome.CLIENT_ABORT)
-                    w.slots.release(ticket)
-            raise
-    req.decision = d
-    t = d.ticket
-    if d.kind == ACCEPT and core.gated(d):
-        assert t.id in w.slots.held, "an admission without a slot of the table"
-    elif t is not None:
-        assert t.id not in w.slots.held, "a refusal kept a slot"
 
 
 class Walk:
@@ -268,18 +188,10 @@ class Walk:
         w.requests.append(req)
 
     def end(self) -> None:
-        running = [r for w in self.workers for r in w.running()]
-        if running:
-            r = self.rng.choice(running)
-            r.ended = True
-            t = r.decision.ticket
-            r.worker.core.finish(t, self.rng.choice((Outcome.OK, Outcome.CLIENT_ABORT)))
-            r.worker.slots.release(t)
+        end_one(self.rng, self.workers)
 
     def leave(self) -> None:
-        waiting = [r for w in self.workers for r in w.waiting()]
-        if waiting:
-            self.rng.choice(waiting).task.cancel()
+        leave_one(self.rng, self.workers)
 
     async def kill(self) -> None:
         """A worker dies; the supervisor clears its cells: exactly its own, the others' stay as they were."""
@@ -399,17 +311,7 @@ class Walk:
 
     async def finish(self) -> None:
         """Every client leaves or ends; then the table is all zeros and every worker's bookkeeping empty."""
-        tasks = [r.task for w in self.workers for r in w.waiting()]
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=5)
-            assert not pending, f"requests still waiting 5 s after their clients left: {stacks(pending)}"
-        for w in self.workers:
-            for r in w.running():
-                r.ended = True
-                w.core.finish(r.decision.ticket, Outcome.OK)
-                w.slots.release(r.decision.ticket)
+        await drain(self.workers)
         await asyncio.sleep(0.5)
         self.check()
         for name, cells in self.table().items():

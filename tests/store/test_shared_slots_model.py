@@ -23,19 +23,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import random
-import selectors
 
 import pytest
 
-from extproc.policy.admission import ACCEPT, AdmissionController, Queued, RequestFacts
-from extproc.policy.limits import Outcome
+from extproc.policy.admission import AdmissionController, RequestFacts
 from extproc.policy.slot_store import SlotClaim, StoreUnavailable
-from extproc.server.final_admission import FinalAdmission
 from extproc.store.redis_store import RedisStore
 from extproc.store.shared_slots import CLOSED, LOCAL, SHARED, SharedSlots
 from tests.conftest import make_policy
+from tests.store.slot_walk import Member, Request, drain, end_one, leave_one, run_virtual, serve, stacks
 
 INSTANCES = 3
 TIMEOUT_S = 0.05
@@ -58,40 +55,6 @@ def policy(on_failure: str, low: bool | None = False, url: str = "redis://fake")
                               "poll_ms": 100, "timeout_ms": int(TIMEOUT_S * 1000), "lease_ms": int(LEASE_S * 1000)})
 
 
-# --- virtual time ---
-
-
-class _Selector(selectors.DefaultSelector):
-    """Never blocks: a wait for `timeout` moves the loop's clock on by it instead."""
-
-    loop: VirtualTimeLoop
-
-    def select(self, timeout=None):
-        if timeout is None:
-            raise RuntimeError("the loop would wait for ever: nothing scheduled (a hang)")
-        self.loop.now += timeout
-        return super().select(0)
-
-
-class VirtualTimeLoop(asyncio.SelectorEventLoop):
-    def __init__(self):
-        selector = _Selector()
-        super().__init__(selector)
-        selector.loop = self
-        self.now = 1000.0
-
-    def time(self) -> float:
-        return self.now
-
-
-def run_virtual(coro):
-    loop = VirtualTimeLoop()
-    try:
-        return loop.run_until_complete(coro)
-    finally:
-        loop.close()
-
-
 # --- the fake store ---
 
 
@@ -105,8 +68,8 @@ class Backend:
         self.mode = "up"  # up, down (refused at once), readonly (answers errors), frozen (hangs to the timeout)
         self.adopted: set[str] = set()  # holders ever recorded by adopt(): they may stand past the cap
         self.clients: list[FakeStore] = []
-        self.grants: list[tuple[SlotClaim, int, float]] = []
-        self.late: list = []  # calls sent to a frozen store, run in order when it resumes  # what each grant left: (claim, count, cost)
+        self.grants: list[tuple[SlotClaim, int, float]] = []  # what each grant left: (claim, count, cost)
+        self.late: list = []  # calls sent to a frozen store, run in order when it resumes
 
     timeout_s = TIMEOUT_S  # an admission waits for one store call at most
 
@@ -276,92 +239,18 @@ class ShareChecked(dict):
         super().__setitem__(tid, claim)
 
 
-@dataclasses.dataclass
-class Request:
-    inst: "Instance"
-    cls: str
-    arrived: float
-    task: asyncio.Task | None = None
-    decision: object = None
-    answered_at: float | None = None
-    ended: bool = False
-    deadline_ms: float | None = None  # its own deadline (the policy's deadline header)
-    stale: bool = False  # its stream is never renewed: the core's lease safety net reaps it
-
-
-class Instance:
+class Instance(Member):
     def __init__(self, n: int, backend, rng: random.Random, on_failure: str, low: bool):
         self.n = n
         p = policy(on_failure, low, getattr(backend, "url", "redis://fake"))
         self.store = backend.client(p, rng)
-        self.core = AdmissionController(p, clock=asyncio.get_running_loop().time)
-        self.slots = SharedSlots(self.core, self.store, workers=1)
+        core = AdmissionController(p, clock=asyncio.get_running_loop().time)
+        super().__init__(core, SharedSlots(core, self.store, workers=1))
         self.slots.unshared = ShareChecked(self)
-        self.requests: list[Request] = []
-        self.housekeeping: asyncio.Task | None = None
-        self.alive = True
-
-    async def start(self) -> None:
-        await self.slots.start()
-        self.housekeeping = asyncio.get_running_loop().create_task(self._housekeep())
-
-    async def _housekeep(self) -> None:
-        """What main.py's housekeeping does each second: renew the live tickets, reap, tick the store."""
-        while True:
-            await asyncio.sleep(1.0)
-            for r in self.running():
-                if not r.stale:
-                    self.core.renew(r.decision.ticket)
-            for t in self.core.reap():
-                self.slots.release(t)
-            await self.slots.tick()
-
-    def running(self) -> list[Request]:
-        return [r for r in self.requests if r.decision is not None and r.decision.kind == ACCEPT and not r.ended
-                and not r.decision.ticket.closed]
-
-    def waiting(self) -> list[Request]:
-        return [r for r in self.requests if r.task is not None and not r.task.done()]
 
     def die(self) -> None:
         """SIGKILL: nothing more runs, nothing is released; its store leases must run out."""
-        self.alive = False
-        self.store.dead = True
-        self.housekeeping.cancel()
-        for r in self.waiting():
-            r.task.cancel()
-        for task in (*self.slots._pumps.values(), self.slots._releaser, getattr(self.store, "_subscriber", None),
-                     getattr(self.store, "_acquirer", None)):
-            if task is not None:
-                task.cancel()
-
-
-async def serve(inst: Instance, req: Request, facts: RequestFacts) -> None:
-    """What the stream does: decide, then the final admission (class queue, then the store), given back if the
-    client leaves."""
-    core = inst.core
-    d = core.decide(facts)
-    if type(d) is Queued or core.gated(d):
-        held = FinalAdmission(core, inst.slots, d)
-
-        async def extend(_s: float) -> None:
-            await asyncio.sleep(0.001)  # the timeout extension's write to Envoy
-        try:
-            d = await held.settle(extend)
-        except asyncio.CancelledError:
-            if inst.alive:
-                ticket = held.give_back()
-                if ticket is not None:
-                    core.finish(ticket, Outcome.CLIENT_ABORT)
-                    inst.slots.release(ticket)
-            raise
-    req.decision, req.answered_at = d, core.clock()
-    t = d.ticket
-    if d.kind == ACCEPT and core.gated(d):
-        # An admitted request holds one slot of the store's: a global one or (failing open) a share one.
-        assert (t.id in inst.slots.held) != (t.id in inst.slots.unshared), "an admission without exactly one slot"
-    elif t is not None:
-        assert t.id not in inst.slots.held and t.id not in inst.slots.unshared, "a refusal kept a slot"
+        self.stop(getattr(self.store, "_subscriber", None), getattr(self.store, "_acquirer", None))
 
 
 class Walk:
@@ -399,18 +288,10 @@ class Walk:
         inst.requests.append(req)
 
     def end(self) -> None:
-        running = [r for inst in self.instances for r in inst.running()]
-        if running:
-            r = self.rng.choice(running)
-            r.ended = True
-            t = r.decision.ticket
-            r.inst.core.finish(t, self.rng.choice((Outcome.OK, Outcome.CLIENT_ABORT)))
-            r.inst.slots.release(t)
+        end_one(self.rng, self.instances)
 
     def leave(self) -> None:
-        waiting = [r for inst in self.instances for r in inst.waiting()]
-        if waiting:
-            self.rng.choice(waiting).task.cancel()
+        leave_one(self.rng, self.instances)
 
     def outage(self) -> None:
         if self.rng.random() < 0.25:
@@ -527,18 +408,7 @@ class Walk:
             assert set(inst.slots.held) == {r.decision.ticket.id for r in inst.running()}
 
     async def finish(self) -> None:
-        tasks = [r.task for inst in self.instances for r in inst.waiting()]
-        for task in tasks:
-            task.cancel()
-        # A wait_for whose future was answered as it was cancelled returns the answer (Python 3.11): admitted.
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=5)
-            assert not pending, f"requests still waiting 5 s after their clients left: {stacks(pending)}"
-        for inst in self.instances:
-            for r in inst.running():
-                r.ended = True
-                inst.core.finish(r.decision.ticket, Outcome.OK)
-                inst.slots.release(r.decision.ticket)
+        await drain(self.instances)
         await self.settle()
         for cls in CLASSES:
             assert not await self.backend.holders(cls), cls
@@ -555,14 +425,6 @@ class Walk:
         for inst in self.dead:
             with contextlib.suppress(Exception):
                 await inst.store.client.aclose()
-
-
-def stacks(tasks) -> str:
-    import io
-    out = io.StringIO()
-    for task in tasks:
-        task.print_stack(limit=15, file=out)
-    return out.getvalue()
 
 
 async def walk(seed: int, on_failure: str, steps: int, backend=None, pace: float = 1.0,
