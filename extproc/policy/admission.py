@@ -120,14 +120,13 @@ class AdmissionController:
 
     def set_saturation(self, pool: str, saturation: PoolSaturation | None) -> None:
         """The replicas' own view of a pool's load (a scraper's), or None when the pool is no longer watched."""
+        now = self.clock()
         if saturation is None:
             self.saturation.pop(pool, None)
+            self.steering.update(pool, (), now=now)
         else:
             self.saturation[pool] = saturation
-        if saturation is None:
-            self.steering.update(pool, (), now=self.clock())
-        else:
-            self.steering.update(pool, saturation.working, stalled=saturation.stalled > 0, now=self.clock())
+            self.steering.update(pool, saturation.working, stalled=saturation.stalled > 0, now=now)
 
     def wants_listings(self, pool: str) -> bool:
         """Whether this pool's replicas' /v1/models are to be read (models.<name>.names_from_replicas)."""
