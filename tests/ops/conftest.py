@@ -2,23 +2,75 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import shutil
 import subprocess
 import sys
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 
 from extproc.telemetry import StoreTelemetry
 from extproc.tools.stack import Stack, free_port, wait_http
+from tests.conftest import until
 
 from .promql import PROMETHEUS_SERIES, exposed_names, recorded_names
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose"
 RULE_FILES = sorted((COMPOSE / "prometheus" / "rules").glob("*.yml"))
+
+
+class PrometheusAPI:
+    def __init__(self, url: str):
+        self.url = url
+
+    def query(self, promql: str) -> list[dict]:
+        q = urllib.parse.urlencode({"query": promql})
+        with urllib.request.urlopen(f"{self.url}/api/v1/query?{q}", timeout=5) as r:
+            body = json.load(r)
+        assert body["status"] == "success", body
+        return body["data"]["result"]
+
+    def by_labels(self, promql: str, *labels: str) -> dict[tuple, float]:
+        return {tuple(s["metric"].get(l, "") for l in labels): float(s["value"][1]) for s in self.query(promql)}
+
+    def query_range(self, promql: str, start: float, end: float, step: float = 0.5) -> list[dict]:
+        q = urllib.parse.urlencode({"query": promql, "start": start, "end": end, "step": step})
+        with urllib.request.urlopen(f"{self.url}/api/v1/query_range?{q}", timeout=10) as r:
+            body = json.load(r)
+        assert body["status"] == "success", body
+        return body["data"]["result"]
+
+    def wait_for(self, promql: str, predicate, timeout: float = 15.0):
+        """Poll a query until predicate(result) holds; return the last result either way."""
+        return asyncio.run(until(lambda: self.query(promql), timeout, interval=0.25, holds=predicate))
+
+
+def start_prometheus(tmp: Path, config: dict) -> tuple[subprocess.Popen, PrometheusAPI]:
+    """Debian's Prometheus on a free loopback port with `config` (written to tmp/prometheus.yml), its data and log
+    under `tmp`; returns once it is ready. The caller stops the process."""
+    path = tmp / "prometheus.yml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    port = free_port()
+    with open(tmp / "prometheus.log", "wb") as log:
+        proc = subprocess.Popen(
+            [tool("prometheus"), f"--config.file={path}", f"--storage.tsdb.path={tmp / 'data'}",
+             f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=1h"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    api = PrometheusAPI(f"http://127.0.0.1:{port}")
+    try:
+        wait_http(f"{api.url}/-/ready", timeout=20, proc=proc)
+    except BaseException:
+        proc.terminate()
+        proc.wait(10)
+        raise
+    return proc, api
 
 
 def tool(name: str) -> str:

@@ -8,11 +8,9 @@ recording rules loaded. The tests then ask Prometheus's HTTP API, the way a dash
 from __future__ import annotations
 
 import asyncio
-import json
 import subprocess
 import sys
 import time
-import urllib.parse
 import urllib.request
 from collections import Counter
 
@@ -21,9 +19,8 @@ import pytest
 import yaml
 
 from extproc.tools.stack import Stack, free_port, wait_http
-from tests.conftest import until
 
-from .conftest import COMPOSE, ROOT, RULE_FILES, tool
+from .conftest import COMPOSE, ROOT, RULE_FILES, start_prometheus, tool
 from .promql import exposed_names
 
 # Each class's upstream service time: every admitted request of the class lands in one latency bucket.
@@ -61,25 +58,6 @@ def prometheus_config(target: str, scrape_s: int = 1) -> dict:
     return cfg
 
 
-class PrometheusAPI:
-    def __init__(self, url: str):
-        self.url = url
-
-    def query(self, promql: str) -> list[dict]:
-        q = urllib.parse.urlencode({"query": promql})
-        with urllib.request.urlopen(f"{self.url}/api/v1/query?{q}", timeout=5) as r:
-            body = json.load(r)
-        assert body["status"] == "success", body
-        return body["data"]["result"]
-
-    def by_labels(self, promql: str, *labels: str) -> dict[tuple, float]:
-        return {tuple(s["metric"].get(l, "") for l in labels): float(s["value"][1]) for s in self.query(promql)}
-
-    def wait_for(self, promql: str, predicate, timeout: float = 15.0):
-        """Poll a query until predicate(result) holds; return the last result either way."""
-        return asyncio.run(until(lambda: self.query(promql), timeout, interval=0.25, holds=predicate))
-
-
 async def send_load(url: str, requests: dict[str, int], rate: dict[str, float]) -> Counter:
     """Send `requests[cls]` requests per class at `rate[cls]` a second; count (class, decision, reason) answered."""
     seen: Counter = Counter()
@@ -107,7 +85,6 @@ async def send_load(url: str, requests: dict[str, int], rate: dict[str, float]) 
 @pytest.fixture(scope="module")
 def scraped(tmp_path_factory):
     """Run the load with Prometheus scraping; yield (Prometheus API, client-side counts, final /metrics text)."""
-    prometheus = tool("prometheus")
     tmp = tmp_path_factory.mktemp("prom")
     up_port = free_port()
     upstream = subprocess.Popen([sys.executable, str(ROOT / "tests" / "upstream.py"), str(up_port)],
@@ -120,16 +97,7 @@ def scraped(tmp_path_factory):
     try:
         wait_http(f"http://127.0.0.1:{up_port}/health", timeout=20, proc=upstream)
         stack.start()
-        config = tmp / "prometheus.yml"
-        config.write_text(yaml.safe_dump(prometheus_config(f"127.0.0.1:{stack.metrics_port}")))
-        prom_port = free_port()
-        with open(tmp / "prometheus.log", "wb") as log:
-            prom_proc = subprocess.Popen(
-                [prometheus, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'data'}",
-                 f"--web.listen-address=127.0.0.1:{prom_port}", "--storage.tsdb.retention.time=1h"],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        api = PrometheusAPI(f"http://127.0.0.1:{prom_port}")
-        wait_http(f"{api.url}/-/ready", timeout=20, proc=prom_proc)
+        prom_proc, api = start_prometheus(tmp, prometheus_config(f"127.0.0.1:{stack.metrics_port}"))
         up = api.wait_for('up{job="extproc"}', lambda r: r and r[0]["value"][1] == "1")
         assert up and up[0]["value"][1] == "1", f"Prometheus never scraped the ext_proc: {up}"
 

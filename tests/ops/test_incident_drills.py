@@ -1,0 +1,420 @@
+"""Incident drills: the shipped alerts fire on the real series of a real incident, and stay quiet in calm traffic.
+
+One module-scoped run: simulated vLLM replicas (`extproc sim`), Envoy, the ext_proc and a real Prometheus that
+scrapes all three every 0.5 s and evaluates the SHIPPED rule files, rewritten in their durations only: every
+`for:`, range window and offset divided by FACTOR (a minute of the shipped rules is a second here). Then
+incidents one after another, each held until the alerts docs/troubleshooting.md names for it fire (or a
+deadline passes), each followed by its recovery:
+
+  calm -> overload spike -> hung replica -> failing replicas -> refused policy reload -> Redis down
+  -> ext_proc killed
+
+The tests ask Prometheus afterwards, over each incident's stretch of time: which alerts fired, and what the
+dashboard's panels for that incident showed (their queries as Grafana sends them).
+
+What the scaling does not keep: the shipped scrape interval is 5 s, here 0.5 s (10x, not 60x: faster scrapes
+would load the machine), so `last_over_time(...[1m])`, which rides over 12 lost scrapes at 5 s, rides over 1
+here; no drill loses a scrape on purpose (extproc.missed-scrape.test.yml covers that). Envoy's 15 s scrape
+interval is the global 0.5 s too. Everything else keeps its meaning in drill time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import threading
+import time
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import pytest
+import yaml
+
+from extproc.tools.demo.runner import start_pool
+from extproc.tools.local_redis import RedisServer
+from extproc.tools.stack import Stack, free_port
+from tests.conftest import until
+
+from .conftest import COMPOSE, RULE_FILES, PrometheusAPI, start_prometheus, tool
+
+FACTOR = 60            # shipped durations / drill durations: 10m -> 10s, 5m -> 5s, 1m -> 1s
+SCRAPE = "500ms"       # scrape and rule evaluation interval
+RATE_INTERVAL = "2s"   # Grafana's $__rate_interval at that scrape interval: max(4 x scrape, scrape + step)
+POOL = "vllm_llama70b"
+MAX_TOKENS = 128       # ~0.35 s on the simulated 70B replica
+# Arrivals a second per class. Each class's capacity is ~4 / 0.35 s = 11 req/s: calm traffic is well under it, the
+# spike about twice it.
+CALM = {"interactive": 3.0, "batch": 1.0}
+SPIKE = {"interactive": 20.0, "batch": 20.0}
+HEADERS = {"interactive": {"authorization": "Bearer sk-chat-1"},
+           "batch": {"authorization": "Bearer sk-batch-1"}}
+
+POLICY = {
+    "classes": {
+        # Interactive refuses what it cannot serve (ExtprocRejectionRatioHigh); the error breaker runs on a
+        # drill-sized window (the shipped default is 30 s and 20 requests).
+        "interactive": {"max_concurrency": 4, "max_queue": 2, "max_wait_ms": 300,
+                        "error_breaker": {"window_s": 5, "min_requests": 10, "cooldown_s": 2, "trickle": 0.2,
+                                          "trickle_s": 3}},
+        # Batch serves its overflow with fewer tokens instead (ExtprocDegradedRatioHigh).
+        "batch": {"max_concurrency": 4, "max_queue": 2, "max_wait_ms": 300, "on_overflow": "fallback",
+                  "fallback": {"action": "degrade", "max_tokens": 8}},
+    },
+    "shed": {},  # each class overloads on its own: interactive's spike does not shed batch
+    "default_class": "interactive",
+    "tenants": [{"name": "chat-frontend", "api_keys": ["sk-chat-1"], "max_class": "interactive"},
+                {"name": "batch-jobs", "api_keys": ["sk-batch-1"], "max_class": "batch", "default_class": "batch"}],
+    "pools": {POOL: {"stall_ms": 1000}},
+    "models": {"llama-70b": {"cluster": POOL}},
+}
+
+_DURATION = re.compile(r"(\d+)(ms|s|m|h|d)")
+_UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+# Where PromQL has a duration: a range selector's brackets and an offset (no rule uses a subquery's step).
+_EXPR_DURATION = re.compile(r"(\[|\boffset\s+)(\d+(?:ms|s|m|h|d))(\])?")
+
+
+def scale_duration(text: str) -> str:
+    m = _DURATION.fullmatch(text)
+    assert m, f"not a single-unit duration: {text!r}"
+    ms, rest = divmod(int(m[1]) * _UNIT_MS[m[2]], FACTOR)
+    assert not rest, f"{text} does not divide by {FACTOR}"
+    return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
+
+
+def scale_expr(expr: str) -> str:
+    return _EXPR_DURATION.sub(lambda m: f"{m[1]}{scale_duration(m[2])}{m[3] or ''}", expr)
+
+
+def scaled_rules(path) -> dict:
+    """The rule file with every `for:`, range window and offset divided by FACTOR, nothing else changed."""
+    doc = yaml.safe_load(path.read_text())
+    for group in doc["groups"]:
+        assert "interval" not in group, "a group's own interval would need scaling too"
+        for rule in group["rules"]:
+            rule["expr"] = scale_expr(rule["expr"])
+            if "for" in rule:
+                rule["for"] = scale_duration(rule["for"])
+    return doc
+
+
+def prometheus_config(rule_files: list[str], targets: dict[str, list[str]], vllm_pool: str) -> dict:
+    """The shipped compose/prometheus/prometheus.yml, its jobs pointed at this run's processes, every job on the
+    drill's scrape interval."""
+    cfg = yaml.safe_load((COMPOSE / "prometheus" / "prometheus.yml").read_text())
+    cfg["global"].update(scrape_interval=SCRAPE, evaluation_interval=SCRAPE)
+    cfg["rule_files"] = rule_files
+    for job in cfg["scrape_configs"]:
+        job.pop("scrape_interval", None)
+        labels = {"pool": vllm_pool} if job["job_name"] == "vllm" else {}
+        job["static_configs"] = [{"targets": targets[job["job_name"]], **({"labels": labels} if labels else {})}]
+    return cfg
+
+
+def dashboard_queries() -> dict[str, list[str]]:
+    """Panel title -> its queries, with the template variables as Grafana fills them (all classes)."""
+    dash = json.loads((COMPOSE / "grafana" / "dashboards" / "extproc.json").read_text())
+    out = {}
+    for p in dash["panels"]:
+        for panel in [p, *p.get("panels", [])]:
+            if panel.get("type") != "row":
+                out[panel["title"]] = [
+                    scale_expr(t["expr"]).replace('=~"$class"', '=~".*"').replace("$__rate_interval", RATE_INTERVAL)
+                    for t in panel["targets"]]
+    return out
+
+
+class Traffic:
+    """Open-loop arrivals at `rate[class]` a second from a thread of its own, until stopped; counts the answers by
+    (class, status, decision, reason). A client gives up after TIMEOUT_S (the requests a hung replica holds)."""
+
+    TIMEOUT_S = 20
+
+    def __init__(self, url: str):
+        self.url = url
+        self.rate: dict[str, float] = {}
+        self.seen: Counter = Counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    def __enter__(self) -> "Traffic":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(self.TIMEOUT_S + 5)
+
+    async def _run(self) -> None:
+        tasks = set()
+        due = {cls: 0.0 for cls in HEADERS}  # next arrival per class, on the loop's clock
+        loop = asyncio.get_running_loop()
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.TIMEOUT_S)) as session:
+            while not self._stop.is_set():
+                now = loop.time()
+                for cls in due:
+                    rate = self.rate.get(cls, 0.0)
+                    if rate <= 0:
+                        due[cls] = now
+                    elif due[cls] <= now:
+                        task = asyncio.create_task(self._one(session, cls))
+                        tasks.add(task)
+                        task.add_done_callback(tasks.discard)
+                        due[cls] = max(due[cls] + 1 / rate, now - 1)  # catch up on a late wake-up, not on a pause
+                await asyncio.sleep(0.01)
+            for task in list(tasks):
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _one(self, session: aiohttp.ClientSession, cls: str) -> None:
+        body = {"model": "llama-70b", "messages": [{"role": "user", "content": "hello"}], "max_tokens": MAX_TOKENS}
+        try:
+            async with session.post(f"{self.url}/v1/chat/completions", json=body, headers=HEADERS[cls]) as r:
+                await r.read()
+                self.seen[(cls, r.status, r.headers.get("x-extproc-decision"), r.headers.get("x-extproc-reason"))] += 1
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            self.seen[(cls, "client", type(e).__name__, None)] += 1
+
+
+@dataclass
+class Incident:
+    name: str
+    expected: list[str]                 # the alerts docs/troubleshooting.md names for it
+    start: float = 0.0
+    end: float = 0.0
+    fired_after: dict[str, float] = field(default_factory=dict)
+    cleared: bool | None = None         # the alerts cleared after the recovery (where a drill checks it)
+
+
+@dataclass
+class Drill:
+    api: PrometheusAPI
+    stack: Stack
+    replicas: list[tuple[str, int]]
+    policy_path: Path
+    redis: RedisServer
+    traffic: Traffic
+    incidents: dict[str, Incident] = field(default_factory=dict)
+
+    def firing(self) -> set[str]:
+        return {s["metric"]["alertname"] for s in self.api.query('ALERTS{alertstate="firing"}')}
+
+    def run(self, incident: Incident, timeout: float) -> Incident:
+        """Hold the incident (the caller started it) until its expected alerts fire or `timeout` passes (the
+        whole `timeout` for an incident that expects none)."""
+        incident.start = time.time()
+
+        def read():
+            now = self.firing()
+            for name in now & set(incident.expected):
+                incident.fired_after.setdefault(name, time.time() - incident.start)
+            return set(incident.fired_after)
+
+        if incident.expected:
+            asyncio.run(until(read, timeout, interval=0.25, holds=lambda got: got >= set(incident.expected)))
+        else:  # that nothing fires needs the whole stretch
+            time.sleep(timeout)
+        time.sleep(1)  # two more evaluations, so a range query's last step sees what was just read
+        incident.end = time.time()
+        self.incidents[incident.name] = incident
+        return incident
+
+    def fault(self, replica: int, **faults) -> None:
+        host, port = self.replicas[replica]
+        req = urllib.request.Request(f"http://{host}:{port}/sim/fault", data=json.dumps(faults).encode(),
+                                     headers={"content-type": "application/json"}, method="POST")
+        with urllib.request.urlopen(req, timeout=5) as r:
+            assert r.status == 200
+
+    def extproc_pid(self) -> int:
+        return next(p for p in self.stack.processes if p.name == "extproc" and p.alive()).popen.pid
+
+    def reload(self) -> None:
+        os.kill(self.extproc_pid(), signal.SIGHUP)
+
+
+@pytest.fixture(scope="module")
+def drill(tmp_path_factory):
+    tool("redis-server")
+    tmp = tmp_path_factory.mktemp("drill")
+    stack = Stack(tmp / "stack", {})
+    redis = RedisServer(tmp)
+    prom = None
+    try:
+        redis.start()
+        replicas = start_pool(stack, POOL, "h100-llama70b-awq", 2, ["llama-70b"], 1.0, seed=7)
+        stack.pools[POOL] = replicas
+        policy = {**POLICY, "pools": {POOL: {**POLICY["pools"][POOL], "replicas": [f"{h}:{p}" for h, p in replicas]}},
+                  "store": {"kind": "redis", "url": redis.url, "on_failure": "local"}}
+        stack.policy_path = tmp / "policy.yaml"
+        stack.policy_path.write_text(yaml.safe_dump(policy, sort_keys=False))
+        stack.start()
+        rule_files = []
+        for path in RULE_FILES:
+            out = tmp / path.name
+            out.write_text(yaml.safe_dump(scaled_rules(path), sort_keys=False))
+            rule_files.append(str(out))
+        targets = {"extproc": [f"127.0.0.1:{stack.metrics_port}"], "envoy": [f"127.0.0.1:{stack.admin_port}"],
+                   "vllm": [f"{h}:{p}" for h, p in replicas]}
+        prom, api = start_prometheus(tmp, prometheus_config(rule_files, targets, POOL))
+        for job in targets:
+            up = api.wait_for(f'up{{job="{job}"}}', lambda r: r and all(s["value"][1] == "1" for s in r))
+            assert up and all(s["value"][1] == "1" for s in up), (job, up)
+        with urllib.request.urlopen(f"{api.url}/api/v1/rules", timeout=5) as r:  # every group loaded
+            loaded = {g["name"] for g in json.load(r)["data"]["groups"]}
+        assert loaded == {g["name"] for p in RULE_FILES for g in yaml.safe_load(p.read_text())["groups"]}
+        with Traffic(stack.url) as traffic:
+            yield run_drills(Drill(api, stack, replicas, stack.policy_path, redis, traffic))
+    finally:
+        if prom is not None:
+            prom.terminate()
+            prom.wait(10)
+        stack.stop()
+        redis.stop()
+
+
+def run_drills(d: Drill) -> Drill:
+    t = d.traffic
+    # Before the first scrape ExtprocAbsent is pending: start once Prometheus has no alert at all.
+    assert not d.api.wait_for("ALERTS", lambda r: not r, timeout=10)
+
+    # (1) Calm: well under each class's capacity, long enough for the 5 s windows (the shipped 5 m) to hold only
+    # calm traffic. Nothing is expected: the stretch runs its full length.
+    t.rate = dict(CALM)
+    d.run(Incident("calm", expected=[]), timeout=7)
+
+    # (2) An overload spike, twice each class's capacity. Troubleshooting, queue_full: "Sustained (alert
+    # ExtprocRejectionRatioHigh, or ExtprocDegradedRatioHigh with on_overflow: fallback)".
+    t.rate = dict(SPIKE)
+    d.run(Incident("overload", ["ExtprocRejectionRatioHigh", "ExtprocDegradedRatioHigh"]), timeout=25)
+    t.rate = dict(CALM)
+
+    # (3) A replica whose engine hangs while its /health answers: ExtprocReplicaStalled.
+    d.fault(0, hang=1)
+    d.run(Incident("hung_replica", ["ExtprocReplicaStalled"]), timeout=15)
+    d.fault(0, reset=1)
+
+    # (4) Both replicas answer 500: the error breaker trips and keeps tripping (ExtprocBreakerNotClosed, "Same
+    # half-open cycle and alert as above"), and the clients get errors (ExtprocUpstreamErrors).
+    t.rate = {"interactive": 2 * CALM["interactive"]}
+    d.fault(0, error_rate=1)
+    d.fault(1, error_rate=1)
+    d.run(Incident("failing_replicas", ["ExtprocUpstreamErrors", "ExtprocBreakerNotClosed"]), timeout=20)
+    d.fault(0, reset=1)
+    d.fault(1, reset=1)
+    t.rate = dict(CALM)
+
+    # (5) A policy edit that does not validate: ExtprocConfigReloadFailed until a reload applies.
+    good = d.policy_path.read_text()
+    d.policy_path.write_text(good.replace("max_concurrency: 4", "max_concurrency: -4"))
+    d.reload()
+    d.run(Incident("reload_refused", ["ExtprocConfigReloadFailed"]), timeout=10)
+    d.policy_path.write_text(good)
+    d.reload()
+    d.incidents["reload_refused"].cleared = not d.api.wait_for(
+        'ALERTS{alertname="ExtprocConfigReloadFailed"}', lambda r: not r, timeout=10)
+
+    # (6) Redis, the shared slot store, goes away: ExtprocStoreNotShared until it answers again.
+    d.redis.stop()
+    d.run(Incident("redis_down", ["ExtprocStoreNotShared"]), timeout=10)
+    d.redis.start()
+    d.incidents["redis_down"].cleared = not d.api.wait_for(
+        'ALERTS{alertname="ExtprocStoreNotShared"}', lambda r: not r, timeout=10)
+
+    # (7) The ext_proc killed under traffic: ExtprocTargetDown while it is down, and Envoy lets requests through
+    # unadmitted meanwhile (ExtprocRequestsUnadmitted, from Envoy's own count).
+    os.kill(d.extproc_pid(), signal.SIGKILL)
+    d.run(Incident("extproc_down", ["ExtprocTargetDown", "ExtprocRequestsUnadmitted"]), timeout=10)
+    t.rate = {}
+    return d
+
+
+# --- the tests: what Prometheus recorded over each incident ------------------------------------------------------
+
+def fired(d: Drill, name: str) -> set[str]:
+    inc = d.incidents[name]
+    series = d.api.query_range('ALERTS{alertstate="firing"}', inc.start, inc.end)
+    return {s["metric"]["alertname"] for s in series}
+
+
+def panel_values(d: Drill, incident: str, title: str, pattern: str) -> dict[str, list[float]]:
+    """The panel's queries that match `pattern` -> every value of every series they showed over the incident."""
+    inc = d.incidents[incident]
+    queries = [q for q in dashboard_queries()[title] if re.search(pattern, q)]
+    assert queries, f"panel {title!r} has no query matching {pattern!r}"
+    return {q: [float(v) for s in d.api.query_range(q, inc.start, inc.end) for _, v in s["values"]] for q in queries}
+
+
+def test_drill_rules_differ_from_the_shipped_only_in_their_durations():
+    for path in RULE_FILES:
+        shipped, drill = yaml.safe_load(path.read_text()), scaled_rules(path)
+        durations = _DURATION.pattern
+        for g0, g1 in zip(shipped["groups"], drill["groups"], strict=True):
+            for r0, r1 in zip(g0["rules"], g1["rules"], strict=True):
+                assert {k: v for k, v in r0.items() if k not in ("expr", "for")} == \
+                       {k: v for k, v in r1.items() if k not in ("expr", "for")}
+                strip = lambda e: re.sub(durations, "D", e)  # noqa: E731
+                assert strip(r0["expr"]) == strip(r1["expr"])
+                assert ("for" in r0) == ("for" in r1)
+    assert scale_expr("max_over_time(x[3m]) or y offset 20m") == "max_over_time(x[3s]) or y offset 20s"
+    assert scale_expr('rate(c{status=~"[45].."}[5m])') == 'rate(c{status=~"[45].."}[5s])'
+
+
+def test_calm_traffic_fires_no_alert(drill):
+    inc = drill.incidents["calm"]
+    series = drill.api.query_range("ALERTS", inc.start, inc.end)
+    assert not series, [s["metric"] for s in series]
+
+
+@pytest.mark.parametrize("incident", ["overload", "hung_replica", "failing_replicas", "reload_refused",
+                                      "redis_down", "extproc_down"])
+def test_each_incident_fires_the_alerts_the_troubleshooting_doc_names(drill, incident):
+    inc = drill.incidents[incident]
+    assert set(inc.expected) <= fired(drill, incident), (inc.expected, inc.fired_after, drill.traffic.seen)
+
+
+@pytest.mark.parametrize("incident", ["reload_refused", "redis_down"])
+def test_alert_clears_when_the_incident_ends(drill, incident):
+    assert drill.incidents[incident].cleared
+
+
+# Panels an operator opens for each incident: (panel title, which of its queries (a regex), what they must show over
+# the incident: (">=", x) some value at least x, ("<=", x) some value at most x, None any series at all).
+PANELS = {
+    "calm": [("Client latency p95 (arrival to end, queue wait included) vs SLO", "p95_5m", (">=", 0.1)),
+             ("Decisions by class and reason", ".", (">=", 1)),
+             ("In-flight vs cap", "inflight", (">=", 1)),
+             ("vLLM running / waiting / down", "running", (">=", 1))],
+    "overload": [("Decisions by class and reason", ".", (">=", 1)),
+                 ("Refused and degraded share (capacity)", "refused", (">=", 0.1)),
+                 ("Refused and degraded share (capacity)", "degraded", (">=", 0.1)),
+                 ("Queue depth", ".", (">=", 1)),
+                 ("Queue wait p95", ".", (">=", 0.01)),
+                 ("In-flight vs cap", r"\(extproc_inflight", (">=", 4))],
+    "hung_replica": [("Replicas' saturation as the ext_proc reads it", "stalled", (">=", 1)),
+                     ("vLLM running / waiting / down", "running", (">=", 1))],
+    "failing_replicas": [("Request outcomes", ".", (">=", 1)),
+                         ("Breaker state", ".", (">=", 2)),
+                         ("Breaker window error ratio", ".", (">=", 0.5)),
+                         ("Breaker transitions", ".", (">=", 0.1))],
+    "reload_refused": [("ext_proc health", "reload", (">=", 0.5)),
+                       ("Agent-session refusals and reloads", "reload_successful", ("<=", 0))],
+    "extproc_down": [("ext_proc health", "up", ("<=", 0))],
+}
+
+
+@pytest.mark.parametrize("incident,title,pattern,expect", [(i, *c) for i, checks in PANELS.items() for c in checks],
+                         ids=lambda v: re.sub(r"\W+", "-", str(v))[:30])
+def test_each_incident_shows_on_its_dashboard_panels(drill, incident, title, pattern, expect):
+    values = panel_values(drill, incident, title, pattern)
+    shown = [v for vs in values.values() for v in vs if v == v]  # NaN (no data yet) is not shown
+    assert shown, f"panel {title!r} showed nothing during {incident}: {values}"
+    if expect is not None:
+        op, x = expect
+        assert (max(shown) >= x) if op == ">=" else (min(shown) <= x), (title, expect, values)
