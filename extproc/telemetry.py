@@ -414,6 +414,10 @@ class StoreTelemetry:
                                    "before their renewal (Redis slow or away longer than lease_ms); re-adopted.",
                                    registry=registry)
         self._states = {s: self.state_gauge.labels(s) for s in STORE_STATES}
+        # Every `to` exported from the start at 0: a series born at the first switch holds it in its first sample,
+        # and increase() (the dashboard's "shared store -> local" line) never sees that one.
+        for s in STORE_STATES:
+            self.switches.labels(s)
 
     def store_state(self, state: str, switched: bool) -> None:
         for s, child in self._states.items():

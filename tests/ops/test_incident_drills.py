@@ -403,6 +403,8 @@ PANELS = {
                          ("Breaker state", ".", (">=", 2)),
                          ("Breaker window error ratio", ".", (">=", 0.5)),
                          ("Breaker transitions", ".", (">=", 0.1))],
+    # The first switch of a process counts too (the counter's series exists before it).
+    "redis_down": [("ext_proc health", "store_switches", (">=", 0.5))],
     "reload_refused": [("ext_proc health", "reload", (">=", 0.5)),
                        ("Agent-session refusals and reloads", "reload_successful", ("<=", 0))],
     "extproc_down": [("ext_proc health", "up", ("<=", 0))],

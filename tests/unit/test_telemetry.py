@@ -201,7 +201,9 @@ def test_store_state_shows_every_state_and_counts_switches_and_lost_leases():
     s.store_state(SHARED, switched=False)
     state = {st: registry.get_sample_value("extproc_store_state", {"state": st}) for st in (SHARED, LOCAL, CLOSED)}
     assert state == {SHARED: 1, LOCAL: 0, CLOSED: 0}
-    assert registry.get_sample_value("extproc_store_switches_total", {"to": SHARED}) is None  # not a switch
+    # Not a switch; every `to` is exported at 0 before its first (or increase() would never see that one).
+    assert {st: registry.get_sample_value("extproc_store_switches_total", {"to": st})
+            for st in (SHARED, LOCAL, CLOSED)} == {SHARED: 0, LOCAL: 0, CLOSED: 0}
     s.store_state(LOCAL, switched=True)
     assert registry.get_sample_value("extproc_store_state", {"state": LOCAL}) == 1
     assert registry.get_sample_value("extproc_store_state", {"state": SHARED}) == 0
