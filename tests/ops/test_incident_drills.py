@@ -407,7 +407,9 @@ PANELS = {
     "redis_down": [("ext_proc health", "store_switches", (">=", 0.5))],
     "reload_refused": [("ext_proc health", "reload", (">=", 0.5)),
                        ("Agent-session refusals and reloads", "reload_successful", ("<=", 0))],
-    "extproc_down": [("ext_proc health", "up", ("<=", 0))],
+    # Envoy let requests through while the ext_proc was away: the panel shows them (its own count misses them).
+    "extproc_down": [("ext_proc health", "up", ("<=", 0)),
+                     ("ext_proc health", "unadmitted|failure_mode_allowed", (">=", 1))],
 }
 
 
