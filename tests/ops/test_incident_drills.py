@@ -1,13 +1,13 @@
 """Incident drills: the shipped alerts fire on the real series of a real incident, and stay quiet in calm traffic.
 
-One module-scoped run: simulated vLLM replicas (`extproc sim`), Envoy, the ext_proc and a real Prometheus that
-scrapes all three every 0.5 s and evaluates the SHIPPED rule files, rewritten in their durations only: every
-`for:`, range window and offset divided by FACTOR (a minute of the shipped rules is a second here). Then
-incidents one after another, each held until the alerts docs/troubleshooting.md names for it fire (or a
-deadline passes), each followed by its recovery:
+Each run: simulated vLLM replicas (`extproc sim`, one process each), Envoy, the ext_proc on a Redis store and a
+real Prometheus that scrapes all of them every 0.5 s and evaluates the SHIPPED rule files, rewritten in their
+durations only: every `for:`, range window and offset divided by FACTOR (a minute of the shipped rules is a second
+here). Then incidents one after another, each held until the alerts docs/troubleshooting.md names for it fire (or
+a deadline passes), each followed by its recovery. Two runs (QUICK, SLOW below):
 
-  calm -> overload spike -> hung replica -> failing replicas -> refused policy reload -> Redis down
-  -> ext_proc killed
+  quick (~30 s, `make test`): calm -> hung replica -> refused policy reload -> the ext_proc killed and restarted
+  slow (~50 s): slow pool -> overload spike -> failing replicas -> Redis down -> a replica killed
 
 The tests ask Prometheus afterwards, over each incident's stretch of time: which alerts fired, and what the
 dashboard's panels for that incident showed (their queries as Grafana sends them).
@@ -15,12 +15,14 @@ dashboard's panels for that incident showed (their queries as Grafana sends them
 What the scaling does not keep: the shipped scrape interval is 5 s, here 0.5 s (10x, not 60x: faster scrapes
 would load the machine), so `last_over_time(...[1m])`, which rides over 12 lost scrapes at 5 s, rides over 1
 here; no drill loses a scrape on purpose (extproc.missed-scrape.test.yml covers that). Envoy's 15 s scrape
-interval is the global 0.5 s too. Everything else keeps its meaning in drill time.
+interval is the global 0.5 s too. Everything else in the rules keeps its meaning in drill time; the ext_proc's own
+windows do not scale (the policy below sizes its breakers and stall_ms for the drill).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -57,9 +59,11 @@ HEADERS = {"interactive": {"authorization": "Bearer sk-chat-1"},
 
 POLICY = {
     "classes": {
-        # Interactive refuses what it cannot serve (ExtprocRejectionRatioHigh); the error breaker runs on a
-        # drill-sized window (the shipped default is 30 s and 20 requests).
-        "interactive": {"max_concurrency": 4, "max_queue": 2, "max_wait_ms": 300,
+        # Interactive refuses what it cannot serve (ExtprocRejectionRatioHigh); its breakers run on drill-sized
+        # windows (the shipped defaults are 30 s and 50 or 20 requests).
+        "interactive": {"max_concurrency": 4, "max_queue": 2, "max_wait_ms": 300, "slo_p95_ms": 1500,
+                        "latency_breaker": {"window_s": 5, "min_samples": 10, "cooldown_s": 2, "trickle": 0.2,
+                                            "trickle_s": 3},
                         "error_breaker": {"window_s": 5, "min_requests": 10, "cooldown_s": 2, "trickle": 0.2,
                                           "trickle_s": 3}},
         # Batch serves its overflow with fewer tokens instead (ExtprocDegradedRatioHigh).
@@ -70,7 +74,10 @@ POLICY = {
     "default_class": "interactive",
     "tenants": [{"name": "chat-frontend", "api_keys": ["sk-chat-1"], "max_class": "interactive"},
                 {"name": "batch-jobs", "api_keys": ["sk-batch-1"], "max_class": "batch", "default_class": "batch"}],
-    "pools": {POOL: {"stall_ms": 1000}},
+    # The ext_proc's own windows are not scaled: a slow verdict reads 100 scrapes (20 s), so the replica that hung
+    # would read slow for that long after it resumes, past the drill's 10 s ExtprocReplicaSlow `for:` (the
+    # shipped 10 m). No drill slows one replica alone: the verdict is off.
+    "pools": {POOL: {"stall_ms": 1000, "slow_ratio": 0}},
     "models": {"llama-70b": {"cluster": POOL}},
 }
 
@@ -238,17 +245,24 @@ class Drill:
     def reload(self) -> None:
         os.kill(self.extproc_pid(), signal.SIGHUP)
 
+    def cleared(self, incident: str, alert: str) -> None:
+        """Record whether `alert` resolves within 10 s of the incident's end (the caller ended it)."""
+        self.incidents[incident].cleared = not self.api.wait_for(f'ALERTS{{alertname="{alert}"}}', lambda r: not r,
+                                                                 timeout=10)
 
-@pytest.fixture(scope="module")
-def drill(tmp_path_factory):
+
+@contextlib.contextmanager
+def start_drill(tmp):
+    """The stack, Prometheus on the scaled rules (no alert pending yet) and the traffic thread, at rest."""
     tool("redis-server")
-    tmp = tmp_path_factory.mktemp("drill")
     stack = Stack(tmp / "stack", {})
     redis = RedisServer(tmp)
     prom = None
     try:
         redis.start()
-        replicas = start_pool(stack, POOL, "h100-llama70b-awq", 2, ["llama-70b"], 1.0, seed=7)
+        # One process per replica, so that one can be killed.
+        replicas = [r for i in range(2) for r in start_pool(stack, f"{POOL}-{i}", "h100-llama70b-awq", 1,
+                                                             ["llama-70b"], 1.0, seed=7 + i)]
         stack.pools[POOL] = replicas
         policy = {**POLICY, "pools": {POOL: {**POLICY["pools"][POOL], "replicas": [f"{h}:{p}" for h, p in replicas]}},
                   "store": {"kind": "redis", "url": redis.url, "on_failure": "local"}}
@@ -269,8 +283,11 @@ def drill(tmp_path_factory):
         with urllib.request.urlopen(f"{api.url}/api/v1/rules", timeout=5) as r:  # every group loaded
             loaded = {g["name"] for g in json.load(r)["data"]["groups"]}
         assert loaded == {g["name"] for p in RULE_FILES for g in yaml.safe_load(p.read_text())["groups"]}
+        # Before the first scrape ExtprocAbsent is pending: start once Prometheus has no alert at all.
+        assert not api.wait_for("ALERTS", lambda r: not r, timeout=10)
         with Traffic(stack.url) as traffic:
-            yield run_drills(Drill(api, stack, replicas, stack.policy_path, redis, traffic))
+            yield Drill(api, stack, replicas, stack.policy_path, redis, traffic)
+            traffic.rate = {}
     finally:
         if prom is not None:
             prom.terminate()
@@ -279,60 +296,117 @@ def drill(tmp_path_factory):
         redis.stop()
 
 
-def run_drills(d: Drill) -> Drill:
-    t = d.traffic
-    # Before the first scrape ExtprocAbsent is pending: start once Prometheus has no alert at all.
-    assert not d.api.wait_for("ALERTS", lambda r: not r, timeout=10)
+# --- the incidents, each started, held until its alerts fire, and ended ----------------------------------------
 
-    # (1) Calm: well under each class's capacity, long enough for the 5 s windows (the shipped 5 m) to hold only
-    # calm traffic. Nothing is expected: the stretch runs its full length.
-    t.rate = dict(CALM)
+def calm(d: Drill) -> None:
+    """Well under each class's capacity, long enough for the 5 s windows (the shipped 5 m) to hold only calm
+    traffic. Nothing is expected: the stretch runs its full length."""
+    d.traffic.rate = dict(CALM)
     d.run(Incident("calm", expected=[]), timeout=7)
 
-    # (2) An overload spike, twice each class's capacity. Troubleshooting, queue_full: "Sustained (alert
-    # ExtprocRejectionRatioHigh, or ExtprocDegradedRatioHigh with on_overflow: fallback)".
-    t.rate = dict(SPIKE)
-    d.run(Incident("overload", ["ExtprocRejectionRatioHigh", "ExtprocDegradedRatioHigh"]), timeout=25)
-    t.rate = dict(CALM)
 
-    # (3) A replica whose engine hangs while its /health answers: ExtprocReplicaStalled.
+def slow_pool(d: Drill) -> None:
+    """The pool turns slow (every engine step 6x longer: ~2 s a request): interactive's p95 passes its SLO
+    (ExtprocLatencyOverSLO) and its latency breaker keeps tripping (ExtprocBreakerNotClosed)."""
+    d.traffic.rate = dict(CALM)
+    d.fault(0, slowdown=6)
+    d.fault(1, slowdown=6)
+    d.run(Incident("slow_pool", ["ExtprocLatencyOverSLO", "ExtprocBreakerNotClosed"]), timeout=25)
+    d.fault(0, reset=1)
+    d.fault(1, reset=1)
+
+
+def overload(d: Drill) -> None:
+    """An overload spike, twice each class's capacity. Troubleshooting, queue_full: "Sustained (alert
+    ExtprocRejectionRatioHigh, or ExtprocDegradedRatioHigh with on_overflow: fallback)"."""
+    d.traffic.rate = dict(SPIKE)
+    d.run(Incident("overload", ["ExtprocRejectionRatioHigh", "ExtprocDegradedRatioHigh"]), timeout=25)
+    d.traffic.rate = dict(CALM)
+
+
+def hung_replica(d: Drill) -> None:
+    """A replica whose engine hangs while its /health answers: ExtprocReplicaStalled, cleared once it steps."""
+    d.traffic.rate = dict(CALM)
     d.fault(0, hang=1)
     d.run(Incident("hung_replica", ["ExtprocReplicaStalled"]), timeout=15)
     d.fault(0, reset=1)
+    d.cleared("hung_replica", "ExtprocReplicaStalled")
 
-    # (4) Both replicas answer 500: the error breaker trips and keeps tripping (ExtprocBreakerNotClosed, "Same
-    # half-open cycle and alert as above"), and the clients get errors (ExtprocUpstreamErrors).
-    t.rate = {"interactive": 2 * CALM["interactive"]}
+
+def failing_replicas(d: Drill) -> None:
+    """Both replicas answer 500: the error breaker trips and keeps tripping (ExtprocBreakerNotClosed, "Same
+    half-open cycle and alert as above"), and the clients get errors (ExtprocUpstreamErrors)."""
+    d.traffic.rate = {"interactive": 2 * CALM["interactive"]}
     d.fault(0, error_rate=1)
     d.fault(1, error_rate=1)
     d.run(Incident("failing_replicas", ["ExtprocUpstreamErrors", "ExtprocBreakerNotClosed"]), timeout=20)
     d.fault(0, reset=1)
     d.fault(1, reset=1)
-    t.rate = dict(CALM)
+    d.traffic.rate = dict(CALM)
 
-    # (5) A policy edit that does not validate: ExtprocConfigReloadFailed until a reload applies.
+
+def reload_refused(d: Drill) -> None:
+    """A policy edit that does not validate: ExtprocConfigReloadFailed until a reload applies."""
     good = d.policy_path.read_text()
     d.policy_path.write_text(good.replace("max_concurrency: 4", "max_concurrency: -4"))
     d.reload()
     d.run(Incident("reload_refused", ["ExtprocConfigReloadFailed"]), timeout=10)
     d.policy_path.write_text(good)
     d.reload()
-    d.incidents["reload_refused"].cleared = not d.api.wait_for(
-        'ALERTS{alertname="ExtprocConfigReloadFailed"}', lambda r: not r, timeout=10)
+    d.cleared("reload_refused", "ExtprocConfigReloadFailed")
 
-    # (6) Redis, the shared slot store, goes away: ExtprocStoreNotShared until it answers again.
+
+def redis_down(d: Drill) -> None:
+    """Redis, the shared slot store, goes away: ExtprocStoreNotShared until it answers again."""
     d.redis.stop()
     d.run(Incident("redis_down", ["ExtprocStoreNotShared"]), timeout=10)
     d.redis.start()
-    d.incidents["redis_down"].cleared = not d.api.wait_for(
-        'ALERTS{alertname="ExtprocStoreNotShared"}', lambda r: not r, timeout=10)
+    d.cleared("redis_down", "ExtprocStoreNotShared")
 
-    # (7) The ext_proc killed under traffic: ExtprocTargetDown while it is down, and Envoy lets requests through
-    # unadmitted meanwhile (ExtprocRequestsUnadmitted, from Envoy's own count).
+
+def replica_down(d: Drill) -> None:
+    """A replica's process dies: ExtprocReplicaDown (it had answered, so it is not a cold start)."""
+    d.stack.process(f"sim-{POOL}-1").stop(signal.SIGKILL)
+    d.run(Incident("replica_down", ["ExtprocReplicaDown"]), timeout=10)
+
+
+def extproc_down(d: Drill) -> None:
+    """The ext_proc killed under traffic: ExtprocTargetDown while it is down, and Envoy lets requests through
+    unadmitted meanwhile (ExtprocRequestsUnadmitted, from Envoy's own count); restarted, it is up again."""
+    d.traffic.rate = dict(CALM)
     os.kill(d.extproc_pid(), signal.SIGKILL)
     d.run(Incident("extproc_down", ["ExtprocTargetDown", "ExtprocRequestsUnadmitted"]), timeout=10)
-    t.rate = {}
-    return d
+    d.stack.start_extproc(0)
+    d.cleared("extproc_down", "ExtprocTargetDown")
+
+
+# Two stack runs. The quick one (~30 s) runs in `make test`; the rest (~50 s more) are slow: calm first, then
+# incidents whose alerts wait out a `for:` of 5 or 10 s (the shipped 5 or 10 minutes).
+QUICK = [calm, hung_replica, reload_refused, extproc_down]
+SLOW = [slow_pool, overload, failing_replicas, redis_down, replica_down]
+RUNS = {"quick": QUICK, "slow": SLOW}
+RUN_OF = {f.__name__: run for run, fs in RUNS.items() for f in fs}
+
+
+@pytest.fixture(scope="module")
+def drills(tmp_path_factory):
+    """Each run's Drill, started the first time a test asks for it and kept for the module."""
+    done: dict[str, Drill] = {}
+    with contextlib.ExitStack() as stack:
+        def get(run: str) -> Drill:
+            if run not in done:
+                d = stack.enter_context(start_drill(tmp_path_factory.mktemp(f"drill-{run}")))
+                for incident in RUNS[run]:
+                    incident(d)
+                done[run] = d
+            return done[run]
+        yield get
+
+
+def incident_params(names):
+    """pytest params for `names` (incident, ...) rows: marked slow where the incident is in the slow run."""
+    return [pytest.param(*row, marks=[pytest.mark.slow] if RUN_OF[row[0]] == "slow" else [])
+            for row in names]
 
 
 # --- the tests: what Prometheus recorded over each incident ------------------------------------------------------
@@ -366,22 +440,24 @@ def test_drill_rules_differ_from_the_shipped_only_in_their_durations():
     assert scale_expr('rate(c{status=~"[45].."}[5m])') == 'rate(c{status=~"[45].."}[5s])'
 
 
-def test_calm_traffic_fires_no_alert(drill):
+def test_calm_traffic_fires_no_alert(drills):
+    drill = drills("quick")
     inc = drill.incidents["calm"]
-    series = drill.api.query_range("ALERTS", inc.start, inc.end)
+    series = drill.api.query_range("ALERTS", inc.start, inc.end)  # pending ones included
     assert not series, [s["metric"] for s in series]
 
 
-@pytest.mark.parametrize("incident", ["overload", "hung_replica", "failing_replicas", "reload_refused",
-                                      "redis_down", "extproc_down"])
-def test_each_incident_fires_the_alerts_the_troubleshooting_doc_names(drill, incident):
+@pytest.mark.parametrize("incident", incident_params([(f.__name__,) for f in QUICK + SLOW if f is not calm]))
+def test_each_incident_fires_the_alerts_the_troubleshooting_doc_names(drills, incident):
+    drill = drills(RUN_OF[incident])
     inc = drill.incidents[incident]
     assert set(inc.expected) <= fired(drill, incident), (inc.expected, inc.fired_after, drill.traffic.seen)
 
 
-@pytest.mark.parametrize("incident", ["reload_refused", "redis_down"])
-def test_alert_clears_when_the_incident_ends(drill, incident):
-    assert drill.incidents[incident].cleared
+@pytest.mark.parametrize("incident", incident_params([("hung_replica",), ("reload_refused",), ("redis_down",),
+                                                      ("extproc_down",)]))
+def test_alert_clears_when_the_incident_ends(drills, incident):
+    assert drills(RUN_OF[incident]).incidents[incident].cleared
 
 
 # Panels an operator opens for each incident: (panel title, which of its queries (a regex), what they must show over
@@ -391,6 +467,10 @@ PANELS = {
              ("Decisions by class and reason", ".", (">=", 1)),
              ("In-flight vs cap", "inflight", (">=", 1)),
              ("vLLM running / waiting / down", "running", (">=", 1))],
+    "slow_pool": [("Client latency p95 (arrival to end, queue wait included) vs SLO", "p95_5m", (">=", 1.5)),
+                  ("Client latency p95 (arrival to end, queue wait included) vs SLO", "slo", (">=", 1.5)),
+                  ("Breaker state", ".", (">=", 2)),
+                  ("Breaker window p95 vs SLO", "window_p95", (">=", 1.5))],
     "overload": [("Decisions by class and reason", ".", (">=", 1)),
                  ("Refused and degraded share (capacity)", "refused", (">=", 0.1)),
                  ("Refused and degraded share (capacity)", "degraded", (">=", 0.1)),
@@ -407,18 +487,21 @@ PANELS = {
     "redis_down": [("ext_proc health", "store_switches", (">=", 0.5))],
     "reload_refused": [("ext_proc health", "reload", (">=", 0.5)),
                        ("Agent-session refusals and reloads", "reload_successful", ("<=", 0))],
+    "replica_down": [("vLLM running / waiting / down", "up", (">=", 1))],
     # Envoy let requests through while the ext_proc was away: the panel shows them (its own count misses them).
     "extproc_down": [("ext_proc health", "up", ("<=", 0)),
                      ("ext_proc health", "unadmitted|failure_mode_allowed", (">=", 1))],
 }
 
 
-@pytest.mark.parametrize("incident,title,pattern,expect", [(i, *c) for i, checks in PANELS.items() for c in checks],
+@pytest.mark.parametrize("incident,title,pattern,expect",
+                         incident_params([(i, *c) for i, checks in PANELS.items() for c in checks]),
                          ids=lambda v: re.sub(r"\W+", "-", str(v))[:30])
-def test_each_incident_shows_on_its_dashboard_panels(drill, incident, title, pattern, expect):
-    values = panel_values(drill, incident, title, pattern)
+def test_each_incident_shows_on_its_dashboard_panels(drills, incident, title, pattern, expect):
+    values = panel_values(drills(RUN_OF[incident]), incident, title, pattern)
     shown = [v for vs in values.values() for v in vs if v == v]  # NaN (no data yet) is not shown
     assert shown, f"panel {title!r} showed nothing during {incident}: {values}"
     if expect is not None:
         op, x = expect
         assert (max(shown) >= x) if op == ">=" else (min(shown) <= x), (title, expect, values)
+
