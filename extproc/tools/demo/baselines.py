@@ -65,14 +65,27 @@ class GradientController:
         """The end of an update interval: a new limit from this interval's samples (none: unchanged)."""
         if not self.samples:
             return self.limit
-        sample_rtt = percentile(sorted(self.samples), self.sample_percentile)
+        sample_rtt = self.sample_rtt(self.samples)
         self.samples.clear()
-        lo, hi = GRADIENT_RANGE
-        gradient = max(lo, min(hi, self.min_rtt_s * (1.0 + self.buffer) / sample_rtt)) if sample_rtt > 0 else hi
-        scaled = self.limit * gradient
-        self.last_sample_rtt, self.last_gradient = sample_rtt, gradient
-        self.limit = max(self.min_limit, min(self.max_limit, int(scaled + math.sqrt(scaled))))
+        self.last_sample_rtt = sample_rtt
+        self.last_gradient = self.gradient(sample_rtt)
+        self.limit = self.next_limit(self.last_gradient)
         return self.limit
+
+    def sample_rtt(self, samples: list[float]) -> float:
+        """An interval's latencies summarised as Envoy does: their `sample_percentile`."""
+        return percentile(sorted(samples), self.sample_percentile)
+
+    def gradient(self, sample_rtt: float) -> float:
+        """(minRTT + minRTT * buffer) / sampleRTT, clamped to GRADIENT_RANGE."""
+        lo, hi = GRADIENT_RANGE
+        return max(lo, min(hi, self.min_rtt_s * (1.0 + self.buffer) / sample_rtt)) if sample_rtt > 0 else hi
+
+    def next_limit(self, gradient: float) -> int:
+        """The limit after an interval with `gradient`: limit * gradient + its square root, truncated, within
+        [min_concurrency, max_concurrency_limit]."""
+        scaled = self.limit * gradient
+        return max(self.min_limit, min(self.max_limit, int(scaled + math.sqrt(scaled))))
 
 
 class _Forwarded:
