@@ -36,10 +36,26 @@ def test_the_limit_falls_when_sampled_latency_rises_over_min_rtt_plus_buffer():
 
 def test_the_limit_rises_by_its_square_root_headroom_at_or_under_the_target():
     c = controller(16)
-    c.record(2.0)  # exactly min RTT + buffer: gradient 1, the headroom alone raises it
-    assert c.update() == 20
+    assert c.gradient(2.0) == 1.0 and c.next_limit(1.0) == 20  # a sample RTT of min RTT + buffer: the headroom
+    c.record(2.0)  # ... but one 2.0 s latency reads as 2.05 s in Envoy's histogram: just over the target
+    assert c.update() == int(16 * 2 / 2.05 + math.sqrt(16 * 2 / 2.05)) == 19
     c.record(0.5)  # well under: gradient clamped at 2
-    assert c.update() == int(40 + math.sqrt(40)) and c.last_gradient == 2.0
+    assert c.update() == int(38 + math.sqrt(38)) and c.last_gradient == 2.0
+
+
+def test_the_sample_rtt_is_read_from_envoys_log_linear_histogram():
+    # What real Envoy 1.40 reported as sample_rtt_msecs for intervals with these latencies (wall seconds), in
+    # tests/integration/test_envoy_adaptive_model.py's runs: the bin's share, not the latencies themselves.
+    p90 = GradientController(0.2, 100.0, 90.0, speed=1.0)
+    assert p90.sample_rtt([1.0123] * 24) == pytest.approx(1.088)  # the 22nd of 24 in [1.0, 1.1) s: 22/25 of it
+    assert p90.sample_rtt([0.112]) == pytest.approx(0.115)  # one sample: the middle of its bin
+    assert p90.sample_rtt([0.1226, 0.1256, 0.1281]) == pytest.approx(0.1275)  # Envoy: 127 (whole ms)
+    median = GradientController(0.5, 100.0, 50.0, speed=1.0)
+    assert median.sample_rtt([1.0123] * 9) == pytest.approx(1.05) and median.gradient(1.05) < 0.96
+    assert median.sample_rtt([0.09, 1.32, 1.33]) == pytest.approx(1.3333, abs=1e-4)  # the 1st of its bin's 2: 1/3
+    # The what-if's seconds at the demo's speed: Envoy bins the wall-clock fifth of them.
+    b = EnvoyAdaptive(ADAPTIVE_TUNED).controller
+    assert b.sample_rtt([5.06] * 24) == pytest.approx(5 * 1.088)
 
 
 def test_an_interval_without_samples_leaves_the_limit_and_bounds_hold():

@@ -14,14 +14,13 @@ from pathlib import Path
 from .baselines import admitter_for
 from extproc.policy.schema import PolicyError, load_policy_file
 
-from .modes import DEFAULT_MODES, MODES, Mode, parse_modes, repo_path, with_policies
+from .modes import DEFAULT_MODES, DEFAULT_SPEED, MODES, Mode, parse_modes, repo_path, with_policies
 from .report import tables, write_report
 from .results import WindowStats, adaptive_targets, calm_windows, scenario_stats, spike_windows, targets
 from .runner import ModeResult, RunSettings, run_mode
 from .scenario import Scenario
 from .whatif import check_routes, what_if
 
-DEFAULT_SPEED = 5.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

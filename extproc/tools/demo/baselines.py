@@ -3,7 +3,9 @@ filter (b), as `whatif.Admitter`s, and `admitter_for(mode)` for every mode.
 
 The gradient controller follows Envoy's documentation of the filter (configuration/http/http_filters/
 adaptive_concurrency_filter): every `concurrency_update_interval` the latencies of the requests completed in
-that interval are summarised by a percentile (sampleRTT); gradient = (minRTT + minRTT * buffer) / sampleRTT,
+that interval are summarised by a percentile (sampleRTT), taken as Envoy takes it from a log-linear histogram of
+the latencies in wall-clock microseconds (`envoy_quantile`: at the demo's speed the what-if's seconds are a fifth of
+that); gradient = (minRTT + minRTT * buffer) / sampleRTT,
 clamped to [0.5, 2] (the range of its `gradient` statistic); limit = limit * gradient + sqrt(of that),
 truncated to a whole number, within [min_concurrency, max_concurrency_limit]. An interval with no completed
 request leaves the limit alone. The limit starts at min_concurrency. A request arriving while the requests in
@@ -14,31 +16,62 @@ sample. With `min_rtt_fixed_s` (the demo's tuning) minRTT is that constant and n
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 from extproc.policy.admission import Admit, RequestFacts
 from extproc.policy.decision import REJECT, Decision, Refusal
 from extproc.tools.loadgen import CLIENT_ERROR, RequestRecord
-from extproc.tools.stats import percentile
 
-from .modes import Mode
+from .modes import DEFAULT_SPEED, Mode
 from .whatif import Admitter, InstancesAdmitter, PolicyAdmitter
 
 GRADIENT_RANGE = (0.5, 2.0)
 
 
+def _histogram_bin(us: int) -> tuple[float, float]:
+    """(left edge, width) of the bin of a circllhist log-linear histogram that holds `us` (>= 0): two significant
+    digits, so [100, 110) us, [1000, 1100) us, [1.0, 1.1) s ... (a tenth of the decade's first value wide)."""
+    if us <= 0:
+        return 0.0, 0.0
+    if us < 10:
+        return float(us), 0.1
+    width = 10 ** (len(str(us)) - 2)
+    return float(us // width * width), float(width)
+
+
+def envoy_quantile(latencies_us: list[int], q: float) -> float:
+    """The q-quantile (0..1) Envoy's gradient controller takes of an interval's latency samples (whole
+    microseconds): libcircllhist's hist_approx_quantile over their log-linear histogram. It finds the bin the
+    q x n-th sample is in and places the k-th of the bin's n samples at k/(n + 1) of its width, whatever the samples
+    in it were: 1.01 s latencies read as about 1.09 s at the 90th percentile, 1.05 s at the median (up to a tenth
+    more than the exact percentile just above 1, 10, 100 ... ms or s, about 1% more just under them)."""
+    bins = sorted(Counter(_histogram_bin(us) for us in latencies_us).items())
+    target = len(latencies_us) * q
+    lower = 0
+    for i, ((left, width), n) in enumerate(bins):
+        if lower + n >= target or i == len(bins) - 1:
+            break
+        lower += n
+    if width == 0:
+        return left
+    return left + max(1, math.ceil(target - lower)) / (n + 1) * width
+
+
 class GradientController:
     """Envoy's adaptive_concurrency gradient controller with a fixed minRTT, sans-IO: the caller says when a
-    request is forwarded, when it ends (with its latency, or cancelled) and when an update interval ends."""
+    request is forwarded, when it ends (with its latency, or cancelled) and when an update interval ends.
+    `speed`: the caller's seconds per Envoy (wall-clock) second, which Envoy's histogram of the latencies bins."""
 
     def __init__(self, min_rtt_s: float, buffer_percent: float = 25.0, sample_percentile: float = 50.0,
-                 min_concurrency: int = 3, max_concurrency_limit: int = 1000):
+                 min_concurrency: int = 3, max_concurrency_limit: int = 1000, speed: float = 1.0):
         self.min_rtt_s = min_rtt_s
         self.buffer = buffer_percent / 100.0
         self.sample_percentile = sample_percentile
         self.min_limit = min_concurrency
         self.max_limit = max_concurrency_limit
+        self.speed = speed
         self.limit = min_concurrency
         self.outstanding = 0
         self.samples: list[float] = []
@@ -73,8 +106,10 @@ class GradientController:
         return self.limit
 
     def sample_rtt(self, samples: list[float]) -> float:
-        """An interval's latencies summarised as Envoy does: their `sample_percentile`."""
-        return percentile(sorted(samples), self.sample_percentile)
+        """An interval's latencies summarised as Envoy does: their `sample_percentile` from its histogram of them in
+        whole microseconds of its clock (both truncated, as Envoy's durations are)."""
+        us = [int(s / self.speed * 1e6) for s in samples]
+        return int(envoy_quantile(us, self.sample_percentile / 100.0)) / 1e6 * self.speed
 
     def gradient(self, sample_rtt: float) -> float:
         """(minRTT + minRTT * buffer) / sampleRTT, clamped to GRADIENT_RANGE."""
@@ -127,14 +162,15 @@ class EnvoyAdaptive(_EnvoyOnly):
 
     lb_policy = "least_request"  # envoy/envoy.yaml's pools (FULL_SCAN); mode b does not override it
 
-    def __init__(self, knobs: dict[str, Any]):
+    def __init__(self, knobs: dict[str, Any], speed: float = DEFAULT_SPEED):
+        """`knobs` in simulated seconds; `speed`: the real run's, whose wall-clock latencies Envoy bins."""
         if "min_rtt_fixed_s" not in knobs:
             raise ValueError("the what-if models adaptive_concurrency with a fixed minRTT only (min_rtt_fixed_s)")
         self.interval_s = float(knobs.get("concurrency_update_interval_s", 0.1))
         self.controller = GradientController(
             float(knobs["min_rtt_fixed_s"]), float(knobs.get("buffer_percent", 25.0)),
             float(knobs.get("sample_aggregate_percentile", 50.0)), int(knobs.get("min_concurrency", 3)),
-            int(knobs.get("max_concurrency_limit", 1000)))
+            int(knobs.get("max_concurrency_limit", 1000)), speed)
         self.limits: list[tuple[float, dict[str, int]]] = []
 
     def start(self, clock: Callable[[], float], pools) -> list[tuple[float, Callable[[], None]]]:

@@ -24,6 +24,9 @@ UNSCALED_POLICY_KEYS = frozenset({"lease_ms", "retry_after_max_s"})
 GPU_SECONDS_KEYS = frozenset({"prefill_s_per_1k_tokens", "decode_s_per_token", "max_inflight_gpu_seconds"})
 
 
+DEFAULT_SPEED = 5.0  # the real demo's simulated seconds per wall second (`extproc demo --speed`)
+
+
 @dataclass(frozen=True)
 class Mode:
     """One way to serve the traffic: an Envoy variant, and for the ext_proc a policy file."""
