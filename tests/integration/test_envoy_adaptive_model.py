@@ -11,7 +11,7 @@ model is given what Envoy was given and must produce what Envoy produced:
   are known to the poll's resolution: the model's sample RTT over every such reading must bracket Envoy's;
 - the gradient from that sample RTT, and the new limit from the previous one and that gradient;
 - minRTT stays the fixed value (no re-measurement), and a request is let through while fewer than the limit are
-  in flight: the upstream never has more, and it does get exactly the limit.
+  in flight: the upstream never has more, and it does get exactly the limit; the others get the filter's 503.
 Timer jitter, the poll's resolution and the machine's scheduling are what the brackets allow for; a systematic
 difference in the model's rule falls outside them.
 """
@@ -60,6 +60,7 @@ class Run:
     arrivals: list[tuple[float, int]] = field(default_factory=list)  # (time, requests in the upstream with it)
     client: dict[int, tuple[float, float, int]] = field(default_factory=dict)  # id -> (sent, answered, status)
     polls: list[tuple[float, float, dict[str, int]]] = field(default_factory=list)  # (sent, answered, stats)
+    final: dict[str, int] = field(default_factory=dict)  # the stats once every client has its answer
 
 
 class Upstream:
@@ -131,6 +132,7 @@ async def drive(variant: Variant, tmp_path) -> Run:
                     await asyncio.sleep(POLL_S)
 
             await asyncio.gather(poll(), *[client() for _ in range(variant.workers)])
+            run.final = await stats(http, stack.admin_url)
     finally:
         stack.stop()
         await runner.cleanup()
@@ -178,8 +180,13 @@ async def test_the_what_if_gradient_controller_does_what_envoys_filter_does(name
         assert (st["min_rtt_msecs"], st["min_rtt_calculation_active"]) == \
             (round(model.min_rtt_s / SPEED * 1000), 0)
 
+    # Every 503 the clients got is the filter's (none from elsewhere), and each was counted as blocked.
+    assert run.final["rq_blocked"] == sum(status == 503 for _, _, status in run.client.values()) > 0
+    assert {status for _, _, status in run.client.values()} == {200, 503}
+
     seen = updates(run, model.min_limit)
-    assert len(seen) >= 8, seen
+    # (an interval that changes nothing is not seen: at a steady state few are)
+    assert len(seen) >= 5 and sum(u.sample_rtt_ms >= 1000 for u in seen) >= 2, seen  # the slow phase's too
     # Each request: Envoy took its latency sample between these two instants, and it lies between these two values.
     done = [(up[1], run.client[i][1], up[1] - up[0], run.client[i][1] - run.client[i][0])
             for i, up in run.served.items() if i in run.client]
