@@ -52,6 +52,7 @@ def test_the_sample_rtt_is_read_from_envoys_log_linear_histogram():
     assert p90.sample_rtt([0.1226, 0.1256, 0.1281]) == pytest.approx(0.1275)  # Envoy: 127 (whole ms)
     median = GradientController(0.5, 100.0, 50.0, speed=1.0)
     assert median.sample_rtt([1.0123] * 9) == pytest.approx(1.05) and median.gradient(1.05) < 0.96
+    assert median.sample_rtt([1.09] * 9) == pytest.approx(1.05)  # and under the latencies at a bin's top
     assert median.sample_rtt([0.09, 1.32, 1.33]) == pytest.approx(1.3333, abs=1e-4)  # the 1st of its bin's 2: 1/3
     # The what-if's seconds at the demo's speed: Envoy bins the wall-clock fifth of them.
     b = EnvoyAdaptive(ADAPTIVE_TUNED).controller

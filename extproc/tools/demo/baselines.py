@@ -45,8 +45,9 @@ def envoy_quantile(latencies_us: list[int], q: float) -> float:
     """The q-quantile (0..1) Envoy's gradient controller takes of an interval's latency samples (whole
     microseconds): libcircllhist's hist_approx_quantile over their log-linear histogram. It finds the bin the
     q x n-th sample is in and places the k-th of the bin's n samples at k/(n + 1) of its width, whatever the samples
-    in it were: 1.01 s latencies read as about 1.09 s at the 90th percentile, 1.05 s at the median (up to a tenth
-    more than the exact percentile just above 1, 10, 100 ... ms or s, about 1% more just under them)."""
+    in it were: 1.01 s latencies read as about 1.09 s at the 90th percentile, 1.05 s at the median, and 1.09 s ones
+    as 1.05 s at the median. Off the exact percentile by up to a bin either way: a tenth just above 1, 10, 100 ...
+    ms or s, 1% just under them."""
     bins = sorted(Counter(_histogram_bin(us) for us in latencies_us).items())
     target = len(latencies_us) * q
     lower = 0
