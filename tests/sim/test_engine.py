@@ -1,5 +1,7 @@
 """The engine model's scheduling properties, driven with a fake clock."""
 
+import pytest
+
 from extproc.tools.sim.engine import FINISHED, RUNNING, WAITING, Engine
 from extproc.tools.sim.profile import LogNormal, Profile, Timing
 
@@ -76,6 +78,24 @@ def test_admission_into_the_running_batch_is_fifo():
         assert all(s.state != RUNNING for s in seqs[2:]) or seqs[0].state == FINISHED
     assert order == [0, 1, 2, 3]
     assert [s.first_scheduled for s in seqs] == sorted(s.first_scheduled for s in seqs)
+
+
+@pytest.mark.parametrize("reserve_full_isl", [True, False])
+def test_reserve_full_isl_admits_a_request_only_when_its_whole_prompt_fits_not_its_first_chunk(reserve_full_isl):
+    # vLLM's --scheduler-reserve-full-isl (on by default in vLLM 0.32): 8 blocks of 16 tokens, a 32-token budget.
+    # The first request holds 5 blocks once it decodes; the second's first chunk (31 tokens, 2 blocks) fits in the 3
+    # left, its 96-token prompt (6 blocks) does not: with the flag it waits until the first has finished.
+    engine = Engine(make_profile(kv_cache_blocks=8, max_num_batched_tokens=32, max_model_len=128,
+                                 scheduler_reserve_full_isl=reserve_full_isl))
+    first = engine.add_request(64, 30, 0.0, natural_tokens=30)
+    now, _ = step(engine, 0.0)
+    now, _ = step(engine, now)  # its prompt is in: 4 blocks
+    second = engine.add_request(96, 2, now, natural_tokens=2)
+    now, _ = step(engine, now)
+    assert second.state == (WAITING if reserve_full_isl else RUNNING)
+    while engine.has_work:
+        now, _ = step(engine, now)
+    assert (second.first_scheduled >= first.finished) == reserve_full_isl and second.finish_reason == "length"
 
 
 def test_a_full_kv_cache_preempts_the_newest_running_sequence():

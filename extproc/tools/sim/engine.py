@@ -4,7 +4,8 @@ Two scheduling policies, as vLLM 0.32's `--scheduling-policy` (vllm/v1/core/sche
 waiting queue in arrival order; a running sequence short of KV blocks preempts the newest running one) and
 `priority` (the waiting queue ordered by (priority, arrival), lower first; the victim is the running sequence with
 the largest (priority, arrival), wherever it sits in the batch, and a victim already scheduled this step gives its
-token budget back). In both a waiting request never preempts anyone: it waits for blocks.
+token budget back). In both a waiting request never preempts anyone: it waits for blocks (with the profile's
+`scheduler_reserve_full_isl`, as vLLM's flag, for all its tokens, not just its first chunk's).
 
 Time never comes from a clock here: callers pass `now` in simulated seconds. One iteration is
 `begin_iteration(now)` (schedule the batch, return how long it takes) then `end_iteration(end)` (apply it and
@@ -269,7 +270,10 @@ class Engine:
                 passed_over.append(self.waiting.popleft())  # as vLLM: skipped, the ones behind it may go
                 continue
             n = min(seq.length - seq.computed, budget)
-            if not self._allocate(seq, seq.computed + n):
+            # vLLM's --scheduler-reserve-full-isl: admitted only when the free blocks hold all its tokens, not just
+            # the first chunk it is scheduled now
+            if (self.profile.scheduler_reserve_full_isl and self._blocks_short(seq, seq.length)
+                    or not self._allocate(seq, seq.computed + n)):
                 break  # FIFO: the head waits for memory, nobody overtakes it
             self.waiting.popleft()
             seq.state = RUNNING
@@ -291,6 +295,10 @@ class Engine:
         if self.priority:
             return max(self.running, key=lambda s: (s.priority, s.arrival))
         return self.running[-1]
+
+    def _blocks_short(self, seq: Sequence, tokens: int) -> bool:
+        """Whether seq's block table cannot grow to hold `tokens` tokens from the free blocks."""
+        return -(-tokens // self.profile.block_size) - seq.blocks > self.free_blocks
 
     def _allocate(self, seq: Sequence, tokens: int) -> bool:
         """Grow seq's block table to hold `tokens` tokens; False when the cache has too few free blocks."""

@@ -59,6 +59,10 @@ class Profile:
     description: str = ""
     # vLLM's --scheduling-policy: "fcfs" or "priority" (the request's `priority`, lower first; engine.py).
     scheduling_policy: str = "fcfs"
+    # vLLM's --scheduler-reserve-full-isl: admit a waiting request only when the free KV blocks hold all its tokens,
+    # not just its first chunk's (engine.py). vLLM 0.32 has it on by default; off here until the demo's recorded
+    # runs are made again with it (docs/simulator.md, "The engine model").
+    scheduler_reserve_full_isl: bool = False
 
     def natural_output_tokens(self, rng: random.Random) -> int:
         """How many tokens a request would generate if max_tokens did not stop it."""
@@ -114,6 +118,9 @@ def profile_from_dict(data: dict, source: str = "<dict>") -> Profile:
     except (KeyError, TypeError) as exc:
         raise ValueError(f"{source}: bad profile: {exc}") from exc
     _check_scheduling_policy(profile.scheduling_policy, f"{source}: scheduling_policy")
+    if not isinstance(profile.scheduler_reserve_full_isl, bool):
+        raise ValueError(f"{source}: scheduler_reserve_full_isl must be true or false, "
+                         f"got {profile.scheduler_reserve_full_isl!r}")
     names = data["model_names"]
     if isinstance(names, str) or not names or not all(isinstance(n, str) and n for n in names):
         # tuple("m-70b") would serve one model per character
