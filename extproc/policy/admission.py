@@ -529,7 +529,7 @@ class AdmissionController:
         for w in q.overdue(now):
             if w.pending:
                 self.abandon(w, timed_out=True, regrant=False)
-        arrivals = iter(list(q)) if q.mode == "fifo" else None  # fifo: one pass, the order does not change
+        arrivals = q.in_line() if q.mode == "fifo" else None  # fifo: one pass, the order does not change
         skipped: set[str] = set()  # fair modes: pools this class found no room on in this pass
         above = set(blocked) if blocked else ()  # pools a higher class waits for: no over-commit there
         while True:

@@ -751,6 +751,34 @@ def test_overdue_lists_what_a_scan_of_every_waiter_finds(steps, mode):
 
 
 @settings(max_examples=100, deadline=None)
+@given(st.integers(0, 12), st.lists(st.tuples(st.sampled_from(["take", "remove", "pass", "append"]),
+                                              st.integers(0, 20)), max_size=40))
+def test_fifo_in_line_gives_what_a_copy_of_the_line_gives_whatever_changes_meanwhile(queued, steps):
+    # The grant pass of a fifo class walks its line as it changes (AdmissionController._grant_class): each waiter
+    # queued when the walk began and still waiting when it is reached, in arrival order; none that arrived since.
+    q = FairQueue("fifo")
+    line = [W(TENANTS[i % 4], n=i) for i in range(queued)]
+    for w in line:
+        q.append(w)
+    walk, left, at, n = q.in_line(), set(), 0, queued
+    for op, k in steps + [("pass", 0)] * (queued + 1):
+        while at < len(line) and id(line[at]) in left:
+            at += 1
+        assert next(walk, None) is (line[at] if at < len(line) else None)
+        if at == len(line):
+            break
+        if op in ("take", "remove"):  # the one just given, or one further on
+            x = line[at] if k % 2 else line[min(at + k, len(line) - 1)]
+            if id(x) not in left:
+                q.take(x) if op == "take" else q.remove(x)
+                left.add(id(x))
+        elif op == "append":
+            q.append(W("a", n=n))
+            n += 1
+        at += 1
+
+
+@settings(max_examples=100, deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 5), st.integers(0, 3)), max_size=80))
 def test_round_robin_counts_the_queue_ahead_as_a_pass_over_the_flows_would(steps):
     q = FairQueue("round_robin")
