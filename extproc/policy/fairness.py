@@ -99,7 +99,7 @@ class _Flow:
     """One fairness key's waiters, ordered (deadline, arrival) - or by arrival alone in fifo mode."""
 
     __slots__ = ("key", "entries", "vtime", "inflight", "inflight_cost", "weight", "guaranteed", "group",
-                 "members", "backlogged", "waiting", "floor")
+                 "members", "backlogged", "waiting", "floor", "flows", "heap")
 
     def __init__(self, key: str, weight: float, guaranteed: float, group: "_Flow | None" = None):
         self.key = key
@@ -109,6 +109,11 @@ class _Flow:
         self.backlogged = 0   # a group's: its flows with waiters
         self.waiting = 0      # a group's: its waiters
         self.floor = 0.0      # a group's: start virtual time of its latest admission (never decreases)
+        # A group's: its flows with waiters, in turn order (round_robin) as the queue's own list; and a lazy heap of
+        # their items (_flow_item: virtual time, in-flight cost per weight, next entry's arrival, key), for the least
+        # of them without a pass over the flows a header keys (an item is current while it equals its flow's now).
+        self.flows: OrderedDict[str, _Flow] | None = OrderedDict() if group is None else None
+        self.heap: list[tuple[float, float, int, str]] | None = [] if group is None else None
         self.vtime = 0.0
         self.inflight = 0
         self.inflight_cost = 0.0
@@ -203,7 +208,8 @@ class FairQueue:
         # without a guarantee whose one waiting flow is their own (_pick). Both spare a pass over the waiting flows.
         self._vtimes: list[tuple[float, str]] = []
         self._ranks: list[tuple[float, float, int, str]] = []
-        self._nested = 0  # waiting flows nested in a group (a header key): _pick then passes over them all
+        self._nested = 0  # waiting flows nested in a group (a header key)
+        self._nesting: dict[str, _Flow] = {}  # the groups with such a flow waiting: _pick looks inside each
         self._vfloor = 0.0  # start virtual time of the latest admission, at most the least waiting (never decreases)
         self._head: Any = None  # cache of q[0]; None when it must be recomputed
 
@@ -242,7 +248,7 @@ class FairQueue:
         self._where[id(waiter)] = (flow, entry, key)
         heapq.heappush(self._deadlines, (waiter.deadline, entry[1], entry))
         self._stats(key).waiting += 1
-        self._moved(flow.group)
+        self._moved(flow.group, flow)
         self._head = None
 
     def popleft(self) -> Any:
@@ -332,6 +338,9 @@ class FairQueue:
             self._forget_group_if_idle(group)
         for label in [label for label in self.stats if label not in labels and label != OTHER]:
             del self.stats[label]  # a tenant the policy removed (what it had waiting and running moved above)
+        for group in self._turns.values():  # the flows' weights may have changed: each group's items anew
+            group.heap = [_flow_item(f) for f in group.flows.values()]
+            heapq.heapify(group.heap)
         self._reindex()
         self._head = None
 
@@ -355,6 +364,7 @@ class FairQueue:
         if self.mode == "round_robin":  # its turn is over, and its group's
             if flow.key in self._backlogged:
                 self._backlogged.move_to_end(flow.key)
+                flow.group.flows.move_to_end(flow.key)
             if flow.group.key in self._turns:
                 self._turns.move_to_end(flow.group.key)
         if self.clock is not None:
@@ -515,7 +525,7 @@ class FairQueue:
         st.admitted += 1
         st.inflight += 1
         self._serve(st, key, charge)
-        self._moved(group)
+        self._moved(group, flow)
         self._head = None
         return charge
 
@@ -526,7 +536,7 @@ class FairQueue:
             for f in (flow.group, flow):
                 f.inflight -= 1
                 f.inflight_cost -= cost
-            self._moved(flow.group)
+            self._moved(flow.group, flow)
             self._forget_if_idle(flow)
         self._stats(key).inflight -= 1
         self._head = None
@@ -545,7 +555,7 @@ class FairQueue:
         if flow is not None and (charged_to is None or flow is charged_to):
             flow.vtime += (actual - charged) / flow.weight
             flow.group.vtime += (actual - charged) / flow.group.weight
-            self._moved(flow.group)
+            self._moved(flow.group, flow)
         self._serve(self._stats(key), key, actual - charged)
         self._head = None
 
@@ -649,12 +659,15 @@ class FairQueue:
             self._turns[group.key] = group
             floor = group.floor  # none of its flows waits
         else:
-            floor = min((f.vtime for f in self._backlogged.values() if f.group is group), default=group.floor)
+            least = self._least_flow(group)
+            floor = group.floor if least is None else least.vtime
         flow.vtime = max(flow.vtime, floor)
         group.backlogged += 1
         self._backlogged[flow.key] = flow
+        group.flows[flow.key] = flow
         if flow.key != group.key:
             self._nested += 1
+            self._nesting[group.key] = group
 
     def _take(self, waiter: Any, forget: bool = True) -> None:
         flow, entry, key = self._where.pop(id(waiter))
@@ -668,20 +681,30 @@ class FairQueue:
         if len(self._deadlines) > 2 * len(self._where) + 64:  # left waiters' items: dropped, amortized O(1)
             self._deadlines = [item for item in self._deadlines if self._live(item)]
             heapq.heapify(self._deadlines)
+        group = flow.group
         if not flow.entries:
             del self._backlogged[flow.key]
-            if flow.key != flow.group.key:
+            del group.flows[flow.key]
+            if flow.key != group.key:
                 self._nested -= 1
-            flow.group.backlogged -= 1
-            if not flow.group.backlogged:
-                del self._turns[flow.group.key]
+                if len(group.flows) == (1 if group.key in group.flows else 0):
+                    del self._nesting[group.key]
+            group.backlogged -= 1
+            if not group.backlogged:
+                del self._turns[group.key]
             if forget:
                 self._forget_if_idle(flow)
-        self._moved(flow.group)
+        self._moved(group, flow)
         self._head = None
 
-    def _moved(self, group: _Flow) -> None:
-        """A group's virtual time, in-flight cost or next entry may have changed: its heap items anew."""
+    def _moved(self, group: _Flow, flow: _Flow | None = None) -> None:
+        """A group's virtual time, in-flight cost or next entry may have changed, or those of its flow `flow`: their
+        heap items anew."""
+        if flow is not None and flow.entries and group.flows.get(flow.key) is flow:
+            heapq.heappush(group.heap, _flow_item(flow))
+            if len(group.heap) > 2 * len(group.flows) + 8:  # items out of date dropped, amortized O(1) a change
+                group.heap = [_flow_item(f) for f in group.flows.values()]
+                heapq.heapify(group.heap)
         if not group.backlogged or self._turns.get(group.key) is not group:
             return
         heapq.heappush(self._vtimes, (group.vtime, group.key))
@@ -699,8 +722,9 @@ class FairQueue:
         heapq.heapify(self._ranks)
 
     def _rank(self, group: _Flow) -> tuple[float, float, int, str] | None:
-        """A waiting group's item of the rank heap (fair mode, no guarantee, its own key's flow waiting), or None."""
-        if self.mode != "fair" or group.guaranteed > 0.0:
+        """A waiting group's item of the rank heap (fair mode, no guarantee, its own key's flow the one waiting), or
+        None."""
+        if self.mode != "fair" or group.guaranteed > 0.0 or group.backlogged != 1:
             return None
         flow = self._flows.get(group.key)
         if flow is None or not flow.entries:
@@ -719,14 +743,34 @@ class FairQueue:
         return None
 
     def _least_in(self, group: _Flow, vtime: float) -> float:
-        """`vtime`, or the least virtual time of the group's waiting flows if lower. O(1) when the group's one
-        waiting flow is its own key's (the usual case), else a pass over the waiting flows."""
+        """`vtime`, or the least virtual time of the group's waiting flows if lower (its heap's least)."""
         if not group.backlogged or vtime <= group.floor:
             return vtime  # nothing waits, or the floor does not move anyway
-        own = self._flows.get(group.key)
-        if group.backlogged == 1 and own is not None and own.entries:
-            return min(vtime, own.vtime)
-        return min(vtime, min(f.vtime for f in self._backlogged.values() if f.group is group))
+        least = self._least_flow(group)
+        return vtime if least is None else min(vtime, least.vtime)
+
+    def _least_flow(self, group: _Flow) -> _Flow | None:
+        """The group's waiting flow first by its item (_flow_item: virtual time first), None if none waits."""
+        heap, flows = group.heap, group.flows
+        while heap:
+            item = heap[0]
+            flow = flows.get(item[3])
+            if flow is not None and flow.entries and _flow_item(flow) == item:
+                return flow
+            heapq.heappop(heap)
+        return None
+
+    def _first_in(self, group: _Flow) -> _Flow:
+        """Fair mode: the waiting flow of a waiting group that _grant_rank puts first. Its one waiting flow; else a
+        flow of the open group under its guarantee (its name's, a configured tenant's), or the least of its heap."""
+        flows = group.flows
+        if len(flows) == 1:
+            return next(iter(flows.values()))
+        candidates = [self._least_flow(group)]
+        if group.key == self.open_group:
+            candidates += (f for name, share in self.guaranteed.items() if share > 0.0
+                           if (f := flows.get(nested(group.key, name))) is not None)
+        return min(candidates, key=lambda f: self._grant_rank(f, f.entries[0]))
 
     def _least_rank(self) -> tuple[float, float, int, str] | None:
         """The rank heap's least current item (fair mode)."""
@@ -768,12 +812,9 @@ class FairQueue:
         """The next grant: of every waiter (`pool` None), of those bound for `pool`, or of those bound for a pool
         not in `outside`."""
         if self.mode != "fair" and pool is None and not outside and self._turns:
-            # The group in turn. In the usual case (every flow its tenant's; fifo's one flow) no pass is needed: a
-            # group whose one waiting flow is its own key's gives that flow's first. Otherwise as below, O(flows).
+            # The group in turn, then its flow in turn (fifo: its one flow): the first of each, no pass needed.
             group = next(iter(self._turns.values()))
-            flow = self._flows.get(group.key)
-            if group.backlogged == 1 and flow is not None and flow.entries:
-                return flow.entries[0][2]
+            return next(iter(group.flows.values())).entries[0][2]
         if self.mode != "fair":  # fifo has one flow; round_robin: groups take turns, then their flows
             firsts: dict[str, tuple] = {}  # group -> the next entry of its first flow in turn order that has one
             for flow in self._backlogged.values():
@@ -782,13 +823,15 @@ class FairQueue:
                     if entry is not None:
                         firsts[flow.group.key] = entry
             return next((firsts[g][2] for g in self._turns if g in firsts), None)
-        if pool is None and not outside and not self._nested:
-            # Every waiting flow is its tenant's (a group of its own): the least rank of the groups without a
-            # guarantee from their heap, then the few with one (their rank moves with the class's capacity).
+        if pool is None and not outside:
+            # The least rank of the groups without a guarantee whose one waiting flow is their own from their heap,
+            # then the few with a guarantee (their rank moves with the class's capacity), and the groups with a
+            # header's key waiting (their first flow from the group's own heap): no pass over the waiting flows.
             least = self._least_rank()
-            candidates = [] if least is None else [self._flows[least[3]]]
-            candidates += (self._flows[key] for key, share in self.guaranteed.items()
-                           if share > 0.0 and key in self._turns and self._turns[key].guaranteed > 0.0)
+            groups = [] if least is None else [self._turns[least[3]]]
+            groups += (self._turns[key] for key, share in self.guaranteed.items()
+                       if share > 0.0 and key in self._turns and self._turns[key].guaranteed > 0.0)
+            candidates = [self._first_in(group) for group in (*groups, *self._nesting.values())]
         else:
             candidates = self._backlogged.values()
         best_entry = best_rank = None
@@ -857,3 +900,8 @@ class FairQueue:
 
 def _order(entry: tuple[float, int, Any]) -> tuple[float, int]:
     return entry[0], entry[1]
+
+
+def _flow_item(flow: _Flow) -> tuple[float, float, int, str]:
+    """A waiting flow's item of its group's heap: its order inside the group (_grant_rank's, but for a guarantee)."""
+    return flow.vtime, flow.inflight_cost / flow.weight, flow.entries[0][1], flow.key
