@@ -99,7 +99,7 @@ class _Flow:
     """One fairness key's waiters, ordered (deadline, arrival) - or by arrival alone in fifo mode."""
 
     __slots__ = ("key", "entries", "vtime", "inflight", "inflight_cost", "weight", "guaranteed", "group",
-                 "members", "backlogged", "waiting", "floor", "flows", "heap")
+                 "members", "backlogged", "waiting", "floor", "flows", "heap", "longest", "since")
 
     def __init__(self, key: str, weight: float, guaranteed: float, group: "_Flow | None" = None):
         self.key = key
@@ -114,6 +114,10 @@ class _Flow:
         # of them without a pass over the flows a header keys (an item is current while it equals its flow's now).
         self.flows: OrderedDict[str, _Flow] | None = OrderedDict() if group is None else None
         self.heap: list[tuple[float, float, int, str]] | None = [] if group is None else None
+        # ...and of their items by length (_long_item: the most waiters, then the highest virtual time, then the
+        # first in turn order): the flow a crowded-out place is taken from.
+        self.longest: list[tuple[int, float, int, str]] | None = [] if group is None else None
+        self.since = 0        # a waiting flow's place in the turn order (the queue's count when it took it)
         self.vtime = 0.0
         self.inflight = 0
         self.inflight_cost = 0.0
@@ -198,6 +202,7 @@ class FairQueue:
         # id(waiter) -> its flow, its entry, and its own key (fifo keeps every waiter in one flow)
         self._where: dict[int, tuple[_Flow, tuple[float, int, Any], str]] = {}
         self._seq = itertools.count()
+        self._turn = itertools.count()  # places in the turn order of the waiting flows (_Flow.since)
         self._lengths: dict[int, int] = {}  # waiting flows by their waiters' count (round_robin's ahead())
         # (deadline, seq, entry) of every waiter, a heap: overdue() runs on every release, and a scan of every
         # waiter for the rare late one cost each grant O(waiters). Left waiters are dropped lazily (_live).
@@ -339,8 +344,7 @@ class FairQueue:
         for label in [label for label in self.stats if label not in labels and label != OTHER]:
             del self.stats[label]  # a tenant the policy removed (what it had waiting and running moved above)
         for group in self._turns.values():  # the flows' weights may have changed: each group's items anew
-            group.heap = [_flow_item(f) for f in group.flows.values()]
-            heapq.heapify(group.heap)
+            self._reheap(group)
         self._reindex()
         self._head = None
 
@@ -365,6 +369,8 @@ class FairQueue:
             if flow.key in self._backlogged:
                 self._backlogged.move_to_end(flow.key)
                 flow.group.flows.move_to_end(flow.key)
+                flow.since = next(self._turn)
+                self._moved(flow.group, flow)
             if flow.group.key in self._turns:
                 self._turns.move_to_end(flow.group.key)
         if self.clock is not None:
@@ -420,9 +426,7 @@ class FairQueue:
         longest = max(self._turns.values(), key=lambda g: (g.waiting, g.vtime))
         if longest is own or longest.waiting < mine + 2:
             return None
-        flow = max((f for f in self._backlogged.values() if f.group is longest),
-                   key=lambda f: (len(f.entries), f.vtime))
-        return flow.entries[-1][2]
+        return self._longest_flow(longest).entries[-1][2]
 
     def waiting_in(self, key: str) -> bool:
         """Whether flow `key` has waiters (fifo: whether anyone waits)."""
@@ -665,6 +669,7 @@ class FairQueue:
         group.backlogged += 1
         self._backlogged[flow.key] = flow
         group.flows[flow.key] = flow
+        flow.since = next(self._turn)
         if flow.key != group.key:
             self._nested += 1
             self._nesting[group.key] = group
@@ -702,9 +707,9 @@ class FairQueue:
         heap items anew."""
         if flow is not None and flow.entries and group.flows.get(flow.key) is flow:
             heapq.heappush(group.heap, _flow_item(flow))
+            heapq.heappush(group.longest, _long_item(flow))
             if len(group.heap) > 2 * len(group.flows) + 8:  # items out of date dropped, amortized O(1) a change
-                group.heap = [_flow_item(f) for f in group.flows.values()]
-                heapq.heapify(group.heap)
+                self._reheap(group)
         if not group.backlogged or self._turns.get(group.key) is not group:
             return
         heapq.heappush(self._vtimes, (group.vtime, group.key))
@@ -759,6 +764,25 @@ class FairQueue:
                 return flow
             heapq.heappop(heap)
         return None
+
+    def _longest_flow(self, group: _Flow) -> _Flow:
+        """The waiting group's flow with the most waiters, of those the one with the highest virtual time, of those
+        the first in turn order (its heap's least current item by _long_item)."""
+        heap, flows = group.longest, group.flows
+        while True:
+            item = heap[0]
+            flow = flows.get(item[3])
+            if flow is not None and flow.entries and _long_item(flow) == item:
+                return flow
+            heapq.heappop(heap)
+
+    @staticmethod
+    def _reheap(group: _Flow) -> None:
+        """A group's heaps from its waiting flows: their items out of date dropped, or all of them changed."""
+        flows = list(group.flows.values())
+        group.heap, group.longest = [_flow_item(f) for f in flows], [_long_item(f) for f in flows]
+        heapq.heapify(group.heap)
+        heapq.heapify(group.longest)
 
     def _first_in(self, group: _Flow) -> _Flow:
         """Fair mode: the waiting flow of a waiting group that _grant_rank puts first. Its one waiting flow; else a
@@ -905,3 +929,9 @@ def _order(entry: tuple[float, int, Any]) -> tuple[float, int]:
 def _flow_item(flow: _Flow) -> tuple[float, float, int, str]:
     """A waiting flow's item of its group's heap: its order inside the group (_grant_rank's, but for a guarantee)."""
     return flow.vtime, flow.inflight_cost / flow.weight, flow.entries[0][1], flow.key
+
+
+def _long_item(flow: _Flow) -> tuple[int, float, int, str]:
+    """A waiting flow's item of its group's heap by length (the least first: the most waiters, then the highest
+    virtual time, then the first in turn order)."""
+    return -len(flow.entries), -flow.vtime, flow.since, flow.key
