@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import OrderedDict
 
@@ -137,9 +136,10 @@ class TenantLimits:
 
 
 class Session:
-    __slots__ = ("inflight_gpu_s", "inflight", "bucket", "tenant", "queued", "queued_gpu_s")
+    __slots__ = ("inflight_gpu_s", "inflight", "bucket", "tenant", "queued", "queued_gpu_s", "key")
 
-    def __init__(self, tenant: str):
+    def __init__(self, tenant: str, key: tuple[str, str] | None = None):
+        self.key = key     # (tenant, session id): its place in the table
         self.inflight_gpu_s = 0.0
         self.inflight = 0  # requests: what says whether it runs (the GPU-seconds' float sum drifts)
         self.queued = 0    # requests queued (they prepaid its rate): it is kept for them as for those running
@@ -156,6 +156,9 @@ class SessionBudgets:
     def __init__(self, spec: SessionSpec):
         self.spec = spec
         self.sessions: OrderedDict[tuple[str, str], Session] = OrderedDict()
+        # The idle sessions (nothing running or queued), least recently seen or ended first: those that may be
+        # forgotten, without a pass over the busy ones (each fresh session id looked at every session running).
+        self._idle: OrderedDict[tuple[str, str], None] = OrderedDict()
 
     def carried_from(self, old: SessionBudgets | None, now: float) -> SessionBudgets:
         """A reload changed the session knobs: the sessions go on, each with what it has in flight (its running
@@ -169,6 +172,7 @@ class SessionBudgets:
             if s.bucket is not None:
                 s.bucket.carry(bucket, now)
             self.sessions[key] = s
+        self._idle = OrderedDict(old._idle)
         self._forget_idle()  # a lowered max_sessions holds from now, not from the next new session
         return self
 
@@ -180,25 +184,40 @@ class SessionBudgets:
         key = (tenant, session_id)  # per tenant: one tenant cannot drain another's session by guessing its id
         s = self.sessions.get(key)
         if s is None:
-            s = self.sessions[key] = Session(tenant)
+            s = self.sessions[key] = Session(tenant, key)
+            self._idle[key] = None
             if self.spec.gpu_seconds_per_minute:
                 rate = self.spec.gpu_seconds_per_minute
                 s.bucket = TokenBucket(rate / 60.0, rate, now)
             self._forget_idle(keep=key)
         else:
             self.sessions.move_to_end(key)
+            if key in self._idle:
+                self._idle.move_to_end(key)
         return s
 
     def _forget_idle(self, keep: tuple[str, str] | None = None) -> None:
-        """Down to `max_sessions`, forgetting the least recently seen idle sessions but `keep` (the one just made);
-        one running or queued is kept (forget nothing held) and passed over. Stopping at the first busy one kept
-        every idle one behind it: the table passed max_sessions by more than the sessions running."""
+        """Down to `max_sessions`, forgetting the idle sessions least recently seen (or ended) but `keep` (the one
+        just made, the idle one seen last); one running or queued is kept (forget nothing held). Stopping at the
+        first busy one kept every idle one behind it: the table passed max_sessions by more than the sessions
+        running."""
         excess = len(self.sessions) - self.spec.max_sessions
-        if excess <= 0:
-            return
-        idle = (key for key, s in self.sessions.items() if s.inflight == 0 and s.queued == 0 and key != keep)
-        for key in list(itertools.islice(idle, excess)):
+        idle = self._idle
+        while excess > 0 and idle:
+            key = next(iter(idle))
+            if key == keep:
+                return
+            del idle[key]
             del self.sessions[key]
+            excess -= 1
+
+    def _busy(self, s: Session) -> None:
+        self._idle.pop(s.key, None)
+
+    def _maybe_idle(self, s: Session) -> None:
+        """Nothing of `s` runs or waits any more: it may be forgotten, after those idle longer."""
+        if s.inflight == 0 and s.queued == 0 and self.sessions.get(s.key) is s:
+            self._idle[s.key] = None
 
     def check(self, s: Session, gpu_s: float, now: float) -> tuple[str | None, float]:
         cap = self.spec.max_inflight_gpu_seconds
@@ -222,17 +241,18 @@ class SessionBudgets:
         what was taken from the bucket."""
         s.inflight_gpu_s += gpu_s
         s.inflight += 1
+        self._busy(s)
         return self.charge_rate(s, gpu_s, now) if rate else 0.0
 
-    @staticmethod
-    def enqueue(s: Session, gpu_s: float) -> None:
+    def enqueue(self, s: Session, gpu_s: float) -> None:
         s.queued += 1
         s.queued_gpu_s += gpu_s
+        self._busy(s)
 
-    @staticmethod
-    def dequeue(s: Session, gpu_s: float) -> None:
+    def dequeue(self, s: Session, gpu_s: float) -> None:
         s.queued = max(s.queued - 1, 0)
         s.queued_gpu_s = max(s.queued_gpu_s - gpu_s, 0.0) if s.queued else 0.0  # no float dust left queued
+        self._maybe_idle(s)
 
     @staticmethod
     def charge_rate(s: Session, gpu_s: float, now: float) -> float:
@@ -245,9 +265,9 @@ class SessionBudgets:
         if s.bucket is not None:
             s.bucket.give(gpu_s)
 
-    @staticmethod
-    def release(s: Session, gpu_s: float) -> None:
+    def release(self, s: Session, gpu_s: float) -> None:
         s.inflight = max(s.inflight - 1, 0)
         # Nothing in flight is exactly 0: parallel calls' costs added and taken out in another order left dust
         # (3e-17) that kept an idle session from ever being forgotten, and the table grew past max_sessions.
         s.inflight_gpu_s = max(s.inflight_gpu_s - gpu_s, 0.0) if s.inflight else 0.0
+        self._maybe_idle(s)

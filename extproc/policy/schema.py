@@ -394,8 +394,9 @@ class SessionSpec:
                                                  minimum=0.001)
     gpu_seconds_per_minute: float | None = doc("GPU-seconds a session may start per minute (token bucket).",
                                                None, minimum=0.001)
-    max_sessions: int = doc("Sessions tracked at once (least recently seen are forgotten first; one with a request "
-                            "in flight is kept, so the table may pass this by the sessions running). Session ids "
+    max_sessions: int = doc("Sessions tracked at once (the least recently seen or ended are forgotten first; one "
+                            "with a request in flight is kept, so the table may pass this by the sessions running). "
+                            "Session ids "
                             "are read to 256 characters; a session takes up to ~700 bytes, so the default holds "
                             "up to ~70 MB.", 100_000,
                             minimum=1)

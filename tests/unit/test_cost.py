@@ -635,6 +635,41 @@ def test_a_busy_session_does_not_keep_the_idle_ones_behind_it():
     assert [key[1] for key in core.sessions.sessions] == ["busy", "new"]
     core.finish(busy.ticket)
 
+def test_a_new_session_passes_over_no_busy_session_to_find_one_to_forget():
+    # Found by bench/cardinality.py: with the table full, each new session id looked for an idle session to forget
+    # from the least recently seen one on, past every session running there: O(sessions running) per arrival of a
+    # fresh id (a client sets x-session-id). The idle ones are kept in their own order now.
+    from collections import OrderedDict
+
+    class Visits(OrderedDict):
+        visits = 0
+
+        def items(self):
+            for item in super().items():
+                self.visits += 1
+                yield item
+
+        def values(self):
+            for value in super().values():
+                self.visits += 1
+                yield value
+
+    core = AdmissionController(make_policy(sessions={"max_inflight_gpu_seconds": 100.0, "max_sessions": 10},
+                                           classes={"batch": {"max_concurrency": 1000}}, default_class="batch",
+                                           tenants=[], shed={}))
+    running = [core.decide(RequestFacts(model="llama", header_class="batch", session_id=f"busy{i}")).ticket
+               for i in range(500)]
+    core.sessions.sessions = table = Visits(core.sessions.sessions)
+    for i in range(200):
+        core.finish(core.decide(RequestFacts(model="llama", header_class="batch", session_id=f"s{i}")).ticket)
+    assert len(table) == 501 and sum(key[1].startswith("s") for key in table) == 1  # the last one, idle
+    assert table.visits == 0  # each arrival passed over the 500 running: 100,000
+    for t in running:
+        core.finish(t)
+    core.finish(core.decide(RequestFacts(model="llama", header_class="batch", session_id="last")).ticket)
+    assert [key[1] for key in table] == [f"busy{i}" for i in range(491, 500)] + ["last"]  # those that ended last
+
+
 def test_check_warns_when_tenant_limits_sum_past_the_fleet():
     p = load_policy({"classes": {"a": {"max_concurrency": 1}}, "models": {"m": {"cluster": "c"}},
                      "fleet": {"tokens_per_minute": 1000},
