@@ -400,7 +400,10 @@ class AdmissionController:
             return True
         if gate is not None and gate.waiting[lim.rank]:
             return False  # the cheap answer under a one-pool overload: its own pool's waiters come first
-        return all(w.gate is not None and w.pool != cluster and lim.has_room(w.cost) for w in lim.queue)
+        # In no particular order: the first waiter that fails answers (in arrival order, each arrival sorted, or in
+        # fifo copied, every waiter first: a class whose GPU-seconds budget held a large request back, with room for
+        # the small ones arriving, paid O(waiters) an arrival).
+        return all(w.gate is not None and w.pool != cluster and lim.has_room(w.cost) for w in lim.queue.unordered())
 
     def _overflow(self, lim: ClassLimiter, c: Classification, cluster: str, reason: str, now: float,
                   charge: Charge, message: str) -> Decision:

@@ -292,6 +292,11 @@ class FairQueue:
     def __contains__(self, waiter: Any) -> bool:
         return id(waiter) in self._where
 
+    def unordered(self) -> Iterator[Any]:
+        """The waiters in no particular order, read as asked for (a test of every waiter stops at the first that
+        fails, without the sort or the copy of iteration in arrival order). Nothing may be queued or taken meanwhile."""
+        return (entry[2] for _, entry, _ in self._where.values())
+
     def in_line(self) -> Iterator[Any]:
         """fifo: the waiters queued now, in arrival order, each looked up when the one before it has been handled
         (taken, left, or passed over): O(log waiters) a step, where a copy of the line cost every grant on a full

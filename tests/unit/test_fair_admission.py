@@ -484,3 +484,40 @@ def test_a_grant_of_a_fifo_class_looks_at_the_waiters_it_grants_not_at_every_wai
         assert d.waiter.result.kind == ACCEPT  # arrival order
         running = d.waiter.result.ticket
     assert len(read) <= 20
+
+
+@pytest.mark.parametrize("mode", ["fifo", "fair"])
+def test_an_arrival_that_fits_beside_a_waiter_its_budget_holds_back_reads_no_queue_in_arrival_order(mode,
+                                                                                                     monkeypatch):
+    # Found in review for bench/cardinality.py: a class whose GPU-seconds budget holds a large request back has
+    # room for small ones, and each small arrival read its queue in arrival order (fair: a sort of every waiter;
+    # fifo: a copy) to find the first waiter it may not pass: O(waiters) an arrival.
+    from tests.conftest import FakeClock
+    from extproc.policy.fairness import FairQueue
+
+    def core_with(budget):
+        spec = {"max_concurrency": 100, "max_queue": 500, "max_wait_ms": 1000, "early_reject": False,
+                "fairness": {"mode": mode}, **({"max_inflight_gpu_seconds": budget} if budget else {})}
+        return AdmissionController(make_policy(classes={"interactive": spec}, tenants=TENANTS), clock=FakeClock())
+
+    def large(core):
+        return core.decide(RequestFacts(api_key="sk-a", model="llama", max_tokens=4000, doc={"prompt": "x" * 400}))
+
+    probe = core_with(None)
+    cost = large(probe).charge.estimate.gpu_seconds
+    small = ask(probe, "b").charge.estimate.gpu_seconds
+    core = core_with(cost + 2 * small)
+    assert large(core).kind == ACCEPT and large(core).kind == QUEUE  # the second waits for the budget
+    read = []
+    walk = FairQueue.__iter__
+
+    def counted(q):
+        waiters = list(walk(q))
+        read.extend(waiters)
+        return iter(waiters)
+
+    monkeypatch.setattr(FairQueue, "__iter__", counted)
+    for i in range(200):
+        assert ask(core, "abc"[i % 3]).kind == QUEUE  # it fits, but passes no waiter
+    assert len(core.limiters["interactive"].queue) == 201
+    assert read == []  # in arrival order, 20,000 waiters were read
