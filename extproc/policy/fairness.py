@@ -759,27 +759,16 @@ class FairQueue:
         least = self._least_flow(group)
         return vtime if least is None else min(vtime, least.vtime)
 
-    def _least_flow(self, group: _Flow) -> _Flow | None:
+    @staticmethod
+    def _least_flow(group: _Flow) -> _Flow | None:
         """The group's waiting flow first by its item (_flow_item: virtual time first), None if none waits."""
-        heap, flows = group.heap, group.flows
-        while heap:
-            item = heap[0]
-            flow = flows.get(item[3])
-            if flow is not None and flow.entries and _flow_item(flow) == item:
-                return flow
-            heapq.heappop(heap)
-        return None
+        return _least_current(group.heap, group.flows, _flow_item)
 
-    def _longest_flow(self, group: _Flow) -> _Flow:
+    @staticmethod
+    def _longest_flow(group: _Flow) -> _Flow:
         """The waiting group's flow with the most waiters, of those the one with the highest virtual time, of those
         the first in turn order (its heap's least current item by _long_item)."""
-        heap, flows = group.longest, group.flows
-        while True:
-            item = heap[0]
-            flow = flows.get(item[3])
-            if flow is not None and flow.entries and _long_item(flow) == item:
-                return flow
-            heapq.heappop(heap)
+        return _least_current(group.longest, group.flows, _long_item)
 
     @staticmethod
     def _reheap(group: _Flow) -> None:
@@ -934,6 +923,18 @@ def _order(entry: tuple[float, int, Any]) -> tuple[float, int]:
 def _flow_item(flow: _Flow) -> tuple[float, float, int, str]:
     """A waiting flow's item of its group's heap: its order inside the group (_grant_rank's, but for a guarantee)."""
     return flow.vtime, flow.inflight_cost / flow.weight, flow.entries[0][1], flow.key
+
+
+def _least_current(heap: list, flows: dict[str, _Flow], item_of: Callable[[_Flow], tuple]) -> _Flow | None:
+    """The waiting flow of a group's lazy heap's least current item (one that equals item_of(its flow) now; those
+    out of date are dropped as they are met), None if none waits."""
+    while heap:
+        item = heap[0]
+        flow = flows.get(item[3])
+        if flow is not None and flow.entries and item_of(flow) == item:
+            return flow
+        heapq.heappop(heap)
+    return None
 
 
 def _long_item(flow: _Flow) -> tuple[int, float, int, str]:

@@ -458,20 +458,11 @@ def test_an_arrival_that_cannot_take_a_place_takes_none_from_a_waiter_when_a_rel
     assert len(core.limiters["interactive"].queue) == 6
 
 
-def test_a_grant_of_a_fifo_class_looks_at_the_waiters_it_grants_not_at_every_waiter(monkeypatch):
-    # Found by bench/cardinality.py: each release into a full fifo class copied its whole queue to walk it in
-    # arrival order (O(waiters) a grant: 1.3x the cost of a step with 100 waiting, 2x with 1,000).
-    from tests.conftest import FakeClock
+def waiters_read_in_arrival_order(monkeypatch) -> list:
+    """From now on, every waiter read by an iteration of a class queue (in arrival order), in a list."""
     from extproc.policy.fairness import FairQueue
 
-    core = AdmissionController(make_policy(classes={"interactive": {"max_concurrency": 1, "max_queue": 500,
-                                                                    "max_wait_ms": 1000, "early_reject": False}},
-                                           tenants=TENANTS), clock=FakeClock())
-    running = ask(core, "a").ticket
-    queued = [ask(core, "abc"[i % 3]) for i in range(500)]
-    assert {d.kind for d in queued} == {QUEUE}
-    read = []
-    walk = FairQueue.__iter__
+    read, walk = [], FairQueue.__iter__
 
     def counted(q):
         waiters = list(walk(q))
@@ -479,6 +470,21 @@ def test_a_grant_of_a_fifo_class_looks_at_the_waiters_it_grants_not_at_every_wai
         return iter(waiters)
 
     monkeypatch.setattr(FairQueue, "__iter__", counted)
+    return read
+
+
+def test_a_grant_of_a_fifo_class_looks_at_the_waiters_it_grants_not_at_every_waiter(monkeypatch):
+    # Found by bench/cardinality.py: each release into a full fifo class copied its whole queue to walk it in
+    # arrival order (O(waiters) a grant: 1.3x the cost of a step with 100 waiting, 2x with 1,000).
+    from tests.conftest import FakeClock
+
+    core = AdmissionController(make_policy(classes={"interactive": {"max_concurrency": 1, "max_queue": 500,
+                                                                    "max_wait_ms": 1000, "early_reject": False}},
+                                           tenants=TENANTS), clock=FakeClock())
+    running = ask(core, "a").ticket
+    queued = [ask(core, "abc"[i % 3]) for i in range(500)]
+    assert {d.kind for d in queued} == {QUEUE}
+    read = waiters_read_in_arrival_order(monkeypatch)
     for d in queued[:20]:
         core.finish(running, Outcome.OK)
         assert d.waiter.result.kind == ACCEPT  # arrival order
@@ -493,7 +499,6 @@ def test_an_arrival_that_fits_beside_a_waiter_its_budget_holds_back_reads_no_que
     # room for small ones, and each small arrival read its queue in arrival order (fair: a sort of every waiter;
     # fifo: a copy) to find the first waiter it may not pass: O(waiters) an arrival.
     from tests.conftest import FakeClock
-    from extproc.policy.fairness import FairQueue
 
     def core_with(budget):
         spec = {"max_concurrency": 100, "max_queue": 500, "max_wait_ms": 1000, "early_reject": False,
@@ -508,15 +513,7 @@ def test_an_arrival_that_fits_beside_a_waiter_its_budget_holds_back_reads_no_que
     small = ask(probe, "b").charge.estimate.gpu_seconds
     core = core_with(cost + 2 * small)
     assert large(core).kind == ACCEPT and large(core).kind == QUEUE  # the second waits for the budget
-    read = []
-    walk = FairQueue.__iter__
-
-    def counted(q):
-        waiters = list(walk(q))
-        read.extend(waiters)
-        return iter(waiters)
-
-    monkeypatch.setattr(FairQueue, "__iter__", counted)
+    read = waiters_read_in_arrival_order(monkeypatch)
     for i in range(200):
         assert ask(core, "abc"[i % 3]).kind == QUEUE  # it fits, but passes no waiter
     assert len(core.limiters["interactive"].queue) == 201

@@ -589,7 +589,7 @@ def _crowded_scanned(q: FairQueue, key: str):
 
 @settings(max_examples=100, deadline=None)
 @given(st.sampled_from(["round_robin", "fair"]),
-       st.lists(st.tuples(st.integers(0, 5), st.integers(0, 9), st.integers(0, 7), st.floats(0.0, 3.0)),
+       st.lists(st.tuples(st.integers(0, 7), st.integers(0, 9), st.integers(0, 7), st.floats(0.0, 3.0)),
                 max_size=120))
 def test_the_place_a_full_queue_gives_up_is_the_one_a_pass_over_the_flows_finds(mode, steps):
     keys = ["a", "b", "c\x00k1", "c\x00k2", "c\x00k3", "c", "anon\x00x", "anon\x00y", "anon\x00b", "d"]
@@ -597,21 +597,7 @@ def test_the_place_a_full_queue_gives_up_is_the_one_a_pass_over_the_flows_finds(
     q.open_group = "anon"
     queued, running = [], []
     for n, (op, k, d, cost) in enumerate(steps):
-        if op in (0, 1) or not queued:
-            w = W(keys[k], n=n, deadline=float(d))
-            q.append(w)
-            queued.append(w)
-        elif op == 2:
-            w = q.take(q[0])
-            queued.remove(w)
-            q.admitted(w.tenant, cost)
-            running.append((w.tenant, cost))
-        elif op == 3 and running:
-            q.released(*running.pop(d % len(running)))
-        elif op == 4 and running:
-            q.settle(running[d % len(running)][0], 1.0, cost)
-        elif op == 5:
-            q.remove(queued.pop(d % len(queued)))
+        _step(q, op, keys[k], n, d, cost, queued, running)
         if n % 29 == 28:
             q.configure(mode, {"a": 1.0 + d, "c": 0.5}, {}, keys)
         for key in ("a", "b", "c\x00new", "new", "anon\x00z"):
@@ -922,6 +908,29 @@ def test_fair_counts_the_queue_ahead_as_its_definition_says(steps):
             assert q.ahead(key) == expected
 
 
+def _step(q: FairQueue, op: int, key: str, n: int, d: int, cost: float, queued: list, running: list) -> None:
+    """One step of a random walk of the queue: 0, 1, 6 (or nothing queued): a waiter of `key` arrives; 2: q[0] is
+    granted and admitted; 3: a running request is released; 4: one settles; 5: the capacity moves to `d`; 7: a
+    waiter leaves."""
+    if op in (0, 1, 6) or not queued:
+        w = W(key, n=n, deadline=float(d), cost=cost)
+        q.append(w)
+        queued.append(w)
+    elif op == 2:
+        w = q.take(q[0])
+        queued.remove(w)
+        q.admitted(w.tenant, cost)
+        running.append((w.tenant, cost))
+    elif op == 3 and running:
+        q.released(*running.pop(d % len(running)))
+    elif op == 4 and running:
+        q.settle(running[d % len(running)][0], 1.0, cost)
+    elif op == 5:
+        q.capacity = d
+    elif op == 7:
+        q.remove(queued.pop(d % len(queued)))
+
+
 def _scanned(q: FairQueue):
     """q[0] as a pass over every waiting flow finds it (the heaps bypassed): the least grant rank."""
     firsts = [(q._grant_rank(f, f.entries[0]), f.entries[0][2]) for f in q._backlogged.values()]
@@ -938,26 +947,7 @@ def test_fair_mode_picks_from_its_heaps_what_a_pass_over_the_flows_picks(steps):
     q.open_group = "anon"
     queued, running = [], []
     for n, (op, k, d, cost) in enumerate(steps):
-        key = keys[k] if op != 6 else keys[k % 5]
-        if op in (0, 1, 6) or not queued:
-            w = W(key, n=n, deadline=float(d), cost=cost)
-            q.append(w)
-            queued.append(w)
-        elif op == 2:
-            w = q[0]
-            q.take(w)
-            queued.remove(w)
-            q.admitted(w.tenant, cost)
-            running.append((w.tenant, cost))
-        elif op == 3 and running:
-            q.released(*running.pop(d % len(running)))
-        elif op == 4 and running:
-            q.settle(running[d % len(running)][0], 1.0, cost)
-        elif op == 5:
-            q.capacity = d
-        elif op == 7:
-            w = queued.pop(d % len(queued))
-            q.remove(w)
+        _step(q, op, keys[k] if op != 6 else keys[k % 5], n, d, cost, queued, running)
         if n % 37 == 36:
             q.configure("fair", {"a": 1.0 + d, "e": 0.5}, {"c": 0.5, "d": 0.25 * (d % 2)}, keys)
         if queued:
@@ -984,13 +974,21 @@ def test_fair_mode_picks_without_a_pass_over_the_flows():
     for i in range(600):
         q.append(W(f"t{i % 300}", n=i, deadline=float(i)))
     q._backlogged, q._turns = _CountingDict(q._backlogged), _CountingDict(q._turns)
+    _grants_and_arrivals(q, "new{}")
+    assert q._backlogged.passes == 0 and q._turns.passes == 0
+
+
+def _grants_and_arrivals(q: FairQueue, fresh: str, release: bool = False) -> None:
+    """100 times: q[0] is granted and admitted, its flow queues another waiter, and a flow that did not wait (key
+    `fresh` with the step's number) begins to; `release`: then the grant ends."""
     for i in range(100):
         head = q[0]
         q.take(head)
         q.admitted(head.tenant, 1.0)
         q.append(W(head.tenant, n=1000 + i, deadline=1000.0 + i))
-        q.append(W(f"new{i}", n=2000 + i, deadline=2000.0 + i))  # a tenant that begins to wait
-    assert q._backlogged.passes == 0 and q._turns.passes == 0
+        q.append(W(fresh.format(i), n=2000 + i, deadline=2000.0 + i))
+        if release:
+            q.released(head.tenant, 1.0)
 
 
 @pytest.mark.parametrize("mode", ["round_robin", "fair"])
@@ -1005,13 +1003,7 @@ def test_a_grant_among_header_keys_needs_no_pass_over_the_flows(mode):
         q.append(W(keys[i % len(keys)], n=i, deadline=float(i)))
     anonymous = q._groups["anonymous"]
     q._backlogged, q._turns, anonymous.flows = (_Visits(d) for d in (q._backlogged, q._turns, anonymous.flows))
-    for i in range(100):
-        head = q[0]
-        q.take(head)
-        q.admitted(head.tenant, 1.0)
-        q.append(W(head.tenant, n=1000 + i, deadline=1000.0 + i))
-        q.append(W(f"anonymous\x00new{i}", n=2000 + i, deadline=2000.0 + i))  # a key that begins to wait
-        q.released(head.tenant, 1.0)
+    _grants_and_arrivals(q, "anonymous\x00new{}", release=True)
     visited = q._backlogged.visits + q._turns.visits + anonymous.flows.visits
     assert visited <= 500  # 5 a step: its heaps' upkeep (a pass over the flows visits 300 a grant)
 
