@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import Callable
 
 import orjson
@@ -22,11 +23,31 @@ log = logging.getLogger("extproc.store")
 # ms, so replicas' clocks never matter); <prefix>cost:<class> maps holders to their GPU-second cost. An acquire
 # first drops expired holders from both, inside the same atomic call: a crashed replica's slots free themselves.
 
-# Every script but the release starts here: Redis's clock (never a replica's) and the lease from ARGV[1].
+# Every script but the release starts here: Redis's clock (never a replica's) and the lease from ARGV[1]. Their
+# last two KEYS are <prefix>epoch and <prefix>settle, their last two ARGV what this replica knows (0: it never saw
+# the epoch, 1: it did, 2: it did and is back from an outage longer than a lease) and the settling time in ms: see
+# settling().
 _NOW = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local lease = tonumber(ARGV[1])
+local n = #KEYS - 2
+-- A Redis that lost its data (restarted without persistence, rescheduled) has forgotten every running request: an
+-- acquire on it was granted up to the whole cap again while the others' requests ran on, adopted past the cap at
+-- their next renewal (a cap of 4 on two replicas ran 8 for as long as those requests lasted). The epoch key is
+-- written once and has no lease; a replica that saw it and finds it gone (or one back from an outage longer than a
+-- lease, whose holders expired meanwhile) starts the settling: no acquire is granted until every live replica's
+-- housekeeping has renewed or adopted what it runs.
+local function settling()
+  local knows = ARGV[#ARGV - 1]
+  local recover = knows == '2'
+  if redis.call('EXISTS', KEYS[n + 1]) == 0 then
+    redis.call('SET', KEYS[n + 1], '1')
+    if knows ~= '0' then recover = true end
+  end
+  if recover then redis.call('SET', KEYS[n + 2], '1', 'PX', tonumber(ARGV[#ARGV])) end
+  return redis.call('EXISTS', KEYS[n + 2]) == 1
+end
 """
 
 # KEYS: slots and cost of each claim's class. ARGV: lease_ms, then holder, cost, cap, budget (< 0: none) per
@@ -35,7 +56,11 @@ local lease = tonumber(ARGV[1])
 ACQUIRE = _NOW + """
 local purged = {}
 local out = {}
-for i = 1, #KEYS, 2 do
+if settling() then
+  for i = 1, n, 2 do out[#out + 1] = 0 end
+  return out
+end
+for i = 1, n, 2 do
   local slots, costs, a = KEYS[i], KEYS[i + 1], 2 * i
   local holder, cost, cap, budget = ARGV[a], tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
   if not purged[slots] then
@@ -90,8 +115,9 @@ return n
 # The costs' key is kept alive with the slots': else it expired two leases after the class's last acquire, and a
 # class held at its GPU budget by long requests was counted as costing nothing.
 RENEW = _NOW + """
+settling()
 local out = {}
-for i = 1, #KEYS, 2 do
+for i = 1, n, 2 do
   local key, holder = KEYS[i], ARGV[(i + 1) / 2 + 1]
   local score = redis.call('ZSCORE', key, holder)
   if score and tonumber(score) > now then
@@ -109,17 +135,28 @@ return out
 # KEYS: slots, cost per class of each adopted slot. ARGV: lease_ms, then holder and cost per class. Records
 # requests that are already running (admitted while Redis was away) whatever the cap: the count must show them.
 ADOPT = _NOW + """
-for i = 1, #KEYS, 2 do
+settling()
+for i = 1, n, 2 do
   local j = i + 1
   redis.call('ZADD', KEYS[i], now + lease, ARGV[j])
   redis.call('HSET', KEYS[i + 1], ARGV[j], ARGV[j + 1])
   redis.call('PEXPIRE', KEYS[i], lease * 2)
   redis.call('PEXPIRE', KEYS[i + 1], lease * 2)
 end
-return #KEYS / 2
+return n / 2
+"""
+
+# The probe (a write: see ping()). KEYS: the probe's key. ARGV: lease_ms.
+PROBE = _NOW + """
+redis.call('SET', KEYS[1], '1', 'PX', lease)
+settling()
+return 1
 """
 
 
+# How long acquires wait after Redis lost its slots (see settling()): two housekeeping rounds (each second) and
+# their round trips, so that every live replica has recorded the requests it runs again.
+SETTLE_MS = 2500
 MAX_CONNECTIONS = 64  # per replica; each call holds one for a round trip, so this bounds calls in flight
 
 
@@ -147,6 +184,10 @@ class RedisStore:
         self._release = self.client.register_script(RELEASE)
         self._renew = self.client.register_script(RENEW)
         self._adopt = self.client.register_script(ADOPT)
+        self._probe = self.client.register_script(PROBE)
+        self._seen_epoch = False  # a script went through: the store's epoch exists, or this replica wrote it
+        self._failing_since: float | None = None  # monotonic time of the first failed call since one went through
+        self._recovering = False  # back after failing longer than a lease: the next script starts the settling
         self._listeners: list[Callable[[str], None]] = []
         self._to_acquire: list[tuple[SlotClaim, asyncio.Future]] = []
         self._acquirer: asyncio.Task | None = None
@@ -159,13 +200,30 @@ class RedisStore:
     def keys(self, cls: str) -> list[str]:
         return [f"{self.prefix}slots:{cls}", f"{self.prefix}cost:{cls}"]
 
+    async def _script(self, script, keys: list[str], args: list):
+        """A slot script, with the epoch's keys and arguments (settling() in the scripts)."""
+        knows = 2 if self._recovering else int(self._seen_epoch)
+        out = await self._call(script(keys=[*keys, f"{self.prefix}epoch", f"{self.prefix}settle"],
+                                      args=[*args, knows, SETTLE_MS]))
+        self._seen_epoch = True
+        if knows == 2:
+            self._recovering = False
+        return out
+
     async def _call(self, coro):
         try:
             async with asyncio.timeout(self.timeout_s):
-                return await coro
+                out = await coro
         except (RedisError, OSError, TimeoutError) as e:
+            if self._failing_since is None:
+                self._failing_since = time.monotonic()
             self._drop_connections()
             raise StoreUnavailable(f"redis {type(e).__name__}: {e}") from None
+        if self._failing_since is not None:
+            # Leases are renewed every second: failing for a lease less that, every holder may have expired.
+            self._recovering |= time.monotonic() - self._failing_since >= self.lease_ms / 1000 - 1.0
+            self._failing_since = None
+        return out
 
     def _drop_connections(self) -> None:
         """Pooled connections to a Redis that went away look healthy until used: drop them all, or they fail one
@@ -209,7 +267,7 @@ class RedisStore:
         for c in claims:
             keys += self.keys(c.cls)
             args += [c.holder, repr(float(c.cost)), c.cap, repr(float(c.budget if c.budget is not None else -1))]
-        return [h == 1 for h in await self._call(self._acquire(keys=keys, args=args))]
+        return [h == 1 for h in await self._script(self._acquire, keys, args)]
 
     async def _acquire_queued(self) -> None:
         batch: list[tuple[SlotClaim, asyncio.Future]] = []
@@ -253,7 +311,7 @@ class RedisStore:
         if not held:
             return []
         keys = [key for cls, _ in held for key in self.keys(cls)]
-        changed = await self._call(self._renew(keys=keys, args=[self.lease_ms, *(h for _, h in held)]))
+        changed = await self._script(self._renew, keys, [self.lease_ms, *(h for _, h in held)])
         return [slot for slot, ok in zip(held, changed) if not ok]
 
     async def adopt(self, claims: list[SlotClaim]) -> None:
@@ -265,12 +323,12 @@ class RedisStore:
         for c in claims:
             keys += self.keys(c.cls)
             args += [c.holder, repr(float(c.cost))]
-        await self._call(self._adopt(keys=keys, args=args))
+        await self._script(self._adopt, keys, args)
 
     async def ping(self) -> None:
         """Whether the store takes writes, not only answers: a replica demoted to read-only by a failover, or full
         under `noeviction`, answers PING but refuses every slot script (the state then flapped every second)."""
-        await self._call(self.client.set(f"{self.prefix}probe", "1", px=self.lease_ms))
+        await self._script(self._probe, [f"{self.prefix}probe"], [self.lease_ms])
 
     async def count(self, cls: str) -> int:
         """Slots of a class held right now, expired ones excluded (for tests and tools)."""

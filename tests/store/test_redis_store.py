@@ -10,7 +10,7 @@ import pytest
 
 from extproc.policy.schema import StoreSpec
 from extproc.policy.slot_store import SlotClaim, StoreUnavailable
-from extproc.store.redis_store import RedisStore
+from extproc.store.redis_store import SETTLE_MS, RedisStore
 from extproc.tools.stack import free_port
 from tests.conftest import until
 
@@ -141,6 +141,77 @@ async def test_renew_keeps_live_leases_and_reports_lost_ones(redis_server):
     await store.adopt([claim("dead", cost=0.5)])  # a running request is recorded again, past the cap
     assert await store.count("c") == 2
     await store.close()
+
+
+async def test_a_redis_that_lost_its_slots_grants_none_until_the_running_requests_are_recorded_again(
+        redis_server):
+    """Redis restarted empty (no persistence, a pod rescheduled) while replica a ran the whole cap: b's acquires
+    were granted on the empty store at once, a's requests were adopted past the cap at its next renewal, and the
+    cap of 4 ran 8 for as long as a's requests lasted."""
+    a, b = RedisStore(spec(redis_server.url)), RedisStore(spec(redis_server.url))
+    await a.ping(), await b.ping()  # both have seen the store (a fresh one settles nothing)
+    running = [("c", f"a{i}") for i in range(4)]
+    assert all([await a.acquire(claim(h, cap=4)) for _, h in running])
+    redis_server.stop()
+    redis_server.start()
+    for store in (a, b):  # no call failed: neither noticed the restart
+        await store.client.connection_pool.disconnect()
+    settles = time.monotonic() + SETTLE_MS / 1000
+    assert not await b.acquire(claim("b0", cap=4))  # settling: a may still run what the store forgot
+    assert await a.renew(running) == running  # a's housekeeping (every second) finds them lost ...
+    await a.adopt([claim(h) for _, h in running])  # ... and records them again
+    await asyncio.sleep(max(0.0, settles - time.monotonic()) + 0.1)
+    assert not await b.acquire(claim("b0", cap=4))  # the cap counts a's requests again
+    await a.release(running[:1])
+    assert await b.acquire(claim("b0", cap=4))
+    assert await a.count("c") == 4
+    await a.close(), await b.close()
+
+
+async def test_a_replica_back_from_an_outage_longer_than_a_lease_lets_the_others_record_theirs_first(
+        redis_server):
+    """A freeze longer than a lease expires every holder: the first replica back acquired on a store that no
+    longer counted the requests the others still ran (recorded again only at their next renewal)."""
+    import os
+    import signal
+
+    a, b = (RedisStore(spec(redis_server.url, lease_ms=2000, timeout_ms=100)) for _ in range(2))
+    await a.ping(), await b.ping()
+    assert await a.acquire(claim("a0", cap=1))
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(StoreUnavailable):
+            await b.ping()
+        await asyncio.sleep(2.1)  # a's lease (Redis's clock) runs out meanwhile
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    await b.ping()  # b's probe: back after more than a lease
+    assert not await b.acquire(claim("b0", cap=1))  # a still runs a0, recorded again at its next renewal
+    assert await a.renew([("c", "a0")]) == [("c", "a0")]
+    await a.adopt([claim("a0")])
+    assert await a.count("c") == 1
+    await a.close(), await b.close()
+
+
+async def test_a_short_outage_long_ago_starts_no_settling(redis_server):
+    """Only a replica back from failing for a lease settles: one whose calls failed for a moment, then went through
+    for longer than a lease, must not stop every acquire at its next probe."""
+    import os
+    import signal
+
+    a, b = (RedisStore(spec(redis_server.url, lease_ms=2000, timeout_ms=100)) for _ in range(2))
+    await a.ping(), await b.ping()
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(StoreUnavailable):
+            await a.ping()
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    assert await until(lambda: a.acquire(claim("a0", cap=2)))
+    await asyncio.sleep(2.1)
+    await a.ping()
+    assert await b.acquire(claim("b0", cap=2))
+    await a.close(), await b.close()
 
 
 async def test_an_unreachable_store_fails_within_its_timeout():

@@ -167,3 +167,22 @@ async def test_freezing_redis_keeps_each_replica_within_its_share_waiters_includ
     assert stats["max_in_service"] == CAP, stats
     print(f"\nRELIABILITY redis frozen with waiters: max in flight at the upstream {stats['max_in_service']} "
           f"(cap {CAP}, 2 replicas); {stats['served']} served")
+
+
+async def test_redis_restarted_empty_under_a_full_cap_does_not_double_it(replicas, upstream, redis_server):
+    """Replica a runs the whole cap when Redis is SIGKILLed and started again empty. b's requests were granted at
+    once on the empty store, a's were adopted past the cap at its next renewal: 8 ran of a cap of 4, for as long
+    as a's requests lasted. Now acquires wait out the settling, while a records its requests again."""
+    a, b = replicas
+    async with aiohttp.ClientSession() as http:
+        await upstream_reset(http, upstream)
+        held = [asyncio.create_task(post(http, a.url, chat(), delay(3500))) for _ in range(CAP)]
+        assert (await until(lambda: upstream_in_service(http, upstream), holds=lambda n: n == CAP)) == CAP
+        redis_server.proc.kill()
+        redis_server.proc.wait()
+        redis_server.start()
+        more = [asyncio.create_task(post(http, b.url, chat(), delay(200))) for _ in range(CAP)]
+        results = await asyncio.wait_for(asyncio.gather(*held, *more), 15)
+        stats = await upstream_stats(http, upstream)
+    assert sorted(r[0] for r in results) == [200] * 2 * CAP  # b's waited for a's slots (max_wait_ms 5 s)
+    assert stats["max_in_service"] == CAP, stats
