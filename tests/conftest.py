@@ -135,11 +135,12 @@ class RecordedEvents(NoEvents):
 
 
 @contextlib.contextmanager
-def run_upstream():
-    """tests/upstream.py in its own process (it records the most requests it ever had in service at once): yields
-    (host, port). Stopped with SIGTERM, then SIGKILL after 2 s: a request it still delays must not hold the teardown."""
+def run_upstream(*args: str):
+    """tests/upstream.py in its own process (it records the most requests it ever had in service at once), with
+    its `args`: yields (host, port). Stopped with SIGTERM, then SIGKILL after 2 s: a request it still delays must
+    not hold the teardown."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve().parent / "upstream.py"), str(port)],
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve().parent / "upstream.py"), str(port), *args],
                             start_new_session=True)
     try:
         wait_http(f"http://127.0.0.1:{port}/health", timeout=20)

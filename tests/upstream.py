@@ -26,6 +26,12 @@ class TestUpstream:
         self.last_body: dict | None = None
         self.last_headers: dict[str, str] = {}
         self.seen: list[dict] = []  # every request received, as the tests' record of what got past Envoy
+        # Admitted requests (with a ticket) in service per class (x-extproc-class), and the most of each since the
+        # last GET /test/classes: a test polling it bounds every moment between two reads.
+        self.in_class: dict[str, int] = {}
+        self.peak_in_class: dict[str, int] = {}
+        self.running: dict[int, dict] = {}  # admitted requests in service: their test and extproc headers
+        self.peak_detail: dict[str, list] = {}  # per class, those in service at its last peak since the last read
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self.record])
@@ -40,6 +46,7 @@ class TestUpstream:
         app.router.add_get("/test/stats", self.stats)
         app.router.add_post("/test/reset", self.reset)
         app.router.add_get("/test/seen", lambda r: web.json_response(self.seen))
+        app.router.add_get("/test/classes", self.classes)
         return app
 
     @web.middleware
@@ -63,6 +70,13 @@ class TestUpstream:
                                   "served": self.served, "aborted": self.aborted, "unticketed": self.unticketed,
                                   "last_body": self.last_body, "last_headers": self.last_headers})
 
+    async def classes(self, request: web.Request) -> web.Response:
+        """In service per class now, and the most since the last read (then restarted from now)."""
+        out = {"in_service": dict(self.in_class), "peak": dict(self.peak_in_class), "detail": self.peak_detail}
+        self.peak_detail = {}
+        self.peak_in_class = dict(self.in_class)
+        return web.json_response(out)
+
     async def reset(self, request: web.Request) -> web.Response:
         self.max_in_service = self.in_service
         self.served = self.aborted = self.unticketed = 0
@@ -84,6 +98,14 @@ class TestUpstream:
         tokens = int(request.headers.get("x-test-tokens") or body.get("max_tokens") or 8)
         self.in_service += 1
         self.max_in_service = max(self.max_in_service, self.in_service)
+        cls = request.headers.get("x-extproc-class") if "x-extproc-ticket" in request.headers else None
+        if cls is not None:
+            self.in_class[cls] = self.in_class.get(cls, 0) + 1
+            self.peak_in_class[cls] = max(self.peak_in_class.get(cls, 0), self.in_class[cls])
+            self.running[id(request)] = {k: v for k, v in request.headers.items()
+                                         if k.lower().startswith(("x-extproc-", "x-test-"))} | {"t": time.time()}
+            if self.in_class[cls] > len(self.peak_detail.get(cls, [])):
+                self.peak_detail[cls] = [v for v in self.running.values() if v.get("x-extproc-class") == cls]
         try:
             await asyncio.sleep(delay)
             if status != 200:
@@ -120,11 +142,17 @@ class TestUpstream:
             raise
         finally:
             self.in_service -= 1
+            if cls is not None:
+                self.in_class[cls] -= 1
+                self.running.pop(id(request), None)
 
 
 def main() -> None:
+    """upstream.py PORT [--cancel-on-disconnect]: with the flag a request whose client (Envoy) went away ends at
+    once, as vLLM aborts it, instead of running out its delay."""
     port = int(sys.argv[1])
-    web.run_app(TestUpstream().app(), host="127.0.0.1", port=port, print=None, access_log=None)
+    web.run_app(TestUpstream().app(), host="127.0.0.1", port=port, print=None, access_log=None,
+                handler_cancellation="--cancel-on-disconnect" in sys.argv[2:])
 
 
 if __name__ == "__main__":
