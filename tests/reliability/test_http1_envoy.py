@@ -97,6 +97,25 @@ async def test_a_transfer_encoding_envoy_does_not_implement_is_not_worth_a_retry
 
 
 
+async def test_refusals_envoy_sends_with_an_empty_body_say_why(make_stack, tmp_path, upstream):
+    """Before: an `Upgrade: websocket` (403 upgrade_failed) and an HTTP/1.1 request without Host (400
+    missing_host_header) came back as `{"error": {"message": "", ...}}`: Envoy's own body is empty and the catch-all
+    mapper copies it. Found by test_edge_generated.py."""
+    s = make_stack(policy_file(tmp_path))
+    async with aiohttp.ClientSession() as http:
+        await upstream_reset(http, upstream)
+        for case, data, status in [
+                ("websocket upgrade", request(BODY, b"content-type: application/json\r\nconnection: upgrade\r\n"
+                                                    b"upgrade: websocket\r\n"), 403),
+                ("no Host", request().replace(b"host: test\r\n", b""), 400)]:
+            [(got, headers, body)] = await exchange(s.listen_port, data)
+            err = openai_error(body)
+            assert (got, err["type"]) == (status, "invalid_request_error"), (case, got, err)
+            assert "upgrade" in err["message"] and "Host" in err["message"], (case, err)
+            assert headers["content-type"] == "application/json" and "retry-after" not in headers, (case, headers)
+        assert await seen_upstream(http, upstream) == []
+
+
 async def test_odd_framing_and_pipelining_are_admitted_like_any_request_and_leave_nothing_held(make_stack, tmp_path,
                                                                                               upstream):
     """What an HTTP/1.1 client may do with framing: each request that reaches the replica was admitted, its forged
