@@ -53,14 +53,18 @@ class TestUpstream:
     async def record(self, request: web.Request, handler):
         # Routed like vLLM's server: on the percent-decoded path (aiohttp decodes as uvicorn does).
         if not request.path.startswith("/test/"):
+            body = await request.read()
             self.seen.append({"method": request.method, "raw_path": request.raw_path, "path": request.path,
                               "ticket": "x-extproc-ticket" in request.headers,
-                              "headers": sorted(k.lower() for k in request.headers)})
+                              "headers": sorted(k.lower() for k in request.headers),
+                              # values too (each cut at 256 characters), and the body as received (its first 16 KiB)
+                              "values": [[k.lower(), v[:256]] for k, v in request.headers.items()],
+                              "body": body[:16384].decode("latin-1"), "body_len": len(body)})
             del self.seen[:-1000]
         return await handler(request)
 
     async def compute(self, request: web.Request) -> web.Response:
-        self.last_body = await request.json()
+        self.last_body = json.loads(await request.read())
         self.last_headers = dict(request.headers)
         self.served += 1
         return web.json_response({"object": "list", "data": [], "model": self.last_body.get("model")})
@@ -87,7 +91,7 @@ class TestUpstream:
         return web.json_response({"object": "list", "data": [{"id": "llama-70b", "object": "model"}]})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
+        body = json.loads(await request.read())  # as vLLM's server reads it: Python's json, on the bytes
         self.last_body = body
         self.last_headers = dict(request.headers)
         if "x-extproc-ticket" not in request.headers:
@@ -112,7 +116,8 @@ class TestUpstream:
                 return web.json_response({"error": {"message": "injected", "type": "test", "param": None,
                                                     "code": status}}, status=status)
             cap = body.get("max_completion_tokens") or body.get("max_tokens")
-            if cap is not None and (body.get("min_tokens") or 0) > cap:  # vLLM's SamplingParams check, its 400
+            # vLLM's SamplingParams check, its 400 (a cap of "4" is vLLM's lax int, not compared here)
+            if isinstance(cap, int) and (body.get("min_tokens") or 0) > cap:
                 return web.json_response({"error": {"message": f"min_tokens must be less than or equal to "
                                                     f"max_tokens={cap}, got {body['min_tokens']}.",
                                                     "type": "BadRequestError", "param": None, "code": 400}},
