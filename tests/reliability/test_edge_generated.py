@@ -31,7 +31,7 @@ from extproc.server.openai import ENDPOINTS, BadRequest, load_json_object
 from tests.conftest import STACK, policy_file, run_upstream
 from tests.integration.helpers import healthz, metrics, sample, upstream_reset, wait_idle
 from tests.reliability.test_edge_envoy import ALL_ENDPOINTS, spellings
-from tests.reliability.test_http2_envoy import RECV_HEADER
+from tests.reliability.test_http2_envoy import ACK, END_HEADERS, HEADERS, PREFACE, RECV_HEADER, SETTINGS, frame
 
 SEED = int(os.environ.get("EXTPROC_EDGE_SEED", "46"))  # another seed samples other requests: same invariants
 HTTP1_CASES = 320
@@ -396,12 +396,11 @@ def same_json(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
-def check_arrival(rec: dict, pool: str, problems: list, c: Case | None) -> None:
-    """One request a replica of `pool` received."""
+def check_arrival(rec: dict, pool: str, problems: list, where: str) -> None:
+    """One request a replica of `pool` received; `where` says which case sent it."""
     values = {}
     for k, v in rec["values"]:
         values.setdefault(k, []).append(v)
-    where = f"case {c.n} {c.notes} {c.method!r} {c.path[:120]!r}" if c else "an arrival no case sent"
     if not rec["ticket"]:
         problems.append(f"{where}: reached {pool} without a ticket: {rec['raw_path'][:120]}")
         return
@@ -517,7 +516,9 @@ async def test_generated_requests_reach_a_replica_only_admitted_on_their_pool(ma
                 if n in smuggled:
                     c = smuggled[n]
                     problems.append(f"case {c.n} {c.notes} {c.framing}: the request in its body ran on {pool}")
-                check_arrival(rec, pool, problems, sent[n][0] if n in sent else None)
+                c = sent[n][0] if n in sent else None
+                check_arrival(rec, pool, problems, f"case {c.n} {c.notes} {c.method!r} {c.path[:120]!r}" if c else
+                              "an arrival no case sent")
         admitted = 0
         for n, (c, r, is_h2) in sent.items():
             got = arrivals.get(n, [])
@@ -542,3 +543,154 @@ async def test_generated_requests_reach_a_replica_only_admitted_on_their_pool(ma
     assert sample(ms, "extproc_stream_errors_total") == 0
     assert sample(ms, "extproc_unadmitted_requests_total") == 0
     assert admitted >= 30, admitted  # the generator does reach the replicas
+
+
+# --- HTTP/2 frames nghttp will not send: many streams on one connection, abandoned, cut short, lying ---------------
+
+DATA, RST_STREAM, GOAWAY, CONTINUATION = 0x0, 0x3, 0x7, 0x9
+END_STREAM = 0x1
+H2_CONNECTIONS = 6
+H2_STREAMS = 24  # per connection
+
+
+def hpack_int(value: int, prefix_bits: int = 7, first: int = 0) -> bytes:
+    """An HPACK integer (RFC 7541 5.1) with its prefix's other bits `first`."""
+    limit = (1 << prefix_bits) - 1
+    if value < limit:
+        return bytes([first | value])
+    out, value = bytearray([first | limit]), value - limit
+    while value >= 128:
+        out.append(value % 128 + 128)
+        value //= 128
+    return bytes(out + bytes([value]))
+
+
+def hpack(headers: list[tuple[bytes, bytes]]) -> bytes:
+    """Literal fields, never indexed, no Huffman: whatever names and values the case has."""
+    return b"".join(b"\x00" + hpack_int(len(k)) + k + hpack_int(len(v)) + v for k, v in headers)
+
+
+def h2_stream(rng: random.Random, stream: int, n: int, t: float) -> tuple[list[tuple[float, bytes]], str]:
+    """The frames of one stream, each as (when, bytes) from `t` on (its HEADERS at `t`), and the stream's shape."""
+    model = rng.choice(list(MODELS) + ["gpt-99"])
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+    head = [(b":method", b"POST"), (b":scheme", b"http"),
+            (b":path", rng.choice([b"/v1/chat/completions", b"/v1//chat/completions", b"/v1/chat/%63ompletions",
+                                   b"/v1/chat%2Fcompletions", b"/invocations"])),
+            (b":authority", b"test"), (b"content-type", b"application/json"), (b"x-gen-id", b"%d" % n)]
+    for h in [(b"x-extproc-cluster", b"vllm_llama8b"), (b"x-envoy-retry-on", b"5xx"), (b"x-priority", b"batch"),
+              (b"content-encoding", b"identity")]:
+        if rng.random() < 0.1:
+            head.append(h)
+    shape = rng.choice(["whole", "whole", "whole", "split headers", "leaves after headers", "leaves mid-body",
+                        "trailers only", "trailers after body", "length lies", "headers only", "slow body"])
+    if shape == "length lies":
+        head.append((b"content-length", b"%d" % (len(body) + rng.choice([-5, 5]))))
+    block = hpack(head)
+    if shape == "split headers":  # one entry: nothing may come between HEADERS and its CONTINUATION
+        cut = len(block) // 2
+        frames = [(t, frame(HEADERS, 0, stream, block[:cut]) + frame(CONTINUATION, END_HEADERS, stream, block[cut:]))]
+    else:
+        frames = [(t, frame(HEADERS, END_HEADERS | (END_STREAM if shape == "headers only" else 0), stream, block))]
+    cancel = frame(RST_STREAM, 0, stream, (8).to_bytes(4, "big"))  # CANCEL
+    frames += {
+        "leaves after headers": [(t + 0.3, cancel)],
+        "leaves mid-body": [(t + 0.1, frame(DATA, 0, stream, body[:10])), (t + 0.3, cancel)],
+        "trailers only": [(t + 0.1, frame(HEADERS, END_HEADERS | END_STREAM, stream, hpack([(b"x-t", b"1")])))],
+        "trailers after body": [(t + 0.1, frame(DATA, 0, stream, body)),
+                                (t + 0.2, frame(HEADERS, END_HEADERS | END_STREAM, stream,
+                                                hpack([(b"x-extproc-cluster", b"vllm_llama8b")])))],
+        "slow body": [(t + 0.1, frame(DATA, 0, stream, body[:7])), (t + 0.5, frame(DATA, END_STREAM, stream,
+                                                                                  body[7:]))],
+        "headers only": [],
+    }.get(shape, [(t + 0.1, frame(DATA, END_STREAM, stream, body))])
+    return frames, shape
+
+
+async def h2_connection(port: int, frames: list[tuple[float, bytes]], streams: set[int],
+                        timeout: float = 10.0) -> set[int]:
+    """Send `frames` at their times on one connection while reading Envoy's; return those of `streams` that never
+    ended (no END_STREAM, RST_STREAM or GOAWAY covering them within `timeout`)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    open_ = set(streams)
+
+    async def read() -> None:
+        while open_:
+            head = await reader.readexactly(9)
+            kind, flags, stream = head[3], head[4], int.from_bytes(head[5:9], "big") & 0x7FFFFFFF
+            payload = await reader.readexactly(int.from_bytes(head[:3], "big"))
+            if kind == RST_STREAM or (kind in (HEADERS, DATA) and flags & END_STREAM):
+                open_.discard(stream)
+            elif kind == GOAWAY:
+                last = int.from_bytes(payload[:4], "big") & 0x7FFFFFFF
+                open_.difference_update({st for st in open_ if st > last})
+            elif kind == DATA and payload:  # give the window back, so answers keep coming
+                writer.write(frame(0x8, 0, 0, len(payload).to_bytes(4, "big")))
+
+    reading = asyncio.ensure_future(read())
+    try:
+        writer.write(PREFACE + frame(SETTINGS, 0, 0) + frame(SETTINGS, ACK, 0))
+        started = asyncio.get_running_loop().time()
+        for when, data in sorted(frames, key=lambda f: f[0]):
+            await asyncio.sleep(max(0.0, started + when - asyncio.get_running_loop().time()))
+            writer.write(data)
+            await writer.drain()
+        async with asyncio.timeout(timeout):
+            await reading
+    except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+        pass  # a timeout leaves streams open (reported); a close ends what is left, as a GOAWAY does
+    finally:
+        reading.cancel()
+        writer.close()
+    return open_ if not reader.at_eof() else set()
+
+
+async def test_generated_http2_streams_on_shared_connections_leave_nothing_held(make_stack, tmp_path, upstream,
+                                                                              small_upstream):
+    """Streams of every shape multiplexed on a few connections (whole, headers split by CONTINUATION, abandoned
+    after their headers or mid-body, trailers only or after the body, a content-length that lies, no body): every
+    stream ends (an answer or Envoy's reset, within a bound), what reaches a replica was admitted on its model's
+    pool, once, and when all are done nothing is held in the ext_proc."""
+    policy = policy_file(tmp_path, classes={
+        name: {"max_concurrency": 64, "max_queue": 64, "max_wait_ms": 1000} for name in STACK["classes"]})
+    s = make_stack(policy, pools={"vllm_llama70b": [upstream], "vllm_llama8b": [small_upstream]})
+    pools = {"vllm_llama70b": upstream, "vllm_llama8b": small_upstream}
+    rng = random.Random(SEED)
+    shapes: dict[int, str] = {}
+    connections = []
+    for i in range(H2_CONNECTIONS):
+        frames, ours = [], set()
+        for k in range(H2_STREAMS):
+            n = 1000 * i + k
+            stream_frames, shapes[n] = h2_stream(rng, 2 * k + 1, n, 0.02 * k)  # streams open in order
+            frames += stream_frames
+            if "leaves" not in shapes[n]:
+                ours.add(2 * k + 1)
+        connections.append((frames, ours))
+    problems: list[str] = []
+    async with aiohttp.ClientSession() as http:
+        for address in pools.values():
+            await upstream_reset(http, address)
+        hung = await asyncio.gather(*(h2_connection(s.listen_port, f, o) for f, o in connections))
+        for i, streams in enumerate(hung):
+            problems += [f"connection {i} stream {st} ({shapes[1000 * i + (st - 1) // 2]}): never ended"
+                         for st in sorted(streams)]
+        counts: dict[int, int] = {}
+        for pool, address in pools.items():
+            for rec in await seen(http, address):
+                n = int(dict(rec["values"]).get("x-gen-id", -1))
+                counts[n] = counts.get(n, 0) + 1
+                check_arrival(rec, pool, problems, f"h2 stream {n} ({shapes.get(n)})")
+        problems += [f"h2 stream {n} ({shapes.get(n)}) reached a replica {k} times" for n, k in counts.items() if k > 1]
+        snap = await wait_idle(http, s.metrics_url, timeout=5)
+        assert all(cl["inflight"] == 0 and cl["queue"] == 0 for cl in snap.values()), snap
+        health = await healthz(http, s.metrics_url)
+        await asyncio.sleep(1.2)  # the unadmitted report is Envoy's access log, flushed every second
+        ms = await metrics(http, s.metrics_url)
+    served = sum(counts.values())
+    print(f"\nEDGE generated HTTP/2: {len(shapes)} streams on {H2_CONNECTIONS} connections, {served} served")
+    assert problems == [], "\n".join(problems[:40])
+    assert health["stream_errors"] == 0, health
+    assert sample(ms, "extproc_stream_errors_total") == 0
+    assert sample(ms, "extproc_unadmitted_requests_total") == 0
+    assert served >= H2_CONNECTIONS * H2_STREAMS // 4, served
