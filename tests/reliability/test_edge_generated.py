@@ -31,7 +31,8 @@ from extproc.server.openai import ENDPOINTS, BadRequest, load_json_object
 from tests.conftest import STACK, policy_file, run_upstream
 from tests.integration.helpers import healthz, metrics, sample, upstream_reset, wait_idle
 from tests.reliability.test_edge_envoy import ALL_ENDPOINTS, spellings
-from tests.reliability.test_http2_envoy import ACK, END_HEADERS, HEADERS, PREFACE, RECV_HEADER, SETTINGS, frame
+from tests.reliability.test_http2_envoy import (ACK, CONTINUATION, DATA, END_HEADERS, END_STREAM, GOAWAY, HEADERS,
+                                                PREFACE, RECV_HEADER, RST_STREAM, SETTINGS, frame)
 
 SEED = int(os.environ.get("EXTPROC_EDGE_SEED", "46"))  # another seed samples other requests: same invariants
 HTTP1_CASES = 320
@@ -433,7 +434,7 @@ def check_refusal(c: Case, r: Reply, problems: list, table: dict, http2: bool = 
     if r.status is None:
         if http2 and (sum(len(k) + len(v) for k, v in c.headers) > 60 << 10 or not c.path.startswith(b"/")):
             # Past the header list size Envoy announces (60 KiB), or a `:path` HTTP/2 calls malformed (RFC 9113
-            # 8.3.1: "/" first, or "*" for OPTIONS): Envoy's codec ends the connection, as HTTP/2 lets it.
+            # 8.3.1: "/" first, or "*" for OPTIONS): Envoy resets the stream (PROTOCOL_ERROR), as HTTP/2 says.
             return
         problems.append(f"{where}: no answer (reset or closed)")
         return
@@ -551,8 +552,6 @@ async def test_generated_requests_reach_a_replica_only_admitted_on_their_pool(ma
 
 # --- HTTP/2 frames nghttp will not send: many streams on one connection, abandoned, cut short, lying ---------------
 
-DATA, RST_STREAM, GOAWAY, CONTINUATION = 0x0, 0x3, 0x7, 0x9
-END_STREAM = 0x1
 H2_CONNECTIONS = 6
 H2_STREAMS = 24  # per connection
 
@@ -587,7 +586,10 @@ def h2_stream(rng: random.Random, stream: int, n: int, t: float) -> tuple[list[t
         if rng.random() < 0.1:
             head.append(h)
     shape = rng.choice(["whole", "whole", "whole", "split headers", "leaves after headers", "leaves mid-body",
-                        "trailers only", "trailers after body", "length lies", "headers only", "slow body"])
+                        "trailers only", "trailers after body", "length lies", "headers only", "slow body",
+                        "malformed path"])
+    if shape == "malformed path":  # HTTP/2 resets this stream alone: the others on its connection go on
+        head[2] = (b":path", rng.choice([b"v1/chat/completions", b"%5Cv1/chat/completions", b""]))
     if shape == "length lies":
         head.append((b"content-length", b"%d" % (len(body) + rng.choice([-5, 5]))))
     block = hpack(head)
@@ -614,7 +616,7 @@ def h2_stream(rng: random.Random, stream: int, n: int, t: float) -> tuple[list[t
 async def h2_connection(port: int, frames: list[tuple[float, bytes]], streams: set[int],
                         timeout: float = 10.0) -> set[int]:
     """Send `frames` at their times on one connection while reading Envoy's; return those of `streams` that never
-    ended (no END_STREAM, RST_STREAM or GOAWAY covering them within `timeout`)."""
+    ended (no END_STREAM, RST_STREAM or GOAWAY covering them within `timeout`, or the connection closed first)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     open_ = set(streams)
 
@@ -642,17 +644,18 @@ async def h2_connection(port: int, frames: list[tuple[float, bytes]], streams: s
         async with asyncio.timeout(timeout):
             await reading
     except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
-        pass  # a timeout leaves streams open (reported); a close ends what is left, as a GOAWAY does
+        pass  # what is still open is reported
     finally:
         reading.cancel()
         writer.close()
-    return open_ if not reader.at_eof() else set()
+    return open_
 
 
 async def test_generated_http2_streams_on_shared_connections_leave_nothing_held(make_stack, tmp_path, upstream,
                                                                               small_upstream):
     """Streams of every shape multiplexed on a few connections (whole, headers split by CONTINUATION, abandoned
-    after their headers or mid-body, trailers only or after the body, a content-length that lies, no body): every
+    after their headers or mid-body, trailers only or after the body, a content-length that lies, no body, a
+    malformed `:path`): every
     stream ends (an answer or Envoy's reset, within a bound), what reaches a replica was admitted on its model's
     pool, once, and when all are done nothing is held in the ext_proc."""
     policy = policy_file(tmp_path, classes={

@@ -75,8 +75,8 @@ async def test_a_body_followed_by_trailers_is_admitted_as_usual(make_stack, upst
 # --- a client that ignores the limits Envoy announces (raw frames: nghttp and h2load keep to them) ---
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-HEADERS, SETTINGS = 0x1, 0x4
-END_HEADERS, ACK = 0x4, 0x1
+DATA, HEADERS, RST_STREAM, SETTINGS, GOAWAY, CONTINUATION = 0x0, 0x1, 0x3, 0x4, 0x7, 0x9
+END_STREAM, END_HEADERS, ACK = 0x1, 0x4, 0x1
 
 
 def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
@@ -175,3 +175,38 @@ async def test_held_bodies_are_refused_past_the_bound_not_let_through_unadmitted
         assert await until(held, holds=lambda n: n == 0) == 0
         headers = await nghttp(f"{s.url}/v1/chat/completions", json.dumps(chat()).encode(), tmp_path)
         assert (headers[":status"], headers.get("x-extproc-decision")) == ("200", "accept"), headers
+
+
+async def test_a_malformed_stream_is_reset_alone_not_with_its_connection(make_stack, upstream, tmp_path):
+    """Before: one stream whose `:path` does not start with "/" made Envoy drop the whole connection (no GOAWAY):
+    the two good requests beside it lost their answers, the first after the replica had run it. Now that stream
+    alone is reset (PROTOCOL_ERROR) and the others are answered. Found by test_edge_generated.py."""
+    s = make_stack(policy_file(tmp_path))
+    body = json.dumps(chat()).encode()
+
+    def request(stream: int, path: bytes) -> bytes:
+        head = b"".join(literal(k, v) for k, v in ((b":method", b"POST"), (b":scheme", b"http"), (b":path", path),
+                                                   (b":authority", b"test"), (b"content-type", b"application/json"),
+                                                   (b"x-test-delay-ms", b"300")))
+        return frame(HEADERS, END_HEADERS, stream, head) + frame(DATA, END_STREAM, stream, body)
+
+    async with aiohttp.ClientSession() as http:
+        await upstream_reset(http, upstream)
+        reader, writer = await asyncio.open_connection("127.0.0.1", s.listen_port)
+        ended: dict[int, int] = {}  # stream: the frame type that ended it
+        try:
+            writer.write(PREFACE + frame(SETTINGS, 0, 0) + frame(SETTINGS, ACK, 0) + request(1, b"/v1/chat/completions")
+                         + request(3, b"%5Cv1/chat/completions") + request(5, b"/v1/chat/completions"))
+
+            async with asyncio.timeout(5):
+                while len(ended) < 3:  # Envoy's reset of the connection raises here, and the test fails
+                    head = await reader.readexactly(9)
+                    kind, flags, stream = head[3], head[4], int.from_bytes(head[5:9], "big")
+                    await reader.readexactly(int.from_bytes(head[:3], "big"))
+                    if kind == RST_STREAM or (kind in (HEADERS, DATA) and flags & END_STREAM):
+                        ended[stream] = kind
+        finally:
+            writer.close()
+        assert ended == {1: DATA, 3: RST_STREAM, 5: DATA}, ended
+        assert [r["ticket"] for r in await seen_upstream(http, upstream)] == [True, True]
+        await wait_idle(http, s.metrics_url)
