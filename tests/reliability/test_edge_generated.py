@@ -587,9 +587,11 @@ def h2_stream(rng: random.Random, stream: int, n: int, t: float) -> tuple[list[t
             head.append(h)
     shape = rng.choice(["whole", "whole", "whole", "split headers", "leaves after headers", "leaves mid-body",
                         "trailers only", "trailers after body", "length lies", "headers only", "slow body",
-                        "malformed path"])
-    if shape == "malformed path":  # HTTP/2 resets this stream alone: the others on its connection go on
-        head[2] = (b":path", rng.choice([b"v1/chat/completions", b"%5Cv1/chat/completions", b""]))
+                        "malformed"])
+    if shape == "malformed":  # HTTP/2 resets this stream alone: the others on its connection go on
+        bad = rng.choice([(b":path", b"v1/chat/completions"), (b":path", b"%5Cv1/chat/completions"), (b":path", b""),
+                          (b"X-Upper", b"1"), (b"connection", b"close"), (b"te", b"gzip"), (b":method", b"PUT")])
+        head = [h for h in head if h[0] != bad[0]] + [bad] if bad[0] == b":path" else head + [bad]
     if shape == "length lies":
         head.append((b"content-length", b"%d" % (len(body) + rng.choice([-5, 5]))))
     block = hpack(head)
@@ -655,7 +657,7 @@ async def test_generated_http2_streams_on_shared_connections_leave_nothing_held(
                                                                               small_upstream):
     """Streams of every shape multiplexed on a few connections (whole, headers split by CONTINUATION, abandoned
     after their headers or mid-body, trailers only or after the body, a content-length that lies, no body, a
-    malformed `:path`): every
+    malformed header block): every
     stream ends (an answer or Envoy's reset, within a bound), what reaches a replica was admitted on its model's
     pool, once, and when all are done nothing is held in the ext_proc."""
     policy = policy_file(tmp_path, classes={
