@@ -57,7 +57,8 @@ async def test_a_slot_released_on_another_replica_goes_to_a_waiter_without_polli
     second = await asyncio.wait_for(waiting, 10)
     # The first retry by poll comes 5 s into the wait: woken well before that, it was the release's pub/sub.
     assert second.kind == ACCEPT and second.waited_s < 4.0
-    assert second.reason == "dequeued" and second.waited_s >= 0.2 and second.ticket.waited_s >= 0.2
+    # It waited the 0.2 s above, less the first store round trip its wait is timed from (0.1978 s seen once).
+    assert second.reason == "dequeued" and second.waited_s >= 0.15 and second.ticket.waited_s >= 0.15
     assert await b.store.count("interactive") == 1
     finish(b, second)
     assert await until(lambda: b.store.count("interactive"), holds=lambda n: n == 0) == 0
