@@ -351,6 +351,8 @@ class AdmissionController:
         cost = est.gpu_seconds
         gate = self.gates.get(cluster) if self.gates else None
         units = gate.units(est.prompt_tokens, est.max_tokens, est.sequences) if gate is not None else 0.0
+        if gate is not None:
+            gate.controller.asked(lim.rank, now)
         flow = c.flow if lim.spec.fairness.key == "header" else c.tenant
         if lim.has_room(cost) and (
                 (self._queue_passable(lim, cluster, gate)

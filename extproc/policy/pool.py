@@ -27,6 +27,7 @@ import math
 from collections import deque
 from itertools import count
 
+from .onset import OnsetGuard
 from .schema import PoolLimitSpec
 
 # Binding: in-flight at this share of the limit (or a request waiting for the pool) means the limit decides.
@@ -138,6 +139,7 @@ class PoolLimit:
         self._sampled_at: float | None = None
         self._was_saturated = False
         self._raises: deque[tuple[float, float]] = deque()  # (when, factor) of the recent raises
+        self.onset = OnsetGuard() if spec.onset_guard else None  # onset.py
 
     def _window(self) -> RecentLatencies:
         return RecentLatencies(WINDOW_SAMPLES)
@@ -153,12 +155,23 @@ class PoolLimit:
         the new bounds; each class's calm baseline and samples under its new rank, `ranks`: old -> new)."""
         self.spec = spec
         self.limit = min(spec.max, max(spec.min, self.limit))
+        if not spec.onset_guard:
+            self.onset = None
+        elif self.onset is None or 0 not in ranks or ranks[0] != 0:
+            self.onset = OnsetGuard()  # its arrivals and curve were another first class's
         self.baseline = {ranks[r]: b for r, b in self.baseline.items() if r in ranks}
         self.served = {ranks[r]: q for r, q in self.served.items() if r in ranks}
         self.windows = {ranks[r]: w for r, w in self.windows.items() if r in ranks}
         self.reconfigure(slos)
 
+    def asked(self, rank: int, now: float) -> None:
+        """A request of the class at `rank` arrived for this pool (the onset guard's test counts the first's)."""
+        if rank == 0 and self.onset is not None:
+            self.onset.arrival(now)
+
     def observe(self, rank: int, admitted_at: float, now: float, service_s: float) -> None:
+        if rank == 0 and self.onset is not None:
+            self.onset.curve.observe(admitted_at, now, service_s)
         window = self.windows.get(rank)
         if window is not None and admitted_at >= self.counted_since:
             window.add(now, service_s)
@@ -210,6 +223,8 @@ class PoolLimit:
         `fleeting`: their word rests on waiting requests a snapshot cannot tell from passing through
         (PoolSaturation.fleeting)."""
         self._sample(now, inflight)
+        if self.onset is not None:
+            self.onset.curve.sample(now, inflight)
         spec = self.spec
         if self.moved_at is not None and now - self.moved_at < spec.interval_s:
             return self.limit
@@ -269,7 +284,22 @@ class PoolLimit:
             self.last_action = "raise"
         else:
             self.last_action = "hold"
+        if self.onset is not None and 0 in self.slos:
+            self._onset_cap(now)
         return self.limit
+
+    def _onset_cap(self, now: float) -> None:
+        """The onset guard (onset.py): during a surge of the first class's arrivals, at most the load its curve
+        says meets the target, until the latency loop cuts."""
+        onset, spec = self.onset, self.spec
+        cap = onset.cap(now, spec.target * self.slos[0], spec.quantile, spec.min_samples)
+        if cap is None:
+            return
+        if self.last_action == "cut_latency":
+            onset.released = True
+        elif self.limit > cap:
+            self.limit = max(spec.min, cap)
+            self.last_action = "onset_cap"
 
     @staticmethod
     def _burst_room(ratio: float, roomy: bool) -> float:

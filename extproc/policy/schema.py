@@ -176,6 +176,12 @@ class PoolLimitSpec:
         "running requests are counted as lent to it (no new ones of theirs are admitted while it waits, so the pool "
         "comes back under the limit as they end). Fewer first-class degrades, fewer refusals at calm load and more "
         "full-model goodput, for a higher p99 in the worst windows (docs/overload.md, \"Over many seeds\").", False)
+    onset_guard: bool = doc(
+        "A surge in the first class's arrivals (a CUSUM test for twice their recent rate, about one false alarm in "
+        "10^4 s of steady arrivals at any rate) caps the limit at the load where that class's served `quantile` met "
+        "`target` x its SLO (learned from its last 1,024 completions and the pool's load over each one's life) until "
+        "the latency loop cuts or the surge is over: the onset of a spike no longer meets a limit the calm phase "
+        "raised (docs/overload.md, \"The onset guard\").", False)
 
 
 @dataclass(frozen=True)
