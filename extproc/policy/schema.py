@@ -181,7 +181,9 @@ class PoolLimitSpec:
         "10^4 s of steady arrivals at any rate) caps the limit at the load where that class's served `quantile` met "
         "`target` x its SLO (learned from its last 1,024 completions and the pool's load over each one's life) until "
         "the latency loop cuts or the surge is over: the onset of a spike no longer meets a limit the calm phase "
-        "raised (docs/overload.md, \"The onset guard\").", False)
+        "raised. Off by default: over 29 scenario seeds it misses fewer onsets (17 of 78 spike targets against 23) "
+        "and refuses less at calm load, but it moves single windows both ways, two of the public scenarios' own "
+        "among them (docs/overload.md, \"Onset guard\").", False)
 
 
 @dataclass(frozen=True)
