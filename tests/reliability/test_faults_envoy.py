@@ -162,6 +162,24 @@ async def test_replica_down_before_headers_is_a_503_from_envoy(make_stack, tmp_p
         print(f"\nRELIABILITY replica down: 503 {headers.get('content-type')} {text[:120]!r}")
 
 
+
+async def test_a_model_routed_to_a_cluster_envoy_lacks_is_a_503_that_says_so_without_retry_after(make_stack,
+                                                                                                  tmp_path):
+    """A valid policy that routes a model to a cluster Envoy does not have (`models.<name>.cluster: "yes"`): the
+    ext_proc admits, Envoy answers 503 cluster_not_found itself. A deployment error, not load: the message says so
+    and there is no Retry-After (the catch-all for Envoy's transient 5xx added one, with an empty message)."""
+    models = {"llama-70b": {"cluster": "yes"}, "llama-8b": {"cluster": "vllm_llama8b"}}
+    s = make_stack(policy_file(tmp_path, models=models, tenants=[], shed={}))
+    async with aiohttp.ClientSession() as http:
+        status, headers, text = await post(http, s.url, chat(max_tokens=4))
+        assert status == 503 and headers["x-extproc-decision"] == "accept"
+        assert headers["content-type"] == "application/json" and "retry-after" not in headers, headers
+        err = json.loads(text)["error"]
+        assert err["code"] == "cluster_not_found" and err["type"] == "server_error", err
+        assert "does not have" in err["message"] and "retrying will not help" in err["message"], err
+        assert await until(lambda: equals(inflight(http, s), 0), timeout=3)  # the slot is not kept
+        assert (await post(http, s.url, chat(model="llama-8b")))[0] == 200
+
 async def test_a_thousand_clients_aborting_at_random_moments_leak_nothing(make_stack, tmp_path):
     s = make_stack(one_class(tmp_path, cap=150, queue=100, wait_ms=5000), extproc_args=["--watch-interval", "0"])
     rng = random.Random(10)
