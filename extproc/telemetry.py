@@ -174,6 +174,12 @@ class Telemetry:
         self.reload_ok = Gauge("extproc_config_last_reload_successful", "1 if the last policy reload applied, 0 "
                                "if it was refused (the previous policy is still serving).", registry=r)
         self.reload_ok.set(1)
+        self.unknown_clusters = Gauge(
+            "extproc_policy_unknown_clusters", "1 for each cluster the policy routes a model to "
+            "(models.<name>.cluster) that the Envoy admin it names (a pool's envoy_admin) does not list: Envoy "
+            "answers that model's admitted requests 503 cluster_not_found. Read at start, at each reload and every "
+            "30 s; not exported when the policy names no envoy_admin.", ["cluster"], registry=r)
+        self._unknown_clusters: set[str] = set()
         self.stream_errors = Counter("extproc_stream_errors", "ext_proc gRPC streams that ended in an error in "
                                      "our handler (bugs; should stay 0).", registry=r)
         self.completion_reports = Counter(
@@ -336,6 +342,14 @@ class Telemetry:
             observe(s)
 
     # --- the server ---
+
+    def policy_unknown_clusters(self, unknown: set[str]) -> None:
+        """The routed clusters Envoy's admin does not list (extproc.server.clusters): 1 each, the rest removed."""
+        for cluster in self._unknown_clusters - unknown:
+            self.unknown_clusters.remove(cluster)
+        for cluster in unknown:
+            self.unknown_clusters.labels(cluster).set(1)
+        self._unknown_clusters = set(unknown)
 
     def policy_reloaded(self, applied: bool) -> None:
         """A policy reload was applied, or refused because the file did not validate."""

@@ -194,7 +194,9 @@ class PoolSpec:
     replicas: list[str] = doc("HOST:PORT of each replica (its vLLM /metrics; no scheme, no path). Empty with "
                               "`envoy_admin`: taken from Envoy's cluster membership.", factory=list)
     envoy_admin: str | None = doc("Envoy admin URL (e.g. http://127.0.0.1:9901) to read the cluster's "
-                                  "endpoints from, when `replicas` is empty.", None)
+                                  "endpoints from, when `replicas` is empty. The ext_proc also reads Envoy's "
+                                  "clusters there (every 30 s) and names any `models.<name>.cluster` Envoy lacks "
+                                  "(log, `extproc_policy_unknown_clusters`).", None)
     scrape_interval_ms: int = doc("How often each replica's /metrics is read.", 200, minimum=20)
     stale_ms: int = doc("Metrics older than this count as saturated (a replica that cannot answer is not "
                         "healthy headroom). A replica that refuses the connection (nothing listens: dead or "
@@ -514,7 +516,8 @@ class ModelSpec:
     """A model name clients send in the body's `model`, and the Envoy cluster (pool) that serves it."""
 
     cluster: str = doc("Envoy cluster name that serves this model. It must exist in envoy.yaml, or Envoy answers "
-                       "the model's requests 503 `cluster_not_found` (`extproc check --envoy ENVOY_YAML` checks).")
+                       "the model's requests 503 `cluster_not_found` (`extproc check --envoy ENVOY_YAML` checks; "
+                       "at runtime the ext_proc names it where a pool gives it Envoy's admin, `envoy_admin`).")
     cost: CostSpec = doc("GPU-time profile used by cost-aware admission.", factory=CostSpec)
     aliases: list[str] = doc(
         "Other names clients send for this model, routed to its cluster unchanged: its other "

@@ -31,6 +31,7 @@ from ..store import host_store, open_store
 from ..store.shared_slots import SharedSlots
 from ..telemetry import StoreTelemetry, Telemetry
 from .accesslog import AccessLogReceiver, ReportRelay, TicketTags
+from .clusters import ClusterCheck
 from .loop_lag import probe_loop_lag
 from .saturation import SaturationScrapers, host_port, split_host_port
 from .servicer import ExtProcServicer
@@ -119,6 +120,7 @@ class Server:
         self.access_log = AccessLogReceiver(self.core, self.telemetry, tags,
                                             relay=store if isinstance(store, ReportRelay) else None)
         self.scrapers = SaturationScrapers(self.core)
+        self.clusters = ClusterCheck(self.telemetry.policy_unknown_clusters)
         _log_warnings(policy)
         # Read before the load: an edit that lands while the file loads must still count as a change.
         self._mtime = _mtime(policy_path) if loaded_mtime is None else loaded_mtime
@@ -176,9 +178,10 @@ class Server:
             self.core.apply(policy)
         # Held like the reload tasks: the loop keeps only a weak reference to a task, so one nobody holds may be
         # collected before it has reconfigured the scrapers.
-        task = asyncio.get_running_loop().create_task(self.scrapers.configure(policy.pools))
-        self._reload_tasks.add(task)
-        task.add_done_callback(self._reload_tasks.discard)
+        for configure in (self.scrapers.configure(policy.pools), self.clusters.configure(self.core.policy)):
+            task = asyncio.get_running_loop().create_task(configure)
+            self._reload_tasks.add(task)
+            task.add_done_callback(self._reload_tasks.discard)
 
     async def control(self) -> None:
         """Limits move on their own intervals; tick often enough that none waits long for its turn (the policy's
@@ -250,6 +253,7 @@ class Server:
         control = asyncio.create_task(self.control())
         lag_probe = asyncio.create_task(probe_loop_lag(self.telemetry.loop_lagged))
         await self.scrapers.configure(self.core.policy.pools)
+        await self.clusters.configure(self.core.policy)
         grpc_at, http_at = host_port(host, bound), host_port(*self.args.metrics)
         log.info("extproc serving: grpc %s, http %s, policy %s", grpc_at, http_at, self.policy_path)
         print(f"extproc ready grpc={grpc_at} http={http_at}", flush=True)
@@ -261,6 +265,7 @@ class Server:
         control.cancel()
         lag_probe.cancel()
         await self.scrapers.stop()
+        await self.clusters.stop()
         if self.shared is not None:
             await self.shared.close()
         await runner.cleanup()

@@ -137,3 +137,34 @@ async def test_a_request_queued_for_a_model_a_reload_renamed_still_gets_its_fall
         snap = await wait_idle(http, s.metrics_url)
         assert snap["interactive"]["inflight"] == snap["interactive"]["degraded_inflight"] == 0
         assert (await healthz(http, s.metrics_url))["stream_errors"] == 0
+
+
+
+async def test_a_reload_routing_a_model_to_a_cluster_envoy_lacks_is_named_until_fixed(make_stack, tmp_path):
+    # A valid policy may route a model to a cluster Envoy does not have: it loads, and Envoy answers the model's
+    # admitted requests 503 cluster_not_found itself. The ext_proc, which reads Envoy's clusters from the admin its
+    # pools name, says so (log and gauge) until the policy is fixed.
+    path = policy_file(tmp_path)
+    s = make_stack(path, extproc_args=["--watch-interval", "0"])
+    data = yaml.safe_load(path.read_text())
+    data["pools"] = {"vllm_llama8b": {"envoy_admin": s.admin_url}}
+    good = yaml.safe_dump(data, sort_keys=False)
+    data["models"]["llama-70b"]["cluster"] = "yes"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    pid = s.process("extproc").popen.pid
+    async with aiohttp.ClientSession() as http:
+        async def unknown():
+            return sample(await metrics(http, s.metrics_url), "extproc_policy_unknown_clusters", cluster="yes")
+
+        os.kill(pid, signal.SIGHUP)
+        assert await until(lambda: equals(unknown(), 1))
+        log = s.process("extproc").log_path.read_text()
+        assert "clusters Envoy" in log and "does not have: yes" in log and "(models: llama-70b)" in log
+        assert (await post(http, s.url, chat()))[0] == 503
+
+        path.write_text(good)
+        os.kill(pid, signal.SIGHUP)
+        assert await until(lambda: equals(unknown(), 0))
+        assert (await post(http, s.url, chat()))[0] == 200
+        assert "Envoy now has every cluster the policy routes to (was missing: yes)" in \
+            s.process("extproc").log_path.read_text()

@@ -36,6 +36,7 @@ METRICS = {
     "extproc_event_loop_lag_seconds": ("histogram", ()),
     "extproc_config_last_reload_successful": ("gauge", ()),
     "extproc_config_reload": ("counter", ("result",)),
+    "extproc_policy_unknown_clusters": ("gauge", ("cluster",)),
     "extproc_cost_estimate_error_ratio": ("histogram", ("class",)),
     "extproc_learned_tokens": ("counter", ("model", "kind")),
     "extproc_pool_yields": ("counter", ("pool", "class")),
