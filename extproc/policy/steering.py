@@ -52,7 +52,11 @@ class ReplicaSteering:
         if not failed:
             self._failing.pop(address, None)
             return
-        errors = self._failing.setdefault(address, [0.0, now])
+        errors = self._failing.get(address)
+        if errors is None or now - errors[1] > EJECT_S:
+            # An ejection over is over (as _ejected finds it): its errors no longer count toward the next, whether or
+            # not a lookup or a scrape dropped them in between.
+            errors = self._failing[address] = [0.0, now]
         errors[0] += 1.0
         errors[1] = now
 

@@ -79,3 +79,15 @@ def test_a_replica_that_failed_and_left_the_pool_is_forgotten_once_its_ejection_
     clock.advance(EJECT_S)
     core.set_saturation("vllm_llama70b", sat)
     assert core.steering._failing == {}
+
+
+def test_an_error_after_an_ejection_is_over_counts_from_one_whether_or_not_a_lookup_dropped_it_in_between():
+    # The errors of an ejection that is over were only dropped when a request to the pool looked the replica up (or
+    # a scrape came): one more error before that ejected it again for EJECT_S, after it, not.
+    s = ReplicaSteering()
+    s.update("pool", (("a:1", 0.0, 1.0), ("b:1", 5.0, 1.0)))
+    for _ in range(FAILURES):
+        s.answered("a:1", True, 10.0)
+    later = 10.0 + EJECT_S + 1
+    s.answered("a:1", True, later)  # no request to the pool since its ejection ended
+    assert s.pick("pool", later).startswith("a:1")
