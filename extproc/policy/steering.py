@@ -19,7 +19,8 @@ slow replica by its measured pace instead, (load + 1) x pace, sent it too much: 
 load than the others' reads nearer theirs than it is. On the real stack p99 2.46-2.59 s against 2.06-2.26 s.)
 
 Envoy takes the first named host it has, whatever its health: override_host does not skip a host its health
-checks failed or its outlier detection ejected (later names only matter to a retry). So what Envoy would not use
+checks failed or its outlier detection ejected (a later name only matters where Envoy lacks the ones before it, or
+to a retry, which envoy.yaml does not configure). At most NAMED are named. So what Envoy would not use
 is left out here: a replica whose /health does not answer 200 (the scraper asks while a replica is stalled), and
 one whose last FAILURES answers in a row were errors, for EJECT_S after the last (Envoy's own outlier rule in
 envoy.yaml, seen through the access log's upstream address).
@@ -27,8 +28,16 @@ envoy.yaml, seen through the access log's upstream address).
 
 from __future__ import annotations
 
+from heapq import nsmallest
+from itertools import islice
+
 FAILURES = 5  # envoy.yaml's outlier_detection.consecutive_5xx
 EJECT_S = 30.0  # and its base_ejection_time
+# The most replicas one request names. Past the first, a name serves only when Envoy lacks the ones before it (they
+# left its host set before the scraper saw them go: one discovery or reload behind); 15 such in a row fall back to
+# Envoy's least-request. Every working replica named made the header grow with the pool: past Envoy's 60 KiB header
+# limit at ~3,000 replicas (a cardinality review, 2026-12-06). A pool of up to NAMED has every one named.
+NAMED = 16
 
 
 class ReplicaSteering:
@@ -93,8 +102,8 @@ class ReplicaSteering:
         if len(replicas) == 1:
             return first[0]
         rest = (r for r in replicas if r is not first)
-        if tight_slo:  # later names only matter to a retry: the slow ones last there too
-            rest = sorted(rest, key=_pace)
+        # The slow ones last there too; nsmallest is sorted()[:n], stable among equal paces
+        rest = nsmallest(NAMED - 1, rest, key=_pace) if tight_slo else islice(rest, NAMED - 1)
         return ",".join([first[0], *(r[0] for r in rest)])
 
     def _ejected(self, address: str, now: float) -> bool:

@@ -91,3 +91,17 @@ def test_an_error_after_an_ejection_is_over_counts_from_one_whether_or_not_a_loo
     later = 10.0 + EJECT_S + 1
     s.answered("a:1", True, later)  # no request to the pool since its ejection ended
     assert s.pick("pool", later).startswith("a:1")
+
+
+def test_a_request_names_at_most_named_replicas_the_same_first_ones_as_before():
+    from extproc.policy.steering import NAMED
+    s = ReplicaSteering()
+    working = [(f"10.0.{i // 250}.{i % 250}:8000", float(i % 7), 2.0 if i % 5 == 0 else 1.0) for i in range(300)]
+    s.update("p", working, stalled=True)
+    names = s.pick("p", 0.0).split(",")
+    assert len(names) == NAMED and names[0] == working[0][0]  # the least loaded (load 0, first read)
+    assert names[1:] == [a for a, _, _ in working[1:NAMED]]  # then as read
+    tight = s.pick("p", 0.0, tight_slo=True).split(",")
+    fast = [(load, a) for a, load, pace in working if pace <= 1.0]
+    least = min(fast, key=lambda r: r[0])[1]  # the least loaded fast one, the first read among equals
+    assert len(tight) == NAMED and tight[0] == least and all(a in dict(map(reversed, fast)) for a in tight)
