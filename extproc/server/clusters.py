@@ -23,6 +23,7 @@ from typing import Callable
 import aiohttp
 
 from ..policy.schema import Policy
+from .saturation import envoy_clusters
 
 log = logging.getLogger("extproc.clusters")
 
@@ -90,10 +91,7 @@ class ClusterCheck:
         async with aiohttp.ClientSession() as session:
             for url in admins(policy):
                 try:
-                    async with session.get(f"{url}/clusters?format=json",
-                                           timeout=aiohttp.ClientTimeout(total=ADMIN_TIMEOUT_S)) as resp:
-                        doc = await resp.json(content_type=None)
-                    names = listed_clusters(doc)
+                    names = listed_clusters(await envoy_clusters(session, url, ADMIN_TIMEOUT_S))
                 except Exception as e:  # noqa: BLE001 - an admin that does not answer says nothing either way
                     log.debug("Envoy admin %s: clusters not read (%r)", url, e)
                     continue

@@ -521,10 +521,7 @@ class PoolScraper:
         """Take the pool's endpoints from Envoy's admin API (Envoy is the source of truth for membership)."""
         self._last_discovery = self.clock()
         try:
-            async with self.session.get(f"{self.spec.envoy_admin.rstrip('/')}/clusters?format=json",
-                                        timeout=aiohttp.ClientTimeout(total=2)) as resp:
-                doc = await resp.json(content_type=None)
-            found = _cluster_hosts(doc, self.name)
+            found = _cluster_hosts(await envoy_clusters(self.session, self.spec.envoy_admin, 2.0), self.name)
         except Exception as e:  # noqa: BLE001 - membership stays as it was until the next try
             self._discovery_failed(repr(e))
             return
@@ -546,6 +543,13 @@ class PoolScraper:
         log.warning("pool %s: Envoy admin %s not read (%s); its replicas stay %s (logged once a minute)", self.name,
                     self.spec.envoy_admin, why, "unknown, so the pool counts as saturated" if not self.replicas
                     else "as last listed")
+
+
+async def envoy_clusters(session: aiohttp.ClientSession, admin: str, timeout_s: float):
+    """Envoy's cluster listing (/clusters?format=json: each cluster's name and endpoints) from the admin URL."""
+    async with session.get(f"{admin.rstrip('/')}/clusters?format=json",
+                           timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        return await resp.json(content_type=None)
 
 
 def _cluster_hosts(doc: dict, cluster_name: str) -> set[str] | None:
