@@ -155,7 +155,7 @@ class SessionBudgets:
 
     def __init__(self, spec: SessionSpec):
         self.spec = spec
-        self.sessions: OrderedDict[tuple[str, str], Session] = OrderedDict()
+        self.sessions: dict[tuple[str, str], Session] = {}
         # The idle sessions (nothing running or queued), least recently seen or ended first: those that may be
         # forgotten, without a pass over the busy ones (each fresh session id looked at every session running).
         self._idle: OrderedDict[tuple[str, str], None] = OrderedDict()
@@ -190,10 +190,8 @@ class SessionBudgets:
                 rate = self.spec.gpu_seconds_per_minute
                 s.bucket = TokenBucket(rate / 60.0, rate, now)
             self._forget_idle(keep=key)
-        else:
-            self.sessions.move_to_end(key)
-            if key in self._idle:
-                self._idle.move_to_end(key)
+        elif key in self._idle:  # the order forgetting reads is the idle ones' own
+            self._idle.move_to_end(key)
         return s
 
     def _forget_idle(self, keep: tuple[str, str] | None = None) -> None:
