@@ -22,7 +22,6 @@ from .scenario import Scenario
 from .whatif import check_routes, what_if
 
 
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenario", default="scenarios/spike.yaml", help="scenario YAML (see docs/demo.md)")
     p.add_argument("--speed", type=float, default=DEFAULT_SPEED,

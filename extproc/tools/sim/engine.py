@@ -296,13 +296,17 @@ class Engine:
             return max(self.running, key=lambda s: (s.priority, s.arrival))
         return self.running[-1]
 
+    def _blocks_needed(self, seq: Sequence, tokens: int) -> int:
+        """The blocks seq's table must grow by to hold `tokens` tokens (0 or less: it holds them)."""
+        return -(-tokens // self.profile.block_size) - seq.blocks
+
     def _blocks_short(self, seq: Sequence, tokens: int) -> bool:
         """Whether seq's block table cannot grow to hold `tokens` tokens from the free blocks."""
-        return -(-tokens // self.profile.block_size) - seq.blocks > self.free_blocks
+        return self._blocks_needed(seq, tokens) > self.free_blocks
 
     def _allocate(self, seq: Sequence, tokens: int) -> bool:
         """Grow seq's block table to hold `tokens` tokens; False when the cache has too few free blocks."""
-        need = -(-tokens // self.profile.block_size) - seq.blocks
+        need = self._blocks_needed(seq, tokens)
         if need <= 0:
             return True
         if need > self.free_blocks:
