@@ -7,8 +7,8 @@ here). Then incidents one after another, each held until the alerts docs/trouble
 a deadline passes), each followed by its recovery. Two runs (QUICK, SLOW below):
 
   quick (~35 s, `make test`): calm -> hung replica -> refused policy reload -> the ext_proc killed and restarted
-  slow (~75 s): slow pool -> overload spike -> failing replicas -> Redis down -> a replica killed
-                -> the ext_proc throttled
+  slow (~120 s): slow pool -> overload spike -> failing replicas -> Redis down -> the replicas saturated
+                -> one replica slow -> a replica killed -> the ext_proc throttled
 
 The tests ask Prometheus afterwards, over each incident's stretch of time: which alerts fired, and what the
 dashboard's panels for that incident showed (their queries as Grafana sends them).
@@ -55,6 +55,7 @@ MAX_TOKENS = 128       # ~0.35 s on the simulated 70B replica
 # spike about twice it.
 CALM = {"interactive": 3.0, "batch": 1.0}
 SPIKE = {"interactive": 20.0, "batch": 20.0}
+SLOW_RATIO = 1.5     # PoolSpec.slow_ratio's default, in the slow run
 HEADERS = {"interactive": {"authorization": "Bearer sk-chat-1"},
            "batch": {"authorization": "Bearer sk-batch-1"}}
 
@@ -77,7 +78,8 @@ POLICY = {
                 {"name": "batch-jobs", "api_keys": ["sk-batch-1"], "max_class": "batch", "default_class": "batch"}],
     # The ext_proc's own windows are not scaled: a slow verdict reads 100 scrapes (20 s), so the replica that hung
     # would read slow for that long after it resumes, past the drill's 10 s ExtprocReplicaSlow `for:` (the
-    # shipped 10 m). No drill slows one replica alone: the verdict is off.
+    # shipped 10 m). The verdict is off here; the slow run, which has no hung replica, turns it on at its shipped
+    # ratio for replica_slow (SLOW_RATIO).
     "pools": {POOL: {"stall_ms": 1000, "slow_ratio": 0}},
     "models": {"llama-70b": {"cluster": POOL}},
 }
@@ -252,10 +254,53 @@ class Drill:
                                                                  timeout=10)
 
 
+class Flood:
+    """Requests sent straight to the replicas, past Envoy and the ext_proc (a job or a second gateway pointed at
+    vLLM): `per_replica` clients on each, each sending the next request as its last one ends, until stopped; the
+    stop disconnects them, which aborts their sequences and frees their KV blocks at once. Each request is a
+    `prompt_tokens` prompt (token ids: an exact count) and `max_tokens` of answer (ignore_eos: all of them)."""
+
+    def __init__(self, replicas: list[tuple[str, int]], per_replica: int, prompt_tokens: int, max_tokens: int):
+        self.urls = [f"http://{h}:{p}/v1/completions" for h, p in replicas for _ in range(per_replica)]
+        self.body = {"model": "llama-70b", "prompt": [1] * prompt_tokens, "max_tokens": max_tokens,
+                     "ignore_eos": True}
+        self.answered: Counter = Counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    def __enter__(self) -> "Flood":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    async def _run(self) -> None:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            tasks = [asyncio.create_task(self._client(session, url)) for url in self.urls]
+            while not self._stop.is_set():
+                await asyncio.sleep(0.05)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _client(self, session: aiohttp.ClientSession, url: str) -> None:
+        while True:
+            try:
+                async with session.post(url, json=self.body) as r:
+                    await r.read()
+                    self.answered[r.status] += 1
+            except aiohttp.ClientError as e:
+                self.answered[type(e).__name__] += 1
+                await asyncio.sleep(0.1)
+
+
 @contextlib.contextmanager
-def start_drill(tmp, answer_sample_percent: int | None = None):
+def start_drill(tmp, answer_sample_percent: int | None = None, slow_ratio: float = 0):
     """The stack, Prometheus on the scaled rules (no alert pending yet) and the traffic thread, at rest.
-    `answer_sample_percent`: the share of header answers Envoy logs (None: envoy.yaml's)."""
+    `answer_sample_percent`: the share of header answers Envoy logs (None: envoy.yaml's); `slow_ratio`: the pool's
+    (0: no replica is judged slow)."""
     tool("redis-server")
     stack = Stack(tmp / "stack", {}, answer_sample_percent=answer_sample_percent)
     redis = RedisServer(tmp)
@@ -266,7 +311,8 @@ def start_drill(tmp, answer_sample_percent: int | None = None):
         replicas = [r for i in range(2) for r in start_pool(stack, f"{POOL}-{i}", "h100-llama70b-awq", 1,
                                                              ["llama-70b"], 1.0, seed=7 + i)]
         stack.pools[POOL] = replicas
-        policy = {**POLICY, "pools": {POOL: {**POLICY["pools"][POOL], "replicas": [f"{h}:{p}" for h, p in replicas]}},
+        policy = {**POLICY, "pools": {POOL: {**POLICY["pools"][POOL], "slow_ratio": slow_ratio,
+                                             "replicas": [f"{h}:{p}" for h, p in replicas]}},
                   "store": {"kind": "redis", "url": redis.url, "on_failure": "local"}}
         stack.policy_path = tmp / "policy.yaml"
         stack.policy_path.write_text(yaml.safe_dump(policy, sort_keys=False))
@@ -366,6 +412,29 @@ def redis_down(d: Drill) -> None:
     d.cleared("redis_down", "ExtprocStoreNotShared")
 
 
+def pool_saturated(d: Drill) -> None:
+    """More demand than the pool holds reaches its replicas (here past the ext_proc, whose caps the drill keeps
+    small): each holds as many 7K-token contexts as its KV cache has room for (2,250 blocks of 16 tokens: five),
+    the next one waits in vLLM and the running ones preempt each other as their answers grow. The ext_proc's
+    scrape reads the pool saturated throughout: ExtprocPoolSaturated, cleared once the flood stops."""
+    d.traffic.rate = dict(CALM)
+    with Flood(d.replicas, per_replica=7, prompt_tokens=7000, max_tokens=1000):
+        d.run(Incident("pool_saturated", ["ExtprocPoolSaturated"]), timeout=30)
+    d.cleared("pool_saturated", "ExtprocPoolSaturated")
+
+
+def replica_slow(d: Drill) -> None:
+    """One replica's engine steps take 4x longer (a throttled GPU) while the other runs at speed: its inter-token
+    latency reads over the pool's slow_ratio times the other's (ExtprocReplicaSlow). Calm traffic: interactive,
+    which has an SLO, is steered off it; batch still goes there, which keeps it judged."""
+    d.traffic.rate = dict(CALM)
+    # The verdict reads 20 s of tokens: none from the incidents before may stand.
+    assert not d.api.wait_for('ALERTS{alertname="ExtprocReplicaSlow"}', lambda r: not r, timeout=25)
+    d.fault(0, slowdown=4)
+    d.run(Incident("replica_slow", ["ExtprocReplicaSlow"]), timeout=60)
+    d.fault(0, reset=1)
+
+
 def replica_down(d: Drill) -> None:
     """A replica's process dies: ExtprocReplicaDown (it had answered, so it is not a cold start)."""
     d.stack.process(f"sim-{POOL}-1").stop(signal.SIGKILL)
@@ -405,10 +474,11 @@ def throttled_extproc(d: Drill) -> None:
         os.kill(pid, signal.SIGCONT)
 
 
-# Two stack runs. The quick one (~35 s) runs in `make test`; the other (~75 s) is marked slow: most of its
+# Two stack runs. The quick one (~35 s) runs in `make test`; the other (~120 s) is marked slow: most of its
 # alerts wait out a `for:` of 5 or 10 s (the shipped 5 or 10 minutes) after windows of 5 s fill.
 QUICK = [calm, hung_replica, reload_refused, extproc_down]
-SLOW = [slow_pool, overload, failing_replicas, redis_down, replica_down, throttled_extproc]
+SLOW = [slow_pool, overload, failing_replicas, redis_down, pool_saturated, replica_slow, replica_down,
+        throttled_extproc]
 RUNS = {"quick": QUICK, "slow": SLOW}
 RUN_OF = {f.__name__: run for run, fs in RUNS.items() for f in fs}
 
@@ -422,8 +492,10 @@ def drills(tmp_path_factory):
             if run not in done:
                 # The slow run logs every header answer's wait (throttled_extproc reads them); the quick one keeps
                 # envoy.yaml's 1%.
+                # replica_slow needs the slow verdict, which the quick run's hung replica would trip (POLICY).
                 d = stack.enter_context(start_drill(tmp_path_factory.mktemp(f"drill-{run}"),
-                                                    100 if run == "slow" else None))
+                                                    100 if run == "slow" else None,
+                                                    SLOW_RATIO if run == "slow" else 0))
                 for incident in RUNS[run]:
                     incident(d)
                 done[run] = d
@@ -485,7 +557,7 @@ def test_each_incident_fires_the_alerts_the_troubleshooting_doc_names(drills, in
 
 
 @pytest.mark.parametrize("incident", incident_params([("hung_replica",), ("reload_refused",), ("redis_down",),
-                                                      ("extproc_down",)]))
+                                                      ("extproc_down",), ("pool_saturated",)]))
 def test_alert_clears_when_the_incident_ends(drills, incident):
     assert drills(RUN_OF[incident]).incidents[incident].cleared
 
@@ -519,6 +591,11 @@ PANELS = {
                        ("Agent-session refusals and reloads", "reload_successful", ("<=", 0))],
     "throttled_extproc": [("ext_proc answer time, event loop lag and CPU", r"0\.99, sum by \(le\)", (">=", 0.1))],
     "replica_down": [("vLLM running / waiting / down", "up", (">=", 1))],
+    "pool_saturated": [("Replicas' saturation as the ext_proc reads it", "saturated", (">=", 1)),
+                       ("Replicas' saturation as the ext_proc reads it", "kv_cache", (">=", 0.9)),
+                       ("vLLM running / waiting / down", "waiting", (">=", 1)),
+                       ("vLLM KV-cache usage", "kv_cache", (">=", 0.9))],
+    "replica_slow": [("Replicas' saturation as the ext_proc reads it", "slow", (">=", 1))],
     # Envoy let requests through while the ext_proc was away: the panel shows them (its own count misses them).
     "extproc_down": [("ext_proc health", "up", ("<=", 0)),
                      ("ext_proc health", "unadmitted|failure_mode_allowed", (">=", 1))],
