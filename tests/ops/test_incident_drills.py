@@ -556,6 +556,14 @@ def test_each_incident_fires_the_alerts_the_troubleshooting_doc_names(drills, in
     assert set(inc.expected) <= fired(drill, incident), (inc.expected, inc.fired_after, drill.traffic.seen)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("incident", [f.__name__ for f in SLOW[:SLOW.index(replica_slow)]])
+def test_replica_slow_stays_quiet_while_the_replicas_run_alike(drills, incident):
+    """The slow run judges replicas' speed (SLOW_RATIO): a pool slowed whole, overloaded, failing or saturated
+    reads no replica slower than the other."""
+    assert "ExtprocReplicaSlow" not in fired(drills("slow"), incident)
+
+
 @pytest.mark.parametrize("incident", incident_params([("hung_replica",), ("reload_refused",), ("redis_down",),
                                                       ("extproc_down",), ("pool_saturated",)]))
 def test_alert_clears_when_the_incident_ends(drills, incident):
