@@ -140,26 +140,40 @@ def dashboard_queries() -> dict[str, list[str]]:
     return out
 
 
-class Traffic:
-    """Open-loop arrivals at `rate[class]` a second from a thread of its own, until stopped; counts the answers by
-    (class, status, decision, reason). A client gives up after TIMEOUT_S (the requests a hung replica holds)."""
+class LoopThread:
+    """A `with` block's worth of `_run()`, on an asyncio loop in a thread of its own; `_run` returns once `_stop` is
+    set."""
 
-    TIMEOUT_S = 20
+    JOIN_S = 10.0
 
-    def __init__(self, url: str):
-        self.url = url
-        self.rate: dict[str, float] = {}
-        self.seen: Counter = Counter()
+    def __init__(self):
         self._stop = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
 
-    def __enter__(self) -> "Traffic":
+    def __enter__(self):
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._thread.join(self.TIMEOUT_S + 5)
+        self._thread.join(self.JOIN_S)
+
+    async def _run(self) -> None:
+        raise NotImplementedError
+
+
+class Traffic(LoopThread):
+    """Open-loop arrivals at `rate[class]` a second from a thread of its own, until stopped; counts the answers by
+    (class, status, decision, reason). A client gives up after TIMEOUT_S (the requests a hung replica holds)."""
+
+    TIMEOUT_S = 20
+    JOIN_S = TIMEOUT_S + 5
+
+    def __init__(self, url: str):
+        super().__init__()
+        self.url = url
+        self.rate: dict[str, float] = {}
+        self.seen: Counter = Counter()
 
     async def _run(self) -> None:
         tasks = set()
@@ -254,27 +268,18 @@ class Drill:
                                                                  timeout=10)
 
 
-class Flood:
+class Flood(LoopThread):
     """Requests sent straight to the replicas, past Envoy and the ext_proc (a job or a second gateway pointed at
     vLLM): `per_replica` clients on each, each sending the next request as its last one ends, until stopped; the
     stop disconnects them, which aborts their sequences and frees their KV blocks at once. Each request is a
     `prompt_tokens` prompt (token ids: an exact count) and `max_tokens` of answer (ignore_eos: all of them)."""
 
     def __init__(self, replicas: list[tuple[str, int]], per_replica: int, prompt_tokens: int, max_tokens: int):
+        super().__init__()
         self.urls = [f"http://{h}:{p}/v1/completions" for h, p in replicas for _ in range(per_replica)]
         self.body = {"model": "llama-70b", "prompt": [1] * prompt_tokens, "max_tokens": max_tokens,
                      "ignore_eos": True}
         self.answered: Counter = Counter()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
-
-    def __enter__(self) -> "Flood":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(10)
 
     async def _run(self) -> None:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
