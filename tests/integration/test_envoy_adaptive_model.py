@@ -198,21 +198,25 @@ async def test_the_what_if_gradient_controller_does_what_envoys_filter_does(name
     for _, length in variant.phases:
         t += length
         phase_ends.append(t)
+    judged = 0
     for u in seen:
         # The samples of the interval that ended in (after, before]: it began one interval earlier (or, with its
         # timer late, up to TIMER_LATE_S before that).
         sure = [d for d in done if d[0] > u.before - interval and d[1] <= u.after]
         near_start = [d for d in done if d[1] > u.after - interval - TIMER_LATE_S and d[0] <= u.before - interval]
         near_end = [d for d in done if d[1] > u.after and d[0] <= u.before]
-        readings = []
-        for group in (sure, sure + near_start, sure + near_end, sure + near_start + near_end):
-            for k in (2, 3):  # the upstream's time, then the client's: Envoy's lies between
-                if group:
-                    readings.append(model.sample_rtt([d[k] * SPEED for d in group]) / SPEED * 1000)
-        if not readings:
-            continue
-        assert min(readings) - 1 <= u.sample_rtt_ms <= max(readings) + 1, \
-            (name, u, sorted(readings), len(sure), len(near_start), len(near_end))
+        # Envoy's interval may hold any part of the samples at its edges, not only all or none of each edge's:
+        # where those outnumber the ones surely in it, the brackets below do not bound its reading (two runs on a
+        # loaded machine: Envoy 1,350 or 1,333 ms, the brackets 1,346.2-1,350 ms, with no sample sure).
+        if len(sure) >= max(1, len(near_start) + len(near_end)):
+            judged += 1
+            readings = []
+            for group in (sure, sure + near_start, sure + near_end, sure + near_start + near_end):
+                for k in (2, 3):  # the upstream's time, then the client's: Envoy's lies between
+                    if group:
+                        readings.append(model.sample_rtt([d[k] * SPEED for d in group]) / SPEED * 1000)
+            assert min(readings) - 1 <= u.sample_rtt_ms <= max(readings) + 1, \
+                (name, u, sorted(readings), len(sure), len(near_start), len(near_end))
         # The gradient from Envoy's sample RTT (a whole number of ms in its stats), the gauge truncated x 1000.
         g_hi = model.gradient(u.sample_rtt_ms / 1000 * SPEED)
         g_lo = model.gradient((u.sample_rtt_ms + 1) / 1000 * SPEED)
@@ -221,6 +225,7 @@ async def test_the_what_if_gradient_controller_does_what_envoys_filter_does(name
         model.limit = u.previous_limit
         possible = {model.next_limit(u.gradient / 1000), model.next_limit((u.gradient + 1) / 1000)}
         assert min(possible) <= u.limit <= max(possible), (name, u, possible)
+    assert judged >= 3, (name, judged, len(seen))  # enough intervals whose samples are known to judge the reading
 
     # Admission: no more in flight than the limit in force (the one before an update, until it is seen), and
     # where a limit held for a whole interval with more clients than it, exactly that many (not one fewer).
