@@ -20,11 +20,13 @@ $(STAMP): pyproject.toml
 system-deps:
 	bash scripts/install-system-deps.sh
 
-# The suite you run often (~4-5 min here): everything but tests/reliability, four pytest workers. A worker takes a
-# whole file (--dist loadfile), so a module's servers start once. Most of these tests wait on real servers or run the
-# engine model, so four workers on two cores finish ~3x sooner than one.
+# The suite you run often (~6 min here): everything but tests/reliability, on four pytest workers, then the few
+# tests marked `timing` (they assert latency through real processes, and three more workers on two cores moved it
+# past their bounds) one at a time. A worker takes a whole file (--dist loadfile), so a module's servers start once.
+# Most of these tests wait on real servers or run the engine model: four workers on two cores finish ~3x sooner.
 test: venv system-deps
-	$(BIN)/python -m pytest -q -n 4 --dist loadfile --ignore=tests/reliability
+	$(BIN)/python -m pytest -q -n 4 --dist loadfile --ignore=tests/reliability -m 'not slow and not timing'
+	$(BIN)/python -m pytest -q --ignore=tests/reliability -m 'timing and not slow'
 
 # The reliability suite (docs/reliability.md: edge, faults, reloads, loop stalls, load through Envoy; ~3.5 min), one
 # test at a time: its load tests measure what clients see, and a CPU shared with other workers moves those timings.

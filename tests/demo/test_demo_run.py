@@ -13,6 +13,9 @@ from pathlib import Path
 
 SLO_S = 2.0
 
+# Measures latency through real processes: one test at a time (`make test`'s second part; pyproject's `timing`).
+pytestmark = pytest.mark.timing
+
 
 def demo_argv(out: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "extproc.cli", "demo", "--out", str(out), "--progress-every", "1", *extra]

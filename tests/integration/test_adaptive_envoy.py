@@ -8,6 +8,7 @@ import asyncio
 from dataclasses import replace
 
 import aiohttp
+import pytest
 
 from extproc.tools.demo.runner import start_pool
 from extproc.tools.sim.fleet import SimFleet
@@ -16,6 +17,9 @@ from extproc.tools.stack import Stack
 from tests.conftest import policy_file, until
 
 from .helpers import chat, metrics, post, sample
+
+# Measures latency through real processes: one test at a time (`make test`'s second part; pyproject's `timing`).
+pytestmark = pytest.mark.timing
 
 SPEED = 10.0
 START_LIMIT = 16

@@ -30,6 +30,9 @@ from extproc.tools.demo.baselines import EnvoyAdaptive
 from extproc.tools.demo.modes import ADAPTIVE_TUNED, adaptive_knobs
 from extproc.tools.stack import Stack, free_port
 
+# Measures latency through real processes: one test at a time (`make test`'s second part; pyproject's `timing`).
+pytestmark = pytest.mark.timing
+
 SPEED = 5.0  # the demo's default: its knobs are simulated seconds, Envoy gets them divided by this
 POLL_S = 0.02
 RETRY_S = 0.1  # a client refused with 503 tries again after this
