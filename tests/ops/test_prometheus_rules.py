@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
 import yaml
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from grpc.aio import EOF
 
 from extproc.policy.admission import AdmissionController
 from extproc.policy.schema import load_policy, load_policy_file
 from extproc.server.servicer import ExtProcServicer
 from extproc.server.stream import TRANSITIONS, Phase
 from extproc.telemetry import LATENCY_BUCKETS
+from tests.reliability.test_servicer_regressions import Ctx
+from tests.unit.test_stream import request_body, request_headers
 
 from .conftest import COMPOSE, ROOT, RULE_FILES, run_tool, tool
 from .promql import metric_names, rule_expressions
@@ -62,19 +60,7 @@ def test_stream_errors_alert_says_what_became_of_the_failed_streams_requests(mon
     """ExtprocStreamErrors told on-call that the failed streams' requests "bypassed admission". The servicer
     refuses a request whose stream fails before its decision (500 admission_error), precisely so that a bug is no
     way around admission: a handler bug on a real stream, then what the alert says of it."""
-    head = [base_pb2.HeaderValue(key=":method", raw_value=b"POST"),
-            base_pb2.HeaderValue(key=":path", raw_value=b"/v1/chat/completions")]
-    body = json.dumps({"model": "llama", "messages": [{"role": "user", "content": "hi"}]}).encode()
-    messages = [pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=head))),
-                pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))]
-    written: list[pb.ProcessingResponse] = []
-
-    class Context:
-        async def read(self):
-            return messages.pop(0) if messages else EOF
-
-        async def write(self, resp):
-            written.append(resp)
+    ctx = Ctx([request_headers(), request_body({"model": "llama", "messages": [{"role": "user", "content": "hi"}]})])
 
     def bug(stream, msg):
         raise ZeroDivisionError("a bug in the body handler")
@@ -84,9 +70,9 @@ def test_stream_errors_alert_says_what_became_of_the_failed_streams_requests(mon
     errors = []
     servicer = ExtProcServicer(core, on_error=lambda: errors.append(1))
     monkeypatch.setitem(TRANSITIONS[Phase.BODY], "request_body", bug)
-    asyncio.run(servicer.Process(None, Context()))
+    asyncio.run(servicer.Process(None, ctx))
     assert errors == [1]  # extproc_stream_errors_total
-    refusal = written[-1].immediate_response
+    refusal = ctx.writes[-1].immediate_response
     reason = {h.header.key: h.header.raw_value for h in refusal.headers.set_headers}["x-extproc-reason"].decode()
     assert refusal.status.code == 500 and reason == "admission_error"
     assert not core.tickets and not servicer.live
