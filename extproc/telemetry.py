@@ -358,6 +358,10 @@ class Telemetry:
         if applied and self._core is not None:
             self._alerted_at_zero(self._core)
             self._end_removed_tenants(set(self._core.classifier.tenant_names))
+            # The transitions of the breakers it dropped (a removed class or pool), as extproc_breaker_state drops
+            # them: a pool removed kept them for the process's life.
+            breakers = self._core.breakers
+            _end_series(self.breaker_transitions, lambda labels: labels[:2] in breakers)
 
     def _end_removed_tenants(self, tenants: set[str]) -> None:
         """End the series of tenants the policy no longer has: tenants come and go by reloads over a process's
@@ -365,11 +369,7 @@ class Telemetry:
         one back; the next reload ends it again.)"""
         for children, at in ((self.demotions, 0), (self.unknown_class, 0), (self.ratelimit, 0),
                              (self.session_rejections, 0), (self.tenant_wait, 1)):  # the tenant label's place
-            for key in list(children):
-                labels = key if isinstance(key, tuple) else (key,)  # one label's children are keyed by its value
-                if labels[at] not in tenants:
-                    children.metric.remove(*labels)
-                    del children[key]
+            _end_series(children, lambda labels: labels[at] in tenants)
 
     def _alerted_at_zero(self, core: AdmissionController) -> None:
         """Create at 0 the series an alert takes increase() of: one that first appears at 1 gives increase() 0, so
@@ -402,6 +402,15 @@ class Telemetry:
             return generate_latest(self.registry)
         finally:
             _scrape.families = None
+
+
+def _end_series(children: _Children, keep) -> None:
+    """Remove the series whose label values `keep` refuses (a reload removed what they count)."""
+    for key in list(children):
+        labels = key if isinstance(key, tuple) else (key,)  # one label's children are keyed by its value
+        if not keep(labels):
+            children.metric.remove(*labels)
+            del children[key]
 
 
 def cap_scope(core: AdmissionController) -> str:

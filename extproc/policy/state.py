@@ -19,8 +19,8 @@ class PolicyState:
     """The policy as running state. A reload keeps what must survive it: slots held under a limiter and what they
     hold of a pool's limit (its learned limit too, unless its unit or `initial` changed), learned cost
     coefficients (unless the model's profile changed), tenant buckets and session budgets (what is left of them,
-    within a changed spec), breaker state (a breaker whose specs changed is rebuilt, open or half-open if it was)
-    and adaptive limits (a retuned one goes on from its learned cap, within its new bounds)."""
+    within a changed spec), breaker state (a breaker whose specs changed is rebuilt, open or half-open if it was;
+    those of a removed class or pool are dropped) and adaptive limits (a retuned one goes on from its learned cap, within its new bounds)."""
 
     def __init__(self, clock: Callable[[], float], on_breaker_change: Callable[[str, str, Breaker, str], None],
                  limit_factory: LimitFactory = default_limit,
@@ -67,6 +67,7 @@ class PolicyState:
         self.policy = policy
         self.classifier = Classifier(policy)
         self.clusters = {name: m.cluster for name, m in policy.models.items()}
+        self.routed = set(self.clusters.values())  # the pools a request may go to now
         # Every name a client may send -> the model it is admitted, charged and counted as (a key of `models`).
         self.model_names = {alias: name for name, m in policy.models.items() for alias in (name, *m.aliases)}
         self._merge_served()
@@ -80,7 +81,11 @@ class PolicyState:
                               for t in tenants if t.requests_per_minute or t.tokens_per_minute}
         if self.sessions is None or self.sessions.spec != policy.sessions:
             self.sessions = SessionBudgets(policy.sessions).carried_from(self.sessions, now)
-        self.breakers = {key: self._rebuilt(*key, bs) for key, bs in self.breakers.items() if key[0] in policy.classes}
+        # Those of a class or pool the policy removed go now: no new request reaches them, and a request still
+        # running there is accounted without them (pool_breakers). Kept, an open one showed on the dashboards of a
+        # pool nobody had any more, and a pool put back started from the old one's state.
+        self.breakers = {key: self._rebuilt(*key, bs) for key, bs in self.breakers.items()
+                         if key[0] in policy.classes and key[1] in self.routed}
         self.sheds, self.shed_by = {}, {}
         for protector, shed in policy.shed_map().items():
             self.sheds[protector] = [self.limiters[c] for c in shed]
@@ -272,9 +277,12 @@ class PolicyState:
         return new
 
     def pool_breakers(self, cls: str, pool: str) -> list[Breaker]:
-        """The breakers of one class on one pool, created on first use."""
+        """The breakers of one class on one pool, created on first use; none for a class or pool a reload removed
+        (the outcome of a request still running there must not build them again)."""
         bs = self.breakers.get((cls, pool))
         if bs is None:
+            if cls not in self.policy.classes or pool not in self.routed:
+                return []
             bs = [self._breaker(cls, pool, spec) for spec in self._breaker_specs(cls)]
             self.breakers[(cls, pool)] = bs
             for b in bs:

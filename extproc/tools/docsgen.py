@@ -36,7 +36,8 @@ and those of a removed tenant (401 `missing_api_key` or `invalid_api_key`, as th
 rate-limit buckets keep what was left of them (within the new depth, debts included): raising its limits (a plan
 upgrade) hands out no fresh burst, the bucket fills to its new depth at the new rate (within `burst_s` when idle; a
 tenant moved from 20,000 to 200,000 tokens a minute answered `x-ratelimit-remaining-tokens: 23722` right after the
-reload), and lowering them cuts what is left to the new depth.
+reload), and lowering them cuts what is left to the new depth. The breakers of a class or pool (a cluster no model
+routes to any more) the reload removed go, with their `extproc_breaker_*` series; a pool put back starts closed.
 
 In key paths, `<name>` stands for a key you choose (a class or model name) and `[]` for a list item.
 """

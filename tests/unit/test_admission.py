@@ -1,7 +1,7 @@
 """The admission core with a fake clock: accept, FIFO queues, deadlines, bounds, shedding, release once."""
 
 from extproc.policy.admission import ACCEPT, INVALID, QUEUE, REJECT, SHED, AdmissionController, RequestFacts
-from extproc.policy.limits import Outcome
+from extproc.policy.limits import Completion, Outcome
 from tests.conftest import make_policy
 
 
@@ -225,6 +225,25 @@ def test_reloads_renaming_classes_keep_no_state_of_the_classes_they_removed(core
         core.apply(make_policy(classes={f"c{gen}": {"max_concurrency": 2}}, default_class=f"c{gen}", shed={},
                                tenants=[], anonymous={}))
     assert set(core.state.degraded) == {"c49"}
+
+
+def test_a_reload_that_removes_a_pool_drops_its_breakers_and_a_late_outcome_does_not_bring_them_back(core, clock):
+    """Breakers are kept per (class, pool) for every class still in the policy: those of a pool no model routes to
+    any more stayed, open as they were, until a restart (an operator saw the removed pool's breaker on dashboards).
+    A request still running there releases its slot and reports as usual, without building them again."""
+    d = core.decide(req("interactive", model="small"))  # on pool_b
+    (err,) = core.pool_breakers("interactive", "pool_b")
+    for _ in range(err.min_requests):
+        err.observe(clock(), True, False)
+    assert err.state == "open"
+    core.apply(make_policy(models={"llama": {"cluster": "pool_a"}}))
+    assert ("interactive", "pool_b") not in core.breakers
+    core.report(d.ticket.id, Completion(Outcome.UPSTREAM_ERROR, 503, None, 2.0))
+    core.finish(d.ticket, Outcome.UPSTREAM_ERROR)
+    assert core.limiters["interactive"].inflight == 0 and ("interactive", "pool_b") not in core.breakers
+    core.apply(make_policy())  # pool_b back: a fresh pool, closed, whatever the old one was
+    assert core.decide(req("interactive", model="small")).kind == ACCEPT
+    assert [b.state for b in core.breakers["interactive", "pool_b"]] == ["closed"]
 
 
 def test_a_reload_that_changes_an_adaptive_classs_slo_moves_its_cap_against_the_new_one(core):

@@ -132,6 +132,30 @@ def test_breaker_state_of_an_idle_class_moves_on_with_time():
     assert f"{line} 0.0" in generate_latest(t.registry).decode()
 
 
+def test_a_reload_that_removes_a_pool_ends_its_breaker_series():
+    """A pool no model routes to any more kept its breakers' series, an open one at 2, until a restart: dashboards
+    showed a breaker of a pool the operator had removed. Its request still running ends without bringing them back."""
+    t = Telemetry()
+    policy = make_policy(classes={"interactive": {"max_concurrency": 4, "slo_p95_ms": 1000}}, tenants=[])
+    core = AdmissionController(policy, clock=lambda: 0.0, events=t)
+    t.watch(core)
+    core.decide(RequestFacts(model="llama"))
+    d = core.decide(RequestFacts(model="small"))  # on pool_b
+    err = next(b for b in core.pool_breakers("interactive", "pool_b") if b.kind == "error")
+    for _ in range(err.min_requests):
+        err.observe(0.0, True, False)
+    assert 'extproc_breaker_state{class="interactive",kind="error",pool="pool_b"} 2.0' in generate_latest(
+        t.registry).decode()
+    core.apply(make_policy(classes={"interactive": {"max_concurrency": 4, "slo_p95_ms": 1000}},
+                           tenants=[], models={"llama": {"cluster": "pool_a"}}))
+    t.policy_reloaded(applied=True)
+    core.report(d.ticket.id, Completion(Outcome.UPSTREAM_ERROR, 503, None, 1.0))
+    core.finish(d.ticket, Outcome.UPSTREAM_ERROR)
+    text = generate_latest(t.registry).decode()
+    assert 'pool="pool_b"' not in text
+    assert 'extproc_breaker_state{class="interactive",kind="error",pool="pool_a"} 0.0' in text
+
+
 def test_rate_limit_checks_are_counted_by_tenant_limit_and_result():
     t = Telemetry()
     core = limited_core(t, requests_per_minute=60, burst_s=2)  # a bucket of 2 requests
