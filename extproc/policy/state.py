@@ -68,6 +68,10 @@ class PolicyState:
         self.classifier = Classifier(policy)
         self.clusters = {name: m.cluster for name, m in policy.models.items()}
         self.routed = set(self.clusters.values())  # the pools a request may go to now
+        for lim in (*self.limiters.values(), *self.degraded.values()):
+            # A pool removed is none the class sends to: kept, classes that had both sent there went on yielding
+            # to each other's latency, and heeding its saturation, wherever they went since.
+            lim.pools &= self.routed
         # Every name a client may send -> the model it is admitted, charged and counted as (a key of `models`).
         self.model_names = {alias: name for name, m in policy.models.items() for alias in (name, *m.aliases)}
         self._merge_served()

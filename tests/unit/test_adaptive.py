@@ -275,15 +275,19 @@ def test_plain_overload_with_a_long_wait_bound_does_not_cut_the_cap_for_its_own_
 
 def two_adaptive_classes(clock, breaker: bool = False):
     """Interactive and batch, both adaptive, on one pool without a pool-wide limit."""
+    return AdmissionController(two_adaptive_policy(breaker), clock=clock)
+
+
+def two_adaptive_policy(breaker: bool = False, **overrides):
     adaptive = {"enabled": True, "min_limit": 2, "max_limit": 16, "interval_s": 1, "window_s": 5, "min_samples": 5}
     lb = ({"window_s": 10, "min_samples": 5, "cooldown_s": 5, "trickle": 0.1, "trickle_s": 10} if breaker
           else {"enabled": False})
-    return AdmissionController(make_policy(classes={
+    return make_policy(classes={
         "interactive": {"max_concurrency": 8, "max_queue": 0, "max_wait_ms": 0, "slo_p95_ms": 2000,
                         "adaptive": adaptive, "latency_breaker": lb,
                         "on_overflow": "fallback", "fallback": {"action": "degrade", "model": "small"}},
         "batch": {"max_concurrency": 8, "max_queue": 0, "max_wait_ms": 0, "slo_p95_ms": 60000, "adaptive": adaptive},
-    }, tenants=[]), clock=clock)
+    }, tenants=[], **overrides)
 
 
 def hold(core, cls: str, n: int) -> list:
@@ -543,3 +547,24 @@ def test_a_reload_keeps_the_yields_asked_before_it(clock):
     assert core.limiters["interactive"].controller.last_action != "ask_yield"
     assert core.limiters["batch"].controller.last_action == "cut_yield"
     assert core.limiters["batch"].limit == 3  # 6 held x 0.5
+
+
+def test_classes_that_shared_a_pool_a_reload_removed_no_longer_yield_to_each_other(clock):
+    """Each class remembers the pools it sent to (whose saturation it heeds, and where the classes below it yield).
+    A pool a reload removed stayed among them: interactive, slow on pool_b, had batch cut for what it ran on
+    pool_c, because both had once sent to pool_a."""
+    core = two_adaptive_classes(clock)
+    for cls in ("interactive", "batch"):
+        core.finish(hold(core, cls, 1)[0], Outcome.OK)  # both on pool_a
+    core.apply(two_adaptive_policy(models={"small": {"cluster": "pool_b"}, "big": {"cluster": "pool_c"}}))
+    for _ in range(6):
+        core.decide(RequestFacts(header_class="batch", model="big"))
+    for _ in range(6):
+        t = core.decide(RequestFacts(header_class="interactive", model="small")).ticket
+        clock.advance(0.5)
+        core.finish(t, Outcome.OK)
+        core.report(t.id, Completion(Outcome.OK, 200, None, 3.0))  # p95 3 s against a 2 s SLO
+    clock.advance(1.0)
+    core.tick()
+    assert core.limiters["interactive"].controller.last_action == "cut_latency"  # nobody below it on pool_b
+    assert core.limiters["batch"].limit == 8
