@@ -358,10 +358,7 @@ class Telemetry:
         if applied and self._core is not None:
             self._alerted_at_zero(self._core)
             self._end_removed_tenants(set(self._core.classifier.tenant_names))
-            # The transitions of the breakers it dropped (a removed class or pool), as extproc_breaker_state drops
-            # them: a pool removed kept them for the process's life.
-            breakers = self._core.breakers
-            _end_series(self.breaker_transitions, lambda labels: labels[:2] in breakers)
+            self._end_removed_pools(self._core)
 
     def _end_removed_tenants(self, tenants: set[str]) -> None:
         """End the series of tenants the policy no longer has: tenants come and go by reloads over a process's
@@ -370,6 +367,16 @@ class Telemetry:
         for children, at in ((self.demotions, 0), (self.unknown_class, 0), (self.ratelimit, 0),
                              (self.session_rejections, 0), (self.tenant_wait, 1)):  # the tenant label's place
             _end_series(children, lambda labels: labels[at] in tenants)
+
+    def _end_removed_pools(self, core: AdmissionController) -> None:
+        """End the series of what the reload removed of a pool: the transitions of the breakers it dropped (a
+        removed class or pool; extproc_breaker_state drops them with the breakers), the yields on a pool no model
+        routes to (or of a removed class) and the moves of a pool-wide limit it no longer has. A pool removed kept
+        them for the process's life."""
+        routed, classes, breakers = set(core.clusters.values()), core.policy.classes, core.breakers
+        _end_series(self.breaker_transitions, lambda labels: labels[:2] in breakers)
+        _end_series(self.pool_yields, lambda labels: labels[0] in routed and labels[1] in classes)
+        _end_series(self.pool_limit_moves, lambda labels: labels[0] in core.gates)
 
     def _alerted_at_zero(self, core: AdmissionController) -> None:
         """Create at 0 the series an alert takes increase() of: one that first appears at 1 gives increase() 0, so

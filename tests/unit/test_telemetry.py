@@ -156,6 +156,23 @@ def test_a_reload_that_removes_a_pool_ends_its_breaker_series():
     assert 'extproc_breaker_state{class="interactive",kind="error",pool="pool_a"} 0.0' in text
 
 
+def test_a_reload_ends_the_yield_and_limit_move_series_of_the_pools_it_removed():
+    """A pool no model routes to any more, or whose pool-wide limit the policy dropped, kept its
+    extproc_pool_yields_total and extproc_pool_limit_moves_total series for the process's life."""
+    from tests.unit.test_pool_limit import pool_policy
+    t = Telemetry()
+    core = AdmissionController(pool_policy(), clock=lambda: 0.0, events=t)
+    t.watch(core)
+    t.pool_yielded("pool_a", "interactive")
+    t.pool_yielded("pool_b", "interactive")
+    t.pool_limit_moved("pool_a", "raise", 4.0, 5.0, 4.0, 4.0)
+    core.apply(make_policy(models={"llama": {"cluster": "pool_a"}}))  # pool_b gone, pool_a without its limit
+    t.policy_reloaded(applied=True)
+    text = generate_latest(t.registry).decode()
+    assert 'pool="pool_b"' not in text and "extproc_pool_limit_moves_total{" not in text
+    assert sample(t, "extproc_pool_yields_total", pool="pool_a", **{"class": "interactive"}) == 1
+
+
 def test_rate_limit_checks_are_counted_by_tenant_limit_and_result():
     t = Telemetry()
     core = limited_core(t, requests_per_minute=60, burst_s=2)  # a bucket of 2 requests
