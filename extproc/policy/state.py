@@ -74,6 +74,10 @@ class PolicyState:
             lim.pools &= self.routed
         # Every name a client may send -> the model it is admitted, charged and counted as (a key of `models`).
         self.model_names = {alias: name for name, m in policy.models.items() for alias in (name, *m.aliases)}
+        # Listings no longer read are forgotten: kept, a pool whose names were turned back on (or put back) served
+        # the names of its last listing, however old, until its replicas were read again.
+        for cluster in [c for c in self.listings if not self.wants_listings(c)]:
+            del self.listings[cluster]
         self._merge_served()
         self._catalog = None
         self.cost_models = {name: self.cost_models[name] if self._same_cost(name, m.cost) else CostModel(m.cost)

@@ -129,6 +129,20 @@ def test_reload_without_names_from_replicas_forgets_them(clock):
     assert core.decide(RequestFacts(header_class="batch", model="sql-lora")).reason == "unknown_model"
 
 
+def test_names_from_replicas_turned_back_on_wait_for_the_replicas_to_be_read_again(clock):
+    """A pool's last listings were kept after a reload that stopped reading them (the model no longer takes names
+    from its replicas, or the pool was removed): turned back on, the names they listed then were admitted at once,
+    before the scraper read what the replicas serve now (an adapter unloaded meanwhile got the replicas' 404)."""
+    core = listed_core(clock)
+    core.set_listings("pool_a", [[card("llama"), card("sql-lora", "llama")]])
+    core.apply(make_policy(models={"small": {"cluster": "pool_b"}}, tenants=[]))
+    core.apply(make_policy(models=LISTED, pools=POOLS, tenants=[]))
+    assert core.decide(RequestFacts(header_class="batch", model="sql-lora")).reason == "unknown_model"
+    assert core.state.listings == {}
+    core.set_listings("pool_a", [[card("llama"), card("sql-lora", "llama")]])
+    assert core.decide(RequestFacts(header_class="batch", model="sql-lora")).kind == ACCEPT
+
+
 def test_names_from_replicas_needs_a_scraped_pool():
     with pytest.raises(PolicyError) as e:
         make_policy(models=LISTED, tenants=[])
