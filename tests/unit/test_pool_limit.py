@@ -354,6 +354,23 @@ def test_the_limit_learned_survives_a_reload_of_its_knobs_within_the_new_bounds(
     assert core.gates["pool_a"].limit == 10.0
 
 
+def test_a_pool_removed_and_put_back_starts_afresh(clock):
+    """Unlike a retuned limit, one a reload removed (the pool, or its limit) keeps nothing: put back, it starts at
+    its `initial`, and its pool's breakers closed, whatever the old ones had learned."""
+    core = AdmissionController(pool_policy(limit=10), clock=clock)
+    core.decide(req("interactive"))
+    core.gates["pool_a"].limit = core.gates["pool_a"].controller.limit = 3.0
+    for b in core.pool_breakers("interactive", "pool_a"):
+        for _ in range(50):
+            b.observe(clock(), 60.0 if b.kind == "latency" else True, False)
+    assert [b.state for b in core.pool_breakers("interactive", "pool_a")] == ["open", "open"]
+    core.apply(make_policy(models={"small": {"cluster": "pool_b"}}, shed={}))
+    core.apply(pool_policy(limit=10))
+    assert core.gates["pool_a"].limit == 10.0 and core.gates["pool_a"].inflight == 1  # what still runs, held
+    assert core.decide(req("interactive")).kind == ACCEPT
+    assert [b.state for b in core.pool_breakers("interactive", "pool_a")] == ["closed", "closed"]
+
+
 def test_a_reload_to_another_unit_weighs_what_is_held_in_the_new_unit(clock):
     core = AdmissionController(pool_policy(limit=1000), clock=clock)
     t = core.decide(req("interactive", tokens=500)).ticket
