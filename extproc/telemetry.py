@@ -369,12 +369,13 @@ class Telemetry:
             _end_series(children, lambda labels: labels[at] in tenants)
 
     def _end_removed_pools(self, core: AdmissionController) -> None:
-        """End the series of what the reload removed of a pool: the transitions of the breakers it dropped (a
-        removed class or pool; extproc_breaker_state drops them with the breakers), the yields on a pool no model
-        routes to (or of a removed class) and the moves of a pool-wide limit it no longer has. A pool removed kept
-        them for the process's life."""
-        routed, classes, breakers = set(core.clusters.values()), core.policy.classes, core.breakers
-        _end_series(self.breaker_transitions, lambda labels: labels[:2] in breakers)
+        """End the series of what the reload removed of a pool: the transitions of the breakers it dropped (of a
+        removed class or pool, or a kind turned off; extproc_breaker_state drops them with the breakers), the
+        yields on a pool no model routes to (or of a removed class) and the moves of a pool-wide limit it no
+        longer has. A pool removed kept them for the process's life."""
+        routed, classes = set(core.clusters.values()), core.policy.classes
+        breakers = {(cls, pool, b.kind) for (cls, pool), bs in core.breakers.items() for b in bs}
+        _end_series(self.breaker_transitions, lambda labels: labels[:3] in breakers)
         _end_series(self.pool_yields, lambda labels: labels[0] in routed and labels[1] in classes)
         _end_series(self.pool_limit_moves, lambda labels: labels[0] in core.gates)
 

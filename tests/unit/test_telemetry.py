@@ -156,6 +156,21 @@ def test_a_reload_that_removes_a_pool_ends_its_breaker_series():
     assert 'extproc_breaker_state{class="interactive",kind="error",pool="pool_a"} 0.0' in text
 
 
+def test_a_reload_that_turns_a_breaker_off_ends_its_transition_series():
+    """The class keeps its pool, so its error breaker's series stay; its latency breaker's transitions (the state
+    gauge goes with the breaker) stayed at their last counts for the process's life."""
+    t = Telemetry()
+    slo = make_policy(classes={"interactive": {"max_concurrency": 4, "slo_p95_ms": 1000}}, tenants=[])
+    core = AdmissionController(slo, clock=lambda: 0.0, events=t)
+    t.watch(core)
+    core.decide(RequestFacts(model="llama"))
+    core.apply(make_policy(classes={"interactive": {"max_concurrency": 4}}, tenants=[]))  # no SLO: no latency one
+    t.policy_reloaded(applied=True)
+    text = generate_latest(t.registry).decode()
+    assert 'kind="latency"' not in text
+    assert 'extproc_breaker_transitions_total{class="interactive",kind="error",pool="pool_a",to="open"} 0.0' in text
+
+
 def test_a_reload_ends_the_yield_and_limit_move_series_of_the_pools_it_removed():
     """A pool no model routes to any more, or whose pool-wide limit the policy dropped, kept its
     extproc_pool_yields_total and extproc_pool_limit_moves_total series for the process's life."""
