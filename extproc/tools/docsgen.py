@@ -37,7 +37,9 @@ rate-limit buckets keep what was left of them (within the new depth, debts inclu
 upgrade) hands out no fresh burst, the bucket fills to its new depth at the new rate (within `burst_s` when idle; a
 tenant moved from 20,000 to 200,000 tokens a minute answered `x-ratelimit-remaining-tokens: 23722` right after the
 reload), and lowering them cuts what is left to the new depth. The breakers of a class or pool (a cluster no model
-routes to any more) the reload removed go, with their `extproc_breaker_*` series; a pool put back starts closed.
+routes to any more) the reload removed go, with their `extproc_breaker_*` series, and so do a removed pool's (or
+pool-wide limit's) `extproc_pool_yields_total` and `extproc_pool_limit_moves_total` series; a pool put back starts
+afresh: its breakers closed, its limit at `initial`, its names from replicas once they are read again.
 
 In key paths, `<name>` stands for a key you choose (a class or model name) and `[]` for a list item.
 """
