@@ -26,6 +26,17 @@ COMPOSE = ROOT / "compose"
 RULE_FILES = sorted((COMPOSE / "prometheus" / "rules").glob("*.yml"))
 
 
+def shipped_alert(name: str) -> dict:
+    """The alert rule `name` as the rule files ship it."""
+    return next(r for path in RULE_FILES for g in yaml.safe_load(path.read_text())["groups"] for r in g["rules"]
+                if r.get("alert") == name)
+
+
+def description(alert: dict) -> str:
+    """An alert's description on one line (the YAML folds it)."""
+    return " ".join(alert["annotations"]["description"].split())
+
+
 class PrometheusAPI:
     def __init__(self, url: str):
         self.url = url

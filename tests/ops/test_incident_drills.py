@@ -44,7 +44,7 @@ from extproc.tools.local_redis import RedisServer
 from extproc.tools.stack import Stack, free_port
 from tests.conftest import until
 
-from .conftest import COMPOSE, RULE_FILES, PrometheusAPI, start_prometheus, tool
+from .conftest import COMPOSE, RULE_FILES, PrometheusAPI, description, shipped_alert, start_prometheus, tool
 
 # A run's incidents play out in the fixture's setup, which counts against the first test of the run: the slow run
 # takes ~2 minutes, at pyproject's default of 120 s.
@@ -582,6 +582,27 @@ def test_replica_slow_stays_quiet_while_the_replicas_run_alike(drills, incident)
                                                       ("extproc_down",), ("pool_saturated",)]))
 def test_alert_clears_when_the_incident_ends(drills, incident):
     assert drills(RUN_OF[incident]).incidents[incident].cleared
+
+
+@pytest.mark.slow
+def test_a_killed_replica_fails_what_it_held_and_is_left_out_of_the_pool_reading(drills):
+    """What ExtprocReplicaDown's description says of a kill. It said nothing else "may fire until the rest saturate
+    (an SRE audit killed a replica for 45 s and saw only ExtprocPoolSaturated pending)": the requests the replica
+    ran, and those Envoy sent it before taking it out of the pool, fail (upstream_error), and a replica that
+    refuses connections is left out of the pool's saturation reading, so the kill alone does not read saturated."""
+    d = drills("slow")
+    inc = d.incidents["replica_down"]
+    saturated = [float(v) for s in d.api.query_range(f'extproc_pool_saturated{{pool="{POOL}"}}', inc.start, inc.end)
+                 for _, v in s["values"]]
+    assert saturated and max(saturated) == 0, saturated
+    seen = {s["metric"]["alertname"] for s in d.api.query_range("ALERTS", inc.start, inc.end)}
+    assert "ExtprocPoolSaturated" not in seen, seen
+    window = f"{round(inc.end - inc.start) + 2}s"  # and the kill just before the incident began
+    failed = d.api.query_range(f'sum(increase(extproc_request_duration_seconds_count{{outcome="upstream_error"}}'
+                               f'[{window}]))', inc.end, inc.end)
+    assert failed and float(failed[0]["values"][-1][1]) > 0, (failed, d.traffic.seen)
+    said = description(shipped_alert("ExtprocReplicaDown"))
+    assert "upstream_error" in said and "ExtprocPoolSaturated pending" not in said, said
 
 
 # Panels an operator opens for each incident: (panel title, which of its queries (a regex), what they must show over

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import yaml
 
 from extproc.policy.admission import AdmissionController
 from extproc.policy.schema import load_policy, load_policy_file
@@ -15,7 +14,7 @@ from extproc.telemetry import LATENCY_BUCKETS
 from tests.reliability.test_servicer_regressions import Ctx
 from tests.unit.test_stream import request_body, request_headers
 
-from .conftest import COMPOSE, ROOT, RULE_FILES, run_tool, tool
+from .conftest import COMPOSE, ROOT, RULE_FILES, description, run_tool, shipped_alert, tool
 from .promql import metric_names, rule_expressions
 
 PROM = COMPOSE / "prometheus"
@@ -77,8 +76,6 @@ def test_stream_errors_alert_says_what_became_of_the_failed_streams_requests(mon
     assert refusal.status.code == 500 and reason == "admission_error"
     assert not core.tickets and not servicer.live
 
-    alert = next(r for path in RULE_FILES for g in yaml.safe_load(path.read_text())["groups"] for r in g["rules"]
-                 if r.get("alert") == "ExtprocStreamErrors")
-    description = " ".join(alert["annotations"]["description"].split())
-    assert reason in description
-    assert "bypassed admission" not in description.replace("None bypassed admission", "")
+    said = description(shipped_alert("ExtprocStreamErrors"))
+    assert reason in said
+    assert "bypassed admission" not in said.replace("None bypassed admission", "")
