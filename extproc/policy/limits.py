@@ -63,6 +63,11 @@ class Outcome(enum.Enum):
     UPSTREAM_ERROR = "upstream_error"  # 5xx, upstream reset, connect failure or timeout
     CLIENT_ABORT = "client_abort"      # the client went away before the response completed
     LEASE_EXPIRED = "lease_expired"    # never seen to end; freed by the safety net
+    # The ext_proc failed it after admitting it: its stream handler raised (extproc_stream_errors_total) with no
+    # report to say how the request ended, or Envoy's report says Envoy failed it for the ext_proc (its stream
+    # failed or answered past message_timeout, with failure_mode_allow: false). Neither the replica's nor the
+    # client's: no breaker counts it.
+    EXTPROC_ERROR = "ext_proc_error"
     # Only when no completion report arrives (Envoy's access log not configured): the gRPC stream closed after
     # the request was admitted, which Envoy does the same way for a normal end and a client abort.
     ENDED = "ended"

@@ -114,8 +114,12 @@ class CostLearning:
         status = c.report.status if c.report is not None else 0
         if status >= 400 or (c.outcome is Outcome.UPSTREAM_ERROR and not 200 <= status < 300):
             charge.tenant.correct(charge.tokens, 0)
-        elif c.outcome is Outcome.CLIENT_ABORT or c.outcome is Outcome.UPSTREAM_ERROR:
+        elif c.outcome in _ENDED_EARLY:
             charge.tenant.correct(charge.tokens, min(charge.tokens, est.prompt_tokens + math.ceil(est.expected_output)))
+
+
+# Ended before the answer did, by the client, the replica or the ext_proc, with no usage read: the expected output.
+_ENDED_EARLY = (Outcome.CLIENT_ABORT, Outcome.UPSTREAM_ERROR, Outcome.EXTPROC_ERROR)
 
 
 class PoolLearning:
@@ -126,8 +130,8 @@ class PoolLearning:
         self.pool_breakers = state.pool_breakers
 
     def completed(self, c: Completed) -> None:
-        if not c.speaks_for_its_pool:
-            return
+        if not c.speaks_for_its_pool or c.outcome is Outcome.EXTPROC_ERROR:
+            return  # the ext_proc's own failure: the time to it and the error say nothing of the pool
         t, outcome = c.ticket, c.outcome
         limit = t.limiter.controller
         # The limits steer on the pool's service time: our own queueing is not the pool's, and a limit that read

@@ -100,6 +100,9 @@ _UPSTREAM_FLAGS = ("upstream_remote_reset", "upstream_connection_failure", "upst
                    "upstream_request_timeout", "no_healthy_upstream", "upstream_overflow", "upstream_protocol_error",
                    "no_cluster_found", "upstream_max_stream_duration_reached", "stream_idle_timeout")
 _CLIENT_FLAGS = ("downstream_connection_termination", "downstream_remote_reset")
+# Envoy's response code details when its ext_proc filter failed the request: with failure_mode_allow: false, a
+# failed stream or an answer past message_timeout (504), which Envoy answers itself.
+_EXTPROC_FAILED = "ext_proc_error"
 
 
 def outcome_of(entry: accesslog_pb2.HTTPAccessLogEntry) -> tuple[Outcome, int]:
@@ -107,6 +110,8 @@ def outcome_of(entry: accesslog_pb2.HTTPAccessLogEntry) -> tuple[Outcome, int]:
     status = entry.response.response_code.value
     if any(getattr(flags, f) for f in _CLIENT_FLAGS):
         return Outcome.CLIENT_ABORT, status
+    if entry.response.response_code_details.startswith(_EXTPROC_FAILED):
+        return Outcome.EXTPROC_ERROR, status
     if status >= 500 or any(getattr(flags, f) for f in _UPSTREAM_FLAGS):
         return Outcome.UPSTREAM_ERROR, status
     return Outcome.OK, status

@@ -50,7 +50,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     async def Process(self, request_iterator, context) -> None:
         # context.read()/write() rather than an async generator: one wrapping layer less per message.
         stream = Stream(self.processor)
-        normal_end = False
+        normal_end = failed = False
         pending_read = None
         read, write = context.read, context.write
         try:
@@ -81,12 +81,13 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             self._on_error()
             log.exception("ext_proc stream failed")
             if stream.phase.decided:
+                failed = True
                 raise
             # Undecided: refuse this request rather than fail the stream, which Envoy's failure_mode_allow
             # would turn into an unadmitted request (a body that trips a bug must not buy a way around us).
             await write(stream.fail())
         finally:
-            stream.end(normal_end)
+            stream.end(normal_end, failed)
 
 
 def _read_through_reset(read) -> asyncio.Task:

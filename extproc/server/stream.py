@@ -219,14 +219,17 @@ class Stream:
         self._enter(Phase.ANSWERED)  # a final admission it waits for is given back at the end
         return protocol.INTERNAL_ERROR
 
-    def end(self, normal_end: bool) -> None:
-        """The stream is over (Envoy's end of stream, a reset, a failed write): give back what it holds."""
+    def end(self, normal_end: bool, failed: bool = False) -> None:
+        """The stream is over (Envoy's end of stream, a reset, a failed write, or `failed`: our own handler raised
+        after the request was decided): give back what it holds."""
         held, self.held = self.held, None
         self._enter(Phase.ENDED)
         if isinstance(held, FinalAdmission):  # the client left while the request waited
             ticket, outcome = held.give_back(), Outcome.CLIENT_ABORT
         elif self.status >= 500:
             ticket, outcome = held, Outcome.UPSTREAM_ERROR
+        elif failed:  # not the client's abort, nor the replica's error; Envoy's report, if one comes, says more
+            ticket, outcome = held, Outcome.EXTPROC_ERROR
         elif normal_end:
             ticket, outcome = held, Outcome.OK if self.status else Outcome.ENDED
         else:

@@ -4,6 +4,7 @@ ext_proc's own answers and direct_response routes keep their bodies untouched.""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -13,8 +14,8 @@ import aiohttp
 import pytest
 
 from extproc.tools.stack import Stack
-from tests.conftest import policy_file
-from tests.integration.helpers import chat, post
+from tests.conftest import policy_file, until
+from tests.integration.helpers import chat, metrics, post, sample, sample_once
 
 ADMISSION_DOWN = "The admission service is unavailable or did not answer in time"
 DIRECT_BODY = '{"error": {"message": "Unknown path.", "type": "invalid_request_error", "param": null, "code": "x"}}'
@@ -92,3 +93,40 @@ async def test_ext_proc_message_timeout_answers_504_saying_admission_did_not_ans
         err = admission_failure(status, headers, text)
         assert err["code"] == "ext_proc_error_per-message_timeout_exceeded", err
         print(f"\nRELIABILITY fail closed, ext_proc frozen: {status} after {waited:.2f}s {text[:200]!r}")
+
+
+async def inflight(http, metrics_url: str) -> float:
+    return sample(await metrics(http, metrics_url), "extproc_inflight", **{"class": "interactive"})
+
+
+async def test_a_late_answer_after_the_admission_is_the_ext_procs_failure_not_the_replicas(tmp_path, upstream):
+    """Admitted, then frozen past message_timeout while Envoy waits for its answer to the response headers (a
+    usage-read request): Envoy answers 504 itself. Its access log reported a 504, and the ext_proc filed it as
+    the replica's upstream_error: the error breaker counted it, one such freeze tripped it (min_requests 1), and
+    the class's new requests were refused error_breaker_open with the replicas healthy. It is `ext_proc_error`."""
+    policy = policy_file(tmp_path, classes={"interactive": {
+        "max_concurrency": 2, "error_breaker": {"window_s": 30, "min_requests": 1, "cooldown_s": 30}}},
+        tenants=[], shed={}, learn_sample=1.0)  # every response's headers come to the ext_proc
+    s = Stack(tmp_path / "closed", {"vllm_llama70b": [upstream], "vllm_llama8b": [upstream]}, policy_path=policy,
+              failure_mode_allow=False, extproc_args=["--watch-interval", "0"])
+    with s:
+        pid = s.process("extproc").popen.pid
+        async with aiohttp.ClientSession() as http:
+            # The replica answers after 1.5 s; the ext_proc is frozen from just after its admission until past it.
+            answer = asyncio.create_task(post(http, s.url, chat(), headers={"x-test-delay-ms": "1500"}))
+            admitted = await until(lambda: inflight(http, s.metrics_url), timeout=5, holds=lambda n: n == 1)
+            assert admitted == 1
+            os.killpg(pid, signal.SIGSTOP)
+            try:
+                await asyncio.sleep(2.5)
+            finally:
+                os.killpg(pid, signal.SIGCONT)
+            status, headers, text = await answer
+            assert status == 504, (status, text)
+            assert admission_failure(status, headers, text)["code"] == "ext_proc_error_per-message_timeout_exceeded"
+            assert await sample_once(http, s.metrics_url, "extproc_request_duration_seconds_count", 1,
+                                     outcome="ext_proc_error") == 1
+            ms = await metrics(http, s.metrics_url)
+            assert sample(ms, "extproc_request_duration_seconds_count", outcome="upstream_error") == 0
+            status, headers, _ = await post(http, s.url, chat())  # the breaker saw no error of the replica's
+            assert status == 200 and headers["x-extproc-decision"] == "accept", (status, dict(headers))

@@ -11,11 +11,12 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from grpc.aio import EOF
 
-from extproc.policy.admission import AdmissionController
+from extproc.policy.admission import REPORT_WAIT_S, AdmissionController
 from extproc.policy.limits import Outcome
-from extproc.policy.schema import load_policy_file
+from extproc.policy.schema import load_policy, load_policy_file
 from extproc.server.main import Server, add_arguments
 from extproc.server.servicer import ExtProcServicer
+from extproc.server.stream import TRANSITIONS, Phase
 from tests.conftest import make_policy
 
 
@@ -188,3 +189,49 @@ def test_an_immediate_answer_that_fails_to_build_is_refused_with_500_not_a_faile
     answer = ctx.writes[-1].immediate_response
     assert answer.status.code == 500 and json.loads(answer.body)["error"]["code"] == "admission_error"
     assert errors == [1]
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def breaker_samples(core: AdmissionController, now: float) -> dict[str, int]:
+    """Requests in the window of each of interactive's breakers on the pool `llama` is routed to."""
+    return {b.kind: b.window.count(now) if b.kind == "latency" else b.window.counts(now)[0]
+            for b in core.state.pool_breakers("interactive", "vllm")}
+
+
+def test_a_stream_that_fails_after_the_admission_is_the_ext_procs_error_not_a_client_abort(monkeypatch):
+    """A bug in a handler after the request was admitted fails the stream (the request keeps its decision). Its
+    ticket was accounted as `client_abort`: an operator read clients leaving, for a failure of ours. It is
+    `ext_proc_error` (when no access-log report says how the request ended), and no breaker counts it."""
+    from tests.unit.test_stream import request_body, request_headers, response_headers
+
+    clock = Clock()
+    core = AdmissionController(load_policy({
+        "classes": {"interactive": {"max_concurrency": 1, "slo_p95_ms": 100, "error_breaker": {"min_requests": 1},
+                                    "latency_breaker": {"min_samples": 1}}},
+        "models": {"llama": {"cluster": "vllm"}}, "learn_sample": 1.0}), clock=clock)
+    ended = []
+    core.listeners.append(type("Seen", (), {"completed": lambda self, c: ended.append(c.outcome)})())
+
+    def bug(stream, msg):
+        raise ZeroDivisionError("a bug in the response headers' handler")
+
+    monkeypatch.setitem(TRANSITIONS[Phase.FORWARDING], "response_headers", bug)
+    ctx = Ctx([request_headers(), request_body({"model": "llama", "messages": [{"role": "user", "content": "hi"}]}),
+               response_headers()])
+    errors = []
+    with pytest.raises(ZeroDivisionError):
+        asyncio.run(ExtProcServicer(core, on_error=lambda: errors.append(1)).Process(None, ctx))
+    assert errors == [1] and not core.tickets
+    clock.now += 2.0  # past the SLO: a client abort this slow would count against the latency breaker
+    assert ended == []  # waits for Envoy's report, which would say how the request ended
+    clock.now += REPORT_WAIT_S
+    core.reap()
+    assert ended == [Outcome.EXTPROC_ERROR]
+    assert breaker_samples(core, clock.now) == {"latency": 0, "error": 0}
