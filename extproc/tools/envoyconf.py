@@ -15,6 +15,7 @@ import yaml
 from ..server.accesslog import ANSWERS_LOG, TICKET_HEADER, ticket_prefix
 # HOST:PORT ([::1]:8000 for IPv6) as a socket_address takes it: Envoy refuses an IPv6 address in brackets.
 from ..server.saturation import split_host_port as _endpoint
+from .adaptive_concurrency import TUNED, effective
 
 SOURCE = Path(__file__).resolve().parents[2] / "envoy" / "envoy.yaml"
 EXT_PROC = "envoy.filters.http.ext_proc"
@@ -81,7 +82,8 @@ def render(base: dict[str, Any], *, listen_port: int, admin_port: int,
     cluster's (1 s) is what the drain on SIGTERM is sized against, and is rendered as shipped.
     `failure_mode_allow` overrides the ext_proc filter's (None keeps the file's): False is the fail-closed variant.
     `speed`: the demo's time compression; the completion reports' flush interval is divided by it (they feed the
-    breakers and limits, whose own intervals the demo compresses in the policy).
+    breakers and limits, whose own intervals the demo compresses in the policy), and so are the adaptive filter's.
+    `adaptive`: mode "adaptive"'s knobs (`adaptive_filter`); None: mode b's (adaptive_concurrency.TUNED).
     `workers`: the `extproc` endpoints are the workers of one `extproc serve --workers N`, in order: each worker
     gets its own access log, carrying only the requests it admitted (ticket header `<i>-<id>.<instance>`).
     `answer_sample_percent`: the share of requests whose wait for the ext_proc's answers is logged (None keeps
@@ -143,7 +145,8 @@ def render(base: dict[str, Any], *, listen_port: int, admin_port: int,
         (ext_proc,) = [f for f in hcm["http_filters"] if f["name"] == EXT_PROC]
         ext_proc["typed_config"]["failure_mode_allow"] = failure_mode_allow
     if mode == "adaptive":
-        hcm["http_filters"].insert(0, {"name": ADAPTIVE, "typed_config": adaptive_filter(**(adaptive or {}))})
+        hcm["http_filters"].insert(0, {"name": ADAPTIVE, "typed_config": adaptive_filter(
+            TUNED if adaptive is None else adaptive, speed)})
     return cfg
 
 
@@ -170,25 +173,32 @@ def _access_log_per_worker(cfg: dict[str, Any], hcm: dict[str, Any], workers: li
     hcm["access_log"] = [log for log in hcm["access_log"] if log is not template] + logs
 
 
-def adaptive_filter(*, concurrency_update_interval: str = "0.5s", sample_aggregate_percentile: float = 90.0,
-                    buffer_percent: float = 100.0, max_concurrency_limit: int = 32, min_rtt_fixed: str | None = None,
-                    min_rtt_interval: str = "60s", min_rtt_request_count: int = 50,
-                    min_concurrency: int = 3) -> dict[str, Any]:
-    """Envoy's own adaptive_concurrency filter (the built-in peer), with its knobs exposed for fair tuning."""
-    min_rtt: dict[str, Any] = {"request_count": min_rtt_request_count, "min_concurrency": min_concurrency,
-                               "buffer": {"value": buffer_percent}}
-    if min_rtt_fixed:
-        min_rtt["fixed_value"] = min_rtt_fixed
+def adaptive_filter(knobs: dict[str, Any], speed: float = 1.0) -> dict[str, Any]:
+    """Envoy's own adaptive_concurrency filter (mode b) with `knobs` (extproc.tools.adaptive_concurrency: durations
+    in simulated seconds, divided by `speed`) and no others: Envoy uses its own defaults for those, as the what-if's
+    model does (adaptive_concurrency.effective)."""
+    effective(knobs)  # what Envoy would reject, and unknown knobs
+    limit: dict[str, Any] = {"concurrency_update_interval": duration(knobs["concurrency_update_interval_s"] / speed)}
+    if "max_concurrency_limit" in knobs:
+        limit["max_concurrency_limit"] = int(knobs["max_concurrency_limit"])
+    min_rtt: dict[str, Any] = {}
+    if knobs.get("min_rtt_fixed_s"):
+        min_rtt["fixed_value"] = duration(knobs["min_rtt_fixed_s"] / speed)
     else:
-        min_rtt["interval"] = min_rtt_interval
+        min_rtt["interval"] = duration(knobs["min_rtt_interval_s"] / speed)
+    for knob, name in (("min_rtt_request_count", "request_count"), ("min_concurrency", "min_concurrency")):
+        if knob in knobs:
+            min_rtt[name] = int(knobs[knob])
+    for knob, name in (("buffer_percent", "buffer"), ("min_rtt_jitter_percent", "jitter")):
+        if knob in knobs:
+            min_rtt[name] = {"value": float(knobs[knob])}
+    controller: dict[str, Any] = {}
+    if "sample_aggregate_percentile" in knobs:
+        controller["sample_aggregate_percentile"] = {"value": float(knobs["sample_aggregate_percentile"])}
+    controller.update(concurrency_limit_params=limit, min_rtt_calc_params=min_rtt)
     return {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.adaptive_concurrency.v3.AdaptiveConcurrency",
-        "gradient_controller_config": {
-            "sample_aggregate_percentile": {"value": sample_aggregate_percentile},
-            "concurrency_limit_params": {"max_concurrency_limit": max_concurrency_limit,
-                                         "concurrency_update_interval": concurrency_update_interval},
-            "min_rtt_calc_params": min_rtt,
-        },
+        "gradient_controller_config": controller,
     }
 
 

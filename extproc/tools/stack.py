@@ -122,7 +122,7 @@ class Stack:
     mode: str = "extproc"
     envoy_concurrency: int = 1
     lb_policy: str | None = None
-    adaptive: dict | None = None
+    adaptive: dict | None = None  # mode "adaptive"'s knobs, simulated seconds (envoyconf.adaptive_filter); None: b's
     extproc_args: list[str] = field(default_factory=list)
     extprocs: int = 1   # ext_proc instances behind Envoy's one `extproc` cluster (a rolling restart needs two)
     failure_mode_allow: bool | None = None  # override envoy.yaml's (False: fail closed)

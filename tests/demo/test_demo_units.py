@@ -7,7 +7,7 @@ import pytest
 from extproc.policy.admission import tick_interval
 from extproc.policy.schema import load_policy_file
 from extproc.tools import envoyconf
-from extproc.tools.demo.modes import MODES, adaptive_knobs, parse_modes, render_policy, scale_durations, with_policies
+from extproc.tools.demo.modes import MODES, parse_modes, render_policy, scale_durations, with_policies
 from extproc.tools.demo.results import window_stats
 from extproc.tools.demo.scenario import Scenario
 from extproc.tools.demo.whatif import TICK_S
@@ -86,9 +86,11 @@ def test_at_speed_the_ext_proc_ticks_and_hears_completions_as_the_what_if_does(t
 
 
 def test_adaptive_time_knobs_become_wall_clock_durations():
-    knobs = adaptive_knobs({"min_rtt_fixed_s": 1.0, "concurrency_update_interval_s": 5.0, "buffer_percent": 100.0},
-                           speed=5)
-    assert knobs == {"min_rtt_fixed": "0.200s", "concurrency_update_interval": "1.000s", "buffer_percent": 100.0}
+    cfg = envoyconf.adaptive_filter({"min_rtt_fixed_s": 1.0, "concurrency_update_interval_s": 5.0,
+                                     "buffer_percent": 100.0}, speed=5)
+    assert cfg["gradient_controller_config"] == {  # only the knobs given: Envoy's defaults for the others
+        "concurrency_limit_params": {"concurrency_update_interval": "1.000s"},
+        "min_rtt_calc_params": {"fixed_value": "0.200s", "buffer": {"value": 100.0}}}
 
 
 def test_parse_modes_rejects_unknown_keys():

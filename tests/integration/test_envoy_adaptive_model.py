@@ -1,6 +1,6 @@
 """Differential test of the what-if's model of mode b (extproc.tools.demo.baselines: GradientController, as
 EnvoyAdaptive builds it) against real Envoy's adaptive_concurrency filter, configured as the demo's real runs
-configure it (modes.adaptive_knobs at the demo's speed, through Stack's mode "adaptive").
+configure it (the knobs at the demo's speed, through Stack's mode "adaptive").
 
 An in-process upstream sleeps a scripted latency per phase; closed-loop clients (more than the limit lets through)
 send to Envoy; Envoy's admin stats are polled every 20 ms. Each change of the gradient controller's stats is one of
@@ -27,7 +27,7 @@ import pytest
 from aiohttp import web
 
 from extproc.tools.demo.baselines import EnvoyAdaptive
-from extproc.tools.demo.modes import ADAPTIVE_TUNED, adaptive_knobs
+from extproc.tools.demo.modes import ADAPTIVE_TUNED
 from extproc.tools.stack import Stack, free_port
 
 # Measures latency through real processes: one test at a time (`make test`'s second part; pyproject's `timing`).
@@ -57,6 +57,12 @@ VARIANTS = {
     "median": Variant({"min_rtt_fixed_s": 2.5, "buffer_percent": 100.0, "concurrency_update_interval_s": 2.5,
                        "sample_aggregate_percentile": 50.0, "max_concurrency_limit": 1000, "min_concurrency": 3},
                       [(0.45, 1.0), (1.3, 6.0)], 40),
+    # Only what Envoy requires: Envoy's defaults for the rest, as the renderer leaves them to Envoy and the model
+    # takes them (adaptive_concurrency.ENVOY_DEFAULTS: p50, buffer 25%, ceiling 1000, min_concurrency 3). The
+    # target (0.8 s + 25%) is 1 s: the fast phase takes the limit past 32 (it climbs 3, 8, 20, 46), the slow one
+    # is not clamped. Until 2026-12-06 the renderer filled in p90, buffer 100% and a ceiling of 32.
+    "envoy-defaults": Variant({"min_rtt_fixed_s": 4.0, "concurrency_update_interval_s": 2.5},
+                              [(0.45, 1.6), (1.3, 6.0)], 50),
 }
 
 
@@ -112,7 +118,7 @@ async def drive(variant: Variant, tmp_path) -> Run:
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     stack = Stack(tmp_path, {"vllm_llama70b": [("127.0.0.1", port)], "vllm_llama8b": [("127.0.0.1", port)]},
-                  mode="adaptive", adaptive=adaptive_knobs(variant.knobs, SPEED))
+                  mode="adaptive", adaptive=variant.knobs, speed=SPEED)
     try:
         await asyncio.to_thread(stack.start)
         body = b'{"model": "llama-70b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}'
@@ -182,7 +188,7 @@ async def test_the_what_if_gradient_controller_does_what_envoys_filter_does(name
     model = EnvoyAdaptive(variant.knobs).controller  # as the what-if builds it: simulated seconds
     interval = variant.knobs["concurrency_update_interval_s"] / SPEED
     first = run.polls[0][2]
-    assert first["concurrency_limit"] == model.limit == variant.knobs["min_concurrency"]
+    assert first["concurrency_limit"] == model.limit == model.min_limit
     for _, _, st in run.polls:  # the fixed minRTT is kept: never re-measured, never replaced
         assert (st["min_rtt_msecs"], st["min_rtt_calculation_active"]) == \
             (round(model.min_rtt_s / SPEED * 1000), 0)
@@ -194,6 +200,8 @@ async def test_the_what_if_gradient_controller_does_what_envoys_filter_does(name
     seen = updates(run, model.min_limit)
     # (an interval that changes nothing is not seen: at a steady state few are)
     assert len(seen) >= 5 and sum(u.sample_rtt_ms >= 1000 for u in seen) >= 2, seen  # the slow phase's too
+    if "max_concurrency_limit" not in variant.knobs:  # Envoy's ceiling (1000), not one of the renderer's (32)
+        assert max(u.limit for u in seen) > 32, seen
     # Each request: Envoy took its latency sample between these two instants, and it lies between these two values.
     done = [(up[1], run.client[i][1], up[1] - up[0], run.client[i][1] - run.client[i][0])
             for i, up in run.served.items() if i in run.client]
@@ -208,13 +216,18 @@ async def test_the_what_if_gradient_controller_does_what_envoys_filter_does(name
         sure = [d for d in done if d[0] > u.before - interval and d[1] <= u.after]
         near_start = [d for d in done if d[1] > u.after - interval - TIMER_LATE_S and d[0] <= u.before - interval]
         near_end = [d for d in done if d[1] > u.after and d[0] <= u.before]
-        # Envoy's interval may hold any part of the samples at its edges, not only all or none of each edge's:
-        # where those outnumber the ones surely in it, the brackets below do not bound its reading (two runs on a
-        # loaded machine: Envoy 1,350 or 1,333 ms, the brackets 1,346.2-1,350 ms, with no sample sure).
+        # Envoy's interval may hold any part of the samples at its edges: the last ones (by when they ended) of
+        # those at its start, the first ones of those at its end. Where those outnumber the ones surely in it, the
+        # brackets below do not bound its reading (two runs on a loaded machine: Envoy 1,350 or 1,333 ms, the
+        # brackets 1,346.2-1,350 ms, with no sample sure). Not only all or none of each edge's: 43 sure and 7 at
+        # the start read 1,349.0 or 1,350 ms, and Envoy read 1,348 (46 of them: the 23rd of 46 in [1.3, 1.4) s).
         if len(sure) >= max(1, len(near_start) + len(near_end)):
             judged += 1
             readings = []
-            for group in (sure, sure + near_start, sure + near_end, sure + near_start + near_end):
+            near_start.sort()
+            near_end.sort()
+            for group in (sure + near_start[len(near_start) - i:] + near_end[:j]
+                          for i in range(len(near_start) + 1) for j in range(len(near_end) + 1)):
                 for k in (2, 3):  # the upstream's time, then the client's: Envoy's lies between
                     if group:
                         readings.append(model.sample_rtt([d[k] * SPEED for d in group]) / SPEED * 1000)

@@ -22,6 +22,7 @@ from typing import Any
 
 from extproc.policy.admission import Admit, RequestFacts
 from extproc.policy.decision import REJECT, Decision, Refusal
+from extproc.tools.adaptive_concurrency import ENVOY_DEFAULTS, effective
 from extproc.tools.loadgen import CLIENT_ERROR, RequestRecord
 
 from .modes import DEFAULT_SPEED, Mode
@@ -65,8 +66,10 @@ class GradientController:
     request is forwarded, when it ends (with its latency, or cancelled) and when an update interval ends.
     `speed`: the caller's seconds per Envoy (wall-clock) second, which Envoy's histogram of the latencies bins."""
 
-    def __init__(self, min_rtt_s: float, buffer_percent: float = 25.0, sample_percentile: float = 50.0,
-                 min_concurrency: int = 3, max_concurrency_limit: int = 1000, speed: float = 1.0):
+    def __init__(self, min_rtt_s: float, buffer_percent: float = ENVOY_DEFAULTS["buffer_percent"],
+                 sample_percentile: float = ENVOY_DEFAULTS["sample_aggregate_percentile"],
+                 min_concurrency: int = ENVOY_DEFAULTS["min_concurrency"],
+                 max_concurrency_limit: int = ENVOY_DEFAULTS["max_concurrency_limit"], speed: float = 1.0):
         self.min_rtt_s = min_rtt_s
         self.buffer = buffer_percent / 100.0
         self.sample_percentile = sample_percentile
@@ -164,14 +167,16 @@ class EnvoyAdaptive(_EnvoyOnly):
     lb_policy = "least_request"  # envoy/envoy.yaml's pools (FULL_SCAN); mode b does not override it
 
     def __init__(self, knobs: dict[str, Any], speed: float = DEFAULT_SPEED):
-        """`knobs` in simulated seconds; `speed`: the real run's, whose wall-clock latencies Envoy bins."""
-        if "min_rtt_fixed_s" not in knobs:
+        """`knobs` in simulated seconds (extproc.tools.adaptive_concurrency; the ones not given: Envoy's defaults, as
+        the real stack leaves them to Envoy); `speed`: the real run's, whose wall-clock latencies Envoy bins."""
+        self.knobs = effective(knobs)
+        if not self.knobs["min_rtt_fixed_s"]:
             raise ValueError("the what-if models adaptive_concurrency with a fixed minRTT only (min_rtt_fixed_s)")
-        self.interval_s = float(knobs.get("concurrency_update_interval_s", 0.1))
+        self.interval_s = float(self.knobs["concurrency_update_interval_s"])
         self.controller = GradientController(
-            float(knobs["min_rtt_fixed_s"]), float(knobs.get("buffer_percent", 25.0)),
-            float(knobs.get("sample_aggregate_percentile", 50.0)), int(knobs.get("min_concurrency", 3)),
-            int(knobs.get("max_concurrency_limit", 1000)), speed)
+            float(self.knobs["min_rtt_fixed_s"]), float(self.knobs["buffer_percent"]),
+            float(self.knobs["sample_aggregate_percentile"]), int(self.knobs["min_concurrency"]),
+            int(self.knobs["max_concurrency_limit"]), speed)
         self.limits: list[tuple[float, dict[str, int]]] = []
 
     def start(self, clock: Callable[[], float], pools) -> list[tuple[float, Callable[[], None]]]:

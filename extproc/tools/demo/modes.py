@@ -9,7 +9,7 @@ from typing import Any
 import yaml
 
 from extproc.policy.schema import load_policy, read_policy_doc
-from extproc.tools.envoyconf import duration
+from extproc.tools.adaptive_concurrency import TUNED
 
 # Policy keys ending in _ms/_s are wall-clock durations for the ext_proc: the demo divides them by --speed. These
 # are not (or need not be) scaled: the lease is a safety net far above any request, Retry-After goes to clients.
@@ -36,22 +36,13 @@ class Mode:
     stack_mode: str  # extproc.tools.envoyconf.MODES
     lb_policy: str | None = None
     policy: str | None = None
-    # Envoy adaptive_concurrency knobs (extproc.tools.envoyconf.adaptive_filter), durations in simulated seconds.
+    # Envoy adaptive_concurrency knobs (extproc.tools.adaptive_concurrency), durations in simulated seconds.
     adaptive: dict[str, Any] = field(default_factory=dict)
 
 
-# Envoy's adaptive_concurrency, tuned as docs/demo.md explains (earlier measurements of the filter, and a sweep):
-# a fixed minimum RTT (no periodic re-measurement that pins concurrency at 3), the largest buffer, an update
-# interval longer than a request's round trip, and a ceiling at the fleet's knee (12 per replica: the best
-# interactive p99 at the best goodput in the sweep).
-ADAPTIVE_TUNED = {
-    "min_rtt_fixed_s": 1.0,
-    "buffer_percent": 100.0,
-    "concurrency_update_interval_s": 5.0,
-    "sample_aggregate_percentile": 90.0,
-    "max_concurrency_limit": 24,
-    "min_concurrency": 3,
-}
+# Mode b's knobs (Envoy's adaptive_concurrency, tuned as docs/demo.md explains): the real stack renders them and the
+# what-if models them from this one dict; Envoy's defaults fill the knobs it leaves out, on both sides.
+ADAPTIVE_TUNED = TUNED
 
 MODES = {
     "a": Mode("a", "round robin, no admission control", "plain", lb_policy="ROUND_ROBIN"),
@@ -140,15 +131,3 @@ def render_policy(source: str | Path, speed: float, dest: Path,
     load_policy(scaled)
     dest.write_text(yaml.safe_dump(scaled, sort_keys=False), encoding="utf-8")
     return dest
-
-
-def adaptive_knobs(knobs: dict[str, Any], speed: float) -> dict[str, Any]:
-    """extproc.tools.envoyconf.adaptive_filter keyword arguments, durations converted to wall-clock seconds."""
-    out = {k: v for k, v in knobs.items() if not k.endswith("_s")}
-    if "min_rtt_fixed_s" in knobs:
-        out["min_rtt_fixed"] = duration(knobs["min_rtt_fixed_s"] / speed)
-    if "min_rtt_interval_s" in knobs:
-        out["min_rtt_interval"] = duration(knobs["min_rtt_interval_s"] / speed)
-    if "concurrency_update_interval_s" in knobs:
-        out["concurrency_update_interval"] = duration(knobs["concurrency_update_interval_s"] / speed)
-    return out

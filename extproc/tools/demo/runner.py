@@ -16,7 +16,7 @@ from extproc.tools.loadgen import LoadClient, RequestRecord, run_open_loop
 from extproc.tools.stack import Stack
 from extproc.tools.stats import percentile
 
-from .modes import Mode, adaptive_knobs, render_policy
+from .modes import Mode, render_policy
 from .results import served_latency
 from .scenario import Scenario
 
@@ -92,7 +92,7 @@ def start_pool(stack: Stack, name: str, profile: str, replicas: int, model_names
 def build_stack(mode: Mode, scenario: Scenario, settings: RunSettings) -> Stack:
     """A started stack for `mode`: the scenario's simulated pools, Envoy, and the ext_proc if the mode has one."""
     workdir = settings.workdir / f"mode-{mode.key}"
-    adaptive = adaptive_knobs(mode.adaptive, settings.speed) if mode.stack_mode == "adaptive" else None
+    adaptive = mode.adaptive if mode.stack_mode == "adaptive" else None  # simulated seconds: Envoy's divided by speed
     stack = Stack(workdir, {}, mode=mode.stack_mode, lb_policy=mode.lb_policy, adaptive=adaptive,
                   speed=settings.speed)
     try:
