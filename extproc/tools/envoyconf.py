@@ -69,6 +69,30 @@ def with_pools(base: dict[str, Any], names: list[str]) -> dict[str, Any]:
     return cfg
 
 
+def policy_pools(path: str | Path) -> set[str]:
+    """The Envoy clusters a policy names: its models' `cluster`s and its `pools`. A local stack for a fleet of one's
+    own (`extproc stack`, `extproc envoy-config --policy`) gets a cluster for each of these that envoy.yaml lacks,
+    cloned from its first model pool (with_pools), as the demo does for a scenario's pools; a --pool that neither
+    envoy.yaml nor the policy names stays an error (a typo)."""
+    from ..policy.schema import load_policy_file
+
+    policy = load_policy_file(str(path))
+    return {m.cluster for m in policy.models.values()} | set(policy.pools)
+
+
+def unknown_pools(base: dict[str, Any], pools: list[str], policy_path: str | Path | None) -> list[str]:
+    """The --pool names that neither `base` (envoy.yaml) nor the policy at `policy_path` names."""
+    known = cluster_names(base) | (policy_pools(policy_path) if policy_path else set())
+    return sorted(set(pools) - known)
+
+
+def no_cluster(names: list[str], base: dict[str, Any]) -> str:
+    """The one-line refusal of --pool names envoy.yaml lacks, with the two ways to a fleet of one's own."""
+    return (f"envoy.yaml has no cluster {', '.join(repr(n) for n in names)} (clusters: "
+            f"{', '.join(c['name'] for c in base['static_resources']['clusters'])}): name it in the policy's "
+            "`models` (--policy), or add it to a copy of envoy.yaml (--source)")
+
+
 def render(base: dict[str, Any], *, listen_port: int, admin_port: int,
            extproc: Endpoint | list[Endpoint] | None, pools: dict[str, list[Endpoint]],
            listen_host: str = "127.0.0.1", mode: str = "extproc", lb_policy: str | None = None,
@@ -99,7 +123,7 @@ def render(base: dict[str, Any], *, listen_port: int, admin_port: int,
         _set_endpoints(clusters["extproc"], [extproc] if isinstance(extproc, tuple) else list(extproc))
     for name, endpoints in pools.items():
         if name not in clusters:
-            raise ValueError(f"envoy.yaml has no cluster {name!r} (clusters: {', '.join(clusters)})")
+            raise ValueError(no_cluster([name], base))
         _set_endpoints(clusters[name], endpoints)
         if lb_policy:  # instead of envoy.yaml's least-request policy
             clusters[name].pop("load_balancing_policy", None)
@@ -241,6 +265,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool", action="append", default=[], metavar="CLUSTER=HOST:PORT[,HOST:PORT]",
                    help="endpoints of a model pool (repeat per pool)")
     p.add_argument("--mode", choices=MODES, default="extproc")
+    p.add_argument("--policy", metavar="POLICY",
+                   help="the policy the stack serves: a --pool its `models` name that the --source lacks gets a "
+                        "cluster cloned from the source's first model pool")
     p.add_argument("--workers", type=int, default=1, metavar="N",
                    help="the ext_proc is `extproc serve --workers N` at each --extproc address (worker i on its "
                         "port + i): every worker in the cluster, and an access log per worker")
@@ -272,7 +299,11 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     extproc = [(host, port + i) for host, port in args.extproc or [("127.0.0.1", 50051)]
                for i in range(args.workers)]
-    cfg = render(load_source(Path(args.source)), listen_port=args.listen[1], listen_host=args.listen[0],
+    base = load_source(Path(args.source))
+    unknown = unknown_pools(base, list(pools), args.policy)
+    if unknown:
+        raise ValueError(no_cluster(unknown, base))
+    cfg = render(with_pools(base, list(pools)), listen_port=args.listen[1], listen_host=args.listen[0],
                  admin_port=args.admin_port, extproc=extproc, pools=pools, mode=args.mode,
                  workers=args.workers > 1)
     text = yaml.safe_dump(cfg, sort_keys=False)

@@ -255,11 +255,14 @@ def run(args: argparse.Namespace) -> int:
     if not pools:
         print("give --pool CLUSTER=HOST:PORT (e.g. from `extproc sim`)", file=sys.stderr)
         return 2
-    clusters = envoyconf.cluster_names()
-    unknown = sorted(set(pools) - clusters)
+    base = envoyconf.load_source()
+    try:
+        unknown = envoyconf.unknown_pools(base, list(pools), args.policy if args.mode == "extproc" else None)
+    except ValueError as e:  # the policy does not load: one line, as `extproc check` says it
+        print(f"extproc stack: {e}", file=sys.stderr)
+        return 2
     if unknown:
-        print(f"envoy.yaml has no cluster {', '.join(unknown)} (its pools: {', '.join(sorted(clusters))})",
-              file=sys.stderr)
+        print(f"extproc stack: {envoyconf.no_cluster(unknown, base)}", file=sys.stderr)
         return 2
     # SIGTERM/SIGINT unwind through `with stack` (which stops Envoy and the ext_proc), also while they start, so
     # that neither is left running on its own. Handlers, not a blocked mask: children inherit a blocked mask

@@ -541,7 +541,51 @@ def test_envoy_config_names_a_pool_envoy_yaml_lacks_in_one_line(capsys):
     envoyconf.add_arguments(parser)
     assert envoyconf.run(parser.parse_args(["--pool", "vllm_typo=127.0.0.1:8000"])) == 2
     assert capsys.readouterr().err == ("extproc envoy-config: envoy.yaml has no cluster 'vllm_typo' (clusters: "
-                                       "extproc, vllm_llama70b, vllm_llama8b)\n")
+                                       "extproc, vllm_llama70b, vllm_llama8b): name it in the policy's `models` "
+                                       "(--policy), or add it to a copy of envoy.yaml (--source)\n")
+
+
+OWN_FLEET = """
+classes: {interactive: {max_concurrency: 4}}
+models:
+  chat-70b: {cluster: vllm_chat}
+  coder-7b: {cluster: vllm_code}
+"""
+
+
+def test_envoy_config_and_stack_take_the_pools_their_policy_names(tmp_path, capsys):
+    # A fleet of one's own (a platform-engineer session, 2026-12-06): `extproc envoy-config --pool vllm_chat=...`
+    # and `extproc stack --policy mine.yaml --pool vllm_chat=...` refused every pool name envoy.yaml lacks, so
+    # the local stack ran only the shipped two-pool fleet. The pools the policy names get a cloned cluster now;
+    # a name nobody names is still refused (a typo).
+    import argparse
+
+    from extproc.tools import stack
+
+    policy = tmp_path / "mine.yaml"
+    policy.write_text(OWN_FLEET)
+    parser = argparse.ArgumentParser()
+    envoyconf.add_arguments(parser)
+    out = tmp_path / "envoy.yaml"
+    args = ["--pool", "vllm_chat=127.0.0.1:8001,127.0.0.1:8002", "--pool", "vllm_code=127.0.0.1:8003", "-o", str(out)]
+    assert envoyconf.run(parser.parse_args(args)) == 2
+    assert "no cluster 'vllm_chat', 'vllm_code'" in capsys.readouterr().err
+    assert envoyconf.run(parser.parse_args([*args, "--policy", str(policy)])) == 0
+    cfg = yaml.safe_load(out.read_text())
+    clusters = {c["name"]: c for c in cfg["static_resources"]["clusters"]}
+    assert sorted(clusters) == ["extproc", "vllm_chat", "vllm_code"]
+    ports = [e["endpoint"]["address"]["socket_address"]["port_value"]
+             for e in clusters["vllm_chat"]["load_assignment"]["endpoints"][0]["lb_endpoints"]]
+    assert ports == [8001, 8002] and clusters["vllm_code"]["health_checks"]  # cloned as shipped, then addressed
+    assert lint(cfg, ["vllm_chat", "vllm_code"]).errors == []
+    assert envoyconf.run(parser.parse_args([*args, "--pool", "vllm_typo=127.0.0.1:1", "--policy", str(policy)])) == 2
+    assert "no cluster 'vllm_typo' (" in capsys.readouterr().err
+
+    parser = argparse.ArgumentParser()
+    stack.add_arguments(parser)
+    assert stack.run(parser.parse_args(["--pool", "vllm_typo=127.0.0.1:1", "--policy", str(policy)])) == 2
+    assert capsys.readouterr().err.startswith("extproc stack: envoy.yaml has no cluster 'vllm_typo' (")
+    assert envoyconf.unknown_pools(envoyconf.load_source(), ["vllm_chat", "vllm_code"], policy) == []
 
 
 def test_envoy_config_takes_ipv6_endpoints_in_brackets_and_writes_the_address_envoy_reads():
