@@ -268,6 +268,28 @@ def test_a_mode_policy_naming_models_the_workload_never_asks_for_runs():
             check_routes(scenario, load_policy_file(m.policy), m.policy)
 
 
+def test_a_mode_whose_policy_names_none_of_the_workloads_models_is_warned_about(tmp_path, capsys):
+    # A platform engineer's own fleet (chat-70b on vllm_chat) through `extproc demo --what-if --modes c,d`: mode c ran
+    # the demo's policy, which names llama-70b only, and its rows said "error 100.0" for every kind without a word
+    # on why. The demo now says so before it runs; a mode whose policy names the models says nothing.
+    from extproc.tools.demo import check_policies, scenario_modes
+
+    doc = spike_doc()
+    doc["pools"] = {"vllm_chat": {"profile": "h100-llama70b-awq", "replicas": 2, "model_names": ["chat-70b"]}}
+    for kind in doc["workload"]["kinds"]:
+        kind["model"] = "chat-70b"
+    own = {"classes": {"interactive": {"max_concurrency": 8}, "batch": {"max_concurrency": 2}},
+           "models": {"chat-70b": {"cluster": "vllm_chat"}}}
+    doc["policies"] = {"d": str(write(tmp_path, own, "own.yaml"))}
+    scenario = Scenario.load(write(tmp_path, doc))
+    check_policies(scenario, scenario_modes(scenario, "c,d"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: mode c's policy ")
+    assert "names no model chat-70b: the requests of interactive, batch get 404 unknown_model" in err[0]
+    check_policies(scenario, scenario_modes(scenario, "d"))
+    assert capsys.readouterr().err == ""
+
+
 def _kind(d: dict) -> dict:
     return d["workload"]["kinds"][0]
 

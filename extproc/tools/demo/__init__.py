@@ -19,7 +19,7 @@ from .report import tables, write_report
 from .results import WindowStats, adaptive_targets, calm_windows, scenario_stats, spike_windows, targets
 from .runner import ModeResult, RunSettings, run_mode
 from .scenario import Scenario
-from .whatif import check_routes, what_if
+from .whatif import check_routes, unserved_kinds, what_if
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,10 +55,18 @@ def scenario_modes(scenario: Scenario, modes: str) -> list[Mode]:
 def check_policies(scenario: Scenario, modes: list[Mode]) -> None:
     """Every mode's policy, read and checked against the scenario's fleet before the first mode runs: a mistake in
     mode d's file was found once modes a-c had run (minutes of the real demo, each stack started and stopped).
-    PolicyError or ValueError names it."""
+    PolicyError or ValueError names it. A policy that does not name the model of some of the workload's kinds is
+    warned about (their requests get 404 in that mode)."""
     for m in modes:
         if m.policy:
-            check_routes(scenario, load_policy_file(m.policy), m.policy)
+            policy = load_policy_file(m.policy)
+            check_routes(scenario, policy, m.policy)
+            unserved = unserved_kinds(scenario, policy)
+            if unserved:
+                models = sorted({k.model for k in scenario.workload.kinds if k.name in unserved})
+                print(f"warning: mode {m.key}'s policy {m.policy} names no model {', '.join(models)}: the requests "
+                      f"of {', '.join(dict.fromkeys(unserved))} get 404 unknown_model in that mode (give the mode "
+                      "a policy of yours in the scenario's `policies:`, docs/demo.md)", file=sys.stderr, flush=True)
 
 
 def what_if_stats(scenario: Scenario, modes: str, instances: int = 1) -> dict[str, dict[str, WindowStats]]:

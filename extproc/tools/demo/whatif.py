@@ -95,6 +95,17 @@ def check_routes(scenario: Scenario, policy: Policy, source: str) -> None:
                                  f"{', '.join(fleet)}); Envoy would refuse a route to a cluster it lacks")
 
 
+def unserved_kinds(scenario: Scenario, policy: Policy) -> list[str]:
+    """The workload's kinds whose model the policy does not name (a key or an alias): each of their requests gets the
+    ext_proc's 404 `unknown_model`. A mode the scenario does not give a policy runs the demo's, written for its
+    `llama-70b` fleet: on a fleet of one's own every request of such a mode failed, and the tables said only
+    "error 100%". A policy that learns names from its replicas (`names_from_replicas`) may serve any: none listed."""
+    if any(m.names_from_replicas for m in policy.models.values()):
+        return []
+    names = {alias for name, m in policy.models.items() for alias in (name, *m.aliases)}
+    return [kind.name for kind in scenario.workload.kinds if kind.model is not None and kind.model not in names]
+
+
 def _replica_indexes(named: str) -> list[int]:
     """The replica indexes of an override-host list naming the what-if's scraped replicas ("<pool>/<index>")."""
     return [int(name.rpartition("/")[2]) for name in named.split(",")]
