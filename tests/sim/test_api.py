@@ -217,6 +217,21 @@ def test_sampling_parameters_checked_as_vllm(fields, message):
     assert str(refused) == message
 
 
+def test_n_past_vllms_bound_is_refused_at_once(monkeypatch):
+    # `n: 1000000` through a platform engineer's stack (2026-12-06): the simulator ran a million sequences on the
+    # code pool's one replica for five minutes until Envoy's stream_idle_timeout answered the client 504. vLLM 0.32
+    # refuses n past VLLM_MAX_N_SEQUENCES (16384 unless the environment says) with 400 (sampling_params.py).
+    from extproc.tools.sim.openai_api import CHAT as CHAT_KIND, parse_generation
+    refused = chat_refusal({"n": 1_000_000, "temperature": 1.0})
+    assert (refused.status, str(refused), refused.error_type, refused.param) == (
+        400, "n must be at most 16384, got 1000000. To increase this limit, set the VLLM_MAX_N_SEQUENCES "
+             "environment variable.", "BadRequestError", None)
+    body = json.dumps({**CHAT, "n": 16384, "temperature": 1.0}).encode()
+    assert parse_generation(CHAT_KIND, body, (CHAT["model"],), 4096, 16).n == 16384
+    monkeypatch.setenv("VLLM_MAX_N_SEQUENCES", "4")
+    assert str(chat_refusal({"n": 5, "temperature": 1.0})).startswith("n must be at most 4, got 5.")
+
+
 def test_sampling_parameters_in_range_are_served():
     from extproc.tools.sim.openai_api import CHAT as CHAT_KIND, parse_generation
     fields = {"temperature": "0.5", "top_p": 1, "top_k": -1, "min_p": 0, "presence_penalty": 2, "seed": -1,

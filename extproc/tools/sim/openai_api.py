@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 import uuid
 from collections.abc import Container, Iterable
@@ -17,6 +18,15 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # vLLM 0.32 reads a request's priority from this header before the body's `priority` (an unparsable value falls
 # back to the body): whoever can send it can reorder the engine's queue under --scheduling-policy priority.
 PRIORITY_HEADER = "x-vllm-priority"
+# vLLM's bound on a request's `n` (envs.VLLM_MAX_N_SEQUENCES, default 16384, read from the environment as vLLM
+# reads it): past it SamplingParams refuses the request with 400. Without it the simulator took `n: 1000000` and
+# ran a million sequences on one replica for minutes (every other request of the pool waited behind them) until
+# Envoy's stream_idle_timeout cut the client off, where vLLM answers at once.
+MAX_N_SEQUENCES_ENV, MAX_N_SEQUENCES = "VLLM_MAX_N_SEQUENCES", 16384
+
+
+def max_n_sequences() -> int:
+    return int(os.environ.get(MAX_N_SEQUENCES_ENV, str(MAX_N_SEQUENCES)))
 
 
 class ApiError(Exception):
@@ -493,6 +503,9 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
     n = 1 if n is None else n
     if n < 1:
         raise ApiError(400, f"n must be at least 1, got {n}.")
+    if n > (max_n := max_n_sequences()):
+        raise ApiError(400, f"n must be at most {max_n}, got {n}. To increase this limit, set the "
+                            f"{MAX_N_SEQUENCES_ENV} environment variable.")
     if not _bool_field(body, "use_beam_search"):  # beam search builds no SamplingParams (recorded: served)
         _check_sampling(sampling)
     if max_tokens is not None and max_tokens < 1:
