@@ -232,6 +232,29 @@ def test_n_past_vllms_bound_is_refused_at_once(monkeypatch):
     assert str(chat_refusal({"n": 5, "temperature": 1.0})).startswith("n must be at most 4, got 5.")
 
 
+def test_a_completions_prompt_list_past_vllms_bound_is_refused_at_once(monkeypatch):
+    # The same for a list of 2,000 prompts (vLLM: VLLM_MAX_COMPLETION_PROMPTS, 1024): the simulator ran them all.
+    from extproc.tools.sim.openai_api import COMPLETIONS as COMPLETIONS_KIND, ApiError, parse_generation
+
+    def refusal(prompt, **fields):
+        with pytest.raises(ApiError) as refused:
+            parse_generation(COMPLETIONS_KIND, json.dumps({**COMPLETION, "prompt": prompt, **fields}).encode(),
+                             (MODEL,), 4096, 16)
+        return refused.value
+
+    refused = refusal(["a"] * 1025, stream_options={"include_usage": True})  # ahead of vLLM's other checks
+    assert (refused.status, str(refused), refused.param) == (
+        400, "prompt list length 1025 exceeds the maximum allowed count of 1024. To increase this limit, set the "
+             "VLLM_MAX_COMPLETION_PROMPTS environment variable. (parameter=prompt)", "prompt")
+    served = parse_generation(COMPLETIONS_KIND, json.dumps({**COMPLETION, "prompt": ["a"] * 1024}).encode(),
+                              (MODEL,), 4096, 16)
+    assert len(served.prompts) == 1024
+    ids = json.dumps({**COMPLETION, "prompt": [7] * 2000}).encode()  # one prompt of token ids, not a list of them
+    assert len(parse_generation(COMPLETIONS_KIND, ids, (MODEL,), 4096, 16).prompts) == 1
+    monkeypatch.setenv("VLLM_MAX_COMPLETION_PROMPTS", "2")
+    assert str(refusal(["a", "b", "c"])).startswith("prompt list length 3 exceeds the maximum allowed count of 2.")
+
+
 def test_sampling_parameters_in_range_are_served():
     from extproc.tools.sim.openai_api import CHAT as CHAT_KIND, parse_generation
     fields = {"temperature": "0.5", "top_p": 1, "top_k": -1, "min_p": 0, "presence_penalty": 2, "seed": -1,

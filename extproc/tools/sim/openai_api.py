@@ -23,10 +23,28 @@ PRIORITY_HEADER = "x-vllm-priority"
 # ran a million sequences on one replica for minutes (every other request of the pool waited behind them) until
 # Envoy's stream_idle_timeout cut the client off, where vLLM answers at once.
 MAX_N_SEQUENCES_ENV, MAX_N_SEQUENCES = "VLLM_MAX_N_SEQUENCES", 16384
+# Likewise the prompts of one completions request (envs.VLLM_MAX_COMPLETION_PROMPTS, default 1024), refused by the
+# request model's last `before` validator, so ahead of every other check.
+MAX_PROMPTS_ENV, MAX_PROMPTS = "VLLM_MAX_COMPLETION_PROMPTS", 1024
 
 
 def max_n_sequences() -> int:
     return int(os.environ.get(MAX_N_SEQUENCES_ENV, str(MAX_N_SEQUENCES)))
+
+
+def _check_prompt_list_length(body: dict) -> None:
+    """vLLM's CompletionRequest.validate_prompt_list_length: a list of prompts (not one prompt of token ids) longer
+    than VLLM_MAX_COMPLETION_PROMPTS is 400."""
+    most = int(os.environ.get(MAX_PROMPTS_ENV, str(MAX_PROMPTS)))
+    for field in ("prompt", "prompt_embeds"):
+        value = body.get(field)
+        if not isinstance(value, list) or len(value) <= most:
+            continue
+        if field == "prompt" and all(isinstance(x, int) for x in value):
+            continue
+        raise ApiError(400, f"{field} list length {len(value)} exceeds the maximum allowed count of {most}. To "
+                            f"increase this limit, set the {MAX_PROMPTS_ENV} environment variable. "
+                            f"(parameter={field})", param=field)
 
 
 class ApiError(Exception):
@@ -451,6 +469,8 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
     adapter names the replica serves besides its served names.
     """
     body = _json_body(raw)
+    if kind == COMPLETIONS:
+        _check_prompt_list_length(body)
     if body.get("stream_options") and not body.get("stream"):
         # vLLM's before-validator, on the raw values: ahead of every type check
         raise ApiError(400, "Stream options can only be defined when `stream=True`. (parameter=stream_options)",
