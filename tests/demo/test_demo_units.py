@@ -51,6 +51,19 @@ def test_gpu_seconds_are_divided_by_speed_and_rates_of_them_are_not():
     assert scaled["sessions"] == {"max_inflight_gpu_seconds": 2.0, "gpu_seconds_per_minute": 60.0}
 
 
+def test_rates_per_minute_are_multiplied_by_speed_so_buckets_hold_what_the_policy_says():
+    # Tenants' and the anonymous tenant's limits count requests and tokens per simulated minute: at speed 4 a
+    # tenant sends four times as many per wall minute. They were left as written, so the real demo limited a
+    # tenant to a quarter of its rate (a platform engineer's code-completion tenant, 2026-12-06).
+    data = {"tenants": [{"name": "t", "requests_per_minute": 90, "tokens_per_minute": 3000, "burst_s": 10.0}],
+            "anonymous": {"requests_per_minute": 7}, "fleet": {"tokens_per_minute": 100000}}
+    scaled = scale_durations(data, 4)
+    assert scaled["tenants"] == [{"name": "t", "requests_per_minute": 360, "tokens_per_minute": 12000,
+                                  "burst_s": 2.5}]  # depth: 12,000 / 60 x 2.5 s = 500 tokens, as 3,000 / 60 x 10 s
+    assert scaled["anonymous"] == {"requests_per_minute": 28} and scaled["fleet"] == {"tokens_per_minute": 400000}
+    assert scale_durations({"requests_per_minute": 1}, 0.2) == {"requests_per_minute": 1}  # the schema's minimum
+
+
 @pytest.mark.parametrize("name", ["policies/demo-static.yaml", "policies/demo-full.yaml",
                                   "policies/demo-adaptive.yaml", "policies/agents-static.yaml",
                                   "policies/agents-full.yaml", "policies/agents-adaptive.yaml"])
