@@ -90,8 +90,11 @@ class ErrorWindow:
     def __init__(self, window_s: float, n_slices: int = 10):
         self._slices = _Slices(window_s, n_slices, 2)
 
-    def add(self, now: float, bad: bool) -> None:
+    def add(self, now: float, bad: bool) -> tuple[int, int]:
+        """Count one outcome; returns counts(now) with it (the window is at `now` already: not advanced again)."""
         self._slices.add(now, 1 if bad else 0)
+        good, bad = self._slices.total
+        return good + bad, bad
 
     def counts(self, now: float) -> tuple[int, int]:
         """(total, bad)"""
@@ -133,6 +136,8 @@ class Breaker:
 
     def allow(self, now: float) -> tuple[bool, bool]:
         """(may this request go to the pool, is it a trickle probe). Moves open -> half-open -> closed by time."""
+        if self.state == CLOSED:
+            return True, False  # the usual case: time moves an open or half-open breaker only (poll)
         state = self.poll(now)
         if state == OPEN:
             return False, False
@@ -151,10 +156,9 @@ class Breaker:
         the state time has moved it to: unasked since its cooldown and trickle period ran out, a breaker still read
         open (a sample that counts, dropped) or half-open (a slow probe back after the clean period re-opened it),
         and what a sample did hung on whether a request or a scrape had asked it in between."""
-        state = self.poll(now)
+        state = CLOSED if self.state == CLOSED else self.poll(now)  # time moves an open or half-open one only
         if state == CLOSED:
-            self._record(now, sample)
-            if self._tripped(now):
+            if self._record_trips(now, sample):
                 self._set(OPEN, now)
         elif state == HALF_OPEN and trickle and self._bad(sample):
             self._set(OPEN, now)
@@ -183,8 +187,7 @@ class Breaker:
             self.on_change(self, state)
 
     # subclass hooks
-    def _record(self, now: float, sample) -> None: ...
-    def _tripped(self, now: float) -> bool: ...
+    def _record_trips(self, now: float, sample) -> bool: ...  # count a closed breaker's sample: does it trip now?
     def _bad(self, sample) -> bool: ...
     def _clear(self) -> None: ...
 
@@ -205,13 +208,10 @@ class LatencyBreaker(Breaker):
         # and requests all within the SLO but in the bucket holding it read over it and tripped the breaker.
         self._over = ErrorWindow(window_s)
 
-    def _record(self, now: float, seconds: float) -> None:
+    def _record_trips(self, now: float, seconds: float) -> bool:
         self.window.add(now, seconds)
-        self._over.add(now, seconds > self.slo_s)
-
-    def _tripped(self, now: float) -> bool:
+        total, over = self._over.add(now, seconds > self.slo_s)
         # The q-quantile is over the SLO exactly when fewer than q of the samples are within it.
-        total, over = self._over.counts(now)
         return total >= self.min_samples and total > 0 and (total - over) / total < self.q
 
     def _bad(self, seconds: float) -> bool:
@@ -238,11 +238,8 @@ class ErrorBreaker(Breaker):
         self.min_requests = min_requests
         self.window = ErrorWindow(window_s)
 
-    def _record(self, now: float, bad: bool) -> None:
-        self.window.add(now, bad)
-
-    def _tripped(self, now: float) -> bool:
-        total, bad = self.window.counts(now)
+    def _record_trips(self, now: float, bad: bool) -> bool:
+        total, bad = self.window.add(now, bad)
         # bad / total, not ratio * total: 0.14 * 50 is 7.000000000000001, so 7 failures of 50 never reached 0.14.
         return total >= self.min_requests and total > 0 and bad / total >= self.max_error_ratio
 
