@@ -526,8 +526,9 @@ class FairQueue:
         # Likewise a group's floor, never past a flow of the group still waiting (a guaranteed key of the open
         # group is granted ahead of its virtual time order).
         group.floor = max(group.floor, self._least_in(group, flow.vtime))
+        step = max(charge, MIN_CHARGE_S)
         for f in (group, flow):
-            f.vtime += max(charge, MIN_CHARGE_S) / f.weight
+            f.vtime += step / f.weight
             f.inflight += 1
             f.inflight_cost += cost
         st = self._stats(key)
@@ -573,7 +574,9 @@ class FairQueue:
         has): a client that asks a large max_tokens and gets short answers, or whose text has more tokens per
         character than the estimate assumes, is charged what it uses, not what the estimate says. A nested key
         that has settled nothing yet takes its group's (its tenant's clients are alike more often than not)."""
-        learned = self._scales.get(key) or self._scales.get(split_key(key)[0])
+        learned = self._scales.get(key)
+        if learned is None and SEP in key:
+            learned = self._scales.get(split_key(key)[0])
         return min(max(learned[0] / learned[1], SCALE_BOUNDS[0]), SCALE_BOUNDS[1]) if learned else 1.0
 
     def teach(self, key: str, estimated: float, actual: float) -> None:
@@ -623,8 +626,8 @@ class FairQueue:
     def label(self, key: str) -> str:
         """The metric label of a fairness key: the tenant it names if that is a configured tenant, else "other".
         A key nested in a group other than the open one is labelled by its group (the tenant whose key it is)."""
-        group, name = split_key(key)
-        name = name if self._believed(key) else group
+        group, name, believed = self._split(key)
+        name = name if believed else group
         return name if name in self._labels else OTHER
 
     # --- inside ---
@@ -632,29 +635,37 @@ class FairQueue:
     def _own(self, key: str) -> tuple[float, float]:
         """A flow's weight and guaranteed share inside its group, by its name (in the open group, or a group of
         its own) - a name in any other group is only a name."""
-        if not self._believed(key):
+        _, name, believed = self._split(key)
+        return self._named(name, believed)
+
+    def _named(self, name: str, believed: bool) -> tuple[float, float]:
+        """_own() of a key split already: its name's weight and guarantee if the name is believed."""
+        if not believed:
             return 1.0, 0.0
-        name = split_key(key)[1]
         return self.weights.get(name, 1.0), self.guaranteed.get(name, 0.0)
 
-    def _believed(self, key: str) -> bool:
-        """Whether a flow's name is taken to name a tenant (its weight, guarantee, label and index entry): a key
-        that is its own group, or one in the open group (a gateway's, for requests without an API key). A name in
-        any other group is the tenant's own key, which splits that tenant's share and never takes another's."""
-        # Not split_key()'s group == name: a tenant's own header key that spells the tenant's name is nested too,
-        # and took the tenant's weight and guarantee against its sibling keys.
-        group, sep, _ = key.partition(SEP)
-        return not sep or group == self.open_group
+    def _split(self, key: str) -> tuple[str, str, bool]:
+        """split_key()'s (group, name) of a flow key, and whether its name is believed: taken to name a tenant (its
+        weight, guarantee, label and index entry). It is for a key that is its own group, or one in the open group (a
+        gateway's, for requests without an API key). A name in any other group is the tenant's own key, which splits
+        that tenant's share and never takes another's. (One split for all three: label() and _own() on every
+        admission and release split each key twice.)"""
+        # Not group == name: a tenant's own header key that spells the tenant's name is nested too, and took the
+        # tenant's weight and guarantee against its sibling keys.
+        group, sep, name = key.partition(SEP)
+        if not sep:
+            return key, key, True
+        return group, name, group == self.open_group
 
     def _flow(self, key: str) -> _Flow:
         flow = self._flows.get(key)
         if flow is None:
-            gkey = split_key(key)[0]
+            gkey, name, believed = self._split(key)
             group = self._groups.get(gkey)
             if group is None:
                 group = self._groups[gkey] = _Flow(gkey, self.weights.get(gkey, 1.0), self.guaranteed.get(gkey, 0.0))
                 group.vtime = self._vfloor
-            flow = _Flow(key, *self._own(key), group)
+            flow = _Flow(key, *self._named(name, believed), group)
             flow.vtime = group.floor
             group.members += 1
             self._flows[key] = flow
@@ -899,8 +910,9 @@ class FairQueue:
             st.charged_gpu_s += gpu_s
         else:
             st.refunded_gpu_s -= gpu_s
-        if not self._believed(key):
-            key = split_key(key)[0]  # the index reads what the queue shares between: a tenant, not each of its keys
+        group, _, believed = self._split(key)
+        if not believed:
+            key = group  # the index reads what the queue shares between: a tenant, not each of its keys
         mine = self._recent.get(key)
         if mine is None:
             mine = self._recent[key] = [0.0, 0.0]
