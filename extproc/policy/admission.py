@@ -361,7 +361,8 @@ class AdmissionController:
                     and self._owed(gate, lim, flow, units, now))):
             ticket = self._admit(lim, c.tenant, cluster, now, charge, 0.0, gate, units, flow)
             ticket.trickle = trickle
-            ticket.wait_until = wait_ends(lim, now, deadline_ms)
+            if deadline_ms is not None:  # else the ticket's own (the class's max wait) is the same
+                ticket.wait_until = wait_ends(lim, now, deadline_ms)
             return Admit(R_SLOT_FREE, c.cls, c.tenant, ticket, cluster=cluster, classification=c)
         # The class's drain rate predicts its own queue; a request waiting only for its pool is granted by
         # priority as the pool frees, which that rate does not measure: it waits up to its max wait instead.
