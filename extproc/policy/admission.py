@@ -235,9 +235,11 @@ class AdmissionController:
         cluster = self.clusters[model]
         context_tokens = self.cost_models[model].spec.max_context_tokens
         if context_tokens and facts.max_tokens is not None and facts.max_tokens > context_tokens:
+            field = facts.max_tokens_field  # named as the client sent it, as vLLM does
             return self._emit(_with_id(Refusal(INVALID, R_MAX_TOKENS, c.cls, c.tenant, 400,
-                                               say(R_MAX_TOKENS, max_tokens=facts.max_tokens,
-                                                   context=context_tokens), classification=c), facts))
+                                               say(R_MAX_TOKENS, field=field, max_tokens=facts.max_tokens,
+                                                   context=context_tokens), classification=c, param=field),
+                                       facts))
         charge = self._estimate(facts, model, c, now)
         lim = self.limiters[c.cls]
         d = self._enforce(c, lim, cluster, now, charge, facts.deadline_ms)

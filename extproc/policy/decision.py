@@ -26,6 +26,7 @@ class RequestFacts:
     body_class: str | None = None
     model: str | None = None
     max_tokens: int | None = None
+    max_tokens_field: str = "max_tokens"  # the body field that set it (max_completion_tokens, max_output_tokens)
     stream: bool = False
     request_id: str = ""
     session_id: str | None = None
@@ -152,16 +153,17 @@ class Queued(Decision):
 class Refusal(Decision):
     """Refused (reject, shed, invalid): an OpenAI-style error with its status and, for 429/503, Retry-After."""
 
-    __slots__ = ("kind", "status", "retry_after", "message")
+    __slots__ = ("kind", "status", "retry_after", "message", "param")
 
     def __init__(self, kind: str, reason: str, cls: str, tenant: str, status: int, message: str,
                  retry_after: int = 0, cluster: str | None = None,
-                 classification: Classification | None = None, waited_s: float = 0.0):
+                 classification: Classification | None = None, waited_s: float = 0.0, param: str | None = None):
         Decision.__init__(self, reason, cls, tenant, cluster, classification, waited_s)
         self.kind = kind
         self.status = status
         self.retry_after = retry_after
         self.message = message
+        self.param = param  # the body field the error is about (the error's `param`), if one is
 
 
 class Canned(Decision):

@@ -226,9 +226,11 @@ could never be admitted; it is refused at once rather than queued forever. The m
 tokens, output tokens). Shorten the prompt, lower `max_tokens`, or raise the budget; check the model's `cost`
 profile with `extproc_cost_model` if estimates look off."""),
     Reason("max_tokens_too_large", "Budgets and rate limits (429, 413)", 400, NO_RETRY,
-           "max_tokens {max_tokens} exceeds the model's context of {context} tokens.",
+           "{field} {max_tokens} exceeds the model's context of {context} tokens.",
            """\
-**400.** `max_tokens` exceeds the model's `cost.max_context_tokens`; vLLM would refuse it too."""),
+**400.** The output cap (`max_tokens`; chat's `max_completion_tokens`, the Responses API's `max_output_tokens`)
+exceeds the model's `cost.max_context_tokens`; vLLM would refuse it too. The message and the error's `param` name
+the field the client sent."""),
     Reason("shadow", "Shadow mode", 0, NO_RETRY,
            "",
            """\

@@ -90,14 +90,17 @@ class BadRequest(Exception):
 class RequestBody:
     """The fields of a request body that admission reads, and the body to forward."""
 
-    __slots__ = ("endpoint", "model", "max_tokens", "sequences", "prompts", "stream", "claimed_class", "doc",
-                 "rewrite", "min_output", "prompt_cap", "beam_search")
+    __slots__ = ("endpoint", "model", "max_tokens", "max_tokens_field", "sequences", "prompts", "stream",
+                 "claimed_class", "doc", "rewrite", "min_output", "prompt_cap", "beam_search")
 
     def __init__(self, doc: dict[str, Any], endpoint: Endpoint = CHAT):
         self.doc = doc
         self.endpoint = endpoint
         self.model: str | None = None
         self.max_tokens: int | None = None
+        # The body field max_tokens was read from, named in errors about it as vLLM names it (max_completion_tokens,
+        # the Responses API's max_output_tokens)
+        self.max_tokens_field = "max_tokens"
         self.sequences = 1        # output sequences generated (n, per prompt): each one decodes
         self.prompts = 1          # prompts in the body (a completions list): each has a context of its own
         self.min_output: int | None = 0  # output each sequence produces at least; None: all of it (ignore_eos)
@@ -127,8 +130,8 @@ def parse_body(raw: bytes, endpoint: Endpoint, class_field: str,
     scores_prompt = _scores_prompt_only(doc, endpoint)
     for field in endpoint.token_fields:  # every one is checked; the first set is the one the replica obeys
         value = 1 if scores_prompt else _positive_int(doc, field)
-        if body.max_tokens is None:
-            body.max_tokens = value
+        if body.max_tokens is None and value is not None:
+            body.max_tokens, body.max_tokens_field = value, field
     if body.max_tokens is None:
         body.max_tokens = endpoint.default_max_tokens
     if endpoint.token_fields:

@@ -8,7 +8,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import duration_pb2
 
-from ..policy.admission import Decision
+from ..policy.admission import Decision, Refusal
 from ..policy.reasons import R_ADMISSION_ERROR, say
 from .accesslog import TICKET_HEADER
 from .openai import BadRequest, RequestBody, canned_body, error_body
@@ -169,13 +169,13 @@ def _error(status: int, message: str, code: str, headers: list[tuple[str, str]],
     return immediate(status, error_body(status, message, code, param), headers, f"extproc_{code}")
 
 
-def refusal(d: Decision) -> pb.ProcessingResponse:
+def refusal(d: Refusal) -> pb.ProcessingResponse:
     """A terminal refusal as Envoy's immediate response with an OpenAI-style body."""
     headers = [("x-extproc-class", d.cls), ("x-extproc-decision", d.kind), ("x-extproc-reason", d.reason),
                *d.headers]
     if d.retry_after:
         headers.append(("retry-after", str(d.retry_after)))
-    return _error(d.status, d.message, d.reason, headers)
+    return _error(d.status, d.message, d.reason, headers, d.param)
 
 
 def bad_request(e: BadRequest, d: Decision) -> pb.ProcessingResponse:

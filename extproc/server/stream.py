@@ -64,6 +64,7 @@ class ParsedRequest:
         self.body = body
         facts = self.facts
         facts.model, facts.max_tokens, facts.stream = body.model, body.max_tokens, body.stream
+        facts.max_tokens_field = body.max_tokens_field
         facts.body_class = body.claimed_class
         facts.doc = body.doc
         facts.sequences, facts.prompts, facts.generates = body.sequences, body.prompts, body.generates

@@ -1121,3 +1121,27 @@ def test_a_reload_between_the_headers_and_the_body_does_not_turn_streaming_off_u
     forwarded = json.loads(answer.request_body.response.body_mutation.body)
     assert forwarded["stream"] is True and forwarded["max_tokens"] == 2
     assert b"stream=off" not in set_headers(answer)["x-extproc-degraded"]
+
+
+@pytest.mark.parametrize("path, doc, field", [
+    (b"/v1/responses", {"input": "hi", "max_output_tokens": 5000}, "max_output_tokens"),
+    (CHAT, {"messages": [], "max_completion_tokens": 5000}, "max_completion_tokens"),
+    (CHAT, {"messages": [], "max_tokens": 1, "max_completion_tokens": 5000}, "max_completion_tokens"),
+    (CHAT, {"messages": [], "max_tokens": 5000}, "max_tokens"),
+    (b"/v1/completions", {"prompt": "hi", "max_tokens": 5000}, "max_tokens"),
+    (b"/invocations", {"messages": [], "max_completion_tokens": 5000}, "max_completion_tokens"),
+])
+def test_an_output_cap_beyond_the_context_is_refused_naming_the_field_the_client_sent(clock, path, doc, field):
+    # vLLM 0.32 names the field it read (`max_output_tokens=5000 cannot be greater than max_model_len=...`,
+    # parameter=max_output_tokens); the gateway's refusal said `max_tokens 5000` to a Responses API client that
+    # never sent a max_tokens.
+    models = {"llama": {"cluster": "pool_a", "cost": {"max_context_tokens": 2048}}}
+    p = Processor(AdmissionController(make_policy(models=models), clock=clock), max_body_bytes=100_000)
+    s = Stream(p)
+    s.receive(request_headers(path))
+    answer = s.receive(request_body({"model": "llama", **doc}))
+    assert immediate_status(answer) == 400
+    error = json.loads(answer.immediate_response.body)["error"]
+    assert error["code"] == "max_tokens_too_large" and error["type"] == "invalid_request_error"
+    assert error["message"].startswith(f"{field} 5000 exceeds the model's context of 2048 tokens"), error
+    assert error["param"] == field
