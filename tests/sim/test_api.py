@@ -383,6 +383,21 @@ async def test_errors_are_shaped_like_vllm(fleet, http, path, body, status, erro
     assert error["type"] == error_type and error["code"] == status
 
 
+@pytest.mark.parametrize("messages, name", [(5, "int"), (1.5, "float"), (True, "bool"), (None, "NoneType")])
+def test_chat_messages_that_are_not_iterable_are_refused_as_vllm_refuses_them(messages, name):
+    # vLLM 0.32's last `before` validator of ChatCompletionRequest loops over `messages`: a number, boolean or null
+    # there is Python's TypeError, answered 400 BadRequestError with param null, ahead of every other check (here
+    # stream_options without stream, and the model). Checked against a real vLLM 0.32 server. The simulator
+    # answered pydantic's list_type error ("Bad Request"), which on /invocations also let the body through to
+    # completions where vLLM refuses it.
+    from extproc.tools.sim.openai_api import ApiError, parse_generation
+    body = {"model": "nope", "messages": messages, "stream_options": {"include_usage": True}}
+    with pytest.raises(ApiError) as refused:
+        parse_generation("chat", json.dumps(body).encode(), (MODEL,), 4096, 16)
+    assert (refused.value.status, str(refused.value), refused.value.error_type, refused.value.param) == (
+        400, f"'{name}' object is not iterable", "BadRequestError", None)
+
+
 async def test_malformed_json_is_400(fleet, http):
     async with http.post(fleet.urls[0] + "/v1/chat/completions", data=b'{"model": ') as resp:
         assert resp.status == 400

@@ -47,6 +47,16 @@ def _check_prompt_list_length(body: dict) -> None:
                             f"(parameter={field})", param=field)
 
 
+def _check_messages_iterable(body: dict) -> None:
+    """vLLM 0.32's ChatCompletionRequest.check_system_message_content_type, its last `before` validator (so ahead of
+    every other check), loops over `messages` (absent: []): a number, boolean or null there raises Python's
+    TypeError, which vLLM answers 400 BadRequestError, param null (a string or an object goes on to pydantic's
+    list_type error)."""
+    messages = body.get("messages", [])
+    if not isinstance(messages, str | list | dict):
+        raise ApiError(400, f"'{type(messages).__name__}' object is not iterable")
+
+
 class ApiError(Exception):
     """An error vLLM would return: status plus the OpenAI error object."""
 
@@ -469,6 +479,8 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
     adapter names the replica serves besides its served names.
     """
     body = _json_body(raw)
+    if kind == CHAT:
+        _check_messages_iterable(body)
     if kind == COMPLETIONS:
         _check_prompt_list_length(body)
     if body.get("stream_options") and not body.get("stream"):
