@@ -398,6 +398,59 @@ def test_chat_messages_that_are_not_iterable_are_refused_as_vllm_refuses_them(me
         400, f"'{name}' object is not iterable", "BadRequestError", None)
 
 
+CANNOT_DISPATCH = "Cannot find suitable handler for request. Expected one of: ['ChatCompletionRequest', 'CompletionRequest']"
+NO_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)"
+
+
+# What a real vLLM 0.32 server (the tiny model, 2026-12-06) answered on /invocations: the body runs as chat when
+# vLLM's ChatCompletionRequest validates it, else as completions when CompletionRequest does, else 400; an error a
+# request model's own validator raises (completions' missing prompt) is the answer as it is; the body's `model` is
+# overwritten by the SageMaker adapter header's value (null without it). The simulator answered 404
+# {"detail": "Not Found"} to all of them, while the gateway admits /invocations.
+@pytest.mark.parametrize("body, headers, status, answer", [
+    (CHAT, {}, 200, "chat.completion"),
+    (COMPLETION, {}, 200, "text_completion"),
+    ({**CHAT, "prompt": "hi"}, {}, 200, "chat.completion"),             # both valid: chat first
+    ({**COMPLETION, "messages": "hi"}, {}, 200, "text_completion"),     # chat's reading fails validation
+    ({**COMPLETION, "model": "nope"}, {}, 200, "text_completion"),      # the body's model is not read
+    ({**COMPLETION, "max_tokens": "many"}, {}, 400, ("BadRequestError", None, CANNOT_DISPATCH)),
+    ({**CHAT, "n": "x", "prompt": "hi"}, {}, 400, ("BadRequestError", None, CANNOT_DISPATCH)),
+    ({**CHAT, "max_tokens": "many"}, {}, 400, ("BadRequestError", "prompt", NO_PROMPT)),
+    ({"input": "hi"}, {}, 400, ("BadRequestError", "prompt", NO_PROMPT)),
+    ({**COMPLETION, "messages": 5}, {}, 400, ("BadRequestError", None, "'int' object is not iterable")),
+    ({**CHAT, "stream_options": {"include_usage": True}}, {}, 400,
+     ("BadRequestError", "stream_options", "Stream options can only be defined when `stream=True`. "
+                                           "(parameter=stream_options)")),
+    ({**COMPLETION, "max_tokens": 9000}, {}, 400,
+     ("BadRequestError", "max_tokens", "max_tokens=9000 cannot be greater than max_model_len=8192. Please request "
+                                       "fewer output tokens. (parameter=max_tokens, value=9000)")),
+    (COMPLETION, {"X-Amzn-SageMaker-Adapter-Identifier": "nope"}, 404,
+     ("NotFoundError", "model", f"The model `nope` does not exist. Valid aliases: {MODEL}.")),
+    (b"not json", {}, 400, ("Bad Request", None, "JSON decode error: Expecting value: line 1 column 1 (char 0)")),
+    (b"[1, 2]", {}, 400, ("BadRequestError", None, "list indices must be integers or slices, not str")),
+    (b"null", {}, 400, ("BadRequestError", None, "argument of type 'NoneType' is not iterable")),
+])
+async def test_invocations_runs_the_body_as_vllm_dispatches_it(fleet, http, body, headers, status, answer):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with http.post(fleet.urls[0] + "/invocations", data=data,
+                         headers={"content-type": "application/json", **headers}) as resp:
+        assert resp.status == status
+        doc = await resp.json()
+    if status == 200:
+        assert doc["object"] == answer and doc["model"] == MODEL
+        return
+    assert (doc["error"]["type"], doc["error"]["param"], doc["error"]["message"]) == answer
+    assert doc["error"]["code"] == status
+
+
+async def test_invocations_streams_as_the_endpoint_it_dispatches_to(fleet, http):
+    async with http.post(fleet.urls[0] + "/invocations", json={**CHAT, "stream": True}) as resp:
+        events = await sse_events(resp)
+    assert events[-1] == "[DONE]" and json.loads(events[0])["object"] == "chat.completion.chunk"
+    async with http.get(fleet.urls[0] + "/invocations") as resp:
+        assert resp.status == 405
+
+
 async def test_malformed_json_is_400(fleet, http):
     async with http.post(fleet.urls[0] + "/v1/chat/completions", data=b'{"model": ') as resp:
         assert resp.status == 400

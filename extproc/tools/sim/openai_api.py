@@ -57,6 +57,11 @@ def _check_messages_iterable(body: dict) -> None:
         raise ApiError(400, f"'{type(messages).__name__}' object is not iterable")
 
 
+# The error type of a request-validation failure (pydantic's ValidationError, validation_error()): on /invocations
+# it only rules that request type out.
+VALIDATION_ERROR = "Bad Request"
+
+
 class ApiError(Exception):
     """An error vLLM would return: status plus the OpenAI error object."""
 
@@ -128,7 +133,7 @@ def validation_error(kind: str, loc: str, msg: str, value, ctx: dict | None = No
     detail = {"type": kind, "loc": loc, "msg": msg, "input": _input_repr(value)}
     if ctx:
         detail["ctx"] = ctx
-    return ApiError(400, f"1 validation error:\n  {detail!r}", "Bad Request", loc)
+    return ApiError(400, f"1 validation error:\n  {detail!r}", VALIDATION_ERROR, loc)
 
 
 def _input_repr(value) -> str:
@@ -577,6 +582,48 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
                              logprobs=logprobs, json_output=_json_object(body))
 
 
+# vLLM 0.32's SageMaker endpoint (vllm/entrypoints/serve/sagemaker/api_router.py): POST /invocations runs the body
+# as the first request type of a generative model's that validates, chat then completions.
+INVOCATIONS = "invocations"
+INVOCATION_TYPES = ((CHAT, "ChatCompletionRequest"), (COMPLETIONS, "CompletionRequest"))
+# The header whose value the SageMaker adapter transform writes into the body's `model` (a LoRA adapter's name).
+ADAPTER_HEADER = "x-amzn-sagemaker-adapter-identifier"
+
+
+def parse_invocation(raw: bytes, adapter: str | None, served: tuple[str, ...], max_model_len: int,
+                     default_max_tokens: int, adapters: Container[str] = ()) -> GenerationRequest:
+    """POST /invocations as vLLM 0.32 serves it on a generative model (checked against a real server).
+
+    The SageMaker adapter transform reads the JSON first and writes the `X-Amzn-SageMaker-Adapter-Identifier`
+    header's value into `model`, null when the header is absent: the body's own `model` is never read (the first
+    served name answers). The body then runs as chat if vLLM's ChatCompletionRequest validates it, else as
+    completions if CompletionRequest does; a body neither validates is 400 "Cannot find suitable handler". Only
+    a validation failure (pydantic's, type "Bad Request") moves on to the next type: an error a request model's
+    validator raises itself (`stream_options` without `stream`, completions' missing prompt) and the handler's
+    own checks (the context, the model lookup) are the answer as they are.
+    """
+    try:
+        doc = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ApiError(400, f"JSON decode error: {exc}", VALIDATION_ERROR) from None
+    except ValueError as exc:  # bytes that are not UTF-8: the Python error vLLM's last-resort handler answers 400
+        raise ApiError(400, str(exc)) from None
+    if not isinstance(doc, dict):  # the transform trips over it: the TypeError vLLM answers 400
+        raise ApiError(400, "list indices must be integers or slices, not str" if isinstance(doc, list) else
+                       "'str' object does not support item assignment" if isinstance(doc, str) else
+                       f"argument of type '{type(doc).__name__}' is not iterable")
+    doc["model"] = adapter
+    raw = json.dumps(doc).encode()
+    for kind, _ in INVOCATION_TYPES:
+        try:
+            return parse_generation(kind, raw, served, max_model_len, default_max_tokens, adapters)
+        except ApiError as exc:
+            if exc.error_type != VALIDATION_ERROR:
+                raise
+    names = [name for _, name in INVOCATION_TYPES]
+    raise ApiError(400, f"Cannot find suitable handler for request. Expected one of: {names}")
+
+
 def _json_object(body: dict) -> bool:
     """`response_format: {"type": "json_object"}`: vLLM's guided decoding makes the output a JSON object (api.json
     chat_json_object: "{}")."""
@@ -853,7 +900,7 @@ def _tokenize_prompt(body: dict) -> int:
              {"type": "string_type", "loc": "body.prompt", "msg": "Input should be a valid string",
               "input": _input_repr(prompt)})
     second = {"type": "missing", "loc": "body.messages", "msg": "Field required", "input": size}
-    raise ApiError(400, f"2 validation errors:\n  {first!r}\n  {second!r}", "Bad Request", "body.prompt")
+    raise ApiError(400, f"2 validation errors:\n  {first!r}\n  {second!r}", VALIDATION_ERROR, "body.prompt")
 
 
 def tokenize_body(raw: bytes, served: tuple[str, ...], max_model_len: int, adapters: Container[str] = ()) -> bytes:

@@ -12,15 +12,17 @@ from extproc.tools.sim.engine import Emission, Engine, Sequence
 from extproc.tools.sim.http11 import HttpRequest, ResponseWriter
 from extproc.tools.sim.lora import Adapter, LoraRegistry
 from extproc.tools.sim.metrics import ReplicaMetrics
-from extproc.tools.sim.openai_api import (CHAT, COMPLETIONS, PRIORITY_HEADER, RESPONSES, SIM_VERSION, ApiError,
-                                          GenerationRequest, ResponseRenderer, ResponsesRenderer, detokenize_body,
-                                          error_body, fixed_output_tokens, header_priority, models_body,
-                                          parse_generation, renderer_for, tokenize_body, vllm_json)
+from extproc.tools.sim.openai_api import (ADAPTER_HEADER, CHAT, COMPLETIONS, INVOCATIONS, PRIORITY_HEADER, RESPONSES,
+                                          SIM_VERSION, ApiError, GenerationRequest, ResponseRenderer,
+                                          ResponsesRenderer, detokenize_body, error_body, fixed_output_tokens,
+                                          header_priority, models_body, parse_generation, parse_invocation,
+                                          renderer_for, tokenize_body, vllm_json)
 from extproc.tools.sim.profile import Profile
 
 # If the loop falls this far behind simulated time (CPU starved), it stops trying to catch up.
 MAX_LAG_REAL_S = 0.25
-GENERATION_PATHS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS, "/v1/responses": RESPONSES}
+GENERATION_PATHS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS, "/v1/responses": RESPONSES,
+                    "/invocations": INVOCATIONS}
 LORA_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
@@ -303,8 +305,12 @@ class Replica:
             return
         p = self.profile
         try:
-            parsed = parse_generation(kind, request.body, p.model_names, p.max_model_len, p.default_max_tokens,
-                                      self.loras)
+            if kind == INVOCATIONS:  # chat or completions, by the body
+                parsed = parse_invocation(request.body, request.headers.get(ADAPTER_HEADER), p.model_names,
+                                          p.max_model_len, p.default_max_tokens, self.loras)
+            else:
+                parsed = parse_generation(kind, request.body, p.model_names, p.max_model_len, p.default_max_tokens,
+                                          self.loras)
         except ApiError as exc:
             writer.send(exc.status, exc.body())
             return
