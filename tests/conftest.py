@@ -3,6 +3,8 @@
 Two base policies, because two kinds of test count on their numbers: CORE for the sans-IO core (small caps, a short
 interactive wait, models on pool_a / pool_b) and STACK for Envoy + ext_proc on loopback (models on the local stack's
 vllm_* pools). Keyword arguments replace top-level keys of the base.
+
+Its hooks (tests/processes.py) stop what a test leaves running: every process the tests start carries a mark.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import yaml
 from extproc.policy.decision import NoEvents
 from extproc.policy.schema import Policy, load_policy
 from extproc.tools.stack import free_port, wait_http
+from tests.processes import pytest_configure, pytest_runtest_teardown, pytest_sessionfinish  # noqa: F401 (hooks)
 
 
 def limits(max_concurrency: int, max_queue: int, max_wait_ms: int) -> dict:

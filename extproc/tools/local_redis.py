@@ -7,6 +7,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from . import reaper
 from .stack import free_port
 
 
@@ -23,10 +24,10 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> "RedisServer":
-        self.proc = subprocess.Popen(
+        self.proc = reaper.spawn(  # stopped by the reaper's watchdog if this process dies first
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", str(self.workdir), "--logfile", str(self.workdir / "redis.log")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:

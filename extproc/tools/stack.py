@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from . import envoyconf
+from . import envoyconf, reaper
 
 
 LOWEST_PORT = 10000
@@ -157,8 +157,9 @@ class Stack:
     def spawn(self, name: str, argv: list[str], env: dict | None = None) -> Process:
         log_path = self.workdir / f"{name}.log"
         log = open(log_path, "ab")
-        popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 start_new_session=True, env={**os.environ, **(env or {})})
+        # reaper.spawn: if this process dies without stop(), its watchdog stops them.
+        popen = reaper.spawn(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             env={**os.environ, **(env or {})})
         log.close()
         proc = Process(name, popen, log_path)
         self.processes.append(proc)
