@@ -23,6 +23,12 @@ from extproc.tools.stack import Stack, free_port, wait_http
 from .conftest import COMPOSE, ROOT, RULE_FILES, start_prometheus, tool
 from .promql import exposed_names
 
+# `make test` runs this module one at a time after its parallel part (marker timing): the interactive p99 bound
+# below holds only while every admitted interactive request ends within 0.75 s (one past it is over 1% of the ~60
+# admitted and moves the p99 into the next bucket), and a queued one already waits up to max_wait_ms (0.3 s) before
+# its 0.4 s of service. Quiet, the slowest took 0.64 s; beside two busy-looping processes on the 2 cores, 0.73 s.
+pytestmark = pytest.mark.timing
+
 # Each class's upstream service time: every admitted request of the class lands in one latency bucket.
 DELAY_S = {"interactive": 0.4, "batch": 0.15}
 # The p99 lands in the delay's bucket, or the next one up when a loaded 2-core machine adds scheduling delay.
