@@ -4,6 +4,8 @@ the tuned scenarios must keep carrying over."""
 
 from pathlib import Path
 
+import pytest
+
 from extproc.tools.demo import what_if_stats
 from extproc.tools.demo.results import calm_windows
 from extproc.tools.demo.scenario import Scenario
@@ -101,6 +103,9 @@ def test_a_fleet_four_times_the_demos_keeps_its_goodput_and_priority():
     assert d.p99_worst_window <= 1.05 * scenario.slo_p95_s  # measured 1.99 s (2.33 before)
 
 
+# ~43 s of CPU alone (the what-if runs its engine models in virtual time: no wall-clock bound in it); a make test
+# run's four workers on the two shared cores stretched it past pyproject's default timeout of 120 s.
+@pytest.mark.timeout(360)
 def test_short_requests_at_a_high_rate_are_not_refused_at_60_percent_load():
     # scenarios/code-completion.yaml, written from the docs by a platform-engineer session: 16-64-token completions
     # at ~80 requests a second a replica. One request caught between its arrival and the next engine step read as
