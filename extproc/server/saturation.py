@@ -407,9 +407,11 @@ class PoolScraper:
         working, gone, paced, held, held_across, unread = [], 0, [], 0.0, 0.0, False
         for r in self.replicas.values():
             m = r.metrics
-            if m is None or r.at < stale:
+            if m is None or r.at < stale or r.refused:
                 # Seen hung, and now its /metrics does not answer either: hung still. One that refuses connections
-                # is down (being restarted, as the alert asks), not hung: gone below, its verdict kept for its return.
+                # is down (killed, or being restarted as the alert asks), not hung: gone below at once, however
+                # fresh its last reading (its standing counters read by _stalled made a dead replica "stalled"),
+                # and its verdict kept for its return.
                 if r.stalled and not r.refused:
                     sat.stalled += 1
                     sat.stalled_requests += m["running"] + m["waiting"]

@@ -648,6 +648,28 @@ def test_a_stalled_replica_that_then_refuses_connections_is_down_not_stalled():
     assert scraper.aggregate(clock()).stalled == 1  # not trusted until they move
 
 
+def test_a_killed_replica_whose_last_reading_is_still_fresh_is_down_at_once_never_stalled():
+    # Killed while it held requests, its last reading younger than stale_ms: aggregate() judged that reading's
+    # standing counters by stall_ms first, so a dead replica read "stalled" (ExtprocReplicaStalled, "its HTTP
+    # server still answers: restart it") until the reading aged out; the slow drill `replica_down` saw it pending.
+    # Nothing listens: it is down, left out of the reading at once (not named to Envoy, its requests not counted).
+    clock = FakeClock()
+    scraper = PoolScraper(RecordingCore(), "pool_a", PoolSpec(replicas=["10.0.0.1:8000", "10.0.0.2:8000"],
+                                                              stall_ms=1000, stale_ms=5000), None, clock=clock)
+    killed, ok = scraper.replicas.values()
+    scraper.record(killed, reading(running=3, tokens=50.0))
+    scraper.record(ok, reading(running=1, tokens=1.0))
+    assert scraper.aggregate(clock()).stalled == 0
+    for i in range(3):
+        clock.advance(1.0)
+        killed.refused = True  # its scrapes find nothing listening; its last reading stays, fresher than stale_ms
+        scraper.record(ok, reading(running=1, tokens=2.0 + i))
+        sat = scraper.aggregate(clock())
+        assert sat.stalled == 0 and sat.stalled_requests == 0, i
+        assert not killed.stalled and not sat.saturated and sat.running == 1
+    assert clock() - killed.at < 5.0  # still fresh: left out for refusing, not for its age
+
+
 def test_a_stalled_replica_that_restarts_idle_is_progress_even_with_its_counters_at_0_again():
     # It hung before its first token (counters 0), and comes back from a restart idle with counters 0: only its
     # process start time says it is a new process.
