@@ -96,8 +96,9 @@ class Server:
     """Owns the core, the servicer and the endpoints; reloads the policy on SIGHUP or file change."""
 
     def __init__(self, policy_path: str, policy: Policy, args: argparse.Namespace,
-                 loaded_mtime: float | None = None):
-        """`loaded_mtime`: the file's time read before `policy` was loaded from it (default: now)."""
+                 loaded_version: FileVersion | None = None):
+        """`loaded_version`: the file's version (file_version) read before `policy` was loaded from it (default:
+        now)."""
         self.policy_path = policy_path
         self.args = args
         self.telemetry = Telemetry(log_accept_sample=args.log_accept_sample, log_per_s=args.log_decisions_per_s)
@@ -123,7 +124,7 @@ class Server:
         self.clusters = ClusterCheck(self.telemetry.policy_unknown_clusters)
         _log_warnings(policy)
         # Read before the load: an edit that lands while the file loads must still count as a change.
-        self._mtime = _mtime(policy_path) if loaded_mtime is None else loaded_mtime
+        self._version = file_version(policy_path) if loaded_version is None else loaded_version
         self._watched_at = 0.0
         self._reloading = asyncio.Lock()
         self._reload_tasks: set[asyncio.Task] = set()
@@ -145,7 +146,7 @@ class Server:
             return await self._reload()
 
     async def _reload(self) -> bool:
-        self._mtime = _mtime(self.policy_path)
+        self._version = file_version(self.policy_path)
         before = self.core.policy
         try:
             policy = await asyncio.to_thread(load_policy_file, self.policy_path)
@@ -208,7 +209,7 @@ class Server:
         self.sustained.sample(now, self.core.snapshot())
         if self.args.watch_interval and now - self._watched_at >= self.args.watch_interval:
             self._watched_at = now
-            if _mtime(self.policy_path) != self._mtime and not self._reloading.locked():
+            if file_version(self.policy_path) != self._version and not self._reloading.locked():
                 self.start_reload()
 
     async def run(self) -> None:
@@ -245,7 +246,7 @@ class Server:
         loop = asyncio.get_running_loop()
         signals = _Signals()
         loop.add_signal_handler(signal.SIGHUP, self.start_reload)
-        if _mtime(self.policy_path) != self._mtime:  # changed while it started: a SIGHUP then was ignored (cli)
+        if file_version(self.policy_path) != self._version:  # changed while it started: a SIGHUP then was ignored (cli)
             self.start_reload()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, signals.received)
@@ -377,11 +378,20 @@ def _log_warnings(policy: Policy) -> None:
         log.warning("policy warning: %s", warning)
 
 
-def _mtime(path: str) -> float:
+FileVersion = tuple[int, ...]
+
+
+def file_version(path: str) -> FileVersion:
+    """What the file watch compares: the file's identity, size and times, through symlinks (a ConfigMap's swap).
+    Its modification time alone missed a file put in place keeping its source's time (`cp -p`, `rsync -t`,
+    `docker cp`, a rename) and one rewritten within a tick of a filesystem with coarse timestamps when that time
+    was the loaded one's: the old policy ran on without a word. The change time cannot be set back (utime sets
+    it to now), and a size differs between a half-written file read and refused and the whole one."""
     try:
-        return os.stat(path).st_mtime
+        st = os.stat(path)
     except OSError:
-        return 0.0
+        return ()
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def _host_store(args: argparse.Namespace) -> host_store.HostStore | None:
@@ -394,7 +404,7 @@ def _host_store(args: argparse.Namespace) -> host_store.HostStore | None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s",
                         stream=sys.stderr)
-    loaded_mtime = _mtime(args.policy)  # before the load: a file edited during it is reloaded once serving
+    loaded_version = file_version(args.policy)  # before the load: a file edited during it is reloaded once serving
     try:
         policy = load_policy_file(args.policy)
     except PolicyError as e:
@@ -406,7 +416,7 @@ def run(args: argparse.Namespace) -> int:
         return supervise(args, policy.store.kind == "memory")
     if args.worker_index is not None:
         _die_with_the_supervisor()
-    server = Server(args.policy, policy, args, loaded_mtime)
+    server = Server(args.policy, policy, args, loaded_version)
     try:
         if args.no_uvloop:
             asyncio.run(server.run())

@@ -203,3 +203,38 @@ def test_a_policy_file_edited_while_serve_loads_it_is_reloaded_once_it_serves(tm
     add_arguments(parser)
     assert main.run(parser.parse_args(["--policy", str(path), "--no-uvloop"])) == 0
     assert served == [2]
+
+
+def test_a_policy_file_replaced_with_the_same_modification_time_is_still_reloaded(tmp_path):
+    """The watch compared the file's modification time alone: a file put in place keeping its source's time
+    (`cp -p`, `rsync -t`, `docker cp`, shutil.copy2 and a rename) or rewritten within one tick of a filesystem
+    with coarse timestamps, when that time equals the loaded one, was never reloaded, without a line of log, and
+    `extproc_config_last_reload_successful` still said 1. Any change of the file's identity, size or times counts."""
+    server = serve(tmp_path)
+    path = tmp_path / "policy.yaml"
+    loaded = os.stat(path)
+
+    def put(text: str, rename: bool) -> None:
+        target = path.with_suffix(".new") if rename else path
+        target.write_text(text)
+        os.utime(target, ns=(loaded.st_atime_ns, loaded.st_mtime_ns))  # the loaded file's time, to the ns
+        if rename:
+            os.replace(target, path)
+
+    async def watch_round() -> int:
+        server._watched_at = -float("inf")  # the interval has passed
+        await server.housekeep()
+        await asyncio.gather(*server._reload_tasks)
+        return server.core.policy.classes["interactive"].max_concurrency
+
+    async def run() -> list[int]:
+        seen = [await watch_round()]
+        put(GOOD.replace("max_concurrency: 1", "max_concurrency: 2"), rename=True)  # cp -p, then mv
+        seen.append(await watch_round())
+        put(GOOD.replace("max_concurrency: 1", "max_concurrency: 30"), rename=False)  # in place, one size more
+        seen.append(await watch_round())
+        seen.append(await watch_round())  # no change since: no reload
+        return seen
+
+    assert asyncio.run(run()) == [1, 2, 30, 30]
+    assert reloads(server, "applied") == 2
