@@ -597,6 +597,11 @@ def test_a_killed_replica_fails_what_it_held_and_is_left_out_of_the_pool_reading
     assert saturated and max(saturated) == 0, saturated
     seen = {s["metric"]["alertname"] for s in d.api.query_range("ALERTS", inc.start, inc.end)}
     assert "ExtprocPoolSaturated" not in seen, seen
+    # Down, not hung: read "stalled" on its last reading (stall_ms is shorter than stale_ms here), it sent
+    # ExtprocReplicaStalled pending ("its HTTP server still answers: restart it").
+    stalled = [float(v) for s in d.api.query_range(f'extproc_pool_stalled_replicas{{pool="{POOL}"}}', inc.start,
+                                                   inc.end) for _, v in s["values"]]
+    assert "ExtprocReplicaStalled" not in seen and max(stalled, default=0) == 0, (seen, stalled)
     window = f"{round(inc.end - inc.start) + 2}s"  # and the kill just before the incident began
     failed = d.api.query_range(f'sum(increase(extproc_request_duration_seconds_count{{outcome="upstream_error"}}'
                                f'[{window}]))', inc.end, inc.end)
