@@ -196,7 +196,10 @@ class Server:
         await _every(1.0, self.housekeep, "housekeeping")
 
     async def housekeep(self) -> None:
-        """Renew live leases, reap expired ones, sum up suppressed decision lines, pick up policy file changes."""
+        """Pick up policy file changes, renew live leases, reap expired ones, sum up suppressed decision lines."""
+        # The watch first: a step below that raised (each round, say, while some request is held) skipped it, and
+        # file edits went unapplied, with only that step's error in the log, while SIGHUP still worked.
+        self.watch_policy_file()
         self.servicer.renew_live()
         self.telemetry.log_budget.flush()
         expired = self.core.reap()
@@ -207,6 +210,10 @@ class Server:
         now = self.core.clock()
         self.sustained.window_s = self.core.policy.sustained_window_s
         self.sustained.sample(now, self.core.snapshot())
+
+    def watch_policy_file(self) -> None:
+        """Reload when the policy file changed since it was loaded (checked every --watch-interval)."""
+        now = self.core.clock()
         if self.args.watch_interval and now - self._watched_at >= self.args.watch_interval:
             self._watched_at = now
             if file_version(self.policy_path) != self._version and not self._reloading.locked():

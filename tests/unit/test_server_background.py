@@ -7,6 +7,8 @@ import logging
 import os
 import time
 
+import pytest
+
 from extproc.policy.schema import load_policy_file
 from extproc.server.main import Server, _every, add_arguments, worker_argv
 
@@ -238,3 +240,25 @@ def test_a_policy_file_replaced_with_the_same_modification_time_is_still_reloade
 
     assert asyncio.run(run()) == [1, 2, 30, 30]
     assert reloads(server, "applied") == 2
+
+
+def test_a_policy_file_change_is_picked_up_while_another_housekeeping_step_keeps_failing(tmp_path):
+    """The watch ran last in the housekeeping round: a step before it that raised every round (lease renewal,
+    reaping, the shared store's tick) left file edits unapplied for as long as it failed."""
+    server = serve(tmp_path)
+    path = tmp_path / "policy.yaml"
+
+    def broken() -> None:
+        raise RuntimeError("renewal failed")
+
+    server.servicer.renew_live = broken
+
+    async def run() -> int:
+        path.write_text(GOOD.replace("max_concurrency: 1", "max_concurrency: 7"))
+        server._watched_at = -float("inf")  # the interval has passed
+        with pytest.raises(RuntimeError):
+            await server.housekeep()
+        await asyncio.gather(*server._reload_tasks)
+        return server.core.policy.classes["interactive"].max_concurrency
+
+    assert asyncio.run(run()) == 7
