@@ -4,11 +4,15 @@ Each path is timed without events (the core alone) and with the ext_proc's Telem
 (Prometheus counters and histograms, the decision log off), side by side in one run.
 
 Run:  python bench/decision.py   (prints a markdown table; medians of repeated timings on this machine)
+      python bench/decision.py --calls   (Python function calls per request instead, under cProfile: the same on
+      every machine and run, so a change's cost can be read on a noisy one)
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import sys
 import time
@@ -38,6 +42,18 @@ def per_call(fn, n: int = 20000) -> float:
     return statistics.median(runs)
 
 
+def calls_per(fn, n: int = 2000) -> float:
+    """Python function calls per call of fn (after a warm-up: first-use paths are not the steady state)."""
+    for _ in range(200):
+        fn()
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(n):
+        fn()
+    profile.disable()
+    return pstats.Stats(profile).total_calls / n
+
+
 def policies():
     for name in ("default.yaml", "demo-full.yaml"):
         yield name, load_policy_file(str(ROOT / "policies" / name))
@@ -49,7 +65,8 @@ def policies():
     yield "default.yaml + tenant rate limit", load_policy(data)
 
 
-def main() -> int:
+def main(calls: bool = False) -> int:
+    measure, unit = (calls_per, "{:.0f} calls") if calls else (lambda fn: per_call(fn) * 1e6, "{:.1f} µs")
     rows = ["| policy | path | core alone | with telemetry |", "|---|---|---:|---:|"]
     for name, policy in policies():
         cores = [AdmissionController(policy), AdmissionController(policy, events=Telemetry())]
@@ -65,12 +82,13 @@ def main() -> int:
             core.decide(RequestFacts(api_key="sk-chat-1", model="nope"))
 
         for path, fn in (("accept: decide + finish + report", lifecycle), ("unknown model (404)", refused)):
-            alone, telemetry = (per_call(lambda: fn(core)) * 1e6 for core in cores)
-            rows.append(f"| {name} | {path} | {alone:.1f} µs | {telemetry:.1f} µs |")
+            alone, telemetry = (unit.format(measure(lambda: fn(core))) for core in cores)
+            rows.append(f"| {name} | {path} | {alone} | {telemetry} |")
     print("\n".join(rows))
     return 0
 
 
 if __name__ == "__main__":
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help; no options
-    sys.exit(main())
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", action="store_true", help="Python function calls per request, not µs")
+    sys.exit(main(parser.parse_args().calls))
