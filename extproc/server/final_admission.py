@@ -74,8 +74,7 @@ class FinalAdmission:
 
     def give_back(self) -> Ticket | None:
         """The client left while waiting: leave the queue or the store's wait. Returns a ticket the queue granted
-        in that same instant (not gated), for the caller to take back as never run (Processor.close(ticket, None):
-        it never went upstream)."""
+        in that same instant (not gated), for the caller to close like any other."""
         if self.waiter is not None:
             d = self._leave_queue(timed_out=False)
             if d.ticket is None:

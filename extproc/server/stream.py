@@ -225,10 +225,8 @@ class Stream:
         after the request was decided): give back what it holds."""
         held, self.held = self.held, None
         self._enter(Phase.ENDED)
-        if isinstance(held, FinalAdmission):  # the client left (or the handler failed) while the request waited
-            # A slot the queue granted in that same instant never went upstream: taken back as never run (nothing
-            # charged, no completion), as a client that left a moment earlier is refused its place (499).
-            ticket, outcome = held.give_back(), None
+        if isinstance(held, FinalAdmission):  # the client left while the request waited
+            ticket, outcome = held.give_back(), Outcome.CLIENT_ABORT
         elif self.status >= 500:
             ticket, outcome = held, Outcome.UPSTREAM_ERROR
         elif failed:  # not the client's abort, nor the replica's error; Envoy's report, if one comes, says more
