@@ -6,7 +6,6 @@ capping a quarter of the generations, p95 sits close to p99, so a 2 s p95 SLO is
 simulator: p95 2.1 s at 16, knee 14-15) and a 2.5 s one between 16 and 32 (knee 18-22).
 """
 
-import asyncio
 import json
 import os
 import shutil
@@ -70,27 +69,35 @@ def test_a_2_5s_slo_puts_the_knee_between_16_and_32_and_applies_the_margin(sim_u
     assert f"interactive: {{max_concurrency: {outcome['cap']}}}" in printed  # the snippet
 
 
-async def test_a_target_that_fails_mid_sweep_is_reported_and_gets_no_cap(tmp_path, capsys):
+async def test_a_target_that_fails_mid_sweep_is_reported_and_gets_no_cap(tmp_path, capsys, monkeypatch):
     policy = tmp_path / "policy.yaml"
     shutil.copy(ROOT / "policies" / "default.yaml", policy)
     before = policy.read_text()
     parser = calibrate.argparse.ArgumentParser()
     calibrate.add_arguments(parser)
+    # The SLO is far above any latency steps 1 and 2 see, so only the injected errors end the sweep: at 2 s, a busy
+    # machine (CPU contention reads as latency, times the simulator's speed) put step 2 over the SLO, and the sweep
+    # ended with a cap (knee 1) before the fault was injected (exit 0).
+    slo = 60.0
     async with SimFleet("h100-llama70b-awq", speed=30, seed=2) as fleet:
-        args = parser.parse_args(["--target", fleet.urls[0], "--slo-p95", "2s", "--policy", str(policy),
+        args = parser.parse_args(["--target", fleet.urls[0], "--slo-p95", f"{slo:g}s", "--policy", str(policy),
                                   "--out", str(tmp_path / "out"), *FAST])
+        measure_step, steps_started = calibrate.measure_step, []
+
+        async def fault_from_step_3(*a, **kw):  # before step 3's first request, not racing it
+            steps_started.append(len(steps_started) + 1)
+            if len(steps_started) == 3:  # from step 3 on, half the requests get a 500
+                async with aiohttp.ClientSession() as session:
+                    async with session.post(fleet.urls[0] + "/sim/fault", json={"error_rate": 0.5}) as resp:
+                        assert resp.status == 200
+            return await measure_step(*a, **kw)
+        monkeypatch.setattr(calibrate, "measure_step", fault_from_step_3)
         # The CLI runs asyncio.run(execute()) then report(); here execute() shares the test's loop with the fleet.
         run = calibrate.Calibration(target=args.target, model=None, workload=calibrate.workload_from_args(args),
-                                    sweep=calibrate.Sweep(calibrate.SweepConfig(slo_p95_s=2.0)),
+                                    sweep=calibrate.Sweep(calibrate.SweepConfig(slo_p95_s=slo)),
                                     plan=calibrate.StepPlan(duration_s=40, warmup_s=5),
                                     time_scale=None, moe=None, margin=0.2, moe_margin=0.35)
-        task = asyncio.create_task(run.execute(progress=False))
-        while len(run.sweep.steps) < 2:
-            await asyncio.sleep(0.05)
-        async with aiohttp.ClientSession() as session:  # from step 3 on, half the requests get a 500
-            async with session.post(fleet.urls[0] + "/sim/fault", json={"error_rate": 0.5}) as resp:
-                assert resp.status == 200
-        await task
+        await run.execute(progress=False)
     rc = calibrate.report(run, args)
     printed = capsys.readouterr().out
     assert rc == 1 and run.sweep.status is Status.TARGET_FAILED
