@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from extproc.telemetry import StoreTelemetry
 from extproc.tools.stack import Stack, free_port, wait_http
-from tests.conftest import until
+from tests.conftest import stop_process, until
 
 from .promql import PROMETHEUS_SERIES, exposed_names, recorded_names
 
@@ -78,8 +78,7 @@ def start_prometheus(tmp: Path, config: dict) -> tuple[subprocess.Popen, Prometh
     try:
         wait_http(f"{api.url}/-/ready", timeout=20, proc=proc)
     except BaseException:
-        proc.terminate()
-        proc.wait(10)
+        stop_process(proc, 10.0)
         raise
     return proc, api
 

@@ -42,7 +42,7 @@ import yaml
 from extproc.tools.demo.runner import start_pool
 from extproc.tools.local_redis import RedisServer
 from extproc.tools.stack import Stack, free_port
-from tests.conftest import until
+from tests.conftest import stop_process, until
 
 from .conftest import COMPOSE, RULE_FILES, PrometheusAPI, description, shipped_alert, start_prometheus, tool
 
@@ -313,8 +313,10 @@ def start_drill(tmp, answer_sample_percent: int | None = None, slow_ratio: float
     tool("redis-server")
     stack = Stack(tmp / "stack", {}, answer_sample_percent=answer_sample_percent)
     redis = RedisServer(tmp)
-    prom = None
-    try:
+    # Each stop is registered before its start, and one that raises does not skip the others (ExitStack).
+    with contextlib.ExitStack() as stops:
+        stops.callback(redis.stop)
+        stops.callback(stack.stop)
         redis.start()
         # One process per replica, so that one can be killed.
         replicas = [r for i in range(2) for r in start_pool(stack, f"{POOL}-{i}", "h100-llama70b-awq", 1,
@@ -334,6 +336,7 @@ def start_drill(tmp, answer_sample_percent: int | None = None, slow_ratio: float
         targets = {"extproc": [f"127.0.0.1:{stack.metrics_port}"], "envoy": [f"127.0.0.1:{stack.admin_port}"],
                    "vllm": [f"{h}:{p}" for h, p in replicas]}
         prom, api = start_prometheus(tmp, prometheus_config(rule_files, targets, POOL))
+        stops.callback(stop_process, prom, 10.0)
         for job in targets:
             up = api.wait_for(f'up{{job="{job}"}}', lambda r: r and all(s["value"][1] == "1" for s in r))
             assert up and all(s["value"][1] == "1" for s in up), (job, up)
@@ -345,12 +348,6 @@ def start_drill(tmp, answer_sample_percent: int | None = None, slow_ratio: float
         with Traffic(stack.url) as traffic:
             yield Drill(api, stack, replicas, stack.policy_path, redis, traffic)
             traffic.rate = {}
-    finally:
-        if prom is not None:
-            prom.terminate()
-            prom.wait(10)
-        stack.stop()
-        redis.stop()
 
 
 # --- the incidents, each started, held until its alerts fire, and ended ----------------------------------------

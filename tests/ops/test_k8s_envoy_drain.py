@@ -20,6 +20,7 @@ import yaml
 
 from extproc.tools import envoyconf
 from extproc.tools.stack import free_port, wait_http
+from tests.conftest import stop_process
 
 from .conftest import ROOT
 
@@ -64,28 +65,26 @@ def envoy(tmp_path):
 
 @contextlib.contextmanager
 def started_envoy(tmp_path, drain_time_s: str):
-    upstream_port = free_port()
-    upstream = subprocess.Popen([sys.executable, str(ROOT / "tests" / "upstream.py"), str(upstream_port)],
-                                start_new_session=True)
-    listen, health, admin = free_port(), free_port(), free_port()
-    cfg = envoyconf.render(envoyconf.load_source(), listen_port=listen, admin_port=admin, extproc=None, mode="plain",
-                           pools={"vllm_llama70b": [("127.0.0.1", upstream_port)]})
-    path = tmp_path / "envoy.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    args = deployment_args()
-    proc = subprocess.Popen([envoyconf.envoy_binary(), "-c", str(path), "--config-yaml",
-                             kubernetes_additions(health, admin), "--disable-hot-restart",
-                             "--drain-strategy", args[args.index("--drain-strategy") + 1],
-                             "--drain-time-s", drain_time_s, "--log-level", "error"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
+    with contextlib.ExitStack() as stops:  # every process started is stopped, even where an earlier stop raised
+        upstream_port = free_port()
+        upstream = subprocess.Popen([sys.executable, str(ROOT / "tests" / "upstream.py"), str(upstream_port)],
+                                    start_new_session=True)
+        stops.callback(stop_process, upstream, 10.0)
+        listen, health, admin = free_port(), free_port(), free_port()
+        cfg = envoyconf.render(envoyconf.load_source(), listen_port=listen, admin_port=admin, extproc=None,
+                               mode="plain", pools={"vllm_llama70b": [("127.0.0.1", upstream_port)]})
+        path = tmp_path / "envoy.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        args = deployment_args()
+        proc = subprocess.Popen([envoyconf.envoy_binary(), "-c", str(path), "--config-yaml",
+                                 kubernetes_additions(health, admin), "--disable-hot-restart",
+                                 "--drain-strategy", args[args.index("--drain-strategy") + 1],
+                                 "--drain-time-s", drain_time_s, "--log-level", "error"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        stops.callback(stop_process, proc, 10.0)
         wait_http(f"http://127.0.0.1:{upstream_port}/health", timeout=20, proc=upstream)
         wait_http(f"http://127.0.0.1:{health}/ready", timeout=20, proc=proc)
         yield f"http://127.0.0.1:{listen}", f"http://127.0.0.1:{health}", admin
-    finally:
-        for p in (proc, upstream):
-            p.terminate()
-            p.wait(10)
 
 
 def prestop(admin_port: int, stream_drain_s: float) -> tuple[subprocess.CompletedProcess, float]:

@@ -8,6 +8,7 @@ recording rules loaded. The tests then ask Prometheus's HTTP API, the way a dash
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ import pytest
 import yaml
 
 from extproc.tools.stack import Stack, free_port, wait_http
+from tests.conftest import stop_process
 
 from .conftest import COMPOSE, ROOT, RULE_FILES, start_prometheus, tool
 from .promql import exposed_names
@@ -93,17 +95,19 @@ def scraped(tmp_path_factory):
     """Run the load with Prometheus scraping; yield (Prometheus API, client-side counts, final /metrics text)."""
     tmp = tmp_path_factory.mktemp("prom")
     up_port = free_port()
-    upstream = subprocess.Popen([sys.executable, str(ROOT / "tests" / "upstream.py"), str(up_port)],
-                                start_new_session=True)
     policy = tmp / "policy.yaml"
     policy.write_text(yaml.safe_dump(POLICY, sort_keys=False))
     pools = {"vllm_llama70b": [("127.0.0.1", up_port)], "vllm_llama8b": [("127.0.0.1", up_port)]}
     stack = Stack(tmp / "stack", pools, policy_path=policy, answer_sample_percent=100)
-    prom_proc = None
-    try:
+    with contextlib.ExitStack() as stops:  # every process started is stopped, even where an earlier stop raised
+        upstream = subprocess.Popen([sys.executable, str(ROOT / "tests" / "upstream.py"), str(up_port)],
+                                    start_new_session=True)
+        stops.callback(stop_process, upstream, 10.0)
+        stops.callback(stack.stop)
         wait_http(f"http://127.0.0.1:{up_port}/health", timeout=20, proc=upstream)
         stack.start()
         prom_proc, api = start_prometheus(tmp, prometheus_config(f"127.0.0.1:{stack.metrics_port}"))
+        stops.callback(stop_process, prom_proc, 10.0)
         up = api.wait_for('up{job="extproc"}', lambda r: r and r[0]["value"][1] == "1")
         assert up and up[0]["value"][1] == "1", f"Prometheus never scraped the ext_proc: {up}"
 
@@ -117,13 +121,6 @@ def scraped(tmp_path_factory):
         with urllib.request.urlopen(f"{stack.metrics_url}/metrics", timeout=5) as r:
             final_metrics = r.read().decode()
         yield api, sent, final_metrics
-    finally:
-        if prom_proc is not None:
-            prom_proc.terminate()
-            prom_proc.wait(10)
-        stack.stop()
-        upstream.terminate()
-        upstream.wait(10)
 
 
 def test_load_exercised_accept_queue_reject_and_shed(scraped):
