@@ -242,7 +242,7 @@ class AdmissionController:
                                        facts))
         charge = self._estimate(facts, model, c, now)
         lim = self.limiters[c.cls]
-        d = self._enforce(c, lim, cluster, now, charge, facts.deadline_ms)
+        d = self._enforce(c, lim, cluster, now, charge, facts.deadline_ms, facts.max_tokens_field)
         d.charge = charge
         if charge.tenant is not None:
             d.headers = charge.tenant.headers(now)
@@ -274,9 +274,9 @@ class AdmissionController:
         return charge
 
     def _enforce(self, c: Classification, lim: ClassLimiter, cluster: str, now: float, charge: Charge,
-                 deadline_ms: float | None = None) -> Decision:
+                 deadline_ms: float | None = None, field: str = "max_tokens") -> Decision:
         """The stages after the estimate, in order; the first that answers decides."""
-        refused = self.charging.refusal(c, lim, cluster, now, charge)
+        refused = self.charging.refusal(c, lim, cluster, now, charge, field)
         if refused is not None:
             return refused
         protector = self.state.saturated_protector(c.cls)

@@ -27,9 +27,10 @@ class Charging:
         self.events = events
 
     def refusal(self, c: Classification, lim: ClassLimiter, cluster: str, now: float,
-                charge: Charge) -> Decision | None:
+                charge: Charge, field: str = "max_tokens") -> Decision | None:
         """The refusal of a request its budgets cannot pay for now (None: they can): per-tenant rate limits,
-        session budgets and the class's GPU-seconds budget. Who pays, not capacity."""
+        session budgets and the class's GPU-seconds budget. Who pays, not capacity. `field` is the body field of
+        the request's output cap, as the client sent it."""
         est = charge.estimate
 
         def refuse(status: int, reason: str, wait_s: float, **fields) -> Decision:
@@ -59,7 +60,7 @@ class Charging:
         budget = lim.spec.max_inflight_gpu_seconds
         if budget is not None and est.gpu_seconds > budget:
             return refuse(413, R_TOO_LARGE, math.inf, gpu_s=est.gpu_seconds, prompt_tokens=est.prompt_tokens,
-                          max_tokens=est.max_tokens, cls=c.cls, budget=budget)
+                          max_tokens=est.max_tokens, cls=c.cls, budget=budget, field=field)
         return None
 
     def admitted(self, charge: Charge, cost: float, now: float) -> None:

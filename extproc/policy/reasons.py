@@ -219,12 +219,13 @@ share for now; `Retry-After` is the refill time."""),
            (
             "this request is estimated at {gpu_s:.1f} GPU-seconds ({prompt_tokens} prompt tokens, up to "
             "{max_tokens} output tokens), more than class {cls!r}'s whole budget of {budget:g}: shorten "
-            "the prompt or lower max_tokens"),
+            "the prompt or lower {field}"),
            """\
 **413.** This one request's estimated GPU-seconds exceed the class's whole `max_inflight_gpu_seconds` budget, so it
 could never be admitted; it is refused at once rather than queued forever. The message gives the estimate (prompt
-tokens, output tokens). Shorten the prompt, lower `max_tokens`, or raise the budget; check the model's `cost`
-profile with `extproc_cost_model` if estimates look off."""),
+tokens, output tokens). Shorten the prompt, lower the output cap (`max_tokens`; chat's `max_completion_tokens`, the
+Responses API's `max_output_tokens`: the message names the field the client sent, or the endpoint's own when it sent
+none), or raise the budget; check the model's `cost` profile with `extproc_cost_model` if estimates look off."""),
     Reason("max_tokens_too_large", "Budgets and rate limits (429, 413)", 400, NO_RETRY,
            "{field} {max_tokens} exceeds the model's context of {context} tokens.",
            """\

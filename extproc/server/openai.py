@@ -99,8 +99,8 @@ class RequestBody:
         self.model: str | None = None
         self.max_tokens: int | None = None
         # The body field max_tokens was read from, named in errors about it as vLLM names it (max_completion_tokens,
-        # the Responses API's max_output_tokens)
-        self.max_tokens_field = "max_tokens"
+        # the Responses API's max_output_tokens); when the body has none, the endpoint's own (its last) name for it
+        self.max_tokens_field = endpoint.token_fields[-1] if endpoint.token_fields else "max_tokens"
         self.sequences = 1        # output sequences generated (n, per prompt): each one decodes
         self.prompts = 1          # prompts in the body (a completions list): each has a context of its own
         self.min_output: int | None = 0  # output each sequence produces at least; None: all of it (ignore_eos)

@@ -1145,3 +1145,30 @@ def test_an_output_cap_beyond_the_context_is_refused_naming_the_field_the_client
     assert error["code"] == "max_tokens_too_large" and error["type"] == "invalid_request_error"
     assert error["message"].startswith(f"{field} 5000 exceeds the model's context of 2048 tokens"), error
     assert error["param"] == field
+
+
+@pytest.mark.parametrize("path, doc, field", [
+    (b"/v1/responses", {"input": "x" * 4000, "max_output_tokens": 1000}, "max_output_tokens"),
+    (b"/v1/responses", {"input": "x" * 40000}, "max_output_tokens"),  # none sent: the endpoint's own name
+    (CHAT, {"messages": [{"role": "user", "content": "x" * 4000}], "max_completion_tokens": 1000},
+     "max_completion_tokens"),
+    (CHAT, {"messages": [{"role": "user", "content": "x" * 4000}], "max_tokens": 1000}, "max_tokens"),
+    (b"/v1/completions", {"prompt": "x" * 4000, "max_tokens": 1000}, "max_tokens"),
+    (b"/invocations", {"messages": [{"role": "user", "content": "x" * 4000}], "max_completion_tokens": 1000},
+     "max_completion_tokens"),
+])
+def test_a_request_over_the_class_budget_is_told_to_lower_the_field_the_client_sent(clock, path, doc, field):
+    # request_too_large said "lower max_tokens" to a Responses API client, whose output cap is max_output_tokens
+    # (a max_tokens there is ignored), and to a chat client that had sent max_completion_tokens.
+    models = {"llama": {"cluster": "pool_a",
+                        "cost": {"prefill_s_per_1k_tokens": 0.1, "decode_s_per_token": 0.001}}}
+    classes = {"interactive": {"max_concurrency": 10, "max_queue": 5, "max_wait_ms": 1000,
+                               "max_inflight_gpu_seconds": 0.5}}
+    policy = make_policy(models=models, classes=classes, tenants=[], default_class="interactive")
+    s = Stream(Processor(AdmissionController(policy, clock=clock), max_body_bytes=100_000))
+    s.receive(request_headers(path))
+    answer = s.receive(request_body({"model": "llama", **doc}))
+    assert immediate_status(answer) == 413
+    error = json.loads(answer.immediate_response.body)["error"]
+    assert error["code"] == "request_too_large", error
+    assert error["message"].endswith(f"shorten the prompt or lower {field}"), error
