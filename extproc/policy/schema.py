@@ -460,7 +460,9 @@ class EndpointsSpec:
     invocations: bool = doc("/invocations (SageMaker style): admitted as chat, completions or embeddings by its "
                             "body (`messages`, `prompt` or `prompt_embeds`, `input`), each under its own switch; a "
                             "body with both `messages` and a prompt is refused (400), since vLLM runs it as "
-                            "completions whenever its chat reading fails validation.", True)
+                            "completions whenever its chat reading fails validation, and so is one whose "
+                            "`messages` is null, a number or a boolean beside a prompt or without `input` (vLLM "
+                            "refuses it, 400, rather than try completions).", True)
     embeddings: bool = doc("/v1/embeddings, /pooling, /classify, /score, /v1/score, /rerank, /v1/rerank, "
                            "/v2/rerank: prefill-only cost (all text in the body, an image, audio or video part at "
                            "its fixed count as in a chat, a score or rerank query once per "

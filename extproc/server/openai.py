@@ -310,9 +310,17 @@ def _invocation_kind(doc: dict[str, Any]) -> Endpoint:
     body as the first request type that validates (chat, then completions, on a generative model), so a body that
     carries both `messages` and a prompt is refused: one whose chat reading fails vLLM's validation anywhere (a
     `messages` of 5, an unknown `tool_choice`) runs as completions, with every prompt of its list generating, while
-    it was charged one chat answer."""
-    chat = doc.get("messages") is not None  # vLLM's chat request needs a list there
+    it was charged one chat answer. A `messages` that is null, a number or a boolean is refused as vLLM refuses it:
+    its chat request's first check loops over `messages`, and the TypeError that raises is not a validation error,
+    so vLLM answers 400 rather than try completions. Only a body read as embeddings (`input`, no prompt) goes on:
+    a pooling model, which has no chat request, serves it."""
+    messages = doc.get("messages")
+    chat = isinstance(messages, (list, str, dict))  # vLLM's chat request needs a list there
     completions = _has_prompt(doc)
+    if "messages" in doc and not chat and (completions or "input" not in doc):
+        raise BadRequest(f"/invocations got `messages`: {orjson.dumps(messages).decode()[:40]}, which vLLM reads as "
+                         "a chat request and refuses (its `messages` must be a list). Send a list of messages, or "
+                         "leave `messages` out of a completions body.", "messages")
     if chat and completions:
         raise BadRequest("/invocations got both `messages` (chat) and `prompt` or `prompt_embeds` (completions): "
                          "send one of them.", "messages")

@@ -255,14 +255,31 @@ def test_invocations_refuses_a_body_vllm_could_run_as_chat_or_as_completions(doc
 
 
 @pytest.mark.parametrize("doc,prompts", [({"prompt_embeds": ["AAAA"] * 3, "input": "x"}, 3),
-                                         ({"messages": None, "prompt": ["a", "b"]}, 2),
-                                         ({"prompt": None, "input": "x"}, None)])
+                                         ({"prompt": ["a", "b"]}, 2),
+                                         ({"prompt": None, "input": "x"}, None),
+                                         ({"messages": None, "input": "x"}, None)])
 def test_invocations_reads_a_prompt_as_vllm_does(doc, prompts):
     # prompt_embeds alone is a completions body to vLLM (it was refused here; with `input` too, it was charged as
-    # an embedding and generated), and a null `messages` or `prompt` is no chat or completions body.
+    # an embedding and generated), and a null `prompt` is no completions body. A null `messages` beside `input`
+    # alone: an embeddings body, which a pooling model (no chat request there) serves.
     body = parse_body(json.dumps({"model": "m", **doc}).encode(), INVOCATIONS, "priority", {"a"})
     assert body.endpoint is (COMPLETIONS if prompts else POOLING)
     assert body.prompts == (prompts or 1)
+
+
+@pytest.mark.parametrize("doc", [{"messages": None, "prompt": ["a", "b"]}, {"messages": None, "prompt": "hi"},
+                                 {"messages": None, "prompt_embeds": ["AAAA"]}, {"messages": None},
+                                 {"messages": 5, "prompt": "hi"}, {"messages": True}, {"messages": 1.5},
+                                 {"messages": None, "prompt": "hi", "input": "x"}])
+def test_invocations_refuses_a_messages_vllm_cannot_iterate(doc):
+    # vLLM 0.32's /invocations tries its chat request first, whose first before-validator loops over `messages`: a
+    # null, number or boolean there raises TypeError, which its router does not catch as a validation error (it
+    # would go on to completions), so vLLM answers 400 "'NoneType' object is not iterable" (body_readings.json).
+    # The gateway read `messages: null` plus a prompt as completions and admitted it, a slot held for that 400.
+    with pytest.raises(BadRequest) as e:
+        parse_body(json.dumps({"model": "m", **doc}).encode(), INVOCATIONS, "priority", {"a"})
+    assert (e.value.status, e.value.param, e.value.code) == (400, "messages", "invalid_body")
+    assert "must be a list" in e.value.message and json.dumps(doc["messages"]) in e.value.message
 
 
 def test_responses_caps_output_with_max_output_tokens_and_a_degrade_clamps_that_field():
