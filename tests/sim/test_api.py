@@ -452,10 +452,54 @@ async def test_invocations_streams_as_the_endpoint_it_dispatches_to(fleet, http)
 
 
 async def test_malformed_json_is_400(fleet, http):
-    async with http.post(fleet.urls[0] + "/v1/chat/completions", data=b'{"model": ') as resp:
+    async with http.post(fleet.urls[0] + "/v1/chat/completions", data=b'{"model": ',
+                         headers={"content-type": "application/json"}) as resp:
         assert resp.status == 400
         error = (await resp.json())["error"]
     assert error["type"] == "Bad Request" and error["param"] == "body.10"  # vLLM: the offset of the error
+
+
+UNSUPPORTED = {"message": "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
+               "type": "Bad Request", "param": None, "code": 400}
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/invocations",
+                                  "/tokenize", "/detokenize"])
+@pytest.mark.parametrize("content_type, body, error", [
+    ("text/plain", CHAT, UNSUPPORTED),
+    (None, CHAT, UNSUPPORTED),                                  # none at all
+    ("application/x-www-form-urlencoded", CHAT, UNSUPPORTED),
+    ("application/json ;charset=utf-8", CHAT, UNSUPPORTED),     # the media type is read up to `;`, unstripped
+    ("application/vnd.api+json", CHAT, UNSUPPORTED),
+    ("text/plain", b'{"model": ', UNSUPPORTED),                  # ahead of the body's own errors
+    ("application/vnd.api+json", b'{"model": ', "json_invalid"),  # FastAPI parses a +json body first
+])
+async def test_a_body_not_sent_as_application_json_is_refused_as_vllm_refuses_it(fleet, http, path, content_type,
+                                                                                  body, error):
+    # vLLM 0.32's validate_json_request, a dependency of every JSON POST route, answers 400 "Unsupported Media
+    # Type" (its RequestValidationError handler: type "Bad Request", param null) unless the media type is
+    # application/json (checked with vLLM 0.32's own dependency and handlers in its FastAPI app). The simulator
+    # read any body as JSON whatever its Content-Type.
+    raw = json.dumps(body).encode() if isinstance(body, dict) else body
+    headers = {} if content_type is None else {"content-type": content_type}
+    skip = ("content-type",) if content_type is None else ()  # else aiohttp sends application/octet-stream
+    async with http.post(fleet.urls[0] + path, data=raw, headers=headers, skip_auto_headers=skip) as resp:
+        assert resp.status == 400
+        got = (await resp.json())["error"]
+    if error == "json_invalid":
+        if path == "/invocations":  # no body parameter there: the dependency answers first
+            assert got == UNSUPPORTED
+        else:
+            assert "json_invalid" in got["message"] and got["param"] == "body.10", got
+    else:
+        assert got == error
+
+
+@pytest.mark.parametrize("content_type", ["application/json", "application/json; charset=utf-8", "Application/JSON"])
+async def test_application_json_with_parameters_or_in_capitals_is_served(fleet, http, content_type):
+    async with http.post(fleet.urls[0] + "/v1/chat/completions", data=json.dumps(CHAT).encode(),
+                         headers={"content-type": content_type}) as resp:
+        assert resp.status == 200, await resp.text()
 
 
 async def test_unknown_fields_are_ignored(fleet, http):

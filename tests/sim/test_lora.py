@@ -79,7 +79,7 @@ async def test_runtime_load_and_unload_as_vllm_answers(http, tmp_path):
             err = (await resp.json())["error"]
             assert resp.status == 404 and err == {"message": "The lora adapter 'late-lora' cannot be found.",
                                                   "type": "NotFoundError", "param": None, "code": 404}
-        async with http.post(url + "/v1/unload_lora_adapter", data=b"{}") as resp:
+        async with http.post(url + "/v1/unload_lora_adapter", json={}) as resp:
             assert resp.status == 400 and (await resp.json())["error"]["param"] == "body.lora_name"
 
 

@@ -7,6 +7,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.tools.sim.fleet import SimFleet
 
+JSON = {"content-type": "application/json"}  # vLLM refuses a JSON POST without it (the simulator too)
+
 EXPECTED = {
     "vllm:num_requests_running": "gauge",
     "vllm:num_requests_waiting": "gauge",
@@ -96,7 +98,7 @@ async def test_a_request_an_idle_engine_takes_at_once_is_never_scraped_as_waitin
     await asyncio.sleep(0)  # the engine loop parks, idle
     model = replica.profile.model_names[0]
     body = b'{"model": "%s", "prompt": "hi", "max_tokens": 50}' % model.encode()
-    replica.handle(HttpRequest("POST", "/v1/completions", "", {}, body), ResponseWriter(_Conn(), True))
+    replica.handle(HttpRequest("POST", "/v1/completions", "", JSON, body), ResponseWriter(_Conn(), True))
     scrape = _Conn()
     replica.handle(HttpRequest("GET", "/metrics", "", {}, b""), ResponseWriter(scrape, True))
     assert scrape.out == b""  # held for the step the woken loop is about to take
@@ -134,7 +136,7 @@ async def test_a_request_that_arrives_while_the_engine_lags_behind_the_clock_has
     model = replica.profile.model_names[0]
     body = b'{"model": "%s", "prompt": "hi", "max_tokens": 3, "ignore_eos": true}' % model.encode()
     conn = _Conn()
-    replica.handle(HttpRequest("POST", "/v1/completions", "", {}, body), ResponseWriter(conn, True))
+    replica.handle(HttpRequest("POST", "/v1/completions", "", JSON, body), ResponseWriter(conn, True))
     engine = replica.engine
     while engine.has_work:
         replica._sim_t += engine.begin_iteration(replica._sim_t)

@@ -62,6 +62,31 @@ def _check_messages_iterable(body: dict) -> None:
 VALIDATION_ERROR = "Bad Request"
 
 
+UNSUPPORTED_MEDIA_TYPE = "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed"
+
+
+def check_json_request(headers: dict[str, str], raw: bytes, body_param: bool = True) -> None:
+    """vLLM 0.32's validate_json_request, a dependency of every JSON POST route (chat, completions, responses,
+    /invocations, tokenize, the LoRA updates): a Content-Type whose media type is not exactly `application/json`
+    (lower-cased; parameters after `;` ignored; none at all included) is answered 400 "Unsupported Media Type", type
+    "Bad Request", param null, whatever the body. FastAPI reads a route's body parameter before its dependencies,
+    and parses it as JSON for an `application/*+json` type, so there (not on /invocations, which has no body
+    parameter) a body that is not JSON gets the JSON decode error instead."""
+    content_type = headers.get("content-type", "").lower()
+    media_type = content_type.split(";", 1)[0]
+    if media_type == "application/json":
+        return
+    main, _, sub = media_type.strip().partition("/")
+    if body_param and raw and main == "application" and sub.endswith("+json"):
+        try:
+            json.loads(raw)
+        except json.JSONDecodeError:
+            _json_body(raw)  # its json_invalid answer
+        except ValueError:
+            pass
+    raise ApiError(400, UNSUPPORTED_MEDIA_TYPE, VALIDATION_ERROR)
+
+
 class ApiError(Exception):
     """An error vLLM would return: status plus the OpenAI error object."""
 

@@ -14,9 +14,9 @@ from extproc.tools.sim.lora import Adapter, LoraRegistry
 from extproc.tools.sim.metrics import ReplicaMetrics
 from extproc.tools.sim.openai_api import (ADAPTER_HEADER, CHAT, COMPLETIONS, INVOCATIONS, PRIORITY_HEADER, RESPONSES,
                                           SIM_VERSION, ApiError, GenerationRequest, ResponseRenderer,
-                                          ResponsesRenderer, detokenize_body, error_body, fixed_output_tokens,
-                                          header_priority, models_body, parse_generation, parse_invocation,
-                                          renderer_for, tokenize_body, vllm_json)
+                                          ResponsesRenderer, check_json_request, detokenize_body, error_body,
+                                          fixed_output_tokens, header_priority, models_body, parse_generation,
+                                          parse_invocation, renderer_for, tokenize_body, vllm_json)
 from extproc.tools.sim.profile import Profile
 
 # If the loop falls this far behind simulated time (CPU starved), it stops trying to catch up.
@@ -280,6 +280,7 @@ class Replica:
             return
         update = self.loras.load if path == LORA_PATHS[0] else self.loras.unload
         try:
+            check_json_request(request.headers, request.body)
             writer.send(200, update(request.body).encode(), None)
         except ApiError as exc:
             writer.send(exc.status, exc.body())
@@ -291,6 +292,7 @@ class Replica:
             return
         p = self.profile
         try:
+            check_json_request(request.headers, request.body)
             if path == "/tokenize":
                 writer.send(200, tokenize_body(request.body, p.model_names, p.max_model_len, self.loras))
             else:
@@ -305,6 +307,7 @@ class Replica:
             return
         p = self.profile
         try:
+            check_json_request(request.headers, request.body, body_param=kind != INVOCATIONS)
             if kind == INVOCATIONS:  # chat or completions, by the body
                 parsed = parse_invocation(request.body, request.headers.get(ADAPTER_HEADER), p.model_names,
                                           p.max_model_len, p.default_max_tokens, self.loras)
