@@ -133,9 +133,9 @@ def test_what_if_sessions_retry_a_refused_call_with_backoff_then_end():
     # Overloaded, behind the model of Envoy's adaptive_concurrency (a 503 without Retry-After): a refused call is
     # sent again 0.5 s, then 1 s after its refusal, at most twice; a call still refused ends its session.
     from extproc.tools.demo.baselines import EnvoyAdaptive
-    from extproc.tools.demo.modes import ADAPTIVE_TUNED
+    from extproc.tools.adaptive_concurrency import TUNED
     s = scenario([{"name": "flood", "duration_s": 60, "rate": 12.0}], seed=8)
-    records = what_if(s, EnvoyAdaptive(ADAPTIVE_TUNED), CAPACITY).records
+    records = what_if(s, EnvoyAdaptive(TUNED), CAPACITY).records
     attempts: dict[tuple[str, int], list] = {}
     for r in sorted(records, key=lambda r: (r.start, r.retry)):
         if r.session:

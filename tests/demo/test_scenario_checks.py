@@ -129,12 +129,13 @@ def test_the_shipped_names_work_from_any_directory(tmp_path, monkeypatch):
 
 
 def test_a_scenario_retunes_envoys_filter_for_its_traffic(tmp_path):
-    from extproc.tools.demo.modes import ADAPTIVE_TUNED, parse_modes, with_policies
+    from extproc.tools.adaptive_concurrency import TUNED
+    from extproc.tools.demo.modes import parse_modes, with_policies
     doc = spike_doc()
     doc["envoy_adaptive"] = {"min_rtt_fixed_s": 4.0}
     sc = Scenario.load(str(write(tmp_path, doc)))
     a, b, d = with_policies(parse_modes("a,b,d"), sc.policies, sc.envoy_adaptive)
-    assert b.adaptive == {**ADAPTIVE_TUNED, "min_rtt_fixed_s": 4.0}
+    assert b.adaptive == {**TUNED, "min_rtt_fixed_s": 4.0}
     assert not a.adaptive and not d.adaptive
 
 

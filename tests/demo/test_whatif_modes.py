@@ -9,7 +9,8 @@ import pytest
 from extproc.policy.admission import Admit, RequestFacts
 from extproc.tools.demo import mode_stats, what_if_stats, what_if_tables
 from extproc.tools.demo.baselines import EnvoyAdaptive, GradientController, NoAdmission, admitter_for
-from extproc.tools.demo.modes import ADAPTIVE_TUNED, MODES, with_policies
+from extproc.tools.adaptive_concurrency import TUNED
+from extproc.tools.demo.modes import MODES, with_policies
 from extproc.tools.demo.ordering import (RECORDED_REAL_KV_AGENTS, RECORDED_REAL_RUNS, disagreements, from_summary, ranking, settled_pairs,
                                          window_values)
 from extproc.tools.demo.runner import ModeResult
@@ -55,7 +56,7 @@ def test_the_sample_rtt_is_read_from_envoys_log_linear_histogram():
     assert median.sample_rtt([1.09] * 9) == pytest.approx(1.05)  # and under the latencies at a bin's top
     assert median.sample_rtt([0.09, 1.32, 1.33]) == pytest.approx(1.3333, abs=1e-4)  # the 1st of its bin's 2: 1/3
     # The what-if's seconds at the demo's speed: Envoy bins the wall-clock fifth of them.
-    b = EnvoyAdaptive(ADAPTIVE_TUNED).controller
+    b = EnvoyAdaptive(TUNED).controller
     assert b.sample_rtt([5.06] * 24) == pytest.approx(5 * 1.088)
 
 
@@ -74,8 +75,8 @@ def facts():
 
 
 def test_requests_over_the_limit_get_a_503_at_once_and_a_sample_frees_a_slot():
-    b = EnvoyAdaptive(ADAPTIVE_TUNED)
-    assert b.controller.limit == ADAPTIVE_TUNED["min_concurrency"] == 3  # Envoy starts at min_concurrency
+    b = EnvoyAdaptive(TUNED)
+    assert b.controller.limit == TUNED["min_concurrency"] == 3  # Envoy starts at min_concurrency
     admitted = [b.decide(facts()) for _ in range(3)]
     assert all(isinstance(d, Admit) for d in admitted)
     refused = b.decide(facts())
@@ -90,7 +91,7 @@ def test_requests_over_the_limit_get_a_503_at_once_and_a_sample_frees_a_slot():
 def test_each_mode_gets_its_what_if_model():
     assert isinstance(admitter_for(MODES["a"]), NoAdmission) and admitter_for(MODES["a"]).lb_policy == "round_robin"
     b = admitter_for(MODES["b"])
-    assert isinstance(b, EnvoyAdaptive) and b.interval_s == ADAPTIVE_TUNED["concurrency_update_interval_s"]
+    assert isinstance(b, EnvoyAdaptive) and b.interval_s == TUNED["concurrency_update_interval_s"]
     assert all(admitter_for(MODES[k]).policy for k in "cde")
 
 

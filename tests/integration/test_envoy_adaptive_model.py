@@ -27,7 +27,7 @@ import pytest
 from aiohttp import web
 
 from extproc.tools.demo.baselines import EnvoyAdaptive
-from extproc.tools.demo.modes import ADAPTIVE_TUNED
+from extproc.tools.adaptive_concurrency import TUNED
 from extproc.tools.stack import Stack, free_port
 
 # Measures latency through real processes: one test at a time (`make test`'s second part; pyproject's `timing`).
@@ -51,7 +51,7 @@ class Variant:
 
 VARIANTS = {
     # The demo's mode b. 1.01 s sits at the bottom of a decade (Envoy's histogram bins it in [1.0, 1.1) s).
-    "demo": Variant(ADAPTIVE_TUNED, [(0.105, 3.2), (1.01, 5.0), (0.3, 2.5)], 30),
+    "demo": Variant(TUNED, [(0.105, 3.2), (1.01, 5.0), (0.3, 2.5)], 30),
     # Its target (minRTT + 100%) at 1 s, the median, a shorter interval and no ceiling: at 1.3 s the gradient is
     # not clamped, and how the sample RTT is read moves the limit it settles at.
     "median": Variant({"min_rtt_fixed_s": 2.5, "buffer_percent": 100.0, "concurrency_update_interval_s": 2.5,

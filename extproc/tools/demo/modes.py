@@ -46,13 +46,9 @@ class Mode:
     adaptive: dict[str, Any] = field(default_factory=dict)
 
 
-# Mode b's knobs (Envoy's adaptive_concurrency, tuned as docs/demo.md explains): the real stack renders them and the
-# what-if models them from this one dict; Envoy's defaults fill the knobs it leaves out, on both sides.
-ADAPTIVE_TUNED = TUNED
-
 MODES = {
     "a": Mode("a", "round robin, no admission control", "plain", lb_policy="ROUND_ROBIN"),
-    "b": Mode("b", "Envoy adaptive_concurrency", "adaptive", adaptive=ADAPTIVE_TUNED),
+    "b": Mode("b", "Envoy adaptive_concurrency", "adaptive", adaptive=TUNED),
     "c": Mode("c", "static per-class caps (playbook)", "extproc", policy="policies/demo-static.yaml"),
     "d": Mode("d", "our policy (pool-wide limit, strict priority)", "extproc", policy="policies/demo-full.yaml"),
     "e": Mode("e", "per-class adaptive caps (AIMD on the SLO and vLLM saturation)", "extproc",

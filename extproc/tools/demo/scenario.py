@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from extproc.policy.schema import PolicyError, read_policy_doc
+from extproc.tools.adaptive_concurrency import TUNED
 from extproc.tools.loadgen import ENDPOINTS, PlannedRequest, RequestKind, SessionShape, Workload, plan_arrivals
 from extproc.tools.sim.engine import SCHEDULING_POLICIES
 from extproc.tools.sim.openai_api import ApiError, ignores_eos
@@ -15,7 +16,7 @@ from extproc.tools.sim.profile import load_profile
 from extproc.tools.sim.replica import FAULT_KEYS, fault_value
 
 from .capacity import closed_loop_mix
-from .modes import ADAPTIVE_TUNED, MODES
+from .modes import MODES
 
 
 @dataclass(frozen=True)
@@ -53,10 +54,10 @@ WHATIF_FAULTS = frozenset({"slowdown", "draining", "hang"})
 
 
 def _envoy_adaptive(d: Any) -> dict[str, float]:
-    """A scenario's knobs for mode b, over ADAPTIVE_TUNED's."""
+    """A scenario's knobs for mode b, over adaptive_concurrency.TUNED's."""
     if d is None:
         return {}
-    _check_keys(d, "envoy_adaptive.", frozenset(ADAPTIVE_TUNED))
+    _check_keys(d, "envoy_adaptive.", frozenset(TUNED))
     out = {}
     for k, v in d.items():
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
@@ -216,8 +217,8 @@ class Scenario:
     windows: dict[str, list[str]] | None = None
     # Mode key -> policy file for this traffic (extproc.tools.demo.modes.MODES' policy where not given).
     policies: dict[str, str] = field(default_factory=dict)
-    # Mode b's Envoy adaptive_concurrency knobs for this traffic, over modes.ADAPTIVE_TUNED (tuned on the spike's
-    # 1-2 s requests: a fixed 1 s minimum RTT refuses most of a mix whose requests last 10 s).
+    # Mode b's Envoy adaptive_concurrency knobs for this traffic, over adaptive_concurrency.TUNED (tuned on the
+    # spike's 1-2 s requests: a fixed 1 s minimum RTT refuses most of a mix whose requests last 10 s).
     envoy_adaptive: dict[str, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)  # what the demo prints before it runs
     # The kinds the SLO is judged on (`slo.kinds`: several tenants of one class, each its own kind for the
