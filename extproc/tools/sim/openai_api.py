@@ -28,14 +28,15 @@ MAX_N_SEQUENCES_ENV, MAX_N_SEQUENCES = "VLLM_MAX_N_SEQUENCES", 16384
 MAX_PROMPTS_ENV, MAX_PROMPTS = "VLLM_MAX_COMPLETION_PROMPTS", 1024
 
 
-def max_n_sequences() -> int:
-    return int(os.environ.get(MAX_N_SEQUENCES_ENV, str(MAX_N_SEQUENCES)))
+def vllm_bound(env: str, default: int) -> int:
+    """One of vLLM's bounds from the environment, as vLLM's envs reads it at the request (tests set it)."""
+    return int(os.environ.get(env, str(default)))
 
 
 def _check_prompt_list_length(body: dict) -> None:
     """vLLM's CompletionRequest.validate_prompt_list_length: a list of prompts (not one prompt of token ids) longer
     than VLLM_MAX_COMPLETION_PROMPTS is 400."""
-    most = int(os.environ.get(MAX_PROMPTS_ENV, str(MAX_PROMPTS)))
+    most = vllm_bound(MAX_PROMPTS_ENV, MAX_PROMPTS)
     for field in ("prompt", "prompt_embeds"):
         value = body.get(field)
         if not isinstance(value, list) or len(value) <= most:
@@ -565,7 +566,7 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
     n = 1 if n is None else n
     if n < 1:
         raise ApiError(400, f"n must be at least 1, got {n}.")
-    if n > (max_n := max_n_sequences()):
+    if n > (max_n := vllm_bound(MAX_N_SEQUENCES_ENV, MAX_N_SEQUENCES)):
         raise ApiError(400, f"n must be at most {max_n}, got {n}. To increase this limit, set the "
                             f"{MAX_N_SEQUENCES_ENV} environment variable.")
     if not _bool_field(body, "use_beam_search"):  # beam search builds no SamplingParams (recorded: served)
