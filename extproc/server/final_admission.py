@@ -63,8 +63,14 @@ class FinalAdmission:
         w = self.waiter
         if w.pending:
             self._verdict = asyncio.get_running_loop().create_future()
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the result of a future that completed
+            # in the loop turn its task was cancelled in, losing the cancel (python/cpython#86296; 3.12 rebuilt
+            # wait_for on asyncio.timeout, python/cpython#98518). A grant in the turn the client left would be
+            # forwarded for a client that is gone; here the cancel goes on, and the stream's end gives the grant
+            # back (give_back) as it does any grant that came in the instant the client left.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._verdict, max(w.deadline - self.core.clock(), 0.0))
+                async with asyncio.timeout(max(w.deadline - self.core.clock(), 0.0)):
+                    await self._verdict
         return self._leave_queue(timed_out=True)  # no effect when the queue has already answered
 
     def _leave_queue(self, timed_out: bool) -> Decision:

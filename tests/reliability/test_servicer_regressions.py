@@ -235,3 +235,38 @@ def test_a_stream_that_fails_after_the_admission_is_the_ext_procs_error_not_a_cl
     core.reap()
     assert ended == [Outcome.EXTPROC_ERROR]
     assert breaker_samples(core, clock.now) == {"latency": 0, "error": 0}
+
+
+def test_a_reset_in_the_instant_the_queue_grants_the_request_is_not_forwarded_and_is_accounted_once():
+    """A queued request granted its slot in the loop turn Envoy reset its stream: Python 3.11's asyncio.wait_for
+    returned the grant and dropped the cancel (python/cpython#86296), so the admission was written for a client
+    that had gone and the request went upstream. The handler is cancelled, nothing is written for the body, and
+    the grant is closed once, as the client's abort."""
+    async def run():
+        core = AdmissionController(make_policy(classes={"interactive": {"max_concurrency": 1, "max_queue": 1,
+                                                                        "max_wait_ms": 5000}}, tenants=[]))
+        closed = []
+        finish = core.finish
+        core.finish = lambda ticket, outcome=Outcome.ENDED: closed.append((ticket, outcome)) or finish(ticket, outcome)
+        servicer = ExtProcServicer(core, on_error=lambda: None)
+        first, queued = HeldCtx(generation(b'{"model": "llama"}')), HeldCtx(generation(b'{"model": "llama"}'))
+        running = asyncio.create_task(servicer.Process(None, first))
+        while not first.reads:
+            await asyncio.sleep(0)
+        (ticket,) = core.tickets.values()
+        waiting = asyncio.create_task(servicer.Process(None, queued))
+        while core.snapshot()["interactive"]["queue"] != 1 or len(queued.writes) < 2:
+            await asyncio.sleep(0)
+        written = len(queued.writes)  # the headers' answer and the message-timeout extension
+        core.finish(ticket, Outcome.OK)  # the first request ends: the queue grants the second its slot ...
+        waiting.cancel()                 # ... in the instant Envoy resets the second's stream
+        await asyncio.wait([waiting], timeout=2.0)
+        assert waiting.cancelled() and len(queued.writes) == written
+        granted = [t for t, _ in closed if t is not ticket]
+        assert len(granted) == 1 and granted[0].stream_outcome is Outcome.CLIENT_ABORT and granted[0].closed
+        assert core.snapshot()["interactive"]["inflight"] == 0 and not core.tickets
+        running.cancel()
+        first.more.set_result(EOF)
+        await asyncio.gather(running, return_exceptions=True)
+
+    asyncio.run(run())

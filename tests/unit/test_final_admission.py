@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from extproc.policy.admission import ACCEPT, QUEUE, REJECT, AdmissionController, RequestFacts
 from extproc.policy.limits import Outcome
 from extproc.server.final_admission import FinalAdmission
@@ -58,12 +60,18 @@ class Extensions:
         await asyncio.sleep(0)
 
 
-async def test_a_queue_verdict_is_the_final_admission_when_no_store_gates_it():
-    c = core()
+async def queued_behind_one(c: AdmissionController):
+    """A request queued behind a running one, awaiting its settle(): (the running one, its FinalAdmission, the task)."""
     first = decide(c)
     wait = FinalAdmission(c, None, decide(c))
     settling = asyncio.create_task(wait.settle(Extensions()))
     await asyncio.sleep(0.01)
+    return first, wait, settling
+
+
+async def test_a_queue_verdict_is_the_final_admission_when_no_store_gates_it():
+    c = core()
+    first, wait, settling = await queued_behind_one(c)
     c.finish(first.ticket, Outcome.OK)
     d = await asyncio.wait_for(settling, 1)
     assert d.kind == ACCEPT and d.ticket is not None and wait.waiter is None
@@ -166,3 +174,18 @@ async def test_a_queue_wait_cut_short_by_the_requests_own_deadline_is_extended_o
     d = await asyncio.wait_for(settling, 1)
     assert d.kind == ACCEPT and store.calls == ["try_now", "wait"] and len(extend.seconds) == 1
     assert 0.05 < extend.seconds[0] <= 0.1  # both waits end at arrival + the request's own 100 ms
+
+
+async def test_a_cancel_in_the_loop_turn_the_queue_grants_is_not_lost():
+    # Python 3.11's asyncio.wait_for returned the grant and dropped the cancel (python/cpython#86296): the request
+    # of a client that had gone was forwarded. The cancel goes on, and give_back() hands the grant back once.
+    c = core()
+    first, wait, settling = await queued_behind_one(c)
+    c.finish(first.ticket, Outcome.OK)  # the queue grants it: its verdict is set, the task not yet woken
+    settling.cancel()                   # the client leaves in that same turn
+    with pytest.raises(asyncio.CancelledError):
+        await settling
+    ticket = wait.give_back()
+    assert ticket is not None and not ticket.closed and wait.give_back() is None
+    c.finish(ticket, Outcome.CLIENT_ABORT)
+    assert ticket.closed and c.snapshot()["interactive"]["inflight"] == 0
