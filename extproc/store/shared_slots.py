@@ -159,14 +159,19 @@ class SharedSlots:
         self._waiting.setdefault(claim.cls, deque()).append(w)
         self._pump(claim.cls)
         try:
-            result = await asyncio.wait_for(w.future, max(self.deadline(t) - self.core.clock(), 0.0))
+            # Not wait_for, which on Python 3.11 loses a cancel that lands in the turn the slot is handed over
+            # (FinalAdmission._queue_verdict): the client's leaving goes on, and give_back() frees the slot.
+            async with asyncio.timeout(max(self.deadline(t) - self.core.clock(), 0.0)):
+                await w.future
         except asyncio.CancelledError:
             self._left_head(claim.cls, w)
             raise
         except TimeoutError:
-            return self.core.revoke(d, R_QUEUE_TIMEOUT, say(R_QUEUE_TIMEOUT, cls=claim.cls,
-                                                            where=" across the replicas sharing it",
-                                                            max_wait_ms=t.limiter.spec.max_wait_ms))
+            if w.future.cancelled():  # else the slot came in the turn the deadline passed: it is granted
+                return self.core.revoke(d, R_QUEUE_TIMEOUT, say(R_QUEUE_TIMEOUT, cls=claim.cls,
+                                                                where=" across the replicas sharing it",
+                                                                max_wait_ms=t.limiter.spec.max_wait_ms))
+        result = w.future.result()
         if result is _CLOSED:
             return self._closed(d)
         if result is _REMOVED:

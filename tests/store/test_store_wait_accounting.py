@@ -248,3 +248,32 @@ async def test_a_wait_a_reload_revokes_under_keys_only_is_refused_as_its_local_q
     lim = r.core.limiters["interactive"]
     assert (lim.inflight, lim.reserved) == (0, 0) and not r.core.tickets and not store.slots["interactive"]
     await r.close()
+
+
+async def test_a_cancel_in_the_loop_turn_the_store_hands_the_slot_over_is_not_lost():
+    # Python 3.11's asyncio.wait_for returned the slot and dropped the cancel (python/cpython#86296): the request of
+    # a client that had gone was forwarded. The cancel goes on, and give_back() frees the global slot, once.
+    store = FakeStore()
+    r = replica(store, CollectorRegistry())
+    await r.start()
+    store.slots["interactive"] = {f"other:{i}" for i in range(4)}  # another replica holds the whole cap
+    fa, task = await settle(r)
+    await until(lambda: r.core.limiters["interactive"].reserved, holds=lambda n: n == 1)
+    take = store.acquire
+
+    async def acquire_as_the_client_leaves(claim):
+        granted = await take(claim)
+        if granted:  # the cancel runs in the turn the queue's pump hands this slot over, before the waiter wakes
+            asyncio.get_running_loop().call_soon(task.cancel)
+        return granted
+
+    store.acquire = acquire_as_the_client_leaves
+    store.slots["interactive"].discard("other:0")
+    r._wake("interactive")
+    await asyncio.wait([task], timeout=2.0)
+    assert task.cancelled()
+    assert fa.give_back() is None
+    assert await until(lambda: len(store.slots["interactive"]), holds=lambda n: n == 3) == 3
+    lim = r.core.limiters["interactive"]
+    assert not r.held and (lim.inflight, lim.reserved) == (0, 0) and not r.core.tickets
+    await r.close()
