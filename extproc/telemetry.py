@@ -387,6 +387,7 @@ class Telemetry:
         for cls in core.policy.classes:
             self.duration[(cls, "lease_expired")]
             self.duration[(cls, "upstream_error")]  # ExtprocUpstreamErrors rates it
+            self.duration[(cls, "not_routed")]      # ExtprocRequestsNotRouted
 
     # --- scrape-time gauges ---
 

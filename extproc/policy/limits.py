@@ -68,6 +68,10 @@ class Outcome(enum.Enum):
     # failed or answered past message_timeout, with failure_mode_allow: false). Neither the replica's nor the
     # client's: no breaker counts it.
     EXTPROC_ERROR = "ext_proc_error"
+    # Envoy answered it itself, from its own configuration, without asking a replica: no such cluster (a model
+    # routed to a cluster Envoy lacks), no route, a route's direct_response, a cluster in maintenance mode.
+    # Neither the replicas' failure nor their service: no breaker counts it and no limit learns from it.
+    NOT_ROUTED = "not_routed"
     # Only when no completion report arrives (Envoy's access log not configured): the gRPC stream closed after
     # the request was admitted, which Envoy does the same way for a normal end and a client abort.
     ENDED = "ended"

@@ -120,6 +120,8 @@ class CostLearning:
 
 # Ended before the answer did, by the client, the replica or the ext_proc, with no usage read: the expected output.
 _ENDED_EARLY = (Outcome.CLIENT_ABORT, Outcome.UPSTREAM_ERROR, Outcome.EXTPROC_ERROR)
+# Ended by the ext_proc's own failure, or answered by Envoy itself without a replica (no such cluster, no route).
+_NOT_THE_POOLS = (Outcome.EXTPROC_ERROR, Outcome.NOT_ROUTED)
 
 
 class PoolLearning:
@@ -130,8 +132,8 @@ class PoolLearning:
         self.pool_breakers = state.pool_breakers
 
     def completed(self, c: Completed) -> None:
-        if not c.speaks_for_its_pool or c.outcome is Outcome.EXTPROC_ERROR:
-            return  # the ext_proc's own failure: the time to it and the error say nothing of the pool
+        if not c.speaks_for_its_pool or c.outcome in _NOT_THE_POOLS:
+            return  # the time to it and the error say nothing of the pool
         t, outcome = c.ticket, c.outcome
         limit = t.limiter.controller
         # The limits steer on the pool's service time: our own queueing is not the pool's, and a limit that read

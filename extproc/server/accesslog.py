@@ -98,11 +98,22 @@ _ANSWERED = (Outcome.OK, Outcome.UPSTREAM_ERROR)  # a client abort says nothing 
 # Response flags meaning the upstream side failed the request (it may still have sent a 200 first).
 _UPSTREAM_FLAGS = ("upstream_remote_reset", "upstream_connection_failure", "upstream_connection_termination",
                    "upstream_request_timeout", "no_healthy_upstream", "upstream_overflow", "upstream_protocol_error",
-                   "no_cluster_found", "upstream_max_stream_duration_reached", "stream_idle_timeout")
+                   "upstream_max_stream_duration_reached", "stream_idle_timeout")
 _CLIENT_FLAGS = ("downstream_connection_termination", "downstream_remote_reset")
 # Envoy's response code details when its ext_proc filter failed the request: with failure_mode_allow: false, a
 # failed stream or an answer past message_timeout (504), which Envoy answers itself.
 _EXTPROC_FAILED = "ext_proc_error"
+# Envoy's response code details (and flags) when its router answered an admitted request itself because of its own
+# configuration, without asking a replica: no cluster of the name the ext_proc routed to (503, flag NC: a typo in
+# the policy's models.<name>.cluster, or a cluster not deployed yet), no route or route table after the ext_proc
+# cleared the route cache (404, flag NR), a route's direct_response, or a cluster put in maintenance mode (503,
+# flag UO, which Envoy also sets for its circuit breakers' overflow: the details tell them apart). Not the
+# replicas': a typo must not open a healthy pool's error breaker, nor teach its limit an instant's latency.
+# Envoy's other local replies after an admission are the pool's (no_healthy_upstream, upstream timeouts and
+# resets, its circuit breakers) or come with a flag above (a client's reset).
+_NOT_ROUTED = frozenset(("cluster_not_found", "route_not_found", "route_configuration_not_found", "direct_response",
+                         "maintenance_mode"))
+_NOT_ROUTED_FLAGS = ("no_cluster_found", "no_route_found")
 
 
 def outcome_of(entry: accesslog_pb2.HTTPAccessLogEntry) -> tuple[Outcome, int]:
@@ -110,8 +121,11 @@ def outcome_of(entry: accesslog_pb2.HTTPAccessLogEntry) -> tuple[Outcome, int]:
     status = entry.response.response_code.value
     if any(getattr(flags, f) for f in _CLIENT_FLAGS):
         return Outcome.CLIENT_ABORT, status
-    if entry.response.response_code_details.startswith(_EXTPROC_FAILED):
+    details = entry.response.response_code_details
+    if details.startswith(_EXTPROC_FAILED):
         return Outcome.EXTPROC_ERROR, status
+    if details in _NOT_ROUTED or any(getattr(flags, f) for f in _NOT_ROUTED_FLAGS):
+        return Outcome.NOT_ROUTED, status
     if status >= 500 or any(getattr(flags, f) for f in _UPSTREAM_FLAGS):
         return Outcome.UPSTREAM_ERROR, status
     return Outcome.OK, status

@@ -134,7 +134,7 @@ def envoy_clusters(cfg: dict) -> set[str]:
 
 def _check_clusters(policy: Policy, envoy: str, clusters: set[str]) -> None:
     """A model routed to a cluster Envoy does not have is admitted, then answered 503 `cluster_not_found` by Envoy
-    (and trips its error breaker): a typo that validates on its own."""
+    (outcome not_routed, every request of the model): a typo that validates on its own."""
     errors = [f"models.{name}.cluster: {m.cluster!r} is not a cluster of {envoy} (clusters: "
               f"{', '.join(sorted(clusters))}); Envoy answers its requests 503 cluster_not_found: fix the name or "
               "add the cluster" for name, m in policy.models.items() if m.cluster not in clusters]

@@ -167,17 +167,26 @@ async def test_a_model_routed_to_a_cluster_envoy_lacks_is_a_503_that_says_so_wit
                                                                                                   tmp_path):
     """A valid policy that routes a model to a cluster Envoy does not have (`models.<name>.cluster: "yes"`): the
     ext_proc admits, Envoy answers 503 cluster_not_found itself. A deployment error, not load: the message says so
-    and there is no Retry-After (the catch-all for Envoy's transient 5xx added one, with an empty message)."""
+    and there is no Retry-After (the catch-all for Envoy's transient 5xx added one, with an empty message).
+    Envoy's report of it was filed as the pool's upstream_error: one request opened the class's error breaker
+    (min_requests 1) and the next got the ext_proc's own 503 error_breaker_open. It is `not_routed`."""
     models = {"llama-70b": {"cluster": "yes"}, "llama-8b": {"cluster": "vllm_llama8b"}}
-    s = make_stack(policy_file(tmp_path, models=models, tenants=[], shed={}))
+    classes = {"interactive": {"max_concurrency": 3, "error_breaker": {"window_s": 30, "min_requests": 1,
+                                                                       "cooldown_s": 30}}}
+    s = make_stack(policy_file(tmp_path, models=models, classes=classes, tenants=[], shed={}))
     async with aiohttp.ClientSession() as http:
-        status, headers, text = await post(http, s.url, chat(max_tokens=4))
-        assert status == 503 and headers["x-extproc-decision"] == "accept"
-        assert headers["content-type"] == "application/json" and "retry-after" not in headers, headers
-        err = json.loads(text)["error"]
-        assert err["code"] == "cluster_not_found" and err["type"] == "server_error", err
-        assert "does not have" in err["message"] and "retrying will not help" in err["message"], err
-        assert await until(lambda: equals(inflight(http, s), 0), timeout=3)  # the slot is not kept
+        for attempt in range(2):
+            status, headers, text = await post(http, s.url, chat(max_tokens=4))
+            assert status == 503 and headers["x-extproc-decision"] == "accept", (attempt, status, text)
+            assert headers["content-type"] == "application/json" and "retry-after" not in headers, headers
+            err = json.loads(text)["error"]
+            assert err["code"] == "cluster_not_found" and err["type"] == "server_error", err
+            assert "does not have" in err["message"] and "retrying will not help" in err["message"], err
+            assert await until(lambda: equals(inflight(http, s), 0), timeout=3)  # the slot is not kept
+            assert await sample_once(http, s.metrics_url, "extproc_request_duration_seconds_count", attempt + 1,
+                                     outcome="not_routed") == attempt + 1
+        assert sample(await metrics(http, s.metrics_url), "extproc_request_duration_seconds_count",
+                      outcome="upstream_error") == 0
         assert (await post(http, s.url, chat(model="llama-8b")))[0] == 200
 
 async def test_a_thousand_clients_aborting_at_random_moments_leak_nothing(make_stack, tmp_path):

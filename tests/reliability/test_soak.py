@@ -114,7 +114,7 @@ async def test_soak(make_stack, tmp_path, sims):
               "client_outcomes": dict(outcomes), "decisions": decisions,
               "accounted": {o: sample(ms, "extproc_request_duration_seconds_count", outcome=o)
                             for o in ("ok", "client_abort", "upstream_error", "ended", "lease_expired",
-                                      "ext_proc_error")},
+                                      "ext_proc_error", "not_routed")},
               "rss_kib_warm": statistics.median(warm), "rss_kib_end": statistics.median(last),
               "rss_kib_max": max(k for _, k in rss), "rss_growth_pct": round(100 * growth, 2),
               "stream_errors": sample(ms, "extproc_stream_errors_total"), "final_classes": snap,

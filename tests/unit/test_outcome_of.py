@@ -1,9 +1,13 @@
 """How an admitted request ended, read from Envoy's access log entry (extproc/server/accesslog.py: outcome_of)."""
 
+import pytest
 from envoy.data.accesslog.v3 import accesslog_pb2
 
+from extproc.policy.admission import ACCEPT, AdmissionController, RequestFacts
 from extproc.policy.limits import Outcome
-from extproc.server.accesslog import outcome_of
+from extproc.policy.schema import load_policy
+from extproc.server.accesslog import completion_of, outcome_of
+from tests.conftest import FakeClock
 
 
 def entry(status: int, details: str = "via_upstream", **flags: bool) -> accesslog_pb2.HTTPAccessLogEntry:
@@ -29,3 +33,48 @@ def test_the_replicas_errors_and_the_clients_aborts_stay_theirs():
                             upstream_connection_failure=True)) == (Outcome.UPSTREAM_ERROR, 503)
     assert outcome_of(entry(0, "ext_proc_error_gRPC_error_13{boom}", downstream_remote_reset=True)) == \
         (Outcome.CLIENT_ABORT, 0)
+
+
+def test_envoys_own_answer_from_its_configuration_is_not_the_replicas_error():
+    """A model routed to a cluster Envoy lacks (a typo in models.<name>.cluster) is answered 503 cluster_not_found
+    (flag NC) by Envoy itself: it was filed as upstream_error and opened the class's error breaker on a healthy
+    pool. No route, a route's direct response, a cluster in maintenance mode: Envoy's too, no replica asked."""
+    assert outcome_of(entry(503, "cluster_not_found", no_cluster_found=True)) == (Outcome.NOT_ROUTED, 503)
+    assert outcome_of(entry(503, "", no_cluster_found=True)) == (Outcome.NOT_ROUTED, 503)  # flag alone
+    assert outcome_of(entry(404, "route_not_found", no_route_found=True)) == (Outcome.NOT_ROUTED, 404)
+    assert outcome_of(entry(404, "route_configuration_not_found")) == (Outcome.NOT_ROUTED, 404)
+    assert outcome_of(entry(503, "direct_response")) == (Outcome.NOT_ROUTED, 503)
+    assert outcome_of(entry(200, "direct_response")) == (Outcome.NOT_ROUTED, 200)
+    assert outcome_of(entry(503, "maintenance_mode", upstream_overflow=True)) == (Outcome.NOT_ROUTED, 503)
+    # The same flag from Envoy's circuit breakers, and the pool's own failures, stay the pool's.
+    assert outcome_of(entry(503, "upstream_reset_before_response_started{overflow}", upstream_overflow=True)) == \
+        (Outcome.UPSTREAM_ERROR, 503)
+    assert outcome_of(entry(503, "no_healthy_upstream", no_healthy_upstream=True)) == (Outcome.UPSTREAM_ERROR, 503)
+    assert outcome_of(entry(0, "cluster_not_found", no_cluster_found=True, downstream_remote_reset=True)) == \
+        (Outcome.CLIENT_ABORT, 0)
+
+
+@pytest.mark.parametrize("status, details, flag", [(503, "cluster_not_found", "no_cluster_found"),
+                                                  (404, "route_not_found", "no_route_found")])
+def test_a_request_envoy_answered_without_a_replica_trips_no_breaker_and_teaches_no_limit(status, details, flag):
+    """cluster_not_found was an error of the pool (its breaker opened: refused), route_not_found a request the pool
+    served (its limit learnt an instant's latency)."""
+    clock = FakeClock()
+    core = AdmissionController(load_policy({
+        "classes": {"interactive": {"max_concurrency": 4, "slo_p95_ms": 100, "adaptive": {"enabled": True},
+                                    "error_breaker": {"min_requests": 1}, "latency_breaker": {"min_samples": 1}}},
+        "models": {"llama": {"cluster": "vllm"}}}), clock=clock)
+    limit = core.limiters["interactive"].controller
+    seen = []
+    limit.observe = lambda *args: seen.append(args)
+    for _ in range(3):
+        d = core.decide(RequestFacts(model="llama"))
+        assert d.kind == ACCEPT
+        clock.advance(0.001)
+        assert core.report(d.ticket.id, completion_of(entry(status, details, **{flag: True})))
+        core.finish(d.ticket, Outcome.ENDED)
+    breakers = core.state.pool_breakers("interactive", "vllm")
+    assert {b.kind: b.state for b in breakers} == {"latency": "closed", "error": "closed"}
+    assert [b.window.count(clock()) if b.kind == "latency" else b.window.counts(clock())[0]
+            for b in breakers] == [0, 0]
+    assert seen == [] and core.decide(RequestFacts(model="llama")).kind == ACCEPT

@@ -93,7 +93,7 @@ def test_the_series_an_alert_takes_increase_of_exist_at_zero_from_the_start():
     text = generate_latest(t.registry).decode()
     assert 'extproc_config_reload_total{result="invalid"} 0.0' in text
     for cls in core.policy.classes:
-        for outcome in ("lease_expired", "upstream_error"):
+        for outcome in ("lease_expired", "upstream_error", "not_routed"):
             assert f'extproc_request_duration_seconds_count{{class="{cls}",outcome="{outcome}"}} 0.0' in text
 
 
