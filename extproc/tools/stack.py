@@ -22,6 +22,7 @@ from . import envoyconf, reaper
 
 
 LOWEST_PORT = 10000
+KILL_WAIT_S = 5.0  # how long a process may take to be gone after SIGKILL
 _given: set[int] = set()  # ports this process handed out: not handed out twice before their server binds them
 
 
@@ -94,16 +95,19 @@ class Process:
         return self.popen.poll() is None
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 8.0) -> None:
+        """`sig` to its process group (its own children too), SIGKILL if it has not exited within `timeout`."""
         if not self.alive():
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.popen.pid, sig)
+        self.signal(sig)
         try:
             self.popen.wait(timeout)
         except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.popen.pid, signal.SIGKILL)
-            self.popen.wait(5)
+            self.signal(signal.SIGKILL)
+            self.popen.wait(KILL_WAIT_S)
+
+    def signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, sig)
 
     def tail(self, n: int = 30) -> str:
         try:
@@ -224,9 +228,28 @@ class Stack:
         return self
 
     def stop(self) -> None:
+        """Stop every process, the last started first (Envoy, then the ext_proc(s) it calls, then the upstreams).
+        A stop that raises (a wait that timed out, a Ctrl-C, a signal handler's exception) does not leave the
+        processes after it running: each is still stopped, whatever still runs after that gets SIGKILL, and then
+        the first error is raised, the others added to it as notes."""
+        errors: list[BaseException] = []
         for proc in reversed(self.processes):
-            proc.stop()
+            try:
+                proc.stop()
+            except BaseException as e:  # noqa: BLE001 - raised below, once every process is stopped
+                errors.append(e)
+        for proc in self.processes:
+            try:
+                if proc.alive():
+                    proc.signal(signal.SIGKILL)
+                    proc.popen.wait(KILL_WAIT_S)
+            except BaseException as e:  # noqa: BLE001 - the same
+                errors.append(e)
         self.processes.clear()
+        if errors:
+            for later in errors[1:]:
+                errors[0].add_note(f"stopping the stack also raised {later!r}")
+            raise errors[0]
 
     def __enter__(self) -> "Stack":
         return self.start()

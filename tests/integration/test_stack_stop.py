@@ -1,0 +1,67 @@
+"""Stack.stop stops every process of the stack, whatever one of them does: one stop that raised (a wait that timed
+out, a Ctrl-C during it) used to skip the processes after it, and they ran on (under `extproc stack` or the demo,
+until the process itself exited)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+
+import pytest
+
+from extproc.tools import reaper
+from extproc.tools.stack import Process, Stack
+from tests.conftest import until
+from tests.integration.test_stack_cli import _children
+
+
+@pytest.fixture
+def stack(tmp_path):
+    """A Stack of no server, for processes the test spawns; whatever the test leaves running is killed after it."""
+    s = Stack(tmp_path, {})
+    spawned: list[Process] = []
+    spawn = s.spawn
+    s.spawn = lambda *args, **kwargs: spawned.append(spawn(*args, **kwargs)) or spawned[-1]
+    yield s
+    for proc in spawned:
+        if proc.alive():
+            os.killpg(proc.popen.pid, signal.SIGKILL)
+            proc.popen.wait(5)
+
+
+def raises(error: BaseException):
+    """A Process.stop that raises `error`."""
+    def stop(*args, **kwargs):
+        raise error
+    return stop
+
+
+@pytest.mark.parametrize("error", [subprocess.TimeoutExpired("sleep", 8.0), KeyboardInterrupt()],
+                         ids=["timeout", "ctrl-c"])
+def test_a_stop_that_raises_leaves_no_process_of_the_stack_running(stack, monkeypatch, error):
+    first = stack.spawn("first", ["sleep", "60"])
+    # A shell and its own child (the process group a stop signals: an ext_proc's workers, a simulator's replicas).
+    middle = stack.spawn("middle", ["sh", "-c", "sleep 60 & wait"])
+    last = stack.spawn("last", ["sleep", "60"])
+    pids = [first.popen.pid, middle.popen.pid, *asyncio.run(until(lambda: _children(middle.popen.pid))), last.popen.pid]
+    assert len(pids) == 4
+
+    monkeypatch.setattr(middle, "stop", raises(error))  # before it has stopped anything
+    with pytest.raises(type(error)) as raised:
+        stack.stop()  # the last started first: `last`, then `middle` raises, then `first`
+    assert raised.value is error  # the first error, raised once the rest are stopped
+    assert [p for p in map(reaper.running, pids) if p] == []
+    assert stack.processes == []
+
+
+def test_every_error_is_told(stack, monkeypatch):
+    """Two stops that raise: the first error is raised and names the second."""
+    procs = [stack.spawn(f"p{i}", ["sleep", "60"]) for i in range(3)]
+    for i, proc in enumerate(procs[:2]):
+        monkeypatch.setattr(proc, "stop", raises(OSError(f"stop {i} failed")))
+    with pytest.raises(OSError, match="stop 1 failed") as raised:
+        stack.stop()
+    assert any("stop 0 failed" in note for note in raised.value.__notes__)
+    assert [p for p in (reaper.running(p.popen.pid) for p in procs) if p] == []
