@@ -103,6 +103,16 @@ def running(pid: int) -> Found | None:
     return Found(pid, _cmdline(pid)) if stat is not None and stat[0] != "Z" else None
 
 
+def in_group(pgid: int) -> list[Found]:
+    """The living processes (not zombies) of process group `pgid`."""
+    try:
+        pids = [int(e.name) for e in os.scandir("/proc") if e.name.isdigit()]
+    except OSError:
+        return []
+    return [Found(pid, _cmdline(pid)) for pid in pids
+            if (stat := _stat(pid)) is not None and stat[0] != "Z" and int(stat[2]) == pgid]
+
+
 def _cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:

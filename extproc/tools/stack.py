@@ -85,6 +85,40 @@ def wait_http(url: str, timeout: float = 30.0, ok=(200,), proc: subprocess.Popen
     raise TimeoutError(f"{url} not ready after {timeout}s: {last}")
 
 
+def stop_group(popen: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 8.0) -> None:
+    """Stop the process group `popen` leads (a process started in a session of its own, with its children: the
+    workers of `extproc serve --workers N`): `sig` to the group, and SIGKILL to whatever of it still runs once the
+    leader has exited (a child it left) or `timeout` has passed (the leader too). The leader is reaped last: until
+    then its pid, the group's id, cannot be given to another process, so no other group is signalled. Returns once
+    nothing of the group runs, or KILL_WAIT_S after the SIGKILL (subprocess.TimeoutExpired if the leader runs on)."""
+    if popen.returncode is not None:  # reaped already: nothing of its group can be told apart safely
+        return
+    _signal_group(popen.pid, sig)
+    deadline = time.monotonic() + timeout
+    while not _exited(popen) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    _signal_group(popen.pid, signal.SIGKILL)
+    deadline = time.monotonic() + KILL_WAIT_S
+    while reaper.in_group(popen.pid) and time.monotonic() < deadline:  # SIGKILL takes a moment to end a process
+        time.sleep(0.02)
+    popen.wait(KILL_WAIT_S)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
+
+
+def _exited(popen: subprocess.Popen) -> bool:
+    """Whether the process has exited, without reaping it."""
+    if popen.returncode is not None:
+        return True
+    try:
+        return os.waitid(os.P_PID, popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped by another wait meanwhile
+        return True
+
+
 @dataclass
 class Process:
     name: str
@@ -95,19 +129,7 @@ class Process:
         return self.popen.poll() is None
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 8.0) -> None:
-        """`sig` to its process group (its own children too), SIGKILL if it has not exited within `timeout`."""
-        if not self.alive():
-            return
-        self.signal(sig)
-        try:
-            self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.signal(signal.SIGKILL)
-            self.popen.wait(KILL_WAIT_S)
-
-    def signal(self, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.popen.pid, sig)
+        stop_group(self.popen, sig, timeout)
 
     def tail(self, n: int = 30) -> str:
         try:
@@ -240,9 +262,7 @@ class Stack:
                 errors.append(e)
         for proc in self.processes:
             try:
-                if proc.alive():
-                    proc.signal(signal.SIGKILL)
-                    proc.popen.wait(KILL_WAIT_S)
+                stop_group(proc.popen, signal.SIGKILL, KILL_WAIT_S)
             except BaseException as e:  # noqa: BLE001 - the same
                 errors.append(e)
         self.processes.clear()

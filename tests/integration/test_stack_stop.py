@@ -8,11 +8,12 @@ import asyncio
 import os
 import signal
 import subprocess
+import time
 
 import pytest
 
 from extproc.tools import reaper
-from extproc.tools.stack import Process, Stack
+from extproc.tools.stack import Process, Stack, stop_group
 from tests.conftest import until
 from tests.integration.test_stack_cli import _children
 
@@ -65,3 +66,16 @@ def test_every_error_is_told(stack, monkeypatch):
         stack.stop()
     assert any("stop 0 failed" in note for note in raised.value.__notes__)
     assert [p for p in (reaper.running(p.popen.pid) for p in procs) if p] == []
+
+
+def test_stop_group_stops_what_the_leader_leaves_behind(stack):
+    """The leader exits on SIGTERM; its child ignores SIGTERM and would run on: it gets SIGKILL once the leader is
+    gone, not after the timeout (`extproc serve --workers N`'s supervisor and its workers are such a group)."""
+    proc = stack.spawn("leader", ["sh", "-c", "(trap '' TERM; exec sleep 60) & wait"])
+    pids = [proc.popen.pid, *asyncio.run(until(lambda: _children(proc.popen.pid)))]
+    assert len(pids) == 2
+    t0 = time.monotonic()
+    stop_group(proc.popen, timeout=20)
+    assert time.monotonic() - t0 < 5
+    assert proc.popen.returncode == -signal.SIGTERM  # the leader exited on the SIGTERM
+    assert [p for p in map(reaper.running, pids) if p] == []
