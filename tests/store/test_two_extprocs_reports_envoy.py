@@ -4,20 +4,13 @@ learn every one of its own requests' status and timings, and never another insta
 
 from __future__ import annotations
 
-import asyncio
-import signal
-import subprocess
-import time
-
 import aiohttp
 import pytest
-import yaml
 
-from extproc.tools import envoyconf
-from extproc.tools.stack import Stack, free_port, free_ports, wait_http
+from extproc.tools.stack import Stack, free_port
 from tests.conftest import policy_file, until
 from tests.integration.helpers import chat, metrics, post, sample
-from tests.store.test_workers_envoy import serve
+from tests.store.test_workers_envoy import workers_behind_envoy
 
 REQUESTS = 24  # every third fails upstream
 
@@ -43,27 +36,8 @@ def workers_one_log(tmp_path, upstream, redis_server):
         "interactive": {"max_concurrency": 8, "max_queue": 8, "max_wait_ms": 2000},
         "batch": {"max_concurrency": 8, "max_queue": 8, "max_wait_ms": 2000}}, tenants=[], shed={},
         store={"kind": "redis", "url": redis_server.url, "key_prefix": f"rw{free_port()}:", "timeout_ms": 500})
-    grpc, mport = free_ports(2), free_ports(2)
-    sup = serve(policy, grpc, mport, tmp_path / "extproc.log")
-    listen, admin = free_port(), free_port()
-    cfg = envoyconf.render(envoyconf.load_source(), listen_port=listen, admin_port=admin,
-                           extproc=[("127.0.0.1", grpc), ("127.0.0.1", grpc + 1)],
-                           pools={"vllm_llama70b": [upstream], "vllm_llama8b": [upstream]}, health_check_interval_s=1.0)
-    (tmp_path / "envoy.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    envoy = subprocess.Popen([envoyconf.envoy_binary(), "-c", str(tmp_path / "envoy.yaml"), "--concurrency", "1",
-                              "--log-level", "error", "--base-id", str(admin), "--disable-hot-restart"],
-                             start_new_session=True)
-    try:
-        for port in (mport, mport + 1):
-            wait_http(f"http://127.0.0.1:{port}/healthz", timeout=30, proc=sup)
-        wait_http(f"http://127.0.0.1:{admin}/ready", proc=envoy)
-        time.sleep(2.5)  # Envoy's gRPC health check (1 s interval) marks both workers healthy
-        yield f"http://127.0.0.1:{listen}", [mport, mport + 1]
-    finally:
-        envoy.terminate()
-        envoy.wait(10)
-        sup.send_signal(signal.SIGTERM)
-        sup.wait(20)
+    with workers_behind_envoy(tmp_path, policy, upstream, health_check_interval_s=1.0) as (url, mport, _):
+        yield url, [mport, mport + 1]
 
 
 async def outcomes(http, ports: list[int]) -> list[dict]:

@@ -5,6 +5,7 @@ and each worker's access log brings back the completions of the requests it admi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -13,6 +14,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Iterator
 
 import aiohttp
 import pytest
@@ -21,9 +23,9 @@ import yaml
 from extproc.policy.schema import StoreSpec
 from extproc.store.host_store import HostStore
 from extproc.store.redis_store import RedisStore
-from extproc.tools import envoyconf
-from extproc.tools.stack import free_port, free_ports, wait_http
-from tests.conftest import policy_file, until
+from extproc.tools import envoyconf, reaper
+from extproc.tools.stack import free_port, free_ports, stop_group, wait_http
+from tests.conftest import policy_file, stop_process, until
 from tests.integration.helpers import chat, metrics, post, sample, sample_once, upstream_reset, upstream_stats
 
 CAP = 4
@@ -44,10 +46,38 @@ def worker(supervisor: int, index: int) -> tuple[int, list[str]]:
 
 
 def serve(policy: Path, grpc: int, metrics_port: int, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "extproc.cli", "serve", "--policy", str(policy),
-                             "--grpc", f"127.0.0.1:{grpc}", "--metrics", f"127.0.0.1:{metrics_port}",
-                             "--drain-s", "0", "--grace-s", "1", "--workers", str(WORKERS)],
-                            stdout=subprocess.DEVNULL, stderr=open(log, "wb"), start_new_session=True)
+    with open(log, "wb") as err:
+        return subprocess.Popen([sys.executable, "-m", "extproc.cli", "serve", "--policy", str(policy),
+                                 "--grpc", f"127.0.0.1:{grpc}", "--metrics", f"127.0.0.1:{metrics_port}",
+                                 "--drain-s", "0", "--grace-s", "1", "--workers", str(WORKERS)],
+                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+
+
+@contextlib.contextmanager
+def workers_behind_envoy(tmp_path: Path, policy: Path, upstream: tuple[str, int],
+                         **render) -> Iterator[tuple[str, int, subprocess.Popen]]:
+    """`extproc serve --workers WORKERS` on `policy` behind one Envoy (envoyconf.render with `render`'s options), both
+    started and ready: yields (Envoy's URL, the first worker's metrics port, the supervisor). Each process's stop is
+    registered as it starts, so a failure anywhere (a start, the test, a stop that raises) leaves neither running:
+    Envoy is stopped first, then the supervisor's whole process group (its workers too)."""
+    grpc, mport = free_ports(WORKERS), free_ports(WORKERS)
+    listen, admin = free_port(), free_port()
+    cfg = envoyconf.render(envoyconf.load_source(), listen_port=listen, admin_port=admin,
+                           extproc=[("127.0.0.1", grpc + i) for i in range(WORKERS)],
+                           pools={"vllm_llama70b": [upstream], "vllm_llama8b": [upstream]}, **render)
+    (tmp_path / "envoy.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    with contextlib.ExitStack() as stops:
+        sup = serve(policy, grpc, mport, tmp_path / "extproc.log")
+        stops.callback(stop_group, sup, timeout=20)
+        envoy = subprocess.Popen([envoyconf.envoy_binary(), "-c", str(tmp_path / "envoy.yaml"), "--concurrency", "1",
+                                  "--log-level", "error", "--base-id", str(admin), "--disable-hot-restart"],
+                                 start_new_session=True)
+        stops.callback(stop_process, envoy, 10.0)
+        for i in range(WORKERS):
+            wait_http(f"http://127.0.0.1:{mport + i}/healthz", timeout=30, proc=sup)
+        wait_http(f"http://127.0.0.1:{admin}/ready", proc=envoy)
+        time.sleep(2.5)  # Envoy's gRPC health check (1 s interval) marks both workers healthy
+        yield f"http://127.0.0.1:{listen}", mport, sup
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -61,29 +91,8 @@ def workers(request, tmp_path, upstream):
     policy = policy_file(tmp_path, classes={"interactive": {"max_concurrency": CAP, "max_queue": 100,
                                                             "max_wait_ms": 10_000},
                                             "batch": {"max_concurrency": 2}}, store=store)
-    grpc, mport = free_ports(WORKERS), free_ports(WORKERS)
-    sup = serve(policy, grpc, mport, tmp_path / "extproc.log")
-    listen, admin = free_port(), free_port()
-    cfg = envoyconf.render(envoyconf.load_source(), listen_port=listen, admin_port=admin,
-                           extproc=[("127.0.0.1", grpc + i) for i in range(WORKERS)],
-                           pools={"vllm_llama70b": [upstream], "vllm_llama8b": [upstream]}, workers=True)
-    (tmp_path / "envoy.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    envoy = subprocess.Popen([envoyconf.envoy_binary(), "-c", str(tmp_path / "envoy.yaml"), "--concurrency", "1",
-                              "--log-level", "error", "--base-id", str(admin), "--disable-hot-restart"],
-                             start_new_session=True)
-    metrics_urls = [f"http://127.0.0.1:{mport + i}" for i in range(WORKERS)]
-    try:
-        for url in metrics_urls:
-            wait_http(f"{url}/healthz", timeout=30, proc=sup)
-        wait_http(f"http://127.0.0.1:{admin}/ready", proc=envoy)
-        time.sleep(2.5)  # Envoy's gRPC health check (1 s interval) marks both workers healthy
-        yield f"http://127.0.0.1:{listen}", metrics_urls, sup, store
-    finally:
-        envoy.terminate()
-        envoy.wait(10)
-        if sup.poll() is None:
-            sup.send_signal(signal.SIGTERM)
-            sup.wait(20)
+    with workers_behind_envoy(tmp_path, policy, upstream, workers=True) as (url, mport, sup):
+        yield url, [f"http://127.0.0.1:{mport + i}" for i in range(WORKERS)], sup, store
 
 
 async def test_two_workers_hold_one_cap_and_each_hears_its_own_completions(workers, upstream):
@@ -187,5 +196,54 @@ def test_a_sighup_at_start_up_kills_no_worker(tmp_path):
             wait_http(f"http://127.0.0.1:{mport + i}/healthz", timeout=30, proc=sup)
         assert sup.poll() is None
     finally:
-        sup.send_signal(signal.SIGTERM)
-        sup.wait(20)
+        stop_group(sup, timeout=20)
+
+
+@pytest.mark.parametrize("failure", ["envoy-start", "envoy-stop"])
+def test_a_failure_in_the_fixture_leaves_no_process(tmp_path, monkeypatch, failure):
+    """Envoy's start raising (here: no binary) or its stop raising (a wait that timed out) once left the supervisor
+    and its workers running: the supervisor was started before the fixture's `try`, and stopped after Envoy's wait
+    within its `finally`."""
+    pids: list[int] = []  # the supervisor's and its workers', recorded when the failure comes
+    sups: list[subprocess.Popen] = []
+    envoys: list[subprocess.Popen] = []
+    real_serve, real_stop = serve, stop_process
+
+    def recorded_serve(*args) -> subprocess.Popen:
+        sups.append(real_serve(*args))
+        return sups[-1]
+
+    def fail(error: BaseException):
+        pids.extend(asyncio.run(until(lambda: with_workers(sups[-1]), timeout=30)))
+        raise error
+
+    def envoy_binary():
+        fail(FileNotFoundError("no envoy here"))
+
+    def stop_that_times_out(proc: subprocess.Popen, grace_s: float):
+        envoys.append(proc)
+        fail(subprocess.TimeoutExpired("envoy", grace_s))
+
+    monkeypatch.setattr(f"{__name__}.serve", recorded_serve)
+    if failure == "envoy-start":
+        monkeypatch.setattr(envoyconf, "envoy_binary", envoy_binary)
+    else:
+        monkeypatch.setattr(f"{__name__}.stop_process", stop_that_times_out)
+    upstream = ("127.0.0.1", free_port())  # nothing is sent
+    try:
+        with pytest.raises(FileNotFoundError if failure == "envoy-start" else subprocess.TimeoutExpired):
+            with workers_behind_envoy(tmp_path, policy_file(tmp_path, store={"kind": "memory"}), upstream):
+                pass
+        assert len(pids) == 1 + WORKERS
+        assert [p for p in map(reaper.running, pids) if p] == []
+    finally:
+        for envoy in envoys:
+            real_stop(envoy, 10.0)
+
+
+def with_workers(sup: subprocess.Popen) -> list[int]:
+    """The pids of the supervisor and of its workers once every worker runs; [] before."""
+    try:
+        return [sup.pid, *(worker(sup.pid, i)[0] for i in range(WORKERS))]
+    except LookupError:
+        return []
