@@ -1,6 +1,6 @@
-"""`extproc stack` (a local stack for poking at by hand): SIGTERM stops it, and Envoy and the ext_proc with it, at
-once and gracefully. They once started with SIGTERM and SIGINT blocked (inherited from the stack's own signal mask),
-so each was SIGKILLed after the 8 s stop timeout instead."""
+"""`extproc stack` (a local stack for poking at by hand): SIGTERM or Ctrl-C (SIGINT) stops it, and Envoy and the
+ext_proc with it, at once and gracefully. They once started with SIGTERM and SIGINT blocked (inherited from the
+stack's own signal mask), so each was SIGKILLed after the 8 s stop timeout instead."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from extproc.tools import reaper
 
@@ -33,7 +35,8 @@ def _blocked_mask(pid: int) -> int:
     raise AssertionError(f"no SigBlk for {pid}")
 
 
-def test_sigterm_stops_the_stack_and_its_children_gracefully(tmp_path, upstream):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_sigterm_or_ctrl_c_stops_the_stack_and_its_children_gracefully(tmp_path, upstream, sig):
     host, port = upstream
     children: list[int] = []
     proc = subprocess.Popen([sys.executable, "-m", "extproc.cli", "stack", "--pool",
@@ -48,7 +51,7 @@ def test_sigterm_stops_the_stack_and_its_children_gracefully(tmp_path, upstream)
         for pid in children:
             assert _blocked_mask(pid) & BLOCKED == 0, f"{pid} starts with SIGTERM/SIGINT blocked"
         t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         assert proc.wait(15) == 0
         assert time.monotonic() - t0 < 6, "a child ignored SIGTERM and waited for the SIGKILL"
         for pid in children:
