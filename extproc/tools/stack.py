@@ -97,10 +97,11 @@ def stop_group(popen: subprocess.Popen, sig: int = signal.SIGTERM, timeout: floa
     deadline = time.monotonic() + timeout
     while not _exited(popen) and time.monotonic() < deadline:
         time.sleep(0.02)
-    _signal_group(popen.pid, signal.SIGKILL)
-    deadline = time.monotonic() + KILL_WAIT_S
-    while reaper.in_group(popen.pid) and time.monotonic() < deadline:  # SIGKILL takes a moment to end a process
-        time.sleep(0.02)
+    if popen.returncode is None:  # not reaped (by a wait elsewhere): the group's id is still its own
+        _signal_group(popen.pid, signal.SIGKILL)
+        deadline = time.monotonic() + KILL_WAIT_S
+        while reaper.in_group(popen.pid) and time.monotonic() < deadline:  # SIGKILL takes a moment to end one
+            time.sleep(0.02)
     popen.wait(KILL_WAIT_S)
 
 
@@ -115,7 +116,8 @@ def _exited(popen: subprocess.Popen) -> bool:
         return True
     try:
         return os.waitid(os.P_PID, popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:  # reaped by another wait meanwhile
+    except ChildProcessError:  # reaped by a wait elsewhere meanwhile: poll() records it (returncode 0)
+        popen.poll()
         return True
 
 
