@@ -304,6 +304,14 @@ limits equal."""),
 **415.** The request carries a `Content-Encoding` other than `identity` (gzip, deflate, br, ...). Neither the
 gateway nor vLLM decompresses request bodies, so a compressed body could not be read for admission and would be
 refused by the replica anyway. Send it uncompressed."""),
+    Reason("unsupported_media_type", "Invalid requests (400, 401, 404, 405, 413, 415, 500)", 400, NO_RETRY,
+           "Unsupported Media Type: Only 'application/json' is allowed ({content_type}).",
+           """\
+**400.** The request's `Content-Type` is not `application/json` (parameters such as `; charset=utf-8` and any
+letter case are fine), or it has none. vLLM refuses such a request with this 400 whatever its body holds, so the
+gateway refuses it before admission rather than hold a slot while the replica answers it. Send
+`Content-Type: application/json` (the OpenAI SDKs and `curl --json` do; `curl -d` sends
+`application/x-www-form-urlencoded`)."""),
     Reason("unknown_url", "Invalid requests (400, 401, 404, 405, 413, 415, 500)", 404, NO_RETRY,
            "Invalid URL ({method} {path}).",
            """\
@@ -393,6 +401,7 @@ R_INVALID_BODY = "invalid_body"
 R_BODY_TOO_LARGE = "body_too_large"
 R_UNKNOWN_URL = "unknown_url"
 R_UNSUPPORTED_ENCODING = "unsupported_content_encoding"
+R_UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
 R_METHOD_NOT_ALLOWED = "method_not_allowed"
 R_UNSUPPORTED_ENDPOINT = "unsupported_endpoint"
 R_ADMISSION_ERROR = "admission_error"

@@ -116,6 +116,16 @@ class RequestBody:
         return bool(self.endpoint.token_fields)
 
 
+def json_media_type(content_type: bytes | None) -> bool:
+    """Whether vLLM 0.32 takes a body sent with this Content-Type. Its validate_json_request, a dependency of every
+    route the gateway admits (chat, completions, responses, /invocations, the pooling and tokenize routes; audio,
+    multipart, is never admitted), refuses with 400 "Unsupported Media Type" whatever the body holds unless the media
+    type, lower-cased and cut at the first `;`, is exactly `application/json`: `application/json; charset=utf-8` and
+    `Application/JSON` pass; a missing header, `text/plain`, `application/json ;x` and `application/x+json` do not.
+    Read on the first Content-Type, as its server (Starlette) reads it."""
+    return content_type is not None and content_type.lower().split(b";", 1)[0] == b"application/json"
+
+
 def parse_body(raw: bytes, endpoint: Endpoint, class_field: str,
                class_names: frozenset[str] | set[str] | dict) -> RequestBody:
     """Parse and type-check the admission-relevant fields. Raises BadRequest with an OpenAI-style message."""

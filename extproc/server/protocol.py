@@ -45,7 +45,7 @@ class RequestHead:
     """What the request headers message says, decoded (Envoy sends header values only in `raw_value`)."""
 
     __slots__ = ("path", "method", "authorization", "api_key", "claim", "request_id", "session", "end_of_stream",
-                 "objective", "fairness_id", "deadline_ms", "content_encoding")
+                 "objective", "fairness_id", "deadline_ms", "content_encoding", "content_type")
 
     def __init__(self) -> None:
         self.path: str | None = None      # without the query string
@@ -60,6 +60,7 @@ class RequestHead:
         self.fairness_id: str | None = None   # the policy's fairness header, when it names one
         self.deadline_ms: float | None = None  # the policy's deadline header: a number of ms >= 0, else None
         self.content_encoding: str | None = None  # other than identity: a compressed body we cannot read
+        self.content_type: bytes | None = None  # the first Content-Type, as vLLM's server reads it; None: absent
 
 
 class HeaderNames:
@@ -103,6 +104,8 @@ def read_request_headers(msg: pb.HttpHeaders, names: HeaderNames) -> RequestHead
             head.fairness_id = h.raw_value.decode("latin-1")[:256] or None
         elif k == names.deadline:
             head.deadline_ms = deadline_ms(h.raw_value)
+        elif k == "content-type" and head.content_type is None:
+            head.content_type = h.raw_value
         elif k == "content-encoding" and h.raw_value.strip().lower() not in (b"", b"identity"):
             head.content_encoding = h.raw_value.decode("latin-1")[:64]
     head.end_of_stream = msg.end_of_stream
@@ -139,6 +142,8 @@ def read_response_headers(msg: pb.HttpHeaders) -> tuple[int, bytes, int | None, 
             content_type = h.raw_value
         elif k == "content-length" and h.raw_value.isdigit():
             length = int(h.raw_value)
+        elif k == "content-type" and head.content_type is None:
+            head.content_type = h.raw_value
         elif k == "content-encoding" and h.raw_value.strip().lower() not in (b"", b"identity"):
             encoded = True
     return status, content_type, length, encoded

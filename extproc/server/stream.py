@@ -16,14 +16,15 @@ from ..policy.limits import Outcome, Ticket
 from ..policy.outcomes import LEARN, UsageSample
 from ..policy.reasons import (R_BODIES_PENDING, R_BODY_TOO_LARGE, R_CONFLICTING_KEYS, R_METHOD_NOT_ALLOWED,
                               R_REQUEST_NOT_SENT, R_UNKNOWN_MODEL, R_UNKNOWN_URL, R_UNSUPPORTED_ENCODING,
-                              R_UNSUPPORTED_ENDPOINT, say)
+                              R_UNSUPPORTED_ENDPOINT, R_UNSUPPORTED_MEDIA_TYPE, say)
 from ..policy.schema import Policy
 from ..store.shared_slots import SharedSlots
 from . import protocol
 from .accesslog import TicketTags
 from .final_admission import FinalAdmission
 from .openai import (ENDPOINTS, MODELS_PATH, BadRequest, Endpoint, RequestBody, degrade_body, dump_json,
-                     empty_body, model_card, models_body, parse_body, sse_from_answer, wants_stream_usage)
+                     empty_body, json_media_type, model_card, models_body, parse_body, sse_from_answer,
+                     wants_stream_usage)
 from .protocol import CONTINUE
 from .usage import (FIRST_TOKEN, UsageReader, responses_usage, split_usage_event, token_counts, usage_of,
                     whole_events)
@@ -262,6 +263,13 @@ class Stream:
         refused = self._refused_key(head, facts)
         if refused is not None:
             return refused
+        if not json_media_type(head.content_type):
+            # vLLM answers this 400 whatever the body (or its absence, or its encoding): admitted, the request held
+            # a slot until the replica did.
+            shown = "this request has no Content-Type" if head.content_type is None else \
+                f"this request's Content-Type is `{head.content_type[:64].decode('latin-1')}`"
+            return self._refuse(BadRequest(say(R_UNSUPPORTED_MEDIA_TYPE, content_type=shown),
+                                           code=R_UNSUPPORTED_MEDIA_TYPE))
         if head.end_of_stream:  # a POST without a body
             return self._refuse(empty_body())
         if head.content_encoding is not None:

@@ -11,7 +11,8 @@ import aiohttp
 from extproc.tools.sim.fleet import SimFleet
 from tests.conftest import policy_file, until
 
-from .helpers import chat, healthz, metrics, post, sample, sample_once, upstream_reset, upstream_stats, wait_idle
+from .helpers import (chat, healthz, metrics, post, raw_request, sample, sample_once, upstream_reset, upstream_stats,
+                      wait_idle)
 
 SLOW = {"x-test-delay-ms": "600"}
 
@@ -104,6 +105,44 @@ async def test_malformed_json_is_400_and_takes_no_slot(make_stack):
         assert status == 404 and "gpt-99" in json.loads(body)["error"]["message"]
         snap = await wait_idle(http, s.metrics_url)
         assert all(c["inflight"] == 0 for c in snap.values())
+
+
+# Requests vLLM 0.32 answers 400 before it runs anything (tests/fixtures/vllm/differential.json, its
+# validate_json_request): (path, Content-Type, body, the error's code, its param).
+VLLM_REFUSES = [
+    ("/v1/chat/completions", b"text/plain", chat(), "unsupported_media_type", None),
+    ("/v1/chat/completions", None, chat(), "unsupported_media_type", None),
+    ("/v1/completions", b"application/x-www-form-urlencoded", {"model": "llama-70b", "prompt": "hi"},
+     "unsupported_media_type", None),
+]
+
+
+async def test_a_request_vllm_refuses_unread_is_refused_before_admission_and_never_reaches_a_replica(make_stack,
+                                                                                                     upstream):
+    # Admitted, each held a slot (and its class's queue) until the replica answered its 400.
+    s = make_stack()
+    async with aiohttp.ClientSession() as http:
+        await upstream_reset(http, upstream)
+        for path, content_type, body, code, param in VLLM_REFUSES:
+            headers = [] if content_type is None else [(b"content-type", content_type)]
+            status, hs, text = await raw_request(s.listen_port, headers, json.dumps(body).encode(), path=path.encode())
+            assert status == 400, (path, content_type, body, text[:300])
+            err = json.loads(text)["error"]
+            assert (err["code"], err["param"], err["type"]) == (code, param, "invalid_request_error"), err
+            assert hs["x-extproc-decision"] == "invalid" and hs["content-type"] == "application/json"
+        async with http.get(f"http://{upstream[0]}:{upstream[1]}/test/seen") as r:
+            assert await r.json() == []  # not one reached the replica
+        snap = await wait_idle(http, s.metrics_url)
+        assert all(c["inflight"] == 0 and c["queue"] == 0 for c in snap.values()), snap
+        ms = await metrics(http, s.metrics_url)
+        assert sample(ms, "extproc_requests_total", decision="invalid") == len(VLLM_REFUSES)
+        assert sample(ms, "extproc_requests_total", decision="accept") == 0
+        # every spelling vLLM takes is admitted
+        for content_type in (b"application/json; charset=utf-8", b"Application/JSON"):
+            status, _, text = await raw_request(s.listen_port, [(b"content-type", content_type)],
+                                                json.dumps(chat()).encode())
+            assert status == 200, (content_type, text[:300])
+        assert (await upstream_stats(http, upstream))["served"] == 2
 
 
 async def test_a_background_response_is_refused_since_it_would_run_after_its_slot_is_freed(make_stack, upstream):

@@ -40,10 +40,16 @@ async def test_malformed_requests_get_clear_4xx_and_take_no_slot(make_stack, tmp
         ("body over the ext_proc limit (200 KB)",
          json.dumps(chat(messages=[{"role": "user", "content": "x" * 200_000}])).encode(), 413, "body_too_large"),
     ]
+    # vLLM refuses a body whose Content-Type is not application/json (any case, parameters allowed) with 400
+    media = [("no content-type", None), ("content-type: text/plain", b"text/plain"),
+             ("content-type: application/x-www-form-urlencoded (curl -d)", b"application/x-www-form-urlencoded")]
+    ours += [(case, json.dumps(chat()).encode(), 400, "unsupported_media_type", ctype) for case, ctype in media]
     table = []
     async with aiohttp.ClientSession() as http:
-        for case, body, status, code in ours:
-            got, headers, text = await raw_request(s.listen_port, [(b"content-type", b"application/json")], body)
+        for case, body, status, code, *ctype in ours:
+            ctype = ctype[0] if ctype else b"application/json"
+            got, headers, text = await raw_request(s.listen_port, [] if ctype is None else [(b"content-type", ctype)],
+                                                   body)
             assert got == status, (case, got, text[:200])
             err = openai_error(text)
             assert code in (err["code"], err["param"]), (case, err)
@@ -93,7 +99,8 @@ async def test_odd_but_legal_headers_are_served_without_privilege_or_crash(make_
         ("non-UTF-8 authorization", [ct, (b"authorization", b"Bearer \xc3\x28\xff"),
                                      (b"x-priority", b"interactive")], {"batch"}),
         ("unknown class x-priority: gold", [ct, (b"x-priority", b"gold")], {"batch"}),
-        ("no content-type", [], {"batch"}),
+        ("content-type: Application/JSON; charset=utf-8", [(b"content-type", b"Application/JSON; charset=utf-8")],
+         {"batch"}),
         ("x-priority: INTERNAL (case, spaces)", [ct, (b"x-priority", b"  INTERNAL ")], {"internal"}),
     ]
     table = []

@@ -17,9 +17,10 @@ from tests.conftest import policy_file, until
 from tests.integration.helpers import chat, equals, healthz, metrics, post, sample, upstream_reset
 
 BODY = json.dumps(chat()).encode()
+JSON = b"content-type: application/json\r\n"  # as vLLM needs it: without, it answers 400 whatever the body
 
 
-def request(body: bytes = BODY, headers: bytes = b"content-type: application/json\r\n", length: bool = True) -> bytes:
+def request(body: bytes = BODY, headers: bytes = JSON, length: bool = True) -> bytes:
     head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: test\r\n" + headers
     if length:
         head += b"content-length: %d\r\n" % len(body)
@@ -70,7 +71,7 @@ async def test_a_compressed_body_is_refused_as_the_clients_error(make_stack, tmp
     async with aiohttp.ClientSession() as http:
         await upstream_reset(http, upstream)
         for encoding in (b"gzip", b"br", b"identity, deflate"):
-            data = request(gzip.compress(BODY), b"content-encoding: %s\r\n" % encoding)
+            data = request(gzip.compress(BODY), JSON + b"content-encoding: %s\r\n" % encoding)
             [(status, headers, body)] = await exchange(s.listen_port, data)
             err = openai_error(body)
             assert (status, err["code"], err["type"]) == (415, "unsupported_content_encoding",
@@ -122,8 +123,7 @@ async def test_odd_framing_and_pipelining_are_admitted_like_any_request_and_leav
     trailers go nowhere, a refusal in a pipeline leaves the requests behind it served or cut (never unadmitted),
     and a body that stops coming holds no slot once its client leaves."""
     s = make_stack(policy_file(tmp_path), extproc_args=["--max-pending-bodies", "2"])
-    ct = b"content-type: application/json\r\n"
-    te = ct + b"transfer-encoding: chunked\r\n"
+    te = JSON + b"transfer-encoding: chunked\r\n"
     forged = b"x-priority: internal\r\nx-extproc-cluster: vllm_llama8b\r\n"
     async with aiohttp.ClientSession() as http:
         await upstream_reset(http, upstream)
@@ -131,15 +131,15 @@ async def test_odd_framing_and_pipelining_are_admitted_like_any_request_and_leav
                 ("one-byte chunks", request(chunked(BODY, 1), te, length=False), [200], 1),
                 ("chunk extensions", request(chunked(BODY, 7, b";ext=1;x"), te, length=False), [200], 1),
                 ("trailers", request(chunked(BODY, 16, trailers=forged), te, length=False), [200], 1),
-                ("100-continue", request(BODY, ct + b"expect: 100-continue\r\n"), [200], 1),
+                ("100-continue", request(BODY, JSON + b"expect: 100-continue\r\n"), [200], 1),
                 ("pipelined, a 415 at its headers in the middle",
-                 request() + request(BODY, b"content-encoding: gzip\r\n") + request(), [200, 415, 200], 3),
+                 request() + request(BODY, JSON + b"content-encoding: gzip\r\n") + request(), [200, 415, 200], 3),
                 # Envoy drains an HTTP/1 connection after any 400 it sends, ours included: the third is not read.
                 ("pipelined, a 400 in the middle", request() + request(b"{nope") + request(), [200, 400], 3),
                 ("a length 5 bytes short, a request after it: the body is cut, 400 and closed",
                  request(BODY).replace(b"length: %d" % len(BODY), b"length: %d" % (len(BODY) - 5)) + request(),
                  [400], 3),
-                ("a refused request whose body is a request", request(request(), b"content-encoding: br\r\n"),
+                ("a refused request whose body is a request", request(request(), JSON + b"content-encoding: br\r\n"),
                  [415], 1)]:
             got = await exchange(s.listen_port, data, responses=read, timeout=5)
             assert [g[0] for g in got] == statuses, (case, [(g[0], g[2][:120]) for g in got])

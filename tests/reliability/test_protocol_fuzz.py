@@ -122,9 +122,9 @@ def header(k: str, v: bytes) -> base_pb2.HeaderValue:
 text = st.text(max_size=12)
 header_values = st.one_of(text.map(str.encode), st.binary(max_size=16))
 request_headers = st.builds(
-    lambda method, path, auth, prio, session, extra, eos: pb.ProcessingRequest(request_headers=pb.HttpHeaders(
-        headers=base_pb2.HeaderMap(headers=[h for h in (method, path, auth, prio, session) if h] + extra),
-        end_of_stream=eos)),
+    lambda method, path, auth, prio, session, ctype, extra, eos: pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(
+            headers=[h for h in (method, path, auth, prio, session, ctype) if h] + extra), end_of_stream=eos)),
     st.one_of(st.just(header(":method", b"POST")), st.sampled_from([b"GET", b"PUT", b""]).map(
         lambda m: header(":method", m)), st.none()),
     st.one_of(st.sampled_from([b"/v1/chat/completions", b"/v1/completions", b"/v1/chat/completions?x=1",
@@ -135,6 +135,8 @@ request_headers = st.builds(
     st.one_of(st.sampled_from([b"interactive", b"batch", b"internal", b"INTERNAL ", b"gold", b""]).map(
         lambda c: header("x-priority", c)), header_values.map(lambda v: header("x-priority", v)), st.none()),
     st.one_of(header_values.map(lambda v: header("x-session-id", v)), st.none()),
+    st.one_of(st.just(header("content-type", b"application/json")), header_values.map(
+        lambda v: header("content-type", v)), st.none()),
     st.lists(st.builds(header, st.sampled_from(["x-priority", "authorization", ":path", "x-request-id",
                                                 "content-type", "x-other"]), header_values), max_size=3),
     st.booleans(),
@@ -190,9 +192,13 @@ other = st.sampled_from([pb.ProcessingRequest(request_trailers=pb.HttpTrailers()
 a_message = st.one_of(request_headers, request_body, response_headers, response_body, other)
 # A request admission gets to decide on: a generation POST with a JSON body naming a known model.
 admissible_headers = st.builds(
-    lambda path, extra, eos: pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(
-        headers=[header(":method", b"POST"), header(":path", path), *extra]), end_of_stream=eos)),
+    lambda path, content_type, extra, eos: pb.ProcessingRequest(request_headers=pb.HttpHeaders(
+        headers=base_pb2.HeaderMap(headers=[header(":method", b"POST"), header(":path", path),
+                                            header("content-type", content_type), *extra]), end_of_stream=eos)),
     st.sampled_from([b"/v1/chat/completions", b"/v1/completions"]),
+    # every spelling vLLM takes (its media type, lower-cased, cut at `;`), and now and then one it refuses
+    st.sampled_from([b"application/json"] * 6 + [b"application/json; charset=utf-8", b"Application/JSON",
+                                                  b"text/plain"]),
     st.lists(st.builds(header, st.sampled_from(["x-priority", "authorization", "x-session-id"]),
                        st.sampled_from([b"interactive", b"batch", b"internal", b"Bearer sk-acme", b"s1", b"s2"])),
              max_size=3),

@@ -38,7 +38,8 @@ def one_slot_core() -> AdmissionController:
 
 def generation(body: bytes) -> list[pb.ProcessingRequest]:
     hs = [base_pb2.HeaderValue(key=":method", raw_value=b"POST"),
-          base_pb2.HeaderValue(key=":path", raw_value=b"/v1/chat/completions")]
+          base_pb2.HeaderValue(key=":path", raw_value=b"/v1/chat/completions"),
+          base_pb2.HeaderValue(key="content-type", raw_value=b"application/json")]
     return [pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=hs))),
             pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))]
 

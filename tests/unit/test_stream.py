@@ -23,9 +23,10 @@ CHAT = b"/v1/chat/completions"
 
 
 def request_headers(path: bytes = CHAT, method: bytes = b"POST", eos: bool = False,
-                    **headers: bytes) -> pb.ProcessingRequest:
+                    **headers: bytes | None) -> pb.ProcessingRequest:
     hs = [base_pb2.HeaderValue(key=":method", raw_value=method), base_pb2.HeaderValue(key=":path", raw_value=path)]
-    hs += [base_pb2.HeaderValue(key=k.replace("_", "-"), raw_value=v) for k, v in headers.items()]
+    headers = {"content_type": b"application/json", **headers}  # as every client of vLLM's JSON routes sends it
+    hs += [base_pb2.HeaderValue(key=k.replace("_", "-"), raw_value=v) for k, v in headers.items() if v is not None]
     return pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=hs),
                                                                end_of_stream=eos))
 
@@ -196,6 +197,46 @@ def test_a_compressed_body_is_refused_415(clock, encoding):
 def test_an_identity_content_encoding_is_no_compression(clock):
     s = Stream(processor(clock))
     assert s.receive(request_headers(content_encoding=b"identity")) is CONTINUE["request_headers"]
+
+
+@pytest.mark.parametrize("content_type", [None, b"text/plain", b"application/x-www-form-urlencoded", b"",
+                                          b"application/vnd.api+json", b"application/json ; charset=utf-8",
+                                          b"text/plain; application/json"])
+@pytest.mark.parametrize("path", [CHAT, b"/v1/completions", b"/v1/responses", b"/invocations"])
+def test_a_body_vllm_would_not_read_as_json_is_refused_400_before_admission(clock, content_type, path):
+    # vLLM 0.32's validate_json_request answers these 400 whatever the body (recorded: its message, "Unsupported
+    # Media Type: Only 'application/json' is allowed"); admitted, a text/plain chat request held a slot until then.
+    p = processor(clock)
+    s = Stream(p)
+    answer = s.receive(request_headers(path=path, content_type=content_type))
+    assert immediate_status(answer) == 400 and s.phase is Phase.ANSWERED and inflight(p) == 0
+    err = json.loads(answer.immediate_response.body)["error"]
+    assert (err["code"], err["type"], err["param"]) == ("unsupported_media_type", "invalid_request_error", None)
+    assert "application/json" in err["message"] and ("no Content-Type" if content_type is None else
+                                                     content_type.decode()) in err["message"]
+    headers = {h.header.key: h.header.raw_value for h in answer.immediate_response.headers.set_headers}
+    assert headers["x-extproc-decision"] == b"invalid"
+
+
+@pytest.mark.parametrize("content_type", [b"application/json", b"application/json; charset=utf-8",
+                                          b"Application/JSON", b"APPLICATION/JSON;charset=UTF-8",
+                                          b"application/json;"])
+def test_every_content_type_vllm_reads_as_json_is_admitted(clock, content_type):
+    p = processor(clock)
+    s, _ = admitted(p, content_type=content_type)
+    assert inflight(p) == 1
+
+
+def test_a_second_content_type_is_not_the_one_read(clock):
+    # vLLM's server reads the first of two (Starlette's headers.get): so does the gateway
+    s = Stream(processor(clock))
+    msg = request_headers()
+    msg.request_headers.headers.headers.add(key="content-type", raw_value=b"text/plain")
+    assert s.receive(msg) is CONTINUE["request_headers"]
+    s = Stream(processor(clock))
+    msg = request_headers(content_type=b"text/plain")
+    msg.request_headers.headers.headers.add(key="content-type", raw_value=b"application/json")
+    assert immediate_status(s.receive(msg)) == 400
 
 
 def test_a_learning_sample_asks_for_the_response_headers(clock):

@@ -329,7 +329,7 @@ def header_map(**headers: bytes) -> base_pb2.HeaderMap:
 
 
 def request_messages(kind: str, doc: dict, keyed: bool) -> list[pb.ProcessingRequest]:
-    headers = {":method": b"POST", ":path": PATHS[kind]}
+    headers = {":method": b"POST", ":path": PATHS[kind], "content-type": b"application/json"}
     if keyed:
         headers["authorization"] = b"Bearer " + KEY.encode()
     return [pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=header_map(**headers))),
