@@ -288,7 +288,10 @@ not a non-empty string, `max_tokens`/`max_completion_tokens` not a positive inte
 class field (`classify.body_field`, default `priority`) neither a class name nor an integer, or `n` not a positive
 integer (`best_of`, which vLLM 0.32 ignores, is neither read nor counted). Integers are read as vLLM's models read
 them: `"8"`, `8.0` and `true` are 8, 8 and 1, and a `stream` of `"yes"` or `1` streams, one of `"false"` or `0`
-does not. Also an empty body on a compute endpoint. (A client's integer
+does not. Also an empty body on a compute endpoint, and the bodies vLLM answers 400 before it runs anything: a chat
+request whose `messages` is missing, not a list, empty, or holds an entry that is not an object with a string
+`role` (nor openai_harmony's `author`); a completions request whose `prompt` is neither a string nor a list, or
+that has nothing to run (`prompt` missing, null, `""` or `[]`, and no `prompt_embeds`). (A client's integer
 `priority`, vLLM's scheduling priority, is accepted and removed: the policy's `classes.<name>.vllm_priority` sets
 it.)"""),
     Reason("body_too_large", "Invalid requests (400, 401, 404, 405, 413, 415, 500)", 413, NO_RETRY,

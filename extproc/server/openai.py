@@ -130,6 +130,7 @@ def parse_body(raw: bytes, endpoint: Endpoint, class_field: str,
                class_names: frozenset[str] | set[str] | dict) -> RequestBody:
     """Parse and type-check the admission-relevant fields. Raises BadRequest with an OpenAI-style message."""
     doc = load_json_object(raw)
+    route = endpoint
     if endpoint is INVOCATIONS:
         endpoint = _invocation_kind(doc)
     body = RequestBody(doc, endpoint)
@@ -137,6 +138,11 @@ def parse_body(raw: bytes, endpoint: Endpoint, class_field: str,
     if not isinstance(model, str) or not model:
         raise BadRequest("You must provide a model parameter (a non-empty string).", "model")
     body.model = model
+    if route is not INVOCATIONS or "input" not in doc:  # (with `input`, a pooling model may serve it as embeddings)
+        if endpoint.kind == "chat":
+            _check_messages(doc)
+        elif endpoint.kind == "completions":
+            _check_prompt(doc)
     scores_prompt = _scores_prompt_only(doc, endpoint)
     for field in endpoint.token_fields:  # every one is checked; the first set is the one the replica obeys
         value = 1 if scores_prompt else _positive_int(doc, field)
@@ -328,9 +334,8 @@ def _invocation_kind(doc: dict[str, Any]) -> Endpoint:
     chat = isinstance(messages, (list, str, dict))  # vLLM's chat request needs a list there
     completions = _has_prompt(doc)
     if "messages" in doc and not chat and (completions or "input" not in doc):
-        raise BadRequest(f"/invocations got `messages`: {orjson.dumps(messages).decode()[:40]}, which vLLM reads as "
-                         "a chat request and refuses (its `messages` must be a list). Send a list of messages, or "
-                         "leave `messages` out of a completions body.", "messages")
+        raise _messages_not_a_list(messages, " /invocations reads a body with `messages` as a chat request: send "
+                                             "a list of messages, or leave `messages` out of a completions body.")
     if chat and completions:
         raise BadRequest("/invocations got both `messages` (chat) and `prompt` or `prompt_embeds` (completions): "
                          "send one of them.", "messages")
@@ -342,6 +347,48 @@ def _invocation_kind(doc: dict[str, Any]) -> Endpoint:
         return POOLING
     raise BadRequest("/invocations needs a chat (`messages`), completions (`prompt`) or embeddings (`input`) "
                      "body.", code="invalid_body")
+
+
+def _messages_not_a_list(messages: Any, hint: str = "") -> BadRequest:
+    return BadRequest(f"`messages` must be a list of messages, got {_excerpt(messages)}.{hint}", "messages")
+
+
+def _check_messages(doc: dict[str, Any]) -> None:
+    """Refuse, as vLLM 0.32 refuses with 400, a chat body whose `messages` its chat request cannot take
+    (tests/fixtures/vllm/differential.json): admitted, it held a slot until the replica answered that 400. They
+    must be present and a list (null, a number or a boolean fail its first check, which loops over them; a string
+    or an object, pydantic's list_type), not empty (its chat template refuses an empty conversation) unless the body
+    carries its prompt's token ids (`kv_transfer_params.prompt_token_ids`, a disaggregated decode's, which vLLM runs
+    without rendering the messages), and each an object with a string `role` (every OpenAI message type and vLLM's
+    custom one) or an `author` (openai_harmony's Message, which vLLM's union takes too). What is inside a message
+    (its content, tool calls, a role vLLM's template does not know) is vLLM's to judge."""
+    if "messages" not in doc:
+        raise BadRequest("`messages` is required: a chat request is a list of messages.", "messages")
+    messages = doc["messages"]
+    if type(messages) is not list:
+        raise _messages_not_a_list(messages)
+    if not messages:
+        transfer = doc.get("kv_transfer_params")
+        if not isinstance(transfer, dict) or transfer.get("prompt_token_ids") is None:
+            raise BadRequest("`messages` is empty: vLLM cannot apply a chat template to an empty conversation. Send "
+                             "at least one message.", "messages")
+    for i, message in enumerate(messages):
+        if type(message) is not dict:
+            raise BadRequest(f"`messages[{i}]` must be a message object, got {_excerpt(message)}.", "messages")
+        if type(message.get("role")) is not str and "author" not in message:
+            raise BadRequest(f"`messages[{i}]` needs a `role` (a string, such as \"user\").", "messages")
+
+
+def _check_prompt(doc: dict[str, Any]) -> None:
+    """Refuse, as vLLM 0.32 refuses with 400, a completions body with nothing its request can run
+    (tests/fixtures/vllm/differential.json): a `prompt` that is neither a string nor a list (its items are vLLM's
+    to check), or none to run (absent, null, "" or []) with no `prompt_embeds` (absent, null or [] is none)."""
+    prompt, embeds = doc.get("prompt"), doc.get("prompt_embeds")
+    if prompt is not None and type(prompt) is not str and type(prompt) is not list:
+        raise BadRequest(f"`prompt` must be a string, a list of strings, a list of token ids or a list of token-id "
+                         f"lists, got {_excerpt(prompt)}.", "prompt")
+    if (prompt is None or prompt == "" or prompt == []) and (embeds is None or embeds == []):
+        raise BadRequest("Either `prompt` or `prompt_embeds` must be provided and non-empty.", "prompt")
 
 
 def _has_prompt(doc: dict[str, Any]) -> bool:
@@ -417,6 +464,11 @@ def _positive_int(doc: dict[str, Any], field: str) -> int | None:
     if value > MAX_TOKENS_CEILING:
         raise BadRequest(f"`{field}` must be at most {MAX_TOKENS_CEILING}, got {str(value)[:40]}.", field)
     return value
+
+
+def _excerpt(value: Any) -> str:
+    """A JSON value as the body had it, cut at 40 characters."""
+    return orjson.dumps(value).decode()[:40]
 
 
 def _show(value: Any) -> str:

@@ -114,11 +114,15 @@ VLLM_REFUSES = [
     ("/v1/chat/completions", None, chat(), "unsupported_media_type", None),
     ("/v1/completions", b"application/x-www-form-urlencoded", {"model": "llama-70b", "prompt": "hi"},
      "unsupported_media_type", None),
+    *[("/v1/chat/completions", b"application/json", chat(messages=m), "invalid_body", "messages")
+      for m in (None, "hi", 5, [], ["hi"], [{"content": "hi"}])],
+    *[("/v1/completions", b"application/json; charset=utf-8", {"model": "llama-70b", "prompt": p}, "invalid_body",
+       "prompt") for p in (None, 5, {"a": 1}, [])],
 ]
 
 
-async def test_a_request_vllm_refuses_unread_is_refused_before_admission_and_never_reaches_a_replica(make_stack,
-                                                                                                     upstream):
+async def test_a_request_vllm_refuses_unrun_is_refused_before_admission_and_never_reaches_a_replica(make_stack,
+                                                                                                   upstream):
     # Admitted, each held a slot (and its class's queue) until the replica answered its 400.
     s = make_stack()
     async with aiohttp.ClientSession() as http:

@@ -110,7 +110,7 @@ def test_prestop_turns_ready_off_and_waits_for_a_stream_in_flight(envoy):
 
     def slow_request():
         req = urllib.request.Request(f"{url}/v1/chat/completions", method="POST",
-                                     data=b'{"model":"llama-70b","messages":[],"max_tokens":4}',
+                                     data=b'{"model":"llama-70b","messages":[{"role":"user"}],"max_tokens":4}',
                                      headers={"content-type": "application/json", "x-test-delay-ms": "1500"})
         with urllib.request.urlopen(req, timeout=10) as r:
             result["status"] = r.status

@@ -37,6 +37,10 @@ async def test_malformed_requests_get_clear_4xx_and_take_no_slot(make_stack, tmp
         ("model: 42", json.dumps({"model": 42, "messages": msg}).encode(), 400, "model"),
         ("priority: [1]", json.dumps(chat(priority=[1])).encode(), 400, "priority"),
         ("unknown model", json.dumps(chat(model="gpt-99")).encode(), 404, "unknown_model"),
+        # vLLM answers these 400 before it runs anything (tests/fixtures/vllm/differential.json)
+        ("messages: null", json.dumps(chat(messages=None)).encode(), 400, "messages"),
+        ("messages: []", json.dumps(chat(messages=[])).encode(), 400, "messages"),
+        ("a message without a role", json.dumps(chat(messages=[{"content": "hi"}])).encode(), 400, "messages"),
         ("body over the ext_proc limit (200 KB)",
          json.dumps(chat(messages=[{"role": "user", "content": "x" * 200_000}])).encode(), 413, "body_too_large"),
     ]

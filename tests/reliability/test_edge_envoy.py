@@ -240,7 +240,7 @@ def nested(depth: int) -> dict:
      b'{"model": "llama-70b", "messages": [' + b",".join([b"[]"] * 30000) + b"]}", 400, "json_too_many_containers"),
     ("30,000 brackets inside a prompt are text", json.dumps(chat(messages=[{"role": "user", "content": "[{" * 15000}]
                                                                  )).encode(), 200, None),
-    ("messages: a string", json.dumps(chat(messages="hi")).encode(), 200, None),
+    ("messages: a string", json.dumps(chat(messages="hi")).encode(), 400, "messages"),  # vLLM's 400 too
     ("n: \"many\"", json.dumps(chat(n="many")).encode(), 400, "n"),
     ("n: 0", json.dumps(chat(n=0)).encode(), 400, "n"),
     ("max_tokens: 1e400", b'{"model": "llama-70b", "max_tokens": 1e400}', 400, "invalid_json"),

@@ -34,6 +34,8 @@ from tests.reliability.test_edge_envoy import ALL_ENDPOINTS, spellings
 from tests.reliability.test_http2_envoy import (ACK, CONTINUATION, DATA, END_HEADERS, END_STREAM, GOAWAY, HEADERS,
                                                 PREFACE, RECV_HEADER, RST_STREAM, SETTINGS, frame)
 
+HI = [{"role": "user", "content": "hi"}]  # a chat request is a list of messages: one will do
+
 SEED = int(os.environ.get("EXTPROC_EDGE_SEED", "46"))  # another seed samples other requests: same invariants
 HTTP1_CASES = 320
 HTTP2_CASES = 40
@@ -180,7 +182,8 @@ def gen_body(rng: random.Random, doc: dict, c: Case) -> bytes:
     elif m < 0.89:
         body, mutation = body[:len(body) // 2], "truncated"
     elif m < 0.92:
-        body, mutation = b'{"model": "llama-8b", "model": {}, "messages": []}', "model an object after a string"
+        body, mutation = (b'{"model": "llama-8b", "model": {}, "messages": [{"role": "user"}]}',
+                          "model an object after a string")
     elif m < 0.95:
         body, mutation = text.replace('"llama', '"\\u006clama', 1).encode(), "escaped value"
     else:
@@ -275,7 +278,7 @@ def generate_with_shapes(rng: random.Random, n: int) -> Case:
 
 def valid(rng: random.Random, n: int) -> Case:
     """A request that is admitted as it is."""
-    doc = {"model": rng.choice(list(MODELS)), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    doc = {"model": rng.choice(list(MODELS)), "messages": HI, "max_tokens": 2}
     return Case(n, b"POST", b"/v1/chat/completions", [(b"content-type", b"application/json")], json.dumps(doc).encode())
 
 
@@ -576,7 +579,7 @@ def hpack(headers: list[tuple[bytes, bytes]]) -> bytes:
 def h2_stream(rng: random.Random, stream: int, n: int, t: float) -> tuple[list[tuple[float, bytes]], str]:
     """The frames of one stream, each as (when, bytes) from `t` on (its HEADERS at `t`), and the stream's shape."""
     model = rng.choice(list(MODELS) + ["gpt-99"])
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+    body = json.dumps({"model": model, "messages": HI, "max_tokens": 2}).encode()
     head = [(b":method", b"POST"), (b":scheme", b"http"),
             (b":path", rng.choice([b"/v1/chat/completions", b"/v1//chat/completions", b"/v1/chat/%63ompletions",
                                    b"/v1/chat%2Fcompletions", b"/invocations"])),

@@ -33,6 +33,8 @@ from extproc.tools.stack import Stack, free_port
 from tests.conftest import policy_file, run_upstream
 from tests.unit import test_envoylint_generated as gen
 
+HI = [{"role": "user", "content": "hi"}]  # a chat request is a list of messages: one will do
+
 POOLS = gen.POOLS
 Edit = Callable[[dict, dict, dict], None]
 
@@ -183,14 +185,14 @@ class Probe:
         self.path, self.body, self.pool, self.headers = path, body, pool, headers
 
 
-PROBES = [Probe("/v1/chat/completions", {"model": "llama-70b", "messages": [{"role": "user", "content": "hi"}],
+PROBES = [Probe("/v1/chat/completions", {"model": "llama-70b", "messages": HI,
                                          "max_tokens": 2}, "vllm_llama70b"),
-          Probe("/v1/chat/completions", {"model": "llama-8b", "messages": [{"role": "user", "content": "hi"}],
+          Probe("/v1/chat/completions", {"model": "llama-8b", "messages": HI,
                                          "max_tokens": 2}, "vllm_llama8b"),
-          Probe("/v1/chat/completions", {"model": "llama-70b", "messages": [{"role": "user", "content": "hi"}],
+          Probe("/v1/chat/completions", {"model": "llama-70b", "messages": HI,
                                          "max_tokens": 2}, "vllm_llama70b", **{"x-model": "llama-8b"}),
           Probe("/v1/embeddings", {"model": "llama-70b", "input": "hi"}, "vllm_llama70b"),
-          Probe("/v1/chat/completions", {"model": "no-such-model", "messages": []}, None)]
+          Probe("/v1/chat/completions", {"model": "no-such-model", "messages": HI}, None)]
 
 
 def _call(port: int, method: str, path: str, body: Any = None, headers: dict | None = None) -> tuple[int, bytes]:

@@ -19,6 +19,9 @@ from extproc.server.servicer import ExtProcServicer
 from extproc.server.stream import TRANSITIONS, Phase
 from tests.conftest import make_policy
 
+HI = [{"role": "user", "content": "hi"}]  # a chat request is a list of messages: one will do
+CHAT_BODY = b'{"model": "llama", "messages": [{"role": "user"}]}'
+
 
 class Ctx:
     def __init__(self, messages):
@@ -51,7 +54,7 @@ def test_huge_max_tokens_is_a_400_not_a_failed_stream(max_tokens):
     core = one_slot_core()
     errors = []
     servicer = ExtProcServicer(core, on_error=lambda: errors.append(1))
-    ctx = Ctx(generation(json.dumps({"model": "llama", "max_tokens": max_tokens, "messages": []}).encode()))
+    ctx = Ctx(generation(json.dumps({"model": "llama", "max_tokens": max_tokens, "messages": HI}).encode()))
     asyncio.run(servicer.Process(None, ctx))
     answer = ctx.writes[-1].immediate_response
     assert answer.status.code == 400
@@ -75,7 +78,7 @@ def test_a_failed_request_phase_is_refused_with_500_and_counted_in_extproc_strea
         raise RuntimeError("injected")
 
     monkeypatch.setattr(server.core, "decide", broken)
-    ctx = Ctx(generation(b'{"model": "llama"}'))
+    ctx = Ctx(generation(CHAT_BODY))
     asyncio.run(server.servicer.Process(None, ctx))
     answer = ctx.writes[-1].immediate_response
     assert answer.status.code == 500
@@ -100,7 +103,7 @@ def test_a_write_to_a_stream_envoy_already_reset_is_a_client_abort_not_a_stream_
     core = one_slot_core()
     errors = []
     servicer = ExtProcServicer(core, on_error=lambda: errors.append(1))
-    asyncio.run(servicer.Process(None, ResetCtx(generation(b'{"model": "llama"}'))))
+    asyncio.run(servicer.Process(None, ResetCtx(generation(CHAT_BODY))))
     assert errors == []
     assert not core.tickets and core.snapshot()["interactive"]["inflight"] == 0
 
@@ -126,7 +129,7 @@ async def _reset_while_waiting(eof_first: bool):
     core = one_slot_core()
     errors = []
     servicer = ExtProcServicer(core, on_error=lambda: errors.append(1))
-    ctx = HeldCtx(generation(b'{"model": "llama"}'))
+    ctx = HeldCtx(generation(CHAT_BODY))
     handler = asyncio.create_task(servicer.Process(None, ctx))
     while not ctx.reads:
         await asyncio.sleep(0)
@@ -167,8 +170,8 @@ CANNED_WHEN_FULL = {"classes": {"interactive": {"max_concurrency": 1, "max_queue
 
 @pytest.mark.parametrize("builder,policy,body", [
     ("bad_request", {}, b"not json"),                              # a 400 on the body
-    ("refusal", {"anonymous": {"allow": False}}, b'{"model": "llama"}'),  # a 401 at the headers
-    ("canned", CANNED_WHEN_FULL, b'{"model": "llama"}'),           # its class full: the canned fallback
+    ("refusal", {"anonymous": {"allow": False}}, CHAT_BODY),      # a 401 at the headers
+    ("canned", CANNED_WHEN_FULL, CHAT_BODY),                       # its class full: the canned fallback
 ])
 def test_an_immediate_answer_that_fails_to_build_is_refused_with_500_not_a_failed_stream(monkeypatch, builder,
                                                                                           policy, body):
@@ -224,7 +227,7 @@ def test_a_stream_that_fails_after_the_admission_is_the_ext_procs_error_not_a_cl
         raise ZeroDivisionError("a bug in the response headers' handler")
 
     monkeypatch.setitem(TRANSITIONS[Phase.FORWARDING], "response_headers", bug)
-    ctx = Ctx([request_headers(), request_body({"model": "llama", "messages": [{"role": "user", "content": "hi"}]}),
+    ctx = Ctx([request_headers(), request_body({"model": "llama", "messages": HI}),
                response_headers()])
     errors = []
     with pytest.raises(ZeroDivisionError):

@@ -18,6 +18,8 @@ from extproc.server.openai import (CHAT, COMPLETIONS, ENDPOINTS, INVOCATIONS, MA
                                    json_depth, load_json_object, parse_body)
 from tests.conftest import make_policy
 
+HI = [{"role": "user", "content": "hi"}]  # a chat request is a list of messages: one will do
+
 
 @pytest.mark.parametrize("authorization,api_key,key", [
     (["Bearer sk-1"], [], "sk-1"),
@@ -236,7 +238,8 @@ def test_a_body_of_too_many_strings_is_refused_before_it_is_parsed():
 
 
 def test_invocations_takes_the_shape_its_body_names():
-    assert parse_body(b'{"model": "m", "messages": []}', INVOCATIONS, "priority", {"a"}).endpoint is CHAT
+    chat = b'{"model": "m", "messages": [{"role": "user"}]}'
+    assert parse_body(chat, INVOCATIONS, "priority", {"a"}).endpoint is CHAT
     assert parse_body(b'{"model": "m", "input": "x"}', INVOCATIONS, "priority", {"a"}).endpoint is POOLING
     with pytest.raises(BadRequest):
         parse_body(b'{"model": "m"}', INVOCATIONS, "priority", {"a"})
@@ -244,8 +247,8 @@ def test_invocations_takes_the_shape_its_body_names():
 
 @pytest.mark.parametrize("doc", [
     {"messages": "hi", "prompt": ["a"] * 50},
-    {"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "bogus", "prompt": ["a"] * 50},
-    {"messages": [], "prompt": "hi"}, {"messages": [], "prompt_embeds": ["AAAA"] * 50}])
+    {"messages": HI, "reasoning_effort": "bogus", "prompt": ["a"] * 50},
+    {"messages": HI, "prompt": "hi"}, {"messages": HI, "prompt_embeds": ["AAAA"] * 50}])
 def test_invocations_refuses_a_body_vllm_could_run_as_chat_or_as_completions(doc):
     # vLLM 0.32 runs the first request type that validates: the first two fail its chat request's validation and
     # ran as 50 completions prompts, each generating, charged as one chat answer (body_readings.json).
@@ -296,11 +299,11 @@ def test_every_endpoint_group_has_a_policy_switch_except_audio():
 
 
 def test_whole_number_floats_are_taken_as_vllm_takes_them():
-    body = parse_body(b'{"model": "m", "max_tokens": 10.0, "n": 2.0, "priority": 1.0, "messages": []}', CHAT,
-                      "priority", {"a"})
+    body = parse_body(b'{"model": "m", "max_tokens": 10.0, "n": 2.0, "priority": 1.0, "messages": [{"role": "u"}]}',
+                      CHAT, "priority", {"a"})
     assert (body.max_tokens, body.sequences) == (10, 2) and "priority" not in body.doc
     with pytest.raises(BadRequest) as e:
-        parse_body(b'{"model": "m", "max_tokens": 10.5, "messages": []}', CHAT, "priority", {"a"})
+        parse_body(b'{"model": "m", "max_tokens": 10.5, "messages": [{"role": "user"}]}', CHAT, "priority", {"a"})
     assert e.value.param == "max_tokens"
 
 
@@ -308,8 +311,8 @@ def test_whole_number_floats_are_taken_as_vllm_takes_them():
 def test_stream_options_that_are_not_an_object_are_refused_every_time(options):
     # A learned stream gets include_usage added: the same invalid request got 200 or 400 by chance.
     with pytest.raises(BadRequest) as e:
-        parse_body(b'{"model": "m", "stream": true, "messages": [], "stream_options": ' + options + b"}", CHAT,
-                   "priority", {"a"})
+        parse_body(b'{"model": "m", "stream": true, "messages": [{"role": "u"}], "stream_options": ' + options + b"}",
+                   CHAT, "priority", {"a"})
     assert e.value.param == "stream_options"
 
 

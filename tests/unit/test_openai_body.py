@@ -9,16 +9,19 @@ from extproc.policy.schema import CostSpec
 from extproc.server.openai import (CHAT, COMPLETIONS, RESPONSES, BadRequest, degrade_body, error_body, min_output_of,
                                   parse_body)
 
+HI = [{"role": "user", "content": "hi"}]  # a chat request is a list of messages: one will do
+
 CLASSES = {"interactive", "batch"}
 
 
 def parse(doc):
-    raw = doc if isinstance(doc, bytes) else json.dumps(doc).encode()
+    """A chat body (one message unless it sets its own) as the gateway reads it."""
+    raw = doc if isinstance(doc, bytes) else json.dumps({"messages": HI, **doc}).encode()
     return parse_body(raw, CHAT, "priority", CLASSES)
 
 
 def test_reads_model_max_tokens_and_stream():
-    b = parse({"model": "m", "max_tokens": 7, "stream": True, "messages": []})
+    b = parse({"model": "m", "max_tokens": 7, "stream": True, "messages": HI})
     assert (b.model, b.max_tokens, b.stream, b.rewrite) == ("m", 7, True, False)
 
 
@@ -63,7 +66,7 @@ def test_a_responses_api_body_generates_one_answer_whatever_its_n(n):
     ({}, {"max_tokens": 8}),
 ])
 def test_a_degrade_clamps_every_output_cap_the_client_set(doc, written):
-    b = parse({"model": "m", "messages": [], **doc})
+    b = parse({"model": "m", "messages": HI, **doc})
     degrade_body(b, None, 8, None)
     assert {k: v for k, v in b.doc.items() if k.startswith("max_")} == written
 
@@ -73,7 +76,7 @@ def test_a_degrade_clamps_every_output_cap_the_client_set(doc, written):
                                                      (5, 5, "max_tokens=8"), (None, None, "max_tokens=8")])
 def test_a_degrade_brings_min_tokens_down_to_the_clamp(min_tokens, written, note):
     # vLLM answers min_tokens > max_tokens with a 400: a clamp below the client's floor made its valid request one.
-    b = parse({"model": "m", "messages": [], "max_tokens": 100, "min_tokens": min_tokens})
+    b = parse({"model": "m", "messages": HI, "max_tokens": 100, "min_tokens": min_tokens})
     changed = degrade_body(b, None, 8, None)
     assert b.doc["min_tokens"] == written and b.doc["max_tokens"] == 8
     assert note is None or ",".join(changed) == note
@@ -81,7 +84,7 @@ def test_a_degrade_brings_min_tokens_down_to_the_clamp(min_tokens, written, note
 
 def test_a_degrade_brings_a_min_tokens_written_as_a_string_down_too():
     # vLLM's pydantic model reads "20" as 20 (lax mode) and then refuses min_tokens > max_tokens with a 400.
-    b = parse({"model": "m", "messages": [], "max_tokens": 100, "min_tokens": "20"})
+    b = parse({"model": "m", "messages": HI, "max_tokens": 100, "min_tokens": "20"})
     assert degrade_body(b, None, 8, None) == ["max_tokens=8", "min_tokens=8"]
     assert b.doc["min_tokens"] == 8
 
@@ -91,7 +94,7 @@ def test_a_completion_without_max_tokens_is_capped_at_the_apis_16(doc):
     # OpenAI's and vLLM 0.32's completions default; chat's is the rest of the context (left to the policy).
     b = parse_body(json.dumps({"model": "m", "prompt": "p", **doc}).encode(), COMPLETIONS, "priority", CLASSES)
     assert b.max_tokens == 16
-    assert parse({"model": "m", "messages": [], **doc}).max_tokens is None
+    assert parse({"model": "m", "messages": HI, **doc}).max_tokens is None
     # A degrade to more than 16 leaves it as it was: writing its ceiling would raise what the request generates.
     assert degrade_body(b, None, 256, None) == [] and b.doc.get("max_tokens") is None
     assert degrade_body(b, None, 8, None) == ["max_tokens=8"] and b.doc["max_tokens"] == 8
@@ -117,7 +120,7 @@ def test_a_completion_scoring_its_prompt_runs_one_token_and_keeps_its_max_tokens
             parse_body(json.dumps({"model": "m", "prompt": "p", **refused}).encode(), COMPLETIONS, "priority",
                        CLASSES)
     with pytest.raises(BadRequest):
-        parse({"model": "m", "messages": [], "echo": True, "max_tokens": 0})
+        parse({"model": "m", "messages": HI, "echo": True, "max_tokens": 0})
 
 
 @pytest.mark.parametrize("doc,ceiling,written", [
@@ -125,7 +128,7 @@ def test_a_completion_scoring_its_prompt_runs_one_token_and_keeps_its_max_tokens
     ({"max_completion_tokens": 16_000}, None, 8192), ({}, None, None)])
 def test_a_degrade_to_a_smaller_context_caps_max_tokens_at_it(doc, ceiling, written):
     # vLLM answers max_tokens > max_model_len with a 400; within it, it clamps to the room the prompt leaves.
-    b = parse({"model": "big", "messages": [], **doc})
+    b = parse({"model": "big", "messages": HI, **doc})
     degrade_body(b, "small", ceiling, None, context=8192)
     assert b.doc.get("max_completion_tokens", b.doc.get("max_tokens")) == written
 
@@ -151,7 +154,7 @@ def test_a_client_sent_vllm_priority_never_reaches_vllm():
     ({"model": "m", "stream": "maybe"}, "stream"),
     ({"model": "m", "stream": 2}, "stream"),
     ({"model": 5}, "model"),
-    ({"messages": []}, "model"),
+    ({"messages": HI}, "model"),
     ({"model": "m", "priority": ["x"]}, "priority"),
 ])
 def test_wrong_types_are_400_naming_the_field(doc, param):
@@ -165,7 +168,7 @@ def test_wrong_types_are_400_naming_the_field(doc, param):
 def test_counts_and_caps_are_read_as_vllms_lax_integers(field, value, read):
     # vLLM 0.32's pydantic models read "8", 8.0 and true as 8, 8 and 1 (tests/fixtures/vllm/body_readings.json):
     # refused here, vLLM would have run them.
-    b = parse({"model": "m", "messages": [], field: value})
+    b = parse({"model": "m", "messages": HI, field: value})
     assert (b.max_tokens if field != "n" else b.sequences) == read
 
 
@@ -174,7 +177,7 @@ def test_counts_and_caps_are_read_as_vllms_lax_integers(field, value, read):
 def test_stream_is_read_as_vllms_lax_boolean(value, stream):
     # vLLM 0.32 streams `"stream": "yes"` or 1 and answers "false" or 0 whole (its pydantic model's lax bool): both
     # were refused here (tests/fixtures/vllm/body_readings.json).
-    assert parse({"model": "m", "messages": [], "stream": value}).stream is stream
+    assert parse({"model": "m", "messages": HI, "stream": value}).stream is stream
 
 
 @pytest.mark.parametrize("raw", [b"", b"{", b"[1,2]", b"\xff\xfe", b'"text"', b"null"])
@@ -189,8 +192,11 @@ def test_error_body_is_openai_shaped():
                              "param": None, "code": "queue_full"}}
 
 
-@pytest.mark.parametrize("raw", ['\ufeff{"model": "m"}'.encode("utf-8"), '{"model": "m"}'.encode("utf-16"),
-                                 '{"model": "m"}'.encode("utf-16-le"), '{"model": "m"}'.encode("utf-32")])
+TEXT = '{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
+
+
+@pytest.mark.parametrize("raw", [("\ufeff" + TEXT).encode("utf-8"), TEXT.encode("utf-16"), TEXT.encode("utf-16-le"),
+                                 TEXT.encode("utf-32")])
 def test_json_in_the_other_unicode_encodings_vllm_reads_is_read_the_same_way(raw):
     assert parse(raw).model == "m"
 
@@ -216,7 +222,7 @@ def test_the_output_floor_is_read_in_pydantics_lax_mode_as_vllm_reads_it(doc, mi
     # vLLM's pydantic model reads "700" as min_tokens 700 and 1.0 as ignore_eos true: read as no floor, such a
     # request was expected at the learned output ratio (a few % of its cap) while the replica ran all of it.
     assert min_output_of(doc) == min_output
-    assert parse({"model": "m", "messages": [], **doc}).min_output == min_output
+    assert parse({"model": "m", "messages": HI, **doc}).min_output == min_output
 
 
 @pytest.mark.parametrize("endpoint", [CHAT, COMPLETIONS])
@@ -225,7 +231,7 @@ def test_beam_search_runs_every_beam_to_its_cap(endpoint, beam):
     # vLLM 0.32's beam search runs max_tokens steps of n beams whatever EOS says (an ended beam is replaced by the
     # next candidate): read as an ordinary request, it was expected at the learned output ratio of a cap that
     # defaulted to default_max_tokens, while the replica ran n beams to the end of the context.
-    doc = {"model": "m", "messages": [], "prompt": "p", "use_beam_search": beam, "n": 4, "min_tokens": 3}
+    doc = {"model": "m", "messages": HI, "prompt": "p", "use_beam_search": beam, "n": 4, "min_tokens": 3}
     b = parse_body(json.dumps(doc).encode(), endpoint, "priority", CLASSES)
     assert (b.min_output, b.sequences) == (None, 4)
     model = CostModel(CostSpec(default_max_tokens=256, max_context_tokens=2048))
@@ -250,6 +256,48 @@ def test_a_responses_api_truncation_auto_keeps_what_the_context_holds(truncation
 def test_truncate_prompt_tokens_is_read_as_vllm_reads_it(value, cap):
     # N >= 1 keeps each prompt's last N tokens and -1 as many as the context holds (vLLM 0.32 took "50" and 50.0
     # too); 0 and below -1 are vLLM's own 400s, charged in full here. The Responses API does not read it.
-    doc = {"model": "m", "messages": [], "truncate_prompt_tokens": value}
+    doc = {"model": "m", "messages": HI, "truncate_prompt_tokens": value}
     assert parse(doc).prompt_cap == cap
     assert parse_body(json.dumps({**doc, "input": "x"}).encode(), RESPONSES, "priority", CLASSES).prompt_cap is None
+
+
+# vLLM 0.32 answers each of these 400 before it runs anything (tests/fixtures/vllm/differential.json: chat:messages=
+# None, ='x', =[], =['hi'], =[{'content': 'hi'}], absent; completions:prompt=None, =5, ={'a': 1}, =[], absent).
+# Admitted, each held a slot until the replica's 400.
+@pytest.mark.parametrize("doc", [{}, {"messages": None}, {"messages": "hi"}, {"messages": 5}, {"messages": True},
+                                 {"messages": {"role": "user", "content": "hi"}}, {"messages": []},
+                                 {"messages": ["hi"]}, {"messages": [None]}, {"messages": [[]]},
+                                 {"messages": [{"content": "hi"}]}, {"messages": [{"role": None, "content": "hi"}]},
+                                 {"messages": [{"role": 5, "content": "hi"}]}, {"messages": [*HI, 5]}])
+def test_a_chat_body_whose_messages_vllm_refuses_is_400_before_admission(doc):
+    with pytest.raises(BadRequest) as e:
+        parse_body(json.dumps({"model": "m", **doc}).encode(), CHAT, "priority", CLASSES)
+    assert (e.value.status, e.value.code, e.value.param) == (400, "invalid_body", "messages")
+    assert "messages" in e.value.message
+
+
+@pytest.mark.parametrize("doc", [
+    {"messages": [{"role": "narrator", "content": "hi"}]},  # a role vLLM's custom message type takes
+    {"messages": [{"role": "user"}]},  # no content: served (differential.json)
+    {"messages": [{"author": {"role": "user"}, "content": [{"type": "text", "text": "hi"}]}]},  # openai_harmony's
+    {"messages": [], "kv_transfer_params": {"prompt_token_ids": [1, 2, 3]}},  # a disaggregated decode: not rendered
+])
+def test_a_chat_body_vllm_takes_is_not_refused_for_its_messages(doc):
+    assert parse_body(json.dumps({"model": "m", **doc}).encode(), CHAT, "priority", CLASSES).endpoint is CHAT
+
+
+@pytest.mark.parametrize("doc", [{}, {"prompt": None}, {"prompt": ""}, {"prompt": []}, {"prompt": 5},
+                                 {"prompt": 1.5}, {"prompt": True}, {"prompt": {"a": 1}},
+                                 {"prompt": None, "prompt_embeds": None}, {"prompt": [], "prompt_embeds": []}])
+def test_a_completions_body_with_no_prompt_vllm_can_run_is_400_before_admission(doc):
+    with pytest.raises(BadRequest) as e:
+        parse_body(json.dumps({"model": "m", **doc}).encode(), COMPLETIONS, "priority", CLASSES)
+    assert (e.value.status, e.value.code, e.value.param) == (400, "invalid_body", "prompt")
+
+
+@pytest.mark.parametrize("doc", [{"prompt": "hi"}, {"prompt": ["a", ""]}, {"prompt": [1, 2]}, {"prompt": [[1], [2]]},
+                                 {"prompt": [True]},  # pydantic's lax int: vLLM runs it (differential.json)
+                                 {"prompt_embeds": "AAAA"}, {"prompt": [], "prompt_embeds": ["AAAA"]},
+                                 {"prompt": None, "prompt_embeds": "AAAA"}])
+def test_a_completions_body_vllm_takes_is_not_refused_for_its_prompt(doc):
+    assert parse_body(json.dumps({"model": "m", **doc}).encode(), COMPLETIONS, "priority", CLASSES).generates

@@ -19,6 +19,8 @@ from extproc.server.usage import MAX_PARTIAL
 
 from .conftest import make_policy
 
+HI = [{"role": "user", "content": "hi"}]  # a chat request is a list of messages: one will do
+
 CHAT = b"/v1/chat/completions"
 
 
@@ -32,7 +34,7 @@ def request_headers(path: bytes = CHAT, method: bytes = b"POST", eos: bool = Fal
 
 
 def request_body(doc: dict | bytes | None = None) -> pb.ProcessingRequest:
-    raw = doc if isinstance(doc, bytes) else json.dumps(doc or {"model": "llama", "messages": []}).encode()
+    raw = doc if isinstance(doc, bytes) else json.dumps(doc or {"model": "llama", "messages": HI}).encode()
     return pb.ProcessingRequest(request_body=pb.HttpBody(body=raw, end_of_stream=True))
 
 
@@ -311,7 +313,8 @@ def test_a_body_refused_413_after_admission_is_taken_back_as_never_run(clock):
     # It was released as a client abort of a request that ran: a completion for the class's drain rate, the
     # tenant charged its prompt and expected output, and a report awaited from Envoy that never comes.
     p = processor(clock, tenants=[{"name": "acme", "api_keys": ["sk-acme"], "tokens_per_minute": 10**6}])
-    raw = b'{"model": "llama", "messages": [], "priority": -100, "x": [' + b",".join([b"1e15"] * 150) + b"]}"
+    raw = b'{"model": "llama", "messages": [{"role": "user"}], "priority": -100, "x": [' + \
+        b",".join([b"1e15"] * 150) + b"]}"
     s = Stream(p)
     s.receive(request_headers(authorization=b"Bearer sk-acme"))
     bucket = p.core.tenant_limits["acme"].tokens
@@ -323,7 +326,7 @@ def test_a_body_refused_413_after_admission_is_taken_back_as_never_run(clock):
 
 def test_a_rewritten_body_carries_its_new_content_length(clock):
     p = processor(clock)
-    _, answer = admitted(p, {"model": "llama", "messages": [], "priority": "batch"})  # the claim is stripped
+    _, answer = admitted(p, {"model": "llama", "messages": HI, "priority": "batch"})  # the claim is stripped
     body = answer.request_body.response.body_mutation.body
     assert "priority" not in json.loads(body) and set_headers(answer)["content-length"] == str(len(body)).encode()
 
@@ -349,7 +352,7 @@ def test_a_tenants_body_limit_refuses_its_larger_bodies_413_before_they_are_pars
         s.end(normal_end=True)
     s = Stream(p)
     s.receive(request_headers(authorization=b"Bearer sk-acme"))
-    answer = s.receive(request_body(b'{"model": "llama", "messages": [], "x": "' + b"y" * 2100 + b'"}'))
+    answer = s.receive(request_body(b'{"model": "llama", "messages": [{"role": "user"}], "x": "' + b"y" * 2100 + b'"}'))
     assert immediate_status(answer) == 413 and b"2048 bytes" in answer.immediate_response.body
     assert p.core.body_limit("sk-unknown", 4096) == 1024 and p.core.body_limit("sk-acme", 1500) == 1500
 
@@ -358,7 +361,8 @@ def test_a_body_that_grows_over_the_limit_when_rewritten_is_refused_413_and_its_
     # 1e15 is re-encoded as 1000000000000000.0: within the limit as sent, over it as it would be forwarded. A
     # failed write of the admission would let Envoy's failure_mode_allow forward the original unadmitted.
     p = processor(clock, **one_class(max_concurrency=1))
-    raw = b'{"model": "llama", "messages": [], "priority": -100, "x": [' + b",".join([b"1e15"] * 150) + b"]}"
+    raw = b'{"model": "llama", "messages": [{"role": "user"}], "priority": -100, "x": [' + \
+        b",".join([b"1e15"] * 150) + b"]}"
     assert len(raw) < p.max_body_bytes
     s = Stream(p)
     s.receive(request_headers())
@@ -380,7 +384,7 @@ def test_a_body_that_is_not_json_is_refused_400(clock):
 def test_an_unknown_model_is_refused_404(clock):
     s = Stream(processor(clock))
     s.receive(request_headers())
-    assert immediate_status(s.receive(request_body({"model": "gpt-99"}))) == 404
+    assert immediate_status(s.receive(request_body({"model": "gpt-99", "messages": HI}))) == 404
 
 
 def test_the_class_vllm_priority_is_written_into_the_body(clock):
@@ -393,7 +397,7 @@ def test_a_degrade_rewrites_the_body_and_says_what_changed(clock):
     p = processor(clock, **one_class(max_concurrency=1, max_queue=0, on_overflow="fallback",
                                      fallback={"action": "degrade", "model": "small", "max_tokens": 8}))
     admitted(p)
-    s, answer = admitted(p, {"model": "llama", "messages": [], "max_tokens": 100})
+    s, answer = admitted(p, {"model": "llama", "messages": HI, "max_tokens": 100})
     assert set_headers(answer)["x-extproc-degraded"] == b"model=small,max_tokens=8; reason=queue_full"
     assert json.loads(answer.request_body.response.body_mutation.body)["model"] == "small"
 
@@ -500,7 +504,7 @@ def test_a_beam_search_answer_is_not_read_for_usage(clock, learn_sample):
     # answers with (short ones where they ended at EOS): read, it refunded the tenant's up-front charge of n x cap.
     p = processor(clock, learn_sample=learn_sample,
                   tenants=[{"name": "acme", "api_keys": ["sk-acme"], "tokens_per_minute": 10**6}])
-    doc = {"model": "llama", "messages": [], "use_beam_search": True, "n": 4, "max_tokens": 500}
+    doc = {"model": "llama", "messages": HI, "use_beam_search": True, "n": 4, "max_tokens": 500}
     s, _ = admitted(p, doc, authorization=b"Bearer sk-acme")
     assert s.receive(response_headers()) is CONTINUE["response_headers"]
     assert s.phase is Phase.FORWARDING
@@ -508,7 +512,7 @@ def test_a_beam_search_answer_is_not_read_for_usage(clock, learn_sample):
 
 
 def test_an_event_stream_is_read_only_for_a_learning_sample(clock):
-    s, _ = admitted(refunded(clock), {"model": "llama", "messages": [], "stream": True},
+    s, _ = admitted(refunded(clock), {"model": "llama", "messages": HI, "stream": True},
                     authorization=b"Bearer sk-acme")
     assert s.receive(response_headers(content_type=b"text/event-stream")) is CONTINUE["response_headers"]
     assert s.phase is Phase.FORWARDING
@@ -540,23 +544,23 @@ USAGE_EVENT = b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_token
 def test_a_compressed_response_is_not_read_for_usage(clock, content_type):
     # Compressed by something between vLLM and Envoy: no usage can be found in it, and read as an event stream
     # its bytes (with no blank line in them) were held back until 64 KiB had come, the client seeing nothing.
-    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": [],
+    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": HI,
                                                          "stream": content_type == SSE})
     answer = s.receive(response_headers(content_type=content_type, content_encoding=b"gzip"))
     assert answer is CONTINUE["response_headers"] and s.phase is Phase.FORWARDING
-    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": []})
+    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": HI})
     assert s.receive(response_headers(content_encoding=b"identity")) is LEARN_BODY[False]
 
 
 def test_a_learned_stream_asks_vllm_for_its_usage_chunk(clock):
-    _, answer = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": [], "stream": True})
+    _, answer = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": HI, "stream": True})
     body = json.loads(answer.request_body.response.body_mutation.body)
     assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": False}
 
 
 def test_a_learned_stream_does_not_turn_on_the_clients_continuous_usage(clock):
     # continuous_usage_stats acts only with include_usage: the client saw no usage and must not get it per chunk
-    doc = {"model": "llama", "messages": [], "stream": True,
+    doc = {"model": "llama", "messages": HI, "stream": True,
            "stream_options": {"include_usage": False, "continuous_usage_stats": True}}
     _, answer = admitted(processor(clock, learn_sample=1.0), doc)
     body = json.loads(answer.request_body.response.body_mutation.body)
@@ -564,7 +568,7 @@ def test_a_learned_stream_does_not_turn_on_the_clients_continuous_usage(clock):
 
 
 def test_the_usage_chunk_the_client_did_not_ask_for_is_stripped(clock):
-    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": [], "stream": True})
+    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": HI, "stream": True})
     assert s.receive(response_headers(content_type=SSE)) is LEARN_BODY[True]
     answer = s.receive(response_body(USAGE_EVENT + b"\n\ndata: [DONE]\n\n"))
     assert answer.response_body.response.body_mutation.body == b"data: [DONE]\n\n"
@@ -573,7 +577,7 @@ def test_the_usage_chunk_the_client_did_not_ask_for_is_stripped(clock):
 
 def test_a_usage_event_split_over_two_chunks_is_still_stripped_and_learned(clock):
     # the replica wrote it in two writes: the client must not get a "choices":[] chunk it never asked for
-    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": [], "stream": True})
+    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": HI, "stream": True})
     s.receive(response_headers(content_type=SSE))
     token = b'data: {"choices":[{"delta":{"content":"Hi"}}]}\n\n'
     first = s.receive(response_body(token + USAGE_EVENT[:30]))
@@ -586,7 +590,7 @@ def test_a_usage_event_split_over_two_chunks_is_still_stripped_and_learned(clock
 def test_a_stream_ending_on_its_usage_event_without_a_blank_line_keeps_the_event_before_it_whole(clock):
     # the stripped usage event took the blank line before it along: the client got the last token's event
     # unterminated, which an SSE client never dispatches
-    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": [], "stream": True})
+    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": HI, "stream": True})
     s.receive(response_headers(content_type=SSE))
     token = b'data: {"choices":[{"delta":{"content":"Hi"}}]}\n\n'
     answer = s.receive(response_body(token + USAGE_EVENT, eos=True))
@@ -597,7 +601,7 @@ def test_a_stream_ending_on_its_usage_event_without_a_blank_line_keeps_the_event
 def test_a_usage_event_after_an_event_too_long_to_hold_back_is_still_stripped_and_learned(clock):
     # An event over MAX_PARTIAL is passed on unfinished; when that ended on the first "\n" of its blank line, the
     # usage event after it began with the second one, was not recognised, and reached a client that never asked
-    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": [], "stream": True})
+    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": HI, "stream": True})
     s.receive(response_headers(content_type=SSE))
     long = b'data: {"choices":[{"delta":{"content":"' + b"x" * MAX_PARTIAL + b'"}}]}\n'
     sent = b""
@@ -611,7 +615,7 @@ def test_a_usage_event_after_an_event_too_long_to_hold_back_is_still_stripped_an
 def test_a_stream_whose_lines_end_in_crlf_is_passed_on_event_by_event_and_its_usage_chunk_stripped(clock):
     # The SSE spec lets a server end its lines with CRLF (sse-starlette does): its blank lines were not seen, so a
     # sampled stream reached its client only at 64 KiB or at its end, the usage chunk it never asked for included
-    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": [], "stream": True})
+    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": HI, "stream": True})
     s.receive(response_headers(content_type=SSE))
     token = b'data: {"choices":[{"delta":{"content":"Hi"}}]}\r\n\r\n'
     first = s.receive(response_body(token + b"data: {"))
@@ -622,7 +626,7 @@ def test_a_stream_whose_lines_end_in_crlf_is_passed_on_event_by_event_and_its_us
 
 
 def test_events_are_passed_on_whole_and_nothing_is_lost_at_the_end(clock):
-    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": [], "stream": True,
+    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": HI, "stream": True,
                                                          "stream_options": {"include_usage": True}})
     s.receive(response_headers(content_type=SSE))
     out = [s.receive(response_body(part, eos=last)) for part, last in
@@ -633,7 +637,7 @@ def test_events_are_passed_on_whole_and_nothing_is_lost_at_the_end(clock):
 
 
 def test_a_held_back_event_as_long_as_the_one_released_does_not_repeat_or_lose_a_byte(clock):
-    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": [], "stream": True,
+    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": HI, "stream": True,
                                                          "stream_options": {"include_usage": True}})
     s.receive(response_headers(content_type=SSE))
     parts = (b'data: {"a":1', b'0}\n\ndata: {"bb":', b'2}\n\n')  # the second holds back as much as it releases
@@ -651,7 +655,7 @@ def test_a_held_back_event_as_long_as_the_one_released_does_not_repeat_or_lose_a
                                    {"input_tokens": 5}, 5, "5"])
 def test_usage_no_answer_to_this_request_could_have_is_not_learned(clock, usage):
     # one absurd answer would lock the tenant's token bucket for ages (Retry-After 1.8e17 s) and skew the model
-    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": [], "max_tokens": 100})
+    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": HI, "max_tokens": 100})
     s.receive(response_headers())
     s.receive(response_body(json.dumps({"usage": usage}).encode(), eos=True))
     assert s.held.usage is None
@@ -773,7 +777,7 @@ def test_a_responses_stream_reports_its_first_token_at_the_first_delta(clock):
 
 
 def test_the_usage_chunk_the_client_asked_for_is_kept(clock):
-    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": [], "stream": True,
+    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": HI, "stream": True,
                                                          "stream_options": {"include_usage": True}})
     s.receive(response_headers(content_type=SSE))
     assert s.receive(response_body(USAGE_EVENT + b"\n\n")) is CONTINUE["response_body"]
@@ -784,7 +788,7 @@ def test_the_usage_chunk_the_client_asked_for_is_kept(clock):
 def test_a_stream_whose_options_turn_vllms_include_usage_on_keeps_its_usage_chunk(clock, options):
     # The client asked for the usage chunk: the gateway must neither strip it nor turn the client's options into
     # its own
-    s, answer = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": [], "stream": True,
+    s, answer = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": HI, "stream": True,
                                                               "stream_options": options})
     assert not answer.request_body.response.HasField("body_mutation")  # forwarded as the client wrote it
     s.receive(response_headers(content_type=SSE))
@@ -800,7 +804,7 @@ def test_a_stream_whose_options_leave_vllms_include_usage_off_gets_it_asked_for_
     # differential.json), and pydantic reads "false", "no" and 0 as false: vLLM sends no usage chunk, so the
     # learning sample must ask for it, and strip it. (`{}` and continuous_usage_stats alone were taken to ask for
     # it: the sample's usage never came.)
-    s, answer = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": [], "stream": True,
+    s, answer = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": HI, "stream": True,
                                                               "stream_options": options})
     body = json.loads(answer.request_body.response.body_mutation.body)
     assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": False}
@@ -815,7 +819,7 @@ def streaming(clock):
     seen = []
     p = processor(clock, learn_sample=1.0)
     p.core.events.first_token = lambda ticket, seconds: seen.append(seconds)
-    s, _ = admitted(p, {"model": "llama", "messages": [], "stream": True})
+    s, _ = admitted(p, {"model": "llama", "messages": HI, "stream": True})
     s.receive(response_headers(content_type=SSE))
     return s, seen
 
@@ -1037,7 +1041,7 @@ def test_a_policy_that_may_turn_streaming_off_asks_for_every_response_headers(cl
 def test_a_stream_degraded_to_no_streaming_gets_its_answer_back_as_a_stream(clock):
     p = processor(clock, **NO_STREAMING)
     admitted(p)
-    s, answer = admitted(p, {"model": "llama", "messages": [], "max_tokens": 50, "stream": True,
+    s, answer = admitted(p, {"model": "llama", "messages": HI, "max_tokens": 50, "stream": True,
                              "stream_options": {"include_usage": True}})
     forwarded = json.loads(answer.request_body.response.body_mutation.body)
     assert forwarded["stream"] is False and "stream_options" not in forwarded
@@ -1061,7 +1065,7 @@ def test_a_stream_degraded_to_no_streaming_gets_its_answer_back_as_a_stream(cloc
 def test_an_error_to_a_stream_degraded_to_no_streaming_is_passed_on_as_it_is(clock):
     p = processor(clock, **NO_STREAMING)
     admitted(p)
-    s, _ = admitted(p, {"model": "llama", "messages": [], "stream": True})
+    s, _ = admitted(p, {"model": "llama", "messages": HI, "stream": True})
     assert s.receive(response_headers(400, b"application/json", 80)) is CONTINUE["response_headers"]
 
 
@@ -1069,7 +1073,7 @@ def test_a_compressed_answer_to_a_stream_degraded_to_no_streaming_is_passed_on_a
     # its JSON cannot be read to be turned into events: buffered, it only waited for its end
     p = processor(clock, **NO_STREAMING)
     admitted(p)
-    s, _ = admitted(p, {"model": "llama", "messages": [], "stream": True})
+    s, _ = admitted(p, {"model": "llama", "messages": HI, "stream": True})
     answer = s.receive(response_headers(200, b"application/json", 80, content_encoding=b"br"))
     assert answer is CONTINUE["response_headers"] and s.restream is None
 
@@ -1086,7 +1090,7 @@ def canned_answer(clock, doc: dict, path: bytes = CHAT) -> bytes:
 def test_a_canned_answer_has_every_choice_the_client_asked_for(clock):
     # An SDK client reads choices[i] for its i-th sequence (n) or prompt (a completions list): with one choice
     # only, the rest were silently missing (an IndexError, or prompts without answers).
-    chat = json.loads(canned_answer(clock, {"model": "llama", "messages": [], "n": 2}))
+    chat = json.loads(canned_answer(clock, {"model": "llama", "messages": HI, "n": 2}))
     assert [c["index"] for c in chat["choices"]] == [0, 1]
     listed = json.loads(canned_answer(clock, {"model": "llama", "prompt": ["a", "b", "c"], "n": 2},
                                       b"/v1/completions"))
@@ -1094,17 +1098,17 @@ def test_a_canned_answer_has_every_choice_the_client_asked_for(clock):
 
 
 def test_a_canned_stream_ends_with_the_usage_chunk_when_the_client_asked_for_it(clock):
-    raw = canned_answer(clock, {"model": "llama", "messages": [], "stream": True, "n": 2,
+    raw = canned_answer(clock, {"model": "llama", "messages": HI, "stream": True, "n": 2,
                                 "stream_options": {"include_usage": True}})
     events = [json.loads(e[6:]) for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
     assert {c["index"] for e in events for c in e["choices"]} == {0, 1}
     assert events[-1]["choices"] == [] and events[-1]["usage"]["total_tokens"] == 0
-    plain = canned_answer(clock, {"model": "llama", "messages": [], "stream": True})
+    plain = canned_answer(clock, {"model": "llama", "messages": HI, "stream": True})
     assert b'"usage"' not in plain
     # vLLM 0.32's include_usage defaults to false, `{}` included, and reads "false" as false
-    implicit = canned_answer(clock, {"model": "llama", "messages": [], "stream": True, "stream_options": {}})
+    implicit = canned_answer(clock, {"model": "llama", "messages": HI, "stream": True, "stream_options": {}})
     assert b'"usage"' not in implicit
-    off = canned_answer(clock, {"model": "llama", "messages": [], "stream": True,
+    off = canned_answer(clock, {"model": "llama", "messages": HI, "stream": True,
                                 "stream_options": {"include_usage": "false"}})
     assert b'"usage"' not in off
 
@@ -1157,7 +1161,7 @@ def test_a_reload_between_the_headers_and_the_body_does_not_turn_streaming_off_u
     s = Stream(p)
     assert s.receive(request_headers()) is CONTINUE["request_headers"]
     p.core.apply(make_policy(**NO_STREAMING))
-    answer = s.receive(request_body({"model": "llama", "messages": [], "max_tokens": 50, "stream": True}))
+    answer = s.receive(request_body({"model": "llama", "messages": HI, "max_tokens": 50, "stream": True}))
     assert s.phase is Phase.FORWARDING
     forwarded = json.loads(answer.request_body.response.body_mutation.body)
     assert forwarded["stream"] is True and forwarded["max_tokens"] == 2
@@ -1166,11 +1170,11 @@ def test_a_reload_between_the_headers_and_the_body_does_not_turn_streaming_off_u
 
 @pytest.mark.parametrize("path, doc, field", [
     (b"/v1/responses", {"input": "hi", "max_output_tokens": 5000}, "max_output_tokens"),
-    (CHAT, {"messages": [], "max_completion_tokens": 5000}, "max_completion_tokens"),
-    (CHAT, {"messages": [], "max_tokens": 1, "max_completion_tokens": 5000}, "max_completion_tokens"),
-    (CHAT, {"messages": [], "max_tokens": 5000}, "max_tokens"),
+    (CHAT, {"messages": HI, "max_completion_tokens": 5000}, "max_completion_tokens"),
+    (CHAT, {"messages": HI, "max_tokens": 1, "max_completion_tokens": 5000}, "max_completion_tokens"),
+    (CHAT, {"messages": HI, "max_tokens": 5000}, "max_tokens"),
     (b"/v1/completions", {"prompt": "hi", "max_tokens": 5000}, "max_tokens"),
-    (b"/invocations", {"messages": [], "max_completion_tokens": 5000}, "max_completion_tokens"),
+    (b"/invocations", {"messages": HI, "max_completion_tokens": 5000}, "max_completion_tokens"),
 ])
 def test_an_output_cap_beyond_the_context_is_refused_naming_the_field_the_client_sent(clock, path, doc, field):
     # vLLM 0.32 names the field it read (`max_output_tokens=5000 cannot be greater than max_model_len=...`,

@@ -45,6 +45,8 @@ from extproc.server.usage import MAX_PARTIAL, USAGE_TAIL
 
 from ..conftest import FakeClock, make_policy
 
+HI = [{"role": "user", "content": "hi"}]  # a chat request is a list of messages: one will do
+
 SEED = 45
 CASES = 1000  # per server
 MAX_BODY = 192 << 10  # --max-body-bytes: a larger JSON answer is not read (a request body larger is refused)
@@ -439,7 +441,7 @@ class Server:
         processor = self.servicer.processor
         self.holder = Stream(processor)
         if degrades:
-            for message in request_messages("chat", {"model": "llama", "messages": []}, False):
+            for message in request_messages("chat", {"model": "llama", "messages": HI}, False):
                 self.holder.receive(message)
         self.inflight = self.core.snapshot()["interactive"]["inflight"]
         self.readers: list = []

@@ -60,12 +60,14 @@ def _both_kinds(case: dict, e: BadRequest) -> bool:
     return case["path"] == "/invocations" and e.param == "messages"
 
 
-REFUSED_ON_PURPOSE = (_cap_vllm_does_not_run, _both_kinds)
+def _nothing_to_render(case: dict, e: BadRequest) -> bool:
+    """`"messages": []`, or `"prompt": []` without prompt_embeds: vLLM's request model takes them, and its renderer
+    refuses them with 400 before anything runs (differential.json's chat:messages=[] and completions:prompt=[],
+    api.json's prompt_empty_list). Admitted, each held a slot until that 400; they are refused before admission."""
+    return e.param in ("messages", "prompt") and doc_of(case).get(e.param) == []
 
 
-def _empty_prompt_list(case: dict, field: str, mine, vllms) -> bool:
-    """`"prompt": []`: vLLM's model takes it and its renderer refuses it (api.json); read here as one prompt."""
-    return field in ("sequences", "prompts") and doc_of(case).get("prompt") == [] and mine > vllms
+REFUSED_ON_PURPOSE = (_cap_vllm_does_not_run, _both_kinds, _nothing_to_render)
 
 
 def _truncation_to_nothing(case: dict, field: str, mine, vllms) -> bool:
@@ -78,7 +80,7 @@ def _one_token_is_all_of_it(case: dict, field: str, mine, vllms) -> bool:
     return field == "min_output" and mine is None and case["vllm"]["max_tokens"] == 1
 
 
-OVER_READ = (_empty_prompt_list, _truncation_to_nothing, _one_token_is_all_of_it)
+OVER_READ = (_truncation_to_nothing, _one_token_is_all_of_it)
 
 
 def differences(case: dict) -> list[str]:
@@ -116,3 +118,29 @@ def test_a_body_vllm_refuses_is_a_400_or_a_reading_here_never_an_error():
             read(case)
         except BadRequest as e:
             assert 400 <= e.status < 500, case["body"]
+
+
+def _refused_for_its_messages_or_prompt(case: dict) -> bool:
+    """A body vLLM refuses for its `messages` (not a list it can loop over) or its prompt (none to run). On
+    /invocations, only the former (the latter is also what its completions reading says of a chat body that failed
+    validation for another field), and not beside an `input` (a pooling model serves that as embeddings)."""
+    why = case["vllm"].get("refused", "")
+    if case["path"] == "/invocations":
+        return "not iterable" in why and "input" not in doc_of(case)
+    return "not iterable" in why or "Either prompt or prompt_embeds" in why
+
+
+def test_a_body_vllm_refuses_for_its_messages_or_prompt_is_refused_before_admission():
+    # Admitted, a chat with `messages: null` or a completions request with `prompt: null` held a slot (and was
+    # charged) until the replica answered 400.
+    cases = [c for c in CASES if _refused_for_its_messages_or_prompt(c)]
+    assert len(cases) >= 15 and {c["path"] for c in cases} == {"/v1/chat/completions", "/v1/completions",
+                                                                 "/invocations"}
+    admitted = []
+    for case in cases:
+        try:
+            read(case)
+            admitted.append(case["body"][:160])
+        except BadRequest as e:
+            assert (e.status, e.code) == (400, "invalid_body"), case["body"]
+    assert not admitted, "\n".join(admitted)
