@@ -383,6 +383,26 @@ async def test_errors_are_shaped_like_vllm(fleet, http, path, body, status, erro
     assert error["type"] == error_type and error["code"] == status
 
 
+@pytest.mark.parametrize("message, detail", [
+    ("hi", "{'type': 'dict_type', 'loc': 'body.messages.0.ChatCompletionDeveloperMessageParam', 'msg': 'Input should "
+           "be a valid dictionary', 'input': 'hi'}"),
+    ({"content": "hi"}, "{'type': 'missing', 'loc': 'body.messages.0.ChatCompletionDeveloperMessageParam.role', "
+                        "'msg': 'Field required', 'input': '<dict of 1 items>'}"),
+    ({"role": 5, "content": "hi"}, "{'type': 'literal_error', 'loc': 'body.messages.0.ChatCompletionDeveloperMessage"
+                                   "Param.role', 'msg': \"Input should be 'developer'\", 'input': '5', 'ctx': "
+                                   "{'expected': \"'developer'\"}}")])
+def test_a_message_that_is_no_message_object_is_refused_as_vllm_refuses_it(message, detail):
+    # vLLM 0.32 refuses each with its message union's validation errors, the developer message's first (recorded:
+    # differential.json chat:messages=['hi'], =[{'content': 'hi'}]); the simulator served a message without a role.
+    from extproc.tools.sim.openai_api import ApiError, parse_generation
+    with pytest.raises(ApiError) as refused:
+        parse_generation("chat", json.dumps({**CHAT, "messages": [message]}).encode(), (MODEL,), 4096, 16)
+    assert (refused.value.status, refused.value.error_type) == (400, "Bad Request")
+    assert str(refused.value) == f"1 validation error:\n  {detail}"
+    harmony = {"author": {"role": "user"}, "content": [{"type": "text", "text": "hi"}]}  # openai_harmony's Message
+    assert parse_generation("chat", json.dumps({**CHAT, "messages": [harmony]}).encode(), (MODEL,), 4096, 16)
+
+
 @pytest.mark.parametrize("messages, name", [(5, "int"), (1.5, "float"), (True, "bool"), (None, "NoneType")])
 def test_chat_messages_that_are_not_iterable_are_refused_as_vllm_refuses_them(messages, name):
     # vLLM 0.32's last `before` validator of ChatCompletionRequest loops over `messages`: a number, boolean or null

@@ -361,9 +361,7 @@ def _prompt_tokens(kind: str, body: dict) -> tuple[int, ...]:
             raise validation_error("list_type", "body.messages", "Input should be a valid list", messages)
         if not messages:
             return ()  # refused once the model is known, as vLLM's chat template refuses it
-        if not all(isinstance(m, dict) for m in messages):
-            raise validation_error("value_error", "body.messages", "Value error, messages must be a list of message "
-                                   "objects", messages)
+        _check_roles(messages)
         return (estimate_chat_tokens(_checked_contents(messages, "body.messages", messages)),)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
@@ -379,6 +377,23 @@ def _prompt_tokens(kind: str, body: dict) -> tuple[int, ...]:
         return tuple(estimate_text_tokens(p) if isinstance(p, str) else len(p) for p in prompt)
     raise validation_error("value_error", "body.prompt", "Value error, prompt must be a string, a list of token "
                            "ids, or a list of those", prompt)
+
+
+def _check_roles(messages: list) -> None:
+    """vLLM 0.32's message union: every member is an object, and every one needs a string `role` but
+    openai_harmony's Message, which needs an `author` instead. Its first error is the developer message's
+    (differential.json: chat:messages=['hi'], =[{'content': 'hi'}])."""
+    for i, message in enumerate(messages):
+        loc = f"body.messages.{i}.ChatCompletionDeveloperMessageParam"
+        if not isinstance(message, dict):
+            raise validation_error("dict_type", loc, "Input should be a valid dictionary", message)
+        if "author" in message:
+            continue
+        if "role" not in message:
+            raise validation_error("missing", f"{loc}.role", "Field required", message)
+        if not isinstance(message["role"], str):
+            raise validation_error("literal_error", f"{loc}.role", "Input should be 'developer'", message["role"],
+                                   {"expected": "'developer'"})
 
 
 def _checked_contents(messages: list[dict], loc: str, value) -> list[dict]:
