@@ -660,7 +660,8 @@ class AdmissionController:
         """What a slot taken holds, each given back by _release: the class's slot and GPU-seconds, the flow's fair
         charge, the pool's units, the session's in-flight budget. For a new ticket (_admit) and for a shadow pass
         that reaches its virtual place (ShadowMode.grant), which once charged no session budget but gave one back."""
-        lim.pools.add(ticket.pool)  # the pools whose struggles the class yields to (limit_moves)
+        if ticket.pool in self.state.routed:  # the pools whose struggles the class yields to (limit_moves); not one
+            lim.pools.add(ticket.pool)        # a reload removed, that a waiter queued before it was granted on
         lim.take(cost, now)
         ticket.fair_charge = lim.queue.admitted(ticket.flow, cost)
         ticket.fair_flow = lim.queue.flow_of(ticket.flow)

@@ -246,6 +246,25 @@ def test_a_reload_that_removes_a_pool_drops_its_breakers_and_a_late_outcome_does
     assert [b.state for b in core.breakers["interactive", "pool_b"]] == ["closed"]
 
 
+def test_a_waiter_granted_on_a_pool_a_reload_removed_does_not_put_the_pool_back_among_its_classs(core):
+    """A reload keeps in each class's `pools` (whose saturation it heeds, where the classes below yield to it) only
+    the pools a model still routes to. A waiter queued for a removed pool and granted after the reload added it
+    back, until the next reload."""
+    held = [core.decide(req("interactive", model="small")).ticket for _ in range(2)]  # interactive's cap: on pool_b
+    late = core.decide(req("interactive", model="small"))
+    assert late.kind == QUEUE and core.limiters["interactive"].pools == {"pool_b"}
+    core.apply(make_policy(models={"llama": {"cluster": "pool_a"}}))
+    assert core.limiters["interactive"].pools == set()
+    core.finish(held[0], Outcome.OK)
+    assert late.waiter.result.kind == ACCEPT and late.waiter.result.ticket.pool == "pool_b"
+    assert core.limiters["interactive"].pools == set()
+    for t in (held[1], late.waiter.result.ticket):
+        core.report(t.id, Completion(Outcome.OK, 200, None, 1.0))
+        core.finish(t, Outcome.OK)
+    assert core.limiters["interactive"].inflight == 0 and core.limiters["interactive"].pools == set()
+    assert ("interactive", "pool_b") not in core.breakers
+
+
 def test_a_reload_that_changes_an_adaptive_classs_slo_moves_its_cap_against_the_new_one(core):
     # Found by a review: an adaptive cap is anchored to its class's SLO (it cuts over cut_at x slo_p95_ms), and a
     # reload kept the controller whenever the adaptive knobs were unchanged: an SLO tightened from 2 s to 0.5 s was
