@@ -101,14 +101,24 @@ class SharedSlots:
         # Waiters of a class the reload removed are refused, as its local queue is (they would run later under
         # no class), and so are those it revoked under keys only (anonymous, or a removed tenant's); the others
         # ask with the new cap at their next attempt (_serve_queue refreshes the claim).
-        for cls, q in self._waiting.items():
+        for cls, q in list(self._waiting.items()):
             removed = cls not in self.core.limiters
             for w in q:
                 revoked = self.core.revoked(w.ticket.tenant)
                 if (removed or revoked) and not w.future.done():
                     w.future.set_result(_REMOVED if removed else _REVOKED)
-            if not removed:
+            if removed:
+                self._forget(cls)
+            else:
                 self._wake(cls)
+
+    def _forget(self, cls: str) -> None:
+        """A removed class's queue and wake-up go once no pump serves them (else its pump does this as it ends,
+        having handed out the refusals): kept, each class a reload ever removed held its entries for the process's
+        life. Its requests still running release by (class, holder) and look them up without making them again."""
+        if cls not in self._pumps and cls not in self.core.limiters:
+            self._waiting.pop(cls, None)
+            self._released.pop(cls, None)
 
     # --- admission ---
 
@@ -320,6 +330,7 @@ class SharedSlots:
                     await asyncio.wait_for(ev.wait(), self.poll_s)
         finally:
             del self._pumps[cls]
+            self._forget(cls)
 
     # --- health ---
 

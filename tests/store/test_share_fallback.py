@@ -296,3 +296,36 @@ async def test_a_wait_that_begins_after_a_reload_removed_its_class_is_refused():
     assert (out.kind, out.status, out.reason) == (REJECT, 503, "class_removed")
     assert not r.held and store.slots["interactive"] == set()
     await r.close()
+
+
+async def test_a_class_a_reload_removed_leaves_no_queue_behind_even_with_its_pump_not_yet_started():
+    """The replica's queue and wake-up of a class a reload removed stayed for the process's life. They go at the
+    reload, or, when its waiters' pump is scheduled but has not run yet (removed in the same turn as a wait
+    began), when that pump ends: dropped under it, it found no queue and never ended. The request the class
+    ran before the removal still gives its slot back."""
+    classes = {"interactive": {"max_concurrency": 2, "max_queue": 10, "max_wait_ms": 1000},
+               "batch": {"max_concurrency": 1}}
+    store_spec = {"kind": "redis", "url": "redis://fake", "poll_ms": 20}
+    store = FakeStore()
+    store.slots["interactive"] = {"other:1"}  # another replica's request
+    r = SharedSlots(AdmissionController(make_policy(classes=classes, default_class="batch", tenants=[],
+                                                    store=store_spec)), store)
+    await r.start()
+    running = r.core.decide(RequestFacts(header_class="interactive", model="llama", max_tokens=10))
+    assert (await r.try_now(running)).kind == ACCEPT
+    d = r.core.decide(RequestFacts(header_class="interactive", model="llama", max_tokens=10))
+    assert await r.try_now(d) is None
+    waiting = asyncio.create_task(r.wait(d))
+    await asyncio.sleep(0)  # the wait is queued and its pump scheduled, not yet run
+    assert "interactive" in r._pumps
+    r.apply(make_policy(classes={"batch": {"max_concurrency": 1}}, default_class="batch", tenants=[],
+                        store=store_spec))
+    out = await asyncio.wait_for(waiting, 5)
+    assert (out.kind, out.reason) == (REJECT, "class_removed")
+    assert await until(lambda: not r._pumps, timeout=2)
+    assert "interactive" not in r._waiting and "interactive" not in r._released
+    r.core.finish(running.ticket, Outcome.OK)
+    r.release(running.ticket)
+    assert await until(lambda: store.slots["interactive"] == {"other:1"}, timeout=2)
+    assert not r.held and "interactive" not in r._waiting and "interactive" not in r._released
+    await r.close()

@@ -200,4 +200,12 @@ async def test_a_reload_reaches_requests_waiting_for_a_global_slot(redis_server)
     (last,) = [w for w in waiting if not w.done()]
     refused = await asyncio.wait_for(last, 5)
     assert (refused.kind, refused.status, refused.reason) == (REJECT, 503, "class_removed")
+    # The one admitted before the removal runs on; its end gives its global slot back, and the replica keeps no
+    # queue or wake-up for the class (one per class a reload ever removed, kept for the process's life).
+    (admitted,) = [w.result() for w in waiting if w.result().kind == ACCEPT]
+    finish(b, admitted)
+    assert await until(lambda: b.store.count("interactive"), holds=lambda n: n == 0) == 0
+    assert await until(lambda: not b._pumps)
+    assert "interactive" not in b._waiting and "interactive" not in b._released
+    assert await b.store.client.exists(*b.store.keys("interactive")) == 0  # nor does Redis
     await a.close(), await b.close()
