@@ -5,6 +5,8 @@ import sys
 
 import pytest
 
+from tests.conftest import stop_process
+
 SPEED = 20
 
 
@@ -22,5 +24,4 @@ def start_sim(profile: str = "h100-llama70b-awq", speed: float = SPEED) -> tuple
 def sim_url():
     proc, url = start_sim()
     yield url
-    proc.terminate()
-    proc.wait(5)
+    stop_process(proc, 5.0)

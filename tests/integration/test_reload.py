@@ -15,7 +15,7 @@ import aiohttp
 import yaml
 
 from extproc.tools.stack import free_port, wait_http
-from tests.conftest import policy_file, until
+from tests.conftest import policy_file, stop_process, until
 
 from .helpers import chat, equals, healthz, metrics, post, reloads, sample, wait_idle
 
@@ -106,8 +106,7 @@ def test_a_sighup_while_the_server_starts_is_a_reload_not_its_end(tmp_path):
         assert asyncio.run(until(limit, holds=lambda v: v == 7)) == 7  # the edit it was told of, applied
         assert proc.poll() is None
     finally:
-        proc.terminate()
-        proc.wait(30)
+        stop_process(proc, 30.0)
 
 
 async def test_a_request_queued_for_a_model_a_reload_renamed_still_gets_its_fallback(make_stack, tmp_path, upstream):

@@ -104,8 +104,7 @@ def scrape_once(argv: list[str], port: int, ready_path: str) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
             return r.read().decode()
     finally:
-        proc.terminate()
-        proc.wait(10)
+        stop_process(proc, 10.0)
 
 
 @pytest.fixture(scope="session")

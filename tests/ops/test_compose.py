@@ -21,6 +21,7 @@ from extproc.policy.schema import load_policy_file
 from extproc.tools import envoyconf
 from extproc.tools.sim.profile import shipped_profile_names
 from extproc.tools.stack import free_port, wait_http
+from tests.conftest import stop_process
 
 from .conftest import COMPOSE, ROOT, run_tool, tool
 
@@ -281,5 +282,4 @@ def test_envoy_started_as_compose_starts_it_serves_its_stats_and_nothing_else_of
         with urllib.request.urlopen(f"http://127.0.0.1:{admin}/ready", timeout=5) as resp:
             assert resp.status == 200   # still live: nothing above reached the admin
     finally:
-        proc.terminate()
-        proc.wait(10)
+        stop_process(proc, 10.0)

@@ -20,7 +20,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.tools.stack import free_port, wait_http
-from tests.conftest import until
+from tests.conftest import stop_process, until
 
 from .conftest import ROOT
 
@@ -90,8 +90,7 @@ def mounted(tmp_path):
         wait_http(f"{url}/healthz", timeout=30, proc=proc)
         yield volume, url, proc
     finally:
-        proc.terminate()
-        proc.wait(15)
+        stop_process(proc, 15.0)
 
 
 def interactive_limit(url: str) -> float:
