@@ -15,6 +15,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
@@ -156,6 +157,9 @@ class Stack:
     failure_mode_allow: bool | None = None  # override envoy.yaml's (False: fail closed)
     speed: float = 1.0  # the demo's time compression (envoyconf.render's `speed`)
     answer_sample_percent: int | None = None  # envoyconf.render's: None keeps envoy.yaml's
+    # Called with each process's name before it starts; raises to start nothing more (`extproc demo` once a signal
+    # came: its start is synchronous, and the task's cancel lands only at the next await, after the whole start).
+    before_spawn: Callable[[str], None] | None = None
     processes: list[Process] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -183,6 +187,8 @@ class Stack:
         return f"http://127.0.0.1:{self.admin_port}"
 
     def spawn(self, name: str, argv: list[str], env: dict | None = None) -> Process:
+        if self.before_spawn is not None:
+            self.before_spawn(name)
         log_path = self.workdir / f"{name}.log"
         log = open(log_path, "ab")
         # reaper.spawn: if this process dies without stop(), its watchdog stops them.

@@ -68,7 +68,7 @@ def test_ctrl_c_stops_every_process_the_demo_started(tmp_path, sig, when):
     # Started with SIGINT ignored, as a shell without job control starts a background command (`make test &` in a
     # script, a CI runner): the demo must still stop on it. It did not (exit 0 after the whole replay), and this
     # test failed whenever the suite itself ran that way. A signal while the stack starts (its start blocks the
-    # event loop) is acted on once the start returns: what was started after it is stopped too.
+    # event loop) starts nothing more: what was started before it is stopped.
     out = tmp_path / "results"
     proc = subprocess.Popen(demo_argv(out, "--speed", "10", "--phase-s", "30", "--modes", "d"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=ignore_sigint)
@@ -82,6 +82,9 @@ def test_ctrl_c_stops_every_process_the_demo_started(tmp_path, sig, when):
         assert proc.wait(30) == 130
         if when == "== mode d":
             assert "[d]" not in proc.stdout.read()  # no replay after the signal
+            # Nor the rest of the stack: the signal came as its first pool started (synchronous code), and the
+            # ext_proc and Envoy were started after it anyway, then stopped at the replay's first await.
+            assert {p.name for p in (out / "logs" / "mode-d").glob("*.log")} <= {"sim-vllm_llama70b.log"}
     finally:
         proc.kill()
     deadline = time.monotonic() + 5

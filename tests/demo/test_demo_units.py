@@ -380,3 +380,36 @@ def test_summary_json_is_json_that_any_parser_reads_and_from_summary_reads_it_ba
         raise ValueError(f"{name} is not JSON")
     json.loads((tmp_path / "summary.json").read_text(), parse_constant=no_constants)
     assert math.isnan(from_summary(tmp_path / "summary.json")["d"]["p99"])
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_while_a_modes_stack_stops_starts_no_further_mode(tmp_path, monkeypatch, capsys, sig):
+    # The handler was the loop's callback, run at the next await: a signal during the previous mode's stop (its
+    # stack.stop() is synchronous, and nothing awaits after it) let the next mode's whole stack start before the
+    # cancel stopped it. Here mode a's "stop" takes the signal; mode d must not start.
+    import asyncio
+    import os
+    import signal
+    import time
+    from types import SimpleNamespace
+
+    import extproc.tools.demo as demo
+    from extproc.tools.demo.runner import ModeResult
+
+    started = []
+
+    async def run_mode(mode, scenario, settings):
+        started.append(mode.key)  # build_stack: synchronous
+        await asyncio.sleep(0)  # the replay
+        os.kill(os.getpid(), getattr(signal, sig))  # arrives while the stack stops (synchronous)
+        time.sleep(0.05)
+        return ModeResult(mode, [], 0.01)
+
+    monkeypatch.setattr(demo, "run_mode", run_mode)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    args = SimpleNamespace(what_if=False, scenario=str(SCENARIO), phase_s=4.0, modes="a,d", show_limits=False,
+                           out=str(tmp_path / "out"), speed=5.0, progress_every=5.0, instances=1)
+    assert demo.run(args) == 130
+    assert started == ["a"]
+    assert "== mode d" not in capsys.readouterr().out
+    assert {s: signal.getsignal(s) for s in before} == before  # the demo's handlers are gone with it

@@ -17,7 +17,7 @@ from extproc.policy.schema import PolicyError, load_policy_file
 from .modes import DEFAULT_MODES, DEFAULT_SPEED, MODES, Mode, parse_modes, repo_path, with_policies
 from .report import tables, write_report
 from .results import WindowStats, adaptive_targets, calm_windows, scenario_stats, spike_windows, targets
-from .runner import ModeResult, RunSettings, run_mode
+from .runner import Interrupt, ModeResult, RunSettings, run_mode
 from .scenario import Scenario
 from .whatif import check_routes, unserved_kinds, what_if
 
@@ -136,7 +136,7 @@ def what_if_tables(args: argparse.Namespace, command: str = "extproc demo --what
     return 0
 
 
-async def demo(args: argparse.Namespace, command: str) -> int:
+async def demo(args: argparse.Namespace, command: str, interrupt: Interrupt | None = None) -> int:
     scenario = load_scenario(args)
     modes = scenario_modes(scenario, args.modes)
     check_policies(scenario, modes)
@@ -144,7 +144,7 @@ async def demo(args: argparse.Namespace, command: str) -> int:
     out.mkdir(parents=True, exist_ok=True)
     capacity = scenario.fleet_capacity()
     settings = RunSettings(speed=args.speed, capacity=capacity, workdir=out / "logs",
-                           progress_every_s=args.progress_every)
+                           progress_every_s=args.progress_every, interrupt=interrupt or Interrupt())
     phases = ", ".join(f"{p.name} {p.duration_s:g}s x{scenario.phase_load(p):.3g}" for p in scenario.phases)
     print(f"scenario {scenario.name}: {phases}; fleet capacity {capacity:.1f} req/s "
           f"({', '.join(f'{p.replicas}x {p.profile}' for p in scenario.pools)}); speed {args.speed:g}; "
@@ -154,6 +154,7 @@ async def demo(args: argparse.Namespace, command: str) -> int:
         print(policy_lines(modes), flush=True)
     results: list[ModeResult] = []
     for mode in modes:
+        settings.interrupt.check(f"mode {mode.key}")  # a signal while the previous mode's stack stopped
         print(f"== mode {mode.key}: {mode.label}", flush=True)
         res = await run_mode(mode, scenario, settings)
         results.append(res)
@@ -174,12 +175,26 @@ async def _main(args: argparse.Namespace, command: str) -> int:
     # Ctrl-C, SIGTERM and SIGHUP end the demo: the running mode's finally stops every process it started. SIGINT
     # is handled here, not left to asyncio's default: a shell without job control starts a background command with
     # SIGINT ignored, Python then keeps it ignored, and the demo ran to its end through a Ctrl-C (`extproc serve`,
-    # `sim` and `calibrate` set their own handlers too).
+    # `sim` and `calibrate` set their own handlers too). A Python handler, not loop.add_signal_handler's callback:
+    # that ran at the loop's next turn only, after a stack's start or stop (synchronous) had returned, and the next
+    # mode's whole stack started before the cancel stopped it. This one runs as the signal comes, in synchronous
+    # code too: it marks the interrupt (nothing more starts, runner.Interrupt), and cancels the task at its next
+    # await, as asyncio.Runner does for SIGINT.
     task = asyncio.current_task()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        loop.add_signal_handler(sig, task.cancel)
-    return await demo(args, command)
+    interrupt = Interrupt()
+
+    def on_signal(signum, frame) -> None:
+        interrupt.signum = signum
+        task.cancel()
+        loop.call_soon_threadsafe(lambda: None)  # wakes a loop waiting in its poll
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return await demo(args, command, interrupt)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def run(args: argparse.Namespace) -> int:

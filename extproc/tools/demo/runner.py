@@ -6,6 +6,7 @@ import asyncio
 import bisect
 import json
 import os
+import signal
 import sys
 import time
 import urllib.request
@@ -35,6 +36,20 @@ class ModeResult:
     served_elsewhere: int = 0
 
 
+class Interrupt:
+    """Set by `extproc demo`'s signal handler the moment a Ctrl-C, SIGTERM or SIGHUP arrives. Its cancel of the
+    demo's task lands at the next await only, and starting or stopping a stack is synchronous: a signal during the
+    previous mode's stop, or during a start, let the next mode's whole stack (or the rest of this one) start before
+    it was stopped. Nothing starts once it is set (check())."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def check(self, what: str) -> None:
+        if self.signum is not None:
+            raise asyncio.CancelledError(f"{signal.Signals(self.signum).name}: {what} not started")
+
+
 @dataclass
 class RunSettings:
     speed: float
@@ -42,6 +57,7 @@ class RunSettings:
     workdir: Path
     progress_every_s: float = 5.0  # wall seconds between progress lines
     print_fn: object = print
+    interrupt: Interrupt = field(default_factory=Interrupt)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -94,7 +110,7 @@ def build_stack(mode: Mode, scenario: Scenario, settings: RunSettings) -> Stack:
     workdir = settings.workdir / f"mode-{mode.key}"
     adaptive = mode.adaptive if mode.stack_mode == "adaptive" else None  # simulated seconds: Envoy's divided by speed
     stack = Stack(workdir, {}, mode=mode.stack_mode, lb_policy=mode.lb_policy, adaptive=adaptive,
-                  speed=settings.speed)
+                  speed=settings.speed, before_spawn=settings.interrupt.check)
     try:
         for i, pool in enumerate(scenario.pools):
             stack.pools[pool.name] = start_pool(stack, pool.name, pool.profile, pool.replicas, pool.model_names,
