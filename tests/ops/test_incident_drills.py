@@ -266,10 +266,10 @@ class Drill:
     def reload(self) -> None:
         os.kill(self.extproc_pid(), signal.SIGHUP)
 
-    def cleared(self, incident: str, alert: str) -> None:
-        """Record whether `alert` resolves within 10 s of the incident's end (the caller ended it)."""
+    def cleared(self, incident: str, alert: str, timeout: float = 10) -> None:
+        """Record whether `alert` resolves within `timeout` s of the incident's end (the caller ended it)."""
         self.incidents[incident].cleared = not self.api.wait_for(f'ALERTS{{alertname="{alert}"}}', lambda r: not r,
-                                                                 timeout=10)
+                                                                 timeout=timeout)
 
 
 class Flood(LoopThread):
@@ -444,6 +444,10 @@ def replica_slow(d: Drill) -> None:
     d.fault(0, slowdown=4)
     d.run(Incident("replica_slow", ["ExtprocReplicaSlow"]), timeout=60)
     d.fault(0, reset=1)
+    # Back at speed, it is let back once its 20 s window reads within half the margin (~20 s in the drill, 19.7 s
+    # seen). Not waited for, the verdict still stood when replica_down killed the other replica 0.02 s later, and
+    # ExtprocReplicaSlow, still firing, was counted among replica_down's alerts.
+    d.cleared("replica_slow", "ExtprocReplicaSlow", timeout=30)
 
 
 def replica_down(d: Drill) -> None:
@@ -576,7 +580,7 @@ def test_replica_slow_stays_quiet_while_the_replicas_run_alike(drills, incident)
 
 
 @pytest.mark.parametrize("incident", incident_params([("hung_replica",), ("reload_refused",), ("redis_down",),
-                                                      ("extproc_down",), ("pool_saturated",)]))
+                                                      ("extproc_down",), ("pool_saturated",), ("replica_slow",)]))
 def test_alert_clears_when_the_incident_ends(drills, incident):
     assert drills(RUN_OF[incident]).incidents[incident].cleared
 
@@ -594,6 +598,10 @@ def test_a_killed_replica_fails_what_it_held_and_is_left_out_of_the_pool_reading
     assert saturated and max(saturated) == 0, saturated
     seen = {s["metric"]["alertname"] for s in d.api.query_range("ALERTS", inc.start, inc.end)}
     assert "ExtprocPoolSaturated" not in seen, seen
+    # Nor is a replica read slow: the survivor has no other to be compared with (replica_speed.judge_slow), and the
+    # killed one is left out. ExtprocReplicaSlow was seen firing here while replica_slow's verdict still stood
+    # when the kill came (the drill did not wait for it to clear); the kill itself cleared it within a scrape.
+    assert "ExtprocReplicaSlow" not in seen, seen
     # Down, not hung: read "stalled" on its last reading (stall_ms is shorter than stale_ms here), it sent
     # ExtprocReplicaStalled pending ("its HTTP server still answers: restart it").
     stalled = [float(v) for s in d.api.query_range(f'extproc_pool_stalled_replicas{{pool="{POOL}"}}', inc.start,
