@@ -115,15 +115,19 @@ def clock():
 
 class RecordedEvents(NoEvents):
     """The core's events as a test reads them: every decision counted, the class of every queue entry, the shadow
-    calls; the rest ignored."""
+    calls, every request accounted (ticket, outcome); the rest ignored."""
 
     def __init__(self) -> None:
         self.decisions: list = []
         self.entries: list[str] = []
         self.shadow_calls: list[tuple[str, str, str]] = []
+        self.accounted: list = []
 
     def decided(self, d) -> None:
         self.decisions.append(d)
+
+    def finished(self, ticket, outcome, latency_s) -> None:
+        self.accounted.append((ticket, outcome))
 
     def queued(self, waiter) -> None:
         self.entries.append(waiter.limiter.name)

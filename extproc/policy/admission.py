@@ -68,6 +68,8 @@ class AdmissionController:
         # True once a shared store confirms each admission (gate_on_store; see gated()): such admissions are
         # counted once, by confirm() or revoke(), instead of when decided.
         self.shared_slots = False
+        # True once the adapter counts each admission when its answer forwards the request (count_on_forward).
+        self.counts_on_forward = False
         self.apply(policy)
 
     # --- the running policy (PolicyState builds it) ---
@@ -144,6 +146,15 @@ class AdmissionController:
     def gate_on_store(self, shared: bool) -> None:
         """A shared store confirms each admission from now on (extproc.store.shared_slots.SharedSlots)."""
         self.shared_slots = shared
+
+    def count_on_forward(self) -> None:
+        """From now on an admission (a decision holding a ticket) is counted (events.decided: extproc_requests_total)
+        when the adapter's answer forwards its request (forwarded()), not when it is decided or granted. One taken
+        back before that never went upstream and has no outcome to account: withdrawn (the adapter refused it after
+        the decision), or a queue's grant to a client that left in that same instant (revoke: counted as the
+        client's leaving while queued). Counted when decided, each was an admission that no outcome ever matched
+        (extproc.server.stream.Processor sets this)."""
+        self.counts_on_forward = True
 
     def _retire(self, lim: ClassLimiter, now: float) -> None:
         while lim.queue:
@@ -798,9 +809,16 @@ class AdmissionController:
         return expired
 
     def _emit(self, d: Decision) -> Decision:
-        if not self.gated(d):
+        """Count a decision, unless it is an admission counted later: by confirm() (a shared store's global slot)
+        or by forwarded() (count_on_forward)."""
+        if not self.gated(d) and not (self.counts_on_forward and d.ticket is not None):
             self.events.decided(d)
         return d
+
+    def forwarded(self, d: Decision) -> None:
+        """The adapter's answer forwards this admission's request: it is counted now (count_on_forward)."""
+        if self.counts_on_forward:
+            self.events.decided(d)
 
     # --- a shared store's say (extproc.store.shared_slots): the adapter awaits it between decide() and the answer ---
 
@@ -846,14 +864,17 @@ class AdmissionController:
             t.admitted_at += waited_s
             t.lease_until += waited_s
             d.waited_s, d.reason = t.waited_s, R_DEQUEUED
-        self.events.decided(d)
+        if not self.counts_on_forward:
+            self.events.decided(d)
         return d
 
     def withdraw(self, ticket: Ticket) -> bool:
         """Take back an admission whose request never went upstream (the adapter refused it after the decision: its
         body as it would be forwarded is over the limit): its slot goes back unused and it is charged nothing, as a
         revoked one's. Released as a finished request, it was a completion for the drain rate, a charge of its
-        expected output, and a report awaited from Envoy that never comes. False if it was closed already."""
+        expected output, and a report awaited from Envoy that never comes. Not counted as an admission either
+        (count_on_forward, which the adapter that withdraws sets): counted, it had no outcome. False if it was
+        closed already."""
         now = self._close(ticket, False)
         if now is None:
             return False
@@ -874,7 +895,9 @@ class AdmissionController:
 
     def revoke(self, d: Decision, reason: str, message: str) -> Decision:
         """The shared store did not grant a global slot (none within the class's wait, store down and failing
-        closed, or the client left): the local slot goes back unused and the request gets a refusal instead.
+        closed, or the client left), or the class queue's verdict came in the instant its client left, before the
+        adapter took it (extproc.server.final_admission.FinalAdmission.give_back): the local slot goes back unused
+        and the request gets a refusal instead, counted as its one decision.
         A class with `on_overflow: fallback` takes its fallback on a wait that timed out."""
         t = d.ticket
         now = self.clock()

@@ -104,8 +104,9 @@ priority" row of the dashboard. With `on_overflow: fallback` the same text is in
     Reason("client_disconnected", "Rejected (429, 499, 503)", 499, NO_RETRY,
            "client disconnected while {waiting}",
            """\
-**499**, counted only: the client went away while its request was queued, so nothing reaches it. The client's own
-timeout is shorter than the class's `max_wait_ms`. Lower `max_wait_ms` below typical client timeouts, or ask the
+**499**, counted only: the client went away while its request was queued, so nothing reaches it (also when a slot
+was granted to it in the very moment it left: that request never went upstream, so it is no `accept` and has no
+`extproc_request_duration_seconds` outcome). The client's own timeout is shorter than the class's `max_wait_ms`. Lower `max_wait_ms` below typical client timeouts, or ask the
 client to wait longer; many of these mean the queue only adds latency that nobody waits for."""),
     Reason("class_removed", "Rejected (429, 499, 503)", 503, DRAIN,
            "class {cls!r} was removed from the policy while this request waited",

@@ -7,7 +7,7 @@ import contextlib
 from typing import Awaitable, Callable
 
 from ..policy.admission import AdmissionController, Decision, Queued
-from ..policy.limits import Ticket
+from ..policy.reasons import R_CLIENT_GONE, say
 from ..store.shared_slots import SharedSlots
 
 
@@ -78,17 +78,21 @@ class FinalAdmission:
         w, self.waiter = self.waiter, None
         return self.core.abandon(w, timed_out=timed_out) or w.result
 
-    def give_back(self) -> Ticket | None:
-        """The client left while waiting: leave the queue or the store's wait. Returns a ticket the queue granted
-        in that same instant (not gated), for the caller to close like any other."""
+    def give_back(self) -> None:
+        """The client left while waiting (or the stream failed): leave the queue or the store's wait. A verdict the
+        queue gave in that same instant, before the stream took it, never went upstream: a slot it granted (or a
+        fallback's degraded one) is revoked, and the request counted as a client that left while queued (499,
+        client_disconnected), as a moment earlier. The core counts admissions when forwarded (count_on_forward,
+        which Processor sets), so that grant was never counted: closed as a client abort, it was an admission of a
+        request that never ran (a drain-rate completion, its tenant charged, a report awaited that never comes)."""
         if self.waiter is not None:
             d = self._leave_queue(timed_out=False)
             if d.ticket is None:
-                return None
+                return
             if not self.core.gated(d):
-                return d.ticket
+                self.core.revoke(d, R_CLIENT_GONE, say(R_CLIENT_GONE, waiting="queued"))
+                return
             self.gated = d  # granted in the same instant, before its global slot
         if self.gated is not None:
             self.shared.abandon(self.gated)
             self.gated = None
-        return None

@@ -80,6 +80,7 @@ class Processor:
     def __init__(self, core: AdmissionController, shared: SharedSlots | None = None,
                  max_body_bytes: int = 4 << 20, tags: TicketTags | None = None, max_pending_bodies: int = 10_000):
         self.core = core
+        core.count_on_forward()  # a ticket a stream takes back before forwarding it is no admission (withdraw)
         self.tags = tags or TicketTags()  # how this process names its tickets to Envoy's access log
         self.shared = shared                 # global slots from a shared store (policy `store: {kind: redis}`)
         self.max_body_bytes = max_body_bytes
@@ -226,9 +227,10 @@ class Stream:
         after the request was decided): give back what it holds."""
         held, self.held = self.held, None
         self._enter(Phase.ENDED)
-        if isinstance(held, FinalAdmission):  # the client left while the request waited
-            ticket, outcome = held.give_back(), Outcome.CLIENT_ABORT
-        elif self.status >= 500:
+        if isinstance(held, FinalAdmission):  # the client left (or we failed) while the request waited
+            held.give_back()  # nothing went upstream: whatever the queue granted meanwhile is taken back
+            return
+        if self.status >= 500:
             ticket, outcome = held, Outcome.UPSTREAM_ERROR
         elif failed:  # not the client's abort, nor the replica's error; Envoy's report, if one comes, says more
             ticket, outcome = held, Outcome.EXTPROC_ERROR
@@ -388,8 +390,10 @@ class Stream:
         if rewritten is not None and len(rewritten) > self.processor.max_body_bytes:
             return self._too_large_rewritten(len(rewritten))
         self.processor.live.add(d.ticket)
+        core = self.processor.core
         answer = protocol.forward(d, queue_wait_ms, note, rewritten, self.processor.tags.value(d.ticket.id),
-                                  self.processor.core.replicas_for(d.cluster, d.cls))
+                                  core.replicas_for(d.cluster, d.cls))
+        core.forwarded(d)  # counted as admitted now, once nothing can take it back unforwarded
         self._enter(Phase.FORWARDING)
         return answer
 

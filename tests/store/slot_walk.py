@@ -129,10 +129,7 @@ async def serve(member: Member, req: Request, facts: RequestFacts) -> None:
             d = await held.settle(extend)
         except asyncio.CancelledError:
             if member.alive:
-                ticket = held.give_back()
-                if ticket is not None:
-                    core.finish(ticket, Outcome.CLIENT_ABORT)
-                    member.slots.release(ticket)
+                held.give_back()  # a slot granted in that same instant is revoked: it never ran
             raise
     req.decision, req.answered_at = d, core.clock()
     t = d.ticket

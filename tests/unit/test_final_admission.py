@@ -6,10 +6,18 @@ import asyncio
 
 import pytest
 
-from extproc.policy.admission import ACCEPT, QUEUE, REJECT, AdmissionController, RequestFacts
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from grpc.aio import EOF, InternalError
+
+from extproc.policy.admission import ACCEPT, QUEUE, REJECT, REPORT_WAIT_S, AdmissionController, RequestFacts
 from extproc.policy.limits import Outcome
 from extproc.server.final_admission import FinalAdmission
+from extproc.server.servicer import ExtProcServicer
+from extproc.server.stream import Phase, Stream
+from extproc.telemetry import Telemetry
 
+from ..conftest import FakeClock, RecordedEvents
 from .conftest import make_policy
 
 
@@ -35,9 +43,9 @@ class FakeStore:
         self.calls.append("abandon")
 
 
-def core(shared: bool = False, max_wait_ms: int = 1000) -> AdmissionController:
+def core(shared: bool = False, max_wait_ms: int = 1000, **kwargs) -> AdmissionController:
     c = AdmissionController(make_policy(classes={"interactive": {"max_concurrency": 1, "max_queue": 1,
-                                                                 "max_wait_ms": max_wait_ms}}, tenants=[]))
+                                                                 "max_wait_ms": max_wait_ms}}, tenants=[]), **kwargs)
     c.shared_slots = shared  # what SharedSlots sets: admissions need a global slot too
     return c
 
@@ -150,13 +158,19 @@ def test_giving_back_a_queue_place_granted_a_gated_slot_abandons_that_slot_at_th
     assert wait.give_back() is None and store.calls == ["abandon"]
 
 
-def test_giving_back_a_queue_place_granted_without_a_gate_returns_the_ticket_to_close():
-    c = core()
+def test_giving_back_a_queue_place_granted_without_a_gate_revokes_the_grant_as_the_client_leaving():
+    events = RecordedEvents()
+    c = core(events=events)
+    c.count_on_forward()  # as the stream's Processor sets it
     first = decide(c)
+    c.forwarded(first)
     wait = FinalAdmission(c, None, decide(c))
     c.finish(first.ticket, Outcome.OK)
-    ticket = wait.give_back()
-    assert ticket is not None and not ticket.closed
+    granted = wait.waiter.result.ticket
+    assert wait.give_back() is None
+    assert granted.closed and c.snapshot()["interactive"]["inflight"] == 0
+    # Never forwarded: the client's leaving while queued, not an admission.
+    assert [(d.kind, d.status) for d in events.decisions] == [(ACCEPT, 200), (REJECT, 499)]
 
 
 async def test_a_queue_wait_cut_short_by_the_requests_own_deadline_is_extended_over_the_stores_wait_too():
@@ -178,14 +192,92 @@ async def test_a_queue_wait_cut_short_by_the_requests_own_deadline_is_extended_o
 
 async def test_a_cancel_in_the_loop_turn_the_queue_grants_is_not_lost():
     # Python 3.11's asyncio.wait_for returned the grant and dropped the cancel (python/cpython#86296): the request
-    # of a client that had gone was forwarded. The cancel goes on, and give_back() hands the grant back once.
+    # of a client that had gone was forwarded. The cancel goes on, and give_back() revokes the grant: the client
+    # left while queued.
     c = core()
     first, wait, settling = await queued_behind_one(c)
     c.finish(first.ticket, Outcome.OK)  # the queue grants it: its verdict is set, the task not yet woken
     settling.cancel()                   # the client leaves in that same turn
     with pytest.raises(asyncio.CancelledError):
         await settling
-    ticket = wait.give_back()
-    assert ticket is not None and not ticket.closed and wait.give_back() is None
-    c.finish(ticket, Outcome.CLIENT_ABORT)
-    assert ticket.closed and c.snapshot()["interactive"]["inflight"] == 0
+    wait.give_back()
+    wait.give_back()  # once only
+    assert c.snapshot()["interactive"]["inflight"] == 0 and wait.waiter is None
+
+
+# --- through the servicer: the stream ends in the loop turn its grant comes ---
+
+CHAT = b'{"model": "llama", "messages": [{"role": "user", "content": "hi"}]}'
+
+
+def generation() -> list[pb.ProcessingRequest]:
+    hs = [base_pb2.HeaderValue(key=":method", raw_value=b"POST"),
+          base_pb2.HeaderValue(key=":path", raw_value=b"/v1/chat/completions"),
+          base_pb2.HeaderValue(key="content-type", raw_value=b"application/json")]
+    return [pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=hs))),
+            pb.ProcessingRequest(request_body=pb.HttpBody(body=CHAT, end_of_stream=True))]
+
+
+class HeldWrites:
+    """grpc.aio's context for one stream: its request, then a read that waits; the wait's timeout extension is
+    written (the override recorded) but its write stays in flight until `written` is resolved."""
+
+    def __init__(self):
+        self.messages = generation()
+        self.writes: list[pb.ProcessingResponse] = []
+        self.written = asyncio.get_running_loop().create_future()
+
+    async def read(self):
+        if self.messages:
+            return self.messages.pop(0)
+        await asyncio.get_running_loop().create_future()
+        return EOF
+
+    async def write(self, resp) -> None:
+        self.writes.append(resp)
+        if resp.HasField("override_message_timeout"):
+            await self.written
+
+
+def metric(t: Telemetry, name: str, **labels) -> float:
+    return sum(s.value for m in t.registry.collect() for s in m.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+@pytest.mark.parametrize("ends", ["reset", "write_failed"])
+async def test_a_grant_that_comes_as_the_stream_ends_keeps_one_outcome_per_admission(ends):
+    """A waiting request's stream ends in the same loop turn as another request's end grants it the slot: Envoy
+    resets it (the client left) while the wait's timeout extension is still being written, or that write fails.
+    Its handler never forwards the request. Closed as a client abort, that grant was an admitted request with a
+    client_abort outcome and duration; taken back uncounted (886553e, reverted), an admission that
+    extproc_requests_total counted had no outcome. Each admission has exactly one outcome, and a request that
+    never went upstream is none: it is a client that left while queued."""
+    clock = FakeClock()
+    telemetry = Telemetry()
+    core = AdmissionController(make_policy(classes={"interactive": {"max_concurrency": 1, "max_queue": 1,
+                                                                    "max_wait_ms": 5000}}, tenants=[]),
+                               clock=clock, events=telemetry)
+    servicer = ExtProcServicer(core)
+    first = Stream(servicer.processor)
+    for message in generation():
+        first.receive(message)
+    assert first.phase is Phase.FORWARDING
+    ctx = HeldWrites()
+    handler = asyncio.create_task(servicer.Process(None, ctx))
+    while not ctx.writes:
+        await asyncio.sleep(0)  # until the extension's write is in flight
+    first.end(normal_end=True)  # the queue grants the slot in this loop turn...
+    if ends == "write_failed":
+        ctx.written.set_exception(InternalError("the stream was reset"))  # ...and the write fails in it
+    else:
+        handler.cancel()  # ...and Envoy resets the stream in it
+    await asyncio.wait_for(asyncio.gather(handler, return_exceptions=True), 5)
+    assert not any(w.HasField("request_body") for w in ctx.writes)  # never forwarded
+    assert core.snapshot()["interactive"]["inflight"] == 0 and not core.tickets and not servicer.live
+    clock.advance(REPORT_WAIT_S + 1)
+    core.reap()  # every ticket still awaiting Envoy's report is accounted now
+    # The first's admission and its outcome; the second counted once, as a client that left while queued.
+    assert metric(telemetry, "extproc_requests_total", decision="accept") == 1
+    assert metric(telemetry, "extproc_request_duration_seconds_count") == 1
+    assert metric(telemetry, "extproc_request_duration_seconds_count", outcome="client_abort") == 0
+    assert metric(telemetry, "extproc_requests_total", decision="reject", reason="client_disconnected") == 1

@@ -9,14 +9,16 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.policy.adaptive import PoolSaturation
-from extproc.policy.admission import AdmissionController
+from extproc.policy.admission import ACCEPT, REJECT, REPORT_WAIT_S, AdmissionController
 from extproc.policy.limits import Completion, Outcome
+from extproc.policy.reasons import R_CLIENT_GONE
 from extproc.server import protocol
 from extproc.server.final_admission import FinalAdmission
 from extproc.server.protocol import CONTINUE, LEARN_BODY, LEARN_HEADERS
 from extproc.server.stream import Phase, Processor, Stream
 from extproc.server.usage import MAX_PARTIAL
 
+from ..conftest import RecordedEvents
 from .conftest import make_policy
 
 HI = [{"role": "user", "content": "hi"}]  # a chat request is a list of messages: one will do
@@ -52,8 +54,8 @@ def response_body(raw: bytes, eos: bool = False) -> pb.ProcessingRequest:
     return pb.ProcessingRequest(response_body=pb.HttpBody(body=raw, end_of_stream=eos))
 
 
-def processor(clock, learn_sample: float = 0.0, **policy) -> Processor:
-    core = AdmissionController(make_policy(learn_sample=learn_sample, **policy), clock=clock)
+def processor(clock, learn_sample: float = 0.0, events: RecordedEvents | None = None, **policy) -> Processor:
+    core = AdmissionController(make_policy(learn_sample=learn_sample, **policy), clock=clock, events=events)
     return Processor(core, max_body_bytes=1000)
 
 
@@ -415,11 +417,11 @@ def test_a_canned_fallback_answers_in_the_endpoints_shape_without_a_slot(clock):
 
 # --- the final admission ---
 
-def queued(p: Processor):
-    """(the stream holding the class's one slot, a stream queued behind it, its final admission)"""
+def queued(p: Processor, **headers: bytes):
+    """(the stream holding the class's one slot, a stream queued behind it with `headers`, its final admission)"""
     first, _ = admitted(p)
     s = Stream(p)
-    s.receive(request_headers())
+    s.receive(request_headers(**headers))
     return first, s, s.receive(request_body())
 
 
@@ -908,13 +910,79 @@ def test_a_client_leaving_while_queued_leaves_the_queue(clock):
     assert waiter.result.status == 499 and p.core.snapshot()["interactive"]["queue"] == 0
 
 
-def test_a_slot_granted_in_the_instant_the_client_left_is_given_back(clock):
-    p = processor(clock, **QUEUE_OF_ONE)
-    first, s, wait = queued(p)
+@pytest.mark.parametrize("ends", ["client_left", "handler_failed"])
+def test_a_slot_granted_in_the_instant_the_client_left_is_counted_as_leaving_the_queue(clock, ends):
+    # The queue grants the slot (another request's end, in the same loop turn) before the stream's wait has
+    # resumed, and the stream ends first: the request never went upstream. Closed as a client abort, it was an
+    # admission with a client_abort outcome and duration, a drain-rate completion, its tenant charged its expected
+    # output and a report awaited that never comes. Taken back without a count (886553e, reverted), the admission
+    # counted when granted had no outcome. Now it is what a client leaving a moment earlier is: one 499.
+    events = RecordedEvents()
+    p = processor(clock, events=events, **{**QUEUE_OF_ONE, "tenants": [
+        {"name": "acme", "api_keys": ["sk-acme"], "tokens_per_minute": 10**6}]})
+    first, s, wait = queued(p, authorization=b"Bearer sk-acme")  # the first is anonymous: acme pays the second
+    bucket = p.core.tenant_limits["acme"].tokens
+    assert bucket.refill(clock()) < bucket.capacity  # charged while it waits
     first.end(normal_end=True)  # the queue grants the slot; the stream has not been handed it yet
     granted = wait.waiter.result.ticket
+    drained = p.core.limiters["interactive"].drain._count
+    if ends == "handler_failed":
+        assert s.fail() is protocol.INTERNAL_ERROR
     s.end(normal_end=False)
-    assert granted.stream_outcome is Outcome.CLIENT_ABORT and inflight(p) == 0
+    assert granted.closed and inflight(p) == 0 and not p.core.tickets and not p.live
+    assert bucket.refill(clock()) == bucket.capacity  # its charge given back (the clock has not moved)
+    assert p.core.limiters["interactive"].drain._count == drained
+    clock.advance(REPORT_WAIT_S + 1)
+    p.core.reap()  # every ticket still awaiting Envoy's report is accounted now
+    admission, left = events.decisions  # the first's admission; the second's one decision
+    assert admission.kind == ACCEPT and (left.kind, left.reason, left.status) == (REJECT, R_CLIENT_GONE, 499)
+    assert events.accounted == [(admission.ticket, Outcome.ENDED)]  # the first's alone
+
+
+def test_every_admission_counted_has_exactly_one_outcome_however_its_stream_ends(clock, monkeypatch):
+    # extproc_requests_total's admissions and the outcomes (extproc_request_duration_seconds) must match one to one
+    # (tests/reliability: the abort storm through Envoy, the protocol fuzz). An admission the stream takes back
+    # before forwarding it had none: the 413 of a body re-encoded past the limit, an answer that failed to build,
+    # and (886553e) a grant that came as the client left.
+    events = RecordedEvents()
+    p = processor(clock, events=events, **QUEUE_OF_ONE)
+
+    def granted_as_it_ends(how: str) -> None:
+        first, s, _ = queued(p)
+        first.end(normal_end=True)
+        if how == "failed":
+            s.fail()
+        elif how == "forwarded":
+            s.admitted(s.held.waiter.result)
+        s.end(normal_end=False)
+
+    granted_as_it_ends("left")
+    granted_as_it_ends("failed")
+    granted_as_it_ends("forwarded")  # taken and forwarded: an admission, ended as a client abort
+    grows = (b'{"model": "llama", "messages": [{"role": "user", "content": "hi"}], "priority": -100, "x": ['
+             + b",".join([b"1e15"] * 150) + b"]}")
+    s = Stream(p)
+    s.receive(request_headers())
+    assert immediate_status(s.receive(request_body(grows))) == 413
+    s.end(normal_end=True)
+    with monkeypatch.context() as m:
+        m.setattr(protocol, "forward", lambda *a: 1 / 0)
+        s = Stream(p)
+        s.receive(request_headers())
+        with pytest.raises(ZeroDivisionError):
+            s.receive(request_body())
+        s.fail()
+        s.end(normal_end=False)
+    first, s, _ = queued(p)
+    s.end(normal_end=False)  # left while queued
+    first.end(normal_end=True)
+    clock.advance(REPORT_WAIT_S + 1)
+    p.core.reap()
+    admissions = [d.ticket for d in events.decisions if d.ticket is not None]
+    assert sorted(t.id for t in admissions) == sorted(t.id for t, _ in events.accounted)
+    assert len(admissions) == 5  # the three firsts, the forwarded grant, the last first
+    assert sum(d.kind == REJECT and d.status == 499 for d in events.decisions) == 3
+    assert inflight(p) == 0 and not p.core.tickets and not p.core._unreported
 
 
 # --- our own failures ---
