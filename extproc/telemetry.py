@@ -525,8 +525,9 @@ class _CoreGauges:
                                       "really cost against theirs), plus learned usage above the charges.",
                                       labels=labels)
         refunded = CounterMetricFamily("extproc_tenant_refunded_gpu_seconds", "Learned usage below the charges of "
-                                       "the tenant's requests in the class, in GPU-seconds (served = charged - "
-                                       "refunded).", labels=labels)
+                                       "the tenant's requests in the class, and the whole charge of those that "
+                                       "never ran (their slot taken back before they went upstream), in "
+                                       "GPU-seconds (served = charged - refunded).", labels=labels)
         waited = CounterMetricFamily("extproc_tenant_queue_waited_seconds", "Seconds the tenant's granted requests "
                                      "waited in the class's queue.", labels=labels)
         index = GaugeMetricFamily("extproc_class_fairness_index", "Jain's index (1: equal, 1/n: one tenant has all) "

@@ -676,6 +676,7 @@ class AdmissionController:
         lim.take(cost, now)
         ticket.fair_charge = lim.queue.admitted(ticket.flow, cost)
         ticket.fair_flow = lim.queue.flow_of(ticket.flow)
+        ticket.fair_stats = lim.queue.stats_of(ticket.flow)
         if gate is not None:
             self.hold_pool(ticket, gate, units)
         if ticket.charge is not None:
@@ -683,7 +684,8 @@ class AdmissionController:
 
     def _release(self, ticket: Ticket, now: float, ran: bool) -> None:
         """Close the ticket and give back what it holds (slot, session budget). A request that never ran (its
-        admission was revoked) also gets its tokens back and does not count as a completion for the drain rate."""
+        admission was revoked or withdrawn) also gets its tokens and its flow's fair charge back and does not count
+        as a completion for the drain rate."""
         ticket.closed = True
         ticket.released_at = now
         self.tickets.pop(ticket.id, None)
@@ -697,6 +699,8 @@ class AdmissionController:
                 lim.untake(ticket.cost, now)
             if lim.inflight == 0:
                 lim.inflight_cost = 0.0  # a float sum drifts: nothing held is exactly 0, not -8e-17
+            if not ran:  # its flow was charged the estimate (virtual time, served GPU-seconds) for nothing
+                lim.queue.settle(ticket.flow, ticket.fair_charge, 0.0, ticket.fair_flow, ticket.fair_stats)
             lim.queue.released(ticket.flow, ticket.cost)
             if ticket.gate is not None:
                 ticket.gate.give_back(ticket.rank, ticket.units, ticket.flow, ticket.pool_stall)

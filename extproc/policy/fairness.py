@@ -556,17 +556,24 @@ class FairQueue:
         when it was admitted."""
         return self._flows.get(key)
 
-    def settle(self, key: str, charged: float, actual: float, charged_to: Any = None) -> None:
+    def stats_of(self, key: str) -> TenantStats:
+        """The counters of the metric label a request of flow `key` is charged under now (settle's `served_by`)."""
+        return self._stats(key)
+
+    def settle(self, key: str, charged: float, actual: float, charged_to: Any = None,
+               served_by: TenantStats | None = None) -> None:
         """Learned usage: a request of flow `key` charged `charged` GPU-seconds (what admitted() returned) really
-        cost `actual`. `charged_to`: flow_of(key) at its admission; the flow's virtual time is corrected only if it
-        is still the one kept (a flow forgotten since took the charge with it: a refund to the flow that came back
-        put it below the waiting flows by what the estimate was over)."""
+        cost `actual` (0: it never ran). `charged_to`: flow_of(key) at its admission; the flow's virtual time is
+        corrected only if it is still the one kept (a flow forgotten since took the charge with it: a refund to the
+        flow that came back put it below the waiting flows by what the estimate was over). `served_by`:
+        stats_of(key) at its admission, the label it was counted as served under (a reload may have relabelled
+        the key since: the whole charge refunded to its new label read as negative service there)."""
         flow = self._flows.get(key)
         if flow is not None and (charged_to is None or flow is charged_to):
             flow.vtime += (actual - charged) / flow.weight
             flow.group.vtime += (actual - charged) / flow.group.weight
             self._moved(flow.group, flow)
-        self._serve(self._stats(key), key, actual - charged)
+        self._serve(self._stats(key) if served_by is None else served_by, key, actual - charged)
         self._head = None
 
     def scale(self, key: str) -> float:

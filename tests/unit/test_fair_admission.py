@@ -126,6 +126,36 @@ def test_learned_usage_settles_the_flow_with_what_the_request_really_cost(clock)
     assert q.stats["a"].served_gpu_s < estimated
 
 
+@pytest.mark.parametrize("taken_back", ["withdraw", "revoke"])
+def test_a_request_that_never_ran_is_not_charged_to_its_flow(clock, taken_back):
+    # A slot given back unused (revoke: no global slot from the shared store, or a queue's grant in the instant its
+    # client left; withdraw: the stream refused the request before forwarding it) left its flow charged the
+    # estimate for good: served GPU-seconds for work that never ran, and a virtual time that put the tenant behind
+    # the others in a fair queue for it.
+    core = core_with(clock, "fair")
+    q = core.limiters["interactive"].queue
+    ask(core, "a")  # runs: the flow stays kept, with what it was served
+    vtime, served = q.flow_of("a").vtime, q.stats["a"].served_gpu_s
+    d = ask(core, "a")
+    assert q.flow_of("a").vtime > vtime and q.stats["a"].served_gpu_s > served
+    if taken_back == "withdraw":
+        core.withdraw(d.ticket)
+    else:
+        core.revoke(d, "client_disconnected", "gone")
+    assert q.flow_of("a").vtime == pytest.approx(vtime) and q.stats["a"].served_gpu_s == pytest.approx(served)
+    assert q.stats["a"].inflight == 1
+
+
+def test_a_request_that_never_ran_is_refunded_under_the_label_it_was_served_under(clock):
+    # A reload removed its tenant while it ran: its key's label is now "other", which never served it.
+    core = core_with(clock, "fair")
+    d = ask(core, "c")
+    core.apply(policy("fair", tenants=TENANTS[:2]))
+    core.withdraw(d.ticket)
+    q = core.limiters["interactive"].queue
+    assert q.stats["other"].served_gpu_s == 0.0 and q.stats["other"].inflight == 0
+
+
 def test_a_request_deadline_shortens_its_wait_never_lengthens_it(clock):
     core = core_with(clock, "fair", classify={"deadline_header": "x-deadline-ms"})
     ask(core, "a"), ask(core, "a")

@@ -932,6 +932,7 @@ def test_a_slot_granted_in_the_instant_the_client_left_is_counted_as_leaving_the
     assert granted.closed and inflight(p) == 0 and not p.core.tickets and not p.live
     assert bucket.refill(clock()) == bucket.capacity  # its charge given back (the clock has not moved)
     assert p.core.limiters["interactive"].drain._count == drained
+    assert p.core.limiters["interactive"].queue.stats["acme"].served_gpu_s == pytest.approx(0.0)  # nothing served
     clock.advance(REPORT_WAIT_S + 1)
     p.core.reap()  # every ticket still awaiting Envoy's report is accounted now
     admission, left = events.decisions  # the first's admission; the second's one decision
