@@ -291,8 +291,15 @@ integer (`best_of`, which vLLM 0.32 ignores, is neither read nor counted). Integ
 them: `"8"`, `8.0` and `true` are 8, 8 and 1, and a `stream` of `"yes"` or `1` streams, one of `"false"` or `0`
 does not. Also an empty body on a compute endpoint, and the bodies vLLM answers 400 before it runs anything: a chat
 request whose `messages` is missing, not a list, empty, or holds an entry that is not an object with a string
-`role` (nor openai_harmony's `author`); a completions request whose `prompt` is neither a string nor a list, or
-that has nothing to run (`prompt` missing, null, `""` or `[]`, and no `prompt_embeds`). (A client's integer
+`role` (nor openai_harmony's `author`), or a message whose `content` is a number, a boolean, a non-empty object, a
+list holding anything but objects and strings, or null (but an assistant's or function's); a completions request
+whose `prompt` is neither a string nor a list, has nothing to run (`prompt` missing, null, `""` or `[]`, and no
+`prompt_embeds`), or is a list that fits none of vLLM's prompt types: strings, token ids (integers >= 0, read as
+vLLM reads them: `"5"`, `5.0` and `true` are token ids), or lists of token ids, none empty (`[5, "a"]`, `[-1]`,
+`[[5], []]`, `[[5], "a"]` and `[[[5]]]` are refused; `param` is `prompt` and the message names the entry); a
+Responses request whose `input` is missing, neither a string nor a list, empty, or holds anything but objects. What
+a content part or an input item holds, and a token id past the vocabulary, are left for vLLM to refuse; so is
+`prompt_embeds` on a server started without `--enable-prompt-embeds`, which the gateway cannot know. (A client's integer
 `priority`, vLLM's scheduling priority, is accepted and removed: the policy's `classes.<name>.vllm_priority` sets
 it.)"""),
     Reason("body_too_large", "Invalid requests (400, 401, 404, 405, 413, 415, 500)", 413, NO_RETRY,

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 import uuid
+from array import array
+from bisect import bisect_right
+from itertools import accumulate, chain
 from typing import Any
 
 import orjson
@@ -29,6 +33,10 @@ MAX_JSON_CONTAINERS = 20_000
 # eight such bodies a second held other clients' requests past message_timeout. A chat message needs four and a
 # content part or prompt at least two: this many is far past what a context window holds.
 MAX_JSON_STRINGS = 100_000
+# Most values of a token-id list read one by one as vLLM's lax integers ("5", 5.0): a list of plain integers is
+# checked whatever its length, at C speed, and a longer one holding anything else is left for vLLM to judge (read
+# here, two million of them would take the event loop half a second).
+MAX_LAX_TOKEN_IDS = 20_000
 
 
 class Endpoint:
@@ -143,6 +151,8 @@ def parse_body(raw: bytes, endpoint: Endpoint, class_field: str,
             _check_messages(doc)
         elif endpoint.kind == "completions":
             _check_prompt(doc)
+        elif endpoint.kind == "responses":
+            _check_input(doc)
     scores_prompt = _scores_prompt_only(doc, endpoint)
     for field in endpoint.token_fields:  # every one is checked; the first set is the one the replica obeys
         value = 1 if scores_prompt else _positive_int(doc, field)
@@ -360,8 +370,9 @@ def _check_messages(doc: dict[str, Any]) -> None:
     or an object, pydantic's list_type), not empty (its chat template refuses an empty conversation) unless the body
     carries its prompt's token ids (`kv_transfer_params.prompt_token_ids`, a disaggregated decode's, which vLLM runs
     without rendering the messages), and each an object with a string `role` (every OpenAI message type and vLLM's
-    custom one) or an `author` (openai_harmony's Message, which vLLM's union takes too). What is inside a message
-    (its content, tool calls, a role vLLM's template does not know) is vLLM's to judge."""
+    custom one) or an `author` (openai_harmony's Message, which vLLM's union takes too), and a role's message its
+    `content` as _check_content says. The rest of a message (its tool calls, the fields of a content part, a role
+    vLLM's template does not know) is vLLM's to judge."""
     if "messages" not in doc:
         raise BadRequest("`messages` is required: a chat request is a list of messages.", "messages")
     messages = doc["messages"]
@@ -375,20 +386,148 @@ def _check_messages(doc: dict[str, Any]) -> None:
     for i, message in enumerate(messages):
         if type(message) is not dict:
             raise BadRequest(f"`messages[{i}]` must be a message object, got {_excerpt(message)}.", "messages")
-        if type(message.get("role")) is not str and "author" not in message:
+        if "author" in message:
+            continue  # openai_harmony's Message: its content is its own
+        role = message.get("role")
+        if type(role) is not str:
             raise BadRequest(f"`messages[{i}]` needs a `role` (a string, such as \"user\").", "messages")
+        content = message.get("content", "")
+        if type(content) is not str:
+            _check_content(content, role, i)
+
+
+# Roles whose message vLLM's union takes with a null `content` (OpenAI's assistant and function messages).
+_CONTENT_MAY_BE_NULL = frozenset(("assistant", "function"))
+
+
+def _check_content(content: Any, role: str, i: int) -> None:
+    """Refuse a message `content` (not a string) that no message type of vLLM 0.32's union takes
+    (tests/fixtures/vllm/differential.json, chat:messages=[{'role': ..., 'content': ...}]): a number or a boolean;
+    null but in an assistant or function message; a non-empty object (the types whose content may be an iterable
+    read its keys as parts, and a key is no part; an empty one is read as no parts, and served); a list holding
+    anything but objects and strings (a part is one or the other). Which parts a role takes, and what a part holds,
+    is vLLM's to judge: a custom role takes ["hi"], which the OpenAI roles refuse."""
+    if content is None:
+        if role in _CONTENT_MAY_BE_NULL:
+            return
+        raise BadRequest(f"`messages[{i}].content` is null: only an assistant (or function) message's may be.",
+                         "messages")
+    if type(content) is list:
+        j = _first_not_of(content, (dict, str))
+        if j is None:
+            return
+        raise BadRequest(f"`messages[{i}].content[{j}]` must be a content part (an object such as "
+                         f"{{\"type\": \"text\", \"text\": \"...\"}}), got {_excerpt(content[j])}.", "messages")
+    if type(content) is dict and not content:
+        return
+    raise BadRequest(f"`messages[{i}].content` must be a string or a list of content parts, got "
+                     f"{_excerpt(content)}.", "messages")
+
+
+def _check_input(doc: dict[str, Any]) -> None:
+    """Refuse, as vLLM 0.32 refuses with 400, a Responses body whose `input` its request cannot take
+    (tests/fixtures/vllm/differential.json, responses:input=...): absent, neither a string nor a list (null, a
+    number, a boolean, an object), empty (its chat template refuses an empty conversation), or holding anything but
+    objects (every input item type is one). What an item holds is vLLM's to judge."""
+    if "input" not in doc:
+        raise BadRequest("`input` is required: a string, or a list of input items.", "input")
+    value = doc["input"]
+    if type(value) is str:
+        return
+    if type(value) is not list:
+        raise BadRequest(f"`input` must be a string or a list of input items, got {_excerpt(value)}.", "input")
+    if not value:
+        raise BadRequest("`input` is empty: vLLM cannot apply a chat template to an empty conversation. Send a "
+                         "string or at least one input item.", "input")
+    i = _first_not_of(value, (dict,))
+    if i is not None:
+        raise BadRequest(f"`input[{i}]` must be an input item (an object such as {{\"role\": \"user\", "
+                         f"\"content\": \"...\"}}), got {_excerpt(value[i])}.", "input")
+
+
+_PROMPT_TYPES = "a string, a list of strings, a list of token ids or a list of token-id lists"
 
 
 def _check_prompt(doc: dict[str, Any]) -> None:
     """Refuse, as vLLM 0.32 refuses with 400, a completions body with nothing its request can run
-    (tests/fixtures/vllm/differential.json): a `prompt` that is neither a string nor a list (its items are vLLM's
-    to check), or none to run (absent, null, "" or []) with no `prompt_embeds` (absent, null or [] is none)."""
+    (tests/fixtures/vllm/differential.json): a `prompt` that is none of _PROMPT_TYPES (_check_prompt_list), or
+    none to run (absent, null, "" or []) with no `prompt_embeds` (absent, null or [] is none)."""
     prompt, embeds = doc.get("prompt"), doc.get("prompt_embeds")
-    if prompt is not None and type(prompt) is not str and type(prompt) is not list:
-        raise BadRequest(f"`prompt` must be a string, a list of strings, a list of token ids or a list of token-id "
-                         f"lists, got {_excerpt(prompt)}.", "prompt")
+    if type(prompt) is list:
+        if prompt:
+            _check_prompt_list(prompt)
+    elif prompt is not None and type(prompt) is not str:
+        raise BadRequest(f"`prompt` must be {_PROMPT_TYPES}, got {_excerpt(prompt)}.", "prompt")
     if (prompt is None or prompt == "" or prompt == []) and (embeds is None or embeds == []):
         raise BadRequest("Either `prompt` or `prompt_embeds` must be provided and non-empty.", "prompt")
+
+
+def _check_prompt_list(prompt: list) -> None:
+    """A non-empty prompt list as vLLM 0.32's CompletionRequest takes it (tests/fixtures/vllm/differential.json,
+    completions:prompt=[...]): all strings (each a prompt; "" too), else token ids (_bad_token_id), else lists of
+    them, none empty (its engine refuses an empty prompt: "The decoder prompt cannot be empty", a 400, or an error
+    event in a 200 stream, before anything runs). A list mixing strings with what is no token id (`[5, "a"]`), lists
+    with anything else (`[[5], "a"]`), or nested deeper fits none of its types. Token ids past the vocabulary are
+    the replica's to refuse: their bound is the model's."""
+    if _first_not_of(prompt, (str,)) is None:
+        return
+    if type(prompt[0]) is list:
+        i = _first_not_of(prompt, (list,))
+        if i is None:
+            if [] in prompt:
+                raise BadRequest(f"`prompt[{prompt.index([])}]` is an empty list of token ids: vLLM cannot run an "
+                                 "empty prompt.", "prompt")
+            j = _bad_token_id(list(chain.from_iterable(prompt)))
+            if j is None:
+                return
+            i = bisect_right(list(accumulate(map(len, prompt))), j)
+        raise BadRequest(f"`prompt[{i}]` must be a list of token ids (integers >= 0), got {_excerpt(prompt[i])}: a "
+                         f"prompt is {_PROMPT_TYPES}.", "prompt")
+    j = _bad_token_id(prompt)
+    if j is not None:
+        raise BadRequest(f"`prompt[{j}]` must be a token id (an integer >= 0), got {_excerpt(prompt[j])}: a prompt "
+                         f"is {_PROMPT_TYPES}.", "prompt")
+
+
+def _bad_token_id(values: list) -> int | None:
+    """The index of a value that is no token id as vLLM's CompletionRequest reads one (an integer >= 0, or what its
+    lax integer field reads as one: 5.0, "5", " 5 ", true), or None. Integers (a JSON body's numbers are not
+    bounded in count: 4 MiB holds two million) are checked at C speed, ~10 ns each; a list holding other values is
+    read value by value (~250 ns each) only up to MAX_LAX_TOKEN_IDS of them, and a longer one is vLLM's to judge."""
+    try:
+        array("Q", values)  # every value an integer (a boolean too) from 0 to 2**64 - 1
+        return None
+    except TypeError:
+        pass  # one is no integer: read them as vLLM does, below
+    except OverflowError:
+        try:
+            ids = array("q", values)
+        except (TypeError, OverflowError):
+            pass  # one is past 64 bits, or no integer
+        else:
+            return _first_negative(ids)
+    if len(values) > MAX_LAX_TOKEN_IDS:
+        return None
+    return next((i for i, t in enumerate(map(_lax_int, values)) if type(t) is not int or t < 0), None)
+
+
+# 1 for a byte whose top bit is set: an int64's sign, in its most significant byte.
+_SIGN_BIT = bytes(b >> 7 for b in range(256))
+
+
+def _first_negative(ids: array) -> int:
+    """The index of the first negative value of an array of int64 holding one, at C speed: its values' most
+    significant bytes, each mapped to its sign bit (min() and index() made a Python int of every value: ~40 ms for
+    two million)."""
+    top = ids.tobytes()[ids.itemsize - 1::ids.itemsize] if sys.byteorder == "little" else \
+        ids.tobytes()[::ids.itemsize]
+    return top.translate(_SIGN_BIT).index(1)
+
+
+def _first_not_of(values: list, types: tuple[type, ...]) -> int | None:
+    """The index of the first value whose type is none of `types` (exactly), or None. It walks the values up to the
+    first other one: for strings and containers, at most MAX_JSON_STRINGS + MAX_JSON_CONTAINERS of them."""
+    return next((i for i, v in enumerate(values) if type(v) not in types), None)
 
 
 def _has_prompt(doc: dict[str, Any]) -> bool:

@@ -118,6 +118,19 @@ VLLM_REFUSES = [
       for m in (None, "hi", 5, [], ["hi"], [{"content": "hi"}])],
     *[("/v1/completions", b"application/json; charset=utf-8", {"model": "llama-70b", "prompt": p}, "invalid_body",
        "prompt") for p in (None, 5, {"a": 1}, [])],
+    # what is inside them: a prompt list's entries, a message's content, the Responses API's input
+    *[("/v1/completions", b"application/json", {"model": "llama-70b", "prompt": p}, "invalid_body", "prompt")
+      for p in ([[]], [[5], []], [5, "a"], [-1], [[5], "a"], [[[5]]])],
+    *[("/v1/chat/completions", b"application/json", chat(messages=[{"role": "user", "content": c}]), "invalid_body",
+       "messages") for c in (5, True, None, {"type": "text", "text": "hi"}, [5])],
+    *[("/v1/responses", b"application/json", {"model": "llama-70b", "max_output_tokens": 8, **i}, "invalid_body",
+       "input") for i in ({}, {"input": 5}, {"input": []}, {"input": ["hi"]})],
+]
+# Their near misses, which vLLM runs (differential.json): admitted.
+VLLM_RUNS = [
+    ("/v1/completions", {"model": "llama-70b", "prompt": [5, "6", True], "max_tokens": 4}),
+    ("/v1/chat/completions", chat(messages=[{"role": "user", "content": "hi"},
+                                            {"role": "assistant", "content": None}, {"role": "user", "content": {}}])),
 ]
 
 
@@ -146,7 +159,11 @@ async def test_a_request_vllm_refuses_unrun_is_refused_before_admission_and_neve
             status, _, text = await raw_request(s.listen_port, [(b"content-type", content_type)],
                                                 json.dumps(chat()).encode())
             assert status == 200, (content_type, text[:300])
-        assert (await upstream_stats(http, upstream))["served"] == 2
+        for path, body in VLLM_RUNS:
+            status, _, text = await raw_request(s.listen_port, [(b"content-type", b"application/json")],
+                                                json.dumps(body).encode(), path=path.encode())
+            assert status == 200, (path, body, text[:300])
+        assert (await upstream_stats(http, upstream))["served"] == 2 + len(VLLM_RUNS)
 
 
 async def test_a_background_response_is_refused_since_it_would_run_after_its_slot_is_freed(make_stack, upstream):

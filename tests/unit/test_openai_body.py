@@ -6,8 +6,8 @@ import pytest
 
 from extproc.policy.cost import CostModel
 from extproc.policy.schema import CostSpec
-from extproc.server.openai import (CHAT, COMPLETIONS, RESPONSES, BadRequest, degrade_body, error_body, min_output_of,
-                                  parse_body)
+from extproc.server.openai import (CHAT, COMPLETIONS, ENDPOINTS, RESPONSES, BadRequest, degrade_body, error_body,
+                                  min_output_of, parse_body)
 
 HI = [{"role": "user", "content": "hi"}]  # a chat request is a list of messages: one will do
 
@@ -301,3 +301,84 @@ def test_a_completions_body_with_no_prompt_vllm_can_run_is_400_before_admission(
                                  {"prompt": None, "prompt_embeds": "AAAA"}])
 def test_a_completions_body_vllm_takes_is_not_refused_for_its_prompt(doc):
     assert parse_body(json.dumps({"model": "m", **doc}).encode(), COMPLETIONS, "priority", CLASSES).generates
+
+
+def _refusal(raw_doc: dict, endpoint) -> BadRequest | None:
+    try:
+        parse_body(json.dumps(raw_doc).encode(), endpoint, "priority", CLASSES)
+    except BadRequest as e:
+        return e
+    return None
+
+
+@pytest.mark.parametrize("prompt,index", [
+    ([[]], "prompt[0]"), ([[5], []], "prompt[1]"), ([5, "a"], "prompt[1]"), (["a", 5], "prompt[0]"),
+    ([-1, 2], "prompt[0]"), ([5, "-1"], "prompt[1]"), ([5, None], "prompt[1]"), ([1.5], "prompt[0]"),
+    ([[5], "a"], "prompt[1]"), (["a", [5]], "prompt[0]"), ([[[5]]], "prompt[0]"), ([[5, -1]], "prompt[0]"),
+    ([[5], [6, "x"]], "prompt[1]"), ([{}], "prompt[0]"),
+])
+def test_a_prompt_list_vllm_cannot_run_is_refused_naming_its_entry(prompt, index):
+    # vLLM 0.32 answers each with 400 (differential.json: its prompt union, or "The decoder prompt cannot be
+    # empty"); admitted, each held a slot until then.
+    e = _refusal({"model": "m", "prompt": prompt}, COMPLETIONS)
+    assert e is not None and (e.status, e.code, e.param) == (400, "invalid_body", "prompt")
+    assert e.message.startswith(f"`{index}`")
+
+
+@pytest.mark.parametrize("prompt,prompts", [
+    ([5, "6"], 1), (["5", 6], 1), ([True, 5.0, " 5 ", "5.0"], 1), ([-0.0, 5], 1), ([[5, "6"], [True]], 2),
+    (["a", ""], 2), ([""], 1), (list(range(10, 5000)), 1), ([[5]] * 3, 3),
+])
+def test_a_prompt_list_vllm_runs_is_admitted(prompt, prompts):
+    # vLLM reads a token id as a lax integer: "5", 5.0 and true are token ids to it (differential.json).
+    b = parse_body(json.dumps({"model": "m", "prompt": prompt}).encode(), COMPLETIONS, "priority", CLASSES)
+    assert b.prompts == prompts
+
+
+@pytest.mark.parametrize("message", [
+    {"role": "user", "content": 5}, {"role": "user", "content": True}, {"role": "system", "content": 1.5},
+    {"role": "user", "content": None}, {"role": "tool", "content": None}, {"role": "bogus", "content": None},
+    {"role": "user", "content": {"type": "text", "text": "hi"}}, {"role": "user", "content": [5]},
+    {"role": "user", "content": [None]}, {"role": "bogus", "content": [["hi"]]},
+])
+def test_a_message_content_no_message_type_takes_is_refused(message):
+    e = _refusal({"model": "m", "messages": [{"role": "user", "content": "hi"}, message]}, CHAT)
+    assert e is not None and (e.status, e.code, e.param) == (400, "invalid_body", "messages")
+    assert e.message.startswith("`messages[1].content")
+
+
+@pytest.mark.parametrize("message", [
+    {"role": "assistant", "content": None}, {"role": "function", "name": "f", "content": None},
+    {"role": "user", "content": {}}, {"role": "user", "content": []}, {"role": "bogus", "content": ["hi"]},
+    {"role": "user", "content": [{"type": "text", "text": "hi"}]}, {"role": "user"},
+    {"author": {"role": "user"}, "content": 5},
+])
+def test_a_message_content_vllm_takes_is_admitted(message):
+    assert _refusal({"model": "m", "messages": [{"role": "user", "content": "hi"}, message]}, CHAT) is None
+
+
+@pytest.mark.parametrize("doc", [{}, {"input": None}, {"input": 5}, {"input": True}, {"input": {}},
+                                 {"input": {"role": "user", "content": "hi"}}, {"input": []}, {"input": ["hi"]},
+                                 {"input": [{"role": "user", "content": "hi"}, None]}])
+def test_a_responses_input_vllm_cannot_take_is_refused(doc):
+    e = _refusal({"model": "m", **doc}, RESPONSES)
+    assert e is not None and (e.status, e.code, e.param) == (400, "invalid_body", "input")
+
+
+@pytest.mark.parametrize("value", ["", "hi", [{"role": "user", "content": "hi"}],
+                                   [{"type": "message", "role": "user", "content": "hi"}]])
+def test_a_responses_input_vllm_takes_is_admitted(value):
+    assert _refusal({"model": "m", "input": value}, RESPONSES) is None
+
+
+@pytest.mark.parametrize("doc,param", [
+    ({"prompt": [[]]}, "prompt"), ({"prompt": [5, "a"]}, "prompt"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages"),
+    ({"input": ["x"], "prompt": [[]]}, None), ({"input": ["x"], "messages": [{"role": "user", "content": 5}]}, None),
+])
+def test_invocations_refuses_what_its_chat_or_completions_reading_cannot_run(doc, param):
+    # vLLM 0.32's /invocations answered each of the first three 400 ("The decoder prompt cannot be empty", "Cannot
+    # find suitable handler for request", and for the third its completions reading's "Either prompt or
+    # prompt_embeds must be provided"). Beside an `input`, a pooling model may serve the body: left to it.
+    e = _refusal({"model": "m", **doc}, ENDPOINTS["/invocations"])
+    assert (e.param if e is not None else None) == param

@@ -61,10 +61,12 @@ def _both_kinds(case: dict, e: BadRequest) -> bool:
 
 
 def _nothing_to_render(case: dict, e: BadRequest) -> bool:
-    """`"messages": []`, or `"prompt": []` without prompt_embeds: vLLM's request model takes them, and its renderer
-    refuses them with 400 before anything runs (differential.json's chat:messages=[] and completions:prompt=[],
-    api.json's prompt_empty_list). Admitted, each held a slot until that 400; they are refused before admission."""
-    return e.param in ("messages", "prompt") and doc_of(case).get(e.param) == []
+    """`"messages": []`, `"prompt": []` without prompt_embeds, or a prompt list holding an empty list of token ids:
+    vLLM's request model takes them, and its renderer (its engine, for the empty token list) refuses them with 400
+    before anything runs (differential.json's chat:messages=[], completions:prompt=[] and =[[]], api.json's
+    prompt_empty_list). Admitted, each held a slot until that 400; they are refused before admission."""
+    value = doc_of(case).get(e.param)
+    return e.param in ("messages", "prompt") and (value == [] or (e.param == "prompt" and [] in value))
 
 
 REFUSED_ON_PURPOSE = (_cap_vllm_does_not_run, _both_kinds, _nothing_to_render)
@@ -144,3 +146,57 @@ def test_a_body_vllm_refuses_for_its_messages_or_prompt_is_refused_before_admiss
         except BadRequest as e:
             assert (e.status, e.code) == (400, "invalid_body"), case["body"]
     assert not admitted, "\n".join(admitted)
+
+
+# What real vLLM 0.32 answered (tests/fixtures/vllm/differential.json, scripts/vllm/differential_cases.py) to bodies
+# that change the field saying what runs: its prompt list's entries, a message's content by role, Responses input.
+DIFFERENTIAL = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "vllm" / "differential.json")
+                          .read_text())["cases"]
+RUN_FIELD = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/v1/responses": "input"}
+
+
+def _refusing_param(request: dict) -> str | None:
+    try:
+        parse_body(json.dumps(request["body"]).encode(), ENDPOINTS[request["path"]], "priority",
+                   {"interactive", "batch"})
+    except BadRequest as e:
+        assert (e.status, e.code) == (400, "invalid_body"), request["body"]
+        return e.param
+    return None
+
+
+def _left_to_vllm(request: dict) -> bool:
+    """What vLLM refuses inside the field that the gateway leaves it to refuse (admitted, it holds a slot until
+    vLLM's 400): which parts a role takes and what a part or a Responses item holds (a union of dozens of types,
+    one of them lazily validated), a function message's missing name, an empty object as a custom role's content,
+    and a token-id string that Python's int() or float() reads but pydantic does not ("5e0")."""
+    value = request["body"][RUN_FIELD[request["path"]]]
+    if type(value) is not list or not value:
+        return False
+    if request["path"] == "/v1/completions":
+        return any(type(t) is str and "e" in t.lower() for t in value)
+    if request["path"] == "/v1/responses":
+        return all(type(item) is dict for item in value)
+    message = value[-1]
+    content = message.get("content") if type(message) is dict else 0
+    return (type(content) is list and all(type(p) in (dict, str) for p in content)) or \
+        (content == {} and message["role"] == "bogus") or (content is None and message["role"] == "function")
+
+
+def test_vllm_runs_every_body_the_gateway_admits_for_what_runs_and_refuses_the_rest_before_running():
+    # Admitted, `prompt: [5, "a"]`, `[[5], []]`, a message content of 5 or a Responses `input` of 5 each held a slot
+    # (and was charged) until vLLM answered 400; a body vLLM serves (`[5, "6"]`, `[true]`, an assistant's null
+    # content, `content: {}` for a user) must stay admitted.
+    cases = {name: c for name, c in DIFFERENTIAL.items() if c["request"]["path"] in RUN_FIELD
+             and c["request"]["fields"] == [RUN_FIELD[c["request"]["path"]]]}
+    assert len(cases) >= 100 and sum(c["status"] == 200 for c in cases.values()) >= 30
+    refused_run, admitted_refused = [], []
+    for name, case in cases.items():
+        request = case["request"]
+        refused = _refusing_param(request) == RUN_FIELD[request["path"]]
+        if case["status"] == 200 and refused:
+            refused_run.append(name)
+        if case["status"] != 200 and not refused and not _left_to_vllm(request):
+            admitted_refused.append(name)
+    assert not refused_run, f"refused, but vLLM runs them: {refused_run}"
+    assert not admitted_refused, f"admitted, but vLLM refuses them before running anything: {admitted_refused}"
