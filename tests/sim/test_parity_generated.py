@@ -21,6 +21,7 @@ import aiohttp
 import pytest
 
 from extproc.tools.sim.fleet import SimFleet
+from scripts.vllm.differential_cases import item_cases
 from scripts.vllm.record_differential import json_answer, stream_answer
 from scripts.vllm.record_fixtures import parse_metrics
 from tests.sim.test_parity import PROFILE, load
@@ -133,3 +134,32 @@ async def test_metric_families_typed_and_labelled_as_vllm(sim):
     assert not found, "\n".join(found)
     assert {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
             "vllm:num_preemptions_total", "vllm:request_success_total"} <= set(families)
+
+
+# The bodies of differential_cases.item_cases (what is inside a prompt list, a message's content, Responses input)
+# that the simulator answers with another status than vLLM: which content parts a role's message type takes, as
+# docs/simulator.md says. Their messages are not compared (UNCHECKED_FIELDS: completions:prompt, chat:messages,
+# responses:input); their status is, since the gateway's refusals before admission are checked against it.
+ITEM_STATUS_DIFFERENCES = {
+    *(f"chat:messages=[{{'role': '{role}', 'content': [{{'type': 'text'}}]}}]" for role in ("user", "assistant",
+                                                                                          "system")),
+    "chat:messages=[{'role': 'bogus', 'content': {}}]", "chat:messages=[{'role': 'bogus', 'content': ['hi']}]",
+    "chat:messages=[{'role': 'function', 'content': None}]",
+}
+
+
+async def test_what_is_inside_a_prompt_list_messages_or_input_is_refused_or_served_as_vllm_does(sim):
+    url, http = sim
+    names = list(item_cases())
+    assert ITEM_STATUS_DIFFERENCES <= set(names)
+    wrong, still_differing = [], set()
+    for name in names:
+        want = RECORDED["cases"][name]
+        status, _ = await post(http, url, want["request"])
+        if status != want["status"]:
+            if name in ITEM_STATUS_DIFFERENCES:
+                still_differing.add(name)
+            else:
+                wrong.append(f"{name}: sim {status}, vLLM {want['status']}")
+    assert not wrong, "\n".join(wrong)
+    assert still_differing == ITEM_STATUS_DIFFERENCES, sorted(ITEM_STATUS_DIFFERENCES - still_differing)

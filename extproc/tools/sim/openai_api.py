@@ -257,11 +257,14 @@ def _semantic_error(message: str, param: str, value) -> ApiError:
 
 
 def _int_field(body: dict, name: str) -> int | None:
-    """Pydantic's lax integer: ints, integral floats and numeric strings; None when absent or null."""
+    """Pydantic's lax integer (_lax_int) of a field; None when absent or null."""
     value = body.get(name)
-    loc = f"body.{name}"
-    if value is None:
-        return None
+    return None if value is None else _lax_int(value, f"body.{name}")
+
+
+def _lax_int(value, loc: str) -> int:
+    """Pydantic's lax integer: ints, booleans, integral floats and strings of an integer (" 5 ", "1_0", "5.0":
+    differential.json's completions:prompt=[...]), or its validation error."""
     if isinstance(value, bool):
         return int(value)
     if isinstance(value, int):
@@ -272,8 +275,11 @@ def _int_field(body: dict, name: str) -> int | None:
         raise validation_error("int_from_float", loc, "Input should be a valid integer, got a number with a "
                                "fractional part", value)
     if isinstance(value, str):
+        whole, _, zeros = value.strip().partition(".")
         try:
-            return int(value.strip())
+            if zeros.strip("0"):
+                raise ValueError(value)
+            return int(whole)
         except ValueError:
             raise validation_error("int_parsing", loc, "Input should be a valid integer, unable to parse string "
                                    "as an integer", value) from None
@@ -331,9 +337,33 @@ def fixed_output_tokens(max_tokens: int, ignore_eos: bool) -> int | None:
     return max_tokens if ignore_eos else None
 
 
-def _token_ids(value) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                           for t in value)
+def _prompts(prompt) -> list:
+    """vLLM 0.32's CompletionRequest prompt, `list[int >= 0] | list[list[int >= 0]] | str | list[str]` with lax
+    integers ("5", 5.0 and true are token ids), as the prompts it runs: strings and lists of token ids (an empty
+    one is the engine's to refuse). Anything else fits none of its types."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list):
+        if all(isinstance(p, str) for p in prompt):
+            return prompt
+        try:
+            if all(isinstance(p, list) for p in prompt):
+                return [[_token_id(t) for t in p] for p in prompt]
+            return [[_token_id(t) for t in prompt]]
+        except ApiError:
+            pass
+    raise validation_error("value_error", "body.prompt", "Value error, prompt must be a string, a list of token "
+                           "ids, or a list of those", prompt)
+
+
+def _token_id(value) -> int:
+    if isinstance(value, list | dict) or value is None:
+        raise validation_error("int_type", "body.prompt", "Input should be a valid integer", value)
+    token = _lax_int(value, "body.prompt")
+    if token < 0:
+        raise validation_error("greater_than_equal", "body.prompt", "Input should be greater than or equal to 0",
+                               value)
+    return token
 
 
 EMPTY_CONVERSATION = "Cannot apply chat template to an empty conversation. Provide at least one message."
@@ -363,20 +393,12 @@ def _prompt_tokens(kind: str, body: dict) -> tuple[int, ...]:
             return ()  # refused once the model is known, as vLLM's chat template refuses it
         _check_roles(messages)
         return (estimate_chat_tokens(_checked_contents(messages, "body.messages", messages)),)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
-    if prompt == "":
-        raise _no_prompt()
-    if isinstance(prompt, str):
-        return (estimate_text_tokens(prompt),)
-    if _token_ids(prompt):
-        return (len(prompt),)
-    if isinstance(prompt, list) and all(isinstance(p, str) or _token_ids(p) for p in prompt):
-        # A list: each entry a prompt of its own (an empty string in a list is served: the BOS alone).
-        return tuple(estimate_text_tokens(p) if isinstance(p, str) else len(p) for p in prompt)
-    raise validation_error("value_error", "body.prompt", "Value error, prompt must be a string, a list of token "
-                           "ids, or a list of those", prompt)
+    # Each prompt (an empty string is served: the BOS alone; an empty list of token ids is refused by the engine,
+    # differential.json's completions:prompt=[[]]).
+    prompts = _prompts(body.get("prompt"))
+    if [] in prompts:
+        raise ApiError(400, "The decoder prompt cannot be empty")
+    return tuple(estimate_text_tokens(p) if isinstance(p, str) else len(p) for p in prompts)
 
 
 def _check_roles(messages: list) -> None:
@@ -400,9 +422,13 @@ def _checked_contents(messages: list[dict], loc: str, value) -> list[dict]:
     """The messages, once each content is text, null or a list of content parts whose `text` is text: anything else
     is vLLM's validation error (the token estimate would raise on it, and the client get no answer at all)."""
     for message in messages:
-        content = message.get("content")
-        if content is None or isinstance(content, str):
+        content = message.get("content", "")
+        if isinstance(content, str) or content == {}:  # (an empty object is read as no parts)
             continue
+        if content is None:
+            if message.get("role") in ("assistant", "function"):  # the only message types whose content may be null
+                continue
+            raise validation_error("string_type", loc, "Input should be a valid string", value)
         if isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("text", ""), str)
                                              for p in content):
             continue
@@ -423,6 +449,11 @@ def _responses_messages(body: dict) -> list[dict]:
         messages = [{"role": "user", "content": value}]
     elif isinstance(value, list):
         messages = [item for item in value if isinstance(item, dict)]
+        # Every item type of vLLM's union is typed or a message, and a message has content (differential.json's
+        # responses:input=[{}] and =[{'role': 'user'}]).
+        if any("role" not in item and "type" not in item or "role" in item and "content" not in item
+               for item in messages):
+            raise validation_error("missing", "body.input", "Field required", value)
     else:
         raise validation_error("string_type", "body.input", "Input should be a valid string", value)
     instructions = body.get("instructions")
@@ -683,8 +714,7 @@ def json_text(text: str) -> str:
 
 def _prompt_texts(prompt) -> tuple[str, ...]:
     """Each (validated) completions prompt as text: token ids as the filler words they stand for."""
-    entries = [prompt] if isinstance(prompt, str) or _token_ids(prompt) else prompt
-    return tuple(p if isinstance(p, str) else ids_text(p) for p in entries)
+    return tuple(p if isinstance(p, str) else ids_text(p) for p in _prompts(prompt))
 
 
 def _responses_echo(body: dict, max_output_tokens: int | None) -> dict:
