@@ -297,7 +297,11 @@ whose `prompt` is neither a string nor a list, has nothing to run (`prompt` miss
 `prompt_embeds`), or is a list that fits none of vLLM's prompt types: strings, token ids (integers >= 0, read as
 vLLM reads them: `"5"`, `5.0` and `true` are token ids), or lists of token ids, none empty (`[5, "a"]`, `[-1]`,
 `[[5], []]`, `[[5], "a"]` and `[[[5]]]` are refused; `param` is `prompt` and the message names the entry); a
-Responses request whose `input` is missing, neither a string nor a list, empty, or holds anything but objects. What
+Responses request whose `input` is missing, neither a string nor a list, empty, or holds anything but objects; a
+pooling request (when `endpoints.embeddings` is on) that none of its route's request types takes: `/v1/embeddings`
+and `/classify` need `input` (a string or a list) or `messages` (a list), `/pooling` also takes `data`, `/score`
+needs `queries` and `documents` (or `items`), `text_1` and `text_2`, or `data_1` and `data_2`, `/rerank` needs
+`query` and `documents` (a missing field, null, a number or a boolean is refused; `param` names the field). What
 a content part or an input item holds, and a token id past the vocabulary, are left for vLLM to refuse; so is
 `prompt_embeds` on a server started without `--enable-prompt-embeds`, which the gateway cannot know. (A client's integer
 `priority`, vLLM's scheduling priority, is accepted and removed: the policy's `classes.<name>.vllm_priority` sets

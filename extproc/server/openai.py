@@ -42,10 +42,10 @@ MAX_LAX_TOKEN_IDS = 20_000
 class Endpoint:
     """One of vLLM's compute endpoints: how its body is read, and what a fallback may do with it."""
 
-    __slots__ = ("group", "kind", "token_fields", "canned", "default_max_tokens")
+    __slots__ = ("group", "kind", "token_fields", "canned", "default_max_tokens", "takes")
 
     def __init__(self, group: str, kind: str, token_fields: tuple[str, ...] = (), canned: bool = False,
-                 default_max_tokens: int | None = None):
+                 default_max_tokens: int | None = None, takes: tuple = ()):
         self.group = group                # the policy's `endpoints.<group>` switch
         self.kind = kind                  # chat | completions | responses | input (prefill only, no output)
         # Body fields that cap the output, the one the server obeys first when several are set (empty: the
@@ -55,6 +55,9 @@ class Endpoint:
         self.canned = canned              # a canned answer can take this endpoint's shape
         # The cap the API itself sets when the body sets none (None: the rest of the context, as vLLM does).
         self.default_max_tokens = default_max_tokens
+        # A pooling route's request types, each as the fields it needs and the JSON types each may have (None:
+        # any); empty: not checked here (_check_pooling)
+        self.takes = takes
 
 
 # vLLM's chat request: `max_tokens = max_completion_tokens or max_tokens` (OpenAI deprecated the older field).
@@ -63,7 +66,15 @@ CHAT = Endpoint("chat", "chat", ("max_completion_tokens", "max_tokens"), canned=
 # CompletionRequest): costed at the policy's default_max_tokens it was charged 64 times what it could generate.
 COMPLETIONS = Endpoint("completions", "completions", ("max_tokens",), canned=True, default_max_tokens=16)
 RESPONSES = Endpoint("responses", "responses", ("max_output_tokens",))
-POOLING = Endpoint("embeddings", "input")
+# The pooling routes, all under the policy's `endpoints.embeddings`: what vLLM 0.32's request models for each take
+# (their unions; str, list and dict stand for the JSON types a field's types accept).
+_TEXT_OR_TOKENS, _MESSAGES = ("input", (str, list)), ("messages", (list,))
+_SCORE_INPUT = (str, list, dict)
+POOLING = Endpoint("embeddings", "input", takes=((_TEXT_OR_TOKENS,), (_MESSAGES,)))  # /v1/embeddings, /classify
+POOLING_ROUTE = Endpoint("embeddings", "input", takes=((_TEXT_OR_TOKENS,), (_MESSAGES,), (("data", None),)))
+SCORE = Endpoint("embeddings", "input", takes=tuple(((a, _SCORE_INPUT), (b, _SCORE_INPUT)) for a, b in (
+    ("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2"))))
+RERANK = Endpoint("embeddings", "input", takes=((("query", (str, dict)), ("documents", _SCORE_INPUT)),))
 TOKENIZE = Endpoint("tokenize", "input")
 AUDIO = Endpoint("audio", "input")
 INVOCATIONS = Endpoint("invocations", "invocations")  # vLLM picks chat/completions/embeddings by the body
@@ -77,8 +88,10 @@ ENDPOINTS: dict[str, Endpoint] = {
     "/v1/completions": COMPLETIONS,
     "/v1/responses": RESPONSES,
     "/invocations": INVOCATIONS,
-    **dict.fromkeys(("/v1/embeddings", "/pooling", "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank",
-                     "/v2/rerank"), POOLING),
+    **dict.fromkeys(("/v1/embeddings", "/classify"), POOLING),
+    "/pooling": POOLING_ROUTE,
+    **dict.fromkeys(("/score", "/v1/score"), SCORE),
+    **dict.fromkeys(("/rerank", "/v1/rerank", "/v2/rerank"), RERANK),
     **dict.fromkeys(("/tokenize", "/detokenize"), TOKENIZE),
     **dict.fromkeys(("/v1/audio/transcriptions", "/v1/audio/translations"), AUDIO),
 }
@@ -153,6 +166,8 @@ def parse_body(raw: bytes, endpoint: Endpoint, class_field: str,
             _check_prompt(doc)
         elif endpoint.kind == "responses":
             _check_input(doc)
+        elif endpoint.takes and route is not INVOCATIONS:  # (a pooling model's /invocations: its own reading)
+            _check_pooling(doc, endpoint.takes)
     scores_prompt = _scores_prompt_only(doc, endpoint)
     for field in endpoint.token_fields:  # every one is checked; the first set is the one the replica obeys
         value = 1 if scores_prompt else _positive_int(doc, field)
@@ -443,6 +458,21 @@ def _check_input(doc: dict[str, Any]) -> None:
     if i is not None:
         raise BadRequest(f"`input[{i}]` must be an input item (an object such as {{\"role\": \"user\", "
                          f"\"content\": \"...\"}}), got {_excerpt(value[i])}.", "input")
+
+
+def _check_pooling(doc: dict[str, Any], takes: tuple) -> None:
+    """Refuse, as vLLM 0.32's request models for a pooling route refuse with 400, a body that none of its request
+    types takes (Endpoint.takes; checked against those models on generated bodies, tests/unit/test_openai_body.py):
+    one whose fields are missing or of a JSON type none of theirs accepts (null, a number, a boolean, an object where
+    a string or a list is wanted). What is inside a field is vLLM's to judge."""
+    for fields in takes:
+        if all(f in doc and (types is None or type(doc[f]) in types) for f, types in fields):
+            return
+    closest = max(takes, key=lambda fields: sum(f in doc for f, _ in fields))
+    field = next(f for f, types in closest if f not in doc or type(doc[f]) not in types)
+    wanted = " or ".join(" and ".join(f"`{f}`" for f, _ in fields) for fields in takes)
+    raise BadRequest(f"This route needs {wanted}: a string or a list each (an object where vLLM takes one), not "
+                     f"null, a number or a boolean.", field)
 
 
 _PROMPT_TYPES = "a string, a list of strings, a list of token ids or a list of token-id lists"

@@ -1,6 +1,7 @@
 """Reading admission facts from OpenAI bodies; bad bodies are 400s with the offending field."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -382,3 +383,42 @@ def test_invocations_refuses_what_its_chat_or_completions_reading_cannot_run(doc
     # prompt_embeds must be provided"). Beside an `input`, a pooling model may serve the body: left to it.
     e = _refusal({"model": "m", **doc}, ENDPOINTS["/invocations"])
     assert (e.param if e is not None else None) == param
+
+
+POOLING_READINGS = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "vllm" / "pooling_readings.json")
+                              .read_text())
+
+
+def _inside_left_to_vllm(body: dict) -> bool:
+    """What a pooling field holds: an object (a multimodal score input, whose fields vLLM checks), a list holding
+    anything but strings (which of token ids, messages or inputs a route takes there), or the messages of a list
+    of them (a conversation or a batch of them)."""
+    return any(type(v) is dict or (type(v) is list and (k == "messages" or any(type(x) is not str for x in v)))
+               for k, v in body.items() if k != "model")
+
+
+def test_a_pooling_body_is_refused_when_vllms_request_models_take_none_of_its_shapes():
+    # Admitted, `{"model": ..., "input": null}` to /v1/embeddings or a /rerank without documents held a slot (and
+    # was charged) until vLLM's 400 (tests/fixtures/vllm/pooling_readings.json: vLLM 0.32's own request models).
+    assert POOLING_READINGS["vllm"] == "0.32.0" and len(POOLING_READINGS["cases"]) > 500
+    refused_taken, admitted_refused = [], []
+    for case in POOLING_READINGS["cases"]:
+        e = _refusal(case["body"], ENDPOINTS[case["path"]])
+        if case["valid"] and e is not None:
+            refused_taken.append((case["path"], case["body"], e.message))
+        elif not case["valid"] and e is None and not _inside_left_to_vllm(case["body"]):
+            admitted_refused.append((case["path"], case["body"]))
+        assert e is None or (e.status, e.code) == (400, "invalid_body")
+    assert not refused_taken, refused_taken
+    assert not admitted_refused, admitted_refused
+
+
+@pytest.mark.parametrize("path,doc,param", [
+    ("/v1/embeddings", {}, "input"), ("/v1/embeddings", {"input": None}, "input"), ("/classify", {"input": 5}, "input"),
+    ("/pooling", {"messages": "hi"}, "messages"), ("/score", {"queries": "q"}, "documents"),
+    ("/v1/score", {"text_1": "a", "text_2": None}, "text_2"), ("/v2/rerank", {"documents": ["d"]}, "query"),
+    ("/rerank", {"query": ["q"], "documents": ["d"]}, "query"),
+])
+def test_a_pooling_body_names_a_field_its_request_needs(path, doc, param):
+    e = _refusal({"model": "m", **doc}, ENDPOINTS[path])
+    assert e is not None and e.param == param, e and e.message
