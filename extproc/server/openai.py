@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 import time
 import uuid
 from array import array
@@ -522,36 +521,35 @@ def _check_prompt_list(prompt: list) -> None:
 def _bad_token_id(values: list) -> int | None:
     """The index of a value that is no token id as vLLM's CompletionRequest reads one (an integer >= 0, or what its
     lax integer field reads as one: 5.0, "5", " 5 ", true), or None. Integers (a JSON body's numbers are not
-    bounded in count: 4 MiB holds two million) are checked at C speed, ~10 ns each; a list holding other values is
-    read value by value (~250 ns each) only up to MAX_LAX_TOKEN_IDS of them, and a longer one is vLLM's to judge."""
+    bounded in count: 4 MiB holds two million) are checked at C speed, ~5 ns each; from the first other value on,
+    the list is read value by value (~250 ns each) only if MAX_LAX_TOKEN_IDS values or fewer are left, and a longer
+    rest is vLLM's to judge."""
     try:
         array("Q", values)  # every value an integer (a boolean too) from 0 to 2**64 - 1
         return None
-    except TypeError:
-        pass  # one is no integer: read them as vLLM does, below
-    except OverflowError:
-        try:
-            ids = array("q", values)
-        except (TypeError, OverflowError):
-            pass  # one is past 64 bits, or no integer
-        else:
-            return _first_negative(ids)
-    if len(values) > MAX_LAX_TOKEN_IDS:
+    except (TypeError, OverflowError):
+        pass
+    first = _first_not_unsigned(values)
+    if type(values[first]) is int and values[first] < 0:
+        return first
+    if len(values) - first > MAX_LAX_TOKEN_IDS:
         return None
-    return next((i for i, t in enumerate(map(_lax_int, values)) if type(t) is not int or t < 0), None)
+    return next((i for i, t in enumerate(map(_lax_int, values[first:]), first) if type(t) is not int or t < 0),
+                None)
 
 
-# 1 for a byte whose top bit is set: an int64's sign, in its most significant byte.
-_SIGN_BIT = bytes(b >> 7 for b in range(256))
-
-
-def _first_negative(ids: array) -> int:
-    """The index of the first negative value of an array of int64 holding one, at C speed: its values' most
-    significant bytes, each mapped to its sign bit (min() and index() made a Python int of every value: ~40 ms for
-    two million)."""
-    top = ids.tobytes()[ids.itemsize - 1::ids.itemsize] if sys.byteorder == "little" else \
-        ids.tobytes()[::ids.itemsize]
-    return top.translate(_SIGN_BIT).index(1)
+def _first_not_unsigned(values: list) -> int:
+    """The index of the first value of `values` (one exists) that array("Q") does not hold, found by halving the
+    part it is in: about one more conversion of the list, at C speed."""
+    lo, hi = 0, len(values)  # values[:lo] convert, and the first that does not is in values[lo:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        try:
+            array("Q", values[lo:mid])
+            lo = mid
+        except (TypeError, OverflowError):
+            hi = mid
+    return lo
 
 
 def _first_not_of(values: list, types: tuple[type, ...]) -> int | None:

@@ -422,3 +422,12 @@ def test_a_pooling_body_is_refused_when_vllms_request_models_take_none_of_its_sh
 def test_a_pooling_body_names_a_field_its_request_needs(path, doc, param):
     e = _refusal({"model": "m", **doc}, ENDPOINTS[path])
     assert e is not None and e.param == param, e and e.message
+
+
+@pytest.mark.parametrize("at", [0, 1, 999_999, 1_999_999])
+def test_a_negative_token_id_anywhere_in_a_long_list_is_found_and_named(at):
+    # The list is checked at C speed (array("Q")); the negative one is then found by halving.
+    prompt = [5] * 2_000_000
+    prompt[at] = -1
+    e = _refusal({"model": "m", "prompt": prompt}, COMPLETIONS)
+    assert e is not None and e.message.startswith(f"`prompt[{at}]`")
