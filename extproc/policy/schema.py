@@ -752,21 +752,34 @@ def _pool_warnings(p: Policy) -> list[str]:
 def load_policy_file(path: str) -> Policy:
     """Read, parse and validate a policy file; any problem with it is a PolicyError (a reload counts it as
     refused and keeps the running policy)."""
-    return load_policy(read_policy_doc(path))
+    return load_policy_bytes(path, read_policy_bytes(str(path)))
+
+
+def load_policy_bytes(path: str, raw: bytes) -> Policy:
+    """load_policy_file for the file's bytes already read (read_policy_bytes): a reload parses the very bytes it
+    compared with the applied file's."""
+    return load_policy(_policy_doc(str(path), raw))
 
 
 def read_policy_doc(path: str) -> Any:
     """The policy file's YAML document, read as `extproc check` and `serve` read it (UTF-8, no key given twice),
     before validation: for the tools that edit it first (the demo scales its durations)."""
-    return _parse_yaml(str(path), _read_text(str(path)))
+    return _policy_doc(str(path), read_policy_bytes(str(path)))
 
 
-def _read_text(path: str) -> str:
+def _policy_doc(path: str, raw: bytes) -> Any:
+    return _parse_yaml(path, _decode(path, raw))
+
+
+def read_policy_bytes(path: str) -> bytes:
     try:
         with open(path, "rb") as f:
-            raw = f.read()
+            return f.read()
     except OSError as e:
         raise PolicyError([f"{path}: {e.strerror}"]) from e
+
+
+def _decode(path: str, raw: bytes) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
