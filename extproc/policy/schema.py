@@ -7,6 +7,7 @@ import functools
 import math
 import re
 import reprlib
+import sys
 import types
 import typing
 import urllib.parse
@@ -759,6 +760,18 @@ def load_policy_bytes(path: str, raw: bytes) -> Policy:
     """load_policy_file for the file's bytes already read (read_policy_bytes): a reload parses the very bytes it
     compared with the applied file's."""
     return load_policy(_policy_doc(str(path), raw))
+
+
+def load_policy_pipe() -> None:
+    """A child process's part of a reload (extproc serve, for a big file): the policy file's bytes from stdin,
+    named argv[1]; the pickled result to stdout: ("policy", Policy) or ("errors", PolicyError's errors)."""
+    import pickle
+
+    try:
+        result: tuple = ("policy", load_policy_bytes(sys.argv[1], sys.stdin.buffer.read()))
+    except PolicyError as e:
+        result = ("errors", e.errors)
+    sys.stdout.buffer.write(pickle.dumps(result))
 
 
 def read_policy_doc(path: str) -> Any:
