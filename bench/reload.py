@@ -10,6 +10,9 @@ counted from when the request was due, so that a stalled loop, which also delays
    (wall time) and the longest step of the event loop while it ran (the loop thread gets the GIL every
    sys.getswitchinterval()), then the rest of the reload on the loop (`_apply`, the change line, warnings) and the
    reconfigure tasks it starts (scrapers, clusters): their longest loop step and their sum.
+   `apply cost` (with --generate): `AdmissionController.apply` alone, and the reload's change line
+   (policy_changes), for a policy that differs from the running one by one tenant's API key, as the child process
+   hands it over (unpickled: fresh objects, their strings not hashed yet); median of `--reloads`.
 2. `decisions`: the same load `--seconds` long without reloads, then with `Server.start_reload()` (what SIGHUP
    calls) every `--every` seconds, the file unchanged (or, `--edits`, a comment added before each): p50/p99/max
    latency, the longest loop step seen by a 1 ms probe, and how many reloads were asked, applied
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import pickle
 import shutil
 import socket
 import statistics
@@ -41,7 +45,9 @@ from grpc.aio import EOF
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from extproc.policy.schema import load_policy_file  # noqa: E402
+from extproc.policy.admission import AdmissionController  # noqa: E402
+from extproc.policy.changes import policy_changes  # noqa: E402
+from extproc.policy.schema import load_policy, load_policy_file  # noqa: E402
 from extproc.server import main  # noqa: E402
 from extproc.server.main import Server, add_arguments  # noqa: E402
 
@@ -168,6 +174,24 @@ async def reload_cost(server: Server, reloads: int) -> dict:
         {k + "_max": max(r[k] for r in rows) for k in rows[0]}
 
 
+def apply_cost(doc: dict, reloads: int) -> dict:
+    """core.apply and policy_changes, on the loop for each applied reload, for one tenant's key changed."""
+    core = AdmissionController(load_policy(doc))
+    rows = []
+    for i in range(reloads):
+        edited = {**doc, "tenants": [dict(t, api_keys=[f"sk-edit-{i}"]) if j == i else t
+                                     for j, t in enumerate(doc["tenants"])]}
+        policy = pickle.loads(pickle.dumps(load_policy(edited)))
+        before = core.policy
+        start = time.perf_counter()
+        core.apply(policy)
+        applied_at = time.perf_counter()
+        policy_changes(before, policy)
+        rows.append({"core_apply_s": applied_at - start, "policy_changes_s": time.perf_counter() - applied_at})
+        assert core.classifier.tenant_for(f"sk-edit-{i}").name == f"t{i}"
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+
+
 def edit(path: str, i: int) -> None:
     """A change of the file that changes nothing of its policy (a comment)."""
     with open(path, "a") as f:
@@ -249,6 +273,10 @@ def main_(argv: list[str] | None = None) -> None:
             print("reload cost (median / max of %d):" % a.reloads)
             for k in ("parse_s", "loop_step_during_parse_s", "on_loop_step_s", "after_parse_s", "reload_s"):
                 print(f"  {k:26s} {cost[k] * 1e3:8.1f} ms / {cost[k + '_max'] * 1e3:8.1f} ms")
+            if a.generate:
+                cost = apply_cost(doc, a.reloads)
+                print("apply cost, one tenant's key changed (median of %d): " % a.reloads +
+                      ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in cost.items()))
             for every in (None, a.every):
                 r = await decisions(server, a.seconds, a.rate, a.hold_ms / 1e3, every, requests, a.edits)
                 name = "no reloads" if every is None else \
