@@ -89,7 +89,7 @@ class CostLearning:
         actual = model.actual(prompt, completion)
         self.events.cost_observed(t, est.gpu_seconds, actual)
         if t.holds_slot and not t.degraded:  # the fair queue charged its flow the scaled estimate: correct it
-            t.limiter.queue.settle(t.flow, t.fair_charge, actual, t.fair_flow)
+            t.limiter.queue.settle(t.flow, t.fair_charge, actual, t.fair_flow, t.fair_stats)
             t.limiter.queue.teach(t.flow, model.repriced(est), actual)
         r = c.report
         service = (r.total_s - t.waited_s) if r is not None and r.total_s else t.released_at - t.admitted_at

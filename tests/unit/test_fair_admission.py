@@ -156,6 +156,21 @@ def test_a_request_that_never_ran_is_refunded_under_the_label_it_was_served_unde
     assert q.stats["other"].served_gpu_s == 0.0 and q.stats["other"].inflight == 0
 
 
+def test_learned_usage_is_settled_under_the_label_it_was_served_under(clock):
+    # A reload removed its tenant while it ran: its key now counts under "other", which never served it; the
+    # correction of its charge by the usage it reported belongs to the label it was charged to.
+    core = core_with(clock, "fair")
+    d = ask(core, "c")
+    q = core.limiters["interactive"].queue
+    estimated = q.stats["c"].served_gpu_s
+    core.apply(policy("fair", tenants=TENANTS[:2]))
+    core.usage(d.ticket, 100, 1)  # it answered in one token where 100 were expected
+    core.finish(d.ticket, Outcome.OK)
+    core.report(d.ticket.id, Completion(Outcome.OK, 200, 0.1, 0.2))
+    assert q.stats["other"].served_gpu_s == 0.0 and q.stats["other"].refunded_gpu_s == 0.0
+    assert 0.0 < d.ticket.fair_stats.served_gpu_s < estimated  # corrected where it was charged
+
+
 def test_a_request_deadline_shortens_its_wait_never_lengthens_it(clock):
     core = core_with(clock, "fair", classify={"deadline_header": "x-deadline-ms"})
     ask(core, "a"), ask(core, "a")
