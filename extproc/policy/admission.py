@@ -706,6 +706,8 @@ class AdmissionController:
                 ticket.gate.give_back(ticket.rank, ticket.units, ticket.flow, ticket.pool_stall)
                 if ticket.rest and ran:  # one that never ran (revoked) held nothing of the replicas: nothing owed
                     ticket.gate.rest(ticket.rank, now + (now - ticket.admitted_at) * ticket.rest, now)
+                if not ran:  # nor will it be served: the limit does not wait for it after a latency cut
+                    ticket.gate.controller.withdrawn(ticket.cohort)
             if charge is not None:
                 self.charging.released(charge, ticket.cost, ran)
         if lim in self._retired and lim.inflight == 0:
@@ -723,7 +725,7 @@ class AdmissionController:
                      or (gate.holding and not gate.room(ticket.rank, units))):
             ticket.rest = rest
         ticket.pool_stall = gate.take(ticket.rank, units, ticket.flow)
-        gate.controller.admitted(ticket.rank, ticket.admitted_at)
+        ticket.cohort = gate.controller.admitted(ticket.rank, ticket.admitted_at)
 
     # --- the end of an admitted request ---
 

@@ -105,7 +105,7 @@ class Ticket:
     __slots__ = ("id", "limiter", "cls", "tenant", "pool", "admitted_at", "lease_until", "cost", "closed", "waited_s",
                  "released_at", "stream_outcome", "completion", "trickle", "degraded", "holds_slot", "charge",
                  "usage", "gate", "units", "rank", "pool_stall", "flow", "queued", "awaiting_store", "rest", "fair_charge",
-                 "wait_until", "fair_flow", "fair_stats")
+                 "wait_until", "fair_flow", "fair_stats", "cohort")
 
     def __init__(self, limiter: ClassLimiter, tenant: str, pool: str, now: float, lease_s: float, cost: float,
                  waited_s: float, holds_slot: bool = True):
@@ -132,6 +132,7 @@ class Ticket:
         self.rank = 0                   # its class's rank when it took them
         self.pool_stall = 0             # the stall of its pool it took them in (PoolGate.take; 0: none)
         self.rest = 0.0                 # taken over its class's share: the class rests this long per second it ran
+        self.cohort: Any = None         # the post-cut cohort its pool's limit counted it in (PoolLimit.admitted)
         self.flow = tenant              # the fairness key it counts against in its class's queue
         self.fair_charge = cost         # GPU-seconds its flow was charged (the estimate times the flow's scale)
         self.fair_flow: Any = None      # the flow charged (FairQueue.flow_of), which settles it

@@ -179,10 +179,21 @@ class PoolLimit:
             if cohort is not None and admitted_at < cohort[1]:
                 cohort[3] += 1
 
-    def admitted(self, rank: int, at: float) -> None:
+    def admitted(self, rank: int, at: float) -> list[float] | None:
+        """A request of the class at `rank` was admitted `at`: the cohort it counts in (withdrawn() takes it), or
+        None."""
         cohort = self._cohort
         if cohort is not None and rank in self.windows and cohort[0] <= at < cohort[1]:
             cohort[2] += 1
+            return cohort
+        return None
+
+    @staticmethod
+    def withdrawn(cohort: list[float] | None) -> None:
+        """A request admitted() counted in `cohort` never ran (its slot given back unused): it will never be
+        served, and counted it held the window blind after a latency cut up to target x SLO."""
+        if cohort is not None:
+            cohort[2] -= 1
 
     def _blind(self, now: float) -> bool:
         """Whether the window cannot yet speak for the requests admitted since the last latency cut: the first

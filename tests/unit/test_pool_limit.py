@@ -5,7 +5,7 @@ import pytest
 
 from extproc.policy.adaptive import PoolSaturation
 from extproc.policy.admission import ACCEPT, DEGRADE, QUEUE, AdmissionController, RequestFacts
-from extproc.policy.limits import Outcome
+from extproc.policy.limits import Completion, Outcome
 from extproc.policy.pool import PoolGate, PoolLimit
 from extproc.policy.schema import PoolLimitSpec
 from tests.conftest import make_policy
@@ -929,6 +929,26 @@ def test_a_request_over_the_share_that_never_ran_does_not_rest_its_class(clock):
     core.revoke(d, "queue_timeout", "no global slot")
     assert core.decide(req("interactive")).kind == QUEUE
     assert core.decide(req("batch")).kind == ACCEPT  # its guarantee holds at once
+
+
+@pytest.mark.parametrize("taken_back", ["withdraw", "revoke"])
+def test_a_request_admitted_after_a_latency_cut_that_never_ran_is_not_waited_for(pcore, clock, taken_back):
+    # After a latency cut the limit may not rise until most of the first interval's admissions are served
+    # (PoolLimit._blind); one given back unused (a store's revoke, a grant whose client left in the same instant,
+    # the stream's withdrawal) is never served, and held the window blind up to target x SLO.
+    limit = pcore.gates["pool_a"].controller
+    limit._fresh(clock(), "cut_latency")
+    ran = [pcore.decide(req("interactive")).ticket for _ in range(2)]
+    given_back = pcore.decide(req("interactive"))
+    if taken_back == "withdraw":
+        pcore.withdraw(given_back.ticket)
+    else:
+        pcore.revoke(given_back, "client_disconnected", "gone")
+    clock.advance(0.6)  # past the interval: the cohort is the three admitted in it
+    for t in ran:
+        pcore.finish(t, Outcome.OK)
+        pcore.report(t.id, Completion(Outcome.OK, 200, 0.1, 0.6))
+    assert not limit._blind(clock())  # both that ran are served
 
 
 def test_the_core_asks_to_be_ticked_at_half_its_quickest_limit_interval_within_bounds(clock):
