@@ -60,6 +60,11 @@ class SlotStore(Protocol):
         """Call `callback(class)` whenever any replica releases a slot of that class."""
         ...
 
+    def forget(self, cls: str) -> None:
+        """A reload removed the class: drop what this process keeps of it (its slots still held are released as
+        ever, by (class, holder))."""
+        ...
+
     async def start(self) -> None: ...
     async def close(self) -> None: ...
 
@@ -85,6 +90,9 @@ class LocalStore:
         pass
 
     def on_release(self, callback: Callable[[str], None]) -> None:
+        pass
+
+    def forget(self, cls: str) -> None:
         pass
 
     async def start(self) -> None:

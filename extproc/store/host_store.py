@@ -101,6 +101,7 @@ class HostStore:
         self._lock_fd = os.open(self.directory / _LOCK, os.O_RDWR)
         self._rows: dict[str, tuple[int, bytes]] = {}         # class -> (row, its name there) when last found
         self._held: dict[tuple[str, str], float] = {}          # (class, holder) -> GPU-seconds, this worker's
+        self._removed: set[str] = set()  # classes a reload removed whose row is cached till this worker's slots end
         self._listeners: list[Callable[[str], None]] = []
         self._inbox: socket.socket | None = None
         self._outbox = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -197,6 +198,9 @@ class HostStore:
                 n, gpu, waiting = cells[self.worker]
                 self._set(row, n - 1, max(gpu - cost, 0.0) if n > 1 else 0.0, waiting)
                 wake.update((cls, w) for w, c in enumerate(cells) if c[2] and w != self.worker)
+            if self._removed:  # a class a reload removed: its cached row goes with this worker's last slot of it
+                for cls in self._removed.intersection(c for c, _ in slots):
+                    self.forget(cls)
         for cls, w in wake:
             with contextlib.suppress(OSError):  # a full or closed inbox: that worker's poll_ms retry covers it
                 self._outbox.sendto(cls.encode(), _socket_path(self.directory, w))
@@ -217,6 +221,15 @@ class HostStore:
 
     async def ping(self) -> None:
         pass
+
+    def forget(self, cls: str) -> None:
+        """A reload removed the class: its cached row goes with this worker's last slot of it (the row itself is
+        the table's, found by name by a worker that still asks for it, and taken by another class once idle)."""
+        if any(held == cls for held, _ in self._held):
+            self._removed.add(cls)
+        else:
+            self._rows.pop(cls, None)
+            self._removed.discard(cls)
 
     def count(self, cls: str) -> int:
         """Slots of a class held on this host right now (tests and tools)."""

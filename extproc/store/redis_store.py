@@ -336,6 +336,10 @@ class RedisStore:
         now_ms = t[0] * 1000 + t[1] // 1000
         return await self._call(self.client.zcount(self.keys(cls)[0], f"({now_ms}", "+inf"))
 
+    def forget(self, cls: str) -> None:
+        """Nothing to drop: nothing is kept per class in the process, and a class's keys in Redis go with its
+        last holder."""
+
     def on_release(self, callback: Callable[[str], None]) -> None:
         self._listeners.append(callback)
 

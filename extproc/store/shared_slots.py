@@ -97,7 +97,10 @@ class SharedSlots:
     def apply(self, policy: Policy) -> None:
         """Install a policy: as written while the store is shared, the replica's share while failing open."""
         self.policy = policy
+        before = set(self.core.limiters)
         self.core.apply(local_share(policy, self.instances) if self.state == LOCAL else policy)
+        for cls in before.difference(self.core.limiters):
+            self.store.forget(cls)
         # Waiters of a class the reload removed are refused, as its local queue is (they would run later under
         # no class), and so are those it revoked under keys only (anonymous, or a removed tenant's); the others
         # ask with the new cap at their next attempt (_serve_queue refreshes the claim).

@@ -127,6 +127,32 @@ async def test_classes_renamed_over_a_long_life_reuse_the_rows_of_classes_nobody
     assert a.count("kept") == 0
 
 
+def test_a_class_a_reload_removed_leaves_no_row_cached_behind(tmp_path):
+    # HostStore._rows cached (row, name) for every class name ever seen, for the worker's life: each class that
+    # reloads removed kept its entry (SharedSlots.apply drops its own per-class entries since 2a61c78). A class
+    # still held when removed keeps its row until this worker's last slot of it is given back.
+    async def scenario() -> None:
+        host_store.create(tmp_path, 1)
+        store = HostStore(tmp_path, 0, 1)
+        classes = {name: {"max_concurrency": 2, "max_queue": 10} for name in ("interactive", "batch", "bulk")}
+        policy = make_policy(classes=classes, tenants=[], store={"kind": "memory"})
+        slots = SharedSlots(AdmissionController(policy), store)
+        await slots.start()
+        assert await store.acquire(claim("w0:1", cls="batch"))  # still running when the reload removes it
+        assert await store.acquire(claim("w0:2", cls="bulk"))
+        await store.release([("bulk", "w0:2")])
+        assert await store.acquire(claim("w0:3", cls="interactive"))
+        slots.apply(make_policy(classes={"interactive": classes["interactive"]}, tenants=[], store={"kind": "memory"}))
+        assert set(store._rows) == {"interactive", "batch"}
+        await store.release([("batch", "w0:1")])
+        assert set(store._rows) == {"interactive"}
+        await store.release([("interactive", "w0:3")])
+        assert set(store._rows) == {"interactive"}  # configured: kept
+        await slots.close()
+
+    run_virtual(scenario())
+
+
 def test_a_worker_that_dies_gives_its_slots_back_before_the_others_drain(tmp_path, monkeypatch):
     """The supervisor stops the other workers when one dies, but they drain first (--drain-s, then --grace-s),
     still admitting: the dead worker's slots used to stay counted in the table all that while (a class it held

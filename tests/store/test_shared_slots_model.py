@@ -208,6 +208,9 @@ class FakeStore:
     def on_release(self, callback) -> None:
         self._listeners.append(callback)
 
+    def forget(self, cls: str) -> None:
+        pass
+
     async def start(self) -> None:
         pass
 
