@@ -28,7 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, ProcessCollector
 from ..policy.admission import AdmissionController
 from ..policy.changes import policy_changes
 from ..policy.sustained import SustainedLoad
-from ..policy.schema import (Policy, PolicyError, load_policy_bytes, load_policy_file, policy_warnings,
+from ..policy.schema import (Policy, PolicyError, load_policy_bytes, policy_warnings,
                              read_policy_bytes)
 from ..store import host_store, open_store
 from ..store.shared_slots import SharedSlots
@@ -99,9 +99,10 @@ class Server:
     """Owns the core, the servicer and the endpoints; reloads the policy on SIGHUP or file change."""
 
     def __init__(self, policy_path: str, policy: Policy, args: argparse.Namespace,
-                 loaded_version: FileVersion | None = None):
+                 loaded_version: FileVersion | None = None, digest: bytes | None = None):
         """`loaded_version`: the file's version (file_version) read before `policy` was loaded from it (default:
-        now)."""
+        now). `digest`: that of the bytes `policy` was parsed from (read_policy), so that a reload of the same
+        bytes is not a parse (default: none, the first reload parses)."""
         self.policy_path = policy_path
         self.args = args
         self.telemetry = Telemetry(log_accept_sample=args.log_accept_sample, log_per_s=args.log_decisions_per_s)
@@ -131,7 +132,8 @@ class Server:
         self._watched_at = 0.0
         self._reloading = asyncio.Lock()
         self._reload_waiting = False  # a reload asked for has not read the file yet (start_reload)
-        self._parsed: tuple[bytes, Policy] | None = None  # the digest of the file a reload applied last, its policy
+        # The digest of the file applied last (at start, or by a reload) and its policy.
+        self._parsed: tuple[bytes, Policy] | None = None if digest is None else (digest, policy)
         self._reload_tasks: set[asyncio.Task] = set()
         self._scrape_s = float("inf")  # how long the last /metrics text took to write (SCRAPE_ON_LOOP_S)
         self.status = STARTING
@@ -409,14 +411,15 @@ def _count(counter) -> int:
 PARSE_APART_BYTES = 32 << 10
 
 
-def read_policy(path: str, parsed: tuple[bytes, Policy] | None) -> tuple[bytes, Policy]:
+def read_policy(path: str, parsed: tuple[bytes, Policy] | None, apart: bool = True) -> tuple[bytes, Policy]:
     """A reload's read, in a thread: the digest of the file's bytes and the policy they hold, `parsed`'s own when
-    they are its bytes (the file the last reload applied, unchanged: a SIGHUP sent to be sure)."""
+    they are its bytes (the file applied last, unchanged: a SIGHUP sent to be sure). `apart`: a big file is
+    parsed in a child process (parse_apart); `serve`'s start, with no event loop to keep running, parses here."""
     raw = read_policy_bytes(path)
     digest = hashlib.sha256(raw).digest()
     if parsed is not None and parsed[0] == digest:
         return parsed
-    if len(raw) < PARSE_APART_BYTES:
+    if not apart or len(raw) < PARSE_APART_BYTES:
         return digest, load_policy_bytes(path, raw)
     return digest, parse_apart(path, raw)
 
@@ -473,7 +476,7 @@ def run(args: argparse.Namespace) -> int:
                         stream=sys.stderr)
     loaded_version = file_version(args.policy)  # before the load: a file edited during it is reloaded once serving
     try:
-        policy = load_policy_file(args.policy)
+        digest, policy = read_policy(args.policy, None, apart=False)
     except PolicyError as e:
         print(f"extproc: refusing to start, {args.policy} is invalid:", file=sys.stderr)
         for line in e.errors:
@@ -483,7 +486,7 @@ def run(args: argparse.Namespace) -> int:
         return supervise(args, policy.store.kind == "memory")
     if args.worker_index is not None:
         _die_with_the_supervisor()
-    server = Server(args.policy, policy, args, loaded_version)
+    server = Server(args.policy, policy, args, loaded_version, digest)
     try:
         if args.no_uvloop:
             asyncio.run(server.run())

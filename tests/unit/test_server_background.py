@@ -173,6 +173,17 @@ def test_an_ipv6_metrics_address_in_brackets_is_listened_on_and_passed_on_to_the
     assert argv[argv.index("--grpc") + 1] == "[::1]:50052" and argv[argv.index("--metrics") + 1] == "[::1]:1"
 
 
+def serve_main(monkeypatch, path, parse, run) -> None:
+    """`extproc serve --policy path` (main.run) with its parse (load_policy_bytes) and Server.run replaced."""
+    from extproc.server import main
+
+    monkeypatch.setattr(main, "load_policy_bytes", parse)
+    monkeypatch.setattr(Server, "run", run)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert main.run(parser.parse_args(["--policy", str(path), "--no-uvloop"])) == 0
+
+
 def test_a_policy_file_edited_while_serve_loads_it_is_reloaded_once_it_serves(tmp_path, monkeypatch):
     """SIGHUP is ignored while `extproc serve` starts, on the promise that a file changed meanwhile is reloaded
     once it serves. The file's time was read after the load, when the server was built: an edit that landed
@@ -182,11 +193,11 @@ def test_a_policy_file_edited_while_serve_loads_it_is_reloaded_once_it_serves(tm
     path = tmp_path / "policy.yaml"
     path.write_text(GOOD)
     os.utime(path, (1, 1))
-    real_load = main.load_policy_file
+    real_load = main.load_policy_bytes
     edits = []
 
-    def load_then_edit(p: str):
-        policy = real_load(p)
+    def load_then_edit(p: str, raw: bytes):
+        policy = real_load(p, raw)
         if not edits:  # the operator's edit lands while the first load runs
             edits.append(1)
             path.write_text(GOOD.replace("max_concurrency: 1", "max_concurrency: 2"))
@@ -199,12 +210,34 @@ def test_a_policy_file_edited_while_serve_loads_it_is_reloaded_once_it_serves(tm
         served.append(self.core.policy.classes["interactive"].max_concurrency)
 
     served = []
-    monkeypatch.setattr(main, "load_policy_file", load_then_edit)
-    monkeypatch.setattr(Server, "run", serve_one_round)
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    assert main.run(parser.parse_args(["--policy", str(path), "--no-uvloop"])) == 0
+    serve_main(monkeypatch, path, load_then_edit, serve_one_round)
     assert served == [2]
+
+
+def test_a_sighup_right_after_start_for_the_file_serve_loaded_does_not_parse_it_again(tmp_path, monkeypatch):
+    """A reload remembers the digest of the file it applied (Server._parsed): the same bytes again are not
+    parsed. The file `serve` loaded at start was not remembered, so the first SIGHUP after start (a config
+    manager's "to be sure") parsed it again: a 2,000-tenant file holds the GIL 0.65-1.3 s."""
+    from extproc.server import main
+
+    path = tmp_path / "policy.yaml"
+    path.write_text(GOOD)
+    parses = []
+    real_parse = main.load_policy_bytes
+
+    def counted(p: str, raw: bytes):
+        parses.append(p)
+        return real_parse(p, raw)
+
+    async def reload_once(self: Server) -> None:  # Server.run, down to one SIGHUP
+        at_start = len(parses)
+        self.start_reload()
+        await asyncio.gather(*self._reload_tasks)
+        reloaded.append(len(parses) - at_start)
+
+    reloaded = []
+    serve_main(monkeypatch, path, counted, reload_once)
+    assert reloaded == [0]
 
 
 def test_a_policy_file_replaced_with_the_same_modification_time_is_still_reloaded(tmp_path):
