@@ -167,6 +167,7 @@ class Server:
             parsed = await asyncio.to_thread(read_policy, self.policy_path, self._parsed)
             if parsed is self._parsed:  # the file applied last, byte for byte: its policy is in force
                 self._in_force(parsed[1])  # said again while it is due
+                self._reconfigure()  # what a SIGHUP is documented to restart: a stopped scraper, the cluster check
             else:
                 self._apply(parsed[1])
         except PolicyError as e:
@@ -202,9 +203,15 @@ class Server:
             self.shared.apply(policy)
         else:
             self.core.apply(policy)
+        self._reconfigure()
+
+    def _reconfigure(self) -> None:
+        """The saturation scrapers and Envoy's cluster check, for the policy in force: a reload restarts a scraper
+        that had stopped and names a missing cluster again, also for a file unchanged since the last one."""
         # Held like the reload tasks: the loop keeps only a weak reference to a task, so one nobody holds may be
         # collected before it has reconfigured the scrapers.
-        for configure in (self.scrapers.configure(policy.pools), self.clusters.configure(self.core.policy)):
+        policy = self.core.policy
+        for configure in (self.scrapers.configure(policy.pools), self.clusters.configure(policy)):
             task = asyncio.get_running_loop().create_task(configure)
             self._reload_tasks.add(task)
             task.add_done_callback(self._reload_tasks.discard)

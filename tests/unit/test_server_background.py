@@ -424,3 +424,31 @@ def test_a_big_policy_file_is_parsed_in_a_child_process_to_the_same_policy_and_e
     assert asyncio.run(reload())
     assert server.core.policy.classes["interactive"].max_concurrency == 4
     assert "in a child process failed" in caplog.text
+
+
+def test_a_sighup_for_an_unchanged_file_still_restarts_what_a_reload_restarts(tmp_path, monkeypatch):
+    """docs/troubleshooting.md: a saturation scraper that stopped is restarted by a reload (SIGHUP), and a reload
+    names a missing cluster again. A file byte for byte the one applied last is not parsed nor applied again, but
+    the scrapers and the cluster check are still reconfigured for the policy in force."""
+    server = serve(tmp_path)
+    configured = []
+
+    async def scrapers(pools):
+        configured.append(("scrapers", pools))
+
+    async def clusters(policy):
+        configured.append(("clusters", policy))
+
+    monkeypatch.setattr(server.scrapers, "configure", scrapers)
+    monkeypatch.setattr(server.clusters, "configure", clusters)
+
+    async def two_sighups() -> None:
+        for _ in range(2):  # the first parses and applies; the second finds the same bytes
+            server.start_reload()
+            while server._reload_tasks:
+                await asyncio.gather(*server._reload_tasks)
+
+    asyncio.run(two_sighups())
+    policy = server.core.policy
+    assert configured == [("scrapers", policy.pools), ("clusters", policy)] * 2
+    assert reloads(server, "applied") == 2
