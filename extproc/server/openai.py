@@ -639,7 +639,8 @@ def _excerpt(value: Any) -> str:
 
 
 def _show(value: Any) -> str:
-    return orjson.dumps(value).decode()[:40] if isinstance(value, (str, int, float, bool)) else type(value).__name__
+    """A scalar as _excerpt shows it; a container by its type's name."""
+    return _excerpt(value) if isinstance(value, (str, int, float, bool)) else type(value).__name__
 
 
 def _whole(value: Any) -> Any:
