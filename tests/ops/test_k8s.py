@@ -519,6 +519,17 @@ def test_envoy_patch_policy_names_the_resources_envoy_gateway_generates_for_ours
         assert svc_ns == ns and gateway.get("Service", svc)["spec"]["clusterIP"] == "None"
 
 
+def test_envoy_gateway_strips_every_header_of_ours_a_client_sends_as_envoy_yaml_does(gateway):
+    """The Gateway's early header mutation is envoy.yaml's: every x-extproc-* and x-ratelimit-* by prefix. A
+    fixed list of names let a client's x-extproc-reason through, and would let any header of ours added later."""
+    ops = gateway.get("EnvoyPatchPolicy", "extproc-admission")["spec"]["jsonPatches"]
+    (early,) = [p["operation"]["value"] for p in ops
+                if p["operation"]["path"] == "/early_header_mutation_extensions"]
+    hcm = envoyconf.load_source()["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"]
+    assert early == hcm["early_header_mutation_extensions"]
+
+
 def test_envoy_patch_policy_values_pass_envoy_validate(gateway, tmp_path):
     """The Envoy config the patches add, assembled into one bootstrap: clusters as they are, the ext_proc filter and
     connection manager as envoy.yaml has them with the patched fields replaced by the patch values."""
