@@ -9,6 +9,7 @@ import subprocess
 import sys
 from typing import Literal
 
+import pytest
 import yaml
 
 from extproc.policy.limits import Outcome
@@ -330,3 +331,95 @@ def test_files_the_docs_commands_and_code_name_exist():
     missing = [(page, ref) for page, ref in refs
                if not (ROOT / ref).exists() and not re.search(r"[A-Z]{3,}|/mine/", ref)]
     assert not missing, missing
+
+
+# Policy YAML the docs show: fenced ```yaml blocks whose top-level keys include a policy key (Envoy, Kubernetes
+# and workload blocks have none), and inline `key.path: value` / `key: {flow}` whose first key is a policy key.
+# A snippet is part of a policy: it is merged into policies/default.yaml and the result must load.
+def policy_snippets(pages: list[tuple[str, str]]) -> list[tuple[str, str, dict]]:
+    from extproc.policy.schema import Policy
+
+    top = {f.name for f in dataclasses.fields(Policy)}
+    out = []
+    for name, text in pages:
+        for block in re.findall(r"```ya?ml\n(.*?)```", text, re.S):
+            data = yaml.safe_load(block)
+            if isinstance(data, dict) and set(data) & top:
+                out.append((name, block, data))
+        for code in re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S)):
+            m = re.fullmatch(r"([a-z_]+(?:\.[a-z_]+)*):\s+(\S.*)", code)
+            if m and m.group(1).split(".")[0] in top:
+                data = yaml.safe_load(m.group(2))
+                for key in reversed(m.group(1).split(".")):
+                    data = {key: data}
+                out.append((name, code, data))
+    return out
+
+
+def load_policy_snippet(snippet: dict):
+    """The shipped default policy with `snippet` merged over it (mappings key by key, anything else replaced)."""
+    from extproc.policy.schema import load_policy
+
+    def merged(base, over):
+        if not (isinstance(base, dict) and isinstance(over, dict)):
+            return over
+        return {**base, **{k: merged(base.get(k), v) for k, v in over.items()}}
+
+    return load_policy(merged(yaml.safe_load((ROOT / "policies" / "default.yaml").read_text()), snippet))
+
+
+def doc_pages() -> list[tuple[str, str]]:
+    return [(page.name, page.read_text()) for page in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]]
+
+
+def test_policy_snippets_in_the_docs_validate():
+    """A platform engineer copies a doc's policy YAML into their own file: every snippet (a block, or inline
+    `store.on_failure: local`) must load with the real loader, which refuses an unknown key or a wrong value."""
+    from extproc.policy.schema import PolicyError
+
+    snippets = policy_snippets(doc_pages())
+    assert sum(isinstance(shown, str) and "\n" in shown for _, shown, _ in snippets) >= 3  # the scan finds blocks
+    assert len(snippets) > 20  # and inline ones (27 snippets in all today)
+    bad = []
+    for page, shown, data in snippets:
+        try:
+            load_policy_snippet(data)
+        except PolicyError as e:
+            bad.append((page, shown, str(e)))
+    assert not bad, bad
+    # The check can fail: an unknown key in a block, a wrong value inline.
+    wrong = [("x.md", "```yaml\nstore:\n  kind: redis\n  lease_sec: 5\n```\n"
+                      "`mode: enforced` and `fleet.requests_per_minute: 0`")]
+    found = policy_snippets(wrong)
+    assert len(found) == 3
+    for _, _, data in found:
+        with pytest.raises(PolicyError):
+            load_policy_snippet(data)
+
+
+def test_policy_keys_the_docs_name_exist():
+    """Docs name policy keys by path (`store.on_failure`, `classes.<name>.max_wait_ms`, `tenants[].max_class`), or
+    by the tail of one (`fairness.mode`, `limit.borrow_lower`): each must be a key path of the schema (as
+    docs/configuration.md lists them), a `<placeholder>` or a name standing for any name of a mapping."""
+    rows = [p.split(".") for p in re.findall(r"^\| `([^`]+)` \|", docsgen.render(), re.M)]
+    parents = {s for p in rows for s in p[:-1]} - {"<name>"}
+
+    def matches(schema: list[str], said: list[str]) -> bool:
+        return all(s == d or (s == "<name>" and re.fullmatch(r"<\w+>|[\w-]+", d)) for s, d in zip(schema, said))
+
+    def known(said: list[str]) -> bool:
+        return any(matches(p[i:i + len(said)], said) for p in rows for i in range(len(p) - len(said) + 1))
+
+    not_policy = {("demo.md", "pools.<name>.scheduling_policy")}  # a demo scenario's pool key, not the policy's
+    named, unknown = 0, []
+    for page, text in doc_pages():
+        for code in re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S)):
+            m = re.fullmatch(r"([a-z_]+(?:\[\])?(?:\.(?:<\w+>|[A-Za-z_][\w-]*)(?:\[\])?)+)(?::\s.*)?", code)
+            # A path starts at a key with keys under it (`cluster.x.y` is an Envoy stat); files are not paths.
+            if not m or m.group(1).split(".")[0] not in parents or re.search(r"\.(py|ya?ml|md|json)$", m.group(1)):
+                continue
+            named += 1
+            if not known(m.group(1).split(".")) and (page, m.group(1)) not in not_policy:
+                unknown.append((page, m.group(1)))
+    assert named > 100  # the scan finds them (about 240 today, most in configuration.md)
+    assert not unknown, unknown
