@@ -278,7 +278,13 @@ class Server:
         await grpc_server.start()
         if self.shared is not None:
             await self.shared.start()
-        runner = await self._start_http()
+        try:
+            runner = await self._start_http()
+        except SystemExit:
+            # Stopped on this loop: left to the garbage collector, grpc's server schedules its shutdown on the
+            # closed loop and prints a traceback under the one-line error.
+            await grpc_server.stop(grace=None)
+            raise
         for service in HEALTH_SERVICES:
             await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
         self.status = SERVING

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import signal
+import sys
 
 from extproc.tools.sim.fleet import SimFleet
 from extproc.tools.sim.profile import shipped_profile_names
@@ -50,9 +52,17 @@ async def _serve(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.no_uvloop:
-        asyncio.run(_serve(args))
-        return 0
-    import uvloop
-    uvloop.run(_serve(args))
+    try:
+        if args.no_uvloop:
+            asyncio.run(_serve(args))
+        else:
+            import uvloop
+            uvloop.run(_serve(args))
+    except OSError as e:
+        if e.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
+            raise
+        last = args.port + args.replicas - 1
+        ports = f"{args.port}-{last}" if args.port and last > args.port else str(args.port)
+        print(f"extproc sim: cannot listen on {args.host} port {ports} ({e.strerror or e})", file=sys.stderr)
+        return 1
     return 0
