@@ -3,6 +3,8 @@ every mode through `--what-if`, and the what-if ranking the modes as the recorde
 
 import argparse
 import math
+import re
+from pathlib import Path
 
 import pytest
 
@@ -197,3 +199,31 @@ def test_without_the_ext_proc_a_model_the_first_pool_does_not_serve_is_answered_
         assert lite and {r.status for r in lite} == {404}, key
         assert {r.status for r in records if r.kind == "interactive"} == {200}, key
     assert admitter.controller.outstanding == 0  # b: each 404 came back through the filter
+
+
+def _readme_spike_rows() -> dict[str, list[float]]:
+    """The README's spike table ("Spike phase, `extproc demo --what-if`"): mode key -> the numbers of its row."""
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    table = text[text.index("| mode | interactive p99 (worst 10 s window) |"):].split("\n\n", 1)[0]
+    rows = {}
+    for line in table.splitlines()[2:]:
+        key = line.split("|")[1].strip()[0]
+        rows[key] = [float(n.replace(",", "")) for n in re.findall(r"[\d,]*\d(?:\.\d+)?", line.split(":", 1)[1])]
+    return rows
+
+
+def test_the_readme_spike_table_is_what_the_what_if_prints(spike_what_if):
+    """The README's numbers are today's tree's (a docs audit found mode b's row a model change behind): rerun
+    `extproc demo --what-if` and copy its spike rows when this fails."""
+    rows = _readme_spike_rows()
+    assert set(rows) == set(MODES)
+    for key, numbers in rows.items():
+        s = spike_what_if[key]["spike"]
+        tokens = f"{s.useful_tokens_per_s:,.0f}".replace(",", "")
+        if key == "a":  # 60 s (31% timed out) | 0.37 req/s | – | 1,031
+            want = [round(s.p99), round(s.outcomes["interactive"]["timeout"]), round(s.goodput, 2), float(tokens)]
+        else:  # p99 (worst window) | goodput | [+ degraded] | tokens (x a)
+            ratio = s.useful_tokens_per_s / spike_what_if["a"]["spike"].useful_tokens_per_s
+            want = [round(s.p99, 2), round(s.p99_worst_window, 2), round(s.goodput, 2),
+                    *([round(s.goodput_degraded, 2)] if len(numbers) == 6 else []), float(tokens), round(ratio, 2)]
+        assert numbers == want, (key, numbers, want)
