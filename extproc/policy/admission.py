@@ -278,6 +278,7 @@ class AdmissionController:
                         facts.reads_usage)
         if facts.model != name:
             charge.alias = facts.model  # an alias or adapter: for the decision log, never a metric label
+        charge.streams = facts.stream and facts.cannable  # cannable: the chat and completions shapes
         cannable = facts.cannable and facts.sequences <= CANNED_MAX_CHOICES
         if not (facts.generates and cannable):
             charge.fallbacks = ("reject", *(("degrade",) if facts.generates else ()),

@@ -50,7 +50,7 @@ class Charge:
     """What one request is estimated to cost, and whom it is charged to; settled once when it ends."""
 
     __slots__ = ("model", "estimate", "tenant", "session", "request_id", "tokens", "fallbacks", "prepaid",
-                 "reads_usage", "alias", "session_gpu_s", "queued_gpu_s")
+                 "reads_usage", "alias", "session_gpu_s", "queued_gpu_s", "streams")
 
     def __init__(self, model: str, estimate: CostEstimate, tenant: TenantLimits | None, session: Session | None,
                  request_id: str = "", reads_usage: bool = True):
@@ -64,6 +64,9 @@ class Charge:
         self.reads_usage = reads_usage
         self.tokens = self.tokens_for(estimate)
         self.fallbacks = ("reject", "degrade", "canned")  # the fallback actions this request's endpoint allows
+        # A chat or completions stream: the only request a degrade's `stream: false` changes (a Responses API
+        # stream keeps streaming, server/openai.degrade_body). True unless the request says otherwise.
+        self.streams = True
         # Taken from the tenant's and the session's per-minute buckets when it was queued: a queue must not hold
         # more of a tenant's requests than its rate allows (given back if it is never admitted).
         self.prepaid = False

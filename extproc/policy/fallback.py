@@ -42,8 +42,7 @@ class Fallbacks:
             # degrades to it), or one already within the fallback's max_tokens (scenarios/code-completion.yaml:
             # a quarter of the requests asked for the 16 tokens its degrade clamps to).
             allowed = False
-            why += (" (its degrade fallback is the model it asked for)" if fb.max_tokens is None else
-                    f" (its degrade fallback would not change it: it asked for no more than {fb.max_tokens} tokens)")
+            why += f" (its degrade fallback {self._unchanged(fb)})"
         if fb.action == "degrade" and allowed and not self._fits_context(fb.model, charge):
             # vLLM answers a prompt its context cannot hold with a 400: a retry later on the requested model is
             # the answer that can still succeed.
@@ -80,10 +79,10 @@ class Fallbacks:
 
     @staticmethod
     def _changes(fb, charge: Charge | None) -> bool:
-        """Whether a degrade on the request's own model changes the request: a `stream` setting (whether the
-        request streams is not known here: taken as a change), or a `max_tokens` below the request's own cap
-        (no cap of its own, or an unknown one: a change)."""
-        if fb.stream is not None:
+        """Whether a degrade on the request's own model changes the request: `stream: false` on a chat or
+        completions stream (an unknown request: a change), or a `max_tokens` below the request's own cap (no cap
+        of its own, or an unknown one: a change)."""
+        if fb.stream is False and (charge is None or charge.streams):
             return True
         if fb.max_tokens is None:
             return False
@@ -92,6 +91,14 @@ class Fallbacks:
         est = charge.estimate
         cap = est.most_output // max(est.sequences, 1) if est.most_output else 0
         return not cap or cap > fb.max_tokens
+
+    @staticmethod
+    def _unchanged(fb) -> str:
+        """Why a degrade on the request's own model leaves it as it is (the refusal's message)."""
+        kept = [f"it asked for no more than {fb.max_tokens} tokens"] if fb.max_tokens is not None else []
+        if fb.stream is False:
+            kept.append("it is not a chat or completions stream")
+        return f"would not change it: {' and '.join(kept)}" if kept else "is the model it asked for"
 
     def _fits_context(self, model: str | None, charge: Charge | None) -> bool:
         """Whether the request's prompt (estimated, each prompt of a list on its own) fits `model`'s context."""

@@ -109,8 +109,11 @@ class FallbackSpec:
     stream: bool | None = doc("degrade: `false` asks the replica for one answer instead of a stream (chat and "
                               "completions; a Responses API stream keeps streaming). A client that asked to stream "
                               "still reads a stream: the whole answer as one chunk per choice (and the usage chunk "
-                              "if it asked), once the answer is complete. A policy that sets it has the ext_proc "
-                              "read every response's headers (one more message per request).", None)
+                              "if it asked), once the answer is complete. On the request's own model, a request "
+                              "it would not change (one that does not stream, or a Responses API stream) is not "
+                              "degraded: it gets the refusal instead (unless the fallback's `max_tokens` clamps "
+                              "it). A policy that sets it has the ext_proc read every response's headers (one "
+                              "more message per request).", None)
     max_concurrency: int | None = doc("degrade: degraded requests of this class in flight at once (their own "
                                       "slots; beyond it they are rejected). Default: the class's cap.", None,
                                       minimum=1)

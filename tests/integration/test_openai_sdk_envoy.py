@@ -21,16 +21,19 @@ HI = [{"role": "user", "content": "hi"}]
 
 def sdk_policy(tmp_path):
     """interactive: 1 slot, overflow degraded to the 8B without streaming; batch: 1 slot, no queue (429 at once);
-    internal: room for the break-off test."""
+    internal: room for the break-off test; editor: 1 slot, overflow degraded on its own model by streaming off."""
     classes = {
         "interactive": {"max_concurrency": 1, "max_queue": 0, "max_wait_ms": 0, "on_overflow": "fallback",
                         "fallback": {"action": "degrade", "model": "llama-8b", "stream": False}},
         "batch": {"max_concurrency": 1, "max_queue": 0, "max_wait_ms": 0},
-        "internal": {"max_concurrency": 8, "max_queue": 30, "max_wait_ms": 5000}}
+        "internal": {"max_concurrency": 8, "max_queue": 30, "max_wait_ms": 5000},
+        "editor": {"max_concurrency": 1, "max_queue": 0, "max_wait_ms": 0, "on_overflow": "fallback",
+                   "fallback": {"action": "degrade", "stream": False}}}
     tenants = [{"name": "chat", "api_keys": ["sk-chat"], "max_class": "interactive", "default_class": "interactive"},
                {"name": "acme", "api_keys": ["sk-acme"], "max_class": "batch", "default_class": "batch",
                 "requests_per_minute": 600},
-               {"name": "ops", "api_keys": ["sk-ops"], "max_class": "internal", "default_class": "internal"}]
+               {"name": "ops", "api_keys": ["sk-ops"], "max_class": "internal", "default_class": "internal"},
+               {"name": "ide", "api_keys": ["sk-ide"], "max_class": "editor", "default_class": "editor"}]
     return policy_file(tmp_path, classes=classes, tenants=tenants, shed={}, anonymous={"allow": False})
 
 
@@ -134,6 +137,28 @@ async def test_a_degraded_stream_is_one_answer_the_sdk_parses_with_its_model_and
         assert [ch.model for ch in chunks] == ["llama-8b"] * 2  # the model that answered, as OpenAI reports it
         assert chunks[0].choices[0].delta.content and chunks[0].choices[0].finish_reason in ("stop", "length")
         assert chunks[1].choices == [] and chunks[1].usage.total_tokens > 0
+        await release(holder)
+
+
+async def test_a_stream_off_degrade_refuses_what_it_would_not_change_instead_of_serving_it_on_the_full_pool(
+        sdk_stack):
+    # A non-streamed request, or a Responses API stream (which keeps streaming), under `fallback: {action: degrade,
+    # stream: false}` was sent unchanged to the pool that had just had no room, answered 200 with
+    # `x-extproc-decision: degrade` and `x-extproc-degraded: none`.
+    s, big = sdk_stack
+    async with aiohttp.ClientSession() as http:
+        holder = await hold_slot(http, s, big, "sk-ide", "editor")
+        ide = client(s, "sk-ide", max_retries=0)
+        for call in (lambda: ide.chat.completions.create(model="llama-70b", messages=HI, max_tokens=4),
+                     lambda: ide.completions.create(model="llama-70b", prompt="hi", max_tokens=4),
+                     lambda: ide.responses.create(model="llama-70b", input="hi", max_output_tokens=4, stream=True)):
+            with pytest.raises(openai.RateLimitError) as limited:
+                await call()
+            e = limited.value
+            assert (e.code, e.response.headers["x-extproc-decision"]) == ("queue_full", "reject")
+            assert "would not change it: it is not a chat or completions stream" in e.message
+            assert int(e.response.headers["retry-after"]) >= 1
+        assert (await healthz(http, s.metrics_url))["classes"]["editor"]["inflight"] == 1  # the holder alone
         await release(holder)
 
 

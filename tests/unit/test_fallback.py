@@ -455,6 +455,23 @@ def test_a_clamp_that_leaves_the_request_as_it_is_is_not_a_degrade(clock):
     assert core.decide(RequestFacts(header_class="interactive", model="llama")).kind == DEGRADE
 
 
+def test_a_stream_degrade_leaves_a_request_that_does_not_stream_as_it_is_and_is_not_a_degrade(clock):
+    # `fallback: {action: degrade, stream: false}` on the requests' own pool: a request that does not stream (or a
+    # Responses API stream, which keeps streaming) went unchanged to the pool that had just had no room, counted as
+    # degraded and answered with `x-extproc-degraded: none`.
+    core = AdmissionController(policy({"action": "degrade", "stream": False}, max_concurrency=1, max_queue=0,
+                                      on_overflow="fallback"), clock=clock)
+    assert core.decide(req()).kind == ACCEPT
+    for facts in (RequestFacts(header_class="interactive", model="llama"),
+                  RequestFacts(header_class="interactive", model="llama", stream=True, cannable=False)):
+        d = core.decide(facts)
+        assert (d.kind, d.status, d.reason) == (REJECT, 429, "queue_full")
+        assert "would not change it" in d.message and core.degraded["interactive"].inflight == 0
+    # A chat or completions stream is answered in one piece: a degrade.
+    d = core.decide(RequestFacts(header_class="interactive", model="llama", stream=True))
+    assert (d.kind, d.cluster) == (DEGRADE, "pool_a")
+
+
 def test_a_queued_request_revoked_then_degraded_pays_for_its_clamped_output_once(clock):
     # A queued request prepaid its tokens; granted, its admission waited for the shared store and was revoked
     # (no global slot within its wait), then degraded by its class's fallback. The revoke refunded all it had

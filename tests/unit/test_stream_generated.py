@@ -431,9 +431,10 @@ class Server:
     def __init__(self, learn_sample: float, degrades: bool = False) -> None:
         tenants = [{"name": "acme", "api_keys": [KEY], "tokens_per_minute": 10**9, "max_class": "interactive"}]
         caps = {"max_concurrency": 1000, "max_queue": 0, "max_wait_ms": 0}
-        if degrades:  # one request holds the class's one slot: every other is degraded, its streaming turned off
+        if degrades:  # one request holds the class's one slot: every other is degraded (each asks for 5000 tokens,
+            # so each is clamped, a change whether it streams or not), its streaming turned off
             caps |= {"max_concurrency": 1, "on_overflow": "fallback",
-                     "fallback": {"action": "degrade", "max_tokens": 5000, "stream": False}}
+                     "fallback": {"action": "degrade", "max_tokens": 4999, "stream": False}}
         self.learns = learn_sample == 1.0
         self.core = AdmissionController(make_policy(classes={"interactive": caps}, tenants=tenants,
                                                     learn_sample=learn_sample), clock=FakeClock())
