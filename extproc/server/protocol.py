@@ -200,7 +200,7 @@ def bad_request(e: BadRequest, d: Decision) -> pb.ProcessingResponse:
 def canned(d: Decision, body: RequestBody) -> pb.ProcessingResponse:
     """A `canned` fallback: the policy's own answer in the endpoint's shape, or its error status."""
     headers = [("x-extproc-class", d.cls), ("x-extproc-decision", d.kind),
-               ("x-extproc-degraded", f"canned; reason={d.reason}")]
+               ("x-extproc-degraded", f"canned; reason={d.reason}"), *d.headers]  # x-ratelimit-*, as on every answer
     if d.retry_after:
         headers.append(("retry-after", str(d.retry_after)))
     if d.status >= 300:

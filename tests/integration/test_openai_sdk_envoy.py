@@ -21,19 +21,24 @@ HI = [{"role": "user", "content": "hi"}]
 
 def sdk_policy(tmp_path):
     """interactive: 1 slot, overflow degraded to the 8B without streaming; batch: 1 slot, no queue (429 at once);
-    internal: room for the break-off test; editor: 1 slot, overflow degraded on its own model by streaming off."""
+    internal: room for the break-off test; editor: 1 slot, overflow degraded on its own model by streaming off;
+    kiosk: 1 slot, overflow answered with the canned message."""
     classes = {
         "interactive": {"max_concurrency": 1, "max_queue": 0, "max_wait_ms": 0, "on_overflow": "fallback",
                         "fallback": {"action": "degrade", "model": "llama-8b", "stream": False}},
         "batch": {"max_concurrency": 1, "max_queue": 0, "max_wait_ms": 0},
         "internal": {"max_concurrency": 8, "max_queue": 30, "max_wait_ms": 5000},
         "editor": {"max_concurrency": 1, "max_queue": 0, "max_wait_ms": 0, "on_overflow": "fallback",
-                   "fallback": {"action": "degrade", "stream": False}}}
+                   "fallback": {"action": "degrade", "stream": False}},
+        "kiosk": {"max_concurrency": 1, "max_queue": 0, "max_wait_ms": 0, "on_overflow": "fallback",
+                  "fallback": {"action": "canned", "message": "Busy, back soon."}}}
     tenants = [{"name": "chat", "api_keys": ["sk-chat"], "max_class": "interactive", "default_class": "interactive"},
                {"name": "acme", "api_keys": ["sk-acme"], "max_class": "batch", "default_class": "batch",
                 "requests_per_minute": 600},
                {"name": "ops", "api_keys": ["sk-ops"], "max_class": "internal", "default_class": "internal"},
-               {"name": "ide", "api_keys": ["sk-ide"], "max_class": "editor", "default_class": "editor"}]
+               {"name": "ide", "api_keys": ["sk-ide"], "max_class": "editor", "default_class": "editor"},
+               {"name": "kiosk", "api_keys": ["sk-kiosk"], "max_class": "kiosk", "default_class": "kiosk",
+                "requests_per_minute": 600}]
     return policy_file(tmp_path, classes=classes, tenants=tenants, shed={}, anonymous={"allow": False})
 
 
@@ -159,6 +164,27 @@ async def test_a_stream_off_degrade_refuses_what_it_would_not_change_instead_of_
             assert "would not change it: it is not a chat or completions stream" in e.message
             assert int(e.response.headers["retry-after"]) >= 1
         assert (await healthz(http, s.metrics_url))["classes"]["editor"]["inflight"] == 1  # the holder alone
+        await release(holder)
+
+
+async def test_a_canned_answer_reads_as_an_answer_and_says_where_the_tenants_rate_limit_stands(sdk_stack):
+    s, big = sdk_stack
+    async with aiohttp.ClientSession() as http:
+        holder = await hold_slot(http, s, big, "sk-kiosk", "kiosk")
+        kiosk = client(s, "sk-kiosk", max_retries=0)
+        plain = await kiosk.chat.completions.with_raw_response.create(model="llama-70b", messages=HI, max_tokens=8)
+        answer = plain.parse()
+        assert (answer.choices[0].message.content, answer.choices[0].finish_reason) == ("Busy, back soon.", "stop")
+        assert answer.model == "llama-70b" and answer.usage.total_tokens == 0  # no model answered
+        streamed = await kiosk.chat.completions.with_raw_response.create(
+            model="llama-70b", messages=HI, max_tokens=8, stream=True, stream_options={"include_usage": True})
+        chunks = [ch async for ch in streamed.parse()]
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == "Busy, back soon."
+        assert chunks[-1].usage.total_tokens == 0
+        for h in (plain.headers, streamed.headers):
+            assert (h["x-extproc-decision"], h["x-extproc-degraded"]) == ("degrade", "canned; reason=queue_full")
+            # As on every other answer to a tenant with a rate limit: a client pacing itself by them reads them.
+            assert h["x-ratelimit-limit-requests"] == "600" and 0 <= int(h["x-ratelimit-remaining-requests"]) <= 600
         await release(holder)
 
 
