@@ -184,6 +184,17 @@ answer with a 4xx/5xx status counts as refused instead)."""),
 `fallback.max_concurrency` (default: the class's own cap), or the fallback pool has a pool-wide limit and no room
 under it (the message names the pool). The fallback pool is protected like any other: raise that cap only if the
 small model's replicas have room (watch `extproc_degraded_inflight`), or add replicas there."""),
+    Reason("degraded_answer_too_large", "Breakers and degrade", 0, NO_RETRY,
+           "The degraded answer is larger than the {limit} bytes the gateway turns back into the stream this "
+           "request asked for; ask again without `stream`, or for less output (fewer tokens, `top_logprobs` or `n`).",
+           """\
+Not a refusal: the last event of an admitted stream (HTTP 200). A degrade with `fallback.stream: false` asks the
+replica for one answer and sends it on as the stream the client asked for; an answer over the ext_proc's
+`--max-body-bytes` (Envoy's buffer, 4 MiB by default: about 3,500 tokens with `top_logprobs: 20`), or compressed,
+cannot be, so the stream ends with `data: {"error": {..., "code": "degraded_answer_too_large"}}` and `[DONE]`, which
+the openai SDK raises as `APIError` (a JSON body sent on instead reads as an empty stream, without an error). The
+replica's answer is lost: if it happens often, leave `stream` out of the fallback for classes that ask for long
+answers with logprobs."""),
     Reason("tenant_requests_per_minute", "Budgets and rate limits (429, 413)", 429, BUCKET,
            "tenant {tenant!r} is over its requests per minute limit",
            """\
@@ -396,6 +407,7 @@ R_BODIES_PENDING = "bodies_pending"
 R_LATENCY_BREAKER = "latency_breaker_open"
 R_ERROR_BREAKER = "error_breaker_open"
 R_DEGRADED_FULL = "degraded_capacity_full"
+R_DEGRADED_TOO_LARGE = "degraded_answer_too_large"
 R_TENANT_REQUESTS = "tenant_requests_per_minute"
 R_TENANT_TOKENS = "tenant_tokens_per_minute"
 R_SESSION_INFLIGHT = "session_inflight_budget"

@@ -814,6 +814,12 @@ def sse_from_answer(kind: str, raw: bytes, include_usage: bool) -> bytes | None:
     return b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
 
 
+def sse_error(message: str, code: str) -> bytes:
+    """An event stream that ends with an error, as vLLM ends a stream that failed: the openai SDK raises it."""
+    return b"data: " + orjson.dumps({"error": {"message": message, "type": error_type(500), "param": None,
+                                               "code": code}}) + b"\n\ndata: [DONE]\n\n"
+
+
 def _chunk_choice(choice: dict, i: int, chat: bool) -> dict:
     """A non-streamed choice as the one stream chunk that carries all of it."""
     out = {"index": choice.get("index", i), "logprobs": choice.get("logprobs"),

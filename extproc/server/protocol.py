@@ -234,6 +234,21 @@ def forward(d: Decision, queue_wait_ms: int | None, note: tuple[str, str] | None
     return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
 
 
+def answer_as_stream(content_type: str) -> pb.ProcessingResponse:
+    """The response headers of an answer the ext_proc reads as it comes and sends on as an event stream: its
+    Content-Type, without the answer's own length or encoding, and each body chunk sent to us (STREAMED)."""
+    mutation = pb.HeaderMutation(set_headers=[header("content-type", content_type)],
+                                 remove_headers=["content-length", "content-encoding"])
+    return pb.ProcessingResponse(
+        response_headers=pb.HeadersResponse(response=pb.CommonResponse(header_mutation=mutation)),
+        mode_override=LEARN_BODY[True].mode_override)
+
+
+# A chunk of the response body that the client does not get (what replaces it is sent later).
+HOLD_RESPONSE_BODY = pb.ProcessingResponse(response_body=pb.BodyResponse(
+    response=pb.CommonResponse(body_mutation=pb.BodyMutation(clear_body=True))))
+
+
 def replace_response_body(body: bytes) -> pb.ProcessingResponse:
     return pb.ProcessingResponse(response_body=pb.BodyResponse(
         response=pb.CommonResponse(body_mutation=pb.BodyMutation(body=body))))

@@ -14,7 +14,8 @@ from ..policy.admission import AdmissionController, Canned, Decision, Degrade, Q
 from ..policy.classify import ConflictingKeys, presented_key
 from ..policy.limits import Outcome, Ticket
 from ..policy.outcomes import LEARN, UsageSample
-from ..policy.reasons import (R_BODIES_PENDING, R_BODY_TOO_LARGE, R_CONFLICTING_KEYS, R_METHOD_NOT_ALLOWED,
+from ..policy.reasons import (R_BODIES_PENDING, R_BODY_TOO_LARGE, R_CONFLICTING_KEYS, R_DEGRADED_TOO_LARGE,
+                              R_METHOD_NOT_ALLOWED,
                               R_REQUEST_NOT_SENT, R_UNKNOWN_MODEL, R_UNKNOWN_URL, R_UNSUPPORTED_ENCODING,
                               R_UNSUPPORTED_ENDPOINT, R_UNSUPPORTED_MEDIA_TYPE, say)
 from ..policy.schema import Policy
@@ -23,7 +24,7 @@ from . import protocol
 from .accesslog import TicketTags
 from .final_admission import FinalAdmission
 from .openai import (ENDPOINTS, MODELS_PATH, BadRequest, Endpoint, RequestBody, degrade_body, dump_json,
-                     empty_body, json_media_type, model_card, models_body, parse_body, sse_from_answer,
+                     empty_body, json_media_type, model_card, models_body, parse_body, sse_error, sse_from_answer,
                      wants_stream_usage)
 from .protocol import CONTINUE
 from .usage import (FIRST_TOKEN, UsageReader, responses_usage, split_usage_event, token_counts, usage_of,
@@ -424,12 +425,18 @@ class Stream:
 
     def _on_response_headers(self, msg: pb.HttpHeaders) -> Answer:
         self.status, content_type, length, encoded = protocol.read_response_headers(msg)
-        if self.restream is not None and self.phase is Phase.FORWARDING:
-            if self.status == 200 and content_type.startswith(b"application/json") and length is not None \
-                    and length <= self.processor.max_body_bytes and not encoded:
+        rs = self.restream
+        if rs is not None and self.phase is Phase.FORWARDING:
+            if self.status == 200 and content_type.startswith(b"application/json"):
                 self._enter(Phase.READING_USAGE)  # the whole answer, to send it on as the stream asked for
-                return protocol.LEARN_BODY[False]
-            self.restream = None  # an error (or an answer too large or compressed) goes to the client as it is
+                if length is not None and length <= self.processor.max_body_bytes and not encoded:
+                    return protocol.LEARN_BODY[False]  # Envoy buffers it: one message
+                # Too large for Envoy to buffer, of unknown length, or compressed: read here as it comes, under
+                # the stream's headers. Sent on as it was, a JSON body reads as an empty stream to an OpenAI client
+                # (no event, no error); one that cannot be made a stream ends it with an error event instead.
+                rs.piecewise, rs.readable = True, not encoded
+                return AS_STREAM
+            self.restream = None  # an error goes to the client as it is
         r = self.usage
         # A body compressed on its way (content-encoding) holds no usage we can read; an event stream of it would
         # be held back for a blank line that compressed bytes do not carry.
@@ -475,16 +482,27 @@ class Stream:
         return protocol.replace_response_body(chunk) if rewritten else CONTINUE["response_body"]
 
     def _restreamed(self, msg: pb.HttpBody) -> Answer:
-        """The degraded answer, whole (Envoy buffers it), as the event stream its client asked for."""
+        """The degraded answer, whole (Envoy buffers it, or it is read here piece by piece up to the same limit), as
+        the event stream its client asked for."""
         rs = self.restream
-        rs.buffered += msg.body
+        limit = self.processor.max_body_bytes
+        if rs.readable:
+            rs.buffered += msg.body
+            if len(rs.buffered) > limit:
+                rs.readable, rs.buffered = False, b""
         if not msg.end_of_stream:
-            return CONTINUE["response_body"]
-        if self.usage is not None:
+            return protocol.HOLD_RESPONSE_BODY if rs.piecewise else CONTINUE["response_body"]
+        if self.usage is not None and rs.readable:
             self._learn_usage(usage_of(rs.buffered))
-        events = sse_from_answer(rs.kind, rs.buffered, rs.include_usage)
+        events = sse_from_answer(rs.kind, rs.buffered, rs.include_usage) if rs.readable else None
         if events is None:
-            return CONTINUE["response_body"]
+            if not rs.piecewise:
+                return CONTINUE["response_body"]  # not an answer: sent on as it is, with its own headers
+            events = sse_error(say(R_DEGRADED_TOO_LARGE, limit=limit) if not rs.readable else
+                               "The model's answer could not be read as one to send on as a stream.",
+                               R_DEGRADED_TOO_LARGE)
+        if rs.piecewise:
+            return protocol.replace_response_body(events)
         return protocol.replace_response(events, SSE_CONTENT_TYPE)
 
     def _learn_usage(self, usage: object) -> None:
@@ -507,15 +525,18 @@ class Restream:
     """A streamed chat or completions request whose degrade turned streaming off upstream: its JSON answer is
     buffered and sent on as an event stream (an OpenAI client reading a stream finds nothing in a JSON body)."""
 
-    __slots__ = ("kind", "include_usage", "buffered")
+    __slots__ = ("kind", "include_usage", "buffered", "piecewise", "readable")
 
     def __init__(self, kind: str, include_usage: bool):
         self.kind = kind                    # chat | completions
         self.include_usage = include_usage  # the client asked for the usage chunk
         self.buffered = b""
+        self.piecewise = False  # read chunk by chunk (STREAMED), under the stream's headers
+        self.readable = True    # what came so far can still be read (within the limit, not compressed)
 
 
 SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"  # as vLLM sends it
+AS_STREAM = protocol.answer_as_stream(SSE_CONTENT_TYPE)
 
 
 # More tokens than any model's context (prompt, or output when neither the request's cap nor the model's context

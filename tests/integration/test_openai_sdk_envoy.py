@@ -145,6 +145,35 @@ async def test_a_degraded_stream_is_one_answer_the_sdk_parses_with_its_model_and
         await release(holder)
 
 
+async def test_a_degraded_answer_too_large_to_turn_back_into_a_stream_ends_it_with_an_error_the_sdk_raises(
+        make_stack, tmp_path, fleets):
+    # Before, an answer over the ext_proc's --max-body-bytes (Envoy's buffer, 4 MiB by default: ~3,500 tokens with
+    # top_logprobs 20) went to the client as the JSON it was, and the SDK's stream read no event from it: an empty
+    # answer, no error. 1 MiB here: 1,300 tokens with top_logprobs 20 are ~1.6 MB (within the 2 MiB its gRPC takes
+    # in one message, as Envoy may hand the whole answer over at once).
+    big, small = fleets
+    s = make_stack(sdk_policy(tmp_path), extproc_args=["--max-body-bytes", str(1 << 20)],
+                   pools={"vllm_llama70b": [("127.0.0.1", big.ports[0])],
+                          "vllm_llama8b": [("127.0.0.1", small.ports[0])]})
+    async with aiohttp.ClientSession() as http:
+        holder = await hold_slot(http, s, big, "sk-chat", "interactive")
+        chat = client(s, "sk-chat", max_retries=0)
+        kw = {"model": "llama-70b", "messages": HI, "stream": True, "extra_body": {"ignore_eos": True}}
+        raw = await chat.chat.completions.with_raw_response.create(max_tokens=1300, logprobs=True, top_logprobs=20,
+                                                                    **kw)
+        assert "stream=off" in raw.headers["x-extproc-degraded"]
+        assert raw.headers["content-type"].startswith("text/event-stream")
+        with pytest.raises(openai.APIError) as failed:
+            [ch async for ch in raw.parse()]
+        assert failed.value.body["code"] == "degraded_answer_too_large" and "stream" in failed.value.message
+        # One within the limit is still sent on as a stream.
+        chunks = [ch async for ch in await chat.chat.completions.create(max_tokens=8, logprobs=True, top_logprobs=2,
+                                                                        **kw)]
+        assert chunks[0].choices[0].finish_reason == "length" and len(chunks[0].choices[0].logprobs.content) == 8
+        await release(holder)
+        assert (await wait_idle(http, s.metrics_url, timeout=5.0))["interactive"]["inflight"] == 0
+
+
 async def test_a_stream_off_degrade_refuses_what_it_would_not_change_instead_of_serving_it_on_the_full_pool(
         sdk_stack):
     # A non-streamed request, or a Responses API stream (which keeps streaming), under `fallback: {action: degrade,

@@ -1097,6 +1097,10 @@ def test_a_list_of_prompts_is_clamped_to_the_context_one_prompt_at_a_time(clock)
 
 NO_STREAMING = one_class(max_concurrency=1, max_queue=0, on_overflow="fallback",
                          fallback={"action": "degrade", "max_tokens": 2, "stream": False})
+# A degraded request's answer, as vLLM sends it without streaming.
+ANSWER = {"id": "c1", "object": "chat.completion", "created": 1, "model": "llama",
+          "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "length"}],
+          "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
 
 
 def test_a_policy_that_may_turn_streaming_off_asks_for_every_response_headers(clock):
@@ -1115,11 +1119,7 @@ def test_a_stream_degraded_to_no_streaming_gets_its_answer_back_as_a_stream(cloc
     forwarded = json.loads(answer.request_body.response.body_mutation.body)
     assert forwarded["stream"] is False and "stream_options" not in forwarded
     assert s.receive(response_headers(200, b"application/json", 200)) is LEARN_BODY[False]
-    answer_json = {"id": "c1", "object": "chat.completion", "created": 1, "model": "llama",
-                   "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
-                                "finish_reason": "length"}],
-                   "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
-    out = s.receive(response_body(json.dumps(answer_json).encode(), eos=True)).response_body.response
+    out = s.receive(response_body(json.dumps(ANSWER).encode(), eos=True)).response_body.response
     headers = {h.header.key: h.header.raw_value for h in out.header_mutation.set_headers}
     sse = out.body_mutation.body
     assert headers == {"content-type": b"text/event-stream; charset=utf-8", "content-length": str(len(sse)).encode()}
@@ -1138,13 +1138,53 @@ def test_an_error_to_a_stream_degraded_to_no_streaming_is_passed_on_as_it_is(clo
     assert s.receive(response_headers(400, b"application/json", 80)) is CONTINUE["response_headers"]
 
 
-def test_a_compressed_answer_to_a_stream_degraded_to_no_streaming_is_passed_on_as_it_is(clock):
-    # its JSON cannot be read to be turned into events: buffered, it only waited for its end
+def piecewise(s: Stream, headers: pb.ProcessingRequest, body: bytes) -> bytes:
+    """What the client reads of an answer to a degraded stream that Envoy cannot buffer: read chunk by chunk under
+    the stream's headers, each held back, the stream sent at the end."""
+    answer = s.receive(headers)
+    assert answer.mode_override.response_body_mode == protocol._Mode.STREAMED
+    mutation = answer.response_headers.response.header_mutation
+    assert [(h.header.key, h.header.raw_value) for h in mutation.set_headers] == [
+        ("content-type", b"text/event-stream; charset=utf-8")]
+    assert set(mutation.remove_headers) == {"content-length", "content-encoding"}
+    cut = len(body) // 2
+    assert s.receive(response_body(body[:cut])) is protocol.HOLD_RESPONSE_BODY
+    out = s.receive(response_body(body[cut:], eos=True)).response_body.response
+    assert not out.HasField("header_mutation")
+    return out.body_mutation.body
+
+
+def test_an_answer_of_unknown_length_to_a_stream_degraded_to_no_streaming_is_still_sent_as_a_stream(clock):
+    # Envoy buffers only an answer whose length it is told is within the limit: a chunked one was passed on as the
+    # JSON it was, which an OpenAI client reading a stream takes for an empty answer, without an error.
     p = processor(clock, **NO_STREAMING)
     admitted(p)
     s, _ = admitted(p, {"model": "llama", "messages": HI, "stream": True})
-    answer = s.receive(response_headers(200, b"application/json", 80, content_encoding=b"br"))
-    assert answer is CONTINUE["response_headers"] and s.restream is None
+    sse = piecewise(s, response_headers(200, b"application/json", None), json.dumps(ANSWER).encode())
+    assert json.loads(sse.split(b"\n\n")[0][6:])["choices"][0]["delta"] == {"role": "assistant", "content": "hi"}
+    assert sse.endswith(b"data: [DONE]\n\n")
+    s.end(True)
+    assert inflight(p) == 1
+
+
+@pytest.mark.parametrize("case", ["compressed", "too large", "too large, its length unknown"])
+def test_an_answer_to_a_degraded_stream_that_cannot_become_one_ends_it_with_an_error_event(clock, case):
+    # its JSON cannot be read to be turned into events: sent on, it reads as an empty stream, without an error
+    p = processor(clock, **NO_STREAMING)  # max_body_bytes 1000
+    admitted(p)
+    s, _ = admitted(p, {"model": "llama", "messages": HI, "stream": True})
+    body = json.dumps({**ANSWER, "system_fingerprint": "x" * 1000}).encode() if "large" in case else b"\x1b\x00br"
+    headers = response_headers(200, b"application/json", None if "unknown" in case else len(body),
+                               **({"content_encoding": b"br"} if case == "compressed" else {}))
+    sse = piecewise(s, headers, body)
+    event, done, end = sse.split(b"\n\n")
+    assert (done, end) == (b"data: [DONE]", b"")
+    error = json.loads(event.removeprefix(b"data: "))["error"]
+    assert (error["code"], error["type"]) == ("degraded_answer_too_large", "server_error")
+    assert "1000 bytes" in error["message"] and "without `stream`" in error["message"]
+    assert len(s.restream.buffered) <= 1000
+    s.end(True)
+    assert inflight(p) == 1
 
 
 def canned_answer(clock, doc: dict, path: bytes = CHAT) -> bytes:
