@@ -4,6 +4,7 @@ sees (answers, streams, error classes and fields, the SDK's own retries, a degra
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import aiohttp
@@ -63,6 +64,18 @@ async def hold_slot(http, s, big, key: str, cls: str) -> asyncio.Task:
         model="llama-70b", messages=HI, max_tokens=4))
     assert await until(lambda: inflight(http, s, cls), 5.0), f"{cls} never held its slot"
     return task
+
+
+@contextlib.asynccontextmanager
+async def held_class(s, big, key: str, cls: str):
+    """`key`'s class with its one slot held (hold_slot), an HTTP session, and a client of `key` that does not
+    retry."""
+    async with aiohttp.ClientSession() as http:
+        holder = await hold_slot(http, s, big, key, cls)
+        try:
+            yield http, client(s, key, max_retries=0)
+        finally:
+            await release(holder)
 
 
 async def inflight(http, s, cls: str) -> int:
@@ -131,9 +144,7 @@ async def test_a_full_class_is_a_rate_limit_error_the_sdk_retries_after_retry_af
 
 async def test_a_degraded_stream_is_one_answer_the_sdk_parses_with_its_model_and_usage(sdk_stack):
     s, big = sdk_stack
-    async with aiohttp.ClientSession() as http:
-        holder = await hold_slot(http, s, big, "sk-chat", "interactive")
-        chat = client(s, "sk-chat", max_retries=0)
+    async with held_class(s, big, "sk-chat", "interactive") as (http, chat):
         raw = await chat.chat.completions.with_raw_response.create(
             model="llama-70b", messages=HI, max_tokens=8, stream=True, stream_options={"include_usage": True})
         assert raw.headers["x-extproc-decision"] == "degrade"
@@ -142,7 +153,6 @@ async def test_a_degraded_stream_is_one_answer_the_sdk_parses_with_its_model_and
         assert [ch.model for ch in chunks] == ["llama-8b"] * 2  # the model that answered, as OpenAI reports it
         assert chunks[0].choices[0].delta.content and chunks[0].choices[0].finish_reason in ("stop", "length")
         assert chunks[1].choices == [] and chunks[1].usage.total_tokens > 0
-        await release(holder)
 
 
 async def test_a_degraded_answer_too_large_to_turn_back_into_a_stream_ends_it_with_an_error_the_sdk_raises(
@@ -155,9 +165,7 @@ async def test_a_degraded_answer_too_large_to_turn_back_into_a_stream_ends_it_wi
     s = make_stack(sdk_policy(tmp_path), extproc_args=["--max-body-bytes", str(1 << 20)],
                    pools={"vllm_llama70b": [("127.0.0.1", big.ports[0])],
                           "vllm_llama8b": [("127.0.0.1", small.ports[0])]})
-    async with aiohttp.ClientSession() as http:
-        holder = await hold_slot(http, s, big, "sk-chat", "interactive")
-        chat = client(s, "sk-chat", max_retries=0)
+    async with held_class(s, big, "sk-chat", "interactive") as (http, chat):
         kw = {"model": "llama-70b", "messages": HI, "stream": True, "extra_body": {"ignore_eos": True}}
         raw = await chat.chat.completions.with_raw_response.create(max_tokens=1300, logprobs=True, top_logprobs=20,
                                                                     **kw)
@@ -170,7 +178,7 @@ async def test_a_degraded_answer_too_large_to_turn_back_into_a_stream_ends_it_wi
         chunks = [ch async for ch in await chat.chat.completions.create(max_tokens=8, logprobs=True, top_logprobs=2,
                                                                         **kw)]
         assert chunks[0].choices[0].finish_reason == "length" and len(chunks[0].choices[0].logprobs.content) == 8
-        await release(holder)
+    async with aiohttp.ClientSession() as http:
         assert (await wait_idle(http, s.metrics_url, timeout=5.0))["interactive"]["inflight"] == 0
 
 
@@ -180,9 +188,7 @@ async def test_a_stream_off_degrade_refuses_what_it_would_not_change_instead_of_
     # stream: false}` was sent unchanged to the pool that had just had no room, answered 200 with
     # `x-extproc-decision: degrade` and `x-extproc-degraded: none`.
     s, big = sdk_stack
-    async with aiohttp.ClientSession() as http:
-        holder = await hold_slot(http, s, big, "sk-ide", "editor")
-        ide = client(s, "sk-ide", max_retries=0)
+    async with held_class(s, big, "sk-ide", "editor") as (http, ide):
         for call in (lambda: ide.chat.completions.create(model="llama-70b", messages=HI, max_tokens=4),
                      lambda: ide.completions.create(model="llama-70b", prompt="hi", max_tokens=4),
                      lambda: ide.responses.create(model="llama-70b", input="hi", max_output_tokens=4, stream=True)):
@@ -193,14 +199,11 @@ async def test_a_stream_off_degrade_refuses_what_it_would_not_change_instead_of_
             assert "would not change it: it is not a chat or completions stream" in e.message
             assert int(e.response.headers["retry-after"]) >= 1
         assert (await healthz(http, s.metrics_url))["classes"]["editor"]["inflight"] == 1  # the holder alone
-        await release(holder)
 
 
 async def test_a_canned_answer_reads_as_an_answer_and_says_where_the_tenants_rate_limit_stands(sdk_stack):
     s, big = sdk_stack
-    async with aiohttp.ClientSession() as http:
-        holder = await hold_slot(http, s, big, "sk-kiosk", "kiosk")
-        kiosk = client(s, "sk-kiosk", max_retries=0)
+    async with held_class(s, big, "sk-kiosk", "kiosk") as (http, kiosk):
         plain = await kiosk.chat.completions.with_raw_response.create(model="llama-70b", messages=HI, max_tokens=8)
         answer = plain.parse()
         assert (answer.choices[0].message.content, answer.choices[0].finish_reason) == ("Busy, back soon.", "stop")
@@ -214,7 +217,6 @@ async def test_a_canned_answer_reads_as_an_answer_and_says_where_the_tenants_rat
             assert (h["x-extproc-decision"], h["x-extproc-degraded"]) == ("degrade", "canned; reason=queue_full")
             # As on every other answer to a tenant with a rate limit: a client pacing itself by them reads them.
             assert h["x-ratelimit-limit-requests"] == "600" and 0 <= int(h["x-ratelimit-remaining-requests"]) <= 600
-        await release(holder)
 
 
 async def test_clients_that_break_off_leave_nothing_in_flight(sdk_stack):
