@@ -489,7 +489,8 @@ class Stream:
         if rs.readable:
             rs.buffered += msg.body
             if len(rs.buffered) > limit:
-                rs.readable, rs.buffered = False, b""
+                rs.readable = False
+                rs.buffered.clear()
         if not msg.end_of_stream:
             return protocol.HOLD_RESPONSE_BODY if rs.piecewise else CONTINUE["response_body"]
         if self.usage is not None and rs.readable:
@@ -530,7 +531,7 @@ class Restream:
     def __init__(self, kind: str, include_usage: bool):
         self.kind = kind                    # chat | completions
         self.include_usage = include_usage  # the client asked for the usage chunk
-        self.buffered = b""
+        self.buffered = bytearray()  # read piecewise, up to --max-body-bytes: bytes += bytes copied it all each time
         self.piecewise = False  # read chunk by chunk (STREAMED), under the stream's headers
         self.readable = True    # what came so far can still be read (within the limit, not compressed)
 
