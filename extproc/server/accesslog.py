@@ -30,9 +30,20 @@ TICKET_HEADER = "x-extproc-ticket"
 # The sampled log of envoy.yaml that carries the ext_proc filter's own log of each request (not a completion report).
 ANSWERS_LOG = "extproc_answers"
 # Envoy keeps the ext_proc filter's per-request log (its calls' latencies, whether it failed open) in the request's
-# filter state under the filter's name, and the access log sends it (filter_state_objects_to_log): envoy.yaml names
-# the filter this; Envoy Gateway adds `/envoyextensionpolicy/<ns>/<policy>/...` to it.
+# filter state under the filter's name, and the access log sends it (filter_state_objects_to_log); the attributes
+# the filter sends the ext_proc are keyed by it too. envoy.yaml names the filter this; Envoy Gateway adds
+# `/envoyextensionpolicy/<ns>/<policy>/...` to it.
 EXT_PROC_STATE = "envoy.filters.http.ext_proc"
+
+
+def under_filter_name(by_filter):
+    """What a protobuf map keyed by filter name (the access log's filter state objects, a processing request's
+    attributes) holds for the ext_proc filter: under EXT_PROC_STATE, or Envoy Gateway's longer name; None if
+    nothing. The exact name first: a map lookup, where a scan of a map's items costs several times more."""
+    value = by_filter.get(EXT_PROC_STATE)
+    if value is None and by_filter:
+        value = next((v for k, v in by_filter.items() if k.startswith(EXT_PROC_STATE)), None)
+    return value
 
 
 def ticket_prefix(worker: int | None) -> str:
@@ -116,6 +127,13 @@ _NOT_ROUTED = frozenset(("cluster_not_found", "route_not_found", "route_configur
 _NOT_ROUTED_FLAGS = ("no_cluster_found", "no_route_found")
 
 
+def not_routed(details: str) -> bool:
+    """Whether Envoy's response code details say it answered the request itself, from its own configuration (the
+    list above). Also read off the response headers' attributes when no access log reports the request
+    (Stream._on_response_headers): Envoy sets these details with the NC and NR flags, so the details alone decide."""
+    return details in _NOT_ROUTED
+
+
 def outcome_of(entry: accesslog_pb2.HTTPAccessLogEntry) -> tuple[Outcome, int]:
     flags = entry.common_properties.response_flags
     status = entry.response.response_code.value
@@ -124,7 +142,7 @@ def outcome_of(entry: accesslog_pb2.HTTPAccessLogEntry) -> tuple[Outcome, int]:
     details = entry.response.response_code_details
     if details.startswith(_EXTPROC_FAILED):
         return Outcome.EXTPROC_ERROR, status
-    if details in _NOT_ROUTED or any(getattr(flags, f) for f in _NOT_ROUTED_FLAGS):
+    if not_routed(details) or any(getattr(flags, f) for f in _NOT_ROUTED_FLAGS):
         return Outcome.NOT_ROUTED, status
     if status >= 500 or any(getattr(flags, f) for f in _UPSTREAM_FLAGS):
         return Outcome.UPSTREAM_ERROR, status
@@ -148,12 +166,9 @@ def header_answer_seconds(entry: accesslog_pb2.HTTPAccessLogEntry) -> float | No
     start, its wait in gRPC core for the event loop, the handler and the way back. The headers are answered at
     once (the decision and any queueing for a slot come with the body), so this is what the ext_proc itself costs
     a request, however busy it is. None when the entry does not carry the filter's state."""
-    objects = entry.common_properties.filter_state_objects
-    state = objects.get(EXT_PROC_STATE)
+    state = under_filter_name(entry.common_properties.filter_state_objects)
     if state is None:
-        state = next((v for k, v in objects.items() if k.startswith(EXT_PROC_STATE)), None) if objects else None
-        if state is None:
-            return None
+        return None
     try:
         latency = struct_pb2.Struct.FromString(state.value).fields.get("request_header_latency_us")
     except DecodeError:

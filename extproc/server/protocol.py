@@ -10,7 +10,7 @@ from google.protobuf import duration_pb2
 
 from ..policy.admission import Decision, Refusal
 from ..policy.reasons import R_ADMISSION_ERROR, say
-from .accesslog import TICKET_HEADER
+from .accesslog import TICKET_HEADER, not_routed, under_filter_name
 from .openai import BadRequest, RequestBody, canned_body, error_body
 
 CLUSTER_HEADER = "x-extproc-cluster"
@@ -147,6 +147,20 @@ def read_response_headers(msg: pb.HttpHeaders) -> tuple[int, bytes, int | None, 
         elif k == "content-encoding" and h.raw_value.strip().lower() not in (b"", b"identity"):
             encoded = True
     return status, content_type, length, encoded
+
+
+# The attribute envoy.yaml's ext_proc filter sends with each response headers message (`response_attributes`), in
+# ProcessingRequest.attributes under the filter's name: why the response is what it is (`via_upstream`, or Envoy's
+# own reason for a reply it made itself). Only the requests whose response headers come to the ext_proc carry it.
+CODE_DETAILS = "response.code_details"
+
+
+def not_routed_response(req: pb.ProcessingRequest) -> bool:
+    """Whether a response headers message says Envoy answered the request itself, from its own configuration
+    (accesslog.not_routed), by its response code details. False without the attribute."""
+    attributes = under_filter_name(req.attributes)
+    details = attributes.fields.get(CODE_DETAILS) if attributes is not None else None
+    return details is not None and not_routed(details.string_value)
 
 
 # --- out: answers ---

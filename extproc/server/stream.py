@@ -169,8 +169,8 @@ class Stream:
     once, however the stream ended.
     """
 
-    __slots__ = ("processor", "phase", "request", "held", "usage", "status", "restream", "sees_response",
-                 "_handlers")
+    __slots__ = ("processor", "phase", "request", "held", "usage", "status", "not_routed", "restream",
+                 "sees_response", "_handlers")
 
     def __init__(self, processor: Processor):
         self.processor = processor
@@ -180,6 +180,7 @@ class Stream:
         self.held: Ticket | FinalAdmission | None = None
         self.usage: UsageReader | None = None  # set when this response's usage is read
         self.status = 0                         # the upstream response status, once seen
+        self.not_routed = False                 # its response headers say Envoy answered it itself
         self.restream: Restream | None = None   # a streamed request a degrade answered without streaming
         self.sees_response = False              # its headers' answer asked Envoy for the response headers
         self.phase = Phase.HEADERS
@@ -202,7 +203,7 @@ class Stream:
         handler = self._handlers.get(name)
         if handler is None:
             return CONTINUE[name]  # nothing to decide in this phase
-        return handler(self, getattr(req, name))
+        return handler(self, req)
 
     def admitted(self, d: Decision) -> Answer:
         """The answer for the final admission's decision."""
@@ -231,7 +232,9 @@ class Stream:
         if isinstance(held, FinalAdmission):  # the client left (or we failed) while the request waited
             held.give_back()  # nothing went upstream: whatever the queue granted meanwhile is taken back
             return
-        if self.status >= 500:
+        if self.not_routed:  # Envoy's own answer (its response headers' details): neither the pool's nor served
+            ticket, outcome = held, Outcome.NOT_ROUTED
+        elif self.status >= 500:
             ticket, outcome = held, Outcome.UPSTREAM_ERROR
         elif failed:  # not the client's abort, nor the replica's error; Envoy's report, if one comes, says more
             ticket, outcome = held, Outcome.EXTPROC_ERROR
@@ -244,13 +247,13 @@ class Stream:
 
     # --- the request ---
 
-    def _out_of_turn(self, msg: object) -> Answer:
-        raise RuntimeError(f"a {type(msg).__name__} message while the stream is {self.phase.text}")
+    def _out_of_turn(self, req: pb.ProcessingRequest) -> Answer:
+        raise RuntimeError(f"a {req.WhichOneof('request')} message while the stream is {self.phase.text}")
 
-    def _on_request_headers(self, msg: pb.HttpHeaders) -> Answer:
+    def _on_request_headers(self, req: pb.ProcessingRequest) -> Answer:
         core = self.processor.core
         policy = core.policy
-        head = protocol.read_request_headers(msg, self.processor.header_names(policy))
+        head = protocol.read_request_headers(req.request_headers, self.processor.header_names(policy))
         facts = RequestFacts(header_class=head.claim, request_id=head.request_id, session_id=head.session,
                              objective=head.objective, fairness_id=head.fairness_id, deadline_ms=head.deadline_ms)
         self.request = ParsedRequest(facts, core.clock())
@@ -318,7 +321,7 @@ class Stream:
         return self._answered(protocol.immediate(200, orjson.dumps(model_card(name, fields, int(time.time()))), [],
                                                  "extproc_models"))
 
-    def _headless(self, msg: object) -> Answer:
+    def _headless(self, req: pb.ProcessingRequest) -> Answer:
         return self._not_sent("headers", "request_header_mode SKIP")
 
     def _not_sent(self, part: str, setting: str) -> Answer:
@@ -329,7 +332,8 @@ class Stream:
         return self._refuse(BadRequest(say(R_REQUEST_NOT_SENT, part=part, setting=setting),
                                        code=R_REQUEST_NOT_SENT, status=500))
 
-    def _on_request_body(self, msg: pb.HttpBody) -> Answer | FinalAdmission:
+    def _on_request_body(self, req: pb.ProcessingRequest) -> Answer | FinalAdmission:
+        msg = req.request_body
         p = self.processor
         core, request = p.core, self.request
         limit = core.body_limit(request.facts.api_key, p.max_body_bytes)
@@ -356,7 +360,7 @@ class Stream:
             return self.held
         return self._answer(d, None)
 
-    def _on_request_trailers(self, msg: pb.HttpTrailers) -> Answer:
+    def _on_request_trailers(self, req: pb.ProcessingRequest) -> Answer:
         # An HTTP/2 request may end with trailers and no DATA at all; Envoy then sends no body message, and a
         # CONTINUE here would let it upstream undecided. It has no body: refuse it as an empty one.
         return self._refuse(empty_body())
@@ -423,8 +427,13 @@ class Stream:
 
     # --- the response (only requests whose usage is read send these phases) ---
 
-    def _on_response_headers(self, msg: pb.HttpHeaders) -> Answer:
-        self.status, content_type, length, encoded = protocol.read_response_headers(msg)
+    def _on_response_headers(self, req: pb.ProcessingRequest) -> Answer:
+        self.status, content_type, length, encoded = protocol.read_response_headers(req.response_headers)
+        if req.attributes and protocol.not_routed_response(req):
+            # Envoy answered it itself (no such cluster, ...): no replica's answer, nothing to read or restream.
+            # Its outcome, should no access log report it, is not the pool's (end()).
+            self.not_routed = True
+            return CONTINUE["response_headers"]
         rs = self.restream
         if rs is not None and self.phase is Phase.FORWARDING:
             if self.status == 200 and content_type.startswith(b"application/json"):
@@ -452,7 +461,8 @@ class Stream:
         self._enter(Phase.READING_USAGE)
         return protocol.LEARN_BODY[r.sse]
 
-    def _on_response_body(self, msg: pb.HttpBody) -> Answer:
+    def _on_response_body(self, req: pb.ProcessingRequest) -> Answer:
+        msg = req.response_body
         if self.restream is not None:
             return self._restreamed(msg)
         r = self.usage
@@ -544,7 +554,8 @@ AS_STREAM = protocol.answer_as_stream(SSE_CONTENT_TYPE)
 # is known): usage past it is not a real answer's.
 USAGE_CEILING = 1 << 22
 
-Handler = Callable[[Stream, object], "Answer | FinalAdmission"]
+# Each gets the whole message (the response headers' handler reads its attributes too).
+Handler = Callable[[Stream, pb.ProcessingRequest], "Answer | FinalAdmission"]
 
 # The driver awaits the final admission before it reads on, and reads nothing once the stream ended: a message
 # then is the driver's bug, raised.

@@ -136,7 +136,7 @@ def test_envoy_integration_snippets_match_envoy_yaml():
     shipped_filter = hcm["http_filters"][0]
     (doc_filter,) = [b[0] for b in blocks if isinstance(b, list) and b[0].get("name") == shipped_filter["name"]]
     for key in ("processing_mode", "failure_mode_allow", "message_timeout", "max_message_timeout",
-                "allow_mode_override"):
+                "allow_mode_override", "response_attributes"):
         assert doc_filter["typed_config"][key] == shipped_filter["typed_config"][key], key
     (doc_log,) = [b["access_log"] for b in blocks if isinstance(b, dict) and "access_log" in b]
     assert doc_log == hcm["access_log"]

@@ -173,11 +173,18 @@ raw_bodies = st.one_of(
 )
 request_body = st.builds(lambda b, eos: pb.ProcessingRequest(request_body=pb.HttpBody(body=b, end_of_stream=eos)),
                          raw_bodies, st.booleans())
+def _response_headers(status: int, ct: bytes, details: str | None) -> pb.ProcessingRequest:
+    msg = pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(
+        headers=[header(":status", str(status).encode()), header("content-type", ct)])))
+    if details is not None:  # envoy.yaml's response_attributes: why the response is what it is
+        msg.attributes["envoy.filters.http.ext_proc"].fields["response.code_details"].string_value = details
+    return msg
+
+
 response_headers = st.builds(
-    lambda status, ct: pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(
-        headers=[header(":status", str(status).encode()), header("content-type", ct)]))),
-    st.sampled_from([200, 200, 400, 429, 500, 503]),
-    st.sampled_from([b"application/json", b"text/event-stream; charset=utf-8", b""]))
+    _response_headers, st.sampled_from([200, 200, 400, 429, 500, 503]),
+    st.sampled_from([b"application/json", b"text/event-stream; charset=utf-8", b""]),
+    st.sampled_from([None, "via_upstream", "via_upstream", "cluster_not_found", "direct_response"]))
 usage_event = (b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":7,"total_tokens":12}}\n\n'
                b"data: [DONE]\n\n")
 response_body = st.builds(

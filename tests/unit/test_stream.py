@@ -888,6 +888,39 @@ def test_a_5xx_response_ends_as_an_upstream_error(clock):
     assert ended_outcome(s, normal_end=True) is Outcome.UPSTREAM_ERROR
 
 
+def with_details(msg: pb.ProcessingRequest, details: str, filter_name: str = "envoy.filters.http.ext_proc"):
+    """The message with envoy.yaml's response attribute, as Envoy sends it (a Struct under the filter's name)."""
+    msg.attributes[filter_name].fields[protocol.CODE_DETAILS].string_value = details
+    return msg
+
+
+@pytest.mark.parametrize("details", ["cluster_not_found", "route_not_found", "direct_response"])
+def test_a_response_envoy_answered_itself_ends_not_routed_and_is_not_read(clock, details):
+    """Where no access log reports the request, its response headers' code details are all that tells Envoy's own
+    503 cluster_not_found (a policy routing to a cluster Envoy lacks) from the pool's: it ended as the pool's
+    upstream_error, and one opened the class's error breaker."""
+    s, _ = admitted(processor(clock, learn_sample=1.0))
+    assert s.receive(with_details(response_headers(503), details)) is CONTINUE["response_headers"]
+    assert s.phase is Phase.FORWARDING  # nothing of Envoy's own answer is read for usage
+    assert ended_outcome(s, normal_end=True) is Outcome.NOT_ROUTED
+
+
+def test_envoys_own_200_is_not_routed_either_and_its_body_is_not_read(clock):
+    s, _ = admitted(processor(clock, learn_sample=1.0))
+    msg = with_details(response_headers(200), "direct_response", "envoy.filters.http.ext_proc/envoyextensionpolicy/x")
+    assert s.receive(msg) is CONTINUE["response_headers"]
+    assert ended_outcome(s, normal_end=True) is Outcome.NOT_ROUTED
+
+
+@pytest.mark.parametrize(("status", "details", "outcome"), [
+    (200, "via_upstream", Outcome.OK), (503, "via_upstream", Outcome.UPSTREAM_ERROR),
+    (503, "no_healthy_upstream", Outcome.UPSTREAM_ERROR), (504, "upstream_response_timeout", Outcome.UPSTREAM_ERROR)])
+def test_a_response_of_the_pool_ends_as_before_with_its_details(clock, status, details, outcome):
+    s, _ = admitted(processor(clock, learn_sample=1.0))
+    s.receive(with_details(response_headers(status), details))
+    assert ended_outcome(s, normal_end=True) is outcome
+
+
 def test_a_stream_cut_before_its_end_is_a_client_abort(clock):
     s, _ = admitted(processor(clock))
     assert ended_outcome(s, normal_end=False) is Outcome.CLIENT_ABORT
