@@ -585,7 +585,7 @@ class AdmissionController:
                 continue
             ticket = self._admit(lim, w.tenant, w.pool, now, w.charge, waited, gate, w.units, w.flow)
             ticket.trickle, ticket.wait_until = w.trickle, w.deadline
-            ticket.queued = True
+            ticket.queued, ticket.fair_turn = True, q.mode == "round_robin"
             self._resolve(w, Admit(R_DEQUEUED, lim.name, w.tenant, ticket, waited_s=waited, cluster=w.pool))
 
     def _owed_waiter(self, lim: ClassLimiter, gate, pool: str, now: float) -> Waiter | None:
@@ -685,8 +685,8 @@ class AdmissionController:
 
     def _release(self, ticket: Ticket, now: float, ran: bool) -> None:
         """Close the ticket and give back what it holds (slot, session budget). A request that never ran (its
-        admission was revoked or withdrawn) also gets its tokens and its flow's fair charge back and does not count
-        as a completion for the drain rate."""
+        admission was revoked or withdrawn) also gets its tokens and its flow's fair charge back (round_robin: the turn
+        its grant took) and does not count as a completion for the drain rate."""
         ticket.closed = True
         ticket.released_at = now
         self.tickets.pop(ticket.id, None)
@@ -702,6 +702,8 @@ class AdmissionController:
                 lim.inflight_cost = 0.0  # a float sum drifts: nothing held is exactly 0, not -8e-17
             if not ran:  # its flow was charged the estimate (virtual time, served GPU-seconds) for nothing
                 lim.queue.settle(ticket.flow, ticket.fair_charge, 0.0, ticket.fair_flow, ticket.fair_stats)
+                if ticket.fair_turn:  # and, granted from a round_robin queue, its turn
+                    lim.queue.return_turn(ticket.flow, ticket.fair_flow)
             lim.queue.released(ticket.flow, ticket.cost)
             if ticket.gate is not None:
                 ticket.gate.give_back(ticket.rank, ticket.units, ticket.flow, ticket.pool_stall)

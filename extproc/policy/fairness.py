@@ -23,7 +23,8 @@ the group's name's), then a flow inside it (its name's): a group's keys share it
 
 Admission tells the queue about every admission of the class (`admitted`, whether it waited or not: work admitted
 straight away counts towards a flow's share too) and every release (`released`); popping a waiter charges nothing
-by itself. Per-label counters (`stats`) keep metrics' label sets bounded: keys that are not configured tenants
+by itself. An admission given back unused (revoked or withdrawn before it ran) gets its charge back (`settle` with
+nothing used) and, granted from a round_robin queue, its flow's turn (`return_turn`). Per-label counters (`stats`) keep metrics' label sets bounded: keys that are not configured tenants
 fold into "other".
 """
 
@@ -203,6 +204,7 @@ class FairQueue:
         self._where: dict[int, tuple[_Flow, tuple[float, int, Any], str]] = {}
         self._seq = itertools.count()
         self._turn = itertools.count()  # places in the turn order of the waiting flows (_Flow.since)
+        self._front = itertools.count(-1, -1)  # ...and before all of them, for a turn given back (return_turn)
         self._lengths: dict[int, int] = {}  # waiting flows by their waiters' count (round_robin's ahead())
         # (deadline, seq, entry) of every waiter, a heap: overdue() runs on every release, and a scan of every
         # waiter for the rare late one cost each grant O(waiters). Left waiters are dropped lazily (_live).
@@ -364,8 +366,9 @@ class FairQueue:
         return self._pick(None, pools)
 
     def take(self, waiter: Any) -> Any:
-        """Remove a waiter because it is granted (q[0], or first_for(pool)): its flow's turn ends (round_robin)
-        and its wait is counted. Charges nothing: admission reports the admission (`admitted`)."""
+        """Remove a waiter because it is granted (q[0], or first_for(pool)): its flow's turn ends (round_robin;
+        return_turn() gives it back if the grant is never used) and its wait is counted. Charges nothing: admission
+        reports the admission (`admitted`)."""
         if id(waiter) not in self._where:
             raise ValueError("waiter is not queued")
         flow, _, key = self._where[id(waiter)]
@@ -549,6 +552,24 @@ class FairQueue:
             self._moved(flow.group, flow)
             self._forget_if_idle(flow)
         self._stats(key).inflight -= 1
+        self._head = None
+
+    def return_turn(self, key: str, taken_from: Any = None) -> None:
+        """round_robin: a grant of flow `key` that took its turn (take()) was given back unused (its admission
+        revoked or withdrawn before it ran): the turn goes back, as settle() with nothing used refunds a fair charge.
+        The flow, if it still waits, goes first in the turn order again, and its group first among the groups (where
+        a grant of q[0] found them). Turns given back do not add up: two give it the next grant, not the next two.
+        `taken_from`: flow_of(key) at its admission; a flow forgotten since (nothing waited or ran) has none to get."""
+        flow = self._flows.get(key)
+        if self.mode != "round_robin" or flow is None or not flow.entries or \
+                (taken_from is not None and flow is not taken_from):
+            return
+        group = flow.group
+        self._backlogged.move_to_end(flow.key, last=False)
+        group.flows.move_to_end(flow.key, last=False)
+        self._turns.move_to_end(group.key, last=False)
+        flow.since = next(self._front)
+        self._moved(group, flow)
         self._head = None
 
     def flow_of(self, key: str) -> Any:

@@ -105,7 +105,7 @@ class Ticket:
     __slots__ = ("id", "limiter", "cls", "tenant", "pool", "admitted_at", "lease_until", "cost", "closed", "waited_s",
                  "released_at", "stream_outcome", "completion", "trickle", "degraded", "holds_slot", "charge",
                  "usage", "gate", "units", "rank", "pool_stall", "flow", "queued", "awaiting_store", "rest", "fair_charge",
-                 "wait_until", "fair_flow", "fair_stats", "cohort")
+                 "wait_until", "fair_flow", "fair_stats", "fair_turn", "cohort")
 
     def __init__(self, limiter: ClassLimiter, tenant: str, pool: str, now: float, lease_s: float, cost: float,
                  waited_s: float, holds_slot: bool = True):
@@ -137,6 +137,7 @@ class Ticket:
         self.fair_charge = cost         # GPU-seconds its flow was charged (the estimate times the flow's scale)
         self.fair_flow: Any = None      # the flow charged (FairQueue.flow_of), which settles it
         self.fair_stats: Any = None     # the metric label's counters it was served under (FairQueue.stats_of)
+        self.fair_turn = False          # its grant took its flow's round_robin turn (FairQueue.return_turn)
         self.queued = False             # counted as a queue entry: it waited in its class queue or for the store
         # It waits for the shared store's global slot (AdmissionController.await_store): its class slot is only
         # reserved, and it counts as queued, not in flight, until the store confirms or it is revoked.

@@ -563,3 +563,24 @@ def test_an_arrival_that_fits_beside_a_waiter_its_budget_holds_back_reads_no_que
         assert ask(core, "abc"[i % 3]).kind == QUEUE  # it fits, but passes no waiter
     assert len(core.limiters["interactive"].queue) == 201
     assert read == []  # in arrival order, 20,000 waiters were read
+
+
+
+
+@pytest.mark.parametrize("taken_back", ["withdraw", "revoke"])
+def test_a_round_robin_grant_that_never_ran_gives_its_flow_its_turn_back(clock, taken_back):
+    # Found by a review: fair mode refunds the charge of a grant given back unused (no global slot from the shared
+    # store, the client gone the instant it was granted, the stream refusing it), but round_robin kept the turn the
+    # grant took: the flow went behind every other waiting flow for a request that was never served.
+    core = core_with(clock, "round_robin")
+    running = flood(core, clock)  # a runs two and queues four; then b and c queue one each
+    core.finish(running[0], Outcome.OK)
+    granted = [d for d in pending if not d.waiter.pending]
+    assert [d.tenant for d in granted] == ["a"]
+    admit = granted[0].waiter.result
+    if taken_back == "withdraw":
+        core.withdraw(admit.ticket)  # the slot freed goes to the next in turn
+    else:
+        core.revoke(admit, "client_disconnected", "gone")
+    regranted = [d.tenant for d in pending if d is not granted[0] and not d.waiter.pending]
+    assert regranted == ["a"]  # a's turn again (b's before: a lost the turn it was never served in)
