@@ -69,11 +69,16 @@ def free_ports(n: int, host: str = "127.0.0.1") -> int:
                 continue
 
 
-def wait_http(url: str, timeout: float = 30.0, ok=(200,), proc: subprocess.Popen | None = None) -> None:
-    """Poll `url` until it answers with an `ok` status; give up early if `proc` exits."""
+def wait_http(url: str, timeout: float = 30.0, ok=(200,), proc: subprocess.Popen | None = None,
+              check: Callable[[], None] | None = None) -> None:
+    """Poll `url` until it answers with an `ok` status; give up early if `proc` exits, or with what `check` raises
+    (called before each try: every 50 ms while the port refuses or the answer is not ok, the usual wait; up to 2 s
+    apart for a listener that never answers, a try's own timeout)."""
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     while time.monotonic() < deadline:
+        if check is not None:
+            check()
         if proc is not None and proc.poll() is not None:
             raise TimeoutError(f"process exited with code {proc.returncode} before {url} was ready")
         try:
@@ -157,9 +162,11 @@ class Stack:
     failure_mode_allow: bool | None = None  # override envoy.yaml's (False: fail closed)
     speed: float = 1.0  # the demo's time compression (envoyconf.render's `speed`)
     answer_sample_percent: int | None = None  # envoyconf.render's: None keeps envoy.yaml's
-    # Called with each process's name before it starts; raises to start nothing more (`extproc demo` once a signal
-    # came: its start is synchronous, and the task's cancel lands only at the next await, after the whole start).
-    before_spawn: Callable[[str], None] | None = None
+    # Called with what is about to happen (a process starting, or the wait for one to become ready, at each poll);
+    # raises to start nothing more and end that wait (`extproc demo` once a signal came: its start is synchronous,
+    # and the task's cancel lands only at the next await, after the whole start: a signal during a readiness wait
+    # was acted on up to 30 s later).
+    check: Callable[[str], None] | None = None
     processes: list[Process] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -186,9 +193,13 @@ class Stack:
     def admin_url(self) -> str:
         return f"http://127.0.0.1:{self.admin_port}"
 
+    def checker(self, what: str) -> Callable[[], None] | None:
+        """`check` for `what`, as the argless callable a wait takes (None: nothing to check)."""
+        return (lambda: self.check(what)) if self.check is not None else None
+
     def spawn(self, name: str, argv: list[str], env: dict | None = None) -> Process:
-        if self.before_spawn is not None:
-            self.before_spawn(name)
+        if self.check is not None:
+            self.check(f"{name} started")
         log_path = self.workdir / f"{name}.log"
         log = open(log_path, "ab")
         # reaper.spawn: if this process dies without stop(), its watchdog stops them.
@@ -212,7 +223,8 @@ class Stack:
             "--grpc", f"127.0.0.1:{self.grpc_ports[i]}", "--metrics", f"127.0.0.1:{self.metrics_ports[i]}",
             "--drain-s", "0", "--grace-s", "5", *self.extproc_args])
         try:
-            wait_http(f"http://127.0.0.1:{self.metrics_ports[i]}/healthz", timeout=30, proc=proc.popen)
+            wait_http(f"http://127.0.0.1:{self.metrics_ports[i]}/healthz", timeout=30, proc=proc.popen,
+                      check=self.checker(f"{proc.name} ready"))
         except TimeoutError:
             raise RuntimeError(f"ext_proc did not start:\n{proc.tail()}") from None
         return proc
@@ -232,7 +244,7 @@ class Stack:
                                     str(self.envoy_concurrency), "--log-level", "warning",
                                     "--base-id", str(self.admin_port), "--disable-hot-restart"])
         try:
-            wait_http(f"{self.admin_url}/ready", timeout=30, proc=proc.popen)
+            wait_http(f"{self.admin_url}/ready", timeout=30, proc=proc.popen, check=self.checker("envoy ready"))
         except TimeoutError:
             raise RuntimeError(f"envoy did not start:\n{proc.tail()}") from None
         return proc

@@ -8,11 +8,14 @@ import asyncio
 import os
 import signal
 import subprocess
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from extproc.tools import reaper
+from extproc.tools.demo.runner import Interrupt, start_pool
 from extproc.tools.stack import Process, Stack, stop_group
 from tests.conftest import until
 from tests.integration.test_stack_cli import _children
@@ -79,3 +82,35 @@ def test_stop_group_stops_what_the_leader_leaves_behind(stack):
     assert time.monotonic() - t0 < 5
     assert proc.popen.returncode == -signal.SIGTERM  # the leader exited on the SIGTERM
     assert [p for p in map(reaper.running, pids) if p] == []
+
+
+@pytest.mark.parametrize("start", ["sim", "extproc", "envoy"])
+def test_a_signal_during_a_readiness_wait_ends_the_wait_at_once_and_starts_nothing_more(stack, monkeypatch, start):
+    """`extproc demo` waits up to 30 s for each process of a stack to be ready (synchronous code: the cancel of its
+    task lands at the next await only). A SIGTERM during that wait was acted on when the wait ended, up to 30 s
+    later; the wait now checks the demo's interrupt at each poll. The process here never becomes ready."""
+    interrupt = Interrupt()
+    stack.check, stack.policy_path = interrupt.check, Path("policies/default.yaml")
+    stack.pools["vllm_llama70b"] = [("127.0.0.1", stack.listen_port)]  # for Envoy's config; nothing is sent there
+    spawn = stack.spawn
+    monkeypatch.setattr(stack, "spawn", lambda name, argv, env=None: spawn(name, ["sleep", "60"]))
+    begin = {"sim": lambda: start_pool(stack, "p", "h100-llama70b-awq", 1, ["m"], 1.0, 0),
+             "extproc": stack.start_extproc, "envoy": stack.start_envoy}[start]
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: setattr(interrupt, "signum", signum))
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM))  # as the demo's handler does (_main)
+    try:
+        t0 = time.monotonic()
+        timer.start()
+        with pytest.raises(asyncio.CancelledError, match="SIGTERM came before .* ready"):
+            begin()
+        took = time.monotonic() - t0
+    finally:
+        timer.cancel()
+        timer.join()
+        signal.signal(signal.SIGTERM, previous)
+    assert took < 2.0  # 30 s before
+    with pytest.raises(asyncio.CancelledError, match="SIGTERM came before next started"):
+        stack.spawn("next", ["sleep", "60"])
+    assert [p.name for p in stack.processes] == ["sim-p" if start == "sim" else start]
+    stack.stop()
+    assert stack.processes == []

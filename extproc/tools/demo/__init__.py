@@ -154,7 +154,7 @@ async def demo(args: argparse.Namespace, command: str, interrupt: Interrupt | No
         print(policy_lines(modes), flush=True)
     results: list[ModeResult] = []
     for mode in modes:
-        settings.interrupt.check(f"mode {mode.key}")  # a signal while the previous mode's stack stopped
+        settings.interrupt.check(f"mode {mode.key} started")  # a signal while the previous mode's stack stopped
         print(f"== mode {mode.key}: {mode.label}", flush=True)
         res = await run_mode(mode, scenario, settings)
         results.append(res)

@@ -46,8 +46,9 @@ class Interrupt:
         self.signum: int | None = None
 
     def check(self, what: str) -> None:
+        """Raises once a signal came, before `what` (say "mode d started", "envoy ready")."""
         if self.signum is not None:
-            raise asyncio.CancelledError(f"{signal.Signals(self.signum).name}: {what} not started")
+            raise asyncio.CancelledError(f"{signal.Signals(self.signum).name} came before {what}")
 
 
 @dataclass
@@ -90,8 +91,10 @@ def start_pool(stack: Stack, name: str, profile: str, replicas: int, model_names
     log = stack.workdir / f"sim-{name}.log"
     seen = log.stat().st_size if log.exists() else 0  # logs are appended to: skip an earlier run's ready line
     proc = stack.spawn(f"sim-{name}", argv)
-    deadline = time.monotonic() + timeout_s
+    deadline, check = time.monotonic() + timeout_s, stack.checker(f"{proc.name} ready")
     while time.monotonic() < deadline:
+        if check is not None:
+            check()
         with open(proc.log_path, "rb") as f:
             f.seek(seen)
             lines = f.read().decode(errors="replace").splitlines()
@@ -110,7 +113,7 @@ def build_stack(mode: Mode, scenario: Scenario, settings: RunSettings) -> Stack:
     workdir = settings.workdir / f"mode-{mode.key}"
     adaptive = mode.adaptive if mode.stack_mode == "adaptive" else None  # simulated seconds: Envoy's divided by speed
     stack = Stack(workdir, {}, mode=mode.stack_mode, lb_policy=mode.lb_policy, adaptive=adaptive,
-                  speed=settings.speed, before_spawn=settings.interrupt.check)
+                  speed=settings.speed, check=settings.interrupt.check)
     try:
         for i, pool in enumerate(scenario.pools):
             stack.pools[pool.name] = start_pool(stack, pool.name, pool.profile, pool.replicas, pool.model_names,
