@@ -28,7 +28,12 @@ Every key of the policy YAML (`extproc serve --policy FILE`), its type, default 
 `extproc check --envoy envoy/envoy.yaml FILE` also refuses a model whose `cluster` that Envoy config lacks, and
 routes or ext_proc settings that let requests reach a model pool unadmitted or on another pool than they were
 counted against (docs/envoy-integration.md, section 7).
-The ext_proc reloads the file on change or SIGHUP; an invalid file is refused and the running policy stays. Signals
+The ext_proc reloads the file on change or SIGHUP; an invalid file is refused and the running policy stays. From its
+start: the CLI ignores SIGHUP before it imports the server, until the server takes it over; the Python
+interpreter's own start before that (about 30 ms from exec on an idle machine, more under load) is left to SIGHUP's
+default action, which ends the process. A launcher that may signal it that early starts it
+with SIGHUP ignored (`nohup`, or `trap '' HUP` before `exec extproc serve`): the server still takes it over for
+reloads, as `--workers`' children do. Signals
 that come while a reload waits for its turn are that reload (it reads the file as it is when its turn comes), and
 a file byte for byte the one applied last is not parsed again: a burst of SIGHUPs costs at most one parse after
 the one running. A file of 32 kB or more (a few hundred tenants) is parsed in a child process: a 2,000-tenant
