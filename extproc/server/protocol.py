@@ -142,8 +142,6 @@ def read_response_headers(msg: pb.HttpHeaders) -> tuple[int, bytes, int | None, 
             content_type = h.raw_value
         elif k == "content-length" and h.raw_value.isdigit():
             length = int(h.raw_value)
-        elif k == "content-type" and head.content_type is None:
-            head.content_type = h.raw_value
         elif k == "content-encoding" and h.raw_value.strip().lower() not in (b"", b"identity"):
             encoded = True
     return status, content_type, length, encoded
