@@ -57,6 +57,7 @@ bench: venv system-deps
 	$(BIN)/python bench/decision.py
 	$(BIN)/python bench/scale.py
 	$(BIN)/python bench/cardinality.py
+	$(BIN)/python bench/gc_pauses.py
 	$(BIN)/python bench/cost_estimate.py
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/transport.py
