@@ -480,13 +480,13 @@ class FrozenHeap:
 
     def __init__(self) -> None:
         self._full_at: int | None = None  # how many were frozen after the last full collection
-        self._added = 0  # how many were frozen since the last count
+        self._added = 0  # how many more are frozen now, at most (those freed since the last count not deducted)
 
     def settle(self) -> None:
         full = self._full_at is None
         if not full and self._added > self._full_at * self.REGROWTH:
-            self._added = 0
-            full = gc.get_freeze_count() > self._full_at * (1 + self.REGROWTH)
+            self._added = gc.get_freeze_count() - self._full_at  # what was added less what was freed
+            full = self._added > self._full_at * self.REGROWTH
         if full:
             gc.unfreeze()
         gc.collect()

@@ -87,9 +87,10 @@ def test_cycles_frozen_alive_and_dropped_after_are_freed_and_reloads_do_not_grow
         gc.collect()
         tracked.append(len(gc.get_objects()) + gc.get_freeze_count())
     still = sum(r() is not None for r in alive)
-    bound = frozen_at_start * FrozenHeap.REGROWTH / links + 2
     assert alive[0]() is None
-    assert still <= bound, f"{still} of 40 cycles still kept (at most {bound:.0f} expected)"
+    # At most a quarter of the heap frozen since the last full collection (~10 cycles here; more where other frozen
+    # objects were freed meanwhile, as the suite's are): far from all 40.
+    assert still < 20, f"{still} of 40 cycles still kept"
     assert max(tracked) - tracked[0] <= frozen_at_start * FrozenHeap.REGROWTH + 2 * links
 
 
