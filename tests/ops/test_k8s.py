@@ -530,6 +530,16 @@ def test_envoy_gateway_strips_every_header_of_ours_a_client_sends_as_envoy_yaml_
     assert early == hcm["early_header_mutation_extensions"]
 
 
+def test_envoy_gateway_asks_for_the_response_attributes_envoy_yaml_asks_for(gateway):
+    """response.code_details tells the ext_proc that Envoy answered a request itself (not_routed) where no access
+    log reports it; the Gateway's ext_proc filter must ask for what envoy.yaml's does."""
+    ops = gateway.get("EnvoyPatchPolicy", "extproc-admission")["spec"]["jsonPatches"]
+    (asked,) = [p["operation"]["value"] for p in ops if p["operation"]["path"] == "/response_attributes"]
+    hcm = envoyconf.load_source()["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"]
+    assert asked == hcm["http_filters"][0]["typed_config"]["response_attributes"]
+
+
 def test_envoy_patch_policy_values_pass_envoy_validate(gateway, tmp_path):
     """The Envoy config the patches add, assembled into one bootstrap: clusters as they are, the ext_proc filter and
     connection manager as envoy.yaml has them with the patched fields replaced by the patch values."""
@@ -551,8 +561,8 @@ def test_envoy_patch_policy_values_pass_envoy_validate(gateway, tmp_path):
             node[field] = value
         elif op["path"] in ("/request_trailer_mode", "/response_trailer_mode"):
             ext_proc["processing_mode"][op["path"][1:]] = value
-        elif op["path"] == "/max_message_timeout":
-            ext_proc["max_message_timeout"] = value
+        elif op["path"] in ("/max_message_timeout", "/response_attributes"):
+            ext_proc[op["path"][1:]] = value
         elif op["path"] == "/early_header_mutation_extensions":
             hcm["early_header_mutation_extensions"] = value
         elif op["path"] == "/access_log/-":
