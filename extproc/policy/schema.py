@@ -106,7 +106,8 @@ class FallbackSpec:
                                  "request's own model, a request that asked for no more than this is not "
                                  "degraded (nothing would change): it gets the refusal instead.", None,
                                  minimum=1)
-    stream: bool | None = doc("degrade: `false` asks the replica for one answer instead of a stream (chat and "
+    stream: bool | None = doc("degrade: `false` (the only value: `true` is refused, since the gateway never turns "
+                              "streaming on) asks the replica for one answer instead of a stream (chat and "
                               "completions; a Responses API stream keeps streaming). A client that asked to stream "
                               "still reads a stream: the whole answer as one chunk per choice (and the usage chunk "
                               "if it asked), once the answer is complete; an answer over `--max-body-bytes` (4 "
@@ -1097,8 +1098,11 @@ def _check_references(p: Policy, errors: list[str]) -> None:
         if fb.model is not None and fb.model not in p.models:
             errors.append(f"classes.{name}.fallback.model: unknown model {fb.model!r} "
                           f"(models: {', '.join(p.models)})")
-        if fb.action == "degrade" and fb.model is None and fb.max_tokens is None and fb.stream is None:
-            errors.append(f"classes.{name}.fallback: action degrade needs model, max_tokens or stream")
+        if fb.stream is True:  # the gateway turns streams off, never on: `true` would read as doing something
+            errors.append(f"classes.{name}.fallback.stream: only `false` (answer in one piece instead of a "
+                          f"stream) is a degrade; leave it out to keep each request's own choice")
+        elif fb.action == "degrade" and fb.model is None and fb.max_tokens is None and fb.stream is None:
+            errors.append(f"classes.{name}.fallback: action degrade needs model, max_tokens or stream: false")
         for key in _DEGRADE_ONLY:
             if fb.action != "degrade" and getattr(fb, key) is not None:
                 errors.append(f"classes.{name}.fallback.{key}: only action degrade uses it, and the action is "

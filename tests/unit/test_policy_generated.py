@@ -123,6 +123,8 @@ def generate(rng: random.Random) -> dict:
         spec.setdefault("max_concurrency", rng.randint(1, 4))
         spec["max_concurrency"] = min(spec["max_concurrency"], 4 if rng.random() < 0.8 else 10**6)
         fb = spec.get("fallback")
+        if fb is not None and fb.get("stream") is True:
+            fb["stream"] = False  # the one value a degrade takes (true is refused)
         if fb is not None and fb.get("action") != "degrade":
             for k in schema._DEGRADE_ONLY:
                 fb.pop(k, None)

@@ -433,3 +433,17 @@ def test_a_rate_limit_no_bucket_can_hold_is_refused():
     assert any(e.startswith("anonymous.requests_per_minute: ") for e in errs)
     load_policy({**BASE, "tenants": [{"name": "t", "api_keys": ["k"], "tokens_per_minute": 10**12,
                                       "burst_s": 86400}]})
+
+
+@pytest.mark.parametrize("fallback", [{"action": "degrade", "stream": True},
+                                      {"action": "degrade", "model": "m", "stream": True}])
+def test_a_fallback_that_would_turn_streaming_on_is_refused(fallback):
+    # The gateway turns streams off (an answer in one piece), never on: `stream: true` passed validation and did
+    # nothing, and on its own made every degrade a refusal ("is the model it asked for").
+    data = {**BASE, "classes": {"a": {"max_concurrency": 1, "fallback": fallback}}}
+    (error,) = errors_of(data)
+    assert error.startswith("classes.a.fallback.stream: only `false`"), error
+
+
+def test_a_fallback_that_turns_streaming_off_is_a_degrade():
+    load_policy({**BASE, "classes": {"a": {"max_concurrency": 1, "fallback": {"action": "degrade", "stream": False}}}})
