@@ -215,8 +215,8 @@ def canned(d: Decision, body: RequestBody) -> pb.ProcessingResponse:
                ("x-extproc-degraded", f"canned; reason={d.reason}"), *d.headers]  # x-ratelimit-*, as on every answer
     if d.retry_after:
         headers.append(("retry-after", str(d.retry_after)))
-    if d.status >= 300:
-        return _error(d.status, d.message, d.reason, headers)
+    if d.status >= 300:  # the client is refused: the reason in its header too, as on every refusal
+        return _error(d.status, d.message, d.reason, [*headers, ("x-extproc-reason", d.reason)])
     raw, content_type = canned_body(body, d.message)
     return immediate(d.status, raw, headers, f"extproc_{d.reason}", content_type)
 

@@ -415,6 +415,21 @@ def test_a_canned_fallback_answers_in_the_endpoints_shape_without_a_slot(clock):
     assert json.loads(answer.immediate_response.body)["choices"][0]["message"]["content"] == "busy"
 
 
+def test_a_canned_error_status_says_its_reason_as_every_refusal_does(clock):
+    # An audit of what clients see: a canned fallback's 503 carried x-extproc-decision and the body's code but no
+    # x-extproc-reason, which the README promises on every refusal.
+    p = processor(clock, **one_class(max_concurrency=1, max_queue=0, on_overflow="fallback",
+                                     fallback={"action": "canned", "status": 503, "message": "busy"}))
+    admitted(p)
+    s = Stream(p)
+    s.receive(request_headers())
+    answer = s.receive(request_body())
+    assert immediate_status(answer) == 503 and s.held is None
+    headers = {h.header.key: h.header.raw_value for h in answer.immediate_response.headers.set_headers}
+    assert headers["x-extproc-reason"] == b"queue_full"
+    assert json.loads(answer.immediate_response.body)["error"]["code"] == "queue_full"
+
+
 # --- the final admission ---
 
 def queued(p: Processor, **headers: bytes):
