@@ -217,6 +217,35 @@ def tokenize_cases() -> dict:
     return out
 
 
+# The output caps when a body sets more than one, or one beside what changes its reading: chat's
+# max_completion_tokens x its deprecated max_tokens (vLLM obeys the first that is not null and only type-checks the
+# other), completions' max_tokens with echo (0 scores the prompt), the Responses API's max_output_tokens. 4096 is
+# beyond the context, 10**20 beyond any integer vLLM's engine holds.
+TOKEN_CAPS = [3, 0, -1, None, "<absent>", "x", 4096, 10**20]
+
+
+def token_cap_cases() -> dict:
+    out = {}
+    chat_path, chat = BASES["chat"]
+    for completion_cap in TOKEN_CAPS:
+        for cap in TOKEN_CAPS:
+            changes = [("max_completion_tokens", completion_cap), ("max_tokens", cap)]
+            out[name_of("chat", changes)] = {"path": chat_path, "body": changed(chat, changes),
+                                             "fields": ["max_completion_tokens", "max_tokens"]}
+    comp_path, comp = BASES["completions"]
+    for echo in (True, "yes", False):
+        for cap in TOKEN_CAPS + ["0", 0.0, False]:
+            changes = [("echo", echo), ("max_tokens", cap)]
+            out[name_of("completions", changes)] = {"path": comp_path, "body": changed(comp, changes),
+                                                    "fields": ["echo", "max_tokens"]}
+    resp_path, resp = BASES["responses"]
+    for cap in (10**20, "3", True, False):
+        changes = [("max_output_tokens", cap)]
+        out[name_of("responses", changes)] = {"path": resp_path, "body": changed(resp, changes),
+                                              "fields": ["max_output_tokens"]}
+    return out
+
+
 def all_cases() -> tuple[dict, dict]:
     """(JSON cases, stream cases), each {name: {"path", "body", "fields"}}."""
-    return single_cases() | pair_cases() | tokenize_cases() | item_cases(), stream_cases()
+    return single_cases() | pair_cases() | tokenize_cases() | item_cases() | token_cap_cases(), stream_cases()
