@@ -295,8 +295,10 @@ raw bytes before the body is parsed."""),
            "",
            """\
 **400.** The JSON is an object but a field admission reads is wrong; `error.param` names it: `model` missing or
-not a non-empty string, `max_tokens`/`max_completion_tokens` not a positive integer (a completions request with
-`echo: true` may set `max_tokens: 0`, to read its prompt's logprobs, as vLLM allows), `stream` not a boolean, or the
+not a non-empty string, the output cap vLLM obeys not a positive integer (chat's `max_completion_tokens`, or its
+`max_tokens` when that is null or absent: the other need only be an integer, as vLLM only type-checks it, and is
+not charged; a completions request with `echo: true` may set `max_tokens: 0`, to read its prompt's logprobs, as
+vLLM allows), `stream` not a boolean, or the
 class field (`classify.body_field`, default `priority`) neither a class name nor an integer, or `n` not a positive
 integer (`best_of`, which vLLM 0.32 ignores, is neither read nor counted). Integers are read as vLLM's models read
 them: `"8"`, `8.0` and `true` are 8, 8 and 1, and a `stream` of `"yes"` or `1` streams, one of `"false"` or `0`

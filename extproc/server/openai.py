@@ -168,11 +168,17 @@ def parse_body(raw: bytes, endpoint: Endpoint, class_field: str,
         elif endpoint.takes and route is not INVOCATIONS:  # (a pooling model's /invocations: its own reading)
             _check_pooling(doc, endpoint.takes)
     scores_prompt = _scores_prompt_only(doc, endpoint)
-    for field in endpoint.token_fields:  # every one is checked; the first set is the one the replica obeys
-        value = 1 if scores_prompt else _positive_int(doc, field)
-        if body.max_tokens is None and value is not None:
-            body.max_tokens, body.max_tokens_field = value, field
-    if body.max_tokens is None:
+    # vLLM 0.32 obeys the first cap field that is not null (chat's max_completion_tokens, then its deprecated
+    # max_tokens) and only reads the others as integers: `max_tokens: 0` or `-1` beside `max_completion_tokens: 5`
+    # runs 5 tokens, and `max_completion_tokens: 0` beside `max_tokens: 5` is refused (differential.json).
+    obeyed = next((field for field in endpoint.token_fields if doc.get(field) is not None), None)
+    for field in endpoint.token_fields:
+        if field != obeyed:
+            _integer(doc, field)
+    if obeyed is not None:
+        body.max_tokens = 1 if scores_prompt else _positive_int(doc, obeyed)
+        body.max_tokens_field = obeyed
+    else:
         body.max_tokens = endpoint.default_max_tokens
     if endpoint.token_fields:
         # Not best_of: vLLM 0.32 has none (an ignored field, one sequence generated); counted, it overcharged. Nor
@@ -618,6 +624,13 @@ def _prompt_count(doc: dict[str, Any]) -> int:
     if type(prompt) is list and prompt and all(type(p) is str or type(p) is list for p in prompt):
         return count + len(prompt)
     return count + 1 if prompt is not None or not count else count  # one string, or one prompt of token ids
+
+
+def _integer(doc: dict[str, Any], field: str) -> None:
+    """A field vLLM reads as an integer and then ignores (a cap beside the one it obeys): any lax integer or null."""
+    value = _lax_int(doc.get(field))
+    if value is not None and type(value) is not int:
+        raise BadRequest(f"`{field}` must be an integer, got {_show(doc.get(field))}.", field)
 
 
 def _positive_int(doc: dict[str, Any], field: str) -> int | None:

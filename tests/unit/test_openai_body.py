@@ -32,8 +32,46 @@ def test_max_completion_tokens_wins_over_max_tokens_as_in_vllm():
     assert parse({"model": "m", "max_completion_tokens": 9}).max_tokens == 9
     assert parse({"model": "m", "max_tokens": 1, "max_completion_tokens": 3000}).max_tokens == 3000
     assert parse({"model": "m", "max_tokens": 20, "max_completion_tokens": 9}).max_tokens == 9
-    with pytest.raises(BadRequest):  # both are still checked
-        parse({"model": "m", "max_tokens": -1, "max_completion_tokens": 9})
+
+
+# vLLM 0.32's chat request obeys max_completion_tokens unless it is null and only reads max_tokens as an integer
+# then (tests/fixtures/vllm/differential.json, chat:max_completion_tokens=...,max_tokens=...): a cap vLLM ignores is
+# no reason to refuse, and the one it obeys is the one charged, and named in errors.
+@pytest.mark.parametrize("doc,cap,field", [
+    ({"max_completion_tokens": 3, "max_tokens": 0}, 3, "max_completion_tokens"),
+    ({"max_completion_tokens": 3, "max_tokens": -1}, 3, "max_completion_tokens"),
+    ({"max_completion_tokens": 3, "max_tokens": 10**20}, 3, "max_completion_tokens"),
+    ({"max_completion_tokens": "3", "max_tokens": 4096.0}, 3, "max_completion_tokens"),
+    ({"max_completion_tokens": None, "max_tokens": 5}, 5, "max_tokens"),
+    ({"max_completion_tokens": 7, "max_tokens": None}, 7, "max_completion_tokens"),
+])
+def test_the_cap_vllm_obeys_is_the_one_read_and_the_other_is_only_type_checked(doc, cap, field):
+    b = parse({"model": "m", **doc})
+    assert (b.max_tokens, b.max_tokens_field) == (cap, field)
+
+
+@pytest.mark.parametrize("doc,param", [
+    ({"max_completion_tokens": 0, "max_tokens": 3}, "max_completion_tokens"),  # vLLM: max_tokens must be at least 1
+    ({"max_completion_tokens": -1, "max_tokens": 3}, "max_completion_tokens"),
+    ({"max_completion_tokens": None, "max_tokens": 0}, "max_tokens"),
+    ({"max_completion_tokens": 3, "max_tokens": "x"}, "max_tokens"),  # pydantic refuses it either way
+    ({"max_completion_tokens": 3, "max_tokens": 2.5}, "max_tokens"),
+    ({"max_completion_tokens": 3, "max_tokens": [3]}, "max_tokens"),
+    ({"max_completion_tokens": "x", "max_tokens": 3}, "max_completion_tokens"),
+    ({"max_completion_tokens": 10**20, "max_tokens": 3}, "max_completion_tokens"),
+])
+def test_a_cap_pair_vllm_refuses_is_400_naming_the_field(doc, param):
+    with pytest.raises(BadRequest) as e:
+        parse({"model": "m", **doc})
+    assert (e.value.status, e.value.param) == (400, param)
+
+
+@pytest.mark.parametrize("echo,cap,read", [(True, 0, 1), ("yes", "0", 1), (True, 0.0, 1), (True, False, 1),
+                                           (False, 3, 3), (True, None, 16), (True, 3, 3)])
+def test_a_completions_cap_with_echo_is_read_as_vllm_reads_it(echo, cap, read):
+    # max_tokens 0 (or what pydantic reads as 0) with echo scores the prompt: one token per prompt.
+    raw = json.dumps({"model": "m", "prompt": "p", "echo": echo, "max_tokens": cap}).encode()
+    assert parse_body(raw, COMPLETIONS, "priority", CLASSES).max_tokens == read
 
 
 @pytest.mark.parametrize("prompt,sequences", [

@@ -1329,6 +1329,8 @@ def test_a_reload_between_the_headers_and_the_body_does_not_turn_streaming_off_u
     (b"/v1/responses", {"input": "hi", "max_output_tokens": 5000}, "max_output_tokens"),
     (CHAT, {"messages": HI, "max_completion_tokens": 5000}, "max_completion_tokens"),
     (CHAT, {"messages": HI, "max_tokens": 1, "max_completion_tokens": 5000}, "max_completion_tokens"),
+    (CHAT, {"messages": HI, "max_tokens": 0, "max_completion_tokens": 5000}, "max_completion_tokens"),
+    (CHAT, {"messages": HI, "max_tokens": 5000, "max_completion_tokens": None}, "max_tokens"),
     (CHAT, {"messages": HI, "max_tokens": 5000}, "max_tokens"),
     (b"/v1/completions", {"prompt": "hi", "max_tokens": 5000}, "max_tokens"),
     (b"/invocations", {"messages": HI, "max_completion_tokens": 5000}, "max_completion_tokens"),
@@ -1353,6 +1355,9 @@ def test_an_output_cap_beyond_the_context_is_refused_naming_the_field_the_client
     (b"/v1/responses", {"input": "x" * 4000, "max_output_tokens": 1000}, "max_output_tokens"),
     (b"/v1/responses", {"input": "x" * 40000}, "max_output_tokens"),  # none sent: the endpoint's own name
     (CHAT, {"messages": [{"role": "user", "content": "x" * 4000}], "max_completion_tokens": 1000},
+     "max_completion_tokens"),
+    # vLLM ignores a max_tokens of -1 beside max_completion_tokens (differential.json): charged the one it obeys
+    (CHAT, {"messages": [{"role": "user", "content": "x" * 4000}], "max_tokens": -1, "max_completion_tokens": 1000},
      "max_completion_tokens"),
     (CHAT, {"messages": [{"role": "user", "content": "x" * 4000}], "max_tokens": 1000}, "max_tokens"),
     (b"/v1/completions", {"prompt": "x" * 4000, "max_tokens": 1000}, "max_tokens"),

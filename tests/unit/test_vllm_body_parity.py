@@ -48,10 +48,10 @@ def theirs(case: dict) -> dict:
 
 
 def _cap_vllm_does_not_run(case: dict, e: BadRequest) -> bool:
-    """A cap below 1 that vLLM never acts on: max_tokens beside a max_completion_tokens (which wins), or under beam
-    search (which then runs no step). Every cap field is checked here, as docs/troubleshooting.md says."""
+    """A cap below 1 under beam search, which then runs no step. (A cap below 1 beside the one vLLM obeys, chat's
+    max_tokens beside a max_completion_tokens, is not refused: vLLM runs the body.)"""
     value = doc_of(case).get(e.param)
-    return e.param in TOKEN_FIELDS and type(value) in (int, float) and value < 1
+    return case["vllm"]["beam_search"] and e.param in TOKEN_FIELDS and type(value) in (int, float) and value < 1
 
 
 def _both_kinds(case: dict, e: BadRequest) -> bool:
@@ -197,6 +197,31 @@ def test_vllm_runs_every_body_the_gateway_admits_for_what_runs_and_refuses_the_r
         if case["status"] == 200 and refused:
             refused_run.append(name)
         if case["status"] != 200 and not refused and not _left_to_vllm(request):
+            admitted_refused.append(name)
+    assert not refused_run, f"refused, but vLLM runs them: {refused_run}"
+    assert not admitted_refused, f"admitted, but vLLM refuses them before running anything: {admitted_refused}"
+
+
+CAP_FIELDS = {*TOKEN_FIELDS, "echo"}
+
+
+def test_output_caps_are_refused_exactly_where_vllm_refuses_them():
+    # differential.json's token_cap_cases (chat's max_completion_tokens x max_tokens, completions' max_tokens with
+    # echo, the Responses API's max_output_tokens) and the single-field ones. `max_tokens: 0` or `-1` beside a
+    # valid max_completion_tokens was refused here, and vLLM runs it (it obeys max_completion_tokens). A cap beyond
+    # the context is vLLM's 400 too, but the gateway needs the model's context for it: admission refuses it
+    # (tests/unit/test_stream.py), so parse_body may let it through.
+    cases = {name: c for name, c in DIFFERENTIAL.items() if c["request"]["path"] in RUN_FIELD
+             and set(c["request"]["fields"]) <= CAP_FIELDS and set(c["request"]["fields"]) & set(TOKEN_FIELDS)}
+    assert len(cases) >= 100 and sum(c["status"] == 200 for c in cases.values()) >= 30
+    refused_run, admitted_refused = [], []
+    for name, case in cases.items():
+        param = _refusing_param(case["request"])
+        assert param is None or param in case["request"]["fields"], (name, param)
+        if case["status"] == 200 and param is not None:
+            refused_run.append(name)
+        beyond_context = "cannot be greater than max_model_len" in json.dumps(case.get("body"))
+        if case["status"] != 200 and param is None and not beyond_context:
             admitted_refused.append(name)
     assert not refused_run, f"refused, but vLLM runs them: {refused_run}"
     assert not admitted_refused, f"admitted, but vLLM refuses them before running anything: {admitted_refused}"
