@@ -19,7 +19,7 @@ from .policy.breakers import STATE_VALUES, Breaker, LatencyBreaker
 from .policy.decision import INVALID, Canned
 from .policy.sustained import SustainedLoad
 from .policy.limits import Outcome, Ticket, Waiter
-from .policy.pool import LOAD_TOLERANCE
+from .policy.pool import LIMIT_MOVES, LOAD_TOLERANCE
 from .policy.schema import LATENCY_BUCKETS
 from .store.shared_slots import STORE_STATES
 
@@ -167,7 +167,8 @@ class Telemetry:
         self.pool_limit_moves = _Children(Counter(
             "extproc_pool_limit_moves", "Moves of a pool-wide limit by why: cut_saturated (the replicas report "
             "saturation), cut_latency (an SLO class's service time over its target), raise (requests wait and the "
-            "latency has room), settle (the limit does not bind: down towards the recent peak).",
+            "latency has room), settle (the limit does not bind: down towards the recent peak), onset_cap (a surge of "
+            "the first class's arrivals, capped at the load its curve says meets the target).",
             ["pool", "action"], registry=r))
         self.reloads = _Children(Counter(
             "extproc_config_reload", "Policy reloads by result.", ["result"], registry=r))
@@ -313,10 +314,12 @@ class Telemetry:
         self.shadow_decisions[cls, would, reason].inc()  # the request's own log line carries `would`
 
     def breaker_created(self, cls: str, pool: str, breaker: Breaker) -> None:
-        """Its transition series start at 0: one born at 1 gives rate() nothing, and the dashboard's transitions
-        panel missed the first trip of every breaker of every process."""
+        """Its transition series (and a latency breaker's yields) start at 0: one born at 1 gives rate() nothing, and
+        the dashboard's transitions panel missed the first trip of every breaker of every process."""
         for state in STATE_VALUES:
             self.breaker_transitions[cls, pool, breaker.kind, state]
+        if isinstance(breaker, LatencyBreaker):  # what would trip it may make the lower classes yield instead
+            self.pool_yields[pool, cls]
 
     def breaker_changed(self, cls: str, pool: str, breaker: Breaker, state: str) -> None:
         self.breaker_transitions[cls, pool, breaker.kind, state].inc()
@@ -357,6 +360,7 @@ class Telemetry:
         self.reload_ok.set(1 if applied else 0)
         if applied and self._core is not None:
             self._alerted_at_zero(self._core)
+            self._pool_moves_at_zero(self._core)
             self._end_removed_tenants(set(self._core.classifier.tenant_names))
             self._end_removed_pools(self._core)
 
@@ -389,12 +393,21 @@ class Telemetry:
             self.duration[(cls, "upstream_error")]  # ExtprocUpstreamErrors rates it
             self.duration[(cls, "not_routed")]      # ExtprocRequestsNotRouted
 
+    def _pool_moves_at_zero(self, core: AdmissionController) -> None:
+        """Create at 0 each pool-wide limit's move series: one born at 1 gives increase() nothing, and the
+        dashboard's "Limit moves and lower classes yielding" panel missed the first move of each kind (an incident's
+        first cut_saturated) of every process. (The yields start at 0 with the latency breaker: breaker_created.)"""
+        for pool in core.gates:
+            for action in LIMIT_MOVES:
+                self.pool_limit_moves[pool, action]
+
     # --- scrape-time gauges ---
 
     def watch(self, core: AdmissionController, sustained: SustainedLoad | None = None) -> None:
         """Register gauges read from the core at scrape time (no per-request gauge updates)."""
         self._core = core
         self._alerted_at_zero(core)
+        self._pool_moves_at_zero(core)
         self._gauges = _CoreGauges(core, sustained)
         self.registry.register(self._gauges)
 

@@ -46,6 +46,8 @@ ROOMY_KV = 0.6
 # Latency over the target is cut for only when it is also this much over the class's calm baseline: requests
 # that are slow at any load (long outputs, long prompts) are not made faster by a lower limit, only refused.
 LOAD_TOLERANCE = 1.2
+# The controller's last_action values that move the limit (extproc_pool_limit_moves_total's `action`).
+LIMIT_MOVES = ("cut_saturated", "cut_latency", "raise", "settle", "onset_cap")
 BASELINE_DRIFT = 0.01  # per interval: the baseline follows a slower mix within a minute or two
 RAISE_GAIN = 4.0  # a raise takes its full `max_raise` step once the latency is 25% under the target
 # Raises compound: within one feedback delay (the classes' median service time: what a raise takes to show in

@@ -113,6 +113,24 @@ def test_breaker_transitions_exist_at_zero_from_the_breakers_creation():
                     f' 0.0') in text, (kind, to)
 
 
+def test_pool_limit_moves_and_yields_exist_at_zero_before_the_first():
+    """A move or yield series born at 1 gives increase() nothing: the dashboard's "Limit moves and lower classes
+    yielding" panel missed the first cut of each kind of every process (an incident's first cut_saturated), and
+    the first yield of each class, in a real run read back from Prometheus (tests/ops/test_dashboard_panels.py)."""
+    t = Telemetry()
+    policy = make_policy(classes={"interactive": {"max_concurrency": 4, "slo_p95_ms": 1000},
+                                  "batch": {"max_concurrency": 4}}, tenants=[],
+                         pools={"pool_a": {"limit": {"enabled": True, "unit": "requests"}}})
+    core = AdmissionController(policy, clock=lambda: 0.0, events=t)
+    t.watch(core)
+    text = generate_latest(t.registry).decode()
+    for action in ("cut_saturated", "cut_latency", "raise", "settle", "onset_cap"):
+        assert f'extproc_pool_limit_moves_total{{action="{action}",pool="pool_a"}} 0.0' in text, action
+    core.decide(RequestFacts(model="llama"))  # interactive's breakers on the pool, its latency breaker among them
+    text = generate_latest(t.registry).decode()
+    assert 'extproc_pool_yields_total{class="interactive",pool="pool_a"} 0.0' in text
+
+
 def test_breaker_state_of_an_idle_class_moves_on_with_time():
     """The state gauge read the breaker's state as the last request left it: a class whose traffic stopped while
     its breaker was open showed 2 (open) for ever, and ExtprocBreakerNotClosed fired on an idle class."""
