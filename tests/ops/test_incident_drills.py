@@ -306,10 +306,10 @@ class Flood(LoopThread):
 
 
 @contextlib.contextmanager
-def start_drill(tmp, answer_sample_percent: int | None = None, slow_ratio: float = 0):
+def start_drill(tmp, answer_sample_percent: int | None = None, slow_ratio: float = 0, base_policy: dict = POLICY):
     """The stack, Prometheus on the scaled rules (no alert pending yet) and the traffic thread, at rest.
     `answer_sample_percent`: the share of header answers Envoy logs (None: envoy.yaml's); `slow_ratio`: the pool's
-    (0: no replica is judged slow)."""
+    (0: no replica is judged slow); `base_policy`: the policy, its pool's replicas and store filled in here."""
     tool("redis-server")
     stack = Stack(tmp / "stack", {}, answer_sample_percent=answer_sample_percent)
     redis = RedisServer(tmp)
@@ -322,7 +322,7 @@ def start_drill(tmp, answer_sample_percent: int | None = None, slow_ratio: float
         replicas = [r for i in range(2) for r in start_pool(stack, f"{POOL}-{i}", "h100-llama70b-awq", 1,
                                                              ["llama-70b"], 1.0, seed=7 + i)]
         stack.pools[POOL] = replicas
-        policy = {**POLICY, "pools": {POOL: {**POLICY["pools"][POOL], "slow_ratio": slow_ratio,
+        policy = {**base_policy, "pools": {POOL: {**base_policy["pools"][POOL], "slow_ratio": slow_ratio,
                                              "replicas": [f"{h}:{p}" for h, p in replicas]}},
                   "store": {"kind": "redis", "url": redis.url, "on_failure": "local"}}
         stack.policy_path = tmp / "policy.yaml"
