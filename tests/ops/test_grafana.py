@@ -26,6 +26,9 @@ REQUIRED = {
     # the shared store going away (store_unavailable, extproc_store_switches_total).
     "degraded in-flight": "extproc_degraded_inflight",
     "shared store switches": "extproc_store_switches_total",
+    # Troubleshooting sends operators to it (alert ExtprocStoreLeasesLost): the fleet may have run over a shared
+    # cap while Redis let running requests' slots expire; no panel showed it.
+    "shared store leases lost": "extproc_store_leases_lost_total",
 }
 
 
