@@ -360,7 +360,7 @@ class Telemetry:
         self.reload_ok.set(1 if applied else 0)
         if applied and self._core is not None:
             self._alerted_at_zero(self._core)
-            self._pool_moves_at_zero(self._core)
+            self._shown_at_zero(self._core)
             self._end_removed_tenants(set(self._core.classifier.tenant_names))
             self._end_removed_pools(self._core)
 
@@ -393,10 +393,13 @@ class Telemetry:
             self.duration[(cls, "upstream_error")]  # ExtprocUpstreamErrors rates it
             self.duration[(cls, "not_routed")]      # ExtprocRequestsNotRouted
 
-    def _pool_moves_at_zero(self, core: AdmissionController) -> None:
-        """Create at 0 each pool-wide limit's move series: one born at 1 gives increase() nothing, and the
-        dashboard's "Limit moves and lower classes yielding" panel missed the first move of each kind (an incident's
-        first cut_saturated) of every process. (The yields start at 0 with the latency breaker: breaker_created.)"""
+    def _shown_at_zero(self, core: AdmissionController) -> None:
+        """Create at 0 the series a dashboard panel takes rate() or increase() of, where they are few: one born at 1
+        gives them nothing. "Limit moves and lower classes yielding" missed the first move of each kind (an
+        incident's first cut_saturated), "Queue entries" the first request of a class to queue, of every process.
+        (The yields start at 0 with the latency breaker: breaker_created.)"""
+        for cls in core.policy.classes:
+            self.queue_entries[cls]
         for pool in core.gates:
             for action in LIMIT_MOVES:
                 self.pool_limit_moves[pool, action]
@@ -407,7 +410,7 @@ class Telemetry:
         """Register gauges read from the core at scrape time (no per-request gauge updates)."""
         self._core = core
         self._alerted_at_zero(core)
-        self._pool_moves_at_zero(core)
+        self._shown_at_zero(core)
         self._gauges = _CoreGauges(core, sustained)
         self.registry.register(self._gauges)
 

@@ -113,10 +113,11 @@ def test_breaker_transitions_exist_at_zero_from_the_breakers_creation():
                     f' 0.0') in text, (kind, to)
 
 
-def test_pool_limit_moves_and_yields_exist_at_zero_before_the_first():
+def test_pool_limit_moves_yields_and_queue_entries_exist_at_zero_before_the_first():
     """A move or yield series born at 1 gives increase() nothing: the dashboard's "Limit moves and lower classes
     yielding" panel missed the first cut of each kind of every process (an incident's first cut_saturated), and
-    the first yield of each class, in a real run read back from Prometheus (tests/ops/test_dashboard_panels.py)."""
+    the first yield of each class, in a real run read back from Prometheus (tests/ops/test_dashboard_panels.py);
+    "Queue entries" the first request of each class to queue (seen there: batch's first sample read 1)."""
     t = Telemetry()
     policy = make_policy(classes={"interactive": {"max_concurrency": 4, "slo_p95_ms": 1000},
                                   "batch": {"max_concurrency": 4}}, tenants=[],
@@ -124,6 +125,8 @@ def test_pool_limit_moves_and_yields_exist_at_zero_before_the_first():
     core = AdmissionController(policy, clock=lambda: 0.0, events=t)
     t.watch(core)
     text = generate_latest(t.registry).decode()
+    for cls in ("interactive", "batch"):  # the "Queue entries" panel's, likewise
+        assert f'extproc_queue_entries_total{{class="{cls}"}} 0.0' in text, cls
     for action in ("cut_saturated", "cut_latency", "raise", "settle", "onset_cap"):
         assert f'extproc_pool_limit_moves_total{{action="{action}",pool="pool_a"}} 0.0' in text, action
     core.decide(RequestFacts(model="llama"))  # interactive's breakers on the pool, its latency breaker among them
