@@ -16,12 +16,18 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .policy.admission import ACCEPT, AdmissionController, Decision
 from .policy.breakers import STATE_VALUES, Breaker, LatencyBreaker
-from .policy.decision import INVALID, Canned
+from .policy.decision import DEGRADE, INVALID, REJECT, SHED, Canned
+from .policy.reasons import (R_DEADLINE, R_DEGRADED_FULL, R_ERROR_BREAKER, R_HIGHER_SATURATED, R_LATENCY_BREAKER,
+                             R_QUEUE_FULL, R_QUEUE_TIMEOUT)
 from .policy.sustained import SustainedLoad
 from .policy.limits import Outcome, Ticket, Waiter
 from .policy.pool import LIMIT_MOVES, LOAD_TOLERANCE
 from .policy.schema import LATENCY_BUCKETS
 from .store.shared_slots import STORE_STATES
+
+# What a class refuses (or degrades) for load: a full class and queue, a wait it cannot make, a queue timeout, an
+# open breaker (Telemetry._refusals_at_zero).
+LOAD_REASONS = (R_QUEUE_FULL, R_DEADLINE, R_QUEUE_TIMEOUT, R_LATENCY_BREAKER, R_ERROR_BREAKER)
 
 # The event loop's lateness: ~0-1 ms idle; Envoy's message_timeout (0.5 s in envoy.yaml) is where it lets requests
 # through unadmitted.
@@ -398,11 +404,27 @@ class Telemetry:
         gives them nothing. "Limit moves and lower classes yielding" missed the first move of each kind (an
         incident's first cut_saturated), "Queue entries" the first request of a class to queue, of every process.
         (The yields start at 0 with the latency breaker: breaker_created.)"""
-        for cls in core.policy.classes:
+        for cls, spec in core.policy.classes.items():
             self.queue_entries[cls]
+            self._refusals_at_zero(cls, spec.fallback.action, cls in core.state.shed_by)
         for pool in core.gates:
             for action in LIMIT_MOVES:
                 self.pool_limit_moves[pool, action]
+
+    def _refusals_at_zero(self, cls: str, fallback: str, shed: bool) -> None:
+        """A class's refusals and degrades for load, at 0 (extproc_requests_total): the refused and degraded share
+        (recording rules, panel, ExtprocRejectionRatioHigh) rates them, and a burst of degrades within one scrape
+        read as a flat series, a share of 0.0 over a whole spike (seen in a CI run of the dashboard test). The
+        reasons a full class, its queue or its breakers give, each as the refusal and as the fallback (a degrade or
+        a canned answer, both decision `degrade`), which refuses with the same reason when it cannot serve."""
+        for reason in LOAD_REASONS:
+            self.requests[cls, REJECT, reason]
+            if fallback != "reject":
+                self.requests[cls, DEGRADE, reason]
+        if fallback == "degrade":
+            self.requests[cls, REJECT, R_DEGRADED_FULL]
+        if shed:
+            self.requests[cls, SHED, R_HIGHER_SATURATED]
 
     # --- scrape-time gauges ---
 

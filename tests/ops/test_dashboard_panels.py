@@ -149,9 +149,8 @@ def test_the_class_variable_and_the_reload_annotation_find_series(run):
 # What the run's incidents must show at their peak: (panel title, refId) -> a value reached.
 PEAKS = {
     ("Refused and degraded share (capacity)", "A"): 0.1,    # the spike's refusals and sheds
-    # Not the degraded share (B): its series, extproc_requests_total{decision="degrade"} per reason, is born at its
-    # first increment, and a burst of degrades within one scrape reads as a flat series (rate 0): a fresh-clone CI
-    # run saw 0.0 there with the degrades made (docs/reliability.md item 24, counters born at 1, left open).
+    ("Refused and degraded share (capacity)", "B"): 0.1,    # batch alone over its cap (its series start at 0:
+                                                            # a CI run read 0.0 when they were born at the burst)
     ("In-flight vs cap", "C"): 1,                           # degraded requests on their own slots
     ("Queue depth", "A"): 1,
     ("Breaker state", "A"): 2,                              # open

@@ -134,6 +134,29 @@ def test_pool_limit_moves_yields_and_queue_entries_exist_at_zero_before_the_firs
     assert 'extproc_pool_yields_total{class="interactive",pool="pool_a"} 0.0' in text
 
 
+def test_a_classs_refusals_and_degrades_for_load_exist_at_zero_before_the_first():
+    """The refused and degraded share rates extproc_requests_total: a burst of a spike's degrades within one scrape
+    was a series born at its total, and the share read 0.0 over the whole spike (a CI run of
+    tests/ops/test_dashboard_panels.py). Each class's refusals for load start at 0: as refusals, as its fallback's
+    answers (decision degrade, for a degrade or canned fallback), and as shed where a class sheds it."""
+    t = Telemetry()
+    policy = make_policy(classes={"interactive": {"max_concurrency": 4, "on_overflow": "fallback",
+                                                  "fallback": {"action": "degrade", "max_tokens": 8}},
+                                  "batch": {"max_concurrency": 4}}, tenants=[])
+    core = AdmissionController(policy, clock=lambda: 0.0, events=t)
+    t.watch(core)
+    text = generate_latest(t.registry).decode()
+
+    def zero(cls: str, decision: str, reason: str) -> bool:
+        return f'extproc_requests_total{{class="{cls}",decision="{decision}",reason="{reason}"}} 0.0' in text
+
+    for reason in ("queue_full", "deadline_unmeetable", "queue_timeout", "latency_breaker_open", "error_breaker_open"):
+        assert zero("interactive", "degrade", reason) and zero("interactive", "reject", reason), reason
+        assert zero("batch", "reject", reason) and not zero("batch", "degrade", reason), reason
+    assert zero("interactive", "reject", "degraded_capacity_full")
+    assert zero("batch", "shed", "higher_class_saturated") and not zero("interactive", "shed", "higher_class_saturated")
+
+
 def test_breaker_state_of_an_idle_class_moves_on_with_time():
     """The state gauge read the breaker's state as the last request left it: a class whose traffic stopped while
     its breaker was open showed 2 (open) for ever, and ExtprocBreakerNotClosed fired on an idle class."""
