@@ -404,13 +404,18 @@ def test_a_degrade_rewrites_the_body_and_says_what_changed(clock):
     assert json.loads(answer.request_body.response.body_mutation.body)["model"] == "small"
 
 
-def test_a_canned_fallback_answers_in_the_endpoints_shape_without_a_slot(clock):
+def over_a_full_class_canned(clock, status: int) -> tuple[Stream, pb.ProcessingResponse]:
+    """A request over a full class whose overflow gets the canned fallback with `status`: (its stream, the answer)."""
     p = processor(clock, **one_class(max_concurrency=1, max_queue=0, on_overflow="fallback",
-                                     fallback={"action": "canned", "status": 200, "message": "busy"}))
+                                     fallback={"action": "canned", "status": status, "message": "busy"}))
     admitted(p)
     s = Stream(p)
     s.receive(request_headers())
-    answer = s.receive(request_body())
+    return s, s.receive(request_body())
+
+
+def test_a_canned_fallback_answers_in_the_endpoints_shape_without_a_slot(clock):
+    s, answer = over_a_full_class_canned(clock, 200)
     assert immediate_status(answer) == 200 and s.phase is Phase.ANSWERED and s.held is None
     assert json.loads(answer.immediate_response.body)["choices"][0]["message"]["content"] == "busy"
 
@@ -418,12 +423,7 @@ def test_a_canned_fallback_answers_in_the_endpoints_shape_without_a_slot(clock):
 def test_a_canned_error_status_says_its_reason_as_every_refusal_does(clock):
     # An audit of what clients see: a canned fallback's 503 carried x-extproc-decision and the body's code but no
     # x-extproc-reason, which the README promises on every refusal.
-    p = processor(clock, **one_class(max_concurrency=1, max_queue=0, on_overflow="fallback",
-                                     fallback={"action": "canned", "status": 503, "message": "busy"}))
-    admitted(p)
-    s = Stream(p)
-    s.receive(request_headers())
-    answer = s.receive(request_body())
+    s, answer = over_a_full_class_canned(clock, 503)
     assert immediate_status(answer) == 503 and s.held is None
     headers = {h.header.key: h.header.raw_value for h in answer.immediate_response.headers.set_headers}
     assert headers["x-extproc-reason"] == b"queue_full"
