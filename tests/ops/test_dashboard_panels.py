@@ -90,6 +90,9 @@ def run(tmp_path_factory):
         time.sleep(2)
         d.traffic.rate = {**CALM, "batch": SPIKE["batch"]}  # batch alone over its cap: it degrades
         time.sleep(4)
+        # ... until Prometheus has seen a degraded request in flight (or 10 s more): on a busy machine the load
+        # generator reaches the spike's rate later, and fewer requests degrade in the same time.
+        d.api.wait_for('max(extproc_degraded_inflight)', lambda r: r and float(r[0]["value"][1]) >= 1, 10)
         d.traffic.rate = dict(SPIKE)  # interactive too: it queues and refuses, and batch is shed
         time.sleep(5)
         d.traffic.rate = {"interactive": 2 * CALM["interactive"]}
