@@ -829,8 +829,7 @@ def sse_from_answer(kind: str, raw: bytes, include_usage: bool) -> bytes | None:
 
 def sse_error(message: str, code: str) -> bytes:
     """An event stream that ends with an error, as vLLM ends a stream that failed: the openai SDK raises it."""
-    return b"data: " + orjson.dumps({"error": {"message": message, "type": error_type(500), "param": None,
-                                               "code": code}}) + b"\n\ndata: [DONE]\n\n"
+    return b"data: " + error_body(500, message, code) + b"\n\ndata: [DONE]\n\n"
 
 
 def _chunk_choice(choice: dict, i: int, chat: bool) -> dict:
