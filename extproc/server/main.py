@@ -490,8 +490,9 @@ class FrozenHeap:
         if full:
             gc.unfreeze()
         gc.collect()
-        survivors = len(gc.get_objects())
+        before = gc.get_freeze_count()
         gc.freeze()
+        survivors = gc.get_freeze_count() - before  # counted by the freeze: no list of the whole heap built for it
         if full:
             self._full_at, self._added = survivors, 0
         else:
