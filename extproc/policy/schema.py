@@ -669,7 +669,30 @@ def load_policy(data: Any) -> Policy:
 
 def policy_warnings(p: Policy) -> list[str]:
     """Things that validate but are probably wrong: e.g. tenant rate limits that sum past the fleet."""
-    return _rate_limit_warnings(p) + _pool_warnings(p) + _slip_warnings(p)
+    return _rate_limit_warnings(p) + _pool_warnings(p) + _slip_warnings(p) + _reach_warnings(p)
+
+
+def _reach_warnings(p: Policy) -> list[str]:
+    """Classes no request can be in: a request's class is capped by its tenant's `max_class`, and one without a
+    known key is anonymous, capped at the lowest class unless `anonymous.max_class` says otherwise. A policy of its
+    own classes and no tenants (found by writing one from the docs) put every request in its last class, and the
+    classes above it, their fallbacks and shedding, served nothing while the file checked ok."""
+    names = p.class_names()
+    rank = {n: i for i, n in enumerate(names)}
+    reach = [rank.get(t.max_class or names[0], 0) for t in p.tenants if t.api_keys]
+    if p.anonymous.allow:
+        reach.append(rank.get(p.anonymous.max_class or names[-1], len(names) - 1))
+    if not reach:
+        return ["anonymous.allow: false and no tenant has `api_keys`, so every request is refused with 401"]
+    top = min(reach)
+    if top == 0:
+        return []
+    how = ("anonymous requests are capped at " + repr(names[-1]) + " (`anonymous.max_class` defaults to the lowest "
+           "class)" if p.anonymous.allow and p.anonymous.max_class is None else
+           f"no tenant's `max_class` (nor `anonymous.max_class`) reaches above {names[top]!r}")
+    unreachable = ", ".join(names[:top])
+    return [f"classes: no request can be in {unreachable}: {how}; give the tenants that may use "
+            f"{'them' if top > 1 else 'it'} API keys and a `max_class`, or set `anonymous.max_class`"]
 
 
 def _slip_warnings(p: Policy) -> list[str]:

@@ -195,16 +195,17 @@ def test_replica_addresses_may_be_names_or_ipv6():
 
 
 def test_a_pool_with_nothing_to_scrape_is_warned_about():
-    p = load_policy({**BASE, "pools": {"c": {"limit": {"enabled": True}}}})
+    base = {**BASE, "anonymous": {"max_class": "a"}}  # every class reachable: the pool's warning alone
+    p = load_policy({**base, "pools": {"c": {"limit": {"enabled": True}}}})
     (warning,) = policy_warnings(p)
     assert warning.startswith("pools.c: names neither `replicas` nor `envoy_admin` and no class has `slo_p95_ms`, "
                               "so its limit has nothing to move on and stays at its `max`")
-    slo = {**BASE["classes"], "a": {"max_concurrency": 1, "slo_p95_ms": 2000}}
-    (warning,) = policy_warnings(load_policy({**BASE, "classes": slo, "pools": {"c": {"limit": {"enabled": True}}}}))
+    slo = {**base["classes"], "a": {"max_concurrency": 1, "slo_p95_ms": 2000}}
+    (warning,) = policy_warnings(load_policy({**base, "classes": slo, "pools": {"c": {"limit": {"enabled": True}}}}))
     assert warning.startswith("pools.c: names neither `replicas` nor `envoy_admin`, so nothing is scraped and its "
                               "limit (and the adaptive caps on it) run on latency only")
     for scraped in ({"replicas": ["10.0.0.1:8000"]}, {"envoy_admin": "http://127.0.0.1:9901"}):
-        assert policy_warnings(load_policy({**BASE, "pools": {"c": scraped}})) == []
+        assert policy_warnings(load_policy({**base, "pools": {"c": scraped}})) == []
 
 
 def test_the_anonymous_rate_limit_counts_against_the_fleet_in_the_warning():

@@ -344,6 +344,29 @@ def test_a_shed_map_that_sheds_a_higher_class_is_warned_about():
     assert not [w for w in policy_warnings(load_policy({**BASE, "shed": {"a": ["b"]}})) if w.startswith("shed")]
 
 
+def test_classes_no_request_can_reach_are_warned_about():
+    """Found by writing a policy from the docs: two classes of one's own and no tenants checked ok, yet every
+    request is anonymous, capped at the lowest class (anonymous.max_class's default), so the first class, its
+    overflow fallback and its shedding never served a request."""
+    from extproc.policy.schema import policy_warnings
+    (warning,) = policy_warnings(load_policy(BASE))
+    assert warning == ("classes: no request can be in a: anonymous requests are capped at 'b' (`anonymous.max_class` "
+                       "defaults to the lowest class); give the tenants that may use it API keys and a `max_class`, "
+                       "or set `anonymous.max_class`"), warning
+    three = {"a": {"max_concurrency": 1}, "b": {"max_concurrency": 1}, "c": {"max_concurrency": 1}}
+    capped = {**BASE, "classes": three, "anonymous": {"max_class": "c"},
+              "tenants": [{"name": "t", "api_keys": ["k"], "max_class": "c"},
+                          {"name": "keyless", "max_class": "a"}]}  # no key: no request is ever its
+    (warning,) = policy_warnings(load_policy(capped))
+    assert warning.startswith("classes: no request can be in a, b: no tenant's `max_class` (nor "
+                              "`anonymous.max_class`) reaches above 'c'"), warning
+    (warning,) = policy_warnings(load_policy({**BASE, "anonymous": {"allow": False}}))
+    assert warning == "anonymous.allow: false and no tenant has `api_keys`, so every request is refused with 401"
+    for reachable in ({"anonymous": {"max_class": "a"}}, {"tenants": [{"name": "t", "api_keys": ["k"]}]},
+                      {"anonymous": {"allow": False}, "tenants": [{"name": "t", "api_keys": ["k"]}]}):
+        assert policy_warnings(load_policy({**BASE, **reachable})) == [], reachable
+
+
 def test_tenant_names_that_cannot_label_their_metrics_are_refused():
     """Found by writing tenants from the docs: `name: ''` validated (an empty metric label, which Prometheus reads
     as no label), and `name: other` merged its series with the fairness keys no tenant owns."""
