@@ -715,6 +715,15 @@ def _slip_warnings(p: Policy) -> list[str]:
                        f"max_limit ({a.min_limit} .. {a.max_limit}); the cap starts at the nearest bound")
         if c.min_share and not limited:
             out.append(f"classes.{name}.min_share: no pool has a `limit`, so the share guarantees nothing")
+        if c.on_overflow == "fallback" and c.fallback.action == "reject":
+            out.append(f"classes.{name}.on_overflow: `fallback`, and the fallback's action is `reject` (the default), "
+                       "so overflow is refused with 429 as with `on_overflow: reject`: set `fallback.action` to "
+                       "`degrade` or `canned`")
+        breakable = c.error_breaker.enabled or (c.slo_p95_ms is not None and c.latency_breaker.enabled)
+        if c.fallback.action != "reject" and c.on_overflow == "reject" and not breakable:
+            out.append(f"classes.{name}.fallback: its `{c.fallback.action}` is never used: both breakers are off "
+                       "(error_breaker.enabled false; no slo_p95_ms or latency_breaker.enabled false) and "
+                       "on_overflow is `reject`: set `on_overflow: fallback`, or remove the fallback")
     for pname, pool in p.pools.items():
         if pool.stale_ms <= pool.scrape_interval_ms:
             out.append(f"pools.{pname}.stale_ms: {pool.stale_ms} ms is not longer than scrape_interval_ms "

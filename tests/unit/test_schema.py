@@ -367,6 +367,28 @@ def test_classes_no_request_can_reach_are_warned_about():
         assert policy_warnings(load_policy({**BASE, **reachable})) == [], reachable
 
 
+def test_a_fallback_that_changes_nothing_or_is_never_taken_is_warned_about():
+    """Found by writing a policy from the docs: `on_overflow: fallback` without a fallback's action checked ok and
+    refuses overflow with 429 exactly as `reject` does (the action defaults to reject); and a degrade or canned
+    fallback in a class with both breakers off and `on_overflow: reject` checked ok and is never taken."""
+    from extproc.policy.schema import policy_warnings
+    reach = {"anonymous": {"max_class": "a"}}
+    plain = {**BASE, **reach, "classes": {"a": {"max_concurrency": 1, "on_overflow": "fallback"}}}
+    (warning,) = policy_warnings(load_policy(plain))
+    assert warning.startswith("classes.a.on_overflow: `fallback`, and the fallback's action is `reject` (the "
+                              "default), so overflow is refused with 429 as with `on_overflow: reject`"), warning
+    off = {"error_breaker": {"enabled": False}, "fallback": {"action": "canned"}}
+    (warning,) = policy_warnings(load_policy({**BASE, **reach, "classes": {"a": {"max_concurrency": 1, **off}}}))
+    assert warning.startswith("classes.a.fallback: its `canned` is never used: both breakers are off"), warning
+    for used in ({**off, "on_overflow": "fallback"}, {**off, "slo_p95_ms": 2000},
+                 {**off, "error_breaker": {"enabled": True}}, {"fallback": {"action": "canned"}},
+                 {"on_overflow": "fallback", "fallback": {"action": "canned"}}):
+        assert policy_warnings(load_policy({**BASE, **reach, "classes": {"a": {"max_concurrency": 1, **used}}})) == []
+    idle = {**off, "slo_p95_ms": 2000, "latency_breaker": {"enabled": False}}
+    (warning,) = policy_warnings(load_policy({**BASE, **reach, "classes": {"a": {"max_concurrency": 1, **idle}}}))
+    assert "is never used" in warning, warning
+
+
 def test_tenant_names_that_cannot_label_their_metrics_are_refused():
     """Found by writing tenants from the docs: `name: ''` validated (an empty metric label, which Prometheus reads
     as no label), and `name: other` merged its series with the fairness keys no tenant owns."""
