@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import time
 from typing import Callable
@@ -10,7 +11,7 @@ from urllib.parse import unquote
 import orjson
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from ..policy.admission import AdmissionController, Canned, Decision, Degrade, Queued, Refusal, RequestFacts
+from ..policy.admission import QUEUE, AdmissionController, Canned, Decision, Degrade, Queued, Refusal, RequestFacts
 from ..policy.classify import ConflictingKeys, presented_key
 from ..policy.limits import Outcome, Ticket
 from ..policy.outcomes import LEARN, UsageSample
@@ -406,6 +407,14 @@ class Stream:
         answer = protocol.forward(d, queue_wait_ms, note, rewritten, self.processor.tags.value(d.ticket.id),
                                   core.replicas_for(d.cluster, d.cls))
         core.forwarded(d)  # counted as admitted now, once nothing can take it back unforwarded
+        would = d.shadow_would
+        if would is not None and would.kind == QUEUE and would.waiter.pending:
+            # Shadow: enforce would have queued it; it runs now while a virtual place in the queue plays out. The
+            # place times out at its deadline, as a real waiter does (final_admission): left to the housekeeping's
+            # reap, once a second, it held a queue place up to a second past max_wait_ms (later arrivals counted as
+            # queue_full that enforce queues) and a release could grant it after enforce had refused its client.
+            w = would.waiter
+            asyncio.get_running_loop().call_later(max(w.deadline - core.clock(), 0.0), core.abandon, w, True)
         self._enter(Phase.FORWARDING)
         return answer
 

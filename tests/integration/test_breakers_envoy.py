@@ -115,3 +115,30 @@ async def test_shadow_mode_admits_everything_and_counts_what_enforce_rejects(mak
                 assert all(r[1]["x-extproc-shadow"] == "would-reject; reason=queue_full" for r in shadowed)
                 counts[mode] = sample(ms, "extproc_shadow_decisions_total", would="reject", reason="queue_full")
     assert counts["enforce"] == counts["shadow"] == 4
+
+
+async def test_a_shadow_queue_place_times_out_at_its_max_wait(make_stack, tmp_path):
+    """Found by rolling a policy of one's own out by docs/tuning.md (shadow, then enforce): a request enforce would
+    queue runs at once in shadow while a virtual place in the queue plays out, and that place timed out only when
+    the once-a-second housekeeping reaped it, up to a second past its `max_wait_ms`. Meanwhile it held a queue
+    place, so later arrivals were counted as `would-reject; reason=queue_full` that enforce queues (a place every
+    100 ms, each gone 100 ms later: enforce never has more than two waiting), and a release granted a place whose
+    client enforce had already refused. Each place now times out at its own deadline, as a real waiter does."""
+    classes = {"interactive": {"max_concurrency": 1, "max_queue": 3, "max_wait_ms": 100, "early_reject": False}}
+    s = make_stack(policy_file(tmp_path, classes=classes, tenants=[], shed={}, mode="shadow"))
+    async with aiohttp.ClientSession() as http:
+        holder = asyncio.create_task(post(http, s.url, chat(), {"x-test-delay-ms": "3000"}))
+        await asyncio.sleep(0.3)
+        # Each runs 400 ms: longer than its place's 100 ms, so the place ends by its deadline, not with the request.
+        arrivals = []
+        for _ in range(12):
+            arrivals.append(asyncio.create_task(post(http, s.url, chat(), {"x-test-delay-ms": "400"})))
+            await asyncio.sleep(0.1)
+        results = await asyncio.gather(*arrivals)
+        assert (await holder)[0] == 200
+        assert all(r[0] == 200 for r in results), [r[0] for r in results]  # shadow refuses nothing
+        notes = [r[1].get("x-extproc-shadow") for r in results]
+        assert notes == ["would-queue; reason=class_full"] * 12, notes
+        ms = await metrics(http, s.metrics_url)
+        assert sample(ms, "extproc_shadow_decisions_total", reason="queue_full") == 0
+        assert sample(ms, "extproc_shadow_decisions_total", would="reject", reason="queue_timeout") == 12
