@@ -502,11 +502,14 @@ class AdmissionController:
         """A queued request that cannot wait on (its deadline passed, or its place was taken): its class's overflow."""
         lim = w.limiter
         held = self._pool_hold(lim, w.gate, w.units, w.cost, now)
+        # The wait it had: the class's max wait, or the request's own deadline when shorter (a 150 ms deadline
+        # timed out was told "no free slot within 2000 ms").
+        waited_ms = round((w.deadline - w.enqueued_at) * 1000.0)
         if lim.spec.on_overflow == "fallback":
             return self.fallbacks.answer(lim, lim.name, w.tenant, w.pool, reason, now, overflow=True,
-                                  waited_s=now - w.enqueued_at, charge=w.charge, held=held)
+                                  waited_s=now - w.enqueued_at, charge=w.charge, held=held, max_wait_ms=waited_ms)
         return self._reject(w, 429, reason, say(reason, cls=lim.name, where=on_pool(w.pool, held),
-                                                max_wait_ms=lim.spec.max_wait_ms,
+                                                max_wait_ms=waited_ms,
                                                 detail="queue full: its place went to a tenant with fewer "
                                                        "waiting"), now)
 

@@ -22,13 +22,15 @@ class Fallbacks:
 
     def answer(self, lim: ClassLimiter, cls: str, tenant: str, cluster: str, reason: str, now: float,
                overflow: bool, c: Classification | None = None, waited_s: float = 0.0,
-               charge: Charge | None = None, held: str = "", why: str = "", closed_in: float = 0.0) -> Decision:
+               charge: Charge | None = None, held: str = "", why: str = "", closed_in: float = 0.0,
+               max_wait_ms: int | None = None) -> Decision:
         """The class's fallback for a request its pool cannot take now (breaker open, or overflow; `held`: what
         of the pool's limit held a waiter, see AdmissionController._pool_hold; `why`: the refusal's message, when
-        already said; `closed_in`: seconds until the open breaker that refused it half-opens)."""
+        already said; `closed_in`: seconds until the open breaker that refused it half-opens; `max_wait_ms`: the
+        wait a queued request had, when its own deadline made it shorter than the class's)."""
         core, fb = self.core, lim.spec.fallback
         allowed = charge is None or fb.action in charge.fallbacks
-        why = why or say(reason, cls=cls, max_wait_ms=lim.spec.max_wait_ms, queued=len(lim.queue),
+        why = why or say(reason, cls=cls, max_wait_ms=max_wait_ms or lim.spec.max_wait_ms, queued=len(lim.queue),
                          where=on_pool(cluster, held), detail=f"{lim.inflight} running, queue full")
         if fb.action == "canned" and allowed:
             retry = self._retry_after(lim, now, closed_in) if fb.status in (429, 503) else 0

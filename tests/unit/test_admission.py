@@ -62,6 +62,26 @@ def test_reap_expires_waiters_at_their_deadline(core, clock):
     assert not core.limiters["interactive"].queue
 
 
+def test_a_queue_timeout_names_the_wait_the_request_had(clock):
+    """Found through Envoy with `classify.deadline_header`: a request whose own 150 ms deadline ran out in a class
+    that waits 5000 ms was refused "had no free slot within 5000 ms" (and so was its fallback's refusal): the
+    client and the on-call read a wait it never had."""
+    for overflow in ({}, {"on_overflow": "fallback"}):  # the fallback's action defaults to reject: its refusal
+        batch = {"max_concurrency": 1, "max_queue": 5, "max_wait_ms": 5000, "early_reject": False, **overflow}
+        policy = make_policy(classes={"batch": batch}, default_class="batch", tenants=[])
+        core = AdmissionController(policy, clock=clock)
+        core.decide(req("batch"))
+        own = core.decide(RequestFacts(header_class="batch", model="llama", deadline_ms=150))
+        full = core.decide(req("batch"))
+        clock.advance(0.2)
+        core.reap()
+        assert own.waiter.result.reason == "queue_timeout" and full.waiter.pending
+        assert own.waiter.result.message == "class 'batch' had no free slot within 150 ms", own.waiter.result.message
+        clock.advance(5)
+        core.reap()
+        assert full.waiter.result.message == "class 'batch' had no free slot within 5000 ms", full.waiter.result.message
+
+
 def test_abandoned_waiter_leaves_the_queue_at_once(core):
     fill(core, "interactive", 2)
     q1, q2 = fill(core, "interactive", 2)
