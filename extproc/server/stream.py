@@ -13,7 +13,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from ..policy.admission import QUEUE, AdmissionController, Canned, Decision, Degrade, Queued, Refusal, RequestFacts
 from ..policy.classify import ConflictingKeys, presented_key
-from ..policy.limits import Outcome, Ticket
+from ..policy.limits import Outcome, Ticket, Waiter
 from ..policy.outcomes import LEARN, UsageSample
 from ..policy.reasons import (R_BODIES_PENDING, R_BODY_TOO_LARGE, R_CONFLICTING_KEYS, R_DEGRADED_TOO_LARGE,
                               R_METHOD_NOT_ALLOWED,
@@ -95,6 +95,17 @@ class Processor:
         self._names: tuple[object, protocol.HeaderNames] | None = None
         self._restreams: tuple[object, bool] | None = None
         self._models: tuple[object, Answer] | None = None
+
+    def time_out_on_time(self, w: Waiter) -> None:
+        """Time a shadow request's virtual queue place out at its deadline, as a real waiter's is
+        (final_admission); the request itself runs now. Left to the housekeeping's reap, once a second, the place
+        was held up to a second past max_wait_ms (later arrivals counted as queue_full that enforce queues), and a
+        release could grant it after enforce had refused its client."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # driven without an event loop (unit tests, benchmarks): the reap times it out
+            return
+        loop.call_later(max(w.deadline - self.core.clock(), 0.0), self.core.abandon, w, True)
 
     def models_listing(self) -> Answer:
         """GET /v1/models' answer, built again only when the core's catalog changed (a reload, or a pool's
@@ -409,12 +420,7 @@ class Stream:
         core.forwarded(d)  # counted as admitted now, once nothing can take it back unforwarded
         would = d.shadow_would
         if would is not None and would.kind == QUEUE and would.waiter.pending:
-            # Shadow: enforce would have queued it; it runs now while a virtual place in the queue plays out. The
-            # place times out at its deadline, as a real waiter does (final_admission): left to the housekeeping's
-            # reap, once a second, it held a queue place up to a second past max_wait_ms (later arrivals counted as
-            # queue_full that enforce queues) and a release could grant it after enforce had refused its client.
-            w = would.waiter
-            asyncio.get_running_loop().call_later(max(w.deadline - core.clock(), 0.0), core.abandon, w, True)
+            self.processor.time_out_on_time(would.waiter)  # shadow: enforce would have queued it
         self._enter(Phase.FORWARDING)
         return answer
 
