@@ -865,10 +865,10 @@ class AdmissionController:
         ran out while it waited (reap closed it) holds no slot to run in: its wait is over, as a timed-out one's
         (the caller gives the global slot back when the answer is not this ticket's)."""
         t = d.ticket
-        if t.closed:
-            lim = t.limiter
-            return self.revoke(d, R_QUEUE_TIMEOUT, say(R_QUEUE_TIMEOUT, cls=lim.name, where="",
-                                                       max_wait_ms=lim.spec.max_wait_ms))
+        if t.closed:  # told the wait it had (its class queue's and the store's), not the class's max_wait_ms
+            waited_ms = round((t.waited_s + waited_s) * 1000.0)
+            return self.revoke(d, R_QUEUE_TIMEOUT, say(R_QUEUE_TIMEOUT, cls=t.limiter.name, where="",
+                                                       max_wait_ms=waited_ms))
         if t.awaiting_store:
             self._store_answered(t)
         if waited_s > 0.0:

@@ -94,3 +94,18 @@ def test_local_share_divides_an_adaptive_caps_bounds():
         "enabled": True, "min_limit": 4, "max_limit": 64}}, "batch": {"max_concurrency": 4}})
     adaptive = local_share(policy, 4).classes["interactive"].adaptive
     assert (adaptive.min_limit, adaptive.max_limit) == (1, 16)
+
+
+def test_a_global_wait_its_lease_outlived_is_refused_with_the_wait_it_had():
+    """The lease of an admission waiting for the shared store's global slot ran out (the reap closed it): its
+    refusal said "no free slot within 200 ms", the class's max_wait_ms, after a wait of the whole lease."""
+    core, events, clock = gated_core(classes={"interactive": {"max_concurrency": 2, "max_wait_ms": 200}}, tenants=[])
+    d = core.decide(facts())
+    core.await_store(d)
+    waited = core._lease_s + 1.0
+    clock.advance(waited)
+    core.reap()
+    r = core.confirm(d, waited_s=waited)
+    assert (r.kind, r.status, r.reason) == (REJECT, 429, "queue_timeout")
+    assert f"within {round(waited * 1000)} ms" in r.message and "within 200 ms" not in r.message, r.message
+    assert core.limiters["interactive"].inflight == 0
