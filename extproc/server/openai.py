@@ -196,6 +196,11 @@ def parse_body(raw: bytes, endpoint: Endpoint, class_field: str,
         # vLLM's Responses API truncates to what the context holds unless truncation is "disabled", its default:
         # an explicit null truncates too.
         body.prompt_cap = -1
+    elif endpoint.group == "embeddings" and ("input" in doc or "messages" in doc):
+        # vLLM 0.32's pooling requests (embeddings, classify, pooling) read truncate_prompt_tokens as chat does,
+        # each input kept to its own last N tokens. (Not score or rerank: their pairs are cut otherwise.)
+        body.prompt_cap = _truncation(doc.get("truncate_prompt_tokens"))
+        body.prompts = _input_count(doc.get("input"))
     if endpoint.kind == "responses" and lax_true(doc.get("background")):
         # vLLM (with its response store on) answers a background request at once, "queued", and generates after
         # the request has ended: its slot was free again while the replica ran it (a class capped at 1 let 4
@@ -624,6 +629,13 @@ def _prompt_count(doc: dict[str, Any]) -> int:
     if type(prompt) is list and prompt and all(type(p) is str or type(p) is list for p in prompt):
         return count + len(prompt)
     return count + 1 if prompt is not None or not count else count  # one string, or one prompt of token ids
+
+
+def _input_count(value: Any) -> int:
+    """Inputs of a pooling body: vLLM embeds each string, or token-id list, of an `input` list on its own."""
+    if type(value) is list and value and all(type(p) is str or type(p) is list for p in value):
+        return len(value)
+    return 1
 
 
 def _integer(doc: dict[str, Any], field: str) -> None:

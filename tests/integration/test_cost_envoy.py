@@ -171,9 +171,11 @@ async def test_a_long_prompt_vllm_truncates_is_charged_what_vllm_keeps(make_stac
     # text (~40,000 characters here): a 2,000 tokens-per-minute tenant was refused what vLLM runs as ~60 tokens.
     long = "admission " * 4000
     bodies = {"chat": ("/v1/chat/completions", chat(max_tokens=10, messages=[{"role": "user", "content": long}])),
-              "completions": ("/v1/completions", {"model": "llama-70b", "prompt": [long, long], "max_tokens": 10})}
+              "completions": ("/v1/completions", {"model": "llama-70b", "prompt": [long, long], "max_tokens": 10}),
+              # vLLM 0.32's pooling requests read it too, per input (charged whole before: refused here)
+              "embeddings": ("/v1/embeddings", {"model": "llama-70b", "input": [long, long]})}
     s = make_stack(policy(tmp_path, tenants=[{"name": name, "api_keys": [f"sk-{name}"], "tokens_per_minute": 2000,
-                                              "burst_s": 60} for name in bodies]))
+                                              "burst_s": 60} for name in bodies], endpoints={"embeddings": True}))
     async with aiohttp.ClientSession() as http:
         for name, (path, body) in bodies.items():  # a tenant each: the first one's refund comes in between
             key = {"authorization": f"Bearer sk-{name}"}

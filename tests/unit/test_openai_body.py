@@ -469,3 +469,23 @@ def test_a_negative_token_id_anywhere_in_a_long_list_is_found_and_named(at):
     prompt[at] = -1
     e = _refusal({"model": "m", "prompt": prompt}, COMPLETIONS)
     assert e is not None and e.message.startswith(f"`prompt[{at}]`")
+
+
+@pytest.mark.parametrize("inputs, prompts", [("x " * 20_000, 1), (["x " * 20_000, "y " * 20_000], 2),
+                                             ([list(range(20_000)), list(range(9_000))], 2),
+                                             (list(range(20_000)), 1)])
+def test_an_embeddings_input_vllm_truncates_is_charged_what_vllm_keeps(inputs, prompts):
+    # vLLM 0.32's pooling requests (/v1/embeddings, /classify, /pooling) read truncate_prompt_tokens as chat and
+    # completions do (PoolingBasicRequestMixin): each input keeps its last 50 tokens. The gateway charged every
+    # input whole: a 20,000-token document embedded at 50 tokens was refused by a 2,000 tokens-per-minute tenant.
+    doc = {"model": "m", "input": inputs, "truncate_prompt_tokens": 50}
+    b = parse_body(json.dumps(doc).encode(), ENDPOINTS["/v1/embeddings"], "priority", CLASSES)
+    assert (b.prompt_cap, b.prompts) == (50, prompts)
+    m = CostModel(CostSpec(max_context_tokens=512))
+    assert m.truncated(m.prompt_tokens(doc, generates=False), b.prompt_cap, b.prompts) <= 50 * prompts
+    b = parse_body(json.dumps({**doc, "truncate_prompt_tokens": -1}).encode(), ENDPOINTS["/pooling"], "priority",
+                   CLASSES)
+    assert m.truncated(m.prompt_tokens(doc, generates=False), b.prompt_cap, b.prompts) <= 512 * prompts
+    whole = parse_body(json.dumps({"model": "m", "input": inputs}).encode(), ENDPOINTS["/v1/embeddings"],
+                       "priority", CLASSES)
+    assert whole.prompt_cap is None  # without it, all of each input is charged
