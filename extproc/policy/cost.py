@@ -399,7 +399,9 @@ class CostModel:
             return
         # Normalised LMS on service_s ~ a * prompt + b * completion, with the residual clipped to the
         # prediction (Huber-like) so one stalled request moves the coefficients by at most a few percent.
-        p, c = float(prompt_tokens), float(completion_tokens)
+        # The completion of one sequence: n sequences (a list's prompts) decode side by side, so the request lasts
+        # as long as one of them, while its usage counts them all (fitted to the sum, n=4 taught a quarter).
+        p, c = float(prompt_tokens), completion_tokens / max(est.sequences, 1)
         predicted = self.prefill_per_token * p + self.decode_per_token * c
         residual = max(min(service_s - predicted, predicted), -predicted) if predicted > 0 else service_s
         norm = p * p + c * c

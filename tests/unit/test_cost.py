@@ -254,6 +254,21 @@ def test_online_learning_converges_on_a_synthetic_stream():
     assert m.decode_per_token == pytest.approx(true_b, rel=0.15)
 
 
+def test_sequences_decoded_together_do_not_teach_a_cheaper_decode():
+    # n sequences (and a completions list's prompts) decode side by side: the request lasts as long as its longest
+    # sequence, while its usage counts all of them. Fitted against the usage's total, a stream of n=4 requests
+    # taught decode_s_per_token a quarter of what it is, and every n=1 request after was costed 4x low.
+    m = CostModel(CostSpec(prefill_s_per_1k_tokens=0.1, decode_s_per_token=0.002))
+    rng = random.Random(3)
+    for _ in range(2000):
+        p, requested, n = rng.randint(50, 2000), rng.randint(16, 512), rng.choice((1, 4, 8))
+        each = int(requested * 0.5)
+        m.learn(m.estimate(p, requested, sequences=n), p, each * n, 0.1 / 1000 * p + 0.002 * each)
+    assert m.decode_per_token == pytest.approx(0.002, rel=0.1)
+    assert m.prefill_per_token == pytest.approx(0.1 / 1000, rel=0.1)
+    assert m.output_ratio == pytest.approx(0.5, abs=0.03)  # the ratio is of all sequences' output, as before
+
+
 def test_learning_is_bounded_against_garbage():
     m = CostModel(SPEC)
     for _ in range(1000):
