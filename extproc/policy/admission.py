@@ -459,9 +459,10 @@ class AdmissionController:
                 f"within its {max_wait_ms:g} ms queue deadline"
         slo = lim.spec.slo_p95_ms
         model = self.cost_models.get(charge.model)
-        service = charge.estimate.gpu_seconds
-        if slo and model is not None and model.samples >= 20 and wait + service > slo / 1000.0:
-            return f"within its {slo:g} ms SLO (predicted wait {wait:.2f} s + service {service:.2f} s)"
+        if slo and model is not None and model.samples >= 20:
+            service = model.service_s(charge.estimate)  # not its GPU-seconds: its sequences decode side by side
+            if wait + service > slo / 1000.0:
+                return f"within its {slo:g} ms SLO (predicted wait {wait:.2f} s + service {service:.2f} s)"
         return ""
 
     def invalid(self, status: int, reason: str, message: str, facts: RequestFacts | None = None) -> Decision:

@@ -381,6 +381,13 @@ class CostModel:
             (1.0 + self.spec.variance_margin)
         return expected, gpu
 
+    def service_s(self, est: CostEstimate) -> float:
+        """How long the request is expected to take, with the variance margin: its GPU-seconds with one sequence's
+        decode, since its sequences (n, a list's prompts) decode side by side (learn() is fitted the same way)."""
+        per_sequence = est.expected_output / max(est.sequences, 1)
+        return (self.prefill_per_token * est.prompt_tokens + self.decode_per_token * per_sequence) * \
+            (1.0 + self.spec.variance_margin)
+
     def actual(self, prompt_tokens: int, completion_tokens: int) -> float:
         """GPU-seconds of what really ran, under the current coefficients."""
         return self.prefill_per_token * prompt_tokens + self.decode_per_token * completion_tokens

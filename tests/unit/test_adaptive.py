@@ -568,3 +568,18 @@ def test_classes_that_shared_a_pool_a_reload_removed_no_longer_yield_to_each_oth
     core.tick()
     assert core.limiters["interactive"].controller.last_action == "cut_latency"  # nobody below it on pool_b
     assert core.limiters["batch"].limit == 8
+
+
+def test_sequences_decoded_together_are_predicted_one_sequence_long(clock):
+    # n=8 (or a completions list of 8 prompts) decodes its sequences side by side: it takes about as long as one.
+    # Its GPU-seconds (8 sequences' decode) were taken as its service time, and it was refused as unable to make
+    # the class's SLO ("predicted ... service 5.x s") where the same request with n=1 was queued, ~0.7 s predicted.
+    core = early_core(clock, max_wait_ms=5000, slo_p95_ms=3000)
+    drain_at(core, clock, per_s=5)
+    core.cost_models["llama"].samples = 20  # learned: the SLO half applies
+    core.decide(RequestFacts(header_class="interactive", model="llama"))
+    one = core.decide(RequestFacts(header_class="interactive", model="llama", max_tokens=500))
+    assert one.kind == QUEUE, one.message
+    eight = core.decide(RequestFacts(header_class="interactive", model="llama", max_tokens=500, sequences=8))
+    assert eight.kind == QUEUE, eight.message
+    assert eight.charge.estimate.gpu_seconds > 3.0  # its charge is still all 8 sequences'
