@@ -139,9 +139,10 @@ def text_size(doc: Any, media: dict[str, int] | None = None) -> tuple[int, int]:
     return chars, tokens
 
 
-# A score or rerank body's two sides (vLLM 0.32's score and rerank requests).
+# A score or rerank body's two sides (vLLM 0.32's score and rerank requests; `queries` with `items` is one of its
+# score requests too).
 SCORE_QUERY_FIELDS = ("query", "queries", "text_1", "data_1")
-SCORE_DOCUMENT_FIELDS = ("documents", "text_2", "data_2")
+SCORE_DOCUMENT_FIELDS = ("documents", "items", "text_2", "data_2")
 
 
 def _paired_query(doc: dict[str, Any]) -> tuple[Any, int]:

@@ -188,10 +188,11 @@ def test_a_completions_suffix_is_prompt_text_in_every_prompt_it_is_rendered_into
 
 
 @pytest.mark.parametrize("query,documents", [("query", "documents"), ("text_1", "text_2"), ("queries", "documents"),
-                                             ("data_1", "data_2")])
+                                             ("data_1", "data_2"), ("queries", "items")])
 def test_a_score_or_rerank_query_counts_once_per_document_it_is_paired_with(query, documents):
     # vLLM runs a cross-encoder on (query, document) pairs: one long query beside 100 one-letter documents is 100
-    # prefills of the query. Counted once, it cost 1/100 of what the replica ran.
+    # prefills of the query. Counted once, it cost 1/100 of what the replica ran. (vLLM 0.32's score request also
+    # takes `queries` with `items`, ScoreQueriesItemsRequest: that query was counted once.)
     m = CostModel(SPEC)
     q = "word " * 1_000
     cost = m.prompt_tokens({"model": "r", query: q, documents: ["x"] * 100}, generates=False)
