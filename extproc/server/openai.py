@@ -12,6 +12,7 @@ from typing import Any
 
 import orjson
 
+from ..policy.cost import SCORE_DOCUMENT_FIELDS, SCORE_QUERY_FIELDS
 from ..policy.reasons import R_JSON_TOO_DEEP, R_JSON_TOO_MANY, R_JSON_TOO_MANY_STRINGS, error_type, say
 
 # Larger max_tokens values mean nothing for any model, and past ~1e308 they cannot even become a float for the
@@ -196,9 +197,13 @@ def parse_body(raw: bytes, endpoint: Endpoint, class_field: str,
         # vLLM's Responses API truncates to what the context holds unless truncation is "disabled", its default:
         # an explicit null truncates too.
         body.prompt_cap = -1
+    elif endpoint is SCORE or endpoint is RERANK:
+        # vLLM 0.32's pooling requests read truncate_prompt_tokens as chat does: here each pair (a cross-encoder's
+        # query and document together) or text (a bi-encoder's) kept to N tokens.
+        body.prompt_cap = _truncation(doc.get("truncate_prompt_tokens"))
+        body.prompts = _scored_texts(doc)
     elif endpoint.group == "embeddings" and ("input" in doc or "messages" in doc):
-        # vLLM 0.32's pooling requests (embeddings, classify, pooling) read truncate_prompt_tokens as chat does,
-        # each input kept to its own last N tokens. (Not score or rerank: their pairs are cut otherwise.)
+        # ... and on embeddings, classify and pooling each input (not a /pooling `data`: an IO processor's own)
         body.prompt_cap = _truncation(doc.get("truncate_prompt_tokens"))
         body.prompts = _input_count(doc.get("input"))
     if endpoint.kind == "responses" and lax_true(doc.get("background")):
@@ -636,6 +641,18 @@ def _input_count(value: Any) -> int:
     if type(value) is list and value and all(type(p) is str or type(p) is list for p in value):
         return len(value)
     return 1
+
+
+def _scored_texts(doc: dict[str, Any]) -> int:
+    """Texts of a score or rerank body, both sides together: at least as many as it has pairs (a cross-encoder runs
+    each query with its document) or texts (a bi-encoder embeds each once), so N tokens each bounds what runs."""
+    count = 0
+    for fields in (SCORE_QUERY_FIELDS, SCORE_DOCUMENT_FIELDS):
+        side = next((doc[k] for k in fields if doc.get(k) is not None), None)
+        if type(side) is dict:
+            side = side.get("content", side)  # multimodal documents: one part a document
+        count += len(side) if type(side) is list and side and type(side[0]) is not int else 1
+    return count
 
 
 def _integer(doc: dict[str, Any], field: str) -> None:

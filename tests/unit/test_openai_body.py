@@ -489,3 +489,20 @@ def test_an_embeddings_input_vllm_truncates_is_charged_what_vllm_keeps(inputs, p
     whole = parse_body(json.dumps({"model": "m", "input": inputs}).encode(), ENDPOINTS["/v1/embeddings"],
                        "priority", CLASSES)
     assert whole.prompt_cap is None  # without it, all of each input is charged
+
+
+@pytest.mark.parametrize("path, sides", [("/rerank", {"query": "q " * 20_000, "documents": ["d " * 20_000] * 3}),
+                                         ("/score", {"queries": ["q " * 20_000] * 2, "documents": ["d " * 20_000] * 2}),
+                                         ("/v1/score", {"text_1": "q " * 20_000, "text_2": "d " * 20_000})])
+def test_a_score_or_rerank_body_vllm_truncates_is_charged_at_most_what_vllm_keeps(path, sides):
+    # Score and rerank requests take truncate_prompt_tokens too (vLLM 0.32's ScoringRequestMixin): a cross-encoder
+    # keeps N tokens of each query-document pair, a bi-encoder N of each text. Charged whole before: a rerank of three
+    # 10-page documents at 50 tokens each was ~80,000 tokens (its query counted per document) to the gateway.
+    doc = {"model": "m", **sides, "truncate_prompt_tokens": 50}
+    b = parse_body(json.dumps(doc).encode(), ENDPOINTS[path], "priority", CLASSES)
+    texts = sum(len(v) if type(v) is list else 1 for v in sides.values())
+    assert (b.prompt_cap, b.prompts) == (50, texts)
+    m = CostModel(CostSpec())
+    assert m.truncated(m.prompt_tokens(doc, generates=False), b.prompt_cap, b.prompts) <= 50 * texts
+    assert parse_body(json.dumps(sides | {"model": "m"}).encode(), ENDPOINTS[path], "priority",
+                      CLASSES).prompt_cap is None
