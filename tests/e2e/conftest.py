@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from extproc.tools import envoyconf
 from extproc.tools.stack import Stack
 from tests.conftest import policy_doc, stop_process
 from tests.integration import conftest as integration
@@ -132,6 +133,20 @@ def policy(target: Target, classes: dict | None = None, **overrides) -> dict:
 upstream = integration.upstream  # the test upstream (tests/upstream.py), a fixture here too
 
 
+class BesideCPUvLLM(Stack):
+    """The stack, with Envoy waiting up to 5 s for each ext_proc answer instead of envoy.yaml's 0.5 s: the real
+    vLLM computes on this machine's two cores, and its long streams can keep the ext_proc from answering within
+    0.5 s, after which Envoy lets requests through unadmitted (failure_mode_allow). One CI run's cap test got 5 of 6
+    streams through a cap of 2, three of them with no decision. (A GPU's vLLM takes no CPU from the ext_proc.)"""
+
+    def envoy_config(self) -> dict:
+        cfg = super().envoy_config()
+        hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        (ext_proc,) = [f for f in hcm["http_filters"] if f["name"] == envoyconf.EXT_PROC]
+        ext_proc["typed_config"]["message_timeout"] = envoyconf.duration(5.0)
+        return cfg
+
+
 @pytest.fixture
 def make_stack(tmp_path, target):
     """Start Envoy + the ext_proc with a policy (a dict) in front of the target; stopped after the test.
@@ -142,7 +157,8 @@ def make_stack(tmp_path, target):
         path = tmp_path / f"policy{len(stacks)}.yaml"
         path.write_text(yaml.safe_dump(document or policy(target), sort_keys=False))
         pools = pools or {"vllm_llama70b": [target.endpoint], "vllm_llama8b": [target.endpoint]}
-        s = Stack(tmp_path / f"stack{len(stacks)}", pools, policy_path=path, **stack_args)
+        kind = BesideCPUvLLM if target.kind == "vllm" else Stack
+        s = kind(tmp_path / f"stack{len(stacks)}", pools, policy_path=path, **stack_args)
         stacks.append(s)
         return s.start()
 
