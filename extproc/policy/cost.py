@@ -145,12 +145,17 @@ SCORE_QUERY_FIELDS = ("query", "queries", "text_1", "data_1")
 SCORE_DOCUMENT_FIELDS = ("documents", "items", "text_2", "data_2")
 
 
+def score_sides(doc: dict[str, Any]) -> tuple[Any, Any]:
+    """A score or rerank body's query side and document side: the first field of each that is set, else None."""
+    return (next((doc[k] for k in SCORE_QUERY_FIELDS if doc.get(k) is not None), None),
+            next((doc[k] for k in SCORE_DOCUMENT_FIELDS if doc.get(k) is not None), None))
+
+
 def _paired_query(doc: dict[str, Any]) -> tuple[Any, int]:
     """The one query of a score or rerank body and how many more times than once the replica runs it: vLLM pairs
     a single query with each document, and a cross-encoder prefills every pair whole (a bi-encoder embeds the
     query once: counted per document it is overcounted, the safe side). (None, 0) when nothing repeats."""
-    query = next((doc[k] for k in SCORE_QUERY_FIELDS if doc.get(k) is not None), None)
-    documents = next((doc[k] for k in SCORE_DOCUMENT_FIELDS if doc.get(k) is not None), None)
+    query, documents = score_sides(doc)
     if type(query) is list:
         if len(query) != 1:
             return None, 0                       # as many queries as documents, paired one to one (or none)
@@ -386,8 +391,7 @@ class CostModel:
         """How long the request is expected to take, with the variance margin: its GPU-seconds with one sequence's
         decode, since its sequences (n, a list's prompts) decode side by side (learn() is fitted the same way)."""
         per_sequence = est.expected_output / max(est.sequences, 1)
-        return (self.prefill_per_token * est.prompt_tokens + self.decode_per_token * per_sequence) * \
-            (1.0 + self.spec.variance_margin)
+        return self.actual(est.prompt_tokens, per_sequence) * (1.0 + self.spec.variance_margin)
 
     def actual(self, prompt_tokens: int, completion_tokens: int) -> float:
         """GPU-seconds of what really ran, under the current coefficients."""

@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from ..policy.cost import SCORE_DOCUMENT_FIELDS, SCORE_QUERY_FIELDS
+from ..policy.cost import score_sides
 from ..policy.reasons import R_JSON_TOO_DEEP, R_JSON_TOO_MANY, R_JSON_TOO_MANY_STRINGS, error_type, say
 
 # Larger max_tokens values mean nothing for any model, and past ~1e308 they cannot even become a float for the
@@ -647,8 +647,7 @@ def _scored_texts(doc: dict[str, Any]) -> int:
     """Texts of a score or rerank body, both sides together: at least as many as it has pairs (a cross-encoder runs
     each query with its document) or texts (a bi-encoder embeds each once), so N tokens each bounds what runs."""
     count = 0
-    for fields in (SCORE_QUERY_FIELDS, SCORE_DOCUMENT_FIELDS):
-        side = next((doc[k] for k in fields if doc.get(k) is not None), None)
+    for side in score_sides(doc):
         if type(side) is dict:
             side = side.get("content", side)  # multimodal documents: one part a document
         count += len(side) if type(side) is list and side and type(side[0]) is not int else 1
