@@ -924,7 +924,7 @@ class AdmissionController:
         # A class a reload removed has no fallback left (its degraded slots and model may be gone with it).
         if fallback and self.state.current(lim):
             out = self.fallbacks.answer(lim, lim.name, t.tenant, t.pool, R_QUEUE_TIMEOUT, now, overflow=True,
-                                 waited_s=waited, charge=t.charge)
+                                 waited_s=waited, charge=t.charge, max_wait_ms=round(waited * 1000.0))
         else:
             out = Refusal(REJECT, reason, lim.name, t.tenant, REASONS[reason].status, message,
                           lim.retry_after_s(now, self._retry_ceiling), waited_s=waited, cluster=t.pool)

@@ -60,6 +60,19 @@ def test_a_timed_out_global_wait_takes_the_class_fallback_when_configured():
     assert events.outcomes == [(DEGRADE, "queue_timeout")]
 
 
+def test_a_global_wait_its_fallback_refuses_names_the_wait_it_had():
+    # A request's own 50 ms deadline ended its wait: its refusal was told the class's 200 ms.
+    core, _, clock = gated_core(classes={
+        "interactive": {"max_concurrency": 2, "max_wait_ms": 200, "on_overflow": "fallback",
+                        "fallback": {"action": "reject"}},
+        "batch": {"max_concurrency": 3}})
+    d = core.decide(RequestFacts(header_class="interactive", model="llama", max_tokens=10, deadline_ms=50))
+    core.await_store(d)
+    clock.advance(0.05)
+    r = core.revoke(d, "queue_timeout", "no global slot")
+    assert (r.kind, r.reason) == (REJECT, "queue_timeout") and "within 50 ms" in r.message, r.message
+
+
 def test_a_timed_out_global_wait_of_a_class_a_reload_removed_is_refused_not_sent_to_its_gone_fallback():
     # A request whose store wait began as the reload went in (SharedSlots.apply refuses only those already waiting)
     # timed out into its class's fallback, which the reload had taken away with the class: a KeyError (its

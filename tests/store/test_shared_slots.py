@@ -91,6 +91,9 @@ async def test_a_requests_own_shorter_deadline_ends_its_wait_for_a_global_slot_t
     refused = await b.try_now(d) or await b.wait(d)
     assert (refused.kind, refused.status, refused.reason) == (REJECT, 429, "queue_timeout")
     assert 0.15 < time.monotonic() - started < 1.5
+    # Told the wait it had, not the class's 2,000 ms.
+    waited_ms = int(refused.message.split(" within ")[1].split(" ms")[0])
+    assert 150 <= waited_ms < 1500, refused.message
     assert b.core.limiters["interactive"].inflight == 0 and not b.held
     finish(a, held)
     await a.close(), await b.close()
