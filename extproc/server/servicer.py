@@ -59,6 +59,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     # Once decided, the next read usually outlives the HTTP request and ends in Envoy's reset.
                     pending_read = _read_through_reset(read)
                     req = await asyncio.shield(pending_read)
+                    pending_read = None  # taken: answered below
                 else:
                     req = await read()
                 if req is EOF:
@@ -70,8 +71,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 await write(answer)
             normal_end = True
         except asyncio.CancelledError:
-            # The reset often lands just after Envoy's end of stream: that is still a normal end.
-            normal_end = _read_gave_eof(pending_read)
+            # Envoy ends a decided stream (its request done, or its client gone: Stream.end tells them apart where
+            # it can) with an end of stream and a reset, which grpc.aio may deliver before the end of stream, or
+            # before our last write's completion. Not a normal end: a message Envoy sent and did not wait for.
+            normal_end = not _left_unanswered(pending_read)
             raise
         except InternalError:
             # A write failed: Envoy reset the stream as the answer went out (its client left at that moment).
@@ -107,6 +110,7 @@ def _retrieve(task: asyncio.Task) -> None:
         task.exception()  # a read that failed after its handler left: nothing to do, but do not warn about it
 
 
-def _read_gave_eof(task) -> bool:
+def _left_unanswered(task) -> bool:
+    """Whether the decided stream's read `task` got a message the reset kept the handler from answering."""
     return (task is not None and task.done() and not task.cancelled() and task.exception() is None
-            and task.result() is EOF)
+            and task.result() is not EOF)

@@ -182,7 +182,7 @@ class Stream:
     """
 
     __slots__ = ("processor", "phase", "request", "held", "usage", "status", "not_routed", "restream",
-                 "sees_response", "_handlers")
+                 "sees_response", "response_done", "_handlers")
 
     def __init__(self, processor: Processor):
         self.processor = processor
@@ -195,6 +195,7 @@ class Stream:
         self.not_routed = False                 # its response headers say Envoy answered it itself
         self.restream: Restream | None = None   # a streamed request a degrade answered without streaming
         self.sees_response = False              # its headers' answer asked Envoy for the response headers
+        self.response_done = False              # the response's end came to us (its last body message)
         self.phase = Phase.HEADERS
         self._handlers = TRANSITIONS[Phase.HEADERS]
 
@@ -237,8 +238,14 @@ class Stream:
         return protocol.INTERNAL_ERROR
 
     def end(self, normal_end: bool, failed: bool = False) -> None:
-        """The stream is over (Envoy's end of stream, a reset, a failed write, or `failed`: our own handler raised
-        after the request was decided): give back what it holds."""
+        """The stream is over (`normal_end`: Envoy's end of stream or its reset; not: a write that failed, or a
+        message Envoy sent and did not wait for; `failed`: our own handler raised after the request was decided):
+        give back what it holds.
+
+        Envoy closes a stream the same way when its HTTP request is done and when the client leaves (end of stream,
+        then a reset, which grpc may deliver first): the two look alike. Only a response whose body we read tells
+        them apart, by whether its last message came."""
+        cut = self.phase is Phase.READING_USAGE and not self.response_done
         held, self.held = self.held, None
         self._enter(Phase.ENDED)
         if isinstance(held, FinalAdmission):  # the client left (or we failed) while the request waited
@@ -250,10 +257,10 @@ class Stream:
             ticket, outcome = held, Outcome.UPSTREAM_ERROR
         elif failed:  # not the client's abort, nor the replica's error; Envoy's report, if one comes, says more
             ticket, outcome = held, Outcome.EXTPROC_ERROR
-        elif normal_end:
+        elif normal_end and not cut:
             ticket, outcome = held, Outcome.OK if self.status else Outcome.ENDED
         else:
-            ticket, outcome = held, Outcome.CLIENT_ABORT  # the gRPC stream was cancelled
+            ticket, outcome = held, Outcome.CLIENT_ABORT  # the response was cut, or Envoy left mid-exchange
         if ticket is not None:
             self.processor.close(ticket, outcome)
 
@@ -444,6 +451,7 @@ class Stream:
 
     def _on_response_headers(self, req: pb.ProcessingRequest) -> Answer:
         self.status, content_type, length, encoded = protocol.read_response_headers(req.response_headers)
+        self.response_done = req.response_headers.end_of_stream  # a response without a body ends here
         if req.attributes and protocol.not_routed_response(req):
             # Envoy answered it itself (no such cluster, ...): no replica's answer, nothing to read or restream.
             # Its outcome, should no access log report it, is not the pool's (end()).
@@ -478,6 +486,7 @@ class Stream:
 
     def _on_response_body(self, req: pb.ProcessingRequest) -> Answer:
         msg = req.response_body
+        self.response_done = msg.end_of_stream
         if self.restream is not None:
             return self._restreamed(msg)
         r = self.usage

@@ -63,18 +63,49 @@ async def test_envoys_own_answer_is_not_routed_and_a_served_request_served_witho
 
         status, _, text = await post(http, s.url, chat(model="llama-8b"))
         assert status == 200, text
-
-        async def ended() -> float:
-            ms = await metrics(http, s.metrics_url)
-            return sample(ms, DURATIONS, outcome="ok") + sample(ms, DURATIONS, outcome="client_abort")
-
-        # `ok`, or `client_abort` when grpc.aio delivers Envoy's reset before its end of stream (a known race
-        # without the access log: docs/reliability.md item 25); never Envoy's own answer nor an error.
-        assert await until(ended, REPORT_WAIT_S + 10, holds=lambda n: n == 1) == 1
+        ok = await sample_once(http, s.metrics_url, DURATIONS, 1, timeout=REPORT_WAIT_S + 10, outcome="ok")
         ms = await metrics(http, s.metrics_url)
+        assert ok == 1, {k[1]: v for k, v in ms.items() if k[0] == DURATIONS}
         assert sample(ms, DURATIONS, outcome="not_routed") == 2
-        for outcome in ("upstream_error", "ended"):
-            assert sample(ms, DURATIONS, outcome=outcome) == 0, outcome
+
+
+async def test_served_requests_end_ok_and_clients_that_left_mid_answer_end_as_aborts(tmp_path, upstream):
+    """Envoy ends the ext_proc stream of a finished request and of a client that left the same way (its end of
+    stream and a reset, which grpc.aio delivers in either order). The order decided: 16 of 100 served requests
+    ended as client aborts (no latency sample for the limit) and 27 of 30 clients that left mid-answer as served.
+    A response whose body is read (learn_sample 1 here) is served if its last message came, else cut short."""
+    policy = policy_file(tmp_path, models={"llama-8b": {"cluster": "vllm_llama8b"}},
+                         classes={"interactive": {"max_concurrency": 8}}, tenants=[], shed={}, learn_sample=1.0)
+    s = StackWithoutAccessLog(tmp_path / "stack", {"vllm_llama8b": [upstream]}, policy_path=policy,
+                              extproc_args=["--watch-interval", "0"])
+    served, left = 60, 12
+    with s:
+        async with aiohttp.ClientSession() as http:
+            for i in range(served):
+                status, _, text = await post(http, s.url, chat(model="llama-8b", stream=i % 2 == 1))
+                assert status == 200, text
+            for _ in range(left):  # 40 tokens 50 ms apart: the client leaves after its first chunk
+                async with http.post(f"{s.url}/v1/chat/completions",
+                                     data=json.dumps(chat(model="llama-8b", stream=True, max_tokens=40)),
+                                     headers={"content-type": "application/json", "x-test-token-ms": "50"}) as r:
+                    assert r.status == 200
+                    await r.content.readany()
+                    r.close()
+            aborts = await sample_once(http, s.metrics_url, DURATIONS, left, timeout=REPORT_WAIT_S + 10,
+                                       outcome="client_abort")
+            ms = await metrics(http, s.metrics_url)
+            ended = {dict(k[1])["outcome"]: v for k, v in ms.items() if k[0] == DURATIONS and v}
+            # On a starved CPU Envoy may give up on an answer (message_timeout) and go on without it: the stream is
+            # reset while the ext_proc answers, an abort by what the stream saw. Every other end is exact.
+            gave_up = await fail_open_count(http, s)
+            assert ended.keys() <= {"ok", "client_abort"} and sum(ended.values()) == served + left, ended
+            assert served - gave_up <= ended.get("ok", 0) and left <= aborts <= left + gave_up, (ended, gave_up)
+
+
+async def fail_open_count(http, s) -> int:
+    """How many messages Envoy's ext_proc filter went on without (its failure_mode_allowed counter)."""
+    async with http.get(f"{s.admin_url}/stats?filter=ext_proc.failure_mode_allowed") as r:
+        return sum(int(line.rsplit(":", 1)[1]) for line in (await r.text()).splitlines() if ":" in line)
 
 
 async def inflight(http, s) -> float:

@@ -154,13 +154,72 @@ def test_a_reset_does_not_cancel_the_read_in_flight():
     cancelled in flight leaked its native batch (grpc/grpc#43360): ~130 bytes of RSS per request through Envoy,
     the soak's RSS growth (docs/reliability.md). The decided stream's read must run to its end on its own."""
     ticket = asyncio.run(_reset_while_waiting(eof_first=False))
-    assert ticket.stream_outcome is Outcome.CLIENT_ABORT  # reset before the end of stream: the client left
+    assert ticket.stream_outcome is Outcome.ENDED  # see the next test
 
 
-def test_a_reset_right_after_the_end_of_stream_is_a_normal_end():
-    ticket = asyncio.run(_reset_while_waiting(eof_first=True))
-    assert ticket.stream_outcome is Outcome.ENDED  # no response status seen here: ended, not aborted
+@pytest.mark.parametrize("eof_first", [True, False], ids=["end-then-reset", "reset-first"])
+def test_a_reset_while_waiting_for_envoy_is_the_same_end_as_its_end_of_stream(eof_first):
+    """Envoy ends a decided stream with an end of stream and a reset, and grpc.aio delivers them in either order:
+    without the access log, 16 of 100 requests served through Envoy ended as client aborts (no latency sample for
+    the limit, the estimate charged), and 27 of 30 clients that left mid-stream as served. The order says nothing:
+    both are the same end (no response status seen here: `ended`)."""
+    ticket = asyncio.run(_reset_while_waiting(eof_first=eof_first))
+    assert ticket.stream_outcome is Outcome.ENDED
 
+
+def _response(end_at: str, cancel_in: str) -> Outcome:
+    """One admitted request whose response (headers, then its whole body) the ext_proc reads, with the handler
+    cancelled the way grpc.aio does at Envoy's reset: in the read that returns the `end_at` message, or in the write
+    of the answer to it."""
+    core = AdmissionController(make_policy(classes={"interactive": {"max_concurrency": 1}}, tenants=[],
+                                           learn_sample=1.0))
+    hs = [base_pb2.HeaderValue(key=":status", raw_value=b"200"),
+          base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"),
+          base_pb2.HeaderValue(key="content-length", raw_value=b"2")]
+    response = {"headers": pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=hs))),
+                "body": pb.ProcessingRequest(response_body=pb.HttpBody(body=b"{}", end_of_stream=True))}
+    messages = generation(CHAT_BODY) + [response["headers"], response["body"]]
+
+    class ResetCtx(Ctx):
+        handler = ticket = None
+
+        async def read(self):
+            self.handler = self.handler or asyncio.current_task()
+            msg = await super().read()
+            if cancel_in == "read" and msg is response[end_at]:
+                self.handler.cancel()  # Envoy sent it, then reset the stream without waiting for the answer
+            return msg
+
+        async def write(self, resp):
+            await super().write(resp)
+            if resp.HasField("request_body"):  # the admission answer: the request holds its ticket
+                (self.ticket,) = core.tickets.values()
+            if cancel_in == "write" and resp.HasField(f"response_{end_at}"):
+                asyncio.current_task().cancel()  # the reset lands before the write's completion
+                await asyncio.sleep(0)
+
+    ctx = ResetCtx(messages)
+
+    async def run():
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.ensure_future(ExtProcServicer(core).Process(None, ctx))
+
+    asyncio.run(run())
+    assert core.snapshot()["interactive"]["inflight"] == 0
+    return ctx.ticket
+
+
+@pytest.mark.parametrize("end_at,cancel_in,outcome", [
+    ("body", "write", Outcome.OK),         # the whole answer went by: a reset before the write's completion is its end
+    ("headers", "write", Outcome.CLIENT_ABORT),  # the body never came (Stream.end: a cut response)
+    ("headers", "read", Outcome.CLIENT_ABORT),   # Envoy did not wait for the answer to the headers
+    ("body", "read", Outcome.CLIENT_ABORT),
+])
+def test_a_reset_is_an_abort_only_where_envoy_stopped_waiting_or_the_response_was_cut(end_at, cancel_in, outcome):
+    """A reset that landed before the completion of our last write (the answer to the response's last message)
+    read as a client abort: 3 of 60 requests served through Envoy without the access log."""
+    ticket = _response(end_at, cancel_in)
+    assert ticket.stream_outcome is outcome, ticket.stream_outcome
 
 
 CANNED_WHEN_FULL = {"classes": {"interactive": {"max_concurrency": 1, "max_queue": 0, "on_overflow": "fallback",

@@ -26,7 +26,7 @@ from extproc.policy.limits import Outcome
 from extproc.server.accesslog import TICKET_HEADER, AccessLogReceiver, TicketTags
 from extproc.server.stream import Phase, Processor, Stream
 from tests.conftest import FakeClock, make_policy
-from tests.unit.test_stream import request_body, request_headers, response_headers, set_headers
+from tests.unit.test_stream import request_body, request_headers, response_body, response_headers, set_headers
 
 # (status, response flag or None) -> the outcome the report says
 REPORTS = [(200, None, Outcome.OK), (503, None, Outcome.UPSTREAM_ERROR),
@@ -198,7 +198,8 @@ class Walk:
         inst.refs[ticket.id] = Ref(ticket, s, header)
 
     def stream_end(self) -> None:
-        """The ext_proc stream ends: after the response headers or before them, normally or by a reset."""
+        """The ext_proc stream ends: after the response headers or before them, after the whole body it reads or
+        before its end, normally or by a reset."""
         inst = self.rng.choice(self.inst)
         refs = [r for r in inst.refs.values() if r.stream is not None]
         if not refs:
@@ -208,10 +209,13 @@ class Walk:
         status = self.rng.choice([None, 200, 503])
         if status is not None:
             s.receive(response_headers(status))
+            if s.phase is Phase.READING_USAGE and self.rng.random() < 0.5:
+                s.receive(response_body(b"{}", eos=True))
+        cut = s.phase is Phase.READING_USAGE and not s.response_done  # a body read, its end never came
         normal_end = self.rng.random() < 0.6
         if status is not None and status >= 500:
             outcome = Outcome.UPSTREAM_ERROR
-        elif normal_end:
+        elif normal_end and not cut:
             outcome = Outcome.OK if status else Outcome.ENDED
         else:
             outcome = Outcome.CLIENT_ABORT

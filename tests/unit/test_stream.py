@@ -888,6 +888,7 @@ def test_a_normal_end_after_the_response_closes_the_ticket_ok(clock):
     p = processor(clock, learn_sample=1.0)
     s, _ = admitted(p)
     s.receive(response_headers())
+    s.receive(response_body(b"{}", eos=True))
     assert ended_outcome(s, normal_end=True) is Outcome.OK
     assert s.phase is Phase.ENDED and inflight(p) == 0 and not p.live
 
@@ -933,12 +934,37 @@ def test_envoys_own_200_is_not_routed_either_and_its_body_is_not_read(clock):
 def test_a_response_of_the_pool_ends_as_before_with_its_details(clock, status, details, outcome):
     s, _ = admitted(processor(clock, learn_sample=1.0))
     s.receive(with_details(response_headers(status), details))
+    if s.phase is Phase.READING_USAGE:
+        s.receive(response_body(b"{}", eos=True))
     assert ended_outcome(s, normal_end=True) is outcome
 
 
 def test_a_stream_cut_before_its_end_is_a_client_abort(clock):
     s, _ = admitted(processor(clock))
     assert ended_outcome(s, normal_end=False) is Outcome.CLIENT_ABORT
+
+
+@pytest.mark.parametrize("sse", [False, True])
+def test_a_response_read_to_its_end_is_ok_and_one_cut_short_is_a_client_abort(clock, sse):
+    """Envoy closes the stream the same way when the request is done and when its client leaves: only a body we
+    read tells them apart, by whether its last message came."""
+    p = processor(clock, learn_sample=1.0)
+    for last in (True, False):
+        s, _ = admitted(p, {"model": "llama", "messages": [{"role": "user", "content": "hi"}], "stream": sse})
+        s.receive(response_headers(content_type=b"text/event-stream" if sse else b"application/json"))
+        assert s.phase is Phase.READING_USAGE
+        s.receive(response_body(b'data: {"choices":[]}\n\n' if sse else b"{}", eos=last))
+        assert ended_outcome(s, normal_end=True) is (Outcome.OK if last else Outcome.CLIENT_ABORT)
+    assert inflight(p) == 0
+
+
+def test_a_response_without_a_body_ends_at_its_headers(clock):
+    s, _ = admitted(processor(clock, learn_sample=1.0))
+    msg = response_headers(content_length=0)
+    msg.response_headers.end_of_stream = True
+    s.receive(msg)
+    assert s.phase is Phase.READING_USAGE
+    assert ended_outcome(s, normal_end=True) is Outcome.OK
 
 
 def test_ending_twice_releases_once(clock):
