@@ -41,11 +41,16 @@ RECOVER_WINDOWS = 1.0  # inside the band, at most one raise per this share of th
 class PoolSaturation:
     """The replicas' own view of load, as last scraped (fed by the server's scraper)."""
 
-    __slots__ = ("saturated", "fleeting", "kv_usage", "waiting", "running", "preempting", "stalled",
+    __slots__ = ("saturated", "down", "fleeting", "kv_usage", "waiting", "running", "preempting", "stalled",
                  "stalled_requests", "slow", "working", "updated_at")
 
     def __init__(self) -> None:
         self.saturated = False
+        # No replica to read: every one refused the connection or failed its /health (dead, restarting, not up
+        # yet), or none is listed (scaled to zero). Saturated for the gauge and the alert, but no word on load:
+        # the limits do not move on it (LimitMoves.load_reading). Read as load, a pool down for 30 s cut the pool
+        # limit to its floor (1 token), and the replicas' return met ~2 minutes of max_raise steps back up.
+        self.down = False
         # Saturated only by waiting requests that were not waiting at the replica's previous scrape, where one
         # waiting request is already over PASSING_STEPS (server.saturation): the pool limit does not count it
         # while its latency is under half its target (policy.pool).

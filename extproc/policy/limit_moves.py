@@ -55,7 +55,7 @@ class LimitMoves:
         raised = False
         for gate in self.state.gates.values():
             before = gate.limit
-            raised = gate.update(now, self.pool_reading(gate.name, now)) or raised
+            raised = gate.update(now, self.load_reading(gate.name, now)) or raised
             if gate.limit != before:
                 self.events.pool_limit_moved(gate.name, gate.controller.last_action, before, gate.limit,
                                              gate.controller.sized_on, gate.inflight - gate.stuck)
@@ -98,6 +98,13 @@ class LimitMoves:
             return None
         return sat
 
+    def load_reading(self, pool: str, now: float) -> PoolSaturation | None:
+        """The pool's reading as the limits take it: None (they go by latency alone, and a pool that serves
+        nothing gives them none) while no replica is up to read (PoolSaturation.down). An outage is not load: the
+        level learned before it is what the replicas take when they come back."""
+        sat = self.pool_reading(pool, now)
+        return None if sat is not None and sat.down else sat
+
     def _ungated(self, pools) -> list[str]:
         gates = self.state.gates
         return [p for p in pools if not gates or p not in gates]
@@ -118,7 +125,7 @@ class LimitMoves:
         """The worst of the pools the class sends to: saturated if any of them is."""
         worst = None
         for pool in lim.pools:
-            sat = self.pool_reading(pool, now)
+            sat = self.load_reading(pool, now)
             if sat is not None and (worst is None or sat.saturated):
                 worst = sat
         return worst

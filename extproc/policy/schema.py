@@ -209,7 +209,8 @@ class PoolSpec:
     stale_ms: int = doc("Metrics older than this count as saturated (a replica that cannot answer is not "
                         "healthy headroom). A replica whose /health does not answer 200 either is left out "
                         "instead, and one that refuses the connection (nothing listens: dead or restarting) at "
-                        "once, however fresh its last reading; the pool is saturated if none is left.", 1500,
+                        "once, however fresh its last reading; the pool is saturated if none is left (and down: "
+                        "the limits hold their level for the replicas' return).", 1500,
                         minimum=100)
     kv_saturated: float = doc("vllm:kv_cache_usage_perc at or above this is saturation.", 0.9, minimum=0.1,
                               maximum=1)

@@ -10,7 +10,8 @@ answers) is reported as stalled and left out of the pool's reading (saturated on
 A replica that refuses the connection (nothing listens: the process died or is restarting), or whose /health does not
 answer 200 either (frozen whole: SIGSTOP, a hung host), is not load either: it is left out of the reading too, as
 Envoy's health checks leave it out of the pool, and the pool is saturated only when no replica is left to read (one
-dead or frozen replica of two cut the pool limit to its floor for as long as it was down).
+dead or frozen replica of two cut the pool limit to its floor for as long as it was down); it is then also `down`,
+which the limits do not read as load (LimitMoves.load_reading).
 A pool that names nothing to scrape (no replicas, no Envoy admin) is not scraped at all: it has no saturation
 signal, and its limit and adaptive caps run on latency alone.
 """
@@ -402,7 +403,7 @@ class PoolScraper:
         sat.updated_at = now
         stale = now - spec.stale_ms / 1000.0
         if not self.replicas:
-            sat.saturated = True
+            sat.saturated = sat.down = True
             return sat
         working, gone, paced, held, held_across, unread = [], 0, [], 0.0, 0.0, False
         for r in self.replicas.values():
@@ -437,6 +438,7 @@ class PoolScraper:
             sat.running += m["running"]
             sat.preempting = sat.preempting or bool(m["preempting"])
         other = sat.kv_usage >= spec.kv_saturated or sat.preempting or sat.stalled + gone == len(self.replicas)
+        sat.down = gone == len(self.replicas)
         if other or (spec.waiting_saturated and held >= spec.waiting_saturated):
             sat.saturated = True
             # Saturated only by requests a snapshot cannot tell from passing through (PASSING_STEPS).

@@ -583,3 +583,19 @@ def test_sequences_decoded_together_are_predicted_one_sequence_long(clock):
     eight = core.decide(RequestFacts(header_class="interactive", model="llama", max_tokens=500, sequences=8))
     assert eight.kind == QUEUE, eight.message
     assert eight.charge.estimate.gpu_seconds > 3.0  # its charge is still all 8 sequences'
+
+
+def test_an_adaptive_cap_holds_while_no_replica_of_its_pool_is_up(clock):
+    """Every replica down (refusing connections, or none listed) is no word on load: read as saturation it cut
+    the cap to its floor, and the replicas came back to a class held at min_limit, one step a window back up."""
+    core = AdmissionController(one_adaptive_class(), clock=clock)
+    lim = core.limiters["interactive"]
+    for _ in range(30):
+        clock.advance(1.0)
+        down = PoolSaturation()
+        down.saturated, down.down, down.updated_at = True, True, clock.t
+        core.set_saturation("pool_a", down)
+        for t in hold(core, "interactive", 1):
+            core.finish(t, Outcome.UPSTREAM_ERROR)  # Envoy: no healthy upstream
+        core.tick()
+    assert lim.limit == 8

@@ -1062,3 +1062,27 @@ def test_a_limit_turned_on_counts_a_shadow_request_enforce_would_degrade_where_e
         held_by[mode] = (core.gates["pool_a"].inflight, core.limiters["interactive"].inflight,
                          len(core.limiters["interactive"].queue))
     assert held_by["shadow"] == held_by["enforce"]
+
+
+def down(now: float) -> PoolSaturation:
+    """A reading of a pool whose every replica refused the connection (or none is listed)."""
+    sat = PoolSaturation()
+    sat.saturated, sat.down, sat.updated_at = True, True, now
+    return sat
+
+
+def test_a_pool_with_no_replica_up_keeps_its_limit_for_their_return(clock):
+    """Read as load, 30 s with every replica down (a restart, or the ext_proc up before its replicas) cut the
+    limit to its floor, 1, and the replicas came back to a pool that took one request at a time, the limit
+    climbing back at `max_raise` a move (~2 minutes to 20K tokens). Its requests meanwhile fail fast (Envoy: no
+    healthy upstream), and nothing of it says how much the replicas take."""
+    core = AdmissionController(pool_policy(limit=20, knobs={"max": 100}), clock=clock)
+    gate = core.gates["pool_a"]
+    for _ in range(300):
+        core.set_saturation("pool_a", down(clock()))
+        t = core.decide(req("interactive")).ticket
+        core.finish(t, Outcome.UPSTREAM_ERROR)
+        clock.advance(0.1)
+        core.tick()
+    assert gate.limit == 20 and gate.inflight == 0
+    assert [core.decide(req("interactive")).kind for _ in range(20)] == [ACCEPT] * 20
