@@ -125,12 +125,7 @@ class TestUpstream:
             if not body.get("stream"):
                 await asyncio.sleep(token_s * tokens)
                 self.served += 1
-                return web.json_response({
-                    "id": "chatcmpl-test", "object": "chat.completion", "created": int(time.time()),
-                    "model": body["model"], "choices": [{"index": 0, "message": {"role": "assistant",
-                                                                                 "content": "x " * tokens},
-                                                         "finish_reason": "length"}],
-                    "usage": {"prompt_tokens": 5, "completion_tokens": tokens, "total_tokens": 5 + tokens}})
+                return await answer(request, body["model"], tokens)
             resp = web.StreamResponse(headers={"content-type": "text/event-stream; charset=utf-8"})
             await resp.prepare(request)
             for i in range(tokens):
@@ -150,6 +145,31 @@ class TestUpstream:
             if cls is not None:
                 self.in_class[cls] -= 1
                 self.running.pop(id(request), None)
+
+
+# One token's logprobs entry, as vLLM writes it with top_logprobs (its alternatives left out).
+LOGPROB = {"token": "x", "logprob": -0.25, "bytes": [120], "top_logprobs": []}
+
+
+async def answer(request: web.Request, model: str, tokens: int) -> web.StreamResponse:
+    """A non-streamed answer of `tokens` tokens. `x-test-logprobs-bytes` adds about that many bytes of logprobs
+    before its usage (vLLM's top_logprobs 20 are ~1.2 KB a token); `x-test-chunked` sends it in 64 KiB writes
+    without a content-length, as a server that streams its JSON does."""
+    pad = int(request.headers.get("x-test-logprobs-bytes", "0"))
+    logprobs = {"content": [LOGPROB] * (pad // len(json.dumps(LOGPROB)))} if pad else None
+    doc = {"id": "chatcmpl-test", "object": "chat.completion", "created": int(time.time()), "model": model,
+           "choices": [{"index": 0, "message": {"role": "assistant", "content": "x " * tokens},
+                        "logprobs": logprobs, "finish_reason": "length"}],
+           "usage": {"prompt_tokens": 5, "completion_tokens": tokens, "total_tokens": 5 + tokens}}
+    if "x-test-chunked" not in request.headers:
+        return web.json_response(doc)
+    raw = json.dumps(doc, separators=(",", ":")).encode()  # compact, as vLLM's JSONResponse writes it
+    resp = web.StreamResponse(headers={"content-type": "application/json"})
+    await resp.prepare(request)
+    for at in range(0, len(raw), 64 << 10):
+        await resp.write(raw[at:at + (64 << 10)])
+    await resp.write_eof()
+    return resp
 
 
 def main() -> None:

@@ -96,6 +96,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 GRPC_MAX_STREAMS = 100_000
 
 
+def grpc_receive_limit(max_body_bytes: int) -> int:
+    """The largest message taken from Envoy: a request body (within --max-body-bytes, Envoy's buffer at most), or a
+    piece of an answer read as it comes (STREAMED): what Envoy held while the response headers' answer was on its
+    way, or one read from the replica, 1 MiB seen under a 256 KiB buffer. A larger one fails the stream, and failing
+    closed Envoy cuts the client's answer: under 8 MiB the bound is the one --max-body-bytes' default has."""
+    return max(2 * max_body_bytes, 8 << 20) + (64 << 10)
+
+
 class Server:
     """Owns the core, the servicer and the endpoints; reloads the policy on SIGHUP or file change."""
 
@@ -261,7 +269,7 @@ class Server:
 
     async def run(self) -> None:
         grpc_server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", self.args.max_body_bytes * 2 + (64 << 10)),
+            ("grpc.max_receive_message_length", grpc_receive_limit(self.args.max_body_bytes)),
             ("grpc.max_send_message_length", self.args.max_body_bytes * 2 + (64 << 10)),
             ("grpc.so_reuseport", 0),  # a second server must fail to bind, not silently share the port
             ("grpc.max_concurrent_streams", GRPC_MAX_STREAMS),

@@ -478,11 +478,15 @@ class Stream:
         if r.sse and not r.learn:
             return CONTINUE["response_headers"]  # a stream's usage costs a message per chunk: sampled ones only
         if not r.sse and (length is None or length > self.processor.max_body_bytes):
-            # Envoy buffers a body it hands us whole, up to its buffer limit: past it the client got a 500 for an
-            # answer the replica had computed. An answer we cannot size is not read either (usage stays estimated).
-            return CONTINUE["response_headers"]
+            # Envoy buffers a body it hands us whole only up to its buffer limit (past it the client got a 500 for
+            # an answer the replica had computed), and one of unknown length may pass it: read as it comes instead,
+            # each piece passed on, its usage from the end kept. Unread, a tenant kept the worst case charged at
+            # admission for its largest answers (top_logprobs, embeddings batches).
+            if not content_type.startswith(b"application/json"):
+                return CONTINUE["response_headers"]
+            r.piecewise = True
         self._enter(Phase.READING_USAGE)
-        return protocol.LEARN_BODY[r.sse]
+        return protocol.LEARN_BODY[r.sse or r.piecewise]
 
     def _on_response_body(self, req: pb.ProcessingRequest) -> Answer:
         msg = req.response_body
@@ -491,9 +495,7 @@ class Stream:
             return self._restreamed(msg)
         r = self.usage
         if not r.sse:
-            r.buffered += msg.body
-            if msg.end_of_stream:
-                self._learn_usage(usage_of(r.buffered))
+            self._learn_usage(r.answer_usage(msg.body, msg.end_of_stream))
             return CONTINUE["response_body"]
         chunk = whole_events(r, msg.body, msg.end_of_stream)
         # Events held back, or earlier ones released: compared by content, since a release and a hold of the same

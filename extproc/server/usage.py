@@ -21,14 +21,16 @@ FIRST_TOKEN = re.compile(rb'"(?:content|text|delta|reasoning|reasoning_content|a
 class UsageReader:
     """Per stream whose usage is read: why, and how far the response has been read."""
 
-    __slots__ = ("learn", "responses", "sse", "strip", "buffered", "first_token_seen", "partial", "passed")
+    __slots__ = ("learn", "responses", "sse", "strip", "piecewise", "buffered", "first_token_seen", "partial",
+                 "passed")
 
     def __init__(self, learn: bool) -> None:
         self.learn = learn               # a learning sample; otherwise read (if not streamed) for the refund only
         self.responses = False           # a Responses API answer: its stream's last event carries the usage
         self.sse = False                 # the response is an event stream
         self.strip = False               # ... carrying a usage chunk the client did not ask for
-        self.buffered = b""              # a non-streamed response body, until its end
+        self.piecewise = False           # a non-streamed body read as it comes (too large for one message)
+        self.buffered = b""              # a non-streamed body until its end; read piecewise, only its last bytes
         self.first_token_seen = False
         self.partial = b""               # a stream's last event, held back until its end (blank line) arrives
         self.passed = b""                # the end of a Responses event passed on unfinished, its usage read there
@@ -51,6 +53,16 @@ class UsageReader:
                                           "continuous_usage_stats": False}
             body.rewrite = True
             self.strip = True
+
+    def answer_usage(self, piece: bytes, last: bool) -> dict | None:
+        """A non-streamed answer's usage, once its `last` piece came. Buffered by Envoy it comes whole; read
+        piecewise (over --max-body-bytes, or of unknown length) only its end is kept: vLLM writes the usage after
+        the choices (or an embeddings batch's data), a few hundred bytes before the object's end."""
+        if not self.piecewise:
+            self.buffered += piece  # one message (BUFFERED): nothing copied again
+            return usage_of(self.buffered) if last else None
+        self.buffered = last_bytes(self.buffered, piece, USAGE_TAIL)
+        return _usage_near_end(self.buffered) if last else None
 
 
 # A partial event held back longer than this is passed on as it is: a stream that never ends its events is not
@@ -162,7 +174,7 @@ def responses_usage(r: UsageReader, chunk: bytes, last: bool) -> dict | None:
     if r.passed:
         blank = BLANK_LINE.search(chunk)
         if blank is None and not last:
-            r.passed = (r.passed + chunk)[-USAGE_TAIL:]
+            r.passed = last_bytes(r.passed, chunk, USAGE_TAIL)
             return None
         end = len(chunk) if blank is None else blank.start()
         tail, r.passed = r.passed + chunk[:end], b""
@@ -192,13 +204,27 @@ def completed_usage(chunk: bytes) -> dict | None:
     return None
 
 
+def last_bytes(kept: bytes, piece: bytes, size: int) -> bytes:
+    """The last `size` bytes of `kept` then `piece`, copying at most `size` of them: a body read piece by piece
+    keeps its end at a cost linear in its length, however small its pieces."""
+    if len(piece) >= size:
+        return piece[-size:]
+    return kept[-(size - len(piece)):] + piece
+
+
+# A usage key as a compact writer (vLLM's, Starlette's JSONResponse) or an indenting one writes it. Outside a string:
+# a quote inside one is escaped.
+USAGE_KEY = re.compile(rb'"usage"\s*:\s*(?=\{)')
+
+
 def _usage_near_end(tail: bytes) -> dict | None:
-    """The usage object in the end of a last event: its last `"usage":{`, decoded to the object's close."""
-    at = tail.rfind(b'"usage":{')
-    if at < 0:
+    """The usage object in the end of a JSON document (a non-streamed answer, a Responses stream's last event):
+    its last `"usage":{`, decoded to the object's close."""
+    keys = list(USAGE_KEY.finditer(tail))
+    if not keys:
         return None
     try:
-        usage, _ = _DECODER.raw_decode(tail[at + len(b'"usage":'):].decode("utf-8", "replace"))
+        usage, _ = _DECODER.raw_decode(tail[keys[-1].end():].decode("utf-8", "replace"))
     except ValueError:
         return None
     return usage if isinstance(usage, dict) else None

@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 
 from extproc.tools.sim.fleet import SimFleet
-from tests.conftest import policy_file
+from tests.conftest import policy_file, until
 
 from .helpers import chat, metrics, post, sample, sample_once, upstream_stats, wait_idle
 
@@ -243,3 +243,50 @@ async def test_ignore_eos_is_costed_to_its_cap_and_never_taught_as_a_natural_len
         # Its 100 tokens of decode in full (under the learned coefficient), not 100 x the ratio.
         assert sample(ms, "extproc_inflight_gpu_seconds", **{"class": "interactive"}) >= 100 * decode
         assert (await held)[0] == 200
+
+
+ACME_10K = [{"name": "acme", "api_keys": ["sk-acme"], "tokens_per_minute": 10_000, "burst_s": 60}]
+
+
+async def check_refunded_after_a_large_answer(s, size: int, chunked: bool) -> None:
+    """One answer of `size` bytes (logprobs) and 50 tokens to a request charged 4,000: it reaches the client whole,
+    and the tenant gets back all but its usage."""
+    key = {"authorization": "Bearer sk-acme"}
+    big = {**key, "x-test-tokens": "50", "x-test-logprobs-bytes": str(size)}
+    if chunked:
+        big["x-test-chunked"] = "1"
+    async with aiohttp.ClientSession() as http:
+        status, got, raw = await post(http, s.url, chat(max_tokens=4000), big)
+        assert status == 200 and len(raw) > size * 0.9 and ("content-length" in got) != chunked
+        assert json.loads(raw)["usage"]["completion_tokens"] == 50  # passed on whole, unchanged
+        assert int(got["x-ratelimit-remaining-tokens"]) < 10_000 - 4000
+
+        async def remaining() -> int:  # a small request's view of the bucket
+            _, hs, _ = await post(http, s.url, chat(max_tokens=1), key)
+            return int(hs["x-ratelimit-remaining-tokens"])
+
+        # Refunded once the answer is accounted (Envoy's access log comes a moment later). Unread, the bucket
+        # only refills: ~170 tokens a second, under 7,000 within the 5 s.
+        assert await until(remaining, 5.0, holds=lambda left: left > 9000) > 9000
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+async def test_an_answer_over_the_body_limit_still_refunds_its_tenant_down_to_its_usage(make_stack, tmp_path,
+                                                                                         chunked):
+    # An answer over --max-body-bytes (4 MiB, Envoy's buffer: top_logprobs 20 are ~1.2 KB a token, so 4,000 tokens
+    # are ~5 MB), or one without a content-length, was never read for its usage: its tenant kept the worst case
+    # charged at admission (here 4,000 tokens for an answer of 50). Read as it comes, its end kept, it is refunded
+    # as a buffered one is.
+    s = make_stack(policy(tmp_path, tenants=ACME_10K))
+    await check_refunded_after_a_large_answer(s, 5_000_000, chunked)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+async def test_an_answer_read_as_it_comes_under_a_small_body_limit_reaches_a_fail_closed_client_whole(
+        make_stack, tmp_path, chunked):
+    # Envoy hands such an answer over in pieces of up to 1 MiB (one read from the replica) however small its
+    # buffer, and the ext_proc took messages of at most twice --max-body-bytes: under 256 KiB the stream failed,
+    # and failing closed Envoy cut the client's answer after its headers.
+    s = make_stack(policy(tmp_path, tenants=ACME_10K), extproc_args=["--max-body-bytes", str(256 << 10)],
+                   failure_mode_allow=False)
+    await check_refunded_after_a_large_answer(s, 3_000_000, chunked)

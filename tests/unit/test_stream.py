@@ -16,7 +16,7 @@ from extproc.server import protocol
 from extproc.server.final_admission import FinalAdmission
 from extproc.server.protocol import CONTINUE, LEARN_BODY, LEARN_HEADERS
 from extproc.server.stream import Phase, Processor, Stream
-from extproc.server.usage import MAX_PARTIAL
+from extproc.server.usage import MAX_PARTIAL, USAGE_TAIL, UsageReader
 
 from ..conftest import RecordedEvents
 from .conftest import make_policy
@@ -535,13 +535,70 @@ def test_an_event_stream_is_read_only_for_a_learning_sample(clock):
     assert s.phase is Phase.FORWARDING
 
 
+def answer_with_usage(usage: dict, size: int) -> bytes:
+    """A non-streamed chat answer of about `size` bytes (logprobs) as vLLM writes it: compact, usage after the
+    choices, then the fields that follow it."""
+    logprobs = {"content": [{"token": "tok", "logprob": -0.5}] * (size // 32)}
+    return json.dumps({"id": "chatcmpl-1", "object": "chat.completion", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "see logprobs"}, "logprobs": logprobs}],
+        "usage": usage, "prompt_logprobs": None, "kv_transfer_params": None}, separators=(",", ":")).encode()
+
+
 @pytest.mark.parametrize("length", [1001, None])
-def test_a_response_over_the_buffer_limit_or_of_unknown_size_is_not_read(clock, length):
-    # Envoy buffers a body it hands over whole only up to its limit: past it the client got a 500 for an answer
-    # the replica had computed
+def test_a_response_over_the_buffer_limit_or_of_unknown_size_is_read_as_it_comes(clock, length):
+    # Envoy buffers a body it hands over whole only up to its limit (past it the client got a 500 for an answer
+    # the replica had computed): such an answer was not read at all, and its tenant kept the worst case charged at
+    # admission. Now each piece is passed on as it is, and the usage read from the end kept.
+    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": HI, "max_tokens": 100})
+    assert s.receive(response_headers(content_length=length)) is LEARN_BODY[True]  # STREAMED, headers unchanged
+    raw = answer_with_usage({"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}, 20_000)
+    pieces = [raw[i:i + 999] for i in range(0, len(raw), 999)]
+    for i, piece in enumerate(pieces):
+        assert s.receive(response_body(piece, eos=i == len(pieces) - 1)) is CONTINUE["response_body"]
+        assert s.held.usage is None or i == len(pieces) - 1
+    assert s.held.usage == (5, 7)
+    assert s.usage.buffered == raw[-USAGE_TAIL:]  # only the end was kept
+
+
+def test_a_large_response_that_is_not_json_is_not_read(clock):
     s, _ = admitted(processor(clock, learn_sample=1.0))
-    assert s.receive(response_headers(content_length=length)) is CONTINUE["response_headers"]
+    assert s.receive(response_headers(content_type=b"text/plain", content_length=5000)) is \
+        CONTINUE["response_headers"]
     assert s.phase is Phase.FORWARDING
+
+
+def read_in_pieces(raw: bytes, cuts: list[int]) -> dict | None:
+    """The usage a piecewise reader finds in `raw` handed over in pieces cut at `cuts`."""
+    r = UsageReader(learn=False)
+    r.piecewise = True
+    edges = [0, *cuts, len(raw)]
+    found = [r.answer_usage(raw[a:b], b == len(raw)) for a, b in zip(edges, edges[1:])]
+    assert not any(found[:-1])  # nothing before the end
+    assert len(r.buffered) <= USAGE_TAIL
+    return found[-1]
+
+
+USAGE = {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
+
+
+def test_the_tail_reader_finds_the_usage_wherever_the_pieces_are_cut():
+    raw = answer_with_usage(USAGE, 50_000)
+    at = raw.index(b'"usage"')
+    for cuts in ([at + 3], [at + 9, at + 20], list(range(at - 100, len(raw), 7)), [100, 40_000],
+                 list(range(1, len(raw), USAGE_TAIL + 1))):
+        assert read_in_pieces(raw, cuts) == USAGE, cuts
+    indented = json.dumps({"data": ["x" * 10_000], "usage": USAGE}, indent=2).encode()  # `"usage": {`
+    assert read_in_pieces(indented, [5000]) == USAGE
+
+
+@pytest.mark.parametrize("raw", [
+    json.dumps({"choices": [{"message": {"content": "x" * 9000}}]}).encode(),  # no usage at all
+    json.dumps({"choices": [{"message": {"content": 'x' * 9000 + '"usage":{"prompt_tokens":1}'}}]}).encode(),
+    b"\xff\xfe" * 5000 + b'"usage":{"prompt_tokens":',  # garbage, a usage never closed
+    b'"usage":{"prompt_tokens":5,"completion_tokens":7}' + b"y" * USAGE_TAIL,  # out of the end kept
+    b'{"usage":[1,2]}'])
+def test_the_tail_reader_finds_no_usage_where_there_is_none_to_read(raw):
+    assert read_in_pieces(raw, [len(raw) // 2]) is None
 
 
 def test_a_buffered_response_usage_is_learned_at_its_end(clock):
