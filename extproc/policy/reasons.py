@@ -211,9 +211,12 @@ limit or `burst_s` if the tenant is entitled to more;
 **429.** The tenant's `tokens_per_minute` bucket cannot cover this request's prompt plus its output. A non-streamed
 request is charged prompt + `max_tokens` (times `n`) up front and settled from the response's `usage` (refunded, or
 the rest charged when a request without `max_tokens` outgrew `default_max_tokens`), which is read for every such
-request of a tenant with this limit (one ext_proc message). A stream's usage costs a message per chunk, so only the
-sampled share (`learn_sample`) is read: other streams are charged prompt + expected output (the model's learned
-output ratio times `max_tokens`) and not corrected. Headers as above, with `-tokens`."""),
+request of a tenant with this limit (one ext_proc message; an answer over `--max-body-bytes`, say `top_logprobs: 20`
+at ~1.2 KB a token, or one without a Content-Length, a message per piece Envoy hands over, its usage read from its
+end; a compressed answer, or one with long `prompt_logprobs` after its usage, keeps its charge). A stream's usage
+costs a message per chunk, so only the sampled share (`learn_sample`) is read: other streams are charged prompt +
+expected output (the model's learned output ratio times `max_tokens`) and not corrected. Headers as above, with
+`-tokens`."""),
     Reason("session_inflight_budget", "Budgets and rate limits (429, 413)", 429, DRAIN,
            "this agent session is over its GPU-seconds budget (in flight)",
            """\
