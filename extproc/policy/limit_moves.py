@@ -55,7 +55,7 @@ class LimitMoves:
         raised = False
         for gate in self.state.gates.values():
             before = gate.limit
-            raised = gate.update(now, self.load_reading(gate.name, now)) or raised
+            raised = gate.update(now, self.pool_reading(gate.name, now)) or raised
             if gate.limit != before:
                 self.events.pool_limit_moved(gate.name, gate.controller.last_action, before, gate.limit,
                                              gate.controller.sized_on, gate.inflight - gate.stuck)
@@ -99,9 +99,10 @@ class LimitMoves:
         return sat
 
     def load_reading(self, pool: str, now: float) -> PoolSaturation | None:
-        """The pool's reading as the limits take it: None (they go by latency alone, and a pool that serves
+        """The pool's reading as the class caps take it: None (they go by latency alone, and a pool that serves
         nothing gives them none) while no replica is up to read (PoolSaturation.down). An outage is not load: the
-        level learned before it is what the replicas take when they come back."""
+        level learned before it is what the replicas take when they come back. (The pool-wide limit holds
+        outright then: PoolGate.update.)"""
         sat = self.pool_reading(pool, now)
         return None if sat is not None and sat.down else sat
 
