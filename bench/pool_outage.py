@@ -1,17 +1,19 @@
 """A pool whose only replica dies under steady load and comes back on the same port: the pool-wide limit and the
 answers per second around the outage (real Envoy + the ext_proc + `extproc sim` processes, speed 4).
 
-`python bench/pool_outage.py [--down-at 15] [--up-at 30] [--until 60] [--clients 24]` prints one row a second:
-the limit (tokens) as the ext_proc's /metrics reads it, and the 200s that ended in that second. The replica is a
-process killed with SIGKILL (nothing listens: its scrapes are refused), then started again; the 24 clients loop on
-llama-70b chat requests of ~200 prompt tokens and 100 output tokens (a refusal or a 503 is retried after 50 ms).
-docs/reliability.md item 26 has the numbers before and after the limits held through an outage.
+`python bench/pool_outage.py [--down-at 15] [--up-at 30] [--until 60] [--clients 24] [--kill extproc]` prints one
+row a second: the limit (tokens) as the ext_proc's /metrics reads it, and the 200s that ended in that second. The
+replica is a process killed with SIGKILL (nothing listens: its scrapes are refused), then started again; the
+clients loop on llama-70b chat requests of ~200 prompt tokens and 100 output tokens (a refusal or a 503 is retried
+after 50 ms). `--kill extproc` SIGKILLs the ext_proc at --down-at instead and starts it again at once (Envoy lets
+requests through unadmitted meanwhile: failure_mode_allow). docs/reliability.md item 26 has the numbers.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import subprocess
 import sys
 import tempfile
@@ -95,10 +97,13 @@ async def run(args) -> list[tuple[int, float, int]]:
 
             clients = [asyncio.create_task(client()) for _ in range(args.clients)]
             for second in range(args.until):
-                if second == args.down_at:
+                if second == args.down_at and args.kill == "extproc":
+                    stack.process("extproc").stop(signal.SIGKILL)
+                    await asyncio.to_thread(stack.start_extproc)
+                elif second == args.down_at:
                     replica.kill()
                     replica.wait()
-                if second == args.up_at:
+                if second == args.up_at and args.kill == "replica":
                     replica = start_replica(port)
                 await asyncio.sleep(t0 + second + 1 - time.monotonic())
                 done = sum(1 for t in served if second <= t < second + 1)
@@ -119,11 +124,13 @@ def main() -> None:
     p.add_argument("--up-at", type=int, default=30, help="second it is started again")
     p.add_argument("--until", type=int, default=60, help="seconds in all")
     p.add_argument("--clients", type=int, default=24)
+    p.add_argument("--kill", choices=("replica", "extproc"), default="replica", help="what dies at --down-at")
     args = p.parse_args()
     print("| second | pool limit (tokens) | 200s in that second |")
     print("|---:|---:|---:|")
     for second, limit, done in asyncio.run(run(args)):
-        state = " (down)" if args.down_at <= second < args.up_at else ""
+        down = args.down_at <= second < (args.up_at if args.kill == "replica" else args.down_at + 1)
+        state = f" ({args.kill} down)" if down else ""
         print(f"| {second}{state} | {limit:,.0f} | {done} |")
 
 
