@@ -622,17 +622,18 @@ class PoolGate:
 
     def update(self, now: float, saturation) -> bool:
         """Move the limit (tick). True when it rose: waiters may fit now."""
-        if saturation is not None and saturation.down:
-            # No replica up (PoolSaturation.down): no word on load, nor on demand. Read as saturation the limit
-            # was cut to its floor; read by latency alone it settled towards the outage's in flight, requests
-            # failing in a millisecond (18 -> 3 requests in 12 s). Held, it is what the replicas take back.
-            return False
         before = self.limit
         saturated = roomy = None
         self.stuck = 0.0
         stalled = saturation is not None and saturation.stalled > 0
         if stalled != bool(self.stall):  # a stall begins (what is held may be on the hung replica) or ends
             self.stall, self.steered = next(_STALLS) if stalled else 0, 0.0
+        if saturation is not None and saturation.down:
+            # No replica up (PoolSaturation.down; a hung one that then died is gone too): no word on load, nor on
+            # demand. Read as saturation the limit was cut to its floor; read by latency alone it settled towards
+            # the outage's in flight, requests failing in a millisecond (18 -> 3 requests in 12 s). Held, it is
+            # what the replicas take back.
+            return False
         if saturation is not None:
             saturated = saturation.saturated
             roomy = not saturated and saturation.waiting == 0 and saturation.kv_usage < ROOMY_KV

@@ -1097,3 +1097,19 @@ def test_a_pool_with_no_replica_up_keeps_its_limit_for_their_return(clock):
         core.finish(t, Outcome.UPSTREAM_ERROR)
         clock.advance(0.05)
     assert gate.limit == before >= 12 and gate.inflight == 0
+
+
+def test_a_hung_replica_that_dies_with_the_pool_leaves_nothing_stuck(clock):
+    """The pool's last replica, stalled, then killed: its requests are gone with it, and the room the stall left out
+    of what the pool holds must not outlive it while the limit holds through the outage."""
+    core = AdmissionController(pool_policy(limit=4), clock=clock)
+    gate = core.gates["pool_a"]
+    [core.decide(req("interactive")).ticket for _ in range(2)]
+    core.set_saturation("pool_a", hung(2.0, clock()))
+    clock.advance(0.1)
+    core.tick()
+    assert gate.stuck == 2.0 and gate.stall
+    core.set_saturation("pool_a", down(clock()))
+    clock.advance(0.6)
+    core.tick()
+    assert gate.stuck == 0.0 and not gate.stall and gate.limit == 4
