@@ -920,7 +920,7 @@ class AdmissionController:
         fallback = reason == R_QUEUE_TIMEOUT and lim.spec.on_overflow == "fallback" and not t.closed
         if not t.closed:  # closed without accounting: the request never ran
             self._release(t, now, False)
-        waited = t.waited_s + (now - t.admitted_at)
+        waited = t.waited_by(now)
         # A class a reload removed has no fallback left (its degraded slots and model may be gone with it).
         if fallback and self.state.current(lim):
             out = self.fallbacks.answer(lim, lim.name, t.tenant, t.pool, R_QUEUE_TIMEOUT, now, overflow=True,

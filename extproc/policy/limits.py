@@ -146,6 +146,11 @@ class Ticket:
         # own deadline where it has one).
         self.wait_until = wait_ends(limiter, now - waited_s)
 
+    def waited_by(self, now: float) -> float:
+        """What a request not yet confirmed (waiting on the shared store) has waited by `now`: its class queue's
+        wait and the time since its class admitted it."""
+        return self.waited_s + (now - self.admitted_at)
+
 
 class Waiter:
     """A request waiting in a class queue. Its result (a Decision) is set exactly once."""

@@ -183,7 +183,7 @@ class SharedSlots:
             if w.future.cancelled():  # else the slot came in the turn the deadline passed: it is granted
                 # Told the wait it had (its class queue's and this one), not the class's max_wait_ms: a request's
                 # own shorter deadline ends it sooner.
-                waited_ms = round((t.waited_s + self.core.clock() - t.admitted_at) * 1000.0)
+                waited_ms = round(t.waited_by(self.core.clock()) * 1000.0)
                 return self.core.revoke(d, R_QUEUE_TIMEOUT, say(R_QUEUE_TIMEOUT, cls=claim.cls,
                                                                 where=" across the replicas sharing it",
                                                                 max_wait_ms=waited_ms))
