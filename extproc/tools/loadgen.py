@@ -210,6 +210,7 @@ class RequestRecord:
     asked_model: str | None = None  # the `model` the request named
     model: str | None = None  # the model that answered, as the response names it (vLLM echoes its served name)
     queued: bool = False  # the admission layer held it in a queue first (x-extproc-queue-wait-ms > 0)
+    queue_wait: float = 0.0  # how long it was held there (scaled): a degrade after a wait is decided at its end
     # The admission layer degraded it (x-extproc-decision: degrade): another model, or the same one with fewer
     # tokens or no streaming, which the answer's model name alone does not show.
     degraded_by_policy: bool = False
@@ -360,7 +361,8 @@ class LoadClient:
                 async with self._session.post(url + ENDPOINTS[kind.endpoint], json=self.body(planned),
                                               headers=headers) as resp:
                     record.status = resp.status
-                    record.queued = float(resp.headers.get("x-extproc-queue-wait-ms") or 0) > 0
+                    wait_ms = float(resp.headers.get("x-extproc-queue-wait-ms") or 0)
+                    record.queued, record.queue_wait = wait_ms > 0, wait_ms / 1000.0 * scale
                     record.degraded_by_policy = resp.headers.get("x-extproc-decision") == "degrade"
                     if resp.status != 200:
                         record.error = _error_type(await resp.read())

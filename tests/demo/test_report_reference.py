@@ -163,7 +163,7 @@ def window(records: list[RequestRecord], t0: float, t1: float, group: tuple[str,
     out["refused"] = sum(1 for r in started if r.status in (429, 503))
     out["failed"] = sum(1 for r in started if failed(r))
     out["degraded"] = sum(1 for r in started if is_ok(r) and is_degraded(r))
-    degraded_at = [r.start for r in slo if is_ok(r) and is_degraded(r)]
+    degraded_at = [r.start + r.queue_wait for r in slo if is_ok(r) and is_degraded(r)]  # decided after its wait
     held_at = [r.start for r in started if r.kind not in group and (r.status in (429, 503) or r.queued)]
     out["first_degraded_at"] = min(degraded_at) if degraded_at else None
     out["first_other_held_at"] = min(held_at) if held_at else None
@@ -316,11 +316,13 @@ def random_record(rng: random.Random, start: float, kind: str, mix: dict[str, fl
     ttft = None
     if status == 200:
         ttft = min(lat, rng.uniform(0.0, 0.5)) if streamed else (lat if error is None else None)
+    queued = rng.random() < 0.15
     r = RequestRecord(start, kind, "", status, latency=None if what == "overload" else lat, ttft=ttft,
                       output_tokens=rng.randint(1, 512) if status == 200 else 0,
                       prompt_tokens=rng.randint(100, 3000), error=error, asked_model=BIG,
                       model=(SMALL if small else BIG) if status == 200 or what == "degraded_timeout" else None,
-                      queued=rng.random() < 0.15, degraded_by_policy=by_policy)
+                      queued=queued, queue_wait=rng.uniform(0.001, 0.3) if queued else 0.0,
+                      degraded_by_policy=by_policy)
     return r
 
 

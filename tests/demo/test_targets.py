@@ -13,10 +13,11 @@ from extproc.tools.loadgen import RequestRecord
 BIG, SMALL = "llama-70b", "llama-8b"
 
 
-def rec(start, kind="interactive", latency=0.5, status=200, model=BIG, tokens=10, queued=False, error=None):
+def rec(start, kind="interactive", latency=0.5, status=200, model=BIG, tokens=10, queued=False, error=None,
+        wait=0.0):
     return RequestRecord(start, kind, "", status, latency=latency, ttft=0.1 if status == 200 else None,
                          output_tokens=tokens, error=error, asked_model=BIG,
-                         model=model if status == 200 else None, queued=queued)
+                         model=model if status == 200 else None, queued=queued or wait > 0, queue_wait=wait)
 
 
 def stats(records, window=(0.0, 10.0), onsets=None):
@@ -94,6 +95,13 @@ def test_first_degrade_and_first_batch_held_back_come_from_the_records():
     w = stats([rec(1), rec(2, model=SMALL), rec(3, kind="batch", queued=True), rec(4, kind="batch", status=503),
                rec(5, model=SMALL)])
     assert w.first_degraded_at == 2 and w.first_other_held_at == 3
+
+
+def test_a_degrade_after_a_wait_is_timed_when_it_was_decided_not_when_the_request_arrived():
+    # The interactive request arrived at 2.0, waited 0.2 s for the pool and was then degraded: the batch request
+    # held back at 2.1 was held before that degrade (at arrival it was waiting, not degraded).
+    w = stats([rec(1), rec(2.0, model=SMALL, wait=0.2), rec(2.1, kind="batch", queued=True)])
+    assert w.first_degraded_at == pytest.approx(2.2) and w.first_other_held_at == 2.1
 
 
 def spike_and_calm(d: WindowStats, calm: WindowStats | None = None):

@@ -175,7 +175,9 @@ def window_stats(records: list[RequestRecord], window: tuple[float, float], slo_
         by_class[cls] = {"full": sum(1 for r in done if not r.degraded) / span,
                          "degraded": sum(1 for r in done if r.degraded) / span}
     worst, worst_at = worst_window_p99(slo, window, (t0,) if onsets is None else onsets, timeout_s)
-    degraded_slo = sorted(r.start for r in slo if r.ok and r.degraded)
+    # A degrade is timed when it was decided: after the wait, for one that waited for room first (at its arrival it
+    # was queued, and a lower class held back while it waited was held before it was degraded).
+    degraded_slo = sorted(r.start + r.queue_wait for r in slo if r.ok and r.degraded)
     held = sorted(r.start for r in started if r.kind not in group and (r.status in REFUSED or r.queued))
     return WindowStats(
         percentile(latencies, 50), percentile(latencies, 95), percentile(latencies, 99), percentile(ttfts, 99),

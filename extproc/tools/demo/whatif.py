@@ -528,6 +528,7 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
 
             def done(final, record=record, ask=ask):
                 waiting.discard(id(record))
+                record.queue_wait = clock[0] - record.start
                 if record.error != "timeout":  # not the verdict of a client that left (_LEFT)
                     admitted(record, final, ask)
             d.waiter.notify(done)
