@@ -55,8 +55,9 @@ class WindowStats:
     # status (a refused or reset connection, a stream cut short)
     failed: int = 0
     degraded: int = 0  # requests of every class answered by another model
-    # When the first SLO-class request answered by another model, and the first request of another class refused
-    # or queued, arrived (None: none did): lower classes must be held back before the SLO class is degraded
+    # When the first SLO-class request answered by another model was degraded (its arrival plus the wait it had, if
+    # it waited for room first), and when the first request of another class refused or queued arrived (None: none
+    # did): lower classes must be held back before the SLO class is degraded
     first_degraded_at: float | None = None
     first_other_held_at: float | None = None
     # Jain's index over the SLO kinds (several: one per tenant, equal weights) of the tokens (prompt + output) each
