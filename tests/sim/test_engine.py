@@ -201,3 +201,20 @@ def test_a_profile_whose_timing_is_not_a_finite_non_negative_number_is_refused()
                        ("per_context_token_s", -1.0)):
         with pytest.raises(ValueError, match=f"timing.{key}"):
             profile_from_dict(_profile_yaml(timing={**timing, key: value}))
+
+
+def test_each_step_is_attributed_to_its_sequences_in_full_and_a_long_prompt_weighs_more():
+    # The engine time each sequence is charged (work_s) adds up to the time the engine ran, preemptions and
+    # chunked prefills included, and a long prompt costs more than a short one with the same answer (its prefill,
+    # and attention over its context at every decode step): the reference the ext_proc's GPU-seconds are checked
+    # against (bench/noisy_neighbour.py --backlogged).
+    engine = Engine(make_profile(kv_cache_blocks=40, max_num_batched_tokens=256, max_model_len=1024,
+                                 timing=Timing(0.01, 0.001, 0.0001, 0.00001)))
+    short = [engine.add_request(50, 40, 0.0, natural_tokens=40) for _ in range(3)]
+    long = [engine.add_request(500, 40, 0.0, natural_tokens=40) for _ in range(3)]
+    now = 0.0
+    while engine.has_work:
+        now, _ = step(engine, now)
+    assert engine.stats.preemptions >= 1
+    assert sum(s.work_s for s in short + long) == pytest.approx(now)
+    assert min(s.work_s for s in long) > 2 * max(s.work_s for s in short)

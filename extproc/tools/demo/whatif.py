@@ -146,6 +146,9 @@ class WhatIfResult:
     served_elsewhere: int  # requests finished by the pools after the first (degraded)
     limits: list[tuple[float, dict[str, int]]]  # (time, class -> cap) whenever a cap moved
     preemptions: dict[str, int] = field(default_factory=dict)  # pool -> its engines' preemptions over the run
+    # id(record) -> the engine time that was its own (Sequence.work_s; the sum of its attempts'): what it really
+    # cost the replicas, to check the ext_proc's GPU-second estimates against
+    engine_work: dict[int, float] = field(default_factory=dict)
 
 
 class _Pool:
@@ -345,6 +348,7 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
     events: list[tuple[float, int, int, object]] = []  # (time, kind, order, payload)
     order = 0
     owner = {}  # (pool, engine index, seq id) -> (record, ticket)
+    ran: list[tuple[RequestRecord, Sequence]] = []  # every request started on a replica, for engine_work
     records: list[RequestRecord] = []
     next_replica = {name: 0 for name in pools}  # round robin
 
@@ -380,6 +384,7 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
             i = min(live, key=lambda j: len(engines[j].running) + len(engines[j].waiting))
         seq = ask.add_to(engines[i], clock[0], priority)
         owner[(pool.name, i, seq.id)] = (record, ticket)
+        ran.append((record, seq))
         push(record.start + scenario.client_timeout_s, _TIMEOUT, (pool, i, seq))
         kick(pool, i)
 
@@ -538,4 +543,7 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
             admitted(record, d, ask)
     served_elsewhere = sum(p.finished for name, p in pools.items() if name != first)
     preemptions = {name: sum(e.stats.preemptions for e in p.engines) for name, p in pools.items()}
-    return WhatIfResult(records, served_elsewhere, admitter.limits, preemptions)
+    work: dict[int, float] = {}
+    for record, seq in ran:
+        work[id(record)] = work.get(id(record), 0.0) + seq.work_s
+    return WhatIfResult(records, served_elsewhere, admitter.limits, preemptions, work)

@@ -49,6 +49,9 @@ class Sequence:
     preemptions: int = 0
     priority: int = 0  # the request's `priority`: lower runs first (only under the priority policy)
     lora: int = 0  # its LoRA adapter's id (vLLM's lora_int_id, from 1); 0: the base model
+    # The engine time that was this sequence's (Engine.begin_iteration): its own terms of each step it ran in, and
+    # an equal share of the step's fixed part. An independent measure of the GPU-seconds the ext_proc estimates.
+    work_s: float = 0.0
 
     @property
     def length(self) -> int:
@@ -189,15 +192,20 @@ class Engine:
             return None
         decode_cost = 0.0
         prefill_tokens = context_tokens = 0
+        timing, scale = self.profile.timing, self.slowdown
+        fixed = scale * timing.base_s / len(batch)
         for seq, n in batch:
             context_tokens += seq.computed + n
             if n == 1 and seq.computed == seq.length - 1:
                 decode_cost += seq.cost
+                own = timing.per_decode_seq_s * seq.cost
             else:
                 prefill_tokens += n
+                own = timing.per_prefill_token_s * n
+            seq.work_s += fixed + scale * (own + timing.per_context_token_s * (seq.computed + n))
         self.stats.iterations += 1
         self.step_tokens = sum(n for _, n in batch)  # vllm:iteration_tokens_total observes it (ReplicaMetrics)
-        return self.slowdown * self.profile.timing.iteration_s(decode_cost, prefill_tokens, context_tokens)
+        return scale * timing.iteration_s(decode_cost, prefill_tokens, context_tokens)
 
     def end_iteration(self, now: float) -> list[Emission]:
         """Apply the scheduled batch at time `now`: advance prefills and emit one token per caught-up sequence."""
