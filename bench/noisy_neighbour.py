@@ -8,7 +8,8 @@ flood scenario (docs/img/noisy-neighbour.png). With --tradeoff it runs the fair 
 tenant A held to a few request rates (`requests_per_minute`) and prints B's and C's p99 against the pool's output:
 how far A must be held back before B's and C's p99 return to their no-flood level. With --seeds it prints B's and
 C's flood-window p99 over seeds 20-25, flood against no flood, and pooled over the seeds. With --backlogged it runs
-scenarios/tenants-backlogged.yaml instead: each tenant's share of the GPU-seconds when every tenant waits.
+scenarios/tenants-backlogged.yaml instead: each tenant's share of the GPU-seconds when every tenant waits (with
+--scenario, another scenario of backlogged tenants: scenarios/tenants-output-mix.yaml).
 """
 
 from __future__ import annotations
@@ -163,12 +164,12 @@ def engine_time(res, window: tuple[float, float], kinds: list[str]) -> dict[str,
                    if r.kind == k and t0 <= r.start < t1 and r.ok and not r.degraded) for k in kinds}
 
 
-def backlogged() -> None:
+def backlogged(path: str = BACKLOGGED) -> None:
     """scenarios/tenants-backlogged.yaml: each tenant's share of the GPU-seconds served in the backlog window
     (full-model answers, at the cost coefficients the run's core learned: the units `fair` shares) and of their
     tokens (prompt + output), under batch's cap and under a pool-wide limit. Fairness index: Jain's over
     GPU-seconds per weight (every tenant is backlogged, so its weighted share is its due)."""
-    sc = Scenario.load(BACKLOGGED)
+    sc = Scenario.load(path)
     capacity = sc.fleet_capacity()
     kinds = [k.name for k in sc.workload.kinds]
     t0, t1 = sc.report_windows()["backlog"]
@@ -210,13 +211,15 @@ if __name__ == "__main__":
     ap.add_argument("--tradeoff", action="store_true", help="the fair policy with tenant A's rate capped instead")
     ap.add_argument("--backlogged", action="store_true",
                     help="scenarios/tenants-backlogged.yaml instead: each tenant's share of the GPU-seconds")
+    ap.add_argument("--scenario", default=BACKLOGGED, metavar="YAML",
+                    help="with --backlogged: another scenario of backlogged tenants (scenarios/tenants-output-mix.yaml)")
     ap.add_argument("--seeds", action="store_true",
                     help="B's and C's p99 over seeds 20-25, flood against no flood, each seed and pooled (fair)")
     args = ap.parse_args()
     if args.seeds:
         over_seeds()
     elif args.backlogged:
-        backlogged()
+        backlogged(args.scenario)
     elif args.tradeoff:
         tradeoff()
     else:
