@@ -242,8 +242,9 @@ async def decisions(server: Server, seconds: float, rate: float, hold_s: float, 
 
 def main_(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--policy", help="policy file")
-    p.add_argument("--generate", metavar="TENANTS,CLASSES,POOLS", help="a generated policy instead, e.g. 2000,20,10")
+    which = p.add_mutually_exclusive_group(required=True)  # without either it failed on a None path
+    which.add_argument("--policy", help="policy file")
+    which.add_argument("--generate", metavar="TENANTS,CLASSES,POOLS", help="a generated policy instead, e.g. 2000,20,10")
     p.add_argument("--reloads", type=int, default=10)
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--rate", type=float, default=200.0, help="new requests a second")
