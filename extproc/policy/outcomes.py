@@ -24,8 +24,16 @@ class Completed:
         # It ran to its end (a complete answer, or an end the stream saw as normal).
         self.served = outcome is Outcome.OK or outcome is Outcome.ENDED
         # Served by the class's own pool under a class that still exists (a reload may have removed it): its
-        # latency and errors are evidence about that pool; a degraded request ran elsewhere.
-        self.speaks_for_its_pool = not ticket.degraded and class_exists
+        # latency and errors are evidence about that pool; a degraded request ran elsewhere. Not one the replica
+        # refused with a 4xx (vLLM's 400 for a prompt past its context, a body it cannot run): answered in a few
+        # milliseconds before anything ran, a client's many such answers read as a fast, healthy pool and hid one
+        # that missed its SLO or failed every generation.
+        self.speaks_for_its_pool = not ticket.degraded and class_exists and not refused_by_replica(report)
+
+
+def refused_by_replica(report: Completion | None) -> bool:
+    """Whether the data plane reports a 4xx: the replica (or Envoy on its behalf) refused the request as sent."""
+    return report is not None and 400 <= report.status < 500
 
 
 class OutcomeListener(Protocol):

@@ -54,27 +54,49 @@ def test_envoys_own_answer_from_its_configuration_is_not_the_replicas_error():
         (Outcome.CLIENT_ABORT, 0)
 
 
-@pytest.mark.parametrize("status, details, flag", [(503, "cluster_not_found", "no_cluster_found"),
-                                                  (404, "route_not_found", "no_route_found")])
-def test_a_request_envoy_answered_without_a_replica_trips_no_breaker_and_teaches_no_limit(status, details, flag):
-    """cluster_not_found was an error of the pool (its breaker opened: refused), route_not_found a request the pool
-    served (its limit learnt an instant's latency)."""
+def three_reported(report: accesslog_pb2.HTTPAccessLogEntry):
+    """A core whose class has an adaptive cap and both breakers at a hair trigger, after three requests of a
+    millisecond each that Envoy's access log reported as `report`: (core, clock, what the cap's limit observed)."""
     clock = FakeClock()
     core = AdmissionController(load_policy({
         "classes": {"interactive": {"max_concurrency": 4, "slo_p95_ms": 100, "adaptive": {"enabled": True},
                                     "error_breaker": {"min_requests": 1}, "latency_breaker": {"min_samples": 1}}},
         "models": {"llama": {"cluster": "vllm"}}}), clock=clock)
-    limit = core.limiters["interactive"].controller
     seen = []
-    limit.observe = lambda *args: seen.append(args)
+    core.limiters["interactive"].controller.observe = lambda *args: seen.append(args)
     for _ in range(3):
         d = core.decide(RequestFacts(model="llama"))
         assert d.kind == ACCEPT
         clock.advance(0.001)
-        assert core.report(d.ticket.id, completion_of(entry(status, details, **{flag: True})))
+        assert core.report(d.ticket.id, completion_of(report))
         core.finish(d.ticket, Outcome.ENDED)
+    return core, clock, seen
+
+
+def samples_taken(breakers, now: float) -> list[int]:
+    """What each breaker's window holds: latency samples, or requests judged."""
+    return [b.window.count(now) if b.kind == "latency" else b.window.counts(now)[0] for b in breakers]
+
+
+@pytest.mark.parametrize("status, details, flag", [(503, "cluster_not_found", "no_cluster_found"),
+                                                  (404, "route_not_found", "no_route_found")])
+def test_a_request_envoy_answered_without_a_replica_trips_no_breaker_and_teaches_no_limit(status, details, flag):
+    """cluster_not_found was an error of the pool (its breaker opened: refused), route_not_found a request the pool
+    served (its limit learnt an instant's latency)."""
+    core, clock, seen = three_reported(entry(status, details, **{flag: True}))
     breakers = core.state.pool_breakers("interactive", "vllm")
     assert {b.kind: b.state for b in breakers} == {"latency": "closed", "error": "closed"}
-    assert [b.window.count(clock()) if b.kind == "latency" else b.window.counts(clock())[0]
-            for b in breakers] == [0, 0]
+    assert samples_taken(breakers, clock()) == [0, 0]
     assert seen == [] and core.decide(RequestFacts(model="llama")).kind == ACCEPT
+
+
+@pytest.mark.parametrize("status", [400, 404, 413, 422, 429])
+def test_a_request_the_replica_refused_with_a_4xx_is_no_evidence_about_the_pool(status):
+    """vLLM answers 400 at once for a prompt past its context (a body it cannot run), before running anything.
+    Filed ok, each one was a latency sample of a few milliseconds and a success for the error breaker: through real
+    Envoy, 240 such 400s before 8 answers of 0.5 s (SLO 300 ms) read a window p95 of 0.013 s and kept the latency
+    breaker closed (it opened without them), and 24 replica 500s after them read an error ratio of 0.09 (1.0
+    alone): a client sending prompts too long hid a pool that failed or missed its SLO on every generation."""
+    core, clock, seen = three_reported(entry(status))
+    assert samples_taken(core.state.pool_breakers("interactive", "vllm"), clock()) == [0, 0]
+    assert seen == []
