@@ -41,6 +41,9 @@ REPORT_WAIT_S = 5.0
 # rejects instead. Each costs the event loop ~1 µs and ~100 bytes: `n: 2147483647` on an overflowing class had it
 # build two billion of them (n 1,000,000 alone: 1.3 s of the loop and a 100 MB answer no gRPC write takes).
 CANNED_MAX_CHOICES = 1024
+# How a request that ran to its end is reported (by Envoy's access log, or its stream without one): a failure the
+# replica wrote into such an answer (Ticket.answer_failed) makes it the replica's error.
+_ANSWERED_WHOLE = (Outcome.OK, Outcome.ENDED)
 # tick() is due every half of the shortest interval a limit moves at (a move is then at most half an interval
 # late), within these bounds: under 25 ms the ticks cost more than they buy; 100 ms is the default policy's pace.
 TICK_BOUNDS_S = (0.025, 0.1)
@@ -770,6 +773,11 @@ class AdmissionController:
         """Time from arrival to the first generated token of a stream (measured on the sampled ones)."""
         self.events.first_token(ticket, seconds)
 
+    def answer_failed(self, ticket: Ticket) -> None:
+        """The response the replica began with a 2xx carries its failure (vLLM's error event in a stream): the
+        request ended as the replica's error, whatever status Envoy reports."""
+        ticket.answer_failed = True
+
     def usage(self, ticket: Ticket, prompt_tokens: int, completion_tokens: int) -> None:
         """Real token usage read from the response (learned from when the request is accounted)."""
         ticket.usage = (prompt_tokens, completion_tokens)
@@ -778,6 +786,8 @@ class AdmissionController:
         """One completion event, to the metrics and to every outcome listener."""
         c = ticket.completion
         outcome = c.outcome if c is not None else ticket.stream_outcome
+        if ticket.answer_failed and outcome in _ANSWERED_WHOLE:
+            outcome = Outcome.UPSTREAM_ERROR  # a 200 whose body said the generation failed
         # What the client waited: Envoy's total when its report has one, else queued + admission to end.
         latency = c.total_s if c is not None and c.total_s else \
             ticket.released_at - ticket.admitted_at + ticket.waited_s

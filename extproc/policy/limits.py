@@ -105,7 +105,7 @@ class Ticket:
     __slots__ = ("id", "limiter", "cls", "tenant", "pool", "admitted_at", "lease_until", "cost", "closed", "waited_s",
                  "released_at", "stream_outcome", "completion", "trickle", "degraded", "holds_slot", "charge",
                  "usage", "gate", "units", "rank", "pool_stall", "flow", "queued", "awaiting_store", "rest", "fair_charge",
-                 "wait_until", "fair_flow", "fair_stats", "fair_turn", "cohort")
+                 "wait_until", "fair_flow", "fair_stats", "fair_turn", "cohort", "answer_failed")
 
     def __init__(self, limiter: ClassLimiter, tenant: str, pool: str, now: float, lease_s: float, cost: float,
                  waited_s: float, holds_slot: bool = True):
@@ -127,6 +127,8 @@ class Ticket:
         self.holds_slot = holds_slot    # False for shadow-mode passes that enforce mode would not have admitted
         self.charge: Any = None         # the admission's Charge (estimate, tenant, session) to settle at the end
         self.usage: tuple[int, int] | None = None  # (prompt, completion) tokens, when the response was read
+        # The replica failed the answer inside a 2xx (vLLM's error event in a stream it had begun), when read.
+        self.answer_failed = False
         self.gate: Any = None           # the PoolGate it holds `units` of (a pool with a pool-wide limit)
         self.units = 0.0
         self.rank = 0                   # its class's rank when it took them

@@ -28,7 +28,7 @@ from .openai import (ENDPOINTS, MODELS_PATH, BadRequest, Endpoint, RequestBody, 
                      empty_body, json_media_type, model_card, models_body, parse_body, sse_error, sse_from_answer,
                      wants_stream_usage)
 from .protocol import CONTINUE
-from .usage import (FIRST_TOKEN, UsageReader, responses_usage, split_usage_event, token_counts, usage_of,
+from .usage import (FIRST_TOKEN, STREAM_ERROR, UsageReader, responses_usage, split_usage_event, token_counts, usage_of,
                     whole_events)
 
 Answer = pb.ProcessingResponse
@@ -507,6 +507,8 @@ class Stream:
             r.first_token_seen = True
             core = self.processor.core
             core.first_token(self.held, core.clock() - self.request.arrived)
+        if b'"error"' in chunk and not r.responses and STREAM_ERROR.search(chunk):
+            self.processor.core.answer_failed(self.held)  # passed on as it is: the client reads vLLM's error
         if r.responses:
             # the client's own last event: never stripped
             self._learn_usage(responses_usage(r, chunk, msg.end_of_stream))

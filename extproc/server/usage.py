@@ -65,6 +65,12 @@ class UsageReader:
         return _usage_near_end(self.buffered) if last else None
 
 
+# vLLM's event for a generation that failed after its stream began (its engine died, a detokenizer error): the error
+# object as a `data:` line of its own, then `[DONE]`, under the 200 already sent. Generated text cannot start a line
+# of an event (it is inside a JSON string, its newlines escaped).
+STREAM_ERROR = re.compile(rb'(?:^|\n)data: ?\{\s*"error"\s*:')
+
+
 # A partial event held back longer than this is passed on as it is: a stream that never ends its events is not
 # ours to buffer without bound.
 MAX_PARTIAL = 64 << 10

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.policy.adaptive import PoolSaturation
-from extproc.policy.admission import ACCEPT, REJECT, REPORT_WAIT_S, AdmissionController
+from extproc.policy.admission import ACCEPT, REJECT, REPORT_WAIT_S, AdmissionController, RequestFacts
 from extproc.policy.limits import Completion, Outcome
 from extproc.policy.reasons import R_CLIENT_GONE
 from extproc.server import protocol
@@ -1462,3 +1463,35 @@ def test_a_request_over_the_class_budget_is_told_to_lower_the_field_the_client_s
     error = json.loads(answer.immediate_response.body)["error"]
     assert error["code"] == "request_too_large", error
     assert error["message"].endswith(f"shorten the prompt or lower {field}"), error
+
+
+VLLM_STREAM_ERROR = (b'data: {"error":{"message":"EngineCore encountered an issue. See stack trace (above) for the '
+                     b'root cause.","type":"InternalServerError","param":null,"code":500}}\n\n')
+
+
+def test_a_stream_that_ends_on_vllms_error_event_is_the_replicas_failure_not_a_whole_answer(clock):
+    """vLLM ends a stream whose generation failed (its engine died mid-answer) with the error as an event, then
+    `[DONE]`, under the 200 it sent first; no usage chunk comes. Envoy's access log reports a 200, so a stream the
+    ext_proc read to its end was counted `ok` (through Envoy: three tokens, the error event, `[DONE]`), the error
+    breaker counted a success, and its tokens-per-minute tenant kept the worst case charged (3,000 of max_tokens
+    for 3 tokens made). The replica ran it: charged the expected output, as an answer that broke off."""
+    events = RecordedEvents()
+    acme = {"name": "acme", "api_keys": ["sk-acme"], "tokens_per_minute": 6000, "burst_s": 60}
+    p = processor(clock, learn_sample=1.0, events=events, tenants=[acme], shed={})
+    p.core.cost_models["llama"].output_ratio = 0.5  # as learned: answers use half their max_tokens
+    s, _ = admitted(p, {"model": "llama", "messages": HI, "stream": True, "max_tokens": 3000},
+                    authorization=b"Bearer sk-acme")
+    ticket = s.held
+    assert s.receive(response_headers(content_type=SSE)) is LEARN_BODY[True]
+    token = b'data: {"choices":[{"index":0,"delta":{"content":"Hi"}}]}\n\n'
+    answer = s.receive(response_body(token * 3 + VLLM_STREAM_ERROR + b"data: [DONE]\n\n", eos=True))
+    assert answer is CONTINUE["response_body"]  # the client reads the error event as vLLM sent it
+    s.end(normal_end=True)
+    p.core.report(ticket.id, Completion(Outcome.OK, 200, 0.01, 0.05))
+    assert events.accounted == [(ticket, Outcome.UPSTREAM_ERROR)]
+    error_breaker = [b for b in p.core.state.pool_breakers(ticket.cls, ticket.pool) if b.kind == "error"][0]
+    assert error_breaker.window.counts(clock()) == (1, 1)
+    probe = p.core.decide(RequestFacts(api_key="sk-acme", model="llama", max_tokens=1))
+    left = int(dict(probe.headers)["x-ratelimit-remaining-tokens"]) + probe.charge.tokens
+    est = ticket.charge.estimate
+    assert left == 6000 - (est.prompt_tokens + math.ceil(est.expected_output)) > 6000 - ticket.charge.tokens
