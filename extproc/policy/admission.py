@@ -739,15 +739,17 @@ class AdmissionController:
 
     # --- the end of an admitted request ---
 
-    def finish(self, ticket: Ticket, outcome: Outcome = Outcome.ENDED) -> bool:
+    def finish(self, ticket: Ticket, outcome: Outcome = Outcome.ENDED, status: int = 0) -> bool:
         """Release the ticket's slot now. Idempotent: only the first call counts.
 
-        `outcome` is what the adapter saw; a completion report (report()) may refine it, before or after.
+        `outcome` is what the adapter saw, and `status` the response's if it read one (0: it did not); a
+        completion report (report()) may refine them, before or after.
         """
         now = self._close(ticket, True)
         if now is None:
             return False
         ticket.stream_outcome = outcome
+        ticket.stream_status = status
         if ticket.completion is not None or outcome is Outcome.LEASE_EXPIRED:
             self._account(ticket)
         else:

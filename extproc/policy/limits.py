@@ -105,7 +105,8 @@ class Ticket:
     __slots__ = ("id", "limiter", "cls", "tenant", "pool", "admitted_at", "lease_until", "cost", "closed", "waited_s",
                  "released_at", "stream_outcome", "completion", "trickle", "degraded", "holds_slot", "charge",
                  "usage", "gate", "units", "rank", "pool_stall", "flow", "queued", "awaiting_store", "rest", "fair_charge",
-                 "wait_until", "fair_flow", "fair_stats", "fair_turn", "cohort", "answer_failed")
+                 "wait_until", "fair_flow", "fair_stats", "fair_turn", "cohort", "answer_failed",
+                 "stream_status")
 
     def __init__(self, limiter: ClassLimiter, tenant: str, pool: str, now: float, lease_s: float, cost: float,
                  waited_s: float, holds_slot: bool = True):
@@ -121,6 +122,7 @@ class Ticket:
         self.waited_s = waited_s
         self.released_at = 0.0
         self.stream_outcome = Outcome.ENDED      # what the ext_proc stream saw, used if no report comes
+        self.stream_status = 0                   # ... and the response status it read (0: none), likewise
         self.completion: Completion | None = None  # the data plane's report, if it arrived
         self.trickle = False            # a half-open breaker's probe
         self.degraded = False           # holds a slot of the class's degraded limiter, on a fallback pool

@@ -12,13 +12,16 @@ from .limits import Completion, Outcome, StaticLimit, Ticket
 class Completed:
     """One admitted request, ended and accounted: how it ended and how long it took."""
 
-    __slots__ = ("ticket", "outcome", "report", "latency_s", "now", "served", "speaks_for_its_pool")
+    __slots__ = ("ticket", "outcome", "report", "status", "latency_s", "now", "served", "speaks_for_its_pool")
 
     def __init__(self, ticket: Ticket, outcome: Outcome, report: Completion | None, latency_s: float, now: float,
                  class_exists: bool):
         self.ticket = ticket
         self.outcome = outcome
         self.report = report          # the data plane's account, when it arrived
+        # The response's status: the report's, else what the stream read (without Envoy's access log the
+        # response headers of the answers read for their usage), else 0.
+        self.status = report.status if report is not None else ticket.stream_status
         self.latency_s = latency_s    # arrival to end, queueing included
         self.now = now
         # It ran to its end (a complete answer, or an end the stream saw as normal).
@@ -28,12 +31,7 @@ class Completed:
         # refused with a 4xx (vLLM's 400 for a prompt past its context, a body it cannot run): answered in a few
         # milliseconds before anything ran, a client's many such answers read as a fast, healthy pool and hid one
         # that missed its SLO or failed every generation.
-        self.speaks_for_its_pool = not ticket.degraded and class_exists and not refused_by_replica(report)
-
-
-def refused_by_replica(report: Completion | None) -> bool:
-    """Whether the data plane reports a 4xx: the replica (or Envoy on its behalf) refused the request as sent."""
-    return report is not None and 400 <= report.status < 500
+        self.speaks_for_its_pool = not ticket.degraded and class_exists and not 400 <= self.status < 500
 
 
 class OutcomeListener(Protocol):
@@ -119,7 +117,7 @@ class CostLearning:
         if charge.tenant is None or not t.holds_slot:
             return
         est = charge.estimate
-        status = c.report.status if c.report is not None else 0
+        status = c.status
         if status >= 400 or (c.outcome is Outcome.UPSTREAM_ERROR and not 200 <= status < 300):
             charge.tenant.correct(charge.tokens, 0)
         elif c.outcome in _ENDED_EARLY:

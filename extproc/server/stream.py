@@ -136,11 +136,11 @@ class Processor:
         which = self.usage_sample.pick(self.core, api_key)
         return None if which is None else UsageReader(learn=which == LEARN)
 
-    def close(self, ticket: Ticket, outcome: Outcome | None) -> None:
+    def close(self, ticket: Ticket, outcome: Outcome | None, status: int = 0) -> None:
         """The one release of a ticket a stream held: the core's slot, then the shared store's. `outcome` None:
-        the request never went upstream (AdmissionController.withdraw)."""
+        the request never went upstream (AdmissionController.withdraw); `status`: the response's, if read."""
         self.live.discard(ticket)
-        closed = self.core.finish(ticket, outcome) if outcome is not None else self.core.withdraw(ticket)
+        closed = self.core.finish(ticket, outcome, status) if outcome is not None else self.core.withdraw(ticket)
         if closed and self.shared is not None:
             self.shared.release(ticket)
 
@@ -262,7 +262,7 @@ class Stream:
         else:
             ticket, outcome = held, Outcome.CLIENT_ABORT  # the response was cut, or Envoy left mid-exchange
         if ticket is not None:
-            self.processor.close(ticket, outcome)
+            self.processor.close(ticket, outcome, self.status)
 
     # --- the request ---
 

@@ -1495,3 +1495,26 @@ def test_a_stream_that_ends_on_vllms_error_event_is_the_replicas_failure_not_a_w
     left = int(dict(probe.headers)["x-ratelimit-remaining-tokens"]) + probe.charge.tokens
     est = ticket.charge.estimate
     assert left == 6000 - (est.prompt_tokens + math.ceil(est.expected_output)) > 6000 - ticket.charge.tokens
+
+
+def test_without_the_access_log_a_replicas_4xx_refunds_its_tenant_and_is_no_evidence_about_the_pool(clock):
+    """Without Envoy's access log the core learns a request's status only from its stream, which read this one's
+    response headers (every non-streamed answer of a tokens-per-minute tenant is read): a replica's 400 (a prompt
+    past its context) ended `ok` with no status, so its tenant kept the worst case charged (through real Envoy
+    without the access log: 2,948 of 3,000 max_tokens left charged, where the replica's 500 left nothing) and it
+    was a latency sample and a success for the breakers, as with the log before the fix for that."""
+    acme = {"name": "acme", "api_keys": ["sk-acme"], "tokens_per_minute": 6000, "burst_s": 60}
+    interactive = {"max_concurrency": 4, "slo_p95_ms": 100, "latency_breaker": {"min_samples": 1},
+                   "error_breaker": {"min_requests": 1}}
+    p = processor(clock, tenants=[acme], shed={}, classes={"interactive": interactive})
+    s, _ = admitted(p, {"model": "llama", "messages": HI, "max_tokens": 3000}, authorization=b"Bearer sk-acme")
+    ticket, bucket = s.held, p.core.tenant_limits["acme"].tokens
+    assert s.receive(response_headers(status=400)) is CONTINUE["response_headers"]
+    s.end(normal_end=True)
+    clock.advance(REPORT_WAIT_S + 1)  # no report comes: accounted from what the stream saw
+    p.core.reap()
+    assert ticket.closed and not p.core.tickets
+    assert bucket.refill(clock()) == bucket.capacity  # all given back (the refill alone would leave ~2,400 short)
+    breakers = p.core.state.pool_breakers(ticket.cls, ticket.pool)
+    assert [b.window.count(clock()) if b.kind == "latency" else b.window.counts(clock())[0]
+            for b in breakers] == [0, 0]

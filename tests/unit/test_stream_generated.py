@@ -463,9 +463,9 @@ class Server:
             self.readers.append(make_reader(key))
             return self.readers[-1]
 
-        def closing(ticket, outcome):
+        def closing(ticket, outcome, status=0):
             self.closed.append((ticket, outcome))
-            close(ticket, outcome)
+            close(ticket, outcome, status)
 
         processor.usage_reader, processor.close = usage_reader, closing
 
