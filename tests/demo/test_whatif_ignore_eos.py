@@ -1,5 +1,8 @@
-"""A kind's `body: {ignore_eos: true}`: the what-if and the capacity measurement run its answers to max_tokens (clamped
-to the context) as the simulator does, instead of drawing their length from the profile."""
+"""A kind's `body` as the simulator reads it, in the what-if and the capacity measurement: `ignore_eos: true` runs its
+answers to max_tokens (clamped to the context) instead of drawing their length from the profile; `n: N` (several
+samples of one prompt) runs N sequences, each a request of its own in the engine, their usage summed, and the
+ext_proc's core counts N (both ran one sequence whatever `n` said: an n=4 mix was modelled at a quarter of its
+load)."""
 
 import statistics
 
@@ -9,13 +12,14 @@ import pytest
 from extproc.tools.demo.baselines import NoAdmission
 from extproc.tools.demo.capacity import closed_loop_mix
 from extproc.tools.demo.scenario import Scenario
-from extproc.tools.demo.whatif import _Ask, what_if
-from extproc.tools.loadgen import Workload
+from extproc.tools.demo.whatif import _Ask, _facts, what_if
+from extproc.tools.loadgen import RequestKind, Workload
 from extproc.tools.sim.fleet import SimFleet
 from extproc.tools.sim.profile import load_profile
 
 PROFILE = "h100-llama70b-awq"  # max_model_len 8192, outputs drawn with median 154
 MODEL = "meta-llama/Llama-3.1-70B-Instruct-AWQ"
+SMALL, SMALL_MODEL = "h100-llama8b", "meta-llama/Llama-3.1-8B-Instruct"
 
 
 def kind(name, max_tokens, ignore_eos, prompt_tokens=500, endpoint="chat"):
@@ -24,8 +28,16 @@ def kind(name, max_tokens, ignore_eos, prompt_tokens=500, endpoint="chat"):
             "body": body}
 
 
-def scenario(*kinds) -> Scenario:
-    return Scenario.from_dict({"seed": 3, "pools": {"big": {"profile": PROFILE, "replicas": 2}},
+def samples(name, n=None, max_tokens=100, **body):
+    """A completions kind of fixed-length answers, `n` samples each (unset: the body has no `n`)."""
+    if n is not None:
+        body["n"] = n
+    return {"name": name, "endpoint": "completions", "prompt_tokens": 300, "max_tokens": max_tokens,
+            "body": {"ignore_eos": True, "temperature": 0.8, **body}}
+
+
+def scenario(*kinds, profile=PROFILE) -> Scenario:
+    return Scenario.from_dict({"seed": 3, "pools": {"big": {"profile": profile, "replicas": 2}},
                                "phases": [{"name": "only", "duration_s": 20, "rate": 1.0}],
                                "workload": {"kinds": list(kinds)}, "capacity": 1.0, "client_timeout_s": 600})
 
@@ -73,3 +85,41 @@ def test_capacity_of_an_ignore_eos_mix_counts_max_tokens_per_request():
 def test_a_scenario_refuses_an_ignore_eos_the_simulator_would_refuse():
     with pytest.raises(ValueError, match="'eos': body.ignore_eos: not a boolean"):
         scenario(kind("eos", 100, "maybe"))
+
+
+async def test_the_simulator_answers_n_samples_with_their_usage_summed():
+    request = {"model": SMALL_MODEL, "prompt": "hello " * 50, "max_tokens": 100, "ignore_eos": True, "n": 4,
+               "temperature": 0.8}
+    async with SimFleet(SMALL, replicas=1, port=0, speed=50) as fleet, aiohttp.ClientSession() as http:
+        async with http.post(fleet.urls[0] + "/v1/completions", json=request) as resp:
+            usage = (await resp.json())["usage"]
+    assert usage["completion_tokens"] == 400
+
+
+def test_what_if_runs_n_sequences_per_request_and_sums_their_output():
+    s = scenario(samples("four", n=4), samples("one"), profile=SMALL)
+    res = what_if(s, NoAdmission("least_request"), s.fleet_capacity())
+    assert set(outputs(res, "four")) == {400}  # before the fix: {100}, one sequence
+    assert set(outputs(res, "one")) == {100}
+
+
+def test_the_core_is_told_the_sequences_as_the_ext_proc_reads_them():
+    assert _facts(RequestKind(**samples("four", n=4)), 300).sequences == 4  # before the fix: 1
+    assert _facts(RequestKind(**samples("one")), 300).sequences == 1
+    assert _Ask.of(RequestKind(**samples("four", n="4")), 300).sequences == 4  # a lax integer, as vLLM reads it
+
+
+def test_capacity_of_an_n_mix_counts_every_sequence():
+    profile = load_profile(SMALL)
+    four = closed_loop_mix(profile, Workload.from_dict({"kinds": [samples("four", n=4)]}), 8, requests=200)
+    one = closed_loop_mix(profile, Workload.from_dict({"kinds": [samples("one")]}), 8, requests=200)
+    assert four.output_tokens_per_s / four.requests_per_s == pytest.approx(400, rel=0.05)  # before: 100
+    assert one.output_tokens_per_s / one.requests_per_s == pytest.approx(100, rel=0.05)
+
+
+@pytest.mark.parametrize("body, message", [({"n": 0}, "n must be at least 1"),
+                                           ({"n": "many"}, "body.n"),
+                                           ({"n": 2, "temperature": 0}, "n must be 1 when using greedy")])
+def test_a_scenario_refuses_an_n_the_simulator_would_refuse(body, message):
+    with pytest.raises(ValueError, match=message):
+        scenario(samples("bad", **body))

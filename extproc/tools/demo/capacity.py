@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from extproc.tools.loadgen import Workload
 from extproc.tools.sim.engine import Engine
-from extproc.tools.sim.openai_api import clamp_max_tokens, fixed_output_tokens, ignores_eos, requested_max_tokens
+from extproc.tools.sim.openai_api import (clamp_max_tokens, fixed_output_tokens, ignores_eos, requested_max_tokens,
+                                          samples_per_prompt)
 from extproc.tools.sim.profile import Profile
 from extproc.tools.stats import percentile
 
@@ -37,11 +38,13 @@ def closed_loop_mix(profile: Profile, workload: Workload, concurrency: int, requ
                     seed: int = 0) -> Capacity:
     """Keep `concurrency` requests of the mix in one engine; each one finished is replaced at once. A session
     kind's request is one of its calls, drawn with the context its earlier calls grew (no think time: a closed
-    loop). Each request reaches the engine as the simulator's server passes it on (sim/replica.py): max_tokens
-    clamped to the context, and a kind whose body says `ignore_eos` runs every answer to it."""
+    loop). Each request reaches the engine as the simulator's server passes it on (sim/replica.py): one sequence
+    per sample (`n`), max_tokens clamped to the context, and a kind whose body says `ignore_eos` runs every answer
+    to it. A request of several samples is done when its last one is."""
     engine = Engine(profile, seed=seed)
     rng = random.Random(seed)
     now = 0.0
+    samples_left: dict[int, list[int]] = {}  # sequence id -> its request's count of samples still running
 
     def add() -> None:
         kind = workload.pick(rng)
@@ -49,7 +52,11 @@ def closed_loop_mix(profile: Profile, workload: Workload, concurrency: int, requ
         asked = requested_max_tokens(kind.endpoint, kind.max_tokens)
         prompt = kind.sample_call_prompt(rng, lambda: _earlier_output(profile, asked, ignore_eos, rng))
         max_tokens = clamp_max_tokens(asked, prompt, profile.max_model_len, profile.default_max_tokens)
-        engine.add_request(prompt, max_tokens, now, natural_tokens=fixed_output_tokens(max_tokens, ignore_eos))
+        samples = samples_per_prompt(kind.body)
+        left = [samples]
+        natural = fixed_output_tokens(max_tokens, ignore_eos)
+        for _ in range(samples):
+            samples_left[engine.add_request(prompt, max_tokens, now, natural_tokens=natural).id] = left
 
     for _ in range(concurrency):
         add()
@@ -66,6 +73,10 @@ def closed_loop_mix(profile: Profile, workload: Workload, concurrency: int, requ
             running += len(engine.running) * step
         for emission in engine.end_iteration(now):
             if emission.finish_reason is None:
+                continue
+            left = samples_left.pop(emission.seq.id)
+            left[0] -= 1
+            if left[0]:
                 continue
             finished += 1
             if finished == warmup:

@@ -11,7 +11,7 @@ from extproc.policy.schema import PolicyError, read_policy_doc
 from extproc.tools.adaptive_concurrency import TUNED
 from extproc.tools.loadgen import ENDPOINTS, PlannedRequest, RequestKind, SessionShape, Workload, plan_arrivals
 from extproc.tools.sim.engine import SCHEDULING_POLICIES
-from extproc.tools.sim.openai_api import ApiError, ignores_eos
+from extproc.tools.sim.openai_api import ApiError, ignores_eos, samples_per_prompt
 from extproc.tools.sim.profile import load_profile
 from extproc.tools.sim.replica import FAULT_KEYS, fault_value
 
@@ -179,14 +179,19 @@ def _check_types(kind: RequestKind, where: str) -> None:
 
 
 def _check_bodies(workload: Workload) -> None:
-    """A kind's `body.ignore_eos` is read by the what-if and the capacity measurement as the simulator reads it; a
-    value it would refuse (400 for every request) is an error here rather than a crash mid-replay."""
+    """A kind's `body.ignore_eos` and `body.n` are read by the what-if and the capacity measurement as the simulator
+    reads them; a value it would refuse (400 for every request) is an error here rather than a crash mid-replay."""
     for kind in workload.kinds:
         try:
             ignores_eos(kind.body)
         except ApiError as e:
             raise ValueError(f"workload kind {kind.name!r}: {e.param}: not a boolean: "
                              f"{kind.body.get('ignore_eos')!r}") from None
+        try:
+            samples_per_prompt(kind.body)
+        except ApiError as e:
+            raise ValueError(f"workload kind {kind.name!r}: body.n: {e} (the simulator and vLLM answer 400 to "
+                             "every such request)") from None
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,8 @@ from extproc.server.protocol import HeaderNames, read_request_headers
 from extproc.server.saturation import PoolScraper, ScrapedReplica
 from extproc.tools.loadgen import CLIENT_ERROR, ENDPOINTS, PlannedRequest, RequestKind, RequestRecord
 from extproc.tools.sim.engine import Engine, Sequence
-from extproc.tools.sim.openai_api import clamp_max_tokens, fixed_output_tokens, ignores_eos, requested_max_tokens
+from extproc.tools.sim.openai_api import (clamp_max_tokens, fixed_output_tokens, ignores_eos, requested_max_tokens,
+                                          samples_per_prompt)
 from extproc.tools.sim.profile import load_profile
 
 from .scenario import Scenario
@@ -65,6 +66,7 @@ def _facts(kind, prompt_tokens: int, session_id: str | None = None,
     body_class = claim.strip().lower() if isinstance(claim, str) else None
     return RequestFacts(api_key=api_key, header_class=head.claim, body_class=body_class, model=kind.model,
                         max_tokens=max_tokens, stream=kind.stream, doc=doc, min_output=min_output_of(kind.body),
+                        sequences=samples_per_prompt(kind.body),
                         session_id=session_id or head.session,
                         objective=head.objective, fairness_id=head.fairness_id, deadline_ms=head.deadline_ms)
 
@@ -118,10 +120,12 @@ class _Ask:
     prompt_tokens: int
     max_tokens: int | None  # None: the replica's default
     ignore_eos: bool  # the kind's `body: {ignore_eos: true}`: every answer runs to max_tokens
+    sequences: int = 1  # the kind's `body: {n: N}`: N samples of the prompt, each a sequence of its own
 
     @classmethod
     def of(cls, kind: RequestKind, prompt_tokens: int) -> _Ask:
-        return cls(prompt_tokens, requested_max_tokens(kind.endpoint, kind.max_tokens), ignores_eos(kind.body))
+        return cls(prompt_tokens, requested_max_tokens(kind.endpoint, kind.max_tokens), ignores_eos(kind.body),
+                   samples_per_prompt(kind.body))
 
     def degraded(self, ceiling: int | None) -> _Ask:
         """As the ext_proc's degrade_body rewrites it: the fallback's max_tokens when the body asks for more, or
@@ -130,14 +134,27 @@ class _Ask:
             return self
         return replace(self, max_tokens=ceiling)
 
-    def add_to(self, engine: Engine, now: float, priority: int) -> Sequence:
+    def add_to(self, engine: Engine, now: float, priority: int) -> list[Sequence]:
         """Queue it as the simulator's server does (sim/replica.py), or the what-if's lengths would not be the
-        real run's: max_tokens (unset: the profile's default) clamped to the context left, and under ignore_eos
-        the answer's length is that, not the profile's draw."""
+        real run's: one sequence per sample (`n`), each with max_tokens (unset: the profile's default) clamped to
+        the context left, and under ignore_eos the answer's length is that, not the profile's draw."""
         p = engine.profile
         max_tokens = clamp_max_tokens(self.max_tokens, self.prompt_tokens, p.max_model_len, p.default_max_tokens)
-        return engine.add_request(self.prompt_tokens, max_tokens, now,
-                                  natural_tokens=fixed_output_tokens(max_tokens, self.ignore_eos), priority=priority)
+        return [engine.add_request(self.prompt_tokens, max_tokens, now,
+                                   natural_tokens=fixed_output_tokens(max_tokens, self.ignore_eos), priority=priority)
+                for _ in range(self.sequences)]
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """An admitted request in its replica: its sequences (several for `n` > 1), the ones not finished yet and the
+    output they generated, summed as the replica's usage sums them."""
+
+    record: RequestRecord
+    ticket: Any
+    seqs: list[Sequence]
+    left: int
+    generated: int = 0
 
 
 @dataclass
@@ -347,8 +364,8 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
     serves = {p.name: set(p.model_names) for p in scenario.pools}  # none named: the replicas answer any model
     events: list[tuple[float, int, int, object]] = []  # (time, kind, order, payload)
     order = 0
-    owner = {}  # (pool, engine index, seq id) -> (record, ticket)
-    ran: list[tuple[RequestRecord, Sequence]] = []  # every request started on a replica, for engine_work
+    owner: dict[tuple[str, int, int], _InFlight] = {}  # (pool, engine index, seq id) -> the request it serves
+    ran: list[_InFlight] = []  # every request started on a replica, for engine_work
     records: list[RequestRecord] = []
     next_replica = {name: 0 for name in pools}  # round robin
 
@@ -382,10 +399,12 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
             next_replica[pool_name] += 1
         else:
             i = min(live, key=lambda j: len(engines[j].running) + len(engines[j].waiting))
-        seq = ask.add_to(engines[i], clock[0], priority)
-        owner[(pool.name, i, seq.id)] = (record, ticket)
-        ran.append((record, seq))
-        push(record.start + scenario.client_timeout_s, _TIMEOUT, (pool, i, seq))
+        seqs = ask.add_to(engines[i], clock[0], priority)
+        flight = _InFlight(record, ticket, seqs, len(seqs))
+        for seq in seqs:
+            owner[(pool.name, i, seq.id)] = flight
+        ran.append(flight)
+        push(record.start + scenario.client_timeout_s, _TIMEOUT, (pool, i, flight))
         kick(pool, i)
 
     def refuse(record: RequestRecord, status: int, reason: str, retry_after: float | None = None) -> None:
@@ -437,29 +456,35 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
             pool, i = payload
             pool.busy[i] = False
             for em in pool.engines[i].end_iteration(clock[0]):
-                record, ticket = owner[(pool.name, i, em.seq.id)]
+                flight = owner[(pool.name, i, em.seq.id)]
+                record = flight.record
                 if record.ttft is None and id(record) not in unstreamed:  # a stream's first token
                     record.ttft = clock[0] - record.start
-                if em.finish_reason is not None:
-                    del owner[(pool.name, i, em.seq.id)]
-                    record.status, record.latency, record.output_tokens = 200, clock[0] - record.start, \
-                        em.seq.generated
-                    if record.ttft is None:  # not streamed: the load generator's first byte is the whole answer
-                        record.ttft = record.latency
-                    if pool.name != first:
-                        pool.finished += 1
-                    admitter.ended(ticket, record)
-                    ended(record)
+                if em.finish_reason is None:
+                    continue
+                del owner[(pool.name, i, em.seq.id)]
+                flight.left -= 1
+                flight.generated += em.seq.generated
+                if flight.left:  # the answer is complete when its last sample is
+                    continue
+                record.status, record.latency, record.output_tokens = 200, clock[0] - record.start, flight.generated
+                if record.ttft is None:  # not streamed: the load generator's first byte is the whole answer
+                    record.ttft = record.latency
+                if pool.name != first:
+                    pool.finished += 1
+                admitter.ended(flight.ticket, record)
+                ended(record)
             admitter.reap()
             kick(pool, i)
         elif kind == _TIMEOUT:  # the client gives up and closes its connection: the replica aborts the sequence
-            pool, i, seq = payload
-            found = owner.pop((pool.name, i, seq.id), None)
-            if found is not None:
-                record, ticket = found
-                pool.engines[i].abort(seq, clock[0])
+            pool, i, flight = payload
+            running = [seq for seq in flight.seqs if owner.pop((pool.name, i, seq.id), None) is not None]
+            if running:  # a closed connection aborts every sample still running
+                for seq in running:
+                    pool.engines[i].abort(seq, clock[0])
+                record = flight.record
                 record.status, record.latency, record.error = CLIENT_ERROR, scenario.client_timeout_s, "timeout"
-                admitter.ended(ticket, record)
+                admitter.ended(flight.ticket, record)
                 ended(record)
                 kick(pool, i)
         elif kind == _LEFT:  # a queued request's client gives up: it leaves the queue (admitter.abandon)
@@ -544,6 +569,7 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
     served_elsewhere = sum(p.finished for name, p in pools.items() if name != first)
     preemptions = {name: sum(e.stats.preemptions for e in p.engines) for name, p in pools.items()}
     work: dict[int, float] = {}
-    for record, seq in ran:
-        work[id(record)] = work.get(id(record), 0.0) + seq.work_s
+    for flight in ran:
+        key = id(flight.record)
+        work[key] = work.get(key, 0.0) + sum(seq.work_s for seq in flight.seqs)
     return WhatIfResult(records, served_elsewhere, admitter.limits, preemptions, work)

@@ -311,6 +311,30 @@ def ignores_eos(body: dict) -> bool:
     return _bool_field(body, "ignore_eos")
 
 
+def samples_per_prompt(body: dict) -> int:
+    """The body's `n` (chat, completions): the sequences the server runs for each prompt, each a request of its own
+    in the engine, their usage summed in the answer. The what-if and the capacity measurement read it here, as they
+    read ignore_eos; an ApiError where the server answers 400 for it."""
+    n = _int_field(body, "n")
+    n = 1 if n is None else n
+    _check_n(n)
+    _check_greedy_n(n, body)
+    return n
+
+
+def _check_n(n: int) -> None:
+    if n < 1:
+        raise ApiError(400, f"n must be at least 1, got {n}.")
+    if n > (max_n := vllm_bound(MAX_N_SEQUENCES_ENV, MAX_N_SEQUENCES)):
+        raise ApiError(400, f"n must be at most {max_n}, got {n}. To increase this limit, set the "
+                            f"{MAX_N_SEQUENCES_ENV} environment variable.")
+
+
+def _check_greedy_n(n: int, body: dict) -> None:
+    if n > 1 and _greedy(body):
+        raise ApiError(400, f"n must be 1 when using greedy sampling, got {n}.")
+
+
 # vLLM 0.32's CompletionRequest caps a completion without max_tokens (or with null) at 16 tokens, as OpenAI's API
 # does; a chat request without one may generate the rest of the context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -610,11 +634,7 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
     if tools_refused is not None:
         raise tools_refused
     n = 1 if n is None else n
-    if n < 1:
-        raise ApiError(400, f"n must be at least 1, got {n}.")
-    if n > (max_n := vllm_bound(MAX_N_SEQUENCES_ENV, MAX_N_SEQUENCES)):
-        raise ApiError(400, f"n must be at most {max_n}, got {n}. To increase this limit, set the "
-                            f"{MAX_N_SEQUENCES_ENV} environment variable.")
+    _check_n(n)
     if not _bool_field(body, "use_beam_search"):  # beam search builds no SamplingParams (recorded: served)
         _check_sampling(sampling)
     if max_tokens is not None and max_tokens < 1:
@@ -640,8 +660,7 @@ def parse_generation(kind: str, raw: bytes, served: tuple[str, ...], max_model_l
         raise ApiError(400, f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
     if min_tokens is not None and min_tokens > max_tokens:
         raise ApiError(400, f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.")
-    if n > 1 and _greedy(body):
-        raise ApiError(400, f"n must be 1 when using greedy sampling, got {n}.")
+    _check_greedy_n(n, body)
     # vLLM 0.32 answers every request with its first served name, whichever alias was asked for
     # (tests/fixtures/vllm/chat_small_model.json): `model` in the responses is served[0]. A LoRA adapter's answers
     # carry the adapter's name (vLLM's OpenAIServingModels.model_name).
