@@ -528,3 +528,28 @@ def test_a_class_claimed_in_the_body_is_read_by_the_what_if_as_by_the_ext_proc(t
            "capacity": 4.0, "phases": [{"name": "p", "duration_s": 10, "rate": 2.0}], "workload": {"kinds": kinds}}
     records = what_if(Scenario.from_dict(doc), str(pol), 4.0).records
     assert any(r.status == 429 for r in records)  # batch's one slot, no queue: refused as batch
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_order", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize("body, message", [
+    # The simulator, as a vLLM started without --tool-call-parser, answers 400 to every such request; the what-if
+    # served them and printed goodput for a workload the real demo answers with errors only.
+    ({"tools": TOOLS, "tool_choice": "auto"}, "--tool-call-parser to be set"),
+    ({"tools": TOOLS}, "--tool-call-parser to be set"),
+    ({"stream_options": {"include_usage": True}}, "Stream options can only be defined when `stream=True`"),
+    ({"temperature": -1}, "temperature"),
+])
+def test_a_request_body_the_simulator_refuses_is_named_at_load(tmp_path, body, message):
+    doc = spike_doc()
+    doc["workload"]["kinds"][1]["body"] = body  # batch: not streamed
+    with pytest.raises(ValueError, match=r"workload kind 'batch': the simulator \(and vLLM\) answer 400 .*"
+                                         + re.escape(message)):
+        Scenario.load(write(tmp_path, doc))
+
+
+def test_a_request_body_the_simulator_serves_loads():
+    doc = spike_doc()
+    doc["workload"]["kinds"][0]["body"] = {"tools": TOOLS, "tool_choice": "none", "n": 2, "temperature": 0.7}
+    Scenario.from_dict(doc)

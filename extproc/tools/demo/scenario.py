@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -9,9 +10,10 @@ from typing import Any
 
 from extproc.policy.schema import PolicyError, read_policy_doc
 from extproc.tools.adaptive_concurrency import TUNED
-from extproc.tools.loadgen import ENDPOINTS, PlannedRequest, RequestKind, SessionShape, Workload, plan_arrivals
+from extproc.tools.loadgen import (ENDPOINTS, LoadClient, PlannedRequest, RequestKind, SessionShape, Workload,
+                                   plan_arrivals)
 from extproc.tools.sim.engine import SCHEDULING_POLICIES
-from extproc.tools.sim.openai_api import ApiError, ignores_eos, samples_per_prompt
+from extproc.tools.sim.openai_api import ApiError, ignores_eos, parse_generation, samples_per_prompt
 from extproc.tools.sim.profile import load_profile
 from extproc.tools.sim.replica import FAULT_KEYS, fault_value
 
@@ -194,6 +196,30 @@ def _check_bodies(workload: Workload) -> None:
                              "every such request)") from None
 
 
+def _check_requests(workload: Workload, pools: list[Pool]) -> None:
+    """Each kind's request as the load generator sends it (a short prompt: _check_context judges lengths) through
+    the simulator's own validation, on every pool serving its model: a body it answers 400 (`tools` without
+    `tool_choice: none`, the simulator being a vLLM started without a tool-call parser; `stream_options` on a
+    request that does not stream) had the what-if print goodput for a workload the real demo answers with errors
+    only. The model's name is left to the route checks (a 404 is the policy's or the pool's to give)."""
+    client = LoadClient([])
+    for kind in workload.kinds:
+        body = client.body(PlannedRequest(0, kind, prompt_tokens=8, abort_fraction=None))
+        # The ext_proc takes `priority` for itself (a class claim, or a scheduling priority it replaces with the
+        # class's own: server/openai._read_claim): what reaches the replica there is the policy's.
+        body.pop("priority", None)
+        serving = [p for p in pools if kind.model in p.model_names] or pools[:1]
+        for pool in serving:
+            profile = load_profile(pool.profile)
+            served = (body["model"],) if isinstance(body.get("model"), str) else profile.model_names
+            try:
+                parse_generation(kind.endpoint, json.dumps(body).encode(), served, profile.max_model_len,
+                                 profile.default_max_tokens)
+            except ApiError as e:
+                raise ValueError(f"workload kind {kind.name!r}: the simulator (and vLLM) answer 400 to each of its "
+                                 f"requests on pool {pool.name!r}: {e}") from None
+
+
 @dataclass(frozen=True)
 class FleetEvent:
     """Something that happens to the fleet mid-run: a /sim/fault body applied to one replica at `at_s`."""
@@ -310,6 +336,7 @@ class Scenario:
         _check_kinds(workload)
         _check_bodies(workload)
         _check_context(workload, pools)
+        _check_requests(workload, pools)
         for i, p in enumerate(phases):  # windows, calm phases and overload onsets find a phase by its name
             first = next(j for j, q in enumerate(phases) if q.name == p.name)
             if first != i:
