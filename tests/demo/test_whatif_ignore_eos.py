@@ -2,7 +2,8 @@
 answers to max_tokens (clamped to the context) instead of drawing their length from the profile; `n: N` (several
 samples of one prompt) runs N sequences, each a request of its own in the engine, their usage summed, and the
 ext_proc's core counts N (both ran one sequence whatever `n` said: an n=4 mix was modelled at a quarter of its
-load)."""
+load); a cap (chat's `max_completion_tokens`, which the OpenAI SDKs send, or `max_tokens`) is the one its requests
+run with (both ran the kind's `max_tokens`, 256 when not given)."""
 
 import statistics
 
@@ -13,7 +14,7 @@ from extproc.tools.demo.baselines import NoAdmission
 from extproc.tools.demo.capacity import closed_loop_mix
 from extproc.tools.demo.scenario import Scenario
 from extproc.tools.demo.whatif import _Ask, _facts, what_if
-from extproc.tools.loadgen import RequestKind, Workload
+from extproc.tools.loadgen import LoadClient, PlannedRequest, RequestKind, Workload
 from extproc.tools.sim.fleet import SimFleet
 from extproc.tools.sim.profile import load_profile
 
@@ -34,6 +35,13 @@ def samples(name, n=None, max_tokens=100, **body):
         body["n"] = n
     return {"name": name, "endpoint": "completions", "prompt_tokens": 300, "max_tokens": max_tokens,
             "body": {"ignore_eos": True, "temperature": 0.8, **body}}
+
+
+# Capped by the body, over the kind's max_tokens (256 here, and the RequestKind default when not given).
+CAPPED = {"name": "capped", "endpoint": "chat", "prompt_tokens": 300, "max_tokens": 256,
+          "body": {"max_completion_tokens": 32, "ignore_eos": True}}
+BODY_MAX = {"name": "body-max", "endpoint": "completions", "prompt_tokens": 300,
+            "body": {"max_tokens": 24, "ignore_eos": True}}
 
 
 def scenario(*kinds, profile=PROFILE) -> Scenario:
@@ -123,3 +131,27 @@ def test_capacity_of_an_n_mix_counts_every_sequence():
 def test_a_scenario_refuses_an_n_the_simulator_would_refuse(body, message):
     with pytest.raises(ValueError, match=message):
         scenario(samples("bad", **body))
+
+
+async def test_the_simulator_obeys_the_cap_the_body_sets():
+    body = LoadClient([], default_model=SMALL_MODEL).body(PlannedRequest(0, RequestKind(**CAPPED), 300, None))
+    async with SimFleet(SMALL, replicas=1, port=0, speed=50) as fleet, aiohttp.ClientSession() as http:
+        async with http.post(fleet.urls[0] + "/v1/chat/completions", json=body) as resp:
+            assert (await resp.json())["usage"]["completion_tokens"] == 32
+
+
+def test_what_if_runs_the_cap_the_body_sets():
+    res = what_if(scenario(CAPPED, BODY_MAX, profile=SMALL), NoAdmission("least_request"), 2.0)
+    outputs = {(r.kind, r.output_tokens) for r in res.records if r.ok}
+    assert outputs == {("capped", 32), ("body-max", 24)}  # before the fix: 256 and 256
+
+
+def test_the_core_reads_the_cap_the_body_sets():
+    assert _facts(RequestKind(**CAPPED), 300).max_tokens == 32
+    assert _facts(RequestKind(**BODY_MAX), 300).max_tokens == 24
+    assert _Ask.of(RequestKind(**CAPPED), 300).max_tokens == 32
+
+
+def test_capacity_runs_the_cap_the_body_sets():
+    cap = closed_loop_mix(load_profile(SMALL), Workload.from_dict({"kinds": [CAPPED]}), 8, requests=200)
+    assert cap.output_tokens_per_s / cap.requests_per_s == pytest.approx(32, rel=0.05)  # before: 256

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from extproc.tools.loadgen import Workload
 from extproc.tools.sim.engine import Engine
-from extproc.tools.sim.openai_api import (clamp_max_tokens, fixed_output_tokens, ignores_eos, requested_max_tokens,
-                                          samples_per_prompt)
+from extproc.tools.sim.openai_api import (clamp_max_tokens, fixed_output_tokens, ignores_eos, samples_per_prompt,
+                                          sent_max_tokens)
 from extproc.tools.sim.profile import Profile
 from extproc.tools.stats import percentile
 
@@ -49,7 +49,7 @@ def closed_loop_mix(profile: Profile, workload: Workload, concurrency: int, requ
     def add() -> None:
         kind = workload.pick(rng)
         ignore_eos = ignores_eos(kind.body)
-        asked = requested_max_tokens(kind.endpoint, kind.max_tokens)
+        asked = sent_max_tokens(kind.endpoint, kind.body, kind.max_tokens)
         prompt = kind.sample_call_prompt(rng, lambda: _earlier_output(profile, asked, ignore_eos, rng))
         max_tokens = clamp_max_tokens(asked, prompt, profile.max_model_len, profile.default_max_tokens)
         samples = samples_per_prompt(kind.body)

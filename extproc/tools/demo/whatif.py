@@ -31,8 +31,8 @@ from extproc.server.protocol import HeaderNames, read_request_headers
 from extproc.server.saturation import PoolScraper, ScrapedReplica
 from extproc.tools.loadgen import CLIENT_ERROR, ENDPOINTS, PlannedRequest, RequestKind, RequestRecord
 from extproc.tools.sim.engine import Engine, Sequence
-from extproc.tools.sim.openai_api import (clamp_max_tokens, fixed_output_tokens, ignores_eos, requested_max_tokens,
-                                          samples_per_prompt)
+from extproc.tools.sim.openai_api import (clamp_max_tokens, fixed_output_tokens, ignores_eos, samples_per_prompt,
+                                          sent_max_tokens)
 from extproc.tools.sim.profile import load_profile
 
 from .scenario import Scenario
@@ -61,7 +61,7 @@ def _facts(kind, prompt_tokens: int, session_id: str | None = None,
         raise ValueError(f"request kind {kind.name!r} sends two different API keys") from None
     # A body of the prompt's size, for the core's own prompt estimate (characters / chars_per_token).
     doc = {"prompt": "x" * (4 * prompt_tokens)}
-    max_tokens = requested_max_tokens(kind.endpoint, kind.max_tokens)  # as parse_body reads it
+    max_tokens = sent_max_tokens(kind.endpoint, kind.body, kind.max_tokens)  # as parse_body reads it
     claim = kind.body.get(body_field)  # a kind's `body: {priority: batch}` was no claim in the what-if
     body_class = claim.strip().lower() if isinstance(claim, str) else None
     return RequestFacts(api_key=api_key, header_class=head.claim, body_class=body_class, model=kind.model,
@@ -124,7 +124,7 @@ class _Ask:
 
     @classmethod
     def of(cls, kind: RequestKind, prompt_tokens: int) -> _Ask:
-        return cls(prompt_tokens, requested_max_tokens(kind.endpoint, kind.max_tokens), ignores_eos(kind.body),
+        return cls(prompt_tokens, sent_max_tokens(kind.endpoint, kind.body, kind.max_tokens), ignores_eos(kind.body),
                    samples_per_prompt(kind.body))
 
     def degraded(self, ceiling: int | None) -> _Ask:

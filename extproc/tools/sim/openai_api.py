@@ -348,6 +348,16 @@ def requested_max_tokens(kind: str, max_tokens: int | None) -> int | None:
     return max_tokens
 
 
+def sent_max_tokens(kind: str, body: dict, default: int | None) -> int | None:
+    """The max_tokens (requested_max_tokens) of a request whose extra `body` fields are sent over a `max_tokens` of
+    `default` (a workload kind: LoadClient.body), as the server obeys it: chat's `max_completion_tokens` when not
+    null, else the body's own `max_tokens` (a lax integer; null: none), else `default`. The what-if and the
+    capacity measurement read a kind's cap here."""
+    if kind == CHAT and body.get("max_completion_tokens") is not None:
+        return _int_field(body, "max_completion_tokens")
+    return requested_max_tokens(kind, _int_field(body, "max_tokens") if "max_tokens" in body else default)
+
+
 def clamp_max_tokens(max_tokens: int | None, prompt_tokens: int, max_model_len: int, default_max_tokens: int) -> int:
     """The output tokens a request may generate: its max_tokens (unset: `default_max_tokens`), clamped to the
     context left after the prompt. vLLM 0.32 clamps silently rather than refusing."""
