@@ -553,3 +553,20 @@ def test_a_request_body_the_simulator_serves_loads():
     doc = spike_doc()
     doc["workload"]["kinds"][0]["body"] = {"tools": TOOLS, "tool_choice": "none", "n": 2, "temperature": 0.7}
     Scenario.from_dict(doc)
+
+
+def test_a_kind_that_names_no_model_is_warned_about_before_an_ext_proc_mode_runs(tmp_path, capsys):
+    # A kind without `model` (vLLM and the simulator take a body without one, as their first served name): in modes
+    # a and b it was served, in every ext_proc mode each request was the ext_proc's 400 (a body without `model`), and
+    # the report said "error 100.0" and a p99 of nan for d without a word on why.
+    from extproc.tools.demo import check_policies, scenario_modes
+
+    doc = spike_doc()
+    del doc["workload"]["kinds"][0]["model"]
+    scenario = Scenario.load(write(tmp_path, doc))
+    check_policies(scenario, scenario_modes(scenario, "a,b"))
+    assert capsys.readouterr().err == ""
+    check_policies(scenario, scenario_modes(scenario, "a,d,e"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: workload kind interactive names no `model`")
+    assert "modes d, e" in err[0] and "400" in err[0]

@@ -67,6 +67,21 @@ def check_policies(scenario: Scenario, modes: list[Mode]) -> None:
                 print(f"warning: mode {m.key}'s policy {m.policy} names no model {', '.join(models)}: the requests "
                       f"of {', '.join(dict.fromkeys(unserved))} get 404 unknown_model in that mode (give the mode "
                       "a policy of yours in the scenario's `policies:`, docs/demo.md)", file=sys.stderr, flush=True)
+    _warn_modelless(scenario, [m.key for m in modes if m.policy])
+
+
+def _warn_modelless(scenario: Scenario, ext_proc_modes: list[str]) -> None:
+    """A kind without `model` is served by the first pool where no ext_proc stands (vLLM takes a body without one
+    as its first served name), and refused by the ext_proc, which needs it to route and count: the report's rows
+    for the ext_proc modes read "error 100.0" and a p99 of nan, with no word on why."""
+    kinds = list(dict.fromkeys(k.name for k in scenario.workload.kinds if k.model is None))
+    if not kinds or not ext_proc_modes:
+        return
+    what = f"kind {kinds[0]} names" if len(kinds) == 1 else f"kinds {', '.join(kinds)} name"
+    print(f"warning: workload {what} no `model`: the ext_proc refuses each of its requests in modes "
+          f"{', '.join(ext_proc_modes)} (400 on the real stack: a body without `model`; the what-if's 404), where "
+          "modes without it have the first pool serve them (give each kind the model its clients ask for, "
+          "docs/demo.md)", file=sys.stderr, flush=True)
 
 
 def what_if_stats(scenario: Scenario, modes: str, instances: int = 1) -> dict[str, dict[str, WindowStats]]:
