@@ -28,8 +28,8 @@ from .openai import (ENDPOINTS, MODELS_PATH, BadRequest, Endpoint, RequestBody, 
                      empty_body, json_media_type, model_card, models_body, parse_body, sse_error, sse_from_answer,
                      wants_stream_usage)
 from .protocol import CONTINUE
-from .usage import (FIRST_TOKEN, STREAM_ERROR, UsageReader, responses_usage, split_usage_event, token_counts, usage_of,
-                    whole_events)
+from .usage import (FIRST_TOKEN, STREAM_ERROR, UsageReader, may_hold_usage_chunk, responses_usage, split_usage_event,
+                    token_counts, usage_of, whole_events)
 
 Answer = pb.ProcessingResponse
 
@@ -512,7 +512,7 @@ class Stream:
         if r.responses:
             # the client's own last event: never stripped
             self._learn_usage(responses_usage(r, chunk, msg.end_of_stream))
-        elif b'"usage"' in chunk and b'"choices":[]' in chunk:
+        elif may_hold_usage_chunk(chunk):
             kept, usage = split_usage_event(chunk)
             self._learn_usage(usage)
             if r.strip:

@@ -150,13 +150,25 @@ def usage_of(raw: bytes) -> dict | None:
     return doc.get("usage") if doc is not None else None
 
 
+# The usage chunk's empty choices as vLLM writes them (`"choices":[]`) and as a server or proxy writing JSON with
+# spaces does (`"choices": []`): missed, the chunk the gateway asked for reached a client that never did. Outside a
+# string: a quote inside one is escaped.
+EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
+
+
+def may_hold_usage_chunk(chunk: bytes) -> bool:
+    """Whether `chunk` may hold a usage chunk: a cheap test of every chunk (a token's has no usage key, so the
+    pattern runs on few), the events themselves parsed only where it passes."""
+    return b'"usage"' in chunk and EMPTY_CHOICES.search(chunk) is not None
+
+
 def split_usage_event(chunk: bytes) -> tuple[bytes, dict | None]:
-    """Separate the SSE usage event (`"choices":[]` with `usage`) from the rest of a chunk. It goes with its own
+    """Separate the SSE usage event (empty `choices` with `usage`) from the rest of a chunk. It goes with its own
     blank line, not the one before it: a stream that ends on the event without one keeps the event before it
     terminated."""
     kept, usage = [], None
     for event in split_events(chunk):
-        if event.startswith(b"data: {") and b'"choices":[]' in event and b'"usage"' in event:
+        if event.startswith(b"data: {") and may_hold_usage_chunk(event):
             usage = usage_of(event[6:])
             if usage is not None:
                 continue

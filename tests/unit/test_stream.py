@@ -700,6 +700,43 @@ def test_a_stream_whose_lines_end_in_crlf_is_passed_on_event_by_event_and_its_us
     assert s.held.usage == (5, 7)
 
 
+def passed_on(s: Stream, raw: bytes, size: int) -> bytes:
+    """What the client gets of a stream's `raw` bytes handed to the ext_proc in pieces of `size` bytes."""
+    parts = [raw[i:i + size] for i in range(0, len(raw), size)]
+    sent = b""
+    for i, part in enumerate(parts):
+        answer = s.receive(response_body(part, eos=i == len(parts) - 1)).response_body.response
+        sent += answer.body_mutation.body if answer.HasField("body_mutation") else part
+    return sent
+
+
+TOKEN_EVENT = b'data: {"choices":[{"delta":{"content":"Hi"}}]}\n\n'
+# The usage chunk as a server or proxy that writes JSON with Python's default separators sends it (vLLM writes it
+# compact): the choices and usage keys each followed by a space.
+SPACED_USAGE_EVENT = b'data: {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 7}}\n\n'
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 16, 1000])
+def test_a_usage_chunk_written_with_spaces_is_stripped_and_learned(clock, size):
+    # It was recognised only as `"choices":[]`: a client that never asked for usage got the chunk (one that reads
+    # choices[0] of every chunk fails on it), and the sample learned nothing
+    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": HI, "stream": True})
+    s.receive(response_headers(content_type=SSE))
+    sent = passed_on(s, TOKEN_EVENT + SPACED_USAGE_EVENT + b"data: [DONE]\n\n", size)
+    assert sent == TOKEN_EVENT + b"data: [DONE]\n\n"
+    assert s.held.usage == (5, 7)
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 16, 1000])
+def test_a_usage_chunk_written_with_spaces_that_the_client_asked_for_reaches_it_unchanged(clock, size):
+    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": HI, "stream": True,
+                                                         "stream_options": {"include_usage": True}})
+    s.receive(response_headers(content_type=SSE))
+    raw = TOKEN_EVENT + SPACED_USAGE_EVENT + b"data: [DONE]\n\n"
+    assert passed_on(s, raw, size) == raw
+    assert s.held.usage == (5, 7)
+
+
 def test_events_are_passed_on_whole_and_nothing_is_lost_at_the_end(clock):
     s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": HI, "stream": True,
                                                          "stream_options": {"include_usage": True}})
