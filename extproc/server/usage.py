@@ -168,12 +168,30 @@ def split_usage_event(chunk: bytes) -> tuple[bytes, dict | None]:
     terminated."""
     kept, usage = [], None
     for event in split_events(chunk):
-        if event.startswith(b"data: {") and may_hold_usage_chunk(event):
-            usage = usage_of(event[6:])
+        if may_hold_usage_chunk(event):
+            usage = usage_of(event_data(event))
             if usage is not None:
                 continue
         kept.append(event)
     return b"".join(kept), usage
+
+
+# An SSE line ends with CRLF, LF or CR.
+LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
+def event_data(event: bytes) -> bytes:
+    """An SSE event's data as a client reads it: the values of its `data` fields, the one space after the colon
+    dropped, joined by LF; comment lines and other fields (`event:`, `id:`, `retry:`) left out. vLLM writes one
+    `data: ` line an event; another server may write `data:` without the space, or JSON over several lines.
+    Called only on the few events that may be the usage chunk."""
+    values = []
+    for line in LINE_END.split(event):
+        if line.startswith(b"data:"):
+            values.append(line[6:] if line[5:6] == b" " else line[5:])
+        elif line == b"data":  # a field name alone: an empty value
+            values.append(b"")
+    return b"\n".join(values)
 
 
 # Kept of a Responses stream's last event passed on unfinished (longer than MAX_PARTIAL: an answer of some 16K

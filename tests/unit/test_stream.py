@@ -737,6 +737,44 @@ def test_a_usage_chunk_written_with_spaces_that_the_client_asked_for_reaches_it_
     assert s.held.usage == (5, 7)
 
 
+# The usage chunk in the other forms the SSE format allows: `data:` without its space, a comment line or other fields
+# in the same event, its data over several `data:` lines (JSON pretty-printed, a line each).
+USAGE_EVENT_FORMS = {
+    "no space after data:": b'data:{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":7}}\n\n',
+    "a comment line first": b': ping\ndata: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":7}}\n\n',
+    "an id and a retry": b'id: 9\nretry: 1000\ndata: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":7}}'
+                         b'\n\n',
+    "an event name": b'event: message\ndata: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":7}}\n\n',
+    "data over several lines": b"".join(b"data: %s\n" % line.encode() for line in json.dumps(
+        {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 7}}, indent=2).split("\n")) + b"\n",
+    "CRLF, several lines": b'data: {"choices": [],\r\ndata:"usage": {"prompt_tokens": 5,\r\ndata: '
+                          b'"completion_tokens": 7}}\r\n\r\n',
+}
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+@pytest.mark.parametrize("form", USAGE_EVENT_FORMS)
+def test_a_usage_chunk_in_any_form_the_sse_format_allows_is_stripped_and_learned(clock, form, size):
+    # Only an event that began with `data: {` was read: the chunk the gateway asked for reached a client that
+    # never asked, and the sample learned nothing
+    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": HI, "stream": True})
+    s.receive(response_headers(content_type=SSE))
+    sent = passed_on(s, b": keep-alive\n\n" + TOKEN_EVENT + USAGE_EVENT_FORMS[form] + b"data: [DONE]\n\n", size)
+    assert sent == b": keep-alive\n\n" + TOKEN_EVENT + b"data: [DONE]\n\n"
+    assert s.held.usage == (5, 7)
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+@pytest.mark.parametrize("form", USAGE_EVENT_FORMS)
+def test_a_usage_chunk_in_any_form_that_the_client_asked_for_reaches_it_unchanged(clock, form, size):
+    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": HI, "stream": True,
+                                                         "stream_options": {"include_usage": True}})
+    s.receive(response_headers(content_type=SSE))
+    raw = b": keep-alive\n\n" + TOKEN_EVENT + USAGE_EVENT_FORMS[form] + b"data: [DONE]\n\n"
+    assert passed_on(s, raw, size) == raw
+    assert s.held.usage == (5, 7)
+
+
 def test_events_are_passed_on_whole_and_nothing_is_lost_at_the_end(clock):
     s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "messages": HI, "stream": True,
                                                          "stream_options": {"include_usage": True}})
