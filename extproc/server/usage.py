@@ -199,8 +199,10 @@ def event_data(event: bytes) -> bytes:
 # after its output, instructions and tools, a few hundred bytes before the event's end.
 USAGE_TAIL = 4 << 10
 
-# The start of a Responses stream's last event, the one whose response has its usage (vLLM names every event).
-LAST_EVENT = re.compile(rb"event: response\.(?:completed|incomplete|failed)\r?\n")
+# The start of a Responses stream's last event, the one whose response has its usage (vLLM names every event, in its
+# first line; a server re-writing the stream may put comment, id or retry lines first, or no space after the colon).
+LAST_EVENT = re.compile(rb"(?:(?::|id|retry)[^\r\n]*(?:\r\n|\r|\n))*"
+                        rb"event: ?response\.(?:completed|incomplete|failed)(?:\r\n|\r|\n)")
 _DECODER = json.JSONDecoder()
 
 
@@ -214,7 +216,7 @@ def responses_usage(r: UsageReader, chunk: bytes, last: bool) -> dict | None:
             return None
         end = len(chunk) if blank is None else blank.start()
         tail, r.passed = r.passed + chunk[:end], b""
-        return _usage_near_end(tail) or completed_usage(chunk[end:])
+        return _usage_near_end(tail_data(tail)) or completed_usage(chunk[end:])
     usage = completed_usage(chunk)
     start = events_end(chunk)
     if chunk and not last and start < len(chunk):  # an event passed on unfinished
@@ -225,19 +227,24 @@ def responses_usage(r: UsageReader, chunk: bytes, last: bool) -> dict | None:
 
 def completed_usage(chunk: bytes) -> dict | None:
     """The usage in a Responses API stream's last event (response.completed, .incomplete or .failed: the whole
-    response). vLLM writes each event as `event: <type>` then `data: <compact json>`; the earlier events that
-    carry the response have `"usage":null`, so only the last one is parsed."""
-    if b'"usage":{' not in chunk:
+    response). vLLM writes each event as `event: <type>` then `data: <compact json>`, another server maybe with
+    spaces or over several data lines; the earlier events that carry the response have a null usage, so only the
+    last one is parsed."""
+    if b'"usage"' not in chunk or USAGE_KEY.search(chunk) is None:  # a delta event has no usage key: one test
         return None
     for event in split_events(chunk):
-        start = event.find(b"data: {")
-        if start < 0 or b'"usage":{' not in event:
-            continue
-        end = event.find(b"\n", start)
-        usage = _response_usage(event[start + 6:end if end >= 0 else len(event)])
-        if usage is not None:
-            return usage
+        if USAGE_KEY.search(event) is not None:
+            usage = _response_usage(event_data(event))
+            if usage is not None:
+                return usage
     return None
+
+
+def tail_data(tail: bytes) -> bytes:
+    """The data of the end of one event (`tail`, from inside its data): its first line, partial, as it is, then the
+    values of its data lines (an event with its data over several lines has a `data:` on each)."""
+    first, *rest = LINE_END.split(tail, 1)
+    return first + b"\n" + event_data(rest[0]) if rest else first
 
 
 def last_bytes(kept: bytes, piece: bytes, size: int) -> bytes:

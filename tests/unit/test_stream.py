@@ -914,6 +914,49 @@ def test_a_responses_answer_too_long_to_hold_back_is_still_learned_from_its_comp
     assert s.held.usage == (12, 3000)
 
 
+def responses_event_as(form: str, kind: str, **fields) -> bytes:
+    """A Responses stream event as a server other than vLLM, or a proxy re-writing vLLM's, may send it."""
+    doc = {"type": kind, **fields}
+    if form == "JSON with spaces":
+        return b"event: %s\ndata: %s\n\n" % (kind.encode(), json.dumps(doc).encode())
+    data = json.dumps(doc, separators=(",", ":")).encode()
+    if form == "no space after the field names":
+        return b"event:%s\ndata:%s\n\n" % (kind.encode(), data)
+    if form == "an id first, CRLF":
+        return b"id: 3\r\nevent: %s\r\ndata: %s\r\n\r\n" % (kind.encode(), data)
+    assert form == "data over several lines"
+    lines = json.dumps(doc, indent=1).split("\n")
+    return b"event: %s\n%s\n" % (kind.encode(), b"".join(b"data: %s\n" % line.encode() for line in lines))
+
+
+RESPONSES_FORMS = ["JSON with spaces", "no space after the field names", "an id first, CRLF", "data over several lines"]
+
+
+@pytest.mark.parametrize("size", [1, 7, 1 << 20])
+@pytest.mark.parametrize("form", RESPONSES_FORMS)
+def test_a_responses_stream_in_any_form_the_sse_format_allows_is_learned_and_passed_on_unchanged(clock, form, size):
+    # Its completed event was read only as `data: {...}` with `"usage":{` compact: the sample learned nothing
+    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "input": "hi", "stream": True},
+                    path=RESPONSES)
+    s.receive(response_headers(content_type=SSE))
+    raw = (responses_event_as(form, "response.created", response={"id": "r", "usage": None})
+           + responses_event_as(form, "response.output_text.delta", delta="Hi")
+           + responses_event_as(form, "response.completed", response={"id": "r", "usage": RESPONSES_USAGE}))
+    assert passed_on(s, raw, size) == raw
+    assert s.held.usage == (12, 3000)
+
+
+@pytest.mark.parametrize("form", RESPONSES_FORMS)
+def test_a_responses_completed_event_too_long_to_hold_back_in_any_form_is_learned(clock, form):
+    s, _ = admitted(processor(clock, learn_sample=1.0), {"model": "llama", "input": "hi", "stream": True},
+                    path=RESPONSES)
+    s.receive(response_headers(content_type=SSE))
+    completed = responses_event_as(form, "response.completed", response={
+        "id": "r", "output": [{"content": [{"text": "y" * 2 * MAX_PARTIAL}]}], "usage": RESPONSES_USAGE, "user": None})
+    assert passed_on(s, completed, MAX_PARTIAL // 3) == completed
+    assert s.held.usage == (12, 3000)
+
+
 def test_a_responses_stream_reports_its_first_token_at_the_first_delta(clock):
     seen = []
     p = processor(clock, learn_sample=1.0)
