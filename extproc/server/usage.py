@@ -14,8 +14,8 @@ from .openai import RequestBody, wants_stream_usage
 # reasoning model's thinking (vLLM's delta.reasoning, reasoning_content before it: its first tokens come there, the
 # answer's maybe minutes later), a tool call's arguments (a stream that only calls a tool has no content; not its
 # "name": a Responses stream's first event echoes the request's tools), or a Responses API delta event (a chat
-# chunk's delta is an object, never a string).
-FIRST_TOKEN = re.compile(rb'"(?:content|text|delta|reasoning|reasoning_content|arguments)":"[^"]')
+# chunk's delta is an object, never a string). Compact as vLLM writes it, or with spaces as another server may.
+FIRST_TOKEN = re.compile(rb'"(?:content|text|delta|reasoning|reasoning_content|arguments)"\s*:\s*"[^"]')
 
 
 class UsageReader:

@@ -917,6 +917,8 @@ def test_a_responses_answer_too_long_to_hold_back_is_still_learned_from_its_comp
 def responses_event_as(form: str, kind: str, **fields) -> bytes:
     """A Responses stream event as a server other than vLLM, or a proxy re-writing vLLM's, may send it."""
     doc = {"type": kind, **fields}
+    if form == "vLLM":
+        return responses_event(kind, **fields)
     if form == "JSON with spaces":
         return b"event: %s\ndata: %s\n\n" % (kind.encode(), json.dumps(doc).encode())
     data = json.dumps(doc, separators=(",", ":")).encode()
@@ -957,15 +959,16 @@ def test_a_responses_completed_event_too_long_to_hold_back_in_any_form_is_learne
     assert s.held.usage == (12, 3000)
 
 
-def test_a_responses_stream_reports_its_first_token_at_the_first_delta(clock):
+@pytest.mark.parametrize("form", ["vLLM", "JSON with spaces"])
+def test_a_responses_stream_reports_its_first_token_at_the_first_delta(clock, form):
     seen = []
     p = processor(clock, learn_sample=1.0)
     p.core.events.first_token = lambda ticket, seconds: seen.append(seconds)
     s, _ = admitted(p, {"model": "llama", "input": "hi", "stream": True}, path=RESPONSES)
     s.receive(response_headers(content_type=SSE))
-    s.receive(response_body(responses_event("response.created", response={"id": "r", "usage": None})))
+    s.receive(response_body(responses_event_as(form, "response.created", response={"id": "r", "usage": None})))
     clock.advance(0.5)
-    s.receive(response_body(responses_event("response.output_text.delta", delta="Hi")))
+    s.receive(response_body(responses_event_as(form, "response.output_text.delta", delta="Hi")))
     assert seen == [0.5]
 
 
@@ -1024,6 +1027,16 @@ def test_the_first_token_is_reported_once_from_arrival(clock):
     s.receive(response_body(b'data: {"choices":[{"delta":{"content":"Hi"}}]}\n\n'))
     s.receive(response_body(b'data: {"choices":[{"delta":{"content":"!"}}]}\n\n'))
     assert seen == [0.25]
+
+
+def test_a_first_token_written_with_spaces_is_reported(clock):
+    # Read only as vLLM's compact `"content":"H`: a server or proxy writing `"content": "Hi"` never reported one
+    s, seen = streaming(clock)
+    clock.advance(0.25)
+    s.receive(response_body(b'data: {"choices": [{"delta": {"role": "assistant", "content": ""}}]}\n\n'))
+    clock.advance(0.25)
+    s.receive(response_body(b'data: {"choices": [{"delta": {"content": "Hi"}}]}\n\n'))
+    assert seen == [0.5]
 
 
 @pytest.mark.parametrize("field", [b"reasoning", b"reasoning_content"])
