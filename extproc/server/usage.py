@@ -67,8 +67,9 @@ class UsageReader:
 
 # vLLM's event for a generation that failed after its stream began (its engine died, a detokenizer error): the error
 # object as a `data:` line of its own, then `[DONE]`, under the 200 already sent. Generated text cannot start a line
-# of an event (it is inside a JSON string, its newlines escaped).
-STREAM_ERROR = re.compile(rb'(?:^|\n)data: ?\{\s*"error"\s*:')
+# of an event (it is inside a JSON string, its newlines escaped). Another server may write the object pretty-printed,
+# its data over several lines: `"error"` then starts the event's second data line.
+STREAM_ERROR = re.compile(rb'(?:^|[\r\n])data: ?\{\s*(?:data: ?\s*)?"error"\s*:')
 
 
 # A partial event held back longer than this is passed on as it is: a stream that never ends its events is not

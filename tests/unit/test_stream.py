@@ -1628,6 +1628,24 @@ def test_a_stream_that_ends_on_vllms_error_event_is_the_replicas_failure_not_a_w
     assert left == 6000 - (est.prompt_tokens + math.ceil(est.expected_output)) > 6000 - ticket.charge.tokens
 
 
+@pytest.mark.parametrize("error", [
+    b'data:{"error":{"message":"EngineCore encountered an issue.","code":500}}\r\n\r\n',
+    b"".join(b"data: %s\n" % line.encode() for line in json.dumps(
+        {"error": {"message": "EngineCore encountered an issue.", "code": 500}}, indent=2).split("\n")) + b"\n"])
+def test_an_error_event_in_any_form_the_sse_format_allows_is_the_replicas_failure(clock, error):
+    # Pretty-printed over several data lines, the error event was read as a whole answer: counted ok
+    events = RecordedEvents()
+    p = processor(clock, learn_sample=1.0, events=events)
+    s, _ = admitted(p, {"model": "llama", "messages": HI, "stream": True})
+    ticket = s.held
+    s.receive(response_headers(content_type=SSE))
+    raw = TOKEN_EVENT + error + b"data: [DONE]\n\n"
+    assert passed_on(s, raw, 7) == raw
+    s.end(normal_end=True)
+    p.core.report(ticket.id, Completion(Outcome.OK, 200, 0.01, 0.05))
+    assert events.accounted == [(ticket, Outcome.UPSTREAM_ERROR)]
+
+
 def test_without_the_access_log_a_replicas_4xx_refunds_its_tenant_and_is_no_evidence_about_the_pool(clock):
     """Without Envoy's access log the core learns a request's status only from its stream, which read this one's
     response headers (every non-streamed answer of a tokens-per-minute tenant is read): a replica's 400 (a prompt
