@@ -4,7 +4,8 @@ Each case is a request (chat, completions or Responses, streamed or not, n of 1 
 `stream_options` in every form that matters) admitted by `ExtProcServicer.Process`, then an answer a vLLM 0.32
 replica would give to the body as the ext_proc forwarded it (its shapes from tests/fixtures/vllm: the role,
 content, finish and usage chunks, `continuous_usage_stats`, `[DONE]`; the Responses API's typed events; non-streamed
-JSON; 4xx/5xx error bodies), with faults: an error event mid-stream, a stream without `[DONE]` or cut mid-event,
+JSON; 4xx/5xx error bodies), as vLLM writes them or in another form the SSE format allows (DIALECTS: a server
+other than vLLM, or a proxy re-writing its stream), with faults: an error event mid-stream, a stream without `[DONE]` or cut mid-event,
 very long events (long text, long instructions echoed), unicode and emoji text, a client that leaves. The answer is
 cut at random byte offsets, preferring the awkward ones (inside a multi-byte character, inside `data: `, inside
 `\\n\\n`, zero-length chunks, end_of_stream on an empty chunk or on the last data). Three servers: one reading
@@ -135,9 +136,37 @@ class Answer:
         self.blank_line = b"\r\n\r\n"
         return self
 
+    def in_dialect(self, form: str) -> Answer:
+        """The same answer from a server other than vLLM, or a proxy re-writing its stream, in another form the SSE
+        format and JSON allow (DIALECTS)."""
+        self.events = [in_dialect(event, form) for event in self.events]
+        return self
+
     @property
     def raw(self) -> bytes:
         return b"".join(self.events)
+
+
+DIALECTS = ["JSON with spaces", "no space after the field names", "a comment and an id first",
+            "data over several lines"]
+
+
+def in_dialect(event: bytes, form: str) -> bytes:
+    """One event as vLLM writes it (`event: ` and `data: ` lines, compact JSON, a blank line) in another form."""
+    lines = []
+    for line in event.removesuffix(b"\n\n").split(b"\n"):
+        name, _, value = line.partition(b": ")
+        if name == b"data" and value != b"[DONE]":
+            doc = json.loads(value)
+            if form == "JSON with spaces":
+                value = json.dumps(doc, ensure_ascii=False).encode()
+            elif form == "data over several lines":
+                *head, value = [part.encode() for part in json.dumps(doc, indent=1, ensure_ascii=False).split("\n")]
+                lines += [b"data: " + part for part in head]
+        lines.append(name + (b":" if form == "no space after the field names" else b": ") + value)
+    if form == "a comment and an id first":
+        lines[:0] = [b": keep-alive", b"id: 7"]
+    return b"\n".join(lines) + b"\n\n"
 
 
 def stream_answer(rng: random.Random, kind: str, doc: dict) -> Answer:
@@ -361,6 +390,15 @@ def usage_chunk_complete(answer: Answer, received: bytes, ended: bool = True) ->
     return answer.usage_event is not None and event_complete(answer, answer.usage_event, received, ended)
 
 
+def usage_object_came(answer: Answer, received: bytes) -> bool:
+    """Whether a Responses stream's last event came as far as the end of its response's usage (the keys after it,
+    from `user` on, maybe not): an event too long to hold back, read from its end, may have its usage read then."""
+    if answer.usage_event is None:
+        return False
+    after = answer.events[answer.usage_event].rfind(b'"user"')  # the response's own: a quote in text is escaped
+    return after >= 0 and len(received) > len(b"".join(answer.events[:answer.usage_event])) + after
+
+
 def expected_first_tokens(answer: Answer, received: bytes, read: bool, ended: bool) -> range:
     """How many first tokens a stream read reports: one once an event with text has come whole, none before any
     began (one may come from an event passed on before its end, too long to hold back)."""
@@ -390,13 +428,14 @@ def complete_events(answer: Answer, received: bytes) -> bytes:
 def expected_usage(answer: Answer, received: bytes, read: bool, ended: bool) -> set:
     """The usage that may be read: a stream's once its usage chunk is whole, a JSON answer's once it has all come.
     A stream cut after the usage chunk's JSON but before its blank line may have it read or not (an event too long
-    to hold back was passed on, and read, without it)."""
+    to hold back was passed on, and read, without it), as may a Responses stream cut after its usage object."""
     if not read or answer.status != 200:
         return {None}
     if answer.sse:
         if usage_chunk_complete(answer, received, ended):
             return {answer.usage}
-        return {None, answer.usage} if usage_chunk_complete(answer, received) else {None}
+        came = usage_chunk_complete(answer, received) or usage_object_came(answer, received)
+        return {None, answer.usage} if came else {None}
     if not (ended and len(received) == len(answer.raw)):
         return {None}
     if answer.sized and len(answer.raw) <= MAX_BODY:
@@ -518,6 +557,8 @@ class Case:
         else:
             answer = responses_stream_answer(rng, forwarded) if self.kind == "responses" else \
                 stream_answer(rng, self.kind, forwarded)
+        if answer.sse and rng.random() < 0.2:
+            answer.in_dialect(rng.choice(DIALECTS))
         if answer.sse and rng.random() < 0.15:
             answer.with_crlf()
         self.answer = answer
