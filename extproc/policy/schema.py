@@ -292,7 +292,10 @@ class ClassSpec:
     max_wait_ms: int = doc("Longest a request waits in the queue before it gets 429. At most 29 s: Envoy's "
                            "`max_message_timeout` (30 s in envoy/envoy.yaml) must cover the wait and the ext_proc's "
                            "0.5 s grace, or Envoy stops waiting and `failure_mode_allow` forwards the request "
-                           "unadmitted.", 200, minimum=0, maximum=29_000)
+                           "unadmitted. For the first class under a pool-wide limit, keep it within (1 - the "
+                           "limit's `target`) x `slo_p95_ms` (15% at the default target): the limit aims the served "
+                           "p95 at `target` x the SLO and the wait comes on top (docs/overload.md, \"Writing the "
+                           "policy\").", 200, minimum=0, maximum=29_000)
     slo_p95_ms: int | None = doc("The class's end-to-end latency SLO (p95). Enables the latency breaker.", None,
                                  minimum=1)
     max_inflight_gpu_seconds: float | None = doc(
