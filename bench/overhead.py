@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from extproc.tools.envoyconf import envoy_binary  # noqa: E402
-from extproc.tools.stack import Stack, free_port, wait_http  # noqa: E402
+from extproc.tools.stack import Stack, exit_on_stop_signals, free_port, wait_http  # noqa: E402
 
 BODY = {"model": "llama-70b", "messages": [{"role": "user", "content": "Say hello in five words."}],
         "max_tokens": 16, "stream": False}
@@ -171,6 +171,7 @@ def _child_running(parent: int, word: bytes) -> int:
 
 
 def main() -> int:
+    exit_on_stop_signals()  # a bench stopped by `timeout` stops what it started
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--duration", type=int, default=10, help="seconds per wrk run")
     ap.add_argument("--connections", type=int, nargs="+", default=[1, 64])

@@ -24,7 +24,7 @@ import aiohttp
 import yaml
 
 from extproc.tools.sim.fleet import SimFleet
-from extproc.tools.stack import Stack, free_port
+from extproc.tools.stack import Stack, exit_on_stop_signals, free_port
 
 SPEED = 4.0
 BODY = {"model": "llama-70b", "max_tokens": 100, "messages": [{"role": "user", "content": "hello " * 200}]}
@@ -119,6 +119,7 @@ async def run(args) -> list[tuple[int, float, int]]:
 
 
 def main() -> None:
+    exit_on_stop_signals()  # a bench stopped by `timeout` stops what it started
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--down-at", type=int, default=15, help="second the replica is killed")
     p.add_argument("--up-at", type=int, default=30, help="second it is started again")

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from overhead import WRK_LUA, wrk  # noqa: E402
 
-from extproc.tools.stack import Stack, free_port, wait_http  # noqa: E402
+from extproc.tools.stack import Stack, exit_on_stop_signals, free_port, wait_http  # noqa: E402
 
 
 def read_json(url: str) -> dict:
@@ -53,6 +53,7 @@ def sample(stop: threading.Event, upstream: str, metrics_url: str, out: list[tup
 
 
 def main() -> int:
+    exit_on_stop_signals()  # a bench stopped by `timeout` stops what it started
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--duration", type=int, default=10)
     ap.add_argument("--cap", type=int, default=16)

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from overhead import WRK_LUA, _median, upstream_config, wrk  # noqa: E402
 
 from extproc.tools.envoyconf import envoy_binary  # noqa: E402
-from extproc.tools.stack import free_port, wait_http  # noqa: E402
+from extproc.tools.stack import exit_on_stop_signals, free_port, wait_http  # noqa: E402
 
 SETUPS = ["alone", "ext_proc", "ext_proc headers", "ext_authz", "ext_authz headers", "ext_proc sync", "ext_proc uds"]
 SYNC_THREADS = 256  # the threaded server holds a thread per open stream: more than the most connections run
@@ -183,6 +183,7 @@ def envoy(config: Path, admin: int) -> subprocess.Popen:
 
 
 def main() -> int:
+    exit_on_stop_signals()  # a bench stopped by `timeout` stops what it started
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--duration", type=int, default=5, help="seconds per wrk run")
     ap.add_argument("--rounds", type=int, default=2)

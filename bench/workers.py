@@ -32,7 +32,7 @@ from overhead import WRK_LUA, _children, cpu_seconds, upstream_config, wrk  # no
 
 from extproc.tools.local_redis import RedisServer  # noqa: E402
 from extproc.tools import envoyconf  # noqa: E402
-from extproc.tools.stack import free_port, free_ports, wait_http  # noqa: E402
+from extproc.tools.stack import exit_on_stop_signals, free_port, free_ports, wait_http  # noqa: E402
 
 
 def cpu_of_children(parent: int) -> float:
@@ -79,6 +79,7 @@ def upstream_stats(port: int, reset: bool = False) -> dict:
 
 
 def main() -> int:
+    exit_on_stop_signals()  # a bench stopped by `timeout` stops what it started
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--duration", type=int, default=8)
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])

@@ -99,3 +99,42 @@ def survivors(probe: str, pids: list[int]) -> list[reaper.Found]:
     """What the inner run started that still runs: a carrier of the probe's token, or one of the servers' pids."""
     found = reaper.marked(reaper.Marks(probe))
     return found + [p for pid in pids if pid not in {f.pid for f in found} and (p := reaper.running(pid))]
+
+
+BENCH = '''
+import subprocess, sys, time
+from extproc.tools.stack import exit_on_stop_signals
+exit_on_stop_signals()
+child = subprocess.Popen(["sleep", "300"], start_new_session=True)  # as a bench starts Envoy: a session of its own
+try:
+    open(sys.argv[1], "w").write(str(child.pid))
+    time.sleep(300)
+finally:
+    child.kill()
+    child.wait()
+'''
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_bench_stopped_by_a_signal_stops_what_it_started(sig, tmp_path):
+    # bench/*.py start Envoy, upstreams and ext_procs in sessions of their own and stop them in `finally`; Python's
+    # default SIGTERM skipped that, and `timeout` left fifteen such processes running (exit_on_stop_signals).
+    script, pid_file = tmp_path / "bench.py", tmp_path / "child.pid"
+    script.write_text(BENCH)
+    proc = subprocess.Popen([sys.executable, str(script), str(pid_file)], cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 20
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child = int(pid_file.read_text())
+        proc.send_signal(sig)
+        assert proc.wait(20) == 128 + sig
+        with pytest.raises(ProcessLookupError):
+            os.kill(child, 0)
+    finally:
+        proc.kill()
+        if pid_file.exists() and pid_file.read_text():
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
