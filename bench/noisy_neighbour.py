@@ -21,7 +21,7 @@ import tempfile
 import yaml
 
 from extproc.policy.fairness import jain_index
-from extproc.tools.demo.results import rolling_rate, served_work, window_stats
+from extproc.tools.demo.results import engine_time, rolling_rate, served_work, window_stats
 from extproc.tools.plotting import SKIPPED, pyplot
 from extproc.tools.demo.scenario import Scenario
 from extproc.tools.demo.whatif import PolicyAdmitter, what_if
@@ -139,29 +139,25 @@ def over_seeds(seeds=range(20, 26), mode: str = "e") -> None:
 BACKLOGGED = "scenarios/tenants-backlogged.yaml"
 
 
-def pool_limited(path: str) -> str:
-    """The same policy with the 70B pool under a pool-wide limit instead of batch's cap of 16 (the cap stays as
-    the playbook's bound, 128); a temporary file."""
-    with open(path, encoding="utf-8") as f:
-        doc = yaml.safe_load(f)
-    # The tenants' policies have batch alone (e358f62): a platform tier above it that none of them reaches gives the
-    # pool-wide limit the SLO it steers on, as tests/demo/test_fairness_whatif.py does.
+def with_pool_limit(doc: dict) -> dict:
+    """A tenants' policy with the 70B pool under a pool-wide limit instead of batch's cap of 16 (the cap stays as
+    the playbook's bound, 128). The tenants' policies have batch alone (e358f62): a platform tier above it that none
+    of them reaches gives the limit the SLO it steers on. tests/demo/test_fairness_whatif.py runs the same policies
+    (two copies of this drifted once, and this bench stopped at its fourth row)."""
     doc["classes"] = {"interactive": {"max_concurrency": 48, "max_queue": 20, "max_wait_ms": 200,
                                       "slo_p95_ms": 2000}, **doc["classes"]}
     doc["classes"]["batch"]["max_concurrency"] = 128
     doc["pools"] = {"vllm_llama70b": {"limit": {"enabled": True}}}
+    return doc
+
+
+def pool_limited(path: str) -> str:
+    """with_pool_limit of the policy file at `path`, in a temporary file."""
+    with open(path, encoding="utf-8") as f:
+        doc = with_pool_limit(yaml.safe_load(f))
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(doc, f, sort_keys=False)
     return f.name
-
-
-def engine_time(res, window: tuple[float, float], kinds: list[str]) -> dict[str, float]:
-    """Per kind: the engine time its full-model answers to requests started in the window really took of the
-    replicas (the engine model's own attribution of each step, Sequence.work_s): the GPU-seconds the fair queue
-    estimates, measured independently of the cost model that estimates them."""
-    t0, t1 = window
-    return {k: sum(res.engine_work.get(id(r), 0.0) for r in res.records
-                   if r.kind == k and t0 <= r.start < t1 and r.ok and not r.degraded) for k in kinds}
 
 
 def backlogged(path: str = BACKLOGGED) -> None:
@@ -189,7 +185,7 @@ def backlogged(path: str = BACKLOGGED) -> None:
             work = served_work(res.records, (t0, t1), kinds, model)
             gpu = {k: w[0] for k, w in work.items()}
             tokens = {k: w[1] for k, w in work.items()}
-            engine = engine_time(res, (t0, t1), kinds)
+            engine = engine_time(res.records, (t0, t1), kinds, res.engine_work)
             total = sum(gpu.values()) or 1.0
             index = jain_index(gpu[k] / weights[k] for k in kinds)
             engine_index = jain_index(engine[k] / weights[k] for k in kinds)

@@ -3,13 +3,14 @@ batch tenants of weights 1, 1, 2, each sending about the pool's capacity, tenant
 Round-robin grants by turns, so A's long prompts take most of the GPU (llm-d's open issue about it); `fair` grants
 by GPU-seconds served per weight, at the cost the core learns from usage, so each tenant gets its weighted share."""
 
+import importlib.util
 from pathlib import Path
 
 import pytest
 import yaml
 
 from extproc.policy.fairness import jain_index
-from extproc.tools.demo.results import served_work
+from extproc.tools.demo.results import engine_time, served_work
 from extproc.tools.demo.scenario import Scenario
 from extproc.tools.demo.whatif import PolicyAdmitter, what_if
 
@@ -34,13 +35,17 @@ def shares(scenario: Scenario, policy: str) -> tuple[dict[str, float], float]:
     return {k: work[k][0] / total for k in KINDS}, output / (window[1] - window[0])
 
 
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_noisy_neighbour", ROOT / "bench" / "noisy_neighbour.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
 def pool_limited(path: str, tmp_path: Path) -> str:
-    doc = yaml.safe_load(Path(path).read_text())
-    # A platform tier above the tenants' batch (none of them reaches it): the SLO the pool-wide limit steers on.
-    doc["classes"] = {"interactive": {"max_concurrency": 48, "max_queue": 20, "max_wait_ms": 200,
-                                      "slo_p95_ms": 2000}, **doc["classes"]}
-    doc["classes"]["batch"]["max_concurrency"] = 128
-    doc["pools"] = {"vllm_llama70b": {"limit": {"enabled": True}}}
+    """The policy under a pool-wide limit, as bench/noisy_neighbour.py --backlogged runs it (one definition: two
+    copies drifted once)."""
+    doc = _bench().with_pool_limit(yaml.safe_load(Path(path).read_text()))
     out = tmp_path / Path(path).name
     out.write_text(yaml.safe_dump(doc))
     return str(out)
@@ -65,9 +70,7 @@ def engine_shares(scenario: Scenario, policy: str) -> dict[str, float]:
     """Each tenant's share of the engine time its full-model answers in the backlog window took of the replicas
     (the engine model's own attribution of each step: no cost model involved)."""
     res = what_if(scenario, PolicyAdmitter(policy), scenario.fleet_capacity())
-    t0, t1 = scenario.report_windows()["backlog"]
-    time = {k: sum(res.engine_work.get(id(r), 0.0) for r in res.records
-                   if r.kind == k and t0 <= r.start < t1 and r.ok and not r.degraded) for k in KINDS}
+    time = engine_time(res.records, scenario.report_windows()["backlog"], KINDS, res.engine_work)
     return {k: time[k] / sum(time.values()) for k in KINDS}
 
 

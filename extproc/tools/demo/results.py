@@ -199,13 +199,26 @@ def served_work(records: list[RequestRecord], window: tuple[float, float], kinds
     """Per kind (a tenant's requests): the GPU-seconds of its full-model answers to requests started in the window,
     at the cost model `cost` (`actual`, what the fair queue charges once usage is learned), their tokens (prompt +
     output) and their number."""
-    t0, t1 = window
     out = {}
     for k in kinds:
-        done = [r for r in records if r.kind == k and t0 <= r.start < t1 and r.ok and not r.degraded]
+        done = full_answers(records, window, k)
         out[k] = (sum(cost.actual(r.prompt_tokens, r.output_tokens) for r in done),
                   sum(r.prompt_tokens + r.output_tokens for r in done), len(done))
     return out
+
+
+def engine_time(records: list[RequestRecord], window: tuple[float, float], kinds: list[str],
+                work: dict[int, float]) -> dict[str, float]:
+    """Per kind: the engine time its full-model answers to requests started in the window really took of the
+    replicas (`work`: the what-if's engine_work, the engine model's own attribution of each step): what
+    served_work's GPU-seconds estimate, measured without the cost model that estimates them."""
+    return {k: sum(work.get(id(r), 0.0) for r in full_answers(records, window, k)) for k in kinds}
+
+
+def full_answers(records: list[RequestRecord], window: tuple[float, float], kind: str) -> list[RequestRecord]:
+    """The kind's requests started in the window and answered whole by the model they asked for."""
+    t0, t1 = window
+    return [r for r in records if r.kind == kind and t0 <= r.start < t1 and r.ok and not r.degraded]
 
 
 def worst_window_p99(records: list[RequestRecord], window: tuple[float, float], onsets: tuple[float, ...],
