@@ -676,11 +676,15 @@ class _CoreGauges:
         yield from (q, r)
 
     def _cost_models(self):
-        fam = GaugeMetricFamily("extproc_cost_model", "Current (learned) cost coefficients per model.",
+        fam = GaugeMetricFamily("extproc_cost_model", "Cost coefficients per model: the GPU-second ones as "
+                                "configured; the service-time fit (service_*) and the output ratio as learned.",
                                 labels=["model", "param"])
         for name, m in self._core.cost_models.items():
             fam.add_metric([name, "prefill_s_per_1k_tokens"], m.prefill_per_token * 1000)
             fam.add_metric([name, "decode_s_per_token"], m.decode_per_token)
+            fam.add_metric([name, "decode_s_per_1k_context"], m.context_per_token * 1000)
+            fam.add_metric([name, "service_prefill_s_per_1k_tokens"], m.service_prefill * 1000)
+            fam.add_metric([name, "service_decode_s_per_token"], m.service_decode)
             fam.add_metric([name, "output_ratio"], m.output_ratio)
             fam.add_metric([name, "samples"], m.samples)
         return fam

@@ -292,8 +292,15 @@ def _tool_call_texts(calls: list[Any], out: list[str | bytes]) -> None:
 
 
 class CostModel:
-    """One model's cost profile. Coefficients start from the policy and are corrected by learn(), bounded
-    to [1/4, 4] times the configured values so a run of outliers cannot run away with them."""
+    """One model's cost profile: GPU-seconds at the policy's coefficients (what fairness, budgets and GPU-second
+    caps count), and a service-time fit for the SLO's prediction (service_s). learn() corrects the output ratio
+    and the service-time fit, the latter bounded to [1/4, 4] times the configured coefficients so a run of
+    outliers cannot run away with it.
+
+    The GPU-second coefficients are not learned from service times: a request's service time is how long it held
+    a place in the replica's batch (about its output length times the whole batch's step time), not its share of
+    the GPU. Fitted to service times, the prompt coefficient ran to its bound and the fair queue gave a tenant of
+    short answers half its due of the engine's time (docs/reliability.md, item 28)."""
 
     LEARNING_RATE = 0.05
     RATIO_RATE = 0.05
@@ -302,6 +309,10 @@ class CostModel:
         self.spec = spec
         self.prefill_per_token = spec.prefill_s_per_1k_tokens / 1000.0
         self.decode_per_token = spec.decode_s_per_token
+        self.context_per_token = spec.decode_s_per_1k_context / 1000.0  # per output token, per token of context
+        # The service-time fit (learn(), service_s): seconds per prompt and per output token of one sequence.
+        self.service_prefill = self.prefill_per_token
+        self.service_decode = self.decode_per_token
         self.output_ratio = 1.0           # actual / requested output tokens; starts pessimistic
         self.samples = 0
         self._tokenizer = _load_tokenizer(spec.tokenizer) if spec.tokenizer else None
@@ -367,7 +378,7 @@ class CostModel:
         # (benchmarks) runs to its cap, 1 / output_ratio times what the ratio alone expected.
         floor = requested if min_output is None else min(min_output, requested)
         requested *= sequences  # every sequence decodes; the prompt is prefilled once and shared
-        expected, gpu = self._priced(prompt_tokens, requested, floor * sequences)
+        expected, gpu = self._priced(prompt_tokens, requested, floor * sequences, sequences, prompts)
         # Not clamped by the prompt estimate, which may be high: the replica counts the real prompt.
         most = (max_tokens if max_tokens is not None else spec.max_context_tokens or 0) * sequences
         est = CostEstimate(prompt_tokens, requested, expected, gpu, most)
@@ -377,29 +388,37 @@ class CostModel:
 
     def repriced(self, est: CostEstimate) -> float:
         """An estimate made earlier, at the coefficients and output ratio now (what it would estimate today)."""
-        return self._priced(est.prompt_tokens, est.max_tokens, est.forced)[1]
+        return self._priced(est.prompt_tokens, est.max_tokens, est.forced, est.sequences, est.prompts)[1]
 
-    def _priced(self, prompt_tokens: int, requested: int, forced: int) -> tuple[float, float]:
-        """(expected output, GPU-seconds with the variance margin) of a prompt and `requested` output tokens, of
-        which `forced` are produced whatever the model says."""
+    def _priced(self, prompt_tokens: int, requested: int, forced: int, sequences: int = 1,
+                prompts: int = 1) -> tuple[float, float]:
+        """(expected output, GPU-seconds with the variance margin) of a prompt and `requested` output tokens (all
+        `sequences` together), of which `forced` are produced whatever the model says."""
         expected = max(requested * self.output_ratio, forced)
-        gpu = (self.prefill_per_token * prompt_tokens + self.decode_per_token * expected) * \
-            (1.0 + self.spec.variance_margin)
+        gpu = self.actual(prompt_tokens, expected, sequences, prompts) * (1.0 + self.spec.variance_margin)
         return expected, gpu
 
     def service_s(self, est: CostEstimate) -> float:
-        """How long the request is expected to take, with the variance margin: its GPU-seconds with one sequence's
-        decode, since its sequences (n, a list's prompts) decode side by side (learn() is fitted the same way)."""
+        """How long the request is expected to take, with the variance margin: the service-time fit at one
+        sequence's output, since its sequences (n, a list's prompts) decode side by side (learn() fits it so)."""
         per_sequence = est.expected_output / max(est.sequences, 1)
-        return self.actual(est.prompt_tokens, per_sequence) * (1.0 + self.spec.variance_margin)
+        return (self.service_prefill * est.prompt_tokens + self.service_decode * per_sequence) * \
+            (1.0 + self.spec.variance_margin)
 
-    def actual(self, prompt_tokens: int, completion_tokens: int) -> float:
-        """GPU-seconds of what really ran, under the current coefficients."""
-        return self.prefill_per_token * prompt_tokens + self.decode_per_token * completion_tokens
+    def actual(self, prompt_tokens: int, completion_tokens: float, sequences: int = 1, prompts: int = 1) -> float:
+        """GPU-seconds of `completion_tokens` output (all `sequences` together) to `prompt_tokens` of prompt (all
+        `prompts` together), at the configured coefficients."""
+        gpu = self.prefill_per_token * prompt_tokens + self.decode_per_token * completion_tokens
+        if self.context_per_token:
+            # Each output token attends its own prompt (a list's prompts are one a sequence; n sequences share
+            # theirs) and the output before it, on average half its sequence's.
+            context = prompt_tokens / max(prompts, 1) + completion_tokens / max(sequences, 1) / 2.0
+            gpu += self.context_per_token * completion_tokens * context
+        return gpu
 
     def learn(self, est: CostEstimate, prompt_tokens: int, completion_tokens: int,
               service_s: float | None) -> None:
-        """Correct the output ratio from usage, and the coefficients from the measured service time."""
+        """Correct the output ratio from usage, and the service-time fit from the measured service time."""
         if not self.spec.learn or est.max_tokens == 0:
             return  # a prefill-only request says nothing about output ratios or decode cost
         self.samples += 1
@@ -414,13 +433,13 @@ class CostModel:
         # The completion of one sequence: n sequences (a list's prompts) decode side by side, so the request lasts
         # as long as one of them, while its usage counts them all (fitted to the sum, n=4 taught a quarter).
         p, c = float(prompt_tokens), completion_tokens / max(est.sequences, 1)
-        predicted = self.prefill_per_token * p + self.decode_per_token * c
+        predicted = self.service_prefill * p + self.service_decode * c
         residual = max(min(service_s - predicted, predicted), -predicted) if predicted > 0 else service_s
         norm = p * p + c * c
-        self.prefill_per_token = _bounded(self.prefill_per_token + self.LEARNING_RATE * residual * p / norm,
-                                          self.spec.prefill_s_per_1k_tokens / 1000.0)
-        self.decode_per_token = _bounded(self.decode_per_token + self.LEARNING_RATE * residual * c / norm,
-                                         self.spec.decode_s_per_token)
+        self.service_prefill = _bounded(self.service_prefill + self.LEARNING_RATE * residual * p / norm,
+                                        self.spec.prefill_s_per_1k_tokens / 1000.0)
+        self.service_decode = _bounded(self.service_decode + self.LEARNING_RATE * residual * c / norm,
+                                       self.spec.decode_s_per_token)
 
 
 def _bounded(value: float, configured: float) -> float:

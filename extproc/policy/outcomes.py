@@ -79,6 +79,7 @@ class CostLearning:
         if t.charge is None:
             return
         if t.usage is None:
+            self._settle_unread(c)
             self._settle_without_usage(c)
             return
         charge, (prompt, completion) = t.charge, t.usage
@@ -92,7 +93,7 @@ class CostLearning:
         """What the real usage teaches: the metrics, the fair queue's charge and the cost model."""
         t, charge = c.ticket, c.ticket.charge
         est = charge.estimate
-        actual = model.actual(prompt, completion)
+        actual = model.actual(prompt, completion, est.sequences, est.prompts)
         self.events.cost_observed(t, est.gpu_seconds, actual)
         if t.holds_slot and not t.degraded:  # the fair queue charged its flow the scaled estimate: correct it
             t.limiter.queue.settle(t.flow, t.fair_charge, actual, t.fair_flow, t.fair_stats)
@@ -104,6 +105,17 @@ class CostLearning:
             # nothing about how the requested model answers, and learning it drove that model's output ratio
             # down under overload (when degrades are many), making its estimates too low just when they matter.
             model.learn(est, prompt, completion, service)
+
+    def _settle_unread(self, c: Completed) -> None:
+        """A fair queue's answer whose usage was not read: while its flow has learned no scale, what it was charged
+        is kept, to be charged again at the first scale the flow learns (FairQueue.settle_unread)."""
+        t = c.ticket
+        if not t.holds_slot or t.degraded or c.outcome is not Outcome.OK or t.limiter.queue.mode != "fair":
+            return
+        model = self.state.cost_models.get(t.charge.model)
+        if model is not None:
+            t.limiter.queue.settle_unread(t.flow, t.fair_charge, model.repriced(t.charge.estimate), t.fair_flow,
+                                          t.fair_stats)
 
     @staticmethod
     def _settle_without_usage(c: Completed) -> None:

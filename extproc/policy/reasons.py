@@ -83,8 +83,8 @@ refusing work the fleet cannot serve in time, by design: the client should back 
 **429** (or the class's fallback with `on_overflow: fallback`). Deadline-aware early rejection: at arrival, the
 queue ahead of this request, at the class's observed drain rate (completions per second while it is busy), would take longer than
 `max_wait_ms` to clear (or the request's own deadline, `classify.deadline_header`, when shorter) - so the request
-is refused at once instead of waiting and then timing out. Once the model's cost coefficients are learned it also
-refuses when that wait plus the predicted service time exceeds the class's `slo_p95_ms`. The message names the
+is refused at once instead of waiting and then timing out. Once the model's service-time fit has learned from 20
+answers it also refuses when that wait plus the predicted service time exceeds the class's `slo_p95_ms`. The message names the
 bound it missed: `its N ms queue deadline`, `the request's own N ms deadline` (the client asked for less than the
 class allows: nothing to tune here) or `its N ms SLO (predicted wait + service)`. It is the early form of
 `queue_timeout`: the same causes and fixes. Turn it off per class with `early_reject: false`."""),

@@ -492,11 +492,23 @@ class EndpointsSpec:
 
 @dataclass(frozen=True)
 class CostSpec:
-    """A model's GPU-time profile: what one request costs, in GPU-seconds, before it runs."""
+    """A model's GPU-time profile: what one request costs, in GPU-seconds, before it runs. `fair` queues, tenant
+    GPU-second budgets and `max_inflight_gpu_seconds` count in these, at the coefficients as configured (usage
+    read corrects the output length, not the coefficients). Only their proportions matter to `fair`: set them in
+    your engine's, from its step times (the prefill time per token; a decode step's time over the sequences it ran
+    at your usual batch; how much that grows per 1K tokens of context), or a tenant of long prompts is charged a
+    fraction of what the engine spends on it (docs/demo.md, "Every tenant backlogged")."""
 
     prefill_s_per_1k_tokens: float = doc("GPU-seconds to prefill 1,000 prompt tokens.", 0.08, minimum=0)
     decode_s_per_token: float = doc("GPU-seconds per generated token at the reference batch (the request's "
-                                    "share of a decode step).", 0.0011, minimum=0)
+                                    "share of a decode step: the step's time over the sequences it ran) and short "
+                                    "context.", 0.0011, minimum=0)
+    decode_s_per_1k_context: float = doc(
+        "GPU-seconds each generated token adds per 1,000 tokens of context it attends to (its prompt and the output "
+        "before it): a decode step reads every running sequence's KV cache, so an answer to a long prompt costs more "
+        "a token. Measure it as how much the step time over the sequences grows per 1K tokens of context. 0: an "
+        "output token costs `decode_s_per_token` whatever its context, and a tenant of long prompts is charged less "
+        "than the engine spends on it.", 0.0, minimum=0)
     variance_margin: float = doc("Added to every estimate as a fraction (MoE models and speculative decoding "
                                  "vary more per request: 0.3-0.4).", 0.0, minimum=0, maximum=5)
     default_max_tokens: int = doc("Output tokens assumed when a chat or Responses API request sets no max_tokens "
@@ -525,7 +537,10 @@ class CostSpec:
                             minimum=0)
     video_tokens: int = doc("Prompt tokens one video part fills (`video_url`, video embeds): vLLM samples 32 frames "
                             "by default, about 128 tokens a frame after merging.", 4096, minimum=0)
-    learn: bool = doc("Correct the coefficients and the output ratio online from real usage.", True)
+    learn: bool = doc("Learn online from real usage the output ratio (output tokens per max_tokens asked) and the "
+                      "service-time fit the SLO's early rejection predicts with. The GPU-second coefficients above "
+                      "stay as configured: a request's service time is how long it held a place in the batch, not "
+                      "its share of the GPU.", True)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Work-based fairness when every tenant waits (scenarios/tenants-backlogged.yaml, engine-model what-if): three
 batch tenants of weights 1, 1, 2, each sending about the pool's capacity, tenant A with prompts ~8x the others'.
 Round-robin grants by turns, so A's long prompts take most of the GPU (llm-d's open issue about it); `fair` grants
-by GPU-seconds served per weight, at the cost the core learns from usage, so each tenant gets its weighted share."""
+by GPU-seconds served per weight (the policies' coefficients, in the engine profile's proportions, corrected per
+flow by the usage read), so each tenant gets its weighted share of what the engine spends."""
 
 import importlib.util
 from pathlib import Path
@@ -60,7 +61,10 @@ def test_every_tenant_is_backlogged_and_turns_give_the_long_prompts_most_of_the_
 def test_fair_gives_each_backlogged_tenant_its_weighted_share_of_gpu_seconds(scenario):
     fair, fair_out = shares(scenario, str(ROOT / scenario.policies["e"]))
     for k in KINDS:
-        assert fair[k] == pytest.approx(DUE[k], abs=0.04), fair  # measured 0.26 / 0.26 / 0.49
+        # Measured 0.29 / 0.26 / 0.46 (seeds 31-34: Jain 0.983-0.999). Each flow's scale rests on its few read
+        # answers, and with output-dominated costs (lognormal answers) it is noisier than the prompt-dominated
+        # fit to service times was (0.25 / 0.26 / 0.49): the engine's time below is what the shares are for.
+        assert fair[k] == pytest.approx(DUE[k], abs=0.05), fair
     assert jain_index(fair[k] / DUE[k] for k in KINDS) > 0.98
     _, rr_out = shares(scenario, str(ROOT / scenario.policies["d"]))
     assert fair_out >= rr_out  # work-conserving: the same slots, none idle while someone waits
@@ -75,12 +79,12 @@ def engine_shares(scenario: Scenario, policy: str) -> dict[str, float]:
 
 
 def test_the_weighted_shares_hold_in_the_engine_time_the_replicas_really_spent(scenario):
-    # The shares above are in the units the fair queue charges (its cost model, learned from service times). Read
-    # from what each request took of the engine's steps instead, fair still gives each its weighted share and
-    # turns still give A's long prompts most of it: the learned GPU-seconds weigh requests as the engine does.
+    # The shares above are in the units the fair queue charges (its cost model). Read from what each request took
+    # of the engine's steps instead, fair gives each its weighted share and turns give A's long prompts most of
+    # it: the GPU-seconds, with their context term, weigh requests as the engine does.
     fair = engine_shares(scenario, str(ROOT / scenario.policies["e"]))
     for k in KINDS:
-        assert fair[k] == pytest.approx(DUE[k], abs=0.04), fair  # measured 0.25 / 0.26 / 0.49
+        assert fair[k] == pytest.approx(DUE[k], abs=0.04), fair  # measured 0.25 / 0.27 / 0.48
     rr = engine_shares(scenario, str(ROOT / scenario.policies["d"]))
     assert rr["tenant-a"] > 0.55, rr  # measured 0.65
 
@@ -112,11 +116,24 @@ def test_a_guaranteed_share_holds_under_a_pool_wide_limit_as_under_the_cap(scena
     assert answers["tenant-c"] / sum(answers.values()) > 0.57, answers
 
 
-def test_tenants_that_differ_in_answer_length_get_their_weighted_engine_time_under_a_pool_wide_limit(tmp_path):
-    # scenarios/tenants-output-mix.yaml: A's answers short, B's long. The fitted GPU-seconds weigh answer length
-    # unlike the engine (docs/demo.md: under the cap A gets half its due of the engine's time), but the owner's
-    # return under a pool-wide limit shares the limit's tokens, and there each tenant gets its weighted share of
-    # what the replicas really spent.
-    mix = Scenario.load(ROOT / "scenarios" / "tenants-output-mix.yaml")
+@pytest.fixture(scope="module")
+def mix() -> Scenario:
+    return Scenario.load(ROOT / "scenarios" / "tenants-output-mix.yaml")
+
+
+def test_tenants_that_differ_in_answer_length_get_their_weighted_engine_time_under_the_cap(mix):
+    # scenarios/tenants-output-mix.yaml: A's answers short (max_tokens 20), B's long (600). Charged at coefficients
+    # fitted to service times, whose prompt term ran to its bound, A got 12% of the engine's time under the cap
+    # where 25% was due, and B 35% (Jain 0.863; seeds 31-34: 0.83-0.89).
+    got = engine_shares(mix, str(ROOT / mix.policies["e"]))
+    assert got["tenant-a"] > 0.2, got  # measured 0.23
+    for k in KINDS:
+        assert got[k] == pytest.approx(DUE[k], abs=0.06), got  # measured 0.23 / 0.21 / 0.55
+    assert jain_index(got[k] / DUE[k] for k in KINDS) > 0.98, got  # 0.988 (seeds 31-34: 0.979-0.998)
+
+
+def test_tenants_that_differ_in_answer_length_get_their_weighted_engine_time_under_a_pool_wide_limit(mix, tmp_path):
+    # The owner's return under a pool-wide limit shares the limit's tokens, and there too each tenant gets its
+    # weighted share of what the replicas really spent.
     got = engine_shares(mix, pool_limited(str(ROOT / mix.policies["e"]), tmp_path))
-    assert jain_index(got[k] / DUE[k] for k in KINDS) > 0.98, got  # measured 0.27 / 0.26 / 0.46: 0.995
+    assert jain_index(got[k] / DUE[k] for k in KINDS) > 0.98, got  # measured 0.27 / 0.28 / 0.45: 0.992

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from extproc.policy.cost import CostModel
 from extproc.tools.demo.results import served_work
 from extproc.tools.demo.scenario import Scenario
 from extproc.tools.demo.whatif import PolicyAdmitter, what_if
@@ -18,35 +17,17 @@ DUE = {"busy": {"t1": 0.75 / 8, "t3": 0.75 * 2 / 8, "t4": 0.75 * 4 / 8, "t5": 0.
        "return": {"t1": 0.75 / 9, "t3": 0.75 * 2 / 9, "t4": 0.75 * 4 / 9, "t5": 0.25, "t6": 0.75 / 9}}
 
 
-class Snapshots(PolicyAdmitter):
-    """The admitter, keeping a copy of the core's cost model as each report window ends: GPU-seconds are counted
-    at the coefficients the core had learned by then (the last calm phase moves them a lot)."""
-
-    def __init__(self, policy: str, ends: dict[str, float]):
-        super().__init__(policy)
-        self.ends, self.models = dict(ends), {}
-
-    def decide(self, facts):
-        for name, end in list(self.ends.items()):
-            if self.core.clock() >= end:
-                model = self.core.cost_models["llama-8b"]
-                copy = CostModel(model.spec)
-                copy.prefill_per_token, copy.decode_per_token = model.prefill_per_token, model.decode_per_token
-                self.models[name] = copy
-                del self.ends[name]
-        return super().decide(facts)
-
-
 @pytest.fixture(scope="module")
 def shares() -> dict[str, dict[str, float]]:
     """Each tenant's share of the GPU-seconds of the full answers to requests started in each window."""
     sc = Scenario.load(ROOT / "scenarios" / "tenants-come-and-go.yaml")
     windows = sc.report_windows()
-    admitter = Snapshots(str(ROOT / sc.policies["e"]), {name: end for name, (_, end) in windows.items()})
+    admitter = PolicyAdmitter(str(ROOT / sc.policies["e"]))
     res = what_if(sc, admitter, sc.fleet_capacity())
+    model = admitter.core.cost_models["llama-8b"]  # GPU-seconds at the configured coefficients (not learned)
     out = {}
     for name, window in windows.items():
-        work = served_work(res.records, window, KINDS, admitter.models[name])
+        work = served_work(res.records, window, KINDS, model)
         total = sum(w[0] for w in work.values())
         out[name] = {k: work[k][0] / total for k in KINDS}
     return out

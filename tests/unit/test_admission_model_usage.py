@@ -268,8 +268,10 @@ class UsageModel(RuleBasedStateMachine):
             return
         for name, model in self.core.cost_models.items():
             spec = model.spec
-            for value, configured in ((model.prefill_per_token, spec.prefill_s_per_1k_tokens / 1000.0),
-                                      (model.decode_per_token, spec.decode_s_per_token)):
+            assert (model.prefill_per_token, model.decode_per_token) == (spec.prefill_s_per_1k_tokens / 1000.0,
+                                                                         spec.decode_s_per_token), name
+            for value, configured in ((model.service_prefill, spec.prefill_s_per_1k_tokens / 1000.0),
+                                      (model.service_decode, spec.decode_s_per_token)):
                 assert configured / 4 * (1 - 1e-9) <= value <= configured * 4 * (1 + 1e-9), (name, value)
             assert 0.05 - 1e-12 <= model.output_ratio <= 1.0, (name, model.output_ratio)
 

@@ -251,8 +251,11 @@ def test_online_learning_converges_on_a_synthetic_stream():
             service *= 20  # an outlier (a stalled request) now and then
         m.learn(est, p, done, service)
     assert m.output_ratio == pytest.approx(0.4, abs=0.02)
-    assert m.prefill_per_token == pytest.approx(true_a, rel=0.15)
-    assert m.decode_per_token == pytest.approx(true_b, rel=0.15)
+    assert m.service_prefill == pytest.approx(true_a, rel=0.15)
+    assert m.service_decode == pytest.approx(true_b, rel=0.15)
+    # Service times fit the SLO's prediction; the GPU-seconds charged stay at the configured coefficients.
+    assert (m.prefill_per_token, m.decode_per_token) == (0.05 / 1000, 0.004)
+    assert m.service_s(m.estimate(1000, 100)) == pytest.approx(true_a * 1000 + true_b * 40, rel=0.15)
 
 
 def test_sequences_decoded_together_do_not_teach_a_cheaper_decode():
@@ -265,17 +268,34 @@ def test_sequences_decoded_together_do_not_teach_a_cheaper_decode():
         p, requested, n = rng.randint(50, 2000), rng.randint(16, 512), rng.choice((1, 4, 8))
         each = int(requested * 0.5)
         m.learn(m.estimate(p, requested, sequences=n), p, each * n, 0.1 / 1000 * p + 0.002 * each)
-    assert m.decode_per_token == pytest.approx(0.002, rel=0.1)
-    assert m.prefill_per_token == pytest.approx(0.1 / 1000, rel=0.1)
+    assert m.service_decode == pytest.approx(0.002, rel=0.1)
+    assert m.service_prefill == pytest.approx(0.1 / 1000, rel=0.1)
     assert m.output_ratio == pytest.approx(0.5, abs=0.03)  # the ratio is of all sequences' output, as before
+
+
+def test_an_output_token_costs_more_the_longer_the_context_it_attends_to():
+    # decode_s_per_1k_context: each output token reads its sequence's KV cache, its prompt and the output before it.
+    m = CostModel(CostSpec(prefill_s_per_1k_tokens=0.01, decode_s_per_token=0.0002, decode_s_per_1k_context=0.0004,
+                           learn=False))
+    assert m.actual(1000, 100) == pytest.approx(0.01 + 100 * (0.0002 + 0.0004 * (1000 + 50) / 1000))
+    # n sequences share their prompt (each attends all of it); a list's prompts are one a sequence.
+    assert m.actual(1000, 400, sequences=4) == pytest.approx(4 * (m.actual(1000, 100) - 0.01) + 0.01)
+    assert m.actual(2000, 200, sequences=2, prompts=2) == pytest.approx(2 * m.actual(1000, 100))
+    # The estimate prices the expected output the same way, and a long prompt's answer dearer a token.
+    est = m.estimate(1000, 100)
+    assert est.gpu_seconds == pytest.approx(m.actual(1000, 100)) and m.repriced(est) == est.gpu_seconds
+    assert m.actual(8000, 100) - m.actual(8000, 0) > 3 * (m.actual(500, 100) - m.actual(500, 0))
+    # Without it (the default), an output token costs decode_s_per_token whatever the context.
+    flat = CostModel(CostSpec(prefill_s_per_1k_tokens=0.01, decode_s_per_token=0.0002))
+    assert flat.actual(8000, 100) - flat.actual(8000, 0) == pytest.approx(100 * 0.0002)
 
 
 def test_learning_is_bounded_against_garbage():
     m = CostModel(SPEC)
     for _ in range(1000):
         m.learn(m.estimate(100, 100), 100, 100, 1e6)
-    assert m.decode_per_token <= SPEC.decode_s_per_token * 4
-    assert m.prefill_per_token <= SPEC.prefill_s_per_1k_tokens / 1000 * 4
+    assert m.service_decode <= SPEC.decode_s_per_token * 4
+    assert m.service_prefill <= SPEC.prefill_s_per_1k_tokens / 1000 * 4
 
 
 def test_a_coefficient_configured_at_zero_is_bounded_against_garbage_too():
@@ -287,8 +307,8 @@ def test_a_coefficient_configured_at_zero_is_bounded_against_garbage_too():
         m = CostModel(spec)
         for _ in range(200):
             m.learn(m.estimate(prompt, 512), prompt, output, 600.0)
-        assert m.prefill_per_token <= spec.prefill_s_per_1k_tokens / 1000 * 4
-        assert m.decode_per_token <= spec.decode_s_per_token * 4
+        assert m.service_prefill <= spec.prefill_s_per_1k_tokens / 1000 * 4
+        assert m.service_decode <= spec.decode_s_per_token * 4
 
 
 def budget_core(clock, budget=1.0, **over):

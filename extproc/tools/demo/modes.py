@@ -15,13 +15,13 @@ from extproc.tools.adaptive_concurrency import TUNED
 # are not (or need not be) scaled: the lease is a safety net far above any request, Retry-After goes to clients.
 UNSCALED_POLICY_KEYS = frozenset({"lease_ms", "retry_after_max_s"})
 # GPU-seconds are durations too: at speed 5 a replica serves a token in a fifth of the wall time, and the ext_proc
-# learns its cost coefficients from wall-clock service times. Unscaled, the learned coefficients ran into their
-# lower bound (a quarter of the configured ones) and kept the configured prefill/decode ratio, where the what-if
-# learned a prefill token twice as dear against a decoded one: on scenarios/tenants-backlogged.yaml the fair queue
-# gave the long-prompt tenant 36% of the GPU where it was due 25%. Budgets in GPU-seconds scale with them. A rate
+# fits its service-time prediction to wall-clock service times, starting from (and bounded by) the configured
+# coefficients. Unscaled, the fit ran into its lower bound (a quarter of the configured ones). Budgets in
+# GPU-seconds scale with the coefficients, so they keep their meaning. A rate
 # of GPU-seconds per minute does not (both sides scale), but its bucket holds a wall-clock minute's worth: at speed
 # 5, five simulated minutes' (no shipped policy sets one).
-GPU_SECONDS_KEYS = frozenset({"prefill_s_per_1k_tokens", "decode_s_per_token", "max_inflight_gpu_seconds"})
+GPU_SECONDS_KEYS = frozenset({"prefill_s_per_1k_tokens", "decode_s_per_token", "decode_s_per_1k_context",
+                              "max_inflight_gpu_seconds"})
 # Rates of requests and tokens per minute are per simulated minute in a scenario: at speed 5 a tenant sends five
 # times as many a wall minute, so the ext_proc's wall-clock limit is five times the number (its bucket's depth,
 # rate x burst_s, stays what the policy says: burst_s is a duration). Unscaled, a tenant the what-if never limited
