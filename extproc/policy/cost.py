@@ -402,8 +402,11 @@ class CostModel:
         """How long the request is expected to take, with the variance margin: the service-time fit at one
         sequence's output, since its sequences (n, a list's prompts) decode side by side (learn() fits it so)."""
         per_sequence = est.expected_output / max(est.sequences, 1)
-        return (self.service_prefill * est.prompt_tokens + self.service_decode * per_sequence) * \
-            (1.0 + self.spec.variance_margin)
+        return self._service(est.prompt_tokens, per_sequence) * (1.0 + self.spec.variance_margin)
+
+    def _service(self, prompt_tokens: float, completion_tokens: float) -> float:
+        """The service-time fit: seconds for a prompt and one sequence's output."""
+        return self.service_prefill * prompt_tokens + self.service_decode * completion_tokens
 
     def actual(self, prompt_tokens: int, completion_tokens: float, sequences: int = 1, prompts: int = 1) -> float:
         """GPU-seconds of `completion_tokens` output (all `sequences` together) to `prompt_tokens` of prompt (all
@@ -433,7 +436,7 @@ class CostModel:
         # The completion of one sequence: n sequences (a list's prompts) decode side by side, so the request lasts
         # as long as one of them, while its usage counts them all (fitted to the sum, n=4 taught a quarter).
         p, c = float(prompt_tokens), completion_tokens / max(est.sequences, 1)
-        predicted = self.service_prefill * p + self.service_decode * c
+        predicted = self._service(p, c)
         residual = max(min(service_s - predicted, predicted), -predicted) if predicted > 0 else service_s
         norm = p * p + c * c
         self.service_prefill = _bounded(self.service_prefill + self.LEARNING_RATE * residual * p / norm,

@@ -437,11 +437,14 @@ class FairQueue:
             return None
         gkey = split_key(key)[0]
         own = self._groups.get(gkey)
-        weighted = self.mode == "fair"
+        fair = self.mode == "fair"
         mine = own.waiting if own is not None else 0
-        own_weight = (own.weight if own is not None else self.weights.get(gkey, 1.0)) if weighted else 1.0
-        longest = max(self._turns.values(), key=lambda g: (g.waiting / (g.weight if weighted else 1.0), g.vtime))
-        if longest is own or (longest.waiting - 1) / (longest.weight if weighted else 1.0) < (mine + 1) / own_weight:
+        own_weight = (own.weight if own is not None else self.weights.get(gkey, 1.0)) if fair else 1.0
+        longest = max(self._turns.values(), key=lambda g: (g.waiting / (g.weight if fair else 1.0), g.vtime))
+        if longest is own:
+            return None
+        # after the swap, the arrival's group must not hold more places per weight than the one giving one up
+        if (longest.waiting - 1) / (longest.weight if fair else 1.0) < (mine + 1) / own_weight:
             return None
         return self._longest_flow(longest).entries[-1][2]
 
@@ -616,7 +619,7 @@ class FairQueue:
         grant in 15 for 300 grants. Once the flow has a scale, its answers stay as charged: re-pricing each at the
         scale of the moment (a sum over its last few read answers) moved tenants-backlogged's weight-2 tenant from
         46% of the GPU-seconds to 43%."""
-        if key in self._scales:
+        if self.has_scale(key):
             return
         now = estimated * self.scale(key)
         self.settle(key, charged, now, charged_to, served_by)
@@ -629,6 +632,11 @@ class FairQueue:
         self._unscaled.move_to_end(key)
         while len(self._unscaled) > INDEX_FLOWS:
             self._unscaled.popitem(last=False)
+
+    def has_scale(self, key: str) -> bool:
+        """Whether a read answer of flow `key` has taught it a scale of its own (kept for the INDEX_FLOWS settled
+        last)."""
+        return key in self._scales
 
     def scale(self, key: str) -> float:
         """What flow `key`'s requests really cost against their estimates, as its settled ones said (1 until one
@@ -673,9 +681,10 @@ class FairQueue:
         others = [g.vtime for g in self._turns.values() if g is not group]
         if others:
             group.vtime = max(group.vtime, min(others))
-        inside = [f.vtime for f in group.flows.values() if f is not flow]
-        if flow is not group and inside:
-            flow.vtime = max(flow.vtime, min(inside))
+        if flow is not group:
+            inside = [f.vtime for f in group.flows.values() if f is not flow]
+            if inside:
+                flow.vtime = max(flow.vtime, min(inside))
         self._moved(group, flow)
 
     def virtual_time(self, key: str) -> float:

@@ -110,12 +110,12 @@ class CostLearning:
         """A fair queue's answer whose usage was not read: while its flow has learned no scale, what it was charged
         is kept, to be charged again at the first scale the flow learns (FairQueue.settle_unread)."""
         t = c.ticket
-        if not t.holds_slot or t.degraded or c.outcome is not Outcome.OK or t.limiter.queue.mode != "fair":
-            return
+        q = t.limiter.queue
+        if not t.holds_slot or t.degraded or c.outcome is not Outcome.OK or q.mode != "fair" or q.has_scale(t.flow):
+            return  # the common case: the flow has its scale, and its answer stays as charged (no repricing)
         model = self.state.cost_models.get(t.charge.model)
         if model is not None:
-            t.limiter.queue.settle_unread(t.flow, t.fair_charge, model.repriced(t.charge.estimate), t.fair_flow,
-                                          t.fair_stats)
+            q.settle_unread(t.flow, t.fair_charge, model.repriced(t.charge.estimate), t.fair_flow, t.fair_stats)
 
     @staticmethod
     def _settle_without_usage(c: Completed) -> None:

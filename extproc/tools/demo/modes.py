@@ -17,9 +17,9 @@ UNSCALED_POLICY_KEYS = frozenset({"lease_ms", "retry_after_max_s"})
 # GPU-seconds are durations too: at speed 5 a replica serves a token in a fifth of the wall time, and the ext_proc
 # fits its service-time prediction to wall-clock service times, starting from (and bounded by) the configured
 # coefficients. Unscaled, the fit ran into its lower bound (a quarter of the configured ones). Budgets in
-# GPU-seconds scale with the coefficients, so they keep their meaning. A rate
-# of GPU-seconds per minute does not (both sides scale), but its bucket holds a wall-clock minute's worth: at speed
-# 5, five simulated minutes' (no shipped policy sets one).
+# GPU-seconds scale with the coefficients, so they keep their meaning. A rate of GPU-seconds per minute does not
+# (both sides scale), but its bucket holds a wall-clock minute's worth: at speed 5, five simulated minutes' (no
+# shipped policy sets one).
 GPU_SECONDS_KEYS = frozenset({"prefill_s_per_1k_tokens", "decode_s_per_token", "decode_s_per_1k_context",
                               "max_inflight_gpu_seconds"})
 # Rates of requests and tokens per minute are per simulated minute in a scenario: at speed 5 a tenant sends five
