@@ -714,6 +714,7 @@ class AdmissionController:
             lim.queue.released(ticket.flow, ticket.cost)
             if ticket.gate is not None:
                 ticket.gate.give_back(ticket.rank, ticket.units, ticket.flow, ticket.pool_stall)
+                ticket.gate.controller.ended(ticket.id)
                 if ticket.rest and ran:  # one that never ran (revoked) held nothing of the replicas: nothing owed
                     ticket.gate.rest(ticket.rank, now + (now - ticket.admitted_at) * ticket.rest, now)
                 if not ran:  # nor will it be served: the limit does not wait for it after a latency cut
@@ -735,7 +736,7 @@ class AdmissionController:
                      or (gate.holding and not gate.room(ticket.rank, units))):
             ticket.rest = rest
         ticket.pool_stall = gate.take(ticket.rank, units, ticket.flow)
-        ticket.cohort = gate.controller.admitted(ticket.rank, ticket.admitted_at)
+        ticket.cohort = gate.controller.admitted(ticket.rank, ticket.admitted_at, ticket.id)
 
     # --- the end of an admitted request ---
 

@@ -85,12 +85,14 @@ _STALLS = count(1)  # numbers a pool's stalls (PoolGate.stall), unique across ga
 class RecentLatencies:
     """Recent service times of one class on the pool, each with when it ended: those of the last window, or when
     it holds too few, the last few older ones (up to `max_age_s`): a class that completes few requests here (long
-    prompts, most of it degraded) still gives a latency instead of none."""
+    prompts, most of it degraded) still gives a latency instead of none. And the class's requests still running
+    on the pool (key -> when admitted), whose ages are lower bounds on their service times (censored_quantile)."""
 
-    __slots__ = ("samples",)
+    __slots__ = ("samples", "running")
 
     def __init__(self, size: int):
         self.samples: deque[tuple[float, float]] = deque(maxlen=size)
+        self.running: dict[int, float] = {}
 
     def add(self, now: float, seconds: float) -> None:
         self.samples.append((now, seconds))
@@ -109,6 +111,48 @@ class RecentLatencies:
         recent.sort()
         return recent[min(len(recent) - 1, max(0, math.ceil(q * len(recent)) - 1))]
 
+    def censored_quantile(self, now: float, q: float, window_s: float, max_age_s: float, at_least: int,
+                          since: float) -> tuple[float, bool] | None:
+        """The q-quantile of the samples quantile() takes together with the requests admitted since `since` and
+        still running, each at least as long as its age (Kaplan-Meier); whether it is known: False when more than
+        1 - q of them may still end later than every time seen, and the value is only a lower bound. None with
+        fewer than `at_least` samples.
+
+        Why: requests end in order of length, so the samples alone read the quickest first. After a cut clears the
+        window, or when the slowest answers take several times the median, the quantile of what has ended reads
+        room that is not there: with 512-token answers and a 5 s SLO the limit rose on it each time until the long
+        ones ended, and cut again (worst 10 s windows 6.2-6.4 s, docs/overload.md)."""
+        recent = [s for t, s in self.samples if now - t <= window_s]
+        if len(recent) < at_least:
+            recent = [s for t, s in self.samples if now - t <= max_age_s][-at_least:]
+            if len(recent) < at_least:
+                return None
+        ages = [now - at for at in self.running.values() if at >= since]
+        if not ages:
+            recent.sort()
+            return recent[min(len(recent) - 1, max(0, math.ceil(q * len(recent)) - 1))], True
+        return kaplan_meier_quantile(recent, ages, q)
+
+
+def kaplan_meier_quantile(ended: list[float], running: list[float], q: float) -> tuple[float, bool]:
+    """The q-quantile of durations of which `ended` are known and `running` are lower bounds, by the Kaplan-Meier
+    estimate of the share still running at each time; (the largest time seen, False) when that share never falls
+    to 1 - q. Without `running` it is the plain nearest-rank quantile."""
+    times = sorted([(x, 1) for x in ended] + [(x, 0) for x in running])
+    at_risk, left, i, n = len(times), 1.0, 0, len(times)
+    while i < n:
+        x, ends, goes = times[i][0], 0, 0
+        while i < n and times[i][0] == x:
+            ends += times[i][1]
+            goes += 1
+            i += 1
+        if ends:
+            left *= 1.0 - ends / at_risk
+            if left <= 1.0 - q + 1e-12:
+                return x, True
+        at_risk -= goes
+    return times[-1][0], False
+
 
 class PoolLimit:
     """Where the pool's limit should be, from saturation and the served latency of each class with an SLO."""
@@ -123,6 +167,10 @@ class PoolLimit:
         self.baseline: dict[int, float] = {}  # class rank -> its served quantile when calm
         self.served: dict[int, float] = {}    # class rank -> its served quantile at the last move (for metrics)
         self.counted_since = -math.inf  # requests admitted before this say nothing about the current limit
+        # While a replica of the pool is seen stalled, from when it was: requests admitted before then and still
+        # running may be the hung replica's, which end only when their clients give up. Their age is no latency of
+        # the pool's (PoolGate.update sets it).
+        self.stalled_since = -math.inf
         # After a latency cut, the first interval's admissions of classes with an SLO: [start, end, admitted,
         # served]. Until most of them are served the window holds only the quickest, and reads room that is not
         # there: on a big fleet (~150 completions a second) min_samples came within milliseconds of a cut, read
@@ -181,14 +229,23 @@ class PoolLimit:
             if cohort is not None and admitted_at < cohort[1]:
                 cohort[3] += 1
 
-    def admitted(self, rank: int, at: float) -> list[float] | None:
-        """A request of the class at `rank` was admitted `at`: the cohort it counts in (withdrawn() takes it), or
-        None."""
+    def admitted(self, rank: int, at: float, key: int) -> list[float] | None:
+        """A request of the class at `rank` was admitted `at` (ended() takes `key` back): the cohort it counts in
+        (withdrawn() takes it), or None."""
+        window = self.windows.get(rank)
+        if window is not None:
+            window.running[key] = at
         cohort = self._cohort
         if cohort is not None and rank in self.windows and cohort[0] <= at < cohort[1]:
             cohort[2] += 1
             return cohort
         return None
+
+    def ended(self, key: int) -> None:
+        """The request admitted() under `key` no longer runs (its class's rank may have moved on a reload)."""
+        for window in self.windows.values():
+            if window.running.pop(key, None) is not None:
+                return
 
     @staticmethod
     def withdrawn(cohort: list[float] | None) -> None:
@@ -209,21 +266,29 @@ class PoolLimit:
     def latency_ratio(self, now: float, calm: bool = True) -> tuple[float | None, bool]:
         """(target x SLO over the served quantile, for the class furthest from its target (None: too few
         samples); whether that class's latency is up from its calm baseline, i.e. load is what slows it).
-        `calm`: the limit does not bind, so the baseline may follow a slower mix."""
+        `calm`: the limit does not bind, so the baseline may follow a slower mix. The quantile counts the class's
+        requests still running (censored_quantile); while it is only a lower bound under the target, the ratio is
+        1: no room is known, so the limit neither rises nor is cut on it."""
         worst, loaded = None, False
         for rank, window in self.windows.items():
-            served = window.quantile(now, self.spec.quantile, self.spec.window_s,
-                                     MAX_AGE_WINDOWS * self.spec.window_s, self.spec.min_samples)
-            if served is None:
+            read = window.censored_quantile(now, self.spec.quantile, self.spec.window_s,
+                                            MAX_AGE_WINDOWS * self.spec.window_s, self.spec.min_samples,
+                                            max(self.counted_since, self.stalled_since))
+            if read is None:
                 self.served.pop(rank, None)
                 continue
+            served, known = read
             self.served[rank] = served
             # The calm baseline: the lowest quantile seen, drifting up slowly so a changed mix is followed.
             # Only while the limit does not bind: under a slow ramp or a long overload the latency is the load's,
             # and a baseline drifting after it stopped the cuts within seconds (the limit froze over the SLO).
-            base = min(served, self.baseline.get(rank, served) * (1 + BASELINE_DRIFT * calm))
-            self.baseline[rank] = base
+            # Not from a lower bound: that is no measure of the calm latency.
+            base = self.baseline.get(rank, served)
+            if known:
+                base = self.baseline[rank] = min(served, base * (1 + BASELINE_DRIFT * calm))
             ratio = self.spec.target * self.slos[rank] / max(served, 1e-6)
+            if not known:
+                ratio = min(ratio, 1.0)
             if worst is None or ratio < worst:
                 worst, loaded = ratio, served > base * LOAD_TOLERANCE
         return worst, loaded
@@ -628,6 +693,7 @@ class PoolGate:
         stalled = saturation is not None and saturation.stalled > 0
         if stalled != bool(self.stall):  # a stall begins (what is held may be on the hung replica) or ends
             self.stall, self.steered = next(_STALLS) if stalled else 0, 0.0
+            self.controller.stalled_since = now if stalled else -math.inf
         if saturation is not None and saturation.down:
             # No replica up (PoolSaturation.down; a hung one that then died is gone too): no word on load, nor on
             # demand. Read as saturation the limit was cut to its floor; read by latency alone it settled towards

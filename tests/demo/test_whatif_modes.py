@@ -121,7 +121,10 @@ def test_mode_a_collapses_and_b_refuses_with_503_in_the_what_if(spike_what_if):
 # The real runs at speed 5 ranked b above c on goodput (c's latencies sit at the 2 s line there and the shared
 # CPU's delays, counted five times, push them over); at speed 2 c came above b, as in the what-if: that pair is
 # not settled, and the what-if agrees with every pair the real runs agree on.
-KNOWN_DISAGREEMENTS = {"goodput": set(), "goodput_total": set(), "p99": set()}
+# d and e serve every interactive request of the what-if's spike within the SLO, one model or the other (34.45
+# req/s each): a tie, where the real runs had e ahead by 0.06-2.6 req/s. It read as e ahead until 2026-12-07 only
+# because d's sum came out 34.449999999999996 (ordering.better now calls float rounding a tie).
+KNOWN_DISAGREEMENTS = {"goodput": set(), "goodput_total": {("e", "d")}, "p99": set()}
 
 
 @pytest.mark.parametrize("metric", ["goodput", "goodput_total", "p99"])

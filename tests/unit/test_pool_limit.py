@@ -6,7 +6,7 @@ import pytest
 from extproc.policy.adaptive import PoolSaturation
 from extproc.policy.admission import ACCEPT, DEGRADE, QUEUE, AdmissionController, RequestFacts
 from extproc.policy.limits import Completion, Outcome
-from extproc.policy.pool import PoolGate, PoolLimit
+from extproc.policy.pool import PoolGate, PoolLimit, kaplan_meier_quantile
 from extproc.policy.schema import PoolLimitSpec
 from tests.conftest import make_policy
 
@@ -615,25 +615,75 @@ def test_after_a_latency_cut_the_quickest_first_completions_do_not_raise_the_lim
             c.observe(0, 1.0, 1.0, 3.0)  # load
         c.update(1.0, 20, True, False)
         assert c.last_action == "cut_latency"
-        for _ in range(40):              # the first interval's admissions after the cut
-            c.admitted(0, 1.1)
-        for _ in range(10):              # the quickest ten of them are back: 0.4 s each
+        for key in range(40):            # the first interval's admissions after the cut
+            c.admitted(0, 1.1, key)
+        for key in range(10):            # the quickest ten of them are back: 0.4 s each
             c.observe(0, 1.1, 1.5, 0.4)
+            c.ended(key)
         return c
 
     c = cut_at_one_second()
     cut = c.limit
     c.update(1.5, cut, True, False)
     assert c.last_action == "hold" and c.limit == cut  # 10 of 40 served: the window cannot speak for them yet
-    for _ in range(28):                  # 38 of 40 served (95%), well in target
+    for key in range(10, 38):            # 38 of 40 served (95%), well in target
         c.observe(0, 1.1, 2.0, 0.9)
+        c.ended(key)
     c.update(2.0, cut, True, False)
     assert c.last_action == "raise" and c.limit > cut
-    # A first interval that never completes (aborts, errors) holds the raise for target x SLO at most.
+    # A first interval that never completes (aborts, errors: they end unserved) holds the raise for target x SLO
+    # at most.
     c = cut_at_one_second()
+    for key in range(10, 40):
+        c.ended(key)
     c.update(2.0, c.limit, True, False)
     assert c.last_action == "hold"
     c.update(2.8, c.limit, True, False)
+    assert c.last_action == "raise"
+
+
+def test_the_quantile_counts_requests_still_running_as_at_least_their_age():
+    # Nothing running: the plain nearest-rank quantile, as RecentLatencies.quantile takes it.
+    assert kaplan_meier_quantile([0.1 * i for i in range(1, 21)], [], 0.95) == (pytest.approx(1.9), True)
+    # Ten quick answers back, ten still running at 2 s: half of them all may end later, the p95 is unknown yet.
+    assert kaplan_meier_quantile([0.4] * 10, [2.0] * 10, 0.95) == (2.0, False)
+    # Those ten end at 3 s: the p95 is theirs, not the 0.4 s the first ten read.
+    assert kaplan_meier_quantile([0.4] * 10 + [3.0] * 10, [], 0.95) == (3.0, True)
+    # A young request still running says little: the answers that ended keep their quantile.
+    assert kaplan_meier_quantile([1.0] * 18 + [5.0] * 2, [0.1], 0.95) == (5.0, True)
+
+
+def test_the_limit_does_not_rise_on_quick_answers_while_the_slow_ones_admitted_with_them_run():
+    # The first class's slowest answers take several times its median (512-token answers, a 5 s SLO): requests
+    # end in order of length, so the window held the quick ones first, read room that was not there, and the limit
+    # rose each time until the long ones ended and cut it (worst 10 s windows 6.2-6.4 s; the policy needed a
+    # hand-set max_raise of 0.01).
+    c = PoolLimit(spec(), {0: 5.0})  # target 0.85 x 5 s = 4.25 s
+    now = 0.0
+    for key in range(20):
+        c.admitted(0, now, key)
+    now = 1.0
+    for key in range(12):  # the quick twelve are back
+        c.observe(0, 0.0, now, 0.8)
+        c.ended(key)
+    c.update(now, 20, True, False)
+    assert c.last_action == "hold" and c.limit == 20.0  # eight may still take any time: no room is known
+    now = 4.0
+    for key in range(12, 20):  # the slow ones take 4 s
+        c.observe(0, 0.0, now, 4.0)
+        c.ended(key)
+    c.update(now, 20, True, False)
+    assert c.limit <= 20 * 1.015  # the p95 is known now, 4 s: in target with little room, so a crumb at most
+    # A request ended unserved (withdrawn, an abort) does not hold the reading either.
+    c = PoolLimit(spec(), {0: 5.0})
+    for key in range(10):
+        c.admitted(0, 0.0, key)
+    for key in range(5):
+        c.observe(0, 0.0, 1.0, 0.8)
+        c.ended(key)
+    for key in range(5, 10):
+        c.ended(key)
+    c.update(1.0, 20, True, False)
     assert c.last_action == "raise"
 
 
@@ -840,6 +890,25 @@ def test_requests_a_stalled_replica_holds_do_not_hold_the_limit_shut():
     gate.update(2.0, PoolSaturation())  # it moves again (or its requests ended): they count again
     assert gate.stuck == 0.0 and gate.full(2.0)
 
+
+
+def test_requests_a_stalled_replica_may_hold_are_no_latency_of_the_pool():
+    # They end only when their clients give up: counted as running, their ages read as the pool's latency and held
+    # the limit's raises (and cut it) while the working replicas answered in time.
+    gate = PoolGate("pool_a", spec(initial=10.0), {0: 5.0}, [0.0, 0.0], ["interactive", "batch"])
+    c = gate.controller
+    for key in range(4):
+        c.admitted(0, 0.0, key)  # on the replica that hangs
+    for i in range(20):
+        c.observe(0, 10.0, 20.0 + i * 0.01, 1.0)  # the working replica's answers, 1 s each
+    # (target x SLO over the p95, loaded): four of 24 still running at 21 s read a p95 of at least 21 s.
+    assert c.latency_ratio(21.0)[0] == pytest.approx(4.25 / 21)
+    hung = PoolSaturation()
+    hung.stalled, hung.stalled_requests = 1, 4.0
+    gate.update(21.0, hung)  # the stall is seen
+    assert c.latency_ratio(22.0) == (pytest.approx(4.25), False)  # the working replica's 1 s p95, and calm
+    gate.update(23.0, PoolSaturation())  # it moves again: what it holds is the pool's again, 23 s and more
+    assert c.last_action == "cut_latency"
 
 
 def hung(requests: float, now: float) -> PoolSaturation:

@@ -1009,17 +1009,21 @@ def test_a_latency_cut_s_log_line_shows_the_in_flight_it_was_sized_on(caplog):
     now = [0.0]
     t = Telemetry(clock=lambda: now[0])
     core = AdmissionController(pool_policy(limit=20), clock=lambda: now[0], events=t)
-    tickets = [core.decide(req("interactive")).ticket for _ in range(10)]
+    # Ten batch requests hold the pool for 3 s (the load); interactive's latency is what the limit reads. (Held
+    # interactive requests would be read as running past the target, and cut for, before they end.)
+    tickets = [core.decide(req("batch")).ticket for _ in range(10)]
     controller = core.gates["pool_a"].controller
     for _ in range(10):                         # calm: 1 s each, under the 1.7 s target
         controller.observe(0, 0.0, 0.0, 1.0)
-    for step in range(6):                       # ten held for 3 s
+    for step in range(6):
         now[0] = step * 0.5
         core.tick()
     now[0] = 3.0
-    for ticket in tickets:                      # they all end at once, 3 s each: over the target, from load
+    for ticket in tickets:                      # the load ends at once
         core.report(ticket.id, Completion(Outcome.OK, 200, 0.1, 3.0))
         core.finish(ticket, Outcome.OK)
+    for _ in range(10):                         # interactive served at 3 s meanwhile: over the target, from load
+        controller.observe(0, 0.0, 3.0, 3.0)
     caplog.set_level("INFO", logger="extproc.pool")
     core.tick()
     assert controller.last_action == "cut_latency" and core.gates["pool_a"].inflight == 0

@@ -94,6 +94,10 @@ def ranking(values: dict[str, dict[str, float]], metric: str) -> list[str]:
 
 
 def better(x: float, y: float, metric: str) -> bool:
+    """Whether x ranks above y; sums that differ only in float rounding are a tie (34.449999999999996 against
+    34.45: the same requests added in another order)."""
+    if math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-12):
+        return False
     return x > y if METRICS[metric] else x < y
 
 
