@@ -294,7 +294,7 @@ class AdmissionController:
         refused = self.charging.refusal(c, lim, cluster, now, charge, field)
         if refused is not None:
             return refused
-        protector = self.state.saturated_protector(c.cls)
+        protector = self.state.saturated_protector(c.cls, cluster)
         if protector is not None:
             return Refusal(SHED, R_HIGHER_SATURATED, c.cls, c.tenant, 503,
                            say(R_HIGHER_SATURATED, cls=c.cls, protector=protector.name),
@@ -581,10 +581,10 @@ class AdmissionController:
                     w = owed
                     if not lim.has_room(w.cost):
                         return
-            protector = self.state.saturated_protector(lim.name)
+            protector = self.state.saturated_protector(lim.name, w.pool)
             if protector is not None:
                 self._shed_queue(lim, protector, now)
-                return
+                continue  # waiters for other pools may still go in
             q.take(w)
             self._dequeue(w)
             waited = now - w.enqueued_at
@@ -628,8 +628,12 @@ class AdmissionController:
         return w
 
     def _shed_queue(self, lim: ClassLimiter, protector: ClassLimiter, now: float) -> None:
-        while lim.queue:
-            w = self._dequeue(lim.queue.popleft())
+        """Shed the class's waiters for the pools the protector's saturation covers (saturated_protector)."""
+        for w in list(lim.queue):
+            if self.state.saturated_protector(lim.name, w.pool) is not protector:
+                continue
+            lim.queue.remove(w)
+            self._dequeue(w)
             self._resolve(w, Refusal(SHED, R_HIGHER_SATURATED, lim.name, w.tenant, 503,
                                      say(R_HIGHER_SATURATED, cls=lim.name, protector=protector.name),
                                      protector.retry_after_s(now, self._retry_ceiling), waited_s=now - w.enqueued_at))

@@ -142,7 +142,9 @@ the workers and instances, well under the breaker's 100,000), or find the client
            """\
 **503.** A class that protects this one (policy `shed`, by default the first class protects all others) had every
 slot taken, so this class's new requests are refused and its queued ones are dropped, to leave the replicas to the
-higher class. Batch seeing this during interactive peaks is the design working. If it lasts:
+higher class: only for a pool the higher class has been sent to and that has no pool-wide limit (on a pool with
+one, the limit's strict priority makes this class wait instead, and this reason never appears). Batch seeing this
+during interactive peaks is the design working. If it lasts:
 - interactive is at its cap most of the time: add capacity, or check that its cap is not set too low;
 - a batch client that cannot tolerate it should retry after `Retry-After` (the protector's drain estimate);
 - to stop shedding for a pair of classes, change `shed` (`{}` disables shedding entirely)."""),

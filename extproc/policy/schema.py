@@ -633,8 +633,9 @@ class Policy:
                               minimum=0, maximum=1)
     shed: dict[str, list[str]] | None = doc(
         "While the class named by a key is saturated (all its slots taken), new and queued requests of the "
-        "listed classes are shed with 503. Default: the first class protects every other class. `{}` disables "
-        "shedding.", None)
+        "listed classes are shed with 503, on the pools that class has been sent to and that have no pool-wide "
+        "limit (`pools.<name>.limit`: there the limit's strict priority makes the lower classes yield instead). "
+        "Default: the first class protects every other class. `{}` disables shedding.", None)
     mode: Literal["enforce", "shadow"] = doc(
         "`shadow` computes and counts every admission decision (caps, queues, shedding, breakers, rate limits and "
         "budgets: extproc_shadow_decisions_total) but rejects, sheds and degrades nothing. Ship in shadow first. "

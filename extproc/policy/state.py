@@ -310,9 +310,16 @@ class PolicyState:
         b.on_change = lambda br, state: self.on_breaker_change(cls, pool, br, state)
         return b
 
-    def saturated_protector(self, cls: str) -> ClassLimiter | None:
-        """A class that sheds `cls` and is saturated now, if any."""
+    def saturated_protector(self, cls: str, pool: str) -> ClassLimiter | None:
+        """A class that sheds `cls` and is saturated now, if any, for a request of `cls` to `pool`. A refusal there
+        must free something the protector uses: not on a pool with a pool-wide limit, whose strict priority already
+        makes `cls` yield to it, where a protector held at its own class cap gains nothing from the refusal (an
+        audit: interactive got 503 on a pool at 80% of its limit while the first class sat at its cap of 18); nor
+        on a pool the protector has never been sent to (an audit: batch on a calm 70B pool got 503 while
+        interactive was saturated on the 8B)."""
+        if pool in self.gates:
+            return None
         for protector in self.shed_by.get(cls, ()):
-            if protector.saturated:
+            if protector.saturated and (pool in protector.pools or not protector.pools):
                 return protector
         return None

@@ -2,7 +2,7 @@
 
 from extproc.policy.admission import ACCEPT, INVALID, QUEUE, REJECT, SHED, AdmissionController, RequestFacts
 from extproc.policy.limits import Completion, Outcome
-from tests.conftest import make_policy
+from tests.conftest import CORE, limits, make_policy
 
 
 def req(cls=None, key=None, model="llama", body_cls=None):
@@ -114,6 +114,37 @@ def test_queued_lower_class_requests_are_shed_the_moment_the_higher_class_satura
     fill(core, "interactive", 2)
     assert qb.waiter.result.kind == SHED
     assert not core.limiters["batch"].queue
+
+
+def test_a_saturated_class_sheds_lower_classes_only_on_the_pools_it_uses():
+    # An audit: batch on a calm 70B pool got 503 while interactive was saturated on the 8B's; refusing it freed
+    # nothing interactive used. The CORE policy: llama on pool_a, small on pool_b.
+    core = AdmissionController(make_policy())
+    for _ in range(2):
+        core.decide(req("interactive", model="small"))  # saturated, on pool_b only
+    assert core.decide(req("batch", model="llama")).kind == ACCEPT
+    assert core.decide(req("batch", model="small")).kind == SHED
+    # Queued for pool_a, it is granted when batch has room, not shed; one queued for pool_b is shed.
+    core = AdmissionController(make_policy(classes={**CORE["classes"], "batch": limits(1, 5, 5000)}))
+    first = core.decide(req("batch", model="llama"))
+    qa, qb = core.decide(req("batch", model="llama")), core.decide(req("batch", model="small"))
+    assert (qa.kind, qb.kind) == (QUEUE, QUEUE)
+    for _ in range(2):
+        core.decide(req("interactive", model="small"))
+    core.finish(first.ticket)
+    assert qb.waiter.result.kind == SHED and qa.waiter.result.kind == ACCEPT
+
+
+def test_a_class_at_its_own_cap_sheds_nothing_on_a_pool_with_a_pool_wide_limit():
+    # An audit: critical at its class cap of 18 held 12% of a 58K-token limit, and the default shed sent
+    # interactive (which has a degrade) and the queued lower classes 503s on a pool at 80% of its limit. The
+    # pool's strict priority makes lower classes yield to a class waiting for room there; one waiting on its own
+    # cap gains nothing from their refusal.
+    core = AdmissionController(make_policy(pools={"pool_a": {"limit": {"enabled": True, "unit": "requests",
+                                                                       "initial": 20, "max": 20}}}))
+    fill(core, "interactive", 2)  # its cap
+    assert core.decide(req("batch")).kind == ACCEPT
+    assert core.decide(req("internal")).kind == ACCEPT
 
 
 def test_shedding_is_configurable_and_can_be_disabled():
