@@ -355,11 +355,11 @@ class AdmissionController:
         return bool(gate.waiting[rank]) and rank < len(ranked) and ranked[rank].has_room()
 
     def _owed(self, gate, lim: ClassLimiter, flow: str, units: float, now: float) -> bool:
-        """A fair class's flow under its share of what the class holds on the pool: it goes in on a full pool
-        (PoolGate.owed), unless a higher class waits for the pool."""
+        """A fair class's flow under its share of what the class holds on the pool (among the flows there): it goes
+        in on a full pool (PoolGate.owed), unless a higher class waits for the pool."""
         q = lim.queue
         return q.mode != "fifo" and not self._higher_waits(gate, lim) and \
-            gate.owed(lim.rank, flow, units, q.share(flow), now)
+            gate.owed(lim.rank, flow, units, q.share(flow, gate.name, gate.flows[lim.rank]), now)
 
     def _limit(self, c: Classification, lim: ClassLimiter, cluster: str, now: float, charge: Charge,
                trickle: bool, deadline_ms: float | None = None) -> Decision:
@@ -602,7 +602,7 @@ class AdmissionController:
         if self._higher_waits(gate, lim):
             return None
         best, least = None, math.inf
-        for key, share, w in q.heads_for(pool):
+        for key, share, w in q.heads_for(pool, gate.flows[lim.rank]):
             if gate.owed(lim.rank, key, w.units, share, now):
                 per_weight = gate.held_by(lim.rank, key) / share
                 if per_weight < least:

@@ -100,7 +100,7 @@ class _Flow:
     """One fairness key's waiters, ordered (deadline, arrival) - or by arrival alone in fifo mode."""
 
     __slots__ = ("key", "entries", "vtime", "inflight", "inflight_cost", "weight", "guaranteed", "group",
-                 "members", "backlogged", "waiting", "floor", "flows", "heap", "longest", "since")
+                 "members", "backlogged", "waiting", "floor", "flows", "heap", "longest", "since", "bound")
 
     def __init__(self, key: str, weight: float, guaranteed: float, group: "_Flow | None" = None):
         self.key = key
@@ -119,6 +119,7 @@ class _Flow:
         # first in turn order): the flow a crowded-out place is taken from.
         self.longest: list[tuple[int, float, int, str]] | None = [] if group is None else None
         self.since = 0        # a waiting flow's place in the turn order (the queue's count when it took it)
+        self.bound: dict[Any, int] = {}  # pool -> its waiters bound for it (a share on one pool counts these)
         self.vtime = 0.0
         self.inflight = 0
         self.inflight_cost = 0.0
@@ -126,6 +127,8 @@ class _Flow:
         self.guaranteed = guaranteed
 
     def first_for(self, pool: str) -> tuple[float, int, Any] | None:
+        if pool not in self.bound:
+            return None  # no pass over its waiters for another pool
         for entry in self.entries:
             if entry[2].pool == pool:
                 return entry
@@ -254,6 +257,8 @@ class FairQueue:
         order = 0.0 if self.mode == "fifo" else waiter.deadline
         entry = (order, next(self._seq), waiter)
         bisect.insort(flow.entries, entry, key=_order)
+        pool = getattr(waiter, "pool", None)
+        flow.bound[pool] = flow.bound.get(pool, 0) + 1
         self._count_length(len(flow.entries) - 1, len(flow.entries))
         self._where[id(waiter)] = (flow, entry, key)
         heapq.heappush(self._deadlines, (waiter.deadline, entry[1], entry))
@@ -453,52 +458,64 @@ class FairQueue:
         flow = self._flows.get("" if self.mode == "fifo" else key)
         return flow is not None and bool(flow.entries)
 
-    def heads_for(self, pool: str) -> Iterator[tuple[str, float, Any]]:
-        """Each waiting flow's next waiter bound for `pool`: (flow key, its share (share()), waiter). O(flows): the
-        active weights the shares divide by are summed once per call (once per flow, a grant on a full pool
-        was quadratic: 50-60 ms of the event loop with 1,000 tenants waiting, bench/scale.py)."""
+    def heads_for(self, pool: str, holders: Collection[str] = ()) -> Iterator[tuple[str, float, Any]]:
+        """Each waiting flow's next waiter bound for `pool`: (flow key, its share of the pool (share(key, pool,
+        holders)), waiter). O(flows): the active weights the shares divide by are summed once per call (once per
+        flow, a grant on a full pool was quadratic: 50-60 ms of the event loop with 1,000 tenants waiting,
+        bench/scale.py)."""
         active = None
         for flow in self._backlogged.values():
             entry = flow.first_for(pool)
             if entry is not None:
                 if active is None:
-                    active = self._active_weights()
+                    active = self._active_weights(pool, holders)
                 yield flow.key, self._share(flow.key, *active), entry[2]
 
-    def share(self, key: str) -> float:
+    def share(self, key: str, pool: str | None = None, holders: Collection[str] = ()) -> float:
         """Flow `key`'s weighted share of the class: its group's share among the groups active in it (waiting or
         in flight) and its own, times the flow's share among its group's active flows and itself. In fair mode a
-        group's share is at least its guaranteed share, the others sharing the rest by weight."""
-        return self._share(key, *self._active_weights())
+        group's share is at least its guaranteed share, the others sharing the rest by weight. With `pool`, its
+        share of what the class holds there: only the flows waiting for that pool or holding some of it (their
+        keys in `holders`) count as active. The owner's return compares a flow with what its class holds on one
+        pool (PoolGate.owed): the class's tenants of other pools counted, a weight-3 tenant beside a weight-1 one
+        was owed 3/5 of the 70B pool, not 3/4, and served 65% of it."""
+        return self._share(key, *self._active_weights(pool, holders))
 
-    def _active_weights(self) -> tuple[float, dict[_Flow, float], list[tuple[str, float, float]]]:
-        """The weights of the groups active in the class (waiting or in flight), summed; of each group's active
-        flows (summed in the order share() always added them: the same floats); and (key, weight, guarantee) of
-        the active groups with a guarantee (fair mode)."""
-        active = [g for g in self._groups.values() if g.waiting or g.inflight > 0]
-        groups = sum(g.weight for g in active)
+    def _active_weights(self, pool: str | None = None, holders: Collection[str] = ()) -> \
+            tuple[float, dict[_Flow, float], list[tuple[str, float, float]], Callable[[_Flow], bool]]:
+        """The weights of the groups active in the class (waiting or in flight; with `pool`, on that pool: see
+        share()), summed; of each group's active flows (summed in the order share() always added them: the same
+        floats); (key, weight, guarantee) of the active groups with a guarantee (fair mode); and the test of a
+        flow's being active."""
+        if pool is None:
+            def is_active(f: _Flow) -> bool:
+                return bool(f.entries) or f.inflight > 0
+        else:
+            def is_active(f: _Flow) -> bool:
+                return pool in f.bound or f.key in holders
         flows: dict[_Flow, float] = {}
         for f in self._flows.values():
-            if f.entries or f.inflight > 0:
+            if is_active(f):
                 flows[f.group] = flows.get(f.group, 0) + f.weight
+        active = [g for g in self._groups.values() if g in flows]
+        groups = sum(g.weight for g in active)
         guaranteed = [(g.key, g.weight, g.guaranteed) for g in active if g.guaranteed > 0.0] \
             if self.mode == "fair" and self.guaranteed else []
-        return groups, flows, guaranteed
+        return groups, flows, guaranteed, is_active
 
     def _share(self, key: str, groups: float, active: dict[_Flow, float],
-               guaranteed: list[tuple[str, float, float]] | None = None) -> float:
+               guaranteed: list[tuple[str, float, float]], is_active: Callable[[_Flow], bool]) -> float:
         gkey = split_key(key)[0]
         group, own = self._groups.get(gkey), self._flows.get(key)
         gweight = group.weight if group is not None else self.weights.get(gkey, 1.0)
         fweight = own.weight if own is not None else self._own(key)[0]
         flows = active.get(group, 0) if group is not None else 0
-        guaranteed = guaranteed or []
-        if group is None or not (group.waiting or group.inflight > 0):
+        if group is None or group not in active:
             groups += gweight
             mine = group.guaranteed if group is not None else self.guaranteed.get(gkey, 0.0)
             if mine > 0.0 and self.mode == "fair":
                 guaranteed = [*guaranteed, (gkey, gweight, mine)]
-        if own is None or not (own.entries or own.inflight > 0):
+        if own is None or not is_active(own):
             flows += fweight
         if not guaranteed:
             return gweight / groups * fweight / flows
@@ -785,6 +802,10 @@ class FairQueue:
         while flow.entries[i] is not entry:
             i += 1
         del flow.entries[i]
+        pool = getattr(waiter, "pool", None)
+        flow.bound[pool] -= 1
+        if not flow.bound[pool]:
+            del flow.bound[pool]
         self._count_length(len(flow.entries) + 1, len(flow.entries))
         flow.group.waiting -= 1
         self._stats(key).waiting -= 1

@@ -889,8 +889,20 @@ def test_heads_for_gives_each_waiting_flow_its_share_as_share_does():
     heads = list(q.heads_for("p1"))
     assert heads and {w.pool for _, _, w in heads} == {"p1"}
     for key, share, w in heads:
-        assert share == q.share(key)  # the same float, not merely close
+        assert share == q.share(key, "p1")  # the same float, not merely close
         assert w is q._flows[key].first_for("p1")[2]
+
+
+def test_a_share_of_one_pool_counts_the_flows_waiting_for_it_or_holding_it_not_those_of_other_pools():
+    q = FairQueue("fair", weights={"a": 3.0})
+    q.append(W("a", pool="p1"))
+    q.append(W("b", pool="p1"))
+    q.admitted("c", 1.0)            # c runs on p2
+    q.append(W("d", pool="p2"))
+    assert q.share("a") == pytest.approx(3 / 6)  # of the class: every tenant active in it
+    assert q.share("a", "p1") == pytest.approx(3 / 4)
+    assert q.share("a", "p1", holders={"c"}) == pytest.approx(3 / 5)  # c holds some of p1 too
+    assert q.share("e", "p1") == pytest.approx(1 / 5)  # a newcomer counts itself
 
 
 def test_heads_for_sums_the_active_weights_once_not_once_per_flow():

@@ -383,9 +383,9 @@ def test_a_reload_to_another_unit_weighs_what_is_held_in_the_new_unit(clock):
 FAIR_TENANTS = [{"name": n, "api_keys": [f"sk-{n}"]} for n in ("a", "b", "c", "d", "e")]
 
 
-def fair_pool_policy(limit: float):
+def fair_pool_policy(limit: float, tenants: list[dict] = FAIR_TENANTS):
     fair = {**BIG, "max_queue": 20, "max_wait_ms": 5000, "fairness": {"mode": "fair"}}
-    return make_policy(classes={"interactive": fair, "batch": fair}, shed={}, tenants=FAIR_TENANTS,
+    return make_policy(classes={"interactive": fair, "batch": fair}, shed={}, tenants=tenants,
                        pools={"pool_a": {"limit": {"enabled": True, "unit": "requests", "initial": limit, "min": 1,
                                                    "max": 10}}})
 
@@ -1182,3 +1182,21 @@ def test_a_hung_replica_that_dies_with_the_pool_leaves_nothing_stuck(clock):
     clock.advance(0.6)
     core.tick()
     assert gate.stuck == 0.0 and not gate.stall and gate.limit == 4
+
+
+
+
+def test_a_flow_is_owed_its_share_among_the_flows_on_the_pool_not_the_tenants_of_other_pools(clock):
+    """The owner's return compares a flow with what its class holds on this pool, so its share is among the flows
+    active there. Counted among every tenant active in the class, a weight-3 tenant beside a weight-1 one on a full
+    70B pool was owed 3/5 of it while a third tenant ran on the 8B pool, not 3/4: it got 65% of the 70B's
+    GPU-seconds (scenarios/audit-three-models-hot.yaml)."""
+    tenants = [{**t, "weight": 3} if t["name"] == "a" else t for t in FAIR_TENANTS]
+    core = AdmissionController(fair_pool_policy(10, tenants), clock=clock)
+    gate = core.gates["pool_a"]
+    asks(core, "interactive", "a", 6)
+    asks(core, "interactive", "b", 4)   # the limit is full: a holds 6 of the class's 10 there, under its 3/4
+    assert core.decide(RequestFacts(api_key="sk-c", header_class="interactive", model="small",
+                                    max_tokens=100)).kind == ACCEPT  # c runs on pool_b
+    assert [d.kind for d in asks(core, "interactive", "a", 2)] == [ACCEPT, QUEUE]  # 7 of 11; 8 of 12 is past 3/4
+    assert gate.inflight == 11
