@@ -5,8 +5,8 @@ import math
 import pytest
 import yaml
 
-from extproc.tools.demo.results import (WindowStats, adaptive_targets, calm_windows, spike_windows, targets,
-                                       window_stats)
+from extproc.tools.demo.results import (ClassOrder, WindowStats, adaptive_targets, calm_windows, spike_windows,
+                                       targets, window_stats)
 from extproc.tools.demo.scenario import Scenario
 from extproc.tools.loadgen import RequestRecord
 
@@ -95,6 +95,7 @@ def test_first_degrade_and_first_batch_held_back_come_from_the_records():
     w = stats([rec(1), rec(2, model=SMALL), rec(3, kind="batch", queued=True), rec(4, kind="batch", status=503),
                rec(5, model=SMALL)])
     assert w.first_degraded_at == 2 and w.first_other_held_at == 3
+    assert w.first_degraded_by_kind == {"interactive": 2} and w.first_held_by_kind == {"batch": 3}
 
 
 def test_a_degrade_after_a_wait_is_timed_when_it_was_decided_not_when_the_request_arrived():
@@ -124,7 +125,7 @@ def test_targets_are_on_the_full_model_against_a_and_b():
     tokens = found["d vs a: full-model useful output tokens/s (>= 0.96 x a's)"]
     assert tokens.reached and tokens.bound == pytest.approx(960)
     assert found["d: requests refused, degraded or failed (== 0)"].reached
-    assert found["d: first batch refused/queued before the first interactive degrade, s"].reached  # no degrade
+    assert found["d: first batch refused/queued before the first interactive degrade, s"].reached is None
 
     # Degraded answers do not make up for the full model: b's 7.5 req/s is not reached with 7 + 20 degraded.
     d = ws(p99_worst_window=2.5, goodput=7.0, goodput_degraded=20.0, useful_tokens_per_s=900)
@@ -169,13 +170,63 @@ def test_mode_e_is_held_to_the_calm_phase_target_too():
 
 
 @pytest.mark.parametrize("held, degraded, reached", [(60.2, 60.5, True), (61.0, 60.5, False),
-                                                     (None, 60.5, False), (None, None, True)])
+                                                     (None, 60.5, False), (None, None, None)])
 def test_batch_is_held_back_before_the_first_interactive_degrade(held, degraded, reached):
     d = ws(first_other_held_at=held, first_degraded_at=degraded)
     found = by_name(targets(spike_and_calm(d), ["spike"], [], 2.0))
     t = found["d: first batch refused/queued before the first interactive degrade, s"]
     assert t.reached is reached
     assert (math.isnan(t.value) if held is None else t.value == held)
+
+
+def test_an_slo_class_never_degraded_is_not_applicable_rather_than_reached():
+    # A four-class run whose SLO class (critical) was never degraded printed "reached ... 10.06 (target nan)":
+    # a verdict on an order nothing had to keep.
+    found = by_name(targets(spike_and_calm(ws(first_other_held_at=10.06)), ["spike"], [], 1.5, slo_class="critical"))
+    t = found["d: first batch refused/queued before the first critical degrade, s"]
+    assert t.reached is None
+    assert t.line() == ("n/a      d: spike: first batch refused/queued before the first critical degrade, s: "
+                        "not applicable: critical was never degraded")
+
+
+def test_targets_name_the_class_the_scenario_judges():
+    stats = {**spike_and_calm(ws()), "e": {"spike": ws(), "phase normal": ws()}}
+    found = targets(stats, ["spike"], [], 1.5, slo_class="critical")
+    found += adaptive_targets(stats, ["spike"], 1.5, slo_class="critical")
+    assert not [t.name for t in found if "interactive" in t.name]
+    assert "d: spike: critical p99, worst 10 s window and first 5 s (<= SLO)" in {t.name for t in found}
+    assert "e vs b: full-model critical goodput (spike), req/s" in {t.name for t in found}
+
+
+FOUR = ClassOrder({"critical": 0, "interactive": 1, "standard": 2, "batch": 3}, ("critical",))
+
+
+@pytest.mark.parametrize("held, reached", [({"standard": 10.1}, True), ({"batch": 10.6}, False),
+                                           ({"critical": 9.0}, False), ({}, False)])
+def test_every_degraded_class_is_held_to_the_classes_below_it(held, reached):
+    # interactive degraded at 10.5 while the SLO class (critical) never was: a lower class (standard, batch) must
+    # have been refused or queued first; a higher class (critical) queued holds nothing back for it.
+    d = ws(first_degraded_by_kind={"interactive": 10.5}, first_held_by_kind=held)
+    found = by_name(targets(spike_and_calm(d), ["spike"], [], 1.5, slo_class="critical", order=FOUR))
+    assert found["d: first interactive/standard/batch refused/queued before the first critical degrade, s"] \
+        .reached is None
+    t = found["d: first standard/batch refused/queued before the first interactive degrade, s"]
+    assert t.reached is reached and t.bound == 10.5
+
+
+def test_with_the_class_order_the_slo_class_is_held_to_the_lower_classes_only():
+    # kv-agents: interactive over agent over batch; an agent request queued first counts, as before.
+    order = ClassOrder({"interactive": 0, "agent": 1, "batch": 2}, ("interactive",))
+    d = ws(first_degraded_at=60.5, first_degraded_by_kind={"interactive": 60.5}, first_held_by_kind={"agent": 60.2})
+    (t,) = [t for t in targets(spike_and_calm(d), ["spike"], [], 2.0, order=order) if "refused/queued" in t.name]
+    assert t.name == "d: spike: first agent/batch refused/queued before the first interactive degrade, s"
+    assert t.reached and t.value == 60.2
+
+
+def test_the_lowest_class_degraded_has_no_class_below_to_hold_back():
+    d = ws(first_degraded_by_kind={"batch": 10.0})
+    found = targets(spike_and_calm(d), ["spike"], [], 1.5, slo_class="critical", order=FOUR)
+    assert not [t for t in found if t.name.endswith("before the first batch degrade, s")]
 
 
 def test_a_scenario_of_one_class_has_no_lower_class_to_hold_back():
@@ -285,3 +336,61 @@ def test_a_calm_phase_miss_says_what_the_phase_really_started_against_capacity()
 def test_the_window_counts_what_it_started_per_second():
     s = stats([rec(t) for t in (1.0, 2.0, 3.5, 12.0)] + [rec(4.0, kind="batch", status=429)])
     assert s.started_per_s == pytest.approx(0.4)  # every kind, refused ones too; 12 s is outside the window
+
+
+FOUR_CLASSES = """
+classes:
+  critical:    {max_concurrency: 18, slo_p95_ms: 1500}
+  interactive: {max_concurrency: 39, on_overflow: fallback, fallback: {action: degrade, model: llama-8b}}
+  batch:       {max_concurrency: 48}
+default_class: batch
+classify: {header: x-priority}
+tenants:
+  - {name: crit-app, api_keys: ["sk-crit-1"], max_class: critical, default_class: critical}
+  - {name: chat-app, api_keys: ["sk-chat-1"], max_class: interactive}
+models:
+  llama-70b: {cluster: vllm_llama70b}
+  llama-8b:  {cluster: vllm_llama8b}
+"""
+
+
+def four_class_scenario(tmp_path) -> Scenario:
+    doc = yaml.safe_load(open("scenarios/spike.yaml"))
+    kind = doc["workload"]["kinds"][0]
+    doc["workload"]["kinds"] = [
+        {**kind, "name": "crit", "headers": {"Authorization": "Bearer sk-crit-1"}},
+        {**kind, "name": "chat", "headers": {"Authorization": "Bearer sk-chat-1", "x-priority": "interactive"}},
+        {**kind, "name": "offline", "headers": {}}]
+    doc["slo"], doc["capacity"] = {"class": "crit", "p95_s": 1.5}, 10.0
+    (tmp_path / "four.yaml").write_text(FOUR_CLASSES)
+    doc["policies"] = {"d": str(tmp_path / "four.yaml")}
+    return Scenario.from_dict(doc)
+
+
+def test_the_class_order_is_the_policys_classes_of_the_workloads_kinds(tmp_path):
+    from extproc.tools.demo import class_order, scenario_modes
+
+    scenario = four_class_scenario(tmp_path)
+    order = class_order(scenario, scenario_modes(scenario, "a,d"))
+    assert order == ClassOrder({"crit": 0, "chat": 1, "offline": 2}, ("crit",))
+    assert class_order(scenario, scenario_modes(scenario, "a,b")) is None  # no policy of ours to read
+
+
+def test_the_report_names_the_class_the_scenario_judges(tmp_path):
+    # A scenario judging `critical` printed "Interactive SLO: p95 <= 1.5 s" and "interactive p99 over time".
+    import contextlib
+    import io
+
+    from extproc.tools.demo import print_tables, scenario_modes
+    from extproc.tools.demo.report import write_report
+    from extproc.tools.demo.runner import ModeResult
+
+    scenario = four_class_scenario(tmp_path)
+    (mode,) = scenario_modes(scenario, "d")
+    records = [rec(t, kind=k) for t in range(0, 180, 3) for k in ("crit", "chat", "offline")]
+    results = [ModeResult(mode, records, 0.0)]
+    with contextlib.redirect_stdout(io.StringIO()):
+        stats, degraded, found = print_tables(results, scenario)
+    text = write_report(tmp_path, results, stats, scenario, 10.0, 1.0, found, degraded, "t", what_if=True).read_text()
+    assert "SLO of the crit\nclass: p95 ≤ 1.5 s" in text and "Interactive" not in text
+    assert "![crit p99 over time]" in text or "plot skipped" in text

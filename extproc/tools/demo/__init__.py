@@ -16,10 +16,11 @@ from extproc.policy.schema import PolicyError, load_policy_file
 
 from .modes import DEFAULT_MODES, DEFAULT_SPEED, MODES, Mode, parse_modes, repo_path, with_policies
 from .report import tables, write_report
-from .results import WindowStats, adaptive_targets, calm_windows, scenario_stats, spike_windows, targets
+from .results import (ClassOrder, WindowStats, adaptive_targets, calm_windows, scenario_stats, spike_windows,
+                      targets)
 from .runner import Interrupt, ModeResult, RunSettings, run_mode
 from .scenario import Scenario
-from .whatif import check_routes, unserved_kinds, what_if
+from .whatif import check_routes, kind_classes, unserved_kinds, what_if
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -106,17 +107,29 @@ def policy_lines(modes: list[Mode]) -> str:
     return "\n".join(f"   mode {m.key}: policy {m.policy}" for m in modes if m.policy)
 
 
-def print_tables(results: list[ModeResult], scenario: Scenario) -> tuple[dict, dict, list]:
+def class_order(scenario: Scenario, modes: list[Mode], ours: str = "d") -> ClassOrder | None:
+    """Which workload kinds rank below which under our mode's policy (None without that mode): the order targets
+    hold each degraded class to the classes below it, not to every other kind."""
+    mode = next((m for m in modes if m.key == ours and m.policy), None)
+    if mode is None:
+        return None
+    policy = load_policy_file(mode.policy)
+    rank = {name: i for i, name in enumerate(policy.class_names())}
+    classes = kind_classes(scenario, policy)
+    return ClassOrder({kind: rank[cls] for kind, cls in classes.items()}, tuple(scenario.slo_kinds))
+
+
+def print_tables(results: list[ModeResult], scenario: Scenario,
+                 order: ClassOrder | None = None) -> tuple[dict, dict, list]:
+    """`order`: class_order's, for the order targets (None: every kind outside the SLO's counts as lower)."""
     stats = {r.mode.key: mode_stats(r, scenario) for r in results}
     degraded = {r.mode.key: 100.0 * sum(1 for x in r.records if x.ok and x.degraded) / max(1, len(r.records))
                 for r in results}
     capacity = scenario.fleet_capacity()
     found = targets(stats, list(spike_windows(scenario)), list(calm_windows(scenario)), scenario.slo_p95_s,
-                    capacity=capacity)
+                    capacity=capacity, slo_class=scenario.slo_class, order=order)
     found += adaptive_targets(stats, list(scenario.report_windows()), scenario.slo_p95_s,
-                              calm=tuple(calm_windows(scenario)), capacity=capacity)
-    for t in found:  # the targets are the SLO class's: say which, where a scenario names another
-        t.name = t.name.replace("interactive", scenario.slo_class)
+                              calm=tuple(calm_windows(scenario)), capacity=capacity, slo_class=scenario.slo_class)
     print()
     print(tables(stats, {r.mode.key: r.mode.label for r in results}, scenario, degraded))
     if found:
@@ -142,7 +155,7 @@ def what_if_tables(args: argparse.Namespace, command: str = "extproc demo --what
         if args.show_limits:
             moves = " ".join(f"{t:.0f}s:" + ",".join(f"{c}={v}" for c, v in lim.items()) for t, lim in res.limits)
             print(f"{m.key} limits: {moves or '(static)'}")
-    stats, degraded, found = print_tables(results, scenario)
+    stats, degraded, found = print_tables(results, scenario, class_order(scenario, modes))
     if getattr(args, "out", None):  # the records (simulated seconds) and report of a real run's shape, for a look per request
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -179,7 +192,7 @@ async def demo(args: argparse.Namespace, command: str, interrupt: Interrupt | No
                  for w, s in mode_stats(res, scenario).items() if w in windows]
         print(f"== mode {mode.key} done in {res.wall_s:.0f}s: {len(res.records)} requests; " + "; ".join(parts),
               flush=True)
-    stats, degraded, found = print_tables(results, scenario)
+    stats, degraded, found = print_tables(results, scenario, class_order(scenario, modes))
     report = write_report(out, results, stats, scenario, capacity, args.speed, found, degraded, command)
     print(f"\nreport: {report}" + (f"\nplot:   {out / 'spike.png'}" if (out / "spike.png").exists() else ""),
           flush=True)

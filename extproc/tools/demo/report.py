@@ -107,7 +107,7 @@ def offered_load(scenario: Scenario, capacity: float) -> tuple[list[float], list
 
 
 def plot(results: list[ModeResult], scenario: Scenario, capacity: float, path: Path) -> Path | None:
-    """Rolling interactive p99 per mode with the SLO line and the offered load; output tokens/s below.
+    """Rolling p99 of the SLO class per mode with the SLO line and the offered load; output tokens/s below.
     None when matplotlib is missing."""
     plt = pyplot()
     if plt is None:
@@ -210,7 +210,7 @@ def write_report(out: Path, results: list[ModeResult], stats, scenario: Scenario
         "cpu_s": {r.mode.key: r.cpu_s for r in results}, "wall_s": {r.mode.key: r.wall_s for r in results},
     }), indent=2, default=str, allow_nan=False), encoding="utf-8")
     png = plot(results, scenario, capacity, out / "spike.png")
-    picture = f"![interactive p99 over time]({png.name})" if png is not None else f"({SKIPPED})"
+    picture = f"![{scenario.slo_class} p99 over time]({png.name})" if png is not None else f"({SKIPPED})"
     phases = ", ".join(f"{p.name} {p.duration_s:g} s at {scenario.phase_load(p):.3g}× "
                        f"({scenario.phase_load(p) * capacity:.1f} req/s"
                        f"{f'; rate {p.rate:g}× with its weights' if p.weights else ''})" for p in scenario.phases)
@@ -222,8 +222,8 @@ def write_report(out: Path, results: list[ModeResult], stats, scenario: Scenario
 
 `{command}`
 
-Scenario `{scenario.name}`: {phases}. Fleet capacity {capacity:.1f} requests/s. Interactive SLO: p95 ≤
-{scenario.slo_p95_s:g} s end to end. {_measured_by(what_if, speed)} Latency percentiles cover requests the fleet took on (completed, or
+Scenario `{scenario.name}`: {phases}. Fleet capacity {capacity:.1f} requests/s. SLO of the {scenario.slo_class}
+class: p95 ≤ {scenario.slo_p95_s:g} s end to end. {_measured_by(what_if, speed)} Latency percentiles cover requests the fleet took on (completed, or
 timed out after {scenario.client_timeout_s:g} s, counted at the timeout); refused requests are counted separately.
 Each window counts the requests started in it. "Full model": answered by the model the client asked for (the
 response's `model`); "degraded": by another (the small model's pool). Goodput and the targets count the full

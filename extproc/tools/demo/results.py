@@ -60,6 +60,9 @@ class WindowStats:
     # did): lower classes must be held back before the SLO class is degraded
     first_degraded_at: float | None = None
     first_other_held_at: float | None = None
+    # The same per kind, for every kind: the order targets of a degraded class other than the SLO's
+    first_degraded_by_kind: dict[str, float] = field(default_factory=dict)
+    first_held_by_kind: dict[str, float] = field(default_factory=dict)
     # Jain's index over the SLO kinds (several: one per tenant, equal weights) of the tokens (prompt + output) each
     # was served by the full model within the SLO, against its max-min fair share of their total given the tokens
     # it asked for (1: each got its share); NaN with one SLO kind.
@@ -179,7 +182,7 @@ def window_stats(records: list[RequestRecord], window: tuple[float, float], slo_
     # A degrade is timed when it was decided: after the wait, for one that waited for room first (at its arrival it
     # was queued, and a lower class held back while it waited was held before it was degraded).
     degraded_slo = sorted(r.start + r.queue_wait for r in slo if r.ok and r.degraded)
-    held = sorted(r.start for r in started if r.kind not in group and (r.status in REFUSED or r.queued))
+    held = sorted(r.start for r in started if r.kind not in group and held_back(r))
     return WindowStats(
         percentile(latencies, 50), percentile(latencies, 95), percentile(latencies, 99), percentile(ttfts, 99),
         sum(1 for r in good if not r.degraded) / span, sum(1 for r in good if r.degraded) / span,
@@ -191,7 +194,21 @@ def window_stats(records: list[RequestRecord], window: tuple[float, float], slo_
         failed=sum(1 for r in started if failed(r)),
         first_degraded_at=degraded_slo[0] if degraded_slo else None, first_other_held_at=held[0] if held else None,
         fairness_index=fairness_index(started, group, slo_s), others=len(started) - len(slo),
-        started_per_s=len(started) / span)
+        started_per_s=len(started) / span,
+        first_degraded_by_kind=_first_by_kind((r.kind, r.start + r.queue_wait) for r in started if r.ok and r.degraded),
+        first_held_by_kind=_first_by_kind((r.kind, r.start) for r in started if held_back(r)))
+
+
+def held_back(r: RequestRecord) -> bool:
+    """Refused, or held in a queue first: what a lower class must get before a higher one is degraded."""
+    return r.status in REFUSED or r.queued
+
+
+def _first_by_kind(events) -> dict[str, float]:
+    first: dict[str, float] = {}
+    for kind, at in events:
+        first[kind] = min(at, first.get(kind, at))
+    return first
 
 
 def served_work(records: list[RequestRecord], window: tuple[float, float], kinds: list[str],
@@ -275,10 +292,12 @@ class Target:
     name: str
     value: float
     bound: float
-    reached: bool
+    reached: bool | None  # None: not applicable (nothing to check in this run), `note` says why
     note: str = ""  # what the reader needs to judge the verdict (e.g. what no control gave there)
 
     def line(self) -> str:
+        if self.reached is None:
+            return f"n/a      {self.name}: not applicable: {self.note}"
         value, bound = _distinct(self.value, self.bound)
         note = f"; {self.note}" if self.note else ""
         return f"{'reached' if self.reached else 'MISSED '}  {self.name}: {value} (target {bound}){note}"
@@ -330,39 +349,86 @@ def scenario_stats(records: list[RequestRecord], scenario: Scenario, has_extproc
             for name, w in windows.items()}
 
 
+@dataclass(frozen=True)
+class ClassOrder:
+    """Which kinds rank below which, as the mode's policy classifies their requests: `ranks` kind -> its class's
+    rank (0: the highest), `slo_kinds` the kinds the SLO is judged on."""
+
+    ranks: dict[str, int]
+    slo_kinds: tuple[str, ...]
+
+    def below(self, rank: int) -> list[str]:
+        return [k for k, r in self.ranks.items() if r > rank]
+
+    def slo_rank(self) -> int:
+        """The SLO kinds' lowest class: a kind in the same class or above is none the SLO must be held over."""
+        return max((self.ranks[k] for k in self.slo_kinds if k in self.ranks), default=len(self.ranks))
+
+
 def targets(stats: dict[str, dict[str, WindowStats]], spikes: list[str], calm: list[str], slo_s: float,
-            ours: str = "d", capacity: float | None = None) -> list[Target]:
+            ours: str = "d", capacity: float | None = None, slo_class: str = "interactive",
+            order: ClassOrder | None = None) -> list[Target]:
     """Issue 19's targets for our policy (mode d) against no control (a) and Envoy's adaptive_concurrency (b),
     on the full model (those missing from the run are skipped):
-    in each spike window (a) the interactive p99 within the SLO in every 10 s window and in the first 5 s of each
-    overload, (b) full-model interactive goodput >= b's and a's, full-model useful output tokens/s >= 0.96 x a's,
-    (d) lower classes held back (refused or queued) before the first interactive degrade; in every phase at
-    <= 60% load (c) nothing refused and nothing degraded."""
+    in each spike window (a) the SLO class's p99 within the SLO in every 10 s window and in the first 5 s of each
+    overload, (b) its full-model goodput >= b's and a's, full-model useful output tokens/s >= 0.96 x a's,
+    (d) lower classes held back (refused or queued) before the SLO class's first degrade, and with `order` before
+    any other class's too (order_targets); in every phase at <= 60% load (c) nothing refused and nothing
+    degraded."""
     o = stats.get(ours)
     if o is None:
         return []
     out = []
     for w in spikes:
         s = o[w]
-        out.append(Target(f"{ours}: {w}: interactive p99, worst {ROLLING_S:g} s window and first {ONSET_S:g} s "
+        out.append(Target(f"{ours}: {w}: {slo_class} p99, worst {ROLLING_S:g} s window and first {ONSET_S:g} s "
                           "(<= SLO)", s.p99_worst_window, slo_s, s.p99_worst_window <= slo_s))
         for base in ("b", "a"):
             if base in stats:
                 g = stats[base][w].goodput
-                out.append(Target(f"{ours} vs {base}: {w}: full-model interactive goodput, req/s (>= {base}'s)",
+                out.append(Target(f"{ours} vs {base}: {w}: full-model {slo_class} goodput, req/s (>= {base}'s)",
                                   s.goodput, g, s.goodput >= g))
         if "a" in stats:
             bound = TOKENS_VS_A * stats["a"][w].useful_tokens_per_s
             out.append(Target(f"{ours} vs a: {w}: full-model useful output tokens/s (>= {TOKENS_VS_A:g} x a's)",
                               s.useful_tokens_per_s, bound, s.useful_tokens_per_s >= bound))
-        held, degraded = s.first_other_held_at, s.first_degraded_at
-        nan = float("nan")
-        if s.others:  # none with only the SLO's kinds: no other class to hold back
-            out.append(Target(f"{ours}: {w}: first batch refused/queued before the first interactive degrade, s",
-                              nan if held is None else held, nan if degraded is None else degraded,
-                              degraded is None or (held is not None and held <= degraded)))
+        out += order_targets(s, f"{ours}: {w}", slo_class, order)
     out += calm_targets(o, ours, calm, stats.get("a"), slo_s, capacity)
     return out
+
+
+def order_targets(s: WindowStats, prefix: str, slo_class: str, order: ClassOrder | None) -> list[Target]:
+    """Target (d): a class is degraded only once a lower class has been held back (refused or queued). Without
+    `order` every kind outside the SLO's counts as lower ("batch"). With it, the kinds of lower classes only, and
+    the same target for every other class that was degraded and has a class below it (a four-class run degraded
+    its second class, never its first, the SLO's: the one target printed "reached" on nothing)."""
+    if order is None:
+        if not s.others:  # only the SLO's kinds: no other class to hold back
+            return []
+        return [_order_target(prefix, "batch", slo_class, s.first_other_held_at, s.first_degraded_at)]
+    out = []
+    lower = order.below(order.slo_rank())
+    if lower:
+        out.append(_order_target(prefix, "/".join(lower), slo_class, _first(s.first_held_by_kind, lower),
+                                 s.first_degraded_at))
+    for kind, at in s.first_degraded_by_kind.items():
+        lower = order.below(order.ranks.get(kind, len(order.ranks)))
+        if kind not in order.slo_kinds and lower:
+            out.append(_order_target(prefix, "/".join(lower), kind, _first(s.first_held_by_kind, lower), at))
+    return out
+
+
+def _first(at: dict[str, float], kinds: list[str]) -> float | None:
+    return min((at[k] for k in kinds if k in at), default=None)
+
+
+def _order_target(prefix: str, lower: str, degraded_class: str, held: float | None,
+                  degraded: float | None) -> Target:
+    name = f"{prefix}: first {lower} refused/queued before the first {degraded_class} degrade, s"
+    nan = float("nan")
+    if degraded is None:  # nothing to check: "reached" here read as an order seen
+        return Target(name, nan if held is None else held, nan, None, f"{degraded_class} was never degraded")
+    return Target(name, nan if held is None else held, degraded, held is not None and held <= degraded)
 
 
 def calm_targets(mode: dict[str, WindowStats], key: str, calm, a: dict[str, WindowStats] | None = None,
@@ -389,7 +455,7 @@ def calm_targets(mode: dict[str, WindowStats], key: str, calm, a: dict[str, Wind
 
 def adaptive_targets(stats: dict[str, dict[str, WindowStats]], windows: list[str], slo_s: float,
                      static: tuple[str, ...] = ("c", "d"), calm: tuple[str, ...] = (),
-                     capacity: float | None = None) -> list[Target]:
+                     capacity: float | None = None, slo_class: str = "interactive") -> list[Target]:
     """Issue 12's targets for mode e in every report window: p99 within the SLO, goodput >= the best static
     setting run (c, d) and >= Envoy's adaptive_concurrency (b); and issue 20's: nothing refused or degraded in a
     phase at <= 60% load (`calm`), the phases after a spike included."""
@@ -398,14 +464,14 @@ def adaptive_targets(stats: dict[str, dict[str, WindowStats]], windows: list[str
         return []
     out = []
     for w in windows:
-        out.append(Target(f"e: interactive p99 ({w}), s (<= SLO)", e[w].p99, slo_s, e[w].p99 <= slo_s))
+        out.append(Target(f"e: {slo_class} p99 ({w}), s (<= SLO)", e[w].p99, slo_s, e[w].p99 <= slo_s))
         best = max((stats[k][w].goodput for k in static if k in stats), default=None)
         if best is not None:
-            out.append(Target(f"e vs best static ({'/'.join(k for k in static if k in stats)}): full-model interactive "
+            out.append(Target(f"e vs best static ({'/'.join(k for k in static if k in stats)}): full-model {slo_class} "
                               f"goodput ({w}), req/s", e[w].goodput, best, e[w].goodput >= best))
         if "b" in stats:
             b = stats["b"][w].goodput
-            out.append(Target(f"e vs b: full-model interactive goodput ({w}), req/s", e[w].goodput, b,
+            out.append(Target(f"e vs b: full-model {slo_class} goodput ({w}), req/s", e[w].goodput, b,
                               e[w].goodput >= b))
     out += calm_targets(e, "e", calm, stats.get("a"), slo_s, capacity)
     return out

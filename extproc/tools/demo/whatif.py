@@ -78,14 +78,12 @@ def check_routes(scenario: Scenario, policy: Policy, source: str) -> None:
     policies name models many scenarios never request."""
     fleet = [p.name for p in scenario.pools]
     names = {alias: name for name, m in policy.models.items() for alias in (name, *m.aliases)}
-    classifier = Classifier(policy)
+    classes = kind_classes(scenario, policy)
     for kind in scenario.workload.kinds:
         model = names.get(kind.model) if kind.model is not None else None
         if model is None:  # the policy answers 404 (or learns it from the replicas): no route
             continue
-        facts = _facts(kind, 0, names=HeaderNames.of(policy), body_field=policy.classify.body_field)
-        cls = classifier.classify(facts.api_key, facts.header_class, facts.body_class, facts.objective,
-                                  facts.fairness_id).cls
+        cls = classes[kind.name]
         fb = policy.classes[cls].fallback
         routes = [(f"model {kind.model!r}", policy.models[model].cluster)]
         if fb.action == "degrade" and fb.model:
@@ -95,6 +93,17 @@ def check_routes(scenario: Scenario, policy: Policy, source: str) -> None:
                 raise ValueError(f"scenario {scenario.name}: policy {source} sends workload kind {kind.name!r} "
                                  f"({what}) to cluster {cluster!r}, which is no pool of the scenario (pools: "
                                  f"{', '.join(fleet)}); Envoy would refuse a route to a cluster it lacks")
+
+
+def kind_classes(scenario: Scenario, policy: Policy) -> dict[str, str]:
+    """Each workload kind's class, as the policy's classifier reads the kind's headers and body."""
+    classifier = Classifier(policy)
+    out = {}
+    for kind in scenario.workload.kinds:
+        facts = _facts(kind, 0, names=HeaderNames.of(policy), body_field=policy.classify.body_field)
+        out[kind.name] = classifier.classify(facts.api_key, facts.header_class, facts.body_class, facts.objective,
+                                             facts.fairness_id).cls
+    return out
 
 
 def unserved_kinds(scenario: Scenario, policy: Policy) -> list[str]:
