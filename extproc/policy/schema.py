@@ -308,7 +308,8 @@ class ClassSpec:
     latency_breaker: LatencyBreakerSpec = doc("Latency breaker knobs (active when `slo_p95_ms` is set).",
                                               factory=LatencyBreakerSpec)
     error_breaker: ErrorBreakerSpec = doc("Error breaker knobs.", factory=ErrorBreakerSpec)
-    fallback: FallbackSpec = doc("What requests get while a breaker of this class is open.",
+    fallback: FallbackSpec = doc("What requests get while a breaker of this class is open, and on overflow with "
+                                 "`on_overflow: fallback` (only then: `extproc check` warns).",
                                  factory=FallbackSpec)
     on_overflow: Literal["reject", "fallback"] = doc(
         "When the queue is full, the wait expires or early rejection finds the deadline out of reach: `reject` "
@@ -322,7 +323,8 @@ class ClassSpec:
                            "may always use, even while higher classes wait. A class holding nothing on the pool may "
                            "also run one request larger than its share, then rests in proportion, so that it holds "
                            "its share on average (1% of the limit when its share is less; a minute's rest at "
-                           "most): nothing starves.", 0.0,
+                           "most): nothing starves. Not for the first class, which waits behind none (`extproc "
+                           "check` warns).", 0.0,
                            minimum=0,
                            maximum=1)
     early_reject: bool = doc("Refuse (or fall back) at arrival when the queue ahead, at the class's observed "
@@ -695,7 +697,74 @@ def load_policy(data: Any) -> Policy:
 
 def policy_warnings(p: Policy) -> list[str]:
     """Things that validate but are probably wrong: e.g. tenant rate limits that sum past the fleet."""
-    return _rate_limit_warnings(p) + _pool_warnings(p) + _slip_warnings(p) + _reach_warnings(p)
+    return (_rate_limit_warnings(p) + _pool_warnings(p) + _slip_warnings(p) + _fallback_warnings(p)
+            + _first_class_warnings(p) + _reach_warnings(p))
+
+
+def _fallback_warnings(p: Policy) -> list[str]:
+    """Fallbacks that are never taken, or taken to no effect (found by writing policies from the docs)."""
+    out = []
+    for name, c in p.classes.items():
+        fb, where = c.fallback, f"classes.{name}"
+        breakable = c.error_breaker.enabled or (c.slo_p95_ms is not None and c.latency_breaker.enabled)
+        if c.on_overflow == "fallback" and fb.action == "reject":
+            out.append(f"{where}.on_overflow: `fallback`, and the fallback's action is `reject` (the default), "
+                       "so overflow is refused with 429 as with `on_overflow: reject`: set `fallback.action` to "
+                       "`degrade` or `canned`")
+        elif fb.action != "reject" and c.on_overflow == "reject" and not breakable:
+            out.append(f"{where}.fallback: its `{fb.action}` is never used: both breakers are off "
+                       "(error_breaker.enabled false; no slo_p95_ms or latency_breaker.enabled false) and "
+                       "on_overflow is `reject`: set `on_overflow: fallback`, or remove the fallback")
+        elif fb.action != "reject" and c.on_overflow == "reject":
+            # AdmissionController takes the fallback on overflow only with `on_overflow: fallback`; a breaker
+            # that opens takes it whatever on_overflow says.
+            out.append(f"{where}.fallback: its `{fb.action}` serves only while one of the class's breakers is open; "
+                       "overflow (queue full, wait expired, early reject) is refused with 429, since on_overflow is "
+                       "`reject`: set `on_overflow: fallback` to send overflow to it too")
+        if fb.action == "degrade" and _degrade_changes_nothing(p, fb):
+            out.append(f"{where}.fallback: a degrade to {fb.model!r} stays on {p.models[fb.model].cluster!r}, the "
+                       "pool of every model, and changes nothing else (no `max_tokens`, no `stream: false`): the "
+                       "request would go back unchanged to the pool that had no room, so each one the fallback "
+                       "takes is refused instead (429 on overflow, 503 while a breaker is open): name a smaller "
+                       "model on another pool, or clamp `max_tokens`")
+    return out
+
+
+def _degrade_changes_nothing(p: Policy, fb: FallbackSpec) -> bool:
+    """A degrade that only names a model on the pool of every model the policy routes (one with nothing at all is
+    an error): it leaves every request on its own pool unchanged, and Fallbacks.answer refuses those."""
+    if fb.max_tokens is not None or fb.stream is False or fb.model not in p.models:
+        return False
+    return all(m.cluster == p.models[fb.model].cluster for m in p.models.values())
+
+
+def _first_class_warnings(p: Policy) -> list[str]:
+    """The first class's settings that docs/overload.md ("Writing the policy") rules out."""
+    names = p.class_names()
+    out = []
+    limited = any(pool.limit.enabled for pool in p.pools.values())  # without: _slip_warnings says so
+    if p.classes[names[0]].min_share and limited:
+        # PoolGate: a class within its share is admitted whatever waits above it, and nothing is above the first.
+        out.append(f"classes.{names[0]}.min_share: the first class waits behind no class, so its share guarantees "
+                   "nothing; its one effect is to admit it past a pool's limit while it holds under that share: "
+                   "remove it (shares are for the classes below)")
+    first = next((n for n in names if p.classes[n].slo_p95_ms is not None), None)
+    if first is None:
+        return out
+    c = p.classes[first]
+    # Rounded: (1 - 0.8) x 1500 is 299.99999999999994 in floats, and a wait of 300 ms is within it.
+    bounds = {pname: round((1 - pool.limit.target) * c.slo_p95_ms, 6) for pname, pool in p.pools.items()
+              if pool.limit.enabled}
+    over = {pname: bound for pname, bound in bounds.items() if c.max_wait_ms > bound}
+    if over:
+        pname, bound = min(over.items(), key=lambda kv: kv[1])
+        target = p.pools[pname].limit.target
+        out.append(f"classes.{first}.max_wait_ms: {c.max_wait_ms} ms is over (1 - pools.{pname}.limit.target "
+                   f"{target:g}) x slo_p95_ms {c.slo_p95_ms} = {bound:.0f} ms: the limit aims the served p95 at "
+                   f"{target:g} x the SLO and a queued request's wait comes on top, so its p95 can pass the SLO; keep "
+                   "it within that unless its answers take a small part of the SLO (docs/overload.md, \"Writing "
+                   "the policy\", rule 1)")
+    return out
 
 
 def _reach_warnings(p: Policy) -> list[str]:
@@ -741,15 +810,6 @@ def _slip_warnings(p: Policy) -> list[str]:
                        f"max_limit ({a.min_limit} .. {a.max_limit}); the cap starts at the nearest bound")
         if c.min_share and not limited:
             out.append(f"classes.{name}.min_share: no pool has a `limit`, so the share guarantees nothing")
-        if c.on_overflow == "fallback" and c.fallback.action == "reject":
-            out.append(f"classes.{name}.on_overflow: `fallback`, and the fallback's action is `reject` (the default), "
-                       "so overflow is refused with 429 as with `on_overflow: reject`: set `fallback.action` to "
-                       "`degrade` or `canned`")
-        breakable = c.error_breaker.enabled or (c.slo_p95_ms is not None and c.latency_breaker.enabled)
-        if c.fallback.action != "reject" and c.on_overflow == "reject" and not breakable:
-            out.append(f"classes.{name}.fallback: its `{c.fallback.action}` is never used: both breakers are off "
-                       "(error_breaker.enabled false; no slo_p95_ms or latency_breaker.enabled false) and "
-                       "on_overflow is `reject`: set `on_overflow: fallback`, or remove the fallback")
     for pname, pool in p.pools.items():
         if pool.stale_ms <= pool.scrape_interval_ms:
             out.append(f"pools.{pname}.stale_ms: {pool.stale_ms} ms is not longer than scrape_interval_ms "

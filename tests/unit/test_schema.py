@@ -383,7 +383,8 @@ def test_a_fallback_that_changes_nothing_or_is_never_taken_is_warned_about():
     for used in ({**off, "on_overflow": "fallback"}, {**off, "slo_p95_ms": 2000},
                  {**off, "error_breaker": {"enabled": True}}, {"fallback": {"action": "canned"}},
                  {"on_overflow": "fallback", "fallback": {"action": "canned"}}):
-        assert policy_warnings(load_policy({**BASE, **reach, "classes": {"a": {"max_concurrency": 1, **used}}})) == []
+        warnings = policy_warnings(load_policy({**BASE, **reach, "classes": {"a": {"max_concurrency": 1, **used}}}))
+        assert not [w for w in warnings if "never used" in w], used  # a breaker or the overflow takes it
     idle = {**off, "slo_p95_ms": 2000, "latency_breaker": {"enabled": False}}
     (warning,) = policy_warnings(load_policy({**BASE, **reach, "classes": {"a": {"max_concurrency": 1, **idle}}}))
     assert "is never used" in warning, warning
@@ -492,3 +493,65 @@ def test_a_fallback_that_would_turn_streaming_on_is_refused(fallback):
 
 def test_a_fallback_that_turns_streaming_off_is_a_degrade():
     load_policy({**BASE, "classes": {"a": {"max_concurrency": 1, "fallback": {"action": "degrade", "stream": False}}}})
+
+
+def test_a_fallback_that_serves_only_breakers_says_so():
+    """Found by writing a policy from docs/overload.md: a degrade fallback with `on_overflow` left at `reject`
+    checked ok, and overflow is refused with 429; the fallback serves only an open breaker."""
+    from extproc.policy.schema import policy_warnings
+    cls = {"max_concurrency": 1, "fallback": {"action": "canned"}}
+    (warning,) = policy_warnings(load_policy({**BASE, "anonymous": {"max_class": "a"}, "classes": {"a": cls}}))
+    assert warning.startswith("classes.a.fallback: its `canned` serves only while one of the class's breakers is "
+                              "open; overflow (queue full, wait expired, early reject) is refused with 429"), warning
+
+
+@pytest.mark.parametrize("fallback, models", [
+    ({"action": "degrade", "model": "m"}, {"m": {"cluster": "c"}}),
+    ({"action": "degrade", "model": "small"}, {"m": {"cluster": "c"}, "small": {"cluster": "c"}})])
+def test_a_degrade_that_leaves_the_request_on_its_own_pool_unchanged_is_warned_about(fallback, models):
+    # Fallbacks.answer refuses such a degrade (the pool that had no room would get the request back unchanged).
+    from extproc.policy.schema import policy_warnings
+    cls = {"max_concurrency": 1, "on_overflow": "fallback", "fallback": fallback}
+    policy = load_policy({"classes": {"a": cls}, "models": models, "anonymous": {"max_class": "a"}})
+    (warning,) = policy_warnings(policy)
+    assert warning.startswith("classes.a.fallback: a degrade ") and "each one the fallback takes is refused " \
+        "instead (429 on overflow, 503 while a breaker is open)" in warning, warning
+
+
+@pytest.mark.parametrize("fallback", [{"action": "degrade", "model": "small"},
+                                      {"action": "degrade", "max_tokens": 64}, {"action": "degrade", "stream": False}])
+def test_a_degrade_that_changes_the_request_is_not_warned_about(fallback):
+    from extproc.policy.schema import policy_warnings
+    cls = {"max_concurrency": 1, "on_overflow": "fallback", "fallback": fallback}
+    models = {"m": {"cluster": "c"}, "small": {"cluster": "s"}}
+    assert policy_warnings(load_policy({"classes": {"a": cls}, "models": models,
+                                        "anonymous": {"max_class": "a"}})) == []
+
+
+def test_a_min_share_on_the_first_class_is_warned_about():
+    from extproc.policy.schema import policy_warnings
+    classes = {"a": {"max_concurrency": 1, "min_share": 0.1}, "b": {"max_concurrency": 1, "min_share": 0.05}}
+    limited = {"anonymous": {"max_class": "a"}, "pools": {"c": {"limit": {"enabled": True}, "replicas": ["h:1"]}}}
+    (warning,) = policy_warnings(load_policy({**BASE, **limited, "classes": classes}))
+    assert warning.startswith("classes.a.min_share: the first class waits behind no class, so its share guarantees "
+                              "nothing"), warning
+
+
+@pytest.mark.parametrize("wait, target, warned", [(200, 0.85, False), (250, 0.85, True), (300, 0.8, False),
+                                                  (301, 0.8, True)])
+def test_the_first_class_with_an_slo_waits_at_most_what_the_limit_leaves_of_it(wait, target, warned):
+    # docs/overload.md rule 1: max_wait_ms <= (1 - target) x slo_p95_ms under a pool limit.
+    from extproc.policy.schema import policy_warnings
+    classes = {"top": {"max_concurrency": 1}, "a": {"max_concurrency": 1, "slo_p95_ms": 1500, "max_wait_ms": wait},
+               "b": {"max_concurrency": 1, "slo_p95_ms": 1500, "max_wait_ms": 5000}}
+    pools = {"c": {"limit": {"enabled": True, "target": target}, "replicas": ["h:1"]}}
+    warnings = policy_warnings(load_policy({**BASE, "anonymous": {"max_class": "top"}, "classes": classes,
+                                            "pools": pools}))
+    assert [w for w in warnings if w.startswith("classes.a.max_wait_ms")] == ([
+        f"classes.a.max_wait_ms: {wait} ms is over (1 - pools.c.limit.target {target:g}) x slo_p95_ms 1500 = "
+        f"{(1 - target) * 1500:.0f} ms: the limit aims the served p95 at {target:g} x the SLO and a queued "
+        "request's wait comes on top, so its p95 can pass the SLO; keep it within that unless its answers take a "
+        "small part of the SLO (docs/overload.md, \"Writing the policy\", rule 1)"] if warned else [])
+    assert warnings == [w for w in warnings if w.startswith("classes.a.max_wait_ms")]  # b waits behind a by design
+    unlimited = {**BASE, "anonymous": {"max_class": "top"}, "classes": classes}
+    assert policy_warnings(load_policy(unlimited)) == []
