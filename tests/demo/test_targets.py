@@ -394,3 +394,41 @@ def test_the_report_names_the_class_the_scenario_judges(tmp_path):
     text = write_report(tmp_path, results, stats, scenario, 10.0, 1.0, found, degraded, "t", what_if=True).read_text()
     assert "SLO of the crit\nclass: p95 ≤ 1.5 s" in text and "Interactive" not in text
     assert "![crit p99 over time]" in text or "plot skipped" in text
+
+
+def two_model_scenario() -> Scenario:
+    doc = yaml.safe_load(open("scenarios/spike.yaml"))
+    kind = doc["workload"]["kinds"][0]
+    doc["workload"]["kinds"].append({**kind, "name": "lite", "model": SMALL})
+    doc["slo"], doc["capacity"] = {"class": "interactive", "p95_s": 2.0, "kinds": ["interactive", "lite"]}, 10.0
+    return Scenario.from_dict(doc)
+
+
+def test_comparisons_with_a_and_b_count_the_first_pools_requests_only():
+    # A three-model audit: a and b send every request to the first pool, whose replicas answer the other models'
+    # 404, and "d vs a" set d's answers from every pool against a's from one (d at 71x a's goodput).
+    import contextlib
+    import io
+
+    from extproc.tools.demo import print_tables, scenario_modes
+    from extproc.tools.demo.report import comparison_for
+    from extproc.tools.demo.runner import ModeResult
+
+    scenario = two_model_scenario()
+    a_mode, d_mode = scenario_modes(scenario, "a,d")
+    a = [rec(t) for t in range(60, 120)] + [rec(t, kind="lite", status=404, error="NotFoundError")
+                                            for t in range(60, 120)]
+    d = [rec(t) for t in range(60, 120, 2)] + [rec(t, kind="lite", model=SMALL) for t in range(60, 120)]
+    for r in d[30:]:
+        r.asked_model = SMALL  # the 8B's own customers, answered by the model they asked for
+    results = [ModeResult(a_mode, a, 0.0), ModeResult(d_mode, d, 0.0)]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        _, _, found = print_tables(results, scenario)
+    t = {t.name: t for t in found}["d vs a: spike: full-model interactive goodput, req/s (>= a's; llama-70b "
+                                    "requests only)"]
+    assert t.value == pytest.approx(0.5) and t.bound == pytest.approx(1.0) and not t.reached  # all pools: 1.5
+    assert "counts the requests for llama-70b only, in every mode" in out.getvalue()
+    assert "| p99 vs a (spike; llama-70b requests only) |" in out.getvalue()
+    assert comparison_for([results[1]], scenario) is None  # no a or b: every mode routes by model
+    assert comparison_for(results, Scenario.load("scenarios/spike.yaml")) is None  # one model

@@ -15,7 +15,7 @@ from .baselines import admitter_for
 from extproc.policy.schema import PolicyError, load_policy_file
 
 from .modes import DEFAULT_MODES, DEFAULT_SPEED, MODES, Mode, parse_modes, repo_path, with_policies
-from .report import tables, write_report
+from .report import comparison_for, comparison_note, tables, write_report
 from .results import (ClassOrder, WindowStats, adaptive_targets, calm_windows, scenario_stats, spike_windows,
                       targets)
 from .runner import Interrupt, ModeResult, RunSettings, run_mode
@@ -126,12 +126,17 @@ def print_tables(results: list[ModeResult], scenario: Scenario,
     degraded = {r.mode.key: 100.0 * sum(1 for x in r.records if x.ok and x.degraded) / max(1, len(r.records))
                 for r in results}
     capacity = scenario.fleet_capacity()
+    comparison = comparison_for(results, scenario)
     found = targets(stats, list(spike_windows(scenario)), list(calm_windows(scenario)), scenario.slo_p95_s,
-                    capacity=capacity, slo_class=scenario.slo_class, order=order)
+                    capacity=capacity, slo_class=scenario.slo_class, order=order, comparison=comparison)
     found += adaptive_targets(stats, list(scenario.report_windows()), scenario.slo_p95_s,
-                              calm=tuple(calm_windows(scenario)), capacity=capacity, slo_class=scenario.slo_class)
+                              calm=tuple(calm_windows(scenario)), capacity=capacity, slo_class=scenario.slo_class,
+                              comparison=comparison)
     print()
-    print(tables(stats, {r.mode.key: r.mode.label for r in results}, scenario, degraded))
+    note = comparison_note(comparison, scenario)
+    if note:
+        print(note + "\n")
+    print(tables(stats, {r.mode.key: r.mode.label for r in results}, scenario, degraded, comparison))
     if found:
         print("\nTargets:")
         for t in found:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from extproc.tools.plotting import SKIPPED, pyplot
 
-from .results import Target, WindowStats, rolling_p99, rolling_rate, slo_kinds
+from .results import (Comparison, Target, WindowStats, compared_on, rolling_p99, rolling_rate, scenario_stats,
+                      slo_kinds)
 from .runner import ModeResult
 from .scenario import Scenario
 
@@ -29,35 +30,64 @@ def _ratio(x: float, base: float) -> str:
 
 
 def latency_table(stats: dict[str, dict[str, WindowStats]], labels: dict[str, str], slo_class: str,
-                  window: str = "spike") -> str:
-    rows = [f"| mode | {slo_class} p50 / p95 / p99 s ({window}) | TTFT p99 s ({window}) | p99 vs a ({window}) "
+                  window: str = "spike", comparison: Comparison | None = None) -> str:
+    """`comparison`: the "vs a" column on the requests a can serve only (comparison_for)."""
+    vs, scope = compared_on(stats, comparison)
+    rows = [f"| mode | {slo_class} p50 / p95 / p99 s ({window}) | TTFT p99 s ({window}) | p99 vs a ({window}{scope}) "
             "| p50 / p95 / p99 s (overall) | TTFT p99 s (overall) |",
             "|---|---|---:|---:|---|---:|"]
-    base = stats.get("a", {}).get(window)
+    base = vs.get("a", {}).get(window)
     for key, w in stats.items():
-        s, o = w[window], w["overall"]
+        s, o, c = w[window], w["overall"], vs[key][window]
         rows.append(f"| {key}: {labels[key]} | {_s(s.p50)} / {_s(s.p95)} / {_s(s.p99)} | {_s(s.ttft_p99)} "
-                    f"| {_ratio(s.p99, base.p99) if base else '–'} | {_s(o.p50)} / {_s(o.p95)} / {_s(o.p99)} "
+                    f"| {_ratio(c.p99, base.p99) if base else '–'} | {_s(o.p50)} / {_s(o.p95)} / {_s(o.p99)} "
                     f"| {_s(o.ttft_p99)} |")
     return "\n".join(rows)
 
 
 def throughput_table(stats: dict[str, dict[str, WindowStats]], labels: dict[str, str], slo_class: str,
-                     slo_s: float, window: str = "spike") -> str:
-    """Goodput and output tokens, the full model (the one asked for) apart from degraded answers (another)."""
-    rows = [f"| mode | {slo_class} goodput ≤ {slo_s:g} s, full model, req/s ({window}) | vs a | + degraded "
-            f"| full model (overall) | + degraded | useful tokens/s, full model ({window}) | vs a | + degraded "
+                     slo_s: float, window: str = "spike", comparison: Comparison | None = None) -> str:
+    """Goodput and output tokens, the full model (the one asked for) apart from degraded answers (another);
+    `comparison`: the "vs a" columns on the requests a can serve only."""
+    vs, scope = compared_on(stats, comparison)
+    rows = [f"| mode | {slo_class} goodput ≤ {slo_s:g} s, full model, req/s ({window}) | vs a{scope} | + degraded "
+            f"| full model (overall) | + degraded | useful tokens/s, full model ({window}) | vs a{scope} | + degraded "
             f"| all output tokens/s ({window}) |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    base = stats.get("a", {}).get(window)
+    base = vs.get("a", {}).get(window)
     for key, w in stats.items():
-        s, o = w[window], w["overall"]
-        rows.append(f"| {key}: {labels[key]} | {s.goodput:.2f} | {_ratio(s.goodput, base.goodput) if base else '–'} "
+        s, o, c = w[window], w["overall"], vs[key][window]
+        rows.append(f"| {key}: {labels[key]} | {s.goodput:.2f} | {_ratio(c.goodput, base.goodput) if base else '–'} "
                     f"| {s.goodput_degraded:.2f} | {o.goodput:.2f} | {o.goodput_degraded:.2f} "
                     f"| {s.useful_tokens_per_s:.0f} "
-                    f"| {_ratio(s.useful_tokens_per_s, base.useful_tokens_per_s) if base else '–'} "
+                    f"| {_ratio(c.useful_tokens_per_s, base.useful_tokens_per_s) if base else '–'} "
                     f"| {s.degraded_tokens_per_s:.0f} | {s.tokens_per_s:.0f} |")
     return "\n".join(rows)
+
+
+def comparison_for(results: list[ModeResult], scenario: Scenario) -> Comparison | None:
+    """Every mode's stats on the first pool's models' requests, where a mode without the ext_proc (a, b) ran and
+    some kind asks for another model: a and b route every request to the first pool, whose replicas answer the
+    others 404, so "vs a" on every request set d's answers from all pools against a's from one (a three-model
+    audit printed d at 71x a's goodput, most of it the 8B's own customers). None where that is not so."""
+    kinds = {k.name for k in scenario.first_pool_kinds()}
+    if kinds == {k.name for k in scenario.workload.kinds} or all(r.mode.policy for r in results):
+        return None
+    stats = {r.mode.key: scenario_stats([x for x in r.records if x.kind in kinds], scenario,
+                                        r.mode.stack_mode == "extproc") for r in results}
+    return Comparison(stats, ", ".join(scenario.pools[0].model_names))
+
+
+def comparison_note(comparison: Comparison | None, scenario: Scenario) -> str:
+    """What the comparisons with a and b cover, in words ("" when they cover every request)."""
+    if comparison is None:
+        return ""
+    others = sorted({k.model for k in scenario.workload.kinds if k.model not in scenario.pools[0].model_names},
+                    key=str)
+    return (f"Modes a and b route every request to the first pool ({scenario.pools[0].name}), whose replicas answer "
+            f"the requests for {', '.join(map(str, others))} 404: every comparison with a or b (\"vs a\" columns, "
+            f"\"vs a\" and \"vs b\" targets) counts the requests for {comparison.models} only, in every mode. The "
+            "other numbers cover every request each mode took.")
 
 
 def class_goodput_table(stats: dict[str, dict[str, WindowStats]], labels: dict[str, str],
@@ -150,23 +180,23 @@ def plot(results: list[ModeResult], scenario: Scenario, capacity: float, path: P
     return path
 
 
-def tables(stats, labels, scenario: Scenario, degraded: dict[str, float]) -> str:
+def tables(stats, labels, scenario: Scenario, degraded: dict[str, float], comparison: Comparison | None = None) -> str:
     parts = []
     for window in scenario.report_windows():
-        parts += [latency_table(stats, labels, scenario.slo_class, window),
-                  throughput_table(stats, labels, scenario.slo_class, scenario.slo_p95_s, window),
+        parts += [latency_table(stats, labels, scenario.slo_class, window, comparison),
+                  throughput_table(stats, labels, scenario.slo_class, scenario.slo_p95_s, window, comparison),
                   class_goodput_table(stats, labels, scenario.slo_kinds, scenario.slo_p95_s, window)]
     return "\n\n".join(parts + [outcome_table(stats, labels, degraded)])
 
 
-def _window_sections(stats, labels, scenario: Scenario) -> str:
+def _window_sections(stats, labels, scenario: Scenario, comparison: Comparison | None) -> str:
     out = []
     for window, (start, end) in scenario.report_windows().items():
         out.append(f"""## {window} (requests started in {start:g}–{end:g} s)
 
-{latency_table(stats, labels, scenario.slo_class, window)}
+{latency_table(stats, labels, scenario.slo_class, window, comparison)}
 
-{throughput_table(stats, labels, scenario.slo_class, scenario.slo_p95_s, window)}
+{throughput_table(stats, labels, scenario.slo_class, scenario.slo_p95_s, window, comparison)}
 
 {class_goodput_table(stats, labels, scenario.slo_kinds, scenario.slo_p95_s, window)}
 """)
@@ -199,6 +229,7 @@ def write_report(out: Path, results: list[ModeResult], stats, scenario: Scenario
     """The run's records, summary, plot and report.md in `out`; `what_if`: engine models in simulated time (no
     processes, so no speed and no machine load to report)."""
     labels = {r.mode.key: r.mode.label for r in results}
+    comparison = comparison_for(results, scenario)
     for res in results:  # the data first: a plot that cannot be drawn must not lose the run
         with open(out / f"records-{res.mode.key}.jsonl", "w", encoding="utf-8") as f:
             for r in res.records:
@@ -228,11 +259,11 @@ timed out after {scenario.client_timeout_s:g} s, counted at the timeout); refuse
 Each window counts the requests started in it. "Full model": answered by the model the client asked for (the
 response's `model`); "degraded": by another (the small model's pool). Goodput and the targets count the full
 model; degraded answers are shown beside them. Useful tokens: output tokens of completed requests, the
-{scenario.slo_class} class's only within the SLO.{events}
+{scenario.slo_class} class's only within the SLO.{events} {comparison_note(comparison, scenario)}
 
 {picture}
 
-{_window_sections(stats, labels, scenario)}
+{_window_sections(stats, labels, scenario, comparison)}
 ## Refusals per class (whole run)
 
 {outcome_table(stats, labels, degraded)}

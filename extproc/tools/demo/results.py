@@ -350,6 +350,24 @@ def scenario_stats(records: list[RequestRecord], scenario: Scenario, has_extproc
 
 
 @dataclass(frozen=True)
+class Comparison:
+    """Every mode's stats over the requests that no-control (a) and Envoy's filter (b) can serve, the first
+    pool's models': the only fair ground against them in a fleet of several models (the rest get 404 there)."""
+
+    stats: dict[str, dict[str, WindowStats]]
+    models: str  # the first pool's models, as the report names them ("llama-70b")
+
+    @property
+    def scope(self) -> str:
+        return f"; {self.models} requests only"
+
+
+def compared_on(stats: dict[str, dict[str, WindowStats]], comparison: Comparison | None):
+    """(the stats to compare modes on, the words that say which requests they cover)."""
+    return (stats, "") if comparison is None else (comparison.stats, comparison.scope)
+
+
+@dataclass(frozen=True)
 class ClassOrder:
     """Which kinds rank below which, as the mode's policy classifies their requests: `ranks` kind -> its class's
     rank (0: the highest), `slo_kinds` the kinds the SLO is judged on."""
@@ -367,31 +385,32 @@ class ClassOrder:
 
 def targets(stats: dict[str, dict[str, WindowStats]], spikes: list[str], calm: list[str], slo_s: float,
             ours: str = "d", capacity: float | None = None, slo_class: str = "interactive",
-            order: ClassOrder | None = None) -> list[Target]:
+            order: ClassOrder | None = None, comparison: Comparison | None = None) -> list[Target]:
     """Issue 19's targets for our policy (mode d) against no control (a) and Envoy's adaptive_concurrency (b),
     on the full model (those missing from the run are skipped):
     in each spike window (a) the SLO class's p99 within the SLO in every 10 s window and in the first 5 s of each
     overload, (b) its full-model goodput >= b's and a's, full-model useful output tokens/s >= 0.96 x a's,
     (d) lower classes held back (refused or queued) before the SLO class's first degrade, and with `order` before
     any other class's too (order_targets); in every phase at <= 60% load (c) nothing refused and nothing
-    degraded."""
+    degraded. `comparison`: (b) on the requests a and b can serve only."""
     o = stats.get(ours)
     if o is None:
         return []
+    vs, scope = compared_on(stats, comparison)
     out = []
     for w in spikes:
-        s = o[w]
+        s, c = o[w], vs[ours][w]
         out.append(Target(f"{ours}: {w}: {slo_class} p99, worst {ROLLING_S:g} s window and first {ONSET_S:g} s "
                           "(<= SLO)", s.p99_worst_window, slo_s, s.p99_worst_window <= slo_s))
         for base in ("b", "a"):
             if base in stats:
-                g = stats[base][w].goodput
-                out.append(Target(f"{ours} vs {base}: {w}: full-model {slo_class} goodput, req/s (>= {base}'s)",
-                                  s.goodput, g, s.goodput >= g))
+                g = vs[base][w].goodput
+                out.append(Target(f"{ours} vs {base}: {w}: full-model {slo_class} goodput, req/s (>= {base}'s"
+                                  f"{scope})", c.goodput, g, c.goodput >= g))
         if "a" in stats:
-            bound = TOKENS_VS_A * stats["a"][w].useful_tokens_per_s
-            out.append(Target(f"{ours} vs a: {w}: full-model useful output tokens/s (>= {TOKENS_VS_A:g} x a's)",
-                              s.useful_tokens_per_s, bound, s.useful_tokens_per_s >= bound))
+            bound = TOKENS_VS_A * vs["a"][w].useful_tokens_per_s
+            out.append(Target(f"{ours} vs a: {w}: full-model useful output tokens/s (>= {TOKENS_VS_A:g} x a's"
+                              f"{scope})", c.useful_tokens_per_s, bound, c.useful_tokens_per_s >= bound))
         out += order_targets(s, f"{ours}: {w}", slo_class, order)
     out += calm_targets(o, ours, calm, stats.get("a"), slo_s, capacity)
     return out
@@ -455,13 +474,16 @@ def calm_targets(mode: dict[str, WindowStats], key: str, calm, a: dict[str, Wind
 
 def adaptive_targets(stats: dict[str, dict[str, WindowStats]], windows: list[str], slo_s: float,
                      static: tuple[str, ...] = ("c", "d"), calm: tuple[str, ...] = (),
-                     capacity: float | None = None, slo_class: str = "interactive") -> list[Target]:
+                     capacity: float | None = None, slo_class: str = "interactive",
+                     comparison: Comparison | None = None) -> list[Target]:
     """Issue 12's targets for mode e in every report window: p99 within the SLO, goodput >= the best static
     setting run (c, d) and >= Envoy's adaptive_concurrency (b); and issue 20's: nothing refused or degraded in a
-    phase at <= 60% load (`calm`), the phases after a spike included."""
+    phase at <= 60% load (`calm`), the phases after a spike included. `comparison`: b's on the requests b can
+    serve only."""
     e = stats.get("e")
     if e is None:
         return []
+    vs, scope = compared_on(stats, comparison)
     out = []
     for w in windows:
         out.append(Target(f"e: {slo_class} p99 ({w}), s (<= SLO)", e[w].p99, slo_s, e[w].p99 <= slo_s))
@@ -470,8 +492,8 @@ def adaptive_targets(stats: dict[str, dict[str, WindowStats]], windows: list[str
             out.append(Target(f"e vs best static ({'/'.join(k for k in static if k in stats)}): full-model {slo_class} "
                               f"goodput ({w}), req/s", e[w].goodput, best, e[w].goodput >= best))
         if "b" in stats:
-            b = stats["b"][w].goodput
-            out.append(Target(f"e vs b: full-model {slo_class} goodput ({w}), req/s", e[w].goodput, b,
-                              e[w].goodput >= b))
+            b, mine = vs["b"][w].goodput, vs["e"][w].goodput
+            out.append(Target(f"e vs b: full-model {slo_class} goodput ({w}{scope}), req/s",
+                              mine, b, mine >= b))
     out += calm_targets(e, "e", calm, stats.get("a"), slo_s, capacity)
     return out

@@ -455,11 +455,15 @@ class Scenario:
         main = self.pools[0]
         # Only the kinds the first pool serves run on it: another model's (an 8B product of its own) once ran in
         # its closed loop, and `rate` 0.55 put 0.52 of the Mixtral pool's capacity on it (scenarios/moe-rag.yaml).
-        own = [k for k in self.workload.kinds if main in self.serving(k)]
+        own = self.first_pool_kinds()
         share = sum(k.weight for k in own) / sum(k.weight for k in self.workload.kinds) if own else 1.0
         point = closed_loop_mix(load_profile(main.profile), Workload(own) if own else self.workload,
                                 self.capacity_concurrency, requests=2000, seed=self.seed)
         return point.requests_per_s * main.replicas / share
+
+    def first_pool_kinds(self) -> list[RequestKind]:
+        """The kinds whose model the first pool serves: all that modes without the ext_proc (a, b) can serve."""
+        return [k for k in self.workload.kinds if self.pools[0] in self.serving(k)]
 
     def serving(self, kind: RequestKind) -> list[Pool]:
         """The pools that serve a kind's model (the first pool when none names it)."""
