@@ -177,9 +177,9 @@ class PoolLimitSpec:
                         maximum=1)
     decrease: float = doc("Deepest cut in one interval (a factor): saturation cuts by it at once, latency over "
                           "the target cuts in proportion, down to it.", 0.8, minimum=0.1, maximum=0.99)
-    max_raise: float = doc("Largest raise in one interval, as a fraction of the limit. Lower it (0.01) for a "
-                           "first class whose slowest answers take several times its median: a raise shows in its "
-                           "p95 only once they have run (docs/overload.md, \"Writing the policy\", rule 5).",
+    max_raise: float = doc("Largest raise in one interval, as a fraction of the limit. The default suits long "
+                           "tails too: the latency the limit reads counts the requests still running, so it does "
+                           "not rise on the quick answers before the slow ones end (docs/overload.md, rule 5).",
                            0.05, minimum=0.01,
                            maximum=2)
     borrow_lower: bool = doc(
