@@ -103,13 +103,8 @@ class RecentLatencies:
     def quantile(self, now: float, q: float, window_s: float, max_age_s: float, at_least: int) -> float | None:
         """The q-quantile of the last window's samples, or of the last `at_least` younger than `max_age_s`;
         None with fewer than `at_least`."""
-        recent = [s for t, s in self.samples if now - t <= window_s]
-        if len(recent) < at_least:
-            recent = [s for t, s in self.samples if now - t <= max_age_s][-at_least:]
-            if len(recent) < at_least:
-                return None
-        recent.sort()
-        return recent[min(len(recent) - 1, max(0, math.ceil(q * len(recent)) - 1))]
+        recent = self._recent(now, window_s, max_age_s, at_least)
+        return None if recent is None else nearest_rank(sorted(recent), q)
 
     def censored_quantile(self, now: float, q: float, window_s: float, max_age_s: float, at_least: int,
                           since: float) -> tuple[float, bool] | None:
@@ -122,16 +117,27 @@ class RecentLatencies:
         window, or when the slowest answers take several times the median, the quantile of what has ended reads
         room that is not there: with 512-token answers and a 5 s SLO the limit rose on it each time until the long
         ones ended, and cut again (worst 10 s windows 6.2-6.4 s, docs/overload.md)."""
+        recent = self._recent(now, window_s, max_age_s, at_least)
+        if recent is None:
+            return None
+        ages = [now - at for at in self.running.values() if at >= since]
+        if not ages:
+            return nearest_rank(sorted(recent), q), True
+        return kaplan_meier_quantile(recent, ages, q)
+
+    def _recent(self, now: float, window_s: float, max_age_s: float, at_least: int) -> list[float] | None:
+        """The last window's samples, or the last `at_least` younger than `max_age_s`; None with fewer."""
         recent = [s for t, s in self.samples if now - t <= window_s]
         if len(recent) < at_least:
             recent = [s for t, s in self.samples if now - t <= max_age_s][-at_least:]
             if len(recent) < at_least:
                 return None
-        ages = [now - at for at in self.running.values() if at >= since]
-        if not ages:
-            recent.sort()
-            return recent[min(len(recent) - 1, max(0, math.ceil(q * len(recent)) - 1))], True
-        return kaplan_meier_quantile(recent, ages, q)
+        return recent
+
+
+def nearest_rank(ordered: list[float], q: float) -> float:
+    """The q-quantile of `ordered` (ascending, not empty) by nearest rank."""
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 def kaplan_meier_quantile(ended: list[float], running: list[float], q: float) -> tuple[float, bool]:
