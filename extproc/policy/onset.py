@@ -136,7 +136,7 @@ class LoadCurve:
             part = pairs[round(b * size):round((b + 1) * size)]
             served = sorted(s for _, s in part)
             xs.append(sum(x for x, _ in part) / len(part))
-            ys.append(served[min(len(served) - 1, max(0, math.ceil(q * len(served)) - 1))])
+            ys.append(nearest_rank(served, q))
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
         sxx = sum((x - mx) ** 2 for x in xs)
         slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
@@ -170,3 +170,9 @@ class OnsetGuard:
         if self.level is None:  # read once at the onset: the surge's own completions are not the calm curve's
             self.level = self.curve.level(budget_s, q, min_samples)
         return self.level
+
+
+def nearest_rank(ordered: list[float], q: float) -> float:
+    """The q-quantile of `ordered` (ascending, not empty) by nearest rank: the pool limit's readings
+    (pool.RecentLatencies) and the onset curve's bins read their quantiles alike."""
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]

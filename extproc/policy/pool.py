@@ -27,7 +27,7 @@ import math
 from collections import deque
 from itertools import count
 
-from .onset import OnsetGuard
+from .onset import OnsetGuard, nearest_rank
 from .schema import PoolLimitSpec
 
 # Binding: in-flight at this share of the limit (or a request waiting for the pool) means the limit decides.
@@ -133,11 +133,6 @@ class RecentLatencies:
             if len(recent) < at_least:
                 return None
         return recent
-
-
-def nearest_rank(ordered: list[float], q: float) -> float:
-    """The q-quantile of `ordered` (ascending, not empty) by nearest rank."""
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 def kaplan_meier_quantile(ended: list[float], running: list[float], q: float) -> tuple[float, bool]:
