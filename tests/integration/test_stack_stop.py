@@ -92,21 +92,30 @@ def test_a_signal_during_a_readiness_wait_ends_the_wait_at_once_and_starts_nothi
     interrupt = Interrupt()
     stack.check, stack.policy_path = interrupt.check, Path("policies/default.yaml")
     stack.pools["vllm_llama70b"] = [("127.0.0.1", stack.listen_port)]  # for Envoy's config; nothing is sent there
+    # The signal is timed from the spawn, so that the readiness wait is what it lands in: timed from the call, it
+    # once landed while Envoy's config was still being rendered on a loaded CI machine ("before envoy started").
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM))  # as the demo's handler does (_main)
+    spawned = []
     spawn = stack.spawn
-    monkeypatch.setattr(stack, "spawn", lambda name, argv, env=None: spawn(name, ["sleep", "60"]))
+
+    def spawn_then_signal(name, argv, env=None):
+        proc = spawn(name, ["sleep", "60"])
+        spawned.append(time.monotonic())
+        timer.start()
+        return proc
+
+    monkeypatch.setattr(stack, "spawn", spawn_then_signal)
     begin = {"sim": lambda: start_pool(stack, "p", "h100-llama70b-awq", 1, ["m"], 1.0, 0),
              "extproc": stack.start_extproc, "envoy": stack.start_envoy}[start]
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: setattr(interrupt, "signum", signum))
-    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM))  # as the demo's handler does (_main)
     try:
-        t0 = time.monotonic()
-        timer.start()
         with pytest.raises(asyncio.CancelledError, match="SIGTERM came before .* ready"):
             begin()
-        took = time.monotonic() - t0
+        took = time.monotonic() - spawned[0]
     finally:
         timer.cancel()
-        timer.join()
+        if timer.is_alive():
+            timer.join()
         signal.signal(signal.SIGTERM, previous)
     assert took < 2.0  # 30 s before
     with pytest.raises(asyncio.CancelledError, match="SIGTERM came before next started"):
