@@ -142,20 +142,26 @@ class PolicyState:
         """Nothing in flight is lost on a reload: what open `tickets` hold of a gate the reload replaced moves to
         the pool's new gate (in its unit, at the class's rank there), and so do the waiters' places: the limit
         holds across the reload and each ticket ends on the gate that holds it; a limit turned on counts what
-        already runs on its pool. Tickets that `ended` but are not accounted yet follow too, so their latency
-        teaches the new gate."""
+        already runs on its pool. A new controller (a new unit, a limit turned on) is told which requests still
+        run, for its latency reading (RecentLatencies.censored_quantile). Tickets that `ended` but are not
+        accounted yet follow too, so their latency teaches the new gate."""
         for t in tickets:
             if t.gate is not None and self.gates.get(t.gate.name) is not t.gate:
-                t.gate.give_back(t.rank, t.units, t.flow, t.pool_stall)
-                t.gate, t.rank, t.units = self._moved(t.gate, t.cls, t.units, t.charge)
+                old = t.gate
+                old.give_back(t.rank, t.units, t.flow, t.pool_stall)
+                t.gate, t.rank, t.units = self._moved(old, t.cls, t.units, t.charge)
                 if t.gate is not None:
                     t.pool_stall = t.gate.take(t.rank, t.units, t.flow, t.pool_stall)
+                    if t.gate.controller is not old.controller:  # a new unit: a new controller, told what runs
+                        old.controller.ended(t.id)
+                        t.cohort = t.gate.controller.admitted(t.rank, t.admitted_at, t.id)
             elif t.gate is None and t.holds_slot and self._slot_pool(t) in self.gates:
                 # A limit turned on over requests already running on its pool: they hold it too, or it would let
                 # a whole limit more onto a pool that is likely why it was turned on.
                 gate = t.gate = self.gates[self._slot_pool(t)]
                 t.rank, t.units = gate.rank_of(t.cls), self._units(gate, None, 0.0, t.charge)
                 t.pool_stall = gate.take(t.rank, t.units, t.flow)
+                t.cohort = gate.controller.admitted(t.rank, t.admitted_at, t.id)
         for t in ended:
             if t.gate is not None and self.gates.get(t.gate.name) is not t.gate:
                 t.gate, t.rank, t.units = self._moved(t.gate, t.cls, t.units, t.charge)

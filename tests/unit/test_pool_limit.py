@@ -380,6 +380,33 @@ def test_a_reload_to_another_unit_weighs_what_is_held_in_the_new_unit(clock):
     assert held(core) == (0, [0, 0, 0], [0, 0, 0])
 
 
+
+def test_a_reload_to_another_unit_tells_the_new_limit_what_still_runs(clock):
+    # A new unit starts a new controller (a limit in requests says nothing in tokens). It counted the held units
+    # but not the requests still running, so its latency reading took the quick answers that ended after the reload
+    # for the whole picture, as it did after a cut before the limit counted what runs (docs/overload.md).
+    def running(core):
+        return {k for w in core.gates["pool_a"].controller.windows.values() for k in w.running}
+
+    core = AdmissionController(pool_policy(limit=1000), clock=clock)
+    tickets = [core.decide(req("interactive", tokens=500)).ticket for _ in range(3)]
+    assert running(core) == {t.id for t in tickets}
+    before = core.gates["pool_a"].controller
+    core.apply(pool_policy(limit=1000, unit="tokens"))
+    assert core.gates["pool_a"].controller is not before
+    assert running(core) == {t.id for t in tickets}
+    core.finish(tickets[0], Outcome.OK)
+    assert running(core) == {t.id for t in tickets[1:]}
+    # A limit turned off and on again counts them too.
+    core.apply(make_policy(classes={n: {**BIG, "max_wait_ms": 5000} for n in ("interactive", "batch", "internal")},
+                           shed={}))
+    core.apply(pool_policy(limit=1000))
+    assert running(core) == {t.id for t in tickets[1:]}
+    for t in tickets[1:]:
+        core.finish(t, Outcome.OK)
+    assert running(core) == set() and held(core) == (0, [0, 0, 0], [0, 0, 0])
+
+
 FAIR_TENANTS = [{"name": n, "api_keys": [f"sk-{n}"]} for n in ("a", "b", "c", "d", "e")]
 
 
