@@ -76,11 +76,15 @@ class CostLearning:
 
     def completed(self, c: Completed) -> None:
         t = c.ticket
-        if t.charge is None:
-            return
         if t.usage is None:
-            self._settle_unread(c)
-            self._settle_without_usage(c)
+            if t.holds_slot and (400 <= c.status < 500 or c.outcome is Outcome.NOT_ROUTED):
+                self._refund_refused(c)
+            elif t.charge is not None:
+                self._settle_unread(c)
+            if t.charge is not None:
+                self._settle_without_usage(c)
+            return
+        if t.charge is None:
             return
         charge, (prompt, completion) = t.charge, t.usage
         model = self.state.cost_models.get(charge.model)
@@ -106,6 +110,17 @@ class CostLearning:
             # down under overload (when degrades are many), making its estimates too low just when they matter.
             model.learn(est, prompt, completion, service)
 
+    @staticmethod
+    def _refund_refused(c: Completed) -> None:
+        """Refused before anything ran (the replica's 4xx: vLLM's 400 for max_tokens past its context; or Envoy
+        answered without a replica): the fair queue's charge goes back. Kept, one request of max_tokens 2^31
+        (about 2e6 GPU-seconds at the estimate) put its tenant behind every other tenant of a `fair` class for as
+        long as they had requests waiting (a hostile-client audit). A 5xx or a reset stays charged here: the
+        engine may have run it, and a flow whose requests fail late must not be granted first for it. (The
+        budgets, which are what the client pays, are refunded for those too: _settle_without_usage.)"""
+        t = c.ticket
+        t.limiter.queue.settle(t.flow, t.fair_charge, 0.0, t.fair_flow, t.fair_stats)
+
     def _settle_unread(self, c: Completed) -> None:
         """A fair queue's answer whose usage was not read: while its flow has learned no scale, what it was charged
         is kept, to be charged again at the first scale the flow learns (FairQueue.settle_unread)."""
@@ -117,22 +132,26 @@ class CostLearning:
         if model is not None:
             q.settle_unread(t.flow, t.fair_charge, model.repriced(t.charge.estimate), t.fair_flow, t.fair_stats)
 
-    @staticmethod
-    def _settle_without_usage(c: Completed) -> None:
+    def _settle_without_usage(self, c: Completed) -> None:
         """A tokens-per-minute tenant is charged the worst case up front and refunded from the usage it reads. With
         no usage to read, the worst case stood: a request the replica refused (max_tokens past its context: a 400)
-        cost the tenant its whole bucket. Refused, or failed before the replica answered: nothing to charge. Ended
-        early, by the client or after the replica's 2xx: the expected output, not the worst case (a client that
-        stops reading a large answer is cut by Envoy's stream_idle_timeout, reported like a replica that failed
-        mid-answer, and a full refund made such answers free)."""
+        cost the tenant its whole bucket. Refused, or failed before the replica answered: nothing to charge, to
+        the tenant or to its session's GPU-seconds per minute. Ended early, by the client or after the replica's
+        2xx: the expected output, not the worst case (a client that stops reading a large answer is cut by Envoy's
+        stream_idle_timeout, reported like a replica that failed mid-answer, and a full refund made such answers
+        free)."""
         t, charge = c.ticket, c.ticket.charge
-        if charge.tenant is None or not t.holds_slot:
+        if not t.holds_slot:
             return
         est = charge.estimate
         status = c.status
         if status >= 400 or (c.outcome is Outcome.UPSTREAM_ERROR and not 200 <= status < 300):
-            charge.tenant.correct(charge.tokens, 0)
-        elif c.outcome in _ENDED_EARLY:
+            if charge.tenant is not None:
+                charge.tenant.correct(charge.tokens, 0)
+            if charge.session is not None:  # its GPU-seconds per minute too: one refused request took them all
+                self.state.sessions.refund_rate(charge.session, charge.session_gpu_s)
+                charge.session_gpu_s = 0.0
+        elif c.outcome in _ENDED_EARLY and charge.tenant is not None:
             charge.tenant.correct(charge.tokens, min(charge.tokens, est.prompt_tokens + math.ceil(est.expected_output)))
 
 

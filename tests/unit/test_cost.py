@@ -611,6 +611,21 @@ def test_a_reload_adding_a_session_rate_refunds_no_gpu_seconds_the_session_never
     assert math.isclose(bucket.level, 0.6)
 
 
+@pytest.mark.parametrize("status, refunded", [(400, True), (503, True), (200, False)])
+def test_a_request_the_replica_refused_does_not_spend_its_sessions_gpu_seconds(clock, status, refunded):
+    # A session's request of ~55 GPU-seconds refused by the replica (a 400: max_tokens past its context) took them
+    # from the session's 60 a minute, and the same request sent again a second later was refused 429 for 49 s
+    # (a hostile-client audit). The tenant's token bucket was already refunded for such answers.
+    core = AdmissionController(session_policy(gpu_seconds_per_minute=0.5), clock=clock)  # each: 0.3 GPU-s
+    d = core.decide(facts(4000, 200, api_key="ka", header_class="batch", session_id="s1"))
+    assert d.kind == ACCEPT
+    core.finish(d.ticket, Outcome.OK if status < 500 else Outcome.UPSTREAM_ERROR, status)
+    core.report(d.ticket.id, Completion(Outcome.OK if status < 500 else Outcome.UPSTREAM_ERROR, status, 0.01, 0.01))
+    clock.advance(1.0)
+    again = core.decide(facts(4000, 200, api_key="ka", header_class="batch", session_id="s1"))
+    assert again.kind == (ACCEPT if refunded else REJECT)
+
+
 def test_a_tenant_limits_retry_after_waits_for_the_sessions_bucket_too(clock):
     # The tenant's request is back in 1 s, the session's GPU-seconds in 12+: the 429 said 1 s, and a client that
     # honoured it was refused again by its session's budget (found by test_ratelimit_model).

@@ -146,6 +146,30 @@ def test_a_request_that_never_ran_is_not_charged_to_its_flow(clock, taken_back):
     assert q.stats["a"].inflight == 1
 
 
+@pytest.mark.parametrize("report, refunded", [
+    (Completion(Outcome.OK, 400, 0.01, 0.01), True),               # vLLM: max_tokens past its context
+    (Completion(Outcome.NOT_ROUTED, 404, 0.001, 0.001), True),     # Envoy answered without a replica
+    (Completion(Outcome.UPSTREAM_ERROR, 500, 0.5, 0.5), False),    # the engine may have run it
+    (Completion(Outcome.OK, 200, 0.1, 0.2), False)])               # served, its usage not read
+def test_a_request_the_replica_refused_is_not_charged_to_its_flow(clock, report, refunded):
+    # One request of max_tokens 2**31 (about 2e6 GPU-seconds at the estimate without max_context_tokens), refused
+    # by vLLM with a 400 before anything ran, kept its flow behind every other tenant of the class for as long as
+    # they had requests waiting: weights 2:1 were granted a a b a a b... before, b b b b b b a a a... after it
+    # (a hostile-client audit).
+    core = core_with(clock, "fair")
+    q = core.limiters["interactive"].queue
+    ask(core, "a")  # runs: the flow stays kept, with what it was served
+    vtime, served = q.flow_of("a").vtime, q.stats["a"].served_gpu_s
+    d = core.decide(RequestFacts(api_key="sk-a", model="llama", max_tokens=2**31 - 1, doc={"prompt": "x"}))
+    assert q.flow_of("a").vtime > vtime + 1000
+    core.finish(d.ticket, report.outcome, report.status)
+    core.report(d.ticket.id, report)
+    if refunded:
+        assert q.flow_of("a").vtime == pytest.approx(vtime) and q.stats["a"].served_gpu_s == pytest.approx(served)
+    else:
+        assert q.flow_of("a").vtime > vtime + 1000
+
+
 def test_a_request_that_never_ran_is_refunded_under_the_label_it_was_served_under(clock):
     # A reload removed its tenant while it ran: its key's label is now "other", which never served it.
     core = core_with(clock, "fair")
