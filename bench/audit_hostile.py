@@ -766,10 +766,105 @@ def fair_queue_after_a_refused_request() -> None:
         print("ok   the refused request left no lasting charge")
 
 
+async def run_fair_stack(a: Audit, policy_path: Path) -> None:
+    """The fair-queue finding end to end: a `fair` batch class with one slot, acme (weight 2) and beta; beta queues 6
+    requests, then acme 6. The order the replica sees them, before and after acme sent one request the replica
+    refused with 400 (here the test upstream's x-test-status; vLLM answers a max_tokens past its context so)."""
+    print("\n== fair queue through Envoy: the order the replica serves two backlogged tenants ==")
+    good = policy_path.read_text()
+    doc = yaml.safe_load(good)
+    doc["tenants"] = [{"name": "acme", "api_keys": ["sk-acme-1"], "max_class": "batch", "default_class": "batch",
+                       "weight": 2},
+                      {"name": "beta", "api_keys": ["sk-beta-1"], "max_class": "batch", "default_class": "batch"}]
+    doc["classes"]["batch"] = {"max_concurrency": 1, "max_queue": 50, "max_wait_ms": 29000,
+                               "fairness": {"mode": "fair"}}
+    policy_path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    os.kill(a.stack.process("extproc").popen.pid, signal.SIGHUP)
+    await asyncio.sleep(1.0)
+    port = a.stack.listen_port
+
+    def req(key: str, delay_ms: int, extra=(), body: bytes | None = None) -> bytes:
+        return head(b"POST", b"/v1/chat/completions", [CT, (b"authorization", b"Bearer " + key.encode()),
+                                                       (b"x-test-delay-ms", str(delay_ms).encode()),
+                                                       (b"x-test-tokens", b"2"), *extra], body or j(chat()))
+
+    async def scenario() -> list[str]:
+        before = len(await upstream_seen(a.upstream))
+        blocker = asyncio.ensure_future(exchange(port, req("sk-beta-1", 800), 30))
+        await asyncio.sleep(0.2)
+        rest = []
+        for key in ["sk-beta-1"] * 6 + ["sk-acme-1"] * 6:
+            rest.append(asyncio.ensure_future(exchange(port, req(key, 150), 30)))
+            await asyncio.sleep(0.02)
+        await asyncio.gather(blocker, *rest)
+        seen = (await upstream_seen(a.upstream))[before:]
+        who = []
+        for r in seen:
+            auth = dict(r.get("values", [])).get("authorization", "")
+            who.append("acme" if "acme" in auth else "beta" if "beta" in auth else "?")
+        return who[1:]  # the blocker aside
+
+    clean = await scenario()
+    print(f"     before: {clean}")
+    st, hs, body, _ = await exchange(port, req("sk-acme-1", 0, [(b"x-test-status", b"400")],
+                                               j(chat(max_tokens=2**31 - 1))))
+    print(f"     acme's one refused request: {st} {body[:100]!r}")
+    await asyncio.sleep(1.5)
+    after = await scenario()
+    print(f"     after:  {after}")
+    await asyncio.sleep(5.0)
+    print(f"     5 s later, the same backlog again: {await scenario()}")
+    policy_path.write_text(good)
+    os.kill(a.stack.process("extproc").popen.pid, signal.SIGHUP)
+    await asyncio.sleep(1.0)
+    await a.check("fair queue scenario", 200, {}, b"", None)
+    if after[:6].count("acme") == 0 and clean[:6].count("acme") >= 2:
+        FLAGS.append(f"fair queue through Envoy: acme (weight 2) served {after} after one refused request, "
+                     f"{clean} before it")
+        print("FLAG acme is served only once beta has nothing left waiting")
+
+
+def session_bucket_after_a_refused_request() -> None:
+    """Sans-IO: a session (x-session-id) with `gpu_seconds_per_minute: 60` sends one ~55 GPU-s request the replica
+    refuses with 400, then another alike 1 s later. The tenant's token bucket is refunded for such a 400
+    (outcomes.py _settle_without_usage); the session's per-minute bucket is not (charging.py refunds it only for a
+    request that never went upstream), so the second is refused for ~49 s although nothing ran."""
+    from extproc.policy.admission import AdmissionController, RequestFacts
+    from extproc.policy.limits import Outcome
+    from extproc.policy.schema import load_policy
+    from tests.conftest import FakeClock
+
+    print("\n== session GPU-seconds bucket after one request the replica refused (core, sans-IO) ==")
+    got = {}
+    for label, status in (("nothing before", None), ("one refused (400) before", 400)):
+        clock = FakeClock()
+        core = AdmissionController(load_policy(policy_doc(STACK, sessions={"gpu_seconds_per_minute": 60})),
+                                   clock=clock)
+
+        def facts() -> RequestFacts:
+            f = RequestFacts(api_key="sk-acme-1", model="llama-70b", max_tokens=50_000, session_id="agent-1")
+            f.sequences, f.prompts, f.generates = 1, 1, True
+            return f
+
+        if status is not None:
+            d = core.decide(facts())
+            clock.advance(0.05)
+            core.finish(d.ticket, Outcome.OK, status)
+        clock.advance(1.0)
+        d = core.decide(facts())
+        got[label] = (type(d).__name__, getattr(d, "reason", None), getattr(d, "retry_after", None))
+        print(f"     {label}: a 55 GPU-s request of the session -> {got[label]}")
+    if got["one refused (400) before"][0] == "Refusal":
+        FLAGS.append("session bucket: a request the replica refused (400) keeps its GPU-seconds charged: the "
+                     f"session's next request is refused {got['one refused (400) before']}")
+        print("FLAG the session paid for a request that never ran")
+
+
 async def main(only: str | None) -> int:
     exit_on_stop_signals()
-    if only is None or only in "fair":
+    if only is None or only == "fair":
         fair_queue_after_a_refused_request()
+        session_bucket_after_a_refused_request()
         if only is not None:
             return 1 if FLAGS else 0
     os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
@@ -787,6 +882,8 @@ async def main(only: str | None) -> int:
                     await fn(a)
             if only is None or only in "reload":
                 await run_reload(a, policy_path)
+            if only is None or only in "fair_stack":
+                await run_fair_stack(a, policy_path)
             ok = stack.process("extproc").alive() and stack.process("envoy").alive()
             print(f"\nprocesses alive at the end: {ok}")
             if not ok:
