@@ -763,11 +763,12 @@ async def run_reload(a: Audit, policy_path: Path) -> None:
 def fair_queue_after_a_refused_request() -> None:
     """Sans-IO, on the core: a `fair` class with one slot, tenants acme (weight 2) and beta (weight 1), both
     backlogged (beta queued first). Before the backlog acme sent ONE request the replica refused at once (status 400:
-    vLLM refuses a max_tokens past its context before it runs anything). The token bucket is refunded for such a
-    400 (outcomes.py _settle_without_usage); the fair queue's virtual time is not (outcomes.py _settle_unread keeps
-    the estimate), so acme, which should get 2 grants in 3, gets none while beta has any waiting."""
+    vLLM refuses a max_tokens past its context before it runs anything). Its charge (about 2e6 GPU-seconds at the
+    estimate) must go back (outcomes.py CostLearning._refund_refused): kept, acme, due 2 grants in 3, got none
+    while beta had any waiting. A 5xx and a client abort stay charged (the engine may have run them); they are
+    printed, not judged."""
     from extproc.policy.admission import AdmissionController, RequestFacts
-    from extproc.policy.limits import Outcome
+    from extproc.policy.limits import Completion, Outcome
     from extproc.policy.schema import load_policy
     from tests.conftest import FakeClock
 
@@ -789,6 +790,7 @@ def fair_queue_after_a_refused_request() -> None:
             d = core.decide(facts("sk-acme", 2**31 - 1))
             clock.advance(0.01)
             core.finish(d.ticket, outcome, first_status)
+            core.report(d.ticket.id, Completion(outcome, first_status, 0.01, 0.01))  # Envoy's access log
         ticket = core.decide(facts("sk-beta")).ticket  # holds the slot while the others queue
         granted: list[tuple[str, object]] = []  # (tenant, decision) in grant order
         for _ in range(6):
@@ -886,7 +888,7 @@ def session_bucket_after_a_refused_request() -> None:
     (outcomes.py _settle_without_usage); the session's per-minute bucket is not (charging.py refunds it only for a
     request that never went upstream), so the second is refused for ~49 s although nothing ran."""
     from extproc.policy.admission import AdmissionController, RequestFacts
-    from extproc.policy.limits import Outcome
+    from extproc.policy.limits import Completion, Outcome
     from extproc.policy.schema import load_policy
     from tests.conftest import FakeClock
 
@@ -906,6 +908,7 @@ def session_bucket_after_a_refused_request() -> None:
             d = core.decide(facts())
             clock.advance(0.05)
             core.finish(d.ticket, Outcome.OK, status)
+            core.report(d.ticket.id, Completion(Outcome.OK, status, 0.05, 0.05))  # Envoy's access log
         clock.advance(1.0)
         d = core.decide(facts())
         got[label] = (type(d).__name__, getattr(d, "reason", None), getattr(d, "retry_after", None))
