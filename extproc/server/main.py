@@ -37,6 +37,7 @@ from ..telemetry import StoreTelemetry, Telemetry
 from .accesslog import AccessLogReceiver, ReportRelay, TicketTags
 from .clusters import ClusterCheck
 from .loop_lag import probe_loop_lag
+from .protocol import MAX_BODY_BYTES, MAX_PENDING_BODIES, grpc_receive_limit
 from .saturation import SaturationScrapers, host_port, split_host_port
 from .servicer import ExtProcServicer
 
@@ -60,9 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ext_proc gRPC listen address (default 127.0.0.1:50051)")
     p.add_argument("--metrics", type=split_host_port, default=("127.0.0.1", 9090), metavar="HOST:PORT",
                    help="HTTP /metrics and /healthz address (default 127.0.0.1:9090; keep it off public interfaces)")
-    p.add_argument("--max-body-bytes", type=int, default=4 << 20,
+    p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
                    help="largest request body accepted (match Envoy's per_connection_buffer_limit_bytes)")
-    p.add_argument("--max-pending-bodies", type=int, default=10_000, metavar="N",
+    p.add_argument("--max-pending-bodies", type=int, default=MAX_PENDING_BODIES, metavar="N",
                    help="requests whose body has not arrived yet held at once (default 10,000); past it new requests "
                         "get 503 bodies_pending: held streams must not fill Envoy's extproc circuit breaker "
                         "(100,000), past which failure_mode_allow lets requests through unadmitted")
@@ -96,12 +97,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 GRPC_MAX_STREAMS = 100_000
 
 
-def grpc_receive_limit(max_body_bytes: int) -> int:
-    """The largest message taken from Envoy: a request body (within --max-body-bytes, Envoy's buffer at most), or a
-    piece of an answer read as it comes (STREAMED): what Envoy held while the response headers' answer was on its
-    way, or one read from the replica, 1 MiB seen under a 256 KiB buffer. A larger one fails the stream, and failing
-    closed Envoy cuts the client's answer: under 8 MiB the bound is the one --max-body-bytes' default has."""
-    return max(2 * max_body_bytes, 8 << 20) + (64 << 10)
 
 
 class Server:

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from extproc.policy.schema import ClassSpec, Policy, PolicyError, load_policy_file, policy_warnings
+from extproc.server.protocol import MAX_BODY_BYTES, MAX_PENDING_BODIES
 from extproc.tools import envoylint
 
 
@@ -15,6 +16,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also refuse models whose `cluster` this Envoy config's static_resources does not define, "
                         "and routes or filter settings that let requests reach those clusters unadmitted "
                         "(e.g. envoy/envoy.yaml)")
+    p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, metavar="N",
+                   help="with --envoy: the ext_proc's `serve --max-body-bytes` (Envoy's body buffers must stay "
+                        "within its gRPC receive limit)")
+    p.add_argument("--max-pending-bodies", type=int, default=MAX_PENDING_BODIES, metavar="N",
+                   help="with --envoy: the ext_proc's `serve --max-pending-bodies` (the ext_proc cluster's circuit "
+                        "breaker must stay above it)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -36,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{args.envoy}: {e}", file=sys.stderr)
             return 2
     failed = False
-    needs = _EnvoyNeeds()
+    needs = _EnvoyNeeds(args.max_body_bytes, args.max_pending_bodies)
     for path in args.files:
         try:
             policy = load_policy_file(path)
@@ -62,7 +69,9 @@ def run(args: argparse.Namespace) -> int:
 class _EnvoyNeeds:
     """What the valid policies checked need of the Envoy config (any of them may run behind it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_body_bytes: int, max_pending_bodies: int) -> None:
+        self.max_body_bytes = max_body_bytes  # the ext_proc's serve flags of those names
+        self.max_pending_bodies = max_pending_bodies
         self.pools: set[str] = set()
         self.admitted = 0             # the most requests a policy admits at once
         self.longest_wait_s = 0.0     # the longest a policy lets a request queue
@@ -93,7 +102,7 @@ def _report_envoy(path: str, cfg: dict, needs: _EnvoyNeeds) -> bool:
     does."""
     try:
         found = envoylint.lint(cfg, needs.pools, needs.admitted, needs.longest_wait_s, tuple(sorted(needs.reads)),
-                               needs.store_call_s)
+                               needs.store_call_s, needs.max_body_bytes, needs.max_pending_bodies)
     except (AttributeError, TypeError, KeyError, StopIteration, ValueError) as e:  # a shape Envoy would refuse
         print(f"{path}: invalid: its listeners are not an Envoy config this check can read ({e!r}); validate it "
               "with `envoy --mode validate -c` first", file=sys.stderr)

@@ -16,7 +16,8 @@ from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import Proces
 
 from extproc.policy.schema import READ_HEADERS
 from extproc.server.accesslog import TICKET_HEADER
-from extproc.server.protocol import CLUSTER_HEADER, REPLICA_HEADER
+from extproc.server.protocol import (CLUSTER_HEADER, MAX_BODY_BYTES, MAX_PENDING_BODIES, REPLICA_HEADER,
+                                     grpc_receive_limit)
 from extproc.server.servicer import QUEUE_GRACE_S
 from extproc.tools.envoyconf import seconds
 
@@ -48,11 +49,13 @@ TAGS = (REPLICA_HEADER, "x-extproc-class", "x-extproc-decision", "x-extproc-queu
 
 
 def lint(cfg: dict[str, Any], pools: set[str], admitted: int = 0, longest_wait_s: float = 0.0,
-         reads: tuple[str, ...] = READS, store_call_s: float = 0.0) -> Findings:
+         reads: tuple[str, ...] = READS, store_call_s: float = 0.0, max_body_bytes: int = MAX_BODY_BYTES,
+         max_pending_bodies: int = MAX_PENDING_BODIES) -> Findings:
     """What in `cfg` lets requests for the clusters in `pools` (the policy's) around admission; `admitted` is how
     many requests the policy admits at once at most (check._most_held summed), `longest_wait_s` the longest a
     request may queue (its classes' max_wait_ms), `reads` the request headers the ext_proc reads, `store_call_s` the
-    longest a shared store's call may take (`store.timeout_ms`; 0: no shared store)."""
+    longest a shared store's call may take (`store.timeout_ms`; 0: no shared store); `max_body_bytes` and
+    `max_pending_bodies` are `extproc serve`'s flags of those names."""
     found = Findings()
     refused: list[str] = []
     cfg = as_envoy_reads(cfg, refused)
@@ -62,11 +65,132 @@ def lint(cfg: dict[str, Any], pools: set[str], admitted: int = 0, longest_wait_s
     if (cfg.get("dynamic_resources") or {}).get("lds_config") is not None:
         found.warnings.append("dynamic_resources.lds_config: its listeners come from LDS and are not checked: check "
                               "the listeners it serves against docs/envoy-integration.md")
+    reaching = pool_clusters(cfg, pools)
     for where, hcm in _connection_managers(cfg):
-        _lint_hcm(where, hcm, pools, longest_wait_s, reads, store_call_s, found)
-    _lint_tcp_proxies(cfg, pools, found)
+        _lint_hcm(where, hcm, reaching, longest_wait_s, reads, store_call_s, found)
+    _lint_tcp_proxies(cfg, reaching, found)
     _lint_pool_breakers(cfg, pools, admitted, found)
+    _lint_buffers(cfg, reaching, grpc_receive_limit(max_body_bytes), found)
+    _lint_ext_proc_breakers(cfg, reaching, admitted + max_pending_bodies, found)
     return found
+
+
+# Cluster types that pick their host per request (from the request's Host, or its original destination): a route
+# to one reaches any address, a pool's replicas included.
+ANY_HOST = frozenset({"envoy.clusters.dynamic_forward_proxy", "ORIGINAL_DST"})
+
+
+def pool_clusters(cfg: dict[str, Any], pools: set[str]) -> set[str]:
+    """The clusters that reach a pool's replicas: the policy's, any other with one of their endpoints (a second
+    Service over the same pods: an /internal/ route to one, the ext_proc off, reached the 70B replicas
+    unadmitted), and any that picks its host per request (an egress port's dynamic forward proxy took
+    `Host: <replica>` to the replica unadmitted; both measured through Envoy 1.40)."""
+    clusters = [c for c in (cfg.get("static_resources") or {}).get("clusters") or [] if isinstance(c, dict)]
+    ends = {c.get("name"): _endpoints(c) for c in clusters}
+    pooled = {e for name in pools for e in ends.get(name, ())}
+    out = set(pools)
+    for c in clusters:
+        name = c.get("name")
+        if isinstance(name, str) and name not in out and (ends[name] & pooled or _any_host(c)):
+            out.add(name)
+    return out
+
+
+def _endpoints(c: dict[str, Any]) -> set[tuple[str, Any]]:
+    """(address, port) of a cluster's static endpoints (a DNS name for STRICT_DNS / LOGICAL_DNS)."""
+    out = set()
+    for group in (c.get("load_assignment") or {}).get("endpoints") or []:
+        for lb in group.get("lb_endpoints") or []:
+            sock = (((lb.get("endpoint") or {}).get("address") or {}).get("socket_address") or {})
+            if sock.get("address") is not None:
+                out.add((str(sock["address"]).lower(), sock.get("port_value")))
+    return out
+
+
+def _any_host(c: dict[str, Any]) -> bool:
+    kind = c.get("cluster_type") or {}
+    return c.get("type") in ANY_HOST or kind.get("name") in ANY_HOST or \
+        str((kind.get("typed_config") or {}).get("@type", "")).endswith("dynamic_forward_proxy.v3.ClusterConfig")
+
+
+def _lint_buffers(cfg: dict[str, Any], pools: set[str], receive: int, found: Findings) -> None:
+    """Envoy buffers a request body up to the listener's per_connection_buffer_limit_bytes (or a route's
+    request_body_buffer_limit) and sends it to the ext_proc in one message. One past the ext_proc's gRPC receive
+    limit fails its stream, and failure_mode_allow sends the request on undecided (32 MiB for base64 images: a
+    9 MiB chat body reached the replica unadmitted, measured through Envoy 1.40)."""
+    for listener in (cfg.get("static_resources") or {}).get("listeners") or []:
+        where = f"listener {listener.get('name', '?')!r}"
+        own = listener.get("per_connection_buffer_limit_bytes", 1 << 20)
+        for hcm in _hcms_of(listener):
+            if not _fails_open(hcm) or not _reaches(hcm, pools):
+                continue
+            limits = [("per_connection_buffer_limit_bytes", own)]
+            for vh in (hcm.get("route_config") or {}).get("virtual_hosts") or []:
+                for scope in (vh, *(vh.get("routes") or [])):
+                    for key in ("request_body_buffer_limit", "per_request_buffer_limit_bytes"):
+                        if key in scope:
+                            limits.append((f"{key} of {_scope_name(scope)}", scope[key]))
+            for key, value in limits:
+                if isinstance(value, int) and value > receive:
+                    found.errors.append(
+                        f"{where}: {key} {value:,} is past the ext_proc's gRPC receive limit ({receive:,} bytes at "
+                        "its --max-body-bytes): a body that large fails the ext_proc's stream, and "
+                        "failure_mode_allow sends the request on unadmitted. Keep it at or below --max-body-bytes "
+                        "(raise that flag, and pass it to this check, for larger bodies)")
+
+
+def _lint_ext_proc_breakers(cfg: dict[str, Any], pools: set[str], need: int, found: Findings) -> None:
+    """Each request holds an ext_proc stream from its headers to its end, a body that never comes too; past the
+    ext_proc cluster's circuit breaker Envoy does not ask the ext_proc, and failure_mode_allow sends the request on
+    (Envoy's default of 1,024: past 1,024 held uploads a chat request reached the replica unadmitted, measured).
+    The breaker must stay above what the ext_proc holds before it refuses new requests itself
+    (--max-pending-bodies) plus what it admits."""
+    clusters = {c.get("name"): c for c in (cfg.get("static_resources") or {}).get("clusters") or []
+                if isinstance(c, dict)}
+    seen = set()
+    for where, hcm in _connection_managers(cfg):
+        if not _fails_open(hcm) or not _reaches(hcm, pools):
+            continue
+        name = ((_ext_proc_config(hcm).get("grpc_service") or {}).get("envoy_grpc") or {}).get("cluster_name")
+        if name not in clusters or name in seen:
+            continue
+        seen.add(name)
+        thresholds = next((t for t in (clusters[name].get("circuit_breakers") or {}).get("thresholds") or []
+                           if t.get("priority", "DEFAULT") in ("DEFAULT", 0)), {})
+        low = {k: thresholds.get(k, 1024) for k in ("max_connections", "max_pending_requests", "max_requests")
+               if thresholds.get(k, 1024) < need}
+        if low:
+            found.errors.append(
+                f"cluster {name!r} (the ext_proc's): circuit_breakers {', '.join(f'{k} {v}' for k, v in low.items())} "
+                f"(1024 when unset) below {need:,}, the requests the ext_proc may hold (--max-pending-bodies plus "
+                "what the policy admits): past its breaker Envoy does not ask the ext_proc, and failure_mode_allow "
+                "sends requests on unadmitted (envoy.yaml sets 100,000)")
+
+
+def _hcms_of(listener: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    chains = list(listener.get("filter_chains") or [])
+    if listener.get("default_filter_chain"):
+        chains.append(listener["default_filter_chain"])
+    for chain in chains:
+        for f in chain.get("filters") or []:
+            tc = f.get("typed_config") or {}
+            if f.get("name") == "envoy.filters.network.http_connection_manager" or tc.get("@type") == HCM_TYPE:
+                yield tc
+
+
+def _fails_open(hcm: dict[str, Any]) -> bool:
+    """Whether the connection manager has an ext_proc that sends requests on when it fails (failure_mode_allow)."""
+    return any((f.get("typed_config") or {}).get("@type") == EXT_PROC_TYPE and
+               (f.get("typed_config") or {}).get("failure_mode_allow") for f in hcm.get("http_filters") or [])
+
+
+def _reaches(hcm: dict[str, Any], pools: set[str]) -> bool:
+    return any(_pool(c, pools) for vh in (hcm.get("route_config") or {}).get("virtual_hosts") or []
+               for r in vh.get("routes") or [] for c in _targets(r))
+
+
+def _scope_name(scope: dict[str, Any]) -> str:
+    return f"virtual host {scope['name']!r}" if "domains" in scope else f"route ({_show_match(scope)})"
 
 
 # Enum fields this check compares by name. Envoy's parser also takes an enum by number and in any case.
@@ -102,6 +226,7 @@ def as_envoy_reads(cfg: Any, refused: list[str] | None = None) -> Any:
         parent, key, where = todo.pop()
         value = parent[key]
         if isinstance(value, dict):
+            value = _unwrapped(value)
             value = {k: _spelled(k, v) for k, v in value.items() if v is not None}
             todo.extend((value, k, f"{where}.{k}".lstrip(".")) for k in value if k not in FREE_FORM)
             if refused is not None:
@@ -111,6 +236,18 @@ def as_envoy_reads(cfg: Any, refused: list[str] | None = None) -> Any:
             todo.extend((value, i, f"{where}[{i}]") for i in range(len(value)))
         parent[key] = value
     return root[0]
+
+
+# A config written as a TypedStruct ({type_url, value}) is the message `type_url` names, with `value`'s fields:
+# read as written, a connection manager spelled so was no connection manager here, and a second port routed to a
+# pool without the ext_proc passed (measured through Envoy 1.40).
+TYPED_STRUCTS = frozenset({"type.googleapis.com/xds.type.v3.TypedStruct", "type.googleapis.com/udpa.type.v1.TypedStruct"})
+
+
+def _unwrapped(value: dict[str, Any]) -> dict[str, Any]:
+    if value.get("@type") not in TYPED_STRUCTS or not isinstance(value.get("value", {}), dict):
+        return value
+    return {**(value.get("value") or {}), "@type": value.get("type_url", "")}
 
 
 # google.protobuf.Struct fields: their keys are the user's, not Envoy's field names.
@@ -197,10 +334,9 @@ def _network_filters(cfg: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]
 
 
 def _connection_managers(cfg: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
-    for where, f in _network_filters(cfg):
-        tc = f.get("typed_config") or {}
-        if f.get("name") == "envoy.filters.network.http_connection_manager" or tc.get("@type") == HCM_TYPE:
-            yield where, tc
+    for listener in ((cfg.get("static_resources") or {}).get("listeners")) or []:
+        for tc in _hcms_of(listener):
+            yield f"listener {listener.get('name', '?')!r}", tc
 
 
 def _lint_tcp_proxies(cfg: dict[str, Any], pools: set[str], found: Findings) -> None:
@@ -238,7 +374,9 @@ def _lint_hcm(where: str, hcm: dict[str, Any], pools: set[str], longest_wait_s: 
     ext = (name, ((_ext_proc_config(hcm).get("grpc_service") or {}).get("envoy_grpc") or {}).get("cluster_name", ""),
            any(f.get("name") == name and f.get("disabled") for f in hcm.get("http_filters") or []))
     _lint_waits(where, hcm, longest_wait_s, found)
+    _lint_message_timeout(where, hcm, found)
     _lint_store_call(where, hcm, store_call_s, found)
+    _lint_internal_addresses(where, hcm, found)
     _lint_headers(where, _ext_proc_config(hcm), reads, found)
     _lint_early_mutation(where, hcm, reads, found)
     for vh in rc.get("virtual_hosts") or []:
@@ -353,6 +491,45 @@ def _lint_waits(where: str, hcm: dict[str, Any], longest_wait_s: float, found: F
                                   "stream_idle_timeout")
 
 
+# The shortest message_timeout a failing-open ext_proc may have: Envoy's own default. A decision takes microseconds,
+# but a GC pause or a busy CPU delays its answer: at 10 ms, 246 of 300 concurrent requests against a cap of 3
+# reached the replicas unadmitted (shipped 0.5 s: none; measured through Envoy 1.40).
+MIN_MESSAGE_TIMEOUT_S = 0.2
+
+
+def _lint_message_timeout(where: str, hcm: dict[str, Any], found: Findings) -> None:
+    tc = _ext_proc_config(hcm)
+    own = _message_timeout(tc)
+    if tc.get("failure_mode_allow") and own is not None and 0 < own < MIN_MESSAGE_TIMEOUT_S:
+        found.errors.append(f"{where}: ext_proc message_timeout {own:g}s is under {MIN_MESSAGE_TIMEOUT_S:g}s: an "
+                            "answer delayed past it (a GC pause, a busy CPU) and failure_mode_allow sends the request "
+                            "on unadmitted (at 10 ms, 246 of 300 concurrent requests went through unadmitted); "
+                            "envoy.yaml sets 0.5s")
+
+
+# Headers Envoy honours from an internal client (internal_address_config) that make one admitted request run
+# several times at once, or be cut and rerun.
+ENVOY_RETRY_HEADERS = ("x-envoy-retry-on", "x-envoy-retry-grpc-on", "x-envoy-max-retries",
+                       "x-envoy-upstream-rq-per-try-timeout-ms", "x-envoy-hedge-on-per-try-timeout")
+
+
+def _lint_internal_addresses(where: str, hcm: dict[str, Any], found: Findings) -> None:
+    """A client Envoy counts as internal (internal_address_config; by the peer's address with use_remote_address,
+    else by the x-forwarded-for it sends) has its x-envoy-* request headers honoured: one admitted request with
+    x-envoy-retry-on, a short per-try timeout and x-envoy-hedge-on-per-try-timeout ran three times at once on one
+    slot (measured through Envoy 1.40). Unless the connection manager removes those headers first."""
+    internal = hcm.get("internal_address_config") or {}
+    if not internal.get("cidr_ranges") and not internal.get("unix_sockets"):
+        return
+    matchers = _early_removals(hcm)
+    kept = [h for h in ENVOY_RETRY_HEADERS if not any(_string_matches(m, h) for m in matchers)]
+    if kept:
+        found.errors.append(f"{where}: internal_address_config makes some clients internal, and Envoy honours their "
+                            f"{', '.join(kept)}: one admitted request runs several times at once on one slot (3 "
+                            "measured). Remove them with early_header_mutation_extensions (e.g. the prefix "
+                            "x-envoy-), or leave internal_address_config out")
+
+
 def _lint_store_call(where: str, hcm: dict[str, Any], store_call_s: float, found: Findings) -> None:
     """A request admitted at once asks the shared store for its global slot before the ext_proc's first answer,
     with no extension yet (FinalAdmission.settle): Envoy's message_timeout must outlast that call."""
@@ -447,13 +624,18 @@ def _matches_regex(regex: str | None, value: str) -> bool:
         return False
 
 
+def _early_removals(hcm: dict[str, Any]) -> list[dict[str, Any]]:
+    """The header-name matchers the connection manager's early header mutations remove."""
+    mutations = [m for ext in hcm.get("early_header_mutation_extensions") or []
+                 for m in (ext.get("typed_config") or {}).get("mutations") or []]
+    return [{"exact": m["remove"]} if "remove" in m else ((m.get("remove_on_match") or {}).get("key_matcher") or {})
+            for m in mutations]
+
+
 def _lint_early_mutation(where: str, hcm: dict[str, Any], reads: tuple[str, ...], found: Findings) -> None:
     """Clients must not send our headers. The ext_proc overwrites them on what it admits (measured), so this matters
     while it fails open: then a forged x-extproc-cluster picks the pool. Nor may it remove one the ext_proc reads."""
-    mutations = [m for ext in hcm.get("early_header_mutation_extensions") or []
-                 for m in (ext.get("typed_config") or {}).get("mutations") or []]
-    matchers = [{"exact": m["remove"]} if "remove" in m else ((m.get("remove_on_match") or {}).get("key_matcher") or {})
-                for m in mutations]
+    matchers = _early_removals(hcm)
     for h in reads:  # (an x-request-id removed this early is generated anew by the connection manager)
         if h != "x-request-id" and any(_string_matches(m, h) for m in matchers):
             found.errors.append(f"{where}: early_header_mutation_extensions remove {h} before the ext_proc reads it: "
@@ -481,6 +663,14 @@ def _lint_vhost(where: str, vh: dict[str, Any], rc: dict[str, Any], ext: tuple[s
         if targets and _read_only(r) and (r.get("match") or {}).get("path") == "/v1/models" and off is not None:
             found.warnings.append(f"{what}: the ext_proc is off there, so GET /v1/models lists the models of "
                                   f"{', '.join(targets)} only: leave it on, and it lists every model it routes")
+        if not targets and first is not None and i < first and _targets(r) and off is None:
+            # A canary by header ahead of the header route: a request it matches is admitted and counted against
+            # the pool the ext_proc picked, then runs here (measured through Envoy 1.40).
+            found.errors.append(f"{what} comes before the route on the {CLUSTER_HEADER} header with the ext_proc on: "
+                                f"an admitted request it matches runs on {', '.join(_targets(r))}, not on the pool "
+                                "the ext_proc counted it against (move it after that route, or name the canary's "
+                                "cluster as a model's pool in the policy)")
+            continue
         if not targets or _read_only(r):  # no admitted request is a GET on those exact paths
             continue
         if off == "disabled":
@@ -501,9 +691,12 @@ def _lint_vhost(where: str, vh: dict[str, Any], rc: dict[str, Any], ext: tuple[s
                             f"{', '.join(sorted(static))} by their path, not on the pool the ext_proc picked and "
                             "counted them against (add envoy.yaml's first route, first)")
     if first is not None and not _matches_everything(routes[first]):
-        found.warnings.append(f"{where}, route {first} ({_show_match(routes[first])}): the route on "
-                              f"{CLUSTER_HEADER} should match every path (prefix /): admitted requests it misses run "
-                              "on a static route's cluster, not on the pool the ext_proc picked")
+        # An error since an audit ran it (Envoy 1.40): narrowed to /v1/, an /invocations request admitted for
+        # llama-8b (counted against its pool) ran on the 70B pool's static route.
+        found.errors.append(f"{where}, route {first} ({_show_match(routes[first])}): the route on "
+                            f"{CLUSTER_HEADER} must match every path (prefix /): admitted requests it misses run "
+                            "on a static route's cluster, not on the pool the ext_proc picked and counted them "
+                            "against")
 
 
 def _lint_decided_route(what: str, r: dict[str, Any], vh: dict[str, Any], off: str | None, pools: set[str],
@@ -578,9 +771,12 @@ def _per_route(per: dict[str, Any], cluster: str) -> str | None:
     if str(per.get("@type", "")).endswith("/envoy.config.route.v3.FilterConfig"):
         return _per_route(per.get("config") or {}, cluster)  # Envoy applies the config it wraps
     overrides = per.get("overrides") or {}
-    other = ((overrides.get("grpc_service") or {}).get("envoy_grpc") or {}).get("cluster_name", cluster)
-    if other != cluster:  # measured: a dead one failed open, and the request reached the replica unadmitted
-        return (f"sends its requests to another processor (cluster {other!r}): they are not admitted by this "
+    grpc = overrides.get("grpc_service") or {}
+    other = f"cluster {(grpc.get('envoy_grpc') or {}).get('cluster_name', cluster)!r}"
+    if "google_grpc" in grpc:  # measured too: a staging processor by target_uri, down, failed open
+        other = f"target_uri {(grpc['google_grpc'] or {}).get('target_uri', '?')!r}"
+    if other != f"cluster {cluster!r}":  # measured: a dead one failed open, and the request reached the replica
+        return (f"sends its requests to another processor ({other}): they are not admitted by this "
                 "policy, and while that processor fails open not at all")
     mode = overrides.get("processing_mode")
     if mode is None:  # no override: the filter's own mode holds
@@ -608,7 +804,8 @@ def _targets(r: dict[str, Any]) -> list[str]:
     if "cluster" in action:
         return [action["cluster"]]
     if "weighted_clusters" in action:
-        return [c.get("name", "?") for c in action["weighted_clusters"].get("clusters") or []]
+        return [c["name"] if "name" in c else f"the cluster named by {c.get('cluster_header', '?')}"
+                for c in action["weighted_clusters"].get("clusters") or []]
     if "cluster_header" in action:
         return [f"the cluster named by {action['cluster_header']}"]
     return ["a cluster picked per request"]

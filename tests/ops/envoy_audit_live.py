@@ -1,4 +1,5 @@
-"""The live half of tests/ops/test_envoy_check_audit.py: each variant the checker accepts, applied to a local stack
+"""The live half of tests/ops/test_envoy_check_audit.py: each variant shown to bypass admission (the check accepted
+them until stop 56 and refuses them since) and a few safe ones, applied to a local stack
 (real Envoy + the ext_proc + two test upstreams standing in for the 70B and 8B pools), and the request that shows
 where it went. Prints one JSON line per variant with the evidence: the response status, what each upstream saw
 (ticket or not), and the ext_proc's decisions (extproc_requests_total) and unadmitted count around the request.

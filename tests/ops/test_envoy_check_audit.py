@@ -2,10 +2,11 @@
 produces (a second port, a renamed filter, a bigger buffer, an internal route, a canary, a forward proxy), each run
 through the checker as a user runs it (`python -m extproc.cli check --envoy FILE policies/default.yaml`).
 
-Each variant's test asserts the checker's verdict today. Where an accepted variant was shown through real Envoy
-1.40 to let a request reach a replica without the ext_proc's admission (or run it on another pool than it was
-counted against), the test asserts what the checker should say (refuse it, exit 1) and is marked
-`xfail(strict=True)`: it documents the gap and turns into a failure, to be unmarked, once the checker closes it.
+Each variant's test asserts the checker's verdict. Twelve variants it accepted were shown through real Envoy 1.40
+to let a request reach a replica without the ext_proc's admission (or run it on another pool than it was counted
+against); it refuses each since (their `bypass` says what was shown, `error` what the check now says). A bypass
+found later and not closed yet is listed with `refused=False` and its `bypass`: marked `xfail(strict=True)`, it
+documents the gap and fails once the check refuses it.
 The live proofs are in tests/ops/envoy_audit_live.py (`python -m tests.ops.envoy_audit_live`), which applies these
 same edits to a local stack's rendered config.
 """
@@ -370,6 +371,7 @@ class Variant:
     refused: bool          # the checker's verdict today (exit 1)
     bypass: str = ""       # what was shown through Envoy 1.40 (tests/ops/envoy_audit_live.py); "" if nothing
     warns: str = ""        # a warning the checker prints today, if any
+    error: str = ""        # words of the error it prints, for a variant refused
 
 
 VARIANTS = [
@@ -390,7 +392,9 @@ VARIANTS = [
     Variant(cluster_header_route_after, refused=False),
     Variant(weighted_static_route, refused=False),
     Variant(mirror_to_pool, refused=True),
-    Variant(mirror_to_shadow_cluster, refused=False, warns="which no model of the policy names"),
+    # Its shadow cluster is a copy of the 70B pool's (the same replicas): each admitted request runs twice there.
+    # A warning until stop 56 (the check compared cluster names); an error since it compares endpoints.
+    Variant(mirror_to_shadow_cluster, refused=True, error="mirrors its requests to vllm_shadow: each admitted"),
     Variant(internal_redirects, refused=False),
     Variant(retry_other_hosts, refused=False, warns="retry_policy: a retried request holds one slot"),
     Variant(hedge_on_vhost_retry_on_route, refused=True),
@@ -401,44 +405,46 @@ VARIANTS = [
     Variant(websocket_upgrades, refused=False),
     Variant(connect_route_to_pool, refused=False),
     Variant(client_replica_header, refused=False),
-    # Accepted today; each shown through Envoy 1.40 to let requests around admission (see the reasons).
     # Envoy 1.40 did NOT fall back to the canonical name: the chat request was decided (ticket), and the catch-all's
     # config no longer applies either (the check warns so): suspected, not a bypass.
     Variant(renamed_filter_canonical_key_off, refused=False, warns="a direct_response with the ext_proc on"),
-    Variant(override_google_grpc_processor, refused=False, bypass=(
+    # Accepted by the check until stop 56; each was shown through Envoy 1.40 to let requests around admission (the
+    # `bypass` text), and each is an error now (the `error` text).
+    Variant(override_google_grpc_processor, refused=True, error="another processor (target_uri", bypass=(
         "overrides.grpc_service.google_grpc to a dead staging processor: failure_mode_allow sent the POST on "
-        "without a ticket; the check reads only envoy_grpc.cluster_name")),
-    Variant(bigger_request_buffer, refused=False, bypass=(
-        "per_connection_buffer_limit_bytes 32 MiB: a 9 MiB chat body is past the ext_proc's gRPC receive limit "
-        "(8 MiB + 64 KiB), its stream fails, Envoy fails open: no decision, the replica answered it itself")),
-    Variant(bigger_route_buffer, refused=False, bypass=(
+        "without a ticket; the check read only envoy_grpc.cluster_name")),
+    Variant(bigger_request_buffer, refused=True, error="per_connection_buffer_limit_bytes 33,554,432 is past",
+            bypass=("per_connection_buffer_limit_bytes 32 MiB: a 9 MiB chat body is past the ext_proc's gRPC "
+                    "receive limit (8 MiB + 64 KiB), its stream fails, Envoy fails open: no decision")),
+    Variant(bigger_route_buffer, refused=True, error="request_body_buffer_limit of route", bypass=(
         "route request_body_buffer_limit 32 MiB: as above, per route")),
-    Variant(ext_proc_breakers_left_out, refused=False, bypass=(
+    Variant(ext_proc_breakers_left_out, refused=True, error="(the ext_proc's): circuit_breakers", bypass=(
         "the ext_proc cluster at Envoy's 1,024 requests: past 1,024 held uploads a chat request reached the replica "
-        "without a ticket (docs/envoy-integration.md piece 1 says so; the check does not look)")),
-    Variant(short_message_timeout, refused=False, bypass=(
+        "without a ticket")),
+    Variant(short_message_timeout, refused=True, error="message_timeout 0.01s is under", bypass=(
         "message_timeout 10 ms: 300 concurrent chats against a cap of 3, 246 reached the replica without a ticket "
         "(shipped 0.5 s: 0)")),
-    Variant(header_route_narrowed_to_v1, refused=False, warns="should match every path", bypass=(
+    Variant(header_route_narrowed_to_v1, refused=True, error="must match every path", bypass=(
         "route on x-extproc-cluster narrowed to /v1/: /invocations admitted for llama-8b (counted against "
         "vllm_llama8b) ran on vllm_llama70b; only a warning, exit 0")),
-    Variant(internal_route_to_sibling_cluster, refused=False, bypass=(
+    Variant(internal_route_to_sibling_cluster, refused=True, error="vllm_llama70b_internal with the ext_proc "
+            "disabled", bypass=(
         "/internal/ to a second cluster over the 70B replicas, ext_proc off: POST /internal/v1/chat/completions "
         "reached the replica without a ticket, uncounted even as unadmitted")),
-    Variant(canary_route_before_header_route, refused=False, bypass=(
+    Variant(canary_route_before_header_route, refused=True, error="comes before the route on the x-extproc-cluster header", bypass=(
         "a canary route (x-canary) ahead of the header route: admitted as llama-70b, ran on the canary cluster's "
-        "replicas; the check compares only the policy's pool names")),
-    Variant(trusted_internal_addresses, refused=False, bypass=(
-        "use_remote_address + internal_address_config 127/8: a client's x-envoy-retry-on, "
-        "x-envoy-upstream-rq-per-try-timeout-ms and x-envoy-hedge-on-per-try-timeout ran one admitted request 3 "
-        "times at once")),
-    Variant(forward_proxy_listener, refused=False, bypass=(
+        "replicas; the check compared only the policy's pool names")),
+    Variant(trusted_internal_addresses, refused=True, error="internal_address_config makes some clients internal",
+            bypass=("use_remote_address + internal_address_config 127/8: a client's x-envoy-retry-on, "
+                    "x-envoy-upstream-rq-per-try-timeout-ms and x-envoy-hedge-on-per-try-timeout ran one admitted "
+                    "request 3 times at once")),
+    Variant(forward_proxy_listener, refused=True, error="'egress' has no ext_proc filter", bypass=(
         "an egress listener with a dynamic forward proxy: Host: <replica>:<port> reached the replica without a "
         "ticket")),
-    Variant(typed_struct_listener, refused=False, bypass=(
-        "a second listener whose HCM is a TypedStruct, routed to the pool without the ext_proc: the check does not "
+    Variant(typed_struct_listener, refused=True, error="'generated' has no ext_proc filter", bypass=(
+        "a second listener whose HCM is a TypedStruct, routed to the pool without the ext_proc: the check did not "
         "recognise it; the POST reached the replica without a ticket")),
-    Variant(weighted_entry_by_header_without_ext_proc, refused=False, bypass=(
+    Variant(weighted_entry_by_header_without_ext_proc, refused=True, error="with the ext_proc disabled", bypass=(
         "a weighted_clusters entry by cluster_header with the ext_proc off: x-pool: vllm_llama70b, POST "
         "/v1/completions reached the replica without a ticket")),
 ]
@@ -458,8 +464,9 @@ def edited(v: Variant) -> dict[str, Any]:
 
 
 def _param(v: Variant):
+    # A demonstrated bypass the check still accepts documents the gap: strict, it fails once the check refuses it.
     marks = [pytest.mark.xfail(strict=True, reason=f"checker accepts a demonstrated bypass: {v.bypass}")] \
-        if v.bypass else []
+        if v.bypass and not v.refused else []
     return pytest.param(v, id=v.edit.__name__, marks=marks)
 
 
@@ -467,12 +474,14 @@ def _param(v: Variant):
 def test_check_verdict(tmp_path, variant: Variant):
     run = check(tmp_path, edited(variant))
     assert run.returncode in (0, 1), run.stderr
-    if variant.bypass:  # what the check should say: refuse the config
+    if variant.bypass and not variant.refused:  # what the check should say: refuse the config
         assert run.returncode == 1, f"accepted:\n{run.stdout}{run.stderr}"
         return
     assert (run.returncode == 1) == variant.refused, f"{run.stdout}{run.stderr}"
     if variant.warns:
         assert variant.warns in run.stderr, run.stderr
+    if variant.error:
+        assert variant.error in run.stderr, run.stderr
 
 
 def test_the_shipped_config_is_accepted(tmp_path):

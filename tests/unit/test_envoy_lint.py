@@ -517,7 +517,8 @@ def test_check_counts_what_adaptive_caps_and_degraded_slots_may_admit(tmp_path, 
             ({"a": {"max_concurrency": 600, "fallback": {"action": "degrade", "model": "llama-8b"}}}, 1200)):
         policy.write_text(yaml.safe_dump({"classes": classes, "models": {"llama-70b": {"cluster": "vllm_llama70b"},
                                                                          "llama-8b": {"cluster": "vllm_llama8b"}}}))
-        assert check.run(argparse.Namespace(files=[str(policy)], envoy=str(envoy))) == 0
+        assert check.run(argparse.Namespace(files=[str(policy)], envoy=str(envoy), max_body_bytes=4 << 20,
+                                            max_pending_bodies=10_000)) == 0
         assert f"max_requests 1000 (1024 when unset) below the {admitted} requests" in capsys.readouterr().err
 
 
@@ -818,3 +819,97 @@ def test_a_free_form_json_body_format_is_not_read_as_envoy_fields():
     mapper = hcm(cfg)["local_reply_config"]["mappers"][0]
     mapper["body_format_override"]["json_format"]["error"].update(timeout="soon", disabled="no")
     assert lint(cfg, POOLS).errors == []
+
+
+# --- the edits a hostile-eyed audit ran through Envoy 1.40 (tests/ops/test_envoy_check_audit.py runs each through
+# the CLI); here what decides each verdict ---
+
+def ext_proc_tc(cfg: dict) -> dict:
+    return next(f["typed_config"] for f in hcm(cfg)["http_filters"] if f["name"] == EXT_PROC)
+
+
+def with_cluster(cfg: dict, name: str, address: str, port: int, **extra) -> None:
+    cfg["static_resources"]["clusters"].append({
+        "name": name, "type": "STATIC", "connect_timeout": "1s", **extra,
+        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {
+            "socket_address": {"address": address, "port_value": port}}}}]}]}})
+
+
+def test_a_canary_route_ahead_of_the_pool_route_runs_admitted_requests_elsewhere_whatever_its_endpoints():
+    cfg = shipped()
+    with_cluster(cfg, "canary", "10.9.9.9", 8000)  # replicas of its own: no pool's
+    routes(cfg).insert(0, {"match": {"prefix": "/v1/", "headers": [{"name": "x-canary", "present_match": True}]},
+                           "route": {"cluster": "canary", "timeout": "0s"}})
+    assert any("route 0 (prefix /v1/ with header x-canary) comes before the route on the x-extproc-cluster header "
+               "with the ext_proc on: an admitted request it matches runs on canary" in e
+               for e in lint(cfg, POOLS).errors)
+    routes(cfg)[0]["typed_per_filter_config"] = {EXT_PROC: {"@type": PER_ROUTE, "disabled": True}}
+    assert lint(cfg, POOLS).errors == []  # not admitted and no pool's: another service, not ours to judge
+
+
+def test_a_cluster_over_a_pools_replicas_or_any_host_is_that_pool():
+    cfg = shipped()
+    pool = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "vllm_llama70b")
+    sock = pool["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+    with_cluster(cfg, "same_pods", sock["address"].upper(), sock["port_value"])
+    cfg["static_resources"]["clusters"].append({"name": "passthrough", "type": "ORIGINAL_DST",
+                                                "lb_policy": "CLUSTER_PROVIDED", "connect_timeout": "1s"})
+    off = {EXT_PROC: {"@type": PER_ROUTE, "disabled": True}}
+    for i, name in enumerate(("same_pods", "passthrough")):
+        routes(cfg).insert(1, {"match": {"prefix": f"/internal{i}/"}, "route": {"cluster": name, "timeout": "0s"},
+                               "typed_per_filter_config": off})
+    errors = lint(cfg, POOLS).errors
+    assert any("sends to same_pods with the ext_proc disabled" in e for e in errors), errors
+    assert any("sends to passthrough with the ext_proc disabled" in e for e in errors), errors
+
+
+def test_body_buffers_past_the_ext_procs_receive_limit_fail_open_only_while_it_fails_open():
+    cfg = shipped()
+    cfg["static_resources"]["listeners"][0]["per_connection_buffer_limit_bytes"] = 32 << 20
+    assert any("per_connection_buffer_limit_bytes 33,554,432 is past the ext_proc's gRPC receive limit" in e
+               for e in lint(cfg, POOLS).errors)
+    assert lint(cfg, POOLS, max_body_bytes=16 << 20).errors == []  # serve --max-body-bytes raised to match
+    ext_proc_tc(cfg)["failure_mode_allow"] = False  # a failed stream is then a 503, not a bypass
+    assert lint(cfg, POOLS).errors == []
+
+
+def test_the_ext_proc_clusters_breaker_must_stay_above_what_it_may_hold():
+    cfg = shipped()
+    extproc = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "extproc")
+    extproc["circuit_breakers"] = {"thresholds": [{"max_requests": 20_000, "max_pending_requests": 20_000,
+                                                   "max_connections": 20_000}]}
+    assert lint(cfg, POOLS, admitted=500).errors == []
+    assert any("max_requests 20000" in e for e in lint(cfg, POOLS, admitted=500, max_pending_bodies=30_000).errors)
+
+
+def test_a_short_message_timeout_fails_open_under_load():
+    cfg = shipped()
+    ext_proc_tc(cfg)["message_timeout"] = "0.05s"
+    assert any("message_timeout 0.05s is under 0.2s" in e for e in lint(cfg, POOLS).errors)
+    ext_proc_tc(cfg)["failure_mode_allow"] = False
+    assert not any("message_timeout" in e for e in lint(cfg, POOLS).errors)
+
+
+def test_internal_clients_x_envoy_retry_headers_must_be_removed_early():
+    cfg = shipped()
+    hcm(cfg)["internal_address_config"] = {"cidr_ranges": [{"address_prefix": "10.0.0.0", "prefix_len": 8}]}
+    errors = lint(cfg, POOLS).errors
+    assert any("internal_address_config makes some clients internal" in e and "x-envoy-hedge-on-per-try-timeout" in e
+               for e in errors), errors
+    mutation = hcm(cfg)["early_header_mutation_extensions"][0]["typed_config"]["mutations"]
+    mutation.append({"remove_on_match": {"key_matcher": {"prefix": "x-envoy-"}}})
+    assert lint(cfg, POOLS).errors == []
+
+
+def test_a_connection_manager_written_as_a_typed_struct_is_read_as_one():
+    cfg = shipped()
+    plain = copy.deepcopy(hcm(cfg))
+    plain["http_filters"] = [f for f in plain["http_filters"] if f["name"] != EXT_PROC]
+    del plain["@type"]
+    cfg["static_resources"]["listeners"].append({
+        "name": "generated", "address": {"socket_address": {"address": "127.0.0.1", "port_value": 8082}},
+        "filter_chains": [{"filters": [{"name": "hcm", "typed_config": {
+            "@type": "type.googleapis.com/xds.type.v3.TypedStruct",
+            "type_url": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
+                        "HttpConnectionManager", "value": plain}}]}]})
+    assert any("listener 'generated' has no ext_proc filter" in e for e in lint(cfg, POOLS).errors)

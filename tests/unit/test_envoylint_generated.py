@@ -39,7 +39,8 @@ def _run_check(cfg: Any, tmp: Path, text: str | None = None) -> tuple[int, str]:
     path.write_text(yaml.safe_dump(cfg) if text is None else text)
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        rc = check.run(argparse.Namespace(files=[POLICY], envoy=str(path)))
+        rc = check.run(argparse.Namespace(files=[POLICY], envoy=str(path), max_body_bytes=4 << 20,
+                                          max_pending_bodies=10_000))
     return rc, out.getvalue()
 
 

@@ -324,7 +324,7 @@ def load_checked(path: str):
 
 
 def check_cli(path: str, capsys) -> tuple[int, str]:
-    code = check.run(argparse.Namespace(files=[path], envoy=None))
+    code = check.run(argparse.Namespace(files=[path], envoy=None, max_body_bytes=4 << 20, max_pending_bodies=10_000))
     out = capsys.readouterr()
     text = out.out + out.err
     assert "Traceback" not in text
