@@ -97,8 +97,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 GRPC_MAX_STREAMS = 100_000
 
 
-
-
 class Server:
     """Owns the core, the servicer and the endpoints; reloads the policy on SIGHUP or file change."""
 

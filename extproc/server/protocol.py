@@ -11,6 +11,7 @@ from google.protobuf import duration_pb2
 from ..policy.admission import Decision, Refusal
 from ..policy.reasons import R_ADMISSION_ERROR, say
 from .accesslog import TICKET_HEADER, not_routed, under_filter_name
+from .openai import BadRequest, RequestBody, canned_body, error_body
 
 # `extproc serve`'s defaults for the request bodies it takes (extproc check --envoy compares Envoy's limits with them).
 MAX_BODY_BYTES = 4 << 20
@@ -23,7 +24,7 @@ def grpc_receive_limit(max_body_bytes: int) -> int:
     way, or one read from the replica, 1 MiB seen under a 256 KiB buffer. A larger one fails the stream, and failing
     closed Envoy cuts the client's answer: under 8 MiB the bound is the one --max-body-bytes' default has."""
     return max(2 * max_body_bytes, 8 << 20) + (64 << 10)
-from .openai import BadRequest, RequestBody, canned_body, error_body
+
 
 CLUSTER_HEADER = "x-extproc-cluster"
 # The replicas of the pool to send to, read by the pool clusters' override_host load balancing (envoy.yaml); set
