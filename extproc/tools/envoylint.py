@@ -241,7 +241,8 @@ def as_envoy_reads(cfg: Any, refused: list[str] | None = None) -> Any:
 # A config written as a TypedStruct ({type_url, value}) is the message `type_url` names, with `value`'s fields:
 # read as written, a connection manager spelled so was no connection manager here, and a second port routed to a
 # pool without the ext_proc passed (measured through Envoy 1.40).
-TYPED_STRUCTS = frozenset({"type.googleapis.com/xds.type.v3.TypedStruct", "type.googleapis.com/udpa.type.v1.TypedStruct"})
+TYPED_STRUCTS = frozenset({"type.googleapis.com/xds.type.v3.TypedStruct",
+                           "type.googleapis.com/udpa.type.v1.TypedStruct"})
 
 
 def _unwrapped(value: dict[str, Any]) -> dict[str, Any]:
