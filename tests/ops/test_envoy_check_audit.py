@@ -431,7 +431,8 @@ VARIANTS = [
             "disabled", bypass=(
         "/internal/ to a second cluster over the 70B replicas, ext_proc off: POST /internal/v1/chat/completions "
         "reached the replica without a ticket, uncounted even as unadmitted")),
-    Variant(canary_route_before_header_route, refused=True, error="comes before the route on the x-extproc-cluster header", bypass=(
+    Variant(canary_route_before_header_route, refused=True,
+            error="comes before the route on the x-extproc-cluster header", bypass=(
         "a canary route (x-canary) ahead of the header route: admitted as llama-70b, ran on the canary cluster's "
         "replicas; the check compared only the policy's pool names")),
     Variant(trusted_internal_addresses, refused=True, error="internal_address_config makes some clients internal",
