@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from array import array
@@ -691,19 +692,19 @@ def _whole(value: Any) -> Any:
     return value
 
 
+# A string pydantic (2.x, lax mode) reads as a whole number: ASCII digits, `_` between them, a sign, and a fraction of
+# zeros only ("20.0" is 20; "1e3", "20.", "٣" and "１２" it refuses, where Python's int() and float() took them).
+_LAX_WHOLE = re.compile(r"[+-]?[0-9](?:_?[0-9])*(?:\.0+)?")
+
+
 def _lax_int(value: Any) -> Any:
     """`value` as the int vLLM's pydantic models read in an integer field (lax mode): a whole float, a string
-    of one ("20", " 20 ", "20.0"), or a boolean (1 or 0); anything else as it is."""
+    of one ("20", " 20 ", "20.0", "1_000"), or a boolean (1 or 0); anything else as it is."""
     if type(value) is bool:
         return int(value)
     if isinstance(value, str):
-        try:
-            return int(value.strip())
-        except ValueError:
-            try:
-                value = float(value)
-            except ValueError:
-                return value
+        text = value.strip(" \t\n\r")
+        return int(text.split(".")[0]) if _LAX_WHOLE.fullmatch(text) else value
     return _whole(value)
 
 

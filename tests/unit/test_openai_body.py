@@ -211,6 +211,18 @@ def test_counts_and_caps_are_read_as_vllms_lax_integers(field, value, read):
     assert (b.max_tokens if field != "n" else b.sequences) == read
 
 
+
+@pytest.mark.parametrize("value", ["٣", "１２", "1e3", "20.", ".0", "٣.0", "20.5", "inf", "_1"])
+def test_strings_vllms_pydantic_refuses_as_integers_are_refused(value):
+    # Python's int() reads Arabic-Indic and full-width digits ("٣" is 3) and float() an exponent; pydantic 2's lax
+    # integer refuses them (checked against pydantic 2.14), so vLLM answers 400: the gateway says so first instead
+    # of holding a slot for that answer (a hostile-client audit).
+    with pytest.raises(BadRequest) as e:
+        parse({"model": "m", "messages": HI, "max_tokens": value})
+    assert e.value.param == "max_tokens"
+    assert parse({"model": "m", "messages": HI, "max_tokens": "1_000"}).max_tokens == 1000  # pydantic takes this
+
+
 @pytest.mark.parametrize("value,stream", [("yes", True), ("true", True), (1, True), ("on", True), ("no", False),
                                           ("false", False), (0, False), ("off", False), (None, False)])
 def test_stream_is_read_as_vllms_lax_boolean(value, stream):
