@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 import uuid
 from collections.abc import Container, Iterable
@@ -262,6 +263,11 @@ def _int_field(body: dict, name: str) -> int | None:
     return None if value is None else _lax_int(value, f"body.{name}")
 
 
+# What pydantic 2 parses as an integer from a string: ASCII digits with `_` between them, a sign, a fraction of zeros
+# ("٣", "1e3" and "20." it refuses; Python's int() took the first, and "20." split at its point).
+_WHOLE = re.compile(r"[+-]?[0-9](?:_?[0-9])*(?:\.0+)?")
+
+
 def _lax_int(value, loc: str) -> int:
     """Pydantic's lax integer: ints, booleans, integral floats and strings of an integer (" 5 ", "1_0", "5.0":
     differential.json's completions:prompt=[...]), or its validation error."""
@@ -275,14 +281,11 @@ def _lax_int(value, loc: str) -> int:
         raise validation_error("int_from_float", loc, "Input should be a valid integer, got a number with a "
                                "fractional part", value)
     if isinstance(value, str):
-        whole, _, zeros = value.strip().partition(".")
-        try:
-            if zeros.strip("0"):
-                raise ValueError(value)
-            return int(whole)
-        except ValueError:
-            raise validation_error("int_parsing", loc, "Input should be a valid integer, unable to parse string "
-                                   "as an integer", value) from None
+        text = value.strip(" \t\n\r")
+        if _WHOLE.fullmatch(text):
+            return int(text.split(".")[0])
+        raise validation_error("int_parsing", loc, "Input should be a valid integer, unable to parse string "
+                               "as an integer", value)
     raise validation_error("int_type", loc, "Input should be a valid integer", value)
 
 
