@@ -151,17 +151,64 @@ async def probe(name: str, s: Stack, http, a, b) -> dict:
               "sec-websocket-key": "dGhlIHNhbXBsZSBub25jZQ=="}
         async with http.get(f"{url}/v1/chat/completions", headers=ws) as r:
             out["status_get_upgrade"] = r.status
+    elif name in ("internal_route_to_aggregate", "internal_route_to_sibling_by_fqdn",
+                  "internal_route_to_sibling_port_quoted", "guardrail_ext_proc_first"):
+        out["status"] = await post(http, f"{url}/internal/v1/chat/completions", chat())
+    elif name in ("mirror_to_aggregate", "route_table_mirror_to_pool"):
+        out["status"] = await post(http, f"{url}/v1/chat/completions", chat(), **{"x-test-delay-ms": "1000"})
+        await asyncio.sleep(0.5)
+        out["upstream_a_stats"] = await stats(http, a)
+    elif name == "original_dst_lower_case":
+        out["status"] = await post(http, f"http://127.0.0.1:{s.extra_port}/v1/chat/completions", chat(),
+                                   **{"x-envoy-original-dst-host": f"{a[0]}:{a[1]}"})
+    elif name == "scoped_routes_listener":
+        out["status"] = await post(http, f"http://127.0.0.1:{s.extra_port}/v1/chat/completions", chat(),
+                                   **{"x-tenant-scope": "batch"})
+    elif name == "fail_closed_route_fails_open_big_buffer":
+        big = chat() | {"messages": [{"role": "user", "content": "x" * (9 << 20)}]}
+        out["status_9MiB"] = await post(http, f"{url}/v1/chat/completions", big)
+        # Who answered: the test upstream (aiohttp, 1 MiB body limit) means the body went past Envoy and the
+        # ext_proc to the replica; Envoy's own 413 or the ext_proc's refusal would say so.
+        out["answer_9MiB"] = {k: [v[0].get("x-extproc-reason"), v[0].get("server"), v[1][:160]]
+                              for k, v in LAST.items()}
+        LAST.clear()
+        out["upstream_a"] = [{k: x[k] for k in ("path", "ticket", "body_len")} for x in await seen(http, a)]
+    elif name in ("vhost_processor_under_route_overrides", "route_override_async_mode", "body_without_waiting",
+                  "rc_level_off_under_route_processing_mode"):
+        out["status"] = await post(http, f"{url}/v1/chat/completions", chat())
+    elif name == "internal_route_to_eds_cluster":
+        out["status"] = await post(http, f"{url}/internal/v1/chat/completions", chat())
+    elif name == "header_route_runtime_fraction":
+        out["statuses"] = [await post(http, f"{url}/v1/chat/completions", chat(model="llama-8b")) for _ in range(8)]
+    elif name == "generic_proxy_http1_listener":
+        out["status"] = await post(http, f"http://127.0.0.1:{s.extra_port}/v1/chat/completions", chat())
+    elif name in ("bigger_request_buffer_quoted", "shipped_big"):
+        big = chat() | {"messages": [{"role": "user", "content": "x" * (9 << 20)}]}
+        out["status_9MiB"] = await post(http, f"{url}/v1/chat/completions", big)
+        # Who answered: the test upstream (aiohttp, 1 MiB body limit) means the body went past Envoy and the
+        # ext_proc to the replica; Envoy's own 413 or the ext_proc's refusal would say so.
+        out["answer_9MiB"] = {k: [v[0].get("x-extproc-reason"), v[0].get("server"), v[1][:160]]
+                              for k, v in LAST.items()}
+        LAST.clear()
+        out["upstream_a"] = [{k: x[k] for k in ("path", "ticket", "body_len")} for x in await seen(http, a)]
     elif name == "lua_before_ext_proc" or name == "shipped":
         out["status"] = await post(http, f"{url}/v1/chat/completions", chat())
     return out
 
 
-LIVE = ["shipped", "shipped_hedge_headers", "shipped_burst", "shipped_slow_uploads",
+LIVE = ["shipped", "shipped_big", "shipped_hedge_headers", "shipped_burst", "shipped_slow_uploads",
         "renamed_filter_canonical_key_off", "override_google_grpc_processor",
         "bigger_request_buffer", "bigger_route_buffer", "short_message_timeout", "header_route_narrowed_to_v1",
         "internal_route_to_sibling_cluster", "canary_route_before_header_route", "trusted_internal_addresses",
         "forward_proxy_listener", "typed_struct_listener", "weighted_entry_by_header_without_ext_proc",
-        "no_path_normalisation", "websocket_upgrades", "lua_before_ext_proc", "ext_proc_breakers_left_out"]
+        "no_path_normalisation", "websocket_upgrades", "lua_before_ext_proc", "ext_proc_breakers_left_out",
+        # the third round
+        "internal_route_to_aggregate", "mirror_to_aggregate", "internal_route_to_sibling_by_fqdn",
+        "internal_route_to_sibling_port_quoted", "route_table_mirror_to_pool", "guardrail_ext_proc_first",
+        "vhost_processor_under_route_overrides", "original_dst_lower_case", "scoped_routes_listener",
+        "rc_level_off_under_route_processing_mode", "route_override_async_mode",
+        "fail_closed_route_fails_open_big_buffer", "header_route_runtime_fraction", "internal_route_to_eds_cluster",
+        "generic_proxy_http1_listener", "bigger_request_buffer_quoted", "body_without_waiting"]
 
 
 async def run_one(name: str, a, b, tmp: Path) -> dict:

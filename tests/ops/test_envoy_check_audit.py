@@ -6,7 +6,11 @@ Each variant's test asserts the checker's verdict. Twelve variants it accepted w
 to let a request reach a replica without the ext_proc's admission (or run it on another pool than it was counted
 against); it refuses each since (their `bypass` says what was shown, `error` what the check now says). A bypass
 found later and not closed yet is listed with `refused=False` and its `bypass`: marked `xfail(strict=True)`, it
-documents the gap and fails once the check refuses it.
+documents the gap and fails once the check refuses it. A third round (same day, after the twelve fixes) tried 18
+more edits: 14 accepted edits were shown to bypass (aggregate, EDS and respelled-endpoint clusters over a pool, a
+route-table mirror, a second ext_proc ahead of ours, per-route configs that Envoy merges field by field, a
+per-route failure_mode_allow, quoted numbers, a runtime_fraction on the header route, a lower-case ORIGINAL_DST,
+inline scoped routes, the generic proxy); they are the xfail(strict) entries at the end of VARIANTS.
 The live proofs are in tests/ops/envoy_audit_live.py (`python -m tests.ops.envoy_audit_live`), which applies these
 same edits to a local stack's rendered config.
 """
@@ -365,6 +369,232 @@ def typed_struct_listener(cfg: dict, port: int = 8082) -> None:
     cfg["static_resources"]["listeners"][-1]["filter_chains"][0]["filters"][0]["name"] = "hcm"
 
 
+# --- a third round (2026-12-07, later): edits accepted by the check after its twelve fixes -----------------------
+
+AGGREGATE_TYPE = "type.googleapis.com/envoy.extensions.clusters.aggregate.v3.ClusterConfig"
+
+
+def aggregate_cluster(cfg: dict, name: str, children: list[str]) -> dict:
+    """An aggregate cluster over `children` (a failover group: Envoy tries them in order)."""
+    c = {"name": name, "connect_timeout": "2s", "lb_policy": "CLUSTER_PROVIDED",
+         "cluster_type": {"name": "envoy.clusters.aggregate",
+                          "typed_config": {"@type": AGGREGATE_TYPE, "clusters": children}}}
+    cfg["static_resources"]["clusters"].append(c)
+    return c
+
+
+def respelled(address: str) -> str:
+    """Another name for the same address: the Service's cluster-local FQDN (a rendered stack's loopback IP:
+    localhost)."""
+    return "localhost" if address == "127.0.0.1" else f"{address}.default.svc.cluster.local"
+
+
+def internal_route(cfg: dict, to: str) -> None:
+    routes(cfg).insert(1, {"match": {"prefix": "/internal/"},
+                           "route": {"cluster": to, "prefix_rewrite": "/", "timeout": "0s"},
+                           "typed_per_filter_config": copy.deepcopy(OFF)})
+
+
+def internal_route_to_aggregate(cfg: dict, port: int = 0) -> None:
+    """/internal/ for trusted batch jobs, ext_proc off, to an aggregate cluster (failover: the 70B pool, then the
+    8B one)."""
+    aggregate_cluster(cfg, "vllm_failover", ["vllm_llama70b", "vllm_llama8b"])
+    internal_route(cfg, "vllm_failover")
+
+
+def mirror_to_aggregate(cfg: dict, port: int = 0) -> None:
+    """A shadow of every admitted request, mirrored to an aggregate cluster over the 70B pool."""
+    aggregate_cluster(cfg, "vllm_shadow_group", ["vllm_llama70b"])
+    routes(cfg)[0]["route"]["request_mirror_policies"] = [{"cluster": "vllm_shadow_group"}]
+
+
+def internal_route_to_sibling_by_fqdn(cfg: dict, port: int = 0) -> None:
+    """The previous audit's /internal/ route, its second cluster over the 70B replicas naming them by the
+    Service's FQDN (what kubectl shows) rather than its short name."""
+    c = sibling_cluster(cfg, "vllm_llama70b", "vllm_llama70b_internal")
+    c.update(type="STRICT_DNS", dns_lookup_family="V4_ONLY")
+    for group in c["load_assignment"]["endpoints"]:
+        for lb in group["lb_endpoints"]:
+            sock = lb["endpoint"]["address"]["socket_address"]
+            sock["address"] = respelled(sock["address"])
+    internal_route(cfg, "vllm_llama70b_internal")
+
+
+def internal_route_to_sibling_port_quoted(cfg: dict, port: int = 0) -> None:
+    """The same second cluster, the port written as a string (as a Helm template quoting its values does)."""
+    c = sibling_cluster(cfg, "vllm_llama70b", "vllm_llama70b_internal")
+    for group in c["load_assignment"]["endpoints"]:
+        for lb in group["lb_endpoints"]:
+            sock = lb["endpoint"]["address"]["socket_address"]
+            sock["port_value"] = str(sock["port_value"])
+    internal_route(cfg, "vllm_llama70b_internal")
+
+
+def route_table_mirror_to_pool(cfg: dict, port: int = 0) -> None:
+    """A shadow of all traffic, set once on the route table (RouteConfiguration.request_mirror_policies) rather
+    than per route or virtual host."""
+    hcm(cfg)["route_config"]["request_mirror_policies"] = [{"cluster": "vllm_llama70b"}]
+
+
+def guardrail_ext_proc_first(cfg: dict, port: int = 0) -> None:
+    """A guardrail processor (PII, prompt injection) added as a second ext_proc, first in the chain (a copy of
+    ours pointing at its own cluster), and the /internal/ batch route with OUR ext_proc off."""
+    guard = copy.deepcopy(ext_filter(cfg))
+    guard["name"] = "guardrail"
+    guard["typed_config"]["grpc_service"] = {"envoy_grpc": {"cluster_name": "guardrail"}}
+    hcm(cfg)["http_filters"].insert(0, guard)
+    g = copy.deepcopy(cluster(cfg, "extproc"))
+    g["name"] = g["load_assignment"]["cluster_name"] = "guardrail"
+    g.pop("health_checks", None)
+    g["type"] = "STATIC"
+    g["load_assignment"]["endpoints"] = [{"lb_endpoints": [{"endpoint": {"address": {"socket_address": {
+        "address": "127.0.0.1", "port_value": port or 50061}}}}]}]
+    cfg["static_resources"]["clusters"].append(g)
+    internal_route(cfg, "vllm_llama70b")
+
+
+def vhost_processor_under_route_overrides(cfg: dict, port: int = 0) -> None:
+    """The virtual host's requests sent to a staging processor (overrides.grpc_service), and every route to a
+    pool given its own ExtProcPerRoute that only tags the gRPC stream with the endpoint (grpc_initial_metadata).
+    Envoy merges an ExtProcPerRoute with the less specific ones field by field: the route's keeps the virtual
+    host's grpc_service."""
+    c = copy.deepcopy(cluster(cfg, "extproc"))
+    c["name"] = c["load_assignment"]["cluster_name"] = "extproc_staging"
+    c.pop("health_checks", None)
+    c["type"] = "STATIC"
+    c["load_assignment"]["endpoints"] = [{"lb_endpoints": [{"endpoint": {"address": {"socket_address": {
+        "address": "127.0.0.1", "port_value": port or 50062}}}}]}]
+    cfg["static_resources"]["clusters"].append(c)
+    vhost(cfg)["typed_per_filter_config"] = {EXT_PROC: {"@type": PER_ROUTE, "overrides": {
+        "grpc_service": {"envoy_grpc": {"cluster_name": "extproc_staging"}}}}}
+    for r in routes(cfg):
+        if "route" in r and "typed_per_filter_config" not in r:
+            tag = r["match"].get("path") or r["match"].get("prefix")
+            r["typed_per_filter_config"] = {EXT_PROC: {"@type": PER_ROUTE, "overrides": {
+                "grpc_initial_metadata": [{"key": "x-endpoint", "value": tag}]}}}
+
+
+def original_dst_lower_case(cfg: dict, port: int = 8083) -> None:
+    """An egress port to an ORIGINAL_DST cluster by header (x-envoy-original-dst-host), its type written in lower
+    case (Envoy's parser takes an enum in any case)."""
+    second_listener(cfg, "egress", port, plain_hcm("egress", [
+        {"match": {"prefix": "/"}, "route": {"cluster": "egress_original_dst", "timeout": "60s"}}]))
+    cfg["static_resources"]["clusters"].append({
+        "name": "egress_original_dst", "type": "original_dst", "lb_policy": "CLUSTER_PROVIDED",
+        "connect_timeout": "2s", "original_dst_lb_config": {"use_http_header": True}})
+
+
+def second_filter_chain_by_port(cfg: dict, port: int = 8084) -> None:
+    """A second filter chain on the same listener, picked by destination port (an extra address), its connection
+    manager without the ext_proc."""
+    lst = listener(cfg)
+    lst["additional_addresses"] = [{"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}]
+    chain = copy.deepcopy(lst["filter_chains"][0])
+    chain["filter_chain_match"] = {"destination_port": port}
+    tc = chain["filters"][0]["typed_config"]
+    tc["http_filters"] = [f for f in tc["http_filters"] if f["name"] != EXT_PROC]
+    lst["filter_chains"].append(chain)
+
+
+def scoped_routes_listener(cfg: dict, port: int = 8085) -> None:
+    """A second port whose connection manager routes by scope (scoped_routes, keyed on a header), the scope's
+    route table inline, to the 70B pool without the ext_proc."""
+    tc = plain_hcm("scoped", [{"match": {"prefix": "/"}, "route": {"cluster": "vllm_llama70b", "timeout": "0s"}}])
+    table = tc.pop("route_config")
+    tc["scoped_routes"] = {
+        "name": "scoped",
+        "scope_key_builder": {"fragments": [{"header_value_extractor": {"name": "x-tenant-scope",
+                                                                        "element_separator": ",", "index": 0}}]},
+        "rds_config_source": {"resource_api_version": "V3", "ads": {}},
+        "scoped_route_configurations_list": {"scoped_route_configurations": [
+            {"name": "batch", "route_configuration": table, "key": {"fragments": [{"string_key": "batch"}]}}]}}
+    second_listener(cfg, "scoped", port, tc)
+
+
+def rc_level_off_under_route_processing_mode(cfg: dict, port: int = 0) -> None:
+    """The route table (route_config) turns the ext_proc off for everything; the routes to a pool override only
+    its processing_mode (the filter's own). Envoy merges: `disabled` is the most specific config's (unset)."""
+    hcm(cfg)["route_config"]["typed_per_filter_config"] = copy.deepcopy(OFF)
+    mode = copy.deepcopy(ext_filter(cfg)["typed_config"]["processing_mode"])
+    for r in routes(cfg):
+        if "route" in r and "typed_per_filter_config" not in r:
+            r["typed_per_filter_config"] = {EXT_PROC: {"@type": PER_ROUTE, "overrides": {"processing_mode": mode}}}
+
+
+def route_override_async_mode(cfg: dict, port: int = 0) -> None:
+    """The chat route's ExtProcPerRoute with `overrides.async_mode: true` ('do not hold chat on the processor'):
+    the per-route twin of the filter's observability_mode, which the check refuses."""
+    route(cfg, "/v1/chat/completions")["typed_per_filter_config"] = {EXT_PROC: {"@type": PER_ROUTE, "overrides": {
+        "async_mode": True}}}
+
+
+def fail_closed_route_fails_open_big_buffer(cfg: dict, port: int = 0) -> None:
+    """The filter fails closed (failure_mode_allow: false, section 1's other choice), chat fails open by its
+    route (overrides.failure_mode_allow: true: 'chat must stay up'), and the buffer raised to 32 MiB for base64
+    images (refused by the check while the filter itself fails open)."""
+    ext_filter(cfg)["typed_config"]["failure_mode_allow"] = False
+    route(cfg, "/v1/chat/completions")["typed_per_filter_config"] = {EXT_PROC: {"@type": PER_ROUTE, "overrides": {
+        "failure_mode_allow": True}}}
+    listener(cfg)["per_connection_buffer_limit_bytes"] = 32 << 20
+
+
+def header_route_runtime_fraction(cfg: dict, port: int = 0) -> None:
+    """The route on x-extproc-cluster rolled out gradually by a runtime key (route match `runtime_fraction`, 50%
+    by default): the check reads its path and headers only."""
+    routes(cfg)[0]["match"]["runtime_fraction"] = {
+        "default_value": {"numerator": 50, "denominator": "HUNDRED"}, "runtime_key": "routing.extproc_pools"}
+
+
+def internal_route_to_eds_cluster(cfg: dict, port: int = 0) -> None:
+    """/internal/ to an EDS cluster whose endpoints come from a file the operator maintains (filesystem EDS),
+    listing the 70B replicas, the ext_proc off."""
+    import atexit
+    import os
+    import tempfile
+    ends = copy.deepcopy(cluster(cfg, "vllm_llama70b")["load_assignment"])
+    ends["cluster_name"] = "vllm_llama70b_eds"
+    fd, path = tempfile.mkstemp(prefix="eds-", suffix=".yaml")
+    with open(fd, "w") as f:
+        yaml.safe_dump({"resources": [{"@type": "type.googleapis.com/envoy.config.endpoint.v3."
+                                                "ClusterLoadAssignment", **ends}]}, f)
+    atexit.register(os.unlink, path)  # read by Envoy while this process runs (the check, or a live stack)
+    cfg.setdefault("node", {"id": "envoy", "cluster": "openai"})  # Envoy asks for it with any xDS source
+    cfg["static_resources"]["clusters"].append({
+        "name": "vllm_llama70b_eds", "type": "EDS", "connect_timeout": "2s",
+        "eds_cluster_config": {"eds_config": {"resource_api_version": "V3", "path_config_source": {"path": path}}}})
+    internal_route(cfg, "vllm_llama70b_eds")
+
+
+GENERIC = "type.googleapis.com/envoy.extensions.filters.network.generic_proxy"
+
+
+def generic_proxy_http1_listener(cfg: dict, port: int = 8086) -> None:
+    """A second port served by the generic proxy's HTTP/1 codec (envoy.filters.network.generic_proxy: a light L7
+    proxy for an internal batch port) to the 70B pool: not a connection manager, so no HTTP filter runs."""
+    route = {"action": {"name": "route", "typed_config": {"@type": f"{GENERIC}.action.v3.RouteAction",
+                                                          "cluster": "vllm_llama70b", "timeout": "0s"}}}
+    cfg["static_resources"]["listeners"].append({
+        "name": "batch_http1", "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
+        "filter_chains": [{"filters": [{"name": "envoy.filters.network.generic_proxy", "typed_config": {
+            "@type": f"{GENERIC}.v3.GenericProxy", "stat_prefix": "batch_http1",
+            "codec_config": {"name": "envoy.generic_proxy.codecs.http1", "typed_config": {
+                "@type": f"{GENERIC}.codecs.http1.v3.Http1CodecConfig"}},
+            "filters": [{"name": "envoy.filters.generic.router", "typed_config": {
+                "@type": f"{GENERIC}.router.v3.Router"}}],
+            "route_config": {"name": "batch_http1", "routes": {"on_no_match": route}}}}]}]})
+
+
+def bigger_request_buffer_quoted(cfg: dict, port: int = 0) -> None:
+    """The previous audit's 32 MiB buffer, written as a string (a Helm value quoted; Envoy reads a UInt32Value
+    from a JSON string)."""
+    listener(cfg)["per_connection_buffer_limit_bytes"] = str(32 << 20)
+
+
+def body_without_waiting(cfg: dict, port: int = 0) -> None:
+    """The filter's send_body_without_waiting_for_header_response: true ('one round trip less')."""
+    ext_filter(cfg)["typed_config"]["send_body_without_waiting_for_header_response"] = True
+
+
 @dataclass(frozen=True)
 class Variant:
     edit: Callable[..., None]
@@ -448,6 +678,70 @@ VARIANTS = [
     Variant(weighted_entry_by_header_without_ext_proc, refused=True, error="with the ext_proc disabled", bypass=(
         "a weighted_clusters entry by cluster_header with the ext_proc off: x-pool: vllm_llama70b, POST "
         "/v1/completions reached the replica without a ticket")),
+    # The third round (2026-12-07, after the twelve fixes): each run through the check and, where accepted, through
+    # Envoy 1.40 with tests/ops/envoy_audit_live.py. Safe (the request was decided, with its ticket):
+    Variant(second_filter_chain_by_port, refused=True, error="has no ext_proc filter"),
+    Variant(rc_level_off_under_route_processing_mode, refused=False),
+    Variant(route_override_async_mode, refused=False),   # Envoy 1.40 does not apply overrides.async_mode: decided
+    Variant(body_without_waiting, refused=False),
+    # Accepted by the check and shown through Envoy 1.40 to let requests around admission, onto another pool, or
+    # run twice on one slot:
+    Variant(internal_route_to_aggregate, refused=False, bypass=(
+        "/internal/ (ext_proc off) to an aggregate cluster over vllm_llama70b and vllm_llama8b: POST "
+        "/internal/v1/chat/completions reached the 70B replica without a ticket (decided 0, unadmitted 1); the "
+        "check reads only load_assignment endpoints, and an aggregate cluster has none")),
+    Variant(mirror_to_aggregate, refused=False, warns="which no model of the policy names", bypass=(
+        "a mirror on the header route to an aggregate cluster over vllm_llama70b: one admission (accepted 1), two "
+        "generations at once on the 70B replica, both with the ticket (max_in_service 2); only a warning")),
+    Variant(internal_route_to_sibling_by_fqdn, refused=False, bypass=(
+        "the previous audit's second cluster over the 70B replicas, named by another spelling of the same host "
+        "(FQDN; localhost for 127.0.0.1 on the stack): POST /internal/v1/chat/completions reached the replica "
+        "without a ticket; the check compares endpoint names as written")),
+    Variant(internal_route_to_sibling_port_quoted, refused=False, bypass=(
+        "the same second cluster with port_value quoted (\"8000\"): Envoy reads it as the number, the check "
+        "compared (host, \"8000\") with (host, 8000): POST /internal/v1/chat/completions reached the replica "
+        "without a ticket")),
+    Variant(internal_route_to_eds_cluster, refused=False, bypass=(
+        "/internal/ to an EDS cluster whose endpoints (the 70B replicas) come from a file: POST "
+        "/internal/v1/chat/completions reached the replica without a ticket; EDS endpoints are not read, and "
+        "nothing warns")),
+    Variant(route_table_mirror_to_pool, refused=False, bypass=(
+        "route_config.request_mirror_policies to vllm_llama70b: one admission, the chat ran twice at once on the "
+        "70B replica with the ticket (max_in_service 2); the check reads mirrors on routes and virtual hosts only")),
+    Variant(guardrail_ext_proc_first, refused=False, warns="envoy.filters.http.ext_proc runs after the ext_proc",
+            bypass=("a second ext_proc (a guardrail) first in the chain: the check takes the first ext_proc for "
+                    "ours, so /internal/ with OUR filter disabled passed as decided; POST "
+                    "/internal/v1/chat/completions reached the replica without a ticket (the guardrail, down here, "
+                    "failed open)")),
+    Variant(vhost_processor_under_route_overrides, refused=False, bypass=(
+        "a staging processor on the virtual host (overrides.grpc_service), each route's own ExtProcPerRoute "
+        "setting grpc_initial_metadata only: Envoy merges per-route configs field by field and kept the virtual "
+        "host's grpc_service; the staging processor down, POST /v1/chat/completions reached the replica without a "
+        "ticket. The check reads the most specific config alone")),
+    Variant(fail_closed_route_fails_open_big_buffer, refused=False, bypass=(
+        "the filter failing closed, the chat route overriding failure_mode_allow: true, a 32 MiB buffer: a 9 MiB "
+        "chat body failed the ext_proc's stream and went on undecided (the test upstream's own 413, decided 0, "
+        "unadmitted 1; shipped: Envoy's 413). The check's fail-open checks read the filter's flag only")),
+    Variant(bigger_request_buffer_quoted, refused=False, bypass=(
+        "per_connection_buffer_limit_bytes \"33554432\" (quoted): a 9 MiB chat body reached the replica undecided "
+        "(the test upstream's own 413, decided 0, unadmitted 1; shipped: Envoy's 413); the check compares only "
+        "an int")),
+    Variant(header_route_runtime_fraction, refused=False, bypass=(
+        "the header route matched by runtime_fraction 50%: of 8 chats admitted for llama-8b (counted against "
+        "vllm_llama8b, ticket and all), 3 ran on the 70B pool by the static route; the check reads path and "
+        "headers of that route only")),
+    Variant(original_dst_lower_case, refused=False, bypass=(
+        "an egress port to an ORIGINAL_DST cluster written `type: original_dst` (Envoy takes it): "
+        "x-envoy-original-dst-host: <replica> reached the replica without a ticket; the check matches the "
+        "upper-case spelling only")),
+    Variant(scoped_routes_listener, refused=False, warns="its routes come from RDS and are not checked", bypass=(
+        "a second port with scoped_routes whose scope's route table is inline (no RDS involved), to the 70B pool "
+        "without the ext_proc: x-tenant-scope: batch reached the replica without a ticket, uncounted; a warning "
+        "that calls it RDS, exit 0")),
+    Variant(generic_proxy_http1_listener, refused=False, bypass=(
+        "a second port served by envoy.filters.network.generic_proxy (HTTP/1 codec) to vllm_llama70b: POST "
+        "/v1/chat/completions reached the replica without a ticket, uncounted; the check knows only the "
+        "connection manager and tcp_proxy")),
 ]
 
 
