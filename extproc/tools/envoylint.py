@@ -781,8 +781,9 @@ def _lint_vhost(where: str, vh: dict[str, Any], rc: dict[str, Any], ext: tuple[s
         if not targets or _read_only(r):  # no admitted request is a GET on those exact paths
             continue
         if off == "disabled":
-            found.errors.append(f"{what} sends to {', '.join(targets)} with the ext_proc disabled: its requests "
-                                "reach the replicas unadmitted")
+            named = "" if ext[0] == "envoy.filters.http.ext_proc" else f" (the ext_proc filter named {ext[0]!r})"
+            found.errors.append(f"{what} sends to {', '.join(targets)} with the ext_proc disabled{named}: its "
+                                "requests reach the replicas unadmitted")
             continue
         _lint_decided_route(what, r, vh, rc, off, pools, found)
         if i == first:
