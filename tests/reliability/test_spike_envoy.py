@@ -36,7 +36,8 @@ async def burst(make_stack, tmp_path) -> tuple[dict[str, int], str]:
     s = make_stack(policy_file(tmp_path))
     body = tmp_path / "body.json"
     body.write_text(json.dumps(chat()))
-    pattern = r"(ext_proc\.streams_(started|failed)|cluster\.extproc\.(http2\.outbound.*flood|upstream_cx_destroy))$"
+    pattern = (r"(ext_proc\.streams_(started|failed)|cluster\.extproc\.(http2\.outbound.*flood|"
+               r"upstream_cx_destroy|upstream_cx_destroy_with_active_rq))$")
     async with aiohttp.ClientSession() as http:
         before = await envoy_stats(http, s.admin_url, pattern)
         proc = await asyncio.create_subprocess_exec(
@@ -59,8 +60,13 @@ async def test_envoy_keeps_its_connection_to_a_busy_ext_proc(make_stack, tmp_pat
     with it (4-23 `streams_failed` a run: undecided requests sent on unadmitted, decided ones freeing their slots
     while they ran). envoy.yaml now sizes those limits to the streams the ext_proc cluster may hold."""
     moved, report = await burst(make_stack, tmp_path)
-    cut = {k: v for k, v in moved.items() if "flood" in k or "destroy" in k}
-    assert not any(cut.values()), (cut, report)
+    # Not every destroyed connection: a gRPC health check that times out (0.5 s, behind the burst on a loaded
+    # machine) closes its own connection, and a CI run counted 5 such with no flood and no stream failed. The harm
+    # is a connection cut with requests on it.
+    cut = {k: v for k, v in moved.items() if "flood" in k or k in ("upstream_cx_destroy_with_active_rq",
+                                                                     "streams_failed")}
+    assert not any(cut.values()), (moved, report)
+    assert "upstream_cx_destroy_with_active_rq" in moved, moved  # the counter is read (Envoy 1.40's name)
 
 
 async def test_the_grpc_server_never_cancels_streams_of_a_burst(make_stack, tmp_path):
