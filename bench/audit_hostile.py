@@ -103,18 +103,26 @@ def parse(data: bytes):
     if b"\r\n\r\n" not in data:
         return None, {}, data
     top, _, rest = data.partition(b"\r\n\r\n")
+    status, hs = status_and_headers(top)
+    if status is None:
+        return None, {}, data
+    if hs.get("transfer-encoding", "").lower() == "chunked":
+        rest = dechunk(rest)
+    return status, hs, rest
+
+
+def status_and_headers(top: bytes) -> tuple[int | None, dict]:
+    """An HTTP/1.x or curl -i response head: its status (None if unreadable) and headers (lower case, last wins)."""
     lines = top.split(b"\r\n")
     try:
         status = int(lines[0].split()[1])
     except (IndexError, ValueError):
-        return None, {}, data
+        return None, {}
     hs = {}
     for line in lines[1:]:
         k, _, v = line.partition(b":")
         hs[k.strip().lower().decode("latin-1")] = v.strip().decode("latin-1")
-    if hs.get("transfer-encoding", "").lower() == "chunked":
-        rest = dechunk(rest)
-    return status, hs, rest
+    return status, hs
 
 
 def dechunk(raw: bytes) -> bytes:
@@ -593,16 +601,8 @@ async def curl(args: list[str], timeout: float = 15.0) -> tuple[int | None, dict
         await proc.wait()
         return None, {}, b""
     top, _, body = out.partition(b"\r\n\r\n")
-    lines = top.split(b"\r\n")
-    try:
-        status = int(lines[0].split()[1])
-    except (IndexError, ValueError):
-        return None, {}, out
-    hs = {}
-    for line in lines[1:]:
-        k, _, v = line.partition(b":")
-        hs[k.strip().lower().decode("latin-1")] = v.strip().decode("latin-1")
-    return status, hs, body
+    status, hs = status_and_headers(top)
+    return (status, hs, body) if status is not None else (None, {}, out)
 
 
 async def run_http2(a: Audit) -> None:

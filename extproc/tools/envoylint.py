@@ -203,10 +203,7 @@ def _lint_ext_proc_breakers(cfg: dict[str, Any], pools: set[str], need: int, fou
         if name not in clusters or name in seen:
             continue
         seen.add(name)
-        thresholds = next((t for t in (clusters[name].get("circuit_breakers") or {}).get("thresholds") or []
-                           if t.get("priority", "DEFAULT") in ("DEFAULT", 0)), {})
-        low = {k: thresholds.get(k, 1024) for k in ("max_connections", "max_pending_requests", "max_requests")
-               if thresholds.get(k, 1024) < need}
+        low = _breakers_below(clusters[name], need)
         if low:
             found.errors.append(
                 f"cluster {name!r} (the ext_proc's): circuit_breakers {', '.join(f'{k} {v}' for k, v in low.items())} "
@@ -216,14 +213,23 @@ def _lint_ext_proc_breakers(cfg: dict[str, Any], pools: set[str], need: int, fou
 
 
 def _hcms_of(listener: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    for f in _filters_of(listener):
+        if _is_hcm(f):
+            yield f.get("typed_config") or {}
+
+
+def _filters_of(listener: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """A listener's network filters, in every filter chain and its default one."""
     chains = list(listener.get("filter_chains") or [])
     if listener.get("default_filter_chain"):
         chains.append(listener["default_filter_chain"])
     for chain in chains:
-        for f in chain.get("filters") or []:
-            tc = f.get("typed_config") or {}
-            if f.get("name") == "envoy.filters.network.http_connection_manager" or tc.get("@type") == HCM_TYPE:
-                yield tc
+        yield from chain.get("filters") or []
+
+
+def _is_hcm(f: dict[str, Any]) -> bool:
+    return f.get("name") == "envoy.filters.network.http_connection_manager" or \
+        (f.get("typed_config") or {}).get("@type") == HCM_TYPE
 
 
 def _fails_open(hcm: dict[str, Any]) -> bool:
@@ -380,11 +386,7 @@ def _lint_pool_breakers(cfg: dict[str, Any], pools: set[str], admitted: int, fou
     for c in (cfg.get("static_resources") or {}).get("clusters") or []:
         if c.get("name") not in pools:
             continue
-        # Routes send at the DEFAULT priority (unset is DEFAULT); a list without it leaves Envoy's defaults there.
-        thresholds = next((t for t in (c.get("circuit_breakers") or {}).get("thresholds") or []
-                           if t.get("priority", "DEFAULT") in ("DEFAULT", 0)), {})
-        low = {k: thresholds.get(k, 1024) for k in ("max_connections", "max_pending_requests", "max_requests")
-               if thresholds.get(k, 1024) < admitted}
+        low = _breakers_below(c, admitted)
         if low:
             found.warnings.append(
                 f"cluster {c['name']!r}: circuit_breakers {', '.join(f'{k} {v}' for k, v in low.items())} (1024 "
@@ -392,15 +394,19 @@ def _lint_pool_breakers(cfg: dict[str, Any], pools: set[str], admitted: int, fou
                 "overflow after admission, and the ext_proc counts them as the pool's errors")
 
 
+def _breakers_below(c: dict[str, Any], need: int) -> dict[str, int]:
+    """A cluster's circuit-breaker thresholds under `need` (Envoy's 1,024 where unset). Routes send at the DEFAULT
+    priority (unset is DEFAULT); a list without it leaves Envoy's defaults there."""
+    thresholds = next((t for t in (c.get("circuit_breakers") or {}).get("thresholds") or []
+                       if t.get("priority", "DEFAULT") in ("DEFAULT", 0)), {})
+    return {k: thresholds.get(k, 1024) for k in ("max_connections", "max_pending_requests", "max_requests")
+            if thresholds.get(k, 1024) < need}
+
+
 def _network_filters(cfg: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
-    listeners = ((cfg.get("static_resources") or {}).get("listeners")) or []
-    for listener in listeners:
-        chains = list(listener.get("filter_chains") or [])
-        if listener.get("default_filter_chain"):
-            chains.append(listener["default_filter_chain"])
-        for chain in chains:
-            for f in chain.get("filters") or []:
-                yield f"listener {listener.get('name', '?')!r}", f
+    for listener in ((cfg.get("static_resources") or {}).get("listeners")) or []:
+        for f in _filters_of(listener):
+            yield f"listener {listener.get('name', '?')!r}", f
 
 
 def _connection_managers(cfg: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -414,9 +420,9 @@ def _lint_tcp_proxies(cfg: dict[str, Any], pools: set[str], found: Findings) -> 
     generic proxy (its HTTP/1 codec: measured, a POST reached the 70B replica unadmitted) runs its own filters,
     and neither runs the HTTP filters, the ext_proc included."""
     for where, f in _network_filters(cfg):
-        tc = f.get("typed_config") or {}
-        if f.get("name") == "envoy.filters.network.http_connection_manager" or tc.get("@type") == HCM_TYPE:
+        if _is_hcm(f):
             continue
+        tc = f.get("typed_config") or {}
         reached = sorted(_names_in(tc) & pools)
         if reached:
             kind = "tcp_proxy" if tc.get("@type") == TCP_PROXY_TYPE or \
