@@ -15,7 +15,9 @@ Per window (whale, return), per mode, per interactive tenant:
 - for a tenant with a guaranteed share: how many of its degrades / refusals came while it held less than that share
   of what the class held on the 70B pool (in the pool limit's units, prompt + max_tokens), reconstructed from the
   records (a full-model answer holds its units from start + queue_wait to start + latency);
-- Jain's index over served / due (tenants with a due above 0).
+- Jain's index over served / due (tenants with a due above 0);
+- what `extproc_class_fairness_index{class="interactive"}` read: the core's own, sampled every second, averaged
+  over the window.
 With --owed it also counts, per mode, how often PoolGate.owed said no to a flow holding nothing on the pool because
 its share of the class's hold was smaller than the one request (the granularity of the owner's return).
 """
@@ -133,6 +135,20 @@ def patch_owed(mode_key: str):
     return orig
 
 
+class IndexSampler(PolicyAdmitter):
+    """The what-if's admission core, its interactive class's live fairness index read every second."""
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        self.index: list[tuple[float, float]] = []
+
+    def start(self, clock, pools):
+        timers = super().start(clock, pools)
+        q = self.core.limiters["interactive"].queue
+        timers.append((1.0, lambda: self.index.append((clock(), q.fairness_index()))))
+        return timers
+
+
 def run(seed: int, modes: str, show: list[str] | None, owed_check: bool, variant: str = "",
         summary: bool = False) -> dict:
     sc = dataclasses.replace(Scenario.load(SCENARIO_PATH[0]), seed=seed)
@@ -152,7 +168,8 @@ def run(seed: int, modes: str, show: list[str] | None, owed_check: bool, variant
         if owed_check:
             patch_owed(f"{seed}{key}")
         try:
-            res = what_if(sc, PolicyAdmitter(policy_variant(sc.policies[key], variant)), capacity)
+            admitter = IndexSampler(policy_variant(sc.policies[key], variant))
+            res = what_if(sc, admitter, capacity)
         finally:
             pool_mod.PoolGate.owed = orig
         recs = res.records
@@ -208,8 +225,8 @@ def run(seed: int, modes: str, show: list[str] | None, owed_check: bool, variant
             eng = sum(work.get(id(r), 0.0) for r in full_all) or 1.0
             lc_share = 100 * sum(work.get(id(r), 0.0) for r in full_all if r.kind == "lc") / eng
             etl_share = 100 * sum(work.get(id(r), 0.0) for r in full_all if r.kind == "etl") / eng
-            # what extproc_class_fairness_index would read: Jain's over served GPU-seconds per weight, service only
-            served_only = jain_index(served[k] / weight[k] for k in inter if offered[k])
+            live = [x for t, x in admitter.index if t0 <= t < t1]
+            live_mean = sum(live) / len(live) if live else float("nan")
             smalls = [k for k in small if k not in ("t05",)]
             p99s = max(rows[k]["p99"] for k in smalls if rows[k]["p99"] == rows[k]["p99"])
             if summary:
@@ -217,7 +234,7 @@ def run(seed: int, modes: str, show: list[str] | None, owed_check: bool, variant
                 print(f"| {seed} | {key} {MODES[key]} | {wname} | {rows['t01']['served']:.1f} / {rows['t01']['due']:.1f} "
                       f"| {t5['served']:.1f} / {t5['due']:.1f}, lost {t5['degraded'] + t5['refused']} (under g "
                       f"{t5['under']}) | {sum(rows[k]['degraded'] + rows[k]['refused'] for k in smalls)} / "
-                      f"{sum(offered[k] for k in smalls)} | {p99s:.2f} | {jain:.3f} | {served_only:.3f} "
+                      f"{sum(offered[k] for k in smalls)} | {p99s:.2f} | {jain:.3f} | {live_mean:.3f} "
                       f"| {lc_share:.1f} / {etl_share:.1f} | {batch['lc'][0]}/{batch['lc'][1]}, "
                       f"{batch['etl'][0]}/{batch['etl'][1]} |", flush=True)
                 continue
@@ -257,7 +274,7 @@ if __name__ == "__main__":
     SCENARIO_PATH[0] = a.scenario
     if a.summary:
         print("| seed | mode | window | t01 served / due % | t05 served / due %, lost | 22 small tenants lost / "
-              "offered | small tenants' worst p99 s | Jain served/due | Jain served/weight (the metric) "
+              "offered | small tenants' worst p99 s | Jain served/due | extproc_class_fairness_index, window mean "
               "| lc / etl engine % | lc, etl full / offered |")
         print("|---|---|---|---|---|---|---:|---:|---:|---|---|")
     for s in a.seeds.split(","):

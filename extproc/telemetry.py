@@ -568,12 +568,12 @@ class _CoreGauges:
                                        "GPU-seconds (served = charged - refunded).", labels=labels)
         waited = CounterMetricFamily("extproc_tenant_queue_waited_seconds", "Seconds the tenant's granted requests "
                                      "waited in the class's queue.", labels=labels)
-        index = GaugeMetricFamily("extproc_class_fairness_index", "Jain's index (1: equal, 1/n: one tenant has all) "
-                                  "of the GPU-seconds per weight served to the class's tenants (and fairness-header "
-                                  "keys of requests without an API key, one by one, each against its part of the "
-                                  "anonymous share) over about the last minute, "
-                                  "among those served. It counts service, not demand: a flow that asked for less "
-                                  "reads as under-served.",
+        index = GaugeMetricFamily("extproc_class_fairness_index", "Jain's index (1: each got its due, 1/n: one "
+                                  "tenant has all) of the GPU-seconds served to the class's tenants (and "
+                                  "fairness-header keys of requests without an API key, one by one, each against "
+                                  "its part of the anonymous share) over about the last minute, each against its "
+                                  "weighted max-min share given what it asked: served, refused or degraded for want "
+                                  "of room, and waiting. A tenant that got all it asked reads as fairly served.",
                                   labels=["class"])
         reserved = self._reserved()
         # A removed class's requests run on (extproc_inflight shows them): its tenants' series stay till they end.

@@ -207,6 +207,7 @@ class AdmissionController:
         for w in [w for w in lim.queue if w.pool == pool and w.pending]:
             lim.queue.remove(w)
             self._dequeue(w)
+            lim.queue.unmet(w.flow, w.cost)
             self._resolve(w, self.fallbacks.answer(lim, cls, w.tenant, pool, R_ERROR_BREAKER, now, overflow=False,
                                                    c=w.classification, charge=w.charge,
                                                    waited_s=now - w.enqueued_at, closed_in=breaker.opens_in(now)))
@@ -296,6 +297,7 @@ class AdmissionController:
             return refused
         protector = self.state.saturated_protector(c.cls, cluster)
         if protector is not None:
+            lim.queue.unmet(_flow_of(lim, c), charge.estimate.gpu_seconds)
             return Refusal(SHED, R_HIGHER_SATURATED, c.cls, c.tenant, 503,
                            say(R_HIGHER_SATURATED, cls=c.cls, protector=protector.name),
                            protector.retry_after_s(now, self._retry_ceiling), classification=c, cluster=cluster)
@@ -306,6 +308,7 @@ class AdmissionController:
                 continue  # lower classes give way first; the request goes on to the limit
             if not allowed:
                 reason = R_LATENCY_BREAKER if b.kind == "latency" else R_ERROR_BREAKER
+                lim.queue.unmet(_flow_of(lim, c), charge.estimate.gpu_seconds)
                 return self.fallbacks.answer(lim, c.cls, c.tenant, cluster, reason, now, overflow=False, c=c,
                                              charge=charge, closed_in=b.opens_in(now))
             trickle = trickle or probe
@@ -370,7 +373,7 @@ class AdmissionController:
         units = gate.units(est.prompt_tokens, est.max_tokens, est.sequences) if gate is not None else 0.0
         if gate is not None:
             gate.controller.asked(lim.rank, now)
-        flow = c.flow if lim.spec.fairness.key == "header" else c.tenant
+        flow = _flow_of(lim, c)
         if lim.has_room(cost) and (
                 (self._queue_passable(lim, cluster, gate)
                  and (gate is None or self._pool_admits(gate, lim, units, now)))
@@ -429,6 +432,7 @@ class AdmissionController:
                   charge: Charge, message: str) -> Decision:
         """The class cannot take the request now: its fallback if overflow goes there (saying `message` too),
         else 429."""
+        lim.queue.unmet(_flow_of(lim, c), charge.estimate.gpu_seconds)
         if lim.spec.on_overflow == "fallback":
             return self.fallbacks.answer(lim, c.cls, c.tenant, cluster, reason, now, overflow=True, c=c, charge=charge,
                                   why=message)
@@ -505,6 +509,7 @@ class AdmissionController:
     def _overflowed(self, w: Waiter, reason: str, now: float) -> Decision:
         """A queued request that cannot wait on (its deadline passed, or its place was taken): its class's overflow."""
         lim = w.limiter
+        lim.queue.unmet(w.flow, w.cost)
         held = self._pool_hold(lim, w.gate, w.units, w.cost, now)
         # The wait it had: the class's max wait, or the request's own deadline when shorter (a 150 ms deadline
         # timed out was told "no free slot within 2000 ms").
@@ -634,6 +639,7 @@ class AdmissionController:
                 continue
             lim.queue.remove(w)
             self._dequeue(w)
+            lim.queue.unmet(w.flow, w.cost)
             self._resolve(w, Refusal(SHED, R_HIGHER_SATURATED, lim.name, w.tenant, 503,
                                      say(R_HIGHER_SATURATED, cls=lim.name, protector=protector.name),
                                      protector.retry_after_s(now, self._retry_ceiling), waited_s=now - w.enqueued_at))
@@ -990,6 +996,11 @@ def tick_interval(policy: Policy) -> float:
     intervals += [p.limit.interval_s for p in policy.pools.values() if p.limit.enabled]
     low, high = TICK_BOUNDS_S
     return min(high, max(low, min(intervals, default=2 * high) / 2))
+
+
+def _flow_of(lim: ClassLimiter, c: Classification) -> str:
+    """A request's fairness key in its class: the header's where the class keys flows by it, else its tenant."""
+    return c.flow if lim.spec.fairness.key == "header" else c.tenant
 
 
 def _shown(name: str | None) -> str | None:

@@ -115,6 +115,32 @@ def test_admissions_and_releases_reach_the_fair_queue_per_tenant(clock):
     assert q.stats["a"].inflight == 0
 
 
+@pytest.mark.parametrize("refused_by", ["queue_full", "queue_timeout", "fallback"])
+def test_the_fairness_index_weighs_requests_the_class_could_not_take(clock, refused_by):
+    # The index counted service only: a tenant refused every request while another held the class read as fair as
+    # one that asked for nothing. Now what a flow was refused, or sent elsewhere, counts as its demand.
+    overflow = {"on_overflow": "fallback", "fallback": {"action": "canned", "status": 200, "message": "busy"}} \
+        if refused_by == "fallback" else {}
+    core = AdmissionController(make_policy(
+        classes={"interactive": {"max_concurrency": 1, "max_queue": 0 if refused_by != "queue_timeout" else 1,
+                                 "max_wait_ms": 100, "fairness": {"mode": "fair"}, **overflow}},
+        tenants=TENANTS), clock=clock)
+    q = core.limiters["interactive"].queue
+    first = ask(core, "a")
+    assert first.kind == ACCEPT and q.fairness_index() == 1.0
+    d = ask(core, "b")
+    if refused_by == "queue_timeout":
+        assert d.kind == QUEUE and q.fairness_index() == 0.5  # waiting: asked, not served yet
+        clock.advance(0.2)
+        assert core.abandon(d.waiter, timed_out=True) is not None  # the adapter's timer, at its deadline
+        d = d.waiter.result
+    assert d.kind != ACCEPT and d.reason in ("queue_full", "queue_timeout")
+    assert q.fairness_index() == pytest.approx(0.5)  # a got the class, b asked as much and got nothing
+    core.finish(first.ticket, Outcome.OK)
+    assert ask(core, "b").kind == ACCEPT
+    assert q.fairness_index() == pytest.approx(1.0)  # each got its due: half of what was served
+
+
 def test_learned_usage_settles_the_flow_with_what_the_request_really_cost(clock):
     core = core_with(clock, "fair")
     d = ask(core, "a")

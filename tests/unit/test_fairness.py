@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.policy.fairness import MIN_CHARGE_S, FairQueue, jain_index, nested
+from extproc.policy.fairness import MIN_CHARGE_S, FairQueue, jain_index, max_min_shares, nested
 
 TENANTS = ("a", "b", "c", "d")
 POOLS = ("p1", "p2")
@@ -592,7 +592,53 @@ def test_fairness_index_of_a_class_counts_served_work_per_weight():
     q.admitted("b", 2.0)
     assert q.fairness_index() == pytest.approx(1.0)
     q.admitted("b", 6.0)
-    assert q.fairness_index() < 0.9
+    q.unmet("a", 10.0)  # a refused while b got more than its weight's share: a was due 8, b 4
+    assert q.fairness_index() == pytest.approx(6.25 / 8.5)
+
+
+def test_the_fairness_index_reads_a_flow_that_got_all_it_asked_as_fairly_served():
+    # Found by a 24-tenant audit: the index counted service, not demand, and read 0.2-0.3 while small tenants
+    # that asked for little got all of it and a whale got the rest.
+    q = FairQueue("fair", tenants=["whale", "small"])
+    q.admitted("whale", 100.0)
+    q.unmet("whale", 50.0)
+    q.admitted("small", 2.0)
+    assert q.fairness_index() == pytest.approx(1.0)
+    q.unmet("small", 2.0)  # half the small tenant's asks refused, while the whale got a little over its due
+    x = (0.5, 100 / 98)  # served / due: the small tenant was due the 4 it asked, the whale the other 98
+    assert q.fairness_index() == pytest.approx(sum(x) ** 2 / (2 * (x[0] ** 2 + x[1] ** 2)))
+
+
+def test_the_fairness_index_counts_the_waiters_as_demand_not_met_yet():
+    q = FairQueue("fair", tenants=["a", "b"])
+    q.admitted("a", 10.0)
+    q.admitted("b", 1.0)
+    assert q.fairness_index() == pytest.approx(1.0)
+    q.append(W("b", cost=20.0))  # b waits for more than a was served
+    assert q.fairness_index() < 0.7
+    q.remove(q[0])
+    assert q.fairness_index() == pytest.approx(1.0)
+
+
+def test_weighted_max_min_shares_fill_the_smallest_demands_per_weight_first():
+    assert max_min_shares({"a": 1.0, "b": 10.0, "c": 10.0}, {"a": 1.0, "b": 1.0, "c": 2.0}, 10.0) == \
+        pytest.approx({"a": 1.0, "b": 3.0, "c": 6.0})
+    assert max_min_shares({"a": 1.0, "b": 2.0}, {"a": 1.0, "b": 1.0}, 3.0) == {"a": 1.0, "b": 2.0}
+    assert max_min_shares({"a": 1.0}, {"a": 1.0}, 0.0) == {"a": 0.0}
+    # a's guaranteed half of the total, though its weight alone would give it a third
+    assert max_min_shares({"a": 10.0, "b": 10.0, "c": 10.0}, dict.fromkeys("abc", 1.0), 12.0, {"a": 0.5}) == \
+        pytest.approx({"a": 6.0, "b": 3.0, "c": 3.0})
+    assert max_min_shares({"a": 2.0, "b": 10.0}, dict.fromkeys("ab", 1.0), 12.0, {"a": 0.5}) == \
+        pytest.approx({"a": 2.0, "b": 10.0})  # a floor is only what the key asks
+
+
+def test_the_fairness_index_weighs_a_guaranteed_share():
+    q = FairQueue("fair", guaranteed={"gold": 0.6}, tenants=["gold", "b"], capacity=10)
+    q.admitted("gold", 6.0)
+    q.unmet("gold", 10.0)
+    q.admitted("b", 4.0)
+    q.unmet("b", 10.0)
+    assert q.fairness_index() == pytest.approx(1.0)  # gold got its 60%, not the half its weight alone gives
 
 
 def test_the_fairness_index_sees_flows_a_header_names_one_by_one():
@@ -602,7 +648,9 @@ def test_the_fairness_index_sees_flows_a_header_names_one_by_one():
     for i in range(60):
         q.admitted(f"id-{i}", 1.0)
     assert q.fairness_index() == pytest.approx(1.0)
-    q.admitted("id-0", 60.0)  # one id takes half the work
+    q.admitted("id-0", 60.0)  # one id takes half the work while every other is refused as much as it got
+    for i in range(1, 60):
+        q.unmet(f"id-{i}", 1.0)
     assert q.fairness_index() < 0.1
     assert q.label("id-0") == "other"  # the metric labels stay bounded
 
@@ -619,6 +667,8 @@ def test_the_fairness_index_reads_a_gateways_keys_as_sharing_the_anonymous_share
         q.admitted(nested("anonymous", f"team-{i}"), 1.0)
     assert q.fairness_index() == pytest.approx(1.0)
     q.admitted(nested("anonymous", "team-0"), 20.0)  # one of the gateway's keys takes its share and more
+    q.unmet("a", 10.0)  # ... while a and b are refused
+    q.unmet("b", 10.0)
     assert q.fairness_index() < 0.5
 
 

@@ -7,7 +7,7 @@ import math
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from extproc.policy.fairness import jain_index
+from extproc.policy.fairness import jain_index, max_min_shares
 from extproc.tools.loadgen import RequestRecord
 from extproc.tools.stats import percentile
 
@@ -78,22 +78,6 @@ def slo_kinds(slo: str | Collection[str]) -> Collection[str]:
     return (slo,) if isinstance(slo, str) else slo
 
 
-def max_min_shares(demands: dict[str, float], total: float) -> dict[str, float]:
-    """Water-filling: what each gets of `total` when none gets more than it asks and the rest is shared equally."""
-    shares, left, open_ = {}, total, dict(demands)
-    while open_:
-        level = left / len(open_)
-        small = {k: d for k, d in open_.items() if d <= level}
-        if not small:
-            shares.update({k: level for k in open_})
-            break
-        for k, d in small.items():
-            shares[k] = d
-            left -= d
-            del open_[k]
-    return shares
-
-
 def fairness_index(started: list[RequestRecord], kinds: Collection[str], slo_s: float) -> float:
     """Demand-aware Jain's index over `kinds`, in tokens (see WindowStats.fairness_index). Counted in tokens, not
     answers: a tenant of long prompts that gets as many answers as the others gets most of the GPU. What a request
@@ -108,7 +92,7 @@ def fairness_index(started: list[RequestRecord], kinds: Collection[str], slo_s: 
         asked[k] = sum(r.prompt_tokens for r in mine) + mean_output * len(mine)
         served[k] = sum(r.prompt_tokens + r.output_tokens for r in mine
                         if r.ok and not r.degraded and r.latency <= slo_s)
-    due = max_min_shares(asked, sum(served.values()))
+    due = max_min_shares(asked, dict.fromkeys(asked, 1.0), sum(served.values()))
     return jain_index(served[k] / due[k] for k in kinds if due[k] > 0)
 
 
