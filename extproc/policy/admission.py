@@ -248,6 +248,8 @@ class AdmissionController:
                                                say(R_UNKNOWN_MODEL, model=_shown(facts.model)), classification=c),
                                        facts))
         cluster = self.clusters[model]
+        # The policy's word only, not a length learned from the replicas: this 400 is given in shadow too, and a
+        # replica refuses past its own length anyway (the estimate is bounded by the learned one meanwhile).
         context_tokens = self.cost_models[model].spec.max_context_tokens
         if context_tokens and facts.max_tokens is not None and facts.max_tokens > context_tokens:
             field = facts.max_tokens_field  # named as the client sent it, as vLLM does

@@ -317,6 +317,15 @@ class CostModel:
         self.samples = 0
         self._tokenizer = _load_tokenizer(spec.tokenizer) if spec.tokenizer else None
         self.media = media_part_tokens(spec)
+        self.learned_context: int | None = None  # what the replicas' /v1/models list (learn_context)
+        self.context_tokens = spec.max_context_tokens  # the context estimates clamp to: configured, else learned
+
+    def learn_context(self, tokens: int | None) -> None:
+        """The model's context length as its replicas list it (PolicyState, from /v1/models; None: unknown). Held
+        as one attribute, set when the listings change, so the estimate reads it at no cost per request; the
+        policy's `max_context_tokens` wins."""
+        self.learned_context = tokens
+        self.context_tokens = self.spec.max_context_tokens or tokens
 
     def prompt_tokens(self, doc: dict[str, Any], generates: bool = True) -> int:
         """Prompt tokens of a generation body (its prompt fields), or of any other body (all its text)."""
@@ -336,9 +345,9 @@ class CostModel:
 
     def truncated(self, prompt_tokens: int, cap: int | None, prompts: int = 1) -> int:
         """The prompt tokens a replica runs when it keeps each of `prompts` prompts' last `cap` tokens (vLLM's
-        truncate_prompt_tokens; -1: as many as the context holds, unknown without max_context_tokens)."""
+        truncate_prompt_tokens; -1: as many as the context holds, unknown without a context length)."""
         if cap == -1:
-            cap = self.spec.max_context_tokens
+            cap = self.context_tokens
         return min(prompt_tokens, cap * max(prompts, 1)) if cap else prompt_tokens
 
     def _tokenized(self, texts: list[str | bytes]) -> int:
@@ -363,11 +372,12 @@ class CostModel:
             return CostEstimate(prompt_tokens, 0, 0.0, gpu)
         requested = max_tokens if max_tokens is not None else spec.default_max_tokens
         room = None  # the output a prompt's context leaves: vLLM's own cap when the body sets none
-        if spec.max_context_tokens:
+        context = self.context_tokens  # configured, else the replicas' own: vLLM clamps to its own either way
+        if context:
             # vLLM clamps likewise, each prompt of a list in its own context: against the prompts' sum a list
             # clamped to almost nothing. The mean prompt gives an upper bound of the per-prompt clamps (min is
             # concave), which is the safe side of an estimate.
-            room = max(spec.max_context_tokens - math.ceil(prompt_tokens / max(prompts, 1)), 1)
+            room = max(context - math.ceil(prompt_tokens / max(prompts, 1)), 1)
             requested = max(min(requested, room), 1)
         if max_tokens is None and min_output != 0:
             # default_max_tokens only assumes where answers end: output that cannot end there (ignore_eos runs to
@@ -380,7 +390,7 @@ class CostModel:
         requested *= sequences  # every sequence decodes; the prompt is prefilled once and shared
         expected, gpu = self._priced(prompt_tokens, requested, floor * sequences, sequences, prompts)
         # Not clamped by the prompt estimate, which may be high: the replica counts the real prompt.
-        most = (max_tokens if max_tokens is not None else spec.max_context_tokens or 0) * sequences
+        most = (max_tokens if max_tokens is not None else context or 0) * sequences
         est = CostEstimate(prompt_tokens, requested, expected, gpu, most)
         est.sequences, est.prompts = sequences, prompts
         est.min_output, est.forced = min_output, floor * sequences

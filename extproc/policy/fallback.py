@@ -57,8 +57,9 @@ class Fallbacks:
             gate = core.gates.get(target) if core.gates else None
             units = self._degraded_units(gate, charge, fb) if gate is not None else 0.0
             if deg.has_room() and (gate is None or core._pool_admits(gate, deg, units, now)):
-                # The degrade body caps max_tokens at the fallback model's context too (vLLM refuses more).
-                context = core.cost_models[fb.model].spec.max_context_tokens if fb.model else None
+                # The degrade body caps max_tokens at the fallback model's context too (vLLM refuses more): the
+                # one its replicas list where the policy sets none, which is the length they refuse past.
+                context = core.cost_models[fb.model].context_tokens if fb.model else None
                 ceilings = [t for t in (fb.max_tokens, context) if t]
                 # In shadow the request runs as it asked on its own pool: charged as asked, too.
                 if charge is not None and ceilings and not (core.shadow.everything or lim.spec.shadow):
@@ -103,8 +104,9 @@ class Fallbacks:
         return f"would not change it: {' and '.join(kept)}" if kept else "is the model it asked for"
 
     def _fits_context(self, model: str | None, charge: Charge | None) -> bool:
-        """Whether the request's prompt (estimated, each prompt of a list on its own) fits `model`'s context."""
-        context = self.core.cost_models[model].spec.max_context_tokens if model else None
+        """Whether the request's prompt (estimated, each prompt of a list on its own) fits `model`'s context
+        (configured, else as its replicas list it: vLLM answers 400 past either)."""
+        context = self.core.cost_models[model].context_tokens if model else None
         if not context or charge is None:
             return True
         est = charge.estimate

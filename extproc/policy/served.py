@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 MAX_NAMES_PER_POOL = 10_000  # a listing longer than any real fleet's is cut here: memory stays bounded
+MAX_CONTEXT_TOKENS = 16 * 1024 * 1024  # a listed max_model_len past any real model's says nothing: not learned
 
 
 def replica_names(cards: Any, known: dict[str, str]) -> dict[str, str]:
@@ -60,12 +61,40 @@ def merge(pools: dict[str, dict[str, str]], static: dict[str, str]) -> dict[str,
     return {name: model for name, model in merged.items() if name not in static and name not in twice}
 
 
-def catalog(models: dict[str, Any], listings: dict[str, list], served_names: dict[str, str]) -> dict[str, dict]:
+def context_lengths(listings: list[Any], names: dict[str, str]) -> dict[str, int]:
+    """A pool's replicas' `/v1/models` `data` -> each model that `names` (a card's id -> its model) finds there
+    -> the smallest `max_model_len` they list for it: vLLM refuses past its own replica's length, and Envoy may
+    send a request to any replica. An adapter's card counts as its parent's in the same listing (vLLM gives an
+    adapter none). A model with no usable length listed is left out."""
+    learned: dict[str, int] = {}
+    for cards in listings:
+        if not isinstance(cards, list):
+            continue
+        by_id = {c["id"]: c for c in cards if isinstance(c, dict) and isinstance(c.get("id"), str)}
+        for name, c in by_id.items():
+            model = names.get(name)
+            if model is None:
+                continue
+            parent = c.get("parent")
+            length = _length(by_id.get(parent) if isinstance(parent, str) else c)
+            if length is not None:
+                learned[model] = min(length, learned.get(model, length))
+    return learned
+
+
+def _length(card: Any) -> int | None:
+    """A card's max_model_len if it is one a model could have (an int, not a bool, within bounds)."""
+    length = card.get("max_model_len") if isinstance(card, dict) else None
+    return length if type(length) is int and 1 <= length <= MAX_CONTEXT_TOKENS else None
+
+
+def catalog(models: dict[str, Any], listings: dict[str, list], served_names: dict[str, str],
+            contexts: dict[str, int | None]) -> dict[str, dict]:
     """Every name the edge admits -> its `/v1/models` card's fields (`owned_by`, `root`, `parent`,
     `max_model_len`): in the policy's order, each model's key, then its aliases, then the names its replicas add,
     each once. A name a replica of its model's pool lists keeps that replica's fields; any other (its pool's
     listings are not read, or not yet) gets what the policy knows: `root` its model's key, no `parent`, and the
-    model's `cost.max_context_tokens`."""
+    model's context in `contexts` (its `cost.max_context_tokens`, else the one its replicas list)."""
     added: dict[str, list[str]] = {}
     for name, model in served_names.items():
         added.setdefault(model, []).append(name)
@@ -85,7 +114,7 @@ def catalog(models: dict[str, Any], listings: dict[str, list], served_names: dic
             c = known.get(name)
             if c is None:
                 cards[name] = {"owned_by": "vllm", "root": key, "parent": None,
-                               "max_model_len": m.cost.max_context_tokens}
+                               "max_model_len": contexts.get(key)}
                 continue
             cards[name] = {"owned_by": _text(c.get("owned_by"), "vllm"), "root": _text(c.get("root"), key),
                            "parent": _text(c.get("parent"), None),

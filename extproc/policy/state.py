@@ -44,6 +44,8 @@ class PolicyState:
         # names they give that the policy does not, -> their model. Updated in place: the hot path holds the dict.
         self.listings: dict[str, list] = {}
         self.served_names: dict[str, str] = {}
+        # (cluster, model) -> the context length its replicas there list, for a model with no max_context_tokens.
+        self.contexts: dict[tuple[str, str], int] = {}
         self._catalog: dict[str, dict] | None = None  # GET /v1/models: built once per policy or listing change
 
     def apply(self, policy: Policy, retired: list[ClassLimiter] = ()) -> list[ClassLimiter]:
@@ -83,6 +85,7 @@ class PolicyState:
         self._catalog = None
         self.cost_models = {name: self.cost_models[name] if self._same_cost(name, m.cost) else CostModel(m.cost)
                             for name, m in policy.models.items()}
+        self._relearn_contexts()
         tenants = [*policy.tenants, policy.anonymous.as_tenant()]
         now = self.clock()
         self.tenant_limits = {t.name: self.tenant_limits[t.name] if self._same_tenant(t) else
@@ -217,13 +220,19 @@ class PolicyState:
         return lim
 
     def wants_listings(self, cluster: str) -> bool:
-        """Whether a model routed to this cluster takes names from its replicas' /v1/models."""
-        return any(m.names_from_replicas and m.cluster == cluster for m in self.policy.models.values())
+        """Whether this cluster's replicas' /v1/models are to be read: a model routed to it takes names from them,
+        or, the pool being scraped, its context length (it has no max_context_tokens)."""
+        models = [m for m in self.policy.models.values() if m.cluster == cluster]
+        pool = self.policy.pools.get(cluster)
+        return any(m.names_from_replicas for m in models) or \
+            (pool is not None and pool.scraped and any(not m.cost.max_context_tokens for m in models))
 
     def set_listings(self, cluster: str, listings: list) -> dict[str, str]:
         """A pool's replicas' /v1/models `data` (one list per replica); returns the names now taken from them."""
         self.listings[cluster] = listings
         self._merge_served()
+        self._learn_contexts(cluster, listings)
+        self._hand_contexts()
         self._catalog = None
         return {name: model for name, model in self.served_names.items()
                 if self.policy.models[model].cluster == cluster}
@@ -232,8 +241,38 @@ class PolicyState:
         """Every name the edge admits -> its /v1/models card's fields (served.catalog); the same dict until the
         policy or a pool's listings change."""
         if self._catalog is None:
-            self._catalog = served.catalog(self.policy.models, self.listings, self.served_names)
+            contexts = {name: m.context_tokens for name, m in self.cost_models.items()}
+            self._catalog = served.catalog(self.policy.models, self.listings, self.served_names, contexts)
         return self._catalog
+
+    def _learn_contexts(self, cluster: str, listings: list) -> None:
+        """The context lengths a pool's listings give its models that have no max_context_tokens. A model they
+        give none for (its replicas silent or refusing) keeps the one learned before: max_model_len is fixed for
+        a replica's life, and a bounded estimate is worth more than one gone unbounded on a failed read."""
+        unset = {name for name, m in self.policy.models.items()
+                 if m.cluster == cluster and not m.cost.max_context_tokens}
+        if not unset:
+            return
+        names = {name: model for names in (self.model_names, self.served_names)
+                 for name, model in names.items() if model in unset}
+        for model, tokens in served.context_lengths(listings, names).items():
+            self.contexts[(cluster, model)] = tokens
+
+    def _relearn_contexts(self) -> None:
+        """After a reload: keep what was learned for a model still on the same read pool with no context of its
+        own (as the listings are kept), learn from the kept listings for any model the reload put there or gave
+        new names, and hand every cost model (some rebuilt) its context."""
+        models = self.policy.models
+        self.contexts = {(cluster, name): tokens for (cluster, name), tokens in self.contexts.items()
+                         if name in models and models[name].cluster == cluster
+                         and not models[name].cost.max_context_tokens and cluster in self.listings}
+        for cluster, listings in self.listings.items():
+            self._learn_contexts(cluster, listings)
+        self._hand_contexts()
+
+    def _hand_contexts(self) -> None:
+        for name, m in self.policy.models.items():
+            self.cost_models[name].learn_context(self.contexts.get((m.cluster, name)))
 
     def _merge_served(self) -> None:
         by_pool = {}
