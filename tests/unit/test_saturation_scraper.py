@@ -3,6 +3,7 @@ replica that sends nothing trustworthy counts toward stale (saturated), never as
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import re
 from pathlib import Path
@@ -11,13 +12,16 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from extproc.policy.admission import AdmissionController
 from extproc.policy.schema import PoolSpec
 from extproc.server import saturation
 from extproc.server.openai import models_body
 from extproc.server.saturation import (MAX_METRICS_BYTES, PoolScraper, SaturationScrapers, UnreadableMetrics,
                                        parse_vllm_metrics)
+from extproc.tools.sim.fleet import SimFleet
+from extproc.tools.sim.profile import load_profile
 from extproc.tools.stack import free_port
-from tests.conftest import FakeClock
+from tests.conftest import FakeClock, make_policy, until
 from tests.unit.test_model_names import listed_core
 
 REAL_METRICS = (Path(__file__).resolve().parents[1] / "fixtures" / "vllm" / "metrics.txt").read_bytes()
@@ -803,6 +807,30 @@ def test_a_replica_slow_to_list_its_models_does_not_delay_the_saturation_reading
         return len(core.published)
 
     assert asyncio.run(run_a_while()) >= 6  # a round every 50 ms, none waiting for /v1/models
+
+
+def test_a_models_context_is_learned_from_the_simulated_replicas_listings_without_names_from_replicas():
+    """cost.max_context_tokens unset: the scraper reads the pool's /v1/models for it, and the model's context is
+    the smallest max_model_len its replicas list (vLLM refuses past its own replica's)."""
+    profile = load_profile("h100-llama70b-awq").with_model_names(["llama-70b"])
+
+    async def learn():
+        async with SimFleet(profile, port=0, speed=50) as long, \
+                SimFleet(dataclasses.replace(profile, max_model_len=4096), port=0, speed=50) as short, \
+                aiohttp.ClientSession() as session:
+            replicas = [url.removeprefix("http://") for url in (*long.urls, *short.urls)]
+            core = AdmissionController(make_policy(models={"llama-70b": {"cluster": "pool_a"}},
+                                                   pools={"pool_a": {"replicas": replicas}}, tenants=[]))
+            spec = PoolSpec(replicas=replicas, scrape_interval_ms=50, models_interval_ms=200)
+            task = asyncio.create_task(PoolScraper(core, "pool_a", spec, session).run())
+            try:
+                return await until(lambda: core.cost_models["llama-70b"].context_tokens, timeout=5.0,
+                                   holds=lambda tokens: tokens == 4096)
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    assert asyncio.run(learn()) == 4096
 
 
 def test_requests_vllm_defers_for_its_lora_budget_are_not_saturation():
