@@ -94,7 +94,8 @@ class FallbackSpec:
         "`reject`: 503 (breaker) or 429 (overflow) with Retry-After. `degrade`: serve it anyway, changed as "
         "below. `canned`: answer at once with a fixed OpenAI-shaped response.", "reject")
     model: str | None = doc("degrade: route to this model (a key of `models`) and rewrite the body's `model`; a "
-                            "`max_tokens` beyond its `cost.max_context_tokens` is capped at it (vLLM refuses more), "
+                            "`max_tokens` beyond its context (`cost.max_context_tokens`, else as its replicas list it) "
+                            "is capped at it (vLLM refuses more), "
                             "and a request whose estimated prompt that context cannot hold is refused (429/503, "
                             "to retry) rather than degraded into vLLM's 400.",
                             None)
@@ -250,7 +251,8 @@ class PoolSpec:
                             "or more replicas with 50 tokens each in the window (0: off).", 1.5,
                             minimum=0)
     models_interval_ms: int = doc("How often each replica's `GET /v1/models` is read, for the models routed here "
-                                  "with `names_from_replicas` (not read otherwise).", 2000, minimum=200)
+                                  "with `names_from_replicas` or without `cost.max_context_tokens` (not read "
+                                  "otherwise).", 2000, minimum=200)
     limit: PoolLimitSpec = doc("The pool-wide limit (off unless enabled).", factory=PoolLimitSpec)
 
     @property
@@ -518,9 +520,12 @@ class CostSpec:
                                   "(`ignore_eos`, `use_beam_search`, a larger `min_tokens`) is costed to the rest of "
                                   "`max_context_tokens`, or to its `min_tokens`. A completions request without one "
                                   "is costed at the 16 tokens that API defaults to.", 1024, minimum=1)
-    max_context_tokens: int | None = doc("Context length: prompt + output are clamped to it as vLLM does, and a "
-                                         "max_tokens beyond it is refused with 400. Unset: no clamp.", None,
-                                         minimum=16)
+    max_context_tokens: int | None = doc(
+        "Context length: prompt + output are clamped to it as vLLM does, and a max_tokens beyond it is refused with "
+        "400. Unset: learned from the replicas' `GET /v1/models` where the pool is scraped (`pools.<cluster>` with "
+        "`replicas` or `envoy_admin`), the smallest `max_model_len` they list for the model: the estimate and a "
+        "degrade's clamp use it, the 400 is left to the replica. Unset and not learned: no clamp.", None,
+        minimum=16)
     chars_per_token: float = doc(
         "Fast prompt estimate: UTF-8 bytes of prompt text per token (one byte is one character of English; CJK "
         "takes 3 a character, about a token). 4 holds within ~1.4x for the common tokenizers and scripts; "

@@ -8,6 +8,9 @@ P, with names_from_replicas on) serves every name it lists for M: its other serv
 parent is one of them. Those names are admitted as M (M's cost model, M's metric labels), so a client reaches only
 a pool that the policy routes its model to and never adds a label; a name two pools serve is left out, a name the
 policy itself names keeps the policy's model.
+
+The same listings give a model whose policy sets no `cost.max_context_tokens` its context length: the smallest
+`max_model_len` its replicas list for it (context_lengths).
 """
 
 from __future__ import annotations
