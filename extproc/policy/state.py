@@ -20,8 +20,8 @@ class PolicyState:
     hold of a pool's limit (its learned limit too, unless its unit or `initial` changed), learned cost
     coefficients (unless the model's profile changed), tenant buckets and session budgets (what is left of them,
     within a changed spec), breaker state (a breaker whose specs changed is rebuilt, open or half-open if it was;
-    those of a removed class or pool are dropped) and adaptive limits (a retuned one goes on from its learned cap,
-    within its new bounds)."""
+    those of a removed class or pool are dropped), adaptive limits (a retuned one goes on from its learned cap,
+    within its new bounds) and the context lengths learned from a pool's /v1/models (while it is still read)."""
 
     def __init__(self, clock: Callable[[], float], on_breaker_change: Callable[[str, str, Breaker, str], None],
                  limit_factory: LimitFactory = default_limit,
