@@ -136,15 +136,16 @@ def patch_owed(mode_key: str):
 
 
 class IndexSampler(PolicyAdmitter):
-    """The what-if's admission core, its interactive class's live fairness index read every second."""
+    """The what-if's admission core, one class's live fairness index read every second."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, cls: str = "interactive"):
         super().__init__(path)
+        self.cls = cls
         self.index: list[tuple[float, float]] = []
 
     def start(self, clock, pools):
         timers = super().start(clock, pools)
-        q = self.core.limiters["interactive"].queue
+        q = self.core.limiters[self.cls].queue
         timers.append((1.0, lambda: self.index.append((clock(), q.fairness_index()))))
         return timers
 

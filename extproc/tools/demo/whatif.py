@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+import orjson
+
 from envoy.service.ext_proc.v3.external_processor_pb2 import HttpHeaders
 
 from extproc.policy.admission import QUEUE, AdmissionController, Admit, Decision, Degrade, RequestFacts
@@ -31,8 +33,8 @@ from extproc.server.protocol import HeaderNames, read_request_headers
 from extproc.server.saturation import PoolScraper, ScrapedReplica
 from extproc.tools.loadgen import CLIENT_ERROR, ENDPOINTS, PlannedRequest, RequestKind, RequestRecord
 from extproc.tools.sim.engine import Engine, Sequence
-from extproc.tools.sim.openai_api import (clamp_max_tokens, fixed_output_tokens, ignores_eos, samples_per_prompt,
-                                          sent_max_tokens)
+from extproc.tools.sim.openai_api import (clamp_max_tokens, fixed_output_tokens, ignores_eos, models_body,
+                                          samples_per_prompt, sent_max_tokens)
 from extproc.tools.sim.profile import load_profile
 
 from .scenario import Scenario
@@ -260,6 +262,11 @@ class PolicyAdmitter:
                                                         "steps": float(eng.stats.iterations)})
                 core.set_saturation(name, s.aggregate(clock()))
             timers.append((spec.scrape_interval_ms / 1000.0, scrape))
+            if core.wants_listings(name):
+                # The replicas' /v1/models, as the scraper's first round reads them (names, context lengths).
+                listing = orjson.loads(models_body(pools[name].profile.model_names,
+                                                   pools[name].profile.max_model_len))["data"]
+                core.set_listings(name, [listing] * len(pools[name].engines))
         if core.gates or any(lim.spec.adaptive.enabled for lim in core.limiters.values()):
             def limits() -> dict[str, int]:
                 # Each class's cap, and each pool-wide limit (in its unit) as "pool:<name>".
