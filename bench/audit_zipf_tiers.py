@@ -33,7 +33,7 @@ from collections import defaultdict
 import yaml
 
 from extproc.policy import pool as pool_mod
-from extproc.policy.fairness import jain_index
+from extproc.policy.fairness import jain_index, max_min_shares
 from extproc.tools.demo.scenario import Scenario
 from extproc.tools.demo.whatif import PolicyAdmitter, what_if
 from extproc.tools.stats import percentile
@@ -41,24 +41,6 @@ from extproc.tools.stats import percentile
 SCENARIO = "scenarios/audit-zipf-tiers.yaml"
 SCENARIO_PATH = [SCENARIO]
 MODES = {"c": "fifo", "d": "round_robin", "e": "fair"}
-
-
-def water_fill(demand: dict[str, float], weight: dict[str, float], floor: dict[str, float], cap: float) -> dict:
-    """Weighted max-min allocation of `cap` with guaranteed floors (a share of cap)."""
-    if sum(demand.values()) <= cap:
-        return dict(demand)
-
-    def alloc(lam: float) -> dict[str, float]:
-        return {k: min(demand[k], max(floor.get(k, 0.0) * cap, weight[k] * lam)) for k in demand}
-
-    lo, hi = 0.0, cap / min(weight.values()) + 1.0
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        if sum(alloc(mid).values()) > cap:
-            hi = mid
-        else:
-            lo = mid
-    return alloc(lo)
 
 
 def hold_series(records, kinds):
@@ -193,7 +175,7 @@ def run(seed: int, modes: str, show: list[str] | None, owed_check: bool, variant
             served = {k: sum(work.get(id(r), 0.0) for r in started if r.kind == k and r.ok and not r.degraded)
                       for k in inter}
             cap = sum(served.values())
-            due = water_fill(demand, weight, floor, cap)
+            due = max_min_shares(demand, weight, cap, floor)  # guaranteed shares as floors
             rows = {}
             for k in inter:
                 mine = [r for r in started if r.kind == k]
