@@ -180,9 +180,12 @@ class WhatIfResult:
 
 
 class _Pool:
-    def __init__(self, name: str, profile_name: str, replicas: int, seed: int, scheduling_policy: str | None = None):
+    def __init__(self, name: str, profile_name: str, replicas: int, seed: int, scheduling_policy: str | None = None,
+                 model_names: list[str] | tuple[str, ...] = ()):
         self.name = name
         self.profile = load_profile(profile_name)
+        if model_names:  # as `extproc sim --model-name` serves them (SimFleet): what /v1/models lists
+            self.profile = self.profile.with_model_names(model_names)
         if scheduling_policy:
             self.profile = self.profile.with_scheduling_policy(scheduling_policy)
         self.engines = [Engine(self.profile, seed=seed + i) for i in range(replicas)]
@@ -221,6 +224,14 @@ class Admitter(Protocol):
         model the pool does not serve) or given up by its client (record.error, status CLIENT_ERROR)."""
 
     def reap(self) -> None: ...
+
+
+def _reads_listings(policy: Policy, cluster: str) -> bool:
+    """Whether the ext_proc reads this pool's /v1/models once the demo has filled in its replicas (the what-if
+    scrapes every pool the policy names, as the demo's rendered policy has them scraped): a model routed there
+    takes names from them, or has no max_context_tokens (policy.state.PolicyState.wants_listings, scraped)."""
+    models = [m for m in policy.models.values() if m.cluster == cluster]
+    return cluster in policy.pools and any(m.names_from_replicas or not m.cost.max_context_tokens for m in models)
 
 
 class PolicyAdmitter:
@@ -262,8 +273,13 @@ class PolicyAdmitter:
                                                         "steps": float(eng.stats.iterations)})
                 core.set_saturation(name, s.aggregate(clock()))
             timers.append((spec.scrape_interval_ms / 1000.0, scrape))
-            if core.wants_listings(name):
-                # The replicas' /v1/models, as the scraper's first round reads them (names, context lengths).
+            if core.wants_listings(name) or _reads_listings(self.policy, name):
+                # The replicas' /v1/models, as the scraper's first round reads them (names, context lengths): under
+                # the served names `extproc sim --model-name` gives them (the scenario's), and also for a pool that
+                # names no replicas, which the demo fills in with its own (render_policy), so the real stack reads
+                # them. Until 2026-12-07 the listing carried the profile's names (meta-llama/...), which no
+                # policy's model matched: no context was learned, and a summary asking max_tokens 32768 on a
+                # 32K-context pool weighed its prompt + 32768 tokens in the pool limit.
                 listing = orjson.loads(models_body(pools[name].profile.model_names,
                                                    pools[name].profile.max_model_len))["data"]
                 core.set_listings(name, [listing] * len(pools[name].engines))
@@ -374,8 +390,8 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
     if getattr(admitter, "policy", None) is not None:  # before the run, not a KeyError in it
         check_routes(scenario, admitter.policy, admitter.source)
     clock = [0.0]
-    pools = {p.name: _Pool(p.name, p.profile, p.replicas, scenario.seed + 100 * i, p.scheduling_policy)
-             for i, p in enumerate(scenario.pools)}
+    pools = {p.name: _Pool(p.name, p.profile, p.replicas, scenario.seed + 100 * i, p.scheduling_policy,
+                           p.model_names) for i, p in enumerate(scenario.pools)}
     first = scenario.pools[0].name
     serves = {p.name: set(p.model_names) for p in scenario.pools}  # none named: the replicas answer any model
     events: list[tuple[float, int, int, object]] = []  # (time, kind, order, payload)
