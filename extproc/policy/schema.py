@@ -159,8 +159,11 @@ class PoolLimitSpec:
     enabled: bool = doc("Limit what the pool holds at once, whatever the class; the limit moves by itself.", False)
     unit: Literal["tokens", "requests"] = doc(
         "What the limit counts. `tokens`: each request weighs its prompt plus the output it asks for (`max_tokens`, "
-        "all its sequences: the KV-cache footprint it may reach; not the learned expected output, which moves as "
-        "the ext_proc runs), so a mix of long prompts holds fewer requests than a short chat mix at the same limit. "
+        "all its sequences, clamped to the model's context: the KV-cache footprint it may reach; not the learned "
+        "expected output, which moves as the ext_proc runs), so a mix of long prompts holds fewer requests than a "
+        "short chat mix at the same limit. A chat request that sets no `max_tokens` weighs its prompt plus the "
+        "model's `cost.default_max_tokens` (1024), though vLLM may run it to the end of the context: where clients "
+        "omit it on long contexts, set `default_max_tokens` to the longest answer they get. "
         "`requests`: each request weighs the sequences a replica runs for it, as vLLM's running and waiting "
         "gauges count them: 1, or `n` (times the prompts of a completions list).", "tokens")
     initial: float | None = doc("Starting limit, in `unit`. Default: `max` (the controller cuts to what the pool "
