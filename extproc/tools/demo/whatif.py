@@ -277,9 +277,7 @@ class PolicyAdmitter:
                 # The replicas' /v1/models, as the scraper's first round reads them (names, context lengths): under
                 # the served names `extproc sim --model-name` gives them (the scenario's), and also for a pool that
                 # names no replicas, which the demo fills in with its own (render_policy), so the real stack reads
-                # them. Until 2026-12-07 the listing carried the profile's names (meta-llama/...), which no
-                # policy's model matched: no context was learned, and a summary asking max_tokens 32768 on a
-                # 32K-context pool weighed its prompt + 32768 tokens in the pool limit.
+                # them.
                 listing = orjson.loads(models_body(pools[name].profile.model_names,
                                                    pools[name].profile.max_model_len))["data"]
                 core.set_listings(name, [listing] * len(pools[name].engines))
