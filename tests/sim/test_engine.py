@@ -2,7 +2,7 @@
 
 import pytest
 
-from extproc.tools.sim.engine import FINISHED, RUNNING, WAITING, Engine
+from extproc.tools.sim.engine import FINISHED, RUNNING, WAITING, Engine, EngineStats
 from extproc.tools.sim.profile import LogNormal, Profile, Timing
 
 
@@ -218,3 +218,32 @@ def test_each_step_is_attributed_to_its_sequences_in_full_and_a_long_prompt_weig
     assert engine.stats.preemptions >= 1
     assert sum(s.work_s for s in short + long) == pytest.approx(now)
     assert min(s.work_s for s in long) > 2 * max(s.work_s for s in short)
+
+
+def _first_step_of_four_samples(prompt: int, **profile) -> tuple[list[int], int, EngineStats]:
+    engine = Engine(make_profile(max_num_batched_tokens=2048, **profile))
+    engine.add_samples(prompt, 4, 0.0, 4, natural_tokens=4)
+    engine.begin_iteration(0.0)
+    scheduled = [n for _, n in engine._batch]
+    engine.end_iteration(0.1)
+    return scheduled, engine.profile.kv_cache_blocks - engine.free_blocks, engine.stats
+
+
+def test_samples_of_a_prompt_compute_its_full_blocks_once():
+    """vLLM 0.32 with prefix caching (its default), n=4 and a 300-token prompt in 16-token blocks, recorded in-process:
+    the first sample computes 300 tokens, each other one reads 18 blocks and computes the last 12; 22 blocks held."""
+    scheduled, used, stats = _first_step_of_four_samples(300)
+    assert scheduled == [300, 12, 12, 12] and used == 22
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.prompt_tokens) == (1200, 864, 1200)
+
+
+def test_a_sample_recomputes_the_block_of_its_last_prompt_token():
+    """320 tokens fill 20 blocks, but a sample must compute its last token to sample: it reads 19 and copies the 20th."""
+    scheduled, used, _ = _first_step_of_four_samples(320)
+    assert scheduled == [320, 16, 16, 16] and used == 23
+
+
+def test_without_prefix_caching_each_sample_prefills_the_prompt():
+    scheduled, used, stats = _first_step_of_four_samples(300, enable_prefix_caching=False)
+    assert scheduled == [300] * 4 and used == 76
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (0, 0)

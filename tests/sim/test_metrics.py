@@ -145,3 +145,21 @@ async def test_a_request_that_arrives_while_the_engine_lags_behind_the_clock_has
     metrics = replica.metrics
     assert metrics.ttft.count == 1 and 0 < metrics.ttft.total < 1
     assert 0 < metrics.e2e.total < 1 and metrics.queue.total == 0.0
+
+
+async def test_samples_of_a_prompt_count_as_vllm_counts_them():
+    """n=4 with a 300-token prompt (16-token blocks here; vLLM 0.32 on the CPU, 128-token blocks, gave the same shape:
+    usage 300, prompt_tokens_total 1200, hits 3 x 256): usage counts the prompt once, prompt_tokens_total once a
+    sample, and three samples read the first one's 18 full blocks."""
+    async with SimFleet("h100-llama8b", replicas=1, speed=50) as fleet, aiohttp.ClientSession() as http:
+        url = fleet.urls[0]
+        body = {"prompt": [7] * 300, "max_tokens": 4, "n": 4, "temperature": 1.0, "ignore_eos": True}
+        async with http.post(url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            usage = (await resp.json())["usage"]
+        async with http.get(url + "/metrics") as resp:
+            text = await resp.text()
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (300, 16)
+    assert samples["vllm:prompt_tokens_total"] == 1200
+    assert (samples["vllm:prefix_cache_queries_total"], samples["vllm:prefix_cache_hits_total"]) == (1200, 3 * 288)

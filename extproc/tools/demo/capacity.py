@@ -55,8 +55,8 @@ def closed_loop_mix(profile: Profile, workload: Workload, concurrency: int, requ
         samples = samples_per_prompt(kind.body)
         left = [samples]
         natural = fixed_output_tokens(max_tokens, ignore_eos)
-        for _ in range(samples):
-            samples_left[engine.add_request(prompt, max_tokens, now, natural_tokens=natural).id] = left
+        for seq in engine.add_samples(prompt, max_tokens, now, samples, natural_tokens=natural):
+            samples_left[seq.id] = left
 
     for _ in range(concurrency):
         add()

@@ -131,7 +131,7 @@ class _Ask:
     prompt_tokens: int
     max_tokens: int | None  # None: the replica's default
     ignore_eos: bool  # the kind's `body: {ignore_eos: true}`: every answer runs to max_tokens
-    sequences: int = 1  # the kind's `body: {n: N}`: N samples of the prompt, each a sequence of its own
+    sequences: int = 1  # the kind's `body: {n: N}`: N samples of the prompt (Engine.add_samples)
 
     @classmethod
     def of(cls, kind: RequestKind, prompt_tokens: int) -> _Ask:
@@ -151,9 +151,8 @@ class _Ask:
         the context left, and under ignore_eos the answer's length is that, not the profile's draw."""
         p = engine.profile
         max_tokens = clamp_max_tokens(self.max_tokens, self.prompt_tokens, p.max_model_len, p.default_max_tokens)
-        return [engine.add_request(self.prompt_tokens, max_tokens, now,
-                                   natural_tokens=fixed_output_tokens(max_tokens, self.ignore_eos), priority=priority)
-                for _ in range(self.sequences)]
+        return engine.add_samples(self.prompt_tokens, max_tokens, now, self.sequences,
+                                  natural_tokens=fixed_output_tokens(max_tokens, self.ignore_eos), priority=priority)
 
 
 @dataclass(eq=False)

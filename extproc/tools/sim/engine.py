@@ -7,6 +7,9 @@ the largest (priority, arrival), wherever it sits in the batch, and a victim alr
 token budget back). In both a waiting request never preempts anyone: it waits for blocks (with the profile's
 `scheduler_reserve_full_isl`, as vLLM's flag, for all its tokens, not just its first chunk's).
 
+Of vLLM's prefix caching (on by default; the profile's `enable_prefix_caching`) it models one part: the samples
+of one prompt (`n` > 1, `add_samples`) share the prompt's full KV blocks, computed once (SharedPrompt).
+
 Time never comes from a clock here: callers pass `now` in simulated seconds. One iteration is
 `begin_iteration(now)` (schedule the batch, return how long it takes) then `end_iteration(end)` (apply it and
 return the tokens it produced). Requests aborted in between simply produce nothing.
@@ -49,6 +52,8 @@ class Sequence:
     preemptions: int = 0
     priority: int = 0  # the request's `priority`: lower runs first (only under the priority policy)
     lora: int = 0  # its LoRA adapter's id (vLLM's lora_int_id, from 1); 0: the base model
+    prompt: SharedPrompt | None = None  # the blocks it may share with its request's other samples
+    shared: int = 0  # its first `shared` blocks are prompt's (held once, whoever holds them)
     # The engine time that was this sequence's (Engine.begin_iteration): its own terms of each step it ran in, and
     # an equal share of the step's fixed part. An independent measure of the GPU-seconds the ext_proc estimates.
     work_s: float = 0.0
@@ -57,6 +62,26 @@ class Sequence:
     def length(self) -> int:
         """Tokens that must be in the KV cache before the next token can be sampled."""
         return self.prompt_tokens + self.generated
+
+
+@dataclass(eq=False)
+class SharedPrompt:
+    """The prompt of a request's samples. vLLM fans `n` out into n requests of the same prompt, and with prefix
+    caching registers each full block of a prompt as it allocates it, so a sample admitted while those blocks are
+    cached reads them instead of computing them: all but the block of its last prompt token, which it computes to
+    sample (recorded: tests/fixtures/vllm/scheduling.json's samples cases, docs/simulator.md). Blocks no sample
+    holds stay cached, counted free, until allocations evict them (Engine._cached)."""
+
+    samples: list[Sequence] = field(default_factory=list)
+    cached: int = 0  # its blocks in the prefix cache when last settled, held or not
+    # when blocks were last freed: (the engine's blocks allocated so far, the free blocks ahead of them in vLLM's
+    # free queue, which allocation takes from the front and frees join at the back)
+    freed_at: tuple[int, int] = (0, 0)
+
+    @property
+    def held(self) -> int:
+        """Its blocks samples hold: they are a prefix of each holder's table, so the longest holder has them all."""
+        return max(s.shared for s in self.samples)
 
 
 class PriorityWaiting:
@@ -111,6 +136,10 @@ class EngineStats:
     inter_token_s: float = 0.0  # the inter-token latency histogram's sum and count (vllm:inter_token_latency_seconds)
     inter_tokens: int = 0
     finished: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
+    # vllm:prefix_cache_queries_total and _hits_total: the tokens of each request admitted with an empty KV, and
+    # those of them its prefix-cache lookup found (here only a sibling sample's prompt blocks)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class Engine:
@@ -134,6 +163,7 @@ class Engine:
         self.stats = EngineStats()
         self.slowdown = 1.0  # fault injection: multiplies iteration time
         self._next_id = 0
+        self._allocated = 0  # blocks ever taken from the free pool: how far the free queue has been consumed
         self._batch: list[tuple[Sequence, int]] = []  # the in-flight iteration's (sequence, tokens computed)
         self.step_tokens = 0  # tokens the last iteration scheduled
 
@@ -151,6 +181,16 @@ class Engine:
         self._next_id += 1
         self.waiting.append(seq)
         return seq
+
+    def add_samples(self, prompt_tokens: int, max_tokens: int, now: float, samples: int, **kwargs) -> list[Sequence]:
+        """Queue a request's `samples` (its `n`): each a sequence of its own (add_request's arguments), sharing the
+        prompt's full blocks when prefix caching is on."""
+        seqs = [self.add_request(prompt_tokens, max_tokens, now, **kwargs) for _ in range(samples)]
+        if samples > 1 and self.profile.enable_prefix_caching:
+            prompt = SharedPrompt(seqs)
+            for seq in seqs:
+                seq.prompt = prompt
+        return seqs
 
     def abort(self, seq: Sequence, now: float) -> None:
         """Drop a request (client went away) and free its KV blocks at once."""
@@ -277,12 +317,15 @@ class Engine:
             if seq.lora and self.max_loras is not None and len(loras) >= self.max_loras and seq.lora not in loras:
                 passed_over.append(self.waiting.popleft())  # as vLLM: skipped, the ones behind it may go
                 continue
+            hit = self._read_shared_prompt(seq)
             n = min(seq.length - seq.computed, budget)
             # vLLM's --scheduler-reserve-full-isl: admitted only when the free blocks hold all its tokens, not just
             # the first chunk it is scheduled now
             if (self.profile.scheduler_reserve_full_isl and self._blocks_short(seq, seq.length)
                     or not self._allocate(seq, seq.computed + n)):
+                seq.computed = seq.blocks = seq.shared = 0  # the lookup is taken only with the admission
                 break  # FIFO: the head waits for memory, nobody overtakes it
+            self._count_lookup(seq, hit)
             self.waiting.popleft()
             seq.state = RUNNING
             if seq.first_scheduled is None:
@@ -312,6 +355,34 @@ class Engine:
         """Whether seq's block table cannot grow to hold `tokens` tokens from the free blocks."""
         return self._blocks_needed(seq, tokens) > self.free_blocks
 
+    def _read_shared_prompt(self, seq: Sequence) -> int:
+        """A waiting seq's prefix-cache hit: its prompt's cached blocks, short of the block of its last token (vLLM
+        computes that one again to sample). They become the head of its table, the ones no sibling held taken out of
+        the free pool. Returns the tokens."""
+        prompt = seq.prompt
+        if prompt is None:
+            return 0
+        held = prompt.held
+        hit = min(self._cached(prompt), (seq.length - 1) // self.profile.block_size)
+        hit = min(hit, held + self.free_blocks)
+        self.free_blocks -= max(hit - held, 0)
+        seq.blocks = seq.shared = hit
+        seq.computed = hit * self.profile.block_size
+        return seq.computed
+
+    def _cached(self, prompt: SharedPrompt) -> int:
+        """Its blocks in the prefix cache now: the ones freed go, last block first (vLLM frees a table from its
+        end), once the allocations since have taken the free blocks that were ahead of them."""
+        allocated, ahead = prompt.freed_at
+        evicted = max(self._allocated - allocated - ahead, 0)
+        return max(prompt.held, prompt.cached - evicted)
+
+    def _count_lookup(self, seq: Sequence, hit: int) -> None:
+        """vLLM counts a prefix-cache lookup when the request it was made for is admitted."""
+        if self.profile.enable_prefix_caching:
+            self.stats.prefix_cache_queries += seq.length
+            self.stats.prefix_cache_hits += hit
+
     def _allocate(self, seq: Sequence, tokens: int) -> bool:
         """Grow seq's block table to hold `tokens` tokens; False when the cache has too few free blocks."""
         need = self._blocks_needed(seq, tokens)
@@ -319,15 +390,36 @@ class Engine:
             return True
         if need > self.free_blocks:
             return False
+        # vLLM caches a prompt's full blocks as they are allocated: the sample that holds all the cached ones, and
+        # of its own at most the partial block after them, extends them (a sibling's later blocks of the same
+        # prompt are copies, not shared)
+        prompt = seq.prompt
+        if prompt is not None and seq.blocks - 1 <= seq.shared == self._cached(prompt):
+            seq.shared = min(tokens, seq.prompt_tokens) // self.profile.block_size
+            prompt.cached = max(prompt.cached, seq.shared)
         self.free_blocks -= need
+        self._allocated += need
         seq.blocks += need
         return True
+
+    def _release(self, seq: Sequence) -> None:
+        """Free seq's blocks: its own, and the shared ones no sibling holds."""
+        freed = seq.blocks - seq.shared
+        prompt = seq.prompt
+        if prompt is not None and seq.shared:
+            prompt.cached = self._cached(prompt)
+            held = prompt.held
+            seq.shared = 0
+            if prompt.held < held:  # they stay cached, at the back of the free queue
+                prompt.freed_at = (self._allocated, self.free_blocks + freed)
+                freed += held - prompt.held
+        self.free_blocks += freed
+        seq.blocks = 0
 
     def _preempt(self, seq: Sequence) -> None:
         """Evict seq: free its blocks, forget its KV (recompute later) and put it at the front of the queue (under
         priority: back in its place by (priority, arrival))."""
-        self.free_blocks += seq.blocks
-        seq.blocks = 0
+        self._release(seq)
         seq.computed = 0
         seq.state = WAITING
         seq.preemptions += 1
@@ -335,8 +427,7 @@ class Engine:
         self.waiting.appendleft(seq)
 
     def _finish(self, seq: Sequence, now: float, reason: str) -> None:
-        self.free_blocks += seq.blocks
-        seq.blocks = 0
+        self._release(seq)
         seq.state = FINISHED
         seq.finished = now
         seq.finish_reason = reason

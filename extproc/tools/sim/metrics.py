@@ -25,6 +25,8 @@ HELP = {
     "vllm:num_requests_waiting": "Number of requests waiting to be processed.",
     "vllm:kv_cache_usage_perc": "KV-cache usage. 1 means 100 percent usage.",
     "vllm:num_preemptions_total": "Cumulative number of preemption from the engine.",
+    "vllm:prefix_cache_queries_total": "Prefix cache queries, in terms of number of queried tokens.",
+    "vllm:prefix_cache_hits_total": "Prefix cache hits, in terms of number of cached tokens.",
     "vllm:prompt_tokens_total": "Number of prefill tokens processed.",
     "vllm:generation_tokens_total": "Number of generation tokens processed.",
 }
@@ -121,6 +123,8 @@ class ReplicaMetrics:
             ("vllm:num_requests_running", "gauge", len(engine.running)),
             ("vllm:num_requests_waiting", "gauge", len(engine.waiting)),
             ("vllm:kv_cache_usage_perc", "gauge", engine.kv_usage),
+            ("vllm:prefix_cache_queries_total", "counter", stats.prefix_cache_queries),
+            ("vllm:prefix_cache_hits_total", "counter", stats.prefix_cache_hits),
             ("vllm:num_preemptions_total", "counter", stats.preemptions),
             ("vllm:prompt_tokens_total", "counter", stats.prompt_tokens),
             ("vllm:generation_tokens_total", "counter", stats.generation_tokens),

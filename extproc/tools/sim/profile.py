@@ -63,6 +63,9 @@ class Profile:
     # not just its first chunk's (engine.py). vLLM 0.32 has it on by default; off here until the demo's recorded
     # runs are made again with it (docs/simulator.md, "The engine model").
     scheduler_reserve_full_isl: bool = False
+    # vLLM's --enable-prefix-caching, on by default: here the samples of one prompt (n > 1) share its full KV blocks,
+    # computed once (engine.py's SharedPrompt); false is --no-enable-prefix-caching, each sample computing its own.
+    enable_prefix_caching: bool = True
 
     def natural_output_tokens(self, rng: random.Random) -> int:
         """How many tokens a request would generate if max_tokens did not stop it."""
@@ -118,9 +121,9 @@ def profile_from_dict(data: dict, source: str = "<dict>") -> Profile:
     except (KeyError, TypeError) as exc:
         raise ValueError(f"{source}: bad profile: {exc}") from exc
     _check_scheduling_policy(profile.scheduling_policy, f"{source}: scheduling_policy")
-    if not isinstance(profile.scheduler_reserve_full_isl, bool):
-        raise ValueError(f"{source}: scheduler_reserve_full_isl must be true or false, "
-                         f"got {profile.scheduler_reserve_full_isl!r}")
+    for key in ("scheduler_reserve_full_isl", "enable_prefix_caching"):
+        if not isinstance(getattr(profile, key), bool):
+            raise ValueError(f"{source}: {key} must be true or false, got {getattr(profile, key)!r}")
     names = data["model_names"]
     if isinstance(names, str) or not names or not all(isinstance(n, str) and n for n in names):
         # tuple("m-70b") would serve one model per character

@@ -68,7 +68,8 @@ class SimClock:
 
 class _Request:
     """A client request: its writer, renderer and sequences (one per choice: n > 1 and prompt lists run several,
-    as vLLM runs each as a request of its own), and the outputs of those that finished."""
+    as vLLM runs each as a request of its own, a prompt's samples sharing its blocks), and the outputs of those that
+    finished."""
 
     __slots__ = ("writer", "renderer", "seqs", "outputs", "left")
 
@@ -339,13 +340,14 @@ class Replica:
             # A busy engine lagging behind the clock (up to MAX_LAG_REAL_S) takes the request in at its own time, the
             # end of the step under way: stamped with the clock, it would be served before it arrived.
             now = min(now, self._sim_t)
-        for choice in range(parsed.choices):
-            prompt_tokens, max_tokens = parsed.sequence(choice)
-            seq = self.engine.add_request(prompt_tokens, max_tokens, now,
-                                          natural_tokens=fixed_output_tokens(max_tokens, parsed.ignore_eos),
-                                          priority=parsed.priority, lora=lora)
-            self._active[seq.id] = _Active(seq, request, choice)
-            request.seqs.append(seq)
+        for first in range(0, parsed.choices, parsed.n):  # a prompt's n samples: choices first .. first + n - 1
+            prompt_tokens, max_tokens = parsed.sequence(first)
+            seqs = self.engine.add_samples(prompt_tokens, max_tokens, now, parsed.n,
+                                           natural_tokens=fixed_output_tokens(max_tokens, parsed.ignore_eos),
+                                           priority=parsed.priority, lora=lora)
+            for choice, seq in enumerate(seqs, first):
+                self._active[seq.id] = _Active(seq, request, choice)
+            request.seqs.extend(seqs)
         writer.on_disconnect = lambda: self._abort(request)
         if parsed.stream:
             writer.start_stream()
