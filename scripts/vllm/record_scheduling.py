@@ -9,12 +9,19 @@ with a KV cache of a few blocks and driven with fake model outputs (each request
 token, never EOS, so it stops at max_tokens). Each case draws (seeded) a scheduling policy, a KV cache size (small,
 so preemption happens), max_num_seqs, max_num_batched_tokens (small, so chunked prefill happens) and requests
 (arrival step, prompt length, max_tokens, priority), and --scheduler-reserve-full-isl on or off. Prefix caching is
-off (the simulator has none) and scheduling synchronous (one step scheduled, then its output applied); everything
-else is vLLM's default.
+off (the simulator models only the part the samples cases show) and scheduling synchronous (one step scheduled,
+then its output applied); everything else is vLLM's default.
+
+The samples cases come after those: requests with `n` of 1 to 4, fanned out as vLLM's front end does (n requests
+of one prompt, ids `{k}_{parent}`, one arrival time), with prefix caching on, distinct prompts and a KV cache that
+holds every request at once (no preemption: a preempted request's own cached blocks are not modelled). They show
+what n > 1 costs: the first sample computes the prompt, the others read its full blocks.
 
 For every step (from 0, one a scheduler call, arrivals before it) the fixture holds, in this order (`step_fields`):
-`scheduled` ([request index, tokens] in the order the scheduler took them), `preempted` (in order), `running` and
-`waiting` (queue order) after scheduling, and `finished` after the output.
+`scheduled` ([sequence index, tokens] in the order the scheduler took them), `preempted` (in order), `running` and
+`waiting` (queue order) after scheduling, `finished` after the output, and `free_blocks` (the KV blocks free after
+scheduling; with prefix caching, cached blocks no request holds count as free, as vLLM counts them). A request's
+samples are consecutive sequences: request i's are numbered after all samples of the requests before it.
 tests/sim/test_scheduling_parity.py replays each case through extproc/tools/sim/engine.py (without vLLM).
 """
 
@@ -32,11 +39,13 @@ ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "tests" / "fixtures" / "vllm" / "scheduling.json"
 SEED = 46
 CASES = 120
+SAMPLES_SEED = 47
+SAMPLES_CASES = 24
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 2048
 MAX_STEPS = 2000  # a case that has not drained by then is a recording error
 # each step of a case: one list per field, in this order
-STEP_FIELDS = ["scheduled", "preempted", "running", "waiting", "finished"]
+STEP_FIELDS = ["scheduled", "preempted", "running", "waiting", "finished", "free_blocks"]
 
 
 def generate_cases(seed: int = SEED, count: int = CASES) -> list[dict]:
@@ -77,6 +86,28 @@ def generate_cases(seed: int = SEED, count: int = CASES) -> list[dict]:
     return cases
 
 
+def generate_sample_cases(seed: int = SAMPLES_SEED, count: int = SAMPLES_CASES) -> list[dict]:
+    """Requests of n = 1 to 4 samples: prompts around block boundaries and of several blocks, chunked prefill
+    (small token budgets), few or many sequences a step, both policies; the KV cache holds them all at once."""
+    rng = random.Random(seed)
+    cases = []
+    for k in range(count):
+        requests = []
+        for _ in range(rng.randint(1, 5)):
+            requests.append({"arrival_step": rng.choice([0, 0, 1, 2, 4]), "n": rng.choice([1, 2, 3, 4, 4]),
+                             "prompt": rng.choice([1, 15, 16, 17, 33, 64, 100, 150, 300]),
+                             "max_tokens": rng.choice([1, 2, 5, 16, 20]), "priority": rng.choice([0, 0, 1, 2])})
+        requests.sort(key=lambda r: r["arrival_step"])
+        need = sum(r["n"] * -(-(r["prompt"] + r["max_tokens"]) // BLOCK_SIZE) for r in requests)
+        batched_tokens = rng.choice([16, 32, 64, 100, 512, 2048])
+        cases.append({"name": f"samples{k:03d}", "policy": rng.choice(["fcfs", "priority"]),
+                      "kv_cache_blocks": need, "block_size": BLOCK_SIZE,
+                      "max_num_seqs": min(rng.choice([2, 3, 4, 256]), batched_tokens),
+                      "max_num_batched_tokens": batched_tokens, "scheduler_reserve_full_isl": rng.random() < 0.5,
+                      "enable_prefix_caching": True, "max_model_len": MAX_MODEL_LEN, "requests": requests})
+    return cases
+
+
 def build_scheduler(case: dict, model_dir: Path):
     import torch
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
@@ -90,7 +121,7 @@ def build_scheduler(case: dict, model_dir: Path):
                             max_model_len=case["max_model_len"], enable_chunked_prefill=True,
                             policy=case["policy"], is_encoder_decoder=False, async_scheduling=False,
                             scheduler_reserve_full_isl=case["scheduler_reserve_full_isl"])
-    cache = CacheConfig(block_size=case["block_size"], enable_prefix_caching=False)
+    cache = CacheConfig(block_size=case["block_size"], enable_prefix_caching=case.get("enable_prefix_caching", False))
     cache.num_gpu_blocks = case["kv_cache_blocks"]
     config = VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache)
     spec = FullAttentionSpec(block_size=case["block_size"], num_kv_heads=1, head_size=1, dtype=torch.float32)
@@ -107,23 +138,27 @@ def run_case(case: dict, model_dir: Path) -> list[list]:
     from vllm.v1.request import Request
 
     scheduler = build_scheduler(case, model_dir)
+    hasher = block_hasher(case)
     index = {}
     pending = list(enumerate(case["requests"]))
     steps = []
     for step in range(MAX_STEPS):
         while pending and pending[0][1]["arrival_step"] <= step:
             i, r = pending.pop(0)
-            rid = f"r{i:03d}"  # zero-padded: vLLM breaks (priority, arrival) ties by the id string
-            index[rid] = i
-            params = SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True, temperature=0.0)
-            # arrival_time: the step, plus a sliver so that requests of one step keep their index order
-            scheduler.add_request(Request(rid, [7] * r["prompt"], params, None, arrival_time=step + i * 1e-4,
-                                          priority=r["priority"]))
+            # a prompt of its own (its first token), which its samples share
+            prompt = [10 + i] + [7] * (r["prompt"] - 1)
+            for k, rid in enumerate(sample_ids(i, r.get("n", 1))):
+                index[rid] = len(index)
+                params = SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True, temperature=0.0)
+                # arrival_time: the step, plus a sliver so that requests of one step keep their index order
+                scheduler.add_request(Request(rid, prompt, params, None, arrival_time=step + i * 1e-4,
+                                              priority=r["priority"], block_hasher=hasher))
         if not pending and not scheduler.has_unfinished_requests():
             break
         out = scheduler.schedule()
         running = [index[r.request_id] for r in scheduler.running]
         waiting = [index[r.request_id] for r in scheduler.waiting]
+        free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
         sampled = []
         for rid, n in out.num_scheduled_tokens.items():
             req = scheduler.requests[rid]
@@ -135,10 +170,29 @@ def run_case(case: dict, model_dir: Path) -> list[list]:
         finished = sorted(index[o.request_id] for outs in engine_outputs.values() for o in outs.outputs
                           if o.finish_reason is not None)
         steps.append([[[index[rid], n] for rid, n in out.num_scheduled_tokens.items()],
-                      [index[r.request_id] for r in scheduler._last_preempted], running, waiting, finished])
+                      [index[r.request_id] for r in scheduler._last_preempted], running, waiting, finished, free])
     else:
         raise RuntimeError(f"{case['name']} did not drain in {MAX_STEPS} steps")
     return steps
+
+
+def sample_ids(i: int, n: int) -> list[str]:
+    """vLLM's request ids for request i's samples: zero-padded, as vLLM breaks (priority, arrival) ties by the id
+    string; n > 1 fans out as its front end does (ParentRequest: `{k}_{parent}`, the same arrival time)."""
+    rid = f"r{i:03d}"
+    return [rid] if n == 1 else [f"{k}_{rid}" for k in range(n)]
+
+
+def block_hasher(case: dict):
+    """The prompt-block hasher vLLM's engine core gives each request when prefix caching is on."""
+    if not case.get("enable_prefix_caching"):
+        return None
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    return get_request_block_hasher(case["block_size"], hash_fn)
 
 
 def track_preemption_order() -> None:
@@ -166,7 +220,7 @@ def main() -> int:
     import vllm
 
     track_preemption_order()
-    cases = generate_cases()
+    cases = generate_cases() + generate_sample_cases()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp)
         # A model config only: the scheduler reads the context length and the runner type, no weights
