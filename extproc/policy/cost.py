@@ -387,7 +387,9 @@ class CostModel:
         # Output the model cannot end early is expected in full, not at the learned ratio: an ignore_eos request
         # (benchmarks) runs to its cap, 1 / output_ratio times what the ratio alone expected.
         floor = requested if min_output is None else min(min_output, requested)
-        requested *= sequences  # every sequence decodes; the prompt is prefilled once and shared
+        # every sequence decodes; the prompt is prefilled once and shared: vLLM's prefix cache (on by default) gives
+        # the other samples its full blocks (docs/simulator.md, "The engine model")
+        requested *= sequences
         expected, gpu = self._priced(prompt_tokens, requested, floor * sequences, sequences, prompts)
         # Not clamped by the prompt estimate, which may be high: the replica counts the real prompt.
         most = (max_tokens if max_tokens is not None else context or 0) * sequences
