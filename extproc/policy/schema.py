@@ -526,7 +526,7 @@ class CostSpec:
     max_context_tokens: int | None = doc(
         "Context length: prompt + output are clamped to it as vLLM does, and a max_tokens beyond it is refused with "
         "400. Unset: learned from the replicas' `GET /v1/models` where the pool is scraped (`pools.<cluster>` with "
-        "`replicas` or `envoy_admin`), the smallest `max_model_len` they list for the model: the estimate and a "
+        "`replicas` or `envoy_admin`), the largest `max_model_len` they list for the model: the estimate and a "
         "degrade's clamp use it, the 400 is left to the replica. Unset and not learned: no clamp.", None,
         minimum=16)
     chars_per_token: float = doc(

@@ -9,7 +9,7 @@ parent is one of them. Those names are admitted as M (M's cost model, M's metric
 a pool that the policy routes its model to and never adds a label; a name two pools serve is left out, a name the
 policy itself names keeps the policy's model.
 
-The same listings give a model whose policy sets no `cost.max_context_tokens` its context length: the smallest
+The same listings give a model whose policy sets no `cost.max_context_tokens` its context length: the largest
 `max_model_len` its replicas list for it (context_lengths).
 """
 
@@ -66,8 +66,10 @@ def merge(pools: dict[str, dict[str, str]], static: dict[str, str]) -> dict[str,
 
 def context_lengths(listings: list[Any], names: dict[str, str]) -> dict[str, int]:
     """A pool's replicas' `/v1/models` `data` -> each model that `names` (a card's id -> its model) finds there
-    -> the smallest `max_model_len` they list for it: vLLM refuses past its own replica's length, and Envoy may
-    send a request to any replica. An adapter's card counts as its parent's in the same listing (vLLM gives an
+    -> the largest `max_model_len` they list for it: a request may run that far on the replica that lists it, so
+    an estimate clamped there stays on the safe side, and one replica started with a small `--max-model-len` by
+    mistake does not shrink every estimate of the pool (a pool limit in tokens would then take each request as
+    its prompt and one token). An adapter's card counts as its parent's in the same listing (vLLM gives an
     adapter none). A model with no usable length listed is left out."""
     learned: dict[str, int] = {}
     for cards in listings:
@@ -81,7 +83,7 @@ def context_lengths(listings: list[Any], names: dict[str, str]) -> dict[str, int
             parent = c.get("parent")
             length = _length(by_id.get(parent) if isinstance(parent, str) else c)
             if length is not None:
-                learned[model] = min(length, learned.get(model, length))
+                learned[model] = max(length, learned.get(model, length))
     return learned
 
 

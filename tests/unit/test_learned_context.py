@@ -42,10 +42,18 @@ def test_a_scraped_pool_is_read_for_a_model_without_a_context_and_admits_no_more
 
 # --- what a listing teaches ---
 
-def test_the_smallest_length_among_the_replicas_serving_the_model_is_learned(clock):
+def test_the_largest_length_among_the_replicas_serving_the_model_is_learned(clock):
     core = learning_core(clock)
-    core.set_listings("pool_a", [[card("llama", 8192)], [card("chat", 4096)], [card("mistral", 1024)]])
-    assert context(core) == 4096  # the mistral replica serves another model: its length is not llama's
+    core.set_listings("pool_a", [[card("llama", 4096)], [card("chat", 8192)], [card("mistral", 16384)]])
+    assert context(core) == 8192  # the mistral replica serves another model: its length is not llama's
+
+
+def test_one_replica_with_a_small_context_does_not_shrink_the_pools_estimates(clock):
+    # A replica started with --max-model-len 16 by mistake: with the smallest length learned, every request of the
+    # model was estimated at one output token, and a pool limit in tokens took each as its prompt and one token.
+    core = learning_core(clock)
+    core.set_listings("pool_a", [[card("llama", 8192)], [card("llama", 16)]])
+    assert context(core) == 8192
     assert context(core, "small") is None  # pool_b listed nothing yet
 
 
@@ -71,8 +79,8 @@ def test_a_name_taken_from_the_replicas_counts_for_its_model(clock):
     core = learning_core(clock, llama={"cluster": "pool_a", "names_from_replicas": True},
                          small={"cluster": "pool_b"})
     # The second replica lists the model only under the name the first one adds for it.
-    core.set_listings("pool_a", [[card("llama", 8192), card("llama-70b", 8192)], [card("llama-70b", 2048)]])
-    assert context(core) == 2048
+    core.set_listings("pool_a", [[card("llama", 2048), card("llama-70b", 2048)], [card("llama-70b", 8192)]])
+    assert context(core) == 8192
 
 
 def test_a_configured_context_wins(clock):

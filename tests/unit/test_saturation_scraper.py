@@ -811,7 +811,7 @@ def test_a_replica_slow_to_list_its_models_does_not_delay_the_saturation_reading
 
 def test_a_models_context_is_learned_from_the_simulated_replicas_listings_without_names_from_replicas():
     """cost.max_context_tokens unset: the scraper reads the pool's /v1/models for it, and the model's context is
-    the smallest max_model_len its replicas list (vLLM refuses past its own replica's)."""
+    the largest max_model_len its replicas list (a request may run that far on the replica that lists it)."""
     profile = load_profile("h100-llama70b-awq").with_model_names(["llama-70b"])
 
     async def learn():
@@ -825,12 +825,12 @@ def test_a_models_context_is_learned_from_the_simulated_replicas_listings_withou
             task = asyncio.create_task(PoolScraper(core, "pool_a", spec, session).run())
             try:
                 return await until(lambda: core.cost_models["llama-70b"].context_tokens, timeout=5.0,
-                                   holds=lambda tokens: tokens == 4096)
+                                   holds=lambda tokens: tokens == 8192)
             finally:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
 
-    assert asyncio.run(learn()) == 4096
+    assert asyncio.run(learn()) == 8192
 
 
 def test_requests_vllm_defers_for_its_lora_budget_are_not_saturation():
