@@ -323,7 +323,7 @@ class Engine:
             # the first chunk it is scheduled now
             if (self.profile.scheduler_reserve_full_isl and self._blocks_short(seq, seq.length)
                     or not self._allocate(seq, seq.computed + n)):
-                seq.computed = seq.blocks = seq.shared = 0  # the lookup is taken only with the admission
+                self._unread_shared_prompt(seq)  # the lookup is taken only with the admission
                 break  # FIFO: the head waits for memory, nobody overtakes it
             self._count_lookup(seq, hit)
             self.waiting.popleft()
@@ -369,6 +369,15 @@ class Engine:
         seq.blocks = seq.shared = hit
         seq.computed = hit * self.profile.block_size
         return seq.computed
+
+    def _unread_shared_prompt(self, seq: Sequence) -> None:
+        """Undo _read_shared_prompt for a seq not admitted after all: the cached blocks it took out of the free pool
+        go back (still cached). Left taken, each failed admission of the queue's head lost them for good: the
+        best-of-n scenario's capacity run ended with 142 of 2,250 blocks free and nothing running."""
+        taken = seq.shared
+        seq.computed = seq.blocks = seq.shared = 0
+        if seq.prompt is not None:
+            self.free_blocks += max(taken - seq.prompt.held, 0)
 
     def _cached(self, prompt: SharedPrompt) -> int:
         """Its blocks in the prefix cache now: the ones freed go, last block first (vLLM frees a table from its
