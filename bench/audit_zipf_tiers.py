@@ -35,8 +35,9 @@ import yaml
 from extproc.policy import pool as pool_mod
 from extproc.policy.fairness import jain_index, max_min_shares
 from extproc.tools.demo.scenario import Scenario
-from extproc.tools.demo.whatif import PolicyAdmitter, what_if
+from extproc.tools.demo.whatif import what_if
 from extproc.tools.stats import percentile
+from fairness_index import IndexSampler  # bench/, this script's own folder
 
 SCENARIO = "scenarios/audit-zipf-tiers.yaml"
 SCENARIO_PATH = [SCENARIO]
@@ -115,21 +116,6 @@ def patch_owed(mode_key: str):
 
     pool_mod.PoolGate.owed = owed
     return orig
-
-
-class IndexSampler(PolicyAdmitter):
-    """The what-if's admission core, one class's live fairness index read every second."""
-
-    def __init__(self, path: str, cls: str = "interactive"):
-        super().__init__(path)
-        self.cls = cls
-        self.index: list[tuple[float, float]] = []
-
-    def start(self, clock, pools):
-        timers = super().start(clock, pools)
-        q = self.core.limiters[self.cls].queue
-        timers.append((1.0, lambda: self.index.append((clock(), q.fairness_index()))))
-        return timers
 
 
 def run(seed: int, modes: str, show: list[str] | None, owed_check: bool, variant: str = "",
