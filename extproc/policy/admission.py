@@ -945,6 +945,8 @@ class AdmissionController:
         fallback = reason == R_QUEUE_TIMEOUT and lim.spec.on_overflow == "fallback" and not t.closed
         if not t.closed:  # closed without accounting: the request never ran
             self._release(t, now, False)
+        if reason in (R_QUEUE_TIMEOUT, R_QUEUE_FULL):  # no global slot: refused for want of room, as a queue's
+            lim.queue.unmet(t.flow, t.cost)
         waited = t.waited_by(now)
         # A class a reload removed has no fallback left (its degraded slots and model may be gone with it).
         if fallback and self.state.current(lim):

@@ -634,3 +634,33 @@ def test_a_round_robin_grant_that_never_ran_gives_its_flow_its_turn_back(clock, 
         core.revoke(admit, "client_disconnected", "gone")
     regranted = [d.tenant for d in pending if d is not granted[0] and not d.waiter.pending]
     assert regranted == ["a"]  # a's turn again (b's before: a lost the turn it was never served in)
+
+
+@pytest.mark.parametrize("reason", ["queue_timeout", "queue_full"])
+def test_the_fairness_index_weighs_a_request_the_shared_store_had_no_slot_for(clock, reason):
+    # A gated admission the shared store gave no global slot (none within the class's wait, or none and no queue)
+    # is refused for want of room like one its class queue timed out: revoked, its local charge was refunded and
+    # its demand vanished, so a tenant refused every request while another held the class read as fair.
+    core = AdmissionController(make_policy(
+        classes={"interactive": {"max_concurrency": 2, "max_queue": 0, "max_wait_ms": 100,
+                                 "fairness": {"mode": "fair"}}}, tenants=TENANTS), clock=clock)
+    core.shared_slots = True
+    q = core.limiters["interactive"].queue
+    first = ask(core, "a")
+    core.confirm(first)
+    d = ask(core, "b")
+    assert d.kind == ACCEPT and core.gated(d)
+    clock.advance(0.1)
+    assert core.revoke(d, reason, "no global slot").kind == REJECT
+    assert q.fairness_index() == pytest.approx(0.5)  # a got the class, b asked as much and got nothing
+
+
+def test_a_client_that_left_its_global_wait_is_no_unmet_demand(clock):
+    core = AdmissionController(make_policy(
+        classes={"interactive": {"max_concurrency": 2, "max_queue": 0, "max_wait_ms": 100,
+                                 "fairness": {"mode": "fair"}}}, tenants=TENANTS), clock=clock)
+    core.shared_slots = True
+    q = core.limiters["interactive"].queue
+    core.confirm(ask(core, "a"))
+    core.revoke(ask(core, "b"), "client_disconnected", "gone")
+    assert q.fairness_index() == 1.0
