@@ -171,3 +171,12 @@ def test_the_catalog_gives_an_unlisted_name_the_learned_context(clock):
     cat = core.model_catalog()
     assert cat["llama"]["max_model_len"] == 4096  # the replica's own card
     assert cat["chat"]["max_model_len"] == 4096   # an alias no replica lists: the model's learned length
+
+
+def test_an_answer_that_cannot_end_early_is_costed_to_the_rest_of_the_learned_context(clock):
+    # cost.default_max_tokens's doc: ignore_eos without max_tokens runs to vLLM's cap, the rest of the context,
+    # which is the learned one where the policy sets none.
+    core = learning_core(clock)
+    core.set_listings("pool_a", [[card("llama", 4096)]])
+    d = core.decide(RequestFacts(header_class="batch", model="llama", doc={"prompt": "x" * 400}, min_output=None))
+    assert d.charge.estimate.max_tokens == 4096 - d.charge.estimate.prompt_tokens
