@@ -754,7 +754,13 @@ class FairQueue:
     def unmet(self, key: str, cost: float) -> None:
         """A request of flow `key`, estimated at `cost` GPU-seconds, that the class could not take (its queue full,
         its wait out, shed, a breaker: refused, or sent to a fallback): demand the fairness index weighs what each
-        flow was served against. Priced as an admission would have charged it (times the flow's scale)."""
+        flow was served against. Priced as an admission would have charged it (times the flow's scale). A
+        fairness-header key the index does not hold yet is left out: refusals cost a client nothing, and a flood of
+        them under new keys would push the tenants out of the index's INDEX_FLOWS (every tenant is counted, and a
+        header key once served)."""
+        index_key = self._index_key(key)
+        if SEP in index_key and index_key not in self._recent:
+            return
         self._remember(key, 0.0, max(cost, 0.0) * self.scale(key))
 
     def fairness_index(self) -> float:

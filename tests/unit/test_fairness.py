@@ -672,6 +672,23 @@ def test_the_fairness_index_reads_a_gateways_keys_as_sharing_the_anonymous_share
     assert q.fairness_index() < 0.5
 
 
+def test_refusals_under_new_header_keys_do_not_push_the_tenants_out_of_the_index():
+    # Refusals cost nothing: a flood of them, each under a new fairness-header key without an API key, took the
+    # index's places and the tenants' service went unread. A header key is weighed once it has been served.
+    from extproc.policy.fairness import INDEX_FLOWS
+    q = FairQueue("fair", tenants=["a", "b"])
+    q.open_group = "anonymous"
+    q.admitted("a", 10.0)
+    q.admitted("b", 1.0)
+    q.unmet("b", 9.0)
+    for i in range(INDEX_FLOWS + 10):
+        q.unmet(nested("anonymous", f"flood-{i}"), 1.0)
+    assert set(q._recent) == {"a", "b"} and q.fairness_index() < 0.7
+    q.admitted(nested("anonymous", "team-1"), 1.0)
+    q.unmet(nested("anonymous", "team-1"), 5.0)  # served once: its refusals count from then on
+    assert q._recent[nested("anonymous", "team-1")][1] == 5.0
+
+
 def test_the_fairness_index_reads_a_bounded_number_of_flows():
     from extproc.policy.fairness import INDEX_FLOWS
     q = FairQueue("fair")
