@@ -281,3 +281,25 @@ def test_samples_sharing_a_prompt_under_kv_pressure_never_lose_a_block(seed):
         now += took
         engine.end_iteration(now)
     assert engine.free_blocks == total
+
+
+def test_a_step_that_only_preempted_is_not_idle():
+    """Under priority, a running sequence that needs a block and is the lowest priority preempts itself, and vLLM
+    schedules nobody else in that step. Read as idle (None), a simulated replica parked with a higher-priority
+    request still running, until the next arrival (found by a review's fuzz: 14 of 300 seeds)."""
+    engine = Engine(make_profile(scheduling_policy="priority", kv_cache_blocks=4, block_size=16,
+                                 max_num_batched_tokens=256, max_num_seqs=4))
+    low = engine.add_request(30, 30, 0.0, natural_tokens=30, priority=5)  # 2 blocks, a third at token 33
+    now, _ = step(engine, 0.0)
+    high = engine.add_request(30, 10, now, natural_tokens=10, priority=0)  # the other 2 blocks
+    while low.computed < 32:
+        now, _ = step(engine, now)
+    took = engine.begin_iteration(now)  # low needs a third block, none is free: it is its own victim
+    assert low.state == WAITING and engine._batch == [] and took == 0.0
+    engine.end_iteration(now)
+    while engine.has_work:
+        took = engine.begin_iteration(now)
+        assert took is not None
+        now += took
+        engine.end_iteration(now)
+    assert high.state == FINISHED and low.state == FINISHED

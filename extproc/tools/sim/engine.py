@@ -164,6 +164,7 @@ class Engine:
         self.slowdown = 1.0  # fault injection: multiplies iteration time
         self._next_id = 0
         self._allocated = 0  # blocks ever taken from the free pool: how far the free queue has been consumed
+        self._preempted_now = False  # the step being scheduled preempted someone
         self._batch: list[tuple[Sequence, int]] = []  # the in-flight iteration's (sequence, tokens computed)
         self.step_tokens = 0  # tokens the last iteration scheduled
 
@@ -225,11 +226,15 @@ class Engine:
 
     # -- one iteration --------------------------------------------------------------------------------------
     def begin_iteration(self, now: float) -> float | None:
-        """Schedule the next batch; return its duration in simulated seconds, or None when idle."""
+        """Schedule the next batch; return its duration in simulated seconds, or None when idle. A step that only
+        preempted (under priority, the first running sequence was its own victim: vLLM schedules nobody else in that
+        step) takes no time and is not idle: the next one runs the rest, as vLLM's loop steps again at once. Read as
+        idle, a replica parked with requests running until the next arrival."""
+        self._preempted_now = False
         batch = self._schedule(now)
         self._batch = batch
         if not batch:
-            return None
+            return 0.0 if self._preempted_now and self.has_work else None
         decode_cost = 0.0
         prefill_tokens = context_tokens = 0
         timing, scale = self.profile.timing, self.slowdown
@@ -299,7 +304,7 @@ class Engine:
                         budget += tokens
                         break
                 self._preempt(victim)
-                preempted = True
+                preempted = self._preempted_now = True
                 if victim is seq:
                     break
             if seq.state != RUNNING:
