@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from typing import Any
 
 import orjson
@@ -304,6 +305,12 @@ class CostModel:
 
     LEARNING_RATE = 0.05
     RATIO_RATE = 0.05
+    # Where answers end by themselves (under their cap): the last NATURAL_SAMPLES such lengths, one sequence each,
+    # and their NATURAL_QUANTILE once NATURAL_MIN are in, recomputed every NATURAL_EVERY.
+    NATURAL_SAMPLES = 256
+    NATURAL_MIN = 32
+    NATURAL_EVERY = 16
+    NATURAL_QUANTILE = 0.95
 
     def __init__(self, spec: CostSpec):
         self.spec = spec
@@ -314,6 +321,12 @@ class CostModel:
         self.service_prefill = self.prefill_per_token
         self.service_decode = self.decode_per_token
         self.output_ratio = 1.0           # actual / requested output tokens; starts pessimistic
+        # The longest a sequence's answer is expected to run (NATURAL_QUANTILE of those that ended by themselves):
+        # the ratio alone expected a summary asking 32,768 tokens to write 7.4K where answers end at ~150
+        # (scenarios/audit-long-context.yaml). Unbounded until learned.
+        self.natural_ceiling = math.inf
+        self._natural: deque[float] = deque(maxlen=self.NATURAL_SAMPLES)
+        self._natural_new = 0
         self.samples = 0
         self._tokenizer = _load_tokenizer(spec.tokenizer) if spec.tokenizer else None
         self.media = media_part_tokens(spec)
@@ -406,7 +419,7 @@ class CostModel:
                 prompts: int = 1) -> tuple[float, float]:
         """(expected output, GPU-seconds with the variance margin) of a prompt and `requested` output tokens (all
         `sequences` together), of which `forced` are produced whatever the model says."""
-        expected = max(requested * self.output_ratio, forced)
+        expected = max(min(requested * self.output_ratio, self.natural_ceiling * sequences), forced)
         gpu = self.actual(prompt_tokens, expected, sequences, prompts) * (1.0 + self.spec.variance_margin)
         return expected, gpu
 
@@ -441,6 +454,8 @@ class CostModel:
             ratio = min(max(completion_tokens / max(est.max_tokens, 1), 0.0), 1.0)
             self.output_ratio += self.RATIO_RATE * (ratio - self.output_ratio)
             self.output_ratio = min(max(self.output_ratio, 0.05), 1.0)
+            if completion_tokens < est.max_tokens:  # ended by itself, under its cap
+                self._learn_natural(completion_tokens / max(est.sequences, 1))
         if service_s is None or service_s <= 0 or prompt_tokens + completion_tokens == 0:
             return
         # Normalised LMS on service_s ~ a * prompt + b * completion, with the residual clipped to the
@@ -455,6 +470,15 @@ class CostModel:
                                         self.spec.prefill_s_per_1k_tokens / 1000.0)
         self.service_decode = _bounded(self.service_decode + self.LEARNING_RATE * residual * c / norm,
                                        self.spec.decode_s_per_token)
+
+
+    def _learn_natural(self, length: float) -> None:
+        self._natural.append(length)
+        self._natural_new += 1
+        if len(self._natural) >= self.NATURAL_MIN and self._natural_new >= self.NATURAL_EVERY:
+            self._natural_new = 0
+            ordered = sorted(self._natural)
+            self.natural_ceiling = max(ordered[math.ceil(self.NATURAL_QUANTILE * len(ordered)) - 1], 1.0)
 
 
 def _bounded(value: float, configured: float) -> float:

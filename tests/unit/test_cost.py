@@ -872,3 +872,30 @@ def test_a_reload_adding_a_token_limit_refunds_no_tokens_the_running_requests_ne
     core.finish(d.ticket, Outcome.OK)
     core.report(d.ticket.id, Completion(Outcome.OK, 200, 0.1, 1.0))
     assert core.tenant_limits["acme"].tokens.level == 0.0
+
+
+def test_an_answer_is_expected_no_longer_than_answers_run_by_themselves():
+    # Found by a long-context audit: one output ratio per model, learned mostly from chat (about half its cap),
+    # expected a summary asking 32,768 tokens (14.7K after the context's clamp) to write 7.4K where every answer
+    # ended near 150.
+    m = CostModel(CostSpec(decode_s_per_token=0.01))
+    chat = m.estimate(500, 300)
+    for i in range(128):
+        m.learn(chat, 500, 100 + i % 100, None)  # answers of 100-199 tokens, under their cap of 300
+    assert 185 <= m.natural_ceiling <= 199
+    assert m.estimate(500, 300).expected_output == pytest.approx(300 * m.output_ratio)  # the ratio, as before
+    huge = m.estimate(500, 14_700)
+    assert huge.expected_output == m.natural_ceiling and huge.gpu_seconds < m.estimate(500, 1_000).gpu_seconds * 1.1
+    assert m.estimate(500, 14_700, sequences=4).expected_output == 4 * m.natural_ceiling
+    capped = m.estimate(500, 100)
+    for _ in range(100):
+        m.learn(capped, 500, 100, None)  # answers that ran to their cap say nothing of where answers end
+    assert 185 <= m.natural_ceiling <= 199
+
+
+def test_forced_output_is_expected_in_full_whatever_the_natural_length():
+    m = CostModel(CostSpec(decode_s_per_token=0.01))
+    chat = m.estimate(500, 300)
+    for _ in range(64):
+        m.learn(chat, 500, 20, None)
+    assert m.estimate(500, 4_000, min_output=None).expected_output == 4_000  # ignore_eos runs to its cap
