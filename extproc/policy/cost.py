@@ -471,7 +471,6 @@ class CostModel:
         self.service_decode = _bounded(self.service_decode + self.LEARNING_RATE * residual * c / norm,
                                        self.spec.decode_s_per_token)
 
-
     def _learn_natural(self, length: float) -> None:
         self._natural.append(length)
         self._natural_new += 1
