@@ -522,8 +522,9 @@ class CostSpec:
     default_max_tokens: int = doc("Output tokens assumed when a chat or Responses API request sets no max_tokens "
                                   "(vLLM's default is the rest of the context); one whose output cannot end early "
                                   "(`ignore_eos`, `use_beam_search`, a larger `min_tokens`) is costed to the rest of "
-                                  "the context (`max_context_tokens`, else the learned one), or to its `min_tokens`. A completions request without one "
-                                  "is costed at the 16 tokens that API defaults to.", 1024, minimum=1)
+                                  "the context (`max_context_tokens`, else the learned one), or to its `min_tokens`. "
+                                  "A completions request without one is costed at the 16 tokens that API defaults "
+                                  "to.", 1024, minimum=1)
     max_context_tokens: int | None = doc(
         "Context length: prompt + output are clamped to it as vLLM does, and a max_tokens beyond it is refused with "
         "400. Unset: learned from the replicas' `GET /v1/models` where the pool is scraped (`pools.<cluster>` with "

@@ -316,8 +316,9 @@ def ignores_eos(body: dict) -> bool:
 
 def samples_per_prompt(body: dict) -> int:
     """The body's `n` (chat, completions): the sequences the server runs for each prompt, each a request of its own
-    in the engine (sharing the prompt's blocks), their usage summed in the answer (the prompt counted once). The what-if and the capacity measurement read it here, as they
-    read ignore_eos; an ApiError where the server answers 400 for it."""
+    in the engine (sharing the prompt's blocks), their usage summed in the answer (the prompt counted once). The
+    what-if and the capacity measurement read it here, as they read ignore_eos; an ApiError where the server
+    answers 400 for it."""
     n = _int_field(body, "n")
     n = 1 if n is None else n
     _check_n(n)
