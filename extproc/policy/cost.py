@@ -306,11 +306,12 @@ class CostModel:
     LEARNING_RATE = 0.05
     RATIO_RATE = 0.05
     # Where answers end by themselves (under their cap): the last NATURAL_SAMPLES such lengths, one sequence each,
-    # and their NATURAL_QUANTILE once NATURAL_MIN are in, recomputed every NATURAL_EVERY.
+    # and the longest of them once NATURAL_MIN are in, recomputed every NATURAL_EVERY. The longest, not a quantile:
+    # a model serving chat and a few reasoning requests must not expect the reasoning answers at the chat's tail
+    # (an estimate too low admits more than the GPU has; one too high only waits).
     NATURAL_SAMPLES = 256
     NATURAL_MIN = 32
     NATURAL_EVERY = 16
-    NATURAL_QUANTILE = 0.95
 
     def __init__(self, spec: CostSpec):
         self.spec = spec
@@ -321,7 +322,7 @@ class CostModel:
         self.service_prefill = self.prefill_per_token
         self.service_decode = self.decode_per_token
         self.output_ratio = 1.0           # actual / requested output tokens; starts pessimistic
-        # The longest a sequence's answer is expected to run (NATURAL_QUANTILE of those that ended by themselves):
+        # The longest a sequence's answer is expected to run (the longest of those that ended by themselves lately):
         # the ratio alone expected a summary asking 32,768 tokens to write 7.4K where answers end at ~150
         # (scenarios/audit-long-context.yaml). Unbounded until learned.
         self.natural_ceiling = math.inf
@@ -474,10 +475,11 @@ class CostModel:
     def _learn_natural(self, length: float) -> None:
         self._natural.append(length)
         self._natural_new += 1
-        if len(self._natural) >= self.NATURAL_MIN and self._natural_new >= self.NATURAL_EVERY:
+        # A longer answer raises it at once; it comes down as the long ones leave the window (every NATURAL_EVERY).
+        if len(self._natural) >= self.NATURAL_MIN and (self._natural_new >= self.NATURAL_EVERY
+                                                       or length > self.natural_ceiling):
             self._natural_new = 0
-            ordered = sorted(self._natural)
-            self.natural_ceiling = max(ordered[math.ceil(self.NATURAL_QUANTILE * len(ordered)) - 1], 1.0)
+            self.natural_ceiling = max(max(self._natural), 1.0)
 
 
 def _bounded(value: float, configured: float) -> float:

@@ -882,7 +882,7 @@ def test_an_answer_is_expected_no_longer_than_answers_run_by_themselves():
     chat = m.estimate(500, 300)
     for i in range(128):
         m.learn(chat, 500, 100 + i % 100, None)  # answers of 100-199 tokens, under their cap of 300
-    assert 185 <= m.natural_ceiling <= 199
+    assert m.natural_ceiling == 199
     assert m.estimate(500, 300).expected_output == pytest.approx(300 * m.output_ratio)  # the ratio, as before
     huge = m.estimate(500, 14_700)
     assert huge.expected_output == m.natural_ceiling and huge.gpu_seconds < m.estimate(500, 1_000).gpu_seconds * 1.1
@@ -890,7 +890,11 @@ def test_an_answer_is_expected_no_longer_than_answers_run_by_themselves():
     capped = m.estimate(500, 100)
     for _ in range(100):
         m.learn(capped, 500, 100, None)  # answers that ran to their cap say nothing of where answers end
-    assert 185 <= m.natural_ceiling <= 199
+    assert m.natural_ceiling == 199
+    for i in range(CostModel.NATURAL_SAMPLES - 3):
+        m.learn(chat, 500, 150, None)
+    m.learn(chat, 500, 290, None)  # one long answer among 256: the longest bounds what the next may write
+    assert m.natural_ceiling == 290
 
 
 def test_forced_output_is_expected_in_full_whatever_the_natural_length():
