@@ -15,6 +15,13 @@ from .ratelimit import SessionBudgets, TenantLimits
 from .schema import ClassSpec, Policy
 
 
+def reads_listings(policy: Policy, cluster: str) -> bool:
+    """Whether a model routed to this cluster needs its replicas' /v1/models: it takes names from them, or its
+    context length (it has no max_context_tokens)."""
+    return any(m.names_from_replicas or not m.cost.max_context_tokens
+               for m in policy.models.values() if m.cluster == cluster)
+
+
 class PolicyState:
     """The policy as running state. A reload keeps what must survive it: slots held under a limiter and what they
     hold of a pool's limit (its learned limit too, unless its unit or `initial` changed), learned cost
@@ -220,12 +227,10 @@ class PolicyState:
         return lim
 
     def wants_listings(self, cluster: str) -> bool:
-        """Whether this cluster's replicas' /v1/models are to be read: a model routed to it takes names from them,
-        or, the pool being scraped, its context length (it has no max_context_tokens)."""
-        models = [m for m in self.policy.models.values() if m.cluster == cluster]
+        """Whether this cluster's replicas' /v1/models are to be read: it is scraped, and a model routed to it
+        needs them (reads_listings; names_from_replicas is refused by the schema on a pool that is not scraped)."""
         pool = self.policy.pools.get(cluster)
-        return any(m.names_from_replicas for m in models) or \
-            (pool is not None and pool.scraped and any(not m.cost.max_context_tokens for m in models))
+        return pool is not None and pool.scraped and reads_listings(self.policy, cluster)
 
     def set_listings(self, cluster: str, listings: list) -> dict[str, str]:
         """A pool's replicas' /v1/models `data` (one list per replica); returns the names now taken from them."""

@@ -28,6 +28,7 @@ from extproc.policy.decision import Canned
 from extproc.policy.limits import Completion, LimitFactory, Outcome, default_limit
 from extproc.policy.outcomes import LEARN, UsageSample, reads_answer
 from extproc.policy.schema import ClassifySpec, Policy, SessionSpec, load_policy_file
+from extproc.policy.state import reads_listings
 from extproc.server.openai import min_output_of
 from extproc.server.protocol import HeaderNames, read_request_headers
 from extproc.server.saturation import PoolScraper, ScrapedReplica
@@ -225,14 +226,6 @@ class Admitter(Protocol):
     def reap(self) -> None: ...
 
 
-def _reads_listings(policy: Policy, cluster: str) -> bool:
-    """Whether the ext_proc reads this pool's /v1/models once the demo has filled in its replicas (the what-if
-    scrapes every pool the policy names, as the demo's rendered policy has them scraped): a model routed there
-    takes names from them, or has no max_context_tokens (policy.state.PolicyState.wants_listings, scraped)."""
-    models = [m for m in policy.models.values() if m.cluster == cluster]
-    return cluster in policy.pools and any(m.names_from_replicas or not m.cost.max_context_tokens for m in models)
-
-
 class PolicyAdmitter:
     """The ext_proc's own admission core (modes c, d, e) with a simulated clock. Adaptive caps move as in the
     ext_proc: `core.tick()` every TICK_S, and for each pool in the policy's `pools`, the engines' own state is
@@ -272,7 +265,8 @@ class PolicyAdmitter:
                                                         "steps": float(eng.stats.iterations)})
                 core.set_saturation(name, s.aggregate(clock()))
             timers.append((spec.scrape_interval_ms / 1000.0, scrape))
-            if core.wants_listings(name) or _reads_listings(self.policy, name):
+            # Every pool the policy names is scraped here, as the demo's rendered policy has it (its replicas filled in).
+            if reads_listings(self.policy, name):
                 # The replicas' /v1/models, as the scraper's first round reads them (names, context lengths): under
                 # the served names `extproc sim --model-name` gives them (the scenario's), and also for a pool that
                 # names no replicas, which the demo fills in with its own (render_policy), so the real stack reads
