@@ -194,7 +194,7 @@ def run(seed: int, modes: str, show: list[str] | None, owed_check: bool, variant
             eng = sum(work.get(id(r), 0.0) for r in full_all) or 1.0
             lc_share = 100 * sum(work.get(id(r), 0.0) for r in full_all if r.kind == "lc") / eng
             etl_share = 100 * sum(work.get(id(r), 0.0) for r in full_all if r.kind == "etl") / eng
-            live = [x for t, x in admitter.index if t0 <= t < t1]
+            live = admitter.read(t0, t1)
             live_mean = sum(live) / len(live) if live else float("nan")
             smalls = [k for k in small if k not in ("t05",)]
             p99s = max(rows[k]["p99"] for k in smalls if rows[k]["p99"] == rows[k]["p99"])

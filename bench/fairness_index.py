@@ -30,6 +30,10 @@ class IndexSampler(PolicyAdmitter):
         timers.append((1.0, lambda: self.index.append((clock(), q.fairness_index()))))
         return timers
 
+    def read(self, t0: float, t1: float) -> list[float]:
+        """The index as sampled from t0 to t1."""
+        return [x for t, x in self.index if t0 <= t < t1]
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -46,7 +50,7 @@ def main() -> None:
             sampler = IndexSampler(sc.policies[key], sc.slo_class)
             what_if(sc, sampler, sc.fleet_capacity())
             for window, (t0, t1) in sc.report_windows().items():
-                live = [x for t, x in sampler.index if t0 <= t < t1]
+                live = sampler.read(t0, t1)
                 print(f"| {sc.name} | {key} | {window} | {sum(live) / len(live):.3f} | {min(live):.3f} |", flush=True)
 
 
