@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from typing import Callable
+from typing import Callable, TypeVar
 
 from .adaptive import PoolSaturation
 from .breakers import OPEN, Breaker
@@ -47,6 +47,7 @@ _ANSWERED_WHOLE = (Outcome.OK, Outcome.ENDED)
 # tick() is due every half of the shortest interval a limit moves at (a move is then at most half an interval
 # late), within these bounds: under 25 ms the ticks cost more than they buy; 100 ms is the default policy's pace.
 TICK_BOUNDS_S = (0.025, 0.1)
+T = TypeVar("T")
 
 
 class AdmissionController:
@@ -364,7 +365,8 @@ class AdmissionController:
         in on a full pool (PoolGate.owed), unless a higher class waits for the pool."""
         q = lim.queue
         return q.mode != "fifo" and not self._higher_waits(gate, lim) and \
-            gate.owed(lim.rank, flow, units, q.share(flow, gate.name, gate.flows[lim.rank]), now)
+            gate.owed(lim.rank, flow, units, q.share(flow, gate.name, gate.flows[lim.rank]), now,
+                      lambda: q.borrowed(gate.name, gate.flows[lim.rank], flow))
 
     def _limit(self, c: Classification, lim: ClassLimiter, cluster: str, now: float, charge: Charge,
                trickle: bool, deadline_ms: float | None = None) -> Decision:
@@ -609,8 +611,11 @@ class AdmissionController:
         if self._higher_waits(gate, lim):
             return None
         best, least = None, math.inf
-        for key, share, w in q.heads_for(pool, gate.flows[lim.rank]):
-            if gate.owed(lim.rank, key, w.units, share, now):
+        holders = gate.flows[lim.rank]
+        weights = _once(lambda: q.pool_weights(pool, holders))
+        borrowed = _once(lambda: q.borrowed(pool, holders, weights=weights()))  # the waiting flows are active
+        for key, share, w in q.heads_for(pool, holders, weights):
+            if gate.owed(lim.rank, key, w.units, share, now, borrowed):
                 per_weight = gate.held_by(lim.rank, key) / share
                 if per_weight < least:
                     best, least = w, per_weight
@@ -1000,6 +1005,17 @@ def tick_interval(policy: Policy) -> float:
     intervals += [p.limit.interval_s for p in policy.pools.values() if p.limit.enabled]
     low, high = TICK_BOUNDS_S
     return min(high, max(low, min(intervals, default=2 * high) / 2))
+
+
+def _once(compute: Callable[[], T]) -> Callable[[], T]:
+    """`compute`, called at most once however often the result is asked for."""
+    memo: list[T] = []
+
+    def value() -> T:
+        if not memo:
+            memo.append(compute())
+        return memo[0]
+    return value
 
 
 def _flow_of(lim: ClassLimiter, c: Classification) -> str:

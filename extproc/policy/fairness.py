@@ -498,17 +498,18 @@ class FairQueue:
         flow = self._flows.get("" if self.mode == "fifo" else key)
         return flow is not None and bool(flow.entries)
 
-    def heads_for(self, pool: str, holders: Collection[str] = ()) -> Iterator[tuple[str, float, Any]]:
+    def heads_for(self, pool: str, holders: Collection[str] = (),
+                  weights: Callable[[], tuple] | None = None) -> Iterator[tuple[str, float, Any]]:
         """Each waiting flow's next waiter bound for `pool`: (flow key, its share of the pool (share(key, pool,
         holders)), waiter). O(flows): the active weights the shares divide by are summed once per call (once per
         flow, a grant on a full pool was quadratic: 50-60 ms of the event loop with 1,000 tenants waiting,
-        bench/scale.py)."""
+        bench/scale.py). `weights`: pool_weights(pool, holders), where the caller needs them too."""
         active = None
         for flow in self._backlogged.values():
             entry = flow.first_for(pool)
             if entry is not None:
                 if active is None:
-                    active = self._active_weights(pool, holders)
+                    active = weights() if weights is not None else self._active_weights(pool, holders)
                 yield flow.key, self._share(flow.key, *active), entry[2]
 
     def share(self, key: str, pool: str | None = None, holders: Collection[str] = ()) -> float:
@@ -520,6 +521,38 @@ class FairQueue:
         pool (PoolGate.owed): the class's tenants of other pools counted, a weight-3 tenant beside a weight-1 one
         was owed 3/5 of the 70B pool, not 3/4, and served 65% of it."""
         return self._share(key, *self._active_weights(pool, holders))
+
+    def pool_weights(self, pool: str, holders: Collection[str]) -> tuple:
+        """The active weights on `pool` that heads_for and borrowed read (summed once for both: O(flows))."""
+        return self._active_weights(pool, holders)
+
+    def borrowed(self, pool: str, holders: dict[str, list[float]], asking: str | None = None,
+                 weights: tuple | None = None) -> float:
+        """What the flows holding on `pool` (`holders`: key -> [units, requests]) hold there over their shares of
+        all they hold (and over one request), summed: the room the owner's return may take back (PoolGate.owed). `asking`: a flow to count
+        as active, as share() counts the flow it is asked for (one arriving with nothing waiting). O(flows), or
+        O(holders) given `weights` (pool_weights)."""
+        groups, flows, guaranteed, is_active = weights if weights is not None else \
+            self._active_weights(pool, holders)
+        own = self._flows.get(asking) if asking is not None else None
+        if asking is not None and (own is None or not is_active(own)):
+            gkey = split_key(asking)[0]
+            group = self._groups.get(gkey)
+            if group is None or group not in flows:
+                gweight = group.weight if group is not None else self.weights.get(gkey, 1.0)
+                groups += gweight
+                mine = group.guaranteed if group is not None else self.guaranteed.get(gkey, 0.0)
+                if mine > 0.0 and self.mode == "fair":
+                    guaranteed = [*guaranteed, (gkey, gweight, mine)]
+            if group is not None:
+                fweight = own.weight if own is not None else self._own(asking)[0]
+                flows = {**flows, group: flows.get(group, 0.0) + fweight}
+        total = sum(held[0] for held in holders.values())
+        # A flow's one request is never over its share (a flow holding one is owed it, as the asking one is):
+        # else, with more flows than requests on the pool, every holder reads as a borrower.
+        return sum(max(0.0, units - max(self._share(key, groups, flows, guaranteed, is_active) * total,
+                                        units / requests))
+                   for key, (units, requests) in holders.items() if requests > 1)
 
     def _active_weights(self, pool: str | None = None, holders: Collection[str] = ()) -> \
             tuple[float, dict[_Flow, float], list[tuple[str, float, float]], Callable[[_Flow], bool]]:

@@ -448,6 +448,37 @@ def test_a_flow_alone_in_its_class_is_owed_nothing_on_a_pool_another_class_fills
     assert [d.kind for d in asks(core, "batch", "c", 3)] == [ACCEPT, QUEUE, QUEUE] and gate.inflight == 11
 
 
+SIX_TENANTS = [{"name": n, "api_keys": [f"sk-{n}"]} for n in "abcdef"]
+
+
+def test_a_flow_whose_share_is_under_one_request_is_owed_one_while_the_borrowers_hold_that_much(clock):
+    """The owner's return lets a flow in over the full limit while it stays within its share of what its class
+    holds. With many flows a share is under one request, so a flow holding nothing was never owed: with 24
+    tenants, small ones asking a fraction of their due lost 3-7% of their requests to the fallback
+    (scenarios/audit-zipf-tiers.yaml). It is owed one now while the flows over their shares hold that much over
+    them; never a second, and never past twice the limit."""
+    core = AdmissionController(fair_pool_policy(4, SIX_TENANTS), clock=clock)
+    gate = core.gates["pool_a"]
+    asks(core, "interactive", "a", 4)   # a's flood fills the limit
+    for tenant in "bcd":                # each within its share of what the class holds (1/2, 1/3, 1/4 of 4)
+        assert asks(core, "interactive", tenant, 1)[0].kind == ACCEPT
+    # e's share is 1/5 of 4 requests: under its one. a holds 4 of 7 where its share is 1/5: e is owed one.
+    assert [d.kind for d in asks(core, "interactive", "e", 2)] == [ACCEPT, QUEUE]
+    assert gate.inflight == 8           # twice the limit: f's one is not owed past it
+    assert asks(core, "interactive", "f", 1)[0].kind == QUEUE
+
+
+def test_a_flow_whose_share_is_under_one_request_is_not_owed_when_every_holder_holds_one(clock):
+    """A flow's one request is never over its share: with more flows than the limit holds requests, each holder's
+    share is under its one too, and counted as borrowers they let every newcomer in, to twice the limit for as
+    long as the flood lasted (bench/scale.py's 1,000 tenants)."""
+    core = AdmissionController(fair_pool_policy(4, SIX_TENANTS), clock=clock)
+    for tenant in "abcd":               # the limit full, one request each
+        assert asks(core, "interactive", tenant, 1)[0].kind == ACCEPT
+    assert asks(core, "interactive", "e", 1)[0].kind == QUEUE  # its share is 1/5 of 4: under its one request
+    assert core.gates["pool_a"].inflight == 4
+
+
 def test_after_a_reload_that_shrinks_the_limit_owners_go_in_only_under_twice_the_new_limit(clock):
     core = AdmissionController(fair_pool_policy(10), clock=clock)
     gate = core.gates["pool_a"]
