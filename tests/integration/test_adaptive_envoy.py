@@ -196,6 +196,14 @@ async def test_a_cap_cut_to_its_floor_comes_back_once_the_service_time_does(make
             await asyncio.gather(load, return_exceptions=True)
 
 
+async def envoy_healthy(http, admin_url: str, cluster: str) -> int:
+    """How many of the cluster's hosts Envoy's health checks find healthy (its admin /clusters)."""
+    async with http.get(f"{admin_url}/clusters") as r:
+        text = await r.text()
+    return sum(line.startswith(f"{cluster}::") and line.endswith("::health_flags::healthy")
+               for line in text.splitlines())
+
+
 def two_replicas_and_a_small_one() -> tuple[SimFleet, SimFleet]:
     """The 70B pool's two simulated replicas, and the 8B one the demo policies degrade to."""
     return (SimFleet("h100-llama70b-awq", replicas=2, speed=SPEED, model_names=["llama-70b"]),
@@ -265,9 +273,17 @@ async def test_a_slow_replica_is_seen_by_its_inter_token_latency_and_the_slo_cla
     big, small = two_replicas_and_a_small_one()
     async with big, small:
         slow, fast = big.urls
-        # 20 ms scrapes: the pace's window (100 scrapes) is 2 s here.
-        s = stack_scraping(make_stack, tmp_path, big, small, {"scrape_interval_ms": 20}, batch_cap=8)
+        # 20 ms scrapes: the pace's window (100 scrapes) is 2 s here. Started off the event loop, so these
+        # in-process replicas answer Envoy's first health checks: started on it, both failed them and the first
+        # requests went out in Envoy's panic mode; its next round (1 s on) found both healthy, and for a while after
+        # that its least request sent every request without a named replica to one of them, whichever (through
+        # Envoy 1.40: 4 in flight on one, 0 on the other). A verdict reached then (a pace is judged once read for
+        # half its window) sent the batch phase there: the slow replica served nothing in 2 runs of 3.
+        s = await asyncio.to_thread(stack_scraping, make_stack, tmp_path, big, small, {"scrape_interval_ms": 20},
+                                    batch_cap=8)
         async with aiohttp.ClientSession() as http:
+            assert await until(lambda: envoy_healthy(http, s.admin_url, "vllm_llama70b"), 10,
+                               holds=lambda n: n == 2) == 2
             async with http.post(f"{slow}/sim/fault", json={"slowdown": 3.0}) as r:
                 assert r.status == 200
 
