@@ -36,6 +36,10 @@ import math
 from collections import deque
 
 MIN_TOKENS = 50  # inter-token observations in the window before a replica's pace is judged
+# ... and the share of the window it must have been read for since it started (or restarted): judged on its first
+# 0.4 s, an 8B replica prefilling a 24K-token prompt read 1.51x its twin and stayed "slow" for the whole run, its
+# SLO classes steered away so that the twin always ran the heavier batch (scenarios/audit-long-context.yaml).
+MIN_SPAN = 0.5
 # Batches within this factor of each other count as the same load: least-request balancing keeps healthy
 # replicas' running requests about equal, not equal.
 LOAD_SLACK = 1.25
@@ -44,13 +48,14 @@ LOAD_SLACK = 1.25
 class TokenPace:
     """One replica's mean inter-token latency over a window, from the histogram's cumulative sum and count."""
 
-    __slots__ = ("window_s", "_last", "_steps", "slow", "relative")
+    __slots__ = ("window_s", "_last", "_steps", "_since", "slow", "relative")
 
     def __init__(self, window_s: float):
         self.window_s = window_s
         self._last: tuple[float, float, float, float] | None = None  # (sum, count, running, kv) as last read
         # (when, sum added, count added, and count added times the running requests and the KV cache used)
         self._steps: deque[tuple[float, float, float, float, float]] = deque()
+        self._since = math.inf  # when its counters were first read, since it (re)started
         self.slow = False
         self.relative = 1.0  # its inter-token latency over the pool's fastest, as last judged (1: unknown)
 
@@ -73,6 +78,7 @@ class TokenPace:
             self._steps.append((now, total_s - last[0], added, added * running, added * kv))
         else:  # first reading, or the counters went back (a restarted replica): start over
             self._steps.clear()
+            self._since = now
         self._trim(now)
 
     @property
@@ -81,8 +87,11 @@ class TokenPace:
         return self.relative if self.slow else 1.0
 
     def seconds_per_token(self, now: float) -> float | None:
-        """The mean inter-token latency over the window; None with fewer than MIN_TOKENS observations."""
+        """The mean inter-token latency over the window; None with fewer than MIN_TOKENS observations, or read for
+        less than MIN_SPAN of the window."""
         self._trim(now)
+        if now - self._since < MIN_SPAN * self.window_s:
+            return None
         count = sum(step[2] for step in self._steps)
         if count < MIN_TOKENS:
             return None

@@ -7,7 +7,7 @@ import logging
 from extproc.policy.adaptive import PoolSaturation
 from extproc.policy.admission import AdmissionController
 from extproc.policy.decision import Admit, RequestFacts
-from extproc.policy.replica_speed import MIN_TOKENS, TokenPace, judge_slow
+from extproc.policy.replica_speed import MIN_SPAN, MIN_TOKENS, TokenPace, judge_slow
 from extproc.policy.schema import PoolSpec
 from extproc.policy.steering import ReplicaSteering
 from extproc.server.saturation import PACE_SCRAPES, PoolScraper
@@ -18,7 +18,7 @@ from tests.unit.test_saturation_scraper import RecordingCore
 def paced(seconds_per_token: float, tokens: int = 200, window_s: float = 20.0, at: float = 10.0,
           running: float = 4.0, kv: float = float("nan")) -> TokenPace:
     pace = TokenPace(window_s)
-    pace.add(0.0, 0.0, 0.0)
+    pace.add(min(at - window_s, 0.0), 0.0, 0.0)  # read for a whole window: long enough to be judged (MIN_SPAN)
     pace.add(at, seconds_per_token * tokens, tokens, running, kv)
     return pace
 
@@ -44,9 +44,26 @@ def test_too_few_tokens_a_restart_or_no_histogram_give_no_pace():
     pace.add(11.0, float("nan"), float("nan"))  # a scrape without the histogram: what follows starts over
     pace.add(12.0, 3.0, 300.0)
     assert pace.seconds_per_token(12.0) is None
-    for t in range(13, 18):
+    for t in range(13, 23):
         pace.add(float(t), 3.0 + (t - 12) * 0.5, 300.0 + (t - 12) * 50)
-    assert pace.seconds_per_token(17.0) == 0.01
+        if t < 12 + MIN_SPAN * 20.0:  # read since 12 s: not for half its window yet
+            assert pace.seconds_per_token(float(t)) is None
+    assert pace.seconds_per_token(22.0) == 0.01
+
+
+def test_a_replica_read_for_less_than_half_its_window_is_not_judged():
+    # Judged on its first 0.4 s (74 tokens), an 8B replica prefilling a 24K-token prompt read 1.51x its twin and
+    # stayed slow for the whole 180 s: its SLO classes sent away, the twin always ran the heavier batch, and a
+    # slow replica is let back only against one that ran no heavier (scenarios/audit-long-context.yaml, seed 901).
+    young, twin = TokenPace(20.0), TokenPace(20.0)
+    for p in (young, twin):
+        p.add(0.0, 0.0, 0.0, 0.0, 0.0)
+    young.add(0.4, 0.00262 * 74, 74, 1.0, 0.4)
+    twin.add(0.4, 0.00173 * 74, 74, 1.0, 0.4)
+    assert young.seconds_per_token(0.4) is None and judge_slow([young, twin], 0.4, 1.5) == []
+    young.add(10.0, 0.00262 * 74 + 0.00262 * 1000, 1074, 1.0, 0.4)
+    twin.add(10.0, 0.00173 * 74 + 0.00173 * 1000, 1074, 1.0, 0.4)
+    assert judge_slow([young, twin], 10.0, 1.5) == [young]  # a gap that lasts half the window is judged
 
 
 def test_slow_past_the_ratio_and_back_within_half_the_margin():
@@ -82,6 +99,7 @@ def test_tokens_made_between_two_readings_that_saw_no_request_do_not_count():
     # then nothing says what load its tokens were made at. Read as an idle replica's, they were compared directly
     # with a busier replica's and read 1.58x (scenarios/moe-rag.yaml, seed 74).
     pace = TokenPace(20.0)
+    pace.add(-20.0, 0.0, 0.0, 0.0, 0.0)  # read, idle, for a window before
     pace.add(0.0, 0.0, 0.0, 0.0, 0.0)
     pace.add(0.2, 0.0012 * 150, 150, 0.0, 0.0)
     assert pace.seconds_per_token(0.2) is None
@@ -170,7 +188,7 @@ def test_the_scraper_names_a_slow_replica_last_with_its_pace(caplog):
     spec = PoolSpec(replicas=["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"], scrape_interval_ms=200)
     scraper = PoolScraper(RecordingCore(), "pool_a", spec, None, clock=clock)
     paces = {"10.0.0.1:8000": 0.01, "10.0.0.2:8000": 0.025, "10.0.0.3:8000": 0.011}
-    for step in range(20):  # 100 tokens a scrape each
+    for step in range(60):  # 100 tokens a scrape each, for more than half the window (MIN_SPAN)
         for address, r in scraper.replicas.items():
             scraper.record(r, reading(paces[address] * 100 * step, 100.0 * step))
         sat = scraper.aggregate(clock())
@@ -182,7 +200,7 @@ def test_the_scraper_names_a_slow_replica_last_with_its_pace(caplog):
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "10.0.0.2:8000 is slow" in warnings[0] and "2.5x" in warnings[0]
     paces["10.0.0.2:8000"] = 0.01  # back to speed: its window forgets the slow tokens
-    for step in range(20, 20 + PACE_SCRAPES + 1):
+    for step in range(60, 60 + PACE_SCRAPES + 1):
         for address, r in scraper.replicas.items():
             before = r.metrics
             scraper.record(r, reading(before["itl_sum"] + paces[address] * 100, 100.0 * step))
@@ -190,6 +208,31 @@ def test_the_scraper_names_a_slow_replica_last_with_its_pace(caplog):
         clock.advance(0.2)
     assert sat.slow == 0 and sat.working == ()
     assert any("no longer slow" in r.getMessage() for r in caplog.records)
+
+
+def test_twins_read_at_their_start_while_one_prefills_are_not_judged_apart(caplog):
+    # The pool's first scrapes, through the scraper (200 ms, a 20 s window): for 0.4 s one twin prefills a long
+    # prompt and decodes its 74 tokens at 2.62 ms, the other at 1.73 ms (1.51x); from then on both decode at 1.73 ms.
+    # Judged on those 0.4 s, the first was slow for good: steered away from, it ran the lighter batch, and a slow
+    # replica is let back only against one that ran no heavier (audit-long-context seed 901, through the what-if).
+    caplog.set_level(logging.INFO, logger="extproc.saturation")
+    clock = FakeClock()
+    spec = PoolSpec(replicas=["10.0.0.1:8000", "10.0.0.2:8000"], scrape_interval_ms=200)
+    scraper = PoolScraper(RecordingCore(), "pool_a", spec, None, clock=clock)
+    young, twin = scraper.replicas.values()
+    for r in (young, twin):
+        scraper.record(r, reading(0.0, 0.0, running=1.0))
+    scraper.aggregate(clock())
+    for step in range(1, PACE_SCRAPES * 3):  # a minute
+        clock.advance(0.2)
+        for r, pace in ((young, 0.00262 if step <= 2 else 0.00173), (twin, 0.00173)):
+            before = r.metrics
+            scraper.record(r, reading(before["itl_sum"] + pace * 37, before["itl_count"] + 37, running=1.0))
+        sat = scraper.aggregate(clock())
+        assert sat.slow == 0 and sat.working == (), step
+        if step == 2:  # enough tokens to judge (MIN_TOKENS), read for less than half the window (MIN_SPAN)
+            assert young.pace.seconds_per_token(clock()) is None and twin.pace.seconds_per_token(clock()) is None
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
 
 
 def test_a_class_with_an_slo_goes_to_the_fast_replicas_first_the_others_to_envoy():
