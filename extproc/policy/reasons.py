@@ -355,6 +355,15 @@ without reaching a replica. Served paths: vLLM's compute endpoints (through admi
            "{path} takes POST, not {method}.",
            """\
 **405.** A compute endpoint called with another method than POST."""),
+    Reason("connect_not_supported", "Invalid requests (400, 401, 404, 405, 413, 415, 500)", 405, NO_RETRY,
+           (
+            "CONNECT {target} is not served: this gateway is an HTTP API (POST to vLLM's endpoints, GET "
+            "/v1/models), not a proxy for tunnels."),
+           """\
+**405.** A `CONNECT` request (a tunnel to its authority, usually with no path): the gateway serves no tunnels.
+The shipped envoy.yaml enables no upgrades, so Envoy refuses a CONNECT itself (403 `upgrade_failed`) before the
+ext_proc sees it; this answer comes from a config whose `upgrade_configs` let CONNECT through. Point the client at
+the gateway as its API base URL, not as its HTTP proxy."""),
     Reason("unsupported_endpoint", "Invalid requests (400, 401, 404, 405, 413, 415, 500)", 404, NO_RETRY,
            (
             "{path} is not served here: the gateway's policy does not admit `{group}` requests (policy "
@@ -437,6 +446,7 @@ R_UNKNOWN_URL = "unknown_url"
 R_UNSUPPORTED_ENCODING = "unsupported_content_encoding"
 R_UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
 R_METHOD_NOT_ALLOWED = "method_not_allowed"
+R_CONNECT = "connect_not_supported"
 R_UNSUPPORTED_ENDPOINT = "unsupported_endpoint"
 R_ADMISSION_ERROR = "admission_error"
 R_REQUEST_NOT_SENT = "request_not_sent"

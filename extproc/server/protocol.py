@@ -9,7 +9,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import duration_pb2
 
 from ..policy.admission import Decision, Refusal
-from ..policy.reasons import R_ADMISSION_ERROR, say
+from ..policy.reasons import R_ADMISSION_ERROR, R_CONNECT, say
 from .accesslog import TICKET_HEADER, not_routed, under_filter_name
 from .openai import BadRequest, RequestBody, canned_body, error_body
 
@@ -57,12 +57,13 @@ LEARN_BODY = {sse: pb.ProcessingResponse(response_headers=pb.HeadersResponse(), 
 class RequestHead:
     """What the request headers message says, decoded (Envoy sends header values only in `raw_value`)."""
 
-    __slots__ = ("path", "method", "authorization", "api_key", "claim", "request_id", "session", "end_of_stream",
+    __slots__ = ("path", "method", "authority", "authorization", "api_key", "claim", "request_id", "session", "end_of_stream",
                  "objective", "fairness_id", "deadline_ms", "content_encoding", "content_type")
 
     def __init__(self) -> None:
         self.path: str | None = None      # without the query string
         self.method: str | None = None
+        self.authority: str | None = None  # read for a CONNECT's refusal only (its target; it has no :path)
         self.authorization: list[str] = []
         self.api_key: list[str] = []
         self.claim: str | None = None     # the class header, stripped and lower-cased; None when absent or empty
@@ -101,6 +102,8 @@ def read_request_headers(msg: pb.HttpHeaders, names: HeaderNames) -> RequestHead
             head.path = h.raw_value.decode("latin-1").split("?", 1)[0]
         elif k == ":method":
             head.method = h.raw_value.decode("latin-1")
+        elif k == ":authority":
+            head.authority = h.raw_value[:256].decode("latin-1")
         elif k == "authorization":
             head.authorization.append(h.raw_value.decode("latin-1"))
         elif k == "api-key":
@@ -212,7 +215,8 @@ def bad_request(e: BadRequest, d: Decision) -> pb.ProcessingResponse:
     """A request refused before admission (`d` is the core's count of it)."""
     headers = [("x-extproc-class", d.cls), ("x-extproc-decision", d.kind), ("x-extproc-reason", e.code)]
     if e.status == 405:
-        headers.append(("allow", "POST"))  # RFC 9110: a 405 names the methods the resource takes
+        # RFC 9110: a 405 names the methods the resource takes; a CONNECT's target is the gateway itself.
+        headers.append(("allow", "GET, POST" if e.code == R_CONNECT else "POST"))
     elif e.status == 503:
         headers.append(("retry-after", "1"))  # load of the gateway's own (bodies_pending): try again shortly
     elif e.status >= 500:

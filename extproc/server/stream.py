@@ -15,8 +15,8 @@ from ..policy.admission import QUEUE, AdmissionController, Canned, Decision, Deg
 from ..policy.classify import ConflictingKeys, presented_key
 from ..policy.limits import Outcome, Ticket, Waiter
 from ..policy.outcomes import LEARN, UsageSample
-from ..policy.reasons import (R_BODIES_PENDING, R_BODY_TOO_LARGE, R_CONFLICTING_KEYS, R_DEGRADED_TOO_LARGE,
-                              R_METHOD_NOT_ALLOWED,
+from ..policy.reasons import (R_BODIES_PENDING, R_BODY_TOO_LARGE, R_CONFLICTING_KEYS, R_CONNECT,
+                              R_DEGRADED_TOO_LARGE, R_METHOD_NOT_ALLOWED,
                               R_REQUEST_NOT_SENT, R_UNKNOWN_MODEL, R_UNKNOWN_URL, R_UNSUPPORTED_ENCODING,
                               R_UNSUPPORTED_ENDPOINT, R_UNSUPPORTED_MEDIA_TYPE, say)
 from ..policy.schema import Policy
@@ -150,12 +150,17 @@ class Processor:
             self.core.renew(t)
 
 
-def endpoint_for(path: str | None, method: str | None, policy: Policy) -> Endpoint:
+def endpoint_for(path: str | None, method: str | None, policy: Policy, authority: str | None = None) -> Endpoint:
     """Every request the ext_proc sees is admitted or refused, never passed through: a route that sends it an
-    unknown path gets the same 404 as envoy.yaml's default route. Raises BadRequest."""
+    unknown path gets the same 404 as envoy.yaml's default route, a CONNECT (a tunnel to `authority`, usually
+    without a path) a 405. Raises BadRequest."""
+    if method == "CONNECT":
+        raise BadRequest(say(R_CONNECT, target=authority or path or "(no target)"), code=R_CONNECT, status=405)
     endpoint = ENDPOINTS.get(path)
     if endpoint is None:
-        raise BadRequest(say(R_UNKNOWN_URL, method=method, path=(path or "")[:200]), code=R_UNKNOWN_URL, status=404)
+        shown = path[:200] if path else "without a path"
+        raise BadRequest(say(R_UNKNOWN_URL, method=method or "(no method)", path=shown), code=R_UNKNOWN_URL,
+                         status=404)
     if method != "POST":
         raise BadRequest(say(R_METHOD_NOT_ALLOWED, path=path, method=method), code=R_METHOD_NOT_ALLOWED, status=405)
     if not policy.endpoints.serves(endpoint.group):
@@ -282,7 +287,7 @@ class Stream:
             refused = None if policy.anonymous.allow else self._refused_key(head, facts)
             return self._models(head.path) if refused is None else refused
         try:
-            self.request.endpoint = endpoint_for(head.path, head.method, policy)
+            self.request.endpoint = endpoint_for(head.path, head.method, policy, head.authority)
         except BadRequest as e:
             return self._refuse(e)
         refused = self._refused_key(head, facts)

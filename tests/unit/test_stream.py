@@ -141,6 +141,32 @@ def test_a_method_other_than_post_is_refused_405(clock):
     assert headers["allow"] == b"POST"  # RFC 9110 (found by an audit)
 
 
+def test_a_connect_is_refused_405_naming_its_target_not_an_empty_url(clock):
+    # A CONNECT has an authority and no :path (RFC 9110 9.3.6): it was answered 404 "Invalid URL (CONNECT )."
+    # The shipped envoy.yaml refuses CONNECT itself (403 upgrade_failed, no upgrade_configs), but a config that
+    # enables CONNECT upgrades sends it here.
+    hs = [base_pb2.HeaderValue(key=":method", raw_value=b"CONNECT"),
+          base_pb2.HeaderValue(key=":authority", raw_value=b"example.com:443")]
+    s = Stream(processor(clock))
+    answer = s.receive(pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=hs))))
+    assert immediate_status(answer) == 405 and s.phase is Phase.ANSWERED
+    error = json.loads(answer.immediate_response.body)["error"]
+    assert error["code"] == "connect_not_supported" and error["type"] == "invalid_request_error"
+    assert "CONNECT example.com:443" in error["message"], error
+    headers = {h.header.key: h.header.raw_value for h in answer.immediate_response.headers.set_headers}
+    assert headers["allow"] == b"GET, POST"  # what the gateway serves: POST to vLLM's endpoints, GET /v1/models
+
+
+def test_a_request_without_a_path_is_refused_404_saying_it_has_none(clock):
+    hs = [base_pb2.HeaderValue(key=":method", raw_value=b"POST"),
+          base_pb2.HeaderValue(key=":authority", raw_value=b"gw")]
+    s = Stream(processor(clock))
+    answer = s.receive(pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=hs))))
+    assert immediate_status(answer) == 404
+    error = json.loads(answer.immediate_response.body)["error"]
+    assert error["code"] == "unknown_url" and error["message"] == "Invalid URL (POST without a path).", error
+
+
 def test_a_switched_off_endpoint_group_is_refused_404(clock):
     s = Stream(processor(clock))
     answer = s.receive(request_headers(path=b"/v1/embeddings"))
