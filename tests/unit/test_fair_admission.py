@@ -176,6 +176,12 @@ def test_a_request_that_never_ran_is_not_charged_to_its_flow(clock, taken_back):
     (Completion(Outcome.OK, 400, 0.01, 0.01), True),               # vLLM: max_tokens past its context
     (Completion(Outcome.NOT_ROUTED, 404, 0.001, 0.001), True),     # Envoy answered without a replica
     (Completion(Outcome.UPSTREAM_ERROR, 500, 0.5, 0.5), False),    # the engine may have run it
+    # The client left before any answer (Envoy: flag DC, status 0). Kept on purpose, not a refund: it reads the
+    # same whether the replica was about to answer a 400 or had run the request for minutes (a non-streamed
+    # answer's first byte is its last), and a refund made every abort free: a client that drops its
+    # non-streamed requests before they end got GPU time its flow was never charged for.
+    (Completion(Outcome.CLIENT_ABORT, 0, None, 0.005), False),
+    (Completion(Outcome.CLIENT_ABORT, 400, 0.01, 0.01), True),     # left after the replica's 400 was on its way
     (Completion(Outcome.OK, 200, 0.1, 0.2), False)])               # served, its usage not read
 def test_a_request_the_replica_refused_is_not_charged_to_its_flow(clock, report, refunded):
     # One request of max_tokens 2**31 (about 2e6 GPU-seconds at the estimate without max_context_tokens), refused
