@@ -413,3 +413,29 @@ def test_a_signal_while_a_modes_stack_stops_starts_no_further_mode(tmp_path, mon
     assert started == ["a"]
     assert "== mode d" not in capsys.readouterr().out
     assert {s: signal.getsignal(s) for s in before} == before  # the demo's handlers are gone with it
+
+
+def test_a_what_if_report_computes_its_comparison_with_a_once(tmp_path, capsys, monkeypatch):
+    # comparison_for (every mode's stats again, on the first pool's requests) was computed by print_tables and
+    # again by write_report, for the same results.
+    import argparse
+
+    from extproc.tools import demo
+    from extproc.tools.demo import add_arguments, report, what_if_tables
+
+    calls = []
+    real = report.comparison_for
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(report, "comparison_for", counted)
+    monkeypatch.setattr(demo, "comparison_for", counted)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--what-if", "--scenario", "scenarios/audit-three-models.yaml", "--modes", "a,d",
+                              "--phase-s", "4", "--out", str(tmp_path / "r")])
+    assert what_if_tables(args) == 0
+    assert "requests only" in (tmp_path / "r" / "report.md").read_text()  # a comparison there is, to count
+    assert len(calls) == 1

@@ -15,7 +15,7 @@ from .baselines import admitter_for
 from extproc.policy.schema import PolicyError, load_policy_file
 
 from .modes import DEFAULT_MODES, DEFAULT_SPEED, MODES, Mode, parse_modes, repo_path, with_policies
-from .report import comparison_for, comparison_note, tables, write_report
+from .report import COMPUTE, Comparison, comparison_for, comparison_note, tables, write_report
 from .results import (ClassOrder, WindowStats, adaptive_targets, calm_windows, scenario_stats, spike_windows,
                       targets)
 from .runner import Interrupt, ModeResult, RunSettings, run_mode
@@ -119,14 +119,16 @@ def class_order(scenario: Scenario, modes: list[Mode], ours: str = "d") -> Class
     return ClassOrder({kind: rank[cls] for kind, cls in classes.items()}, tuple(scenario.slo_kinds))
 
 
-def print_tables(results: list[ModeResult], scenario: Scenario,
-                 order: ClassOrder | None = None) -> tuple[dict, dict, list]:
-    """`order`: class_order's, for the order targets (None: every kind outside the SLO's counts as lower)."""
+def print_tables(results: list[ModeResult], scenario: Scenario, order: ClassOrder | None = None,
+                 comparison: Comparison | None | object = COMPUTE) -> tuple[dict, dict, list]:
+    """`order`: class_order's, for the order targets (None: every kind outside the SLO's counts as lower);
+    `comparison`: comparison_for's, when the caller has it for its report too (computed here if not given)."""
     stats = {r.mode.key: mode_stats(r, scenario) for r in results}
     degraded = {r.mode.key: 100.0 * sum(1 for x in r.records if x.ok and x.degraded) / max(1, len(r.records))
                 for r in results}
     capacity = scenario.fleet_capacity()
-    comparison = comparison_for(results, scenario)
+    if comparison is COMPUTE:
+        comparison = comparison_for(results, scenario)
     found = targets(stats, list(spike_windows(scenario)), list(calm_windows(scenario)), scenario.slo_p95_s,
                     capacity=capacity, slo_class=scenario.slo_class, order=order, comparison=comparison)
     found += adaptive_targets(stats, list(scenario.report_windows()), scenario.slo_p95_s,
@@ -160,11 +162,13 @@ def what_if_tables(args: argparse.Namespace, command: str = "extproc demo --what
         if args.show_limits:
             moves = " ".join(f"{t:.0f}s:" + ",".join(f"{c}={v}" for c, v in lim.items()) for t, lim in res.limits)
             print(f"{m.key} limits: {moves or '(static)'}")
-    stats, degraded, found = print_tables(results, scenario, class_order(scenario, modes))
+    comparison = comparison_for(results, scenario)  # once: the tables and the report both show it
+    stats, degraded, found = print_tables(results, scenario, class_order(scenario, modes), comparison)
     if getattr(args, "out", None):  # the records (simulated seconds) and report of a real run's shape, for a look per request
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        report = write_report(out, results, stats, scenario, capacity, 1.0, found, degraded, command, what_if=True)
+        report = write_report(out, results, stats, scenario, capacity, 1.0, found, degraded, command, what_if=True,
+                              comparison=comparison)
         print(f"\nreport: {report}", flush=True)
     return 0
 
@@ -197,8 +201,10 @@ async def demo(args: argparse.Namespace, command: str, interrupt: Interrupt | No
                  for w, s in mode_stats(res, scenario).items() if w in windows]
         print(f"== mode {mode.key} done in {res.wall_s:.0f}s: {len(res.records)} requests; " + "; ".join(parts),
               flush=True)
-    stats, degraded, found = print_tables(results, scenario, class_order(scenario, modes))
-    report = write_report(out, results, stats, scenario, capacity, args.speed, found, degraded, command)
+    comparison = comparison_for(results, scenario)  # once: the tables and the report both show it
+    stats, degraded, found = print_tables(results, scenario, class_order(scenario, modes), comparison)
+    report = write_report(out, results, stats, scenario, capacity, args.speed, found, degraded, command,
+                          comparison=comparison)
     print(f"\nreport: {report}" + (f"\nplot:   {out / 'spike.png'}" if (out / "spike.png").exists() else ""),
           flush=True)
     return 0

@@ -65,6 +65,9 @@ def throughput_table(stats: dict[str, dict[str, WindowStats]], labels: dict[str,
     return "\n".join(rows)
 
 
+COMPUTE = object()  # a `comparison` argument not given: comparison_for's is computed (None is "no comparison")
+
+
 def comparison_for(results: list[ModeResult], scenario: Scenario) -> Comparison | None:
     """Every mode's stats on the first pool's models' requests, where a mode without the ext_proc (a, b) ran and
     some kind asks for another model: a and b route every request to the first pool, whose replicas answer the
@@ -225,11 +228,14 @@ def _finite(value):
 
 
 def write_report(out: Path, results: list[ModeResult], stats, scenario: Scenario, capacity: float, speed: float,
-                 found: list[Target], degraded: dict[str, float], command: str, what_if: bool = False) -> Path:
+                 found: list[Target], degraded: dict[str, float], command: str, what_if: bool = False,
+                 comparison: Comparison | None | object = COMPUTE) -> Path:
     """The run's records, summary, plot and report.md in `out`; `what_if`: engine models in simulated time (no
-    processes, so no speed and no machine load to report)."""
+    processes, so no speed and no machine load to report); `comparison`: comparison_for's, when the caller has it
+    (computed here if not given)."""
     labels = {r.mode.key: r.mode.label for r in results}
-    comparison = comparison_for(results, scenario)
+    if comparison is COMPUTE:
+        comparison = comparison_for(results, scenario)
     for res in results:  # the data first: a plot that cannot be drawn must not lose the run
         with open(out / f"records-{res.mode.key}.jsonl", "w", encoding="utf-8") as f:
             for r in res.records:
