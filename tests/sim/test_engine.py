@@ -303,3 +303,77 @@ def test_a_step_that_only_preempted_is_not_idle():
         now += took
         engine.end_iteration(now)
     assert high.state == FINISHED and low.state == FINISHED
+
+
+
+class _SettleChecked(Engine):
+    """An engine that checks each release settling a shared prompt's cache without freeing any of its blocks."""
+
+    settles: list[int]
+
+    def _release(self, seq):
+        prompt = seq.prompt
+        if prompt is None or not seq.shared:
+            return super()._release(seq)
+        held, (allocated, ahead) = prompt.held, prompt.freed_at
+        evicted = max(self._allocated - allocated - ahead, 0)
+        super()._release(seq)
+        if prompt.held == held:  # settled, nothing freed: freed_at kept
+            self.settles.append(evicted)
+            assert prompt.cached <= prompt.held + 1
+            assert evicted == 0 or prompt.cached == prompt.held, "an eviction left to be counted again"
+
+
+def _shared_prompts_under_pressure(seed: int, check_cached_fit: bool = False) -> _SettleChecked:
+    """A random workload of n > 1 requests (prompts of whole blocks and not) on a small cache with chunked prefill,
+    preemption (fcfs or priority) and aborts; the block invariant checked at every step."""
+    import random
+
+    rng = random.Random(seed)
+    engine = _SettleChecked(make_profile(kv_cache_blocks=40, block_size=16, max_num_seqs=8, max_num_batched_tokens=64,
+                                         max_model_len=2048, scheduling_policy=("fcfs", "priority")[seed % 2]))
+    engine.settles = []
+    total, now, live = engine.profile.kv_cache_blocks, 0.0, []
+    for i in range(300):
+        if i < 200 and rng.random() < 0.5:
+            live += engine.add_samples(rng.choice((16, 32, 48, 64, rng.randint(17, 300))), rng.randint(1, 40), now,
+                                       rng.choice((1, 2, 3, 4)), natural_tokens=rng.randint(1, 40),
+                                       priority=rng.randint(0, 2))
+        if live and rng.random() < 0.08:
+            engine.abort(rng.choice(live), now)
+        took = engine.begin_iteration(now)
+        now += 0.01 if took is None else took
+        if took is not None:
+            engine.end_iteration(now)
+        prompts = {id(s.prompt): s.prompt for s in live if s.prompt is not None}.values()
+        own = sum(s.blocks - s.shared for s in [*engine.running, *engine.waiting])
+        assert engine.free_blocks + own + sum(p.held for p in prompts) == total
+        for p in prompts:
+            assert p.held <= engine._cached(p) <= p.samples[0].prompt_tokens // engine.profile.block_size
+            if check_cached_fit:  # cached and held by none: counted among the free blocks, so no more of them
+                assert engine._cached(p) - p.held <= engine.free_blocks
+    return engine
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_release_that_frees_no_shared_block_never_counts_an_eviction_twice(seed):
+    """_release settles a prompt's cache (prompt.cached = _cached(prompt)) on every release of a sample that shares
+    its blocks, but moves freed_at only when the release frees some of them: after a settle that counted evictions,
+    the next _cached subtracts the evictions since the same freed_at again. A review asked whether that drops
+    cached blocks that are still there. It cannot: a sample's share is its prompt's full blocks (the first) or all
+    but the block of its last prompt token (the others), so the blocks cached and held by none are at most one,
+    and a settle that counted an eviction has evicted it, leaving prompt.cached == prompt.held, below which
+    _cached never goes. Checked at every such settle (_SettleChecked), with the block invariant at every step."""
+    assert any(_shared_prompts_under_pressure(seed).settles), "no settle counted an eviction: the case not reached"
+
+
+@pytest.mark.xfail(strict=True, reason="open: evictions counted late, see the docstring")
+@pytest.mark.parametrize("seed", (0, 1, 3))
+def test_a_prompts_blocks_cached_and_held_by_none_fit_in_the_free_pool(seed):
+    """The opposite error, found by the same workload: _cached counts a freed prompt's blocks evicted once the
+    allocations since its free passed the free blocks that were ahead of them, but blocks also leave the free pool
+    without an allocation (probably the cause: a sample's prefix-cache read takes cached blocks out of it,
+    _read_shared_prompt, with _allocated unmoved), so a
+    prompt can count as cached more unheld blocks than there are free blocks (seed 0: 3 cached, 0 held, 2 free).
+    Its samples then read blocks as cache hits that were evicted. Open."""
+    _shared_prompts_under_pressure(seed, check_cached_fit=True)
