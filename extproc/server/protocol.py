@@ -57,8 +57,8 @@ LEARN_BODY = {sse: pb.ProcessingResponse(response_headers=pb.HeadersResponse(), 
 class RequestHead:
     """What the request headers message says, decoded (Envoy sends header values only in `raw_value`)."""
 
-    __slots__ = ("path", "method", "authority", "authorization", "api_key", "claim", "request_id", "session", "end_of_stream",
-                 "objective", "fairness_id", "deadline_ms", "content_encoding", "content_type")
+    __slots__ = ("path", "method", "authority", "authorization", "api_key", "claim", "request_id", "session",
+                 "end_of_stream", "objective", "fairness_id", "deadline_ms", "content_encoding", "content_type")
 
     def __init__(self) -> None:
         self.path: str | None = None      # without the query string
