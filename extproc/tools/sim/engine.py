@@ -70,18 +70,23 @@ class SharedPrompt:
     caching registers each full block of a prompt as it allocates it, so a sample admitted while those blocks are
     cached reads them instead of computing them: all but the block of its last prompt token, which it computes to
     sample (recorded: tests/fixtures/vllm/scheduling.json's samples cases, docs/simulator.md). Blocks no sample
-    holds stay cached, counted free, until allocations evict them (Engine._cached)."""
+    holds stay cached, counted free, in the engine's free queue until allocations evict them (Engine._free_queue)."""
 
     samples: list[Sequence] = field(default_factory=list)
-    cached: int = 0  # its blocks in the prefix cache when last settled, held or not
-    # when blocks were last freed: (the engine's blocks allocated so far, the free blocks ahead of them in vLLM's
-    # free queue, which allocation takes from the front and frees join at the back)
-    freed_at: tuple[int, int] = (0, 0)
+    # its blocks cached and held by none: its runs in the engine's free queue ([self, blocks], front first). Its
+    # blocks [held, cached) in order, the last one nearest the front: a table is freed from its end, and a read
+    # takes back the first ones (the back's), so what allocations evict from the front leaves a prefix cached.
+    queued: deque[list] = field(default_factory=deque, repr=False)
 
     @property
     def held(self) -> int:
         """Its blocks samples hold: they are a prefix of each holder's table, so the longest holder has them all."""
         return max(s.shared for s in self.samples)
+
+    @property
+    def cached(self) -> int:
+        """Its blocks in the prefix cache now, held or not."""
+        return self.held + sum(run[1] for run in self.queued)
 
 
 class PriorityWaiting:
@@ -163,7 +168,11 @@ class Engine:
         self.stats = EngineStats()
         self.slowdown = 1.0  # fault injection: multiplies iteration time
         self._next_id = 0
-        self._allocated = 0  # blocks ever taken from the free pool: how far the free queue has been consumed
+        # vLLM's free queue, as runs [owner, blocks]: allocation takes from the front (evicting cached blocks), a
+        # freed table joins the back from its end, a prefix-cache read takes its blocks out wherever they are.
+        # owner: the SharedPrompt whose cached blocks the run is, or None (blocks no prompt can read again).
+        self._free_queue: deque[list] = deque([[None, profile.kv_cache_blocks]])
+        self._read_taken: list[tuple[list, int]] = []  # the runs the last _read_shared_prompt took blocks from
         self._preempted_now = False  # the step being scheduled preempted someone
         self._batch: list[tuple[Sequence, int]] = []  # the in-flight iteration's (sequence, tokens computed)
         self.step_tokens = 0  # tokens the last iteration scheduled
@@ -363,14 +372,23 @@ class Engine:
     def _read_shared_prompt(self, seq: Sequence) -> int:
         """A waiting seq's prefix-cache hit: its prompt's cached blocks, short of the block of its last token (vLLM
         computes that one again to sample). They become the head of its table, the ones no sibling held taken out of
-        the free pool. Returns the tokens."""
+        the free queue (from where they are in it: vLLM's lookup touches them, no allocation). Returns the tokens."""
         prompt = seq.prompt
+        self._read_taken = []
         if prompt is None:
             return 0
         held = prompt.held
         hit = min(self._cached(prompt), (seq.length - 1) // self.profile.block_size)
-        hit = min(hit, held + self.free_blocks)
-        self.free_blocks -= max(hit - held, 0)
+        take = max(hit - held, 0)
+        self.free_blocks -= take
+        while take:  # its first unheld blocks: the back-most of its runs
+            run = prompt.queued[-1]
+            n = min(run[1], take)
+            run[1] -= n
+            take -= n
+            self._read_taken.append((run, n))
+            if not run[1]:
+                prompt.queued.pop()  # left in the free queue, empty, until allocation reaches it
         seq.blocks = seq.shared = hit
         seq.computed = hit * self.profile.block_size
         return seq.computed
@@ -379,17 +397,17 @@ class Engine:
         """Undo _read_shared_prompt for a seq not admitted after all: the cached blocks it took out of the free pool
         go back (still cached). Left taken, each failed admission of the queue's head lost them for good: the
         best-of-n scenario's capacity run ended with 142 of 2,250 blocks free and nothing running."""
-        taken = seq.shared
         seq.computed = seq.blocks = seq.shared = 0
-        if seq.prompt is not None:
-            self.free_blocks += max(taken - seq.prompt.held, 0)
+        for run, n in reversed(self._read_taken):  # back where they were: nothing was allocated since
+            if not run[1]:
+                run[0].queued.append(run)
+            run[1] += n
+            self.free_blocks += n
+        self._read_taken = []
 
     def _cached(self, prompt: SharedPrompt) -> int:
-        """Its blocks in the prefix cache now: the ones freed go, last block first (vLLM frees a table from its
-        end), once the allocations since have taken the free blocks that were ahead of them."""
-        allocated, ahead = prompt.freed_at
-        evicted = max(self._allocated - allocated - ahead, 0)
-        return max(prompt.held, prompt.cached - evicted)
+        """Its blocks in the prefix cache now, held or not."""
+        return prompt.cached
 
     def _count_lookup(self, seq: Sequence, hit: int) -> None:
         """vLLM counts a prefix-cache lookup when the request it was made for is admitted."""
@@ -410,25 +428,46 @@ class Engine:
         prompt = seq.prompt
         if prompt is not None and seq.blocks - 1 <= seq.shared == self._cached(prompt):
             seq.shared = min(tokens, seq.prompt_tokens) // self.profile.block_size
-            prompt.cached = max(prompt.cached, seq.shared)
         self.free_blocks -= need
-        self._allocated += need
         seq.blocks += need
+        queue = self._free_queue
+        while need:  # from the front of the free queue: a cached block taken is evicted
+            run = queue[0]
+            n = min(run[1], need)
+            run[1] -= n
+            need -= n
+            if not run[1]:
+                queue.popleft()
+                owner = run[0]
+                if owner is not None and owner.queued and owner.queued[0] is run:
+                    owner.queued.popleft()
         return True
 
     def _release(self, seq: Sequence) -> None:
         """Free seq's blocks: its own, and the shared ones no sibling holds."""
-        freed = seq.blocks - seq.shared
+        own = seq.blocks - seq.shared
+        self._enqueue(None, own)  # vLLM frees a table from its end: its own blocks join the free queue first
         prompt = seq.prompt
         if prompt is not None and seq.shared:
-            prompt.cached = self._cached(prompt)
             held = prompt.held
             seq.shared = 0
-            if prompt.held < held:  # they stay cached, at the back of the free queue
-                prompt.freed_at = (self._allocated, self.free_blocks + freed)
-                freed += held - prompt.held
-        self.free_blocks += freed
+            if prompt.held < held:  # they stay cached, at the back of the free queue, its last block first
+                self._enqueue(prompt, held - prompt.held)
         seq.blocks = 0
+
+    def _enqueue(self, owner: SharedPrompt | None, blocks: int) -> None:
+        """Free `blocks` blocks at the back of the free queue (owner's cached ones, or of no prompt)."""
+        if blocks <= 0:
+            return
+        self.free_blocks += blocks
+        back = self._free_queue[-1] if self._free_queue else None
+        if back is not None and back[0] is owner and (owner is None or owner.queued and owner.queued[-1] is back):
+            back[1] += blocks
+            return
+        run = [owner, blocks]
+        self._free_queue.append(run)
+        if owner is not None:
+            owner.queued.append(run)
 
     def _preempt(self, seq: Sequence) -> None:
         """Evict seq: free its blocks, forget its KV (recompute later) and put it at the front of the queue (under
