@@ -35,13 +35,15 @@ def _earlier_output(profile: Profile, max_tokens: int | None, ignore_eos: bool, 
 
 
 def closed_loop_mix(profile: Profile, workload: Workload, concurrency: int, requests: int = 3000,
-                    seed: int = 0) -> Capacity:
+                    seed: int = 0, loras: dict[str, int] | None = None, max_loras: int = 1) -> Capacity:
     """Keep `concurrency` requests of the mix in one engine; each one finished is replaced at once. A session
     kind's request is one of its calls, drawn with the context its earlier calls grew (no think time: a closed
     loop). Each request reaches the engine as the simulator's server passes it on (sim/replica.py): one sequence
     per sample (`n`), max_tokens clamped to the context, and a kind whose body says `ignore_eos` runs every answer
-    to it. A request of several samples is done when its last one is."""
-    engine = Engine(profile, seed=seed)
+    to it. A request of several samples is done when its last one is. `loras`: the LoRA adapters the replica serves
+    (name -> vLLM's lora id), scheduled at most `max_loras` in a batch as vLLM's --max-loras; None: LoRA off."""
+    engine = Engine(profile, seed=seed, max_loras=max_loras if loras else None)
+    loras = loras or {}
     rng = random.Random(seed)
     now = 0.0
     samples_left: dict[int, list[int]] = {}  # sequence id -> its request's count of samples still running
@@ -55,7 +57,8 @@ def closed_loop_mix(profile: Profile, workload: Workload, concurrency: int, requ
         samples = samples_per_prompt(kind.body)
         left = [samples]
         natural = fixed_output_tokens(max_tokens, ignore_eos)
-        for seq in engine.add_samples(prompt, max_tokens, now, samples, natural_tokens=natural):
+        for seq in engine.add_samples(prompt, max_tokens, now, samples, natural_tokens=natural,
+                                      lora=loras.get(kind.model, 0)):
             samples_left[seq.id] = left
 
     for _ in range(concurrency):

@@ -78,14 +78,14 @@ def comparison_for(results: list[ModeResult], scenario: Scenario) -> Comparison 
         return None
     stats = {r.mode.key: scenario_stats([x for x in r.records if x.kind in kinds], scenario,
                                         r.mode.stack_mode == "extproc") for r in results}
-    return Comparison(stats, ", ".join(scenario.pools[0].model_names))
+    return Comparison(stats, ", ".join(scenario.pools[0].served))
 
 
 def comparison_note(comparison: Comparison | None, scenario: Scenario) -> str:
     """What the comparisons with a and b cover, in words ("" when they cover every request)."""
     if comparison is None:
         return ""
-    others = sorted({k.model for k in scenario.workload.kinds if k.model not in scenario.pools[0].model_names},
+    others = sorted({k.model for k in scenario.workload.kinds if not scenario.pools[0].serves(k.model)},
                     key=str)
     return (f"Modes a and b route every request to the first pool ({scenario.pools[0].name}), whose replicas answer "
             f"the requests for {', '.join(map(str, others))} 404: every comparison with a or b (\"vs a\" columns, "

@@ -80,14 +80,18 @@ def machine_cpu_seconds() -> float:
 
 
 def start_pool(stack: Stack, name: str, profile: str, replicas: int, model_names: list[str], speed: float,
-               seed: int, timeout_s: float = 30.0, scheduling_policy: str | None = None) -> list[tuple[str, int]]:
-    """`extproc sim` for one pool as a process of `stack` (so stack.stop() ends it); returns its endpoints."""
+               seed: int, timeout_s: float = 30.0, scheduling_policy: str | None = None,
+               lora_modules: list[str] = (), max_loras: int = 1) -> list[tuple[str, int]]:
+    """`extproc sim` for one pool as a process of `stack` (so stack.stop() ends it); returns its endpoints.
+    `lora_modules`: adapter names served as `--lora-modules NAME=/adapters/NAME`, with `--max-loras`."""
     argv = [sys.executable, "-m", "extproc.cli", "sim", "--profile", profile, "--replicas", str(replicas),
             "--port", "0", "--speed", str(speed), "--seed", str(seed)]
     if scheduling_policy:
         argv += ["--scheduling-policy", scheduling_policy]
     for model in model_names:
         argv += ["--model-name", model]
+    if lora_modules:
+        argv += ["--lora-modules", *(f"{a}=/adapters/{a}" for a in lora_modules), "--max-loras", str(max_loras)]
     log = stack.workdir / f"sim-{name}.log"
     seen = log.stat().st_size if log.exists() else 0  # logs are appended to: skip an earlier run's ready line
     proc = stack.spawn(f"sim-{name}", argv)
@@ -118,7 +122,8 @@ def build_stack(mode: Mode, scenario: Scenario, settings: RunSettings) -> Stack:
         for i, pool in enumerate(scenario.pools):
             stack.pools[pool.name] = start_pool(stack, pool.name, pool.profile, pool.replicas, pool.model_names,
                                                 settings.speed, scenario.seed + 100 * i,
-                                                scheduling_policy=pool.scheduling_policy)
+                                                scheduling_policy=pool.scheduling_policy,
+                                                lora_modules=pool.lora_modules, max_loras=pool.max_loras)
         if mode.policy:  # rendered once the replicas are up: its `pools` scrape them
             stack.policy_path = render_policy(mode.policy, settings.speed, workdir / "policy.yaml", stack.pools)
         stack.start()

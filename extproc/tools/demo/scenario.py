@@ -32,6 +32,24 @@ class Pool:
     # vLLM's --scheduling-policy for these replicas: "fcfs" or "priority" (then the body's `priority`, which the
     # ext_proc sets from the class's `vllm_priority`, orders the engine's queue); None: the profile's (fcfs).
     scheduling_policy: str | None = None
+    # LoRA adapters the replicas serve on top of the model (vLLM's --enable-lora --lora-modules NAME=PATH; the demo
+    # gives each the path /adapters/NAME) and vLLM's --max-loras: adapters in one batch at most (vLLM's default 1);
+    # a request for another one waits in the replica's queue, counted as waiting for reason "deferred".
+    lora_modules: list[str] = field(default_factory=list)
+    max_loras: int = 1
+
+    @property
+    def served(self) -> list[str]:
+        """The names its replicas answer to: the served model names, then the adapters."""
+        return [*self.model_names, *self.lora_modules]
+
+    def serves(self, model: str | None) -> bool:
+        return model in self.served
+
+    @property
+    def lora_ids(self) -> dict[str, int]:
+        """Each adapter's vLLM lora_int_id, from 1 in --lora-modules order (sim/lora.py LoraRegistry)."""
+        return {name: i for i, name in enumerate(self.lora_modules, 1)}
 
 
 @dataclass(frozen=True)
@@ -46,7 +64,7 @@ class Phase:
 SCENARIO_KEYS = frozenset({"name", "description", "seed", "pools", "phases", "workload", "slo", "client_timeout_s",
                            "capacity", "capacity_concurrency", "events", "windows", "policies", "envoy_adaptive",
                            "labels"})
-POOL_KEYS = frozenset({"profile", "replicas", "model_names", "scheduling_policy"})
+POOL_KEYS = frozenset({"profile", "replicas", "model_names", "scheduling_policy", "lora_modules", "max_loras"})
 PHASE_KEYS = frozenset({"name", "duration_s", "rate", "weights"})
 SLO_KEYS = frozenset({"class", "p95_s", "kinds"})
 EVENT_KEYS = frozenset({"at_s", "pool", "replica", "fault"})
@@ -94,7 +112,7 @@ def _check_context(workload: Workload, pools: list[Pool]) -> None:
     every one of. Refuse it here, naming the kind, the pool and the context."""
     for kind in workload.kinds:
         largest = _largest_prompt(kind)
-        serving = [p for p in pools if kind.model in p.model_names] or pools[:1]
+        serving = [p for p in pools if p.serves(kind.model)] or pools[:1]
         for pool in serving:
             context = load_profile(pool.profile).max_model_len
             # As vLLM: max_tokens below 1 or beyond the context is a 400 (the what-if served them, clamped).
@@ -208,7 +226,7 @@ def _check_requests(workload: Workload, pools: list[Pool]) -> None:
         # The ext_proc takes `priority` for itself (a class claim, or a scheduling priority it replaces with the
         # class's own: server/openai._read_claim): what reaches the replica there is the policy's.
         body.pop("priority", None)
-        serving = [p for p in pools if kind.model in p.model_names] or pools[:1]
+        serving = [p for p in pools if p.serves(kind.model)] or pools[:1]
         for pool in serving:
             profile = load_profile(pool.profile)
             served = (body["model"],) if isinstance(body.get("model"), str) else profile.model_names
@@ -306,8 +324,20 @@ class Scenario:
             # A bare `model_names: llama-70b` was read as its letters: every request answered 404.
             if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
                 raise ValueError(f"pools.{name}.model_names: a list of model names, got {names!r}")
+            adapters = p.get("lora_modules", [])
+            if not isinstance(adapters, list) or not all(isinstance(n, str) and n and "=" not in n for n in adapters):
+                raise ValueError(f"pools.{name}.lora_modules: a list of adapter names, got {adapters!r}")
+            if len(set(adapters)) < len(adapters) or set(adapters) & set(names):
+                raise ValueError(f"pools.{name}.lora_modules: each name once, none of them a model_names name, got "
+                                 f"{adapters!r}")
+            if "max_loras" in p:
+                m = p["max_loras"]
+                if not adapters:
+                    raise ValueError(f"pools.{name}.max_loras: only with lora_modules (LoRA is off without adapters)")
+                if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+                    raise ValueError(f"pools.{name}.max_loras: an integer of at least 1 (vLLM refuses less), got {m!r}")
         pools = [Pool(name, p["profile"], int(p.get("replicas", 1)), list(p.get("model_names", [])),
-                      p.get("scheduling_policy"))
+                      p.get("scheduling_policy"), list(p.get("lora_modules", [])), p.get("max_loras", 1))
                  for name, p in (d["pools"] or {}).items()]
         for pool in pools:
             try:  # a pool no kind asks for is read only when the what-if builds its engines: mid-run
@@ -458,7 +488,8 @@ class Scenario:
         own = self.first_pool_kinds()
         share = sum(k.weight for k in own) / sum(k.weight for k in self.workload.kinds) if own else 1.0
         point = closed_loop_mix(load_profile(main.profile), Workload(own) if own else self.workload,
-                                self.capacity_concurrency, requests=2000, seed=self.seed)
+                                self.capacity_concurrency, requests=2000, seed=self.seed, loras=main.lora_ids,
+                                max_loras=main.max_loras)
         return point.requests_per_s * main.replicas / share
 
     def first_pool_kinds(self) -> list[RequestKind]:
@@ -467,7 +498,7 @@ class Scenario:
 
     def serving(self, kind: RequestKind) -> list[Pool]:
         """The pools that serve a kind's model (the first pool when none names it)."""
-        return [p for p in self.pools if kind.model in p.model_names] or self.pools[:1]
+        return [p for p in self.pools if p.serves(kind.model)] or self.pools[:1]
 
     def schedule(self, capacity: float) -> list[tuple[float, float]]:
         """(duration_s, requests/s) per phase, for extproc.tools.loadgen.run_open_loop."""

@@ -146,14 +146,16 @@ class _Ask:
             return self
         return replace(self, max_tokens=ceiling)
 
-    def add_to(self, engine: Engine, now: float, priority: int) -> list[Sequence]:
+    def add_to(self, engine: Engine, now: float, priority: int, lora: int = 0) -> list[Sequence]:
         """Queue it as the simulator's server does (sim/replica.py), or the what-if's lengths would not be the
         real run's: one sequence per sample (`n`), each with max_tokens (unset: the profile's default) clamped to
-        the context left, and under ignore_eos the answer's length is that, not the profile's draw."""
+        the context left, and under ignore_eos the answer's length is that, not the profile's draw. `lora`: the
+        adapter's lora id when the request names one of the replica's LoRA adapters (0: the base model)."""
         p = engine.profile
         max_tokens = clamp_max_tokens(self.max_tokens, self.prompt_tokens, p.max_model_len, p.default_max_tokens)
         return engine.add_samples(self.prompt_tokens, max_tokens, now, self.sequences,
-                                  natural_tokens=fixed_output_tokens(max_tokens, self.ignore_eos), priority=priority)
+                                  natural_tokens=fixed_output_tokens(max_tokens, self.ignore_eos), priority=priority,
+                                  lora=lora)
 
 
 @dataclass(eq=False)
@@ -181,14 +183,19 @@ class WhatIfResult:
 
 class _Pool:
     def __init__(self, name: str, profile_name: str, replicas: int, seed: int, scheduling_policy: str | None = None,
-                 model_names: list[str] | tuple[str, ...] = ()):
+                 model_names: list[str] | tuple[str, ...] = (), lora_modules: list[str] | tuple[str, ...] = (),
+                 max_loras: int = 1):
         self.name = name
         self.profile = load_profile(profile_name)
         if model_names:  # as `extproc sim --model-name` serves them (SimFleet): what /v1/models lists
             self.profile = self.profile.with_model_names(model_names)
         if scheduling_policy:
             self.profile = self.profile.with_scheduling_policy(scheduling_policy)
-        self.engines = [Engine(self.profile, seed=seed + i) for i in range(replicas)]
+        # LoRA adapters as `extproc sim --lora-modules` serves them (vLLM's --enable-lora): ids from 1 in their
+        # order, at most max_loras of them in a batch (Engine); LoRA off without adapters.
+        self.lora_ids = {adapter: i for i, adapter in enumerate(lora_modules, 1)}
+        self.engines = [Engine(self.profile, seed=seed + i, max_loras=max_loras if lora_modules else None)
+                        for i in range(replicas)]
         self.busy = [False] * replicas
         self.finished = 0
         self.draining: set[int] = set()  # replicas the load balancer no longer sends new requests to
@@ -256,6 +263,8 @@ class PolicyAdmitter:
                 for i, eng in enumerate(pool.engines):  # what the replica's /metrics would say, taken like a scrape
                     s.record(s.replicas[f"{name}/{i}"], {"running": float(len(eng.running)),
                                                         "waiting": float(len(eng.waiting)), "kv": eng.kv_usage,
+                                                        # num_requests_waiting_by_reason{reason="deferred"}
+                                                        "deferred": float(eng.deferred),
                                                         "preemptions": float(eng.stats.preemptions),
                                                         "tokens": float(eng.stats.prompt_tokens
                                                                         + eng.stats.generation_tokens),
@@ -271,8 +280,10 @@ class PolicyAdmitter:
                 # the served names `extproc sim --model-name` gives them (the scenario's), and also for a pool that
                 # names no replicas, which the demo fills in with its own (render_policy), so the real stack reads
                 # them.
-                listing = orjson.loads(models_body(pools[name].profile.model_names,
-                                                   pools[name].profile.max_model_len))["data"]
+                p = pools[name]
+                cards = [(adapter, f"/adapters/{adapter}", p.profile.model_names[0]) for adapter in p.lora_ids]
+                listing = orjson.loads(models_body(p.profile.model_names, p.profile.max_model_len,
+                                                   adapters=cards))["data"]
                 core.set_listings(name, [listing] * len(pools[name].engines))
         if core.gates or any(lim.spec.adaptive.enabled for lim in core.limiters.values()):
             def limits() -> dict[str, int]:
@@ -382,9 +393,10 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
         check_routes(scenario, admitter.policy, admitter.source)
     clock = [0.0]
     pools = {p.name: _Pool(p.name, p.profile, p.replicas, scenario.seed + 100 * i, p.scheduling_policy,
-                           p.model_names) for i, p in enumerate(scenario.pools)}
+                           p.model_names, p.lora_modules, p.max_loras) for i, p in enumerate(scenario.pools)}
     first = scenario.pools[0].name
-    serves = {p.name: set(p.model_names) for p in scenario.pools}  # none named: the replicas answer any model
+    # none named: the replicas answer any model
+    serves = {p.name: set(p.served) if p.model_names else set() for p in scenario.pools}
     events: list[tuple[float, int, int, object]] = []  # (time, kind, order, payload)
     order = 0
     owner: dict[tuple[str, int, int], _InFlight] = {}  # (pool, engine index, seq id) -> the request it serves
@@ -422,7 +434,7 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
             next_replica[pool_name] += 1
         else:
             i = min(live, key=lambda j: len(engines[j].running) + len(engines[j].waiting))
-        seqs = ask.add_to(engines[i], clock[0], priority)
+        seqs = ask.add_to(engines[i], clock[0], priority, pool.lora_ids.get(record.model, 0))
         flight = _InFlight(record, ticket, seqs, len(seqs))
         for seq in seqs:
             owner[(pool.name, i, seq.id)] = flight
