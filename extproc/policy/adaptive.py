@@ -42,7 +42,7 @@ class PoolSaturation:
     """The replicas' own view of load, as last scraped (fed by the server's scraper)."""
 
     __slots__ = ("saturated", "down", "fleeting", "kv_usage", "waiting", "running", "preempting", "stalled",
-                 "stalled_requests", "slow", "working", "updated_at")
+                 "stalled_requests", "slow", "working", "loras", "updated_at")
 
     def __init__(self) -> None:
         self.saturated = False
@@ -65,6 +65,9 @@ class PoolSaturation:
         # While some replica is stalled or slow: (Envoy's address, running + waiting, pace) of each one that works,
         # to send new requests to (policy.steering; pace over 1: slow); empty otherwise.
         self.working: tuple[tuple[str, float, float], ...] = ()
+        # Where the replicas export vllm:lora_requests_info: (Envoy's address, running + waiting, max_lora, adapters
+        # running) of each working one (policy.steering prefers one running a request's adapter); empty otherwise.
+        self.loras: tuple[tuple[str, float, int, frozenset[str]], ...] = ()
         self.updated_at = -1.0
 
 

@@ -109,16 +109,17 @@ class AdmissionController:
     def breakers(self) -> dict[tuple[str, str], list[Breaker]]:
         return self.state.breakers
 
-    def replicas_for(self, cluster: str, cls: str | None = None) -> str | None:
-        """The override-host list for a request of class `cls` forwarded to `cluster` (policy.steering), None:
-        Envoy picks. A class with an SLO is kept off the pool's slow replicas, however much of the pool-wide limit
-        it holds: the limit's latency is then the fast replicas', and bounds what it sends them."""
+    def replicas_for(self, cluster: str, cls: str | None = None, model: str | None = None) -> str | None:
+        """The override-host list for a request of class `cls` for `model` (the name it is forwarded with)
+        forwarded to `cluster` (policy.steering), None: Envoy picks. A class with an SLO is kept off the pool's slow
+        replicas, however much of the pool-wide limit it holds: the limit's latency is then the fast replicas', and
+        bounds what it sends them. A request for one of the pool's LoRA adapters prefers a replica running it."""
         steering = self.steering
         if not steering.active:
             return None
         lim = self.limiters.get(cls) if cls is not None else None
         tight = lim is not None and lim.spec.slo_p95_ms is not None
-        return steering.pick(cluster, self.clock(), tight_slo=tight)
+        return steering.pick(cluster, self.clock(), tight_slo=tight, model=model)
 
     def replica_answered(self, address: str, failed: bool) -> None:
         """A replica's answer, as the access log reports it (only counted while some pool is steered)."""
@@ -130,9 +131,11 @@ class AdmissionController:
         if saturation is None:
             self.saturation.pop(pool, None)
             self.steering.update(pool, (), now=now)
+            self.steering.update_loras(pool, ())
         else:
             self.saturation[pool] = saturation
             self.steering.update(pool, saturation.working, stalled=saturation.stalled > 0, now=now)
+            self.steering.update_loras(pool, saturation.loras)
 
     def wants_listings(self, pool: str) -> bool:
         """Whether this pool's replicas' /v1/models are to be read (models.<name>.names_from_replicas)."""
@@ -141,7 +144,12 @@ class AdmissionController:
     def set_listings(self, pool: str, listings: list) -> dict[str, str]:
         """The pool's replicas' /v1/models `data`, one list per replica (a scraper's); returns the names it now
         serves beyond the policy's, -> the model each is admitted as."""
-        return self.state.set_listings(pool, listings)
+        served = self.state.set_listings(pool, listings)
+        # Its LoRA adapters (cards with a parent), for policy.steering
+        self.steering.set_adapters(pool, frozenset(
+            c.get("id") for cards in listings if isinstance(cards, list) for c in cards
+            if isinstance(c, dict) and isinstance(c.get("id"), str) and isinstance(c.get("parent"), str)))
+        return served
 
     def model_catalog(self) -> dict[str, dict]:
         """What GET /v1/models lists: every name admitted, -> its card's fields (policy/served.py catalog)."""

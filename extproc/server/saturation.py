@@ -155,6 +155,40 @@ def parse_vllm_metrics(body: bytes | str) -> dict[str, float]:
     return out
 
 
+# vllm:lora_requests_info (with --enable-lora): a gauge per label set ever current, its value the unix time it last
+# was; the newest is now. Its running_lora_adapters and waiting_lora_adapters (vLLM 0.32 writes the same list into
+# both: adapters with a request scheduled or queued, not one deferred for the budget) are the adapters it runs.
+_LORA_INFO = re.compile(rb"\nvllm:lora_requests_info\{([^}\n]*)\}[ \t]+(\S+)")
+_LORA_LABEL = re.compile(rb'(max_lora|running_lora_adapters|waiting_lora_adapters)="((?:[^"\\\n]|\\.)*)"')
+
+
+def parse_lora_info(body: bytes | str) -> tuple[int, frozenset[str]] | None:
+    """A replica's LoRA state from its /metrics: (max_lora, the adapters it runs), from the newest
+    vllm:lora_requests_info series; None without one (LoRA off, another server) or where it is malformed."""
+    if isinstance(body, str):
+        body = body.encode()
+    newest, at = None, -math.inf
+    for match in _LORA_INFO.finditer(b"\n" + body):
+        try:
+            value = float(match.group(2))
+        except ValueError:
+            continue
+        if value > at:  # NaN never is
+            newest, at = match.group(1), value
+    if newest is None:
+        return None
+    labels = dict(_LORA_LABEL.findall(newest))
+    try:
+        max_lora = int(labels[b"max_lora"])
+    except (KeyError, ValueError):
+        return None
+    if max_lora < 1:
+        return None
+    adapters = frozenset(name for key in (b"running_lora_adapters", b"waiting_lora_adapters")
+                         for name in labels.get(key, b"").decode(errors="replace").split(",") if name)
+    return max_lora, adapters
+
+
 def queued(m: dict[str, float]) -> float:
     """The requests waiting in a replica's scheduler, less those deferred for the LoRA budget."""
     return m["waiting"] - min(m.get("deferred", 0.0), m["waiting"])
@@ -205,7 +239,8 @@ class ScrapedReplica:
     diff, and when its being unreadable was last logged."""
 
     __slots__ = ("address", "endpoint", "metrics", "at", "preemptions", "complained_at", "failing", "tokens",
-                 "started", "progressed_at", "stalled", "stalled_since", "healthy", "refused", "pace", "listing")
+                 "started", "progressed_at", "stalled", "stalled_since", "healthy", "refused", "pace", "listing",
+                 "loras")
 
     def __init__(self, address: str):
         self.address = address
@@ -228,6 +263,8 @@ class ScrapedReplica:
         self.refused = False  # its last scrape found nothing listening (a dead or restarting process)
         self.pace = TokenPace(0.0)  # its inter-token latency lately; the window is set by its scraper (record)
         self.listing: list | None = None  # its last GET /v1/models `data` (models.<name>.names_from_replicas)
+        # (max_lora, adapters running) from its last scrape's vllm:lora_requests_info; None: not exported (no LoRA)
+        self.loras: tuple[int, frozenset[str]] | None = None
 
 
 class PoolScraper:
@@ -350,12 +387,13 @@ class PoolScraper:
             async with self.session.get(f"http://{r.address}/metrics", timeout=self._timeout()) as resp:
                 if resp.status != 200:
                     raise UnreadableMetrics(f"/metrics answered HTTP {resp.status}")
-                m = parse_vllm_metrics(await read_capped(resp))
+                body = await read_capped(resp)
+                m = parse_vllm_metrics(body)
         except Exception as e:  # noqa: BLE001 - whatever it was, this replica was not read this round
             r.refused = _refused(e)
             self._unreadable(r, e)
             return  # stays stale: counted as saturated once older than stale_ms (left out if it refused)
-        self.record(r, m)
+        self.record(r, m, parse_lora_info(body))
 
     def _unreadable(self, r: ScrapedReplica, error: Exception) -> None:
         now = self.clock()
@@ -370,9 +408,11 @@ class PoolScraper:
         log.warning("pool %s: replica %s unreadable (%s); counted as saturated once its last reading is over %d ms "
                     "old (logged once a minute)", self.name, r.address, why, self.spec.stale_ms)
 
-    def record(self, r: ScrapedReplica, m: dict[str, float]) -> None:
-        """Take one good scrape's parsed metrics for replica r (what changed since its previous scrape included);
-        the stale rule goes by the time of the last one."""
+    def record(self, r: ScrapedReplica, m: dict[str, float],
+               loras: tuple[int, frozenset[str]] | None = None) -> None:
+        """Take one good scrape's parsed metrics for replica r (what changed since its previous scrape included),
+        and its LoRA state (parse_lora_info); the stale rule goes by the time of the last one."""
+        r.loras = loras
         prev = r.preemptions
         r.preemptions = m["preemptions"]
         m["preempting"] = float(prev is not None and m["preemptions"] > prev)
@@ -447,6 +487,9 @@ class PoolScraper:
         sat.slow = sum(r.pace.slow for r in paced)
         if sat.stalled or sat.slow:  # new requests go to the others, or those of classes with an SLO do
             sat.working = tuple((r.endpoint or r.address, load, r.pace.factor) for r, load in working)
+        # A request for a LoRA adapter prefers a replica running it (policy.steering): each working one that says.
+        sat.loras = tuple((r.endpoint or r.address, load, r.loras[0], r.loras[1]) for r, load in working
+                          if r.loras is not None)
         return sat
 
     def _judge_pace(self, paced: list[ScrapedReplica], now: float) -> None:

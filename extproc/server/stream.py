@@ -420,8 +420,11 @@ class Stream:
             return self._too_large_rewritten(len(rewritten))
         self.processor.live.add(d.ticket)
         core = self.processor.core
+        # The name it goes upstream with (a degrade's model, if it names one): a LoRA adapter's prefers a replica
+        # running it (policy.steering).
+        model = (type(d) is Degrade and d.fallback.model) or self.request.facts.model
         answer = protocol.forward(d, queue_wait_ms, note, rewritten, self.processor.tags.value(d.ticket.id),
-                                  core.replicas_for(d.cluster, d.cls))
+                                  core.replicas_for(d.cluster, d.cls, model))
         core.forwarded(d)  # counted as admitted now, once nothing can take it back unforwarded
         would = d.shadow_would
         if would is not None and would.kind == QUEUE and would.waiter.pending:

@@ -116,3 +116,37 @@ def test_the_demo_starts_a_lora_pool_with_its_adapters_and_max_loras(tmp_path):
     with pytest.raises(Spawned):
         runner.start_pool(FakeStack(), "p", "h100-llama8b", 1, ["llama-8b"], 1.0, 0)
     assert "--lora-modules" not in argv and "--max-loras" not in argv
+
+
+def test_the_policy_steers_each_adapter_to_a_replica_running_it(tmp_path, monkeypatch):
+    """The what-if's scrape gives the ext_proc each replica's adapters (vllm:lora_requests_info) and its listing the
+    adapters (cards with a parent): adapter requests name a replica (policy.steering), and more of them reach a
+    replica already running their adapter than with Envoy's least request alone, which spreads all six over both."""
+    from extproc.policy.admission import AdmissionController
+    two = doc(max_loras=2)
+    two["pools"]["vllm_llama8b"]["replicas"] = 2
+    named, joined = [], []
+    replicas_for = AdmissionController.replicas_for
+
+    def spy(self, cluster, cls=None, model=None):
+        out = replicas_for(self, cluster, cls, model)
+        named.append((model, out))
+        return out
+
+    add = Engine.add_request
+
+    def where(self, *args, lora: int = 0, **kwargs):
+        joined.append(any(s.lora == lora for s in self.running))
+        return add(self, *args, lora=lora, **kwargs)
+
+    monkeypatch.setattr(AdmissionController, "replicas_for", spy)
+    monkeypatch.setattr(Engine, "add_request", where)
+    what_if(Scenario.from_dict(two), policy(tmp_path), 20.0)
+    assert named and all(model in ADAPTERS for model, _ in named)
+    assert sum(out is not None for _, out in named) > 0.9 * len(named)  # all but those before the first scrape
+    assert all(out is None or out.startswith("vllm_llama8b/") and "," not in out for _, out in named)
+    with_steering = sum(joined) / len(joined)
+    joined.clear()
+    monkeypatch.setattr(AdmissionController, "replicas_for", lambda self, cluster, cls=None, model=None: None)
+    what_if(Scenario.from_dict(two), policy(tmp_path), 20.0)
+    assert with_steering > 2 * sum(joined) / len(joined)  # 14% against 5% (seed 5)

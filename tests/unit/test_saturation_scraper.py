@@ -4,6 +4,7 @@ replica that sends nothing trustworthy counts toward stale (saturated), never as
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import re
 from pathlib import Path
@@ -17,7 +18,7 @@ from extproc.policy.schema import PoolSpec
 from extproc.server import saturation
 from extproc.server.openai import models_body
 from extproc.server.saturation import (MAX_METRICS_BYTES, PoolScraper, SaturationScrapers, UnreadableMetrics,
-                                       parse_vllm_metrics)
+                                       parse_lora_info, parse_vllm_metrics)
 from extproc.tools.sim.fleet import SimFleet
 from extproc.tools.sim.profile import load_profile
 from extproc.tools.stack import free_port
@@ -1061,3 +1062,28 @@ def test_finite_values_whose_sum_over_label_sets_is_not_finite_are_unreadable():
     body = real_metrics_with(waiting="1.7e308") + b'vllm:num_requests_waiting{engine="1",model_name="b"} 1.7e308\n'
     with pytest.raises(UnreadableMetrics, match="not finite"):
         parse_vllm_metrics(body)
+
+
+LORA_METRICS = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "vllm" / "lora_metrics.json")
+                          .read_text(encoding="utf-8"))
+
+
+def test_the_adapters_a_replica_runs_are_read_from_the_newest_lora_requests_info():
+    """vLLM 0.32 keeps a vllm:lora_requests_info series for every adapter list ever current, its value the time it
+    last was (tests/fixtures/vllm/lora_metrics.json): the newest is what runs now."""
+    held = "\n".join(LORA_METRICS["deferred"]["while_both_held"]["lines"]).encode()
+    assert parse_lora_info(held) == (1, frozenset({"a1"}))  # a2 deferred for the slot: not among them
+    assert parse_lora_info("\n".join(LORA_METRICS["after_all"]["lines"])) == (1, frozenset())  # all done
+    assert parse_lora_info(REAL_METRICS) is None  # no --enable-lora
+    body = REAL_METRICS + b'vllm:lora_requests_info{max_lora="4",running_lora_adapters="c01,c02",' \
+                          b'waiting_lora_adapters="c01,c02,c03"} 1.79e+09\n'
+    assert parse_lora_info(body) == (4, frozenset({"c01", "c02", "c03"}))
+    # What the steering is given: each working replica's address, load, max_lora and adapters.
+    scraper = asyncio.run(scrape_once(answering(real_metrics_with(running="2.0", waiting="1.0") + held[held.index(
+        b"# HELP vllm:lora"):] + b"\n")))
+    sat = scraper.aggregate(scraper.clock())
+    (r,) = scraper.replicas
+    assert sat.loras == ((r, 3.0, 1, frozenset({"a1"})),) and sat.working == ()
+    # Without it the reading has none (nothing changes).
+    scraper = asyncio.run(scrape_once(answering(real_metrics_with())))
+    assert scraper.aggregate(scraper.clock()).loras == ()

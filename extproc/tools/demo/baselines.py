@@ -137,7 +137,7 @@ class _EnvoyOnly:
     def engine_priority(self, d: Decision) -> int:
         return 0  # no ext_proc: the client's body goes through (the scenarios send none)
 
-    def replicas_for(self, pool: str, cls: str) -> str | None:
+    def replicas_for(self, pool: str, cls: str, model: str | None = None) -> str | None:
         return None  # no ext_proc: Envoy's load balancer picks
 
 

@@ -194,6 +194,8 @@ class _Pool:
         # LoRA adapters as `extproc sim --lora-modules` serves them (vLLM's --enable-lora): ids from 1 in their
         # order, at most max_loras of them in a batch (Engine); LoRA off without adapters.
         self.lora_ids = {adapter: i for i, adapter in enumerate(lora_modules, 1)}
+        self.lora_names = {i: adapter for adapter, i in self.lora_ids.items()}
+        self.max_loras = max_loras
         self.engines = [Engine(self.profile, seed=seed + i, max_loras=max_loras if lora_modules else None)
                         for i in range(replicas)]
         self.busy = [False] * replicas
@@ -218,9 +220,9 @@ class Admitter(Protocol):
     def engine_priority(self, d: Admit | Degrade) -> int:
         """The body's `priority` an admitted request reaches vLLM with (0: vLLM's default)."""
 
-    def replicas_for(self, pool: str, cls: str) -> str | None:
-        """The override-host list a request of class `cls` to `pool` is sent with (x-extproc-replica), None: the
-        LB picks."""
+    def replicas_for(self, pool: str, cls: str, model: str | None = None) -> str | None:
+        """The override-host list a request of class `cls` for `model` to `pool` is sent with (x-extproc-replica),
+        None: the LB picks."""
 
     def abandon(self, waiter: Any) -> None:
         """A queued request's client gave up (its timeout) while it waited: it leaves the queue, as the ext_proc
@@ -271,7 +273,10 @@ class PolicyAdmitter:
                                                         "itl_sum": eng.stats.inter_token_s,
                                                         "itl_count": float(eng.stats.inter_tokens),
                                                         "finished": float(sum(eng.stats.finished.values())),
-                                                        "steps": float(eng.stats.iterations)})
+                                                        "steps": float(eng.stats.iterations)},
+                             # vllm:lora_requests_info: the adapters of the requests it runs (as `extproc sim`)
+                             (pool.max_loras, frozenset(pool.lora_names[q.lora] for q in eng.running if q.lora))
+                             if pool.lora_ids else None)
                 core.set_saturation(name, s.aggregate(clock()))
             timers.append((spec.scrape_interval_ms / 1000.0, scrape))
             # Every pool the policy names is scraped here, as the demo's rendered policy has it (its replicas filled in).
@@ -310,8 +315,8 @@ class PolicyAdmitter:
         facts.reads_usage = which is not None and reads_answer(which == LEARN, facts.stream)
         return self.core.decide(facts)
 
-    def replicas_for(self, pool: str, cls: str) -> str | None:
-        return self.core.replicas_for(pool, cls)
+    def replicas_for(self, pool: str, cls: str, model: str | None = None) -> str | None:
+        return self.core.replicas_for(pool, cls, model)
 
     def engine_priority(self, d: Admit | Degrade) -> int:
         # As the ext_proc writes it into the body (server/stream.py): the class's `vllm_priority`, else none.
@@ -357,8 +362,8 @@ class InstancesAdmitter:
     def decide(self, facts: RequestFacts) -> Decision:
         return next(self._next).decide(facts)
 
-    def replicas_for(self, pool: str, cls: str) -> str | None:
-        return self.parts[0].replicas_for(pool, cls)
+    def replicas_for(self, pool: str, cls: str, model: str | None = None) -> str | None:
+        return self.parts[0].replicas_for(pool, cls, model)
 
     def engine_priority(self, d: Admit | Degrade) -> int:
         return self.parts[0].engine_priority(d)
@@ -425,7 +430,7 @@ def what_if(scenario: Scenario, admitter: Admitter | str, capacity: float,
         live = [j for j in range(len(engines)) if j not in pool.draining] or list(range(len(engines)))
         # Envoy's override_host takes the first named replica it has; the ext_proc names none its health check
         # fails (here: draining), so skipping those is the same.
-        named = admitter.replicas_for(pool_name, cls)
+        named = admitter.replicas_for(pool_name, cls, record.model)
         chosen = next((j for j in _replica_indexes(named) if j in live), None) if named else None
         if chosen is not None:
             i = chosen
