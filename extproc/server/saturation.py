@@ -158,7 +158,7 @@ def parse_vllm_metrics(body: bytes | str) -> dict[str, float]:
 # vllm:lora_requests_info (with --enable-lora): a gauge per label set ever current, its value the unix time it last
 # was; the newest is now. Its running_lora_adapters and waiting_lora_adapters (vLLM 0.32 writes the same list into
 # both: adapters with a request scheduled or queued, not one deferred for the budget) are the adapters it runs.
-_LORA_INFO = re.compile(rb"\nvllm:lora_requests_info\{([^}\n]*)\}[ \t]+(\S+)")
+_LORA_INFO = re.compile(rb"^vllm:lora_requests_info\{([^}\n]*)\}[ \t]+(\S+)", re.MULTILINE)
 _LORA_LABEL = re.compile(rb'(max_lora|running_lora_adapters|waiting_lora_adapters)="((?:[^"\\\n]|\\.)*)"')
 
 
@@ -167,8 +167,13 @@ def parse_lora_info(body: bytes | str) -> tuple[int, frozenset[str]] | None:
     vllm:lora_requests_info series; None without one (LoRA off, another server) or where it is malformed."""
     if isinstance(body, str):
         body = body.encode()
+    # Found by a plain search first: most bodies have no such series, and the regex over all 57 KiB of a vLLM body
+    # took a fifth of the rest of its parse.
+    start = body.find(b"vllm:lora_requests_info{")
+    if start < 0:
+        return None
     newest, at = None, -math.inf
-    for match in _LORA_INFO.finditer(b"\n" + body):
+    for match in _LORA_INFO.finditer(body, start):
         try:
             value = float(match.group(2))
         except ValueError:
