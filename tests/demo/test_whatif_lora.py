@@ -7,7 +7,6 @@ served names, which vLLM batches without any adapter budget, so the what-if neve
 import pytest
 import yaml
 
-from extproc.tools.demo import runner
 from extproc.tools.demo.scenario import Scenario
 from extproc.tools.demo.whatif import what_if
 from extproc.tools.sim.engine import Engine
@@ -93,28 +92,12 @@ def test_the_what_if_scrape_reads_the_deferred_as_the_replicas_metrics_give_them
     assert deferred and None not in deferred and max(deferred) > 0
 
 
-def test_the_demo_starts_a_lora_pool_with_its_adapters_and_max_loras(tmp_path):
-    argv = []
-
-    class Spawned(Exception):
-        pass
-
-    class FakeStack:
-        workdir = tmp_path
-
-        def spawn(self, name, args):
-            argv.extend(args)
-            raise Spawned
-
-    with pytest.raises(Spawned):
-        runner.start_pool(FakeStack(), "p", "h100-llama8b", 1, ["llama-8b"], 1.0, 0,
-                          lora_modules=["cust-1", "cust-2"], max_loras=4)
+def test_the_demo_starts_a_lora_pool_with_its_adapters_and_max_loras(pool_argv):
+    argv = pool_argv("p", "h100-llama8b", 1, ["llama-8b"], 1.0, 0, lora_modules=["cust-1", "cust-2"], max_loras=4)
     at = argv.index("--lora-modules")
     assert argv[at + 1:at + 3] == ["cust-1=/adapters/cust-1", "cust-2=/adapters/cust-2"]
     assert argv[argv.index("--max-loras") + 1] == "4"
-    argv.clear()
-    with pytest.raises(Spawned):
-        runner.start_pool(FakeStack(), "p", "h100-llama8b", 1, ["llama-8b"], 1.0, 0)
+    argv = pool_argv("p", "h100-llama8b", 1, ["llama-8b"], 1.0, 0)
     assert "--lora-modules" not in argv and "--max-loras" not in argv
 
 

@@ -4,7 +4,6 @@ engine model as they reach a real replica (the ext_proc sets the body's `priorit
 import pytest
 import yaml
 
-from extproc.tools.demo import runner
 from extproc.tools.demo.scenario import Scenario
 from extproc.tools.demo.whatif import what_if
 from extproc.tools.sim.engine import Engine
@@ -76,21 +75,7 @@ def test_fcfs_ignores_the_priorities_so_the_numbers_do_not_move(tmp_path):
                                                                for r in with_priority]
 
 
-def test_the_demo_starts_a_priority_pool_with_the_flag(monkeypatch, tmp_path):
-    argv = []
-
-    class Spawned(Exception):
-        pass
-
-    class FakeStack:
-        workdir = tmp_path
-
-        def spawn(self, name, args):
-            argv.extend(args)
-            raise Spawned
-
+def test_the_demo_starts_a_priority_pool_with_the_flag(pool_argv):
     for policy, flag in (("priority", ["--scheduling-policy", "priority"]), (None, [])):
-        argv.clear()
-        with pytest.raises(Spawned):
-            runner.start_pool(FakeStack(), "p", "h100-llama8b", 1, [], 1.0, 0, scheduling_policy=policy)
+        argv = pool_argv("p", "h100-llama8b", 1, [], 1.0, 0, scheduling_policy=policy)
         assert (argv[-2:] == flag) if flag else "--scheduling-policy" not in argv
